@@ -1,0 +1,386 @@
+"""Tokenizer: text <-> token ids, chat templates, and streaming detokenization.
+
+``Tokenizer`` wraps a ``tokenizers.Tokenizer`` (the Rust BPE) and adds what a
+server needs around it: the model's BOS/EOS ids, the chat template rendered the
+way Hugging Face renders it, and ``IncrementalDetokenizer`` for streaming text
+out one token at a time.
+
+Two builders:
+
+- ``Tokenizer.from_gguf(path)`` rebuilds a byte-level BPE from a GGUF file's
+  metadata (``tokenizer.ggml.*``). It follows transformers' GGUF converter
+  (``transformers/integrations/gguf/gguf_tokenizer_mapping.py``:
+  ``byte_level_tokenizer``, ``add_gguf_special_tokens``, ``set_split_regex``),
+  so the ids equal those of ``AutoTokenizer.from_pretrained(dir, gguf_file=...)``.
+- ``Tokenizer.from_hf_dir(path)`` loads ``tokenizer.json`` plus
+  ``tokenizer_config.json`` (and ``chat_template.jinja`` / ``generation_config.json``
+  when present).
+
+A ``Tokenizer`` never changes after construction, so one instance may be shared
+by every request and thread in a process.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as BackendTokenizer
+
+# GGUF token types (llama.cpp ``llama_token_type``).
+_TOKEN_TYPE_CONTROL = 3
+_TOKEN_TYPE_USER_DEFINED = 4
+
+# Split regexes for llama.cpp pre-tokenizer names whose merges were learned on
+# something other than GPT-2's regex. Same table as transformers' converter
+# (a subset: the Llama-family names). Names not listed (``smollm``, ``gpt2``,
+# ``default``...) use ByteLevel's built-in GPT-2 regex, as transformers does.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_PRE_TOKENIZER_SPLITS = {
+    "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT,
+    "falcon3": _LLAMA3_SPLIT, "dbrx": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT,
+}
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table used by byte-level BPE vocabularies."""
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+                 + list(range(ord("®"), ord("ÿ") + 1)))
+    chars = printable[:]
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {b: chr(c) for b, c in zip(printable, chars)}
+
+
+class Tokenizer:
+    """A model's tokenizer: encode, decode, chat template.
+
+    Immutable after construction and safe to share. Build it with
+    ``from_gguf`` or ``from_hf_dir``; the constructor is for those builders
+    and for tests.
+    """
+
+    def __init__(self, backend: BackendTokenizer, *, bos_token_id: int | None,
+                 eos_token_ids: tuple[int, ...], chat_template: str | None,
+                 special_tokens: dict[str, str | None]) -> None:
+        self._backend = backend
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids = tuple(eos_token_ids)
+        self._chat_template_source = chat_template
+        # The names HF hands a chat template (bos_token, eos_token, unk_token, pad_token).
+        self._special_tokens = {k: v for k, v in special_tokens.items() if v is not None}
+        self._compiled_template = _compile_chat_template(chat_template) if chat_template else None
+
+    # ------------------------------------------------------------------ basics
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids the tokenizer can produce (added tokens included)."""
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self._compiled_template is not None
+
+    @property
+    def chat_template(self) -> str | None:
+        return self._chat_template_source
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text``. Special tokens written in the text (``<|im_start|>``)
+        are matched whole. ``add_special_tokens`` runs the post-processor (e.g. BOS)."""
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int] | tuple[int, ...], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``; invalid UTF-8 (a cut multi-byte character) shows as U+FFFD."""
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._backend.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._backend.id_to_token(token_id)
+
+    # ----------------------------------------------------------- chat template
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            add_generation_prompt: bool = True, **template_kwargs: Any) -> str:
+        """Render ``messages`` ([{"role", "content"}, ...]) to a prompt string.
+
+        Matches ``transformers``' ``apply_chat_template(..., tokenize=False)``:
+        same jinja environment (sandboxed, trim_blocks, lstrip_blocks,
+        loopcontrols, ``raise_exception``, ``strftime_now``, JSON ``tojson``),
+        and the special-token strings passed as variables. Raises ``ValueError``
+        if the model has no template, ``jinja2.TemplateError`` if the template
+        rejects the conversation.
+        """
+        if self._compiled_template is None:
+            raise ValueError("this tokenizer has no chat template")
+        for message in messages:
+            if not isinstance(message, dict):
+                raise TypeError(f"chat messages must be dicts, got {type(message).__name__}")
+        variables = dict(self._special_tokens)
+        variables.update(template_kwargs)
+        return self._compiled_template.render(messages=messages, tools=None, documents=None,
+                                              add_generation_prompt=add_generation_prompt,
+                                              **variables)
+
+    # ---------------------------------------------------------------- builders
+    @classmethod
+    def from_gguf(cls, path: str | Path) -> "Tokenizer":
+        """Build the byte-level BPE a GGUF file describes (``tokenizer.ggml.model == "gpt2"``).
+
+        Raises ``ValueError`` for a missing file, a file without tokenizer
+        metadata, or a sentencepiece/unigram vocabulary (not supported yet).
+        """
+        import gguf  # local: only the GGUF path needs it
+
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"GGUF file not found: {path}")
+        reader = gguf.GGUFReader(path)
+
+        def field(key: str, default: Any = None) -> Any:
+            f = reader.fields.get(key)
+            return default if f is None else f.contents()
+
+        model_type = field("tokenizer.ggml.model")
+        if model_type is None:
+            raise ValueError(f"{path}: no tokenizer metadata (tokenizer.ggml.model)")
+        if model_type != "gpt2":
+            raise ValueError(f"{path}: tokenizer.ggml.model={model_type!r} is not supported; "
+                             "only byte-level BPE ('gpt2') is")
+        tokens: list[str] = field("tokenizer.ggml.tokens")
+        merges: list[str] | None = field("tokenizer.ggml.merges")
+        token_types: list[int] = field("tokenizer.ggml.token_type") or []
+        if not tokens or not merges:
+            raise ValueError(f"{path}: byte-level BPE needs tokenizer.ggml.tokens and .merges")
+
+        # Tokens are stored in GPT-2's byte alphabet; one that uses other
+        # characters (a mislabelled added token) is respelled byte by byte.
+        # Later duplicates win, exactly like transformers' dict comprehension.
+        spelling = bytes_to_unicode()
+        alphabet = set(spelling.values())
+        vocab = {tok if set(tok) <= alphabet else "".join(spelling[b] for b in tok.encode("utf-8")): i
+                 for i, tok in enumerate(tokens)}
+        bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ")) for m in merges],
+                         dropout=None, unk_token=None, continuing_subword_prefix="",
+                         end_of_word_suffix="", fuse_unk=False, byte_fallback=False)
+        backend = BackendTokenizer(bpe)
+        split = _PRE_TOKENIZER_SPLITS.get(field("tokenizer.ggml.pre"))
+        if split is None:
+            backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        else:
+            backend.pre_tokenizer = pre_tokenizers.Sequence([
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        backend.decoder = decoders.ByteLevel()
+
+        def token_at(key: str) -> tuple[int | None, str | None]:
+            idx = field(key)
+            if idx is None or not 0 <= int(idx) < len(tokens):
+                return None, None
+            return int(idx), tokens[int(idx)]
+
+        bos_id, bos = token_at("tokenizer.ggml.bos_token_id")
+        eos_id, eos = token_at("tokenizer.ggml.eos_token_id")
+        _, unk = token_at("tokenizer.ggml.unknown_token_id")
+        _, pad = token_at("tokenizer.ggml.padding_token_id")
+
+        # Control tokens (<|im_start|>...) become special added tokens so text
+        # containing them is matched whole; user-defined ones plain added tokens.
+        control = [AddedToken(tok, normalized=False, special=True)
+                   for tok, kind in zip(tokens, token_types)
+                   if kind == _TOKEN_TYPE_CONTROL and set(tok) <= alphabet]
+        named = [AddedToken(t, normalized=False, special=True) for t in (bos, eos, unk, pad)
+                 if t is not None and t in vocab]
+        if control or named:
+            backend.add_special_tokens(control + named)
+        user_defined = [AddedToken(tok, normalized=False, special=False)
+                        for tok, kind in zip(tokens, token_types)
+                        if kind == _TOKEN_TYPE_USER_DEFINED and tok in vocab]
+        if user_defined:
+            backend.add_tokens(user_defined)
+
+        add_bos = bool(field("tokenizer.ggml.add_bos_token", False))
+        if add_bos and bos is not None:
+            backend.post_processor = processors.TemplateProcessing(
+                single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)])
+
+        eos_ids = tuple(i for i in (eos_id, _int_or_none(field("tokenizer.ggml.eot_token_id")))
+                        if i is not None)
+        return cls(backend, bos_token_id=bos_id, eos_token_ids=tuple(dict.fromkeys(eos_ids)),
+                   chat_template=field("tokenizer.chat_template"),
+                   special_tokens={"bos_token": bos, "eos_token": eos,
+                                   "unk_token": unk, "pad_token": pad})
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path) -> "Tokenizer":
+        """Load ``tokenizer.json`` + ``tokenizer_config.json`` from a Hugging Face directory.
+
+        The chat template comes from ``tokenizer_config.json`` or
+        ``chat_template.jinja``; EOS ids from the config's ``eos_token`` plus
+        ``generation_config.json``'s ``eos_token_id`` (int or list).
+        """
+        path = Path(path)
+        tokenizer_file = path / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise ValueError(f"{path}: no tokenizer.json")
+        backend = BackendTokenizer.from_file(str(tokenizer_file))
+        config = _read_json(path / "tokenizer_config.json")
+        generation = _read_json(path / "generation_config.json")
+
+        special = {name: _token_content(config.get(name))
+                   for name in ("bos_token", "eos_token", "unk_token", "pad_token")}
+        bos_id = backend.token_to_id(special["bos_token"]) if special["bos_token"] else None
+        eos_ids: list[int] = []
+        if special["eos_token"] and backend.token_to_id(special["eos_token"]) is not None:
+            eos_ids.append(backend.token_to_id(special["eos_token"]))
+        gen_eos = generation.get("eos_token_id")
+        eos_ids += [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])
+        if bos_id is None and isinstance(generation.get("bos_token_id"), int):
+            bos_id = generation["bos_token_id"]
+
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: [{"name", "template"}, ...]
+            by_name = {t["name"]: t["template"] for t in template}
+            template = by_name.get("default")
+        jinja_file = path / "chat_template.jinja"
+        if template is None and jinja_file.is_file():
+            template = jinja_file.read_text(encoding="utf-8")
+        return cls(backend, bos_token_id=bos_id, eos_token_ids=tuple(dict.fromkeys(eos_ids)),
+                   chat_template=template, special_tokens=special)
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into a stream of text, one request at a time.
+
+    ``push(id)`` returns the text that became stable with this token (possibly
+    ""); ``flush()`` returns whatever is left at the end. The concatenation of
+    every push and the flush equals ``tokenizer.decode(all_ids)``.
+
+    Technique (vLLM's ``detokenize_incrementally``): decode a short window
+    ``ids[prefix_offset:]`` and compare it with the already-emitted part of that
+    window ``ids[prefix_offset:read_offset]``; the difference is new text. Text
+    ending in U+FFFD is held back: in byte-level BPE a character may span
+    several tokens, and half of it decodes to U+FFFD until the rest arrives.
+
+        ids:   [ ... | prefix_offset ... read_offset | new ids ... ]
+                       `--- emitted, kept as context ---'
+
+    Decoding a window instead of only the new ids keeps decoders that look at
+    neighbours (sentencepiece's leading-space rule) right. Not thread-safe;
+    one per request.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
+        self._ids: list[int] = []
+        self._prefix_offset = 0
+        self._read_offset = 0
+        self._emitted_chars = 0
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        return tuple(self._ids)
+
+    def push(self, token_id: int) -> str:
+        self._ids.append(int(token_id))
+        decode = self._tokenizer.decode
+        prefix_text = decode(self._ids[self._prefix_offset:self._read_offset], self._skip_special)
+        new_text = decode(self._ids[self._prefix_offset:], self._skip_special)
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return ""  # nothing new, or a character still incomplete
+        delta = new_text[len(prefix_text):]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        self._emitted_chars += len(delta)
+        return delta
+
+    def flush(self) -> str:
+        """The held-back tail (e.g. a cut character, as U+FFFD). Call once at the end."""
+        full = self._tokenizer.decode(self._ids, self._skip_special)
+        tail = full[self._emitted_chars:]
+        self._emitted_chars = len(full)
+        self._prefix_offset = self._read_offset = len(self._ids)
+        return tail
+
+
+# ---------------------------------------------------------------------- helpers
+class _GenerationTag(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}``: HF's marker for assistant
+    tokens (training masks). Serving only needs the body rendered as is."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> Any:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render_body"), [], [], body).set_lineno(lineno)
+
+    def _render_body(self, caller: Any) -> str:
+        return caller()
+
+
+@lru_cache(maxsize=8)
+def _compile_chat_template(source: str) -> jinja2.Template:
+    """Compile a chat template in HF's environment.
+
+    Cached because a template is pure text -> compiled code and compiling
+    costs milliseconds per call; the cache holds no request state.
+    """
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+               separators: Any = None, sort_keys: bool = False) -> str:
+        # HF overrides jinja's tojson, which HTML-escapes.
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent,
+                          separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(fmt: str) -> str:
+        return datetime.now().strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    return env.from_string(source)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _token_content(value: Any) -> str | None:
+    """tokenizer_config stores a special token as a string or an AddedToken dict."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _int_or_none(value: Any) -> int | None:
+    return None if value is None else int(value)

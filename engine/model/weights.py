@@ -1,0 +1,408 @@
+"""Model weights: load a Llama from GGUF or a Hugging Face safetensors directory.
+
+Both loaders return the same thing, ``LoadedWeights``: a ``LlamaConfig`` and a
+dict of float32 contiguous tensors under Hugging Face Llama names, shaped as in
+HF (a Linear weight is ``[out_features, in_features]``)::
+
+    model.embed_tokens.weight                         [V, D]
+    model.layers.{i}.input_layernorm.weight           [D]
+    model.layers.{i}.self_attn.q_proj.weight          [H*hd, D]
+    model.layers.{i}.self_attn.{k,v}_proj.weight      [KV*hd, D]
+    model.layers.{i}.self_attn.o_proj.weight          [D, H*hd]
+    model.layers.{i}.post_attention_layernorm.weight  [D]
+    model.layers.{i}.mlp.{gate,up}_proj.weight        [F, D]
+    model.layers.{i}.mlp.down_proj.weight             [D, F]
+    model.norm.weight                                 [D]
+    lm_head.weight                                    [V, D]   (untied only)
+
+The decoder uses HF's rotate_half RoPE. llama.cpp's converter permutes the
+rows of q/k for its interleaved RoPE; ``load_gguf`` undoes that exactly as
+transformers' GGUF loader does (``_reverse_permute_weights``).
+
+No pickle anywhere: safetensors and GGUF only.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine.model.config import LlamaConfig
+
+# GGUF tensor types we dequantize. Others (K-quants, IQ...) are rejected by
+# name rather than risk an untested path.
+SUPPORTED_GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+
+# GGUF (llama.cpp) per-layer tensor name -> HF name suffix.
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+# Tensors some HF checkpoints carry that the decoder recomputes.
+_IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass(frozen=True)
+class LoadedWeights:
+    """A config plus its tensors (HF names, float32, contiguous, CPU).
+
+    ``source`` says where they came from ("gguf:/path", "hf:/dir", "tiny:0").
+    The dict is not copied by consumers; treat it as read-only.
+    """
+
+    config: LlamaConfig
+    tensors: dict[str, torch.Tensor]
+    source: str
+
+
+# --------------------------------------------------------------------- shapes
+def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a Llama of ``config`` needs, name -> shape (insertion order = layer order)."""
+    d, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
+    q, kv = config.q_size, config.kv_size
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, d)}
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (d,)
+        shapes[p + "self_attn.q_proj.weight"] = (q, d)
+        shapes[p + "self_attn.k_proj.weight"] = (kv, d)
+        shapes[p + "self_attn.v_proj.weight"] = (kv, d)
+        shapes[p + "self_attn.o_proj.weight"] = (d, q)
+        shapes[p + "post_attention_layernorm.weight"] = (d,)
+        shapes[p + "mlp.gate_proj.weight"] = (f, d)
+        shapes[p + "mlp.up_proj.weight"] = (f, d)
+        shapes[p + "mlp.down_proj.weight"] = (d, f)
+    shapes["model.norm.weight"] = (d,)
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (v, d)
+    return shapes
+
+
+def validate(config: LlamaConfig, tensors: dict[str, torch.Tensor], source: str) -> None:
+    """Raise ``ValueError`` naming every missing or unexpected tensor and the first bad shape."""
+    expected = expected_shapes(config)
+    missing = [n for n in expected if n not in tensors]
+    unexpected = [n for n in tensors if n not in expected]
+    if missing:
+        raise ValueError(f"{source}: missing tensors: {_short_list(missing)}")
+    if unexpected:
+        raise ValueError(f"{source}: unexpected tensors (not a plain Llama?): {_short_list(unexpected)}")
+    for name, shape in expected.items():
+        if tuple(tensors[name].shape) != shape:
+            raise ValueError(f"{source}: tensor {name} has shape {tuple(tensors[name].shape)}, "
+                             f"expected {shape} from the config")
+
+
+def _short_list(names: list[str], limit: int = 8) -> str:
+    more = f" (+{len(names) - limit} more)" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+# ----------------------------------------------------------------------- GGUF
+def load_gguf(path: str | Path) -> LoadedWeights:
+    """Read a llama-architecture GGUF file, dequantize every tensor to float32.
+
+    Config comes from the ``llama.*`` metadata keys; embeddings are tied when
+    the file has no ``output.weight``. Raises ``ValueError`` for a missing
+    file, another architecture, an unsupported tensor type (named), missing
+    tensors or shapes that disagree with the metadata.
+    """
+    import gguf  # local: only this loader needs it
+
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"GGUF file not found: {path}")
+    source = f"gguf:{path}"
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as exc:  # gguf raises ValueError/struct.error on garbage
+        raise ValueError(f"{path}: not a readable GGUF file ({exc})") from exc
+    config = _gguf_config(reader, path)
+
+    tensors: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        name = _gguf_to_hf_name(tensor.name, path)
+        if name is None:
+            continue
+        qtype = gguf.GGMLQuantizationType(tensor.tensor_type)
+        if qtype.name not in SUPPORTED_GGUF_TYPES:
+            raise ValueError(f"{path}: tensor {tensor.name} has GGUF type {qtype.name}, "
+                             f"which kvd does not dequantize (supported: {', '.join(SUPPORTED_GGUF_TYPES)})")
+        # dequantize returns the logical shape in numpy order: [out, in] for a Linear.
+        array = gguf.quants.dequantize(tensor.data, qtype)
+        # Copy: F32/F16 come back as views of the read-only memory map.
+        weight = torch.from_numpy(np.array(array, dtype=np.float32, order="C", copy=True))
+        if name.endswith("self_attn.q_proj.weight"):
+            weight = reverse_permute_qk(weight, config.num_heads)
+        elif name.endswith("self_attn.k_proj.weight"):
+            weight = reverse_permute_qk(weight, config.num_kv_heads)
+        tensors[name] = weight.contiguous()
+
+    if config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    validate(config, tensors, source)
+    return LoadedWeights(config=config, tensors=tensors, source=source)
+
+
+def reverse_permute_qk(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation (interleaved RoPE -> HF rotate_half).
+
+    llama.cpp wrote ``w.reshape(n, 2, hd/2, D).swapaxes(1, 2)``; per head, rows
+    ``[x0 y0 x1 y1 ...]`` go back to ``[x0 x1 ... y0 y1 ...]``.
+    weight: [n_heads * hd, D] -> same shape.
+    """
+    rows = weight.shape[0]
+    half = rows // n_heads // 2
+    return (weight.reshape(n_heads, half, 2, *weight.shape[1:])
+            .transpose(1, 2).reshape(weight.shape).contiguous())
+
+
+def _gguf_to_hf_name(gguf_name: str, path: Path) -> str | None:
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``."""
+    base, _, suffix = gguf_name.rpartition(".")
+    if suffix != "weight":
+        raise ValueError(f"{path}: unexpected tensor {gguf_name} (biases are not Llama)")
+    if base == "rope_freqs":
+        # Llama-3.1 style frequency factors: the decoder would need them and
+        # GGUF does not carry the rope_scaling parameters to rebuild them.
+        raise ValueError(f"{path}: rope_freqs (Llama-3 RoPE scaling) is not supported")
+    if base in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[base] + ".weight"
+    parts = base.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _GGUF_LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.weight"
+    raise ValueError(f"{path}: unexpected tensor {gguf_name}")
+
+
+def _gguf_config(reader: Any, path: Path) -> LlamaConfig:
+    def field(key: str, default: Any = None) -> Any:
+        f = reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    arch = field("general.architecture")
+    if arch != "llama":
+        raise ValueError(f"{path}: architecture {arch!r} is not supported (need 'llama')")
+
+    def required(key: str) -> Any:
+        value = field(key)
+        if value is None:
+            raise ValueError(f"{path}: GGUF metadata key {key} is missing")
+        return value
+
+    hidden = int(required("llama.embedding_length"))
+    heads = int(required("llama.attention.head_count"))
+    tensor_names = {t.name for t in reader.tensors}
+    embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = field("llama.vocab_size")
+    if vocab is None:
+        vocab = len(tokens.data) if tokens is not None else (int(embed.shape[1]) if embed is not None else None)
+    if vocab is None:
+        raise ValueError(f"{path}: cannot tell the vocabulary size")
+
+    head_dim = field("llama.attention.key_length") or field("llama.rope.dimension_count") or hidden // heads
+    rope_scaling = None
+    scaling_type = field("llama.rope.scaling.type")
+    if scaling_type not in (None, "none"):
+        rope_scaling = (("rope_type", str(scaling_type)),
+                        ("factor", float(required("llama.rope.scaling.factor"))))
+    bos = field("tokenizer.ggml.bos_token_id")
+    eos_ids = [field("tokenizer.ggml.eos_token_id"), field("tokenizer.ggml.eot_token_id")]
+    try:
+        return LlamaConfig(
+            vocab_size=int(vocab),
+            hidden_size=hidden,
+            intermediate_size=int(required("llama.feed_forward_length")),
+            num_layers=int(required("llama.block_count")),
+            num_heads=heads,
+            num_kv_heads=int(field("llama.attention.head_count_kv", heads)),
+            head_dim=int(head_dim),
+            rope_theta=float(field("llama.rope.freq_base", 10000.0)),
+            rms_norm_eps=float(field("llama.attention.layer_norm_rms_epsilon", 1e-5)),
+            max_position_embeddings=int(field("llama.context_length", 2048)),
+            tie_word_embeddings="output.weight" not in tensor_names,
+            bos_token_id=None if bos is None else int(bos),
+            eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos_ids if e is not None)),
+            rope_scaling=rope_scaling,
+        )
+    except ValueError as exc:
+        raise ValueError(f"{path}: bad model metadata: {exc}") from exc
+
+
+# ----------------------------------------------------------- Hugging Face dir
+def load_hf_dir(path: str | Path) -> LoadedWeights:
+    """Read ``config.json`` + ``*.safetensors`` (single file or sharded with an index).
+
+    Tensors of any float dtype are converted to float32. A checkpoint that
+    ties embeddings but still stores ``lm_head.weight`` has it dropped.
+    Raises ``ValueError`` for a missing directory/config/weights, a non-Llama
+    ``model_type``, missing/unexpected tensors or bad shapes.
+    """
+    from safetensors import safe_open
+
+    path = Path(path)
+    source = f"hf:{path}"
+    if not path.is_dir():
+        raise ValueError(f"Hugging Face model directory not found: {path}")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"{path}: no config.json")
+    raw = json.loads(config_file.read_text(encoding="utf-8"))
+    generation_file = path / "generation_config.json"
+    generation = json.loads(generation_file.read_text(encoding="utf-8")) if generation_file.is_file() else {}
+    config = config_from_hf(raw, generation, source)
+
+    index_file = path / "model.safetensors.index.json"
+    if index_file.is_file():
+        weight_map = json.loads(index_file.read_text(encoding="utf-8"))["weight_map"]
+        files = sorted({path / f for f in weight_map.values()})
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{path}: no *.safetensors files")
+
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        if not file.is_file():
+            raise ValueError(f"{path}: shard {file.name} listed in the index is missing")
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                if name.endswith(_IGNORED_HF_SUFFIXES):
+                    continue
+                tensors[name] = f.get_tensor(name).to(torch.float32).contiguous()
+    if config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    validate(config, tensors, source)
+    return LoadedWeights(config=config, tensors=tensors, source=source)
+
+
+def config_from_hf(raw: dict[str, Any], generation: dict[str, Any] | None = None,
+                   source: str = "config.json") -> LlamaConfig:
+    """Map an HF ``config.json`` dict (and optional generation config) onto ``LlamaConfig``.
+
+    Follows HF's defaults: ``num_key_value_heads`` = heads, ``head_dim`` =
+    hidden / heads, ``tie_word_embeddings`` = False. ``rope_theta`` may sit at
+    the top level (transformers 4) or in ``rope_parameters`` (transformers 5).
+    """
+    model_type = raw.get("model_type")
+    if model_type != "llama":
+        raise ValueError(f"{source}: model_type {model_type!r} is not supported (need 'llama')")
+    generation = generation or {}
+    try:
+        heads = int(raw["num_attention_heads"])
+        hidden = int(raw["hidden_size"])
+        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        rope_theta = raw.get("rope_theta", rope.get("rope_theta", 10000.0))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        rope_scaling = None
+        if rope_type not in (None, "default"):
+            rope_scaling = tuple(sorted((k, v) for k, v in {**rope, "rope_type": rope_type}.items()
+                                        if k not in ("rope_theta", "type") and isinstance(v, (int, float, str))))
+        eos: list[int] = []
+        for value in (raw.get("eos_token_id"), generation.get("eos_token_id")):
+            eos += [value] if isinstance(value, int) else list(value or [])
+        bos = raw.get("bos_token_id", generation.get("bos_token_id"))
+        return LlamaConfig(
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_layers=int(raw["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+            head_dim=int(raw.get("head_dim") or hidden // heads),
+            rope_theta=float(rope_theta),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            bos_token_id=None if bos is None else int(bos),
+            eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos)),
+            rope_scaling=rope_scaling,
+        )
+    except KeyError as exc:
+        raise ValueError(f"{source}: config key {exc.args[0]} is missing") from exc
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{source}: bad config: {exc}") from exc
+
+
+def config_to_hf(config: LlamaConfig) -> dict[str, Any]:
+    """The ``config.json`` dict transformers' ``LlamaConfig`` reads back to the same model."""
+    out: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "rope_theta": config.rope_theta,
+        "rms_norm_eps": config.rms_norm_eps,
+        "max_position_embeddings": config.max_position_embeddings,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": "float32",
+    }
+    if config.bos_token_id is not None:
+        out["bos_token_id"] = config.bos_token_id
+    if config.eos_token_ids:
+        out["eos_token_id"] = (config.eos_token_ids[0] if len(config.eos_token_ids) == 1
+                               else list(config.eos_token_ids))
+    if config.rope_scaling is not None:
+        out["rope_scaling"] = dict(config.rope_scaling)
+    return out
+
+
+def save_hf_dir(weights: LoadedWeights, path: str | Path) -> Path:
+    """Write ``config.json`` + ``model.safetensors`` into ``path`` (created if needed).
+
+    ``load_hf_dir(path)`` gives back equal config and tensors. Validates first,
+    so a bad ``LoadedWeights`` never reaches disk. Returns ``path``.
+    """
+    from safetensors.torch import save_file
+
+    validate(weights.config, weights.tensors, weights.source)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config_to_hf(weights.config), indent=2) + "\n",
+                                      encoding="utf-8")
+    tensors = {name: t.detach().to(torch.float32).contiguous() for name, t in weights.tensors.items()}
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+# ------------------------------------------------------------------ random init
+def random_weights(config: LlamaConfig, seed: int = 0, std: float = 0.02) -> LoadedWeights:
+    """Random Llama weights, deterministic per ``(config, seed)``.
+
+    Linears and embeddings ~ N(0, std); norms are ones. Draws in
+    ``expected_shapes`` order from one seeded ``torch.Generator``, so the same
+    seed gives bit-identical tensors on every machine (CPU generator).
+    """
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, shape in expected_shapes(config).items():
+        if len(shape) == 1:
+            tensors[name] = torch.ones(shape, dtype=torch.float32)
+        else:
+            tensors[name] = torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
+    return LoadedWeights(config=config, tensors=tensors, source=f"random:seed={seed}")
