@@ -1,0 +1,212 @@
+"""LLMEngine: the synchronous inference core.
+
+``step()`` is schedule -> execute -> update, deterministic given the inputs.
+No sockets, no asyncio, no threads: the node daemon (or the embedded server)
+drives it from one thread and talks to it through queues.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.memory.kv_cache import KVCache
+from engine.memory.mempool import MemPool
+from engine.model.llama import LlamaModel
+from engine.model.registry import resolve_model
+from engine.model.tokenizer import Tokenizer
+from engine.output import OutputProcessor
+from engine.request import FinishReason, InvalidParam, Request, RequestOutput, RequestStatus, SamplingParams
+from engine.runner import ModelRunner
+from engine.sampling import make_generator
+from engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32,
+          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "smollm2"
+    dtype: str = "bfloat16"
+    block_size: int = 16
+    kv_blocks: int = 2048               # device tier
+    host_kv_blocks: int = 2048          # host tier (swap space, demoted cache)
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 4096
+    max_model_len: int | None = None    # None: the model's max_position_embeddings
+    preemption_mode: str = "swap"
+    enable_prefix_caching: bool = True
+    num_threads: int | None = None      # torch intra-op threads; None: torch's default
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.block_size < 1 or self.kv_blocks < 1 or self.host_kv_blocks < 0:
+            raise ValueError("block_size and kv_blocks must be >= 1, host_kv_blocks >= 0")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError("max_model_len must be >= 2")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError("num_threads must be >= 1")
+        SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.block_size,
+                        self.preemption_mode, self.enable_prefix_caching)
+
+
+@dataclass
+class EngineStats:
+    """Counters since start, read by /metrics (plain ints: the reader copies them)."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    preemptions: int = 0
+    finished: dict = field(default_factory=lambda: {r.value: 0 for r in FinishReason})
+    steps: int = 0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, model: LlamaModel, tokenizer: Tokenizer,
+                 model_name: str) -> None:
+        self.config = config
+        self.model = model
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        mc = model.config
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
+                                 mc.max_position_embeddings)
+        self.kv = KVCache(num_layers=model.num_local_layers, num_kv_heads=mc.num_kv_heads,
+                          head_dim=mc.head_dim, block_size=config.block_size,
+                          device_blocks=config.kv_blocks, host_blocks=config.host_kv_blocks,
+                          dtype=model.dtype)
+        self.pool = MemPool(device_blocks=config.kv_blocks, host_blocks=config.host_kv_blocks,
+                            block_size=config.block_size, storage=self.kv)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+            block_size=config.block_size, preemption_mode=config.preemption_mode,
+            enable_prefix_caching=config.enable_prefix_caching), self.pool)
+        self.runner = ModelRunner(model, self.kv.tier("device"), config.block_size)
+        self.outputs = OutputProcessor(tokenizer, self.max_model_len)
+        self.requests: dict[str, Request] = {}
+        self._generators: dict[str, torch.Generator | None] = {}
+        self.stats = EngineStats()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "LLMEngine":
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        source = resolve_model(config.model)
+        weights = source.load_weights()
+        model = LlamaModel(weights.config, weights.tensors, dtype=DTYPES[config.dtype])
+        return cls(config, model, source.load_tokenizer(), source.name)
+
+    # ------------------------------------------------------------------ intake
+    def max_blocks_per_request(self) -> int:
+        return self.config.kv_blocks
+
+    def check_request(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """Raise InvalidParam if a request could never run here. Changes nothing."""
+        if num_prompt_tokens < 1:
+            raise InvalidParam("prompt", "prompt must contain at least one token")
+        if num_prompt_tokens >= self.max_model_len:
+            raise InvalidParam("prompt", f"prompt has {num_prompt_tokens} tokens; this model's "
+                               f"context is {self.max_model_len} tokens")
+        total = num_prompt_tokens + params.max_tokens
+        if total > self.max_model_len:
+            raise InvalidParam("max_tokens", f"max_tokens={params.max_tokens} plus the prompt's "
+                               f"{num_prompt_tokens} tokens exceeds the context of {self.max_model_len} tokens")
+        if -(-total // self.config.block_size) > self.config.kv_blocks:
+            raise InvalidParam("max_tokens", f"{total} tokens would need more KV blocks than the "
+                               f"{self.config.kv_blocks} this node has")
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request. Raises InvalidParam (nothing queued) or ValueError on a duplicate id."""
+        if request_id in self.requests:
+            raise ValueError(f"duplicate request id {request_id}")
+        vocab = self.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise InvalidParam("prompt", f"token ids must be in [0, {vocab})")
+        self.check_request(len(prompt_ids), params)
+        req = Request(request_id=request_id, prompt_ids=list(prompt_ids), params=params)
+        self.requests[request_id] = req
+        self._generators[request_id] = make_generator(params)
+        self.outputs.add(req)
+        self.scheduler.add(req)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Finish ``request_id`` now, returning its blocks. None if unknown or done."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        self.scheduler.remove(req)
+        req.finish_reason = FinishReason.ABORT
+        self._retire(req, cache=False)
+        return RequestOutput(request_id, [], "", True, FinishReason.ABORT.value,
+                             num_prompt_tokens=len(req.prompt_ids),
+                             num_output_tokens=len(req.output_ids),
+                             num_cached_tokens=req.num_cached_tokens)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -------------------------------------------------------------------- step
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled step; returns one output per request that got a token."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        self.stats.steps += 1
+        self.stats.preemptions += len(batch.preempted)
+        if not batch.requests:
+            return []
+        return self._execute(batch)
+
+    def _execute(self, batch: ScheduledBatch) -> list[RequestOutput]:
+        reqs = batch.requests
+        banned = [(i, ids) for i, r in enumerate(reqs) if (ids := self.outputs.banned_ids(r))]
+        tokens = self.runner.execute(reqs, batch.is_prefill,
+                                     [self._generators[r.request_id] for r in reqs], banned)
+        outs = []
+        for req, tok in zip(reqs, tokens):
+            if batch.is_prefill and req.num_preemptions == 0:
+                self.stats.prompt_tokens += len(req.prompt_ids)
+                self.stats.prefix_hit_tokens += req.num_cached_tokens
+            req.num_computed = req.num_tokens
+            out = self.outputs.append(req, tok)
+            self.stats.generation_tokens += 1
+            if out.finished:
+                self.scheduler.remove(req)
+                self._retire(req, cache=True)
+            outs.append(out)
+        return outs
+
+    def _retire(self, req: Request, cache: bool) -> None:
+        self.scheduler.release_memory(req, cache=cache)
+        req.status = RequestStatus.FINISHED
+        self.stats.finished[req.finish_reason.value] += 1
+        self.requests.pop(req.request_id, None)
+        self._generators.pop(req.request_id, None)
+        self.outputs.discard(req.request_id)
+
+    # ------------------------------------------------------------- utilities
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+                 ) -> list[list[int]]:
+        """Run prompts to completion (tests, benchmarks). Returns output ids per prompt."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"gen-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+        for rid, p, sp in zip(ids, prompts, plist):
+            self.add_request(rid, p, sp)
+        result: dict[str, list[int]] = {rid: [] for rid in ids}
+        while self.has_unfinished():
+            for out in self.step():
+                if out.request_id in result:
+                    result[out.request_id].extend(out.new_token_ids)
+        return [result[rid] for rid in ids]
+
+    def kv_usage(self) -> dict:
+        return self.pool.stats()
+
+    def check_integrity(self) -> None:
+        """Assert the MemPool invariants (every block free, owned or cached, once)."""
+        self.pool.check_integrity()

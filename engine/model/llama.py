@@ -1,0 +1,167 @@
+"""A Llama-family decoder over paged KV (RMSNorm, RoPE, GQA, SwiGLU, tied embeddings).
+
+Weights are plain tensors, not ``nn.Module`` parameters: the hot path is a
+straight line of ``F.linear`` calls (q/k/v fused into one matmul, gate/up into
+another) because on a CPU single-stream decode is bound by weight bandwidth and
+every extra op is Python overhead paid 30 times per token.
+
+A model instance may hold a contiguous range of layers ``[start, end)`` (a
+pipeline stage): the first stage embeds tokens, the last applies the final norm
+and the LM head; a middle stage maps hidden states to hidden states.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.model.config import LlamaConfig
+from kernels.attention import AttentionBatch, decode_attention, prefill_attention, write_kv
+
+
+@dataclass
+class _Layer:
+    input_norm: torch.Tensor      # [D]
+    qkv: torch.Tensor             # [q + 2*kv, D]
+    o: torch.Tensor               # [D, q]
+    post_norm: torch.Tensor       # [D]
+    gate_up: torch.Tensor         # [2*I, D]
+    down: torch.Tensor            # [D, I]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF LlamaRMSNorm: normalise in fp32, cast back, then scale."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rope_tables(config: LlamaConfig, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: [max_positions, head_dim] in the half-rotation (rotate_half) layout."""
+    hd = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
+    if config.rope_scaling:
+        inv_freq = _llama3_scale(inv_freq, dict(config.rope_scaling))
+    pos = torch.arange(config.max_position_embeddings, dtype=torch.int64).float()
+    freqs = torch.outer(pos, inv_freq)                    # [P, hd/2]
+    emb = torch.cat((freqs, freqs), dim=-1)               # [P, hd]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _llama3_scale(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+    if s.get("rope_type", s.get("type")) != "llama3":
+        raise ValueError(f"unsupported rope_scaling {s!r}")
+    factor, low, high = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
+    old = float(s["original_max_position_embeddings"])
+    wavelen = 2 * torch.pi / inv_freq
+    scaled = torch.where(wavelen > old / low, inv_freq / factor, inv_freq)
+    smooth = (old / wavelen - low) / (high - low)
+    mid = (1 - smooth) * scaled / factor + smooth * scaled
+    is_mid = (wavelen <= old / low) & (wavelen >= old / high)
+    return torch.where(is_mid, mid, scaled)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, hd]; cos/sin: [T, 1, hd]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class LlamaModel:
+    """Layers ``[start, end)`` of a Llama decoder; inference only.
+
+    Contract of :meth:`forward`: it writes the new tokens' K/V into ``kv`` at
+    the slots named by ``batch`` and returns hidden states. It does not allocate
+    KV memory and keeps no per-request state.
+    """
+
+    def __init__(self, config: LlamaConfig, tensors: dict[str, torch.Tensor],
+                 dtype: torch.dtype = torch.float32,
+                 layer_range: tuple[int, int] | None = None) -> None:
+        self.config = config
+        self.dtype = dtype
+        start, end = layer_range or (0, config.num_layers)
+        if not 0 <= start < end <= config.num_layers:
+            raise ValueError(f"layer_range {layer_range} outside 0..{config.num_layers}")
+        self.start, self.end = start, end
+        self.is_first, self.is_last = start == 0, end == config.num_layers
+        self.scale = config.head_dim ** -0.5
+
+        def w(name: str) -> torch.Tensor:
+            if name not in tensors:
+                raise ValueError(f"missing tensor {name}")
+            return tensors[name].to(dtype).contiguous()
+
+        self.embed = w("model.embed_tokens.weight") if self.is_first else None
+        self.layers: list[_Layer] = []
+        for i in range(start, end):
+            p = f"model.layers.{i}."
+            self.layers.append(_Layer(
+                input_norm=w(p + "input_layernorm.weight"),
+                qkv=torch.cat([w(p + "self_attn.q_proj.weight"), w(p + "self_attn.k_proj.weight"),
+                               w(p + "self_attn.v_proj.weight")]).contiguous(),
+                o=w(p + "self_attn.o_proj.weight"),
+                post_norm=w(p + "post_attention_layernorm.weight"),
+                gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]).contiguous(),
+                down=w(p + "mlp.down_proj.weight"),
+            ))
+        if self.is_last:
+            self.norm = w("model.norm.weight")
+            head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+            self.lm_head = self.embed if (config.tie_word_embeddings and self.embed is not None) else w(head)
+        self.cos, self.sin = rope_tables(config, dtype)
+
+    @property
+    def num_local_layers(self) -> int:
+        return self.end - self.start
+
+    def weight_bytes_per_token(self) -> int:
+        """Bytes of weights a single-token decode step must read (the bandwidth bound)."""
+        n = sum(t.numel() * t.element_size() for layer in self.layers for t in vars(layer).values())
+        if self.is_last:
+            n += self.lm_head.numel() * self.lm_head.element_size() + self.norm.numel() * self.norm.element_size()
+        return n
+
+    @torch.inference_mode()
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
+                kv: torch.Tensor) -> torch.Tensor:
+        """x: token ids [T] (first stage) or hidden [T, D]; positions [T];
+        kv: [local_layers, 2, N, bs, kvh, hd]. Returns hidden [T, D] (final-normed on the last stage)."""
+        cfg = self.config
+        h = F.embedding(x, self.embed) if self.is_first else x.to(self.dtype)   # [T, D]
+        T = h.shape[0]
+        cos = self.cos[positions].unsqueeze(1)            # [T, 1, hd]
+        sin = self.sin[positions].unsqueeze(1)
+        q_size, kv_size, hd = cfg.q_size, cfg.kv_size, cfg.head_dim
+        for i, layer in enumerate(self.layers):
+            # --- attention block
+            a = rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
+            qkv = F.linear(a, layer.qkv)                  # [T, q + 2kv]
+            q = qkv[:, :q_size].view(T, cfg.num_heads, hd)
+            k = qkv[:, q_size:q_size + kv_size].view(T, cfg.num_kv_heads, hd)
+            v = qkv[:, q_size + kv_size:].view(T, cfg.num_kv_heads, hd)
+            q = apply_rope(q, cos, sin)
+            k = apply_rope(k, cos, sin)
+            k_cache, v_cache = kv[i, 0], kv[i, 1]         # [N, bs, kvh, hd]
+            write_kv(k_cache, v_cache, k, v, batch)
+            if batch.is_prefill:
+                o = prefill_attention(q, k, v, k_cache, v_cache, batch, self.scale)
+            else:
+                o = decode_attention(q, k_cache, v_cache, batch, self.scale)
+            h = h + F.linear(o.reshape(T, q_size), layer.o)
+            # --- MLP block (SwiGLU)
+            m = rms_norm(h, layer.post_norm, cfg.rms_norm_eps)
+            gu = F.linear(m, layer.gate_up)               # [T, 2I]
+            gate, up = gu.chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, layer.down)
+        if self.is_last:
+            h = rms_norm(h, self.norm, cfg.rms_norm_eps)
+        return h
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [n, D] (final-normed) -> logits [n, V] in fp32."""
+        return F.linear(hidden, self.lm_head).float()

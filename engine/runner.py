@@ -1,0 +1,84 @@
+"""ModelRunner: turns a scheduled batch into tensors, runs the model, samples.
+
+Input layout of one step (T tokens over B requests)::
+
+    prefill: ids  [t0 t1 t2 | u0 u1 | ...]   each request's uncomputed tokens, concatenated
+    decode:  ids  [a b c ...]                one token per request
+    slots:   (block_table[pos // bs], pos % bs) for every token
+
+Only each request's last row reaches the LM head: the head is the largest
+matmul of a small model and prefill would otherwise pay it per prompt token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.model.llama import LlamaModel
+from engine.request import Request
+from engine.sampling import apply_min_tokens, sample
+from kernels.attention import AttentionBatch, PrefillSeq, decode_key_mask
+
+
+class ModelRunner:
+    """Executes steps of a full model (all layers) against one device KV tensor."""
+
+    def __init__(self, model: LlamaModel, kv: torch.Tensor, block_size: int) -> None:
+        if not (model.is_first and model.is_last):
+            raise ValueError("ModelRunner drives a whole model; pipeline stages use the stage runner")
+        self.model = model
+        self.kv = kv                    # [L, 2, N, bs, kvh, hd]
+        self.block_size = block_size
+
+    def build_batch(self, requests: list[Request], is_prefill: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch, list[int]]:
+        """ids [T], positions [T], attention metadata, and each request's last row."""
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slot_blocks: list[int] = []
+        last_rows: list[int] = []
+        prefill: list[PrefillSeq] = []
+        for req in requests:
+            tokens = req.all_ids
+            start, end = req.num_computed, len(tokens)
+            table = req.block_ids
+            if is_prefill:
+                prefill.append(PrefillSeq(q_start=len(ids), q_len=end - start, ctx_len=end,
+                                          block_table=torch.tensor(table[:-(-end // bs)], dtype=torch.int64)))
+            ids.extend(tokens[start:end])
+            positions.extend(range(start, end))
+            slot_blocks.extend(table[p // bs] for p in range(start, end))
+            last_rows.append(len(ids) - 1)
+        pos_t = torch.tensor(positions, dtype=torch.int64)
+        batch = AttentionBatch(
+            slot_blocks=torch.tensor(slot_blocks, dtype=torch.int64),
+            slot_offsets=pos_t % bs,
+            is_prefill=is_prefill,
+        )
+        if is_prefill:
+            batch.prefill = prefill
+        else:
+            lens = [p + 1 for p in positions]
+            max_blocks = max(-(-n // bs) for n in lens)
+            tables = [r.block_ids[:max_blocks] + [0] * (max_blocks - len(r.block_ids[:max_blocks]))
+                      for r in requests]
+            batch.block_tables = torch.tensor(tables, dtype=torch.int64)
+            batch.key_mask = decode_key_mask(lens, max_blocks, bs)
+        return torch.tensor(ids, dtype=torch.int64), pos_t, batch, last_rows
+
+    @torch.inference_mode()
+    def execute(self, requests: list[Request], is_prefill: bool, generators: list,
+                banned: list[tuple[int, list[int]]]) -> list[int]:
+        """Run one step; writes KV for every computed token and returns one sampled id per request.
+
+        ``banned``: (row, token ids) masked for requests below their min_tokens.
+        """
+        ids, positions, batch, last_rows = self.build_batch(requests, is_prefill)
+        hidden = self.model.forward(ids, positions, batch, self.kv)          # [T, D]
+        if len(last_rows) != hidden.shape[0]:
+            hidden = hidden[torch.tensor(last_rows, dtype=torch.int64)]     # [B, D]
+        logits = self.model.compute_logits(hidden)                           # [B, V]
+        if banned:
+            apply_min_tokens(logits, banned)
+        return sample(logits, [r.params for r in requests], generators)

@@ -1,0 +1,225 @@
+"""Iteration-level scheduling over the MemPool: admission, decode, preemption.
+
+Pure Python (no torch). Each call to :meth:`Scheduler.schedule` picks ONE kind
+of step — prefill or decode — because on this engine they never share a step
+(DESIGN §4). The policy:
+
+1. Swapped requests come back first (FCFS), if their blocks fit on device.
+2. Otherwise admit waiting requests FCFS while blocks, sequence slots and the
+   token budget last: ``MemPool.match`` finds the cached prefix (locked for the
+   request), ``alloc_mem`` gets the rest. If anything was admitted, the step is
+   a prefill of the admitted requests.
+3. Otherwise decode every running request. A request crossing a block boundary
+   needs one new block; when the pool is dry, the most recently arrived running
+   request is preempted — swapped to the host tier, or, when the host tier is
+   full or swapping is off, reset for recompute — until the rest fit.
+
+Preemption never fails a request, and every path returns its blocks exactly
+once: that is what ``MemPool.check_integrity`` verifies in the tests.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 4096
+    block_size: int = 16
+    preemption_mode: str = "swap"        # "swap" | "recompute"
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.preemption_mode not in ("swap", "recompute"):
+            raise ValueError(f"preemption_mode must be 'swap' or 'recompute', got {self.preemption_mode!r}")
+
+
+@dataclass
+class ScheduledBatch:
+    """One step's work: requests compute ``all_ids[num_computed:]`` and sample one token."""
+
+    is_prefill: bool
+    requests: list[Request]
+    preempted: list[Request] = field(default_factory=list)
+
+
+def blocks_needed(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+class Scheduler:
+    """Owns the waiting/running/swapped queues. Not thread-safe: the engine thread calls it."""
+
+    def __init__(self, config: SchedulerConfig, pool) -> None:
+        self.config = config
+        self.pool = pool
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.swapped: deque[Request] = deque()
+
+    # ------------------------------------------------------------------ queues
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.swapped)
+
+    def remove(self, req: Request) -> None:
+        """Take ``req`` out of whatever queue holds it (no memory released)."""
+        for queue in (self.waiting, self.swapped):
+            if req in queue:
+                queue.remove(req)
+                return
+        if req in self.running:
+            self.running.remove(req)
+
+    # --------------------------------------------------------------- schedule
+    def schedule(self) -> ScheduledBatch | None:
+        """Pick the next step; None when there is nothing to run."""
+        if self.swapped and self._swap_in_ready():
+            pass  # swapped requests rejoin running and decode below
+        elif self.waiting and not self.swapped:
+            admitted = self._admit()
+            if admitted:
+                return ScheduledBatch(is_prefill=True, requests=admitted)
+        if not self.running:
+            return None
+        return self._decode_batch()
+
+    def _swap_in_ready(self) -> bool:
+        """Bring swapped requests back while their blocks fit. True if any did."""
+        moved = False
+        while self.swapped and len(self.running) < self.config.max_num_seqs:
+            req = self.swapped[0]
+            ids = self.pool.swap_in_private(req.host_block_ids)
+            if ids is None:
+                break
+            self.swapped.popleft()
+            req.block_ids = req.block_ids + ids
+            req.host_block_ids = []
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            moved = True
+        return moved
+
+    def _admit(self) -> list[Request]:
+        cfg, bs = self.config, self.config.block_size
+        admitted: list[Request] = []
+        budget = cfg.max_num_batched_tokens
+        while self.waiting and len(self.running) < cfg.max_num_seqs:
+            req = self.waiting[0]
+            tokens = req.all_ids
+            hit = None
+            if cfg.enable_prefix_caching:
+                # leave at least one token to compute: it yields the next logits
+                hit = self.pool.match(tokens[:-1])
+            cached_ids = self._device_ids_of(hit) if hit is not None else []
+            if cached_ids is None:                       # host-tier prefix, no room to swap in
+                self.pool.release(hit)
+                break
+            num_cached = len(cached_ids) * bs
+            new_tokens = len(tokens) - num_cached
+            if admitted and new_tokens > budget:
+                self.pool.release(hit) if hit is not None else None
+                break
+            fresh = self.pool.alloc_mem(blocks_needed(len(tokens), bs) - len(cached_ids))
+            if fresh is None:
+                if hit is not None:
+                    self.pool.release(hit)
+                break
+            self.waiting.popleft()
+            req.prefix = hit
+            req.block_ids = cached_ids + fresh
+            req.num_computed = num_cached
+            if not req.output_ids:                       # a recompute keeps its first count
+                req.num_cached_tokens = num_cached
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            admitted.append(req)
+            budget -= new_tokens
+        return admitted
+
+    def _device_ids_of(self, hit) -> list[int] | None:
+        """Device block ids for a locked prefix hit, swapping host-tier blocks in."""
+        host = [ref for ref in hit.blocks if ref.tier != "device"]
+        if host:
+            if self.pool.swap_in(host) is None:
+                return None
+            hit.blocks = self.pool.refresh(hit)
+        return [ref.block_id for ref in hit.blocks]
+
+    def _decode_batch(self) -> ScheduledBatch:
+        bs = self.config.block_size
+        preempted: list[Request] = []
+        batch: list[Request] = []
+        # oldest first; victims come from the newest end of `running`
+        queue = sorted(self.running, key=lambda r: r.arrival)
+        while queue:
+            req = queue.pop(0)
+            if req.num_computed < len(req.block_ids) * bs:
+                batch.append(req)
+                continue
+            while True:
+                new = self.pool.alloc_mem(1)
+                if new is not None:
+                    req.block_ids.append(new[0])
+                    batch.append(req)
+                    break
+                victim = queue.pop() if queue else req
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+        self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
+        return ScheduledBatch(is_prefill=False, requests=batch, preempted=preempted)
+
+    def _preempt(self, req: Request) -> None:
+        """Release ``req``'s device memory: swap its private KV out, or drop it for recompute."""
+        req.num_preemptions += 1
+        private = req.block_ids[req.num_prefix_blocks:]
+        if self.config.preemption_mode == "swap" and private:
+            host = self.pool.swap_out_private(private)
+            if host is not None:
+                req.block_ids = req.block_ids[:req.num_prefix_blocks]
+                req.host_block_ids = host
+                req.status = RequestStatus.SWAPPED
+                self.swapped.append(req)
+                return
+        self.release_memory(req)
+        req.num_computed = 0
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+
+    # ------------------------------------------------------------ retirement
+    def release_memory(self, req: Request, cache: bool = False) -> None:
+        """Return every block ``req`` holds. With ``cache``, its full blocks of
+        computed tokens go into the prefix cache first (MemPool.insert)."""
+        bs, n_prefix, ids = self.config.block_size, req.num_prefix_blocks, req.block_ids
+        keep = n_prefix                                  # the cache's own blocks, locked via prefix
+        if cache and self.config.enable_prefix_caching and ids:
+            n_full = min(req.num_computed // bs, len(ids))
+            # insert skips positions already cached by these very blocks and
+            # frees private duplicates; newly indexed blocks now belong to the cache
+            self.pool.insert(req.all_ids[:n_full * bs], ids[:n_full])
+            keep = max(n_full, n_prefix)
+        if ids[keep:]:
+            self.pool.free_mem(ids[keep:])
+        if req.host_block_ids:
+            self.pool.free_mem(req.host_block_ids, tier="host")
+            req.host_block_ids = []
+        if req.prefix is not None:
+            self.pool.release(req.prefix)
+            req.prefix = None
+        req.block_ids = []

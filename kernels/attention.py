@@ -1,0 +1,135 @@
+"""Attention over paged KV blocks: the torch reference kernels.
+
+KV layout (owned by ``engine.memory.kv_cache``; one tensor per tier)::
+
+    kv: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+          layer      K/V   block id   slot in block
+
+so ``kv[layer, 0]`` is that layer's K cache ``[num_blocks, block_size, kvh, hd]``,
+contiguous. Gathering a sequence's blocks ``k_cache[block_table]`` gives
+``[n_blocks, block_size, kvh, hd]`` whose first two dims merge for free into the
+sequence axis: one copy per tensor, which is what a contiguous (HF-style) cache
+pays per step for its ``torch.cat`` anyway.
+
+A token's slot is ``(block_table[pos // block_size], pos % block_size)``.
+
+These functions are the reference: a GPU build replaces them with Triton
+kernels of the same contract. They never allocate KV memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSeq:
+    """One sequence's share of a prefill step.
+
+    ``q_start:q_start+q_len`` are its rows in the flattened token batch;
+    ``ctx_len`` = cached prefix + q_len (the keys it attends to);
+    ``block_table`` holds the blocks of all ``ctx_len`` tokens.
+    """
+
+    q_start: int
+    q_len: int
+    ctx_len: int
+    block_table: torch.Tensor  # [ceil(ctx_len / block_size)] int64
+
+
+@dataclass
+class AttentionBatch:
+    """Metadata of one engine step, shared by every layer.
+
+    ``slot_blocks``/``slot_offsets`` say where each new token's K/V is written.
+    A decode step fills ``block_tables``/``context_lens``/``key_mask``;
+    a prefill step fills ``prefill``.
+    """
+
+    slot_blocks: torch.Tensor            # [T] int64
+    slot_offsets: torch.Tensor           # [T] int64
+    is_prefill: bool
+    prefill: list[PrefillSeq] | None = None
+    block_tables: torch.Tensor | None = None   # [B, max_blocks] int64 (decode)
+    key_mask: torch.Tensor | None = None       # [B, 1, 1, max_blocks*bs] bool (decode)
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor, batch: AttentionBatch) -> None:
+    """Store new tokens' K/V in their slots. Mutates the caches.
+
+    k_cache, v_cache: [N, bs, kvh, hd]; k, v: [T, kvh, hd].
+    """
+    k_cache[batch.slot_blocks, batch.slot_offsets] = k
+    v_cache[batch.slot_blocks, batch.slot_offsets] = v
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """Contiguous keys (or values) of one sequence: [length, kvh, hd].
+
+    cache: [N, bs, kvh, hd]; block_table: [n_blocks].
+    """
+    blocks = cache.index_select(0, block_table)          # [n, bs, kvh, hd]
+    return blocks.flatten(0, 1)[:length]                 # [n*bs, kvh, hd] -> [length, ...]
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     batch: AttentionBatch, scale: float) -> torch.Tensor:
+    """One query token per sequence against its paged context.
+
+    q: [B, H, hd] -> out [B, H, hd]. Keys beyond a sequence's length are masked
+    (``key_mask``), so padding to the longest table contributes exactly zero.
+    """
+    tables = batch.block_tables                           # [B, M]
+    B, M = tables.shape
+    n_kv, hd = k_cache.shape[2], k_cache.shape[3]
+    # [B, M, bs, kvh, hd] -> [B, M*bs, kvh, hd] (free) -> [B, kvh, S, hd] (view)
+    k = k_cache[tables].view(B, -1, n_kv, hd).transpose(1, 2)
+    v = v_cache[tables].view(B, -1, n_kv, hd).transpose(1, 2)
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2), k, v, attn_mask=batch.key_mask, scale=scale,
+        enable_gqa=q.shape[1] != n_kv)                    # [B, H, 1, hd]
+    return out.squeeze(2)
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      batch: AttentionBatch, scale: float) -> torch.Tensor:
+    """Causal attention for each sequence's new tokens, over cached prefix + new.
+
+    q: [T, H, hd]; k, v: [T, kvh, hd] (the new tokens, already written to the
+    cache). Returns [T, H, hd]. A sequence with no cached prefix attends to its
+    own k/v directly; one with a prefix gathers its context from the cache.
+    """
+    out = torch.empty_like(q)
+    n_heads, n_kv = q.shape[1], k.shape[1]
+    gqa = n_heads != n_kv
+    for seq in batch.prefill:
+        rows = slice(seq.q_start, seq.q_start + seq.q_len)
+        qs = q[rows].transpose(0, 1)                      # [H, q_len, hd]
+        if seq.ctx_len == seq.q_len:
+            ks = k[rows].transpose(0, 1)                  # [kvh, q_len, hd]
+            vs = v[rows].transpose(0, 1)
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
+                                               enable_gqa=gqa)
+        else:
+            ks = gather_kv(k_cache, seq.block_table, seq.ctx_len).transpose(0, 1)
+            vs = gather_kv(v_cache, seq.block_table, seq.ctx_len).transpose(0, 1)
+            # query i sits at absolute position prefix + i and sees keys <= it.
+            prefix = seq.ctx_len - seq.q_len
+            qpos = torch.arange(prefix, seq.ctx_len).unsqueeze(1)
+            kpos = torch.arange(seq.ctx_len).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=kpos <= qpos,
+                                               scale=scale, enable_gqa=gqa)
+        out[rows] = o.transpose(0, 1)
+    return out
+
+
+def decode_key_mask(context_lens: list[int], max_blocks: int, block_size: int) -> torch.Tensor:
+    """[B, 1, 1, max_blocks*block_size] bool: True where a key exists."""
+    lens = torch.tensor(context_lens, dtype=torch.int64).unsqueeze(1)
+    pos = torch.arange(max_blocks * block_size).unsqueeze(0)
+    return (pos < lens).view(len(context_lens), 1, 1, -1)
