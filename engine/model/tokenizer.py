@@ -269,6 +269,25 @@ class Tokenizer:
                    chat_template=template, special_tokens=special)
 
 
+    def save(self, path: str | Path) -> Path:
+        """Write ``tokenizer.json`` + ``tokenizer_config.json`` (and EOS ids in
+        ``generation_config.json``) so ``from_hf_dir(path)`` rebuilds an equal
+        tokenizer. Creates ``path``; returns it."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        self._backend.save(str(path / "tokenizer.json"))
+        config: dict[str, Any] = dict(self._special_tokens)
+        if self._chat_template_source is not None:
+            config["chat_template"] = self._chat_template_source
+        (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        generation: dict[str, Any] = {"eos_token_id": list(self.eos_token_ids)}
+        if self.bos_token_id is not None:
+            generation["bos_token_id"] = self.bos_token_id
+        (path / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n",
+                                                     encoding="utf-8")
+        return path
+
+
 class IncrementalDetokenizer:
     """Turns a stream of token ids into a stream of text, one request at a time.
 

@@ -308,8 +308,9 @@ def config_from_hf(raw: dict[str, Any], generation: dict[str, Any] | None = None
     try:
         heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])
-        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-        rope_theta = raw.get("rope_theta", rope.get("rope_theta", 10000.0))
+        rope_parameters = raw.get("rope_parameters") or {}
+        rope = raw.get("rope_scaling") or rope_parameters
+        rope_theta = raw.get("rope_theta", rope_parameters.get("rope_theta", 10000.0))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         rope_scaling = None
         if rope_type not in (None, "default"):
