@@ -132,7 +132,8 @@ class Scheduler:
             num_cached = len(cached_ids) * bs
             new_tokens = len(tokens) - num_cached
             if admitted and new_tokens > budget:
-                self.pool.release(hit) if hit is not None else None
+                if hit is not None:
+                    self.pool.release(hit)
                 break
             fresh = self.pool.alloc_mem(blocks_needed(len(tokens), bs) - len(cached_ids))
             if fresh is None:
@@ -152,13 +153,16 @@ class Scheduler:
         return admitted
 
     def _device_ids_of(self, hit) -> list[int] | None:
-        """Device block ids for a locked prefix hit, swapping host-tier blocks in."""
+        """Device block ids for a locked prefix hit, swapping host-tier blocks in
+        (one copy). None when the device tier has no room for them."""
         host = [ref for ref in hit.blocks if ref.tier != "device"]
+        moved = iter(())
         if host:
-            if self.pool.swap_in(host) is None:
+            new_ids = self.pool.swap_in(host)
+            if new_ids is None:
                 return None
-            hit.blocks = self.pool.refresh(hit)
-        return [ref.block_id for ref in hit.blocks]
+            moved = iter(new_ids)
+        return [ref.block_id if ref.tier == "device" else next(moved) for ref in hit.blocks]
 
     def _decode_batch(self) -> ScheduledBatch:
         bs = self.config.block_size

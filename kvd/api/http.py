@@ -1,0 +1,296 @@
+"""The OpenAI-compatible HTTP front door (aiohttp, SSE, orjson).
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming and
+not), ``GET /v1/models``, ``GET /health``, ``GET /metrics``.
+
+Contracts:
+
+- Bad input never reaches the engine: bodies are validated (``schema.py``) and
+  token counts checked before ``generate``; errors are OpenAI-shaped.
+- A client that disconnects cancels its handler (``handler_cancellation``);
+  closing the engine stream aborts the request, which frees its blocks.
+- While draining (SIGTERM), new generation requests get 503; open ones finish.
+- The engine is reached only through :class:`EngineClient`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+import uuid
+from dataclasses import replace
+
+import orjson
+from aiohttp import web
+
+from engine.request import InvalidParam, RequestOutput, SamplingParams
+from kvd.api.schema import ApiError, GenerateRequest, bad, parse_chat, parse_completion
+from kvd.engine_client import EngineClient, EngineDead
+from kvd.metrics import ServerMetrics
+
+log = logging.getLogger("kvd.http")
+
+MAX_BODY_BYTES = 8 * 1024 * 1024
+
+
+class FrontDoor:
+    """State shared by the handlers: the engine client, metrics, drain flag."""
+
+    def __init__(self, client: EngineClient, api_key: str | None = None,
+                 served_model_name: str | None = None) -> None:
+        self.client = client
+        self.api_key = api_key.encode() if api_key else None
+        self.model_name = served_model_name or client.model_name
+        self.metrics = ServerMetrics(client.stats, self.model_name)
+        self.draining = False
+        self.in_flight = 0
+
+    # ------------------------------------------------------------- app
+    def make_app(self) -> web.Application:
+        app = web.Application(client_max_size=MAX_BODY_BYTES,
+                              middlewares=[self._errors_middleware, self._auth_middleware])
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics_handler)
+        return app
+
+    @web.middleware
+    async def _errors_middleware(self, request: web.Request, handler):
+        try:
+            return await handler(request)
+        except ApiError as exc:
+            return json_response(exc.body(), status=exc.status)
+        except web.HTTPException as exc:
+            if exc.status >= 400:
+                kind = "not_found_error" if exc.status == 404 else "invalid_request_error"
+                return json_response(ApiError(exc.status, exc.reason, type=kind).body(), status=exc.status)
+            raise
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise
+        except Exception:
+            log.exception("unhandled error on %s %s", request.method, request.path)
+            return json_response(ApiError(500, "internal server error", type="server_error").body(),
+                                 status=500)
+
+    @web.middleware
+    async def _auth_middleware(self, request: web.Request, handler):
+        if self.api_key is not None and request.path.startswith("/v1/"):
+            header = request.headers.get("Authorization", "")
+            token = header[7:].encode() if header.startswith("Bearer ") else b""
+            if not hmac.compare_digest(token, self.api_key):
+                raise ApiError(401, "invalid or missing API key", type="authentication_error",
+                               code="invalid_api_key")
+        return await handler(request)
+
+    # -------------------------------------------------------- simple routes
+    async def models(self, request: web.Request) -> web.Response:
+        return json_response({"object": "list", "data": [{
+            "id": self.model_name, "object": "model", "created": 0, "owned_by": "kvd",
+            "max_model_len": self.client.max_model_len}]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        if self.draining:
+            return json_response({"status": "draining"}, status=503)
+        return json_response({"status": "ok"})
+
+    async def metrics_handler(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(),
+                            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    # ---------------------------------------------------------- generation
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        endpoint = "chat" if chat else "completions"
+        if self.draining:
+            self.metrics.requests.labels(endpoint, "503").inc()
+            raise ApiError(503, "server is draining; retry on another replica",
+                           type="service_unavailable", code="draining")
+        try:
+            req = (parse_chat if chat else parse_completion)(await read_json(request))
+            prompt_ids, params = self._tokenize(req, chat)
+            req = replace(req, params=params)
+        except ApiError as exc:
+            self.metrics.requests.labels(endpoint, str(exc.status)).inc()
+            raise
+        self.in_flight += 1
+        try:
+            if req.stream:
+                return await self._stream(request, req, prompt_ids, chat, endpoint)
+            return await self._complete(req, prompt_ids, chat, endpoint)
+        finally:
+            self.in_flight -= 1
+
+    def _tokenize(self, req: GenerateRequest, chat: bool) -> tuple[list[int], SamplingParams]:
+        """Prompt token ids and final sampling params (chat's default max_tokens
+        is the rest of the context, as in vLLM). Raises ApiError."""
+        if req.model != self.model_name:
+            raise ApiError(404, f"The model '{req.model}' does not exist; this server serves "
+                           f"'{self.model_name}'", param="model", type="not_found_error",
+                           code="model_not_found")
+        tok = self.client.tokenizer
+        if chat:
+            if not tok.has_chat_template:
+                raise bad("messages", "this model has no chat template; use /v1/completions")
+            try:
+                text = tok.apply_chat_template([{"role": m.role, "content": m.content}
+                                                for m in req.messages], add_generation_prompt=True)
+            except Exception as exc:  # the template's own raise_exception, e.g. bad role order
+                raise bad("messages", f"chat template rejected the messages: {exc}") from None
+            ids = tok.encode(text, add_special_tokens=False)
+        elif req.prompt_ids is not None:
+            ids = list(req.prompt_ids)
+            if any(not 0 <= t < tok.vocab_size for t in ids):
+                raise bad("prompt", f"token ids must be in [0, {tok.vocab_size})")
+        else:
+            ids = tok.encode(req.prompt_text, add_special_tokens=True)
+        params = req.params
+        if not req.max_tokens_given and chat:
+            params = replace(params, max_tokens=max(1, self.client.max_model_len - len(ids)))
+        try:
+            self.client.check_request(len(ids), params)
+        except InvalidParam as exc:
+            raise bad(exc.param, str(exc), code="context_length_exceeded") from None
+        return ids, params
+
+    async def _complete(self, req: GenerateRequest, prompt_ids: list[int], chat: bool,
+                        endpoint: str) -> web.Response:
+        rid = new_id("chatcmpl" if chat else "cmpl")
+        t0 = time.perf_counter()
+        text, last, first_at = [], None, None
+        outputs = self._outputs(rid, prompt_ids, req)
+        try:
+            async for out in outputs:
+                if first_at is None and out.new_token_ids:
+                    first_at = time.perf_counter()
+                text.append(out.text)
+                last = out
+        finally:
+            await outputs.aclose()            # on cancellation: aborts the request now
+        self._observe(endpoint, t0, first_at, last)
+        body = "".join(text)
+        created = int(time.time())
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": body},
+                      "logprobs": None, "finish_reason": last.finish_reason,
+                      "stop_reason": last.stop_reason}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": body, "logprobs": None,
+                      "finish_reason": last.finish_reason, "stop_reason": last.stop_reason}
+            obj = "text_completion"
+        return json_response({"id": rid, "object": obj, "created": created, "model": self.model_name,
+                              "choices": [choice], "usage": usage(last)})
+
+    async def _stream(self, request: web.Request, req: GenerateRequest, prompt_ids: list[int],
+                      chat: bool, endpoint: str) -> web.StreamResponse:
+        rid = new_id("chatcmpl" if chat else "cmpl")
+        t0 = time.perf_counter()
+        outputs = self._outputs(rid, prompt_ids, req)
+        try:
+            return await self._write_stream(request, req, outputs, rid, chat, endpoint, t0)
+        finally:
+            await outputs.aclose()            # on disconnect: aborts the request now
+
+    async def _write_stream(self, request, req, outputs, rid, chat, endpoint, t0):
+        created = int(time.time())
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        # pull the first output before committing to a 200: an engine-side
+        # rejection can then still become a proper error status
+        first = await anext(outputs)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+
+        def chunk(delta_text: str | None, finish: str | None, stop_reason=None, role: bool = False) -> bytes:
+            if chat:
+                delta = {"role": "assistant", "content": ""} if role else {"content": delta_text}
+                if finish is not None and delta_text == "":
+                    delta = {}
+                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": delta_text, "logprobs": None, "finish_reason": finish}
+            if finish is not None:
+                choice["stop_reason"] = stop_reason
+            return sse({"id": rid, "object": obj, "created": created, "model": self.model_name,
+                        "choices": [choice]})
+
+        first_at, last = None, None
+        if chat:
+            await resp.write(chunk(None, None, role=True))
+        out = first
+        while out is not None:
+            if first_at is None and out.new_token_ids:
+                first_at = time.perf_counter()
+            last = out
+            if out.text or out.finished:
+                await resp.write(chunk(out.text, out.finish_reason if out.finished else None,
+                                       out.stop_reason))
+            out = await anext(outputs, None)
+        if req.include_usage:
+            await resp.write(sse({"id": rid, "object": obj, "created": created,
+                                  "model": self.model_name, "choices": [], "usage": usage(last)}))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        self._observe(endpoint, t0, first_at, last)
+        return resp
+
+    async def _outputs(self, rid: str, prompt_ids: list[int], req: GenerateRequest):
+        """Engine outputs for one request; engine-side rejections become ApiErrors."""
+        try:
+            async for out in self.client.generate(rid, prompt_ids, req.params):
+                if out.error is not None:
+                    raise bad(None, out.error)
+                yield out
+        except EngineDead as exc:
+            raise ApiError(503, str(exc), type="service_unavailable", code="engine_dead") from None
+
+    def _observe(self, endpoint: str, t0: float, first_at: float | None, last: RequestOutput | None) -> None:
+        now = time.perf_counter()
+        self.metrics.requests.labels(endpoint, "200").inc()
+        self.metrics.e2e.observe(now - t0)
+        if first_at is not None:
+            self.metrics.ttft.observe(first_at - t0)
+            if last is not None and last.num_output_tokens > 1:
+                self.metrics.tpot.observe((now - first_at) / (last.num_output_tokens - 1))
+
+
+def usage(out: RequestOutput | None) -> dict:
+    p = out.num_prompt_tokens if out else 0
+    c = out.num_output_tokens if out else 0
+    cached = out.num_cached_tokens if out else 0
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def sse(obj: dict) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+def json_response(obj: dict, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json")
+
+
+async def read_json(request: web.Request):
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise ApiError(413, f"request body exceeds {MAX_BODY_BYTES} bytes") from None
+    if not raw:
+        raise bad(None, "request body is empty; expected a JSON object")
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise bad(None, f"request body is not valid JSON: {exc}", code="invalid_json") from None

@@ -1,0 +1,208 @@
+"""Validation of OpenAI request bodies into typed requests.
+
+Every rule raises :class:`ApiError` carrying OpenAI's error shape
+(``{"error": {"message", "type", "param", "code"}}``) and an HTTP status, so a
+bad body never reaches the engine. Unknown fields are ignored, as vLLM does;
+known fields with the wrong type or range are rejected.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from engine.request import InvalidParam, SamplingParams
+
+MAX_STOP = 16
+
+
+class ApiError(Exception):
+    """An error for the client, in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type: str = "invalid_request_error", code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type,
+                          "param": self.param, "code": self.code}}
+
+
+def bad(param: str | None, message: str, code: str = "invalid_value") -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """A validated completion or chat request. Exactly one of prompt/messages is set."""
+
+    model: str
+    params: SamplingParams
+    max_tokens_given: bool
+    stream: bool
+    include_usage: bool
+    prompt_text: str | None = None
+    prompt_ids: tuple[int, ...] | None = None
+    messages: tuple[ChatMessage, ...] | None = None
+
+
+def _get(body: dict, name: str, types: type | tuple, default: Any = None, nullable: bool = True) -> Any:
+    if name not in body or (body[name] is None and nullable):
+        return default
+    value = body[name]
+    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+        raise bad(name, f"'{name}' must be of type {_tname(types)}, got a boolean", "invalid_type")
+    if not isinstance(value, types):
+        raise bad(name, f"'{name}' must be of type {_tname(types)}, got {type(value).__name__}",
+                  "invalid_type")
+    return value
+
+
+def _tname(types: type | tuple) -> str:
+    ts = types if isinstance(types, tuple) else (types,)
+    names = {int: "integer", float: "number", str: "string", bool: "boolean", list: "array", dict: "object"}
+    return " or ".join(dict.fromkeys(names.get(t, t.__name__) for t in ts))
+
+
+def _sampling(body: dict, default_max_tokens: int | None) -> tuple[SamplingParams, bool]:
+    n = _get(body, "n", int, 1)
+    if n != 1:
+        raise bad("n", "only n=1 is supported")
+    if _get(body, "best_of", int, 1) != 1:
+        raise bad("best_of", "only best_of=1 is supported")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if _get(body, name, (int, float), 0) != 0:
+            raise bad(name, f"'{name}' is not supported; leave it at 0")
+    if _get(body, "logprobs", (bool, int), None) not in (None, False, 0):
+        raise bad("logprobs", "logprobs are not supported yet")
+    if _get(body, "echo", bool, False):
+        raise bad("echo", "echo is not supported")
+    max_tokens = _get(body, "max_completion_tokens", int, None)
+    max_tokens = _get(body, "max_tokens", int, max_tokens)
+    given = max_tokens is not None
+    if given and max_tokens < 1:
+        raise bad("max_tokens", f"max_tokens must be at least 1, got {max_tokens}")
+    stop = _get(body, "stop", (str, list), None)
+    if isinstance(stop, str):
+        stop = [stop]
+    stop = stop or []
+    if len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop):
+        raise bad("stop", f"stop must be a non-empty string or a list of up to {MAX_STOP} non-empty strings")
+    stop_ids = _get(body, "stop_token_ids", list, [])
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
+        raise bad("stop_token_ids", "stop_token_ids must be a list of integers", "invalid_type")
+    try:
+        params = SamplingParams(
+            max_tokens=max_tokens if given else (default_max_tokens or 16),
+            temperature=float(_get(body, "temperature", (int, float), 1.0)),
+            top_p=float(_get(body, "top_p", (int, float), 1.0)),
+            top_k=_get(body, "top_k", int, 0),
+            seed=_get(body, "seed", int, None),
+            stop=tuple(stop),
+            stop_token_ids=tuple(stop_ids),
+            ignore_eos=_get(body, "ignore_eos", bool, False),
+            min_tokens=_get(body, "min_tokens", int, 0),
+        )
+    except InvalidParam as exc:
+        raise bad(exc.param, str(exc)) from None
+    return params, given
+
+
+def _stream(body: dict) -> tuple[bool, bool]:
+    stream = _get(body, "stream", bool, False)
+    opts = _get(body, "stream_options", dict, None)
+    include_usage = False
+    if opts is not None:
+        if not stream:
+            raise bad("stream_options", "stream_options is only allowed when stream is true")
+        include_usage = _get(opts, "include_usage", bool, False)
+    return stream, include_usage
+
+
+def _model(body: dict) -> str:
+    model = _get(body, "model", str, None)
+    if not model:
+        raise bad("model", "'model' is required", "missing_required_parameter")
+    return model
+
+
+def parse_completion(body: Any) -> GenerateRequest:
+    """POST /v1/completions body -> GenerateRequest."""
+    if not isinstance(body, dict):
+        raise bad(None, "request body must be a JSON object")
+    model = _model(body)
+    if "prompt" not in body or body["prompt"] is None:
+        raise bad("prompt", "'prompt' is required", "missing_required_parameter")
+    prompt = body["prompt"]
+    text, ids = None, None
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]                                 # a batch of one
+    if isinstance(prompt, str):
+        if not prompt:
+            raise bad("prompt", "prompt must not be empty")
+        text = prompt
+    elif isinstance(prompt, list) and prompt and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        ids = tuple(prompt)
+    elif isinstance(prompt, list) and not prompt:
+        raise bad("prompt", "prompt must not be empty")
+    elif isinstance(prompt, list):
+        raise bad("prompt", "prompt must be a string, a list of token ids, or a list holding one "
+                  "of those; batched prompts are not supported", "invalid_type")
+    else:
+        raise bad("prompt", "prompt must be a string or a list of token ids", "invalid_type")
+    params, given = _sampling(body, default_max_tokens=16)
+    stream, include_usage = _stream(body)
+    return GenerateRequest(model=model, params=params, max_tokens_given=given, stream=stream,
+                           include_usage=include_usage, prompt_text=text, prompt_ids=ids)
+
+
+ROLES = ("system", "user", "assistant", "developer", "tool")
+
+
+def parse_chat(body: Any) -> GenerateRequest:
+    """POST /v1/chat/completions body -> GenerateRequest (max_tokens defaults to the rest of the context)."""
+    if not isinstance(body, dict):
+        raise bad(None, "request body must be a JSON object")
+    model = _model(body)
+    raw = _get(body, "messages", list, None)
+    if raw is None:
+        raise bad("messages", "'messages' is required", "missing_required_parameter")
+    if not raw:
+        raise bad("messages", "messages must contain at least one message")
+    messages = []
+    for i, m in enumerate(raw):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad(where, f"{where} must be an object", "invalid_type")
+        role = m.get("role")
+        if role not in ROLES:
+            raise bad(f"{where}.role", f"{where}.role must be one of {', '.join(ROLES)}")
+        messages.append(ChatMessage(role="system" if role == "developer" else role,
+                                    content=_content(m.get("content"), f"{where}.content")))
+    params, given = _sampling(body, default_max_tokens=None)
+    stream, include_usage = _stream(body)
+    return GenerateRequest(model=model, params=params, max_tokens_given=given, stream=stream,
+                           include_usage=include_usage, messages=tuple(messages))
+
+
+def _content(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if content is None:
+        return ""
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad(where, f"{where}: only text content parts are supported", "invalid_type")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise bad(where, f"{where} must be a string or a list of text parts", "invalid_type")

@@ -1,0 +1,621 @@
+"""The kvd wire protocol: typed messages as a JSON header plus raw tensor frames.
+
+A message on the wire (vLLM v1 serial_utils style — nothing is ever pickled)::
+
+    header (orjson) = {"type": "KVData", "v": 1, "id": "t-17", "deadline": 1.7e9,
+                       ...the message's own fields...,
+                       "frames": [{"dtype": "bfloat16", "shape": [2, 16, 64]}, ...]}
+    frames          = [raw bytes of tensor 0, raw bytes of tensor 1, ...]
+
+Each message type is a frozen dataclass registered by its class name. Fields
+are checked against their annotations (and each class's `_check` for ranges)
+when a message is built, so a message that exists is valid; `decode` builds
+messages the same way and turns *every* problem — bad JSON, unknown type,
+wrong version, oversized header or frames, a frame whose size disagrees with
+its (dtype, shape) — into a `ProtocolError` value with a `reason` code for
+metrics. `decode` never raises: a daemon loop counts the error and goes on.
+
+This module imports no torch: tensors travel as `RawTensor` (dtype name,
+shape, buffer) and become torch views, without a copy, in `RawTensor.to_torch`.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import time
+import types
+import typing
+import warnings
+from collections.abc import Awaitable, Callable
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, ClassVar
+
+import orjson
+
+from transports.base import Connection, Incoming, Listener, TransportClosed, TransportError, as_buffer
+
+log = logging.getLogger(__name__)
+
+PROTOCOL_VERSION = 1
+
+# Allow-list of tensor dtypes (name -> bytes per element). Names are torch's.
+DTYPES: dict[str, int] = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
+    "float8_e4m3fn": 1, "float8_e5m2": 1,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
+}
+
+# Reason codes a ProtocolError may carry (the label set of a metrics counter).
+REASONS = frozenset({
+    "header_too_large", "bad_json", "not_object", "bad_version", "unknown_type",
+    "missing_field", "unknown_field", "invalid_field", "too_many_frames",
+    "frame_mismatch", "bad_frame", "bad_dtype", "bad_shape", "frame_too_large",
+    "size_mismatch", "unexpected_frames", "internal",
+})
+_RESERVED = ("type", "v", "frames")
+
+
+@dataclass(frozen=True, slots=True)
+class ProtocolLimits:
+    """What `decode` accepts. A 1 MiB header holds a ~128k-token prompt as JSON
+    (a 64 KiB cap would stop prompts near 10k tokens); KV travels in frames."""
+
+    max_header_bytes: int = 1 << 20
+    max_frames: int = 256
+    max_frame_bytes: int = 1 << 30
+    max_total_frame_bytes: int = 4 << 30
+    max_ndim: int = 8
+
+    def __post_init__(self) -> None:
+        if min(self.max_header_bytes, self.max_frames, self.max_frame_bytes,
+               self.max_total_frame_bytes, self.max_ndim) <= 0:
+            raise ValueError("protocol limits must be > 0")
+
+
+DEFAULT_LIMITS = ProtocolLimits()
+
+
+@dataclass(frozen=True, slots=True)
+class ProtocolError:
+    """A rejected message, as a value. `type`/`id` are filled when readable."""
+
+    reason: str
+    detail: str
+    type: str | None = None
+    id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RawTensor:
+    """A tensor as it travels: dtype name, shape, and its raw bytes (C order)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: memoryview
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPES[self.dtype]
+
+    @classmethod
+    def from_torch(cls, tensor: Any) -> "RawTensor":
+        """View a CPU tensor's bytes (copies only if it is not contiguous)."""
+        name = str(tensor.dtype).removeprefix("torch.")
+        if name not in DTYPES:
+            raise ValueError(f"dtype {name} is not allowed on the wire")
+        return cls(name, tuple(tensor.shape), as_buffer(tensor))
+
+    def to_torch(self) -> Any:
+        """A torch tensor sharing memory with the received frame (no copy).
+
+        Frames from zmq are read-only: do not write to the result; `.clone()`
+        it to own a writable copy.
+        """
+        import torch  # noqa: PLC0415 -- the coordinator never calls this
+
+        if self.nbytes == 0:
+            return torch.empty(self.shape, dtype=getattr(torch, self.dtype))
+        with warnings.catch_warnings():  # frombuffer warns on read-only buffers
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(self.data, dtype=torch.uint8)
+        return flat.view(getattr(torch, self.dtype)).view(self.shape)
+
+
+# ─── field checking by annotation ────────────────────────────────────────────
+
+Checker = Callable[[Any], Any]
+
+
+def _fail(what: str, value: Any) -> typing.NoReturn:
+    raise ValueError(f"expected {what}, got {type(value).__name__}")
+
+
+def _check_int(v: Any) -> int:
+    return v if type(v) is int else _fail("int", v)  # bool is not an int here
+
+
+def _check_float(v: Any) -> float:
+    if type(v) is float or type(v) is int:
+        if math.isfinite(v):
+            return float(v)
+    return _fail("finite number", v)
+
+
+def _check_str(v: Any) -> str:
+    return v if type(v) is str else _fail("str", v)
+
+
+def _check_bool(v: Any) -> bool:
+    return v if type(v) is bool else _fail("bool", v)
+
+
+def _json_value(v: Any) -> Any:
+    return v  # orjson produced it, or the caller built it; orjson.dumps re-checks on encode
+
+
+_SCALARS: dict[Any, Checker] = {int: _check_int, float: _check_float, str: _check_str,
+                                bool: _check_bool, Any: _json_value}
+
+
+def _checker(tp: Any) -> Checker:
+    """Compile an annotation into a function that validates (and freezes) a value."""
+    if tp in _SCALARS:
+        return _SCALARS[tp]
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in args if a is not type(None)]
+        check = _checker(inner[0]) if len(inner) == 1 else _json_value
+        return lambda v: None if v is None else check(v)
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+        elem = _checker(args[0])
+        if elem is _check_int:  # hot path: token id lists
+            def check_ints(v: Any) -> tuple[int, ...]:
+                if isinstance(v, (list, tuple)) and all(type(x) is int for x in v):
+                    return tuple(v)
+                return _fail("list of int", v)
+            return check_ints
+        def check_tuple(v: Any) -> tuple[Any, ...]:
+            return tuple(elem(x) for x in v) if isinstance(v, (list, tuple)) else _fail("list", v)
+        return check_tuple
+    if origin is dict:
+        value = _checker(args[1])
+        def check_dict(v: Any) -> dict[str, Any]:
+            if not isinstance(v, dict):
+                _fail("object", v)
+            return {_check_str(k): value(x) for k, x in v.items()}
+        return check_dict
+    raise TypeError(f"unsupported field annotation {tp!r}")
+
+
+# ─── messages ────────────────────────────────────────────────────────────────
+
+MESSAGE_TYPES: dict[str, type["Message"]] = {}  # filled once, at import, by @message
+
+
+@dataclass(frozen=True, kw_only=True)
+class Message:
+    """Base of all wire messages: `id` correlates request and reply; `deadline`
+    (unix seconds) tells the receiver when the sender stops caring."""
+
+    TYPE: ClassVar[str] = ""
+    FRAMES_FIELD: ClassVar[str | None] = None  # the field carrying tensor frames
+    _CHECKERS: ClassVar[dict[str, Checker]] = {}
+    _REQUIRED: ClassVar[frozenset[str]] = frozenset()
+
+    id: str = ""
+    deadline: float | None = None
+
+    def __post_init__(self) -> None:
+        for name, check in self._CHECKERS.items():
+            object.__setattr__(self, name, check(getattr(self, name)))
+        if self.FRAMES_FIELD is not None:
+            tensors = tuple(t if isinstance(t, RawTensor) else RawTensor.from_torch(t)
+                            for t in getattr(self, self.FRAMES_FIELD))
+            object.__setattr__(self, self.FRAMES_FIELD, tensors)
+        self._check()
+
+    def _check(self) -> None:
+        """Range and cross-field checks; raise ValueError. Override per type."""
+
+    def expired(self, now: float | None = None) -> bool:
+        return self.deadline is not None and (time.time() if now is None else now) > self.deadline
+
+
+def message(cls: type[Message]) -> type[Message]:
+    """Register a message class by name and compile its field checkers."""
+    hints = typing.get_type_hints(cls)
+    cls.TYPE = cls.__name__
+    cls._CHECKERS = {f.name: _checker(hints[f.name]) for f in fields(cls)
+                     if f.name != cls.FRAMES_FIELD}
+    cls._REQUIRED = frozenset(f.name for f in fields(cls)
+                              if f.default is MISSING and f.default_factory is MISSING)
+    MESSAGE_TYPES[cls.TYPE] = cls
+    return cls
+
+
+TIERS = ("gpu", "cpu", "disk")  # memory tiers, fastest first
+FINISH_REASONS = ("stop", "length", "abort", "error")
+# Sampling keys a GenerateRequest may carry: key -> (checker, valid?)
+SAMPLING_PARAMS: dict[str, tuple[Checker, Callable[[Any], bool]]] = {
+    "temperature": (_check_float, lambda v: v >= 0),
+    "top_p": (_check_float, lambda v: 0 < v <= 1),
+    "top_k": (_check_int, lambda v: v >= -1),
+    "min_p": (_check_float, lambda v: 0 <= v <= 1),
+    "max_tokens": (_check_int, lambda v: v >= 1),
+    "min_tokens": (_check_int, lambda v: v >= 0),
+    "seed": (_check_int, lambda v: True),
+    "presence_penalty": (_check_float, lambda v: -2 <= v <= 2),
+    "frequency_penalty": (_check_float, lambda v: -2 <= v <= 2),
+    "repetition_penalty": (_check_float, lambda v: v > 0),
+    "ignore_eos": (_check_bool, lambda v: True),
+    "stop_token_ids": (_checker(tuple[int, ...]), lambda v: all(t >= 0 for t in v)),
+    "logprobs": (_check_int, lambda v: 0 <= v <= 20),
+}
+
+
+def _require(ok: bool, what: str) -> None:
+    if not ok:
+        raise ValueError(what)
+
+
+def _tiers_ok(blocks: dict[str, int]) -> bool:
+    return all(t in TIERS and n >= 0 for t, n in blocks.items())
+
+
+@message
+@dataclass(frozen=True, kw_only=True)
+class Hello(Message):
+    """Node -> coordinator registration."""
+
+    node: str
+    address: str                       # transport URL the node listens on
+    capabilities: tuple[str, ...] = ()  # e.g. "prefill", "decode", "ucx"
+    blocks_per_tier: dict[str, int]    # KV blocks per tier ("gpu", "cpu", "disk")
+    block_size: int                    # tokens per KV block
+
+    def _check(self) -> None:
+        _require(bool(self.node) and bool(self.address), "node and address must be set")
+        _require(_tiers_ok(self.blocks_per_tier), f"tiers must be in {TIERS}, counts >= 0")
+        _require(self.block_size > 0, "block_size must be > 0")
+
+
+@message
+@dataclass(frozen=True, kw_only=True)
+class Welcome(Message):
+    """Coordinator -> node: accepted (or not), and how to behave."""
+
+    node: str
+    accepted: bool
+    reason: str = ""
+    heartbeat_interval: float = 1.0
+    replica_peer: str | None = None    # where this node streams its KV replicas
+
+    def _check(self) -> None:
+        _require(self.heartbeat_interval > 0, "heartbeat_interval must be > 0")
+
+
+@message
+@dataclass(frozen=True, kw_only=True)
+class Heartbeat(Message):
+    """Node -> coordinator, every interval; a missed deadline declares the node dead."""
+
+    node: str
+    seq: int
+    load: float                        # 0..1, fraction of decode capacity in use
+    running: int
+    waiting: int
+    free_blocks: dict[str, int]
+    cached_prefixes: tuple[str, ...] = ()  # hashes of cached prefix blocks (summary)
+    replicated: dict[str, int] = field(default_factory=dict)  # request id -> last replicated step
+
+    def _check(self) -> None:
+        _require(self.seq >= 0 and self.running >= 0 and self.waiting >= 0, "counts must be >= 0")
+        _require(self.load >= 0, "load must be >= 0")
+        _require(_tiers_ok(self.free_blocks), f"tiers must be in {TIERS}, counts >= 0")
+
+
+@message
+@dataclass(frozen=True, kw_only=True)
+class GenerateRequest(Message):
+    """Coordinator -> node. `output_token_ids` resumes a recovered request."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: dict[str, Any] = field(default_factory=dict)
+    output_token_ids: tuple[int, ...] = ()
+
+    def _check(self) -> None:
+        _require(bool(self.request_id), "request_id must be set")
+        _require(len(self.prompt_token_ids) > 0, "prompt must not be empty")
+        _require(all(t >= 0 for t in self.prompt_token_ids), "token ids must be >= 0")
+        checked = {}
+        for key, value in self.sampling.items():
+            if key not in SAMPLING_PARAMS:
+                raise ValueError(f"unknown sampling parameter {key!r}")
+            check, valid = SAMPLING_PARAMS[key]
+            checked[key] = check(value)
+            _require(valid(checked[key]), f"sampling parameter {key} out of range")
+        object.__setattr__(self, "sampling", checked)
+
+
+@message
+@dataclass(frozen=True, kw_only=True)
+class TokenChunk(Message):
+    """Node -> coordinator: tokens [start_index, start_index + len(token_ids))."""
+
+    request_id: str
+    start_index: int
+    token_ids: tuple[int, ...]
+    text: str = ""
+    finish_reason: str | None = None
+    usage: dict[str, int] | None = None  # prompt_tokens, completion_tokens, cached_tokens
+
+    def _check(self) -> None:
+        _require(self.start_index >= 0, "start_index must be >= 0")
+        _require(self.finish_reason in (None, *FINISH_REASONS), f"finish_reason in {FINISH_REASONS}")
+
+    @property
+    def indices(self) -> range:
+        return range(self.start_index, self.start_index + len(self.token_ids))
+
+
+@message
+@dataclass(frozen=True, kw_only=True)
+class Abort(Message):
+    request_id: str
+    reason: str = ""
+
+
+@message
+@dataclass(frozen=True, kw_only=True)
+class Error(Message):
+    """A failed request. `code` is a ProtocolError reason or a handler's code."""
+
+    code: str
+    message: str = ""
+    request_id: str | None = None
+
+
+@message
+@dataclass(frozen=True, kw_only=True)
+class KVTransferRequest(Message):
+    """MemServe transfer, step 1 (allocation): sender asks the receiver for blocks.
+
+    Steps: KVTransferRequest -> KVAllocReply (block ids) -> KVData... (the
+    last with last=True) -> KVAck (inserted into the receiver's index).
+    """
+
+    transfer_id: str
+    request_id: str | None = None
+    src_node: str
+    dst_node: str
+    token_ids: tuple[int, ...]         # the tokens whose KV moves (the radix key)
+    num_blocks: int
+    num_layers: int
+    dtype: str
+    purpose: str = "migrate"           # migrate | replicate | prefill
+
+    def _check(self) -> None:
+        _require(self.num_blocks > 0 and self.num_layers > 0, "num_blocks, num_layers must be > 0")
+        _require(self.dtype in DTYPES, f"dtype must be in {sorted(DTYPES)}")
+        _require(self.purpose in ("migrate", "replicate", "prefill"), "unknown purpose")
+
+
+@message
+@dataclass(frozen=True, kw_only=True)
+class KVAllocReply(Message):
+    transfer_id: str
+    ok: bool
+    block_ids: tuple[int, ...] = ()
+    reason: str = ""
+
+
+@message
+@dataclass(frozen=True, kw_only=True)
+class KVData(Message):
+    """MemServe step 2 (transmission): KV of layers [layer_start, layer_end) for
+    `block_ids`, one tensor frame per (layer, K|V) or an aggregated block."""
+
+    FRAMES_FIELD: ClassVar[str | None] = "tensors"
+
+    transfer_id: str
+    seq: int = 0
+    layer_start: int = 0
+    layer_end: int = 0
+    block_ids: tuple[int, ...] = ()
+    last: bool = False
+    tensors: tuple[Any, ...] = ()      # RawTensor, or torch tensors (viewed, not copied)
+
+    def _check(self) -> None:
+        _require(0 <= self.layer_start <= self.layer_end, "need 0 <= layer_start <= layer_end")
+        _require(self.seq >= 0, "seq must be >= 0")
+
+    def as_torch(self) -> tuple[Any, ...]:
+        return tuple(t.to_torch() for t in self.tensors)
+
+
+@message
+@dataclass(frozen=True, kw_only=True)
+class KVAck(Message):
+    """MemServe step 3 (insertion): the receiver indexed the KV (or failed)."""
+
+    transfer_id: str
+    ok: bool
+    inserted_tokens: int = 0
+    reason: str = ""
+
+
+@message
+@dataclass(frozen=True, kw_only=True)
+class AdminCommand(Message):
+    command: str
+    args: dict[str, Any] = field(default_factory=dict)
+
+
+@message
+@dataclass(frozen=True, kw_only=True)
+class AdminReply(Message):
+    ok: bool
+    result: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+
+# ─── encode / decode ─────────────────────────────────────────────────────────
+
+
+def encode(msg: Message) -> tuple[bytes, list[memoryview]]:
+    """(header bytes, frames) for `msg`; frames are views, not copies."""
+    body: dict[str, Any] = {"type": msg.TYPE, "v": PROTOCOL_VERSION}
+    frames: list[memoryview] = []
+    for f in fields(msg):
+        value = getattr(msg, f.name)
+        if f.name == msg.FRAMES_FIELD:
+            body["frames"] = [{"dtype": t.dtype, "shape": t.shape} for t in value]
+            frames = [t.data for t in value]
+        elif value is not None or f.name in msg._REQUIRED:
+            body[f.name] = value
+    return orjson.dumps(body), frames
+
+
+def decode(header: bytes, frames: list[Any], limits: ProtocolLimits = DEFAULT_LIMITS
+           ) -> Message | ProtocolError:
+    """Parse and validate one message. Never raises; see ProtocolError.reason."""
+    try:
+        return _decode(header, frames, limits)
+    except Exception as e:  # noqa: BLE001 -- a decode bug must not kill a daemon loop
+        log.exception("protocol decode failed unexpectedly")
+        return ProtocolError("internal", f"{type(e).__name__}: {e}")
+
+
+def _decode(header: Any, frames: list[Any], limits: ProtocolLimits) -> Message | ProtocolError:
+    if not isinstance(header, (bytes, bytearray, memoryview)):
+        return ProtocolError("not_object", "header must be bytes")
+    if len(header) > limits.max_header_bytes:
+        return ProtocolError("header_too_large", f"{len(header)} > {limits.max_header_bytes} bytes")
+    try:
+        body = orjson.loads(header)
+    except orjson.JSONDecodeError as e:
+        return ProtocolError("bad_json", str(e))
+    if not isinstance(body, dict):
+        return ProtocolError("not_object", "header must be a JSON object")
+    name, msg_id = body.get("type"), body.get("id")
+    err = lambda reason, detail: ProtocolError(  # noqa: E731
+        reason, detail, name if isinstance(name, str) else None,
+        msg_id if isinstance(msg_id, str) else None)
+    if body.get("v") != PROTOCOL_VERSION or type(body.get("v")) is not int:
+        return err("bad_version", f"protocol version {body.get('v')!r}, want {PROTOCOL_VERSION}")
+    cls = MESSAGE_TYPES.get(name) if isinstance(name, str) else None
+    if cls is None:
+        return err("unknown_type", f"unknown message type {name!r}")
+    if not isinstance(frames, (list, tuple)):
+        return err("bad_frame", "frames must be a list")
+    descriptors = body.get("frames", [])
+    if len(frames) > limits.max_frames:
+        return err("too_many_frames", f"{len(frames)} > {limits.max_frames}")
+    if cls.FRAMES_FIELD is None and (frames or descriptors):
+        return err("unexpected_frames", f"{name} carries no frames")
+    if not isinstance(descriptors, list) or len(descriptors) != len(frames):
+        return err("frame_mismatch", "frame descriptors do not match the frames")
+    tensors = []
+    total = 0
+    for i, (desc, frame) in enumerate(zip(descriptors, frames)):
+        tensor = _frame(i, desc, frame, limits, err)
+        if isinstance(tensor, ProtocolError):
+            return tensor
+        total += tensor.nbytes
+        if total > limits.max_total_frame_bytes:
+            return err("frame_too_large", f"frames total over {limits.max_total_frame_bytes} bytes")
+        tensors.append(tensor)
+    kwargs = {k: v for k, v in body.items() if k not in _RESERVED}
+    known = {f.name for f in fields(cls)} - {cls.FRAMES_FIELD}
+    if unknown := kwargs.keys() - known:
+        return err("unknown_field", f"unknown fields {sorted(unknown)}")
+    if missing := cls._REQUIRED - kwargs.keys():
+        return err("missing_field", f"missing fields {sorted(missing)}")
+    if cls.FRAMES_FIELD is not None:
+        kwargs[cls.FRAMES_FIELD] = tuple(tensors)
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as e:
+        return err("invalid_field", str(e))
+
+
+def _frame(i: int, desc: Any, frame: Any, limits: ProtocolLimits,
+           err: Callable[[str, str], ProtocolError]) -> RawTensor | ProtocolError:
+    if not isinstance(desc, dict) or desc.keys() != {"dtype", "shape"}:
+        return err("frame_mismatch", f"frame {i}: descriptor must be {{dtype, shape}}")
+    dtype, shape = desc["dtype"], desc["shape"]
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        return err("bad_dtype", f"frame {i}: dtype {dtype!r} not allowed")
+    if (not isinstance(shape, list) or len(shape) > limits.max_ndim
+            or not all(type(d) is int and d >= 0 for d in shape)):
+        return err("bad_shape", f"frame {i}: bad shape {shape!r}")
+    try:
+        data = memoryview(frame)
+        data = data if (data.format == "B" and data.ndim == 1) else data.cast("B")
+    except (TypeError, ValueError) as e:
+        return err("bad_frame", f"frame {i}: not a contiguous buffer ({e})")
+    nbytes = math.prod(shape) * DTYPES[dtype]
+    if nbytes > limits.max_frame_bytes or data.nbytes > limits.max_frame_bytes:
+        return err("frame_too_large", f"frame {i}: over {limits.max_frame_bytes} bytes")
+    if data.nbytes != nbytes:
+        return err("size_mismatch", f"frame {i}: {data.nbytes} bytes for {dtype}{shape}")
+    return RawTensor(dtype, tuple(shape), data)
+
+
+# ─── over a transport ────────────────────────────────────────────────────────
+
+
+async def call(conn: Connection, msg: Message, *, timeout: float | None = None,
+               limits: ProtocolLimits = DEFAULT_LIMITS) -> Message | ProtocolError:
+    """Send `msg` as a request and decode the reply.
+
+    The wait ends at `timeout`, else at `msg.deadline`, else at the
+    connection's request_timeout. Transport failures raise TransportError
+    (RequestTimeout included); a reply that does not decode is a ProtocolError.
+    """
+    if timeout is None and msg.deadline is not None:
+        timeout = max(0.0, msg.deadline - time.time())
+    header, frames = encode(msg)
+    reply = await conn.request(header, frames, timeout=timeout)
+    return decode(reply.header, reply.frames, limits)
+
+
+Handler = Callable[[Message, Incoming], Awaitable[Message | None]]
+
+
+async def serve(listener: Listener, handle: Handler, *, limits: ProtocolLimits = DEFAULT_LIMITS,
+                rejected: collections.Counter[str] | None = None) -> None:
+    """Decode and dispatch messages until the listener closes.
+
+    Bad messages are counted in `rejected[reason]`, logged (peer and reason
+    only), answered with an Error when the sender awaits a reply, and
+    skipped; expired requests get Error("deadline_exceeded"). `handle` runs
+    inline — it should hand long work to an owned task — and its returned
+    message, if any, is the reply. A peer that left before its reply is
+    logged, not fatal.
+    """
+    rejected = collections.Counter() if rejected is None else rejected
+    while True:
+        try:
+            incoming = await listener.recv()
+        except TransportClosed:
+            return
+        msg = decode(incoming.header, incoming.frames, limits)
+        if isinstance(msg, ProtocolError):
+            rejected[msg.reason] += 1
+            log.warning("rejected %s from peer %s: %s", msg.type or "message",
+                        incoming.peer.hex(), msg.reason)
+            reply: Message | None = Error(id=msg.id or "", code=msg.reason, message=msg.detail)
+        elif msg.expired():
+            rejected["deadline_exceeded"] += 1
+            reply = Error(id=msg.id, code="deadline_exceeded", message="deadline passed on arrival")
+        else:
+            reply = await handle(msg, incoming)
+        if reply is not None and incoming.request_id:
+            try:
+                await listener.reply(incoming, *encode(reply))
+            except TransportError as e:
+                log.info("reply to peer %s not delivered: %s", incoming.peer.hex(), e)
