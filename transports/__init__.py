@@ -1,0 +1,89 @@
+"""Pluggable transports, selected by URL scheme.
+
+    listener = await transports.listen("zmq+tcp://127.0.0.1:0")
+    conn = await transports.connect(listener.url)
+
+| scheme      | module          | notes                                        |
+|-------------|-----------------|----------------------------------------------|
+| zmq+tcp     | transports.zmq  | default between hosts; optional CURVE        |
+| zmq+ipc     | transports.zmq  | Unix socket, same host                       |
+| ucx         | transports.ucx  | optional extra `[ucx]`, imported lazily      |
+| inproc      | transports.inproc | needs an explicit InprocRegistry           |
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .base import (
+    AuthenticationFailed,
+    Connection,
+    Incoming,
+    Listener,
+    PeerGone,
+    RequestTimeout,
+    TransportClosed,
+    TransportError,
+    TransportOptions,
+    TransportStats,
+)
+from .inproc import InprocRegistry
+
+SCHEMES = ("zmq+tcp", "zmq+ipc", "ucx", "inproc")
+
+
+def _scheme(url: str) -> str:
+    scheme, sep, _ = url.partition("://")
+    if not sep or scheme not in SCHEMES:
+        raise ValueError(f"unsupported transport url {url!r}; schemes: {', '.join(SCHEMES)}")
+    return scheme
+
+
+def _only_zmq(scheme: str, curve: Any) -> None:
+    if curve is not None and not scheme.startswith("zmq+"):
+        raise ValueError(f"CURVE is a ZeroMQ feature; {scheme}:// cannot use it")
+
+
+async def listen(url: str, *, options: TransportOptions | None = None,
+                 registry: InprocRegistry | None = None, curve: Any = None) -> Listener:
+    """Bind a Listener at `url`. `registry` is required for inproc://,
+    `curve` (a transports.zmq.CurveServer) is accepted for zmq+* only."""
+    options = options or TransportOptions()
+    scheme = _scheme(url)
+    _only_zmq(scheme, curve)
+    if scheme == "inproc":
+        from . import inproc
+        return await inproc.listen(url[len("inproc://"):], registry=_need(registry), options=options)
+    if scheme == "ucx":
+        from . import ucx
+        return await ucx.listen(url, options=options)
+    from . import zmq
+    return await zmq.listen(url, options=options, curve=curve)
+
+
+async def connect(url: str, *, options: TransportOptions | None = None,
+                  registry: InprocRegistry | None = None, curve: Any = None) -> Connection:
+    """Open a Connection to the listener at `url` (same keywords as `listen`;
+    `curve` is a transports.zmq.CurveClient)."""
+    options = options or TransportOptions()
+    scheme = _scheme(url)
+    _only_zmq(scheme, curve)
+    if scheme == "inproc":
+        from . import inproc
+        return await inproc.connect(url[len("inproc://"):], registry=_need(registry), options=options)
+    if scheme == "ucx":
+        from . import ucx
+        return await ucx.connect(url, options=options)
+    from . import zmq
+    return await zmq.connect(url, options=options, curve=curve)
+
+
+def _need(registry: InprocRegistry | None) -> InprocRegistry:
+    if registry is None:
+        raise ValueError("inproc:// needs an explicit InprocRegistry (registry=...)")
+    return registry
+
+
+__all__ = ["listen", "connect", "SCHEMES", "Listener", "Connection", "Incoming",
+           "TransportOptions", "TransportStats", "TransportError", "TransportClosed",
+           "PeerGone", "AuthenticationFailed", "RequestTimeout", "InprocRegistry"]

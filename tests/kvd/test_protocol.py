@@ -1,0 +1,221 @@
+"""kvd.protocol: typed messages, tensor frames, and decode's error values."""
+
+from __future__ import annotations
+
+import math
+
+import orjson
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvd import protocol as P
+from kvd.protocol import (
+    DTYPES,
+    MESSAGE_TYPES,
+    REASONS,
+    ProtocolError,
+    ProtocolLimits,
+    RawTensor,
+    decode,
+    encode,
+)
+
+EXAMPLES = [
+    P.Hello(id="h", node="n1", address="zmq+tcp://127.0.0.1:5555", capabilities=("decode",),
+            blocks_per_tier={"gpu": 100, "cpu": 400}, block_size=16),
+    P.Welcome(id="h", node="n1", accepted=True, heartbeat_interval=0.5, replica_peer="n2"),
+    P.Heartbeat(node="n1", seq=7, load=0.25, running=3, waiting=1, free_blocks={"gpu": 12},
+                cached_prefixes=("ab12",), replicated={"r1": 40}),
+    P.GenerateRequest(id="g", request_id="r1", prompt_token_ids=(1, 2, 3), deadline=2e9,
+                      sampling={"temperature": 0.0, "max_tokens": 8, "stop_token_ids": [2],
+                                "ignore_eos": False, "seed": 3}),
+    P.TokenChunk(request_id="r1", start_index=4, token_ids=(9, 10), text="hi",
+                 finish_reason="stop", usage={"prompt_tokens": 3, "completion_tokens": 6}),
+    P.Abort(request_id="r1", reason="client left"),
+    P.Error(code="no_capacity", message="full", request_id="r1"),
+    P.KVTransferRequest(transfer_id="t", request_id="r1", src_node="a", dst_node="b",
+                        token_ids=tuple(range(32)), num_blocks=2, num_layers=30, dtype="bfloat16"),
+    P.KVAllocReply(transfer_id="t", ok=True, block_ids=(5, 6)),
+    P.KVData(transfer_id="t", seq=1, layer_start=0, layer_end=2, block_ids=(5, 6), last=True,
+             tensors=(RawTensor("int8", (2, 2), memoryview(b"abcd")),)),
+    P.KVAck(transfer_id="t", ok=True, inserted_tokens=32),
+    P.AdminCommand(command="cache", args={"op": "stats", "verbose": True}),
+    P.AdminReply(ok=True, result={"nodes": [{"name": "n1"}]}),
+]
+
+
+def test_every_registered_type_has_an_example():
+    assert {type(m).TYPE for m in EXAMPLES} == set(MESSAGE_TYPES)
+
+
+@pytest.mark.parametrize("msg", EXAMPLES, ids=lambda m: type(m).__name__)
+def test_round_trip(msg):
+    header, frames = encode(msg)
+    back = decode(header, frames)
+    assert not isinstance(back, ProtocolError), back
+    if isinstance(msg, P.KVData):
+        assert [bytes(t.data) for t in back.tensors] == [bytes(t.data) for t in msg.tensors]
+        assert [(t.dtype, t.shape) for t in back.tensors] == [(t.dtype, t.shape) for t in msg.tensors]
+    else:
+        assert back == msg
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_tensor_frames_decode_to_views_without_copy(dtype):
+    torch_dtype = getattr(torch, dtype)
+    kv = torch.arange(2 * 3 * 4).reshape(2, 3, 4).to(torch_dtype)  # kv: [layers, tokens, dim]
+    header, frames = encode(P.KVData(transfer_id="t", tensors=(kv, kv[:, :1])))
+    assert orjson.loads(header)["frames"][0] == {"dtype": dtype, "shape": [2, 3, 4]}
+    msg = decode(header, frames)
+    whole, sliced = msg.as_torch()
+    assert whole.dtype == torch_dtype and torch.equal(whole, kv) and torch.equal(sliced, kv[:, :1])
+    assert whole.data_ptr() == kv.data_ptr()  # encode and decode shared the memory
+
+
+def test_unpicklable_dtypes_are_refused_at_construction():
+    with pytest.raises(ValueError, match="not allowed"):
+        P.KVData(transfer_id="t", tensors=(torch.zeros(2, dtype=torch.complex64),))
+
+
+def test_empty_tensor_frame():
+    msg = decode(*encode(P.KVData(transfer_id="t", tensors=(torch.zeros(0, 4),))))
+    assert msg.as_torch()[0].shape == (0, 4)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(sampling={"temperature": -1.0}), "out of range"),
+    (dict(sampling={"beam_width": 4}), "unknown sampling"),
+    (dict(sampling={"max_tokens": True}), "int"),
+    (dict(prompt_token_ids=()), "empty"),
+    (dict(prompt_token_ids=(1, -2)), ">= 0"),
+    (dict(prompt_token_ids=(1, 2.0)), "int"),
+    (dict(request_id=""), "request_id"),
+    (dict(deadline=float("nan")), "finite"),
+])
+def test_generate_request_validation(bad, match):
+    fields = dict(request_id="r", prompt_token_ids=(1,)) | bad
+    with pytest.raises(ValueError, match=match):
+        P.GenerateRequest(**fields)
+
+
+def h(**body) -> bytes:
+    return orjson.dumps(body)
+
+
+KV = dict(type="KVData", v=1, transfer_id="t")
+F32x4 = [{"dtype": "float32", "shape": [4]}]
+
+
+@pytest.mark.parametrize("header, frames, reason", [
+    (b"\x00\x01", [], "bad_json"),
+    (b"[]", [], "not_object"),
+    (h(type="Abort", request_id="r"), [], "bad_version"),
+    (h(type="Abort", v=2, request_id="r"), [], "bad_version"),
+    (h(type="Abort", v=True, request_id="r"), [], "bad_version"),
+    (h(type="Pickle", v=1), [], "unknown_type"),
+    (h(type=["Abort"], v=1), [], "unknown_type"),
+    (h(type="Abort", v=1), [], "missing_field"),
+    (h(type="Abort", v=1, request_id="r", extra=1), [], "unknown_field"),
+    (h(type="Abort", v=1, request_id=5), [], "invalid_field"),
+    (h(type="Abort", v=1, request_id="r"), [b"x"], "unexpected_frames"),
+    (h(**KV, frames=F32x4), [], "frame_mismatch"),
+    (h(**KV, frames="nope"), [b""], "frame_mismatch"),
+    (h(**KV, frames=[{"dtype": "float32"}]), [b""], "frame_mismatch"),
+    (h(**KV, frames=[{"dtype": "object", "shape": [1]}]), [b"x"], "bad_dtype"),
+    (h(**KV, frames=[{"dtype": "float32", "shape": [-1]}]), [b""], "bad_shape"),
+    (h(**KV, frames=[{"dtype": "float32", "shape": [1.5]}]), [b""], "bad_shape"),
+    (h(**KV, frames=[{"dtype": "float32", "shape": [1] * 9}]), [b"abcd"], "bad_shape"),
+    (h(**KV, frames=F32x4), [b"x" * 15], "size_mismatch"),
+    (h(**KV, frames=F32x4), [12345], "bad_frame"),
+    (h(**KV, frames=[{"dtype": "uint8", "shape": [1 << 40]}]), [b""], "frame_too_large"),
+])
+def test_bad_messages_are_error_values(header, frames, reason):
+    result = decode(header, frames)
+    assert isinstance(result, ProtocolError) and result.reason == reason, result
+    assert result.reason in REASONS
+
+
+def test_limits_are_configurable():
+    assert decode(b" " * 101, [], ProtocolLimits(max_header_bytes=100)).reason == "header_too_large"
+    limits = ProtocolLimits(max_frames=2, max_frame_bytes=8)
+    frames_3 = h(**KV, frames=[{"dtype": "uint8", "shape": [1]}] * 3)
+    assert decode(frames_3, [b"a"] * 3, limits).reason == "too_many_frames"
+    big = h(**KV, frames=[{"dtype": "uint8", "shape": [9]}])
+    assert decode(big, [b"a" * 9], limits).reason == "frame_too_large"
+    total = ProtocolLimits(max_total_frame_bytes=10)
+    two = h(**KV, frames=[{"dtype": "uint8", "shape": [6]}] * 2)
+    assert decode(two, [b"a" * 6] * 2, total).reason == "frame_too_large"
+
+
+def test_error_keeps_type_and_id_for_the_reply():
+    result = decode(h(type="Abort", v=1, id="q-9"), [])
+    assert (result.reason, result.type, result.id) == ("missing_field", "Abort", "q-9")
+
+
+def test_expired():
+    assert P.Abort(request_id="r", deadline=1.0).expired()
+    assert not P.Abort(request_id="r").expired()
+
+
+# ─── property: nothing raises, every bad message is a reasoned error ─────────
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**63, 2**63 - 1) | st.floats(allow_nan=False)
+    | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12)
+field_names = st.sampled_from(sorted({f for m in EXAMPLES for f in orjson.loads(encode(m)[0])}))
+descriptor = st.fixed_dictionaries({"dtype": st.sampled_from([*DTYPES, "object", 3]),
+                                    "shape": st.lists(st.integers(-2, 6), max_size=3) | json_values})
+
+
+@st.composite
+def mutated_messages(draw):
+    """A valid message, then damaged: fields replaced, dropped, frames and bytes mangled."""
+    header, frames = encode(draw(st.sampled_from(EXAMPLES)))
+    body = orjson.loads(header)
+    for _ in range(draw(st.integers(0, 3))):
+        action = draw(st.sampled_from(["set", "drop", "frames"]))
+        if action == "set":
+            body[draw(field_names)] = draw(json_values)
+        elif action == "drop" and body:
+            body.pop(draw(st.sampled_from(sorted(body))))
+        else:
+            body["frames"] = draw(st.lists(descriptor, max_size=3))
+    raw = orjson.dumps(body)
+    if draw(st.booleans()):
+        raw = raw[: draw(st.integers(0, len(raw)))]  # truncated
+    frames = [bytes(f) for f in frames]
+    if draw(st.booleans()):
+        frames = draw(st.lists(st.binary(max_size=64), max_size=3))
+    return raw, frames
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(mutated_messages())
+def test_decode_never_raises_on_damaged_messages(case):
+    header, frames = case
+    result = decode(header, frames)
+    if isinstance(result, ProtocolError):
+        assert result.reason in REASONS and result.reason != "internal", result
+    else:
+        assert type(result).TYPE in MESSAGE_TYPES
+        # a message that decodes re-encodes to the same meaning
+        again = decode(*encode(result))
+        assert not isinstance(again, ProtocolError)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=256), st.lists(st.binary(max_size=32) | st.integers() | st.none(), max_size=4))
+def test_decode_never_raises_on_garbage(header, frames):
+    result = decode(header, frames)
+    assert isinstance(result, ProtocolError) and result.reason in REASONS
+    assert result.reason != "internal", result
+
+
+def test_floats_on_the_wire_stay_finite():
+    assert math.isinf(float("inf"))
+    with pytest.raises(ValueError):
+        P.Heartbeat(node="n", seq=0, load=float("inf"), running=0, waiting=0, free_blocks={})

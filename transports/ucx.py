@@ -1,0 +1,219 @@
+"""UCX transport (`ucx://host:port`) over the `ucxx` package, an optional extra.
+
+`pip install 'kvd[ucx]'` (ucxx-cu12) brings UCX; on a CPU machine it runs over
+TCP, on a cluster over RDMA/NVLink. ucxx is imported lazily, on first use, so
+the rest of kvd never pays for (or needs) it.
+
+A UCX endpoint is a point-to-point link, so ROUTER semantics are built here:
+the listener gives each accepted endpoint a peer id and one reader task, and
+`send(peer, ...)` picks that endpoint. One message is one `send_multi` of
+`[envelope, header, frame...]`; ucxx receives each buffer into a fresh,
+writable numpy array (no further copy). Sends on one endpoint are serialized
+by a lock so two messages never interleave.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from .base import (
+    KIND_REPLY,
+    Connection,
+    Frame,
+    Incoming,
+    Listener,
+    PeerGone,
+    PeerId,
+    RequestTimeout,
+    TransportClosed,
+    TransportError,
+    TransportOptions,
+    TransportStats,
+    as_buffer,
+    encode_header,
+    pack_envelope,
+    unpack_envelope,
+)
+
+
+def _import_ucxx() -> Any:
+    try:
+        os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+        import ucxx  # noqa: PLC0415 -- optional extra, imported on first use
+    except ImportError as e:
+        raise ImportError(
+            "the ucx:// transport needs the optional 'ucxx' package: "
+            "pip install 'kvd[ucx]' (or ucxx-cu12)") from e
+    return ucxx
+
+
+def _host_port(url: str) -> tuple[str, int]:
+    scheme, sep, rest = url.partition("://")
+    host, _, port = rest.rpartition(":")
+    if scheme != "ucx" or not sep or not host or not port.isdigit():
+        raise ValueError(f"not a ucx url (ucx://host:port): {url!r}")
+    return host, int(port)
+
+
+async def _recv_message(ep: Any) -> tuple[int, int, bytes, list[Any]] | None:
+    """One message from `ep`: (kind, request_id, header, frames), None if malformed."""
+    parts = await ep.recv_multi()
+    env = unpack_envelope(memoryview(parts[0]).cast("B")) if len(parts) >= 2 else None
+    if env is None:
+        return None
+    return env[0], env[1], bytes(parts[1]), [memoryview(p).cast("B") for p in parts[2:]]
+
+
+async def _send_message(ep: Any, lock: asyncio.Lock, kind: int, request_id: int,
+                        header: bytes, frames: list[memoryview]) -> None:
+    async with lock:
+        await ep.send_multi([pack_envelope(kind, request_id), header, *frames])
+
+
+class _Link:
+    """One accepted endpoint on the listener side."""
+
+    def __init__(self, ep: Any) -> None:
+        self.ep = ep
+        self.lock = asyncio.Lock()
+        self.task: asyncio.Task[None] | None = None
+
+
+class UcxListener(Listener):
+    def __init__(self, host: str, port: int, options: TransportOptions) -> None:
+        self.options = options
+        self.stats = TransportStats()
+        self._ucxx = _import_ucxx()
+        self._inbox: asyncio.Queue[Incoming | None] = asyncio.Queue(options.queue_depth)
+        self._links: dict[PeerId, _Link] = {}
+        self._peer_ids = itertools.count(1)
+        self._closed = False
+        self._listener = self._ucxx.create_listener(self._on_endpoint, port=port or None)
+        self.url = f"ucx://{host}:{self._listener.port}"
+
+    async def _on_endpoint(self, ep: Any) -> None:
+        # ucxx keeps the endpoint alive while this callback runs, so the
+        # callback *is* the per-peer reader; it ends when the peer goes.
+        peer = next(self._peer_ids).to_bytes(8, "little")
+        link = _Link(ep)
+        self._links[peer] = link
+        try:
+            while not self._closed:
+                try:
+                    message = await _recv_message(ep)
+                except Exception:  # noqa: BLE001 -- any UCX error ends this peer only
+                    return
+                if message is None:
+                    self.stats.malformed += 1
+                    continue
+                kind, request_id, header, frames = message
+                if kind == KIND_REPLY:
+                    self.stats.malformed += 1
+                    continue
+                await self._inbox.put(Incoming(peer, header, frames, request_id))
+        finally:
+            self._links.pop(peer, None)
+
+    async def recv(self) -> Incoming:
+        if self._closed:
+            raise TransportClosed(self.url)
+        message = await self._inbox.get()
+        if message is None:
+            self._inbox.put_nowait(None)
+            raise TransportClosed(self.url)
+        self.stats.received += 1
+        return message
+
+    async def send(self, peer: PeerId, header: bytes | Mapping[str, Any],
+                   frames: Sequence[Frame] = (), *, request_id: int = 0) -> None:
+        if self._closed:
+            raise TransportClosed(self.url)
+        link = self._links.get(peer)
+        if link is None or link.ep.closed:
+            raise PeerGone(f"peer {peer.hex()} is not connected to {self.url}")
+        kind = KIND_REPLY if request_id else 0
+        try:
+            async with asyncio.timeout(self.options.send_timeout):
+                await _send_message(link.ep, link.lock, kind, request_id, encode_header(header),
+                                    [as_buffer(f) for f in frames])
+        except TimeoutError:
+            raise RequestTimeout(f"send to peer {peer.hex()} blocked") from None
+        except self._ucxx.exceptions.UCXError as e:
+            raise PeerGone(str(e)) from e
+        self.stats.sent += 1
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._listener.close()
+        for link in list(self._links.values()):
+            link.ep.abort()
+        self._links.clear()
+        while not self._inbox.empty():
+            self._inbox.get_nowait()
+        self._inbox.put_nowait(None)
+
+
+class UcxConnection(Connection):
+    def __init__(self, url: str, ep: Any, ucxx: Any, options: TransportOptions) -> None:
+        super().__init__(url, options)
+        self._ep = ep
+        self._ucxx = ucxx
+        self._lock = asyncio.Lock()
+        self._reader = asyncio.create_task(self._read_loop(), name=f"ucx-read {url}")
+
+    async def _send_raw(self, kind: int, request_id: int, header: bytes,
+                        frames: list[memoryview]) -> None:
+        try:
+            await _send_message(self._ep, self._lock, kind, request_id, header, frames)
+        except self._ucxx.exceptions.UCXError as e:
+            raise PeerGone(str(e)) from e
+
+    async def _read_loop(self) -> None:
+        error: TransportError = PeerGone(f"{self.url} disconnected")
+        try:
+            while True:
+                message = await _recv_message(self._ep)
+                if message is None:
+                    self.stats.malformed += 1
+                    continue
+                self._deliver(*message)
+        except asyncio.CancelledError:
+            error = TransportClosed(self.url)
+            raise
+        except Exception:  # noqa: BLE001 -- the link is gone; waiters learn why below
+            pass
+        finally:
+            # UCX links do not reconnect: a lost peer ends this connection.
+            self._shutdown(error)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._shutdown(TransportClosed(self.url))
+        self._reader.cancel()
+        await asyncio.gather(self._reader, return_exceptions=True)
+        self._ep.abort()
+
+
+async def listen(url: str, *, options: TransportOptions) -> UcxListener:
+    host, port = _host_port(url)
+    return UcxListener(host, port, options)
+
+
+async def connect(url: str, *, options: TransportOptions) -> UcxConnection:
+    host, port = _host_port(url)
+    ucxx = _import_ucxx()
+    try:
+        async with asyncio.timeout(options.send_timeout):
+            ep = await ucxx.create_endpoint(host, port)
+    except TimeoutError:
+        raise RequestTimeout(f"connecting to {url} timed out") from None
+    except ucxx.exceptions.UCXError as e:
+        raise PeerGone(f"cannot connect to {url}: {e}") from e
+    return UcxConnection(url, ep, ucxx, options)

@@ -1,0 +1,329 @@
+"""ZeroMQ transport: ROUTER listener, DEALER connections, pyzmq asyncio.
+
+Addresses: `zmq+tcp://host:port` (port 0 picks a free one; `Listener.url`
+holds the bound port) and `zmq+ipc:///path`.
+
+Large frames travel zero-copy: we send with `copy=False` (pyzmq still copies
+frames under its 64 KiB copy threshold, where copying is cheaper than the
+bookkeeping) and receive with `copy=False`, so a received frame is a
+read-only memoryview over libzmq's own message buffer.
+
+CURVE (optional): the listener holds a secret key and a set of allowed client
+public keys, checked by a ZAP handler (`zmq.auth.asyncio.AsyncioAuthenticator`)
+on the listener's own context; a client holds its keypair and the server's
+public key. A peer whose key is wrong or unknown never completes the
+handshake, so nothing it sends reaches `Listener.recv`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.asyncio
+import zmq.auth
+from zmq.auth.asyncio import AsyncioAuthenticator
+from zmq.utils.monitor import parse_monitor_message
+
+from .base import (
+    ENVELOPE,
+    KIND_REPLY,
+    AuthenticationFailed,
+    Connection,
+    Frame,
+    Incoming,
+    Listener,
+    PeerGone,
+    PeerId,
+    RequestTimeout,
+    TransportClosed,
+    TransportOptions,
+    TransportStats,
+    as_buffer,
+    encode_header,
+    pack_envelope,
+    unpack_envelope,
+)
+
+# ─── CURVE keys ──────────────────────────────────────────────────────────────
+
+
+@dataclass(frozen=True, slots=True)
+class CurveServer:
+    """Listener-side CURVE: our keypair and the client public keys we accept (z85)."""
+
+    public_key: bytes
+    secret_key: bytes
+    allowed_clients: frozenset[bytes]
+
+
+@dataclass(frozen=True, slots=True)
+class CurveClient:
+    """Connection-side CURVE: our keypair and the server's public key (z85)."""
+
+    public_key: bytes
+    secret_key: bytes
+    server_key: bytes
+
+
+def generate_keypair(directory: str | os.PathLike[str], name: str) -> tuple[Path, Path]:
+    """Write `name.key` (public) and `name.key_secret` (mode 0600) in ZPL format.
+
+    Returns (public_path, secret_path). Refuses to overwrite an existing secret.
+    The files are readable by `load_keypair` and by `zmq.auth.load_certificate`.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    public, secret = zmq.curve_keypair()
+    stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    banner = f"#   ****  Generated on {stamp} by kvd  ****\n"
+    public_path, secret_path = directory / f"{name}.key", directory / f"{name}.key_secret"
+    public_text = f'{banner}metadata\ncurve\n    public-key = "{public.decode()}"\n'
+    secret_text = public_text + f'    secret-key = "{secret.decode()}"\n'
+    # O_EXCL + mode at creation: the secret is never world-readable, not even briefly.
+    fd = os.open(secret_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secret_text)
+    public_path.write_text(public_text)
+    os.chmod(public_path, 0o644)
+    return public_path, secret_path
+
+
+def load_keypair(path: str | os.PathLike[str]) -> tuple[bytes, bytes | None]:
+    """(public, secret or None) from a key file written by `generate_keypair`."""
+    public, secret = zmq.auth.load_certificate(os.fspath(path))
+    return public, secret
+
+
+def load_public_keys(paths: Iterable[str | os.PathLike[str]]) -> frozenset[bytes]:
+    return frozenset(load_keypair(p)[0] for p in paths)
+
+
+class _AllowList:
+    """ZAP credentials provider: accept exactly the configured client keys."""
+
+    def __init__(self, allowed: frozenset[bytes]) -> None:
+        self.allowed = allowed
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key in self.allowed
+
+
+# ─── addresses ───────────────────────────────────────────────────────────────
+
+
+def zmq_endpoint(url: str) -> str:
+    """`zmq+tcp://h:p` -> `tcp://h:p`; `zmq+ipc:///p` -> `ipc:///p`."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme not in ("zmq+tcp", "zmq+ipc"):
+        raise ValueError(f"not a zmq url: {url!r}")
+    if scheme == "zmq+tcp" and rest.endswith(":0"):
+        rest = rest[:-2] + ":*"  # libzmq's spelling of "any free port"
+    return f"{scheme[4:]}://{rest}"
+
+
+def _frame_buffers(parts: list[zmq.Frame]) -> list[memoryview]:
+    return [p.buffer for p in parts]
+
+
+def _apply_options(sock: zmq.Socket, options: TransportOptions) -> None:
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, options.queue_depth)
+    sock.setsockopt(zmq.RCVHWM, options.queue_depth)
+
+
+# ─── listener ────────────────────────────────────────────────────────────────
+
+
+class ZmqListener(Listener):
+    """A bound ROUTER socket. Owns its context (and ZAP authenticator, if any)."""
+
+    def __init__(self, url: str, options: TransportOptions, curve: CurveServer | None) -> None:
+        self.options = options
+        self.stats = TransportStats()
+        self._ctx = zmq.asyncio.Context()
+        self._auth: AsyncioAuthenticator | None = None
+        self._closed = False
+        sock = self._ctx.socket(zmq.ROUTER)
+        _apply_options(sock, options)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown peer -> EHOSTUNREACH, not silent drop
+        sock.setsockopt(zmq.MAXMSGSIZE, options.max_frame_bytes)
+        if curve is not None:
+            # The ZAP handler must run before bind so no handshake slips past it.
+            self._auth = AsyncioAuthenticator(self._ctx)
+            self._auth.start()
+            self._auth.configure_curve_callback("*", _AllowList(curve.allowed_clients))
+            sock.curve_server = True
+            sock.curve_publickey = curve.public_key
+            sock.curve_secretkey = curve.secret_key
+        try:
+            sock.bind(zmq_endpoint(url))
+        except zmq.ZMQError:
+            sock.close(0)
+            self._teardown_context()
+            raise
+        self._sock = sock
+        bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.url = "zmq+" + bound
+
+    async def recv(self) -> Incoming:
+        while True:
+            if self._closed:
+                raise TransportClosed(self.url)
+            try:
+                parts = await self._sock.recv_multipart(copy=False)
+            except zmq.ZMQError as e:
+                raise TransportClosed(self.url) if self._closed else PeerGone(str(e)) from e
+            except asyncio.CancelledError:
+                # pyzmq cancels a pending recv when close() closes the socket;
+                # only a cancellation of *our* task is passed on as one.
+                task = asyncio.current_task()
+                if self._closed and task is not None and not task.cancelling():
+                    raise TransportClosed(self.url) from None
+                raise
+            # parts: [peer identity, envelope, header, frame...]
+            env = unpack_envelope(parts[1].buffer) if len(parts) >= 3 else None
+            if env is None or env[0] == KIND_REPLY:
+                self.stats.malformed += 1
+                continue
+            self.stats.received += 1
+            return Incoming(parts[0].bytes, parts[2].bytes, _frame_buffers(parts[3:]), env[1])
+
+    async def send(self, peer: PeerId, header: bytes | Mapping[str, Any],
+                   frames: Sequence[Frame] = (), *, request_id: int = 0) -> None:
+        if self._closed:
+            raise TransportClosed(self.url)
+        kind = KIND_REPLY if request_id else 0
+        parts = [peer, pack_envelope(kind, request_id), encode_header(header),
+                 *(as_buffer(f) for f in frames)]
+        try:
+            async with asyncio.timeout(self.options.send_timeout):
+                await self._sock.send_multipart(parts, copy=False)
+        except TimeoutError:
+            raise RequestTimeout(f"send to peer {peer.hex()} blocked") from None
+        except zmq.ZMQError as e:
+            if e.errno == zmq.EHOSTUNREACH:
+                raise PeerGone(f"peer {peer.hex()} is not connected to {self.url}") from None
+            raise PeerGone(str(e)) from e
+        self.stats.sent += 1
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._sock.close(linger=0)
+        self._teardown_context()
+
+    def _teardown_context(self) -> None:
+        if self._auth is not None:
+            self._auth.stop()
+        self._ctx.destroy(linger=0)
+
+
+# ─── connection ──────────────────────────────────────────────────────────────
+
+_AUTH_FAILURES = {
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH,
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+}
+
+
+class ZmqConnection(Connection):
+    """A DEALER socket plus two owned tasks: the reader and the link monitor.
+
+    The monitor turns libzmq's connection events into request outcomes: a
+    disconnect fails every pending request with PeerGone at once (the request
+    may be lost) instead of leaving it to its timeout; a failed CURVE
+    handshake fails them with AuthenticationFailed. libzmq keeps reconnecting
+    in the background, so a restarted listener is picked up again.
+    """
+
+    def __init__(self, url: str, options: TransportOptions, curve: CurveClient | None) -> None:
+        super().__init__(url, options)
+        self.last_error: Exception | None = None
+        self._ctx = zmq.asyncio.Context()
+        sock = self._ctx.socket(zmq.DEALER)
+        _apply_options(sock, options)
+        # IMMEDIATE: queue only to completed connections, so a send to a
+        # listener that is not there waits (and times out) instead of
+        # disappearing into a buffer.
+        sock.setsockopt(zmq.IMMEDIATE, 1)
+        sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+        if curve is not None:
+            sock.curve_publickey = curve.public_key
+            sock.curve_secretkey = curve.secret_key
+            sock.curve_serverkey = curve.server_key
+        self._monitor = sock.get_monitor_socket(
+            zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+        sock.connect(zmq_endpoint(url))
+        self._sock = sock
+        self._tasks = [asyncio.create_task(self._read_loop(), name=f"zmq-read {url}"),
+                       asyncio.create_task(self._monitor_loop(), name=f"zmq-monitor {url}")]
+
+    async def _send_raw(self, kind: int, request_id: int, header: bytes,
+                        frames: list[memoryview]) -> None:
+        try:
+            await self._sock.send_multipart([pack_envelope(kind, request_id), header, *frames],
+                                            copy=False)
+        except zmq.ZMQError as e:
+            raise TransportClosed(self.url) if self._closed else PeerGone(str(e)) from e
+
+    async def _read_loop(self) -> None:
+        while True:
+            try:
+                parts = await self._sock.recv_multipart(copy=False)
+            except zmq.ZMQError:
+                return  # socket closed under us: close() handles the rest
+            env = unpack_envelope(parts[0].buffer) if len(parts) >= 2 else None
+            if env is None:
+                self.stats.malformed += 1
+                continue
+            self._deliver(env[0], env[1], parts[1].bytes, _frame_buffers(parts[2:]))
+
+    async def _monitor_loop(self) -> None:
+        while True:
+            try:
+                event = parse_monitor_message(await self._monitor.recv_multipart())
+            except zmq.ZMQError:
+                return
+            kind = event["event"]
+            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.last_error = None
+            elif kind in _AUTH_FAILURES:
+                self.last_error = AuthenticationFailed(f"CURVE handshake with {self.url} failed")
+                self._fail_pending(self.last_error)
+            elif kind == zmq.EVENT_DISCONNECTED:
+                self._fail_pending(PeerGone(f"{self.url} disconnected"))
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._shutdown(TransportClosed(self.url))
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._sock.disable_monitor()
+        self._monitor.close(linger=0)
+        self._sock.close(linger=0)
+        self._ctx.destroy(linger=0)
+
+
+async def listen(url: str, *, options: TransportOptions, curve: CurveServer | None = None) -> ZmqListener:
+    return ZmqListener(url, options, curve)
+
+
+async def connect(url: str, *, options: TransportOptions, curve: CurveClient | None = None) -> ZmqConnection:
+    return ZmqConnection(url, options, curve)
+
+
+__all__ = ["CurveServer", "CurveClient", "generate_keypair", "load_keypair", "load_public_keys",
+           "ZmqListener", "ZmqConnection", "listen", "connect", "ENVELOPE"]
