@@ -1,0 +1,156 @@
+"""KV cache storage: one block-major tensor per tier (implements ``KVStorage``).
+
+Layout of each tier (the attention kernel depends on it)::
+
+    kv: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
+          │           │          │   └ token slot within the block
+          │           │          └ 0 = K, 1 = V
+          │           └ every layer of the block sits together ...
+          └ ... so one block is one contiguous frame of bytes_per_block bytes
+
+Block-major means a request's KV (a list of block ids) is ONE gather
+(``index_select`` on dim 0) and travels as one contiguous frame; an attention
+layer reads the strided view ``kv[:, layer]``: [num_blocks, 2, bs, kvh, hd].
+
+Block ids are the ids of ``BlockPool``; this module does no bookkeeping. Every
+copy is one vectorised ``index_select`` / ``index_copy_`` per batch, never a
+Python loop over blocks. On a CPU "device" and "host" are both host memory,
+kept as separate tensors so that the two budgets stay separate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+TIERS = ("device", "host")
+
+
+class KVCache:
+    """Per-tier KV block tensors of one model (or one pipeline stage)."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int,
+                 block_size: int = 16, device_blocks: int = 0, host_blocks: int = 0,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 host_device: str | torch.device = "cpu", pin_host: bool = False) -> None:
+        for name, v in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
+                        ("head_dim", head_dim), ("block_size", block_size)):
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"KVCache.{name} must be a positive int, got {v!r}")
+        for name, v in (("device_blocks", device_blocks), ("host_blocks", host_blocks)):
+            if not isinstance(v, int) or v < 0:
+                raise ValueError(f"KVCache.{name} must be an int >= 0, got {v!r}")
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.block_size = block_size
+        self.dtype = dtype
+        self.block_shape = (num_layers, 2, block_size, num_kv_heads, head_dim)
+        self._num_blocks = {"device": device_blocks, "host": host_blocks}
+        self._devices = {"device": torch.device(device), "host": torch.device(host_device)}
+        self._pin_host = pin_host
+        self._kv: dict[str, torch.Tensor] = {}
+        self._kv["device"] = self._make("device")
+        if host_blocks:
+            self._kv["host"] = self._make("host")
+        # else: allocated lazily on first use (a zero-size tier costs nothing)
+
+    def _make(self, tier: str) -> torch.Tensor:
+        shape = (self._num_blocks[tier], *self.block_shape)
+        pin = tier == "host" and self._pin_host and torch.cuda.is_available()
+        return torch.zeros(shape, dtype=self.dtype, device=self._devices[tier], pin_memory=pin)
+
+    # ----------------------------------------------------------------- access
+
+    def tier(self, name: str) -> torch.Tensor:
+        """The tier's tensor: [num_blocks, L, 2, bs, kvh, hd]."""
+        if name not in self._num_blocks:
+            raise ValueError(f"unknown tier {name!r}; expected one of {TIERS}")
+        kv = self._kv.get(name)
+        if kv is None:
+            kv = self._kv[name] = self._make(name)
+        return kv
+
+    def layer(self, layer_idx: int, tier: str = "device") -> torch.Tensor:
+        """View of one layer for attention: [num_blocks, 2, bs, kvh, hd]."""
+        if not 0 <= layer_idx < self.num_layers:
+            raise IndexError(f"layer {layer_idx} out of range [0, {self.num_layers})")
+        return self.tier(tier)[:, layer_idx]
+
+    def num_blocks(self, tier: str) -> int:
+        return self.tier(tier).shape[0]
+
+    @property
+    def bytes_per_block(self) -> int:
+        n = 1
+        for d in self.block_shape:
+            n *= d
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+    def nbytes(self, tier: str) -> int:
+        return self._num_blocks[tier] * self.bytes_per_block
+
+    @staticmethod
+    def blocks_for_budget(budget_bytes: int, num_layers: int, num_kv_heads: int,
+                          head_dim: int, block_size: int = 16,
+                          dtype: torch.dtype = torch.float32) -> int:
+        """How many whole blocks fit in ``budget_bytes``."""
+        per_block = (num_layers * 2 * block_size * num_kv_heads * head_dim
+                     * torch.empty((), dtype=dtype).element_size())
+        return max(0, int(budget_bytes) // per_block)
+
+    # ------------------------------------------------------------- KVStorage
+
+    def _index(self, tier: str, ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        kv = self.tier(tier)
+        idx = torch.as_tensor(ids, dtype=torch.long, device=kv.device)
+        if idx.dim() != 1:
+            raise ValueError(f"block ids must be 1-D, got shape {tuple(idx.shape)}")
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= kv.shape[0]):
+            raise IndexError(f"{tier}: block id out of range [0, {kv.shape[0]})")
+        return idx
+
+    def copy_blocks(self, src_tier: str, src_ids: Sequence[int],
+                    dst_tier: str, dst_ids: Sequence[int]) -> None:
+        """``dst[dst_ids[i]] = src[src_ids[i]]`` for all i, as one gather and
+        one scatter. ``dst_ids`` must be distinct."""
+        if len(src_ids) != len(dst_ids):
+            raise ValueError(f"copy_blocks: {len(src_ids)} sources, {len(dst_ids)} targets")
+        if not len(src_ids):
+            return
+        src, dst = self.tier(src_tier), self.tier(dst_tier)
+        si, di = self._index(src_tier, src_ids), self._index(dst_tier, dst_ids)
+        # Gather first: with src_tier == dst_tier the sets may overlap.
+        frames = src.index_select(0, si).to(dst.device, non_blocking=True)
+        dst.index_copy_(0, di, frames)
+
+    def export_blocks(self, tier: str, ids: Sequence[int]) -> torch.Tensor:
+        """The blocks as one contiguous tensor [n, L, 2, bs, kvh, hd] (a copy)."""
+        kv = self.tier(tier)
+        return kv.index_select(0, self._index(tier, ids))   # new, contiguous
+
+    def import_blocks(self, tier: str, ids: Sequence[int], payload: object) -> None:
+        """Write ``payload`` [n, L, 2, bs, kvh, hd] into blocks ``ids``.
+
+        Raises TypeError / ValueError on a payload that is not a tensor of this
+        cache's dtype and block shape, or whose length differs from ``ids``.
+        """
+        if not isinstance(payload, torch.Tensor):
+            raise TypeError(f"import_blocks: payload must be a Tensor, got {type(payload).__name__}")
+        if payload.dtype != self.dtype:
+            raise ValueError(f"import_blocks: dtype {payload.dtype} != cache dtype {self.dtype}")
+        if tuple(payload.shape[1:]) != self.block_shape or payload.dim() != 6:
+            raise ValueError(f"import_blocks: shape {tuple(payload.shape)} does not match "
+                             f"[n, *{self.block_shape}]")
+        if payload.shape[0] != len(ids):
+            raise ValueError(f"import_blocks: {payload.shape[0]} blocks for {len(ids)} ids")
+        if not len(ids):
+            return
+        kv = self.tier(tier)
+        kv.index_copy_(0, self._index(tier, ids), payload.to(kv.device, non_blocking=True))
+
+    def __repr__(self) -> str:
+        return (f"KVCache(L={self.num_layers}, kvh={self.num_kv_heads}, hd={self.head_dim}, "
+                f"bs={self.block_size}, device={self._num_blocks['device']}, "
+                f"host={self._num_blocks['host']}, dtype={self.dtype})")

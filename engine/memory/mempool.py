@@ -1,0 +1,367 @@
+"""MemPool: MemServe's memory pool API (§4.1, Table 1) for one instance.
+
+Pure Python bookkeeping over two block pools ("device", "host") and a radix
+prompt index; the bytes live in a ``KVStorage`` (engine/memory/kv_cache.py)
+that MemPool only ever asks to copy, export or import whole batches of blocks
+(one call per batch, never one per block). ``storage`` may be None for pure
+bookkeeping.
+
+Every block of a tier is in exactly one of three states::
+
+    free  ── alloc_mem ──▶  request-owned  ── insert ──▶  cached (in the index)
+      ▲                         │                            │
+      └──────── free_mem ───────┘◀── (duplicates) ───────────┤
+      ▲                                                      │
+      └──────────── evict / delete (unlocked only) ──────────┘
+
+Request-owned is tracked implicitly: allocated by the pool but not indexed.
+``match`` locks the hit so eviction cannot take it while a request reads it;
+the caller ``release``s the hit exactly once. A request that started from a
+hit may pass the very same (cached) block ids back to ``insert``: those are
+recognised and neither duplicated nor freed.
+
+Shortages return ``None`` and change nothing; misuse (double free, freeing a
+cached block, releasing twice) raises.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from engine.memory.blocks import BlockPool
+from engine.memory.radix import BlockRef, CacheEvent, RadixTree, make_refs
+
+TIERS = ("device", "host")
+
+
+class KVStorage(Protocol):
+    """Where the KV bytes live; block ids are per-tier indices."""
+
+    def copy_blocks(self, src_tier: str, src_ids: Sequence[int],
+                    dst_tier: str, dst_ids: Sequence[int]) -> None: ...
+
+    def export_blocks(self, tier: str, ids: Sequence[int]) -> object: ...
+
+    def import_blocks(self, tier: str, ids: Sequence[int], payload: object) -> None: ...
+
+
+class PrefixHit:
+    """A locked cached prefix; pass to ``MemPool.release`` exactly once."""
+
+    __slots__ = ("num_tokens", "blocks", "_handle", "_released")
+
+    def __init__(self, num_tokens: int, blocks: list[BlockRef], handle: object) -> None:
+        self.num_tokens = num_tokens
+        self.blocks = blocks
+        self._handle = handle
+        self._released = False
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def __repr__(self) -> str:
+        return f"PrefixHit(num_tokens={self.num_tokens}, blocks={len(self.blocks)})"
+
+
+class MemPool:
+    """Block memory, prefix index and transfers of one inference instance."""
+
+    def __init__(self, device_blocks: int, host_blocks: int, block_size: int = 16,
+                 node_id: str = "local", storage: KVStorage | None = None,
+                 enable_events: bool = True, max_events: int = 1 << 16) -> None:
+        self.block_size = block_size
+        self.node_id = node_id
+        self.storage = storage
+        self.pools = {"device": BlockPool("device", device_blocks),
+                      "host": BlockPool("host", host_blocks)}
+        self.tree = RadixTree(block_size, node_id, enable_events=enable_events,
+                              max_events=max_events)
+        self.hit_tokens = 0
+        self.miss_tokens = 0
+        self.live_hits = 0
+
+    def _pool(self, tier: str) -> BlockPool:
+        try:
+            return self.pools[tier]
+        except KeyError:
+            raise ValueError(f"unknown tier {tier!r}; expected one of {TIERS}") from None
+
+    def _ref(self, tier: str, block_id: int) -> BlockRef:
+        return BlockRef(tier, block_id, self.node_id)
+
+    # ------------------------------------------------------------ memory blocks
+
+    def alloc_mem(self, n: int, tier: str = "device") -> list[int] | None:
+        """Allocate ``n`` blocks of ``tier`` for a request.
+
+        When the pool is short, evicts unlocked cached blocks (LRU) first.
+        Returns None when even eviction cannot cover ``n``; then nothing
+        changed (no partial allocation, nothing evicted).
+        """
+        pool = self._pool(tier)
+        short = n - pool.num_free
+        if short > 0:
+            if self.tree.evictable(tier) < short:
+                return None
+            self._free_refs(self.tree.evict(short, tier))
+        return pool.allocate(n)
+
+    def free_mem(self, ids: Sequence[int], tier: str = "device") -> None:
+        """Free request-owned blocks. Raises ValueError on a double free, a
+        foreign id or a block that is cached (the index owns those)."""
+        if self.tree.holds_any(make_refs(tier, ids, self.node_id)):
+            cached = [i for i in ids if self.tree.holds(self._ref(tier, i))]
+            raise ValueError(f"free_mem of cached {tier} blocks {cached[:8]}")
+        self._pool(tier).free(ids)
+
+    def _free_refs(self, refs: Sequence[BlockRef]) -> None:
+        """Return blocks removed from the index to their pools."""
+        by_tier: dict[str, list[int]] = {}
+        for r in refs:
+            by_tier.setdefault(r.tier, []).append(r.block_id)
+        for tier, ids in by_tier.items():
+            self.pools[tier].free(ids)
+
+    # -------------------------------------------------------------------- index
+
+    def insert(self, tokens: Sequence[int], block_ids: Sequence[int],
+               tier: str = "device") -> int:
+        """Retire a request's KV into the historical cache.
+
+        ``block_ids[i]`` holds tokens ``[i*bs, (i+1)*bs)``. Only the
+        ``len(tokens) // block_size`` FULL blocks are inserted; any further
+        ids in ``block_ids`` (the partial tail) stay request-owned and the
+        caller frees them itself. Leading blocks already cached are
+        duplicates: insert frees them, except ids that are the cached blocks
+        themselves (a request that started from a hit). After insert the full
+        blocks belong to the cache. Returns the number of newly cached blocks.
+        """
+        nfull = len(tokens) // self.block_size
+        if not nfull <= len(block_ids) <= -(-len(tokens) // self.block_size):
+            raise ValueError(f"insert: {len(tokens)} tokens need {nfull} full blocks "
+                             f"(+1 partial at most), got {len(block_ids)} ids")
+        pool = self._pool(tier)
+        refs = make_refs(tier, block_ids[:nfull], self.node_id)
+        if not pool.all_used(block_ids[:nfull]):
+            raise ValueError("insert: block ids are not allocated")
+        present = self.tree.insert(tokens[:nfull * self.block_size], refs)
+        holds = self.tree.holds
+        dups = [r.block_id for r in refs[:present] if not holds(r)]   # not the cached ones
+        if dups:
+            pool.free(dups)
+        return nfull - present
+
+    def match(self, tokens: Sequence[int]) -> PrefixHit:
+        """Longest cached prefix of ``tokens`` (full blocks), LOCKED for the
+        caller until ``release(hit)``. Blocks may be in the host tier: the
+        engine calls ``swap_in`` for those. A miss is a hit of 0 tokens (it
+        must be released too, for symmetry)."""
+        m = self.tree.match(tokens)
+        self.tree.lock(m.last_node)
+        self.hit_tokens += m.num_tokens
+        self.miss_tokens += len(tokens) - m.num_tokens
+        self.live_hits += 1
+        return PrefixHit(m.num_tokens, m.blocks, m.last_node)
+
+    def release(self, hit: PrefixHit) -> None:
+        """Unlock a hit; raises ValueError when released twice."""
+        if hit._released:
+            raise ValueError("PrefixHit released twice")
+        self.tree.unlock(hit._handle)
+        hit._released = True
+        self.live_hits -= 1
+
+    def delete(self, tokens: Sequence[int]) -> int:
+        """Drop the cached blocks that only this prompt uses (see
+        ``RadixTree.delete``); returns the number of blocks freed."""
+        refs = self.tree.delete(tokens)
+        self._free_refs(refs)
+        return len(refs)
+
+    # ------------------------------------------------------------------ swapping
+
+    def _copy(self, src_tier: str, src: list[int], dst_tier: str, dst: list[int]) -> None:
+        if self.storage is not None and src:
+            self.storage.copy_blocks(src_tier, src, dst_tier, dst)
+
+    def swap_out(self, num_blocks: int) -> int:
+        """Move up to ``num_blocks`` LRU unlocked cached blocks from device to
+        host (MemServe ``swap_out``), evicting host LRU blocks to make room.
+        One copy call for the batch. Returns the number of blocks moved."""
+        host = self.pools["host"]
+        want = min(num_blocks, self.tree.evictable("device"))
+        if want <= 0 or host.num_blocks == 0:
+            return 0
+        if host.num_free < want:
+            self._free_refs(self.tree.evict(want - host.num_free, "host"))
+        want = min(want, host.num_free, self.tree.evictable("device"))
+        refs = self.tree.swap_candidates(want, "device")
+        if not refs:
+            return 0
+        dev_ids = [r.block_id for r in refs]
+        host_ids = host.allocate(len(refs))
+        assert host_ids is not None
+        self._copy("device", dev_ids, "host", host_ids)
+        self.tree.relocate([(r, self._ref("host", h)) for r, h in zip(refs, host_ids)])
+        self.pools["device"].free(dev_ids)
+        return len(refs)
+
+    def swap_in(self, refs: Sequence[BlockRef]) -> list[int] | None:
+        """Bring cached host blocks back to device (one copy call), updating the
+        index; returns their new device ids in order, or None when device
+        memory is short (nothing changed). Refs are typically the host part of
+        a live PrefixHit, whose ``blocks`` are NOT updated: use the result."""
+        refs = list(refs)
+        bad = [r for r in refs if r.tier != "host" or r.node_id != self.node_id
+               or not self.tree.holds(r)]
+        if bad:
+            raise ValueError(f"swap_in: not cached local host blocks: {bad[:4]}")
+        if not refs:
+            return []
+        # Pin the blocks: allocating device memory may evict other-tier leaves.
+        handles = self.tree.lock_refs(refs)
+        try:
+            dev_ids = self.alloc_mem(len(refs), "device")
+            if dev_ids is None:
+                return None
+            host_ids = [r.block_id for r in refs]
+            self._copy("host", host_ids, "device", dev_ids)
+            self.tree.relocate([(r, self._ref("device", d)) for r, d in zip(refs, dev_ids)])
+            self.pools["host"].free(host_ids)
+            return dev_ids
+        finally:
+            for h in handles:
+                self.tree.unlock(h)
+
+    def swap_out_private(self, device_ids: Sequence[int]) -> list[int] | None:
+        """Preemption: copy request-owned device blocks to fresh host blocks
+        (one copy call) and free the device ones. None if host is short."""
+        return self._move_private(device_ids, "device", "host")
+
+    def swap_in_private(self, host_ids: Sequence[int]) -> list[int] | None:
+        """Inverse of ``swap_out_private``. None if device is short."""
+        return self._move_private(host_ids, "host", "device")
+
+    def _move_private(self, ids: Sequence[int], src: str, dst: str) -> list[int] | None:
+        ids = list(ids)
+        pool = self.pools[src]
+        if not pool.all_used(ids) or self.tree.holds_any(make_refs(src, ids, self.node_id)):
+            raise ValueError(f"not request-owned {src} blocks: {ids[:8]}...")
+        new = self.alloc_mem(len(ids), dst)
+        if new is None:
+            return None
+        self._copy(src, ids, dst, new)
+        pool.free(ids)
+        return new
+
+    # ------------------------------------------------------------------ transfer
+
+    def transfer(self, dst: MemPool, block_ids: Sequence[int], tier: str = "device",
+                 dst_ids: Sequence[int] | None = None,
+                 dst_tier: str | None = None) -> list[int] | None:
+        """Copy blocks to another instance's pool (MemServe §4.3).
+
+        1. allocation: the receiver allocates ``len(block_ids)`` blocks of
+           ``dst_tier`` (default: ``tier``) unless ``dst_ids`` is given;
+        2. transmission: one ``export_blocks`` payload, one ``import_blocks``.
+        The blocks stay owned by the sender; the receiver's blocks are
+        request-owned there. Returns the receiver's ids, None when the
+        receiver is short (nothing changed).
+        """
+        dst_tier = dst_tier or tier
+        block_ids = list(block_ids)
+        src_pool = self._pool(tier)
+        if not src_pool.all_used(block_ids):
+            raise ValueError("transfer: source blocks are not allocated")
+        if (self.storage is None) != (dst.storage is None):
+            raise ValueError("transfer: both pools need a storage, or neither")
+        if dst_ids is None:
+            ids = dst.alloc_mem(len(block_ids), dst_tier)
+            if ids is None:
+                return None
+        else:
+            ids = list(dst_ids)
+            if len(ids) != len(block_ids):
+                raise ValueError("transfer: dst_ids and block_ids differ in length")
+            if not dst._pool(dst_tier).all_used(ids):
+                raise ValueError("transfer: dst_ids are not allocated at the receiver")
+        if self.storage is not None and block_ids:
+            payload = self.storage.export_blocks(tier, block_ids)
+            dst.storage.import_blocks(dst_tier, ids, payload)  # type: ignore[union-attr]
+        return ids
+
+    def transfer_with_insert(self, dst: MemPool, tokens: Sequence[int],
+                             block_ids: Sequence[int], tier: str = "device",
+                             dst_tier: str | None = None) -> int | None:
+        """Transfer the full blocks of ``tokens`` and insert them into the
+        receiver's index (allocation, transmission, insertion).
+
+        Blocks the receiver already caches are not sent. Returns the number of
+        blocks newly cached at the receiver, or None when it is short of
+        memory (nothing changed). The sender's blocks are untouched.
+        """
+        dst_tier = dst_tier or tier
+        bs = self.block_size
+        if dst.block_size != bs:
+            raise ValueError("transfer_with_insert: block sizes differ")
+        nfull = len(tokens) // bs
+        if len(block_ids) < nfull:
+            raise ValueError(f"transfer_with_insert: {nfull} full blocks, {len(block_ids)} ids")
+        tokens = tokens[:nfull * bs]
+        # Lock what the receiver already has, so its allocation cannot evict it
+        # (tree-level: this is not a lookup to count in the receiver's stats).
+        m = dst.tree.match(tokens)
+        dst.tree.lock(m.last_node)
+        try:
+            have = len(m.blocks)
+            sent = self.transfer(dst, block_ids[have:nfull], tier, dst_tier=dst_tier)
+            if sent is None:
+                return None
+            # The receiver's own refs for the prefix it had (any tier), then the
+            # new blocks; insert never replaces, so nothing already there moves.
+            refs = m.blocks + [dst._ref(dst_tier, i) for i in sent]
+            present = dst.tree.insert(tokens, refs)
+            dups = [r.block_id for r in refs[have:present]]   # none while single-threaded
+            if dups:
+                dst.pools[dst_tier].free(dups)
+            return nfull - present
+        finally:
+            dst.tree.unlock(m.last_node)
+
+    # ----------------------------------------------------------------- reporting
+
+    def take_events(self) -> list[CacheEvent]:
+        return self.tree.take_events()
+
+    def stats(self) -> dict:
+        out: dict = {"block_size": self.block_size, "node_id": self.node_id,
+                     "hit_tokens": self.hit_tokens, "miss_tokens": self.miss_tokens,
+                     "live_hits": self.live_hits,
+                     "events_dropped": self.tree.events_dropped}
+        for tier, pool in self.pools.items():
+            cached = self.tree.num_cached(tier)
+            out[tier] = {"total": pool.num_blocks, "free": pool.num_free,
+                         "used": pool.num_used, "cached": cached,
+                         "request_owned": pool.num_used - cached,
+                         "evictable": self.tree.evictable(tier)}
+        return out
+
+    def check_integrity(self) -> None:
+        """Assert: per tier free + request-owned + cached == total, no block is
+        both free and cached, every cached ref is local and allocated, lock
+        refs >= 0 (checked by the tree)."""
+        self.tree.check_integrity()
+        cached: dict[str, set[int]] = {t: set() for t in self.pools}
+        for r in self.tree.cached_refs():
+            assert r.node_id == self.node_id, f"foreign ref {r} in a local index"
+            assert r.tier in cached, f"unknown tier in {r}"
+            cached[r.tier].add(r.block_id)
+        for tier, pool in self.pools.items():
+            pool.check_integrity()
+            used = pool.used_ids()
+            assert cached[tier] <= used, f"{tier}: cached blocks that are free"
+            owned = len(used) - len(cached[tier])
+            assert pool.num_free + owned + len(cached[tier]) == pool.num_blocks
+        assert self.live_hits >= 0

@@ -1,0 +1,90 @@
+"""KVCache: block-major layout, batched copies, export/import round trips."""
+
+import pytest
+import torch
+
+from engine.memory.kv_cache import KVCache
+
+L, KVH, HD, BS = 3, 2, 4, 4
+
+
+def filled(device_blocks=6, host_blocks=4, dtype=torch.float32) -> KVCache:
+    kv = KVCache(L, KVH, HD, BS, device_blocks, host_blocks, dtype)
+    for tier in ("device", "host"):
+        t = kv.tier(tier)
+        t.copy_(torch.arange(t.numel(), dtype=torch.float32).reshape(t.shape).to(dtype))
+    return kv
+
+
+def test_layout_contract():
+    kv = filled()
+    dev = kv.tier("device")
+    assert dev.shape == (6, L, 2, BS, KVH, HD) and dev.is_contiguous()
+    lay = kv.layer(1)
+    assert lay.shape == (6, 2, BS, KVH, HD)
+    assert lay.data_ptr() == dev[:, 1].data_ptr()          # a view, not a copy
+    # one block is one contiguous frame holding every layer's K and V
+    assert dev[2].is_contiguous() and dev[2].numel() * 4 == kv.bytes_per_block
+    assert kv.bytes_per_block == L * 2 * BS * KVH * HD * 4
+    assert kv.nbytes("device") == 6 * kv.bytes_per_block
+    with pytest.raises(IndexError):
+        kv.layer(L)
+    with pytest.raises(ValueError):
+        kv.tier("gpu")
+
+
+def test_copy_blocks_across_and_within_tiers():
+    kv = filled()
+    dev, host = kv.tier("device"), kv.tier("host")
+    want = dev[[4, 1]].clone()
+    kv.copy_blocks("device", [4, 1], "host", [0, 3])
+    assert torch.equal(host[[0, 3]], want)
+    # overlapping copy inside one tier reads the sources before writing
+    before = dev.clone()
+    kv.copy_blocks("device", [0, 1], "device", [1, 0])
+    assert torch.equal(dev[0], before[1]) and torch.equal(dev[1], before[0])
+    kv.copy_blocks("device", [], "host", [])
+    with pytest.raises(ValueError):
+        kv.copy_blocks("device", [0], "host", [0, 1])
+    with pytest.raises(IndexError):
+        kv.copy_blocks("device", [6], "host", [0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_export_import_round_trip_exact(dtype):
+    src, dst = filled(dtype=dtype), KVCache(L, KVH, HD, BS, 5, 0, dtype)
+    payload = src.export_blocks("device", [5, 0, 3])
+    assert payload.shape == (3, L, 2, BS, KVH, HD) and payload.is_contiguous()
+    dst.import_blocks("device", [1, 2, 4], payload)
+    assert torch.equal(dst.tier("device")[[1, 2, 4]], src.tier("device")[[5, 0, 3]])
+    assert not dst.tier("device")[[0, 3]].any()
+    payload.zero_()                                          # export is a copy
+    assert src.tier("device")[5].any()
+
+
+def test_import_validation():
+    kv = filled()
+    good = kv.export_blocks("device", [0, 1])
+    with pytest.raises(TypeError):
+        kv.import_blocks("device", [0, 1], good.numpy())
+    with pytest.raises(ValueError):
+        kv.import_blocks("device", [0, 1], good.half())
+    with pytest.raises(ValueError):
+        kv.import_blocks("device", [0, 1], good[:, :, :, :2])
+    with pytest.raises(ValueError):
+        kv.import_blocks("device", [0], good)
+    with pytest.raises(IndexError):
+        kv.import_blocks("device", [0, 99], good)
+
+
+def test_lazy_host_and_budget_helper():
+    kv = KVCache(L, KVH, HD, BS, 2, 0)
+    assert kv.nbytes("host") == 0
+    assert kv.tier("host").shape[0] == 0
+    per = L * 2 * BS * KVH * HD * 2
+    assert KVCache.blocks_for_budget(10 * per + 5, L, KVH, HD, BS, torch.bfloat16) == 10
+    assert KVCache.blocks_for_budget(0, L, KVH, HD, BS) == 0
+    with pytest.raises(ValueError):
+        KVCache(0, KVH, HD, BS, 1, 1)
+    with pytest.raises(ValueError):
+        KVCache(L, KVH, HD, BS, -1, 1)

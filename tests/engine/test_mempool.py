@@ -1,0 +1,385 @@
+"""MemPool: MemServe's verbs over block pools, the radix index and a KVStorage."""
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from engine.memory.kv_cache import KVCache
+from engine.memory.mempool import MemPool
+from engine.memory.radix import BlockRef, BlockStored
+
+BS = 4
+
+
+def toks(*blocks: int) -> list[int]:
+    return [b for b in blocks for _ in range(BS)]
+
+
+class CountingKV(KVCache):
+    """A real KVCache that counts storage calls (one per batch is the contract)."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.calls = {"copy": 0, "export": 0, "import": 0}
+
+    def copy_blocks(self, *a):
+        self.calls["copy"] += 1
+        super().copy_blocks(*a)
+
+    def export_blocks(self, *a):
+        self.calls["export"] += 1
+        return super().export_blocks(*a)
+
+    def import_blocks(self, *a):
+        self.calls["import"] += 1
+        super().import_blocks(*a)
+
+
+def storage(device=8, host=8) -> CountingKV:
+    return CountingKV(2, 1, 2, BS, device, host, torch.float64)
+
+
+def stamp(kv: KVCache, tier: str, ids, values) -> None:
+    """Fill each block with one value, so a block's identity is its bytes."""
+    for i, v in zip(ids, values):
+        kv.tier(tier)[i] = v
+
+
+def values(kv: KVCache, tier: str, ids) -> list[float]:
+    t = kv.tier(tier)
+    out = []
+    for i in ids:
+        assert bool((t[i] == t[i].flatten()[0]).all())
+        out.append(float(t[i].flatten()[0]))
+    return out
+
+
+# ------------------------------------------------------------- memory blocks
+
+def test_alloc_free_and_shortage():
+    pool = MemPool(4, 2, BS)
+    a = pool.alloc_mem(3)
+    assert len(a) == 3 and pool.alloc_mem(2) is None
+    assert pool.alloc_mem(2, "host") is not None and pool.alloc_mem(1, "host") is None
+    pool.free_mem(a)
+    with pytest.raises(ValueError):
+        pool.free_mem(a)
+    with pytest.raises(ValueError):
+        pool.alloc_mem(1, "gpu")
+    pool.check_integrity()
+
+
+def test_alloc_evicts_lru_cached_and_changes_nothing_when_impossible():
+    pool = MemPool(4, 0, BS)
+    a = pool.alloc_mem(2)
+    b = pool.alloc_mem(2)
+    pool.insert(toks(1, 2), a)
+    pool.insert(toks(3, 4), b)
+    pool.release(pool.match(toks(1, 2)))          # 1,2 more recent than 3,4
+    got = pool.alloc_mem(2)
+    assert sorted(got) == sorted(b)               # evicted the LRU prompt
+    assert pool.match(toks(3)).num_tokens == 0
+    hit = pool.match(toks(1, 2))                  # locked
+    assert pool.alloc_mem(1) is None
+    assert pool.stats()["device"]["cached"] == 2  # nothing evicted by the failed alloc
+    pool.release(hit)
+    with pytest.raises(ValueError):
+        pool.release(hit)
+    pool.check_integrity()
+
+
+def test_free_mem_of_cached_block_raises():
+    pool = MemPool(4, 0, BS)
+    a = pool.alloc_mem(1)
+    pool.insert(toks(1), a)
+    with pytest.raises(ValueError):
+        pool.free_mem(a)
+    pool.check_integrity()
+
+
+# --------------------------------------------------------------------- index
+
+def test_insert_frees_duplicates_but_not_shared_hit_blocks():
+    pool = MemPool(10, 0, BS)
+    a = pool.alloc_mem(2)
+    assert pool.insert(toks(1, 2), a) == 2
+    # a second request computed the same prefix itself: its copies are freed
+    b = pool.alloc_mem(3)
+    assert pool.insert(toks(1, 2, 3), b) == 1
+    assert pool.stats()["device"]["used"] == 3
+    # a third request started from the hit and reuses the cached blocks
+    hit = pool.match(toks(1, 2, 3, 4) + [7])
+    assert hit.num_tokens == 3 * BS
+    own = pool.alloc_mem(2)                       # block 4 and the partial tail
+    ids = [r.block_id for r in hit.blocks] + own
+    assert pool.insert(toks(1, 2, 3, 4) + [7], ids) == 1
+    pool.release(hit)
+    s = pool.stats()["device"]
+    assert s["cached"] == 4 and s["request_owned"] == 1   # the tail stays owned
+    pool.free_mem(own[1:])
+    pool.check_integrity()
+    with pytest.raises(ValueError):
+        pool.insert(toks(5, 6), pool.alloc_mem(1))       # too few ids
+    with pytest.raises(ValueError):
+        pool.insert(toks(5), [9])                         # not allocated
+
+
+def test_match_counts_and_delete():
+    pool = MemPool(8, 0, BS)
+    pool.insert(toks(1, 2), pool.alloc_mem(2))
+    hit = pool.match(toks(1, 2, 3))
+    assert hit.num_tokens == 2 * BS
+    pool.release(hit)
+    assert pool.stats()["hit_tokens"] == 2 * BS and pool.stats()["miss_tokens"] == BS
+    assert pool.delete(toks(1, 2)) == 2
+    assert pool.stats()["device"]["free"] == 8
+    pool.check_integrity()
+
+
+def test_events_passthrough():
+    pool = MemPool(4, 0, BS, node_id="n7")
+    pool.insert(toks(1), pool.alloc_mem(1))
+    ev = pool.take_events()
+    assert len(ev) == 1 and isinstance(ev[0], BlockStored) and ev[0].node_id == "n7"
+    assert pool.take_events() == []
+    assert MemPool(4, 0, BS, enable_events=False).take_events() == []
+
+
+# ------------------------------------------------------------------ swapping
+
+def test_swap_out_and_in_move_exact_bytes_in_one_call():
+    kv = storage()
+    pool = MemPool(8, 8, BS, storage=kv)
+    ids = pool.alloc_mem(3)
+    stamp(kv, "device", ids, [10.0, 11.0, 12.0])
+    pool.insert(toks(1, 2, 3), ids)
+    assert pool.swap_out(2) == 2 and kv.calls["copy"] == 1
+    hit = pool.match(toks(1, 2, 3))
+    assert [r.tier for r in hit.blocks] == ["device", "host", "host"]
+    host_refs = [r for r in hit.blocks if r.tier == "host"]
+    assert values(kv, "host", [r.block_id for r in host_refs]) == [11.0, 12.0]
+    assert pool.stats()["device"]["free"] == 7
+    dev = pool.swap_in(host_refs)
+    assert kv.calls["copy"] == 2 and values(kv, "device", dev) == [11.0, 12.0]
+    pool.release(hit)
+    hit = pool.match(toks(1, 2, 3))
+    assert all(r.tier == "device" for r in hit.blocks)
+    assert values(kv, "device", [r.block_id for r in hit.blocks]) == [10.0, 11.0, 12.0]
+    pool.release(hit)
+    assert pool.stats()["host"]["free"] == 8
+    pool.check_integrity()
+
+
+def test_swap_out_skips_locked_and_evicts_host_when_full():
+    pool = MemPool(8, 1, BS)
+    pool.insert(toks(1), pool.alloc_mem(1))
+    pool.insert(toks(2), pool.alloc_mem(1))
+    hit = pool.match(toks(2))
+    assert pool.swap_out(5) == 1                  # only the unlocked one, host has 1
+    pool.release(hit)
+    assert pool.swap_out(5) == 1                  # host full: evicts host LRU first
+    assert pool.match(toks(1)).num_tokens == 0    # it was dropped from host
+    assert pool.stats()["host"]["cached"] == 1
+    assert MemPool(4, 0, BS).swap_out(3) == 0
+    pool.check_integrity()
+
+
+def test_swap_in_returns_none_when_device_short():
+    pool = MemPool(2, 4, BS)
+    pool.insert(toks(1, 2), pool.alloc_mem(2))
+    assert pool.swap_out(2) == 2
+    hold = pool.alloc_mem(2)                      # device full of request blocks
+    hit = pool.match(toks(1, 2))
+    assert pool.swap_in(hit.blocks) is None
+    assert all(r.tier == "host" for r in hit.blocks)
+    with pytest.raises(ValueError):
+        pool.swap_in([BlockRef("device", 0, "local")])
+    pool.free_mem(hold)
+    assert len(pool.swap_in(hit.blocks)) == 2
+    pool.release(hit)
+    pool.check_integrity()
+
+
+def test_private_swap_round_trip():
+    kv = storage(4, 4)
+    pool = MemPool(4, 4, BS, storage=kv)
+    ids = pool.alloc_mem(3)
+    stamp(kv, "device", ids, [1.0, 2.0, 3.0])
+    host = pool.swap_out_private(ids)
+    assert kv.calls["copy"] == 1 and values(kv, "host", host) == [1.0, 2.0, 3.0]
+    assert pool.stats()["device"]["free"] == 4
+    assert pool.swap_out_private(pool.alloc_mem(2)) is None  # host short: 1 free
+    back = pool.swap_in_private(host)
+    assert back is None                                       # device: 2 free, need 3
+    pool.free_mem([i for i in range(4) if pool.pools["device"].is_used(i)])
+    back = pool.swap_in_private(host)
+    assert values(kv, "device", back) == [1.0, 2.0, 3.0] and kv.calls["copy"] == 2
+    with pytest.raises(ValueError):
+        pool.swap_in_private(host)                            # already freed
+    pool.check_integrity()
+
+
+# ------------------------------------------------------------------ transfer
+
+def test_transfer_lands_exact_bytes_in_one_payload():
+    a_kv, b_kv = storage(), storage()
+    a = MemPool(8, 8, BS, node_id="a", storage=a_kv)
+    b = MemPool(8, 8, BS, node_id="b", storage=b_kv)
+    ids = a.alloc_mem(3)
+    stamp(a_kv, "device", ids, [5.0, 6.0, 7.0])
+    got = a.transfer(b, ids)
+    assert a_kv.calls["export"] == 1 and b_kv.calls["import"] == 1
+    assert values(b_kv, "device", got) == [5.0, 6.0, 7.0]
+    assert b.stats()["device"]["request_owned"] == 3
+    # explicit destination ids skip the allocation step; host tier at the receiver
+    dst = b.alloc_mem(2, "host")
+    assert a.transfer(b, ids[:2], dst_ids=dst, dst_tier="host") == dst
+    assert values(b_kv, "host", dst) == [5.0, 6.0]
+    b.alloc_mem(3)                                           # receiver: 2 left
+    assert a.transfer(b, a.alloc_mem(4)) is None            # receiver short
+    with pytest.raises(ValueError):
+        a.transfer(MemPool(4, 0, BS), ids)                   # storage mismatch
+    a.check_integrity()
+    b.check_integrity()
+
+
+def test_transfer_with_insert_makes_receiver_hit():
+    a_kv, b_kv = storage(), storage()
+    a = MemPool(8, 8, BS, node_id="a", storage=a_kv)
+    b = MemPool(8, 8, BS, node_id="b", storage=b_kv)
+    ids = a.alloc_mem(4)
+    stamp(a_kv, "device", ids, [1.0, 2.0, 3.0, 4.0])
+    prompt = toks(1, 2, 3) + [9, 9]               # 3 full blocks + a partial tail
+    assert a.transfer_with_insert(b, prompt, ids) == 3
+    hit = b.match(toks(1, 2, 3))
+    assert hit.num_tokens == 3 * BS and all(r.node_id == "b" for r in hit.blocks)
+    assert values(b_kv, "device", [r.block_id for r in hit.blocks]) == [1.0, 2.0, 3.0]
+    b.release(hit)
+    assert [type(e) for e in b.take_events()] == [BlockStored] * 3
+    # the receiver already has the prefix: only the new block travels
+    before = b_kv.calls["import"]
+    ids2 = a.alloc_mem(4)
+    stamp(a_kv, "device", ids2, [1.0, 2.0, 3.0, 8.0])
+    assert a.transfer_with_insert(b, toks(1, 2, 3, 8), ids2) == 1
+    assert b_kv.calls["import"] == before + 1
+    hit = b.match(toks(1, 2, 3, 8))
+    assert values(b_kv, "device", [r.block_id for r in hit.blocks]) == [1.0, 2.0, 3.0, 8.0]
+    b.release(hit)
+    assert b.stats()["device"]["request_owned"] == 0
+    assert b.stats()["hit_tokens"] == 7 * BS       # the transfers' lookups are not counted
+    a.check_integrity()
+    b.check_integrity()
+
+
+def test_transfer_with_insert_short_receiver_changes_nothing():
+    a = MemPool(8, 0, BS, node_id="a")
+    b = MemPool(2, 0, BS, node_id="b")
+    b.insert(toks(1), b.alloc_mem(1))
+    held = b.alloc_mem(1)
+    assert a.transfer_with_insert(b, toks(1, 2, 3), a.alloc_mem(3)) is None
+    assert b.stats()["device"]["cached"] == 1     # its prefix was locked, not evicted
+    b.free_mem(held)
+    assert a.transfer_with_insert(b, toks(1, 2), a.alloc_mem(2)) == 1
+    b.check_integrity()
+
+
+# ---------------------------------------------------------------- properties
+
+prompt = st.lists(st.integers(0, 2), min_size=1, max_size=5).map(
+    lambda bs: [b for b in bs for _ in range(2)])
+
+op = st.one_of(
+    st.tuples(st.just("request"), prompt, st.booleans()),
+    st.tuples(st.just("release"), st.integers(0, 9)),
+    st.tuples(st.just("alloc"), st.integers(0, 6), st.sampled_from(["device", "host"])),
+    st.tuples(st.just("free"), st.integers(0, 9)),
+    st.tuples(st.just("delete"), prompt),
+    st.tuples(st.just("swap_out"), st.integers(0, 5)),
+    st.tuples(st.just("swap_in"), st.integers(0, 9)),
+    st.tuples(st.just("private"), st.integers(0, 9)),
+)
+
+
+def sig(prefix: list[int]) -> float:
+    """The bytes a block computed for this token prefix would hold."""
+    return float(hash(tuple(prefix)) % 1_000_003)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(op, max_size=40))
+def test_random_ops_keep_integrity_and_data(ops):
+    """Random engine-like traffic: integrity holds after every op, shortage is
+    None (never an exception), and every cached block still holds the bytes
+    of the prefix it indexes, through swaps and evictions."""
+    kv = CountingKV(1, 1, 1, 2, 10, 6, torch.float64)
+    pool = MemPool(10, 6, 2, storage=kv)
+    hits = []
+    owned: list[tuple[str, list[int]]] = []
+    for o in ops:
+        kind = o[0]
+        if kind == "request":
+            # match, (optionally) swap in, compute the rest, insert, release
+            tokens = o[1]
+            hit = pool.match(tokens)
+            nb = len(tokens) // 2
+            have = [r.block_id if r.tier == "device" else None for r in hit.blocks]
+            host = [r for r in hit.blocks if r.tier == "host"]
+            if host:
+                dev = pool.swap_in(host)
+                if dev is None:
+                    pool.release(hit)
+                    pool.check_integrity()
+                    continue
+                it = iter(dev)
+                have = [h if h is not None else next(it) for h in have]
+            new = pool.alloc_mem(nb - len(have))
+            if new is None:
+                pool.release(hit)
+            else:
+                stamp(kv, "device", new, [sig(tokens[:2 * (len(have) + j + 1)])
+                                          for j in range(len(new))])
+                pool.insert(tokens, have + new)
+                if o[2]:
+                    hits.append(hit)
+                else:
+                    pool.release(hit)
+        elif kind == "release" and hits:
+            pool.release(hits.pop(o[1] % len(hits)))
+        elif kind == "alloc":
+            got = pool.alloc_mem(o[1], o[2])
+            if got is not None:
+                owned.append((o[2], got))
+        elif kind == "free" and owned:
+            tier, ids = owned.pop(o[1] % len(owned))
+            pool.free_mem(ids, tier)
+        elif kind == "delete":
+            pool.delete(o[1])
+        elif kind == "swap_out":
+            pool.swap_out(o[1])
+        elif kind == "swap_in":
+            refs = [r for r in pool.tree.cached_refs() if r.tier == "host"][:o[1] % 4]
+            pool.swap_in(refs)
+        elif kind == "private" and owned:
+            j = o[1] % len(owned)
+            tier, ids = owned[j]
+            moved = (pool.swap_out_private(ids) if tier == "device"
+                     else pool.swap_in_private(ids))
+            if moved is not None:
+                owned[j] = ("host" if tier == "device" else "device", moved)
+        pool.check_integrity()
+        # every cached block holds its prefix's bytes (nothing lost or mixed up)
+        stack = [(pool.tree._root, [])]
+        while stack:
+            node, prefix = stack.pop()
+            for j, ref in enumerate(node.refs):
+                blk = prefix + list(node.key[:2 * (j + 1)])
+                assert values(kv, ref.tier, [ref.block_id]) == [sig(blk)]
+            for c in node.children.values():
+                stack.append((c, prefix + list(node.key)))
+        s = pool.stats()
+        assert s["device"]["request_owned"] == sum(len(i) for t, i in owned if t == "device")
+        assert s["host"]["request_owned"] == sum(len(i) for t, i in owned if t == "host")
+    for hit in hits:
+        pool.release(hit)
+    assert pool.live_hits == 0
+    pool.check_integrity()
