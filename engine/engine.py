@@ -86,7 +86,7 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             block_size=config.block_size, preemption_mode=config.preemption_mode,
             enable_prefix_caching=config.enable_prefix_caching), self.pool)
-        self.runner = ModelRunner(model, self.kv.tier("device").permute(1, 2, 0, 3, 4, 5), config.block_size)  # TEMP
+        self.runner = ModelRunner(model, self.kv.tier("device"), config.block_size)
         self.outputs = OutputProcessor(tokenizer, self.max_model_len)
         self.requests: dict[str, Request] = {}
         self._generators: dict[str, torch.Generator | None] = {}

@@ -1,16 +1,20 @@
-"""KV cache storage: one block-major tensor per tier (implements ``KVStorage``).
+"""KV cache storage: one layer-major tensor per tier (implements ``KVStorage``).
 
-Layout of each tier (the attention kernel depends on it)::
+Layout of each tier (the attention kernels in ``kernels/attention.py`` depend on it)::
 
-    kv: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
-          │           │          │   └ token slot within the block
-          │           │          └ 0 = K, 1 = V
-          │           └ every layer of the block sits together ...
-          └ ... so one block is one contiguous frame of bytes_per_block bytes
+    kv: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+          │          │   │           └ token slot within the block
+          │          │   └ block id (BlockPool ids index this axis)
+          │          └ 0 = K, 1 = V
+          └ layer
 
-Block-major means a request's KV (a list of block ids) is ONE gather
-(``index_select`` on dim 0) and travels as one contiguous frame; an attention
-layer reads the strided view ``kv[:, layer]``: [num_blocks, 2, bs, kvh, hd].
+Why layer-major: ``kv[layer, 0]`` is one layer's K cache, contiguous, so
+gathering a sequence's blocks ``k_cache[block_table]`` yields
+``[n, bs, kvh, hd]`` whose first two axes merge into the sequence axis for
+free — decode attention pays one copy per step, as a contiguous cache would.
+A request's KV is still ONE gather: ``index_select`` on the block axis gives a
+contiguous ``[L, 2, n, bs, kvh, hd]`` payload (one frame on the wire), and
+layer-by-layer streaming is one copy per layer (``kv[l, :, ids]``).
 
 Block ids are the ids of ``BlockPool``; this module does no bookkeeping. Every
 copy is one vectorised ``index_select`` / ``index_copy_`` per batch, never a
@@ -46,6 +50,7 @@ class KVCache:
         self.head_dim = head_dim
         self.block_size = block_size
         self.dtype = dtype
+        # one block's extent in each layer's K and V: [L, 2, bs, kvh, hd]
         self.block_shape = (num_layers, 2, block_size, num_kv_heads, head_dim)
         self._num_blocks = {"device": device_blocks, "host": host_blocks}
         self._devices = {"device": torch.device(device), "host": torch.device(host_device)}
@@ -57,14 +62,15 @@ class KVCache:
         # else: allocated lazily on first use (a zero-size tier costs nothing)
 
     def _make(self, tier: str) -> torch.Tensor:
-        shape = (self._num_blocks[tier], *self.block_shape)
+        shape = (self.num_layers, 2, self._num_blocks[tier], self.block_size,
+                 self.num_kv_heads, self.head_dim)
         pin = tier == "host" and self._pin_host and torch.cuda.is_available()
         return torch.zeros(shape, dtype=self.dtype, device=self._devices[tier], pin_memory=pin)
 
     # ----------------------------------------------------------------- access
 
     def tier(self, name: str) -> torch.Tensor:
-        """The tier's tensor: [num_blocks, L, 2, bs, kvh, hd]."""
+        """The tier's tensor: [L, 2, num_blocks, bs, kvh, hd]."""
         if name not in self._num_blocks:
             raise ValueError(f"unknown tier {name!r}; expected one of {TIERS}")
         kv = self._kv.get(name)
@@ -73,13 +79,13 @@ class KVCache:
         return kv
 
     def layer(self, layer_idx: int, tier: str = "device") -> torch.Tensor:
-        """View of one layer for attention: [num_blocks, 2, bs, kvh, hd]."""
+        """One layer's K and V caches: [2, num_blocks, bs, kvh, hd] (a view)."""
         if not 0 <= layer_idx < self.num_layers:
             raise IndexError(f"layer {layer_idx} out of range [0, {self.num_layers})")
-        return self.tier(tier)[:, layer_idx]
+        return self.tier(tier)[layer_idx]
 
     def num_blocks(self, tier: str) -> int:
-        return self.tier(tier).shape[0]
+        return self.tier(tier).shape[2]
 
     @property
     def bytes_per_block(self) -> int:
@@ -107,8 +113,8 @@ class KVCache:
         idx = torch.as_tensor(ids, dtype=torch.long, device=kv.device)
         if idx.dim() != 1:
             raise ValueError(f"block ids must be 1-D, got shape {tuple(idx.shape)}")
-        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= kv.shape[0]):
-            raise IndexError(f"{tier}: block id out of range [0, {kv.shape[0]})")
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= kv.shape[2]):
+            raise IndexError(f"{tier}: block id out of range [0, {kv.shape[2]})")
         return idx
 
     def copy_blocks(self, src_tier: str, src_ids: Sequence[int],
@@ -122,16 +128,16 @@ class KVCache:
         src, dst = self.tier(src_tier), self.tier(dst_tier)
         si, di = self._index(src_tier, src_ids), self._index(dst_tier, dst_ids)
         # Gather first: with src_tier == dst_tier the sets may overlap.
-        frames = src.index_select(0, si).to(dst.device, non_blocking=True)
-        dst.index_copy_(0, di, frames)
+        frames = src.index_select(2, si).to(dst.device, non_blocking=True)
+        dst.index_copy_(2, di, frames)
 
     def export_blocks(self, tier: str, ids: Sequence[int]) -> torch.Tensor:
-        """The blocks as one contiguous tensor [n, L, 2, bs, kvh, hd] (a copy)."""
+        """The blocks as one contiguous tensor [L, 2, n, bs, kvh, hd] (a copy)."""
         kv = self.tier(tier)
-        return kv.index_select(0, self._index(tier, ids))   # new, contiguous
+        return kv.index_select(2, self._index(tier, ids))   # new, contiguous
 
     def import_blocks(self, tier: str, ids: Sequence[int], payload: object) -> None:
-        """Write ``payload`` [n, L, 2, bs, kvh, hd] into blocks ``ids``.
+        """Write ``payload`` [L, 2, n, bs, kvh, hd] into blocks ``ids``.
 
         Raises TypeError / ValueError on a payload that is not a tensor of this
         cache's dtype and block shape, or whose length differs from ``ids``.
@@ -140,15 +146,16 @@ class KVCache:
             raise TypeError(f"import_blocks: payload must be a Tensor, got {type(payload).__name__}")
         if payload.dtype != self.dtype:
             raise ValueError(f"import_blocks: dtype {payload.dtype} != cache dtype {self.dtype}")
-        if tuple(payload.shape[1:]) != self.block_shape or payload.dim() != 6:
+        L, two, bs, kvh, hd = self.block_shape
+        if payload.dim() != 6 or (payload.shape[:2], payload.shape[3:]) != ((L, two), (bs, kvh, hd)):
             raise ValueError(f"import_blocks: shape {tuple(payload.shape)} does not match "
-                             f"[n, *{self.block_shape}]")
-        if payload.shape[0] != len(ids):
-            raise ValueError(f"import_blocks: {payload.shape[0]} blocks for {len(ids)} ids")
+                             f"[{L}, 2, n, {bs}, {kvh}, {hd}]")
+        if payload.shape[2] != len(ids):
+            raise ValueError(f"import_blocks: {payload.shape[2]} blocks for {len(ids)} ids")
         if not len(ids):
             return
         kv = self.tier(tier)
-        kv.index_copy_(0, self._index(tier, ids), payload.to(kv.device, non_blocking=True))
+        kv.index_copy_(2, self._index(tier, ids), payload.to(kv.device, non_blocking=True))
 
     def __repr__(self) -> str:
         return (f"KVCache(L={self.num_layers}, kvh={self.num_kv_heads}, hd={self.head_dim}, "

@@ -43,15 +43,18 @@ def rope_tables(config: LlamaConfig, dtype: torch.dtype) -> tuple[torch.Tensor, 
     hd = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
     if config.rope_scaling:
-        inv_freq = _llama3_scale(inv_freq, dict(config.rope_scaling))
+        inv_freq = _scale_inv_freq(inv_freq, dict(config.rope_scaling))
     pos = torch.arange(config.max_position_embeddings, dtype=torch.int64).float()
     freqs = torch.outer(pos, inv_freq)                    # [P, hd/2]
     emb = torch.cat((freqs, freqs), dim=-1)               # [P, hd]
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def _llama3_scale(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
-    if s.get("rope_type", s.get("type")) != "llama3":
+def _scale_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+    kind = s.get("rope_type", s.get("type"))
+    if kind == "linear":
+        return inv_freq / float(s["factor"])
+    if kind != "llama3":
         raise ValueError(f"unsupported rope_scaling {s!r}")
     factor, low, high = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
     old = float(s["original_max_position_embeddings"])

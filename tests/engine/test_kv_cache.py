@@ -1,4 +1,4 @@
-"""KVCache: block-major layout, batched copies, export/import round trips."""
+"""KVCache: layer-major layout, batched copies, export/import round trips."""
 
 import pytest
 import torch
@@ -19,12 +19,13 @@ def filled(device_blocks=6, host_blocks=4, dtype=torch.float32) -> KVCache:
 def test_layout_contract():
     kv = filled()
     dev = kv.tier("device")
-    assert dev.shape == (6, L, 2, BS, KVH, HD) and dev.is_contiguous()
+    assert dev.shape == (L, 2, 6, BS, KVH, HD) and dev.is_contiguous()
     lay = kv.layer(1)
-    assert lay.shape == (6, 2, BS, KVH, HD)
-    assert lay.data_ptr() == dev[:, 1].data_ptr()          # a view, not a copy
-    # one block is one contiguous frame holding every layer's K and V
-    assert dev[2].is_contiguous() and dev[2].numel() * 4 == kv.bytes_per_block
+    assert lay.shape == (2, 6, BS, KVH, HD)
+    assert lay.data_ptr() == dev[1].data_ptr()             # a view, not a copy
+    # each layer's K cache is contiguous, so a gather of blocks merges into a sequence
+    assert lay[0].is_contiguous()
+    assert kv.export_blocks("device", [2]).numel() * 4 == kv.bytes_per_block
     assert kv.bytes_per_block == L * 2 * BS * KVH * HD * 4
     assert kv.nbytes("device") == 6 * kv.bytes_per_block
     with pytest.raises(IndexError):
@@ -36,13 +37,13 @@ def test_layout_contract():
 def test_copy_blocks_across_and_within_tiers():
     kv = filled()
     dev, host = kv.tier("device"), kv.tier("host")
-    want = dev[[4, 1]].clone()
+    want = dev[:, :, [4, 1]].clone()
     kv.copy_blocks("device", [4, 1], "host", [0, 3])
-    assert torch.equal(host[[0, 3]], want)
+    assert torch.equal(host[:, :, [0, 3]], want)
     # overlapping copy inside one tier reads the sources before writing
     before = dev.clone()
     kv.copy_blocks("device", [0, 1], "device", [1, 0])
-    assert torch.equal(dev[0], before[1]) and torch.equal(dev[1], before[0])
+    assert torch.equal(dev[:, :, 0], before[:, :, 1]) and torch.equal(dev[:, :, 1], before[:, :, 0])
     kv.copy_blocks("device", [], "host", [])
     with pytest.raises(ValueError):
         kv.copy_blocks("device", [0], "host", [0, 1])
@@ -54,12 +55,12 @@ def test_copy_blocks_across_and_within_tiers():
 def test_export_import_round_trip_exact(dtype):
     src, dst = filled(dtype=dtype), KVCache(L, KVH, HD, BS, 5, 0, dtype)
     payload = src.export_blocks("device", [5, 0, 3])
-    assert payload.shape == (3, L, 2, BS, KVH, HD) and payload.is_contiguous()
+    assert payload.shape == (L, 2, 3, BS, KVH, HD) and payload.is_contiguous()
     dst.import_blocks("device", [1, 2, 4], payload)
-    assert torch.equal(dst.tier("device")[[1, 2, 4]], src.tier("device")[[5, 0, 3]])
-    assert not dst.tier("device")[[0, 3]].any()
+    assert torch.equal(dst.tier("device")[:, :, [1, 2, 4]], src.tier("device")[:, :, [5, 0, 3]])
+    assert not dst.tier("device")[:, :, [0, 3]].any()
     payload.zero_()                                          # export is a copy
-    assert src.tier("device")[5].any()
+    assert src.tier("device")[:, :, 5].any()
 
 
 def test_import_validation():
@@ -72,6 +73,8 @@ def test_import_validation():
     with pytest.raises(ValueError):
         kv.import_blocks("device", [0, 1], good[:, :, :, :2])
     with pytest.raises(ValueError):
+        kv.import_blocks("device", [0, 1], good.transpose(0, 2).contiguous())
+    with pytest.raises(ValueError):
         kv.import_blocks("device", [0], good)
     with pytest.raises(IndexError):
         kv.import_blocks("device", [0, 99], good)
@@ -80,7 +83,7 @@ def test_import_validation():
 def test_lazy_host_and_budget_helper():
     kv = KVCache(L, KVH, HD, BS, 2, 0)
     assert kv.nbytes("host") == 0
-    assert kv.tier("host").shape[0] == 0
+    assert kv.num_blocks("host") == 0
     per = L * 2 * BS * KVH * HD * 2
     assert KVCache.blocks_for_budget(10 * per + 5, L, KVH, HD, BS, torch.bfloat16) == 10
     assert KVCache.blocks_for_budget(0, L, KVH, HD, BS) == 0

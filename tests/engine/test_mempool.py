@@ -42,15 +42,16 @@ def storage(device=8, host=8) -> CountingKV:
 def stamp(kv: KVCache, tier: str, ids, values) -> None:
     """Fill each block with one value, so a block's identity is its bytes."""
     for i, v in zip(ids, values):
-        kv.tier(tier)[i] = v
+        kv.tier(tier)[:, :, i] = v
 
 
 def values(kv: KVCache, tier: str, ids) -> list[float]:
     t = kv.tier(tier)
     out = []
     for i in ids:
-        assert bool((t[i] == t[i].flatten()[0]).all())
-        out.append(float(t[i].flatten()[0]))
+        block = t[:, :, i]
+        assert bool((block == block.flatten()[0]).all())
+        out.append(float(block.flatten()[0]))
     return out
 
 

@@ -1,0 +1,75 @@
+"""Start real ``kvd serve`` processes on loopback for HTTP tests."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServeProcess:
+    def __init__(self, *args: str, env: dict | None = None) -> None:
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "kvd.cli", "serve", "--port", str(self.port), *args]
+        self.log = open(os.devnull, "w") if not os.environ.get("KVD_TEST_LOGS") else None
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **(env or {})},
+                                     stdout=self.log, stderr=subprocess.STDOUT if self.log else None)
+
+    def wait_ready(self, timeout: float = 180.0) -> "ServeProcess":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"kvd serve exited with {self.proc.returncode}")
+            try:
+                if httpx.get(self.base + "/health", timeout=1.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError("kvd serve did not become healthy")
+
+    def metrics(self) -> dict[str, float]:
+        out = {}
+        for line in httpx.get(self.base + "/metrics", timeout=5).text.splitlines():
+            if line.startswith("kvd_") and " " in line:
+                key, value = line.rsplit(" ", 1)
+                out[key] = float(value)
+        return out
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.log:
+            self.log.close()
+        return self.proc.returncode
+
+
+TINY_ARGS = ("--model", "tiny", "--dtype", "float32", "--kv-blocks", "256", "--host-kv-blocks", "64",
+             "--max-model-len", "512", "--num-threads", "1")
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = ServeProcess(*TINY_ARGS).wait_ready()
+    yield s
+    s.stop()
