@@ -1,0 +1,154 @@
+"""kvd-loadgen against a real ``kvd serve --model tiny``: every dataset, both endpoints.
+
+The matrix runs the CLI in-process (``cli.main``: argparse, preflight,
+datasets with the real SmolLM2 tokenizer, the run, the JSON file) so the
+tokenizer is parsed once; one more run goes through the installed
+``kvd-loadgen`` console script in a subprocess.  Responses are 8 tokens with
+``--ignore-eos``, so the usage the server reports is known exactly.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tools.loadgen import cli
+
+REPO = Path(__file__).resolve().parents[2]
+OUT_LEN = 8
+ENDPOINTS = ["/v1/completions", "/v1/chat/completions"]
+TEXT = ("The quick brown fox jumps over the lazy dog near the river bank on a sunny day",
+        "Explain how a paged KV cache lets a server share prompt prefixes between requests",
+        "Write a short poem about the sea and the wind and the stars above the harbour")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def kvd_server():
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "kvd.cli", "serve", "--model", "tiny",
+                             "--host", "127.0.0.1", "--port", str(port)],
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    try:
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"kvd serve exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail("kvd serve did not answer /health within 120 s")
+            time.sleep(0.3)
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def data_files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("loadgen-data")
+    (d / "prompts.txt").write_text("\n".join(TEXT) + "\n")
+    sharegpt = [{"id": str(i), "conversations": [{"from": "human", "value": t},
+                                                  {"from": "gpt", "value": t + " indeed"}]}
+                for i, t in enumerate(TEXT)]
+    (d / "sharegpt.json").write_text(json.dumps(sharegpt))
+    return d
+
+
+DATASET_ARGS = {
+    "random": ["--num-prompts", "6", "--random-input-len", "24", "--random-output-len", str(OUT_LEN),
+               "--random-range-ratio", "0.5"],
+    "prefix-repetition": ["--num-prompts", "6", "--prefix-repetition-num-prefixes", "2",
+                          "--prefix-repetition-prefix-len", "32", "--prefix-repetition-suffix-len", "8",
+                          "--prefix-repetition-output-len", str(OUT_LEN)],
+    "sessions": ["--num-prompts", "3", "--sessions-num-turns", "3", "--sessions-user-len", "12",
+                 "--sessions-output-len", str(OUT_LEN), "--sessions-shared-prefix-len", "16"],
+    "sharegpt": ["--num-prompts", "6", "--sharegpt-output-len", str(OUT_LEN)],
+    "file": ["--num-prompts", "6", "--file-output-len", str(OUT_LEN)],
+}
+EXPECTED_REQUESTS = {"random": 6, "prefix-repetition": 6, "sessions": 9, "sharegpt": 6, "file": 6}
+
+
+def check_result(doc: dict, dataset: str, endpoint: str) -> None:
+    m, recs = doc["metrics"], doc["requests"]
+    n = EXPECTED_REQUESTS[dataset]
+    assert doc["errors"] == {}
+    assert (m["num_requests"], m["completed"], m["failed"]) == (n, n, 0)
+    assert len(recs) == n
+    for r in recs:
+        assert r["success"] and r["usage_reported"]
+        assert 0 < r["ttft"] <= r["e2el"]
+        assert r["output_tokens"] == r["expected_output_len"]     # --ignore-eos: exactly max_tokens
+        if dataset != "random":                                   # random draws it from the range
+            assert r["output_tokens"] == OUT_LEN
+        assert 1 <= r["chunks"] <= r["output_tokens"]
+        assert len(r["itl"]) == r["chunks"] - 1
+        assert r["prompt_tokens"] >= r["prompt_len"]
+        if endpoint == "/v1/completions" and dataset in ("random", "prefix-repetition", "file"):
+            # the prompt is measured in the model's tokens: the server counts the same
+            assert r["prompt_tokens"] == r["prompt_len"]
+    assert m["total_output_tokens"] == sum(r["output_tokens"] for r in recs)
+    assert m["total_input_tokens"] == sum(r["prompt_tokens"] for r in recs)
+    if dataset == "sessions":
+        for s in {r["session"] for r in recs}:
+            turns = sorted((r for r in recs if r["session"] == s), key=lambda r: r["turn"])
+            assert [r["turn"] for r in turns] == [0, 1, 2]
+            for prev, nxt in zip(turns, turns[1:]):
+                assert nxt["start"] >= prev["start"] + prev["e2el"]
+                # the whole history is resent: previous prompt + its answer + the new message
+                assert nxt["prompt_tokens"] >= prev["prompt_tokens"] + prev["output_tokens"] + nxt["prompt_len"] - 1
+
+
+@pytest.mark.parametrize("endpoint", ENDPOINTS)
+@pytest.mark.parametrize("dataset", list(DATASET_ARGS))
+def test_every_dataset_and_endpoint(kvd_server, data_files, tmp_path, capsys, dataset, endpoint):
+    args = ["--base-url", kvd_server, "--endpoint", endpoint, "--model", "tiny", "--dataset-name", dataset,
+            *DATASET_ARGS[dataset], "--ignore-eos", "--max-concurrency", "4", "--request-rate", "50",
+            "--seed", "1", "--save-detailed", "--result-dir", str(tmp_path), "--result-filename", "r.json",
+            "--disable-tqdm"]
+    if dataset == "sharegpt":
+        args += ["--dataset-path", str(data_files / "sharegpt.json")]
+    if dataset == "file":
+        args += ["--dataset-path", str(data_files / "prompts.txt")]
+    rc = cli.main(args)
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    assert "Serving Benchmark Result" in out.out
+    check_result(json.loads((tmp_path / "r.json").read_text()), dataset, endpoint)
+
+
+def test_console_script_against_kvd(kvd_server, tmp_path):
+    script = Path(sys.executable).parent / "kvd-loadgen"
+    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "tools.loadgen.cli"]
+    proc = subprocess.run(cmd + ["--base-url", kvd_server, "--endpoint", "/v1/chat/completions",
+                                 *DATASET_ARGS["random"], "--ignore-eos", "--save-detailed",
+                                 "--result-dir", str(tmp_path), "--result-filename", "r.json",
+                                 "--disable-tqdm"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OPENAI_API_KEY": ""})
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert doc["config"]["model"] == "tiny"             # taken from GET /v1/models
+    check_result(doc, "random", "/v1/chat/completions")
