@@ -27,7 +27,6 @@ import asyncio
 import datetime as dt
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time

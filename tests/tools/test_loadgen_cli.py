@@ -141,10 +141,11 @@ def test_failures_are_reported_not_dropped(fake, tmp_path, capsys, monkeypatch):
     prompts = tmp_path / "p.txt"
     prompts.write_text("w5 w6\nFAIL500\nDROP w7\nEMPTY\n")
     monkeypatch.setattr(cli, "load_tokenizer_for", lambda spec, model: (WordTokenizer(), "words"))
-    rc, out, _ = run_main(capsys, "--base-url", fake.url, "--dataset-name", "file", "--dataset-path",
-                          str(prompts), "--num-prompts", "8", "--file-output-len", "4", "--save-result",
-                          "--result-dir", str(tmp_path), "--result-filename", "f.json", "--disable-tqdm")
+    rc, out, err = run_main(capsys, "--base-url", fake.url, "--dataset-name", "file", "--dataset-path",
+                            str(prompts), "--num-prompts", "8", "--file-output-len", "4", "--save-result",
+                            "--result-dir", str(tmp_path), "--result-filename", "f.json")
     assert rc == 0
+    assert "8/8 [" in err and "failed=4" in err          # the progress bar, on a pipe
     assert "Failed requests:                         4" in out
     assert "Empty responses:                         2" in out
     assert "2 x HTTP 500: scripted failure" in out
@@ -178,6 +179,11 @@ def test_plot_and_compare(fake, word_tokenizer, tmp_path, capsys):
     completed = next(r for r in rows if r.startswith("completed "))
     assert completed.split() == ["completed", "8", "8", "1.000"]
     assert any(r.startswith("mean_ttft_ms") for r in rows)
+    rc, out, _ = run_main(capsys, "table", str(tmp_path / "a.json"), str(tmp_path / "b.json"))
+    assert rc == 0
+    head, rule, row_a, row_b = out.strip().splitlines()
+    assert head.count("|") == rule.count("|") == row_a.count("|") == row_b.count("|")
+    assert "| fake | /v1/completions | sessions | 8 | inf |" in row_a and "| 100 |" in row_b
     rc, out, _ = run_main(capsys, "plot", str(tmp_path / "a.json"), str(tmp_path / "b.json"),
                           "-o", str(tmp_path / "plots" / "ab"))
     assert rc == 0

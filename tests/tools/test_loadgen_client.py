@@ -1,6 +1,6 @@
 """The request function and the runner against the fake SSE server."""
 
-import asyncio
+import io
 import math
 
 import aiohttp
@@ -9,7 +9,7 @@ import pytest
 from tools.loadgen.client import RequestRecord, build_body, error_message, send_request
 from tools.loadgen.datasets import Conversation, Turn
 from tools.loadgen.fake_server import FakeOptions, serve
-from tools.loadgen.runner import RunConfig, run, start_offsets
+from tools.loadgen.runner import Progress, RunConfig, run, start_offsets
 
 
 @pytest.fixture
@@ -164,3 +164,36 @@ def test_run_config_validation():
         RunConfig(url="http://x", model="m", chat=False, request_rate=-1)
     with pytest.raises(ValueError):
         RunConfig(url="http://x", model="m", chat=False, max_concurrency=0)
+
+
+class FakeTTY(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_on_a_pipe_prints_a_line_per_tenth():
+    out = io.StringIO()
+    bar = Progress(20, enabled=True, out=out)
+    for i in range(20):
+        bar.update(success=i != 3)
+    bar.note("fault n1@1s (exit): ok")
+    bar.close()
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 12 and lines[-2].startswith("    20/20 [") and "failed=1" in lines[-2]
+    assert lines[-1] == "fault n1@1s (exit): ok"
+
+
+def test_progress_on_a_terminal_redraws_one_line():
+    out = FakeTTY()
+    bar = Progress(3, enabled=True, out=out)
+    for _ in range(3):
+        bar.update(success=True)
+    bar.close()
+    text = out.getvalue()
+    assert text.startswith("\r") and text.endswith("\n") and text.count("\n") == 1
+    assert "3/3" in text
+    silent = io.StringIO()
+    off = Progress(3, enabled=False, out=silent)
+    off.update(True)
+    off.close()
+    assert silent.getvalue() == ""

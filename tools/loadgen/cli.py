@@ -3,6 +3,7 @@
     kvd-loadgen [run] --base-url URL --dataset-name random --num-prompts 100 ...
     kvd-loadgen plot RESULT.json... [-o PREFIX]
     kvd-loadgen compare A.json B.json
+    kvd-loadgen table RESULT.json...          (markdown rows for docs/benchmarks.md)
 
 Flag names are vLLM ``bench serve``'s where one exists.  A user error (bad
 flag, missing file, unreachable server, no admin socket) prints one line
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import NoReturn, Sequence
 
 PROG = "kvd-loadgen"
-SUBCOMMANDS = ("run", "plot", "compare")
+SUBCOMMANDS = ("run", "plot", "compare", "table")
 
 
 class UserError(Exception):
@@ -83,7 +84,8 @@ def run_parser() -> OneLineParser:
     p = OneLineParser(
         prog=PROG, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="Benchmark an OpenAI-compatible streaming server (vLLM `bench serve` flags). "
-                    f"Other subcommands: `{PROG} plot RESULT...`, `{PROG} compare A.json B.json`.")
+                    f"Other subcommands: `{PROG} plot RESULT...`, `{PROG} compare A.json B.json`, "
+                    f"`{PROG} table RESULT...`.")
     g = p.add_argument_group("target")
     g.add_argument("--base-url", help="server URL, e.g. http://127.0.0.1:8000 (overrides --host/--port)")
     g.add_argument("--host", default="127.0.0.1")
@@ -349,12 +351,25 @@ def cmd_compare(argv: Sequence[str]) -> int:
     return 0
 
 
+def cmd_table(argv: Sequence[str]) -> int:
+    from tools.loadgen.report import load_result, markdown_table
+
+    p = OneLineParser(prog=f"{PROG} table", description="A markdown serving table, one row per result.")
+    p.add_argument("results", nargs="+", metavar="RESULT")
+    args = p.parse_args(argv)
+    try:
+        print(markdown_table([load_result(path) for path in args.results]))
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command, rest = ("run", argv)
     if argv and argv[0] in SUBCOMMANDS:
         command, rest = argv[0], argv[1:]
-    handler = {"run": cmd_run, "plot": cmd_plot, "compare": cmd_compare}[command]
+    handler = {"run": cmd_run, "plot": cmd_plot, "compare": cmd_compare, "table": cmd_table}[command]
     try:
         return handler(rest)
     except UserError as exc:
@@ -363,6 +378,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # stdout closed early (`kvd-loadgen compare ... | head`): not an error worth a traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

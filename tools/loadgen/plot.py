@@ -73,8 +73,10 @@ def plot_results(paths: Sequence[str], prefix: str | Path, bin_s: float = 1.0) -
     fig, (ax_tok, ax_req) = plt.subplots(2, 1, figsize=(11, 7), sharex=True)
     for label, result, records in runs:
         starts, tokens, done = throughput_series(records, bin_s)
-        ax_tok.plot(starts, tokens, drawstyle="steps-post", label=label)
-        ax_req.plot(starts, done, drawstyle="steps-post", label=label)
+        # steps-post draws bin i from starts[i] to starts[i+1]: close the last bin too
+        edges = np.append(starts, starts[-1] + bin_s)
+        ax_tok.plot(edges, np.append(tokens, tokens[-1]), drawstyle="steps-post", label=label)
+        ax_req.plot(edges, np.append(done, done[-1]), drawstyle="steps-post", label=label)
         for ev in result.get("faults") or ():
             if ev.get("sent_s") is not None:
                 for ax in (ax_tok, ax_req):

@@ -178,3 +178,28 @@ def load_result(path: str | Path) -> dict:
     if not isinstance(data, dict) or not isinstance(data.get("metrics"), dict):
         raise ValueError(f"{path} is not a kvd-loadgen result (no 'metrics')")
     return data
+
+
+def markdown_table(results: Sequence[dict]) -> str:
+    """One markdown row per result file: the serving table of docs/benchmarks.md."""
+    head = ("| date | model | endpoint | dataset | requests | rate (req/s) | concurrency | failed "
+            "| req/s | out tok/s | TTFT mean / p99 (ms) | TPOT mean / p99 (ms) "
+            "| ITL mean / p99 (ms) | E2EL mean / p99 (ms) | goodput (req/s) |")
+    lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
+
+    def ms(m: dict, name: str) -> str:
+        mean, p99 = m.get(f"mean_{name}_ms"), m.get(f"p99_{name}_ms")
+        return "n/a" if mean is None else f"{mean:.1f} / {p99:.1f}" if p99 is not None else f"{mean:.1f}"
+
+    for res in results:
+        c, m = res.get("config", {}), res["metrics"]
+        goodput = m.get("request_goodput")
+        rate = c.get("request_rate", "")
+        rate = f"{rate:g}" if isinstance(rate, (int, float)) else rate
+        lines.append(
+            f"| {str(res.get('date', ''))[:10]} | {c.get('model', '')} | {c.get('endpoint', '')} "
+            f"| {c.get('dataset_name', '')} | {m['num_requests']} | {rate} "
+            f"| {c.get('max_concurrency') or '-'} | {m['failed']} | {m['request_throughput']:.2f} "
+            f"| {m['output_throughput']:.1f} | {ms(m, 'ttft')} | {ms(m, 'tpot')} | {ms(m, 'itl')} "
+            f"| {ms(m, 'e2el')} | {'-' if goodput is None else f'{goodput:.2f}'} |")
+    return "\n".join(lines)

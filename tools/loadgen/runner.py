@@ -90,7 +90,7 @@ class Progress:
         self.failed = 0
         self.enabled = enabled
         self.out = out if out is not None else sys.stderr
-        self.tty = enabled and out.isatty()
+        self.tty = enabled and self.out.isatty()
         self.start = time.perf_counter()
         self._last_draw = 0.0
         self._last_decile = -1
