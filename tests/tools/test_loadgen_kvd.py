@@ -152,3 +152,13 @@ def test_console_script_against_kvd(kvd_server, tmp_path):
     doc = json.loads((tmp_path / "r.json").read_text())
     assert doc["config"]["model"] == "tiny"             # taken from GET /v1/models
     check_result(doc, "random", "/v1/chat/completions")
+
+
+def test_tokenizer_resolution(capsys):
+    tok, spec = cli.load_tokenizer_for(None, "tiny")
+    assert spec == "tiny" and tok.vocab_size == 49152
+    tok, spec = cli.load_tokenizer_for(None, "org/unknown-model")     # e.g. a vLLM server's name
+    assert spec == "smollm2"
+    assert "no tokenizer for model 'org/unknown-model'" in capsys.readouterr().err
+    with pytest.raises(cli.UserError, match="cannot load a tokenizer .*'nope'"):
+        cli.load_tokenizer_for("nope", "tiny")                         # an explicit spec never falls back

@@ -243,9 +243,14 @@ def load_tokenizer_for(spec: str | None, model: str):
     reasons = []
     for candidate in candidates:
         try:
-            return load_tokenizer(candidate), candidate
+            tokenizer = load_tokenizer(candidate)
         except Exception as exc:   # the registry's own errors vary; any of them means "not this one"
             reasons.append(f"{candidate!r}: {' '.join(str(exc).split())[:200] or type(exc).__name__}")
+            continue
+        if reasons:   # lengths will be in another model's tokens: say so
+            print(f"{PROG}: note: no tokenizer for model {model!r}; measuring lengths with "
+                  f"{candidate!r} (pass --tokenizer SPEC for exact lengths)", file=sys.stderr)
+        return tokenizer, candidate
     raise UserError("cannot load a tokenizer (" + "; ".join(reasons) + "); pass --tokenizer SPEC")
 
 
