@@ -34,7 +34,7 @@ import itertools
 import struct
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -210,6 +210,9 @@ class Connection(abc.ABC):
 
     Subclasses implement `_send_raw` and `close`, and feed received messages
     to `_deliver`; the request/reply bookkeeping lives here, once.
+
+    Messages the listener pushes (not replies) wait in an unbounded inbox
+    until `recv` takes them: a client that expects pushes must keep reading.
     """
 
     url: str

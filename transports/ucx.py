@@ -80,7 +80,7 @@ class _Link:
     def __init__(self, ep: Any) -> None:
         self.ep = ep
         self.lock = asyncio.Lock()
-        self.task: asyncio.Task[None] | None = None
+        self.finished = asyncio.Event()  # its reader (the accept callback) returned
 
 
 class UcxListener(Listener):
@@ -117,6 +117,7 @@ class UcxListener(Listener):
                 await self._inbox.put(Incoming(peer, header, frames, request_id))
         finally:
             self._links.pop(peer, None)
+            link.finished.set()
 
     async def recv(self) -> Incoming:
         if self._closed:
@@ -150,9 +151,17 @@ class UcxListener(Listener):
         if self._closed:
             return
         self._closed = True
-        self._listener.close()
-        for link in list(self._links.values()):
+        links = list(self._links.values())
+        for link in links:
             link.ep.abort()
+        # Let the per-peer readers see their aborted endpoints and return
+        # before the UCX listener goes (ucxx warns about live handlers).
+        waits = [asyncio.ensure_future(link.finished.wait()) for link in links]
+        if waits:
+            done, pending = await asyncio.wait(waits, timeout=1.0)
+            for w in pending:
+                w.cancel()
+        self._listener.close()
         self._links.clear()
         while not self._inbox.empty():
             self._inbox.get_nowait()

@@ -32,7 +32,6 @@ from zmq.auth.asyncio import AsyncioAuthenticator
 from zmq.utils.monitor import parse_monitor_message
 
 from .base import (
-    ENVELOPE,
     KIND_REPLY,
     AuthenticationFailed,
     Connection,
@@ -326,4 +325,4 @@ async def connect(url: str, *, options: TransportOptions, curve: CurveClient | N
 
 
 __all__ = ["CurveServer", "CurveClient", "generate_keypair", "load_keypair", "load_public_keys",
-           "ZmqListener", "ZmqConnection", "listen", "connect", "ENVELOPE"]
+           "ZmqListener", "ZmqConnection", "listen", "connect"]
