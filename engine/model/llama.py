@@ -32,14 +32,15 @@ class _Layer:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF LlamaRMSNorm: normalise in fp32, cast back, then scale."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    """HF LlamaRMSNorm: normalise in fp32, cast back, then scale (one fused op in fp32)."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
 
 
 def rope_tables(config: LlamaConfig, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin: [max_positions, head_dim] in the half-rotation (rotate_half) layout."""
+    """cos, signed sin: [max_positions, head_dim] in the half-rotation (rotate_half)
+    layout; the first half of sin is negated so rotate_half is a plain swap of halves."""
     hd = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
     if config.rope_scaling:
@@ -47,7 +48,9 @@ def rope_tables(config: LlamaConfig, dtype: torch.dtype) -> tuple[torch.Tensor, 
     pos = torch.arange(config.max_position_embeddings, dtype=torch.int64).float()
     freqs = torch.outer(pos, inv_freq)                    # [P, hd/2]
     emb = torch.cat((freqs, freqs), dim=-1)               # [P, hd]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    sin = emb.sin()
+    sin[:, : hd // 2].neg_()
+    return emb.cos().to(dtype), sin.to(dtype)
 
 
 def _scale_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
@@ -66,11 +69,11 @@ def _scale_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
     return torch.where(is_mid, mid, scaled)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, hd]; cos/sin: [T, 1, hd]."""
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, hd]; cos/signed_sin: [T, 1, hd] (see rope_tables)."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + swapped * signed_sin
 
 
 class LlamaModel:
@@ -139,15 +142,15 @@ class LlamaModel:
         cos = self.cos[positions].unsqueeze(1)            # [T, 1, hd]
         sin = self.sin[positions].unsqueeze(1)
         q_size, kv_size, hd = cfg.q_size, cfg.kv_size, cfg.head_dim
+        n_qk = cfg.num_heads + cfg.num_kv_heads
         for i, layer in enumerate(self.layers):
             # --- attention block
             a = rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
             qkv = F.linear(a, layer.qkv)                  # [T, q + 2kv]
-            q = qkv[:, :q_size].view(T, cfg.num_heads, hd)
-            k = qkv[:, q_size:q_size + kv_size].view(T, cfg.num_kv_heads, hd)
+            # RoPE on q and k heads together: [T, H + kvh, hd]
+            qk = apply_rope(qkv[:, :q_size + kv_size].view(T, n_qk, hd), cos, sin)
+            q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]
             v = qkv[:, q_size + kv_size:].view(T, cfg.num_kv_heads, hd)
-            q = apply_rope(q, cos, sin)
-            k = apply_rope(k, cos, sin)
             k_cache, v_cache = kv[i, 0], kv[i, 1]         # [N, bs, kvh, hd]
             write_kv(k_cache, v_cache, k, v, batch)
             if batch.is_prefill:

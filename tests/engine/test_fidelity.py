@@ -62,7 +62,7 @@ def all_logits(engine, ids: list[int]) -> torch.Tensor:
     T, bs = len(ids), engine.config.block_size
     table = torch.arange(-(-T // bs), dtype=torch.int64)
     pos = torch.arange(T)
-    batch = AttentionBatch(slot_blocks=table[pos // bs], slot_offsets=pos % bs, is_prefill=True,
+    batch = AttentionBatch(slots=table[pos // bs] * bs + pos % bs, is_prefill=True,
                            prefill=[PrefillSeq(0, T, T, table)])
     hidden = engine.model.forward(torch.tensor(ids), pos, batch, engine.kv.tier("device"))
     return engine.model.compute_logits(hidden)
