@@ -27,10 +27,32 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
+def cpu_has_native_bf16() -> bool:
+    """True when the CPU computes bf16 in hardware (AVX512-BF16 or AMX-BF16)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    except OSError:
+        pass
+    return False
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    """``auto`` picks the faster serving dtype for this machine (docs/benchmarks.md):
+    bf16 where the CPU has native bf16 matmuls, else fp32 — on an AVX2-only CPU
+    bf16 is emulated, and prefill or batched decode run several times slower."""
+    if name == "auto":
+        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    return DTYPES[name]
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = "smollm2"
-    dtype: str = "bfloat16"
+    dtype: str = "auto"                 # auto | float32 | bfloat16 (see resolve_dtype)
     block_size: int = 16
     kv_blocks: int = 2048               # device tier
     host_kv_blocks: int = 2048          # host tier (swap space, demoted cache)
@@ -42,8 +64,8 @@ class EngineConfig:
     num_threads: int | None = None      # torch intra-op threads; None: torch's default
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.block_size < 1 or self.kv_blocks < 1 or self.host_kv_blocks < 0:
             raise ValueError("block_size and kv_blocks must be >= 1, host_kv_blocks >= 0")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -98,7 +120,7 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         source = resolve_model(config.model)
         weights = source.load_weights()
-        model = LlamaModel(weights.config, weights.tensors, dtype=DTYPES[config.dtype])
+        model = LlamaModel(weights.config, weights.tensors, dtype=resolve_dtype(config.dtype))
         return cls(config, model, source.load_tokenizer(), source.name)
 
     # ------------------------------------------------------------------ intake

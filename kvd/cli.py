@@ -12,7 +12,7 @@ from kvd.config import ConfigError, load_config
 ENGINE_FLAGS = {
     # flag: (dest in EngineConfig, type, help)
     "--model": ("model", str, "smollm2 (bundled SmolLM2-135M-Instruct), tiny[:SEED], a .gguf file or an HF directory"),
-    "--dtype": ("dtype", str, "bfloat16 (default) or float32"),
+    "--dtype": ("dtype", str, "auto (default: bfloat16 on CPUs with native bf16, else float32), float32 or bfloat16"),
     "--block-size": ("block_size", int, "tokens per KV block"),
     "--kv-blocks": ("kv_blocks", int, "KV blocks in the device tier"),
     "--host-kv-blocks": ("host_kv_blocks", int, "KV blocks in the host tier (swap space)"),

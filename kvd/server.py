@@ -40,7 +40,8 @@ class Server:
         t0 = time.perf_counter()
         engine = await asyncio.to_thread(LLMEngine.from_config, cfg.engine)
         log.info("loaded %s (%s, %d layers) in %.1fs; KV: %d device + %d host blocks of %d tokens",
-                 engine.model_name, cfg.engine.dtype, engine.model.config.num_layers,
+                 engine.model_name, str(engine.model.dtype).removeprefix("torch."),
+                 engine.model.config.num_layers,
                  time.perf_counter() - t0, cfg.engine.kv_blocks, cfg.engine.host_kv_blocks,
                  cfg.engine.block_size)
         self.client = LocalEngineClient(engine)

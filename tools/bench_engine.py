@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from engine.engine import DTYPES, EngineConfig, LLMEngine
+from engine.engine import DTYPES, EngineConfig, LLMEngine, resolve_dtype
 from engine.request import SamplingParams
 
 RESULTS = Path("results/bench_engine.json")
@@ -196,7 +196,8 @@ def report(r: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("which", choices=["decode", "batch", "mixed", "ttft", "all"])
-    ap.add_argument("--dtype", default=EngineConfig().dtype, choices=["bfloat16", "float32"])
+    ap.add_argument("--dtype", default=str(resolve_dtype("auto")).removeprefix("torch."),
+                    choices=["bfloat16", "float32"])
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args()
     if args.threads:

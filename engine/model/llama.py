@@ -1,7 +1,7 @@
 """A Llama-family decoder over paged KV (RMSNorm, RoPE, GQA, SwiGLU, tied embeddings).
 
 Weights are plain tensors, not ``nn.Module`` parameters: the hot path is a
-straight line of ``F.linear`` calls (q/k/v fused into one matmul, gate/up into
+straight line of matmuls (q/k/v fused into one matmul, gate/up into
 another) because on a CPU single-stream decode is bound by weight bandwidth and
 every extra op is Python overhead paid 30 times per token.
 
@@ -23,12 +23,17 @@ from kernels.attention import AttentionBatch, decode_attention, prefill_attentio
 
 @dataclass
 class _Layer:
+    # matrices are stored [out, in] (F.linear) or [in, out] (matmul), see LlamaModel
     input_norm: torch.Tensor      # [D]
     qkv: torch.Tensor             # [q + 2*kv, D]
     o: torch.Tensor               # [D, q]
     post_norm: torch.Tensor       # [D]
     gate_up: torch.Tensor         # [2*I, D]
     down: torch.Tensor            # [D, I]
+
+
+def _matmul_in_out(x: torch.Tensor, w_in_out: torch.Tensor) -> torch.Tensor:
+    return torch.matmul(x, w_in_out)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -79,6 +84,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
 class LlamaModel:
     """Layers ``[start, end)`` of a Llama decoder; inference only.
 
+    Weight layout is chosen per dtype by measurement (tools/bench_engine.py):
+    for fp32, MKL runs ``x @ W[in, out]`` on all cores even for one token while
+    ``F.linear`` (``W[out, in]``) falls to a single-threaded gemv (~25% slower
+    decode); for bf16, oneDNN is the other way round (5x slower transposed).
+
     Contract of :meth:`forward`: it writes the new tokens' K/V into ``kv`` at
     the slots named by ``batch`` and returns hidden states. It does not allocate
     KV memory and keeps no per-request state.
@@ -101,23 +111,31 @@ class LlamaModel:
                 raise ValueError(f"missing tensor {name}")
             return tensors[name].to(dtype).contiguous()
 
+        transposed = dtype == torch.float32
+        self._linear = _matmul_in_out if transposed else F.linear
+
+        def mat(t: torch.Tensor) -> torch.Tensor:    # [out, in] -> the layout _linear wants
+            return t.t().contiguous() if transposed else t.contiguous()
+
         self.embed = w("model.embed_tokens.weight") if self.is_first else None
         self.layers: list[_Layer] = []
         for i in range(start, end):
             p = f"model.layers.{i}."
             self.layers.append(_Layer(
                 input_norm=w(p + "input_layernorm.weight"),
-                qkv=torch.cat([w(p + "self_attn.q_proj.weight"), w(p + "self_attn.k_proj.weight"),
-                               w(p + "self_attn.v_proj.weight")]).contiguous(),
-                o=w(p + "self_attn.o_proj.weight"),
+                qkv=mat(torch.cat([w(p + "self_attn.q_proj.weight"), w(p + "self_attn.k_proj.weight"),
+                                   w(p + "self_attn.v_proj.weight")])),
+                o=mat(w(p + "self_attn.o_proj.weight")),
                 post_norm=w(p + "post_attention_layernorm.weight"),
-                gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]).contiguous(),
-                down=w(p + "mlp.down_proj.weight"),
+                gate_up=mat(torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])),
+                down=mat(w(p + "mlp.down_proj.weight")),
             ))
         if self.is_last:
             self.norm = w("model.norm.weight")
             head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
-            self.lm_head = self.embed if (config.tie_word_embeddings and self.embed is not None) else w(head)
+            tied_here = config.tie_word_embeddings and self.embed is not None
+            # shares the embedding unless transposed (then a [D, V] copy)
+            self.lm_head = mat(self.embed if tied_here else w(head))
         self.cos, self.sin = rope_tables(config, dtype)
 
     @property
@@ -136,7 +154,7 @@ class LlamaModel:
                 kv: torch.Tensor) -> torch.Tensor:
         """x: token ids [T] (first stage) or hidden [T, D]; positions [T];
         kv: [local_layers, 2, N, bs, kvh, hd]. Returns hidden [T, D] (final-normed on the last stage)."""
-        cfg = self.config
+        cfg, lin = self.config, self._linear
         h = F.embedding(x, self.embed) if self.is_first else x.to(self.dtype)   # [T, D]
         T = h.shape[0]
         cos = self.cos[positions].unsqueeze(1)            # [T, 1, hd]
@@ -146,7 +164,7 @@ class LlamaModel:
         for i, layer in enumerate(self.layers):
             # --- attention block
             a = rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
-            qkv = F.linear(a, layer.qkv)                  # [T, q + 2kv]
+            qkv = lin(a, layer.qkv)                  # [T, q + 2kv]
             # RoPE on q and k heads together: [T, H + kvh, hd]
             qk = apply_rope(qkv[:, :q_size + kv_size].view(T, n_qk, hd), cos, sin)
             q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]
@@ -157,12 +175,12 @@ class LlamaModel:
                 o = prefill_attention(q, k, v, k_cache, v_cache, batch, self.scale)
             else:
                 o = decode_attention(q, k_cache, v_cache, batch, self.scale)
-            h = h + F.linear(o.reshape(T, q_size), layer.o)
+            h = h + lin(o.reshape(T, q_size), layer.o)
             # --- MLP block (SwiGLU)
             m = rms_norm(h, layer.post_norm, cfg.rms_norm_eps)
-            gu = F.linear(m, layer.gate_up)               # [T, 2I]
+            gu = lin(m, layer.gate_up)               # [T, 2I]
             gate, up = gu.chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, layer.down)
+            h = h + lin(F.silu(gate) * up, layer.down)
         if self.is_last:
             h = rms_norm(h, self.norm, cfg.rms_norm_eps)
         return h
@@ -170,4 +188,4 @@ class LlamaModel:
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, D] (final-normed) -> logits [n, V] in fp32."""
-        return F.linear(hidden, self.lm_head).float()
+        return self._linear(hidden, self.lm_head).float()
