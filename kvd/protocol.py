@@ -252,6 +252,7 @@ SAMPLING_PARAMS: dict[str, tuple[Checker, Callable[[Any], bool]]] = {
     "ignore_eos": (_check_bool, lambda v: True),
     "stop_token_ids": (_checker(tuple[int, ...]), lambda v: all(t >= 0 for t in v)),
     "logprobs": (_check_int, lambda v: 0 <= v <= 20),
+    "stop": (_checker(tuple[str, ...]), lambda v: len(v) <= 16 and all(v)),
 }
 
 
@@ -274,9 +275,13 @@ class Hello(Message):
     capabilities: tuple[str, ...] = ()  # e.g. "prefill", "decode", "ucx"
     blocks_per_tier: dict[str, int]    # KV blocks per tier ("gpu", "cpu", "disk")
     block_size: int                    # tokens per KV block
+    model_name: str = ""               # the served model (all nodes of a cluster agree)
+    max_model_len: int = 0             # context length; 0: unknown
+    incarnation: str = ""              # changes on every node process start
 
     def _check(self) -> None:
         _require(bool(self.node) and bool(self.address), "node and address must be set")
+        _require(self.max_model_len >= 0, "max_model_len must be >= 0")
         _require(_tiers_ok(self.blocks_per_tier), f"tiers must be in {TIERS}, counts >= 0")
         _require(self.block_size > 0, "block_size must be > 0")
 
@@ -309,8 +314,13 @@ class Heartbeat(Message):
     free_blocks: dict[str, int]
     cached_prefixes: tuple[str, ...] = ()  # hashes of cached prefix blocks (summary)
     replicated: dict[str, int] = field(default_factory=dict)  # request id -> last replicated step
+    draining: bool = False             # finishing its requests; route nothing new here
+    cached_blocks: int = 0             # blocks held by the prefix cache (all tiers)
+    cache_events: int = 0              # MemPool stored/removed events since the last beat
+    stats: dict[str, Any] = field(default_factory=dict)  # engine snapshot (metrics)
 
     def _check(self) -> None:
+        _require(self.cached_blocks >= 0 and self.cache_events >= 0, "counts must be >= 0")
         _require(self.seq >= 0 and self.running >= 0 and self.waiting >= 0, "counts must be >= 0")
         _require(self.load >= 0, "load must be >= 0")
         _require(_tiers_ok(self.free_blocks), f"tiers must be in {TIERS}, counts >= 0")
@@ -350,6 +360,7 @@ class TokenChunk(Message):
     token_ids: tuple[int, ...]
     text: str = ""
     finish_reason: str | None = None
+    stop_reason: Any = None              # the stop string or token id that ended it
     usage: dict[str, int] | None = None  # prompt_tokens, completion_tokens, cached_tokens
 
     def _check(self) -> None:
@@ -359,6 +370,15 @@ class TokenChunk(Message):
     @property
     def indices(self) -> range:
         return range(self.start_index, self.start_index + len(self.token_ids))
+
+
+@message
+@dataclass(frozen=True, kw_only=True)
+class Goodbye(Message):
+    """Node -> coordinator: leaving on purpose (drained); not a failure."""
+
+    node: str
+    reason: str = ""
 
 
 @message
@@ -408,7 +428,8 @@ class KVTransferRequest(Message):
 class KVAllocReply(Message):
     transfer_id: str
     ok: bool
-    block_ids: tuple[int, ...] = ()
+    block_ids: tuple[int, ...] = ()    # receiver blocks for the sender's blocks [have_blocks:]
+    have_blocks: int = 0               # leading blocks the receiver already caches (not sent)
     reason: str = ""
 
 

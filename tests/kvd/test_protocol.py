@@ -34,6 +34,7 @@ EXAMPLES = [
     P.TokenChunk(request_id="r1", start_index=4, token_ids=(9, 10), text="hi",
                  finish_reason="stop", usage={"prompt_tokens": 3, "completion_tokens": 6}),
     P.Abort(request_id="r1", reason="client left"),
+    P.Goodbye(node="n1", reason="drained"),
     P.Error(code="no_capacity", message="full", request_id="r1"),
     P.KVTransferRequest(transfer_id="t", request_id="r1", src_node="a", dst_node="b",
                         token_ids=tuple(range(32)), num_blocks=2, num_layers=30, dtype="bfloat16"),

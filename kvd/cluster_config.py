@@ -1,0 +1,172 @@
+"""The ``[cluster]`` and ``[nodes.NAME]`` sections of a kvd TOML config.
+
+``kvd.config`` reads ``[model]``, ``[engine]`` and ``[server]`` and skips these
+two; this module reads only these two, with the same rules: unknown keys and
+values of the wrong type are errors (``ConfigError``) naming the file and key.
+It imports no torch (the coordinator reads it).
+
+Example (see etc/kvd.example-cluster.toml, every option commented)::
+
+    [cluster]
+    transport = "zmq+tcp"
+    coordinator = "zmq+tcp://127.0.0.1:5550"
+    heartbeat_interval = 0.5
+    heartbeat_deadline = 3.0
+
+    [nodes.n1]
+    address = "zmq+tcp://127.0.0.1:5561"
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+TRANSPORTS = ("zmq+tcp", "zmq+ipc", "ucx", "inproc")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """One ``[nodes.NAME]`` table: where that node listens."""
+
+    name: str
+    address: str = ""                 # transport URL; "" = transport on 127.0.0.1, any port
+    admin_socket: str = ""            # Unix socket path; "" = no admin socket
+
+    def __post_init__(self) -> None:
+        if not _NAME.match(self.name):
+            raise ConfigError(f"node name {self.name!r} must match {_NAME.pattern}")
+        if self.address:
+            _check_url(f"nodes.{self.name}.address", self.address)
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """``[cluster]``: how daemons find and trust each other.
+
+    transport: scheme for addresses kvd picks itself (``kvd serve --nodes N``).
+    coordinator: URL the coordinator listens on for node registration.
+    heartbeat_interval / heartbeat_deadline: a node beats every interval; the
+        coordinator declares it dead when no beat arrived for deadline seconds
+        and ends its in-flight requests with an error.
+    request_timeout: seconds a control request (register, admin) may take.
+    affinity_tokens: prompt tokens hashed into the session-affinity key.
+    curve_keys_dir: "" = no CURVE. Else a directory of ZPL key files: every
+        ``*.key`` there is an authorized public key, ``NAME.key`` is the server
+        key used to reach daemon NAME ("coordinator" or a node name), and
+        ``NAME.key_secret`` is this daemon's own secret.
+    admin_socket: the coordinator's admin Unix socket ("" = none).
+    """
+
+    transport: str = "zmq+tcp"
+    coordinator: str = "zmq+tcp://127.0.0.1:5550"
+    heartbeat_interval: float = 0.5
+    heartbeat_deadline: float = 3.0
+    request_timeout: float = 10.0
+    affinity_tokens: int = 64
+    curve_keys_dir: str = ""
+    admin_socket: str = ""
+    nodes: dict[str, NodeConfig] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.transport not in TRANSPORTS:
+            raise ConfigError(f"cluster.transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        _check_url("cluster.coordinator", self.coordinator)
+        if not self.heartbeat_interval > 0:
+            raise ConfigError("cluster.heartbeat_interval must be > 0")
+        if not self.heartbeat_deadline > self.heartbeat_interval:
+            raise ConfigError("cluster.heartbeat_deadline must be > heartbeat_interval")
+        if not self.request_timeout > 0:
+            raise ConfigError("cluster.request_timeout must be > 0")
+        if self.affinity_tokens < 0:
+            raise ConfigError("cluster.affinity_tokens must be >= 0")
+        if self.curve_keys_dir and not self.transport.startswith("zmq+"):
+            raise ConfigError("cluster.curve_keys_dir needs a zmq+ transport (CURVE is ZeroMQ's)")
+
+    def node(self, name: str) -> NodeConfig:
+        """The ``[nodes.NAME]`` table, or defaults for a node the file does not list."""
+        return self.nodes.get(name) or NodeConfig(name)
+
+    def default_address(self, name: str, runtime_dir: str | None = None) -> str:
+        """Where a node listens when its table names no address."""
+        if self.transport == "zmq+ipc":
+            base = runtime_dir or os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
+            return f"zmq+ipc://{base}/kvd-{name}.sock"
+        if self.transport == "inproc":
+            return f"inproc://node-{name}"
+        return f"{self.transport}://127.0.0.1:0"
+
+
+def _check_url(where: str, url: str) -> None:
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme not in TRANSPORTS or not rest:
+        raise ConfigError(f"{where} must be a URL with a scheme in {TRANSPORTS}, got {url!r}")
+
+
+def _typed(where: str, value: Any, ftype: str) -> Any:
+    base = ftype.replace("| None", "").strip()
+    expected = {"int": int, "float": (int, float), "str": str, "bool": bool}.get(base)
+    if expected is None:
+        raise ConfigError(f"{where}: not settable here")
+    if isinstance(value, bool) and base != "bool" or not isinstance(value, expected):
+        raise ConfigError(f"{where} must be {base}, got {type(value).__name__} {value!r}")
+    return float(value) if base == "float" else value
+
+
+def _table(cls: type, where: str, table: Any, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    if not isinstance(table, dict):
+        raise ConfigError(f"{where} must be a table")
+    known = {f.name: str(f.type) for f in fields(cls) if f.name not in skip and f.name != "name"}
+    out = {}
+    for key, value in table.items():
+        if key not in known:
+            raise ConfigError(f"{where}: unknown key {key!r}")
+        out[key] = _typed(f"{where}.{key}", value, known[key])
+    return out
+
+
+def parse_cluster(data: dict[str, Any], source: str = "<config>",
+                  overrides: dict[str, Any] | None = None) -> ClusterConfig:
+    """Build a ClusterConfig from parsed TOML (other sections are ignored)."""
+    kwargs = _table(ClusterConfig, f"{source}: cluster", data.get("cluster", {}), skip=("nodes",))
+    nodes_table = data.get("nodes", {})
+    if not isinstance(nodes_table, dict):
+        raise ConfigError(f"{source}: [nodes] must hold [nodes.NAME] tables")
+    nodes = {}
+    for name, table in nodes_table.items():
+        try:
+            nodes[name] = NodeConfig(name, **_table(NodeConfig, f"{source}: nodes.{name}", table))
+        except TypeError as exc:
+            raise ConfigError(f"{source}: nodes.{name}: {exc}") from None
+    kwargs.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    try:
+        return ClusterConfig(nodes=nodes, **kwargs)
+    except TypeError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def load_cluster_config(path: str | os.PathLike | None,
+                        overrides: dict[str, Any] | None = None) -> ClusterConfig:
+    """Read ``[cluster]``/``[nodes.*]`` from ``path`` (None: defaults) plus overrides."""
+    if path is None:
+        return parse_cluster({}, overrides=overrides)
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} not found") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+    return parse_cluster(data, str(path), overrides)
+
+
+def with_overrides(cfg: ClusterConfig, **kw: Any) -> ClusterConfig:
+    return replace(cfg, **{k: v for k, v in kw.items() if v is not None})
