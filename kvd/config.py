@@ -69,9 +69,10 @@ _SERVER_FROM_MODEL = {"served_name": "served_model_name"}
 def _coerce(where: str, value: Any, current: Any, ftype: str) -> Any:
     """Check a TOML value against the field's declared type; 0 / "" mean None for optionals."""
     optional = "None" in ftype
-    if optional and value in (0, ""):
-        return None
     base = ftype.replace("| None", "").strip()
+    if optional and ((base == "str" and value == "")
+                     or (base in ("int", "float") and type(value) in (int, float) and value == 0)):
+        return None
     expected = {"int": int, "float": (int, float), "str": str, "bool": bool}.get(base)
     if expected is None:
         return value
@@ -89,12 +90,17 @@ def load_config(path: str | os.PathLike | None = None, overrides: dict[str, dict
             data = tomllib.loads(Path(path).read_text())
         except FileNotFoundError:
             raise ConfigError(f"config file {path} not found") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc}") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path}: invalid TOML: {exc}") from None
         for section, table in data.items():
             if section in ("cluster", "nodes"):
                 continue  # read by the cluster daemons
-            if section not in _SECTIONS or not isinstance(table, dict):
+            if not isinstance(table, dict):
+                raise ConfigError(f"{path}: top-level key {section!r} is not allowed; options "
+                                  f"live in the [model], [engine] and [server] tables")
+            if section not in _SECTIONS:
                 raise ConfigError(f"{path}: unknown section [{section}]")
             target, rename = _SECTIONS[section]
             for key, value in table.items():
@@ -112,8 +118,11 @@ def load_config(path: str | os.PathLike | None = None, overrides: dict[str, dict
     try:
         engine = _build(EngineConfig, parts["engine"])
         server = _build(ServerConfig, parts["server"])
+    except ConfigError:
+        raise
     except (ValueError, TypeError) as exc:
-        raise ConfigError(str(exc)) from None
+        where = f"{path} (or a flag)" if path is not None else "command-line flags"
+        raise ConfigError(f"{where}: {exc}") from None
     return KvdConfig(engine=engine, server=server)
 
 

@@ -227,14 +227,23 @@ class FrontDoor:
         if chat:
             await resp.write(chunk(None, None, role=True))
         out = first
-        while out is not None:
-            if first_at is None and out.new_token_ids:
-                first_at = time.perf_counter()
-            last = out
-            if out.text or out.finished:
-                await resp.write(chunk(out.text, out.finish_reason if out.finished else None,
-                                       out.stop_reason))
-            out = await anext(outputs, None)
+        try:
+            while out is not None:
+                if first_at is None and out.new_token_ids:
+                    first_at = time.perf_counter()
+                last = out
+                if out.text or out.finished:
+                    await resp.write(chunk(out.text, out.finish_reason if out.finished else None,
+                                           out.stop_reason))
+                out = await anext(outputs, None)
+        except ApiError as exc:
+            # the 200 is already sent: end the stream with an error event (the
+            # openai client raises APIError on it), as vLLM does
+            self.metrics.requests.labels(endpoint, str(exc.status)).inc()
+            await resp.write(sse(exc.body()))
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
         if req.include_usage:
             await resp.write(sse({"id": rid, "object": obj, "created": created,
                                   "model": self.model_name, "choices": [], "usage": usage(last)}))

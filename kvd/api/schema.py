@@ -100,7 +100,9 @@ def _sampling(body: dict, default_max_tokens: int | None) -> tuple[SamplingParam
         raise bad("stop_token_ids", "stop_token_ids must be a list of integers", "invalid_type")
     try:
         params = SamplingParams(
-            max_tokens=max_tokens if given else (default_max_tokens or 16),
+            # chat's real default (the rest of the context) is set after tokenizing;
+            # until then a placeholder that admits any min_tokens
+            max_tokens=max_tokens if given else (default_max_tokens or max(16, _get(body, "min_tokens", int, 0))),
             temperature=float(_get(body, "temperature", (int, float), 1.0)),
             top_p=float(_get(body, "top_p", (int, float), 1.0)),
             top_k=_get(body, "top_k", int, 0),

@@ -194,8 +194,6 @@ def test_unknown_key_error_names_the_file(tmp_path):
         load_config(path)
 
 
-@pytest.mark.xfail(strict=True, reason="kvd/config.py catches only FileNotFoundError and "
-                   "TOMLDecodeError: other OSErrors and non-UTF-8 bytes escape as tracebacks")
 @pytest.mark.parametrize("kind", ["directory", "not-utf8"])
 def test_unreadable_file_is_a_config_error(tmp_path, kind):
     if kind == "directory":
