@@ -1,0 +1,413 @@
+"""Admin socket: line-delimited JSON commands over a Unix stream socket.
+
+One `AdminServer` per daemon (coordinator or node). Operators reach it with
+`kvctl`; tests reach it with `kvd.ctl.request`.
+
+Protocol (one request line in, one reply line out, in order, per connection):
+
+    -> {"cmd": "cache stats"}                       (canonical form)
+    -> {"cmd": "cache", "sub": "stats"}             (same command)
+    -> {"cmd": "drain", "node": "n1"}               (arguments are top-level keys)
+    <- {"ok": true, ...result}
+    <- {"ok": false, "error": "unknown command 'x' (try 'help')"}
+
+A line is at most 64 KiB (`MAX_LINE`). Anything wrong with a request (not
+JSON, not an object, unknown command, bad arguments, a handler that raises or
+overruns its deadline) is answered with an error line; the connection and
+the server keep working. Only an oversized line costs the rest of that line:
+it is discarded up to the next newline.
+
+Security: the socket file is mode 0600 (only the daemon's user may connect)
+and a missing parent directory is created 0700. There is no other
+authentication: whoever can open the socket is an operator.
+
+Handlers:
+
+    async def drain(args: dict) -> dict: ...
+    admin.register("drain", drain, help="stop routing to a node",
+                   args_schema={"node": (str, False)})
+
+`args` holds only the keys the schema declares (validated for type and
+presence; unknown keys are an error). `args_schema=None` means the command
+takes no arguments. A handler raises `AdminError("message")` for an error the
+operator should read verbatim; any other exception is logged with its
+traceback and answered as an internal error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import inspect
+import logging
+import os
+import re
+import socket
+import stat
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+log = logging.getLogger("kvd.admin")
+
+MAX_LINE = 64 * 1024
+DEFAULT_COMMAND_TIMEOUT = 10.0
+# Linux sun_path is 108 bytes including the trailing NUL.
+MAX_SOCKET_PATH = 107
+
+Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
+# name -> (type or tuple of types, required)
+ArgsSchema = Mapping[str, tuple[type | tuple[type, ...], bool]]
+
+_RESERVED_KEYS = frozenset({"cmd", "sub"})
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+_KEY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+
+class AdminError(Exception):
+    """An error whose message is sent to the operator as is."""
+
+
+class AdminSocketInUse(RuntimeError):
+    """Another live server answers on the socket path."""
+
+
+@dataclass(frozen=True)
+class Command:
+    name: str
+    handler: Handler
+    help: str = ""
+    args_schema: Mapping[str, tuple[tuple[type, ...], bool]] = field(default_factory=dict)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "cmd": self.name,
+            "help": self.help,
+            "args": {k: {"type": "|".join(t.__name__ for t in types), "required": req}
+                     for k, (types, req) in self.args_schema.items()},
+        }
+
+
+def normalize_schema(schema: ArgsSchema | None) -> dict[str, tuple[tuple[type, ...], bool]]:
+    out: dict[str, tuple[tuple[type, ...], bool]] = {}
+    for key, spec in (schema or {}).items():
+        if key in _RESERVED_KEYS:
+            raise ValueError(f"argument name {key!r} is reserved")
+        types, required = spec
+        types = types if isinstance(types, tuple) else (types,)
+        if not all(isinstance(t, type) for t in types) or not isinstance(required, bool):
+            raise ValueError(f"bad schema entry for {key!r}: {spec!r}")
+        out[key] = (types, required)
+    return out
+
+
+def _type_ok(value: Any, types: tuple[type, ...]) -> bool:
+    # JSON has no int/bool distinction in Python's eyes (bool subclasses int):
+    # a `true` is never accepted as a number, and an integer is a valid float.
+    if isinstance(value, bool):
+        return bool in types
+    if isinstance(value, int) and float in types:
+        return True
+    return isinstance(value, types)
+
+
+def validate_args(command: Command, args: Mapping[str, Any]) -> dict[str, Any]:
+    """The arguments `command` declares, checked; raises AdminError otherwise."""
+    schema = command.args_schema
+    unknown = sorted(set(args) - set(schema))
+    if unknown:
+        allowed = ", ".join(sorted(schema)) or "none"
+        raise AdminError(f"{command.name}: unknown argument(s) {', '.join(unknown)} (allowed: {allowed})")
+    for key, (types, required) in schema.items():
+        if key not in args:
+            if required:
+                raise AdminError(f"{command.name}: missing required argument {key!r}")
+            continue
+        if not _type_ok(args[key], types):
+            want = " or ".join(t.__name__ for t in types)
+            raise AdminError(f"{command.name}: argument {key!r} must be {want}, "
+                             f"got {type(args[key]).__name__}")
+    return dict(args)
+
+
+def parse_request(line: bytes) -> tuple[str, dict[str, Any]]:
+    """(command name, arguments) from one request line; raises AdminError."""
+    try:
+        msg = orjson.loads(line)
+    except orjson.JSONDecodeError as e:
+        raise AdminError(f"invalid JSON: {e}") from None
+    if not isinstance(msg, dict):
+        raise AdminError(f"request must be a JSON object, got {type(msg).__name__}")
+    cmd, sub = msg.pop("cmd", None), msg.pop("sub", None)
+    if not isinstance(cmd, str) or not cmd.strip():
+        raise AdminError('request needs "cmd": a non-empty string')
+    if sub is not None and not isinstance(sub, str):
+        raise AdminError('"sub" must be a string')
+    name = " ".join(cmd.split() + (sub.split() if sub else []))
+    return name, msg
+
+
+class AdminServer:
+    """Serves registered commands on a Unix socket until `close()`.
+
+    Lifecycle: `register(...)` any time, `await start()`, `await close()`
+    (also an async context manager). Each connection is a task owned by the
+    server and cancelled by `close()`; requests on one connection run one at
+    a time, connections run concurrently. Every handler runs under a deadline
+    (`command_timeout` seconds).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, name: str = "kvd",
+                 command_timeout: float = DEFAULT_COMMAND_TIMEOUT) -> None:
+        if command_timeout <= 0:
+            raise ValueError("command_timeout must be > 0")
+        self.path = Path(path)
+        if len(os.fsencode(self.path)) > MAX_SOCKET_PATH:
+            raise ValueError(f"admin socket path is longer than {MAX_SOCKET_PATH} bytes: {self.path}")
+        self.name = name
+        self.command_timeout = command_timeout
+        self._commands: dict[str, Command] = {}
+        self._server: asyncio.AbstractServer | None = None
+        self._connections: set[asyncio.Task[None]] = set()
+        self._inode: tuple[int, int] | None = None
+        self._started = time.monotonic()
+        self.register("help", self._help, help="list commands, their help and arguments")
+        self.register("ping", self._ping, help="liveness check: name, pid, uptime")
+        self.register("log-level", self._log_level,
+                      help="set a logger's level (default: the root logger)",
+                      args_schema={"level": (str, True), "logger": (str, False)})
+        self.register("keys", self._keys,
+                      help="generate a CURVE keypair: DIR/NAME.key and DIR/NAME.key_secret (0600)",
+                      args_schema={"dir": (str, True), "name": (str, True)})
+
+    # -- commands -------------------------------------------------------
+
+    def register(self, name: str, handler: Handler, help: str = "",
+                 args_schema: ArgsSchema | None = None) -> None:
+        """Add command `name` ("cache stats": words separated by one space).
+
+        Raises ValueError for a malformed or already registered name.
+        """
+        if name != " ".join(name.split()) or not name:
+            raise ValueError(f"bad command name {name!r}")
+        if name in self._commands:
+            raise ValueError(f"command {name!r} is already registered")
+        if not callable(handler):
+            raise TypeError(f"handler for {name!r} is not callable")
+        self._commands[name] = Command(name, handler, help, normalize_schema(args_schema))
+
+    @property
+    def commands(self) -> list[str]:
+        return sorted(self._commands)
+
+    async def dispatch(self, line: bytes) -> dict[str, Any]:
+        """The reply object for one request line. Never raises (but CancelledError)."""
+        name = "?"
+        try:
+            name, raw_args = parse_request(line)
+            command = self._commands.get(name)
+            if command is None:
+                raise AdminError(f"unknown command {name!r} (try 'help')")
+            args = validate_args(command, raw_args)
+            try:
+                async with asyncio.timeout(self.command_timeout):
+                    result = command.handler(args)
+                    if inspect.isawaitable(result):
+                        result = await result
+            except TimeoutError:
+                raise AdminError(f"{name}: timed out after {self.command_timeout:g} s") from None
+            if not isinstance(result, dict):
+                log.error("admin command %r returned %s, not a dict", name, type(result).__name__)
+                raise AdminError(f"{name}: internal error: handler returned {type(result).__name__}")
+            return {**result, "ok": True}
+        except AdminError as e:
+            return {"ok": False, "error": str(e)}
+        except Exception as e:  # a handler bug must not take the server down
+            log.exception("admin command %r failed", name)
+            return {"ok": False, "error": f"{name}: internal error: {type(e).__name__}: {e}"}
+
+    async def _help(self, args: dict[str, Any]) -> dict[str, Any]:
+        return {"name": self.name, "commands": [self._commands[c].describe() for c in self.commands]}
+
+    async def _ping(self, args: dict[str, Any]) -> dict[str, Any]:
+        return {"pong": True, "name": self.name, "pid": os.getpid(),
+                "uptime_s": round(time.monotonic() - self._started, 3)}
+
+    async def _log_level(self, args: dict[str, Any]) -> dict[str, Any]:
+        level = args["level"].upper()
+        if level not in _LOG_LEVELS:
+            raise AdminError(f"log-level: level must be one of {', '.join(l.lower() for l in _LOG_LEVELS)}")
+        name = args.get("logger", "")
+        logger = logging.getLogger(name or None)
+        previous = logging.getLevelName(logger.level)
+        logger.setLevel(level)
+        log.info("log level of %s set to %s by admin", name or "root", level)
+        return {"logger": name or "root", "level": level.lower(), "previous": previous.lower()}
+
+    async def _keys(self, args: dict[str, Any]) -> dict[str, Any]:
+        directory, key_name = Path(args["dir"]), args["name"]
+        if not directory.is_absolute():
+            raise AdminError("keys: dir must be an absolute path (it is resolved by the daemon)")
+        if not _KEY_NAME.fullmatch(key_name):
+            raise AdminError("keys: name must be 1-64 of [A-Za-z0-9_.-], not starting with . - or _")
+        # Imported here: pyzmq is needed only by this command.
+        from transports.zmq import generate_keypair
+        try:
+            public, secret = await asyncio.to_thread(generate_keypair, directory, key_name)
+        except FileExistsError:
+            raise AdminError(f"keys: {directory / key_name}.key_secret already exists") from None
+        except OSError as e:
+            raise AdminError(f"keys: {e.strerror or e}: {e.filename or directory}") from None
+        return {"public": str(public), "secret": str(secret)}
+
+    # -- lifecycle --------------------------------------------------------
+
+    async def start(self) -> None:
+        """Bind and listen. Raises AdminSocketInUse if a live server owns the path."""
+        if self._server is not None:
+            raise RuntimeError("admin server already started")
+        self._prepare_path()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(os.fspath(self.path))
+            # No window: until listen() a connect() is refused whatever the
+            # file's mode is, and the mode is 0600 before we listen. (We do
+            # not touch the umask: it is process-wide and other threads
+            # create files concurrently.)
+            os.chmod(self.path, 0o600)
+            st = os.stat(self.path)
+            self._inode = (st.st_dev, st.st_ino)
+            self._server = await asyncio.start_unix_server(self._serve_connection, sock=sock,
+                                                           limit=MAX_LINE + 1)
+        except BaseException:
+            sock.close()
+            self._unlink_own_socket()
+            raise
+        self._started = time.monotonic()
+        log.info("admin socket listening on %s", self.path)
+
+    def _prepare_path(self) -> None:
+        parent = self.path.parent
+        if not parent.exists():
+            parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        try:
+            st = os.lstat(self.path)
+        except FileNotFoundError:
+            return
+        if not stat.S_ISSOCK(st.st_mode):
+            raise AdminSocketInUse(f"{self.path} exists and is not a socket; refusing to replace it")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        probe.settimeout(1.0)
+        try:
+            probe.connect(os.fspath(self.path))
+        except (ConnectionRefusedError, FileNotFoundError):
+            log.info("removing stale admin socket %s", self.path)
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+            return
+        except OSError as e:
+            if e.errno == errno.EAGAIN:  # backlog full: someone is very much alive
+                raise AdminSocketInUse(f"a server is listening on {self.path}") from None
+            raise
+        finally:
+            probe.close()
+        raise AdminSocketInUse(f"a server is already listening on {self.path}")
+
+    def _unlink_own_socket(self) -> None:
+        # Only remove the file we bound: a successor may have replaced it.
+        try:
+            st = os.lstat(self.path)
+        except FileNotFoundError:
+            return
+        if self._inode == (st.st_dev, st.st_ino):
+            os.unlink(self.path)
+        self._inode = None
+
+    async def close(self) -> None:
+        """Stop listening, cancel open connections, remove the socket file. Idempotent."""
+        server, self._server = self._server, None
+        if server is not None:
+            server.close()
+        for task in list(self._connections):
+            task.cancel()
+        if self._connections:
+            await asyncio.gather(*self._connections, return_exceptions=True)
+        if server is not None:
+            await server.wait_closed()
+        self._unlink_own_socket()
+
+    async def __aenter__(self) -> "AdminServer":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # -- connections ------------------------------------------------------
+
+    async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._connections.add(task)
+        try:
+            async for line in _read_lines(reader):
+                reply = await self.dispatch(line) if line is not None else {
+                    "ok": False, "error": f"request line longer than {MAX_LINE} bytes"}
+                writer.write(_encode_reply(reply))
+                await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            self._connections.discard(task)
+            writer.close()
+            try:
+                await asyncio.wait_for(writer.wait_closed(), 1.0)
+            except (ConnectionError, TimeoutError, asyncio.CancelledError):
+                pass
+
+
+def _encode_reply(reply: dict[str, Any]) -> bytes:
+    try:
+        return orjson.dumps(reply, option=orjson.OPT_NON_STR_KEYS) + b"\n"
+    except TypeError as e:
+        log.error("admin reply is not JSON-serializable: %s", e)
+        return orjson.dumps({"ok": False, "error": f"internal error: reply not serializable: {e}"}) + b"\n"
+
+
+async def _read_lines(reader: asyncio.StreamReader):
+    """Yield each request line (without the newline), or None for an oversized one.
+
+    An oversized line is reported once and skipped up to its newline, so the
+    connection stays in step with the client. Blank lines are ignored.
+    """
+    buf = bytearray()
+    discarding = False
+    while True:
+        chunk = await reader.read(MAX_LINE)
+        if not chunk:
+            return  # EOF; a partial last line without newline is dropped
+        buf += chunk
+        while True:
+            nl = buf.find(b"\n")
+            if nl < 0:
+                if len(buf) > MAX_LINE and not discarding:
+                    discarding = True
+                    yield None
+                if discarding:
+                    buf.clear()
+                break
+            line = bytes(buf[:nl])
+            del buf[:nl + 1]
+            if discarding:
+                discarding = False
+                continue
+            if len(line) > MAX_LINE:
+                yield None
+            elif line.strip():
+                yield line
