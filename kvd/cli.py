@@ -1,4 +1,10 @@
-"""The ``kvd`` command line: ``kvd serve`` (more subcommands join with the cluster)."""
+"""The ``kvd`` command line.
+
+    kvd serve [-c FILE] [--nodes N]    coordinator + one in-process node (default),
+                                       or + N local node processes
+    kvd coordinator -c FILE            the coordinator daemon (imports no torch)
+    kvd node -c FILE --name n1         a node daemon
+"""
 
 from __future__ import annotations
 
@@ -7,7 +13,6 @@ import asyncio
 import logging
 import sys
 
-from kvd.config import ConfigError, load_config
 
 ENGINE_FLAGS = {
     # flag: (dest in EngineConfig, type, help)
@@ -42,38 +47,182 @@ def build_parser() -> argparse.ArgumentParser:
         serve.add_argument(flag, dest=dest, type=typ, default=None, help=help_)
     serve.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_const",
                        const=False, default=None, help="disable the MemPool prefix cache")
+    serve.add_argument("--nodes", type=int, default=0,
+                       help="run N node processes on this machine (default: one node in this process)")
+    _cluster_flags(serve)
+
+    node = sub.add_parser("node", help="run a node daemon (engine, transfers, heartbeats)")
+    node.add_argument("-c", "--config", help="TOML config ([engine], [cluster], [nodes.NAME])")
+    node.add_argument("--name", required=True, help="this node's name ([nodes.NAME] in the config)")
+    node.add_argument("--listen", help="transport URL to listen on (default: [nodes.NAME].address)")
+    node.add_argument("--coordinator", help="coordinator URL (default: [cluster].coordinator)")
+    node.add_argument("--admin-socket", help="admin Unix socket path (default: [nodes.NAME].admin_socket)")
+    for flag, (dest, typ, help_) in ENGINE_FLAGS.items():
+        node.add_argument(flag, dest=dest, type=typ, default=None, help=help_)
+    node.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_const",
+                      const=False, default=None, help="disable the MemPool prefix cache")
+    for flag in ("--drain-timeout", "--log-level"):
+        dest, typ, help_ = SERVER_FLAGS[flag]
+        node.add_argument(flag, dest=dest, type=typ, default=None, help=help_)
+    _cluster_flags(node)
+
+    coord = sub.add_parser("coordinator", help="run the coordinator daemon (HTTP, routing, membership)")
+    coord.add_argument("-c", "--config", help="TOML config ([server], [model], [cluster])")
+    coord.add_argument("--listen", help="where nodes register (default: [cluster].coordinator)")
+    coord.add_argument("--admin-socket", help="admin Unix socket path (default: [cluster].admin_socket)")
+    coord.add_argument("--model", dest="model", default=None, help="model spec (for the tokenizer)")
+    coord.add_argument("--max-model-len", dest="max_model_len", type=int, default=None,
+                       help="context length until nodes report theirs")
+    for flag, (dest, typ, help_) in SERVER_FLAGS.items():
+        coord.add_argument(flag, dest=dest, type=typ, default=None, help=help_)
+    _cluster_flags(coord)
     return parser
+
+
+def _cluster_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--transport", default=None, help="zmq+tcp, zmq+ipc or ucx ([cluster].transport)")
+    p.add_argument("--heartbeat-interval", dest="heartbeat_interval", type=float, default=None,
+                   help="seconds between node heartbeats")
+    p.add_argument("--heartbeat-deadline", dest="heartbeat_deadline", type=float, default=None,
+                   help="seconds without a heartbeat before a node is declared dead")
+    p.add_argument("--curve-keys-dir", dest="curve_keys_dir", default=None,
+                   help="directory of CURVE keys (enables CURVE on zmq transports)")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return serve(args)
+    if args.command == "node":
+        return node(args)
+    if args.command == "coordinator":
+        return coordinator(args)
     return 2
 
 
+def _cluster(args: argparse.Namespace):
+    from kvd.cluster_config import load_cluster_config
+
+    overrides = {k: getattr(args, k) for k in ("transport", "heartbeat_interval", "heartbeat_deadline",
+                                               "curve_keys_dir")}
+    return load_cluster_config(args.config, overrides)
+
+
+def _run(main_coro_factory) -> int:
+    import uvloop
+
+    try:
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            runner.run(main_coro_factory())
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"kvd: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def node(args: argparse.Namespace) -> int:
+    from kvd.config import ConfigError, load_config  # imports torch (EngineConfig)
+    engine = {d: getattr(args, d) for d, _, _ in ENGINE_FLAGS.values()}
+    engine["enable_prefix_caching"] = args.enable_prefix_caching
+    server = {"drain_timeout": args.drain_timeout, "log_level": args.log_level}
+    try:
+        config = load_config(args.config, {"engine": engine, "server": server})
+        cluster = _cluster(args)
+    except (ConfigError, ValueError) as exc:
+        print(f"kvd: error: {exc}", file=sys.stderr)
+        return 2
+    _logging(config.server.log_level)
+    from kvd.node.daemon import NodeDaemon
+
+    async def main() -> None:
+        import signal
+
+        daemon = NodeDaemon(config.engine, cluster, args.name, address=args.listen,
+                            coordinator=args.coordinator, admin_socket=args.admin_socket,
+                            drain_timeout=config.server.drain_timeout)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, daemon.request_stop)
+        await daemon.run()
+    return _run(main)
+
+
+def coordinator(args: argparse.Namespace) -> int:
+    from kvd.coordinator.settings import load_settings
+
+    overrides = {d: getattr(args, d) for d, _, _ in SERVER_FLAGS.values()}
+    overrides.update(model=args.model, max_model_len=args.max_model_len)
+    try:
+        settings = load_settings(args.config, overrides)
+        cluster = _cluster(args)
+        if args.listen:
+            from kvd.cluster_config import with_overrides
+            cluster = with_overrides(cluster, coordinator=args.listen)
+    except ValueError as exc:
+        print(f"kvd: error: {exc}", file=sys.stderr)
+        return 2
+    _logging(settings.log_level)
+    from kvd.coordinator.daemon import CoordinatorDaemon
+    from kvd.coordinator.settings import load_tokenizer
+
+    async def main() -> None:
+        name, tokenizer = await asyncio.to_thread(load_tokenizer, settings.model)
+        daemon = CoordinatorDaemon(cluster, settings, name, tokenizer, admin_socket=args.admin_socket,
+                                   default_max_model_len=settings.max_model_len or 2048)
+        await daemon.run(install_signals=True)
+    return _run(main)
+
+
 def serve(args: argparse.Namespace) -> int:
+    from kvd.config import ConfigError, load_config  # imports torch (EngineConfig)
     engine = {d: getattr(args, d) for d, _, _ in ENGINE_FLAGS.values()}
     engine["enable_prefix_caching"] = args.enable_prefix_caching
     server = {d: getattr(args, d) for d, _, _ in SERVER_FLAGS.values()}
     try:
         config = load_config(args.config, {"engine": engine, "server": server})
-    except ConfigError as exc:
+        cluster = _cluster(args)
+    except (ConfigError, ValueError) as exc:
         print(f"kvd: error: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=config.server.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.nodes < 0:
+        print("kvd: error: --nodes must be >= 0", file=sys.stderr)
+        return 2
+    _logging(config.server.log_level)
+    if args.nodes:
+        from kvd.coordinator.settings import load_settings
+        from kvd.local_cluster import LocalCluster
+
+        settings = load_settings(args.config, {**server, "model": engine["model"],
+                                               "max_model_len": engine["max_model_len"]})
+        node_args = _passthrough(args)
+        return _run(lambda: LocalCluster(settings, cluster, args.nodes, node_args).run())
     from kvd.server import Server  # imports torch: after argument errors are reported
 
-    import uvloop
+    return _run(lambda: Server(config, cluster).run())
 
-    try:
-        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            runner.run(Server(config).run())
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"kvd: error: {exc}", file=sys.stderr)
-        return 1
-    return 0
+
+def _passthrough(args: argparse.Namespace) -> list[str]:
+    """The config file and engine/cluster flags of ``kvd serve``, for ``kvd node``."""
+    out = ["-c", args.config] if args.config else []
+    for flag, (dest, _, _) in ENGINE_FLAGS.items():
+        if getattr(args, dest) is not None:
+            out += [flag, str(getattr(args, dest))]
+    if args.enable_prefix_caching is False:
+        out.append("--no-prefix-caching")
+    for flag in ("--drain-timeout", "--log-level"):
+        dest = SERVER_FLAGS[flag][0]
+        if getattr(args, dest) is not None:
+            out += [flag, str(getattr(args, dest))]
+    for flag, dest in (("--heartbeat-interval", "heartbeat_interval"),
+                       ("--heartbeat-deadline", "heartbeat_deadline"),
+                       ("--curve-keys-dir", "curve_keys_dir"), ("--transport", "transport")):
+        if getattr(args, dest) is not None:
+            out += [flag, str(getattr(args, dest))]
+    return out
 
 
 if __name__ == "__main__":

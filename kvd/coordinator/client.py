@@ -1,0 +1,290 @@
+"""RemoteEngineClient: the EngineClient the coordinator's front door talks to.
+
+Each request is routed to one node (``Router``), sent there as a
+``GenerateRequest`` over that node's ``NodeLink``, and its ``TokenChunk``s
+come back as ``RequestOutput`` deltas — the HTTP layer cannot tell it from an
+in-process engine. Contracts:
+
+- Tokens are deduplicated by index (``TokenChunk.start_index``): a chunk that
+  repeats tokens already delivered is trimmed, so a later replay/recovery can
+  resend safely.
+- A node declared dead (``fail_node``) ends each of its streams with
+  ``EngineDead`` naming the node: the front door turns it into a 503 or an
+  SSE error event. Nothing waits on a dead node.
+- Closing a stream early sends ``Abort`` to the node (an owned task).
+- A node that refuses a request because it just started draining is retried
+  once on another node, before any token was delivered.
+
+Imports no torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import fields
+from typing import Any
+
+from engine.model.tokenizer import Tokenizer
+from engine.request import InvalidParam, RequestOutput, SamplingParams
+from kvd import protocol
+from kvd.coordinator.membership import Membership, NodeInfo
+from kvd.coordinator.router import Router
+from kvd.engine_client import EngineDead
+from transports import Connection, TransportClosed, TransportError
+
+log = logging.getLogger("kvd.coordinator.client")
+
+_WIRE_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
+                "ignore_eos", "min_tokens")
+
+
+def params_to_wire(params: SamplingParams) -> dict[str, Any]:
+    """SamplingParams as GenerateRequest.sampling (None values left out)."""
+    out = {}
+    for name in _WIRE_PARAMS:
+        value = getattr(params, name)
+        if value is not None:
+            out[name] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
+assert set(_WIRE_PARAMS) == {f.name for f in fields(SamplingParams)}, "wire params out of date"
+
+
+class NodeLink:
+    """The coordinator's connection to one node, and the task reading it."""
+
+    def __init__(self, node: str, conn: Connection, dispatch: Callable[[str, protocol.Message], None],
+                 bad_messages: collections.Counter) -> None:
+        self.node = node
+        self.conn = conn
+        self._dispatch = dispatch
+        self._bad = bad_messages
+        self.reader = asyncio.create_task(self._read(), name=f"link {node}")
+
+    async def _read(self) -> None:
+        while True:
+            try:
+                incoming = await self.conn.recv()
+            except TransportError:
+                return
+            msg = protocol.decode(incoming.header, incoming.frames)
+            if isinstance(msg, protocol.ProtocolError):
+                self._bad[msg.reason] += 1
+                log.warning("bad message from node %s: %s", self.node, msg.reason)
+                continue
+            self._dispatch(self.node, msg)
+
+    async def send(self, msg: protocol.Message) -> None:
+        await self.conn.send(*protocol.encode(msg))
+
+    async def close(self) -> None:
+        self.reader.cancel()
+        await asyncio.gather(self.reader, return_exceptions=True)
+        await self.conn.close()
+
+
+class _Stream:
+    __slots__ = ("node", "queue", "next_index", "prompt_len")
+
+    def __init__(self, node: str, prompt_len: int) -> None:
+        self.node = node
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.next_index = 0
+        self.prompt_len = prompt_len
+
+
+class RemoteEngineClient:
+    def __init__(self, model_name: str, tokenizer: Tokenizer, membership: Membership, router: Router,
+                 *, default_max_model_len: int = 2048,
+                 stats_source: Callable[[], dict] | None = None) -> None:
+        self.model_name = model_name
+        self.tokenizer = tokenizer
+        self.membership = membership
+        self.router = router
+        self.default_max_model_len = default_max_model_len
+        self.links: dict[str, NodeLink] = {}
+        self.bad_messages: collections.Counter[str] = collections.Counter()
+        self._streams: dict[str, _Stream] = {}
+        self._stats_source = stats_source
+        self._tasks: set[asyncio.Task] = set()
+        self.failed_requests = 0
+
+    # ------------------------------------------------------------ EngineClient
+    @property
+    def max_model_len(self) -> int:
+        lens = [n.max_model_len for n in self.membership.nodes.values() if n.max_model_len]
+        return min(lens) if lens else self.default_max_model_len
+
+    def check_request(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        if num_prompt_tokens < 1:
+            raise InvalidParam("prompt", "prompt must contain at least one token")
+        limit = self.max_model_len
+        if num_prompt_tokens >= limit:
+            raise InvalidParam("prompt", f"prompt has {num_prompt_tokens} tokens; this model's "
+                               f"context is {limit} tokens")
+        if num_prompt_tokens + params.max_tokens > limit:
+            raise InvalidParam("max_tokens", f"max_tokens={params.max_tokens} plus the prompt's "
+                               f"{num_prompt_tokens} tokens exceeds the context of {limit} tokens")
+
+    async def start(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        for link in list(self.links.values()):
+            await link.close()
+        self.links.clear()
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=2.0)
+
+    async def abort(self, request_id: str) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            self._send_abort(stream.node, request_id)
+
+    async def generate(self, request_id: str, prompt_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        if request_id in self._streams:
+            raise InvalidParam("request_id", f"request id {request_id} is already in flight")
+        stream, node = await self._submit(request_id, prompt_ids, params, exclude=())
+        finished = False
+        retried = False
+        try:
+            while True:
+                item = await stream.queue.get()  # bounded: a dead node's streams are failed by the detector
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                if isinstance(item, protocol.Error):
+                    if item.code == "draining" and not retried and stream.next_index == 0:
+                        retried = True
+                        self._forget(request_id, node)
+                        stream, node = await self._submit(request_id, prompt_ids, params,
+                                                          exclude=(node.name,))
+                        continue
+                    finished = True
+                    self.failed_requests += 1
+                    yield RequestOutput(request_id, [], "", True, "error",
+                                        num_prompt_tokens=len(prompt_ids), error=item.message or item.code)
+                    return
+                out = self._to_output(stream, item)
+                if out is None:
+                    continue
+                yield out
+                if out.finished:
+                    finished = True
+                    return
+        finally:
+            self._forget(request_id, node)
+            if not finished:
+                self._send_abort(node.name, request_id)
+
+    def stats(self) -> dict:
+        """Engine-shaped stats for /metrics: the nodes' last heartbeats, summed."""
+        if self._stats_source is not None:
+            return dict(self._stats_source(), in_flight=len(self._streams))
+        total: dict[str, Any] = {"running": 0, "waiting": 0, "swapped": 0, "prompt_tokens": 0,
+                                 "generation_tokens": 0, "prefix_hit_tokens": 0, "preemptions": 0,
+                                 "finished": collections.Counter(), "kv": {}}
+        for node in self.membership.nodes.values():
+            s = node.heartbeat.stats if node.heartbeat else {}
+            for key in ("running", "waiting", "swapped", "prompt_tokens", "generation_tokens",
+                        "prefix_hit_tokens", "preemptions"):
+                total[key] += int(s.get(key, 0))
+            total["finished"].update(s.get("finished", {}))
+            for tier, values in s.get("kv", {}).items():
+                if isinstance(values, dict):
+                    agg = total["kv"].setdefault(tier, collections.Counter())
+                    agg.update({k: v for k, v in values.items() if isinstance(v, int)})
+        total["finished"] = dict(total["finished"])
+        total["in_flight"] = len(self._streams)
+        return total
+
+    # --------------------------------------------------------------- routing
+    async def _submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                      exclude: tuple[str, ...]) -> tuple[_Stream, NodeInfo]:
+        candidates = [n for n in self.membership.routable()
+                      if n.name not in exclude and n.name in self.links]
+        node = self.router.pick(candidates, prompt_ids)
+        if node is None:
+            raise EngineDead("no node is available to serve the request; retry later")
+        stream = _Stream(node.name, len(prompt_ids))
+        self._streams[request_id] = stream
+        node.in_flight.add(request_id)
+        node.routed += 1
+        try:
+            await self.links[node.name].send(protocol.GenerateRequest(
+                id=request_id, request_id=request_id, prompt_token_ids=tuple(prompt_ids),
+                sampling=params_to_wire(params)))
+        except TransportError as exc:
+            self._forget(request_id, node)
+            raise EngineDead(f"node {node.name} is unreachable: {exc}") from None
+        return stream, node
+
+    def _forget(self, request_id: str, node: NodeInfo) -> None:
+        self._streams.pop(request_id, None)
+        node.in_flight.discard(request_id)
+
+    def _to_output(self, stream: _Stream, chunk: protocol.TokenChunk) -> RequestOutput | None:
+        skip = stream.next_index - chunk.start_index   # tokens already delivered (dedup)
+        if skip < 0:
+            log.error("gap in the token stream of %s at %d", chunk.request_id, stream.next_index)
+            skip = 0
+        tokens = list(chunk.token_ids[skip:])
+        if not tokens and chunk.finish_reason is None and skip > 0:
+            return None
+        stream.next_index = chunk.start_index + len(chunk.token_ids)
+        usage = chunk.usage or {}
+        return RequestOutput(chunk.request_id, tokens, chunk.text if skip == 0 else "",
+                             chunk.finish_reason is not None, chunk.finish_reason, chunk.stop_reason,
+                             num_prompt_tokens=usage.get("prompt_tokens", stream.prompt_len),
+                             num_output_tokens=usage.get("completion_tokens", stream.next_index),
+                             num_cached_tokens=usage.get("cached_tokens", 0))
+
+    def dispatch(self, node: str, msg: protocol.Message) -> None:
+        """A message a node pushed: route it to its request's stream."""
+        rid = getattr(msg, "request_id", None)
+        stream = self._streams.get(rid) if rid else None
+        if stream is None or stream.node != node:
+            return  # finished, aborted or failed over: late chunks are dropped
+        if isinstance(msg, (protocol.TokenChunk, protocol.Error)):
+            stream.queue.put_nowait(msg)
+
+    # ------------------------------------------------------------ membership
+    async def attach(self, node: NodeInfo, conn: Connection) -> None:
+        """Start using ``conn`` for ``node`` (replacing an older link)."""
+        old = self.links.pop(node.name, None)
+        if old is not None:
+            await old.close()
+        self.links[node.name] = NodeLink(node.name, conn, self.dispatch, self.bad_messages)
+
+    async def fail_node(self, node: NodeInfo, reason: str) -> int:
+        """End every stream on ``node`` with EngineDead; drop its link. Returns how many."""
+        n = 0
+        for rid, stream in list(self._streams.items()):
+            if stream.node == node.name:
+                stream.queue.put_nowait(EngineDead(f"node {node.name} failed ({reason}); "
+                                                   f"request {rid} was lost, retry it"))
+                n += 1
+        self.failed_requests += n
+        link = self.links.pop(node.name, None)
+        if link is not None:
+            await link.close()
+        return n
+
+    def _send_abort(self, node: str, request_id: str) -> None:
+        link = self.links.get(node)
+        if link is None:
+            return
+
+        async def send() -> None:
+            with contextlib.suppress(TransportError, TransportClosed, TimeoutError):
+                async with asyncio.timeout(2.0):
+                    await link.send(protocol.Abort(request_id=request_id, reason="client closed"))
+        task = asyncio.get_running_loop().create_task(send())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)

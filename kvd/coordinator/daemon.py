@@ -1,0 +1,324 @@
+"""The coordinator daemon (``kvd coordinator``): front door, membership, routing.
+
+Tasks, owned by one TaskGroup in ``run``: the registration listener (Hello,
+Heartbeat, Goodbye, decoded by ``kvd.protocol.serve``; bad messages counted
+by reason), the failure detector (every ``heartbeat_interval / 2``: nodes
+silent for ``heartbeat_deadline`` are declared dead and their in-flight
+requests end with an error), and the HTTP front door (``FrontDoor``,
+unchanged for clients) over a ``RemoteEngineClient``. Admin commands
+(``status``, ``nodes``, ``requests``, ``drain``, ``undrain``, ``fail``) are
+served on the admin socket; those naming a node are forwarded to it.
+
+Imports no torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import signal
+import time
+from typing import Any
+
+from aiohttp import web
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from kvd import links, protocol
+from kvd.api.http import FrontDoor
+from kvd.cluster_config import ClusterConfig
+from kvd.coordinator.client import RemoteEngineClient
+from kvd.coordinator.membership import Membership, NodeInfo
+from kvd.coordinator.router import LeastLoadRouter, Router
+from transports import InprocRegistry, Listener, TransportError, TransportOptions
+
+log = logging.getLogger("kvd.coordinator")
+
+
+class CoordinatorDaemon:
+    def __init__(self, cluster: ClusterConfig, server: Any, model_name: str, tokenizer: Any, *,
+                 registry: InprocRegistry | None = None, router: Router | None = None,
+                 admin_socket: str | None = None, default_max_model_len: int = 2048,
+                 stats_source=None) -> None:
+        self.cluster = cluster
+        self.server = server                     # ServerConfig or CoordinatorSettings
+        self.registry = registry
+        self.admin_socket = admin_socket if admin_socket is not None else cluster.admin_socket
+        self.membership = Membership(cluster.heartbeat_deadline)
+        self.client = RemoteEngineClient(model_name, tokenizer, self.membership,
+                                         router or LeastLoadRouter(cluster.affinity_tokens),
+                                         default_max_model_len=default_max_model_len,
+                                         stats_source=stats_source)
+        self.options = TransportOptions(request_timeout=cluster.request_timeout,
+                                        send_timeout=cluster.request_timeout)
+        self.bad_messages: collections.Counter[str] = collections.Counter()
+        self.listener: Listener | None = None
+        self.front: FrontDoor | None = None
+        self.runner: web.AppRunner | None = None
+        self.admin = None
+        self.port: int | None = None
+        self._stop = asyncio.Event()
+        self._force = asyncio.Event()
+        self._ready = asyncio.Event()
+
+    @property
+    def address(self) -> str:
+        return self.listener.url if self.listener else self.cluster.coordinator
+
+    # ------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        """Bind the registration listener, then the HTTP front door and admin socket."""
+        await self.start_registration()
+        await self.start_http()
+
+    async def start_registration(self) -> None:
+        if self.listener is None:
+            self.listener = await links.listen(self.cluster.coordinator, self.cluster, "coordinator",
+                                               registry=self.registry, options=self.options)
+
+    async def start_http(self) -> None:
+        self.front = FrontDoor(self.client, api_key=self.server.resolved_api_key(),
+                               served_model_name=self.server.served_model_name)
+        self.front.metrics.registry.register(_ClusterCollector(self))
+        self.runner = web.AppRunner(self.front.make_app(), handler_cancellation=True, access_log=None)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, self.server.host, self.server.port)
+        await site.start()
+        self.port = self.runner.addresses[0][1]
+        if self.admin_socket:
+            await self._start_admin()
+        log.info("coordinator: nodes register at %s; serving %s on http://%s:%d/v1", self.address,
+                 self.front.model_name, self.server.host, self.port)
+
+    async def run(self, install_signals: bool = False, expect_nodes: int = 0,
+                  nodes_timeout: float = 300.0) -> None:
+        """Serve until ``request_stop``. With ``expect_nodes``, the HTTP port
+        opens only once that many nodes registered (``kvd serve``: /health is
+        200 only when requests can run)."""
+        if install_signals:
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self.request_stop)
+        try:
+            await self.start_registration()
+            async with asyncio.TaskGroup() as tg:
+                serving = tg.create_task(protocol.serve(self.listener, self._handle,
+                                                        rejected=self.bad_messages), name="registration")
+                detecting = tg.create_task(self._detect_failures(), name="failure-detector")
+                if expect_nodes:
+                    await self.wait_for_nodes(expect_nodes, nodes_timeout)
+                if self.runner is None:
+                    await self.start_http()
+                self._ready.set()
+                await self._stop.wait()
+                await self.drain()
+                serving.cancel()
+                detecting.cancel()
+        finally:
+            await self.cleanup()
+
+    async def wait_for_nodes(self, n: int, timeout: float) -> None:
+        """Until ``n`` nodes are registered; TimeoutError past ``timeout``."""
+        async with asyncio.timeout(timeout):
+            while len(self.membership.nodes) < n or len(self.client.links) < n:
+                await asyncio.sleep(0.02)
+
+    async def wait_ready(self, timeout: float = 60.0) -> None:
+        async with asyncio.timeout(timeout):
+            await self._ready.wait()
+
+    def request_stop(self) -> None:
+        if self._stop.is_set():
+            self._force.set()
+        self._stop.set()
+
+    async def drain(self) -> None:
+        front = self.front
+        front.draining = True
+        deadline = time.monotonic() + self.server.drain_timeout
+        while front.in_flight and time.monotonic() < deadline and not self._force.is_set():
+            await asyncio.sleep(0.05)
+        if front.in_flight:
+            log.warning("drain ended with %d request(s) still in flight", front.in_flight)
+
+    async def cleanup(self) -> None:
+        if self.admin is not None:
+            await self.admin.close()
+        if self.runner is not None:
+            await self.runner.cleanup()
+        await self.client.stop()
+        if self.listener is not None:
+            await self.listener.close()
+
+    # -------------------------------------------------------- registration
+    async def _handle(self, msg: protocol.Message, incoming) -> protocol.Message | None:
+        if isinstance(msg, protocol.Heartbeat):
+            if self.membership.beat(msg) is None:
+                return protocol.Welcome(id=msg.id, node=msg.node, accepted=False, reason="unknown node")
+            return protocol.Welcome(id=msg.id, node=msg.node, accepted=True,
+                                    heartbeat_interval=self.cluster.heartbeat_interval)
+        if isinstance(msg, protocol.Hello):
+            return await self._register(msg)
+        if isinstance(msg, protocol.Goodbye):
+            info = self.membership.remove(msg.node)
+            if info is not None:
+                n = await self.client.fail_node(info, f"left: {msg.reason}")
+                log.info("node %s left (%s); %d request(s) ended", msg.node, msg.reason, n)
+            return protocol.Welcome(id=msg.id, node=msg.node, accepted=False, reason="goodbye")
+        self.bad_messages["unexpected_type"] += 1
+        return protocol.Error(id=msg.id, code="unexpected_type",
+                              message=f"the coordinator does not serve {msg.TYPE}")
+
+    async def _register(self, hello: protocol.Hello) -> protocol.Welcome:
+        if hello.model_name and hello.model_name != self.client.model_name:
+            return protocol.Welcome(id=hello.id, node=hello.node, accepted=False,
+                                    reason=f"model {hello.model_name!r} != {self.client.model_name!r}")
+        info, replaced = self.membership.register(hello)
+        if replaced is not None:
+            n = await self.client.fail_node(replaced, "restarted")
+            log.warning("node %s re-registered as a new process; %d request(s) lost", hello.node, n)
+        if info.name not in self.client.links:
+            try:
+                conn = await asyncio.wait_for(
+                    links.connect(hello.address, self.cluster, "coordinator", hello.node,
+                                  registry=self.registry, options=self.options),
+                    self.cluster.request_timeout)
+            except (TransportError, TimeoutError, OSError) as exc:
+                self.membership.remove(hello.node)
+                return protocol.Welcome(id=hello.id, node=hello.node, accepted=False,
+                                        reason=f"cannot reach {hello.address}: {exc}")
+            await self.client.attach(info, conn)
+            log.info("node %s joined at %s", hello.node, hello.address)
+        return protocol.Welcome(id=hello.id, node=hello.node, accepted=True,
+                                heartbeat_interval=self.cluster.heartbeat_interval)
+
+    async def _detect_failures(self) -> None:
+        while True:
+            await asyncio.sleep(self.cluster.heartbeat_interval / 2)
+            for info in self.membership.expired():
+                n = await self.client.fail_node(info, f"no heartbeat for {self.cluster.heartbeat_deadline:g}s")
+                log.error("node %s declared dead: no heartbeat for %.1fs; %d request(s) failed",
+                          info.name, self.cluster.heartbeat_deadline, n)
+
+    # ---------------------------------------------------------------- admin
+    def status(self) -> dict[str, Any]:
+        return {"role": "coordinator", "address": self.address, "http_port": self.port,
+                "model": self.client.model_name, "nodes": sorted(self.membership.nodes),
+                "in_flight": self.front.in_flight if self.front else 0,
+                "draining": bool(self.front and self.front.draining),
+                "node_failures": self.membership.failures, "joins": self.membership.joins,
+                "failed_requests": self.client.failed_requests,
+                "bad_messages": dict(self.bad_messages + self.client.bad_messages),
+                "malformed_frames": self.listener.stats.malformed if self.listener else 0}
+
+    def _node(self, args: dict) -> NodeInfo:
+        name = args.get("node")
+        info = self.membership.nodes.get(name) if name else None
+        if info is None:
+            raise ValueError(f"unknown node {name!r}; nodes: {sorted(self.membership.nodes)}")
+        return info
+
+    async def forward(self, node: str, command: str, args: dict | None = None) -> dict:
+        """Send an AdminCommand to ``node`` and return its result (raises ValueError)."""
+        link = self.client.links.get(self._node({"node": node}).name)
+        if link is None:
+            raise ValueError(f"node {node} has no link")
+        reply = await protocol.call(link.conn, protocol.AdminCommand(
+            id=f"admin-{time.monotonic_ns()}", command=command, args=args or {}),
+            timeout=self.cluster.request_timeout)
+        if not isinstance(reply, protocol.AdminReply):
+            raise ValueError(f"node {node}: {getattr(reply, 'message', reply)}")
+        if not reply.ok:
+            raise ValueError(f"node {node}: {reply.error}")
+        return reply.result
+
+    async def cmd_status(self, args: dict) -> dict:
+        return self.status()
+
+    async def cmd_nodes(self, args: dict) -> dict:
+        return {"nodes": [n.describe() for n in self.membership.nodes.values()]}
+
+    async def cmd_requests(self, args: dict) -> dict:
+        return {"requests": {rid: s.node for rid, s in self.client._streams.items()}}
+
+    async def cmd_drain(self, args: dict) -> dict:
+        if not args.get("node"):
+            self.front.draining = True
+            return {"draining": "cluster"}
+        info = self._node(args)
+        info.admin_drained = True            # routing stops now, before the node's next beat
+        result = await self.forward(info.name, "drain")
+        return {"node": info.name, **result}
+
+    async def cmd_undrain(self, args: dict) -> dict:
+        if not args.get("node"):
+            self.front.draining = False
+            return {"draining": False}
+        info = self._node(args)
+        result = await self.forward(info.name, "undrain")
+        info.admin_drained = False
+        return {"node": info.name, **result}
+
+    async def cmd_fail(self, args: dict) -> dict:
+        return {"node": args["node"], **await self.forward(args["node"], "fail", {"mode": args["mode"]})}
+
+    def admin_handlers(self) -> dict[str, tuple[Any, str, dict | None]]:
+        return {
+            "status": (self.cmd_status, "coordinator status and bad-message counters", None),
+            "nodes": (self.cmd_nodes, "registered nodes: load, heartbeat age, KV", None),
+            "requests": (self.cmd_requests, "request id -> node", None),
+            "drain": (self.cmd_drain, "stop routing to a node (or the cluster, no node)",
+                      {"node": (str, False)}),
+            "undrain": (self.cmd_undrain, "route to a node (or the cluster) again", {"node": (str, False)}),
+            "fail": (self.cmd_fail, "fault injection on a node: mode exit | stop | resume",
+                     {"node": (str, True), "mode": (str, True)}),
+        }
+
+    async def _start_admin(self) -> None:
+        from kvd.api.admin import AdminError, AdminServer
+
+        self.admin = AdminServer(self.admin_socket, name="kvd-coordinator")
+        for name, (handler, help_, schema) in self.admin_handlers().items():
+            self.admin.register(name, _as_admin_errors(handler, AdminError), help=help_, args_schema=schema)
+        await self.admin.start()
+
+
+def _as_admin_errors(handler, admin_error):
+    async def wrapped(args: dict) -> dict:
+        try:
+            return await handler(args)
+        except (ValueError, TransportError, TimeoutError) as exc:
+            raise admin_error(str(exc)) from None
+    return wrapped
+
+
+class _ClusterCollector:
+    """Cluster gauges and counters for /metrics, read at scrape time."""
+
+    def __init__(self, daemon: CoordinatorDaemon) -> None:
+        self.d = daemon
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        d = self.d
+        g = GaugeMetricFamily("kvd_cluster_nodes", "Registered nodes by state", labels=["state"])
+        nodes = list(d.membership.nodes.values())
+        g.add_metric(["routable"], sum(not n.draining for n in nodes))
+        g.add_metric(["draining"], sum(n.draining for n in nodes))
+        yield g
+        c = CounterMetricFamily("kvd_cluster_node_failures", "Nodes declared dead by heartbeat deadline")
+        c.add_metric([], d.membership.failures)
+        yield c
+        c = CounterMetricFamily("kvd_cluster_failed_requests", "Requests ended by a node failure or error")
+        c.add_metric([], d.client.failed_requests)
+        yield c
+        c = CounterMetricFamily("kvd_protocol_rejected", "Malformed or unexpected wire messages by reason",
+                                labels=["reason"])
+        for reason, n in sorted((d.bad_messages + d.client.bad_messages).items()):
+            c.add_metric([reason], n)
+        yield c
+        c = CounterMetricFamily("kvd_transport_malformed_frames", "Frames with a bad envelope, dropped")
+        c.add_metric([], d.listener.stats.malformed if d.listener else 0)
+        yield c

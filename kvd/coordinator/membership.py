@@ -1,0 +1,104 @@
+"""Cluster membership: who is registered, alive, draining, and what it runs.
+
+Pure bookkeeping (no I/O, no asyncio): the coordinator daemon feeds it Hello,
+Heartbeat and Goodbye messages and asks, on a timer, which nodes missed their
+deadline. A node is *routable* when it is registered, its last heartbeat is
+younger than ``deadline`` seconds and it is not draining.
+
+A Hello from a known name with a new ``incarnation`` means the process
+restarted: the old incarnation's requests are lost, so ``register`` returns
+the replaced entry for the caller to fail them.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvd import protocol
+
+
+@dataclass
+class NodeInfo:
+    name: str
+    address: str
+    incarnation: str
+    model_name: str
+    max_model_len: int
+    block_size: int
+    blocks_per_tier: dict[str, int]
+    last_seen: float                       # time.monotonic() of the last Hello/Heartbeat
+    joined_at: float = field(default_factory=time.time)
+    heartbeat: protocol.Heartbeat | None = None
+    admin_drained: bool = False            # drained by an operator through the coordinator
+    in_flight: set[str] = field(default_factory=set)   # request ids routed here
+    routed: int = 0                        # requests routed here since it joined
+
+    @property
+    def draining(self) -> bool:
+        return self.admin_drained or (self.heartbeat is not None and self.heartbeat.draining)
+
+    @property
+    def load(self) -> int:
+        """Requests this coordinator has in flight there (exact, no heartbeat lag)."""
+        return len(self.in_flight)
+
+    def describe(self, now: float | None = None) -> dict[str, Any]:
+        now = time.monotonic() if now is None else now
+        hb = self.heartbeat
+        return {"name": self.name, "address": self.address, "incarnation": self.incarnation,
+                "draining": self.draining, "in_flight": len(self.in_flight), "routed": self.routed,
+                "last_heartbeat_age_s": round(now - self.last_seen, 3),
+                "running": hb.running if hb else 0, "waiting": hb.waiting if hb else 0,
+                "free_blocks": dict(hb.free_blocks) if hb else {},
+                "cached_blocks": hb.cached_blocks if hb else 0}
+
+
+class Membership:
+    def __init__(self, deadline: float) -> None:
+        if deadline <= 0:
+            raise ValueError("deadline must be > 0")
+        self.deadline = deadline
+        self.nodes: dict[str, NodeInfo] = {}
+        self.failures = 0                  # nodes declared dead since start
+        self.joins = 0
+
+    def register(self, hello: protocol.Hello, now: float | None = None
+                 ) -> tuple[NodeInfo, NodeInfo | None]:
+        """Add or refresh ``hello.node``. Returns (entry, replaced entry or None)."""
+        now = time.monotonic() if now is None else now
+        old = self.nodes.get(hello.node)
+        if old is not None and old.incarnation == hello.incarnation and old.address == hello.address:
+            old.last_seen = now                # a repeated Hello (lost Welcome): same node
+            return old, None
+        info = NodeInfo(hello.node, hello.address, hello.incarnation, hello.model_name,
+                        hello.max_model_len, hello.block_size, dict(hello.blocks_per_tier), now)
+        self.nodes[hello.node] = info
+        self.joins += 1
+        return info, old
+
+    def beat(self, hb: protocol.Heartbeat, now: float | None = None) -> NodeInfo | None:
+        """Record a heartbeat. None when the node is unknown (it must register)."""
+        info = self.nodes.get(hb.node)
+        if info is None:
+            return None
+        if info.heartbeat is None or hb.seq > info.heartbeat.seq or hb.seq <= 1:
+            info.heartbeat = hb
+        info.last_seen = time.monotonic() if now is None else now
+        return info
+
+    def remove(self, name: str) -> NodeInfo | None:
+        return self.nodes.pop(name, None)
+
+    def expired(self, now: float | None = None) -> list[NodeInfo]:
+        """Remove and return every node whose last beat is older than the deadline."""
+        now = time.monotonic() if now is None else now
+        dead = [n for n in self.nodes.values() if now - n.last_seen > self.deadline]
+        for n in dead:
+            del self.nodes[n.name]
+        self.failures += len(dead)
+        return dead
+
+    def routable(self) -> list[NodeInfo]:
+        return [n for n in self.nodes.values() if not n.draining]

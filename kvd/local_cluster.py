@@ -1,0 +1,82 @@
+"""``kvd serve --nodes N``: a coordinator here and N node processes on this machine.
+
+The node processes run ``kvd node`` with the same config file and engine
+flags, named n1..nN, listening on loopback (``[cluster].transport``: zmq+tcp
+on 127.0.0.1 with a free port, zmq+ipc under a private runtime directory, or
+ucx) and registering with this coordinator, which binds its registration
+address first. SIGTERM drains the front door, then stops the nodes (SIGTERM,
+then SIGKILL after their drain timeout). A node process that exits is not
+restarted here (systemd does that in production); the failure detector
+removes it and requests go to the survivors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+
+from kvd.cluster_config import ClusterConfig, with_overrides
+from kvd.coordinator.daemon import CoordinatorDaemon
+from kvd.coordinator.settings import CoordinatorSettings, load_tokenizer
+
+log = logging.getLogger("kvd.local")
+
+
+def local_cluster(cluster: ClusterConfig, runtime_dir: str) -> ClusterConfig:
+    scheme = cluster.transport if cluster.transport != "inproc" else "zmq+tcp"
+    if scheme == "zmq+ipc":
+        coordinator = f"zmq+ipc://{runtime_dir}/coordinator.sock"
+    else:
+        coordinator = f"{scheme}://127.0.0.1:0"
+    return with_overrides(cluster, transport=scheme, coordinator=coordinator)
+
+
+class LocalCluster:
+    def __init__(self, settings: CoordinatorSettings, cluster: ClusterConfig, num_nodes: int,
+                 node_args: list[str]) -> None:
+        self.settings = settings
+        self.runtime_dir = tempfile.mkdtemp(prefix="kvd-")
+        self.cluster = local_cluster(cluster, self.runtime_dir)
+        self.num_nodes = num_nodes
+        self.node_args = node_args
+        self.procs: list[subprocess.Popen] = []
+        self.coordinator: CoordinatorDaemon | None = None
+
+    def _spawn(self, name: str, coordinator_url: str) -> subprocess.Popen:
+        scheme = self.cluster.transport
+        listen = (f"zmq+ipc://{self.runtime_dir}/{name}.sock" if scheme == "zmq+ipc"
+                  else f"{scheme}://127.0.0.1:0")
+        cmd = [sys.executable, "-m", "kvd.cli", "node", "--name", name, "--coordinator", coordinator_url,
+               "--listen", listen, *self.node_args]
+        return subprocess.Popen(cmd, env={**os.environ, "KVD_PARENT": str(os.getpid())})
+
+    async def run(self) -> None:
+        model_name, tokenizer = await asyncio.to_thread(load_tokenizer, self.settings.model)
+        self.coordinator = CoordinatorDaemon(self.cluster, self.settings, model_name, tokenizer,
+                                             default_max_model_len=self.settings.max_model_len or 2048)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.coordinator.request_stop)
+        await self.coordinator.start_registration()
+        url = self.coordinator.address
+        self.procs = [self._spawn(f"n{i + 1}", url) for i in range(self.num_nodes)]
+        try:
+            await self.coordinator.run(expect_nodes=self.num_nodes)
+        finally:
+            await asyncio.to_thread(self._stop_nodes)
+
+    def _stop_nodes(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(self.settings.drain_timeout + 5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()

@@ -1,0 +1,353 @@
+"""The node daemon (``kvd node``): one engine, reached over a transport.
+
+Tasks, all owned by one TaskGroup in ``run``::
+
+    serve      decode messages from the listener and dispatch them
+    heartbeat  register with the coordinator, beat every interval
+    reaper     release KV allocations whose transfer never completed
+    one task per request   GenerateRequest -> TokenChunk stream to that peer
+    one task per transfer/admin command (they reply when done)
+
+Messages served on the listener:
+
+- ``GenerateRequest`` -> a stream of ``TokenChunk`` pushed to the sender (every
+  chunk carries ``start_index``, the index of its first token), ending with a
+  chunk whose ``finish_reason`` is set, or one ``Error`` with the request id.
+- ``Abort`` -> the request stops and frees its blocks.
+- ``KVTransferRequest`` / ``KVData`` -> the receiver half of a KV transfer.
+- ``AdminCommand`` -> ``AdminReply`` (status, drain, undrain, fail, transfer,
+  cache stats, requests); the same handlers serve the admin Unix socket.
+
+Malformed messages are answered with ``Error``, counted by reason
+(``bad_messages``) and never stop the loop. SIGTERM drains: the node says so
+in its heartbeat (nothing new is routed here), finishes its requests (up to
+``drain_timeout``), says Goodbye and exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import os
+import time
+import uuid
+from typing import Any
+
+from engine.engine import EngineConfig, LLMEngine
+from engine.request import InvalidParam, SamplingParams
+from kvd import links, protocol
+from kvd.cluster_config import ClusterConfig
+from kvd.node.engine_driver import EngineDriver
+from kvd.node.heartbeat import Heartbeater
+from kvd.node.transfer import TransferReceiver, send_prefix
+from transports import InprocRegistry, Listener, TransportError, TransportOptions
+
+log = logging.getLogger("kvd.node")
+
+TIER_NAMES = {"device": "gpu", "host": "cpu"}   # engine tier -> wire tier
+
+
+class NodeDaemon:
+    def __init__(self, engine_config: EngineConfig, cluster: ClusterConfig, name: str, *,
+                 address: str | None = None, coordinator: str | None = None,
+                 registry: InprocRegistry | None = None, admin_socket: str | None = None,
+                 drain_timeout: float = 30.0) -> None:
+        node_cfg = cluster.node(name)
+        self.name = name
+        self.engine_config = engine_config
+        self.cluster = cluster
+        self.address = address or node_cfg.address or cluster.default_address(name)
+        self.coordinator_url = coordinator or cluster.coordinator
+        self.registry = registry
+        self.admin_socket = admin_socket if admin_socket is not None else node_cfg.admin_socket
+        self.drain_timeout = drain_timeout
+        self.incarnation = uuid.uuid4().hex[:12]
+        self.options = TransportOptions(request_timeout=cluster.request_timeout,
+                                        send_timeout=cluster.request_timeout)
+        self.driver: EngineDriver | None = None
+        self.listener: Listener | None = None
+        self.receiver: TransferReceiver | None = None
+        self.heartbeat: Heartbeater | None = None
+        self.admin = None
+        self.bad_messages: collections.Counter[str] = collections.Counter()
+        self.draining = False
+        self.streams: dict[str, asyncio.Task] = {}
+        self.transfers_sent = 0
+        self._tg: asyncio.TaskGroup | None = None
+        self._stop = asyncio.Event()
+        self._ready = asyncio.Event()
+
+    # ------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        """Load the engine, start its thread, bind the listener and admin socket."""
+        t0 = time.perf_counter()
+        engine = await asyncio.to_thread(LLMEngine.from_config, self.engine_config)
+        self.driver = EngineDriver(engine)
+        await self.driver.start()
+        self.receiver = TransferReceiver(self.driver)
+        self.listener = await links.listen(self.address, self.cluster, self.name,
+                                           registry=self.registry, options=self.options)
+        self.address = self.listener.url
+        self.heartbeat = Heartbeater(self.name, self._connect_coordinator, self._hello, self._beat,
+                                     self.cluster.heartbeat_interval, self.cluster.request_timeout)
+        if self.admin_socket:
+            await self._start_admin()
+        log.info("node %s: %s loaded in %.1fs, listening on %s", self.name, engine.model_name,
+                 time.perf_counter() - t0, self.address)
+
+    async def run(self) -> None:
+        """Serve until ``request_stop``; then drain and clean up. Calls ``start`` if needed."""
+        if self.driver is None:
+            await self.start()
+        try:
+            async with asyncio.TaskGroup() as tg:
+                self._tg = tg
+                serving = tg.create_task(protocol.serve(self.listener, self._handle,
+                                                        rejected=self.bad_messages), name="serve")
+                beating = tg.create_task(self.heartbeat.run(), name="heartbeat")
+                reaping = tg.create_task(self._reap(), name="reaper")
+                self._ready.set()
+                await self._stop.wait()
+                await self._drain()
+                await self.heartbeat.goodbye("shutdown")
+                for task in (serving, beating, reaping, *self.streams.values()):
+                    task.cancel()
+                await self.listener.close()
+        finally:
+            self._tg = None
+            await self.cleanup()
+
+    def request_stop(self) -> None:
+        if self._stop.is_set():
+            self.drain_timeout = 0  # second signal: stop without waiting
+        self._stop.set()
+
+    async def wait_ready(self, timeout: float = 300.0) -> None:
+        async with asyncio.timeout(timeout):
+            await self._ready.wait()
+
+    async def _drain(self) -> None:
+        self.draining = True
+        self.heartbeat.kick()
+        deadline = time.monotonic() + self.drain_timeout
+        log.info("node %s draining: %d request(s) in flight", self.name, len(self.streams))
+        while self.streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
+    async def cleanup(self) -> None:
+        if self.admin is not None:
+            await self.admin.close()
+        if self.listener is not None:
+            await self.listener.close()
+        if self.driver is not None:
+            await self.driver.stop()
+
+    # ----------------------------------------------------------- registration
+    async def _connect_coordinator(self):
+        return await links.connect(self.coordinator_url, self.cluster, self.name, "coordinator",
+                                   registry=self.registry, options=self.options)
+
+    def _hello(self) -> protocol.Hello:
+        eng = self.driver.engine
+        return protocol.Hello(
+            id=f"hello-{self.name}", deadline=time.time() + self.cluster.request_timeout,
+            node=self.name, address=self.address, capabilities=("prefill", "decode", "transfer"),
+            blocks_per_tier={"gpu": eng.config.kv_blocks, "cpu": eng.config.host_kv_blocks},
+            block_size=eng.config.block_size, model_name=eng.model_name,
+            max_model_len=eng.max_model_len, incarnation=self.incarnation)
+
+    async def _beat(self, seq: int) -> protocol.Heartbeat:
+        events = 0
+        with contextlib.suppress(Exception):  # a busy engine thread must not stop the beat
+            events = await self.driver.call(lambda e: len(e.pool.take_events()),
+                                            timeout=self.cluster.heartbeat_interval)
+        snap = self.driver.stats()
+        kv = snap.get("kv", {})
+        max_seqs = self.driver.engine.config.max_num_seqs
+        return protocol.Heartbeat(
+            id=f"hb-{self.name}-{seq}", deadline=time.time() + self.cluster.request_timeout,
+            node=self.name, seq=seq, load=(snap["running"] + snap["waiting"]) / max_seqs,
+            running=snap["running"], waiting=snap["waiting"],
+            free_blocks={TIER_NAMES[t]: kv.get(t, {}).get("free", 0) for t in TIER_NAMES},
+            draining=self.draining,
+            cached_blocks=sum(kv.get(t, {}).get("cached", 0) for t in TIER_NAMES),
+            cache_events=events, stats=snap)
+
+    # ------------------------------------------------------------- messages
+    async def _handle(self, msg: protocol.Message, incoming) -> protocol.Message | None:
+        if isinstance(msg, protocol.GenerateRequest):
+            if self.draining:
+                return protocol.Error(id=msg.id, code="draining", request_id=msg.request_id,
+                                      message=f"node {self.name} is draining")
+            if msg.request_id in self.streams:
+                return protocol.Error(id=msg.id, code="duplicate", request_id=msg.request_id,
+                                      message="request id already in flight")
+            self.streams[msg.request_id] = self._tg.create_task(
+                self._stream(msg, incoming.peer), name=f"req {msg.request_id}")
+            return None
+        if isinstance(msg, protocol.Abort):
+            task = self.streams.get(msg.request_id)
+            if task is not None:
+                task.cancel()
+            return None
+        if isinstance(msg, (protocol.KVTransferRequest, protocol.KVData, protocol.AdminCommand)):
+            self._tg.create_task(self._reply_later(msg, incoming), name=f"{msg.TYPE} {msg.id}")
+            return None
+        self.bad_messages["unexpected_type"] += 1
+        return protocol.Error(id=msg.id, code="unexpected_type", message=f"a node does not serve {msg.TYPE}")
+
+    async def _send(self, peer: bytes, msg: protocol.Message) -> None:
+        await self.listener.send(peer, *protocol.encode(msg))
+
+    async def _stream(self, msg: protocol.GenerateRequest, peer: bytes) -> None:
+        rid = msg.request_id
+        try:
+            try:
+                params = SamplingParams(**msg.sampling)
+            except (InvalidParam, TypeError) as exc:
+                await self._send(peer, protocol.Error(code="invalid_param", request_id=rid, message=str(exc)))
+                return
+            outputs = self.driver.generate(rid, list(msg.prompt_token_ids), params)
+            async with contextlib.aclosing(outputs):  # closing early aborts in the engine
+                async for out in outputs:
+                    if out.error is not None:
+                        await self._send(peer, protocol.Error(code="invalid_request", request_id=rid,
+                                                              message=out.error))
+                        return
+                    await self._send(peer, protocol.TokenChunk(
+                        request_id=rid, start_index=out.num_output_tokens - len(out.new_token_ids),
+                        token_ids=tuple(out.new_token_ids), text=out.text,
+                        finish_reason=out.finish_reason if out.finished else None,
+                        stop_reason=out.stop_reason if out.finished else None,
+                        usage={"prompt_tokens": out.num_prompt_tokens,
+                               "completion_tokens": out.num_output_tokens,
+                               "cached_tokens": out.num_cached_tokens}))
+        except TransportError as exc:
+            log.info("request %s: coordinator unreachable (%s); aborted", rid, exc)
+        except Exception as exc:  # noqa: BLE001 -- one request's failure stays its own
+            log.exception("request %s failed", rid)
+            with contextlib.suppress(TransportError):
+                await self._send(peer, protocol.Error(code="engine_error", request_id=rid, message=str(exc)))
+        finally:
+            self.streams.pop(rid, None)
+
+    async def _reply_later(self, msg: protocol.Message, incoming) -> None:
+        try:
+            if isinstance(msg, protocol.KVTransferRequest):
+                timeout = (msg.deadline - time.time()) if msg.deadline else self.cluster.request_timeout
+                reply = await self.receiver.on_request(msg, max(timeout, 1.0))
+            elif isinstance(msg, protocol.KVData):
+                reply = await self.receiver.on_data(msg)
+            else:
+                reply = await self._admin_command(msg)
+        except Exception as exc:  # noqa: BLE001
+            log.exception("%s %s failed", msg.TYPE, msg.id)
+            reply = protocol.Error(id=msg.id, code="internal", message=f"{type(exc).__name__}: {exc}")
+        if incoming.request_id:
+            try:
+                await self.listener.reply(incoming, *protocol.encode(reply))
+            except TransportError as exc:
+                log.info("reply to %s not delivered: %s", msg.TYPE, exc)
+
+    async def _reap(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            with contextlib.suppress(Exception):
+                if n := await self.receiver.expire():
+                    log.warning("released %d KV allocation(s) whose transfer never completed", n)
+
+    # ---------------------------------------------------------------- admin
+    def admin_handlers(self) -> dict[str, tuple[Any, str, dict | None]]:
+        """name -> (async handler(args) -> dict, help, args schema)."""
+        return {
+            "status": (self.cmd_status, "node status: load, KV, registration, bad-message counters", None),
+            "requests": (self.cmd_requests, "request ids in flight", None),
+            "drain": (self.cmd_drain, "finish in-flight requests, accept no new ones", None),
+            "undrain": (self.cmd_undrain, "accept new requests again", None),
+            "fail": (self.cmd_fail, "fault injection: mode exit | stop (heartbeats) | resume",
+                     {"mode": (str, True)}),
+            "cache stats": (self.cmd_cache_stats, "MemPool blocks per tier", None),
+            "transfer": (self.cmd_transfer, "move the cached KV of token_ids to node `to` at `address`",
+                         {"to": (str, True), "address": (str, True), "token_ids": (list, True)}),
+        }
+
+    async def _start_admin(self) -> None:
+        from kvd.api.admin import AdminServer
+
+        self.admin = AdminServer(self.admin_socket, name=f"kvd-node-{self.name}")
+        for name, (handler, help_, schema) in self.admin_handlers().items():
+            self.admin.register(name, handler, help=help_, args_schema=schema)
+        await self.admin.start()
+
+    async def _admin_command(self, msg: protocol.AdminCommand) -> protocol.AdminReply:
+        entry = self.admin_handlers().get(msg.command)
+        if entry is None:
+            return protocol.AdminReply(id=msg.id, ok=False, error=f"unknown command {msg.command!r}")
+        try:
+            return protocol.AdminReply(id=msg.id, ok=True, result=await entry[0](dict(msg.args)))
+        except (ValueError, KeyError, TypeError, TransportError, TimeoutError) as exc:
+            return protocol.AdminReply(id=msg.id, ok=False, error=f"{type(exc).__name__}: {exc}")
+
+    def status(self) -> dict[str, Any]:
+        snap = self.driver.stats() if self.driver else {}
+        lst = self.listener.stats if self.listener else None
+        return {"node": self.name, "address": self.address, "incarnation": self.incarnation,
+                "draining": self.draining, "registered": bool(self.heartbeat and self.heartbeat.registered),
+                "heartbeats_paused": bool(self.heartbeat and self.heartbeat.paused),
+                "in_flight": len(self.streams), "running": snap.get("running", 0),
+                "waiting": snap.get("waiting", 0),
+                "bad_messages": dict(self.bad_messages),
+                "malformed_frames": lst.malformed if lst else 0,
+                "transfers": {"sent": self.transfers_sent,
+                              "received": self.receiver.completed if self.receiver else 0,
+                              "failed": self.receiver.failed if self.receiver else 0}}
+
+    async def cmd_status(self, args: dict) -> dict:
+        return self.status()
+
+    async def cmd_requests(self, args: dict) -> dict:
+        return {"requests": sorted(self.streams)}
+
+    async def cmd_drain(self, args: dict) -> dict:
+        self.draining = True
+        self.heartbeat.kick()
+        return {"draining": True, "in_flight": len(self.streams)}
+
+    async def cmd_undrain(self, args: dict) -> dict:
+        self.draining = False
+        self.heartbeat.kick()
+        return {"draining": False}
+
+    async def cmd_fail(self, args: dict) -> dict:
+        mode = args["mode"]
+        if mode == "exit":
+            # after the reply is on its way: a crash, not a shutdown (no drain, no goodbye)
+            asyncio.get_running_loop().call_later(0.1, os._exit, 1)
+        elif mode == "stop":
+            self.heartbeat.paused = True
+        elif mode == "resume":
+            self.heartbeat.paused = False
+            self.heartbeat.kick()
+        else:
+            raise ValueError(f"fail mode must be exit, stop or resume, got {mode!r}")
+        log.warning("fault injection: %s", mode)
+        return {"mode": mode}
+
+    async def cmd_cache_stats(self, args: dict) -> dict:
+        return {"kv": self.driver.stats().get("kv", {})}
+
+    async def cmd_transfer(self, args: dict) -> dict:
+        tokens = args["token_ids"]
+        if not all(type(t) is int and t >= 0 for t in tokens):
+            raise ValueError("token_ids must be non-negative integers")
+        conn = await links.connect(args["address"], self.cluster, self.name, args["to"],
+                                   registry=self.registry, options=self.options)
+        try:
+            result = await send_prefix(self.driver, conn, tokens, src_node=self.name,
+                                       dst_node=args["to"], timeout=self.cluster.request_timeout)
+        finally:
+            await conn.close()
+        self.transfers_sent += result["ok"]
+        return result

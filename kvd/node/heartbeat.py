@@ -1,0 +1,106 @@
+"""A node's link to the coordinator: registration (Hello/Welcome) and heartbeats.
+
+Contract: ``run()`` loops until cancelled and never raises for a coordinator
+that is down, slow or restarted:
+
+- not registered: send Hello (a request with a deadline); on Welcome(accepted)
+  start beating;
+- registered: send a Heartbeat request every ``interval``; a reply
+  ``Welcome(accepted=False)`` means the coordinator does not know us (it
+  restarted, or declared us dead): register again at once;
+- a transport failure or timeout: reconnect (UCX links do not reconnect by
+  themselves) and register again.
+
+``paused`` (fault injection, admin ``fail stop``) stops the beats without
+stopping anything else, so the coordinator's failure detector fires.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+from kvd import protocol
+from transports import Connection, TransportError
+
+log = logging.getLogger("kvd.heartbeat")
+
+
+class Heartbeater:
+    def __init__(self, name: str, connect: Callable[[], Awaitable[Connection]],
+                 hello: Callable[[], protocol.Hello],
+                 beat: Callable[[int], Awaitable[protocol.Heartbeat]],
+                 interval: float, timeout: float) -> None:
+        self.name = name
+        self._connect = connect
+        self._hello = hello
+        self._beat = beat
+        self.interval = interval
+        self.timeout = timeout
+        self.registered = False
+        self.registrations = 0
+        self.paused = False
+        self.seq = 0
+        self.conn: Connection | None = None
+        self._kick = asyncio.Event()
+
+    def kick(self) -> None:
+        """Beat now (state changed: draining, undrained)."""
+        self._kick.set()
+
+    async def run(self) -> None:
+        try:
+            while True:
+                if not self.paused:
+                    await self._once()
+                self._kick.clear()
+                try:
+                    async with asyncio.timeout(self.interval):
+                        await self._kick.wait()
+                except TimeoutError:
+                    pass
+        finally:
+            if self.conn is not None:
+                await self.conn.close()
+
+    async def _once(self) -> None:
+        try:
+            if self.conn is None or self.conn.closed:
+                self.registered = False
+                self.conn = await asyncio.wait_for(self._connect(), self.timeout)
+            if not self.registered:
+                reply = await protocol.call(self.conn, self._hello(), timeout=self.timeout)
+                if isinstance(reply, protocol.Welcome) and reply.accepted:
+                    self.registered = True
+                    self.registrations += 1
+                    if reply.heartbeat_interval > 0:
+                        self.interval = reply.heartbeat_interval
+                    log.info("registered with the coordinator (%d)", self.registrations)
+                else:
+                    log.warning("coordinator refused registration: %s",
+                                getattr(reply, "reason", None) or getattr(reply, "message", reply))
+                return
+            self.seq += 1
+            reply = await protocol.call(self.conn, await self._beat(self.seq), timeout=self.timeout)
+            if isinstance(reply, protocol.Welcome) and not reply.accepted:
+                log.warning("coordinator does not know this node (%s); registering again", reply.reason)
+                self.registered = False
+                self._kick.set()
+        except (TransportError, TimeoutError) as exc:
+            if self.registered:
+                log.warning("heartbeat to the coordinator failed: %s", exc)
+            self.registered = False
+            if self.conn is not None and self.conn.url.startswith("ucx"):
+                await self.conn.close()  # a lost UCX link never comes back: reconnect
+                self.conn = None
+
+    async def goodbye(self, reason: str) -> None:
+        """Tell the coordinator we leave on purpose (best effort, bounded)."""
+        if self.conn is None or self.conn.closed or not self.registered:
+            return
+        try:
+            await protocol.call(self.conn, protocol.Goodbye(node=self.name, reason=reason),
+                                timeout=min(self.timeout, 2.0))
+        except (TransportError, TimeoutError):
+            pass
