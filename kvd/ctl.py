@@ -6,7 +6,7 @@
     kvctl drain [NODE]          kvctl undrain [NODE]
     kvctl cache stats           kvctl cache flush
     kvctl log-level LEVEL [--logger NAME]
-    kvctl fail [NODE] --mode exit|stop|drop-transfers
+    kvctl fail [NODE] --mode exit|stop|resume|drop-transfers
     kvctl keys --dir DIR --name NAME        (local: no daemon needed)
     kvctl call CMD [KEY=VALUE ...]          (any registered command)
     kvctl raw '{"cmd": "status"}'
@@ -34,7 +34,7 @@ CONNECT_TIMEOUT = 2.0
 # command is reported by the server's own timeout error rather than ours.
 REPLY_TIMEOUT = 15.0
 MAX_REPLY = 64 * 1024 * 1024
-FAIL_MODES = ("exit", "stop", "drop-transfers")
+FAIL_MODES = ("exit", "stop", "resume", "drop-transfers")
 
 
 class AdminUnavailable(Exception):
@@ -140,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     ll.add_argument("level", choices=("debug", "info", "warning", "error", "critical"),
                     type=str.lower)
     ll.add_argument("--logger", help="logger name (default: root)")
-    fail = sub.add_parser("fail", help="fault injection (tests): exit, stop heartbeats, drop transfers")
+    fail = sub.add_parser("fail", help="fault injection (tests): exit, stop heartbeats, resume, drop transfers")
     fail.add_argument("node", nargs="?", help="node name (required by the coordinator)")
     fail.add_argument("--mode", required=True, choices=FAIL_MODES)
     keys = sub.add_parser("keys", help="generate a CURVE keypair locally")

@@ -116,6 +116,7 @@ def test_status_pretty_and_json(admin, capsys):
     (["cache", "flush"], ("cache flush", {})),
     (["fail", "n1", "--mode", "stop"], ("fail", {"node": "n1", "mode": "stop"})),
     (["fail", "n3", "--mode", "drop-transfers"], ("fail", {"node": "n3", "mode": "drop-transfers"})),
+    (["fail", "--mode", "resume", "n2"], ("fail", {"node": "n2", "mode": "resume"})),
     (["call", "set-role", "node=n1", "role=prefill", "weight=0.5"],
      ("set-role", {"node": "n1", "role": "prefill", "weight": 0.5})),
     (["raw", '{"cmd": "cache", "sub": "stats"}'], ("cache stats", {})),
