@@ -274,11 +274,19 @@ class NodeDaemon:
         }
 
     async def _start_admin(self) -> None:
-        from kvd.api.admin import AdminServer
+        from kvd.api.admin import AdminError, AdminServer
+
+        def as_admin_errors(handler):
+            async def wrapped(args: dict) -> dict:
+                try:
+                    return await handler(args)
+                except (ValueError, TypeError, TransportError, TimeoutError) as exc:
+                    raise AdminError(f"{type(exc).__name__}: {exc}") from None
+            return wrapped
 
         self.admin = AdminServer(self.admin_socket, name=f"kvd-node-{self.name}")
         for name, (handler, help_, schema) in self.admin_handlers().items():
-            self.admin.register(name, handler, help=help_, args_schema=schema)
+            self.admin.register(name, as_admin_errors(handler), help=help_, args_schema=schema)
         await self.admin.start()
 
     async def _admin_command(self, msg: protocol.AdminCommand) -> protocol.AdminReply:

@@ -1,0 +1,178 @@
+"""Real cluster daemons on loopback: ``kvd coordinator`` and ``kvd node`` processes.
+
+Logs go to the test's tmp dir (printed on failure with KVD_TEST_LOGS=1 they
+go to the terminal). Everything is the tiny random model in float32 with
+small KV pools, so a node starts in a few seconds on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = "tiny"
+TINY = ("--model", "tiny", "--dtype", "float32", "--block-size", "16", "--kv-blocks", "128",
+        "--host-kv-blocks", "32", "--max-model-len", "512", "--num-threads", "1")
+HEARTBEAT = ("--heartbeat-interval", "0.5", "--heartbeat-deadline", "3")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def admin(path: str | Path, cmd: str, timeout: float = 15.0, **args) -> dict:
+    """One line-delimited JSON request on an admin Unix socket."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        s.connect(str(path))
+        s.sendall(json.dumps({"cmd": cmd, **args}).encode() + b"\n")
+        buf = b""
+        while not buf.endswith(b"\n"):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            buf += chunk
+    return json.loads(buf)
+
+
+class Proc:
+    def __init__(self, name: str, cmd: list[str], logdir: Path) -> None:
+        self.name = name
+        self.cmd = cmd
+        self.logdir = logdir
+        self.proc: subprocess.Popen | None = None
+        self.start()
+
+    def start(self) -> None:
+        log = None if os.environ.get("KVD_TEST_LOGS") else open(self.logdir / f"{self.name}.log", "ab")
+        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT if log else None)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill9(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self, timeout: float = 20.0) -> int | None:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def log_text(self) -> str:
+        path = self.logdir / f"{self.name}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+
+class Cluster:
+    """A coordinator and named nodes; ``url(kind)`` builds loopback addresses."""
+
+    def __init__(self, tmp: Path, transport: str = "zmq+tcp", extra: tuple[str, ...] = ()) -> None:
+        self.tmp = tmp
+        self.transport = transport
+        self.extra = extra
+        self.http_port = free_port()
+        self.base = f"http://127.0.0.1:{self.http_port}"
+        self.coordinator_url = self.url("coordinator")
+        self.admin_socket = tmp / "coordinator.sock"
+        self.coordinator = Proc("coordinator", [
+            sys.executable, "-m", "kvd.cli", "coordinator", "--listen", self.coordinator_url,
+            "--port", str(self.http_port), "--model", MODEL, "--admin-socket", str(self.admin_socket),
+            "--transport", transport, *HEARTBEAT, *extra], tmp)
+        self.nodes: dict[str, Proc] = {}
+        self.node_urls: dict[str, str] = {}
+
+    def url(self, name: str) -> str:
+        if self.transport == "zmq+ipc":
+            return f"zmq+ipc://{self.tmp}/{name}.ipc"
+        return f"{self.transport}://127.0.0.1:{free_port()}"
+
+    def node_admin(self, name: str) -> Path:
+        return self.tmp / f"{name}.sock"
+
+    def start_node(self, name: str, *extra: str, url: str | None = None) -> Proc:
+        url = url or self.node_urls.get(name) or self.url(name)
+        self.node_urls[name] = url
+        proc = Proc(name, [sys.executable, "-m", "kvd.cli", "node", "--name", name, "--listen", url,
+                           "--coordinator", self.coordinator_url, "--admin-socket",
+                           str(self.node_admin(name)), "--transport", self.transport,
+                           *TINY, *HEARTBEAT, *self.extra, *extra], self.tmp)
+        self.nodes[name] = proc
+        return proc
+
+    def nodes_up(self) -> list[str]:
+        try:
+            return sorted(n["name"] for n in admin(self.admin_socket, "nodes")["nodes"])
+        except (OSError, ValueError, KeyError):
+            return []
+
+    def wait_nodes(self, names: list[str], timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if set(names) <= set(self.nodes_up()):
+                return
+            for p in [self.coordinator, *self.nodes.values()]:
+                if p.proc.poll() is not None and p.name in [*names, "coordinator"]:
+                    raise RuntimeError(f"{p.name} exited {p.proc.returncode}:\n{p.log_text()[-3000:]}")
+            time.sleep(0.2)
+        raise TimeoutError(f"nodes {names} did not register; up: {self.nodes_up()}\n"
+                           + "\n".join(f"--- {p.name}\n{p.log_text()[-2000:]}" for p in self.nodes.values()))
+
+    def wait_gone(self, name: str, timeout: float) -> float:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            if name not in self.nodes_up():
+                return time.monotonic() - t0
+            time.sleep(0.05)
+        raise TimeoutError(f"{name} still registered after {timeout}s")
+
+    def client(self, **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.base + "/v1", api_key="x", max_retries=0, **kw)
+
+    def metrics(self) -> dict[str, float]:
+        out = {}
+        for line in httpx.get(self.base + "/metrics", timeout=5).text.splitlines():
+            if line.startswith("kvd_") and " " in line:
+                key, value = line.rsplit(" ", 1)
+                out[key] = float(value)
+        return out
+
+    def stop(self) -> None:
+        for p in self.nodes.values():
+            p.stop()
+        self.coordinator.stop()
+
+
+@pytest.fixture(scope="session")
+def reference_engine():
+    """The plain single-node engine, in this process, for token-exact comparisons."""
+    from engine.engine import EngineConfig, LLMEngine
+
+    return LLMEngine.from_config(EngineConfig(model="tiny", dtype="float32", block_size=16, kv_blocks=256,
+                                              host_kv_blocks=32, max_model_len=512, num_threads=1))
+
+
+def reference_tokens(engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    from engine.request import SamplingParams
+
+    return engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
