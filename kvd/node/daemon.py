@@ -357,5 +357,5 @@ class NodeDaemon:
                                        dst_node=args["to"], timeout=self.cluster.request_timeout)
         finally:
             await conn.close()
-        self.transfers_sent += result["ok"]
+        self.transfers_sent += result["transferred"]
         return result

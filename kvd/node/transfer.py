@@ -134,7 +134,7 @@ async def send_prefix(driver: EngineDriver, conn: Connection, token_ids: list[in
     """Sender half: move the cached KV of ``token_ids``' full blocks to the
     node behind ``conn`` and insert it into that node's radix tree.
 
-    Returns {"ok", "blocks", "sent_blocks", "bytes", "sends", "inserted_tokens",
+    Returns {"transferred", "blocks", "sent_blocks", "bytes", "sends", "inserted_tokens",
     "seconds", "reason"}. Raises TransportError on a transport failure; the
     sender's lock on the prefix is released in every case.
     """
@@ -147,7 +147,7 @@ async def send_prefix(driver: EngineDriver, conn: Connection, token_ids: list[in
         return m, engine.kv.num_layers, str(engine.kv.dtype).removeprefix("torch."), engine.pool.block_size
 
     m, num_layers, dtype, bs = await driver.call(lock_prefix)
-    result: dict[str, Any] = {"ok": False, "blocks": len(m.blocks), "sent_blocks": 0, "bytes": 0,
+    result: dict[str, Any] = {"transferred": False, "blocks": len(m.blocks), "sent_blocks": 0, "bytes": 0,
                               "sends": 0, "inserted_tokens": 0, "reason": ""}
     locked = True
     try:
@@ -191,7 +191,7 @@ async def send_prefix(driver: EngineDriver, conn: Connection, token_ids: list[in
         result["sent_blocks"] = len(refs)
         result["bytes"] = 0 if payload is None else payload.numel() * payload.element_size()
         if isinstance(ack, protocol.KVAck) and ack.ok:
-            result.update(ok=True, inserted_tokens=ack.inserted_tokens)
+            result.update(transferred=True, inserted_tokens=ack.inserted_tokens)
         else:
             result["reason"] = getattr(ack, "reason", None) or getattr(ack, "message", repr(ack))
         return result

@@ -1,0 +1,163 @@
+"""Two node processes (and a coordinator): KV transfer with insert across
+processes, and malformed frames thrown at a node's and the coordinator's
+listeners while a request is in flight."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+
+import orjson
+import pytest
+import zmq
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+import transports
+from kvd import protocol
+from transports.base import KIND_MSG, KIND_REQUEST, pack_envelope
+
+from .conftest import MODEL, Cluster, admin, reference_tokens
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    c = Cluster(tmp_path_factory.mktemp("pair"), "zmq+tcp")
+    c.start_node("a")
+    c.start_node("b")
+    try:
+        c.wait_nodes(["a", "b"])
+        yield c
+    finally:
+        c.stop()
+
+
+async def _generate(url: str, ids: list[int], max_tokens: int) -> tuple[list[int], dict]:
+    """Run one request directly on a node; (output ids, final usage)."""
+    conn = await transports.connect(url)
+    try:
+        await conn.send(*protocol.encode(protocol.GenerateRequest(
+            request_id=f"t-{random.random()}", prompt_token_ids=tuple(ids),
+            sampling={"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True})))
+        out: list[int] = []
+        while True:
+            inc = await asyncio.wait_for(conn.recv(), 30)
+            msg = protocol.decode(inc.header, inc.frames)
+            assert isinstance(msg, protocol.TokenChunk), msg
+            assert msg.start_index == len(out)          # every token carries its index
+            out += msg.token_ids
+            if msg.finish_reason:
+                return out, msg.usage
+    finally:
+        await conn.close()
+
+
+def test_transfer_with_insert_between_two_node_processes(pair, reference_engine):
+    rng = random.Random(7)
+    ids = [rng.randrange(1, 40000) for _ in range(100)]            # 6 full blocks of 16
+    ref = reference_tokens(reference_engine, [ids], 8)[0]
+    out_a, usage_a = asyncio.run(_generate(pair.node_urls["a"], ids, 8))
+    assert out_a == ref and usage_a["cached_tokens"] == 0
+    result = admin(pair.node_admin("a"), "transfer", to="b", address=pair.node_urls["b"], token_ids=ids)
+    assert result["transferred"] is True, result
+    assert result["blocks"] == 6 and result["inserted_tokens"] == 96
+    assert result["sends"] == 2          # allocation request + ONE KVData frame, never per block
+    assert admin(pair.node_admin("b"), "status")["transfers"]["received"] == 1
+    out_b, usage_b = asyncio.run(_generate(pair.node_urls["b"], ids, 8))
+    assert usage_b["cached_tokens"] == 96                      # served from the transferred KV
+    assert out_b == ref
+    # a second transfer of the same prefix sends nothing new
+    again = admin(pair.node_admin("a"), "transfer", to="b", address=pair.node_urls["b"], token_ids=ids)
+    assert again["transferred"] is True and again["sent_blocks"] == 0
+
+
+def test_transfer_of_an_uncached_prefix_is_refused(pair):
+    r = admin(pair.node_admin("a"), "transfer", to="b", address=pair.node_urls["b"], token_ids=[5] * 40)
+    assert r["transferred"] is False and r["blocks"] == 0 and r["reason"]
+
+
+# ─── malformed frames ───────────────────────────────────────────────────────
+
+_good = [protocol.encode(m) for m in (
+    protocol.GenerateRequest(request_id="x", prompt_token_ids=(1, 2, 3)),
+    protocol.Heartbeat(node="ghost", seq=1, load=0.0, running=0, waiting=0, free_blocks={}),
+    protocol.KVData(transfer_id="t", tensors=(protocol.RawTensor("uint8", (4,), memoryview(b"abcd")),)),
+)]
+
+
+@st.composite
+def bad_message(draw) -> list[bytes]:
+    """Multipart frames (after the identity) that no daemon may accept."""
+    kind = draw(st.sampled_from(["garbage", "bad_header", "truncated_header", "truncated_frames",
+                                 "bad_field", "no_header"]))
+    env = pack_envelope(draw(st.sampled_from([KIND_MSG, KIND_REQUEST])), draw(st.integers(1, 2**32)))
+    header, frames = draw(st.sampled_from(_good))
+    frames = [bytes(f) for f in frames]
+    if kind == "garbage":
+        return draw(st.lists(st.binary(max_size=64), min_size=1, max_size=4))
+    if kind == "no_header":
+        return [env]
+    if kind == "bad_header":
+        return [env, draw(st.binary(max_size=200)).replace(b"{", b"["), *frames]
+    if kind == "truncated_header":
+        return [env, header[:draw(st.integers(0, len(header) - 1))], *frames]
+    if kind == "truncated_frames":
+        if frames:
+            return [env, header, frames[0][:draw(st.integers(0, len(frames[0]) - 1))]]
+        return [env, header, b"unexpected frame"]
+    body = orjson.loads(header)
+    key = draw(st.sampled_from(sorted(set(body) - {"frames"})))
+    body[key] = draw(st.sampled_from([{"k": 1}, [[1]]]))   # wrong type for every field
+    if key == "type":
+        body[key] = "NoSuchMessage"
+    return [env, orjson.dumps(body), *frames]
+
+
+def _bad_total(status: dict) -> int:
+    return sum(status["bad_messages"].values()) + status["malformed_frames"]
+
+
+def _tcp(url: str) -> str:
+    return url.replace("zmq+tcp://", "tcp://")
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck),
+          phases=[Phase.explicit, Phase.generate])  # no shrinking: each example drives processes
+@given(batch=st.lists(bad_message(), min_size=1, max_size=25))
+def test_malformed_frames_are_counted_and_nothing_breaks(pair, reference_engine, batch):
+    rng = random.Random(len(batch))
+    ids = [rng.randrange(1, 40000) for _ in range(20)]
+    result = {}
+    t = threading.Thread(target=lambda: result.update(
+        out=pair.client(timeout=60).completions.create(model=MODEL, prompt=ids, max_tokens=32,
+                                                       temperature=0, extra_body={"ignore_eos": True})))
+    t.start()
+    targets = {"node": (_tcp(pair.node_urls["a"]), pair.node_admin("a")),
+               "coordinator": (_tcp(pair.coordinator_url), pair.admin_socket)}
+    ctx = zmq.Context()
+    try:
+        for name, (endpoint, sock_path) in targets.items():
+            before = _bad_total(admin(sock_path, "status"))
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 1000)
+            s.connect(endpoint)
+            for parts in batch:
+                s.send_multipart(parts)
+            # every bad message is counted exactly once (replies, if any, are ignored)
+            deadline = time.monotonic() + 5
+            while _bad_total(admin(sock_path, "status")) < before + len(batch) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert _bad_total(admin(sock_path, "status")) == before + len(batch), name
+            s.close()
+    finally:
+        ctx.term()
+    t.join(60)
+    out = result["out"]
+    assert out.usage.completion_tokens == 32
+    assert out.choices[0].text == reference_engine.tokenizer.decode(reference_tokens(reference_engine, [ids], 32)[0])
+    assert pair.nodes_up() == ["a", "b"]
+    m = pair.metrics()
+    assert sum(v for k, v in m.items() if k.startswith(("kvd_protocol_rejected_total",
+                                                         "kvd_transport_malformed_frames_total"))) > 0
