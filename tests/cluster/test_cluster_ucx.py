@@ -1,0 +1,49 @@
+"""A coordinator and 3 node processes over UCX, driven by the openai client."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import importlib.util
+
+import pytest
+
+from .conftest import Cluster, admin, reference_tokens
+from .test_cluster_zmq import prompt, stream_text
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx not installed")
+NODES = ["u1", "u2", "u3"]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = Cluster(tmp_path_factory.mktemp("ucx"), "ucx")
+    for n in NODES:
+        c.start_node(n)
+    try:
+        c.wait_nodes(NODES)
+        yield c
+    finally:
+        c.stop()
+
+
+def test_concurrent_streams_over_ucx_match_the_single_node_engine(cluster, reference_engine):
+    prompts = [prompt(50 + i) for i in range(9)]
+    ref = reference_tokens(reference_engine, prompts, 20)
+    client = cluster.client(timeout=60)
+    with concurrent.futures.ThreadPoolExecutor(9) as pool:
+        results = list(pool.map(lambda p: stream_text(client, p, 20), prompts))
+    for (_, text, finish), r in zip(results, ref):
+        assert finish == "length" and text == reference_engine.tokenizer.decode(r)
+    routed = {n["name"]: n["routed"] for n in admin(cluster.admin_socket, "nodes")["nodes"]}
+    assert sum(v > 0 for v in routed.values()) >= 2, routed
+
+
+def test_kv_transfer_over_ucx(cluster, reference_engine):
+    ids = prompt(77, 64)
+    client = cluster.client(timeout=60)
+    client.completions.create(model="tiny", prompt=ids, max_tokens=2, temperature=0)
+    src = next(n for n, v in {n["name"]: n["routed"] for n in admin(cluster.admin_socket, "nodes")["nodes"]}.items()
+               if v and admin(cluster.node_admin(n), "cache stats")["kv"]["device"]["cached"] >= 4)
+    dst = next(n for n in NODES if n != src)
+    r = admin(cluster.node_admin(src), "transfer", to=dst, address=cluster.node_urls[dst], token_ids=ids)
+    assert r["transferred"] and r["sends"] == 2 and r["inserted_tokens"] == 64, r
