@@ -39,4 +39,8 @@ def test_serve_with_two_local_nodes_and_sigterm(tmp_path):
         assert len(children) == 2
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
-        for pid in children:                          
+        for pid in children:                                      assert not os.path.exists(f"/proc/{pid}"), f"node process {pid} outlived kvd serve"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
