@@ -1,0 +1,229 @@
+"""Benchmark KV transfer between two node processes vs plain bytes, per transport.
+
+For each transport (zmq+tcp, zmq+ipc, ucx if installed) and size (1, 16, 256
+MiB of KV) this process (the sender) holds an LLMEngine whose radix tree caches
+a prefix of that many bytes of KV, and a receiver process holds another
+engine. One sample is
+
+  (a) plain: the same number of bytes as ONE raw frame in a request, the
+      receiver acks (one round trip, nothing else);
+  (b) transfer: ``kvd.node.transfer.send_prefix`` — the MemServe steps for
+      real: allocation request -> KVAllocReply, export of the blocks (one
+      gather), ONE KVData frame with every layer, receiver import (one
+      scatter) + radix insert -> KVAck. Afterwards the receiver drops the
+      blocks again (not timed), so every sample moves everything.
+
+Both alternate sample by sample (shared, noisy machine); the table reports
+medians in GB/s, the ratio b/a (target >= 0.8) and the sends per transfer
+(must be O(layers) at most; it is 2 whatever the size).
+
+The KV model: the tiny Llama widened to 16 layers x 8 KV heads x 64 dims in
+float32 (64 KiB per token) so that 256 MiB is 4096 tokens (the token ids
+travel in the allocation request's JSON header).
+
+    .venv/bin/python tools/bench_kv_transfer.py [--sizes 1,16,256] [--transports zmq+tcp,zmq+ipc,ucx]
+
+Writes results/bench_kv_transfer.json; prints markdown rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+import transports  # noqa: E402
+from engine.engine import EngineConfig, LLMEngine  # noqa: E402
+from engine.model.config import tiny_config  # noqa: E402
+from engine.model.llama import LlamaModel  # noqa: E402
+from engine.model.registry import resolve_model  # noqa: E402
+from engine.model.weights import random_weights  # noqa: E402
+from kvd import protocol  # noqa: E402
+from kvd.node.engine_driver import EngineDriver  # noqa: E402
+from kvd.node.transfer import TransferReceiver, send_prefix  # noqa: E402
+from transports import TransportOptions  # noqa: E402
+
+MiB = 1 << 20
+BLOCK = 16
+OPTIONS = TransportOptions(send_timeout=120, request_timeout=120, max_frame_bytes=1 << 31)
+
+
+def bench_engine(num_blocks: int) -> LLMEngine:
+    cfg = replace(tiny_config(), num_layers=16, num_heads=8, num_kv_heads=8, head_dim=64)
+    weights = random_weights(cfg, seed=0)
+    model = LlamaModel(cfg, weights.tensors, dtype=torch.float32)
+    econf = EngineConfig(model="tiny", dtype="float32", block_size=BLOCK, kv_blocks=num_blocks,
+                         host_kv_blocks=0, max_model_len=2048, num_threads=1)
+    return LLMEngine(econf, model, resolve_model("tiny").load_tokenizer(), "bench")
+
+
+def bytes_per_block(engine: LLMEngine) -> int:
+    L, two, bs, kvh, hd = engine.kv.block_shape
+    return L * two * bs * kvh * hd * 4
+
+
+def drop_cache(engine: LLMEngine) -> int:
+    """Evict every cached block (engine thread). Returns how many."""
+    pool = engine.pool
+    refs = pool.tree.evict(pool.tree.evictable("device"), "device")
+    by_tier: dict[str, list[int]] = {}
+    for r in refs:
+        by_tier.setdefault(r.tier, []).append(r.block_id)
+    for tier, ids in by_tier.items():
+        pool.pools[tier].free(ids)
+    return len(refs)
+
+
+# ─── receiver process ───────────────────────────────────────────────────────
+
+
+async def serve(url: str, num_blocks: int) -> None:
+    loop = asyncio.get_running_loop()
+    loop.add_reader(sys.stdin.fileno(), lambda: sys.stdin.read() or os._exit(0))
+    driver = EngineDriver(bench_engine(num_blocks))
+    await driver.start()
+    receiver = TransferReceiver(driver)
+    listener = await transports.listen(url, options=OPTIONS)
+    print(listener.url, flush=True)
+    while True:
+        incoming = await listener.recv()
+        if incoming.header.startswith(b'{"plain"'):
+            await listener.reply(incoming, b'{"n":%d}' % len(incoming.frames[0]))
+            continue
+        if incoming.header.startswith(b'{"drop"'):
+            n = await driver.call(drop_cache)
+            await listener.reply(incoming, b'{"dropped":%d}' % n)
+            continue
+        msg = protocol.decode(incoming.header, incoming.frames)
+        if isinstance(msg, protocol.KVTransferRequest):
+            reply = await receiver.on_request(msg, 60.0)
+        elif isinstance(msg, protocol.KVData):
+            reply = await receiver.on_data(msg)
+        else:
+            raise SystemExit(f"bench receiver: unexpected {msg}")
+        await listener.reply(incoming, *protocol.encode(reply))
+
+
+# ─── sender (this process) ──────────────────────────────────────────────────
+
+
+def cache_prefix(engine: LLMEngine, tokens: list[int]) -> None:
+    """Make ``tokens`` a cached prefix with random KV (engine thread)."""
+    n = len(tokens) // BLOCK
+    ids = engine.pool.alloc_mem(n)
+    L, two, bs, kvh, hd = engine.kv.block_shape
+    engine.kv.import_blocks("device", ids, torch.randn(L, two, n, bs, kvh, hd))
+    engine.pool.insert(tokens, ids)
+
+
+async def bench_transport(url: str, sizes: list[int], driver: EngineDriver, runs: dict[int, int]) -> list[dict]:
+    max_blocks = max(sizes) * MiB // bytes_per_block(driver.engine) + 8
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--serve", url,
+                             "--blocks", str(max_blocks)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, cwd=ROOT)
+    bound = proc.stdout.readline().strip()
+    if not bound:
+        proc.kill()
+        raise RuntimeError(f"receiver for {url} did not start")
+    conn = await transports.connect(bound, options=OPTIONS)
+    rows = []
+    try:
+        for size in sizes:
+            nblocks = size * MiB // bytes_per_block(driver.engine)
+            tokens = [(size * 7919 + i) % 40000 + 1 for i in range(nblocks * BLOCK)]
+            await driver.call(lambda e: cache_prefix(e, tokens))
+            payload = bytearray(nblocks * bytes_per_block(driver.engine))
+            plain, xfer, sends = [], [], set()
+            for i in range(runs[size] + 1):         # sample 0 is a warm-up
+                t0 = time.perf_counter()
+                reply = await conn.request(b'{"plain":1}', [payload])
+                dt_plain = time.perf_counter() - t0
+                assert reply.header == b'{"n":%d}' % len(payload)
+                res = await send_prefix(driver, conn, tokens, src_node="bench-a", dst_node="bench-b",
+                                        timeout=120)
+                assert res["transferred"] and res["sent_blocks"] == nblocks, res
+                await conn.request(b'{"drop":1}')
+                if i:
+                    plain.append(dt_plain)
+                    xfer.append(res["seconds"])
+                    sends.add(res["sends"])
+            nbytes = len(payload)
+            p, x = statistics.median(plain), statistics.median(xfer)
+            rows.append({"transport": url.split("://")[0], "size_mib": size, "bytes": nbytes,
+                         "blocks": nblocks, "layers": driver.engine.kv.num_layers, "runs": runs[size],
+                         "plain_gbps": nbytes / p / 1e9, "transfer_gbps": nbytes / x / 1e9,
+                         "ratio": p / x, "sends_per_transfer": max(sends),
+                         "plain_ms": p * 1e3, "transfer_ms": x * 1e3})
+            await driver.call(drop_cache)
+            print(_row(rows[-1]), flush=True)
+    finally:
+        await conn.close()
+        proc.stdin.close()
+        proc.wait(10)
+    return rows
+
+
+def _row(r: dict) -> str:
+    return (f"| {r['transport']} | {r['size_mib']} | {r['plain_gbps']:.2f} | {r['transfer_gbps']:.2f} "
+            f"| {r['ratio']:.2f} | {r['sends_per_transfer']} (blocks {r['blocks']}, layers {r['layers']}) |")
+
+
+async def main_async(args) -> list[dict]:
+    sizes = [int(s) for s in args.sizes.split(",")]
+    names = [t for t in args.transports.split(",") if t != "ucx" or importlib.util.find_spec("ucxx")]
+    max_blocks = max(sizes) * MiB // (16 * 2 * BLOCK * 8 * 64 * 4) + 8
+    driver = EngineDriver(bench_engine(max_blocks))
+    await driver.start()
+    runs = {s: args.runs or (20 if s <= 1 else 10 if s <= 16 else 5) for s in sizes}
+    print("| transport | MiB | plain GB/s | KV transfer GB/s | ratio | sends per transfer |")
+    print("|---|---|---|---|---|---|")
+    rows = []
+    tmp = tempfile.mkdtemp(prefix="kvd-bench-")
+    try:
+        for name in names:
+            url = f"zmq+ipc://{tmp}/recv.sock" if name == "zmq+ipc" else f"{name}://127.0.0.1:0"
+            rows += await bench_transport(url, sizes, driver, runs)
+    finally:
+        await driver.stop()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="1,16,256")
+    ap.add_argument("--transports", default="zmq+tcp,zmq+ipc,ucx")
+    ap.add_argument("--runs", type=int, default=0, help="samples per size (default 20/10/5)")
+    ap.add_argument("--serve", help=argparse.SUPPRESS)
+    ap.add_argument("--blocks", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=str(ROOT / "results" / "bench_kv_transfer.json"))
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    if args.serve:
+        asyncio.run(serve(args.serve, args.blocks))
+        return
+    rows = asyncio.run(main_async(args))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                                           "python": platform.python_version(), "torch": torch.__version__},
+                               "time": time.time(), "rows": rows}, indent=2))
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()
