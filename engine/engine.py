@@ -19,6 +19,7 @@ from engine.model.registry import resolve_model
 from engine.model.tokenizer import Tokenizer
 from engine.output import OutputProcessor
 from engine.request import FinishReason, InvalidParam, Request, RequestOutput, RequestStatus, SamplingParams
+from engine.config import EngineConfig  # noqa: F401  (re-exported: callers import it from here)
 from engine.runner import ModelRunner
 from engine.sampling import make_generator
 from engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
@@ -47,33 +48,6 @@ def resolve_dtype(name: str) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
     return DTYPES[name]
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    model: str = "smollm2"
-    dtype: str = "auto"                 # auto | float32 | bfloat16 (see resolve_dtype)
-    block_size: int = 16
-    kv_blocks: int = 2048               # device tier
-    host_kv_blocks: int = 2048          # host tier (swap space, demoted cache)
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 4096
-    max_model_len: int | None = None    # None: the model's max_position_embeddings
-    preemption_mode: str = "swap"
-    enable_prefix_caching: bool = True
-    num_threads: int | None = None      # torch intra-op threads; None: torch's default
-
-    def __post_init__(self) -> None:
-        if self.dtype != "auto" and self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if self.block_size < 1 or self.kv_blocks < 1 or self.host_kv_blocks < 0:
-            raise ValueError("block_size and kv_blocks must be >= 1, host_kv_blocks >= 0")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError("max_model_len must be >= 2")
-        if self.num_threads is not None and self.num_threads < 1:
-            raise ValueError("num_threads must be >= 1")
-        SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.block_size,
-                        self.preemption_mode, self.enable_prefix_caching)
 
 
 @dataclass

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from engine.engine import EngineConfig
+from engine.config import EngineConfig
 
 
 class ConfigError(ValueError):
