@@ -22,8 +22,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "tiny"
-TINY = ("--model", "tiny", "--dtype", "float32", "--block-size", "16", "--kv-blocks", "128",
-        "--host-kv-blocks", "32", "--max-model-len", "512", "--num-threads", "1")
+TINY = ("--model", "tiny", "--dtype", "float32", "--block-size", "16", "--kv-blocks", "512",
+        "--host-kv-blocks", "32", "--max-model-len", "2048", "--num-threads", "1")
 HEARTBEAT = ("--heartbeat-interval", "0.5", "--heartbeat-deadline", "3")
 
 
