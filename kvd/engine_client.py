@@ -15,7 +15,7 @@ or machines. This module imports no torch (the coordinator imports it).
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any, Protocol
+from typing import Protocol
 
 from engine.model.tokenizer import Tokenizer
 from engine.request import RequestOutput, SamplingParams
@@ -46,11 +46,3 @@ class EngineClient(Protocol):
 class EngineDead(RuntimeError):
     """The engine stopped (thread died, node lost); every open stream ends with this error."""
 
-
-def __getattr__(name: str) -> Any:
-    # Compatibility: the in-process client moved to kvd.node.engine_driver
-    # (it imports torch, which this module must not).
-    if name == "LocalEngineClient":
-        from kvd.node.engine_driver import EngineDriver
-        return EngineDriver
-    raise AttributeError(name)

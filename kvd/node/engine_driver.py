@@ -6,8 +6,8 @@ step's outputs back in ONE ``loop.call_soon_threadsafe`` call. ``call(fn)``
 runs ``fn(engine)`` on the engine thread between two steps (MemPool verbs for
 KV transfers, cache flushes) and returns its result to the caller.
 
-Used by the node daemon (one per node process) and, as ``LocalEngineClient``,
-anywhere an in-process :class:`~kvd.engine_client.EngineClient` is wanted.
+Used by the node daemon (one per node process, and the embedded node of
+``kvd serve``); it satisfies :class:`~kvd.engine_client.EngineClient`.
 """
 
 from __future__ import annotations
@@ -205,5 +205,3 @@ def _resolve(fut: asyncio.Future, result: Any, error: BaseException | None) -> N
     else:
         fut.set_result(result)
 
-
-LocalEngineClient = EngineDriver
