@@ -4,6 +4,13 @@
                                        or + N local node processes
     kvd coordinator -c FILE            the coordinator daemon (imports no torch)
     kvd node -c FILE --name n1         a node daemon
+
+Under systemd (``Type=notify``) each daemon reports to ``$NOTIFY_SOCKET``:
+READY=1 once it serves, STATUS= lines, STOPPING=1 when the drain begins, and
+WATCHDOG=1 from a task on its event loop that starts before any slow start-up
+work (weights, tokenizer). The notify variables are removed from the
+environment at start, so ``kvd serve --nodes N``'s node processes do not
+speak for their parent.
 """
 
 from __future__ import annotations
@@ -109,15 +116,47 @@ def _cluster(args: argparse.Namespace):
 
 
 def _run(main_coro_factory) -> int:
+    """Run the daemon's coroutine on uvloop; a bad model or file is exit status 1
+    with one line per error (they may arrive grouped by a TaskGroup)."""
     import uvloop
 
+    errors: list[BaseException] = []
     try:
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
             runner.run(main_coro_factory())
-    except (ValueError, FileNotFoundError) as exc:
+    except* (ValueError, FileNotFoundError) as group:
+        errors = _leaves(group)
+    for exc in errors:
         print(f"kvd: error: {exc}", file=sys.stderr)
-        return 1
-    return 0
+    return 1 if errors else 0
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for sub in exc.exceptions for leaf in _leaves(sub)]
+    return [exc]
+
+
+def _systemd():
+    """(Notifier, watchdog interval or None) from the environment, which they are
+    then removed from: child processes must not notify for us."""
+    from kvd.sdnotify import Notifier, watchdog_interval
+
+    interval = watchdog_interval()          # read before from_env(unset=True) clears it
+    return Notifier.from_env(unset=True), interval
+
+
+async def supervised(notifier, interval: float | None, main) -> None:
+    """Await ``main`` while the systemd watchdog is pinged from this loop by an
+    owned task, started first so that slow start-up work is covered too."""
+    from kvd.sdnotify import run_watchdog
+
+    async with asyncio.TaskGroup() as tg:
+        watchdog = tg.create_task(run_watchdog(notifier, interval), name="watchdog")
+        try:
+            await main
+        finally:
+            watchdog.cancel()
 
 
 def _logging(level: str) -> None:
@@ -125,7 +164,7 @@ def _logging(level: str) -> None:
 
 
 def node(args: argparse.Namespace) -> int:
-    from kvd.config import ConfigError, load_config  # imports torch (EngineConfig)
+    from kvd.config import ConfigError, load_config
     engine = {d: getattr(args, d) for d, _, _ in ENGINE_FLAGS.values()}
     engine["enable_prefix_caching"] = args.enable_prefix_caching
     server = {"drain_timeout": args.drain_timeout, "log_level": args.log_level}
@@ -138,16 +177,18 @@ def node(args: argparse.Namespace) -> int:
     _logging(config.server.log_level)
     from kvd.node.daemon import NodeDaemon
 
+    notifier, watchdog = _systemd()
+
     async def main() -> None:
         import signal
 
         daemon = NodeDaemon(config.engine, cluster, args.name, address=args.listen,
                             coordinator=args.coordinator, admin_socket=args.admin_socket,
-                            drain_timeout=config.server.drain_timeout)
+                            drain_timeout=config.server.drain_timeout, notifier=notifier)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, daemon.request_stop)
-        await daemon.run()
+        await supervised(notifier, watchdog, daemon.run())
     return _run(main)
 
 
@@ -157,7 +198,7 @@ def coordinator(args: argparse.Namespace) -> int:
     overrides = {d: getattr(args, d) for d, _, _ in SERVER_FLAGS.values()}
     overrides.update(model=args.model, max_model_len=args.max_model_len)
     try:
-        settings = load_settings(args.config, overrides)
+        settings = load_settings(args.config, overrides)   # same checks as kvd serve / kvd node
         cluster = _cluster(args)
         if args.listen:
             from kvd.cluster_config import with_overrides
@@ -165,20 +206,22 @@ def coordinator(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvd: error: {exc}", file=sys.stderr)
         return 2
-    _logging(settings.log_level)
+    _logging(settings.server.log_level)
     from kvd.coordinator.daemon import CoordinatorDaemon
     from kvd.coordinator.settings import load_tokenizer
 
-    async def main() -> None:
+    notifier, watchdog = _systemd()
+
+    async def start_and_run() -> None:
         name, tokenizer = await asyncio.to_thread(load_tokenizer, settings.model)
-        daemon = CoordinatorDaemon(cluster, settings, name, tokenizer, admin_socket=args.admin_socket,
-                                   default_max_model_len=settings.max_model_len or 2048)
+        daemon = CoordinatorDaemon(cluster, settings.server, name, tokenizer, admin_socket=args.admin_socket,
+                                   default_max_model_len=settings.max_model_len or 2048, notifier=notifier)
         await daemon.run(install_signals=True)
-    return _run(main)
+    return _run(lambda: supervised(notifier, watchdog, start_and_run()))
 
 
 def serve(args: argparse.Namespace) -> int:
-    from kvd.config import ConfigError, load_config  # imports torch (EngineConfig)
+    from kvd.config import ConfigError, load_config
     engine = {d: getattr(args, d) for d, _, _ in ENGINE_FLAGS.values()}
     engine["enable_prefix_caching"] = args.enable_prefix_caching
     server = {d: getattr(args, d) for d, _, _ in SERVER_FLAGS.values()}
@@ -192,17 +235,17 @@ def serve(args: argparse.Namespace) -> int:
         print("kvd: error: --nodes must be >= 0", file=sys.stderr)
         return 2
     _logging(config.server.log_level)
+    notifier, watchdog = _systemd()
     if args.nodes:
-        from kvd.coordinator.settings import load_settings
+        from kvd.coordinator.settings import CoordinatorSettings
         from kvd.local_cluster import LocalCluster
 
-        settings = load_settings(args.config, {**server, "model": engine["model"],
-                                               "max_model_len": engine["max_model_len"]})
         node_args = _passthrough(args)
-        return _run(lambda: LocalCluster(settings, cluster, args.nodes, node_args).run())
+        return _run(lambda: LocalCluster(CoordinatorSettings.from_config(config), cluster, args.nodes,
+                                         node_args, notifier=notifier, watchdog=watchdog).run())
     from kvd.server import Server  # imports torch: after argument errors are reported
 
-    return _run(lambda: Server(config, cluster).run())
+    return _run(lambda: Server(config, cluster, notifier=notifier, watchdog=watchdog).run())
 
 
 def _passthrough(args: argparse.Namespace) -> list[str]:

@@ -8,6 +8,10 @@ address first. SIGTERM drains the front door, then stops the nodes (SIGTERM,
 then SIGKILL after their drain timeout). A node process that exits is not
 restarted here (systemd does that in production); the failure detector
 removes it and requests go to the survivors.
+
+systemd notify: READY=1 once all N nodes registered and HTTP is bound (the
+coordinator's), the watchdog from this loop; the node processes get no
+``$NOTIFY_SOCKET`` (the CLI removed it from the environment).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import tempfile
 from kvd.cluster_config import ClusterConfig, with_overrides
 from kvd.coordinator.daemon import CoordinatorDaemon
 from kvd.coordinator.settings import CoordinatorSettings, load_tokenizer
+from kvd.sdnotify import Notifier, run_watchdog
 
 log = logging.getLogger("kvd.local")
 
@@ -38,8 +43,11 @@ def local_cluster(cluster: ClusterConfig, runtime_dir: str) -> ClusterConfig:
 
 class LocalCluster:
     def __init__(self, settings: CoordinatorSettings, cluster: ClusterConfig, num_nodes: int,
-                 node_args: list[str]) -> None:
+                 node_args: list[str], notifier: Notifier | None = None,
+                 watchdog: float | None = None) -> None:
         self.settings = settings
+        self.notifier = notifier or Notifier(None)
+        self.watchdog = watchdog                 # seconds between WATCHDOG=1; None: off
         self.runtime_dir = tempfile.mkdtemp(prefix="kvd-")
         self.cluster = local_cluster(cluster, self.runtime_dir)
         self.num_nodes = num_nodes
@@ -56,15 +64,25 @@ class LocalCluster:
         return subprocess.Popen(cmd, env={**os.environ, "KVD_PARENT": str(os.getpid())})
 
     async def run(self) -> None:
+        async with asyncio.TaskGroup() as tg:
+            pinging = tg.create_task(run_watchdog(self.notifier, self.watchdog), name="watchdog")
+            try:
+                await self._run()
+            finally:
+                pinging.cancel()
+
+    async def _run(self) -> None:
         model_name, tokenizer = await asyncio.to_thread(load_tokenizer, self.settings.model)
-        self.coordinator = CoordinatorDaemon(self.cluster, self.settings, model_name, tokenizer,
-                                             default_max_model_len=self.settings.max_model_len or 2048)
+        self.coordinator = CoordinatorDaemon(self.cluster, self.settings.server, model_name, tokenizer,
+                                             default_max_model_len=self.settings.max_model_len or 2048,
+                                             notifier=self.notifier)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.coordinator.request_stop)
         await self.coordinator.start_registration()
         url = self.coordinator.address
         self.procs = [self._spawn(f"n{i + 1}", url) for i in range(self.num_nodes)]
+        self.notifier.status(f"starting {self.num_nodes} node processes")
         try:
             await self.coordinator.run(expect_nodes=self.num_nodes)
         finally:
@@ -76,7 +94,7 @@ class LocalCluster:
                 p.send_signal(signal.SIGTERM)
         for p in self.procs:
             try:
-                p.wait(self.settings.drain_timeout + 5)
+                p.wait(self.settings.server.drain_timeout + 5)
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()

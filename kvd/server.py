@@ -7,6 +7,11 @@ model, start the node, register it, then open HTTP (so /health is 200 only
 when requests can run); on SIGTERM/SIGINT drain — /health turns 503, new
 generation requests get 503, in-flight ones finish — until none are left or
 ``drain_timeout`` passes, then stop the node. A second signal skips the wait.
+
+systemd notify: the process's one notifier belongs to the coordinator (READY=1
+once HTTP is bound, which is after the node registered; STATUS=; STOPPING=1);
+the embedded node stays silent. The watchdog task starts before the model
+loads.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from kvd.cluster_config import ClusterConfig, with_overrides
 from kvd.config import KvdConfig
 from kvd.coordinator.daemon import CoordinatorDaemon
 from kvd.node.daemon import NodeDaemon
+from kvd.sdnotify import Notifier, run_watchdog
 from transports import InprocRegistry
 
 log = logging.getLogger("kvd.serve")
@@ -34,8 +40,11 @@ def embedded_cluster(cluster: ClusterConfig | None = None) -> ClusterConfig:
 class Server:
     """Setup and cleanup mirror each other; ``run`` returns when drained."""
 
-    def __init__(self, config: KvdConfig, cluster: ClusterConfig | None = None) -> None:
+    def __init__(self, config: KvdConfig, cluster: ClusterConfig | None = None,
+                 notifier: Notifier | None = None, watchdog: float | None = None) -> None:
         self.config = config
+        self.notifier = notifier or Notifier(None)
+        self.watchdog = watchdog                 # seconds between WATCHDOG=1; None: off
         self.cluster = embedded_cluster(cluster)
         self.registry = InprocRegistry()
         self.node: NodeDaemon | None = None
@@ -55,16 +64,20 @@ class Server:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop)
         cfg = self.config
-        self.node = NodeDaemon(cfg.engine, self.cluster, "n0", address="inproc://node-n0",
-                               registry=self.registry, drain_timeout=cfg.server.drain_timeout)
-        await self.node.start()
-        driver = self.node.driver
-        self.coordinator = CoordinatorDaemon(
-            self.cluster, cfg.server, driver.model_name, driver.tokenizer, registry=self.registry,
-            default_max_model_len=driver.max_model_len, stats_source=driver.stats)
         async with asyncio.TaskGroup() as tg:
+            pinging = tg.create_task(run_watchdog(self.notifier, self.watchdog), name="watchdog")
+            self.notifier.status(f"loading {cfg.engine.model}")
+            self.node = NodeDaemon(cfg.engine, self.cluster, "n0", address="inproc://node-n0",
+                                   registry=self.registry, drain_timeout=cfg.server.drain_timeout)
+            await self.node.start()
+            driver = self.node.driver
+            self.coordinator = CoordinatorDaemon(
+                self.cluster, cfg.server, driver.model_name, driver.tokenizer, registry=self.registry,
+                default_max_model_len=driver.max_model_len, stats_source=driver.stats,
+                notifier=self.notifier)
             node_task = tg.create_task(self.node.run(), name="node n0")
             await self.coordinator.run(expect_nodes=1)
             # drained: the node has nothing left to finish
             self.node.request_stop()
             await node_task
+            pinging.cancel()

@@ -11,7 +11,9 @@ Specs (``kvd serve --model SPEC``):
 =========================================  ======================================
 
 ``resolve_model`` only checks that the files exist; nothing heavy is read until
-``load_weights()`` / ``load_tokenizer()``.
+``load_weights()`` / ``load_tokenizer()``. Importing this module (and resolving
+a spec, loading a tokenizer) does not import torch, so the coordinator uses it
+too; only ``load_weights()`` does.
 """
 
 from __future__ import annotations
@@ -21,11 +23,13 @@ import os
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from engine.model.config import tiny_config
 from engine.model.tokenizer import Tokenizer
-from engine.model.weights import LoadedWeights, load_gguf, load_hf_dir, random_weights
+
+if TYPE_CHECKING:  # weights.py imports torch: loaded only by load_weights()
+    from engine.model.weights import LoadedWeights
 
 DEFAULT_MODEL = "smollm2"
 SMOLLM2_NAME = "SmolLM2-135M-Instruct"
@@ -68,6 +72,8 @@ class ModelSource:
     seed: int | None = None          # tiny only
 
     def load_weights(self) -> LoadedWeights:
+        from engine.model.weights import load_gguf, load_hf_dir, random_weights
+
         if self.kind == "gguf":
             return load_gguf(self.weights_path)
         if self.kind == "hf":

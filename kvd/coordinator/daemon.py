@@ -4,10 +4,13 @@ Tasks, owned by one TaskGroup in ``run``: the registration listener (Hello,
 Heartbeat, Goodbye, decoded by ``kvd.protocol.serve``; bad messages counted
 by reason), the failure detector (every ``heartbeat_interval / 2``: nodes
 silent for ``heartbeat_deadline`` are declared dead and their in-flight
-requests end with an error), and the HTTP front door (``FrontDoor``,
-unchanged for clients) over a ``RemoteEngineClient``. Admin commands
-(``status``, ``nodes``, ``requests``, ``drain``, ``undrain``, ``fail``) are
-served on the admin socket; those naming a node are forwarded to it.
+requests end with an error), the HTTP front door (``FrontDoor``,
+unchanged for clients) over a ``RemoteEngineClient``, and the systemd notify
+task (READY=1 once HTTP is bound, then STATUS= lines; STOPPING=1 when the
+drain begins). Admin commands (``status``, ``nodes``, ``requests``,
+``drain``, ``undrain``, ``cache stats``, ``cache flush``, ``fail``) are served
+on the admin socket; those naming a node are forwarded to it, ``cache``
+commands without a node go to every node.
 
 Imports no torch.
 """
@@ -27,21 +30,28 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from kvd import links, protocol
 from kvd.api.http import FrontDoor
 from kvd.cluster_config import ClusterConfig
+from kvd.config import ServerConfig
 from kvd.coordinator.client import RemoteEngineClient
 from kvd.coordinator.membership import Membership, NodeInfo
 from kvd.coordinator.router import LeastLoadRouter, Router
+from kvd.sdnotify import Notifier
 from transports import InprocRegistry, Listener, TransportError, TransportOptions
 
 log = logging.getLogger("kvd.coordinator")
 
+FAIL_MODES = ("exit", "stop", "resume", "drop-transfers")   # served by the node (kvd.node.daemon)
+FANOUT_TIMEOUT_S = 5.0     # per node, for commands sent to every node: under the admin deadline
+STATUS_INTERVAL_S = 1.0    # STATUS= is sent only when the line changed
+
 
 class CoordinatorDaemon:
-    def __init__(self, cluster: ClusterConfig, server: Any, model_name: str, tokenizer: Any, *,
+    def __init__(self, cluster: ClusterConfig, server: ServerConfig, model_name: str, tokenizer: Any, *,
                  registry: InprocRegistry | None = None, router: Router | None = None,
                  admin_socket: str | None = None, default_max_model_len: int = 2048,
-                 stats_source=None) -> None:
+                 stats_source=None, notifier: Notifier | None = None) -> None:
         self.cluster = cluster
-        self.server = server                     # ServerConfig or CoordinatorSettings
+        self.server = server
+        self.notifier = notifier or Notifier(None)
         self.registry = registry
         self.admin_socket = admin_socket if admin_socket is not None else cluster.admin_socket
         self.membership = Membership(cluster.heartbeat_deadline)
@@ -110,7 +120,9 @@ class CoordinatorDaemon:
                 if self.runner is None:
                     await self.start_http()
                 self._ready.set()
+                notifying = tg.create_task(self._notify(), name="notify")
                 await self._stop.wait()
+                notifying.cancel()
                 await self.drain()
                 serving.cancel()
                 detecting.cancel()
@@ -135,11 +147,30 @@ class CoordinatorDaemon:
     async def drain(self) -> None:
         front = self.front
         front.draining = True
+        self.notifier.stopping(f"draining: {front.in_flight} request(s) in flight")
         deadline = time.monotonic() + self.server.drain_timeout
         while front.in_flight and time.monotonic() < deadline and not self._force.is_set():
             await asyncio.sleep(0.05)
         if front.in_flight:
             log.warning("drain ended with %d request(s) still in flight", front.in_flight)
+
+    async def _notify(self) -> None:
+        """READY=1 (HTTP and admin are bound), then a STATUS= line when it changes."""
+        line = self.status_line()
+        self.notifier.ready(line)
+        while True:
+            await asyncio.sleep(STATUS_INTERVAL_S)
+            if (new := self.status_line()) != line:
+                line = new
+                self.notifier.status(line)
+
+    def status_line(self) -> str:
+        """One line for ``systemctl status``."""
+        routable = len(self.membership.routable())
+        line = f"serving {len(self.membership.nodes)} nodes, {self.front.in_flight} requests"
+        if routable != len(self.membership.nodes):
+            line += f" ({routable} routable)"
+        return line + (", draining" if self.front.draining else "")
 
     async def cleanup(self) -> None:
         if self.admin is not None:
@@ -218,14 +249,16 @@ class CoordinatorDaemon:
             raise ValueError(f"unknown node {name!r}; nodes: {sorted(self.membership.nodes)}")
         return info
 
-    async def forward(self, node: str, command: str, args: dict | None = None) -> dict:
-        """Send an AdminCommand to ``node`` and return its result (raises ValueError)."""
+    async def forward(self, node: str, command: str, args: dict | None = None,
+                      timeout: float | None = None) -> dict:
+        """Send an AdminCommand to ``node`` and return its result (raises ValueError,
+        TransportError, TimeoutError)."""
         link = self.client.links.get(self._node({"node": node}).name)
         if link is None:
             raise ValueError(f"node {node} has no link")
         reply = await protocol.call(link.conn, protocol.AdminCommand(
             id=f"admin-{time.monotonic_ns()}", command=command, args=args or {}),
-            timeout=self.cluster.request_timeout)
+            timeout=timeout or self.cluster.request_timeout)
         if not isinstance(reply, protocol.AdminReply):
             raise ValueError(f"node {node}: {getattr(reply, 'message', reply)}")
         if not reply.ok:
@@ -259,8 +292,40 @@ class CoordinatorDaemon:
         info.admin_drained = False
         return {"node": info.name, **result}
 
+    async def forward_all(self, command: str, args: dict | None = None) -> dict[str, dict]:
+        """``command`` on every registered node at once: node -> result, or
+        {"error": message} for a node that failed or did not answer in time."""
+        async def one(name: str) -> dict:
+            try:
+                return await self.forward(name, command, args,
+                                          timeout=min(self.cluster.request_timeout, FANOUT_TIMEOUT_S))
+            except (ValueError, TransportError, TimeoutError) as exc:
+                return {"error": str(exc) or type(exc).__name__}
+
+        async with asyncio.TaskGroup() as tg:
+            tasks = {name: tg.create_task(one(name)) for name in sorted(self.membership.nodes)}
+        return {name: task.result() for name, task in tasks.items()}
+
     async def cmd_fail(self, args: dict) -> dict:
+        if args["mode"] not in FAIL_MODES:
+            raise ValueError(f"fail mode must be one of {', '.join(FAIL_MODES)}, got {args['mode']!r}")
         return {"node": args["node"], **await self.forward(args["node"], "fail", {"mode": args["mode"]})}
+
+    async def cmd_cache_stats(self, args: dict) -> dict:
+        """Per node MemPool stats and their sums (blocks per tier, hit/miss tokens)."""
+        if args.get("node"):
+            nodes = {args["node"]: await self.forward(self._node(args).name, "cache stats")}
+        else:
+            nodes = await self.forward_all("cache stats")
+        return {"nodes": nodes, "kv": _sum_counters(r["kv"] for r in nodes.values() if "kv" in r)}
+
+    async def cmd_cache_flush(self, args: dict) -> dict:
+        if args.get("node"):
+            nodes = {args["node"]: await self.forward(self._node(args).name, "cache flush")}
+        else:
+            nodes = await self.forward_all("cache flush")
+        return {"nodes": nodes, "freed": _sum_counters(r["freed"] for r in nodes.values() if "freed" in r),
+                "errors": sorted(n for n, r in nodes.items() if "error" in r)}
 
     def admin_handlers(self) -> dict[str, tuple[Any, str, dict | None]]:
         return {
@@ -270,7 +335,11 @@ class CoordinatorDaemon:
             "drain": (self.cmd_drain, "stop routing to a node (or the cluster, no node)",
                       {"node": (str, False)}),
             "undrain": (self.cmd_undrain, "route to a node (or the cluster) again", {"node": (str, False)}),
-            "fail": (self.cmd_fail, "fault injection on a node: mode exit | stop | resume",
+            "cache stats": (self.cmd_cache_stats, "prefix-cache blocks and hits, per node and summed "
+                            "(node: one node)", {"node": (str, False)}),
+            "cache flush": (self.cmd_cache_flush, "drop unlocked cached prefixes on every node "
+                            "(node: one node)", {"node": (str, False)}),
+            "fail": (self.cmd_fail, "fault injection on a node: mode exit | stop | resume | drop-transfers",
                      {"node": (str, True), "mode": (str, True)}),
         }
 
@@ -290,6 +359,22 @@ def _as_admin_errors(handler, admin_error):
         except (ValueError, TransportError, TimeoutError) as exc:
             raise admin_error(str(exc)) from None
     return wrapped
+
+
+def _sum_counters(dicts) -> dict:
+    """Sum the integer fields of dicts (one level of nesting: per-tier tables);
+    ``block_size`` and strings are not counters and are left out."""
+    total: dict = {}
+    for d in dicts:
+        for key, value in d.items():
+            if isinstance(value, dict):
+                sub = total.setdefault(key, {})
+                for k, v in value.items():
+                    if type(v) is int:
+                        sub[k] = sub.get(k, 0) + v
+            elif type(value) is int and key != "block_size":
+                total[key] = total.get(key, 0) + value
+    return total
 
 
 class _ClusterCollector:

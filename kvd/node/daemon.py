@@ -5,6 +5,7 @@ Tasks, all owned by one TaskGroup in ``run``::
     serve      decode messages from the listener and dispatch them
     heartbeat  register with the coordinator, beat every interval
     reaper     release KV allocations whose transfer never completed
+    notify     READY=1 once registered, then STATUS= lines when they change
     one task per request   GenerateRequest -> TokenChunk stream to that peer
     one task per transfer/admin command (they reply when done)
 
@@ -15,13 +16,18 @@ Messages served on the listener:
   chunk whose ``finish_reason`` is set, or one ``Error`` with the request id.
 - ``Abort`` -> the request stops and frees its blocks.
 - ``KVTransferRequest`` / ``KVData`` -> the receiver half of a KV transfer.
-- ``AdminCommand`` -> ``AdminReply`` (status, drain, undrain, fail, transfer,
-  cache stats, requests); the same handlers serve the admin Unix socket.
+- ``AdminCommand`` -> ``AdminReply`` (status, requests, drain, undrain, fail,
+  cache stats, cache flush, transfer); the same handlers serve the admin Unix
+  socket.
 
 Malformed messages are answered with ``Error``, counted by reason
-(``bad_messages``) and never stop the loop. SIGTERM drains: the node says so
-in its heartbeat (nothing new is routed here), finishes its requests (up to
-``drain_timeout``), says Goodbye and exits.
+(``bad_messages``) and never stop the loop. SIGTERM drains: STOPPING=1 to
+systemd, the node says so in its heartbeat (nothing new is routed here),
+finishes its requests (up to ``drain_timeout``), says Goodbye and exits.
+
+Fault injection (admin ``fail``): ``exit`` crashes, ``stop`` pauses the
+heartbeats, ``drop-transfers`` sets ``drop_transfers`` so that this node
+refuses KV transfers both ways, ``resume`` clears both faults.
 """
 
 from __future__ import annotations
@@ -42,18 +48,21 @@ from kvd.cluster_config import ClusterConfig
 from kvd.node.engine_driver import EngineDriver
 from kvd.node.heartbeat import Heartbeater
 from kvd.node.transfer import TransferReceiver, send_prefix
+from kvd.sdnotify import Notifier
 from transports import InprocRegistry, Listener, TransportError, TransportOptions
 
 log = logging.getLogger("kvd.node")
 
 TIER_NAMES = {"device": "gpu", "host": "cpu"}   # engine tier -> wire tier
+FAIL_MODES = ("exit", "stop", "resume", "drop-transfers")
+STATUS_INTERVAL_S = 1.0                          # STATUS= is sent only when the line changed
 
 
 class NodeDaemon:
     def __init__(self, engine_config: EngineConfig, cluster: ClusterConfig, name: str, *,
                  address: str | None = None, coordinator: str | None = None,
                  registry: InprocRegistry | None = None, admin_socket: str | None = None,
-                 drain_timeout: float = 30.0) -> None:
+                 drain_timeout: float = 30.0, notifier: Notifier | None = None) -> None:
         node_cfg = cluster.node(name)
         self.name = name
         self.engine_config = engine_config
@@ -72,7 +81,10 @@ class NodeDaemon:
         self.heartbeat: Heartbeater | None = None
         self.admin = None
         self.bad_messages: collections.Counter[str] = collections.Counter()
+        self.notifier = notifier or Notifier(None)     # disabled: the embedded node of `kvd serve`
         self.draining = False
+        self.drop_transfers = False                    # fault injection: refuse KV transfers
+        self.transfers_dropped = 0
         self.streams: dict[str, asyncio.Task] = {}
         self.transfers_sent = 0
         self._tg: asyncio.TaskGroup | None = None
@@ -83,6 +95,7 @@ class NodeDaemon:
     async def start(self) -> None:
         """Load the engine, start its thread, bind the listener and admin socket."""
         t0 = time.perf_counter()
+        self.notifier.status(f"node {self.name}: loading {self.engine_config.model}")
         engine = await asyncio.to_thread(LLMEngine.from_config, self.engine_config)
         self.driver = EngineDriver(engine)
         await self.driver.start()
@@ -91,14 +104,18 @@ class NodeDaemon:
                                            registry=self.registry, options=self.options)
         self.address = self.listener.url
         self.heartbeat = Heartbeater(self.name, self._connect_coordinator, self._hello, self._beat,
-                                     self.cluster.heartbeat_interval, self.cluster.request_timeout)
+                                     self.cluster.heartbeat_interval,
+                                     min(self.cluster.request_timeout, self.cluster.heartbeat_deadline))
         if self.admin_socket:
             await self._start_admin()
         log.info("node %s: %s loaded in %.1fs, listening on %s", self.name, engine.model_name,
                  time.perf_counter() - t0, self.address)
 
     async def run(self) -> None:
-        """Serve until ``request_stop``; then drain and clean up. Calls ``start`` if needed."""
+        """Serve until ``request_stop``; then drain and clean up. Calls ``start`` if needed.
+
+        The systemd watchdog is not pinged here but by the process's entry point
+        (``kvd.cli``), from before the model loads."""
         if self.driver is None:
             await self.start()
         try:
@@ -108,8 +125,10 @@ class NodeDaemon:
                                                         rejected=self.bad_messages), name="serve")
                 beating = tg.create_task(self.heartbeat.run(), name="heartbeat")
                 reaping = tg.create_task(self._reap(), name="reaper")
+                notifying = tg.create_task(self._notify(), name="notify")
                 self._ready.set()
                 await self._stop.wait()
+                notifying.cancel()
                 await self._drain()
                 await self.heartbeat.goodbye("shutdown")
                 for task in (serving, beating, reaping, *self.streams.values()):
@@ -131,10 +150,36 @@ class NodeDaemon:
     async def _drain(self) -> None:
         self.draining = True
         self.heartbeat.kick()
+        self.notifier.stopping(f"node {self.name}: draining {len(self.streams)} request(s)")
         deadline = time.monotonic() + self.drain_timeout
         log.info("node %s draining: %d request(s) in flight", self.name, len(self.streams))
         while self.streams and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+
+    async def _notify(self) -> None:
+        """READY=1 once registered with the coordinator (listener bound, requests
+        can arrive), then a STATUS= line whenever it changes."""
+        self.notifier.status(f"node {self.name}: registering with {self.coordinator_url}")
+        await self.heartbeat.joined.wait()
+        line = self.status_line()
+        self.notifier.ready(line)
+        while True:
+            await asyncio.sleep(STATUS_INTERVAL_S)
+            if (new := self.status_line()) != line:
+                line = new
+                self.notifier.status(line)
+
+    def status_line(self) -> str:
+        """One line for ``systemctl status``."""
+        snap = self.driver.stats()
+        kv = snap.get("kv", {})
+        line = (f"node {self.name}: running {snap.get('running', 0)}, waiting {snap.get('waiting', 0)}, "
+                f"free blocks {kv.get('device', {}).get('free', 0)}")
+        if self.draining:
+            line += ", draining"
+        if not self.heartbeat.registered:
+            line += ", not registered"
+        return line
 
     async def cleanup(self) -> None:
         if self.admin is not None:
@@ -192,6 +237,13 @@ class NodeDaemon:
             if task is not None:
                 task.cancel()
             return None
+        if isinstance(msg, (protocol.KVTransferRequest, protocol.KVData)) and self.drop_transfers:
+            # Refused with an answer rather than ignored: the sender learns at once
+            # instead of holding its prefix lock for a whole request_timeout. An
+            # allocation made before the fault is released by the reaper.
+            self.transfers_dropped += 1
+            return protocol.Error(id=msg.id, code="transfer_refused",
+                                  message=f"node {self.name} drops KV transfers (fault injection)")
         if isinstance(msg, (protocol.KVTransferRequest, protocol.KVData, protocol.AdminCommand)):
             self._tg.create_task(self._reply_later(msg, incoming), name=f"{msg.TYPE} {msg.id}")
             return None
@@ -266,9 +318,10 @@ class NodeDaemon:
             "requests": (self.cmd_requests, "request ids in flight", None),
             "drain": (self.cmd_drain, "finish in-flight requests, accept no new ones", None),
             "undrain": (self.cmd_undrain, "accept new requests again", None),
-            "fail": (self.cmd_fail, "fault injection: mode exit | stop (heartbeats) | resume",
-                     {"mode": (str, True)}),
+            "fail": (self.cmd_fail, "fault injection: mode exit | stop (heartbeats) | drop-transfers"
+                                    " | resume (heartbeats and transfers again)", {"mode": (str, True)}),
             "cache stats": (self.cmd_cache_stats, "MemPool blocks per tier", None),
+            "cache flush": (self.cmd_cache_flush, "drop every unlocked cached prefix block", None),
             "transfer": (self.cmd_transfer, "move the cached KV of token_ids to node `to` at `address`",
                          {"to": (str, True), "address": (str, True), "token_ids": (list, True)}),
         }
@@ -308,7 +361,8 @@ class NodeDaemon:
                 "waiting": snap.get("waiting", 0),
                 "bad_messages": dict(self.bad_messages),
                 "malformed_frames": lst.malformed if lst else 0,
-                "transfers": {"sent": self.transfers_sent,
+                "drop_transfers": self.drop_transfers,
+                "transfers": {"sent": self.transfers_sent, "dropped": self.transfers_dropped,
                               "received": self.receiver.completed if self.receiver else 0,
                               "failed": self.receiver.failed if self.receiver else 0}}
 
@@ -330,23 +384,36 @@ class NodeDaemon:
 
     async def cmd_fail(self, args: dict) -> dict:
         mode = args["mode"]
+        if mode not in FAIL_MODES:
+            raise ValueError(f"fail mode must be one of {', '.join(FAIL_MODES)}, got {mode!r}")
         if mode == "exit":
             # after the reply is on its way: a crash, not a shutdown (no drain, no goodbye)
             asyncio.get_running_loop().call_later(0.1, os._exit, 1)
         elif mode == "stop":
             self.heartbeat.paused = True
-        elif mode == "resume":
+        elif mode == "drop-transfers":
+            self.drop_transfers = True
+        else:  # resume
             self.heartbeat.paused = False
+            self.drop_transfers = False
             self.heartbeat.kick()
-        else:
-            raise ValueError(f"fail mode must be exit, stop or resume, got {mode!r}")
         log.warning("fault injection: %s", mode)
         return {"mode": mode}
 
     async def cmd_cache_stats(self, args: dict) -> dict:
         return {"kv": self.driver.stats().get("kv", {})}
 
+    async def cmd_cache_flush(self, args: dict) -> dict:
+        """Drop every unlocked cached block (on the engine thread, between steps);
+        blocks of running requests and locked prefixes stay."""
+        freed = await self.driver.call(flush_prefix_cache, timeout=self.cluster.request_timeout)
+        self.heartbeat.kick()       # the coordinator's view of cached blocks
+        log.info("cache flush: freed %s", freed)
+        return {"freed": freed, "kv": self.driver.stats().get("kv", {})}
+
     async def cmd_transfer(self, args: dict) -> dict:
+        if self.drop_transfers:
+            raise ValueError(f"node {self.name} drops KV transfers (fault injection; fail resume)")
         tokens = args["token_ids"]
         if not all(type(t) is int and t >= 0 for t in tokens):
             raise ValueError("token_ids must be non-negative integers")
@@ -359,3 +426,24 @@ class NodeDaemon:
             await conn.close()
         self.transfers_sent += result["transferred"]
         return result
+
+
+def flush_prefix_cache(engine: LLMEngine) -> dict[str, int]:
+    """Evict every unlocked cached block of every tier; returns blocks freed per
+    tier. Runs on the engine thread (``EngineDriver.call``).
+
+    MemPool has no verb for this, so it drives its radix tree directly, as
+    ``alloc_mem`` does: evict removes the blocks from the index, and the
+    caller returns them to their pools.
+    """
+    pool = engine.pool
+    freed = dict.fromkeys(pool.pools, 0)
+    for tier in pool.pools:
+        refs = pool.tree.evict(pool.tree.evictable(tier), tier)
+        by_tier: dict[str, list[int]] = {}
+        for ref in refs:     # evicting a tier may take blocks of the other tier below it
+            by_tier.setdefault(ref.tier, []).append(ref.block_id)
+        for t, ids in by_tier.items():
+            pool.pools[t].free(ids)
+            freed[t] += len(ids)
+    return freed

@@ -13,6 +13,12 @@ that is down, slow or restarted:
 
 ``paused`` (fault injection, admin ``fail stop``) stops the beats without
 stopping anything else, so the coordinator's failure detector fires.
+
+``joined`` is set at the first accepted registration (the node daemon's
+READY=1) and stays set. ``timeout`` bounds each Hello and Heartbeat; the node
+passes at most the coordinator's heartbeat deadline, since a beat older than
+that is worthless and a beat lost with a crashed coordinator must not delay
+the registration with its successor for longer.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ class Heartbeater:
         self.paused = False
         self.seq = 0
         self.conn: Connection | None = None
+        self.joined = asyncio.Event()
         self._kick = asyncio.Event()
 
     def kick(self) -> None:
@@ -74,6 +81,7 @@ class Heartbeater:
                 if isinstance(reply, protocol.Welcome) and reply.accepted:
                     self.registered = True
                     self.registrations += 1
+                    self.joined.set()
                     if reply.heartbeat_interval > 0:
                         self.interval = reply.heartbeat_interval
                     log.info("registered with the coordinator (%d)", self.registrations)
