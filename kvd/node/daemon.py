@@ -104,8 +104,8 @@ class NodeDaemon:
                                            registry=self.registry, options=self.options)
         self.address = self.listener.url
         self.heartbeat = Heartbeater(self.name, self._connect_coordinator, self._hello, self._beat,
-                                     self.cluster.heartbeat_interval,
-                                     min(self.cluster.request_timeout, self.cluster.heartbeat_deadline))
+                                     self.cluster.heartbeat_interval, self.cluster.request_timeout,
+                                     beat_timeout=self.cluster.heartbeat_deadline)
         if self.admin_socket:
             await self._start_admin()
         log.info("node %s: %s loaded in %.1fs, listening on %s", self.name, engine.model_name,

@@ -15,10 +15,11 @@ that is down, slow or restarted:
 stopping anything else, so the coordinator's failure detector fires.
 
 ``joined`` is set at the first accepted registration (the node daemon's
-READY=1) and stays set. ``timeout`` bounds each Hello and Heartbeat; the node
-passes at most the coordinator's heartbeat deadline, since a beat older than
-that is worthless and a beat lost with a crashed coordinator must not delay
-the registration with its successor for longer.
+READY=1) and stays set. ``timeout`` bounds a Hello (the coordinator connects
+back to us before it answers), ``beat_timeout`` a Heartbeat: the node passes
+the coordinator's heartbeat deadline, since an answer later than that is
+worthless, and a beat lost with a crashed coordinator must not delay the
+registration with its successor for longer.
 """
 
 from __future__ import annotations
@@ -37,13 +38,14 @@ class Heartbeater:
     def __init__(self, name: str, connect: Callable[[], Awaitable[Connection]],
                  hello: Callable[[], protocol.Hello],
                  beat: Callable[[int], Awaitable[protocol.Heartbeat]],
-                 interval: float, timeout: float) -> None:
+                 interval: float, timeout: float, beat_timeout: float | None = None) -> None:
         self.name = name
         self._connect = connect
         self._hello = hello
         self._beat = beat
         self.interval = interval
         self.timeout = timeout
+        self.beat_timeout = min(timeout, beat_timeout or timeout)
         self.registered = False
         self.registrations = 0
         self.paused = False
@@ -90,7 +92,7 @@ class Heartbeater:
                                 getattr(reply, "reason", None) or getattr(reply, "message", reply))
                 return
             self.seq += 1
-            reply = await protocol.call(self.conn, await self._beat(self.seq), timeout=self.timeout)
+            reply = await protocol.call(self.conn, await self._beat(self.seq), timeout=self.beat_timeout)
             if isinstance(reply, protocol.Welcome) and not reply.accepted:
                 log.warning("coordinator does not know this node (%s); registering again", reply.reason)
                 self.registered = False

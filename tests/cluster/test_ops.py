@@ -11,7 +11,10 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -22,7 +25,7 @@ import pytest
 
 from kvd import ctl
 
-from .conftest import MODEL, Cluster, admin
+from .conftest import MODEL, ROOT, TINY, Cluster, admin, free_port
 
 DEADLINE = 3.0          # --heartbeat-deadline in conftest.HEARTBEAT
 
@@ -136,6 +139,28 @@ def test_ready_after_serving_then_watchdog_and_status(ops):
     assert n1.count("WATCHDOG=1", since) >= 3
     coord.wait_for("STATUS=serving 2 nodes, 0 requests", 5)
     assert any(f.startswith("STATUS=node n1: running 0, waiting 0, free blocks") for _, f in n1.fields())
+
+
+def test_kvd_serve_notifies_ready_when_healthy_and_stopping_on_sigterm(tmp_path):
+    notify = NotifySocket(tmp_path / "serve.notify")
+    port = free_port()
+    env = {**os.environ, "NOTIFY_SOCKET": str(notify.path), "WATCHDOG_USEC": "1000000"}
+    with open(tmp_path / "serve.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "kvd.cli", "serve", "--port", str(port), *TINY],
+                                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        t_ready, _ = notify.wait_for("READY=1", 60)
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
+        assert any(f.startswith("STATUS=loading tiny") for t, f in notify.fields() if t < t_ready)
+        assert any(f == "WATCHDOG=1" for t, f in notify.fields() if t < t_ready)   # while loading too
+        since = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        notify.wait_for("STOPPING=1", 5, since=since)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        notify.close()
 
 
 # ------------------------------------------------------------------- cache
