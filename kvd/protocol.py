@@ -437,7 +437,13 @@ class KVAllocReply(Message):
 @dataclass(frozen=True, kw_only=True)
 class KVData(Message):
     """MemServe step 2 (transmission): KV of layers [layer_start, layer_end) for
-    `block_ids`, one tensor frame per (layer, K|V) or an aggregated block."""
+    `block_ids`, one tensor frame per (layer, K|V) or an aggregated block.
+
+    With `token_ids` set, the message also does step 1: there was no
+    KVTransferRequest, the receiver allocates on arrival (it must then carry
+    every layer, one frame [L, 2, n, bs, kvh, hd] for the n blocks of
+    `token_ids`, and `block_ids` stays empty).
+    """
 
     FRAMES_FIELD: ClassVar[str | None] = "tensors"
 
@@ -447,11 +453,15 @@ class KVData(Message):
     layer_end: int = 0
     block_ids: tuple[int, ...] = ()
     last: bool = False
+    token_ids: tuple[int, ...] | None = None   # allocation folded in (see above)
     tensors: tuple[Any, ...] = ()      # RawTensor, or torch tensors (viewed, not copied)
 
     def _check(self) -> None:
         _require(0 <= self.layer_start <= self.layer_end, "need 0 <= layer_start <= layer_end")
         _require(self.seq >= 0, "seq must be >= 0")
+        if self.token_ids is not None:
+            _require(not self.block_ids and self.last and self.layer_start == 0,
+                     "a KVData with token_ids carries every layer and no block_ids")
 
     def as_torch(self) -> tuple[Any, ...]:
         return tuple(t.to_torch() for t in self.tensors)
@@ -464,7 +474,8 @@ class KVAck(Message):
 
     transfer_id: str
     ok: bool
-    inserted_tokens: int = 0
+    inserted_tokens: int = 0           # set on the ack that completes the transfer
+    have_blocks: int = 0               # leading blocks the receiver already had (not imported)
     reason: str = ""
 
 

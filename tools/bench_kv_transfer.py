@@ -100,6 +100,19 @@ async def serve(url: str, num_blocks: int) -> None:
     receiver = TransferReceiver(driver)
     listener = await transports.listen(url, options=OPTIONS)
     print(listener.url, flush=True)
+    tasks: set[asyncio.Task] = set()
+
+    async def reply_later(incoming, msg) -> None:
+        # as the node daemon does (_reply_later): one task per transfer message,
+        # so the chunks of a streamed transfer are received while earlier ones import
+        if isinstance(msg, protocol.KVTransferRequest):
+            reply = await receiver.on_request(msg, 60.0)
+        elif isinstance(msg, protocol.KVData):
+            reply = await receiver.on_data(msg)
+        else:
+            raise SystemExit(f"bench receiver: unexpected {msg}")
+        await listener.reply(incoming, *protocol.encode(reply))
+
     while True:
         incoming = await listener.recv()
         if incoming.header.startswith(b'{"plain"'):
@@ -109,14 +122,9 @@ async def serve(url: str, num_blocks: int) -> None:
             n = await driver.call(drop_cache)
             await listener.reply(incoming, b'{"dropped":%d}' % n)
             continue
-        msg = protocol.decode(incoming.header, incoming.frames)
-        if isinstance(msg, protocol.KVTransferRequest):
-            reply = await receiver.on_request(msg, 60.0)
-        elif isinstance(msg, protocol.KVData):
-            reply = await receiver.on_data(msg)
-        else:
-            raise SystemExit(f"bench receiver: unexpected {msg}")
-        await listener.reply(incoming, *protocol.encode(reply))
+        task = asyncio.create_task(reply_later(incoming, protocol.decode(incoming.header, incoming.frames)))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
 
 
 # ─── sender (this process) ──────────────────────────────────────────────────

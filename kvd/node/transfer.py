@@ -1,28 +1,49 @@
 """MemServe distributed transfer (§4.3) between two node processes.
 
 ``MemPool.transfer_with_insert`` moves KV between two pools of one process;
-here the same three steps cross a transport::
+here the same three steps cross a transport, in one of two shapes.
 
-    sender (engine thread)          wire                     receiver (engine thread)
-    match + lock the prefix   ── KVTransferRequest ──▶  match + lock what it has,
-                                                        alloc_mem(the rest)
-                              ◀──── KVAllocReply ────   (block ids, have_blocks)
-    export_blocks(rest), unlock ──── KVData ────────▶  import_blocks, insert into the
-                              (ONE frame [L,2,n,bs,kvh,hd])   radix tree, unlock
-                              ◀────── KVAck ─────────   (inserted tokens)
+Small transfers (payload <= ``ONESHOT_MAX_BYTES``) fold the allocation into
+the data: ONE send, one round trip::
 
-One request transfer is exactly two sends from the sender (the request and
-ONE KVData frame holding every layer), never one per block. Every MemPool
-touch runs on the owning node's engine thread (``EngineDriver.call``). A
-receiver's allocation that never sees its data is released at its deadline.
+    sender (engine thread)             wire                 receiver (engine thread)
+    match + lock, gather into a  ── KVData(token_ids) ──▶  match + lock what it has,
+    staging buffer, unlock          (ONE frame, every       alloc_mem(the rest), import
+                                     layer)                 the rest, insert, unlock
+                                 ◀──────── KVAck ───────   (inserted tokens, have_blocks)
+
+Blocks the receiver already had travel (a few MiB at most) but are not
+imported. Large transfers keep MemServe's allocation step (so nothing the
+receiver has is sent) and then stream layer chunks, DéjàVu §4.1 style::
+
+    match + lock             ── KVTransferRequest ──▶  match + lock, alloc_mem(the rest)
+    gather chunk 0 (overlaps ◀──── KVAllocReply ────   (block ids, have_blocks)
+      the round trip)
+    for each chunk c:        ─── KVData(c) ─────────▶  import chunk c (index_copy_ from the
+      send c, gather c+1          [l1-l0, 2, n, ...]    received frame, no other copy);
+      (no wait for acks)     ◀────── KVAck(c) ──────   the last one inserts into the tree
+    all acked: unlock
+
+At most ``num_layers`` KVData per transfer (chunks of >= ``CHUNK_BYTES``,
+whole layers), never one per block: sends = 1 (one-shot) or 1 + chunks.
+Gathers go into reusable staging buffers (``_STAGING``: no fresh allocation,
+no page faults per transfer); a staging buffer is reused only after every
+chunk from it was acknowledged (zmq sends it zero-copy). Every MemPool and KV
+touch runs on the owning node's engine thread (``EngineDriver.call``); the
+receiver serialises chunk imports there, so the reaper (``expire``) never
+races an import. A receiver's allocation that never sees all its data is
+released at its deadline.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import math
+import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from engine.memory.radix import make_refs
@@ -31,6 +52,82 @@ from kvd.node.engine_driver import EngineDriver
 from transports import Connection
 
 log = logging.getLogger("kvd.transfer")
+
+ONESHOT_MAX_BYTES = 8 << 20     # payloads up to this go as one KVData carrying the allocation
+CHUNK_BYTES = 8 << 20           # streamed chunk size target (whole layers, <= num_layers chunks)
+STAGING_KEEP_BYTES = 1 << 30    # staging memory kept for reuse between transfers
+
+
+# ─── staging buffers (sender) ────────────────────────────────────────────────
+
+
+class _StagingPool:
+    """Reusable flat CPU byte buffers for the sender's gathers (thread-safe)."""
+
+    def __init__(self, keep_bytes: int) -> None:
+        self.keep_bytes = keep_bytes
+        self._free: list[Any] = []
+        self._lock = threading.Lock()
+        self.allocated = 0          # buffers created (a warm pool stops counting)
+
+    def acquire(self, shape: tuple[int, ...], dtype: Any) -> tuple[Any, Any]:
+        """(buffer, a contiguous view of it with ``shape``/``dtype``)."""
+        import torch  # noqa: PLC0415 -- the coordinator never imports this module's callers
+
+        need = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        with self._lock:
+            fits = [b for b in self._free if b.numel() >= need]
+            buf = min(fits, key=lambda b: b.numel()) if fits else None
+            if buf is not None:
+                self._free.remove(buf)
+        if buf is None:
+            buf = torch.empty(max(need, 1), dtype=torch.uint8)
+            self.allocated += 1
+        return buf, buf[:need].view(dtype).view(shape)
+
+    def release(self, buf: Any) -> None:
+        with self._lock:
+            self._free.append(buf)
+            self._free.sort(key=lambda b: -b.numel())
+            while sum(b.numel() for b in self._free) > self.keep_bytes:
+                self._free.pop(0)   # drop the largest first
+
+
+_STAGING = _StagingPool(STAGING_KEEP_BYTES)
+
+
+def _runs(refs: list[Any]) -> list[tuple[str, int, list[int]]]:
+    """Group refs into (tier, first position, block ids) runs of one tier."""
+    runs: list[tuple[str, int, list[int]]] = []
+    for i, r in enumerate(refs):
+        if not runs or runs[-1][0] != r.tier:
+            runs.append((r.tier, i, []))
+        runs[-1][2].append(r.block_id)
+    return runs
+
+
+def _gather(engine: Any, runs: list[tuple[str, int, list[int]]], out: Any, l0: int, l1: int) -> None:
+    """Copy layers [l0, l1) of the blocks in ``runs`` into ``out`` [l1-l0, 2, n, ...]
+    (engine thread). One index_select per tier run, straight into ``out``."""
+    import torch  # noqa: PLC0415
+
+    for tier, pos, ids in runs:
+        kv = engine.kv.tier(tier)[l0:l1]
+        idx = torch.as_tensor(ids, dtype=torch.long, device=kv.device)
+        if len(runs) == 1 and kv.device.type == "cpu":
+            torch.index_select(kv, 2, idx, out=out)
+        else:
+            out[:, :, pos:pos + len(ids)].copy_(kv.index_select(2, idx))
+
+
+def _layer_chunks(num_layers: int, nbytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
+    """Split [0, num_layers) into <= num_layers contiguous ranges of ~chunk_bytes."""
+    n = max(1, min(num_layers, -(-nbytes // max(chunk_bytes, 1))))
+    bounds = [round(i * num_layers / n) for i in range(n + 1)]
+    return [(bounds[i], bounds[i + 1]) for i in range(n)]
+
+
+# ─── receiver ────────────────────────────────────────────────────────────────
 
 
 @dataclass
@@ -43,10 +140,13 @@ class _Pending:
     handle: Any            # radix node locked for the duration
     tier: str
     expires: float
+    num_layers: int = 0
+    layers_done: set[int] = field(default_factory=set)
 
 
 class TransferReceiver:
-    """Receiver half: allocation on KVTransferRequest, insertion on KVData."""
+    """Receiver half: allocation on KVTransferRequest (or on a KVData that
+    carries ``token_ids``), import per KVData chunk, insertion on the last."""
 
     def __init__(self, driver: EngineDriver, tier: str = "device") -> None:
         self.driver = driver
@@ -56,6 +156,12 @@ class TransferReceiver:
         self.completed = 0
         self.failed = 0
 
+    @staticmethod
+    def _layout_error(engine: Any, num_layers: int, dtype: str) -> str | None:
+        if num_layers != engine.kv.num_layers or dtype != str(engine.kv.dtype).removeprefix("torch."):
+            return "layout mismatch (layers or dtype)"
+        return None
+
     async def on_request(self, msg: protocol.KVTransferRequest, timeout: float) -> protocol.KVAllocReply:
         def allocate(engine) -> protocol.KVAllocReply:
             pool = engine.pool
@@ -64,9 +170,8 @@ class TransferReceiver:
             if len(tokens) != msg.num_blocks * bs:
                 return protocol.KVAllocReply(id=msg.id, transfer_id=msg.transfer_id, ok=False,
                                              reason="token_ids shorter than num_blocks")
-            if msg.num_layers != engine.kv.num_layers or msg.dtype != str(engine.kv.dtype).removeprefix("torch."):
-                return protocol.KVAllocReply(id=msg.id, transfer_id=msg.transfer_id, ok=False,
-                                             reason="layout mismatch (layers or dtype)")
+            if reason := self._layout_error(engine, msg.num_layers, msg.dtype):
+                return protocol.KVAllocReply(id=msg.id, transfer_id=msg.transfer_id, ok=False, reason=reason)
             m = pool.tree.match(tokens)
             pool.tree.lock(m.last_node)
             have = len(m.blocks)
@@ -76,7 +181,8 @@ class TransferReceiver:
                 return protocol.KVAllocReply(id=msg.id, transfer_id=msg.transfer_id, ok=False,
                                              reason="out of KV blocks")
             self._pending[msg.transfer_id] = _Pending(tokens, list(m.blocks), ids, m.last_node,
-                                                      self.tier, time.monotonic() + timeout)
+                                                      self.tier, time.monotonic() + timeout,
+                                                      engine.kv.num_layers)
             return protocol.KVAllocReply(id=msg.id, transfer_id=msg.transfer_id, ok=True,
                                          block_ids=tuple(ids), have_blocks=have)
         if msg.transfer_id in self._pending:
@@ -85,33 +191,103 @@ class TransferReceiver:
         return await self.driver.call(allocate)
 
     async def on_data(self, msg: protocol.KVData) -> protocol.KVAck:
-        def insert(engine) -> protocol.KVAck:
-            p = self._pending.pop(msg.transfer_id, None)
-            if p is None:
-                return protocol.KVAck(id=msg.id, transfer_id=msg.transfer_id, ok=False,
-                                      reason="unknown or expired transfer")
-            pool = engine.pool
-            try:
-                if list(msg.block_ids) != p.block_ids or len(msg.tensors) != (1 if p.block_ids else 0):
-                    raise ValueError("KVData does not match the allocation")
-                if p.block_ids:
-                    engine.kv.import_blocks(p.tier, p.block_ids, msg.tensors[0].to_torch())
-            except (TypeError, ValueError) as exc:
-                pool.free_mem(p.block_ids, p.tier)
-                pool.tree.unlock(p.handle)
-                self.failed += 1
-                return protocol.KVAck(id=msg.id, transfer_id=msg.transfer_id, ok=False, reason=str(exc))
-            refs = p.have_refs + make_refs(p.tier, p.block_ids, pool.node_id)
-            present = pool.tree.insert(p.tokens, refs)
-            dups = [r.block_id for r in refs[len(p.have_refs):present]]
-            if dups:
-                pool.pools[p.tier].free(dups)
-            pool.tree.unlock(p.handle)
-            self.completed += 1
-            self.received_bytes += sum(t.nbytes for t in msg.tensors)
-            return protocol.KVAck(id=msg.id, transfer_id=msg.transfer_id, ok=True,
-                                  inserted_tokens=len(p.tokens))
-        return await self.driver.call(insert)
+        if msg.token_ids is not None:
+            return await self.driver.call(lambda engine: self._oneshot(engine, msg))
+        return await self.driver.call(lambda engine: self._import_chunk(engine, msg))
+
+    def _ack(self, msg: protocol.KVData, ok: bool, **kw: Any) -> protocol.KVAck:
+        return protocol.KVAck(id=msg.id, transfer_id=msg.transfer_id, ok=ok, **kw)
+
+    def _finish(self, engine: Any, p: _Pending) -> int:
+        """Insert the transferred tokens, free duplicates, unlock (engine thread)."""
+        pool = engine.pool
+        refs = p.have_refs + make_refs(p.tier, p.block_ids, pool.node_id)
+        present = pool.tree.insert(p.tokens, refs)
+        dups = [r.block_id for r in refs[len(p.have_refs):present]]
+        if dups:
+            pool.pools[p.tier].free(dups)
+        pool.tree.unlock(p.handle)
+        self.completed += 1
+        return len(p.tokens)
+
+    def _abandon(self, engine: Any, p: _Pending) -> None:
+        engine.pool.free_mem(p.block_ids, p.tier)
+        engine.pool.tree.unlock(p.handle)
+        self.failed += 1
+
+    def _import(self, engine: Any, tier: str, ids: list[int], l0: int, l1: int, payload: Any) -> None:
+        """Write payload [l1-l0, 2, len(ids), bs, kvh, hd] into layers [l0, l1) of
+        blocks ``ids`` with one index_copy_ (reads the received frame in place)."""
+        import torch  # noqa: PLC0415
+
+        kv = engine.kv
+        L, two, bs, kvh, hd = kv.block_shape
+        if payload.dtype != kv.dtype:
+            raise ValueError(f"dtype {payload.dtype} != cache dtype {kv.dtype}")
+        if tuple(payload.shape) != (l1 - l0, two, len(ids), bs, kvh, hd):
+            raise ValueError(f"shape {tuple(payload.shape)} does not match "
+                             f"[{l1 - l0}, 2, {len(ids)}, {bs}, {kvh}, {hd}]")
+        if not ids:
+            return
+        dst = kv.tier(tier)
+        idx = kv._index(tier, ids)
+        dst[l0:l1].index_copy_(2, idx, payload.to(dst.device, non_blocking=True))
+
+    def _oneshot(self, engine: Any, msg: protocol.KVData) -> protocol.KVAck:
+        """Allocation, import and insertion of a KVData carrying token_ids."""
+        pool = engine.pool
+        bs = pool.block_size
+        if msg.transfer_id in self._pending:
+            return self._ack(msg, False, reason="duplicate transfer id")
+        if len(msg.tensors) != 1:
+            return self._ack(msg, False, reason="a KVData with token_ids carries one frame")
+        t = msg.tensors[0]
+        if reason := self._layout_error(engine, msg.layer_end, t.dtype):
+            return self._ack(msg, False, reason=reason)
+        n = t.shape[2] if len(t.shape) == 6 else -1
+        tokens = tuple(msg.token_ids)
+        if n <= 0 or len(tokens) != n * bs:
+            return self._ack(msg, False, reason="token_ids do not match the frame's blocks")
+        m = pool.tree.match(tokens)
+        pool.tree.lock(m.last_node)
+        have = len(m.blocks)
+        ids = pool.alloc_mem(n - have, self.tier) if have < n else []
+        if ids is None:
+            pool.tree.unlock(m.last_node)
+            return self._ack(msg, False, reason="out of KV blocks")
+        p = _Pending(tokens, list(m.blocks), ids, m.last_node, self.tier, 0.0, msg.layer_end)
+        try:
+            self._import(engine, p.tier, ids, 0, msg.layer_end, t.to_torch()[:, :, have:])
+        except (TypeError, ValueError, IndexError) as exc:
+            self._abandon(engine, p)
+            return self._ack(msg, False, reason=str(exc))
+        self.received_bytes += t.nbytes
+        return self._ack(msg, True, inserted_tokens=self._finish(engine, p), have_blocks=have)
+
+    def _import_chunk(self, engine: Any, msg: protocol.KVData) -> protocol.KVAck:
+        """One chunk of layers of an allocated transfer; the last one inserts."""
+        p = self._pending.get(msg.transfer_id)
+        if p is None:
+            return self._ack(msg, False, reason="unknown or expired transfer")
+        try:
+            if list(msg.block_ids) != p.block_ids or len(msg.tensors) != (1 if p.block_ids else 0):
+                raise ValueError("KVData does not match the allocation")
+            layers = range(msg.layer_start, msg.layer_end) if p.block_ids else range(p.num_layers)
+            if msg.layer_end > p.num_layers or not layers or p.layers_done.intersection(layers):
+                raise ValueError(f"bad or repeated layer range [{msg.layer_start}, {msg.layer_end})")
+            if p.block_ids:
+                self._import(engine, p.tier, p.block_ids, msg.layer_start, msg.layer_end,
+                             msg.tensors[0].to_torch())
+        except (TypeError, ValueError, IndexError) as exc:
+            del self._pending[msg.transfer_id]
+            self._abandon(engine, p)
+            return self._ack(msg, False, reason=str(exc))
+        p.layers_done.update(layers)
+        self.received_bytes += sum(t.nbytes for t in msg.tensors)
+        if len(p.layers_done) < p.num_layers:
+            return self._ack(msg, True)
+        del self._pending[msg.transfer_id]
+        return self._ack(msg, True, inserted_tokens=self._finish(engine, p), have_blocks=len(p.have_refs))
 
     async def expire(self) -> int:
         """Release allocations whose data never came. Returns how many."""
@@ -119,83 +295,180 @@ class TransferReceiver:
             now = time.monotonic()
             dead = [tid for tid, p in self._pending.items() if p.expires < now]
             for tid in dead:
-                p = self._pending.pop(tid)
-                engine.pool.free_mem(p.block_ids, p.tier)
-                engine.pool.tree.unlock(p.handle)
-            self.failed += len(dead)
+                self._abandon(engine, self._pending.pop(tid))
             return len(dead)
         if not self._pending:
             return 0
         return await self.driver.call(reap)
 
 
+# ─── sender ──────────────────────────────────────────────────────────────────
+
+
+def _reason(reply: Any) -> str:
+    return getattr(reply, "reason", None) or getattr(reply, "message", None) or repr(reply)
+
+
 async def send_prefix(driver: EngineDriver, conn: Connection, token_ids: list[int], *,
-                      src_node: str, dst_node: str, timeout: float = 30.0) -> dict[str, Any]:
+                      src_node: str, dst_node: str, timeout: float = 30.0,
+                      oneshot_max_bytes: int | None = None,
+                      chunk_bytes: int | None = None) -> dict[str, Any]:
     """Sender half: move the cached KV of ``token_ids``' full blocks to the
     node behind ``conn`` and insert it into that node's radix tree.
 
-    Returns {"transferred", "blocks", "sent_blocks", "bytes", "sends", "inserted_tokens",
-    "seconds", "reason"}. Raises TransportError on a transport failure; the
-    sender's lock on the prefix is released in every case.
+    Returns {"transferred", "blocks", "sent_blocks", "new_blocks", "bytes",
+    "sends", "chunks", "inserted_tokens", "seconds", "reason"}: ``sent_blocks``
+    travelled, ``new_blocks`` the receiver did not have. Raises TransportError
+    on a transport failure; the sender's lock on the prefix is released in
+    every case.
     """
     t0 = time.perf_counter()
+    oneshot_max = ONESHOT_MAX_BYTES if oneshot_max_bytes is None else oneshot_max_bytes
+    chunk_bytes = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
     transfer_id = f"x-{uuid.uuid4().hex[:16]}"
+    result: dict[str, Any] = {"transferred": False, "blocks": 0, "sent_blocks": 0, "new_blocks": 0,
+                              "bytes": 0, "sends": 0, "chunks": 0, "inserted_tokens": 0, "reason": ""}
+    staging: list[Any] = []          # buffers to give back once every frame from them is acked
 
     def lock_prefix(engine):
+        """Match + lock; a small prefix is gathered at once and unlocked again."""
         m = engine.pool.tree.match(token_ids)
+        kv = engine.kv
+        L, two, bs, kvh, hd = kv.block_shape
+        n = len(m.blocks)
+        small = 0 < n * kv.bytes_per_block <= oneshot_max
+        payload = None
         engine.pool.tree.lock(m.last_node)
-        return m, engine.kv.num_layers, str(engine.kv.dtype).removeprefix("torch."), engine.pool.block_size
+        try:
+            if small:
+                buf, payload = _STAGING.acquire((L, two, n, bs, kvh, hd), kv.dtype)
+                staging.append(buf)
+                _gather(engine, _runs(m.blocks), payload, 0, L)
+        finally:
+            if small:
+                engine.pool.tree.unlock(m.last_node)
+        return m, L, str(kv.dtype).removeprefix("torch."), bs, kv.bytes_per_block, payload
 
-    m, num_layers, dtype, bs = await driver.call(lock_prefix)
-    result: dict[str, Any] = {"transferred": False, "blocks": len(m.blocks), "sent_blocks": 0, "bytes": 0,
-                              "sends": 0, "inserted_tokens": 0, "reason": ""}
-    locked = True
+    m, num_layers, dtype, bs, block_bytes, payload = await driver.call(lock_prefix)
+    locked = payload is None
+    result["blocks"] = len(m.blocks)
+    deadline = time.time() + timeout
+    tokens = tuple(token_ids[:len(m.blocks) * bs])
+    clean = False                    # every frame sent from staging was acknowledged
     try:
         if not m.blocks:
+            clean = True
             result["reason"] = "no cached prefix for these tokens"
             return result
-        deadline = time.time() + timeout
-        req = protocol.KVTransferRequest(
-            id=transfer_id, deadline=deadline, transfer_id=transfer_id, src_node=src_node,
-            dst_node=dst_node, token_ids=tuple(token_ids[:len(m.blocks) * bs]),
-            num_blocks=len(m.blocks), num_layers=num_layers, dtype=dtype)
-        alloc = await protocol.call(conn, req)
-        result["sends"] += 1
-        if not isinstance(alloc, protocol.KVAllocReply) or not alloc.ok:
-            result["reason"] = getattr(alloc, "reason", None) or getattr(alloc, "message", repr(alloc))
+        if payload is not None:      # one-shot: allocation folded into the data
+            data = protocol.KVData(id=transfer_id, deadline=deadline, transfer_id=transfer_id,
+                                   layer_start=0, layer_end=num_layers, last=True, token_ids=tokens,
+                                   tensors=(payload,))
+            result.update(sends=1, chunks=1, sent_blocks=len(m.blocks), bytes=payload.nbytes)
+            ack = await protocol.call(conn, data)
+            clean = True
+            if isinstance(ack, protocol.KVAck) and ack.ok:
+                result.update(transferred=True, inserted_tokens=ack.inserted_tokens,
+                              new_blocks=len(m.blocks) - ack.have_blocks)
+            else:
+                result["reason"] = _reason(ack)
             return result
-        refs = m.blocks[alloc.have_blocks:]
-
-        def export(engine):
-            # [L, 2, n, bs, kvh, hd], one tensor per tier run (normally one)
-            parts, tiers = [], []
-            for r in refs:
-                if not tiers or tiers[-1][0] != r.tier:
-                    tiers.append((r.tier, []))
-                tiers[-1][1].append(r.block_id)
-            for tier, ids in tiers:
-                parts.append(engine.kv.export_blocks(tier, ids))
-            engine.pool.tree.unlock(m.last_node)
-            if not parts:
-                return None
-            import torch
-            return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
-
-        payload = await driver.call(export)
-        locked = False
-        data = protocol.KVData(id=transfer_id, deadline=deadline, transfer_id=transfer_id,
-                               layer_start=0, layer_end=num_layers, block_ids=alloc.block_ids,
-                               last=True, tensors=() if payload is None else (payload,))
-        ack = await protocol.call(conn, data)
-        result["sends"] += 1
-        result["sent_blocks"] = len(refs)
-        result["bytes"] = 0 if payload is None else payload.numel() * payload.element_size()
-        if isinstance(ack, protocol.KVAck) and ack.ok:
-            result.update(transferred=True, inserted_tokens=ack.inserted_tokens)
-        else:
-            result["reason"] = getattr(ack, "reason", None) or getattr(ack, "message", repr(ack))
+        await _stream(driver, conn, m, tokens, transfer_id, deadline, num_layers, dtype, block_bytes,
+                      chunk_bytes, src_node, dst_node, staging, result)
+        clean = True
         return result
     finally:
+        if "_locked" in result:       # the stream unlocks with its last gather
+            locked = result.pop("_locked")["held"]
         if locked:
             await driver.call(lambda engine: engine.pool.tree.unlock(m.last_node))
+        for buf in staging:
+            if clean:
+                _STAGING.release(buf)
         result["seconds"] = time.perf_counter() - t0
+
+
+async def _stream(driver: EngineDriver, conn: Connection, m: Any, tokens: tuple[int, ...],
+                  transfer_id: str, deadline: float, num_layers: int, dtype: str, block_bytes: int,
+                  chunk_bytes: int, src_node: str, dst_node: str, staging: list[Any],
+                  result: dict[str, Any]) -> None:
+    """Allocation round trip, then layer chunks sent without waiting for acks
+    (the gather of chunk c+1 overlaps the wire time of chunk c). Returns once
+    every chunk was acked (or the first failure); raises TransportError."""
+    req = protocol.KVTransferRequest(
+        id=transfer_id, deadline=deadline, transfer_id=transfer_id, src_node=src_node,
+        dst_node=dst_node, token_ids=tokens, num_blocks=len(m.blocks), num_layers=num_layers,
+        dtype=dtype)
+    alloc_call = asyncio.ensure_future(protocol.call(conn, req))
+    result["sends"] += 1
+    n = len(m.blocks)
+    chunks = _layer_chunks(num_layers, n * block_bytes, chunk_bytes)
+
+    lock = {"held": True}
+
+    def gather(refs, l0, l1, new_staging=False, unlock=False):
+        """Engine thread: (optionally a fresh staging view,) gather layers
+        [l0, l1) into it, (optionally) unlock the prefix: the data to send is
+        in staging, so the sender's blocks need no lock while it travels."""
+        def run(engine):
+            nonlocal view
+            try:
+                if new_staging:
+                    L, two, bs, kvh, hd = engine.kv.block_shape
+                    buf, view = _STAGING.acquire((L, two, len(refs), bs, kvh, hd), engine.kv.dtype)
+                    staging.append(buf)
+                if refs and l1 > l0:
+                    _gather(engine, _runs(refs), view[l0:l1], l0, l1)
+            finally:
+                if unlock and lock["held"]:
+                    engine.pool.tree.unlock(m.last_node)
+                    lock["held"] = False
+        return run
+
+    # speculative: gather chunk 0 of every block while the allocation round trip runs
+    view: Any = None
+    try:
+        await driver.call(gather(m.blocks, *chunks[0], new_staging=True))
+    except BaseException:
+        await asyncio.gather(alloc_call, return_exceptions=True)
+        raise
+    finally:
+        result["_locked"] = lock
+    alloc = await alloc_call
+    if not isinstance(alloc, protocol.KVAllocReply) or not alloc.ok:
+        result["reason"] = _reason(alloc)
+        return
+    have = alloc.have_blocks
+    refs = m.blocks[have:]
+    result["new_blocks"] = len(refs)
+    if have:                          # the receiver has a prefix: send only the rest
+        chunks = _layer_chunks(num_layers, len(refs) * block_bytes, chunk_bytes) if refs else [(0, num_layers)]
+        await driver.call(gather(refs, *chunks[0], new_staging=True, unlock=len(chunks) == 1))
+    sends: list[asyncio.Future] = []
+    if len(chunks) == 1 and lock["held"]:   # nothing left to gather: unlock while chunk 0 travels
+        sends.append(asyncio.ensure_future(driver.call(gather(refs, 0, 0, unlock=True))))
+    try:
+        for c, (l0, l1) in enumerate(chunks):
+            if c:
+                await driver.call(gather(refs, l0, l1, unlock=c == len(chunks) - 1))
+            data = protocol.KVData(id=f"{transfer_id}.{c}", deadline=deadline, transfer_id=transfer_id,
+                                   seq=c, layer_start=l0, layer_end=l1, block_ids=alloc.block_ids,
+                                   last=c == len(chunks) - 1,
+                                   tensors=(view[l0:l1],) if refs else ())
+            sends.append(asyncio.ensure_future(protocol.call(conn, data)))
+            result["sends"] += 1
+            result["chunks"] += 1
+            result["bytes"] += data.tensors[0].nbytes if refs else 0
+        acks = [a for a in await asyncio.gather(*sends) if a is not None]
+    finally:
+        for s in sends:
+            if not s.done():
+                s.cancel()
+        if sends:
+            await asyncio.gather(*sends, return_exceptions=True)
+    result["sent_blocks"] = len(refs)
+    bad = [a for a in acks if not (isinstance(a, protocol.KVAck) and a.ok)]
+    if bad:
+        result["reason"] = _reason(bad[0])
+        return
+    result.update(transferred=True, inserted_tokens=max(a.inserted_tokens for a in acks))

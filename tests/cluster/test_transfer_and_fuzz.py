@@ -63,14 +63,91 @@ def test_transfer_with_insert_between_two_node_processes(pair, reference_engine)
     result = admin(pair.node_admin("a"), "transfer", to="b", address=pair.node_urls["b"], token_ids=ids)
     assert result["transferred"] is True, result
     assert result["blocks"] == 6 and result["inserted_tokens"] == 96
-    assert result["sends"] == 2          # allocation request + ONE KVData frame, never per block
+    # small: ONE KVData carrying the allocation (token ids) and every layer, never per block
+    assert result["sends"] == 1 and result["chunks"] == 1 and result["new_blocks"] == 6
     assert admin(pair.node_admin("b"), "status")["transfers"]["received"] == 1
     out_b, usage_b = asyncio.run(_generate(pair.node_urls["b"], ids, 8))
     assert usage_b["cached_tokens"] == 96                      # served from the transferred KV
     assert out_b == ref
-    # a second transfer of the same prefix sends nothing new
+    # a second transfer of the same prefix stores nothing new
     again = admin(pair.node_admin("a"), "transfer", to="b", address=pair.node_urls["b"], token_ids=ids)
-    assert again["transferred"] is True and again["sent_blocks"] == 0
+    assert again["transferred"] is True and again["new_blocks"] == 0
+
+
+def test_streamed_transfer_is_exact_and_skips_what_the_receiver_has(reference_engine, tmp_path):
+    """The large-transfer path (allocation round trip, then layer chunks sent
+    without waiting) over zmq between two engines: the receiver's KV is
+    bit-identical, it serves the prefix from cache with the single-node
+    engine's tokens, and blocks it already had are not sent."""
+    import torch
+
+    from engine.engine import EngineConfig, LLMEngine
+    from engine.request import SamplingParams
+    from kvd.node.engine_driver import EngineDriver
+    from kvd.node.transfer import TransferReceiver, send_prefix
+
+    def engine():
+        return LLMEngine.from_config(EngineConfig(model="tiny", dtype="float32", block_size=16, kv_blocks=64,
+                                                  host_kv_blocks=0, max_model_len=512, num_threads=1))
+
+    rng = random.Random(11)
+    ids = [rng.randrange(1, 40000) for _ in range(100)]                 # 6 full blocks
+    ref = reference_tokens(reference_engine, [ids], 8)[0]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+    async def run():
+        a, b = EngineDriver(engine()), EngineDriver(engine())
+        await a.start()
+        await b.start()
+        receiver = TransferReceiver(b)
+        listener = await transports.listen(f"zmq+ipc://{tmp_path}/b.sock", options=transports.TransportOptions())
+
+        async def reply(inc, msg):
+            r = await (receiver.on_request(msg, 30.0) if isinstance(msg, protocol.KVTransferRequest)
+                       else receiver.on_data(msg))
+            await listener.reply(inc, *protocol.encode(r))
+
+        async def serve():
+            tasks = set()
+            while True:
+                inc = await listener.recv()
+                t = asyncio.create_task(reply(inc, protocol.decode(inc.header, inc.frames)))
+                tasks.add(t)
+                t.add_done_callback(tasks.discard)
+
+        server = asyncio.create_task(serve())
+        conn = await transports.connect(listener.url, options=transports.TransportOptions())
+        try:
+            async def gen(d, rid):
+                outs = [o async for o in d.generate(rid, ids, params)]
+                return [t for o in outs for t in o.new_token_ids], outs[-1].num_cached_tokens
+
+            assert (await gen(a, "r-a"))[0] == ref
+            # receiver already caches the first 2 blocks: only 4 travel
+            await b.call(lambda e: e.generate([ids[:40]], SamplingParams(max_tokens=1)))
+            kw = dict(src_node="a", dst_node="b", oneshot_max_bytes=0, chunk_bytes=1)
+            res = await send_prefix(a, conn, ids, **kw)
+            L = a.engine.kv.num_layers
+            assert res["transferred"] and res["inserted_tokens"] == 96, res
+            assert res["new_blocks"] == res["sent_blocks"] == 4 and res["chunks"] == L
+            assert res["sends"] == 1 + L                # allocation + one chunk per layer, never per block
+            assert receiver.completed == 1 and not receiver._pending
+
+            def kv_of(engine):
+                m = engine.pool.tree.match(ids)
+                return torch.stack([engine.kv.tier(r.tier)[:, :, r.block_id] for r in m.blocks], 2).clone()
+            assert torch.equal(await a.call(kv_of), await b.call(kv_of))
+            assert await gen(b, "r-b") == (ref, 96)             # served from the transferred KV
+            again = await send_prefix(a, conn, ids, **kw)
+            assert again["transferred"] and again["sent_blocks"] == 0 and again["sends"] == 2
+        finally:
+            server.cancel()
+            await conn.close()
+            await listener.close()
+            await a.stop()
+            await b.stop()
+
+    asyncio.run(run())
 
 
 def test_transfer_of_an_uncached_prefix_is_refused(pair):
