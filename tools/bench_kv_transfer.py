@@ -8,14 +8,22 @@ engine. One sample is
   (a) plain: the same number of bytes as ONE raw frame in a request, the
       receiver acks (one round trip, nothing else);
   (b) transfer: ``kvd.node.transfer.send_prefix`` — the MemServe steps for
-      real: allocation request -> KVAllocReply, export of the blocks (one
-      gather), ONE KVData frame with every layer, receiver import (one
-      scatter) + radix insert -> KVAck. Afterwards the receiver drops the
-      blocks again (not timed), so every sample moves everything.
+      real. Payloads <= ONESHOT_MAX_BYTES (8 MiB): ONE KVData carrying the
+      token ids (allocation on arrival) and every layer, gathered into a
+      reused staging buffer; the receiver allocates, imports (one
+      index_copy_ from the received frame) and inserts -> KVAck. Larger:
+      allocation request -> KVAllocReply (chunk 0 is gathered meanwhile),
+      then layer chunks of ~CHUNK_BYTES (<= num_layers of them) sent without
+      waiting, each imported on arrival, the last inserts. Afterwards the
+      receiver drops the blocks again (not timed), so every sample moves
+      everything.
 
 Both alternate sample by sample (shared, noisy machine); the table reports
 medians in GB/s, the ratio b/a (target >= 0.8) and the sends per transfer
-(must be O(layers) at most; it is 2 whatever the size).
+(must be O(layers) at most: 1 one-shot, else 1 + chunks). The receiver
+serves each transfer message in its own task, as the node daemon does, and
+its KV pool is made resident first (as a serving node's is).
+``--oneshot-mib`` / ``--chunk-mib`` override the two thresholds.
 
 The KV model: the tiny Llama widened to 16 layers x 8 KV heads x 64 dims in
 float32 (64 KiB per token) so that 256 MiB is 4096 tokens (the token ids
@@ -60,6 +68,7 @@ from transports import TransportOptions  # noqa: E402
 
 MiB = 1 << 20
 BLOCK = 16
+TUNING: dict = {}      # send_prefix(oneshot_max_bytes=, chunk_bytes=) from the command line
 OPTIONS = TransportOptions(send_timeout=120, request_timeout=120, max_frame_bytes=1 << 31)
 
 
@@ -95,7 +104,11 @@ def drop_cache(engine: LLMEngine) -> int:
 async def serve(url: str, num_blocks: int) -> None:
     loop = asyncio.get_running_loop()
     loop.add_reader(sys.stdin.fileno(), lambda: sys.stdin.read() or os._exit(0))
-    driver = EngineDriver(bench_engine(num_blocks))
+    engine = bench_engine(num_blocks)
+    # a serving node's KV pool is resident; a fresh (calloc'd, untouched) pool
+    # would charge first-touch page faults to whichever transfer lands first
+    engine.kv.tier("device").fill_(0)
+    driver = EngineDriver(engine)
     await driver.start()
     receiver = TransferReceiver(driver)
     listener = await transports.listen(url, options=OPTIONS)
@@ -163,7 +176,7 @@ async def bench_transport(url: str, sizes: list[int], driver: EngineDriver, runs
                 dt_plain = time.perf_counter() - t0
                 assert reply.header == b'{"n":%d}' % len(payload)
                 res = await send_prefix(driver, conn, tokens, src_node="bench-a", dst_node="bench-b",
-                                        timeout=120)
+                                        timeout=120, **TUNING)
                 assert res["transferred"] and res["sent_blocks"] == nblocks, res
                 await conn.request(b'{"drop":1}')
                 if i:
@@ -216,6 +229,8 @@ def main() -> None:
     ap.add_argument("--sizes", default="1,16,256")
     ap.add_argument("--transports", default="zmq+tcp,zmq+ipc,ucx")
     ap.add_argument("--runs", type=int, default=0, help="samples per size (default 20/10/5)")
+    ap.add_argument("--oneshot-mib", type=float, help="one-shot (allocation folded) up to this payload")
+    ap.add_argument("--chunk-mib", type=float, help="streamed chunk size target")
     ap.add_argument("--serve", help=argparse.SUPPRESS)
     ap.add_argument("--blocks", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=str(ROOT / "results" / "bench_kv_transfer.json"))
@@ -224,6 +239,10 @@ def main() -> None:
     if args.serve:
         asyncio.run(serve(args.serve, args.blocks))
         return
+    if args.oneshot_mib is not None:
+        TUNING["oneshot_max_bytes"] = int(args.oneshot_mib * MiB)
+    if args.chunk_mib is not None:
+        TUNING["chunk_bytes"] = int(args.chunk_mib * MiB)
     rows = asyncio.run(main_async(args))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

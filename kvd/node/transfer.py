@@ -76,10 +76,8 @@ class _StagingPool:
 
         need = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         with self._lock:
-            fits = [b for b in self._free if b.numel() >= need]
-            buf = min(fits, key=lambda b: b.numel()) if fits else None
-            if buf is not None:
-                self._free.remove(buf)
+            fits = [i for i, b in enumerate(self._free) if b.numel() >= need]
+            buf = self._free.pop(min(fits, key=lambda i: self._free[i].numel())) if fits else None
         if buf is None:
             buf = torch.empty(max(need, 1), dtype=torch.uint8)
             self.allocated += 1

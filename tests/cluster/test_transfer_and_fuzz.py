@@ -238,3 +238,21 @@ def test_malformed_frames_are_counted_and_nothing_breaks(pair, reference_engine,
     m = pair.metrics()
     assert sum(v for k, v in m.items() if k.startswith(("kvd_protocol_rejected_total",
                                                          "kvd_transport_malformed_frames_total"))) > 0
+
+
+def test_staging_pool_reuses_buffers_of_any_size():
+    import torch
+
+    from kvd.node.transfer import _StagingPool
+
+    pool = _StagingPool(keep_bytes=1 << 20)
+    big, v = pool.acquire((4, 1024), torch.float32)          # 16 KiB
+    small, w = pool.acquire((2, 8), torch.float32)
+    pool.release(big)
+    pool.release(small)
+    again, x = pool.acquire((2, 8), torch.float32)           # smallest buffer that fits
+    assert again is small and x.shape == (2, 8) and pool.allocated == 2
+    again2, _ = pool.acquire((3, 1024), torch.float32)
+    assert again2 is big and pool.allocated == 2
+    pool.release(torch.empty(2 << 20, dtype=torch.uint8))   # over keep_bytes: dropped
+    assert all(b.numel() <= 1 << 20 for b in pool._free)
