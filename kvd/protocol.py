@@ -375,10 +375,15 @@ class TokenChunk(Message):
 @message
 @dataclass(frozen=True, kw_only=True)
 class Goodbye(Message):
-    """Node -> coordinator: leaving on purpose (drained); not a failure."""
+    """Node -> coordinator: leaving on purpose (drained); not a failure.
+
+    ``unfinished`` names the requests the node gives up (its drain timed out);
+    every other request it served has sent its last chunk, which travels on the
+    data link and may reach the coordinator after this message does."""
 
     node: str
     reason: str = ""
+    unfinished: tuple[str, ...] = ()
 
 
 @message

@@ -36,6 +36,20 @@ def _matmul_in_out(x: torch.Tensor, w_in_out: torch.Tensor) -> torch.Tensor:
     return torch.matmul(x, w_in_out)
 
 
+def _linear_batch_invariant(x: torch.Tensor, w_out_in: torch.Tensor) -> torch.Tensor:
+    """``F.linear`` whose rows do not depend on how many rows there are.
+
+    oneDNN's bf16 gemv (one row) reduces a long K (the MLP's down projection,
+    K = 1536 for SmolLM2) in another order than its gemm (two or more rows,
+    which agree with each other whatever the count): a request decoding
+    alone would then round differently than in a batch and greedy tokens
+    could diverge. One row goes as two (same cost, measured in
+    tools/bench_engine.py), so every batch size takes the gemm path."""
+    if x.shape[0] != 1:
+        return F.linear(x, w_out_in)
+    return F.linear(x.expand(2, -1).contiguous(), w_out_in)[:1]
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF LlamaRMSNorm: normalise in fp32, cast back, then scale.
 
@@ -115,7 +129,7 @@ class LlamaModel:
             return tensors[name].to(dtype).contiguous()
 
         transposed = dtype == torch.float32
-        self._linear = _matmul_in_out if transposed else F.linear
+        self._linear = _matmul_in_out if transposed else _linear_batch_invariant
 
         def mat(t: torch.Tensor) -> torch.Tensor:    # [out, in] -> the layout _linear wants
             return t.t().contiguous() if transposed else t.contiguous()

@@ -11,6 +11,9 @@ in-process engine. Contracts:
 - A node declared dead (``fail_node``) ends each of its streams with
   ``EngineDead`` naming the node: the front door turns it into a 503 or an
   SSE error event. Nothing waits on a dead node.
+- A node that leaves on purpose (``node_left``) loses only the requests it
+  says it gave up; the others end normally, their last chunks arriving after
+  its Goodbye.
 - Closing a stream early sends ``Abort`` to the node (an owned task).
 - A node that refuses a request because it just started draining is retried
   once on another node, before any token was delivered.
@@ -24,7 +27,8 @@ import asyncio
 import collections
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+import time
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import fields
 from typing import Any
 
@@ -262,19 +266,41 @@ class RemoteEngineClient:
             await old.close()
         self.links[node.name] = NodeLink(node.name, conn, self.dispatch, self.bad_messages)
 
-    async def fail_node(self, node: NodeInfo, reason: str) -> int:
-        """End every stream on ``node`` with EngineDead; drop its link. Returns how many."""
+    def streams_on(self, node: str) -> list[str]:
+        """Request ids in flight on ``node``."""
+        return [rid for rid, stream in self._streams.items() if stream.node == node]
+
+    def fail_requests(self, node: str, request_ids: Iterable[str], reason: str) -> int:
+        """End the named streams on ``node`` with EngineDead. Returns how many."""
         n = 0
-        for rid, stream in list(self._streams.items()):
-            if stream.node == node.name:
-                stream.queue.put_nowait(EngineDead(f"node {node.name} failed ({reason}); "
+        for rid in request_ids:
+            stream = self._streams.get(rid)
+            if stream is not None and stream.node == node:
+                stream.queue.put_nowait(EngineDead(f"node {node} failed ({reason}); "
                                                    f"request {rid} was lost, retry it"))
                 n += 1
         self.failed_requests += n
+        return n
+
+    async def fail_node(self, node: NodeInfo, reason: str) -> int:
+        """End every stream on ``node`` with EngineDead; drop its link. Returns how many."""
+        n = self.fail_requests(node.name, self.streams_on(node.name), reason)
         link = self.links.pop(node.name, None)
         if link is not None:
             await link.close()
         return n
+
+    async def node_left(self, node: NodeInfo, unfinished: Iterable[str], reason: str,
+                        grace: float) -> int:
+        """A node that said Goodbye: end the requests it gave up (``unfinished``)
+        at once; wait up to ``grace`` seconds for the last chunks of the others,
+        which travel on the data link and may trail the Goodbye; then end what
+        is left and drop the link. Returns how many requests were lost."""
+        n = self.fail_requests(node.name, unfinished, reason)
+        deadline = time.monotonic() + grace
+        while self.streams_on(node.name) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        return n + await self.fail_node(node, reason)
 
     def _send_abort(self, node: str, request_id: str) -> None:
         link = self.links.get(node)

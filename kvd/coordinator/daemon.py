@@ -42,6 +42,7 @@ log = logging.getLogger("kvd.coordinator")
 FAIL_MODES = ("exit", "stop", "resume", "drop-transfers")   # served by the node (kvd.node.daemon)
 FANOUT_TIMEOUT_S = 5.0     # per node, for commands sent to every node: under the admin deadline
 STATUS_INTERVAL_S = 1.0    # STATUS= is sent only when the line changed
+GOODBYE_GRACE_S = 1.5      # how long a leaving node's last chunks may trail its Goodbye
 
 
 class CoordinatorDaemon:
@@ -70,6 +71,7 @@ class CoordinatorDaemon:
         self._stop = asyncio.Event()
         self._force = asyncio.Event()
         self._ready = asyncio.Event()
+        self._tg: asyncio.TaskGroup | None = None
 
     @property
     def address(self) -> str:
@@ -112,6 +114,7 @@ class CoordinatorDaemon:
         try:
             await self.start_registration()
             async with asyncio.TaskGroup() as tg:
+                self._tg = tg
                 serving = tg.create_task(protocol.serve(self.listener, self._handle,
                                                         rejected=self.bad_messages), name="registration")
                 detecting = tg.create_task(self._detect_failures(), name="failure-detector")
@@ -191,14 +194,28 @@ class CoordinatorDaemon:
         if isinstance(msg, protocol.Hello):
             return await self._register(msg)
         if isinstance(msg, protocol.Goodbye):
-            info = self.membership.remove(msg.node)
-            if info is not None:
-                n = await self.client.fail_node(info, f"left: {msg.reason}")
-                log.info("node %s left (%s); %d request(s) ended", msg.node, msg.reason, n)
-            return protocol.Welcome(id=msg.id, node=msg.node, accepted=False, reason="goodbye")
+            info = self.membership.remove(msg.node)       # routable no more, from now on
+            if info is None:
+                return protocol.Welcome(id=msg.id, node=msg.node, accepted=False, reason="goodbye")
+            self._tg.create_task(self._farewell(info, msg, incoming), name=f"goodbye {msg.node}")
+            return None
         self.bad_messages["unexpected_type"] += 1
         return protocol.Error(id=msg.id, code="unexpected_type",
                               message=f"the coordinator does not serve {msg.TYPE}")
+
+    async def _farewell(self, info: NodeInfo, bye: protocol.Goodbye, incoming) -> None:
+        """Answer a Goodbye once the node's finished streams have delivered their
+        last chunks (they trail the Goodbye on the data link), so the node closes
+        its listener only after the coordinator has everything it sent."""
+        n = await self.client.node_left(info, bye.unfinished, f"left: {bye.reason}",
+                                        grace=min(GOODBYE_GRACE_S, self.cluster.heartbeat_deadline))
+        log.info("node %s left (%s); %d request(s) lost", bye.node, bye.reason, n)
+        if incoming.request_id:
+            reply = protocol.Welcome(id=bye.id, node=bye.node, accepted=False, reason="goodbye")
+            try:
+                await self.listener.reply(incoming, *protocol.encode(reply))
+            except TransportError as exc:
+                log.info("goodbye reply to %s not delivered: %s", bye.node, exc)
 
     async def _register(self, hello: protocol.Hello) -> protocol.Welcome:
         if hello.model_name and hello.model_name != self.client.model_name:

@@ -130,7 +130,7 @@ class NodeDaemon:
                 await self._stop.wait()
                 notifying.cancel()
                 await self._drain()
-                await self.heartbeat.goodbye("shutdown")
+                await self.heartbeat.goodbye("shutdown", tuple(self.streams))
                 for task in (serving, beating, reaping, *self.streams.values()):
                     task.cancel()
                 await self.listener.close()

@@ -31,6 +31,10 @@ from collections.abc import Awaitable, Callable
 from kvd import protocol
 from transports import Connection, TransportError
 
+# The coordinator answers a Goodbye once our last chunks reached it (it waits
+# up to 1.5 s for them), so this is longer than that wait.
+GOODBYE_TIMEOUT_S = 3.0
+
 log = logging.getLogger("kvd.heartbeat")
 
 
@@ -105,12 +109,13 @@ class Heartbeater:
                 await self.conn.close()  # a lost UCX link never comes back: reconnect
                 self.conn = None
 
-    async def goodbye(self, reason: str) -> None:
-        """Tell the coordinator we leave on purpose (best effort, bounded)."""
+    async def goodbye(self, reason: str, unfinished: tuple[str, ...] = ()) -> None:
+        """Tell the coordinator we leave on purpose (best effort, bounded);
+        ``unfinished``: the request ids we give up."""
         if self.conn is None or self.conn.closed or not self.registered:
             return
         try:
-            await protocol.call(self.conn, protocol.Goodbye(node=self.name, reason=reason),
-                                timeout=min(self.timeout, 2.0))
+            await protocol.call(self.conn, protocol.Goodbye(node=self.name, reason=reason, unfinished=unfinished),
+                                timeout=GOODBYE_TIMEOUT_S)
         except (TransportError, TimeoutError):
             pass
