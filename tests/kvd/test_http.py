@@ -200,10 +200,12 @@ def test_api_key():
 
 
 def test_sigterm_drains_in_flight_and_rejects_new():
-    s = ServeProcess(*TINY_ARGS).wait_ready()
+    # a stream long enough to outlast the checks below on a fast machine (150
+    # tiny-model tokens could finish, and the server exit, before them)
+    s = ServeProcess(*TINY_ARGS, "--max-model-len", "2048").wait_ready()
     try:
         with httpx.stream("POST", s.base + "/v1/completions",
-                          json={"model": MODEL, "prompt": "drain", "max_tokens": 150, "stream": True,
+                          json={"model": MODEL, "prompt": "drain", "max_tokens": 2000, "stream": True,
                                 "ignore_eos": True}, timeout=60) as r:
             lines = r.iter_lines()
             next(lines)
