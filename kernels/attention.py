@@ -92,22 +92,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     # takes milliseconds on CPU where index_select takes microseconds.
     # [B*M, bs, kvh, hd] -> [B, M*bs, kvh, hd] (free) -> [B, kvh, S, hd] (view)
     # A 16-bit cache is widened to fp32 after the gather: for one query row the
-    # CPU's bf16 SDPA is 2-3.5x slower than widening + fp32 SDPA (86 vs 44 us
-    # at 144 keys, 3.7 vs 1.0 ms for 16 sequences x 400 keys), and no less
-    # exact (max error vs float64 8e-4 vs 1.2e-3 at 144 keys).
+    # CPU's bf16 SDPA is 2-4.5x slower than widening + fp32 SDPA, and less
+    # exact (tools/bench_attention.py).
     flat = tables.flatten()
-    wide = torch.float32 if q.dtype != torch.float32 else None
-    k = k_cache.index_select(0, flat)
-    v = v_cache.index_select(0, flat)
-    if wide is not None:
-        q, k, v = q.to(wide), k.to(wide), v.to(wide)
-    k = k.view(B, -1, n_kv, hd).transpose(1, 2)
-    v = v.view(B, -1, n_kv, hd).transpose(1, 2)
+    k = k_cache.index_select(0, flat).float().view(B, -1, n_kv, hd).transpose(1, 2)
+    v = v_cache.index_select(0, flat).float().view(B, -1, n_kv, hd).transpose(1, 2)
     out = F.scaled_dot_product_attention(
-        q.unsqueeze(2), k, v, attn_mask=batch.key_mask, scale=scale,
+        q.float().unsqueeze(2), k, v, attn_mask=batch.key_mask, scale=scale,
         enable_gqa=q.shape[1] != n_kv)                    # [B, H, 1, hd]
-    out = out.squeeze(2)
-    return out if wide is None else out.to(k_cache.dtype)
+    return out.squeeze(2).to(q.dtype)
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
