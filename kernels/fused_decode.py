@@ -1,0 +1,193 @@
+"""Fused bf16 decode step: every layer and the LM head in one C++ call.
+
+On a CPU, single-stream decode of a small model is bound by reading the
+weights once per token. The torch path pays ~900 op dispatches per step and
+oneDNN's bf16 gemv streams weights at about half the memory bandwidth
+(docs/benchmarks.md); this kernel (kernels/csrc/fused_decode.cpp) streams
+pre-packed weight tiles with ``_mm512_dpbf16_ps`` on all torch threads and
+runs norms, RoPE, the KV write, paged attention and SwiGLU in between.
+
+Contract of :meth:`FusedDecoder.decode` (same as ``LlamaModel.forward`` +
+``compute_logits`` for a decode batch):
+
+- one new token per sequence; writes its K/V into ``kv`` at the slot
+  ``block_tables[b, pos // bs] * bs + pos % bs`` of every layer and reads
+  the sequence's keys ``0..pos`` through its block table;
+- returns fp32 logits [B, V] holding bf16-rounded values, like the torch path;
+- **batch invariant, bit for bit**: row b depends only on sequence b's
+  token, position, block table and cached K/V — not on B, the other rows or
+  the thread count (fixed per-column reduction order, see the .cpp header);
+- deterministic; keeps no per-request state; allocates no KV memory.
+
+It agrees with the torch path to bf16 rounding (sums inside matmuls and
+attention run in another order), not bit for bit. Prefill stays on the torch
+path. :meth:`FusedDecoder.create` returns None (and says why) where the
+kernel cannot run: not bf16, a CPU without AVX512-BF16, an unsupported
+shape, or a failed build.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from engine.model.llama import LlamaModel
+from kernels import native
+
+log = logging.getLogger(__name__)
+
+LIBRARY = "fused_decode"
+TILE = 32                      # output columns per packed tile (TILE in the .cpp)
+REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512_bf16")
+MADV_HUGEPAGE = 14
+HUGE_PAGE = 2 << 20
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def cpu_unsupported_reason() -> str | None:
+    """Why this CPU cannot run the kernel, or None if it can."""
+    missing = [f for f in REQUIRED_FLAGS if f not in cpu_flags()]
+    return f"CPU lacks {', '.join(missing)}" if missing else None
+
+
+def unsupported_reason(model: LlamaModel) -> str | None:
+    """Why ``model`` cannot use the fused decode step here, or None if it can."""
+    if model.dtype != torch.bfloat16:
+        return f"dtype {model.dtype} (the fused decode step is bf16 only)"
+    if not (model.is_first and model.is_last):
+        return "a pipeline stage (the fused step runs whole models)"
+    cfg = model.config
+    if cfg.head_dim % 16 or cfg.head_dim > 256:
+        return f"head_dim {cfg.head_dim} (needs a multiple of 16, at most 256)"
+    return cpu_unsupported_reason()
+
+
+def pack_tiles(w: torch.Tensor) -> torch.Tensor:
+    """[N, K] (out, in) -> [ceil(N/32), ceil(K/2), 32, 2], zero-padded (see the .cpp header)."""
+    n, k = w.shape
+    np_, kp = -(-n // TILE) * TILE, -(-k // 2) * 2
+    w = F.pad(w, (0, kp - k, 0, np_ - n))
+    return w.view(np_ // TILE, TILE, kp // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def interleave_gate_up(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
+    """[2I, D] -> [2*Ip, D] with Ip = I rounded up to 16: rows gate[16t:16t+16] then
+    up[16t:16t+16] for each t, so one 32-column tile yields silu(gate) * up directly."""
+    ip = -(-inter // 16) * 16
+    gate = F.pad(gate_up[:inter], (0, 0, 0, ip - inter)).view(ip // 16, 16, -1)
+    up = F.pad(gate_up[inter:], (0, 0, 0, ip - inter)).view(ip // 16, 16, -1)
+    return torch.stack((gate, up), dim=1).reshape(2 * ip, -1)
+
+
+class _KvdModel(ctypes.Structure):
+    """Mirror of ``struct KvdModel`` in csrc/fused_decode.cpp."""
+
+    _fields_ = [(name, ctypes.c_int32) for name in (
+        "num_layers", "hidden", "inter", "heads", "kv_heads", "head_dim", "vocab",
+        "block_size", "num_blocks", "max_positions")] + [
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+        ("embed", ctypes.c_void_p), ("norms", ctypes.c_void_p), ("cos", ctypes.c_void_p),
+        ("sin", ctypes.c_void_p), ("packed", ctypes.c_void_p), ("offsets", ctypes.c_void_p),
+        ("head_offset", ctypes.c_int64)]
+
+
+def _huge_page_buffer(numel: int) -> torch.Tensor:
+    """An uninitialised bf16 buffer on 2 MiB boundaries, advised to use huge pages
+    (fewer TLB misses while streaming ~270 MB per token). Advice only: ignored
+    where transparent huge pages are off."""
+    pad = HUGE_PAGE // 2
+    raw = torch.empty(numel + pad, dtype=torch.bfloat16)
+    start = (-raw.data_ptr() % HUGE_PAGE) // 2
+    buf = raw[start:start + numel]
+    length = numel * 2 // HUGE_PAGE * HUGE_PAGE
+    if length:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(buf.data_ptr()), ctypes.c_size_t(length), MADV_HUGEPAGE)
+    return buf
+
+
+class FusedDecoder:
+    """Packed weights of one bf16 model plus the loaded kernel. Construct with :meth:`create`."""
+
+    def __init__(self, model: LlamaModel, lib: ctypes.CDLL, num_blocks: int, block_size: int) -> None:
+        cfg = model.config
+        mats: list[torch.Tensor] = []
+        for layer in model.layers:                      # bf16 matrices are [out, in]
+            mats += [pack_tiles(layer.qkv), pack_tiles(layer.o),
+                     pack_tiles(interleave_gate_up(layer.gate_up, cfg.intermediate_size)),
+                     pack_tiles(F.pad(layer.down, (0, -(-cfg.intermediate_size // 16) * 16
+                                                   - cfg.intermediate_size)))]
+        mats.append(pack_tiles(model.lm_head))
+        # one buffer in the order a step reads it: the prefetchers see one long stream
+        self.packed = _huge_page_buffer(sum(m.numel() for m in mats))
+        starts, at = [], 0
+        for m in mats:
+            self.packed[at:at + m.numel()].copy_(m.flatten())
+            starts.append(at)
+            at += m.numel()
+        self.offsets = torch.tensor(starts[:-1], dtype=torch.int64)        # [L*4]
+        self.norms = torch.stack([n for layer in model.layers for n in (layer.input_norm, layer.post_norm)]
+                                 + [model.norm]).contiguous()              # [2L+1, D]
+        self.embed, self.cos, self.sin = model.embed, model.cos.contiguous(), model.sin.contiguous()
+        self.config, self.num_blocks, self.block_size = cfg, num_blocks, block_size
+        self.desc = _KvdModel(
+            cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
+            cfg.head_dim, cfg.vocab_size, block_size, num_blocks, self.cos.shape[0],
+            cfg.rms_norm_eps, model.scale, self.embed.data_ptr(), self.norms.data_ptr(),
+            self.cos.data_ptr(), self.sin.data_ptr(), self.packed.data_ptr(), self.offsets.data_ptr(),
+            starts[-1])
+        self._step = lib.kvd_decode_step
+        self._step.restype = ctypes.c_int
+        self._step.argtypes = [ctypes.POINTER(_KvdModel), ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+                               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+
+    @classmethod
+    def create(cls, model: LlamaModel, kv: torch.Tensor, block_size: int) -> FusedDecoder | None:
+        """The fused decoder for ``model`` over the KV tensor ``kv``
+        ([L, 2, N, bs, kvh, hd]), or None (logged) where it cannot run."""
+        reason = unsupported_reason(model)
+        if reason is None:
+            try:
+                lib = native.load(LIBRARY, native.AVX512_BF16_FLAGS)
+            except (native.BuildError, OSError) as exc:
+                log.warning("fused decode kernel unavailable, decoding with torch: %s", exc)
+                return None
+            return cls(model, lib, kv.shape[2], block_size)
+        log.info("fused decode off: %s", reason)
+        return None
+
+    def decode(self, ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
+               kv: torch.Tensor) -> torch.Tensor:
+        """ids, positions [B] int64; block_tables [B, M] int64 covering every
+        position; kv [L, 2, N, bs, kvh, hd] bf16 (mutated: the new K/V).
+        Returns fp32 logits [B, V]. Raises ValueError on bad input (nothing written)."""
+        B = ids.shape[0]
+        cfg = self.config
+        if (kv.dtype != torch.bfloat16 or not kv.is_contiguous()
+                or tuple(kv.shape) != (cfg.num_layers, 2, self.num_blocks, self.block_size,
+                                       cfg.num_kv_heads, cfg.head_dim)):
+            raise ValueError(f"kv {tuple(kv.shape)} {kv.dtype} does not match the fused decoder")
+        if ids.dtype != torch.int64 or positions.dtype != torch.int64 or block_tables.dtype != torch.int64:
+            raise ValueError("ids, positions and block_tables must be int64")
+        ids, positions, tables = ids.contiguous(), positions.contiguous(), block_tables.contiguous()
+        if positions.shape != (B,) or tables.dim() != 2 or tables.shape[0] != B:
+            raise ValueError("ids, positions and block_tables disagree on the batch size")
+        logits = torch.empty(B, cfg.vocab_size, dtype=torch.float32)
+        rc = self._step(ctypes.byref(self.desc), kv.data_ptr(), B, ids.data_ptr(), positions.data_ptr(),
+                        tables.data_ptr(), tables.shape[1], logits.data_ptr(), torch.get_num_threads())
+        if rc != 0:
+            raise ValueError("token id, position or block id out of range")
+        return logits

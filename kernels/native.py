@@ -1,0 +1,107 @@
+"""Build and load the C++ CPU kernels (kernels/csrc/*.cpp) as plain shared libraries.
+
+A library is compiled with g++ once per (source, flags, compiler) and cached
+as ``build/kernels/<name>-<hash>.so`` in the repository (ignored by git); a
+file lock serialises concurrent builders (tests start several daemons), and
+the result is renamed into place so a reader never sees half a file. No
+network, no torch headers: the sources use only the C ABI and OpenMP, so a
+build takes seconds and is loaded with ``ctypes`` (which releases the GIL
+while a kernel runs).
+
+OpenMP: the library links ``libgomp.so.1``. torch is imported first and has
+already loaded its own bundled ``libgomp.so.1``; the dynamic loader resolves
+the same soname to that copy, so the kernels share torch's thread pool
+instead of starting a second runtime whose threads would spin against it.
+
+``python -m kernels.native`` builds every kernel (``make install`` runs it).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import hashlib
+import logging
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SOURCES = Path(__file__).resolve().parent / "csrc"
+REPO = Path(__file__).resolve().parent.parent
+AVX512_BF16_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma")
+BASE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-fno-math-errno")
+COMPILER = os.environ.get("CXX", "g++")
+
+
+class BuildError(RuntimeError):
+    """The compiler is missing or rejected the source (the message holds its output)."""
+
+
+def cache_dir() -> Path:
+    """``build/kernels`` in the repository, or ``$KVD_KERNEL_CACHE`` when set."""
+    return Path(os.environ.get("KVD_KERNEL_CACHE") or REPO / "build" / "kernels")
+
+
+def _compiler_version() -> str:
+    try:
+        return subprocess.run([COMPILER, "--version"], capture_output=True, text=True,
+                              timeout=30).stdout.splitlines()[0]
+    except (OSError, IndexError, subprocess.SubprocessError) as exc:
+        raise BuildError(f"no C++ compiler ({COMPILER}): {exc}") from None
+
+
+def library_path(name: str, flags: tuple[str, ...]) -> Path:
+    """Where ``name``'s library for ``flags`` lives: keyed on source, flags and compiler."""
+    src = SOURCES / f"{name}.cpp"
+    key = hashlib.sha256(src.read_bytes() + " ".join(BASE_FLAGS + flags).encode()
+                         + _compiler_version().encode()).hexdigest()[:16]
+    return cache_dir() / f"{name}-{key}.so"
+
+
+def build(name: str, flags: tuple[str, ...]) -> Path:
+    """Compile ``csrc/<name>.cpp`` unless cached; returns the library's path.
+
+    Safe to call from several processes at once (one compiles, the others
+    wait on the lock and find the result). Raises BuildError.
+    """
+    out = library_path(name, flags)
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if out.exists():
+            return out
+        fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{name}-", suffix=".so")
+        os.close(fd)
+        cmd = [COMPILER, *BASE_FLAGS, *flags, str(SOURCES / f"{name}.cpp"), "-o", tmp]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            if proc.returncode != 0:
+                raise BuildError(f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}")
+            os.replace(tmp, out)
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise BuildError(f"{' '.join(cmd)}: {exc}") from None
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        log.info("built %s", out)
+    return out
+
+
+def load(name: str, flags: tuple[str, ...]) -> ctypes.CDLL:
+    """Build if needed and load. Raises BuildError or OSError (a library that will not load)."""
+    import torch  # noqa: F401  (load torch's libgomp first, see the module docstring)
+    return ctypes.CDLL(str(build(name, flags)))
+
+
+def main() -> None:
+    from kernels.fused_decode import LIBRARY
+    print(build(LIBRARY, AVX512_BF16_FLAGS))
+
+
+if __name__ == "__main__":
+    main()
