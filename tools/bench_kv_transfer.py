@@ -11,7 +11,8 @@ engine. One sample is
       real. Payloads <= ONESHOT_MAX_BYTES (8 MiB): ONE KVData carrying the
       token ids (allocation on arrival) and every layer, gathered into a
       reused staging buffer; the receiver allocates, imports (one
-      index_copy_ from the received frame) and inserts -> KVAck. Larger:
+      a copy per run of block ids from the
+      received frame) and inserts -> KVAck. Larger:
       allocation request -> KVAllocReply (chunk 0 is gathered meanwhile),
       then layer chunks of ~CHUNK_BYTES (<= num_layers of them) sent without
       waiting, each imported on arrival, the last inserts. Afterwards the

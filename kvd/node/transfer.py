@@ -19,8 +19,8 @@ receiver has is sent) and then stream layer chunks, DéjàVu §4.1 style::
     match + lock             ── KVTransferRequest ──▶  match + lock, alloc_mem(the rest)
     gather chunk 0 (overlaps ◀──── KVAllocReply ────   (block ids, have_blocks)
       the round trip)
-    for each chunk c:        ─── KVData(c) ─────────▶  import chunk c (index_copy_ from the
-      send c, gather c+1          [l1-l0, 2, n, ...]    received frame, no other copy);
+    for each chunk c:        ─── KVData(c) ─────────▶  import chunk c (a copy per run of
+      send c, gather c+1          [l1-l0, 2, n, ...]    block ids, from the received frame);
       (no wait for acks)     ◀────── KVAck(c) ──────   the last one inserts into the tree
     all acked: unlock
 
@@ -29,7 +29,7 @@ whole layers), never one per block: sends = 1 (one-shot) or 1 + chunks.
 Gathers go into reusable staging buffers (``_STAGING``: no fresh allocation,
 no page faults per transfer); a staging buffer is reused only after every
 chunk from it was acknowledged (zmq sends it zero-copy). Every MemPool and KV
-touch runs on the owning node's engine thread (``EngineDriver.call``); the
+touch goes through ``EngineDriver.call`` (inline when the engine is idle); the
 receiver serialises chunk imports there, so the reaper (``expire``) never
 races an import. A receiver's allocation that never sees all its data is
 released at its deadline.
@@ -106,16 +106,9 @@ def _runs(refs: list[Any]) -> list[tuple[str, int, list[int]]]:
 
 def _gather(engine: Any, runs: list[tuple[str, int, list[int]]], out: Any, l0: int, l1: int) -> None:
     """Copy layers [l0, l1) of the blocks in ``runs`` into ``out`` [l1-l0, 2, n, ...]
-    (engine thread). One index_select per tier run, straight into ``out``."""
-    import torch  # noqa: PLC0415
-
+    (engine thread): one strided copy per run of consecutive block ids."""
     for tier, pos, ids in runs:
-        kv = engine.kv.tier(tier)[l0:l1]
-        idx = torch.as_tensor(ids, dtype=torch.long, device=kv.device)
-        if len(runs) == 1 and kv.device.type == "cpu":
-            torch.index_select(kv, 2, idx, out=out)
-        else:
-            out[:, :, pos:pos + len(ids)].copy_(kv.index_select(2, idx))
+        engine.kv.gather(tier, ids, out[:, :, pos:pos + len(ids)], layers=(l0, l1))
 
 
 def _layer_chunks(num_layers: int, nbytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
@@ -215,9 +208,7 @@ class TransferReceiver:
 
     def _import(self, engine: Any, tier: str, ids: list[int], l0: int, l1: int, payload: Any) -> None:
         """Write payload [l1-l0, 2, len(ids), bs, kvh, hd] into layers [l0, l1) of
-        blocks ``ids`` with one index_copy_ (reads the received frame in place)."""
-        import torch  # noqa: PLC0415
-
+        blocks ``ids``, one copy per run of ids (reads the received frame in place)."""
         kv = engine.kv
         L, two, bs, kvh, hd = kv.block_shape
         if payload.dtype != kv.dtype:
@@ -225,11 +216,8 @@ class TransferReceiver:
         if tuple(payload.shape) != (l1 - l0, two, len(ids), bs, kvh, hd):
             raise ValueError(f"shape {tuple(payload.shape)} does not match "
                              f"[{l1 - l0}, 2, {len(ids)}, {bs}, {kvh}, {hd}]")
-        if not ids:
-            return
-        dst = kv.tier(tier)
-        idx = kv._index(tier, ids)
-        dst[l0:l1].index_copy_(2, idx, payload.to(dst.device, non_blocking=True))
+        if ids:
+            kv.scatter(tier, ids, payload, layers=(l0, l1))
 
     def _oneshot(self, engine: Any, msg: protocol.KVData) -> protocol.KVAck:
         """Allocation, import and insertion of a KVData carrying token_ids."""

@@ -91,3 +91,37 @@ def test_lazy_host_and_budget_helper():
         KVCache(0, KVH, HD, BS, 1, 1)
     with pytest.raises(ValueError):
         KVCache(L, KVH, HD, BS, -1, 1)
+
+
+def test_block_runs():
+    from engine.memory.kv_cache import block_runs
+    assert block_runs([]) == []
+    assert block_runs([7, 8, 9, 2, 3, 5]) == [(0, 7, 3), (3, 2, 2), (5, 5, 1)]
+    assert block_runs([4, 3]) == [(0, 4, 1), (1, 3, 1)]
+
+
+@pytest.mark.parametrize("src_ids,dst_ids", [
+    ([0, 1, 2, 3], [4, 5, 0, 1]),          # runs split differently on each side
+    ([5, 2, 3, 0], [3, 0, 1, 2]),
+    ([1, 2, 3], [3, 2, 1]),                 # descending: one block per run
+])
+def test_run_wise_copies_match_index_ops(src_ids, dst_ids):
+    """gather/scatter/copy_blocks go run by run; they must equal the one-shot index ops."""
+    kv = filled(device_blocks=6, host_blocks=6)
+    dev, host = kv.tier("device"), kv.tier("host")
+    want_host = host.clone()
+    want_host.index_copy_(2, torch.tensor(dst_ids), dev.index_select(2, torch.tensor(src_ids)))
+    kv.copy_blocks("device", src_ids, "host", dst_ids)
+    assert torch.equal(host, want_host)
+    # gather of a layer range into a preallocated buffer
+    out = torch.empty(2, 2, len(src_ids), BS, KVH, HD)
+    kv.gather("device", src_ids, out, layers=(1, 3))
+    assert torch.equal(out, dev[1:3].index_select(2, torch.tensor(src_ids)))
+    # scatter of a layer range leaves the other layers alone
+    before = dev.clone()
+    kv.scatter("device", dst_ids, out, layers=(1, 3))
+    want = before.clone()
+    want[1:3].index_copy_(2, torch.tensor(dst_ids), out)
+    assert torch.equal(dev, want)
+    with pytest.raises(ValueError):
+        kv.import_blocks("device", [1, 1], kv.export_blocks("device", [0, 2]))
