@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from engine.scheduler import SchedulerConfig
 
 DTYPE_NAMES = ("auto", "float32", "fp32", "bfloat16", "bf16")
+DECODE_KERNELS = ("auto", "torch")
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,7 @@ class EngineConfig:
     preemption_mode: str = "swap"
     enable_prefix_caching: bool = True
     num_threads: int | None = None      # torch intra-op threads; None: torch's default
+    decode_kernel: str = "auto"         # auto: fused C++ bf16 decode step where the CPU has it; torch
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_NAMES:
@@ -31,6 +33,9 @@ class EngineConfig:
             raise ValueError("block_size and kv_blocks must be >= 1, host_kv_blocks >= 0")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
+        if self.decode_kernel not in DECODE_KERNELS:
+            raise ValueError(f"decode_kernel must be one of {', '.join(DECODE_KERNELS)}, "
+                             f"got {self.decode_kernel!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError("num_threads must be >= 1")
         SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.block_size,

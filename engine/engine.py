@@ -23,6 +23,7 @@ from engine.config import EngineConfig  # noqa: F401  (re-exported: callers impo
 from engine.runner import ModelRunner
 from engine.sampling import make_generator
 from engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from kernels.fused_decode import FusedDecoder
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -82,7 +83,10 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             block_size=config.block_size, preemption_mode=config.preemption_mode,
             enable_prefix_caching=config.enable_prefix_caching), self.pool)
-        self.runner = ModelRunner(model, self.kv.tier("device"), config.block_size)
+        device_kv = self.kv.tier("device")
+        fused = (FusedDecoder.create(model, device_kv, config.block_size)
+                 if config.decode_kernel == "auto" else None)
+        self.runner = ModelRunner(model, device_kv, config.block_size, fused)
         self.outputs = OutputProcessor(tokenizer, self.max_model_len)
         self.requests: dict[str, Request] = {}
         self._generators: dict[str, torch.Generator | None] = {}

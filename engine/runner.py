@@ -8,6 +8,9 @@ Input layout of one step (T tokens over B requests)::
 
 Only each request's last row reaches the LM head: the head is the largest
 matmul of a small model and prefill would otherwise pay it per prompt token.
+
+A decode step goes to the fused C++ kernel (kernels/fused_decode.py) when the
+runner has one (bf16 on an AVX512-BF16 CPU); prefill always runs the torch model.
 """
 
 from __future__ import annotations
@@ -18,17 +21,23 @@ from engine.model.llama import LlamaModel
 from engine.request import Request
 from engine.sampling import apply_min_tokens, sample
 from kernels.attention import AttentionBatch, PrefillSeq, decode_key_mask
+from kernels.fused_decode import FusedDecoder
 
 
 class ModelRunner:
-    """Executes steps of a full model (all layers) against one device KV tensor."""
+    """Executes steps of a full model (all layers) against one device KV tensor.
 
-    def __init__(self, model: LlamaModel, kv: torch.Tensor, block_size: int) -> None:
+    ``fused``: the fused decode kernel over the same model and ``kv``, or None
+    (every step runs the torch model)."""
+
+    def __init__(self, model: LlamaModel, kv: torch.Tensor, block_size: int,
+                 fused: FusedDecoder | None = None) -> None:
         if not (model.is_first and model.is_last):
             raise ValueError("ModelRunner drives a whole model; pipeline stages use the stage runner")
         self.model = model
         self.kv = kv                    # [L, 2, N, bs, kvh, hd]
         self.block_size = block_size
+        self.fused = fused
 
     def build_batch(self, requests: list[Request], is_prefill: bool
                     ) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch, list[int]]:
@@ -63,7 +72,8 @@ class ModelRunner:
             tables = [r.block_ids[:max_blocks] + [0] * (max_blocks - len(r.block_ids[:max_blocks]))
                       for r in requests]
             batch.block_tables = torch.tensor(tables, dtype=torch.int64)
-            batch.key_mask = decode_key_mask(lens, max_blocks, bs)
+            if self.fused is None:      # the fused kernel reads lengths from positions
+                batch.key_mask = decode_key_mask(lens, max_blocks, bs)
         return torch.tensor(ids, dtype=torch.int64), pos_t, batch, last_rows
 
     @torch.inference_mode()
@@ -74,10 +84,13 @@ class ModelRunner:
         ``banned``: (row, token ids) masked for requests below their min_tokens.
         """
         ids, positions, batch, last_rows = self.build_batch(requests, is_prefill)
-        hidden = self.model.forward(ids, positions, batch, self.kv)          # [T, D]
-        if len(last_rows) != hidden.shape[0]:
-            hidden = hidden[torch.tensor(last_rows, dtype=torch.int64)]     # [B, D]
-        logits = self.model.compute_logits(hidden)                           # [B, V]
+        if not is_prefill and self.fused is not None:
+            logits = self.fused.decode(ids, positions, batch.block_tables, self.kv)  # [B, V]
+        else:
+            hidden = self.model.forward(ids, positions, batch, self.kv)      # [T, D]
+            if len(last_rows) != hidden.shape[0]:
+                hidden = hidden[torch.tensor(last_rows, dtype=torch.int64)]  # [B, D]
+            logits = self.model.compute_logits(hidden)                       # [B, V]
         if banned:
             apply_min_tokens(logits, banned)
         return sample(logits, [r.params for r in requests], generators)

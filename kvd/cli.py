@@ -33,6 +33,7 @@ ENGINE_FLAGS = {
     "--max-model-len": ("max_model_len", int, "context length (default: the model's)"),
     "--preemption-mode": ("preemption_mode", str, "swap or recompute"),
     "--num-threads": ("num_threads", int, "torch threads (default: torch's choice)"),
+    "--decode-kernel": ("decode_kernel", str, "auto (fused C++ bf16 decode where the CPU has AVX512-BF16) or torch"),
 }
 SERVER_FLAGS = {
     "--host": ("host", str, "bind address (default 127.0.0.1)"),
