@@ -1,6 +1,7 @@
 """Engine benchmarks for the single-node issue, each a side-by-side ratio in one run.
 
-    python tools/bench_engine.py decode            # single-stream tok/s vs the bandwidth bound
+    python tools/bench_engine.py decode            # single-stream tok/s vs the bandwidth bound,
+                                                   # fused kernel and torch path side by side
     python tools/bench_engine.py batch             # 32 x (256 in, 128 out): kvd vs HF generate
     python tools/bench_engine.py mixed             # 64 mixed lengths: kvd vs HF static batch
     python tools/bench_engine.py ttft              # 1,024-token prompt, 960 cached vs uncached
@@ -82,13 +83,12 @@ def hf_model(dtype: str):
 
 
 # ------------------------------------------------------------------ decode
-def bench_decode(dtype: str) -> dict:
-    eng = make_engine(dtype, kv_blocks=256)
-    ids = eng.tokenizer.encode("The history of the Roman Empire begins")
+def decode_rates(eng: LLMEngine, ids: list[int], rounds: int = 3) -> list[float]:
+    """Tokens/s of single-stream greedy decode (128 tokens), one figure per round."""
     sp = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
     eng.generate([ids], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     rates = []
-    for _ in range(3):
+    for _ in range(rounds):
         eng.add_request("d", ids, sp)
         eng.step()                                   # prefill: not part of decode speed
         t = time.perf_counter()
@@ -96,12 +96,28 @@ def bench_decode(dtype: str) -> dict:
         while eng.has_unfinished():
             n += len(eng.step())
         rates.append(n / (time.perf_counter() - t))
+    return rates
+
+
+def bench_decode(dtype: str) -> dict:
+    """The engine's default decode path (the fused kernel where it runs) and the
+    torch path (``decode_kernel="torch"``), rounds alternated, against one bound."""
+    engines = {"default": make_engine(dtype, kv_blocks=256),
+               "torch": make_engine(dtype, kv_blocks=256, decode_kernel="torch")}
+    ids = engines["default"].tokenizer.encode("The history of the Roman Empire begins")
+    rates: dict[str, list[float]] = {k: [] for k in engines}
+    for _ in range(3):
+        for name, eng in engines.items():
+            rates[name] += decode_rates(eng, ids, rounds=1)
     bw = read_bandwidth()
-    wbytes = eng.model.weight_bytes_per_token()
+    wbytes = engines["default"].model.weight_bytes_per_token()
     limit = bw / wbytes
-    tps = statistics.median(rates)
-    return {"bench": "decode", "dtype": dtype, "tokens_per_s": tps, "weight_bytes_per_token": wbytes,
-            "read_bandwidth_GBps": bw / 1e9, "limit_tokens_per_s": limit, "fraction_of_limit": tps / limit}
+    tps = statistics.median(rates["default"])
+    torch_tps = statistics.median(rates["torch"])
+    return {"bench": "decode", "dtype": dtype, "fused": engines["default"].runner.fused is not None,
+            "tokens_per_s": tps, "torch_tokens_per_s": torch_tps, "weight_bytes_per_token": wbytes,
+            "read_bandwidth_GBps": bw / 1e9, "limit_tokens_per_s": limit, "fraction_of_limit": tps / limit,
+            "torch_fraction_of_limit": torch_tps / limit}
 
 
 # ------------------------------------------------------------------ batch
@@ -183,9 +199,12 @@ def bench_ttft(dtype: str) -> dict:
 def report(r: dict) -> str:
     b = r["bench"]
     if b == "decode":
-        return (f"| single-stream decode ({r['dtype']}) | {r['tokens_per_s']:.1f} tok/s | limit "
+        path = "fused kernel" if r["fused"] else "torch (no fused kernel here)"
+        return (f"| single-stream decode ({r['dtype']}) | {path} {r['tokens_per_s']:.1f} tok/s, "
+                f"torch path {r['torch_tokens_per_s']:.1f} tok/s | limit "
                 f"{r['limit_tokens_per_s']:.1f} tok/s = {r['read_bandwidth_GBps']:.1f} GB/s ÷ "
-                f"{r['weight_bytes_per_token'] / 1e6:.0f} MB/token | **{r['fraction_of_limit']:.2f}** of limit |")
+                f"{r['weight_bytes_per_token'] / 1e6:.0f} MB/token | **{r['fraction_of_limit']:.2f}** "
+                f"of limit (torch {r['torch_fraction_of_limit']:.2f}) |")
     if b in ("batch32", "mixed64"):
         return (f"| {b} ({r['dtype']}) | kvd {r['kvd_tokens_per_s']:.1f} tok/s | HF generate "
                 f"{r['hf_tokens_per_s']:.1f} tok/s | **{r['ratio']:.2f}x** |")
