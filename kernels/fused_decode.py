@@ -42,6 +42,8 @@ log = logging.getLogger(__name__)
 LIBRARY = "fused_decode"
 TILE = 32                      # output columns per packed tile (TILE in the .cpp)
 REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512_bf16")
+PHASES = ("setup", "norm", "qkv", "rope_kv", "attention", "o_proj", "post_norm", "gate_up", "down",
+          "lm_head")                 # enum PH_* in the .cpp
 MADV_HUGEPAGE = 14
 HUGE_PAGE = 2 << 20
 
@@ -143,6 +145,9 @@ class FusedDecoder:
                                  + [model.norm]).contiguous()              # [2L+1, D]
         self.embed, self.cos, self.sin = model.embed, model.cos.contiguous(), model.sin.contiguous()
         self.config, self.num_blocks, self.block_size = cfg, num_blocks, block_size
+        # When set (float64 [len(PHASES)]), every decode adds each phase's
+        # seconds to it (tools/bench_engine.py's profile); None costs nothing.
+        self.phase_seconds: torch.Tensor | None = None
         self.desc = _KvdModel(
             cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
             cfg.head_dim, cfg.vocab_size, block_size, num_blocks, self.cos.shape[0],
@@ -152,7 +157,8 @@ class FusedDecoder:
         self._step = lib.kvd_decode_step
         self._step.restype = ctypes.c_int
         self._step.argtypes = [ctypes.POINTER(_KvdModel), ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
-                               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+                               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+                               ctypes.c_void_p]
 
     @classmethod
     def create(cls, model: LlamaModel, kv: torch.Tensor, block_size: int) -> FusedDecoder | None:
@@ -186,8 +192,12 @@ class FusedDecoder:
         if positions.shape != (B,) or tables.dim() != 2 or tables.shape[0] != B:
             raise ValueError("ids, positions and block_tables disagree on the batch size")
         logits = torch.empty(B, cfg.vocab_size, dtype=torch.float32)
+        prof = self.phase_seconds
+        if prof is not None and (prof.dtype != torch.float64 or prof.shape != (len(PHASES),)):
+            raise ValueError(f"phase_seconds must be float64 [{len(PHASES)}]")
         rc = self._step(ctypes.byref(self.desc), kv.data_ptr(), B, ids.data_ptr(), positions.data_ptr(),
-                        tables.data_ptr(), tables.shape[1], logits.data_ptr(), torch.get_num_threads())
+                        tables.data_ptr(), tables.shape[1], logits.data_ptr(), torch.get_num_threads(),
+                        None if prof is None else prof.data_ptr())
         if rc != 0:
             raise ValueError("token id, position or block id out of range")
         return logits

@@ -109,6 +109,7 @@ def bench_decode(dtype: str) -> dict:
     for _ in range(3):
         for name, eng in engines.items():
             rates[name] += decode_rates(eng, ids, rounds=1)
+    phases = decode_phases(engines["default"], ids)
     bw = read_bandwidth()
     wbytes = engines["default"].model.weight_bytes_per_token()
     limit = bw / wbytes
@@ -117,7 +118,30 @@ def bench_decode(dtype: str) -> dict:
     return {"bench": "decode", "dtype": dtype, "fused": engines["default"].runner.fused is not None,
             "tokens_per_s": tps, "torch_tokens_per_s": torch_tps, "weight_bytes_per_token": wbytes,
             "read_bandwidth_GBps": bw / 1e9, "limit_tokens_per_s": limit, "fraction_of_limit": tps / limit,
-            "torch_fraction_of_limit": torch_tps / limit}
+            "torch_fraction_of_limit": torch_tps / limit, "fused_phase_ms_per_token": phases}
+
+
+def decode_phases(eng: LLMEngine, ids: list[int]) -> dict[str, float] | None:
+    """Milliseconds per token in each phase of the fused step (one more 128-token
+    run, timed by the kernel itself; a phase includes waiting for the slower
+    thread), plus the engine's time outside the kernel. None without the kernel."""
+    fused = eng.runner.fused
+    if fused is None:
+        return None
+    from kernels.fused_decode import PHASES
+    eng.add_request("p", ids, SamplingParams(max_tokens=129, temperature=0.0, ignore_eos=True))
+    eng.step()                                       # prefill
+    fused.phase_seconds = torch.zeros(len(PHASES), dtype=torch.float64)
+    t = time.perf_counter()
+    n = 0
+    while eng.has_unfinished():
+        n += len(eng.step())
+    elapsed = time.perf_counter() - t
+    seconds = fused.phase_seconds.tolist()
+    fused.phase_seconds = None
+    per_token = {name: s * 1e3 / n for name, s in zip(PHASES, seconds)}
+    per_token["outside_kernel"] = (elapsed - sum(seconds)) * 1e3 / n
+    return {k: round(v, 4) for k, v in per_token.items()}
 
 
 # ------------------------------------------------------------------ batch

@@ -252,9 +252,18 @@ inline __mmask16 lanes_below(int n, int base) {
 
 extern "C" {
 
+// Phases timed when kvd_decode_step gets a non-null `phase_seconds` (added to, by
+// thread 0, barrier waits included): see PHASES in fused_decode.py.
+enum { PH_SETUP, PH_NORM, PH_QKV, PH_ROPE_KV, PH_ATTN, PH_O, PH_NORM2, PH_GATE_UP, PH_DOWN, PH_HEAD, PH_COUNT };
+
 // Returns 0, or -1 when an id, position or block is out of range (nothing written).
 int kvd_decode_step(const KvdModel* m, bf16* kv, int B, const int64_t* ids, const int64_t* positions,
-                    const int64_t* tables, int max_blocks, float* logits, int num_threads) {
+                    const int64_t* tables, int max_blocks, float* logits, int num_threads,
+                    double* phase_seconds) {
+    double clock = phase_seconds ? omp_get_wtime() : 0.0;
+    auto lap = [&](int phase) {
+        if (phase_seconds) { double now = omp_get_wtime(); phase_seconds[phase] += now - clock; clock = now; }
+    };
     const Dims dm(*m);
     const int bs = m->block_size, hd = m->head_dim, H = m->heads, KVH = m->kv_heads;
     for (int b = 0; b < B; b++) {
@@ -279,6 +288,7 @@ int kvd_decode_step(const KvdModel* m, bf16* kv, int B, const int64_t* ids, cons
     const int n_qkv_heads = H + 2 * KVH;
     const int group = H / KVH;
     const int nt = num_threads < 1 ? 1 : num_threads;
+    lap(PH_SETUP);
 
 #pragma omp parallel num_threads(nt)
     {
@@ -295,6 +305,7 @@ int kvd_decode_step(const KvdModel* m, bf16* kv, int B, const int64_t* ids, cons
 
             for (int r = r0; r < r1; r++) rms_norm_row(&h[(size_t)r * dm.D], in_norm, dm.D, dm.Dp, m->eps, &x[(size_t)r * dm.Dp]);
 #pragma omp barrier
+            if (tid == 0) lap(PH_NORM);
             gemv(m->packed + off[0], dm.qkv_tiles, dm.Dp, x.data(), dm.Dp, B, tid, T,
                  [&](int t, int r, __m512 a0, __m512 a1) {
                      bf16* o = &qkv[(size_t)r * dm.qkv_stride + t * TILE];
@@ -302,6 +313,7 @@ int kvd_decode_step(const KvdModel* m, bf16* kv, int B, const int64_t* ids, cons
                      store_bf16(o + 16, a1);
                  });
 #pragma omp barrier
+            if (tid == 0) lap(PH_QKV);
             {   // RoPE on q and k heads; k and v into their cache slots
                 int i0, i1;
                 split(B * n_qkv_heads, T, tid, &i0, &i1);
@@ -318,6 +330,7 @@ int kvd_decode_step(const KvdModel* m, bf16* kv, int B, const int64_t* ids, cons
                 }
             }
 #pragma omp barrier
+            if (tid == 0) lap(PH_ROPE_KV);
             {
                 int i0, i1;
                 split(B * H, T, tid, &i0, &i1);
@@ -329,6 +342,7 @@ int kvd_decode_step(const KvdModel* m, bf16* kv, int B, const int64_t* ids, cons
                 }
             }
 #pragma omp barrier
+            if (tid == 0) lap(PH_ATTN);
             auto residual = [&](int t, int r, __m512 a0, __m512 a1) {
                 int n = t * TILE;
                 bf16* hr = &h[(size_t)r * dm.D + n];
@@ -338,8 +352,10 @@ int kvd_decode_step(const KvdModel* m, bf16* kv, int B, const int64_t* ids, cons
             };
             gemv(m->packed + off[1], dm.o_tiles, dm.q_size, ao.data(), dm.q_size, B, tid, T, residual);
 #pragma omp barrier
+            if (tid == 0) lap(PH_O);
             for (int r = r0; r < r1; r++) rms_norm_row(&h[(size_t)r * dm.D], post_norm, dm.D, dm.Dp, m->eps, &x[(size_t)r * dm.Dp]);
 #pragma omp barrier
+            if (tid == 0) lap(PH_NORM2);
             // tile t = gate columns [16t, 16t+16) then the same up columns: silu(gate) * up
             gemv(m->packed + off[2], dm.gu_tiles, dm.Dp, x.data(), dm.Dp, B, tid, T,
                  [&](int t, int r, __m512 gate, __m512 up) {
@@ -349,13 +365,16 @@ int kvd_decode_step(const KvdModel* m, bf16* kv, int B, const int64_t* ids, cons
                      store_bf16(&act[(size_t)r * dm.Ip + t * 16], _mm512_mul_ps(s, round_bf16(up)));
                  });
 #pragma omp barrier
+            if (tid == 0) lap(PH_GATE_UP);
             gemv(m->packed + off[3], dm.down_tiles, dm.Ip, act.data(), dm.Ip, B, tid, T, residual);
 #pragma omp barrier
+            if (tid == 0) lap(PH_DOWN);
         }
         for (int r = r0; r < r1; r++)
             rms_norm_row(&h[(size_t)r * dm.D], m->norms + (size_t)(2 * m->num_layers) * dm.D, dm.D, dm.Dp, m->eps,
                          &x[(size_t)r * dm.Dp]);
 #pragma omp barrier
+        if (tid == 0) lap(PH_NORM);
         const int V = m->vocab;
         gemv(m->packed + m->head_offset, dm.head_tiles, dm.Dp, x.data(), dm.Dp, B, tid, T,
              [&](int t, int r, __m512 a0, __m512 a1) {
@@ -366,6 +385,7 @@ int kvd_decode_step(const KvdModel* m, bf16* kv, int B, const int64_t* ids, cons
                  if (m1) _mm512_mask_storeu_ps(o + 16, m1, round_bf16(a1));
              });
     }
+    lap(PH_HEAD);
     return 0;
 }
 
