@@ -139,7 +139,10 @@ inline void tile_rows(const bf16* tile, int k2, const bf16* x, int x_stride, int
     for (int r = 0; r < R; r++) xr[r] = x + (size_t)(row0 + r) * x_stride;
     for (int k = 0; k < k2; k++) {
         const bf16* w = tile + (size_t)k * 2 * TILE;
+        // both lines of the k-pair 16 steps (2 KiB) ahead; the hardware
+        // prefetchers restart at every phase, this does not wait for them
         _mm_prefetch((const char*)(w + 16 * 2 * TILE), _MM_HINT_T0);
+        _mm_prefetch((const char*)(w + 16 * 2 * TILE + TILE), _MM_HINT_T0);
         __m512bh w0 = (__m512bh)_mm512_loadu_si512(w);
         __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + TILE);
         for (int r = 0; r < R; r++) {
