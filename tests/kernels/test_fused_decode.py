@@ -62,12 +62,14 @@ def prefilled(model: LlamaModel, lengths: list[int], seed: int):
         need = n // BS + 1
         tables.append(perm[at:at + need])
         at += need
+    # one prefill step for all sequences (one matmul shape: oneDNN pays per new shape)
+    seqs, slots, positions = [], [], []
     for table, n in zip(tables, lengths):
-        ids = torch.randint(0, 1000, (n,), generator=g)
-        slots = torch.tensor([table[p // BS] * BS + p % BS for p in range(n)])
-        batch = AttentionBatch(slots=slots, is_prefill=True,
-                               prefill=[PrefillSeq(0, n, n, torch.tensor(table))])
-        model.forward(ids, torch.arange(n), batch, kv)
+        seqs.append(PrefillSeq(len(slots), n, n, torch.tensor(table)))
+        slots += [table[p // BS] * BS + p % BS for p in range(n)]
+        positions += range(n)
+    batch = AttentionBatch(slots=torch.tensor(slots), is_prefill=True, prefill=seqs)
+    model.forward(torch.randint(0, 1000, (len(slots),), generator=g), torch.tensor(positions), batch, kv)
     width = max(len(t) for t in tables)
     block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
     ids = torch.randint(0, 1000, (len(lengths),), generator=g)
