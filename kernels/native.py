@@ -99,7 +99,11 @@ def load(name: str, flags: tuple[str, ...]) -> ctypes.CDLL:
 
 
 def main() -> None:
-    from kernels.fused_decode import LIBRARY
+    from kernels.fused_decode import LIBRARY, cpu_unsupported_reason
+    reason = cpu_unsupported_reason()
+    if reason:
+        print(f"{LIBRARY}: not built ({reason}; decode uses torch)")
+        return
     print(build(LIBRARY, AVX512_BF16_FLAGS))
 
 
