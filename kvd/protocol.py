@@ -442,12 +442,16 @@ class KVAllocReply(Message):
 @dataclass(frozen=True, kw_only=True)
 class KVData(Message):
     """MemServe step 2 (transmission): KV of layers [layer_start, layer_end) for
-    `block_ids`, one tensor frame per (layer, K|V) or an aggregated block.
+    `block_ids`, in one of two frame layouts:
+
+    - packed (`pieces` empty): ONE frame [layer_end-layer_start, 2, n, bs, kvh, hd];
+    - pieces: the sender's blocks sent straight from its pool, no gather: one
+      frame [pieces[r], bs, kvh, hd] per (layer, K|V, run r of consecutive
+      sender blocks), in that order; `sum(pieces)` = n.
 
     With `token_ids` set, the message also does step 1: there was no
     KVTransferRequest, the receiver allocates on arrival (it must then carry
-    every layer, one frame [L, 2, n, bs, kvh, hd] for the n blocks of
-    `token_ids`, and `block_ids` stays empty).
+    every layer for the n blocks of `token_ids`, and `block_ids` stays empty).
     """
 
     FRAMES_FIELD: ClassVar[str | None] = "tensors"
@@ -459,11 +463,16 @@ class KVData(Message):
     block_ids: tuple[int, ...] = ()
     last: bool = False
     token_ids: tuple[int, ...] | None = None   # allocation folded in (see above)
+    pieces: tuple[int, ...] = ()       # blocks per run, pieces layout (see above)
     tensors: tuple[Any, ...] = ()      # RawTensor, or torch tensors (viewed, not copied)
 
     def _check(self) -> None:
         _require(0 <= self.layer_start <= self.layer_end, "need 0 <= layer_start <= layer_end")
         _require(self.seq >= 0, "seq must be >= 0")
+        _require(all(n > 0 for n in self.pieces), "pieces must be > 0")
+        _require(not self.pieces or not self.tensors
+                 or len(self.tensors) == (self.layer_end - self.layer_start) * 2 * len(self.pieces),
+                 "pieces layout needs one frame per (layer, K|V, piece)")
         if self.token_ids is not None:
             _require(not self.block_ids and self.last and self.layer_start == 0,
                      "a KVData with token_ids carries every layer and no block_ids")

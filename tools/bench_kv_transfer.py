@@ -8,23 +8,27 @@ engine. One sample is
   (a) plain: the same number of bytes as ONE raw frame in a request, the
       receiver acks (one round trip, nothing else);
   (b) transfer: ``kvd.node.transfer.send_prefix`` — the MemServe steps for
-      real. Payloads <= ONESHOT_MAX_BYTES (8 MiB): ONE KVData carrying the
-      token ids (allocation on arrival) and every layer, gathered into a
-      reused staging buffer; the receiver allocates, imports (one
-      a copy per run of block ids from the
-      received frame) and inserts -> KVAck. Larger:
-      allocation request -> KVAllocReply (chunk 0 is gathered meanwhile),
-      then layer chunks of ~CHUNK_BYTES (<= num_layers of them) sent without
-      waiting, each imported on arrival, the last inserts. Afterwards the
-      receiver drops the blocks again (not timed), so every sample moves
-      everything.
+      real. Payloads <= ONESHOT_MAX_BYTES (32 MiB): ONE KVData carrying the
+      token ids (allocation on arrival) and every layer; the receiver
+      allocates, imports (a copy per frame and run of block ids, from the
+      received frames) and inserts -> KVAck. Larger: allocation request ->
+      KVAllocReply, then layer chunks of ~CHUNK_BYTES (<= num_layers of
+      them) sent without waiting, each imported on arrival, the last
+      inserts. Frames are views of the sender's pool (one per layer, K|V and
+      run of blocks) when a run's slice is >= 64 KiB (16 and 256 MiB here),
+      else gathered into a reused staging buffer (1 MiB = one block here).
+      Afterwards the receiver drops the blocks again (not timed), so every
+      sample moves everything.
 
 Both alternate sample by sample (shared, noisy machine); the table reports
 medians in GB/s, the ratio b/a (target >= 0.8) and the sends per transfer
 (must be O(layers) at most: 1 one-shot, else 1 + chunks). The receiver
 serves each transfer message in its own task, as the node daemon does, and
 its KV pool is made resident first (as a serving node's is).
-``--oneshot-mib`` / ``--chunk-mib`` override the two thresholds.
+``--oneshot-mib`` / ``--chunk-mib`` override the two thresholds; ``--threads``
+sets torch threads per process (default 1: two processes share the host's
+cores; a node with more torch threads never runs transfer work inline on
+its event loop, see ``EngineDriver``).
 
 The KV model: the tiny Llama widened to 16 layers x 8 KV heads x 64 dims in
 float32 (64 KiB per token) so that 256 MiB is 4096 tokens (the token ids
@@ -70,6 +74,7 @@ from transports import TransportOptions  # noqa: E402
 MiB = 1 << 20
 BLOCK = 16
 TUNING: dict = {}      # send_prefix(oneshot_max_bytes=, chunk_bytes=) from the command line
+THREADS = {"n": 1}     # torch threads per process (--threads)
 OPTIONS = TransportOptions(send_timeout=120, request_timeout=120, max_frame_bytes=1 << 31)
 
 
@@ -78,7 +83,7 @@ def bench_engine(num_blocks: int) -> LLMEngine:
     weights = random_weights(cfg, seed=0)
     model = LlamaModel(cfg, weights.tensors, dtype=torch.float32)
     econf = EngineConfig(model="tiny", dtype="float32", block_size=BLOCK, kv_blocks=num_blocks,
-                         host_kv_blocks=0, max_model_len=2048, num_threads=1)
+                         host_kv_blocks=0, max_model_len=2048, num_threads=THREADS["n"])
     return LLMEngine(econf, model, resolve_model("tiny").load_tokenizer(), "bench")
 
 
@@ -156,8 +161,8 @@ def cache_prefix(engine: LLMEngine, tokens: list[int]) -> None:
 async def bench_transport(url: str, sizes: list[int], driver: EngineDriver, runs: dict[int, int]) -> list[dict]:
     max_blocks = max(sizes) * MiB // bytes_per_block(driver.engine) + 8
     proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--serve", url,
-                             "--blocks", str(max_blocks)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True, cwd=ROOT)
+                             "--blocks", str(max_blocks), "--threads", str(THREADS["n"])],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
     bound = proc.stdout.readline().strip()
     if not bound:
         proc.kill()
@@ -232,11 +237,13 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=0, help="samples per size (default 20/10/5)")
     ap.add_argument("--oneshot-mib", type=float, help="one-shot (allocation folded) up to this payload")
     ap.add_argument("--chunk-mib", type=float, help="streamed chunk size target")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
     ap.add_argument("--serve", help=argparse.SUPPRESS)
     ap.add_argument("--blocks", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=str(ROOT / "results" / "bench_kv_transfer.json"))
     args = ap.parse_args()
-    torch.set_num_threads(1)
+    THREADS["n"] = args.threads
+    torch.set_num_threads(args.threads)
     if args.serve:
         asyncio.run(serve(args.serve, args.blocks))
         return

@@ -7,7 +7,11 @@ memory, but they are still separate pools with separate budgets.
 
 Free ids sit in a deque and are reused FIFO: a freed block goes to the back, so
 the block freed longest ago is handed out first (that spreads reuse and keeps
-allocation order deterministic). Used ids sit in a set.
+allocation order deterministic). The ids of one ``free`` call go back in
+ascending order, whatever order the caller gave (eviction walks leaves, so a
+sequence's blocks come back tail first): a request allocated later gets them
+as runs of consecutive ids, and KV copies and transfers move a run in one
+copy or frame (``kv_cache.block_runs``). Used ids sit in a set.
 
 Shortage is not an error: ``allocate`` returns ``None`` and changes nothing.
 Freeing a block twice, or freeing an id this pool never owned, is a bug in the
@@ -74,7 +78,7 @@ class BlockPool:
         return ids
 
     def free(self, ids: Iterable[int]) -> None:
-        """Return blocks to the pool (to the back of the FIFO).
+        """Return blocks to the pool (to the back of the FIFO, ascending).
 
         Raises ``ValueError`` on an id that is not currently allocated (double
         free, a foreign id, or an id repeated in ``ids``); in that case nothing
@@ -88,7 +92,7 @@ class BlockPool:
         if bad:
             raise ValueError(f"{self.tier}: free of blocks not allocated: {bad[:8]}")
         used.difference_update(ids)
-        self._free.extend(ids)
+        self._free.extend(sorted(ids))
 
     def check_integrity(self) -> None:
         """Assert free and used partition ``0 .. num_blocks-1`` exactly."""

@@ -146,6 +146,60 @@ class KVCache:
         for pos, first, n in block_runs(self._ids(tier, ids)):
             kv[l0:l1, :, first:first + n].copy_(payload[:, :, pos:pos + n], non_blocking=True)
 
+    def scatter_pieces(self, tier: str, ids: Sequence[int], pieces: Sequence[torch.Tensor],
+                       lengths: Sequence[int], layers: tuple[int, int], skip: int = 0) -> None:
+        """Write KV that arrives as pieces into blocks ``ids`` (distinct).
+
+        ``pieces[((l - l0) * 2 + kv) * R + r]`` is [lengths[r], bs, kvh, hd]:
+        run ``r`` of layer ``l``'s K (kv=0) or V (kv=1); the R runs of one
+        (layer, K|V) laid end to end are positions ``[0, sum(lengths))``, of
+        which the first ``skip`` are dropped and the rest go to ``ids`` in
+        order. One copy per overlap of a piece with a run of ``ids``.
+        Raises ValueError on a count, shape or dtype that does not fit."""
+        l0, l1 = layers
+        R = len(lengths)
+        ids = self._ids(tier, ids)
+        if skip < 0 or skip + len(ids) != sum(lengths) or len(pieces) != (l1 - l0) * 2 * R:
+            raise ValueError(f"scatter_pieces: {len(pieces)} pieces of {list(lengths)} blocks "
+                             f"for layers [{l0}, {l1}), skip {skip}, {len(ids)} ids")
+        bs, kvh, hd = self.block_shape[2:]
+        for i, t in enumerate(pieces):
+            if t.dtype != self.dtype or tuple(t.shape) != (lengths[i % R], bs, kvh, hd):
+                raise ValueError(f"scatter_pieces: piece {i} is {t.dtype} {tuple(t.shape)}, want "
+                                 f"{self.dtype} [{lengths[i % R]}, {bs}, {kvh}, {hd}]")
+        # plan once: (piece r, offset in it, first destination block, count)
+        plan: list[tuple[int, int, int, int]] = []
+        starts = [sum(lengths[:r]) for r in range(R)]
+        r = 0
+        for pos, first, n in block_runs(ids):
+            p = skip + pos                                   # source position of this run
+            while n:
+                while p >= starts[r] + lengths[r]:
+                    r += 1
+                off = p - starts[r]
+                c = min(n, lengths[r] - off)
+                plan.append((r, off, first, c))
+                p, first, n = p + c, first + c, n - c
+        kv = self.tier(tier)
+        for li in range(l1 - l0):
+            for k in (0, 1):
+                base = (li * 2 + k) * R
+                dst = kv[l0 + li, k]
+                for r, off, first, c in plan:
+                    dst[first:first + c].copy_(pieces[base + r][off:off + c], non_blocking=True)
+
+    def pieces(self, tier: str, ids: Sequence[int], layers: tuple[int, int]
+               ) -> tuple[list[int], list[torch.Tensor]]:
+        """Views (no copy) of layers ``[l0, l1)`` of blocks ``ids`` in the
+        layout :meth:`scatter_pieces` reads: (run lengths, one contiguous
+        [n, bs, kvh, hd] view per (layer, K|V, run)). The views alias the
+        pool: the blocks must stay unchanged (locked) while they are read."""
+        l0, l1 = layers
+        runs = block_runs(self._ids(tier, ids))
+        kv = self.tier(tier)
+        views = [kv[l, k, first:first + n] for l in range(l0, l1) for k in (0, 1) for _, first, n in runs]
+        return [n for _, _, n in runs], views
+
     def copy_blocks(self, src_tier: str, src_ids: Sequence[int],
                     dst_tier: str, dst_ids: Sequence[int]) -> None:
         """``dst[dst_ids[i]] = src[src_ids[i]]`` for all i: a gather into one

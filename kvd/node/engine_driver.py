@@ -9,9 +9,10 @@ engine thread hands each step's outputs back in ONE
 ``call(fn)`` runs ``fn(engine)`` between two steps (MemPool verbs for KV
 transfers, cache flushes) and returns its result to the caller. When the
 engine is idle (the lock is free and every command sent before has been
-applied) ``fn`` runs right there on the event loop thread: two thread
-hand-offs (~0.1 ms each after idle) would otherwise be most of a small KV
-transfer. When the engine is busy, ``fn`` queues behind the commands sent
+applied) and torch runs single-threaded, ``fn`` runs right there on the
+event loop thread: two thread hand-offs (~0.1 ms each after idle) would
+otherwise be a large part of a small KV transfer. With more torch threads
+it always goes to the engine thread (see ``_inline_ok``). When the engine is busy, ``fn`` queues behind the commands sent
 before it and runs on the engine thread after the current step, so a call
 never overtakes an ``add`` or ``abort`` sent earlier. Either way ``fn``
 must be short: it blocks the loop or the step.
@@ -29,6 +30,8 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
+
+import torch
 
 from engine.engine import LLMEngine
 from engine.request import InvalidParam, RequestOutput, SamplingParams
@@ -54,6 +57,11 @@ class EngineDriver:
         self._submitted = 0                # commands put (event loop thread only)
         self._applied = 0                  # commands applied (under _lock)
         self.inline_calls = 0              # calls that ran on the loop thread (idle engine)
+        # Inline only with single-threaded torch: a torch op on this thread
+        # would start a second OpenMP team next to the engine thread's, and
+        # the two teams' spinning workers starve the transport threads (KV
+        # transfers ran 20x slower with 2 threads on 2 cores).
+        self._inline_ok = torch.get_num_threads() == 1
         self._streams: dict[str, asyncio.Queue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -119,11 +127,14 @@ class EngineDriver:
         later: it must be safe to run late) and EngineDead."""
         if self._dead is not None or self._thread is None or not self._thread.is_alive():
             raise EngineDead("engine is not running")
-        if self._lock.acquire(blocking=False):
+        if self._inline_ok and self._lock.acquire(blocking=False):
             try:
                 if self._applied == self._submitted:
                     self.inline_calls += 1
-                    return fn(self.engine)
+                    try:
+                        return fn(self.engine)
+                    finally:                   # as the engine thread does after its commands
+                        self._snapshot = self._take_snapshot()
             finally:
                 self._lock.release()
         fut: asyncio.Future = asyncio.get_running_loop().create_future()

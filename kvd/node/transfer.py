@@ -12,7 +12,7 @@ the data: ONE send, one round trip::
                                      layer)                 the rest, insert, unlock
                                  ◀──────── KVAck ───────   (inserted tokens, have_blocks)
 
-Blocks the receiver already had travel (a few MiB at most) but are not
+Blocks the receiver already had travel (32 MiB at most) but are not
 imported. Large transfers keep MemServe's allocation step (so nothing the
 receiver has is sent) and then stream layer chunks, DéjàVu §4.1 style::
 
@@ -26,10 +26,26 @@ receiver has is sent) and then stream layer chunks, DéjàVu §4.1 style::
 
 At most ``num_layers`` KVData per transfer (chunks of >= ``CHUNK_BYTES``,
 whole layers), never one per block: sends = 1 (one-shot) or 1 + chunks.
-Gathers go into reusable staging buffers (``_STAGING``: no fresh allocation,
-no page faults per transfer); a staging buffer is reused only after every
-chunk from it was acknowledged (zmq sends it zero-copy). Every MemPool and KV
-touch goes through ``EngineDriver.call`` (inline when the engine is idle); the
+
+Frames, in either shape, come one of two ways (``KVData.pieces``):
+
+- **pool pieces, no gather** (``_zero_copy_tier``): when the blocks sit in a
+  few runs of consecutive ids, each (layer, K|V, run) is a contiguous slice
+  of the layer-major pool, sent as its own frame (zero-copy in zmq). The
+  prefix stays locked until every chunk is acked; if the transfer fails
+  before that, the unlock waits until the messages' deadline has passed
+  (the receiver refuses them on arrival after it), so the transport never
+  reads a block that was reused. Slices under ``ZERO_COPY_MIN_BYTES`` are
+  not worth a frame each (pyzmq copies them anyway, and per-frame costs
+  dominate: 1 MiB as 32 frames of 32 KiB measured half as fast).
+- **staged**: gathered (a copy per run) into reusable staging buffers
+  (``_STAGING``: no fresh allocation, no page faults per transfer); a
+  staging buffer is reused only after every chunk from it was acknowledged
+  (zmq sends it zero-copy), and the prefix is unlocked once gathered.
+
+The receiver copies each frame into its blocks, one copy per overlap of a
+frame with a run of its block ids. Every MemPool and KV touch goes through
+``EngineDriver.call`` (inline when the engine is idle); the
 receiver serialises chunk imports there, so the reaper (``expire``) never
 races an import. A receiver's allocation that never sees all its data is
 released at its deadline.
@@ -46,6 +62,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.memory.kv_cache import block_runs
 from engine.memory.radix import make_refs
 from kvd import protocol
 from kvd.node.engine_driver import EngineDriver
@@ -53,9 +70,11 @@ from transports import Connection
 
 log = logging.getLogger("kvd.transfer")
 
-ONESHOT_MAX_BYTES = 8 << 20     # payloads up to this go as one KVData carrying the allocation
+ONESHOT_MAX_BYTES = 32 << 20    # payloads up to this go as one KVData carrying the allocation
 CHUNK_BYTES = 8 << 20           # streamed chunk size target (whole layers, <= num_layers chunks)
 STAGING_KEEP_BYTES = 1 << 30    # staging memory kept for reuse between transfers
+ZERO_COPY_MIN_BYTES = 64 << 10  # a pool slice this big is sent as is (pyzmq copies smaller frames)
+MAX_PIECE_FRAMES = 128          # frames of one transfer's pieces, all layers (protocol allows 256)
 
 
 # ─── staging buffers (sender) ────────────────────────────────────────────────
@@ -109,6 +128,26 @@ def _gather(engine: Any, runs: list[tuple[str, int, list[int]]], out: Any, l0: i
     (engine thread): one strided copy per run of consecutive block ids."""
     for tier, pos, ids in runs:
         engine.kv.gather(tier, ids, out[:, :, pos:pos + len(ids)], layers=(l0, l1))
+
+
+def _zero_copy_tier(engine: Any, refs: list[Any]) -> str | None:
+    """The tier to send ``refs`` from without a gather (pieces layout), or
+    None: they must sit in one CPU tier, in few runs of consecutive ids
+    (<= MAX_PIECE_FRAMES frames over all layers), each run's slice of a
+    layer's K or V >= ZERO_COPY_MIN_BYTES (smaller ones cost more per frame
+    than the gather they save)."""
+    tiers = {r.tier for r in refs}
+    if len(tiers) != 1:
+        return None
+    tier = tiers.pop()
+    kv = engine.kv
+    if kv.tier(tier).device.type != "cpu":
+        return None
+    runs = block_runs([r.block_id for r in refs])
+    slice_bytes = kv.bytes_per_block // (kv.num_layers * 2)
+    if 2 * kv.num_layers * len(runs) > MAX_PIECE_FRAMES:
+        return None
+    return tier if min(n for _, _, n in runs) * slice_bytes >= ZERO_COPY_MIN_BYTES else None
 
 
 def _layer_chunks(num_layers: int, nbytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
@@ -206,18 +245,27 @@ class TransferReceiver:
         engine.pool.tree.unlock(p.handle)
         self.failed += 1
 
-    def _import(self, engine: Any, tier: str, ids: list[int], l0: int, l1: int, payload: Any) -> None:
-        """Write payload [l1-l0, 2, len(ids), bs, kvh, hd] into layers [l0, l1) of
-        blocks ``ids``, one copy per run of ids (reads the received frame in place)."""
+    def _import(self, engine: Any, tier: str, ids: list[int], l0: int, l1: int,
+                msg: protocol.KVData, skip: int = 0) -> None:
+        """Write layers [l0, l1) of the message's KV into blocks ``ids``,
+        dropping its first ``skip`` blocks (the receiver had them): one copy
+        per overlap of a received frame with a run of ``ids``, read from the
+        frames in place. Raises ValueError on frames that do not fit."""
         kv = engine.kv
+        if msg.pieces:
+            kv.scatter_pieces(tier, ids, [t.to_torch() for t in msg.tensors], msg.pieces, (l0, l1), skip)
+            return
+        if len(msg.tensors) != 1:
+            raise ValueError(f"packed KVData carries one frame, got {len(msg.tensors)}")
+        payload = msg.tensors[0].to_torch()
         L, two, bs, kvh, hd = kv.block_shape
         if payload.dtype != kv.dtype:
             raise ValueError(f"dtype {payload.dtype} != cache dtype {kv.dtype}")
-        if tuple(payload.shape) != (l1 - l0, two, len(ids), bs, kvh, hd):
+        if tuple(payload.shape) != (l1 - l0, two, skip + len(ids), bs, kvh, hd):
             raise ValueError(f"shape {tuple(payload.shape)} does not match "
-                             f"[{l1 - l0}, 2, {len(ids)}, {bs}, {kvh}, {hd}]")
+                             f"[{l1 - l0}, 2, {skip + len(ids)}, {bs}, {kvh}, {hd}]")
         if ids:
-            kv.scatter(tier, ids, payload, layers=(l0, l1))
+            kv.scatter(tier, ids, payload[:, :, skip:], layers=(l0, l1))
 
     def _oneshot(self, engine: Any, msg: protocol.KVData) -> protocol.KVAck:
         """Allocation, import and insertion of a KVData carrying token_ids."""
@@ -225,12 +273,12 @@ class TransferReceiver:
         bs = pool.block_size
         if msg.transfer_id in self._pending:
             return self._ack(msg, False, reason="duplicate transfer id")
-        if len(msg.tensors) != 1:
-            return self._ack(msg, False, reason="a KVData with token_ids carries one frame")
+        if not msg.tensors or (not msg.pieces and len(msg.tensors) != 1):
+            return self._ack(msg, False, reason="a KVData with token_ids carries its frames")
         t = msg.tensors[0]
         if reason := self._layout_error(engine, msg.layer_end, t.dtype):
             return self._ack(msg, False, reason=reason)
-        n = t.shape[2] if len(t.shape) == 6 else -1
+        n = sum(msg.pieces) if msg.pieces else t.shape[2] if len(t.shape) == 6 else -1
         tokens = tuple(msg.token_ids)
         if n <= 0 or len(tokens) != n * bs:
             return self._ack(msg, False, reason="token_ids do not match the frame's blocks")
@@ -243,11 +291,11 @@ class TransferReceiver:
             return self._ack(msg, False, reason="out of KV blocks")
         p = _Pending(tokens, list(m.blocks), ids, m.last_node, self.tier, 0.0, msg.layer_end)
         try:
-            self._import(engine, p.tier, ids, 0, msg.layer_end, t.to_torch()[:, :, have:])
+            self._import(engine, p.tier, ids, 0, msg.layer_end, msg, skip=have)
         except (TypeError, ValueError, IndexError) as exc:
             self._abandon(engine, p)
             return self._ack(msg, False, reason=str(exc))
-        self.received_bytes += t.nbytes
+        self.received_bytes += sum(t.nbytes for t in msg.tensors)
         return self._ack(msg, True, inserted_tokens=self._finish(engine, p), have_blocks=have)
 
     def _import_chunk(self, engine: Any, msg: protocol.KVData) -> protocol.KVAck:
@@ -256,14 +304,13 @@ class TransferReceiver:
         if p is None:
             return self._ack(msg, False, reason="unknown or expired transfer")
         try:
-            if list(msg.block_ids) != p.block_ids or len(msg.tensors) != (1 if p.block_ids else 0):
+            if list(msg.block_ids) != p.block_ids or bool(msg.tensors) != bool(p.block_ids):
                 raise ValueError("KVData does not match the allocation")
             layers = range(msg.layer_start, msg.layer_end) if p.block_ids else range(p.num_layers)
             if msg.layer_end > p.num_layers or not layers or p.layers_done.intersection(layers):
                 raise ValueError(f"bad or repeated layer range [{msg.layer_start}, {msg.layer_end})")
             if p.block_ids:
-                self._import(engine, p.tier, p.block_ids, msg.layer_start, msg.layer_end,
-                             msg.tensors[0].to_torch())
+                self._import(engine, p.tier, p.block_ids, msg.layer_start, msg.layer_end, msg)
         except (TypeError, ValueError, IndexError) as exc:
             del self._pending[msg.transfer_id]
             self._abandon(engine, p)
@@ -303,8 +350,9 @@ async def send_prefix(driver: EngineDriver, conn: Connection, token_ids: list[in
     node behind ``conn`` and insert it into that node's radix tree.
 
     Returns {"transferred", "blocks", "sent_blocks", "new_blocks", "bytes",
-    "sends", "chunks", "inserted_tokens", "seconds", "reason"}: ``sent_blocks``
-    travelled, ``new_blocks`` the receiver did not have. Raises TransportError
+    "sends", "chunks", "inserted_tokens", "zero_copy", "seconds", "reason"}:
+    ``sent_blocks`` travelled, ``new_blocks`` the receiver did not have,
+    ``zero_copy``: the frames were views of the pool (no gather). Raises TransportError
     on a transport failure; the sender's lock on the prefix is released in
     every case.
     """
@@ -313,65 +361,162 @@ async def send_prefix(driver: EngineDriver, conn: Connection, token_ids: list[in
     chunk_bytes = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
     transfer_id = f"x-{uuid.uuid4().hex[:16]}"
     result: dict[str, Any] = {"transferred": False, "blocks": 0, "sent_blocks": 0, "new_blocks": 0,
-                              "bytes": 0, "sends": 0, "chunks": 0, "inserted_tokens": 0, "reason": ""}
+                              "bytes": 0, "sends": 0, "chunks": 0, "inserted_tokens": 0, "reason": "",
+                              "zero_copy": False}
     staging: list[Any] = []          # buffers to give back once every frame from them is acked
 
     def lock_prefix(engine):
-        """Match + lock; a small prefix is gathered at once and unlocked again."""
+        """Match + lock. A small prefix is sent at once: as views of the pool
+        (pieces; the lock holds until the ack) or gathered into staging (and
+        unlocked again)."""
         m = engine.pool.tree.match(token_ids)
         kv = engine.kv
         L, two, bs, kvh, hd = kv.block_shape
         n = len(m.blocks)
-        small = 0 < n * kv.bytes_per_block <= oneshot_max
-        payload = None
+        zc_tier = _zero_copy_tier(engine, m.blocks) if n else None
+        frames: tuple[Any, ...] = ()
+        lengths: tuple[int, ...] = ()
         engine.pool.tree.lock(m.last_node)
-        try:
-            if small:
-                buf, payload = _STAGING.acquire((L, two, n, bs, kvh, hd), kv.dtype)
-                staging.append(buf)
-                _gather(engine, _runs(m.blocks), payload, 0, L)
-        finally:
-            if small:
-                engine.pool.tree.unlock(m.last_node)
-        return m, L, str(kv.dtype).removeprefix("torch."), bs, kv.bytes_per_block, payload
+        if 0 < n * kv.bytes_per_block <= oneshot_max:
+            if zc_tier is not None:
+                runs, views = kv.pieces(zc_tier, [r.block_id for r in m.blocks], (0, L))
+                lengths, frames = tuple(runs), tuple(views)
+            else:
+                try:
+                    buf, payload = _STAGING.acquire((L, two, n, bs, kvh, hd), kv.dtype)
+                    staging.append(buf)
+                    _gather(engine, _runs(m.blocks), payload, 0, L)
+                    frames = (payload,)
+                finally:
+                    engine.pool.tree.unlock(m.last_node)
+        return m, L, str(kv.dtype).removeprefix("torch."), bs, kv.bytes_per_block, frames, lengths, zc_tier
 
-    m, num_layers, dtype, bs, block_bytes, payload = await driver.call(lock_prefix)
-    locked = payload is None
+    m, num_layers, dtype, bs, block_bytes, frames, lengths, zc_tier = await driver.call(lock_prefix)
+    locked = not frames or bool(lengths)     # a staged one-shot is unlocked already
     result["blocks"] = len(m.blocks)
     deadline = time.time() + timeout
     tokens = tuple(token_ids[:len(m.blocks) * bs])
-    clean = False                    # every frame sent from staging was acknowledged
+    clean = False                    # every frame sent was acknowledged (or none was sent)
     try:
         if not m.blocks:
             clean = True
             result["reason"] = "no cached prefix for these tokens"
             return result
-        if payload is not None:      # one-shot: allocation folded into the data
-            data = protocol.KVData(id=transfer_id, deadline=deadline, transfer_id=transfer_id,
-                                   layer_start=0, layer_end=num_layers, last=True, token_ids=tokens,
-                                   tensors=(payload,))
-            result.update(sends=1, chunks=1, sent_blocks=len(m.blocks), bytes=payload.nbytes)
-            ack = await protocol.call(conn, data)
+        if frames:                   # one-shot: allocation folded into the data
+            await _send_oneshot(conn, tokens, transfer_id, deadline, num_layers, block_bytes,
+                                frames, lengths, result)
             clean = True
-            if isinstance(ack, protocol.KVAck) and ack.ok:
-                result.update(transferred=True, inserted_tokens=ack.inserted_tokens,
-                              new_blocks=len(m.blocks) - ack.have_blocks)
-            else:
-                result["reason"] = _reason(ack)
             return result
-        await _stream(driver, conn, m, tokens, transfer_id, deadline, num_layers, dtype, block_bytes,
-                      chunk_bytes, src_node, dst_node, staging, result)
+        if zc_tier is not None:
+            await _stream_pieces(driver, conn, m, tokens, transfer_id, deadline, num_layers, dtype,
+                                 block_bytes, chunk_bytes, src_node, dst_node, zc_tier, result)
+        else:
+            await _stream(driver, conn, m, tokens, transfer_id, deadline, num_layers, dtype, block_bytes,
+                          chunk_bytes, src_node, dst_node, staging, result)
         clean = True
         return result
     finally:
         if "_locked" in result:       # the stream unlocks with its last gather
             locked = result.pop("_locked")["held"]
-        if locked:
+        if locked and (clean or not result.get("zero_copy")):
             await driver.call(lambda engine: engine.pool.tree.unlock(m.last_node))
+        elif locked:
+            # Frames that alias the pool may still sit in the transport's
+            # queue: keep the blocks from being reused until the deadline has
+            # passed, after which the receiver refuses the message on arrival.
+            _unlock_after(driver, m.last_node, deadline)
         for buf in staging:
             if clean:
                 _STAGING.release(buf)
         result["seconds"] = time.perf_counter() - t0
+
+
+async def _send_oneshot(conn: Connection, tokens: tuple[int, ...], transfer_id: str, deadline: float,
+                        num_layers: int, block_bytes: int, frames: tuple[Any, ...],
+                        lengths: tuple[int, ...], result: dict[str, Any]) -> None:
+    """Every block and every layer in ONE KVData carrying the token ids (the
+    receiver allocates on arrival): staged (one frame) or pool pieces.
+    Splitting it into layer chunks to overlap the receiver's import with the
+    wire measured no better on a 2-core host (tools/bench_kv_transfer.py),
+    and each message costs a round of Python on both sides."""
+    n = sum(lengths) if lengths else frames[0].shape[2]
+    data = protocol.KVData(id=transfer_id, deadline=deadline, transfer_id=transfer_id,
+                           layer_start=0, layer_end=num_layers, last=True, token_ids=tokens,
+                           pieces=lengths, tensors=frames)
+    result.update(sends=1, chunks=1, sent_blocks=n, bytes=n * block_bytes, zero_copy=bool(lengths))
+    ack = await protocol.call(conn, data)
+    if isinstance(ack, protocol.KVAck) and ack.ok:
+        result.update(transferred=True, inserted_tokens=ack.inserted_tokens, new_blocks=n - ack.have_blocks)
+    else:
+        result["reason"] = _reason(ack)
+
+
+_LATE_UNLOCKS: set[asyncio.Task] = set()
+
+
+def _unlock_after(driver: EngineDriver, node: Any, deadline: float) -> None:
+    """Unlock ``node`` once wall-clock ``deadline`` (+1 s) has passed."""
+    async def later() -> None:
+        await asyncio.sleep(max(0.0, deadline - time.time()) + 1.0)
+        try:
+            await driver.call(lambda engine: engine.pool.tree.unlock(node))
+        except Exception:  # noqa: BLE001 -- the engine stopped: nothing left to protect
+            log.debug("late unlock skipped", exc_info=True)
+    task = asyncio.get_running_loop().create_task(later())
+    _LATE_UNLOCKS.add(task)
+    task.add_done_callback(_LATE_UNLOCKS.discard)
+
+
+async def _stream_pieces(driver: EngineDriver, conn: Connection, m: Any, tokens: tuple[int, ...],
+                         transfer_id: str, deadline: float, num_layers: int, dtype: str,
+                         block_bytes: int, chunk_bytes: int, src_node: str, dst_node: str,
+                         tier: str, result: dict[str, Any]) -> None:
+    """Allocation round trip, then layer chunks whose frames are views of the
+    sender's pool (pieces layout: no gather, no staging), sent without
+    waiting for acks. The prefix stays locked until the caller unlocks it,
+    after every ack. Raises TransportError."""
+    req = protocol.KVTransferRequest(
+        id=transfer_id, deadline=deadline, transfer_id=transfer_id, src_node=src_node,
+        dst_node=dst_node, token_ids=tokens, num_blocks=len(m.blocks), num_layers=num_layers,
+        dtype=dtype)
+    result.update(sends=1, zero_copy=True)
+    alloc = await protocol.call(conn, req)
+    if not isinstance(alloc, protocol.KVAllocReply) or not alloc.ok:
+        result["reason"] = _reason(alloc)
+        return
+    refs = m.blocks[alloc.have_blocks:]
+    result["new_blocks"] = len(refs)
+    lengths: list[int] = []
+    views: list[Any] = []
+    if refs:
+        lengths, views = await driver.call(
+            lambda engine: engine.kv.pieces(tier, [r.block_id for r in refs], (0, num_layers)))
+    per_layer = 2 * len(lengths)
+    chunks = _layer_chunks(num_layers, len(refs) * block_bytes, chunk_bytes) if refs else [(0, num_layers)]
+    sends: list[asyncio.Future] = []
+    try:
+        for c, (l0, l1) in enumerate(chunks):
+            data = protocol.KVData(id=f"{transfer_id}.{c}", deadline=deadline, transfer_id=transfer_id,
+                                   seq=c, layer_start=l0, layer_end=l1, block_ids=alloc.block_ids,
+                                   last=c == len(chunks) - 1, pieces=tuple(lengths),
+                                   tensors=tuple(views[l0 * per_layer:l1 * per_layer]))
+            sends.append(asyncio.ensure_future(protocol.call(conn, data)))
+            result["sends"] += 1
+            result["chunks"] += 1
+            result["bytes"] += len(refs) * block_bytes * (l1 - l0) // num_layers
+        acks = await asyncio.gather(*sends)
+    finally:
+        for s in sends:
+            if not s.done():
+                s.cancel()
+        if sends:
+            await asyncio.gather(*sends, return_exceptions=True)
+    result["sent_blocks"] = len(refs)
+    bad = [a for a in acks if not (isinstance(a, protocol.KVAck) and a.ok)]
+    if bad:
+        result["reason"] = _reason(bad[0])
+        return
+    result.update(transferred=True, inserted_tokens=max(a.inserted_tokens for a in acks))
 
 
 async def _stream(driver: EngineDriver, conn: Connection, m: Any, tokens: tuple[int, ...],

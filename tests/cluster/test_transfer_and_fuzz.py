@@ -74,12 +74,20 @@ def test_transfer_with_insert_between_two_node_processes(pair, reference_engine)
     assert again["transferred"] is True and again["new_blocks"] == 0
 
 
-def test_streamed_transfer_is_exact_and_skips_what_the_receiver_has(reference_engine, tmp_path):
+@pytest.mark.parametrize("layout", ["staged", "pieces"])
+def test_streamed_transfer_is_exact_and_skips_what_the_receiver_has(reference_engine, tmp_path,
+                                                                    monkeypatch, layout):
     """The large-transfer path (allocation round trip, then layer chunks sent
     without waiting) over zmq between two engines: the receiver's KV is
     bit-identical, it serves the prefix from cache with the single-node
-    engine's tokens, and blocks it already had are not sent."""
+    engine's tokens, and blocks it already had are not sent. ``pieces``:
+    frames are views of the sender's pool (the tiny model's slices are far
+    under the zero-copy threshold, so the threshold is lowered); ``staged``:
+    gathered into staging buffers. Then the one-shot path, same checks."""
     import torch
+
+    from kvd.node import transfer
+    monkeypatch.setattr(transfer, "ZERO_COPY_MIN_BYTES", 0 if layout == "pieces" else 1 << 40)
 
     from engine.engine import EngineConfig, LLMEngine
     from engine.request import SamplingParams
@@ -129,17 +137,33 @@ def test_streamed_transfer_is_exact_and_skips_what_the_receiver_has(reference_en
             res = await send_prefix(a, conn, ids, **kw)
             L = a.engine.kv.num_layers
             assert res["transferred"] and res["inserted_tokens"] == 96, res
+            assert res.get("zero_copy", False) == (layout == "pieces")
             assert res["new_blocks"] == res["sent_blocks"] == 4 and res["chunks"] == L
             assert res["sends"] == 1 + L                # allocation + one chunk per layer, never per block
             assert receiver.completed == 1 and not receiver._pending
 
-            def kv_of(engine):
-                m = engine.pool.tree.match(ids)
-                return torch.stack([engine.kv.tier(r.tier)[:, :, r.block_id] for r in m.blocks], 2).clone()
-            assert torch.equal(await a.call(kv_of), await b.call(kv_of))
+            def kv_of(toks):
+                def run(engine):
+                    m = engine.pool.tree.match(toks)
+                    return torch.stack([engine.kv.tier(r.tier)[:, :, r.block_id] for r in m.blocks], 2).clone()
+                return run
+            assert torch.equal(await a.call(kv_of(ids)), await b.call(kv_of(ids)))
             assert await gen(b, "r-b") == (ref, 96)             # served from the transferred KV
             again = await send_prefix(a, conn, ids, **kw)
             assert again["transferred"] and again["sent_blocks"] == 0 and again["sends"] == 2
+            # one-shot (allocation folded into the data): 4 new blocks after a shared first one
+            ids2 = ids[:16] + [rng.randrange(1, 40000) for _ in range(70)]
+            ref2 = reference_tokens(reference_engine, [ids2], 8)[0]
+            outs = [o async for o in a.generate("r-a2", ids2, params)]
+            assert [t for o in outs for t in o.new_token_ids] == ref2
+            one = await send_prefix(a, conn, ids2, src_node="a", dst_node="b")
+            assert one["transferred"] and one["new_blocks"] == 4 and one["inserted_tokens"] == 80, one
+            assert one["sends"] == one["chunks"] == 1
+            assert one.get("zero_copy", False) == (layout == "pieces")
+            assert torch.equal(await a.call(kv_of(ids2)), await b.call(kv_of(ids2)))
+            outs = [o async for o in b.generate("r-b2", ids2, params)]
+            assert [t for o in outs for t in o.new_token_ids] == ref2 and outs[-1].num_cached_tokens == 80
+            assert receiver.completed == 3 and not receiver._pending
         finally:
             server.cancel()
             await conn.close()

@@ -11,9 +11,13 @@ def test_allocate_and_free_fifo():
     assert pool.allocate(2) == [0, 1]
     assert pool.num_free == 2 and pool.num_used == 2 and pool.num_blocks == 4
     pool.free([1, 0])
-    # freed blocks go to the back: 2, 3 come first, then 1, 0 in free order
-    assert pool.allocate(4) == [2, 3, 1, 0]
+    # freed blocks go to the back: 2, 3 come first, then 0, 1 (one free call
+    # goes back ascending, so they come out as a run of consecutive ids)
+    assert pool.allocate(4) == [2, 3, 0, 1]
     pool.check_integrity()
+    pool.free([3])
+    pool.free([2, 1])
+    assert pool.allocate(3) == [3, 1, 2]           # FIFO across calls
 
 
 def test_short_returns_none_and_changes_nothing():

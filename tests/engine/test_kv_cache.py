@@ -125,3 +125,29 @@ def test_run_wise_copies_match_index_ops(src_ids, dst_ids):
     assert torch.equal(dev, want)
     with pytest.raises(ValueError):
         kv.import_blocks("device", [1, 1], kv.export_blocks("device", [0, 2]))
+
+
+@pytest.mark.parametrize("src_ids,dst_ids,skip", [
+    ([0, 1, 2, 3, 4, 5], [2, 3, 4, 5, 0, 1], 0),
+    ([4, 5, 1, 2, 3], [0, 1, 2], 2),        # the receiver had the first two blocks
+    ([5, 3, 1], [4, 5, 0], 0),              # single-block runs on both sides
+])
+def test_pieces_round_trip(src_ids, dst_ids, skip):
+    """pieces() aliases the pool per (layer, K|V, run); scatter_pieces() lands them
+    in other blocks, dropping the first ``skip`` positions."""
+    src, dst = filled(device_blocks=6), KVCache(L, KVH, HD, BS, 6, 0)
+    lengths, views = src.pieces("device", src_ids, (1, 3))
+    assert sum(lengths) == len(src_ids) and len(views) == 2 * 2 * len(lengths)
+    assert all(v.is_contiguous() and v.untyped_storage().data_ptr() == src.tier("device").untyped_storage().data_ptr()
+               for v in views)
+    dst.scatter_pieces("device", dst_ids, views, lengths, (1, 3), skip=skip)
+    got = dst.tier("device")
+    want = src.tier("device")[:, :, src_ids[skip:]]
+    assert torch.equal(got[1:3][:, :, dst_ids], want[1:3])
+    assert not got[0].any()                                   # other layers untouched
+    with pytest.raises(ValueError):
+        dst.scatter_pieces("device", dst_ids, views[:-1], lengths, (1, 3), skip=skip)
+    with pytest.raises(ValueError):
+        dst.scatter_pieces("device", dst_ids, [v.double() for v in views], lengths, (1, 3), skip=skip)
+    with pytest.raises(ValueError):
+        dst.scatter_pieces("device", dst_ids[:-1], views, lengths, (1, 3), skip=skip)

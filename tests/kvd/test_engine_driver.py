@@ -17,27 +17,32 @@ def tiny_engine() -> LLMEngine:
                                               host_kv_blocks=0, max_model_len=512, num_threads=1))
 
 
-async def test_idle_call_runs_inline_and_busy_call_queues():
+async def test_idle_call_runs_inline_and_a_call_during_a_step_waits_for_it():
     driver = EngineDriver(tiny_engine())
     await driver.start()
     try:
         assert await driver.call(lambda e: threading.current_thread()) is threading.current_thread()
         assert driver.inline_calls == 1
-        # a long request keeps the engine stepping: calls now run on the engine thread
-        params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
-        stream = driver.generate("long", list(range(100, 140)), params)
-        await anext(stream)                                  # the engine is busy
-        threads = {await driver.call(lambda e: threading.current_thread().name) for _ in range(5)}
-        assert threads == {"kvd-engine"}
-        await stream.aclose()                                # aborts; the engine goes idle
-        for _ in range(200):
-            if not driver.engine.has_unfinished():
-                break
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.05)
-        before = driver.inline_calls
-        await driver.call(lambda e: None)
-        assert driver.inline_calls == before + 1
+        # hold the engine inside a step: a call must wait for the step to end
+        in_step, release = threading.Event(), threading.Event()
+        step = driver.engine.step
+
+        def slow_step():
+            in_step.set()
+            release.wait(10)
+            return step()
+        driver.engine.step = slow_step
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        stream = driver.generate("r", list(range(100, 140)), params)
+        first = asyncio.ensure_future(anext(stream))
+        assert await asyncio.to_thread(in_step.wait, 10)
+        call = asyncio.ensure_future(driver.call(lambda e: len(e.requests)))
+        await asyncio.sleep(0.2)
+        assert not call.done()                               # queued behind the step
+        release.set()
+        assert await call == 1                               # ran between two steps
+        await first
+        await stream.aclose()
     finally:
         await driver.stop()
 
@@ -90,5 +95,39 @@ async def test_inline_and_engine_thread_never_overlap():
         await asyncio.gather(*(consume(i) for i in range(4)),
                              *(driver.call(probe) for _ in range(50)))
         assert driver.inline_calls > 0
+    finally:
+        await driver.stop()
+
+
+async def test_multithreaded_torch_never_runs_calls_inline():
+    """A torch op on the loop thread would start a second OpenMP team: with
+    more than one torch thread every call goes to the engine thread."""
+    import torch
+    engine = tiny_engine()
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        driver = EngineDriver(engine)
+        await driver.start()
+        try:
+            assert await driver.call(lambda e: threading.current_thread().name) == "kvd-engine"
+            assert driver.inline_calls == 0
+        finally:
+            await driver.stop()
+    finally:
+        torch.set_num_threads(before)
+
+
+async def test_stats_reflect_an_inline_call_at_once():
+    """The snapshot (admin ``cache stats``) is refreshed after an inline call,
+    as the engine thread refreshes it after its commands."""
+    driver = EngineDriver(tiny_engine())
+    await driver.start()
+    try:
+        before = driver.stats()["kv"]
+        ids = await driver.call(lambda e: e.pool.alloc_mem(3))
+        assert driver.inline_calls == 1 and driver.stats()["kv"] != before
+        await driver.call(lambda e: e.pool.free_mem(ids))
+        assert driver.stats()["kv"] == before
     finally:
         await driver.stop()
