@@ -212,14 +212,16 @@ void attend_head(const bf16* q, const bf16* kc, const bf16* vc, const int64_t* t
     __m512 qv[16];
     for (int c = 0; c < chunks; c++) qv[c] = load_bf16(q + 16 * c);
     float mx = -INFINITY;
-    for (int t = 0; t < ctx; t++) {
-        int64_t slot = table[t / block_size] * block_size + t % block_size;
-        const bf16* k = kc + slot * kvh_stride;
-        __m512 acc = _mm512_mul_ps(qv[0], load_bf16(k));
-        for (int c = 1; c < chunks; c++) acc = _mm512_fmadd_ps(qv[c], load_bf16(k + 16 * c), acc);
-        float s = _mm512_reduce_add_ps(acc) * scale;
-        scores[t] = s;
-        mx = s > mx ? s : mx;
+    for (int t0 = 0, blk = 0; t0 < ctx; t0 += block_size, blk++) {      // block by block: no division per key
+        const bf16* k = kc + table[blk] * block_size * kvh_stride;
+        const int n = ctx - t0 < block_size ? ctx - t0 : block_size;
+        for (int i = 0; i < n; i++, k += kvh_stride) {
+            __m512 acc = _mm512_mul_ps(qv[0], load_bf16(k));
+            for (int c = 1; c < chunks; c++) acc = _mm512_fmadd_ps(qv[c], load_bf16(k + 16 * c), acc);
+            float s = _mm512_reduce_add_ps(acc) * scale;
+            scores[t0 + i] = s;
+            mx = s > mx ? s : mx;
+        }
     }
     __m512 vmx = _mm512_set1_ps(mx), vsum = _mm512_setzero_ps();
     int t = 0;
@@ -237,11 +239,13 @@ void attend_head(const bf16* q, const bf16* kc, const bf16* vc, const int64_t* t
     float inv = 1.0f / _mm512_reduce_add_ps(vsum);
     __m512 o[16];
     for (int c = 0; c < chunks; c++) o[c] = _mm512_setzero_ps();
-    for (t = 0; t < ctx; t++) {
-        int64_t slot = table[t / block_size] * block_size + t % block_size;
-        const bf16* v = vc + slot * kvh_stride;
-        __m512 p = _mm512_set1_ps(scores[t] * inv);
-        for (int c = 0; c < chunks; c++) o[c] = _mm512_fmadd_ps(p, load_bf16(v + 16 * c), o[c]);
+    for (int t0 = 0, blk = 0; t0 < ctx; t0 += block_size, blk++) {
+        const bf16* v = vc + table[blk] * block_size * kvh_stride;
+        const int n = ctx - t0 < block_size ? ctx - t0 : block_size;
+        for (int i = 0; i < n; i++, v += kvh_stride) {
+            __m512 p = _mm512_set1_ps(scores[t0 + i] * inv);
+            for (int c = 0; c < chunks; c++) o[c] = _mm512_fmadd_ps(p, load_bf16(v + 16 * c), o[c]);
+        }
     }
     for (int c = 0; c < chunks; c++) store_bf16(out + 16 * c, o[c]);
 }
