@@ -12,17 +12,18 @@ Why layer-major: ``kv[layer, 0]`` is one layer's K cache, contiguous, so
 gathering a sequence's blocks ``k_cache[block_table]`` yields
 ``[n, bs, kvh, hd]`` whose first two axes merge into the sequence axis for
 free — decode attention pays one copy per step, as a contiguous cache would.
-A request's KV is still ONE gather: ``index_select`` on the block axis gives a
-contiguous ``[L, 2, n, bs, kvh, hd]`` payload (one frame on the wire), and
-layer-by-layer streaming is one copy per layer (``kv[l, :, ids]``).
+A request's KV gathers into one contiguous ``[L, 2, n, bs, kvh, hd]`` payload
+(one frame on the wire), and for a run of blocks each layer's K or V is a
+contiguous slice that can travel as is (``pieces``).
 
 Block ids are the ids of ``BlockPool``; this module does no bookkeeping.
 Copies go run by run: ids that follow each other (``BlockPool`` hands out
 ascending runs) are one strided slice ``kv[l0:l1, :, a:a+n]`` and one
 ``copy_``, so a request's KV moves in as many copies as its ids have runs
-(one per block only when no two ids follow each other). Measured on CPU (``index_copy_`` on the block axis is a
-generic scatter): 1 MiB 74 vs 25 us, 16 MiB 1.23 vs 0.66 ms, and even one
-slice per block beats it (0.96 ms for 16 scattered blocks). On a CPU
+(one per block only when no two ids follow each other). Measured on CPU
+(``index_copy_`` on the block axis is a generic scatter): 1 MiB 74 vs 25 us,
+16 MiB 1.23 vs 0.66 ms, and even one slice per block beats it (0.96 ms for
+16 scattered blocks). On a CPU
 "device" and "host" are both host memory, kept as separate tensors so that
 the two budgets stay separate.
 """
