@@ -506,12 +506,24 @@ async def _stream_pieces(driver: EngineDriver, conn: Connection, m: Any, tokens:
             result["bytes"] += len(refs) * block_bytes * (l1 - l0) // num_layers
         acks = await asyncio.gather(*sends)
     finally:
-        for s in sends:
-            if not s.done():
-                s.cancel()
-        if sends:
-            await asyncio.gather(*sends, return_exceptions=True)
-    result["sent_blocks"] = len(refs)
+        await _settle(sends)
+    _record_acks(acks, len(refs), result)
+
+
+async def _settle(sends: list[asyncio.Future]) -> None:
+    """Cancel the chunk sends still in flight (after a failure) and wait for all."""
+    for s in sends:
+        if not s.done():
+            s.cancel()
+    if sends:
+        await asyncio.gather(*sends, return_exceptions=True)
+
+
+def _record_acks(acks: list[Any], sent_blocks: int, result: dict[str, Any]) -> None:
+    """The outcome of a streamed transfer: every chunk's ack ok, or the first
+    reason. ``None`` entries (an unlock that rode along with the sends) are not acks."""
+    acks = [a for a in acks if a is not None]
+    result["sent_blocks"] = sent_blocks
     bad = [a for a in acks if not (isinstance(a, protocol.KVAck) and a.ok)]
     if bad:
         result["reason"] = _reason(bad[0])
@@ -590,16 +602,7 @@ async def _stream(driver: EngineDriver, conn: Connection, m: Any, tokens: tuple[
             result["sends"] += 1
             result["chunks"] += 1
             result["bytes"] += data.tensors[0].nbytes if refs else 0
-        acks = [a for a in await asyncio.gather(*sends) if a is not None]
+        acks = await asyncio.gather(*sends)
     finally:
-        for s in sends:
-            if not s.done():
-                s.cancel()
-        if sends:
-            await asyncio.gather(*sends, return_exceptions=True)
-    result["sent_blocks"] = len(refs)
-    bad = [a for a in acks if not (isinstance(a, protocol.KVAck) and a.ok)]
-    if bad:
-        result["reason"] = _reason(bad[0])
-        return
-    result.update(transferred=True, inserted_tokens=max(a.inserted_tokens for a in acks))
+        await _settle(sends)
+    _record_acks(acks, len(refs), result)

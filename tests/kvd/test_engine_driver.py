@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import pytest
+
 from engine.engine import EngineConfig, LLMEngine
 from engine.request import SamplingParams
 from kvd.node.engine_driver import EngineDriver
@@ -17,52 +19,50 @@ def tiny_engine() -> LLMEngine:
                                               host_kv_blocks=0, max_model_len=512, num_threads=1))
 
 
-async def test_idle_call_runs_inline_and_a_call_during_a_step_waits_for_it():
-    driver = EngineDriver(tiny_engine())
-    await driver.start()
-    try:
-        assert await driver.call(lambda e: threading.current_thread()) is threading.current_thread()
-        assert driver.inline_calls == 1
-        # hold the engine inside a step: a call must wait for the step to end
-        in_step, release = threading.Event(), threading.Event()
-        step = driver.engine.step
+@pytest.fixture
+async def driver():
+    d = EngineDriver(tiny_engine())
+    await d.start()
+    yield d
+    await d.stop()
 
-        def slow_step():
-            in_step.set()
-            release.wait(10)
-            return step()
-        driver.engine.step = slow_step
-        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-        stream = driver.generate("r", list(range(100, 140)), params)
-        first = asyncio.ensure_future(anext(stream))
-        assert await asyncio.to_thread(in_step.wait, 10)
-        call = asyncio.ensure_future(driver.call(lambda e: len(e.requests)))
-        await asyncio.sleep(0.2)
-        assert not call.done()                               # queued behind the step
-        release.set()
-        assert await call == 1                               # ran between two steps
+
+async def test_idle_call_runs_inline_and_a_call_during_a_step_waits_for_it(driver):
+    assert await driver.call(lambda e: threading.current_thread()) is threading.current_thread()
+    assert driver.inline_calls == 1
+    # hold the engine inside a step: a call must wait for the step to end
+    in_step, release = threading.Event(), threading.Event()
+    step = driver.engine.step
+
+    def slow_step():
+        in_step.set()
+        release.wait(10)
+        return step()
+    driver.engine.step = slow_step
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    stream = driver.generate("r", list(range(100, 140)), params)
+    first = asyncio.ensure_future(anext(stream))
+    assert await asyncio.to_thread(in_step.wait, 10)
+    call = asyncio.ensure_future(driver.call(lambda e: len(e.requests)))
+    await asyncio.sleep(0.2)
+    assert not call.done()                               # queued behind the step
+    release.set()
+    assert await call == 1                               # ran between two steps
+    await first
+    await stream.aclose()
+
+
+async def test_call_never_overtakes_an_earlier_command(driver):
+    """An ``add`` sent without waiting, then a call: the call must see the request."""
+    params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+    for i in range(20):
+        stream = driver.generate(f"r{i}", list(range(100, 130)), params)
+        first = asyncio.ensure_future(anext(stream))     # puts the add command
+        await asyncio.sleep(0)
+        seen = await driver.call(lambda e, rid=f"r{i}": rid in e.requests)
+        assert seen, "a call overtook the add sent before it"
         await first
         await stream.aclose()
-    finally:
-        await driver.stop()
-
-
-async def test_call_never_overtakes_an_earlier_command():
-    """An ``add`` sent without waiting, then a call: the call must see the request."""
-    driver = EngineDriver(tiny_engine())
-    await driver.start()
-    try:
-        params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
-        for i in range(20):
-            stream = driver.generate(f"r{i}", list(range(100, 130)), params)
-            first = asyncio.ensure_future(anext(stream))     # puts the add command
-            await asyncio.sleep(0)
-            seen = await driver.call(lambda e, rid=f"r{i}": rid in e.requests)
-            assert seen, "a call overtook the add sent before it"
-            await first
-            await stream.aclose()
-    finally:
-        await driver.stop()
 
 
 async def test_inline_and_engine_thread_never_overlap():
@@ -118,16 +118,11 @@ async def test_multithreaded_torch_never_runs_calls_inline():
         torch.set_num_threads(before)
 
 
-async def test_stats_reflect_an_inline_call_at_once():
+async def test_stats_reflect_an_inline_call_at_once(driver):
     """The snapshot (admin ``cache stats``) is refreshed after an inline call,
     as the engine thread refreshes it after its commands."""
-    driver = EngineDriver(tiny_engine())
-    await driver.start()
-    try:
-        before = driver.stats()["kv"]
-        ids = await driver.call(lambda e: e.pool.alloc_mem(3))
-        assert driver.inline_calls == 1 and driver.stats()["kv"] != before
-        await driver.call(lambda e: e.pool.free_mem(ids))
-        assert driver.stats()["kv"] == before
-    finally:
-        await driver.stop()
+    before = driver.stats()["kv"]
+    ids = await driver.call(lambda e: e.pool.alloc_mem(3))
+    assert driver.inline_calls == 1 and driver.stats()["kv"] != before
+    await driver.call(lambda e: e.pool.free_mem(ids))
+    assert driver.stats()["kv"] == before
