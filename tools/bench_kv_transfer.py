@@ -175,7 +175,7 @@ async def bench_transport(url: str, sizes: list[int], driver: EngineDriver, runs
             tokens = [(size * 7919 + i) % 40000 + 1 for i in range(nblocks * BLOCK)]
             await driver.call(lambda e: cache_prefix(e, tokens))
             payload = bytearray(nblocks * bytes_per_block(driver.engine))
-            plain, xfer, sends = [], [], set()
+            plain, xfer, sends, frames = [], [], set(), set()
             for i in range(runs[size] + 1):         # sample 0 is a warm-up
                 t0 = time.perf_counter()
                 reply = await conn.request(b'{"plain":1}', [payload])
@@ -189,12 +189,14 @@ async def bench_transport(url: str, sizes: list[int], driver: EngineDriver, runs
                     plain.append(dt_plain)
                     xfer.append(res["seconds"])
                     sends.add(res["sends"])
+                    frames.add("pool pieces" if res["zero_copy"] else "staged")
             nbytes = len(payload)
             p, x = statistics.median(plain), statistics.median(xfer)
             rows.append({"transport": url.split("://")[0], "size_mib": size, "bytes": nbytes,
                          "blocks": nblocks, "layers": driver.engine.kv.num_layers, "runs": runs[size],
                          "plain_gbps": nbytes / p / 1e9, "transfer_gbps": nbytes / x / 1e9,
                          "ratio": p / x, "sends_per_transfer": max(sends),
+                         "frames": "/".join(sorted(frames)),
                          "plain_ms": p * 1e3, "transfer_ms": x * 1e3})
             await driver.call(drop_cache)
             print(_row(rows[-1]), flush=True)
@@ -207,7 +209,8 @@ async def bench_transport(url: str, sizes: list[int], driver: EngineDriver, runs
 
 def _row(r: dict) -> str:
     return (f"| {r['transport']} | {r['size_mib']} | {r['plain_gbps']:.2f} | {r['transfer_gbps']:.2f} "
-            f"| {r['ratio']:.2f} | {r['sends_per_transfer']} (blocks {r['blocks']}, layers {r['layers']}) |")
+            f"| {r['ratio']:.2f} | {r['sends_per_transfer']} (blocks {r['blocks']}, layers {r['layers']}) "
+            f"| {r['frames']} |")
 
 
 async def main_async(args) -> list[dict]:
@@ -217,8 +220,8 @@ async def main_async(args) -> list[dict]:
     driver = EngineDriver(bench_engine(max_blocks))
     await driver.start()
     runs = {s: args.runs or (20 if s <= 1 else 10 if s <= 16 else 5) for s in sizes}
-    print("| transport | MiB | plain GB/s | KV transfer GB/s | ratio | sends per transfer |")
-    print("|---|---|---|---|---|---|")
+    print("| transport | MiB | plain GB/s | KV transfer GB/s | ratio | sends per transfer | frames |")
+    print("|---|---|---|---|---|---|---|")
     rows = []
     tmp = tempfile.mkdtemp(prefix="kvd-bench-")
     try:
