@@ -280,3 +280,46 @@ def test_staging_pool_reuses_buffers_of_any_size():
     assert again2 is big and pool.allocated == 2
     pool.release(torch.empty(2 << 20, dtype=torch.uint8))   # over keep_bytes: dropped
     assert all(b.numel() <= 1 << 20 for b in pool._free)
+
+
+def test_failed_zero_copy_transfer_keeps_its_blocks_until_the_deadline(tmp_path, monkeypatch):
+    """Frames that alias the sender's pool may still sit in the transport's
+    queue after a failure: the prefix stays locked (not evictable, not
+    reused) until the messages' deadline has passed, then it is released."""
+    from engine.engine import EngineConfig, LLMEngine
+    from engine.request import SamplingParams
+    from kvd.node import transfer
+    from kvd.node.engine_driver import EngineDriver
+
+    monkeypatch.setattr(transfer, "ZERO_COPY_MIN_BYTES", 0)
+    ids = [random.Random(5).randrange(1, 40000) for _ in range(70)]    # 4 full blocks
+
+    async def run():
+        a = EngineDriver(LLMEngine.from_config(EngineConfig(
+            model="tiny", dtype="float32", block_size=16, kv_blocks=64, host_kv_blocks=0,
+            max_model_len=512, num_threads=1)))
+        await a.start()
+        silent = await transports.listen(f"zmq+ipc://{tmp_path}/silent.sock",
+                                         options=transports.TransportOptions())   # never answers
+        conn = await transports.connect(silent.url, options=transports.TransportOptions())
+        try:
+            await a.call(lambda e: e.generate([ids], SamplingParams(max_tokens=1)))
+
+            def locked(engine):
+                m = engine.pool.tree.match(ids)
+                return len(m.blocks) == 4 and all(engine.pool.tree.is_locked(r) for r in m.blocks)
+            assert not await a.call(locked)
+            t0 = time.time()
+            with pytest.raises(TimeoutError):   # the request times out at the deadline
+                await transfer.send_prefix(a, conn, ids, src_node="a", dst_node="b", timeout=0.5)
+            assert await a.call(locked)        # deadline just passed: still held (+1 s margin)
+            while await a.call(locked):
+                assert time.time() - t0 < 5, "the prefix was never unlocked"
+                await asyncio.sleep(0.05)
+            assert time.time() - t0 >= 1.4     # released only after deadline + 1 s
+        finally:
+            await conn.close()
+            await silent.close()
+            await a.stop()
+
+    asyncio.run(run())

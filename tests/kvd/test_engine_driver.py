@@ -65,10 +65,10 @@ async def test_call_never_overtakes_an_earlier_command(driver):
         await stream.aclose()
 
 
-async def test_inline_and_engine_thread_never_overlap():
-    """Hammer calls while requests step: a fn never runs concurrently with a step."""
-    driver = EngineDriver(tiny_engine())
-    await driver.start()
+async def test_inline_and_engine_thread_never_overlap(driver):
+    """Hammer calls while requests step (a prober retries without pause, so
+    some calls land between two steps and run inline while the engine is
+    busy): a fn never runs concurrently with a step."""
     inside = threading.Lock()
     step = driver.engine.step
 
@@ -85,18 +85,25 @@ async def test_inline_and_engine_thread_never_overlap():
         inside.release()
         return engine.pool.stats()
 
-    try:
-        params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    done = asyncio.Event()
 
-        async def consume(i):
-            async for _ in driver.generate(f"q{i}", list(range(200 + i, 240 + i)), params):
-                await driver.call(probe)
+    async def consume(i):
+        await asyncio.sleep(0.02 * i)                    # staggered: idle, busy, idle
+        async for _ in driver.generate(f"q{i}", list(range(200 + i, 240 + i)), params):
+            await driver.call(probe)
 
-        await asyncio.gather(*(consume(i) for i in range(4)),
-                             *(driver.call(probe) for _ in range(50)))
-        assert driver.inline_calls > 0
-    finally:
-        await driver.stop()
+    async def prober():
+        while not done.is_set():
+            await driver.call(probe)
+            await asyncio.sleep(0)
+
+    probing = asyncio.ensure_future(prober())
+    await asyncio.gather(*(consume(i) for i in range(4)), *(driver.call(probe) for _ in range(50)))
+    done.set()
+    await probing
+    assert not driver.engine.has_unfinished()
+    assert driver.inline_calls > 0
 
 
 async def test_multithreaded_torch_never_runs_calls_inline():
