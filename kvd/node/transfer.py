@@ -407,12 +407,14 @@ async def send_prefix(driver: EngineDriver, conn: Connection, token_ids: list[in
                                 frames, lengths, result)
             clean = True
             return result
+        req = protocol.KVTransferRequest(
+            id=transfer_id, deadline=deadline, transfer_id=transfer_id, src_node=src_node,
+            dst_node=dst_node, token_ids=tokens, num_blocks=len(m.blocks), num_layers=num_layers,
+            dtype=dtype)
         if zc_tier is not None:
-            await _stream_pieces(driver, conn, m, tokens, transfer_id, deadline, num_layers, dtype,
-                                 block_bytes, chunk_bytes, src_node, dst_node, zc_tier, result)
+            await _stream_pieces(driver, conn, m, req, block_bytes, chunk_bytes, zc_tier, result)
         else:
-            await _stream(driver, conn, m, tokens, transfer_id, deadline, num_layers, dtype, block_bytes,
-                          chunk_bytes, src_node, dst_node, staging, result)
+            await _stream(driver, conn, m, req, block_bytes, chunk_bytes, staging, result)
         clean = True
         return result
     finally:
@@ -467,18 +469,14 @@ def _unlock_after(driver: EngineDriver, node: Any, deadline: float) -> None:
     task.add_done_callback(_LATE_UNLOCKS.discard)
 
 
-async def _stream_pieces(driver: EngineDriver, conn: Connection, m: Any, tokens: tuple[int, ...],
-                         transfer_id: str, deadline: float, num_layers: int, dtype: str,
-                         block_bytes: int, chunk_bytes: int, src_node: str, dst_node: str,
+async def _stream_pieces(driver: EngineDriver, conn: Connection, m: Any,
+                         req: protocol.KVTransferRequest, block_bytes: int, chunk_bytes: int,
                          tier: str, result: dict[str, Any]) -> None:
-    """Allocation round trip, then layer chunks whose frames are views of the
-    sender's pool (pieces layout: no gather, no staging), sent without
-    waiting for acks. The prefix stays locked until the caller unlocks it,
-    after every ack. Raises TransportError."""
-    req = protocol.KVTransferRequest(
-        id=transfer_id, deadline=deadline, transfer_id=transfer_id, src_node=src_node,
-        dst_node=dst_node, token_ids=tokens, num_blocks=len(m.blocks), num_layers=num_layers,
-        dtype=dtype)
+    """Allocation round trip (``req``), then layer chunks whose frames are
+    views of the sender's pool (pieces layout: no gather, no staging), sent
+    without waiting for acks. The prefix stays locked until the caller
+    unlocks it, after every ack. Raises TransportError."""
+    transfer_id, deadline, num_layers = req.transfer_id, req.deadline, req.num_layers
     result.update(sends=1, zero_copy=True)
     alloc = await protocol.call(conn, req)
     if not isinstance(alloc, protocol.KVAllocReply) or not alloc.ok:
@@ -531,17 +529,13 @@ def _record_acks(acks: list[Any], sent_blocks: int, result: dict[str, Any]) -> N
     result.update(transferred=True, inserted_tokens=max(a.inserted_tokens for a in acks))
 
 
-async def _stream(driver: EngineDriver, conn: Connection, m: Any, tokens: tuple[int, ...],
-                  transfer_id: str, deadline: float, num_layers: int, dtype: str, block_bytes: int,
-                  chunk_bytes: int, src_node: str, dst_node: str, staging: list[Any],
-                  result: dict[str, Any]) -> None:
-    """Allocation round trip, then layer chunks sent without waiting for acks
-    (the gather of chunk c+1 overlaps the wire time of chunk c). Returns once
-    every chunk was acked (or the first failure); raises TransportError."""
-    req = protocol.KVTransferRequest(
-        id=transfer_id, deadline=deadline, transfer_id=transfer_id, src_node=src_node,
-        dst_node=dst_node, token_ids=tokens, num_blocks=len(m.blocks), num_layers=num_layers,
-        dtype=dtype)
+async def _stream(driver: EngineDriver, conn: Connection, m: Any, req: protocol.KVTransferRequest,
+                  block_bytes: int, chunk_bytes: int, staging: list[Any], result: dict[str, Any]) -> None:
+    """Allocation round trip (``req``), then layer chunks sent without waiting
+    for acks (the gather of chunk c+1 overlaps the wire time of chunk c).
+    Returns once every chunk was acked (or the first failure); raises
+    TransportError."""
+    transfer_id, deadline, num_layers = req.transfer_id, req.deadline, req.num_layers
     alloc_call = asyncio.ensure_future(protocol.call(conn, req))
     result["sends"] += 1
     n = len(m.blocks)
