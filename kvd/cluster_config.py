@@ -26,6 +26,8 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from transports.base import UCX_PROGRESS_MODES
+
 TRANSPORTS = ("zmq+tcp", "zmq+ipc", "ucx", "inproc")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 
@@ -65,6 +67,9 @@ class ClusterConfig:
         key used to reach daemon NAME ("coordinator" or a node name), and
         ``NAME.key_secret`` is this daemon's own secret.
     admin_socket: the coordinator's admin Unix socket ("" = none).
+    ucx_progress_mode: how ucxx drives UCX in each daemon ("blocking", the
+        default: the event loop wakes on the worker's fd; "thread": a polling
+        progress thread, which takes a core; "polling", "thread-polling").
     """
 
     transport: str = "zmq+tcp"
@@ -75,6 +80,7 @@ class ClusterConfig:
     affinity_tokens: int = 64
     curve_keys_dir: str = ""
     admin_socket: str = ""
+    ucx_progress_mode: str = "blocking"
     nodes: dict[str, NodeConfig] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -89,6 +95,9 @@ class ClusterConfig:
             raise ConfigError("cluster.request_timeout must be > 0")
         if self.affinity_tokens < 0:
             raise ConfigError("cluster.affinity_tokens must be >= 0")
+        if self.ucx_progress_mode not in UCX_PROGRESS_MODES:
+            raise ConfigError(f"cluster.ucx_progress_mode must be one of {UCX_PROGRESS_MODES}, "
+                              f"got {self.ucx_progress_mode!r}")
         if self.curve_keys_dir and not self.transport.startswith("zmq+"):
             raise ConfigError("cluster.curve_keys_dir needs a zmq+ transport (CURVE is ZeroMQ's)")
 

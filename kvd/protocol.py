@@ -205,6 +205,8 @@ class Message:
     FRAMES_FIELD: ClassVar[str | None] = None  # the field carrying tensor frames
     _CHECKERS: ClassVar[dict[str, Checker]] = {}
     _REQUIRED: ClassVar[frozenset[str]] = frozenset()
+    _FIELDS: ClassVar[tuple[str, ...]] = ()          # every field, declaration order
+    _KNOWN: ClassVar[frozenset[str]] = frozenset()   # header keys: the fields but the frames
 
     id: str = ""
     deadline: float | None = None
@@ -233,6 +235,8 @@ def message(cls: type[Message]) -> type[Message]:
                      if f.name != cls.FRAMES_FIELD}
     cls._REQUIRED = frozenset(f.name for f in fields(cls)
                               if f.default is MISSING and f.default_factory is MISSING)
+    cls._FIELDS = tuple(f.name for f in fields(cls))
+    cls._KNOWN = frozenset(cls._FIELDS) - {cls.FRAMES_FIELD}
     MESSAGE_TYPES[cls.TYPE] = cls
     return cls
 
@@ -517,13 +521,13 @@ def encode(msg: Message) -> tuple[bytes, list[memoryview]]:
     """(header bytes, frames) for `msg`; frames are views, not copies."""
     body: dict[str, Any] = {"type": msg.TYPE, "v": PROTOCOL_VERSION}
     frames: list[memoryview] = []
-    for f in fields(msg):
-        value = getattr(msg, f.name)
-        if f.name == msg.FRAMES_FIELD:
+    for name in msg._FIELDS:
+        value = getattr(msg, name)
+        if name == msg.FRAMES_FIELD:
             body["frames"] = [{"dtype": t.dtype, "shape": t.shape} for t in value]
             frames = [t.data for t in value]
-        elif value is not None or f.name in msg._REQUIRED:
-            body[f.name] = value
+        elif value is not None or name in msg._REQUIRED:
+            body[name] = value
     return orjson.dumps(body), frames
 
 
@@ -577,8 +581,7 @@ def _decode(header: Any, frames: list[Any], limits: ProtocolLimits) -> Message |
             return err("frame_too_large", f"frames total over {limits.max_total_frame_bytes} bytes")
         tensors.append(tensor)
     kwargs = {k: v for k, v in body.items() if k not in _RESERVED}
-    known = {f.name for f in fields(cls)} - {cls.FRAMES_FIELD}
-    if unknown := kwargs.keys() - known:
+    if unknown := kwargs.keys() - cls._KNOWN:
         return err("unknown_field", f"unknown fields {sorted(unknown)}")
     if missing := cls._REQUIRED - kwargs.keys():
         return err("missing_field", f"missing fields {sorted(missing)}")

@@ -50,6 +50,9 @@ KIND_MSG, KIND_REQUEST, KIND_REPLY = 0, 1, 2
 _KINDS = (KIND_MSG, KIND_REQUEST, KIND_REPLY)
 
 
+UCX_PROGRESS_MODES = ("blocking", "thread", "polling", "thread-polling")
+
+
 class TransportError(Exception):
     """Base of everything a transport raises for a failed exchange."""
 
@@ -80,18 +83,27 @@ class TransportOptions:
         peer sending more is disconnected by libzmq).
     queue_depth: messages buffered per peer before send waits (zmq HWM,
         inproc queue size).
+    ucx_progress_mode: how ucxx drives UCX ("blocking": the event loop
+        wakes on the worker's fd; "thread": a progress thread polls, which
+        takes a core; also "polling", "thread-polling"). UCX is set up once
+        per process, so the first ucx listener or connection decides; the
+        environment variable UCXPY_PROGRESS_MODE, if set, wins.
     """
 
     send_timeout: float = 30.0
     request_timeout: float = 30.0
     max_frame_bytes: int = 1 << 30
     queue_depth: int = 1000
+    ucx_progress_mode: str = "blocking"
 
     def __post_init__(self) -> None:
         if not self.send_timeout > 0 or not self.request_timeout > 0:
             raise ValueError("timeouts must be > 0")
         if self.max_frame_bytes <= 0 or self.queue_depth <= 0:
             raise ValueError("max_frame_bytes and queue_depth must be > 0")
+        if self.ucx_progress_mode not in UCX_PROGRESS_MODES:
+            raise ValueError(f"ucx_progress_mode must be one of {UCX_PROGRESS_MODES}, "
+                             f"got {self.ucx_progress_mode!r}")
 
 
 @dataclass(slots=True)

@@ -56,8 +56,9 @@ class KVCache:
         self.head_dim = head_dim
         self.block_size = block_size
         self.dtype = dtype
-        # one block's extent in each layer's K and V: [L, 2, bs, kvh, hd]
+        # one block's extent in each layer's K and V: [L, 2, bs, kvh, hd], and its bytes
         self.block_shape = (num_layers, 2, block_size, num_kv_heads, head_dim)
+        self.bytes_per_block = 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
         self._num_blocks = {"device": device_blocks, "host": host_blocks}
         self._devices = {"device": torch.device(device), "host": torch.device(host_device)}
         self._pin_host = pin_host
@@ -93,13 +94,6 @@ class KVCache:
     def num_blocks(self, tier: str) -> int:
         return self.tier(tier).shape[2]
 
-    @property
-    def bytes_per_block(self) -> int:
-        n = 1
-        for d in self.block_shape:
-            n *= d
-        return n * torch.empty((), dtype=self.dtype).element_size()
-
     def nbytes(self, tier: str) -> int:
         return self._num_blocks[tier] * self.bytes_per_block
 
@@ -108,8 +102,7 @@ class KVCache:
                           head_dim: int, block_size: int = 16,
                           dtype: torch.dtype = torch.float32) -> int:
         """How many whole blocks fit in ``budget_bytes``."""
-        per_block = (num_layers * 2 * block_size * num_kv_heads * head_dim
-                     * torch.empty((), dtype=dtype).element_size())
+        per_block = num_layers * 2 * block_size * num_kv_heads * head_dim * dtype.itemsize
         return max(0, int(budget_bytes) // per_block)
 
     # ------------------------------------------------------------- KVStorage

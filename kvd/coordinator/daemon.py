@@ -61,7 +61,8 @@ class CoordinatorDaemon:
                                          default_max_model_len=default_max_model_len,
                                          stats_source=stats_source)
         self.options = TransportOptions(request_timeout=cluster.request_timeout,
-                                        send_timeout=cluster.request_timeout)
+                                        send_timeout=cluster.request_timeout,
+                                        ucx_progress_mode=cluster.ucx_progress_mode)
         self.bad_messages: collections.Counter[str] = collections.Counter()
         self.listener: Listener | None = None
         self.front: FrontDoor | None = None

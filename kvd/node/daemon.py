@@ -74,7 +74,8 @@ class NodeDaemon:
         self.drain_timeout = drain_timeout
         self.incarnation = uuid.uuid4().hex[:12]
         self.options = TransportOptions(request_timeout=cluster.request_timeout,
-                                        send_timeout=cluster.request_timeout)
+                                        send_timeout=cluster.request_timeout,
+                                        ucx_progress_mode=cluster.ucx_progress_mode)
         self.driver: EngineDriver | None = None
         self.listener: Listener | None = None
         self.receiver: TransferReceiver | None = None

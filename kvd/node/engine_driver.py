@@ -67,12 +67,15 @@ class EngineDriver:
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._snapshot: dict = self._take_snapshot()
+        self._snapshot_stale = False       # an inline call changed the engine since
+        self._running = False              # the engine thread is up (cheaper than is_alive())
         self._dead: BaseException | None = None
 
     # ----------------------------------------------------------- lifecycle
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="kvd-engine", daemon=True)
+        self._running = True
         self._thread.start()
 
     async def stop(self) -> None:
@@ -125,16 +128,14 @@ class EngineDriver:
         engine thread after the commands sent before (module docstring).
         Raises TimeoutError past ``timeout`` (a queued ``fn`` may still run
         later: it must be safe to run late) and EngineDead."""
-        if self._dead is not None or self._thread is None or not self._thread.is_alive():
+        if self._dead is not None or not self._running:
             raise EngineDead("engine is not running")
         if self._inline_ok and self._lock.acquire(blocking=False):
             try:
                 if self._applied == self._submitted:
                     self.inline_calls += 1
-                    try:
-                        return fn(self.engine)
-                    finally:                   # as the engine thread does after its commands
-                        self._snapshot = self._take_snapshot()
+                    self._snapshot_stale = True    # refreshed by the next stats()
+                    return fn(self.engine)
             finally:
                 self._lock.release()
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -143,7 +144,15 @@ class EngineDriver:
             return await fut
 
     def stats(self) -> dict:
-        """The engine's last published snapshot (consistent, possibly one step old)."""
+        """The engine's last published snapshot (consistent, possibly one step
+        old; an inline call's changes are in it: it is retaken here, under the
+        lock, when the engine thread is not about to publish its own)."""
+        if self._snapshot_stale and self._lock.acquire(blocking=False):
+            try:
+                self._snapshot_stale = False
+                self._snapshot = self._take_snapshot()
+            finally:
+                self._lock.release()
         return dict(self._snapshot, in_flight=len(self._streams))
 
     def num_in_flight(self) -> int:
@@ -180,6 +189,8 @@ class EngineDriver:
             log.exception("engine thread died")
             self._dead = exc
             self._deliver_error(EngineDead(f"engine failed: {exc!r}"))
+        finally:
+            self._running = False
 
     def _apply_queued(self) -> None:
         while True:

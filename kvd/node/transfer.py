@@ -54,11 +54,12 @@ released at its deadline.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import math
+import os
 import threading
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,6 +76,11 @@ CHUNK_BYTES = 8 << 20           # streamed chunk size target (whole layers, <= n
 STAGING_KEEP_BYTES = 1 << 30    # staging memory kept for reuse between transfers
 ZERO_COPY_MIN_BYTES = 64 << 10  # a pool slice this big is sent as is (pyzmq copies smaller frames)
 MAX_PIECE_FRAMES = 128          # frames of one transfer's pieces, all layers (protocol allows 256)
+
+# transfer ids: unique per sender process (random prefix) and per transfer
+# (counter); a receiver keys its pending allocations by them
+_ID_PREFIX = f"x-{os.urandom(6).hex()}-"
+_ID_SEQ = itertools.count(1)
 
 
 # ─── staging buffers (sender) ────────────────────────────────────────────────
@@ -93,7 +99,7 @@ class _StagingPool:
         """(buffer, a contiguous view of it with ``shape``/``dtype``)."""
         import torch  # noqa: PLC0415 -- the coordinator never imports this module's callers
 
-        need = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        need = math.prod(shape) * dtype.itemsize
         with self._lock:
             fits = [i for i, b in enumerate(self._free) if b.numel() >= need]
             buf = self._free.pop(min(fits, key=lambda i: self._free[i].numel())) if fits else None
@@ -136,15 +142,17 @@ def _zero_copy_tier(engine: Any, refs: list[Any]) -> str | None:
     (<= MAX_PIECE_FRAMES frames over all layers), each run's slice of a
     layer's K or V >= ZERO_COPY_MIN_BYTES (smaller ones cost more per frame
     than the gather they save)."""
+    kv = engine.kv
+    slice_bytes = kv.bytes_per_block // (kv.num_layers * 2)
+    if len(refs) * slice_bytes < ZERO_COPY_MIN_BYTES:
+        return None                   # not even one run could make a frame worth sending
     tiers = {r.tier for r in refs}
     if len(tiers) != 1:
         return None
     tier = tiers.pop()
-    kv = engine.kv
     if kv.tier(tier).device.type != "cpu":
         return None
     runs = block_runs([r.block_id for r in refs])
-    slice_bytes = kv.bytes_per_block // (kv.num_layers * 2)
     if 2 * kv.num_layers * len(runs) > MAX_PIECE_FRAMES:
         return None
     return tier if min(n for _, _, n in runs) * slice_bytes >= ZERO_COPY_MIN_BYTES else None
@@ -359,7 +367,7 @@ async def send_prefix(driver: EngineDriver, conn: Connection, token_ids: list[in
     t0 = time.perf_counter()
     oneshot_max = ONESHOT_MAX_BYTES if oneshot_max_bytes is None else oneshot_max_bytes
     chunk_bytes = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
-    transfer_id = f"x-{uuid.uuid4().hex[:16]}"
+    transfer_id = f"{_ID_PREFIX}{next(_ID_SEQ)}"
     result: dict[str, Any] = {"transferred": False, "blocks": 0, "sent_blocks": 0, "new_blocks": 0,
                               "bytes": 0, "sends": 0, "chunks": 0, "inserted_tokens": 0, "reason": "",
                               "zero_copy": False}

@@ -17,6 +17,7 @@ def test_example_cluster_file_parses_and_the_engine_part_too():
     assert sorted(cfg.nodes) == ["n1", "n2", "n3"]
     assert cfg.node("n2").address == "zmq+tcp://127.0.0.1:5562"
     assert cfg.heartbeat_deadline > cfg.heartbeat_interval
+    assert cfg.ucx_progress_mode == "blocking"
     from kvd.config import load_config
 
     load_config(ROOT / "etc" / "kvd.example-cluster.toml")      # the rest of the file is valid too
@@ -31,6 +32,7 @@ def test_example_cluster_file_parses_and_the_engine_part_too():
     ({"nodes": {"n1": {"adress": "zmq+tcp://127.0.0.1:1"}}}, "unknown key"),
     ({"nodes": {"bad name!": {}}}, "node name"),
     ({"cluster": {"transport": "ucx", "curve_keys_dir": "/k"}}, "CURVE"),
+    ({"cluster": {"ucx_progress_mode": "spin"}}, "ucx_progress_mode"),
 ])
 def test_bad_cluster_config_is_an_error(data, message):
     with pytest.raises(ConfigError, match=message):

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 import transports
 from transports.inproc import InprocListener
 from transports.zmq import ZmqListener, zmq_endpoint
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("url", ["tcp://127.0.0.1:1", "zmq+udp://x:1", "127.0.0.1:80", "http://x"])
@@ -49,3 +55,29 @@ async def test_missing_ucxx_gives_an_install_hint(monkeypatch):
 async def test_bad_ucx_url():
     with pytest.raises(ValueError, match="ucx://host:port"):
         await transports.connect("ucx://nohostport")
+
+
+def test_ucx_progress_mode_is_validated():
+    with pytest.raises(ValueError, match="ucx_progress_mode"):
+        transports.TransportOptions(ucx_progress_mode="spin")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx not installed")
+@pytest.mark.parametrize("mode, env, want", [(None, None, "blocking"), ("thread", None, "thread"),
+                                             ("thread", "blocking", "blocking")])
+def test_ucx_is_set_up_in_the_configured_progress_mode(mode, env, want):
+    """UCX is set up once per process: in a fresh one, the first listener's
+    option decides (default "blocking"), unless UCXPY_PROGRESS_MODE is set."""
+    opts = f"transports.TransportOptions(ucx_progress_mode={mode!r})" if mode else "None"
+    code = ("import asyncio, transports, ucxx.core\n"
+            "async def main():\n"
+            f"    lis = await transports.listen('ucx://127.0.0.1:0', options={opts})\n"
+            "    print(ucxx.core._get_ctx().progress_mode)\n"
+            "    await lis.close()\n"
+            "asyncio.run(main())\n")
+    environ = {k: v for k, v in os.environ.items() if k != "UCXPY_PROGRESS_MODE"}
+    if env:
+        environ["UCXPY_PROGRESS_MODE"] = env
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=environ, capture_output=True,
+                         text=True, timeout=60, check=True).stdout
+    assert out.strip().splitlines()[-1] == want
