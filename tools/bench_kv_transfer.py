@@ -233,6 +233,14 @@ async def main_async(args) -> list[dict]:
     return rows
 
 
+def _run(coro):
+    """On uvloop, as the node daemons run (kvd/cli.py)."""
+    import uvloop  # noqa: PLC0415
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(coro)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="1,16,256")
@@ -248,13 +256,13 @@ def main() -> None:
     THREADS["n"] = args.threads
     torch.set_num_threads(args.threads)
     if args.serve:
-        asyncio.run(serve(args.serve, args.blocks))
+        _run(serve(args.serve, args.blocks))
         return
     if args.oneshot_mib is not None:
         TUNING["oneshot_max_bytes"] = int(args.oneshot_mib * MiB)
     if args.chunk_mib is not None:
         TUNING["chunk_bytes"] = int(args.chunk_mib * MiB)
-    rows = asyncio.run(main_async(args))
+    rows = _run(main_async(args))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
