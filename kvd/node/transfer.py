@@ -75,7 +75,7 @@ ONESHOT_MAX_BYTES = 32 << 20    # payloads up to this go as one KVData carrying 
 CHUNK_BYTES = 8 << 20           # streamed chunk size target (whole layers, <= num_layers chunks)
 STAGING_KEEP_BYTES = 1 << 30    # staging memory kept for reuse between transfers
 ZERO_COPY_MIN_BYTES = 64 << 10  # a pool slice this big is sent as is (pyzmq copies smaller frames)
-MAX_PIECE_FRAMES = 128          # frames of one transfer's pieces, all layers (protocol allows 256)
+MAX_PIECE_FRAMES = 128          # pieces frames in one KVData message (the protocol allows 256)
 
 # transfer ids: unique per sender process (random prefix) and per transfer
 # (counter); a receiver keys its pending allocations by them
@@ -136,12 +136,12 @@ def _gather(engine: Any, runs: list[tuple[str, int, list[int]]], out: Any, l0: i
         engine.kv.gather(tier, ids, out[:, :, pos:pos + len(ids)], layers=(l0, l1))
 
 
-def _zero_copy_tier(engine: Any, refs: list[Any]) -> str | None:
+def _zero_copy_tier(engine: Any, refs: list[Any], layers_per_message: int) -> str | None:
     """The tier to send ``refs`` from without a gather (pieces layout), or
     None: they must sit in one CPU tier, in few runs of consecutive ids
-    (<= MAX_PIECE_FRAMES frames over all layers), each run's slice of a
-    layer's K or V >= ZERO_COPY_MIN_BYTES (smaller ones cost more per frame
-    than the gather they save)."""
+    (<= MAX_PIECE_FRAMES frames in a message of ``layers_per_message``
+    layers), each run's slice of a layer's K or V >= ZERO_COPY_MIN_BYTES
+    (smaller ones cost more per frame than the gather they save)."""
     kv = engine.kv
     slice_bytes = kv.bytes_per_block // (kv.num_layers * 2)
     if len(refs) * slice_bytes < ZERO_COPY_MIN_BYTES:
@@ -153,14 +153,18 @@ def _zero_copy_tier(engine: Any, refs: list[Any]) -> str | None:
     if kv.tier(tier).device.type != "cpu":
         return None
     runs = block_runs([r.block_id for r in refs])
-    if 2 * kv.num_layers * len(runs) > MAX_PIECE_FRAMES:
+    if 2 * layers_per_message * len(runs) > MAX_PIECE_FRAMES:
         return None
     return tier if min(n for _, _, n in runs) * slice_bytes >= ZERO_COPY_MIN_BYTES else None
 
 
-def _layer_chunks(num_layers: int, nbytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
-    """Split [0, num_layers) into <= num_layers contiguous ranges of ~chunk_bytes."""
+def _layer_chunks(num_layers: int, nbytes: int, chunk_bytes: int,
+                  max_layers: int | None = None) -> list[tuple[int, int]]:
+    """Split [0, num_layers) into <= num_layers contiguous ranges of
+    ~chunk_bytes, each of at most ``max_layers`` layers."""
     n = max(1, min(num_layers, -(-nbytes // max(chunk_bytes, 1))))
+    if max_layers is not None:
+        n = max(n, -(-num_layers // max(1, max_layers)))
     bounds = [round(i * num_layers / n) for i in range(n + 1)]
     return [(bounds[i], bounds[i + 1]) for i in range(n)]
 
@@ -381,11 +385,14 @@ async def send_prefix(driver: EngineDriver, conn: Connection, token_ids: list[in
         kv = engine.kv
         L, two, bs, kvh, hd = kv.block_shape
         n = len(m.blocks)
-        zc_tier = _zero_copy_tier(engine, m.blocks) if n else None
+        oneshot = 0 < n * kv.bytes_per_block <= oneshot_max
+        per_message = L if oneshot else max(
+            l1 - l0 for l0, l1 in _layer_chunks(L, n * kv.bytes_per_block, chunk_bytes))
+        zc_tier = _zero_copy_tier(engine, m.blocks, per_message) if n else None
         frames: tuple[Any, ...] = ()
         lengths: tuple[int, ...] = ()
         engine.pool.tree.lock(m.last_node)
-        if 0 < n * kv.bytes_per_block <= oneshot_max:
+        if oneshot:
             if zc_tier is not None:
                 runs, views = kv.pieces(zc_tier, [r.block_id for r in m.blocks], (0, L))
                 lengths, frames = tuple(runs), tuple(views)
@@ -498,7 +505,11 @@ async def _stream_pieces(driver: EngineDriver, conn: Connection, m: Any,
         lengths, views = await driver.call(
             lambda engine: engine.kv.pieces(tier, [r.block_id for r in refs], (0, num_layers)))
     per_layer = 2 * len(lengths)
-    chunks = _layer_chunks(num_layers, len(refs) * block_bytes, chunk_bytes) if refs else [(0, num_layers)]
+    # fewer blocks than planned (the receiver had some) may mean fewer, wider
+    # chunks: keep each message within MAX_PIECE_FRAMES (a suffix of the
+    # blocks has no more runs than all of them, so one layer always fits)
+    chunks = (_layer_chunks(num_layers, len(refs) * block_bytes, chunk_bytes,
+                            max_layers=MAX_PIECE_FRAMES // per_layer) if refs else [(0, num_layers)])
     sends: list[asyncio.Future] = []
     try:
         for c, (l0, l1) in enumerate(chunks):
