@@ -1,23 +1,38 @@
-"""BlockPool: FIFO reuse, all-or-nothing allocation, misuse raises."""
+"""BlockPool: lowest ids first, all-or-nothing allocation, misuse raises."""
 
 import pytest
 from hypothesis import given, settings, strategies as st
 
 from engine.memory.blocks import BlockPool
+from engine.memory.kv_cache import block_runs
 
 
-def test_allocate_and_free_fifo():
+def test_allocate_lowest_ids_first():
     pool = BlockPool("device", 4)
     assert pool.allocate(2) == [0, 1]
     assert pool.num_free == 2 and pool.num_used == 2 and pool.num_blocks == 4
     pool.free([1, 0])
-    # freed blocks go to the back: 2, 3 come first, then 0, 1 (one free call
-    # goes back ascending, so they come out as a run of consecutive ids)
-    assert pool.allocate(4) == [2, 3, 0, 1]
+    assert pool.allocate(4) == [0, 1, 2, 3]        # ascending: one run
     pool.check_integrity()
     pool.free([3])
     pool.free([2, 1])
-    assert pool.allocate(3) == [3, 1, 2]           # FIFO across calls
+    assert pool.allocate(3) == [1, 2, 3]
+
+
+def test_reuse_keeps_allocations_in_runs():
+    """Allocations and frees in any interleaving: a fresh allocation of
+    everything free comes out as the free ids ascending, so it has exactly as
+    many runs as the free ids do (the old FIFO split them at every wrap)."""
+    pool = BlockPool("device", 264)
+    for n in (1, 16, 256) * 3:
+        ids = pool.allocate(n)
+        assert ids == sorted(ids) and len(block_runs(ids)) == 1, ids[:4]
+        pool.free(ids[::-1])
+    held = pool.allocate(40)
+    pool.free(held[10:20])                         # a hole in the middle
+    ids = pool.allocate(30)
+    assert ids == list(range(10, 20)) + list(range(40, 60))
+    pool.check_integrity()
 
 
 def test_short_returns_none_and_changes_nothing():
