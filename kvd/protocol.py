@@ -161,6 +161,9 @@ _SCALARS: dict[Any, Checker] = {int: _check_int, float: _check_float, str: _chec
                                 bool: _check_bool, Any: _json_value}
 
 
+_INT_ONLY = frozenset((int,))
+
+
 def _checker(tp: Any) -> Checker:
     """Compile an annotation into a function that validates (and freezes) a value."""
     if tp in _SCALARS:
@@ -174,7 +177,8 @@ def _checker(tp: Any) -> Checker:
         elem = _checker(args[0])
         if elem is _check_int:  # hot path: token id lists
             def check_ints(v: Any) -> tuple[int, ...]:
-                if isinstance(v, (list, tuple)) and all(type(x) is int for x in v):
+                # the types as a set, built in C: a bool (or anything else) shows up in it
+                if isinstance(v, (list, tuple)) and set(map(type, v)) <= _INT_ONLY:
                     return tuple(v)
                 return _fail("list of int", v)
             return check_ints
@@ -593,27 +597,62 @@ def _decode(header: Any, frames: list[Any], limits: ProtocolLimits) -> Message |
         return err("invalid_field", str(e))
 
 
+_DESCRIPTORS: dict[tuple[str, tuple[int, ...]], int] = {}   # valid (dtype, shape) -> bytes
+_DESCRIPTORS_MAX = 4096       # a peer sending ever new shapes cannot grow it past this
+
+
+def _descriptor(desc: Any, limits: ProtocolLimits) -> tuple[str, tuple[int, ...], int] | str:
+    """(dtype, shape, nbytes) of a valid frame descriptor, else the rejection
+    reason. The frames of one message mostly share a descriptor (a KV
+    transfer's pieces): a valid one is remembered, later ones are a lookup."""
+    if type(desc) is not dict or len(desc) != 2:
+        return "frame_mismatch"
+    dtype, shape = desc.get("dtype"), desc.get("shape")
+    if type(shape) is not list:
+        return "bad_shape" if "shape" in desc and "dtype" in desc else "frame_mismatch"
+    if not set(map(type, shape)) <= _INT_ONLY or len(shape) > limits.max_ndim:
+        # (only ints: True == 1 and 1.0 == 1, and they hash alike in the lookup below)
+        return "bad_shape" if "dtype" in desc else "frame_mismatch"
+    key = (dtype, tuple(shape))
+    try:
+        nbytes = _DESCRIPTORS.get(key)
+    except TypeError:             # an unhashable dtype or dimension: invalid either way
+        nbytes = None
+    if nbytes is not None:
+        return dtype, key[1], nbytes
+    if "dtype" not in desc:
+        return "frame_mismatch"
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        return "bad_dtype"
+    if min(shape, default=0) < 0:
+        return "bad_shape"
+    nbytes = math.prod(shape) * DTYPES[dtype]
+    if len(_DESCRIPTORS) >= _DESCRIPTORS_MAX:
+        _DESCRIPTORS.clear()
+    _DESCRIPTORS[key] = nbytes
+    return dtype, key[1], nbytes
+
+
+_DESCRIPTOR_ERRORS = {"frame_mismatch": "descriptor must be {dtype, shape}",
+                      "bad_dtype": "dtype not allowed", "bad_shape": "bad shape"}
+
+
 def _frame(i: int, desc: Any, frame: Any, limits: ProtocolLimits,
            err: Callable[[str, str], ProtocolError]) -> RawTensor | ProtocolError:
-    if not isinstance(desc, dict) or desc.keys() != {"dtype", "shape"}:
-        return err("frame_mismatch", f"frame {i}: descriptor must be {{dtype, shape}}")
-    dtype, shape = desc["dtype"], desc["shape"]
-    if not isinstance(dtype, str) or dtype not in DTYPES:
-        return err("bad_dtype", f"frame {i}: dtype {dtype!r} not allowed")
-    if (not isinstance(shape, list) or len(shape) > limits.max_ndim
-            or not all(type(d) is int and d >= 0 for d in shape)):
-        return err("bad_shape", f"frame {i}: bad shape {shape!r}")
+    checked = _descriptor(desc, limits)
+    if type(checked) is str:
+        return err(checked, f"frame {i}: {_DESCRIPTOR_ERRORS[checked]}: {desc!r:.200}")
+    dtype, shape, nbytes = checked
     try:
-        data = memoryview(frame)
+        data = frame if type(frame) is memoryview else memoryview(frame)
         data = data if (data.format == "B" and data.ndim == 1) else data.cast("B")
     except (TypeError, ValueError) as e:
         return err("bad_frame", f"frame {i}: not a contiguous buffer ({e})")
-    nbytes = math.prod(shape) * DTYPES[dtype]
     if nbytes > limits.max_frame_bytes or data.nbytes > limits.max_frame_bytes:
         return err("frame_too_large", f"frame {i}: over {limits.max_frame_bytes} bytes")
     if data.nbytes != nbytes:
-        return err("size_mismatch", f"frame {i}: {data.nbytes} bytes for {dtype}{shape}")
-    return RawTensor(dtype, tuple(shape), data)
+        return err("size_mismatch", f"frame {i}: {data.nbytes} bytes for {dtype}{list(shape)}")
+    return RawTensor(dtype, shape, data)
 
 
 # ─── over a transport ────────────────────────────────────────────────────────

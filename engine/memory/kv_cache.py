@@ -31,7 +31,9 @@ the two budgets stay separate.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
+import numpy as np
 import torch
 
 TIERS = ("device", "host")
@@ -59,10 +61,13 @@ class KVCache:
         # one block's extent in each layer's K and V: [L, 2, bs, kvh, hd], and its bytes
         self.block_shape = (num_layers, 2, block_size, num_kv_heads, head_dim)
         self.bytes_per_block = 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+        self.slice_bytes = block_size * num_kv_heads * head_dim * dtype.itemsize   # one layer's K (or V)
         self._num_blocks = {"device": device_blocks, "host": host_blocks}
         self._devices = {"device": torch.device(device), "host": torch.device(host_device)}
         self._pin_host = pin_host
         self._kv: dict[str, torch.Tensor] = {}
+        self._flat: dict[str, np.ndarray] = {}          # byte views of CPU tiers (pieces)
+        self._flat_views: dict[str, memoryview] = {}
         self._kv["device"] = self._make("device")
         if host_blocks:
             self._kv["host"] = self._make("host")
@@ -140,27 +145,36 @@ class KVCache:
         for pos, first, n in block_runs(self._ids(tier, ids)):
             kv[l0:l1, :, first:first + n].copy_(payload[:, :, pos:pos + n], non_blocking=True)
 
-    def scatter_pieces(self, tier: str, ids: Sequence[int], pieces: Sequence[torch.Tensor],
+    def scatter_pieces(self, tier: str, ids: Sequence[int], pieces: Sequence[Any],
                        lengths: Sequence[int], layers: tuple[int, int], skip: int = 0) -> None:
         """Write KV that arrives as pieces into blocks ``ids`` (distinct).
 
-        ``pieces[((l - l0) * 2 + kv) * R + r]`` is [lengths[r], bs, kvh, hd]:
-        run ``r`` of layer ``l``'s K (kv=0) or V (kv=1); the R runs of one
-        (layer, K|V) laid end to end are positions ``[0, sum(lengths))``, of
-        which the first ``skip`` are dropped and the rest go to ``ids`` in
-        order. One copy per overlap of a piece with a run of ``ids``.
-        Raises ValueError on a count, shape or dtype that does not fit."""
+        ``pieces[((l - l0) * 2 + kv) * R + r]`` holds the raw bytes (any
+        C-contiguous buffer, e.g. a received frame) of [lengths[r], bs, kvh,
+        hd] in this cache's dtype: run ``r`` of layer ``l``'s K (kv=0) or V
+        (kv=1); the R runs of one (layer, K|V) laid end to end are positions
+        ``[0, sum(lengths))``, of which the first ``skip`` are dropped and the
+        rest go to ``ids`` in order. One copy per overlap of a piece with a
+        run of ``ids`` (a memcpy on a CPU tier, no torch op per piece). The
+        dtype is the caller's to check (bytes carry none). Raises ValueError
+        on a count or size that does not fit."""
         l0, l1 = layers
         R = len(lengths)
         ids = self._ids(tier, ids)
         if skip < 0 or skip + len(ids) != sum(lengths) or len(pieces) != (l1 - l0) * 2 * R:
             raise ValueError(f"scatter_pieces: {len(pieces)} pieces of {list(lengths)} blocks "
                              f"for layers [{l0}, {l1}), skip {skip}, {len(ids)} ids")
-        bs, kvh, hd = self.block_shape[2:]
-        for i, t in enumerate(pieces):
-            if t.dtype != self.dtype or tuple(t.shape) != (lengths[i % R], bs, kvh, hd):
-                raise ValueError(f"scatter_pieces: piece {i} is {t.dtype} {tuple(t.shape)}, want "
-                                 f"{self.dtype} [{lengths[i % R]}, {bs}, {kvh}, {hd}]")
+        sb = self.slice_bytes
+        srcs = []
+        for i, p in enumerate(pieces):
+            try:
+                a = np.frombuffer(p, dtype=np.uint8)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"scatter_pieces: piece {i} is not a contiguous buffer ({e})") from None
+            if a.nbytes != lengths[i % R] * sb:
+                raise ValueError(f"scatter_pieces: piece {i} has {a.nbytes} bytes, want "
+                                 f"{lengths[i % R]} blocks x {sb}")
+            srcs.append(a)
         # plan once: (piece r, offset in it, first destination block, count)
         plan: list[tuple[int, int, int, int]] = []
         starts = [sum(lengths[:r]) for r in range(R)]
@@ -174,25 +188,52 @@ class KVCache:
                 c = min(n, lengths[r] - off)
                 plan.append((r, off, first, c))
                 p, first, n = p + c, first + c, n - c
-        kv = self.tier(tier)
+        flat = self._flat_bytes(tier)
+        N = self.num_blocks(tier)
+        kv = self.tier(tier) if flat is None else None
+        bs, kvh, hd = self.block_shape[2:]
         for li in range(l1 - l0):
             for k in (0, 1):
-                base = (li * 2 + k) * R
-                dst = kv[l0 + li, k]
+                base = ((l0 + li) * 2 + k) * N               # slice index of block 0 of (layer, K|V)
+                i0 = (li * 2 + k) * R
                 for r, off, first, c in plan:
-                    dst[first:first + c].copy_(pieces[base + r][off:off + c], non_blocking=True)
+                    src = srcs[i0 + r][off * sb:(off + c) * sb]
+                    if flat is not None:                     # numpy: a memcpy, GIL released
+                        flat[(base + first) * sb:(base + first + c) * sb] = src
+                    else:
+                        kv[l0 + li, k, first:first + c].copy_(
+                            torch.from_numpy(src).view(self.dtype).view(c, bs, kvh, hd), non_blocking=True)
 
     def pieces(self, tier: str, ids: Sequence[int], layers: tuple[int, int]
-               ) -> tuple[list[int], list[torch.Tensor]]:
+               ) -> tuple[list[int], list[memoryview]]:
         """Views (no copy) of layers ``[l0, l1)`` of blocks ``ids`` in the
-        layout :meth:`scatter_pieces` reads: (run lengths, one contiguous
-        [n, bs, kvh, hd] view per (layer, K|V, run)). The views alias the
-        pool: the blocks must stay unchanged (locked) while they are read."""
+        layout :meth:`scatter_pieces` reads: (run lengths, one flat byte view
+        of [n, bs, kvh, hd] per (layer, K|V, run)). The views alias the pool:
+        the blocks must stay unchanged (locked) while they are read. CPU tiers
+        only (they go on the wire as they are)."""
+        flat = self._flat_bytes(tier)
+        if flat is None:
+            raise ValueError(f"pieces: tier {tier!r} is not in CPU memory")
         l0, l1 = layers
         runs = block_runs(self._ids(tier, ids))
-        kv = self.tier(tier)
-        views = [kv[l, k, first:first + n] for l in range(l0, l1) for k in (0, 1) for _, first, n in runs]
-        return [n for _, _, n in runs], views
+        view = self._flat_views[tier]
+        sb, N = self.slice_bytes, self.num_blocks(tier)
+        out = [view[(base + first) * sb:(base + first + n) * sb]
+               for base in [(l * 2 + k) * N for l in range(l0, l1) for k in (0, 1)]
+               for _, first, n in runs]
+        return [n for _, _, n in runs], out
+
+    def _flat_bytes(self, tier: str) -> np.ndarray | None:
+        """The tier's bytes as one flat uint8 array sharing its memory (made
+        once per tier), or None for a tier outside CPU memory."""
+        flat = self._flat.get(tier)
+        if flat is None:
+            kv = self.tier(tier)
+            if kv.device.type != "cpu":
+                return None
+            flat = self._flat[tier] = kv.view(-1).view(torch.uint8).numpy()
+            self._flat_views[tier] = memoryview(flat)
+        return flat
 
     def copy_blocks(self, src_tier: str, src_ids: Sequence[int],
                     dst_tier: str, dst_ids: Sequence[int]) -> None:

@@ -158,6 +158,18 @@ def _zero_copy_tier(engine: Any, refs: list[Any], layers_per_message: int) -> st
     return tier if min(n for _, _, n in runs) * slice_bytes >= ZERO_COPY_MIN_BYTES else None
 
 
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _piece_tensors(kv: Any, lengths: list[int], views: list[memoryview]) -> tuple[Any, ...]:
+    """``KVCache.pieces`` byte views as wire tensors (no torch op per piece)."""
+    dtype, (bs, kvh, hd) = _dtype_name(kv.dtype), kv.block_shape[2:]
+    shapes = [(n, bs, kvh, hd) for n in lengths]
+    R = len(lengths)
+    return tuple(protocol.RawTensor(dtype, shapes[i % R], v) for i, v in enumerate(views))
+
+
 def _layer_chunks(num_layers: int, nbytes: int, chunk_bytes: int,
                   max_layers: int | None = None) -> list[tuple[int, int]]:
     """Split [0, num_layers) into <= num_layers contiguous ranges of
@@ -200,7 +212,7 @@ class TransferReceiver:
 
     @staticmethod
     def _layout_error(engine: Any, num_layers: int, dtype: str) -> str | None:
-        if num_layers != engine.kv.num_layers or dtype != str(engine.kv.dtype).removeprefix("torch."):
+        if num_layers != engine.kv.num_layers or dtype != _dtype_name(engine.kv.dtype):
             return "layout mismatch (layers or dtype)"
         return None
 
@@ -265,7 +277,13 @@ class TransferReceiver:
         frames in place. Raises ValueError on frames that do not fit."""
         kv = engine.kv
         if msg.pieces:
-            kv.scatter_pieces(tier, ids, [t.to_torch() for t in msg.tensors], msg.pieces, (l0, l1), skip)
+            dtype, (bs, kvh, hd) = _dtype_name(kv.dtype), kv.block_shape[2:]
+            R = len(msg.pieces)
+            for i, t in enumerate(msg.tensors):
+                if t.dtype != dtype or t.shape != (msg.pieces[i % R], bs, kvh, hd):
+                    raise ValueError(f"piece {i} is {t.dtype}{list(t.shape)}, want "
+                                     f"{dtype}[{msg.pieces[i % R]}, {bs}, {kvh}, {hd}]")
+            kv.scatter_pieces(tier, ids, [t.data for t in msg.tensors], msg.pieces, (l0, l1), skip)
             return
         if len(msg.tensors) != 1:
             raise ValueError(f"packed KVData carries one frame, got {len(msg.tensors)}")
@@ -395,7 +413,7 @@ async def send_prefix(driver: EngineDriver, conn: Connection, token_ids: list[in
         if oneshot:
             if zc_tier is not None:
                 runs, views = kv.pieces(zc_tier, [r.block_id for r in m.blocks], (0, L))
-                lengths, frames = tuple(runs), tuple(views)
+                lengths, frames = tuple(runs), _piece_tensors(kv, runs, views)
             else:
                 try:
                     buf, payload = _STAGING.acquire((L, two, n, bs, kvh, hd), kv.dtype)
@@ -404,7 +422,7 @@ async def send_prefix(driver: EngineDriver, conn: Connection, token_ids: list[in
                     frames = (payload,)
                 finally:
                     engine.pool.tree.unlock(m.last_node)
-        return m, L, str(kv.dtype).removeprefix("torch."), bs, kv.bytes_per_block, frames, lengths, zc_tier
+        return m, L, _dtype_name(kv.dtype), bs, kv.bytes_per_block, frames, lengths, zc_tier
 
     m, num_layers, dtype, bs, block_bytes, frames, lengths, zc_tier = await driver.call(lock_prefix)
     locked = not frames or bool(lengths)     # a staged one-shot is unlocked already
@@ -502,8 +520,10 @@ async def _stream_pieces(driver: EngineDriver, conn: Connection, m: Any,
     lengths: list[int] = []
     views: list[Any] = []
     if refs:
-        lengths, views = await driver.call(
-            lambda engine: engine.kv.pieces(tier, [r.block_id for r in refs], (0, num_layers)))
+        def pieces(engine):
+            runs, views = engine.kv.pieces(tier, [r.block_id for r in refs], (0, num_layers))
+            return runs, _piece_tensors(engine.kv, runs, views)
+        lengths, views = await driver.call(pieces)
     per_layer = 2 * len(lengths)
     # fewer blocks than planned (the receiver had some) may mean fewer, wider
     # chunks: keep each message within MAX_PIECE_FRAMES (a suffix of the

@@ -1,5 +1,6 @@
 """KVCache: layer-major layout, batched copies, export/import round trips."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -132,22 +133,29 @@ def test_run_wise_copies_match_index_ops(src_ids, dst_ids):
     ([4, 5, 1, 2, 3], [0, 1, 2], 2),        # the receiver had the first two blocks
     ([5, 3, 1], [4, 5, 0], 0),              # single-block runs on both sides
 ])
-def test_pieces_round_trip(src_ids, dst_ids, skip):
+@pytest.mark.parametrize("torch_path", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pieces_round_trip(src_ids, dst_ids, skip, torch_path, dtype, monkeypatch):
     """pieces() aliases the pool per (layer, K|V, run); scatter_pieces() lands them
     in other blocks, dropping the first ``skip`` positions."""
-    src, dst = filled(device_blocks=6), KVCache(L, KVH, HD, BS, 6, 0)
+    src, dst = filled(device_blocks=6, dtype=dtype), KVCache(L, KVH, HD, BS, 6, 0, dtype)
     lengths, views = src.pieces("device", src_ids, (1, 3))
     assert sum(lengths) == len(src_ids) and len(views) == 2 * 2 * len(lengths)
-    assert all(v.is_contiguous() and v.untyped_storage().data_ptr() == src.tier("device").untyped_storage().data_ptr()
-               for v in views)
+    pool = src.tier("device")
+    lo, hi = pool.data_ptr(), pool.data_ptr() + pool.numel() * pool.element_size()
+    for v, (l, k, r) in zip(views, [(l, k, r) for l in (1, 2) for k in (0, 1) for r in range(len(lengths))]):
+        addr = np.frombuffer(v, dtype=np.uint8).ctypes.data       # a view into the pool, not a copy
+        assert lo <= addr < hi and v.nbytes == lengths[r] * src.slice_bytes
+    if torch_path:          # the copy a non-CPU tier takes (torch, per piece)
+        monkeypatch.setattr(KVCache, "_flat_bytes", lambda self, tier: None)
     dst.scatter_pieces("device", dst_ids, views, lengths, (1, 3), skip=skip)
     got = dst.tier("device")
-    want = src.tier("device")[:, :, src_ids[skip:]]
+    want = pool[:, :, src_ids[skip:]]
     assert torch.equal(got[1:3][:, :, dst_ids], want[1:3])
     assert not got[0].any()                                   # other layers untouched
     with pytest.raises(ValueError):
         dst.scatter_pieces("device", dst_ids, views[:-1], lengths, (1, 3), skip=skip)
-    with pytest.raises(ValueError):
-        dst.scatter_pieces("device", dst_ids, [v.double() for v in views], lengths, (1, 3), skip=skip)
+    with pytest.raises(ValueError, match="bytes"):
+        dst.scatter_pieces("device", dst_ids, [v[:-4] for v in views], lengths, (1, 3), skip=skip)
     with pytest.raises(ValueError):
         dst.scatter_pieces("device", dst_ids[:-1], views, lengths, (1, 3), skip=skip)

@@ -138,6 +138,20 @@ def test_bad_messages_are_error_values(header, frames, reason):
     assert result.reason in REASONS
 
 
+@pytest.mark.parametrize("shape", [[True, 2], [1.0, 2], [1, 2.0]])
+def test_a_remembered_descriptor_does_not_admit_look_alike_shapes(shape):
+    """Valid descriptors are remembered (the pieces of a KV transfer share
+    one); a shape that compares and hashes equal to a remembered one but is
+    not made of ints is still refused."""
+    good = decode(h(**KV, frames=[{"dtype": "float32", "shape": [1, 2]}]), [b"x" * 8])
+    assert not isinstance(good, ProtocolError) and good.tensors[0].shape == (1, 2)
+    bad = decode(h(**KV, frames=[{"dtype": "float32", "shape": shape}]), [b"x" * 8])
+    assert isinstance(bad, ProtocolError) and bad.reason == "bad_shape", bad
+    ndim = decode(h(**KV, frames=[{"dtype": "float32", "shape": [1, 2]}]), [b"x" * 8],
+                  ProtocolLimits(max_ndim=1))          # a stricter limit applies to it as well
+    assert isinstance(ndim, ProtocolError) and ndim.reason == "bad_shape"
+
+
 def test_limits_are_configurable():
     assert decode(b" " * 101, [], ProtocolLimits(max_header_bytes=100)).reason == "header_too_large"
     limits = ProtocolLimits(max_frames=2, max_frame_bytes=8)
