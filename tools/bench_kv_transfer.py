@@ -23,8 +23,9 @@ engine. One sample is
 Both alternate sample by sample (shared, noisy machine); the table reports
 medians in GB/s, the ratio b/a (target >= 0.8) and the sends per transfer
 (must be O(layers) at most: 1 one-shot, else 1 + chunks). The receiver
-serves each transfer message in its own task, as the node daemon does, and
-its KV pool is made resident first (as a serving node's is).
+serves transfer messages as the node daemon does (a KVData right away when
+its engine is idle, else in a task of its own; on uvloop), and its KV pool is
+made resident first (as a serving node's is).
 ``--oneshot-mib`` / ``--chunk-mib`` override the two thresholds; ``--threads``
 sets torch threads per process (default 1: two processes share the host's
 cores; a node with more torch threads never runs transfer work inline on
@@ -122,8 +123,8 @@ async def serve(url: str, num_blocks: int) -> None:
     tasks: set[asyncio.Task] = set()
 
     async def reply_later(incoming, msg) -> None:
-        # as the node daemon does (_reply_later): one task per transfer message,
-        # so the chunks of a streamed transfer are received while earlier ones import
+        # as the node daemon does (_reply_later): a task per transfer message the
+        # engine cannot take at once, so later chunks are received meanwhile
         if isinstance(msg, protocol.KVTransferRequest):
             reply = await receiver.on_request(msg, 60.0)
         elif isinstance(msg, protocol.KVData):
@@ -141,7 +142,11 @@ async def serve(url: str, num_blocks: int) -> None:
             n = await driver.call(drop_cache)
             await listener.reply(incoming, b'{"dropped":%d}' % n)
             continue
-        task = asyncio.create_task(reply_later(incoming, protocol.decode(incoming.header, incoming.frames)))
+        msg = protocol.decode(incoming.header, incoming.frames)
+        if isinstance(msg, protocol.KVData) and (ack := receiver.try_data(msg)) is not None:
+            await listener.reply(incoming, *protocol.encode(ack))   # as the node daemon: idle engine, no task
+            continue
+        task = asyncio.create_task(reply_later(incoming, msg))
         tasks.add(task)
         task.add_done_callback(tasks.discard)
 

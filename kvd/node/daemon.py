@@ -245,6 +245,14 @@ class NodeDaemon:
             self.transfers_dropped += 1
             return protocol.Error(id=msg.id, code="transfer_refused",
                                   message=f"node {self.name} drops KV transfers (fault injection)")
+        if isinstance(msg, protocol.KVData):
+            # an idle engine imports it right here: the ack goes back without a task
+            try:
+                if (ack := self.receiver.try_data(msg)) is not None:
+                    return ack
+            except Exception as exc:  # noqa: BLE001 -- as _reply_later answers a failure
+                log.exception("KVData %s failed", msg.id)
+                return protocol.Error(id=msg.id, code="internal", message=f"{type(exc).__name__}: {exc}")
         if isinstance(msg, (protocol.KVTransferRequest, protocol.KVData, protocol.AdminCommand)):
             self._tg.create_task(self._reply_later(msg, incoming), name=f"{msg.TYPE} {msg.id}")
             return None

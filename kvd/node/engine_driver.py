@@ -128,6 +128,20 @@ class EngineDriver:
         engine thread after the commands sent before (module docstring).
         Raises TimeoutError past ``timeout`` (a queued ``fn`` may still run
         later: it must be safe to run late) and EngineDead."""
+        done, result = self.try_call(fn)
+        if done:
+            return result
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._submit(("call", fn, fut))
+        async with asyncio.timeout(timeout):
+            return await fut
+
+    def try_call(self, fn: Callable[[LLMEngine], T]) -> tuple[bool, T | None]:
+        """``call`` without waiting: ``(True, fn(engine))`` when ``fn`` could
+        run right now on this thread (the engine idle, as ``call`` inlines),
+        else ``(False, None)`` and nothing ran: use ``call``. Lets a message
+        handler answer at once, without a task. Raises EngineDead, and what
+        ``fn`` raises."""
         if self._dead is not None or not self._running:
             raise EngineDead("engine is not running")
         if self._inline_ok and self._lock.acquire(blocking=False):
@@ -135,13 +149,10 @@ class EngineDriver:
                 if self._applied == self._submitted:
                     self.inline_calls += 1
                     self._snapshot_stale = True    # refreshed by the next stats()
-                    return fn(self.engine)
+                    return True, fn(self.engine)
             finally:
                 self._lock.release()
-        fut: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._submit(("call", fn, fut))
-        async with asyncio.timeout(timeout):
-            return await fut
+        return False, None
 
     def stats(self) -> dict:
         """The engine's last published snapshot (consistent, possibly one step

@@ -245,9 +245,18 @@ class TransferReceiver:
         return await self.driver.call(allocate)
 
     async def on_data(self, msg: protocol.KVData) -> protocol.KVAck:
+        return await self.driver.call(self._data_fn(msg))
+
+    def try_data(self, msg: protocol.KVData) -> protocol.KVAck | None:
+        """``on_data`` at once, without a task, when the engine is idle (the
+        ack); None when it is busy: then await ``on_data``."""
+        done, ack = self.driver.try_call(self._data_fn(msg))
+        return ack if done else None
+
+    def _data_fn(self, msg: protocol.KVData) -> Any:
         if msg.token_ids is not None:
-            return await self.driver.call(lambda engine: self._oneshot(engine, msg))
-        return await self.driver.call(lambda engine: self._import_chunk(engine, msg))
+            return lambda engine: self._oneshot(engine, msg)
+        return lambda engine: self._import_chunk(engine, msg)
 
     def _ack(self, msg: protocol.KVData, ok: bool, **kw: Any) -> protocol.KVAck:
         return protocol.KVAck(id=msg.id, transfer_id=msg.transfer_id, ok=ok, **kw)

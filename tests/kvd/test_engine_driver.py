@@ -52,6 +52,34 @@ async def test_idle_call_runs_inline_and_a_call_during_a_step_waits_for_it(drive
     await stream.aclose()
 
 
+async def test_try_call_runs_only_when_it_could_run_now(driver):
+    """``try_call``: the result at once on an idle engine; ``(False, None)``
+    with nothing run while a step holds the engine or a command is queued."""
+    assert driver.try_call(lambda e: threading.current_thread()) == (True, threading.current_thread())
+    with pytest.raises(ZeroDivisionError):
+        driver.try_call(lambda e: 1 / 0)                 # what fn raises comes back
+    ran = []
+    in_step, release = threading.Event(), threading.Event()
+    step = driver.engine.step
+
+    def slow_step():
+        in_step.set()
+        release.wait(10)
+        return step()
+    driver.engine.step = slow_step
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    stream = driver.generate("r", list(range(100, 140)), params)
+    first = asyncio.ensure_future(anext(stream))
+    await asyncio.sleep(0)                               # the add is sent: queued or being applied
+    assert driver.try_call(ran.append) == (False, None)
+    assert await asyncio.to_thread(in_step.wait, 10)
+    assert driver.try_call(ran.append) == (False, None)  # a step holds the engine
+    assert ran == []
+    release.set()
+    await first
+    await stream.aclose()
+
+
 async def test_call_never_overtakes_an_earlier_command(driver):
     """An ``add`` sent without waiting, then a call: the call must see the request."""
     params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
