@@ -45,11 +45,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
-import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -62,6 +59,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 import transports  # noqa: E402
+from tools._twoproc import receiver, receiver_url, run_on_uvloop, write_results  # noqa: E402
 from engine.engine import EngineConfig, LLMEngine  # noqa: E402
 from engine.model.config import tiny_config  # noqa: E402
 from engine.model.llama import LlamaModel  # noqa: E402
@@ -165,16 +163,9 @@ def cache_prefix(engine: LLMEngine, tokens: list[int]) -> None:
 
 async def bench_transport(url: str, sizes: list[int], driver: EngineDriver, runs: dict[int, int]) -> list[dict]:
     max_blocks = max(sizes) * MiB // bytes_per_block(driver.engine) + 8
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--serve", url,
-                             "--blocks", str(max_blocks), "--threads", str(THREADS["n"])],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
-    bound = proc.stdout.readline().strip()
-    if not bound:
-        proc.kill()
-        raise RuntimeError(f"receiver for {url} did not start")
-    conn = await transports.connect(bound, options=OPTIONS)
     rows = []
-    try:
+    async with receiver(str(Path(__file__).resolve()), url, ["--blocks", str(max_blocks), "--threads", str(THREADS["n"])],
+                        OPTIONS) as conn:
         for size in sizes:
             nblocks = size * MiB // bytes_per_block(driver.engine)
             tokens = [(size * 7919 + i) % 40000 + 1 for i in range(nblocks * BLOCK)]
@@ -205,10 +196,6 @@ async def bench_transport(url: str, sizes: list[int], driver: EngineDriver, runs
                          "plain_ms": p * 1e3, "transfer_ms": x * 1e3})
             await driver.call(drop_cache)
             print(_row(rows[-1]), flush=True)
-    finally:
-        await conn.close()
-        proc.stdin.close()
-        proc.wait(10)
     return rows
 
 
@@ -231,19 +218,11 @@ async def main_async(args) -> list[dict]:
     tmp = tempfile.mkdtemp(prefix="kvd-bench-")
     try:
         for name in names:
-            url = f"zmq+ipc://{tmp}/recv.sock" if name == "zmq+ipc" else f"{name}://127.0.0.1:0"
+            url = receiver_url(name, tmp)
             rows += await bench_transport(url, sizes, driver, runs)
     finally:
         await driver.stop()
     return rows
-
-
-def _run(coro):
-    """On uvloop, as the node daemons run (kvd/cli.py)."""
-    import uvloop  # noqa: PLC0415
-
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(coro)
 
 
 def main() -> None:
@@ -261,19 +240,14 @@ def main() -> None:
     THREADS["n"] = args.threads
     torch.set_num_threads(args.threads)
     if args.serve:
-        _run(serve(args.serve, args.blocks))
+        run_on_uvloop(serve(args.serve, args.blocks))
         return
     if args.oneshot_mib is not None:
         TUNING["oneshot_max_bytes"] = int(args.oneshot_mib * MiB)
     if args.chunk_mib is not None:
         TUNING["chunk_bytes"] = int(args.chunk_mib * MiB)
-    rows = _run(main_async(args))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                                           "python": platform.python_version(), "torch": torch.__version__},
-                               "time": time.time(), "rows": rows}, indent=2))
-    print(f"\nwrote {out}")
+    rows = run_on_uvloop(main_async(args))
+    write_results(args.out, rows)
 
 
 if __name__ == "__main__":

@@ -31,11 +31,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
-import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -48,6 +45,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 import transports  # noqa: E402
+from tools._twoproc import receiver, receiver_url, run_on_uvloop, write_results  # noqa: E402
 from transports import TransportOptions  # noqa: E402
 
 MiB = 1 << 20
@@ -78,19 +76,11 @@ async def serve(url: str, blocks: int) -> None:
 
 async def probe(url: str, sizes: list[int], runs: int) -> list[dict]:
     blocks = max(sizes) + 2
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--serve", url,
-                             "--blocks", str(blocks)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True, cwd=ROOT)
-    bound = proc.stdout.readline().strip()
-    if not bound:
-        proc.kill()
-        raise RuntimeError(f"receiver for {url} did not start")
-    conn = await transports.connect(bound, options=OPTIONS)
     pool = _pool(blocks)
     pool.normal_()
     L, two, bs, kvh, hd = SHAPE
     rows = []
-    try:
+    async with receiver(str(Path(__file__).resolve()), url, ["--blocks", str(blocks)], OPTIONS) as conn:
         for size in sizes:                        # MiB = blocks
             plain_buf = bytearray(size * MiB)
             contiguous = torch.randn(L, two, size, bs, kvh, hd)
@@ -114,10 +104,6 @@ async def probe(url: str, sizes: list[int], runs: int) -> list[dict]:
                          "plain_ms": p * 1e3, "one_copy_ms": one * 1e3, "two_copies_ms": two_ * 1e3,
                          "one_copy_ratio": p / one, "two_copies_ratio": p / two_})
             print(_row(rows[-1]), flush=True)
-    finally:
-        await conn.close()
-        proc.stdin.close()
-        proc.wait(10)
     return rows
 
 
@@ -134,17 +120,9 @@ async def main_async(args) -> list[dict]:
     rows = []
     tmp = tempfile.mkdtemp(prefix="kvd-probe-")
     for name in names:
-        url = f"zmq+ipc://{tmp}/recv.sock" if name == "zmq+ipc" else f"{name}://127.0.0.1:0"
+        url = receiver_url(name, tmp)
         rows += await probe(url, sizes, args.runs)
     return rows
-
-
-def _run(coro):
-    """On uvloop, as the node daemons run (kvd/cli.py)."""
-    import uvloop  # noqa: PLC0415
-
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(coro)
 
 
 def main() -> None:
@@ -158,15 +136,10 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)          # as the bench: two processes share the host's cores
     if args.serve:
-        _run(serve(args.serve, args.blocks))
+        run_on_uvloop(serve(args.serve, args.blocks))
         return
-    rows = _run(main_async(args))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                                           "python": platform.python_version(), "torch": torch.__version__},
-                               "time": time.time(), "rows": rows}, indent=2))
-    print(f"\nwrote {out}")
+    rows = run_on_uvloop(main_async(args))
+    write_results(args.out, rows)
 
 
 if __name__ == "__main__":

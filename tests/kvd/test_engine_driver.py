@@ -27,10 +27,9 @@ async def driver():
     await d.stop()
 
 
-async def test_idle_call_runs_inline_and_a_call_during_a_step_waits_for_it(driver):
-    assert await driver.call(lambda e: threading.current_thread()) is threading.current_thread()
-    assert driver.inline_calls == 1
-    # hold the engine inside a step: a call must wait for the step to end
+def hold_steps(driver) -> tuple[threading.Event, threading.Event]:
+    """Make each engine step wait inside the step until ``release`` is set;
+    ``in_step`` is set once a step has begun."""
     in_step, release = threading.Event(), threading.Event()
     step = driver.engine.step
 
@@ -39,9 +38,22 @@ async def test_idle_call_runs_inline_and_a_call_during_a_step_waits_for_it(drive
         release.wait(10)
         return step()
     driver.engine.step = slow_step
+    return in_step, release
+
+
+def start_request(driver):
+    """A 4-token greedy request: (its stream, the future of its first output)."""
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     stream = driver.generate("r", list(range(100, 140)), params)
-    first = asyncio.ensure_future(anext(stream))
+    return stream, asyncio.ensure_future(anext(stream))
+
+
+async def test_idle_call_runs_inline_and_a_call_during_a_step_waits_for_it(driver):
+    assert await driver.call(lambda e: threading.current_thread()) is threading.current_thread()
+    assert driver.inline_calls == 1
+    # hold the engine inside a step: a call must wait for the step to end
+    in_step, release = hold_steps(driver)
+    stream, first = start_request(driver)
     assert await asyncio.to_thread(in_step.wait, 10)
     call = asyncio.ensure_future(driver.call(lambda e: len(e.requests)))
     await asyncio.sleep(0.2)
@@ -59,17 +71,8 @@ async def test_try_call_runs_only_when_it_could_run_now(driver):
     with pytest.raises(ZeroDivisionError):
         driver.try_call(lambda e: 1 / 0)                 # what fn raises comes back
     ran = []
-    in_step, release = threading.Event(), threading.Event()
-    step = driver.engine.step
-
-    def slow_step():
-        in_step.set()
-        release.wait(10)
-        return step()
-    driver.engine.step = slow_step
-    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-    stream = driver.generate("r", list(range(100, 140)), params)
-    first = asyncio.ensure_future(anext(stream))
+    in_step, release = hold_steps(driver)
+    stream, first = start_request(driver)
     await asyncio.sleep(0)                               # the add is sent: queued or being applied
     assert driver.try_call(ran.append) == (False, None)
     assert await asyncio.to_thread(in_step.wait, 10)

@@ -1,0 +1,71 @@
+"""Shared plumbing of the two-process transfer benchmarks
+(``bench_kv_transfer.py``, ``probe_transfer_floor.py``): the event loop the
+daemons use, the receiver process and its address per transport, the
+results file."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import transports
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_on_uvloop(coro: Any) -> Any:
+    """Run ``coro`` on uvloop, as the node daemons run (kvd/cli.py)."""
+    import uvloop  # noqa: PLC0415
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(coro)
+
+
+def receiver_url(transport: str, tmp: str) -> str:
+    """Where a benchmark's receiver listens: a socket file in ``tmp`` for
+    zmq+ipc, loopback with a free port otherwise."""
+    return f"zmq+ipc://{tmp}/recv.sock" if transport == "zmq+ipc" else f"{transport}://127.0.0.1:0"
+
+
+@contextlib.asynccontextmanager
+async def receiver(script: str, url: str, args: list[str],
+                   options: transports.TransportOptions) -> AsyncIterator[transports.Connection]:
+    """Start ``python SCRIPT --serve URL ARGS...`` (it prints the address it
+    bound, then serves until its stdin closes) and yield a connection to it;
+    on the way out, close both."""
+    proc = subprocess.Popen([sys.executable, script, "--serve", url, *args], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    bound = proc.stdout.readline().strip()
+    if not bound:
+        proc.kill()
+        raise RuntimeError(f"receiver for {url} did not start")
+    try:
+        conn = await transports.connect(bound, options=options)
+        try:
+            yield conn
+        finally:
+            await conn.close()
+    finally:
+        proc.stdin.close()
+        proc.wait(10)
+
+
+def write_results(path: str | os.PathLike, rows: list[dict]) -> None:
+    """``{"machine", "time", "rows"}`` as JSON at ``path`` (its folder made)."""
+    import torch  # noqa: PLC0415
+
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                                           "python": platform.python_version(), "torch": torch.__version__},
+                               "time": time.time(), "rows": rows}, indent=2))
+    print(f"\nwrote {out}")
