@@ -143,7 +143,7 @@ def _zero_copy_tier(engine: Any, refs: list[Any], layers_per_message: int) -> st
     layers), each run's slice of a layer's K or V >= ZERO_COPY_MIN_BYTES
     (smaller ones cost more per frame than the gather they save)."""
     kv = engine.kv
-    slice_bytes = kv.bytes_per_block // (kv.num_layers * 2)
+    slice_bytes = kv.slice_bytes
     if len(refs) * slice_bytes < ZERO_COPY_MIN_BYTES:
         return None                   # not even one run could make a frame worth sending
     tiers = {r.tier for r in refs}
