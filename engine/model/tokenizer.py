@@ -150,16 +150,13 @@ class Tokenizer:
         Raises ``ValueError`` for a missing file, a file without tokenizer
         metadata, or a sentencepiece/unigram vocabulary (not supported yet).
         """
-        import gguf  # local: only the GGUF path needs it
+        from engine.model.gguf_meta import read_metadata  # noqa: PLC0415 -- only the GGUF path needs it
 
         path = Path(path)
-        if not path.is_file():
-            raise ValueError(f"GGUF file not found: {path}")
-        reader = gguf.GGUFReader(path)
+        meta = read_metadata(path)      # ValueError for a missing or malformed file
 
         def field(key: str, default: Any = None) -> Any:
-            f = reader.fields.get(key)
-            return default if f is None else f.contents()
+            return meta.get(key, default)
 
         model_type = field("tokenizer.ggml.model")
         if model_type is None:
