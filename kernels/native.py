@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
+import functools
 import hashlib
 import logging
 import os
@@ -45,6 +46,7 @@ def cache_dir() -> Path:
     return Path(os.environ.get("KVD_KERNEL_CACHE") or REPO / "build" / "kernels")
 
 
+@functools.cache
 def _compiler_version() -> str:
     try:
         return subprocess.run([COMPILER, "--version"], capture_output=True, text=True,

@@ -89,6 +89,11 @@ class ProtocolError:
     id: str | None = None
 
 
+def dtype_name(dtype: Any) -> str:
+    """A torch dtype's name on the wire: ``torch.bfloat16`` -> ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")
+
+
 @dataclass(frozen=True, slots=True)
 class RawTensor:
     """A tensor as it travels: dtype name, shape, and its raw bytes (C order)."""
@@ -104,7 +109,7 @@ class RawTensor:
     @classmethod
     def from_torch(cls, tensor: Any) -> "RawTensor":
         """View a CPU tensor's bytes (copies only if it is not contiguous)."""
-        name = str(tensor.dtype).removeprefix("torch.")
+        name = dtype_name(tensor.dtype)
         if name not in DTYPES:
             raise ValueError(f"dtype {name} is not allowed on the wire")
         return cls(name, tuple(tensor.shape), as_buffer(tensor))

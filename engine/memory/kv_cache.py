@@ -23,9 +23,8 @@ ascending runs) are one strided slice ``kv[l0:l1, :, a:a+n]`` and one
 (one per block only when no two ids follow each other). Measured on CPU
 (``index_copy_`` on the block axis is a generic scatter): 1 MiB 74 vs 25 us,
 16 MiB 1.23 vs 0.66 ms, and even one slice per block beats it (0.96 ms for
-16 scattered blocks). On a CPU
-"device" and "host" are both host memory, kept as separate tensors so that
-the two budgets stay separate.
+16 scattered blocks). On a CPU "device" and "host" are both host memory,
+kept as separate tensors so that the two budgets stay separate.
 """
 
 from __future__ import annotations
@@ -67,7 +66,6 @@ class KVCache:
         self._pin_host = pin_host
         self._kv: dict[str, torch.Tensor] = {}
         self._flat: dict[str, np.ndarray] = {}          # byte views of CPU tiers (pieces)
-        self._flat_views: dict[str, memoryview] = {}
         self._kv["device"] = self._make("device")
         if host_blocks:
             self._kv["host"] = self._make("host")
@@ -216,7 +214,7 @@ class KVCache:
             raise ValueError(f"pieces: tier {tier!r} is not in CPU memory")
         l0, l1 = layers
         runs = block_runs(self._ids(tier, ids))
-        view = self._flat_views[tier]
+        view = memoryview(flat)
         sb, N = self.slice_bytes, self.num_blocks(tier)
         out = [view[(base + first) * sb:(base + first + n) * sb]
                for base in [(l * 2 + k) * N for l in range(l0, l1) for k in (0, 1)]
@@ -232,7 +230,6 @@ class KVCache:
             if kv.device.type != "cpu":
                 return None
             flat = self._flat[tier] = kv.view(-1).view(torch.uint8).numpy()
-            self._flat_views[tier] = memoryview(flat)
         return flat
 
     def copy_blocks(self, src_tier: str, src_ids: Sequence[int],

@@ -250,9 +250,8 @@ class NodeDaemon:
             try:
                 if (ack := self.receiver.try_data(msg)) is not None:
                     return ack
-            except Exception as exc:  # noqa: BLE001 -- as _reply_later answers a failure
-                log.exception("KVData %s failed", msg.id)
-                return protocol.Error(id=msg.id, code="internal", message=f"{type(exc).__name__}: {exc}")
+            except Exception as exc:  # noqa: BLE001 -- answered as _reply_later answers a failure
+                return _internal_error(msg, exc)
         if isinstance(msg, (protocol.KVTransferRequest, protocol.KVData, protocol.AdminCommand)):
             self._tg.create_task(self._reply_later(msg, incoming), name=f"{msg.TYPE} {msg.id}")
             return None
@@ -304,8 +303,7 @@ class NodeDaemon:
             else:
                 reply = await self._admin_command(msg)
         except Exception as exc:  # noqa: BLE001
-            log.exception("%s %s failed", msg.TYPE, msg.id)
-            reply = protocol.Error(id=msg.id, code="internal", message=f"{type(exc).__name__}: {exc}")
+            reply = _internal_error(msg, exc)
         if incoming.request_id:
             try:
                 await self.listener.reply(incoming, *protocol.encode(reply))
@@ -456,3 +454,9 @@ def flush_prefix_cache(engine: LLMEngine) -> dict[str, int]:
             pool.pools[t].free(ids)
             freed[t] += len(ids)
     return freed
+
+
+def _internal_error(msg: protocol.Message, exc: Exception) -> protocol.Error:
+    """The reply to a message whose handling failed (logged with its traceback)."""
+    log.exception("%s %s failed", msg.TYPE, msg.id)
+    return protocol.Error(id=msg.id, code="internal", message=f"{type(exc).__name__}: {exc}")

@@ -12,10 +12,12 @@ engine is idle (the lock is free and every command sent before has been
 applied) and torch runs single-threaded, ``fn`` runs right there on the
 event loop thread: two thread hand-offs (~0.1 ms each after idle) would
 otherwise be a large part of a small KV transfer. With more torch threads
-it always goes to the engine thread (see ``_inline_ok``). When the engine is busy, ``fn`` queues behind the commands sent
-before it and runs on the engine thread after the current step, so a call
-never overtakes an ``add`` or ``abort`` sent earlier. Either way ``fn``
-must be short: it blocks the loop or the step.
+it always goes to the engine thread (see ``_inline_ok``). When the engine
+is busy, ``fn`` queues behind the commands sent before it and runs on the
+engine thread after the current step, so a call never overtakes an ``add``
+or ``abort`` sent earlier. ``try_call(fn)`` is the inline half alone: it
+runs ``fn`` only if it could run right now. Either way ``fn`` must be
+short: it blocks the loop or the step.
 
 Used by the node daemon (one per node process, and the embedded node of
 ``kvd serve``); it satisfies :class:`~kvd.engine_client.EngineClient`.

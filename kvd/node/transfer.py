@@ -158,13 +158,9 @@ def _zero_copy_tier(engine: Any, refs: list[Any], layers_per_message: int) -> st
     return tier if min(n for _, _, n in runs) * slice_bytes >= ZERO_COPY_MIN_BYTES else None
 
 
-def _dtype_name(dtype: Any) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def _piece_tensors(kv: Any, lengths: list[int], views: list[memoryview]) -> tuple[Any, ...]:
     """``KVCache.pieces`` byte views as wire tensors (no torch op per piece)."""
-    dtype, (bs, kvh, hd) = _dtype_name(kv.dtype), kv.block_shape[2:]
+    dtype, (bs, kvh, hd) = protocol.dtype_name(kv.dtype), kv.block_shape[2:]
     shapes = [(n, bs, kvh, hd) for n in lengths]
     R = len(lengths)
     return tuple(protocol.RawTensor(dtype, shapes[i % R], v) for i, v in enumerate(views))
@@ -212,7 +208,7 @@ class TransferReceiver:
 
     @staticmethod
     def _layout_error(engine: Any, num_layers: int, dtype: str) -> str | None:
-        if num_layers != engine.kv.num_layers or dtype != _dtype_name(engine.kv.dtype):
+        if num_layers != engine.kv.num_layers or dtype != protocol.dtype_name(engine.kv.dtype):
             return "layout mismatch (layers or dtype)"
         return None
 
@@ -286,7 +282,7 @@ class TransferReceiver:
         frames in place. Raises ValueError on frames that do not fit."""
         kv = engine.kv
         if msg.pieces:
-            dtype, (bs, kvh, hd) = _dtype_name(kv.dtype), kv.block_shape[2:]
+            dtype, (bs, kvh, hd) = protocol.dtype_name(kv.dtype), kv.block_shape[2:]
             R = len(msg.pieces)
             for i, t in enumerate(msg.tensors):
                 if t.dtype != dtype or t.shape != (msg.pieces[i % R], bs, kvh, hd):
@@ -431,7 +427,7 @@ async def send_prefix(driver: EngineDriver, conn: Connection, token_ids: list[in
                     frames = (payload,)
                 finally:
                     engine.pool.tree.unlock(m.last_node)
-        return m, L, _dtype_name(kv.dtype), bs, kv.bytes_per_block, frames, lengths, zc_tier
+        return m, L, protocol.dtype_name(kv.dtype), bs, kv.bytes_per_block, frames, lengths, zc_tier
 
     m, num_layers, dtype, bs, block_bytes, frames, lengths, zc_tier = await driver.call(lock_prefix)
     locked = not frames or bool(lengths)     # a staged one-shot is unlocked already
