@@ -154,6 +154,44 @@ def test_console_script_against_kvd(kvd_server, tmp_path):
     check_result(doc, "random", "/v1/chat/completions")
 
 
+def test_save_result_at_rate_inf_through_the_console_script(kvd_server, tmp_path):
+    """vLLM's default rate, ``inf``, with the default file name: the run is saved, not lost
+    after its table was printed (report.default_filename once crashed on the saved "inf")."""
+    script = Path(sys.executable).parent / "kvd-loadgen"
+    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "tools.loadgen.cli"]
+    proc = subprocess.run(cmd + ["--base-url", kvd_server, "--dataset-name", "random",
+                                 "--num-prompts", "3", "--random-input-len", "16",
+                                 "--random-output-len", "4", "--ignore-eos", "--request-rate", "inf",
+                                 "--save-result", "--result-dir", str(tmp_path), "--disable-tqdm"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OPENAI_API_KEY": ""})
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+    files = list(tmp_path.glob("*.json"))
+    assert [f.name.split("-")[:4] for f in files] == [["kvd", "loadgen", "random", "infqps"]], files
+    doc = json.loads(files[0].read_text())
+    assert doc["config"]["request_rate"] == "inf"
+    assert (doc["metrics"]["completed"], doc["metrics"]["failed"]) == (3, 0)
+    assert f"result written to {files[0]}" in proc.stderr
+
+
+@pytest.mark.parametrize("spelling, saved, label", [
+    ("Inf", "inf", "infqps"), ("infinity", "inf", "infqps"), ("+INFINITY", "inf", "infqps"),
+    ("1e400", "inf", "infqps"), ("40", 40, "40qps"), ("12.5", 12.5, "12.5qps"), ("2e1", 20, "20qps")])
+def test_save_result_for_every_rate_spelling(kvd_server, tmp_path, capsys, spelling, saved, label):
+    """Every spelling vLLM's float --request-rate accepts is saved under the default name."""
+    rc = cli.main(["--base-url", kvd_server, "--model", "tiny", "--dataset-name", "random",
+                   "--num-prompts", "2", "--random-input-len", "8", "--random-output-len", "2",
+                   "--ignore-eos", "--request-rate", spelling, "--save-result",
+                   "--result-dir", str(tmp_path), "--disable-tqdm"])
+    assert rc == 0, capsys.readouterr().err
+    (path,) = tmp_path.glob("*.json")
+    assert path.name.startswith(f"kvd-loadgen-random-{label}-tiny-"), path.name
+    doc = json.loads(path.read_text())
+    assert doc["config"]["request_rate"] == saved
+    assert doc["metrics"]["completed"] == 2
+
+
 def test_tokenizer_resolution(capsys):
     tok, spec = cli.load_tokenizer_for(None, "tiny")
     assert spec == "tiny" and tok.vocab_size == 49152

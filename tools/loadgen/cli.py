@@ -256,13 +256,15 @@ def load_tokenizer_for(spec: str | None, model: str):
 
 def _config(args, model: str, tokenizer_spec: str) -> dict:
     """The run's options as saved in the result file (inf as the string "inf")."""
+    from tools.loadgen.report import rate_to_json
+
     skip = {"dataset", "slo", "faults", "fail", "selected", "percentiles", "api_key"}
     config = {k: v for k, v in vars(args).items() if k not in skip}
     config.update(model=model, tokenizer=tokenizer_spec, url=args.base_url + args.endpoint,
                   metric_percentiles=args.percentiles, percentile_metrics=args.selected,
                   goodput=args.slo.as_dict() if args.slo else None,
                   fail=[vars(f) for f in args.faults],
-                  request_rate="inf" if math.isinf(args.request_rate) else args.request_rate)
+                  request_rate=rate_to_json(args.request_rate))
     return config
 
 

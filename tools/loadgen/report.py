@@ -147,10 +147,27 @@ def build_result(*, config: dict, metrics: dict, errors: dict, faults: Sequence[
     return result
 
 
+def rate_to_json(rate: float) -> float | str:
+    """A request rate as a result file's config holds it: the number, or the
+    string "inf" (JSON has no infinity; vLLM saves it the same way)."""
+    return "inf" if math.isinf(rate) else rate
+
+
+def rate_from_json(value) -> float:
+    """The inverse of ``rate_to_json``; a missing rate (None) is inf, the default.
+    Raises ValueError for anything else."""
+    if value is None or value == "inf":
+        return math.inf
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        return float(value)
+    raise ValueError(f"request_rate {value!r} is neither a positive number nor \"inf\"")
+
+
 def default_filename(config: dict, started_at: float) -> str:
-    """``kvd-loadgen-random-10qps-c8-tiny-20250101-120000.json`` (vLLM's naming, adapted)."""
-    rate = config.get("request_rate")
-    rate_s = "inf" if rate is None or math.isinf(rate) else f"{rate:g}"
+    """``kvd-loadgen-random-10qps-c8-tiny-20250101-120000.json`` (vLLM's naming, adapted).
+    ``config`` is the saved config (``request_rate`` as ``rate_to_json`` writes it)."""
+    rate = rate_from_json(config.get("request_rate"))
+    rate_s = "inf" if math.isinf(rate) else f"{rate:g}"
     conc = config.get("max_concurrency")
     model = re.sub(r"[^A-Za-z0-9._-]+", "_", str(config.get("model") or "model"))[-40:]
     stamp = _dt.datetime.fromtimestamp(started_at).strftime("%Y%m%d-%H%M%S")
