@@ -6,9 +6,15 @@
 | scheme      | module          | notes                                        |
 |-------------|-----------------|----------------------------------------------|
 | zmq+tcp     | transports.zmq  | default between hosts; optional CURVE        |
-| zmq+ipc     | transports.zmq  | Unix socket, same host                       |
-| ucx         | transports.ucx  | optional extra `[ucx]`, imported lazily      |
+| zmq+ipc     | transports.zmq  | Unix socket, same host; optional CURVE       |
+| ucx         | transports.ucx  | optional extra `[ucx]`, imported lazily;     |
+|             |                 | optional keys (handshake, transports.ucx_auth)|
 | inproc      | transports.inproc | needs an explicit InprocRegistry           |
+
+`curve` (keys: transports.keys.CurveServer to listen, CurveClient to
+connect) authenticates zmq+* and ucx links; a listener with keys reports
+each sender's key name as `Incoming.identity`. An inproc connection names
+itself instead (`identity=`): only this process can reach it.
 """
 
 from __future__ import annotations
@@ -39,41 +45,46 @@ def _scheme(url: str) -> str:
     return scheme
 
 
-def _only_zmq(scheme: str, curve: Any) -> None:
-    if curve is not None and not scheme.startswith("zmq+"):
-        raise ValueError(f"CURVE is a ZeroMQ feature; {scheme}:// cannot use it")
+def _keys_allowed(scheme: str, curve: Any) -> None:
+    if curve is not None and scheme == "inproc":
+        raise ValueError("CURVE keys authenticate zmq+* and ucx links; inproc:// cannot use them")
 
 
 async def listen(url: str, *, options: TransportOptions | None = None,
                  registry: InprocRegistry | None = None, curve: Any = None) -> Listener:
     """Bind a Listener at `url`. `registry` is required for inproc://,
-    `curve` (a transports.zmq.CurveServer) is accepted for zmq+* only."""
+    `curve` (a transports.keys.CurveServer) is accepted for zmq+* and ucx."""
     options = options or TransportOptions()
     scheme = _scheme(url)
-    _only_zmq(scheme, curve)
+    _keys_allowed(scheme, curve)
     if scheme == "inproc":
         from . import inproc
         return await inproc.listen(url[len("inproc://"):], registry=_need(registry), options=options)
     if scheme == "ucx":
         from . import ucx
-        return await ucx.listen(url, options=options)
+        return await ucx.listen(url, options=options, keys=curve)
     from . import zmq
     return await zmq.listen(url, options=options, curve=curve)
 
 
 async def connect(url: str, *, options: TransportOptions | None = None,
-                  registry: InprocRegistry | None = None, curve: Any = None) -> Connection:
+                  registry: InprocRegistry | None = None, curve: Any = None,
+                  identity: str | None = None) -> Connection:
     """Open a Connection to the listener at `url` (same keywords as `listen`;
-    `curve` is a transports.zmq.CurveClient)."""
+    `curve` is a transports.keys.CurveClient; `identity`, inproc only: the
+    name this caller's messages carry)."""
     options = options or TransportOptions()
     scheme = _scheme(url)
-    _only_zmq(scheme, curve)
+    _keys_allowed(scheme, curve)
+    if identity is not None and scheme != "inproc":
+        raise ValueError(f"{scheme}:// links are named by their keys, not by identity=")
     if scheme == "inproc":
         from . import inproc
-        return await inproc.connect(url[len("inproc://"):], registry=_need(registry), options=options)
+        return await inproc.connect(url[len("inproc://"):], registry=_need(registry), options=options,
+                                    identity=identity)
     if scheme == "ucx":
         from . import ucx
-        return await ucx.connect(url, options=options)
+        return await ucx.connect(url, options=options, keys=curve)
     from . import zmq
     return await zmq.connect(url, options=options, curve=curve)
 

@@ -113,6 +113,7 @@ class TransportStats:
     received: int = 0
     sent: int = 0
     malformed: int = 0      # envelope/framing errors from peers (dropped)
+    refused: int = 0        # peers that failed authentication (listener; nothing delivered)
     late_replies: int = 0   # replies whose request had already timed out
 
 
@@ -120,16 +121,21 @@ class TransportStats:
 class Incoming:
     """One received message.
 
-    peer: opaque id of the sender (listener side; b"" on a connection).
+    peer: opaque id of the sender's link (listener side; b"" on a connection).
     header: the JSON header bytes, undecoded.
     frames: the raw frames, as buffers the caller may keep (no copy made).
     request_id: non-zero when the sender awaits `Listener.reply`.
+    identity: who sent it, as the listener authenticated it: the name its
+        key set gives the sender's key (zmq CURVE, the ucx handshake; see
+        transports/keys.py), or the name an in-process caller connected as
+        (inproc). None: the link is not authenticated (no keys configured).
     """
 
     peer: PeerId
     header: bytes
     frames: list[Any]
     request_id: int = 0
+    identity: str | None = None
 
     def header_dict(self) -> Any:
         return orjson.loads(self.header)
@@ -192,6 +198,9 @@ class Listener(abc.ABC):
 
     url: str  # the bound address (port 0 resolved)
     stats: TransportStats
+    # True when every Incoming carries the sender's authenticated identity
+    # (keys configured on zmq/ucx); inproc and keyless listeners: False.
+    authenticated: bool = False
 
     @abc.abstractmethod
     async def recv(self) -> Incoming: ...

@@ -6,6 +6,11 @@ embedded clusters in one process never see each other).
 
 Frames are handed over by reference, never copied: a sender must not mutate a
 buffer after sending it (the same rule as zmq's copy=False).
+
+Identity: only code in this process can reach an inproc listener, so a
+connection names itself (`connect(..., identity=NAME)`) and every message it
+sends carries that name as `Incoming.identity`; the listener counts as
+authenticated (a connection that names nobody sends with identity None).
 """
 
 from __future__ import annotations
@@ -51,6 +56,8 @@ class InprocRegistry:
 
 
 class InprocListener(Listener):
+    authenticated = True      # reachable from this process only; callers name themselves
+
     def __init__(self, name: str, registry: InprocRegistry, options: TransportOptions) -> None:
         self.url = f"inproc://{name}"
         self.options = options
@@ -114,14 +121,16 @@ class InprocListener(Listener):
 
 
 class InprocConnection(Connection):
-    def __init__(self, listener: InprocListener, options: TransportOptions) -> None:
+    def __init__(self, listener: InprocListener, options: TransportOptions,
+                 identity: str | None = None) -> None:
         super().__init__(listener.url, options)
         self._listener = listener
+        self._identity = identity
         self._peer = listener._attach(self)
 
     async def _send_raw(self, kind: int, request_id: int, header: bytes,
                         frames: list[memoryview]) -> None:
-        await self._listener._accept(Incoming(self._peer, header, frames, request_id))
+        await self._listener._accept(Incoming(self._peer, header, frames, request_id, self._identity))
 
     async def close(self) -> None:
         if self._closed:
@@ -134,11 +143,12 @@ async def listen(name: str, *, registry: InprocRegistry, options: TransportOptio
     return InprocListener(name, registry, options)
 
 
-async def connect(name: str, *, registry: InprocRegistry, options: TransportOptions) -> InprocConnection:
+async def connect(name: str, *, registry: InprocRegistry, options: TransportOptions,
+                  identity: str | None = None) -> InprocConnection:
     listener = registry.lookup(name)
     if listener is None:
         raise PeerGone(f"nothing listens on inproc://{name}")
-    return InprocConnection(listener, options)
+    return InprocConnection(listener, options, identity)
 
 
 __all__ = ["InprocRegistry", "InprocListener", "InprocConnection", "listen", "connect"]

@@ -10,6 +10,13 @@ the listener gives each accepted endpoint a peer id and one reader task, and
 `[envelope, header, frame...]`; ucxx receives each buffer into a fresh,
 writable numpy array (no further copy). Sends on one endpoint are serialized
 by a lock so two messages never interleave.
+
+Authentication (with keys; kvd's daemons require them unless run insecure):
+each new endpoint runs the handshake of `transports.ucx_auth` before the
+listener reads a single message from it; a peer that fails it is dropped
+(`stats.refused`) and every message of one that passes carries its key's
+name (`Incoming.identity`). ucxx listens on every interface (it takes no
+bind address): the host in the URL is what peers are told.
 """
 
 from __future__ import annotations
@@ -21,8 +28,10 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from . import ucx_auth
 from .base import (
     KIND_REPLY,
+    AuthenticationFailed,
     Connection,
     Frame,
     Incoming,
@@ -39,6 +48,7 @@ from .base import (
     pack_envelope,
     unpack_envelope,
 )
+from .keys import CurveClient, CurveServer
 
 
 def _import_ucxx(progress_mode: str) -> Any:
@@ -105,9 +115,12 @@ class _Link:
 
 
 class UcxListener(Listener):
-    def __init__(self, host: str, port: int, options: TransportOptions) -> None:
+    def __init__(self, host: str, port: int, options: TransportOptions,
+                 keys: CurveServer | None = None) -> None:
         self.options = options
         self.stats = TransportStats()
+        self._keys = keys
+        self.authenticated = keys is not None
         self._ucxx = _import_ucxx(options.ucx_progress_mode)
         self._inbox: asyncio.Queue[Incoming | None] = asyncio.Queue(options.queue_depth)
         self._links: dict[PeerId, _Link] = {}
@@ -119,6 +132,15 @@ class UcxListener(Listener):
     async def _on_endpoint(self, ep: Any) -> None:
         # ucxx keeps the endpoint alive while this callback runs, so the
         # callback *is* the per-peer reader; it ends when the peer goes.
+        identity = None
+        if self._keys is not None:
+            try:
+                async with asyncio.timeout(self.options.send_timeout):
+                    identity = await ucx_auth.accept(ep, self._keys)
+            except Exception:  # noqa: BLE001 -- failed, timed out or broken: this peer is refused
+                self.stats.refused += 1
+                ep.abort()
+                return
         peer = next(self._peer_ids).to_bytes(8, "little")
         link = _Link(ep)
         self._links[peer] = link
@@ -135,7 +157,7 @@ class UcxListener(Listener):
                 if kind == KIND_REPLY:
                     self.stats.malformed += 1
                     continue
-                await self._inbox.put(Incoming(peer, header, frames, request_id))
+                await self._inbox.put(Incoming(peer, header, frames, request_id, identity))
         finally:
             self._links.pop(peer, None)
             link.finished.set()
@@ -231,12 +253,17 @@ class UcxConnection(Connection):
         self._ep.abort()
 
 
-async def listen(url: str, *, options: TransportOptions) -> UcxListener:
+async def listen(url: str, *, options: TransportOptions, keys: CurveServer | None = None) -> UcxListener:
+    """Listen at ``url``; with ``keys``, every peer must pass the handshake first."""
     host, port = _host_port(url)
-    return UcxListener(host, port, options)
+    if keys is not None:
+        ucx_auth.link_key(keys.secret_key, keys.public_key)   # fail now on a bad key or no X25519
+    return UcxListener(host, port, options, keys)
 
 
-async def connect(url: str, *, options: TransportOptions) -> UcxConnection:
+async def connect(url: str, *, options: TransportOptions, keys: CurveClient | None = None) -> UcxConnection:
+    """Connect to ``url``; with ``keys``, authenticate both ends before returning
+    (AuthenticationFailed: the listener refused our key or did not prove its own)."""
     host, port = _host_port(url)
     ucxx = _import_ucxx(options.ucx_progress_mode)
     try:
@@ -246,4 +273,15 @@ async def connect(url: str, *, options: TransportOptions) -> UcxConnection:
         raise RequestTimeout(f"connecting to {url} timed out") from None
     except ucxx.exceptions.UCXError as e:
         raise PeerGone(f"cannot connect to {url}: {e}") from e
+    if keys is not None:
+        try:
+            async with asyncio.timeout(options.send_timeout):
+                await ucx_auth.authenticate(ep, keys)
+        except AuthenticationFailed as e:
+            ep.abort()
+            raise AuthenticationFailed(f"ucx handshake with {url} failed: {e}") from None
+        except (TimeoutError, ucxx.exceptions.UCXError) as e:
+            ep.abort()
+            raise AuthenticationFailed(f"ucx handshake with {url} failed ({type(e).__name__}: "
+                                       f"is our key authorized there?)") from None
     return UcxConnection(url, ep, ucxx, options)

@@ -8,27 +8,27 @@ frames under its 64 KiB copy threshold, where copying is cheaper than the
 bookkeeping) and receive with `copy=False`, so a received frame is a
 read-only memoryview over libzmq's own message buffer.
 
-CURVE (optional): the listener holds a secret key and a set of allowed client
-public keys, checked by a ZAP handler (`zmq.auth.asyncio.AsyncioAuthenticator`)
-on the listener's own context; a client holds its keypair and the server's
-public key. A peer whose key is wrong or unknown never completes the
-handshake, so nothing it sends reaches `Listener.recv`.
+CURVE (optional; kvd's daemons require it unless run insecure, see
+kvd/links.py): the listener holds a secret key and a key set naming the
+allowed client public keys (transports/keys.py), checked by a ZAP handler
+(`zmq.auth.asyncio.AsyncioAuthenticator`) on the listener's own context; a
+client holds its keypair and the server's public key. A peer whose key is
+wrong or unknown never completes the handshake, so nothing it sends reaches
+`Listener.recv`; every message that does carries the name of its sender's
+key (`Incoming.identity`, from the connection's ZAP User-Id).
 """
 
 from __future__ import annotations
 
 import asyncio
-import datetime
-import os
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import zmq
 import zmq.asyncio
 import zmq.auth
 from zmq.auth.asyncio import AsyncioAuthenticator
+from zmq.utils import z85
 from zmq.utils.monitor import parse_monitor_message
 
 from .base import (
@@ -49,69 +49,32 @@ from .base import (
     pack_envelope,
     unpack_envelope,
 )
+from .keys import (  # noqa: F401 -- re-exported: the key API lived here first
+    CurveClient,
+    CurveServer,
+    as_key_set,
+    generate_keypair,
+    load_keypair,
+    load_public_keys,
+)
 
-# ─── CURVE keys ──────────────────────────────────────────────────────────────
-
-
-@dataclass(frozen=True, slots=True)
-class CurveServer:
-    """Listener-side CURVE: our keypair and the client public keys we accept (z85)."""
-
-    public_key: bytes
-    secret_key: bytes
-    allowed_clients: frozenset[bytes]
-
-
-@dataclass(frozen=True, slots=True)
-class CurveClient:
-    """Connection-side CURVE: our keypair and the server's public key (z85)."""
-
-    public_key: bytes
-    secret_key: bytes
-    server_key: bytes
+# ─── CURVE ───────────────────────────────────────────────────────────────────
 
 
-def generate_keypair(directory: str | os.PathLike[str], name: str) -> tuple[Path, Path]:
-    """Write `name.key` (public) and `name.key_secret` (mode 0600) in ZPL format.
+class _NamingAuthenticator(AsyncioAuthenticator):
+    """The ZAP handler of one listener: accepts exactly the client keys its
+    key set names, and hands libzmq that name as the connection's User-Id,
+    which every message from the client then carries (`Frame.get`)."""
 
-    Returns (public_path, secret_path). Refuses to overwrite an existing secret.
-    The files are readable by `load_keypair` and by `zmq.auth.load_certificate`.
-    """
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    public, secret = zmq.curve_keypair()
-    stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    banner = f"#   ****  Generated on {stamp} by kvd  ****\n"
-    public_path, secret_path = directory / f"{name}.key", directory / f"{name}.key_secret"
-    public_text = f'{banner}metadata\ncurve\n    public-key = "{public.decode()}"\n'
-    secret_text = public_text + f'    secret-key = "{secret.decode()}"\n'
-    # O_EXCL + mode at creation: the secret is never world-readable, not even briefly.
-    fd = os.open(secret_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secret_text)
-    public_path.write_text(public_text)
-    os.chmod(public_path, 0o644)
-    return public_path, secret_path
-
-
-def load_keypair(path: str | os.PathLike[str]) -> tuple[bytes, bytes | None]:
-    """(public, secret or None) from a key file written by `generate_keypair`."""
-    public, secret = zmq.auth.load_certificate(os.fspath(path))
-    return public, secret
-
-
-def load_public_keys(paths: Iterable[str | os.PathLike[str]]) -> frozenset[bytes]:
-    return frozenset(load_keypair(p)[0] for p in paths)
-
-
-class _AllowList:
-    """ZAP credentials provider: accept exactly the configured client keys."""
-
-    def __init__(self, allowed: frozenset[bytes]) -> None:
-        self.allowed = allowed
+    def __init__(self, ctx: zmq.asyncio.Context, curve: CurveServer) -> None:
+        super().__init__(ctx)
+        self._keys = as_key_set(curve.allowed_clients)
 
     def callback(self, domain: str, key: bytes) -> bool:
-        return key in self.allowed
+        return self._keys.name_of(key) is not None
+
+    def curve_user_id(self, client_public_key: bytes) -> str:
+        return self._keys.name_of(z85.encode(client_public_key)) or ""
 
 
 # ─── addresses ───────────────────────────────────────────────────────────────
@@ -155,9 +118,10 @@ class ZmqListener(Listener):
         sock.setsockopt(zmq.MAXMSGSIZE, options.max_frame_bytes)
         if curve is not None:
             # The ZAP handler must run before bind so no handshake slips past it.
-            self._auth = AsyncioAuthenticator(self._ctx)
+            self._auth = _NamingAuthenticator(self._ctx, curve)
             self._auth.start()
-            self._auth.configure_curve_callback("*", _AllowList(curve.allowed_clients))
+            self._auth.configure_curve_callback("*", self._auth)
+            self.authenticated = True
             sock.curve_server = True
             sock.curve_publickey = curve.public_key
             sock.curve_secretkey = curve.secret_key
@@ -192,7 +156,9 @@ class ZmqListener(Listener):
                 self.stats.malformed += 1
                 continue
             self.stats.received += 1
-            return Incoming(parts[0].bytes, parts[2].bytes, _frame_buffers(parts[3:]), env[1])
+            # CURVE: the name our ZAP handler gave the client's key, on every message
+            identity = parts[1].get("User-Id") if self.authenticated else None
+            return Incoming(parts[0].bytes, parts[2].bytes, _frame_buffers(parts[3:]), env[1], identity)
 
     async def send(self, peer: PeerId, header: bytes | Mapping[str, Any],
                    frames: Sequence[Frame] = (), *, request_id: int = 0) -> None:

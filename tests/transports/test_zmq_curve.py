@@ -96,3 +96,89 @@ async def test_curve_is_refused_off_zmq(keys, registry):
     curve = CurveServer(*keys["server"], allowed_clients=frozenset())
     with pytest.raises(ValueError, match="CURVE"):
         await transports.listen("inproc://x", registry=registry, curve=curve)
+
+
+async def test_each_message_carries_the_name_of_its_senders_key(keys):
+    """The listener reports who sent what: the name its key set gives the
+    client's key (the ZAP User-Id of the connection), on every message."""
+    curve = CurveServer(*keys["server"], allowed_clients={keys["client"][0]: "n7",
+                                                          keys["intruder"][0]: "coordinator"})
+    listener = await transports.listen("zmq+tcp://127.0.0.1:0", options=OPTIONS, curve=curve)
+    assert listener.authenticated
+    conns = []
+    try:
+        for who in ("client", "intruder"):
+            conn = await transports.connect(listener.url, options=OPTIONS,
+                                            curve=CurveClient(*keys[who], server_key=keys["server"][0]))
+            conns.append(conn)
+            await conn.send({"from": who})
+            incoming = await asyncio.wait_for(listener.recv(), 5)
+            assert incoming.header_dict() == {"from": who}
+            assert incoming.identity == {"client": "n7", "intruder": "coordinator"}[who]
+    finally:
+        for conn in conns:
+            await conn.close()
+        await listener.close()
+
+
+async def test_a_keyless_listener_names_nobody(kind, endpoints):
+    listener, conn = await endpoints(kind)
+    await conn.send({"x": 1})
+    incoming = await asyncio.wait_for(listener.recv(), 5)
+    assert incoming.identity is None
+    assert listener.authenticated == (kind == "inproc")
+
+
+async def test_an_inproc_connection_speaks_under_the_name_it_connected_as(registry):
+    listener = await transports.listen("inproc://n", registry=registry)
+    conn = await transports.connect("inproc://n", registry=registry, identity="coordinator")
+    try:
+        await conn.send({"x": 1})
+        assert (await asyncio.wait_for(listener.recv(), 5)).identity == "coordinator"
+        with pytest.raises(ValueError, match="keys"):
+            await transports.connect("zmq+tcp://127.0.0.1:1", identity="coordinator")
+    finally:
+        await conn.close()
+        await listener.close()
+
+
+async def test_a_key_directory_admits_keys_added_later_and_drops_removed_ones(tmp_path):
+    """KeyDirectory re-reads its directory when it changes: a node key made
+    with `kvctl keys` after the listener started is accepted, under its
+    file's name; a removed key is refused for new connections."""
+    from transports.keys import KeyDirectory
+
+    keys_dir = tmp_path / "keys"
+    generate_keypair(keys_dir, "server")
+    server = load_keypair(keys_dir / "server.key_secret")
+    ring = KeyDirectory(keys_dir, recheck=0.0)
+    listener = await transports.listen("zmq+tcp://127.0.0.1:0", options=OPTIONS,
+                                       curve=CurveServer(*server, allowed_clients=ring))
+    try:
+        generate_keypair(keys_dir, "late")                    # after the listener started
+        late = CurveClient(*load_keypair(keys_dir / "late.key_secret"), server_key=server[0])
+        conn = await transports.connect(listener.url, options=OPTIONS, curve=late)
+        try:
+            await conn.send({"hi": 1})
+            assert (await asyncio.wait_for(listener.recv(), 5)).identity == "late"
+        finally:
+            await conn.close()
+        (keys_dir / "late.key").unlink()                      # revoked
+        conn = await transports.connect(listener.url, options=OPTIONS, curve=late)
+        try:
+            with pytest.raises(AuthenticationFailed):
+                await conn.request({"q": 1}, timeout=5)
+        finally:
+            await conn.close()
+    finally:
+        await listener.close()
+
+
+def test_a_secret_key_readable_by_others_is_refused(tmp_path):
+    from transports.keys import load_secret_keypair
+
+    _, secret_path = generate_keypair(tmp_path, "n1")
+    assert load_secret_keypair(secret_path)[1] is not None
+    secret_path.chmod(0o640)
+    with pytest.raises(ValueError, match="readable by others"):
+        load_secret_keypair(secret_path)
