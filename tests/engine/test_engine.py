@@ -63,9 +63,39 @@ def test_swap_falls_back_to_recompute_when_host_is_full(make_tiny):
     ps = prompts(10, 30, 60, seed=6)
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     ref = alone(make_tiny(enable_prefix_caching=False), ps, params)
-    eng = make_tiny(kv_blocks=30, host_kv_blocks=2, enable_prefix_caching=False)
-    assert eng.generate(ps, params) == ref
+    # a host tier of 4 blocks takes some victims (2-6 blocks each) and refuses others
+    eng = make_tiny(kv_blocks=30, host_kv_blocks=4, enable_prefix_caching=False)
+    # the real swap_out_private, observed: (blocks asked, host blocks free then, result)
+    swaps = []
+    swap_out = eng.pool.swap_out_private
+
+    def observed_swap_out(ids):
+        free = eng.pool.stats()["host"]["free"]
+        result = swap_out(ids)
+        swaps.append((len(ids), free, result))
+        return result
+    eng.pool.swap_out_private = observed_swap_out
+    ids = [f"r{i}" for i in range(len(ps))]
+    for rid, p in zip(ids, ps):
+        eng.add_request(rid, p, params)
+    out = {rid: [] for rid in ids}
+    recomputes = 0
+    while eng.has_unfinished():
+        before = {rid: r.num_preemptions for rid, r in eng.requests.items()}
+        for o in eng.step():
+            out[o.request_id] += o.new_token_ids
+        for r in eng.scheduler.waiting:         # preempted in this step and sent back to prefill
+            if r.num_preemptions > before.get(r.request_id, 0):
+                assert r.num_computed == 0 and not r.block_ids and not r.host_block_ids
+                recomputes += 1
+    assert [out[rid] for rid in ids] == ref
+    refused = [(n, free) for n, free, result in swaps if result is None]
+    assert any(result is not None for _, _, result in swaps), "no request was ever swapped out"
+    assert refused, "the host tier never refused a swap: the fallback was not exercised"
+    assert all(n > free for n, free in refused)         # refused only for want of host blocks
+    assert recomputes == len(refused) == eng.stats.preemptions - sum(r is not None for *_, r in swaps)
     eng.check_integrity()
+    assert eng.pool.stats()["host"]["used"] == 0
 
 
 def test_abort_mid_flight_frees_everything(make_tiny):
@@ -136,15 +166,54 @@ def test_stop_strings_token_ids_and_lengths(make_tiny, tokenizer):
     eng.check_integrity()
 
 
-def test_eos_and_min_tokens(make_tiny, tokenizer):
+def run_one(eng, prompt, params):
+    """(output ids, last RequestOutput) of one request run to completion."""
+    rid = f"one-{eng.stats.steps}"
+    eng.add_request(rid, prompt, params)
+    ids, last = [], None
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.request_id == rid:
+                ids += out.new_token_ids
+                last = out
+    return ids, last
+
+
+def test_eos_and_min_tokens(make_tiny):
     eng = make_tiny()
-    p = prompts(1, 10, 10, seed=12)[0]
+    p = prompts(1, 10, 10, seed=13)[0]
     full = eng.generate([p], GREEDY)[0]
     eos = full[3]
-    # pretend the 4th token is EOS by making it a stop id; min_tokens delays stopping
-    out = eng.generate([p], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
-                                           stop_token_ids=(eos,), min_tokens=10))[0]
-    assert len(out) >= 10 and eos not in out[:10]
+    i = full.index(eos)                     # where greedy first samples it (3 for this prompt)
+    assert i > 0, "pick a prompt whose greedy output does not start with full[3]"
+    # pretend it is the model's EOS: the request stops right there, the EOS included
+    eng.outputs.eos_ids = frozenset({eos})
+    ids, last = run_one(eng, p, SamplingParams(max_tokens=24, temperature=0.0))
+    assert ids == full[:i + 1] and (last.finish_reason, last.stop_reason) == ("stop", None)
+    ids, last = run_one(eng, p, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    assert ids == full and last.finish_reason == "length"
+    # as a stop token id (EOS ignored) it stops the request too, and is named as the stop reason
+    ids, last = run_one(eng, p, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
+                                               stop_token_ids=(eos,)))
+    assert ids == full[:i + 1] and (last.finish_reason, last.stop_reason) == ("stop", eos)
+    # min_tokens = i bans it only where greedy would not pick it: nothing changes
+    ids, last = run_one(eng, p, SamplingParams(max_tokens=24, temperature=0.0, min_tokens=i))
+    assert ids == full[:i + 1] and last.finish_reason == "stop"
+    # min_tokens = m > i: banned for m tokens, then the first one sampled stops the request
+    delayed_stops = 0
+    for m in range(i + 1, 11):
+        for params, reason in ((SamplingParams(max_tokens=24, temperature=0.0, min_tokens=m), None),
+                               (SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
+                                               stop_token_ids=(eos,), min_tokens=m), eos)):
+            ids, last = run_one(eng, p, params)
+            assert len(ids) >= m and eos not in ids[:-1] and ids[:i] == full[:i]
+            if ids[-1] == eos:
+                assert len(ids) > m and (last.finish_reason, last.stop_reason) == ("stop", reason)
+                delayed_stops += 1
+            else:
+                assert len(ids) == 24 and last.finish_reason == "length"
+    # this prompt samples it again soon after a short ban (m = 4, 5): the stop was exercised
+    assert delayed_stops >= 2
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(make_tiny):

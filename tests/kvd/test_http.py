@@ -92,9 +92,28 @@ def test_stop_string_and_max_tokens(client):
 
 
 def test_seeded_sampling_reproducible(client):
-    kw = dict(model=MODEL, prompt="Pick a word:", max_tokens=10, temperature=1.0, seed=42,
+    kw = dict(model=MODEL, prompt="Pick a word:", max_tokens=10, temperature=1.0,
               extra_body={"ignore_eos": True})
-    assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
+
+    def sample(**extra) -> str:
+        return client.completions.create(**{**kw, **extra}).choices[0].text
+
+    # the same seed gives the same text, streamed or not
+    first = sample(seed=42)
+    assert sample(seed=42) == first
+    streamed = client.completions.create(**kw, seed=42, stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == first
+    # the seed is used (other seeds draw other texts) and so is the temperature (not greedy)
+    texts = {seed: sample(seed=seed) for seed in range(1, 6)}
+    assert len(set(texts.values())) >= 3, texts
+    greedy = sample(temperature=0)
+    assert sum(t != greedy for t in texts.values()) >= 3, (greedy, texts)
+    # seeded tokens match the in-process engine's, drawn with the same seed
+    engine = LLMEngine.from_config(EngineConfig(model="tiny", dtype="float32", kv_blocks=256,
+                                                host_kv_blocks=0, max_model_len=512))
+    ids = engine.tokenizer.encode(kw["prompt"], add_special_tokens=True)
+    ref = engine.generate([ids], SamplingParams(max_tokens=10, temperature=1.0, seed=42, ignore_eos=True))[0]
+    assert first == engine.tokenizer.decode(ref)
 
 
 def test_prefix_cache_reports_cached_tokens(client):
