@@ -94,7 +94,10 @@ def _cluster_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heartbeat-deadline", dest="heartbeat_deadline", type=float, default=None,
                    help="seconds without a heartbeat before a node is declared dead")
     p.add_argument("--curve-keys-dir", dest="curve_keys_dir", default=None,
-                   help="directory of CURVE keys (enables CURVE on zmq transports)")
+                   help="directory of CURVE keys (kvctl keys) authenticating every zmq/ucx link")
+    p.add_argument("--insecure", dest="insecure", action="store_const", const=True, default=None,
+                   help="allow a port without authentication (no keys): anyone who reaches it "
+                        "may send it anything; for debugging on a trusted host")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,7 +115,7 @@ def _cluster(args: argparse.Namespace):
     from kvd.cluster_config import load_cluster_config
 
     overrides = {k: getattr(args, k) for k in ("transport", "heartbeat_interval", "heartbeat_deadline",
-                                               "curve_keys_dir")}
+                                               "curve_keys_dir", "insecure")}
     return load_cluster_config(args.config, overrides)
 
 
@@ -172,6 +175,13 @@ def node(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config, {"engine": engine, "server": server})
         cluster = _cluster(args)
+        from kvd import links
+        from kvd.cluster_config import check_node_name
+
+        check_node_name(args.name)
+        # before the model loads: a port that would run open is refused at once
+        links.check_listen(cluster, args.listen or cluster.node(args.name).address
+                           or cluster.default_address(args.name))
     except (ConfigError, ValueError) as exc:
         print(f"kvd: error: {exc}", file=sys.stderr)
         return 2
@@ -204,6 +214,9 @@ def coordinator(args: argparse.Namespace) -> int:
         if args.listen:
             from kvd.cluster_config import with_overrides
             cluster = with_overrides(cluster, coordinator=args.listen)
+        from kvd import links
+
+        links.check_listen(cluster, cluster.coordinator)
     except ValueError as exc:
         print(f"kvd: error: {exc}", file=sys.stderr)
         return 2
@@ -266,6 +279,8 @@ def _passthrough(args: argparse.Namespace) -> list[str]:
                        ("--curve-keys-dir", "curve_keys_dir"), ("--transport", "transport")):
         if getattr(args, dest) is not None:
             out += [flag, str(getattr(args, dest))]
+    if args.insecure:
+        out.append("--insecure")
     return out
 
 

@@ -36,6 +36,17 @@ class ConfigError(ValueError):
     pass
 
 
+COORDINATOR_NAME = "coordinator"   # the coordinator's key name; no node may take it
+
+
+def check_node_name(name: str) -> None:
+    """Raise ConfigError unless ``name`` may name a node (and its key file)."""
+    if not _NAME.match(name):
+        raise ConfigError(f"node name {name!r} must match {_NAME.pattern}")
+    if name == COORDINATOR_NAME:
+        raise ConfigError(f"node name {name!r} is the coordinator's key name; pick another")
+
+
 @dataclass(frozen=True)
 class NodeConfig:
     """One ``[nodes.NAME]`` table: where that node listens."""
@@ -45,8 +56,7 @@ class NodeConfig:
     admin_socket: str = ""            # Unix socket path; "" = no admin socket
 
     def __post_init__(self) -> None:
-        if not _NAME.match(self.name):
-            raise ConfigError(f"node name {self.name!r} must match {_NAME.pattern}")
+        check_node_name(self.name)
         if self.address:
             _check_url(f"nodes.{self.name}.address", self.address)
 
@@ -62,10 +72,17 @@ class ClusterConfig:
         and ends its in-flight requests with an error.
     request_timeout: seconds a control request (register, admin) may take.
     affinity_tokens: prompt tokens hashed into the session-affinity key.
-    curve_keys_dir: "" = no CURVE. Else a directory of ZPL key files: every
-        ``*.key`` there is an authorized public key, ``NAME.key`` is the server
-        key used to reach daemon NAME ("coordinator" or a node name), and
-        ``NAME.key_secret`` is this daemon's own secret.
+    curve_keys_dir: a directory of CURVE key files (ZPL, ``kvctl keys``) that
+        authenticates every link (zmq+tcp, zmq+ipc: CURVE; ucx: the handshake
+        of transports/ucx_auth.py): every ``NAME.key`` there authorizes the
+        daemon NAME ("coordinator" or a node name) to connect, under that
+        name, ``NAME.key`` is also the server key used to reach NAME, and
+        ``SELF.key_secret`` is this daemon's own secret. "" = none, which a
+        daemon refuses unless ``insecure`` (kvd/links.py).
+    insecure: true lets a daemon run its port without authentication (no
+        ``curve_keys_dir``): any process that reaches the port may then send
+        it anything, admin commands included. For debugging on a trusted
+        host only; off by default.
     admin_socket: the coordinator's admin Unix socket ("" = none).
     ucx_progress_mode: how ucxx drives UCX in each daemon ("blocking", the
         default: the event loop wakes on the worker's fd; "thread": a polling
@@ -79,6 +96,7 @@ class ClusterConfig:
     request_timeout: float = 10.0
     affinity_tokens: int = 64
     curve_keys_dir: str = ""
+    insecure: bool = False
     admin_socket: str = ""
     ucx_progress_mode: str = "blocking"
     nodes: dict[str, NodeConfig] = field(default_factory=dict)
@@ -98,8 +116,8 @@ class ClusterConfig:
         if self.ucx_progress_mode not in UCX_PROGRESS_MODES:
             raise ConfigError(f"cluster.ucx_progress_mode must be one of {UCX_PROGRESS_MODES}, "
                               f"got {self.ucx_progress_mode!r}")
-        if self.curve_keys_dir and not self.transport.startswith("zmq+"):
-            raise ConfigError("cluster.curve_keys_dir needs a zmq+ transport (CURVE is ZeroMQ's)")
+        if self.curve_keys_dir and self.transport == "inproc":
+            raise ConfigError("cluster.curve_keys_dir authenticates zmq+ and ucx links, not inproc")
 
     def node(self, name: str) -> NodeConfig:
         """The ``[nodes.NAME]`` table, or defaults for a node the file does not list."""

@@ -4,7 +4,10 @@ The node processes run ``kvd node`` with the same config file and engine
 flags, named n1..nN, listening on loopback (``[cluster].transport``: zmq+tcp
 on 127.0.0.1 with a free port, zmq+ipc under a private runtime directory, or
 ucx) and registering with this coordinator, which binds its registration
-address first. SIGTERM drains the front door, then stops the nodes (SIGTERM,
+address first. Every link is authenticated: unless the config names a
+``curve_keys_dir`` (or says ``insecure``), a keypair for the coordinator and
+for each node is generated in the private (0700) runtime directory, which is
+removed, keys and all, when ``kvd serve`` ends. SIGTERM drains the front door, then stops the nodes (SIGTERM,
 then SIGKILL after their drain timeout). A node process that exits is not
 restarted here (systemd does that in production); the failure detector
 removes it and requests go to the survivors.
@@ -19,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -41,6 +45,20 @@ def local_cluster(cluster: ClusterConfig, runtime_dir: str) -> ClusterConfig:
     return with_overrides(cluster, transport=scheme, coordinator=coordinator)
 
 
+def cluster_keys(cluster: ClusterConfig, runtime_dir: str, node_names: list[str]) -> ClusterConfig:
+    """``cluster`` with a keys directory: the configured one, or (unless
+    insecure) a fresh keypair for the coordinator and each of ``node_names``
+    in ``runtime_dir``/keys (0700, inside a 0700 directory)."""
+    if cluster.curve_keys_dir or cluster.insecure:
+        return cluster
+    from transports.keys import generate_keypair
+
+    keys = os.path.join(runtime_dir, "keys")
+    for name in ["coordinator", *node_names]:
+        generate_keypair(keys, name)
+    return with_overrides(cluster, curve_keys_dir=keys)
+
+
 class LocalCluster:
     def __init__(self, settings: CoordinatorSettings, cluster: ClusterConfig, num_nodes: int,
                  node_args: list[str], notifier: Notifier | None = None,
@@ -48,8 +66,9 @@ class LocalCluster:
         self.settings = settings
         self.notifier = notifier or Notifier(None)
         self.watchdog = watchdog                 # seconds between WATCHDOG=1; None: off
-        self.runtime_dir = tempfile.mkdtemp(prefix="kvd-")
-        self.cluster = local_cluster(cluster, self.runtime_dir)
+        self.runtime_dir = tempfile.mkdtemp(prefix="kvd-")      # mode 0700
+        self.cluster = cluster_keys(local_cluster(cluster, self.runtime_dir), self.runtime_dir,
+                                    [f"n{i + 1}" for i in range(num_nodes)])
         self.num_nodes = num_nodes
         self.node_args = node_args
         self.procs: list[subprocess.Popen] = []
@@ -61,15 +80,21 @@ class LocalCluster:
                   else f"{scheme}://127.0.0.1:0")
         cmd = [sys.executable, "-m", "kvd.cli", "node", "--name", name, "--coordinator", coordinator_url,
                "--listen", listen, *self.node_args]
+        if self.cluster.curve_keys_dir:
+            cmd += ["--curve-keys-dir", self.cluster.curve_keys_dir]     # the last flag wins
         return subprocess.Popen(cmd, env={**os.environ, "KVD_PARENT": str(os.getpid())})
 
     async def run(self) -> None:
-        async with asyncio.TaskGroup() as tg:
-            pinging = tg.create_task(run_watchdog(self.notifier, self.watchdog), name="watchdog")
-            try:
-                await self._run()
-            finally:
-                pinging.cancel()
+        try:
+            async with asyncio.TaskGroup() as tg:
+                pinging = tg.create_task(run_watchdog(self.notifier, self.watchdog), name="watchdog")
+                try:
+                    await self._run()
+                finally:
+                    pinging.cancel()
+        finally:
+            # the generated secret keys (and ipc sockets) do not outlive this cluster
+            shutil.rmtree(self.runtime_dir, ignore_errors=True)
 
     async def _run(self) -> None:
         model_name, tokenizer = await asyncio.to_thread(load_tokenizer, self.settings.model)

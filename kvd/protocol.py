@@ -34,6 +34,7 @@ from typing import Any, ClassVar
 
 import orjson
 
+from kvd.ratelog import LOG_EVERY_S, RateLimitedLog
 from transports.base import Connection, Incoming, Listener, TransportClosed, TransportError, as_buffer
 
 log = logging.getLogger(__name__)
@@ -464,9 +465,8 @@ class KVData(Message):
       frame [pieces[r], bs, kvh, hd] per (layer, K|V, run r of consecutive
       sender blocks), in that order; `sum(pieces)` = n.
 
-    With `token_ids` set, the message also does step 1: there was no
-    KVTransferRequest, the receiver allocates on arrival (it must then carry
-    every layer for the n blocks of `token_ids`, and `block_ids` stays empty).
+    A KVData always belongs to an allocation the receiver granted (step 1):
+    there is no form that allocates on arrival (kvd/node/transfer.py).
     """
 
     FRAMES_FIELD: ClassVar[str | None] = "tensors"
@@ -477,7 +477,6 @@ class KVData(Message):
     layer_end: int = 0
     block_ids: tuple[int, ...] = ()
     last: bool = False
-    token_ids: tuple[int, ...] | None = None   # allocation folded in (see above)
     pieces: tuple[int, ...] = ()       # blocks per run, pieces layout (see above)
     tensors: tuple[Any, ...] = ()      # RawTensor, or torch tensors (viewed, not copied)
 
@@ -488,9 +487,6 @@ class KVData(Message):
         _require(not self.pieces or not self.tensors
                  or len(self.tensors) == (self.layer_end - self.layer_start) * 2 * len(self.pieces),
                  "pieces layout needs one frame per (layer, K|V, piece)")
-        if self.token_ids is not None:
-            _require(not self.block_ids and self.last and self.layer_start == 0,
-                     "a KVData with token_ids carries every layer and no block_ids")
 
     def as_torch(self) -> tuple[Any, ...]:
         return tuple(t.to_torch() for t in self.tensors)
@@ -681,18 +677,27 @@ async def call(conn: Connection, msg: Message, *, timeout: float | None = None,
 Handler = Callable[[Message, Incoming], Awaitable[Message | None]]
 
 
+Gate = Callable[[Message, Incoming], "str | None"]
+
+
 async def serve(listener: Listener, handle: Handler, *, limits: ProtocolLimits = DEFAULT_LIMITS,
-                rejected: collections.Counter[str] | None = None) -> None:
+                rejected: collections.Counter[str] | None = None, gate: Gate | None = None,
+                log_every: float = LOG_EVERY_S) -> None:
     """Decode and dispatch messages until the listener closes.
 
     Bad messages are counted in `rejected[reason]`, logged (peer and reason
-    only), answered with an Error when the sender awaits a reply, and
-    skipped; expired requests get Error("deadline_exceeded"). `handle` runs
-    inline — it should hand long work to an owned task — and its returned
-    message, if any, is the reply. A peer that left before its reply is
-    logged, not fatal.
+    only, at most one line per reason per `log_every` seconds: a flood is
+    counted, not written out), answered with an Error when the sender awaits
+    a reply, and skipped; expired requests get Error("deadline_exceeded").
+    `gate(msg, incoming)`, if given, returns why the sender may not send
+    this message (kvd/trust.py) or None: a refused message gets
+    Error("forbidden"), is counted as `rejected["forbidden"]` and never
+    reaches `handle`. `handle` runs inline — it should hand long work to an
+    owned task — and its returned message, if any, is the reply. A peer that
+    left before its reply is logged, not fatal.
     """
     rejected = collections.Counter() if rejected is None else rejected
+    warn = RateLimitedLog(log, log_every)
     while True:
         try:
             incoming = await listener.recv()
@@ -701,12 +706,18 @@ async def serve(listener: Listener, handle: Handler, *, limits: ProtocolLimits =
         msg = decode(incoming.header, incoming.frames, limits)
         if isinstance(msg, ProtocolError):
             rejected[msg.reason] += 1
-            log.warning("rejected %s from peer %s: %s", msg.type or "message",
-                        incoming.peer.hex(), msg.reason)
+            warn.warning(msg.reason, "rejected %s from peer %s (%s): %s", msg.type or "message",
+                         incoming.peer.hex(), incoming.identity or "unauthenticated", msg.reason)
             reply: Message | None = Error(id=msg.id or "", code=msg.reason, message=msg.detail)
         elif msg.expired():
             rejected["deadline_exceeded"] += 1
             reply = Error(id=msg.id, code="deadline_exceeded", message="deadline passed on arrival")
+        elif gate is not None and (why := gate(msg, incoming)) is not None:
+            rejected["forbidden"] += 1
+            warn.warning("forbidden", "refused %s from peer %s (%s): %s", msg.TYPE, incoming.peer.hex(),
+                         incoming.identity or "unauthenticated", why)
+            reply = Error(id=msg.id, code="forbidden", message=why,
+                          request_id=getattr(msg, "request_id", None))
         else:
             reply = await handle(msg, incoming)
         if reply is not None and incoming.request_id:

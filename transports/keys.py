@@ -48,11 +48,12 @@ class StaticKeys:
 class KeyDirectory:
     """The public keys in a directory, each `NAME.key` authorizing client NAME.
 
-    Re-read when the directory changes (its mtime, checked at most every
-    `recheck` seconds), so a key added with `kvctl keys` is accepted and a
-    removed one refused for new connections, without a restart. Links that
-    already completed their handshake are not affected. Not thread-safe: one
-    event loop asks.
+    Re-read when the directory changes (its mtime: checked on every lookup
+    of an unknown key, and at most every `recheck` seconds for known ones),
+    so a key added with `kvctl keys` is accepted at once and a removed one
+    refused for new connections, without a restart. Links that already
+    completed their handshake are not affected. Not thread-safe: one event
+    loop asks.
     """
 
     def __init__(self, path: str | os.PathLike[str], recheck: float = 1.0) -> None:
@@ -63,9 +64,9 @@ class KeyDirectory:
         self._checked = -float("inf")
         self._refresh(force=True)
 
-    def _refresh(self, force: bool = False) -> None:
+    def _refresh(self, force: bool = False, stat_now: bool = False) -> None:
         now = time.monotonic()
-        if not force and now - self._checked < self.recheck:
+        if not (force or stat_now) and now - self._checked < self.recheck:
             return
         self._checked = now
         mtime = self.path.stat().st_mtime_ns
@@ -81,7 +82,9 @@ class KeyDirectory:
 
     def name_of(self, public_key: bytes) -> str | None:
         try:
-            self._refresh()
+            # an unknown key is worth a stat (a flood of them: one stat each,
+            # a re-read only when the directory really changed)
+            self._refresh(stat_now=public_key not in self._names)
         except OSError:
             return None           # the directory is gone: nobody is authorized
         return self._names.get(public_key)

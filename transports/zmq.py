@@ -66,12 +66,16 @@ class _NamingAuthenticator(AsyncioAuthenticator):
     key set names, and hands libzmq that name as the connection's User-Id,
     which every message from the client then carries (`Frame.get`)."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, curve: CurveServer) -> None:
+    def __init__(self, ctx: zmq.asyncio.Context, curve: CurveServer, stats: TransportStats) -> None:
         super().__init__(ctx)
         self._keys = as_key_set(curve.allowed_clients)
+        self._stats = stats
 
     def callback(self, domain: str, key: bytes) -> bool:
-        return self._keys.name_of(key) is not None
+        if self._keys.name_of(key) is not None:
+            return True
+        self._stats.refused += 1
+        return False
 
     def curve_user_id(self, client_public_key: bytes) -> str:
         return self._keys.name_of(z85.encode(client_public_key)) or ""
@@ -118,7 +122,7 @@ class ZmqListener(Listener):
         sock.setsockopt(zmq.MAXMSGSIZE, options.max_frame_bytes)
         if curve is not None:
             # The ZAP handler must run before bind so no handshake slips past it.
-            self._auth = _NamingAuthenticator(self._ctx, curve)
+            self._auth = _NamingAuthenticator(self._ctx, curve, self.stats)
             self._auth.start()
             self._auth.configure_curve_callback("*", self._auth)
             self.authenticated = True

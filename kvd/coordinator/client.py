@@ -38,6 +38,7 @@ from kvd import protocol
 from kvd.coordinator.membership import Membership, NodeInfo
 from kvd.coordinator.router import Router
 from kvd.engine_client import EngineDead
+from kvd.ratelog import RateLimitedLog
 from transports import Connection, TransportClosed, TransportError
 
 log = logging.getLogger("kvd.coordinator.client")
@@ -63,11 +64,12 @@ class NodeLink:
     """The coordinator's connection to one node, and the task reading it."""
 
     def __init__(self, node: str, conn: Connection, dispatch: Callable[[str, protocol.Message], None],
-                 bad_messages: collections.Counter) -> None:
+                 bad_messages: collections.Counter, warn: RateLimitedLog | None = None) -> None:
         self.node = node
         self.conn = conn
         self._dispatch = dispatch
         self._bad = bad_messages
+        self._warn = warn or RateLimitedLog(log)   # bad messages: counted each, logged rate-limited
         self.reader = asyncio.create_task(self._read(), name=f"link {node}")
 
     async def _read(self) -> None:
@@ -79,7 +81,8 @@ class NodeLink:
             msg = protocol.decode(incoming.header, incoming.frames)
             if isinstance(msg, protocol.ProtocolError):
                 self._bad[msg.reason] += 1
-                log.warning("bad message from node %s: %s", self.node, msg.reason)
+                self._warn.warning((self.node, msg.reason), "bad message from node %s: %s",
+                                   self.node, msg.reason)
                 continue
             self._dispatch(self.node, msg)
 
@@ -113,6 +116,7 @@ class RemoteEngineClient:
         self.default_max_model_len = default_max_model_len
         self.links: dict[str, NodeLink] = {}
         self.bad_messages: collections.Counter[str] = collections.Counter()
+        self._warn = RateLimitedLog(log)       # one line per (node, reason) per interval
         self._streams: dict[str, _Stream] = {}
         self._stats_source = stats_source
         self._tasks: set[asyncio.Task] = set()
@@ -264,7 +268,7 @@ class RemoteEngineClient:
         old = self.links.pop(node.name, None)
         if old is not None:
             await old.close()
-        self.links[node.name] = NodeLink(node.name, conn, self.dispatch, self.bad_messages)
+        self.links[node.name] = NodeLink(node.name, conn, self.dispatch, self.bad_messages, self._warn)
 
     def streams_on(self, node: str) -> list[str]:
         """Request ids in flight on ``node``."""

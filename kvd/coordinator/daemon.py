@@ -27,7 +27,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from kvd import links, protocol
+from kvd import links, protocol, trust
 from kvd.api.http import FrontDoor
 from kvd.cluster_config import ClusterConfig
 from kvd.config import ServerConfig
@@ -117,7 +117,8 @@ class CoordinatorDaemon:
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
                 serving = tg.create_task(protocol.serve(self.listener, self._handle,
-                                                        rejected=self.bad_messages), name="registration")
+                                                        rejected=self.bad_messages, gate=self._gate),
+                                         name="registration")
                 detecting = tg.create_task(self._detect_failures(), name="failure-detector")
                 if expect_nodes:
                     await self.wait_for_nodes(expect_nodes, nodes_timeout)
@@ -186,6 +187,11 @@ class CoordinatorDaemon:
             await self.listener.close()
 
     # -------------------------------------------------------- registration
+    def _gate(self, msg: protocol.Message, incoming) -> str | None:
+        """Why the sender may not send ``msg`` here (kvd/trust.py: a node speaks
+        for itself only), or None."""
+        return trust.coordinator_refusal(msg, incoming.identity, self.listener.authenticated)
+
     async def _handle(self, msg: protocol.Message, incoming) -> protocol.Message | None:
         if isinstance(msg, protocol.Heartbeat):
             if self.membership.beat(msg) is None:

@@ -43,7 +43,7 @@ from typing import Any
 
 from engine.engine import EngineConfig, LLMEngine
 from engine.request import InvalidParam, SamplingParams
-from kvd import links, protocol
+from kvd import links, protocol, trust
 from kvd.cluster_config import ClusterConfig
 from kvd.node.engine_driver import EngineDriver
 from kvd.node.heartbeat import Heartbeater
@@ -123,7 +123,8 @@ class NodeDaemon:
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
                 serving = tg.create_task(protocol.serve(self.listener, self._handle,
-                                                        rejected=self.bad_messages), name="serve")
+                                                        rejected=self.bad_messages, gate=self._gate),
+                                         name="serve")
                 beating = tg.create_task(self.heartbeat.run(), name="heartbeat")
                 reaping = tg.create_task(self._reap(), name="reaper")
                 notifying = tg.create_task(self._notify(), name="notify")
@@ -222,6 +223,12 @@ class NodeDaemon:
             cache_events=events, stats=snap)
 
     # ------------------------------------------------------------- messages
+    def _gate(self, msg: protocol.Message, incoming) -> str | None:
+        """Why the sender may not send ``msg`` here (kvd/trust.py), or None."""
+        if isinstance(msg, protocol.KVTransferRequest) and msg.dst_node != self.name:
+            return f"transfer addressed to {msg.dst_node!r}, this is node {self.name!r}"
+        return trust.node_refusal(msg, incoming.identity, self.listener.authenticated)
+
     async def _handle(self, msg: protocol.Message, incoming) -> protocol.Message | None:
         if isinstance(msg, protocol.GenerateRequest):
             if self.draining:
@@ -248,7 +255,7 @@ class NodeDaemon:
         if isinstance(msg, protocol.KVData):
             # an idle engine imports it right here: the ack goes back without a task
             try:
-                if (ack := self.receiver.try_data(msg)) is not None:
+                if (ack := self.receiver.try_data(msg, _sender(incoming))) is not None:
                     return ack
             except Exception as exc:  # noqa: BLE001 -- answered as _reply_later answers a failure
                 return _internal_error(msg, exc)
@@ -297,9 +304,9 @@ class NodeDaemon:
         try:
             if isinstance(msg, protocol.KVTransferRequest):
                 timeout = (msg.deadline - time.time()) if msg.deadline else self.cluster.request_timeout
-                reply = await self.receiver.on_request(msg, max(timeout, 1.0))
+                reply = await self.receiver.on_request(msg, max(timeout, 1.0), _sender(incoming))
             elif isinstance(msg, protocol.KVData):
-                reply = await self.receiver.on_data(msg)
+                reply = await self.receiver.on_data(msg, _sender(incoming))
             else:
                 reply = await self._admin_command(msg)
         except Exception as exc:  # noqa: BLE001
@@ -368,10 +375,12 @@ class NodeDaemon:
                 "waiting": snap.get("waiting", 0),
                 "bad_messages": dict(self.bad_messages),
                 "malformed_frames": lst.malformed if lst else 0,
+                "refused_peers": lst.refused if lst else 0,
                 "drop_transfers": self.drop_transfers,
                 "transfers": {"sent": self.transfers_sent, "dropped": self.transfers_dropped,
                               "received": self.receiver.completed if self.receiver else 0,
-                              "failed": self.receiver.failed if self.receiver else 0}}
+                              "failed": self.receiver.failed if self.receiver else 0,
+                              "refused": self.receiver.refused if self.receiver else 0}}
 
     async def cmd_status(self, args: dict) -> dict:
         return self.status()
@@ -454,6 +463,12 @@ def flush_prefix_cache(engine: LLMEngine) -> dict[str, int]:
             pool.pools[t].free(ids)
             freed[t] += len(ids)
     return freed
+
+
+def _sender(incoming) -> tuple[bytes, str | None]:
+    """Who a KV grant is bound to: the link it was asked on and that link's
+    authenticated identity (TransferReceiver accepts KVData from it only)."""
+    return incoming.peer, incoming.identity
 
 
 def _internal_error(msg: protocol.Message, exc: Exception) -> protocol.Error:

@@ -1,33 +1,33 @@
 """MemServe distributed transfer (§4.3) between two node processes.
 
 ``MemPool.transfer_with_insert`` moves KV between two pools of one process;
-here the same three steps cross a transport, in one of two shapes.
+here the same three steps cross a transport. MemServe's allocation step
+always comes first (so nothing the receiver has is sent, and the receiver
+takes KV only into blocks it granted), then layer chunks stream, DéjàVu
+§4.1 style::
 
-Small transfers (payload <= ``ONESHOT_MAX_BYTES``) fold the allocation into
-the data: ONE send, one round trip::
-
-    sender (engine thread)             wire                 receiver (engine thread)
-    match + lock, gather into a  ── KVData(token_ids) ──▶  match + lock what it has,
-    staging buffer, unlock          (ONE frame, every       alloc_mem(the rest), import
-                                     layer)                 the rest, insert, unlock
-                                 ◀──────── KVAck ───────   (inserted tokens, have_blocks)
-
-Blocks the receiver already had travel (32 MiB at most) but are not
-imported. Large transfers keep MemServe's allocation step (so nothing the
-receiver has is sent) and then stream layer chunks, DéjàVu §4.1 style::
-
-    match + lock             ── KVTransferRequest ──▶  match + lock, alloc_mem(the rest)
-    gather chunk 0 (overlaps ◀──── KVAllocReply ────   (block ids, have_blocks)
-      the round trip)
-    for each chunk c:        ─── KVData(c) ─────────▶  import chunk c (a copy per run of
-      send c, gather c+1          [l1-l0, 2, n, ...]    block ids, from the received frame);
-      (no wait for acks)     ◀────── KVAck(c) ──────   the last one inserts into the tree
+    match + lock             ── KVTransferRequest ──▶  match + lock, alloc_mem(the rest):
+    gather chunk 0 (overlaps ◀──── KVAllocReply ────   a grant, bound to the asking link
+      the round trip)                                   (block ids, have_blocks)
+    for each chunk c:        ─── KVData(c) ─────────▶  the grant of this transfer id, for
+      send c, gather c+1          [l1-l0, 2, n, ...]    this very link? else Error(no_grant),
+      (no wait for acks)                                nothing changes; import chunk c (a
+                                                        copy per run of block ids)
+                             ◀────── KVAck(c) ──────   the last one inserts into the tree
     all acked: unlock
 
-At most ``num_layers`` KVData per transfer (chunks of >= ``CHUNK_BYTES``,
-whole layers), never one per block: sends = 1 (one-shot) or 1 + chunks.
+Grants (receiver): a KVData is taken only into an allocation this node made
+for a KVTransferRequest *from the same link* (its transport peer id and its
+authenticated identity, kvd/trust.py); anything else is refused before it
+touches the grant, the pool or the tree. There is no path that allocates on
+a KVData's arrival: a one-shot KVData carrying its token ids (one round trip
+for payloads <= 32 MiB) let any sender that reached the port write KV into
+the prefix cache, which then served other users' prompts from it.
 
-Frames, in either shape, come one of two ways (``KVData.pieces``):
+At most ``num_layers`` KVData per transfer (chunks of >= ``CHUNK_BYTES``,
+whole layers), never one per block: sends = 1 + chunks.
+
+Frames come one of two ways (``KVData.pieces``):
 
 - **pool pieces, no gather** (``_zero_copy_tier``): when the blocks sit in a
   few runs of consecutive ids, each (layer, K|V, run) is a contiguous slice
@@ -71,7 +71,6 @@ from transports import Connection
 
 log = logging.getLogger("kvd.transfer")
 
-ONESHOT_MAX_BYTES = 32 << 20    # payloads up to this go as one KVData carrying the allocation
 CHUNK_BYTES = 8 << 20           # streamed chunk size target (whole layers, <= num_layers chunks)
 STAGING_KEEP_BYTES = 1 << 30    # staging memory kept for reuse between transfers
 ZERO_COPY_MIN_BYTES = 64 << 10  # a pool slice this big is sent as is (pyzmq copies smaller frames)
@@ -192,11 +191,18 @@ class _Pending:
     expires: float
     num_layers: int = 0
     layers_done: set[int] = field(default_factory=set)
+    sender: Any = None     # the link the grant is bound to: (peer id, identity)
 
 
 class TransferReceiver:
-    """Receiver half: allocation on KVTransferRequest (or on a KVData that
-    carries ``token_ids``), import per KVData chunk, insertion on the last."""
+    """Receiver half: a grant (allocation) on KVTransferRequest, bound to the
+    link that asked; import per KVData chunk of that grant, from that link
+    only; insertion on the last.
+
+    ``sender``, in every call: who the message came from, as an opaque
+    hashable (the node daemon passes (transport peer id, authenticated
+    identity)); a KVData whose sender is not its grant's is refused with
+    Error("no_grant") and changes nothing (counted in ``refused``)."""
 
     def __init__(self, driver: EngineDriver, tier: str = "device") -> None:
         self.driver = driver
@@ -205,6 +211,7 @@ class TransferReceiver:
         self.received_bytes = 0
         self.completed = 0
         self.failed = 0
+        self.refused = 0           # KVData for no grant of this sender (forged, late or stray)
 
     @staticmethod
     def _layout_error(engine: Any, num_layers: int, dtype: str) -> str | None:
@@ -212,7 +219,8 @@ class TransferReceiver:
             return "layout mismatch (layers or dtype)"
         return None
 
-    async def on_request(self, msg: protocol.KVTransferRequest, timeout: float) -> protocol.KVAllocReply:
+    async def on_request(self, msg: protocol.KVTransferRequest, timeout: float,
+                         sender: Any) -> protocol.KVAllocReply:
         def allocate(engine) -> protocol.KVAllocReply:
             pool = engine.pool
             bs = pool.block_size
@@ -232,7 +240,7 @@ class TransferReceiver:
                                              reason="out of KV blocks")
             self._pending[msg.transfer_id] = _Pending(tokens, list(m.blocks), ids, m.last_node,
                                                       self.tier, time.monotonic() + timeout,
-                                                      engine.kv.num_layers)
+                                                      engine.kv.num_layers, sender=sender)
             return protocol.KVAllocReply(id=msg.id, transfer_id=msg.transfer_id, ok=True,
                                          block_ids=tuple(ids), have_blocks=have)
         if msg.transfer_id in self._pending:
@@ -240,19 +248,14 @@ class TransferReceiver:
                                          reason="duplicate transfer id")
         return await self.driver.call(allocate)
 
-    async def on_data(self, msg: protocol.KVData) -> protocol.KVAck:
-        return await self.driver.call(self._data_fn(msg))
+    async def on_data(self, msg: protocol.KVData, sender: Any) -> protocol.KVAck | protocol.Error:
+        return await self.driver.call(lambda engine: self._import_chunk(engine, msg, sender))
 
-    def try_data(self, msg: protocol.KVData) -> protocol.KVAck | None:
+    def try_data(self, msg: protocol.KVData, sender: Any) -> protocol.KVAck | protocol.Error | None:
         """``on_data`` at once, without a task, when the engine is idle (the
         ack); None when it is busy: then await ``on_data``."""
-        done, ack = self.driver.try_call(self._data_fn(msg))
+        done, ack = self.driver.try_call(lambda engine: self._import_chunk(engine, msg, sender))
         return ack if done else None
-
-    def _data_fn(self, msg: protocol.KVData) -> Any:
-        if msg.token_ids is not None:
-            return lambda engine: self._oneshot(engine, msg)
-        return lambda engine: self._import_chunk(engine, msg)
 
     def _ack(self, msg: protocol.KVData, ok: bool, **kw: Any) -> protocol.KVAck:
         return protocol.KVAck(id=msg.id, transfer_id=msg.transfer_id, ok=ok, **kw)
@@ -302,42 +305,16 @@ class TransferReceiver:
         if ids:
             kv.scatter(tier, ids, payload[:, :, skip:], layers=(l0, l1))
 
-    def _oneshot(self, engine: Any, msg: protocol.KVData) -> protocol.KVAck:
-        """Allocation, import and insertion of a KVData carrying token_ids."""
-        pool = engine.pool
-        bs = pool.block_size
-        if msg.transfer_id in self._pending:
-            return self._ack(msg, False, reason="duplicate transfer id")
-        if not msg.tensors or (not msg.pieces and len(msg.tensors) != 1):
-            return self._ack(msg, False, reason="a KVData with token_ids carries its frames")
-        t = msg.tensors[0]
-        if reason := self._layout_error(engine, msg.layer_end, t.dtype):
-            return self._ack(msg, False, reason=reason)
-        n = sum(msg.pieces) if msg.pieces else t.shape[2] if len(t.shape) == 6 else -1
-        tokens = tuple(msg.token_ids)
-        if n <= 0 or len(tokens) != n * bs:
-            return self._ack(msg, False, reason="token_ids do not match the frame's blocks")
-        m = pool.tree.match(tokens)
-        pool.tree.lock(m.last_node)
-        have = len(m.blocks)
-        ids = pool.alloc_mem(n - have, self.tier) if have < n else []
-        if ids is None:
-            pool.tree.unlock(m.last_node)
-            return self._ack(msg, False, reason="out of KV blocks")
-        p = _Pending(tokens, list(m.blocks), ids, m.last_node, self.tier, 0.0, msg.layer_end)
-        try:
-            self._import(engine, p.tier, ids, 0, msg.layer_end, msg, skip=have)
-        except (TypeError, ValueError, IndexError) as exc:
-            self._abandon(engine, p)
-            return self._ack(msg, False, reason=str(exc))
-        self.received_bytes += sum(t.nbytes for t in msg.tensors)
-        return self._ack(msg, True, inserted_tokens=self._finish(engine, p), have_blocks=have)
-
-    def _import_chunk(self, engine: Any, msg: protocol.KVData) -> protocol.KVAck:
-        """One chunk of layers of an allocated transfer; the last one inserts."""
+    def _import_chunk(self, engine: Any, msg: protocol.KVData,
+                      sender: Any) -> protocol.KVAck | protocol.Error:
+        """One chunk of layers of a granted transfer; the last one inserts.
+        A KVData that is not for a grant of this sender changes nothing."""
         p = self._pending.get(msg.transfer_id)
-        if p is None:
-            return self._ack(msg, False, reason="unknown or expired transfer")
+        if p is None or p.sender != sender:
+            self.refused += 1
+            return protocol.Error(id=msg.id, code="no_grant",
+                                  message=f"transfer {msg.transfer_id!r}: no KV allocation of this node "
+                                          "for this sender (unknown, expired, or granted to another link)")
         try:
             if list(msg.block_ids) != p.block_ids or bool(msg.tensors) != bool(p.block_ids):
                 raise ValueError("KVData does not match the allocation")
@@ -379,7 +356,6 @@ def _reason(reply: Any) -> str:
 
 async def send_prefix(driver: EngineDriver, conn: Connection, token_ids: list[int], *,
                       src_node: str, dst_node: str, timeout: float = 30.0,
-                      oneshot_max_bytes: int | None = None,
                       chunk_bytes: int | None = None) -> dict[str, Any]:
     """Sender half: move the cached KV of ``token_ids``' full blocks to the
     node behind ``conn`` and insert it into that node's radix tree.
@@ -392,7 +368,6 @@ async def send_prefix(driver: EngineDriver, conn: Connection, token_ids: list[in
     every case.
     """
     t0 = time.perf_counter()
-    oneshot_max = ONESHOT_MAX_BYTES if oneshot_max_bytes is None else oneshot_max_bytes
     chunk_bytes = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
     transfer_id = f"{_ID_PREFIX}{next(_ID_SEQ)}"
     result: dict[str, Any] = {"transferred": False, "blocks": 0, "sent_blocks": 0, "new_blocks": 0,
@@ -401,36 +376,18 @@ async def send_prefix(driver: EngineDriver, conn: Connection, token_ids: list[in
     staging: list[Any] = []          # buffers to give back once every frame from them is acked
 
     def lock_prefix(engine):
-        """Match + lock. A small prefix is sent at once: as views of the pool
-        (pieces; the lock holds until the ack) or gathered into staging (and
-        unlocked again)."""
+        """Match + lock; pick the frame layout (pool pieces or staged)."""
         m = engine.pool.tree.match(token_ids)
         kv = engine.kv
-        L, two, bs, kvh, hd = kv.block_shape
+        L = kv.num_layers
         n = len(m.blocks)
-        oneshot = 0 < n * kv.bytes_per_block <= oneshot_max
-        per_message = L if oneshot else max(
-            l1 - l0 for l0, l1 in _layer_chunks(L, n * kv.bytes_per_block, chunk_bytes))
+        per_message = max(l1 - l0 for l0, l1 in _layer_chunks(L, n * kv.bytes_per_block, chunk_bytes))
         zc_tier = _zero_copy_tier(engine, m.blocks, per_message) if n else None
-        frames: tuple[Any, ...] = ()
-        lengths: tuple[int, ...] = ()
         engine.pool.tree.lock(m.last_node)
-        if oneshot:
-            if zc_tier is not None:
-                runs, views = kv.pieces(zc_tier, [r.block_id for r in m.blocks], (0, L))
-                lengths, frames = tuple(runs), _piece_tensors(kv, runs, views)
-            else:
-                try:
-                    buf, payload = _STAGING.acquire((L, two, n, bs, kvh, hd), kv.dtype)
-                    staging.append(buf)
-                    _gather(engine, _runs(m.blocks), payload, 0, L)
-                    frames = (payload,)
-                finally:
-                    engine.pool.tree.unlock(m.last_node)
-        return m, L, protocol.dtype_name(kv.dtype), bs, kv.bytes_per_block, frames, lengths, zc_tier
+        return m, L, protocol.dtype_name(kv.dtype), kv.block_shape[2], kv.bytes_per_block, zc_tier
 
-    m, num_layers, dtype, bs, block_bytes, frames, lengths, zc_tier = await driver.call(lock_prefix)
-    locked = not frames or bool(lengths)     # a staged one-shot is unlocked already
+    m, num_layers, dtype, bs, block_bytes, zc_tier = await driver.call(lock_prefix)
+    locked = True
     result["blocks"] = len(m.blocks)
     deadline = time.time() + timeout
     tokens = tuple(token_ids[:len(m.blocks) * bs])
@@ -439,11 +396,6 @@ async def send_prefix(driver: EngineDriver, conn: Connection, token_ids: list[in
         if not m.blocks:
             clean = True
             result["reason"] = "no cached prefix for these tokens"
-            return result
-        if frames:                   # one-shot: allocation folded into the data
-            await _send_oneshot(conn, tokens, transfer_id, deadline, num_layers, block_bytes,
-                                frames, lengths, result)
-            clean = True
             return result
         req = protocol.KVTransferRequest(
             id=transfer_id, deadline=deadline, transfer_id=transfer_id, src_node=src_node,
@@ -469,26 +421,6 @@ async def send_prefix(driver: EngineDriver, conn: Connection, token_ids: list[in
             if clean:
                 _STAGING.release(buf)
         result["seconds"] = time.perf_counter() - t0
-
-
-async def _send_oneshot(conn: Connection, tokens: tuple[int, ...], transfer_id: str, deadline: float,
-                        num_layers: int, block_bytes: int, frames: tuple[Any, ...],
-                        lengths: tuple[int, ...], result: dict[str, Any]) -> None:
-    """Every block and every layer in ONE KVData carrying the token ids (the
-    receiver allocates on arrival): staged (one frame) or pool pieces.
-    Splitting it into layer chunks to overlap the receiver's import with the
-    wire measured no better on a 2-core host (tools/bench_kv_transfer.py),
-    and each message costs a round of Python on both sides."""
-    n = sum(lengths) if lengths else frames[0].shape[2]
-    data = protocol.KVData(id=transfer_id, deadline=deadline, transfer_id=transfer_id,
-                           layer_start=0, layer_end=num_layers, last=True, token_ids=tokens,
-                           pieces=lengths, tensors=frames)
-    result.update(sends=1, chunks=1, sent_blocks=n, bytes=n * block_bytes, zero_copy=bool(lengths))
-    ack = await protocol.call(conn, data)
-    if isinstance(ack, protocol.KVAck) and ack.ok:
-        result.update(transferred=True, inserted_tokens=ack.inserted_tokens, new_blocks=n - ack.have_blocks)
-    else:
-        result["reason"] = _reason(ack)
 
 
 _LATE_UNLOCKS: set[asyncio.Task] = set()

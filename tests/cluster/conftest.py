@@ -3,6 +3,11 @@
 Logs go to the test's tmp dir (printed on failure with KVD_TEST_LOGS=1 they
 go to the terminal). Everything is the tiny random model in float32 with
 small KV pools, so a node starts in a few seconds on 2 cores.
+
+Every cluster is authenticated, as a real one must be: a keys directory per
+cluster with a keypair for the coordinator and for each node it starts
+(``--curve-keys-dir``). ``Cluster.connect`` opens a link to a daemon under
+one of those keys, the way the daemons themselves do.
 """
 
 from __future__ import annotations
@@ -19,6 +24,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+
+import transports
+from transports.keys import CurveClient, generate_keypair, load_keypair
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "tiny"
@@ -85,12 +93,22 @@ class Proc:
 
 
 class Cluster:
-    """A coordinator and named nodes; ``url(kind)`` builds loopback addresses."""
+    """A coordinator and named nodes; ``url(kind)`` builds loopback addresses.
 
-    def __init__(self, tmp: Path, transport: str = "zmq+tcp", extra: tuple[str, ...] = ()) -> None:
+    ``keys_dir`` holds the cluster's keys (made here, one per daemon);
+    ``insecure=True`` runs every daemon without keys (``--insecure``)."""
+
+    def __init__(self, tmp: Path, transport: str = "zmq+tcp", extra: tuple[str, ...] = (),
+                 insecure: bool = False) -> None:
         self.tmp = tmp
         self.transport = transport
         self.extra = extra
+        self.keys_dir = tmp / "keys"
+        if insecure:
+            self.auth: tuple[str, ...] = ("--insecure",)
+        else:
+            self.make_key("coordinator")
+            self.auth = ("--curve-keys-dir", str(self.keys_dir))
         self.http_port = free_port()
         self.base = f"http://127.0.0.1:{self.http_port}"
         self.coordinator_url = self.url("coordinator")
@@ -98,9 +116,26 @@ class Cluster:
         self.coordinator = Proc("coordinator", [
             sys.executable, "-m", "kvd.cli", "coordinator", "--listen", self.coordinator_url,
             "--port", str(self.http_port), "--model", MODEL, "--admin-socket", str(self.admin_socket),
-            "--transport", transport, *HEARTBEAT, *extra], tmp)
+            "--transport", transport, *HEARTBEAT, *self.auth, *extra], tmp)
         self.nodes: dict[str, Proc] = {}
         self.node_urls: dict[str, str] = {}
+
+    def make_key(self, name: str) -> None:
+        """A keypair for daemon ``name`` in the cluster's keys directory (once)."""
+        if not (self.keys_dir / f"{name}.key_secret").exists():
+            generate_keypair(self.keys_dir, name)
+
+    def client_keys(self, server: str, as_name: str = "coordinator") -> CurveClient:
+        """The keys daemon ``as_name`` uses to reach daemon ``server``."""
+        return CurveClient(*load_keypair(self.keys_dir / f"{as_name}.key_secret"),
+                           server_key=load_keypair(self.keys_dir / f"{server}.key")[0])
+
+    async def connect(self, server: str, as_name: str = "coordinator", **kw) -> transports.Connection:
+        """A transport link to ``server`` (a node name, or "coordinator"),
+        authenticated as ``as_name`` (default: the coordinator's key)."""
+        url = self.coordinator_url if server == "coordinator" else self.node_urls[server]
+        curve = None if "--insecure" in self.auth else self.client_keys(server, as_name)
+        return await transports.connect(url, curve=curve, **kw)
 
     def url(self, name: str) -> str:
         if self.transport == "zmq+ipc":
@@ -110,13 +145,17 @@ class Cluster:
     def node_admin(self, name: str) -> Path:
         return self.tmp / f"{name}.sock"
 
-    def start_node(self, name: str, *extra: str, url: str | None = None) -> Proc:
+    def start_node(self, name: str, *extra: str, url: str | None = None, make_key: bool = True) -> Proc:
+        """Start node ``name`` (with a key of its own in the cluster's keys
+        directory unless ``make_key=False``; ``extra`` flags come last and win)."""
         url = url or self.node_urls.get(name) or self.url(name)
         self.node_urls[name] = url
+        if make_key and "--insecure" not in self.auth:
+            self.make_key(name)
         proc = Proc(name, [sys.executable, "-m", "kvd.cli", "node", "--name", name, "--listen", url,
                            "--coordinator", self.coordinator_url, "--admin-socket",
                            str(self.node_admin(name)), "--transport", self.transport,
-                           *TINY, *HEARTBEAT, *self.extra, *extra], self.tmp)
+                           *TINY, *HEARTBEAT, *self.auth, *self.extra, *extra], self.tmp)
         self.nodes[name] = proc
         return proc
 

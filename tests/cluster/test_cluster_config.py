@@ -31,7 +31,9 @@ def test_example_cluster_file_parses_and_the_engine_part_too():
     ({"cluster": {"coordinator": "127.0.0.1:5550"}}, "coordinator"),
     ({"nodes": {"n1": {"adress": "zmq+tcp://127.0.0.1:1"}}}, "unknown key"),
     ({"nodes": {"bad name!": {}}}, "node name"),
-    ({"cluster": {"transport": "ucx", "curve_keys_dir": "/k"}}, "CURVE"),
+    ({"cluster": {"transport": "inproc", "curve_keys_dir": "/k"}}, "curve_keys_dir"),
+    ({"cluster": {"insecure": "yes"}}, "must be bool"),
+    ({"nodes": {"coordinator": {}}}, "coordinator's key name"),
     ({"cluster": {"ucx_progress_mode": "spin"}}, "ucx_progress_mode"),
 ])
 def test_bad_cluster_config_is_an_error(data, message):

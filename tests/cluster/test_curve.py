@@ -17,15 +17,15 @@ from .conftest import Cluster, admin
 @pytest.fixture(scope="module")
 def secure(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("curve")
-    keys, rogue = tmp / "keys", tmp / "rogue"
-    for name in ("coordinator", "good"):
-        generate_keypair(keys, name)
+    rogue = tmp / "rogue"
+    c = Cluster(tmp, "zmq+tcp")                                          # keys in tmp/keys
+    keys = c.keys_dir
     generate_keypair(rogue, "evil")                                    # a key nobody authorized
     (rogue / "coordinator.key").write_text((keys / "coordinator.key").read_text())
-    c = Cluster(tmp, "zmq+tcp", extra=("--curve-keys-dir", str(keys)))
     c.start_node("good")
-    c.start_node("evil", "--curve-keys-dir", str(rogue))                 # wrong key
-    c.start_node("plain", "--curve-keys-dir", "")                         # no key at all
+    c.start_node("evil", "--curve-keys-dir", str(rogue), make_key=False)  # wrong key
+    c.start_node("plain", "--curve-keys-dir", "", "--insecure", make_key=False)   # no key at all
+    c.start_node("open", "--curve-keys-dir", "", make_key=False)         # no key, not insecure
     try:
         c.wait_nodes(["good"])
         yield c, keys, rogue
@@ -40,6 +40,14 @@ def test_only_the_node_with_an_authorized_key_joins(secure):
     assert c.nodes["evil"].alive() and c.nodes["plain"].alive()     # refused, not crashed
     r = c.client(timeout=30).completions.create(model="tiny", prompt="secure", max_tokens=3)
     assert r.usage.completion_tokens == 3
+
+
+def test_a_node_without_keys_refuses_to_open_its_port_unless_told_insecure(secure):
+    c, _, _ = secure
+    assert c.nodes["open"].proc.wait(30) == 2                        # before loading the model
+    log = c.nodes["open"].log_text()
+    assert "refusing to listen" in log and "--insecure" in log and "curve_keys_dir" in log
+    assert "insecure:" in c.nodes["plain"].log_text()                # the insecure one says so
 
 
 def test_a_wrong_or_missing_key_cannot_send(secure):

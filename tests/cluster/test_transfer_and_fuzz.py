@@ -34,9 +34,9 @@ def pair(tmp_path_factory):
         c.stop()
 
 
-async def _generate(url: str, ids: list[int], max_tokens: int) -> tuple[list[int], dict]:
-    """Run one request directly on a node; (output ids, final usage)."""
-    conn = await transports.connect(url)
+async def _generate(cluster: Cluster, node: str, ids: list[int], max_tokens: int) -> tuple[list[int], dict]:
+    """Run one request directly on a node, as the coordinator (its key); (output ids, final usage)."""
+    conn = await cluster.connect(node)
     try:
         await conn.send(*protocol.encode(protocol.GenerateRequest(
             request_id=f"t-{random.random()}", prompt_token_ids=tuple(ids),
@@ -58,15 +58,15 @@ def test_transfer_with_insert_between_two_node_processes(pair, reference_engine)
     rng = random.Random(7)
     ids = [rng.randrange(1, 40000) for _ in range(100)]            # 6 full blocks of 16
     ref = reference_tokens(reference_engine, [ids], 8)[0]
-    out_a, usage_a = asyncio.run(_generate(pair.node_urls["a"], ids, 8))
+    out_a, usage_a = asyncio.run(_generate(pair, "a", ids, 8))
     assert out_a == ref and usage_a["cached_tokens"] == 0
     result = admin(pair.node_admin("a"), "transfer", to="b", address=pair.node_urls["b"], token_ids=ids)
     assert result["transferred"] is True, result
     assert result["blocks"] == 6 and result["inserted_tokens"] == 96
-    # small: ONE KVData carrying the allocation (token ids) and every layer, never per block
-    assert result["sends"] == 1 and result["chunks"] == 1 and result["new_blocks"] == 6
+    # small: the allocation round trip, then ONE KVData with every layer, never one per block
+    assert result["sends"] == 2 and result["chunks"] == 1 and result["new_blocks"] == 6
     assert admin(pair.node_admin("b"), "status")["transfers"]["received"] == 1
-    out_b, usage_b = asyncio.run(_generate(pair.node_urls["b"], ids, 8))
+    out_b, usage_b = asyncio.run(_generate(pair, "b", ids, 8))
     assert usage_b["cached_tokens"] == 96                      # served from the transferred KV
     assert out_b == ref
     # a second transfer of the same prefix stores nothing new
@@ -83,7 +83,8 @@ def test_streamed_transfer_is_exact_and_skips_what_the_receiver_has(reference_en
     engine's tokens, and blocks it already had are not sent. ``pieces``:
     frames are views of the sender's pool (the tiny model's slices are far
     under the zero-copy threshold, so the threshold is lowered); ``staged``:
-    gathered into staging buffers. Then the one-shot path, same checks."""
+    gathered into staging buffers. Then a small transfer with the default
+    chunk size: the allocation round trip and ONE KVData, same checks."""
     import torch
 
     from kvd.node import transfer
@@ -111,8 +112,9 @@ def test_streamed_transfer_is_exact_and_skips_what_the_receiver_has(reference_en
         listener = await transports.listen(f"zmq+ipc://{tmp_path}/b.sock", options=transports.TransportOptions())
 
         async def reply(inc, msg):
-            r = await (receiver.on_request(msg, 30.0) if isinstance(msg, protocol.KVTransferRequest)
-                       else receiver.on_data(msg))
+            sender = (inc.peer, inc.identity)
+            r = await (receiver.on_request(msg, 30.0, sender) if isinstance(msg, protocol.KVTransferRequest)
+                       else receiver.on_data(msg, sender))
             await listener.reply(inc, *protocol.encode(r))
 
         async def serve():
@@ -133,7 +135,7 @@ def test_streamed_transfer_is_exact_and_skips_what_the_receiver_has(reference_en
             assert (await gen(a, "r-a"))[0] == ref
             # receiver already caches the first 2 blocks: only 4 travel
             await b.call(lambda e: e.generate([ids[:40]], SamplingParams(max_tokens=1)))
-            kw = dict(src_node="a", dst_node="b", oneshot_max_bytes=0, chunk_bytes=1)
+            kw = dict(src_node="a", dst_node="b", chunk_bytes=1)
             res = await send_prefix(a, conn, ids, **kw)
             L = a.engine.kv.num_layers
             assert res["transferred"] and res["inserted_tokens"] == 96, res
@@ -151,14 +153,14 @@ def test_streamed_transfer_is_exact_and_skips_what_the_receiver_has(reference_en
             assert await gen(b, "r-b") == (ref, 96)             # served from the transferred KV
             again = await send_prefix(a, conn, ids, **kw)
             assert again["transferred"] and again["sent_blocks"] == 0 and again["sends"] == 2
-            # one-shot (allocation folded into the data): 4 new blocks after a shared first one
+            # small, default chunk size: 4 new blocks after a shared first one, in ONE KVData
             ids2 = ids[:16] + [rng.randrange(1, 40000) for _ in range(70)]
             ref2 = reference_tokens(reference_engine, [ids2], 8)[0]
             outs = [o async for o in a.generate("r-a2", ids2, params)]
             assert [t for o in outs for t in o.new_token_ids] == ref2
             one = await send_prefix(a, conn, ids2, src_node="a", dst_node="b")
             assert one["transferred"] and one["new_blocks"] == 4 and one["inserted_tokens"] == 80, one
-            assert one["sends"] == one["chunks"] == 1
+            assert one["sends"] == 2 and one["chunks"] == 1
             assert one.get("zero_copy", False) == (layout == "pieces")
             assert torch.equal(await a.call(kv_of(ids2)), await b.call(kv_of(ids2)))
             outs = [o async for o in b.generate("r-b2", ids2, params)]
@@ -237,14 +239,18 @@ def test_malformed_frames_are_counted_and_nothing_breaks(pair, reference_engine,
         out=pair.client(timeout=60).completions.create(model=MODEL, prompt=ids, max_tokens=32,
                                                        temperature=0, extra_body={"ignore_eos": True})))
     t.start()
-    targets = {"node": (_tcp(pair.node_urls["a"]), pair.node_admin("a")),
+    targets = {"a": (_tcp(pair.node_urls["a"]), pair.node_admin("a")),
                "coordinator": (_tcp(pair.coordinator_url), pair.admin_socket)}
+    pair.make_key("fuzzer")         # an authorized key: the fuzz must get past CURVE to test decoding
     ctx = zmq.Context()
     try:
         for name, (endpoint, sock_path) in targets.items():
             before = _bad_total(admin(sock_path, "status"))
             s = ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 1000)
+            keys = pair.client_keys(name, as_name="fuzzer")
+            s.curve_publickey, s.curve_secretkey, s.curve_serverkey = (keys.public_key, keys.secret_key,
+                                                                       keys.server_key)
             s.connect(endpoint)
             for parts in batch:
                 s.send_multipart(parts)

@@ -87,6 +87,9 @@ async def test_bad_or_missing_keys_cannot_send(keys, who):
         with pytest.raises(TimeoutError):  # nothing ever reached the listener
             await asyncio.wait_for(listener.recv(), 0.5)
         assert listener.stats.received == 0
+        # a key the ZAP handler turned away is counted (a wrong server key or
+        # no CURVE at all fails before the ZAP handler is asked)
+        assert (listener.stats.refused > 0) == (who == "unknown_client_key")
     finally:
         await conn.close()
         await listener.close()
