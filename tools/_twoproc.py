@@ -37,11 +37,12 @@ def receiver_url(transport: str, tmp: str) -> str:
 
 
 @contextlib.asynccontextmanager
-async def receiver(script: str, url: str, args: list[str],
-                   options: transports.TransportOptions) -> AsyncIterator[transports.Connection]:
+async def receiver(script: str, url: str, args: list[str], options: transports.TransportOptions,
+                   curve: Any = None) -> AsyncIterator[transports.Connection]:
     """Start ``python SCRIPT --serve URL ARGS...`` (it prints the address it
-    bound, then serves until its stdin closes) and yield a connection to it;
-    on the way out, close both."""
+    bound, then serves until its stdin closes) and yield a connection to it
+    (with ``curve``: transports.keys.CurveClient, authenticated); on the way
+    out, close both."""
     proc = subprocess.Popen([sys.executable, script, "--serve", url, *args], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True, cwd=ROOT)
     bound = proc.stdout.readline().strip()
@@ -49,7 +50,7 @@ async def receiver(script: str, url: str, args: list[str],
         proc.kill()
         raise RuntimeError(f"receiver for {url} did not start")
     try:
-        conn = await transports.connect(bound, options=options)
+        conn = await transports.connect(bound, options=options, curve=curve)
         try:
             yield conn
         finally:

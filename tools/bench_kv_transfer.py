@@ -8,28 +8,28 @@ engine. One sample is
   (a) plain: the same number of bytes as ONE raw frame in a request, the
       receiver acks (one round trip, nothing else);
   (b) transfer: ``kvd.node.transfer.send_prefix`` — the MemServe steps for
-      real. Payloads <= ONESHOT_MAX_BYTES (32 MiB): ONE KVData carrying the
-      token ids (allocation on arrival) and every layer; the receiver
-      allocates, imports (a copy per frame and run of block ids, from the
-      received frames) and inserts -> KVAck. Larger: allocation request ->
-      KVAllocReply, then layer chunks of ~CHUNK_BYTES (<= num_layers of
-      them) sent without waiting, each imported on arrival, the last
-      inserts. Frames are views of the sender's pool (one per layer, K|V and
-      run of blocks) when a run's slice is >= 64 KiB (16 and 256 MiB here),
-      else gathered into a reused staging buffer (1 MiB = one block here).
-      Afterwards the receiver drops the blocks again (not timed), so every
-      sample moves everything.
+      real: allocation request -> KVAllocReply (the receiver's grant, bound
+      to this link), then layer chunks of ~CHUNK_BYTES (<= num_layers of
+      them; ONE for payloads up to CHUNK_BYTES) sent without waiting, each
+      imported on arrival (a copy per frame and run of block ids, from the
+      received frames), the last inserts -> KVAck. Frames are views of the
+      sender's pool (one per layer, K|V and run of blocks) when a run's slice
+      is >= 64 KiB (16 and 256 MiB here), else gathered into a reused
+      staging buffer (1 MiB = one block here). Afterwards the receiver drops
+      the blocks again (not timed), so every sample moves everything.
 
 Both alternate sample by sample (shared, noisy machine); the table reports
 medians in GB/s, the ratio b/a (target >= 0.8) and the sends per transfer
-(must be O(layers) at most: 1 one-shot, else 1 + chunks). The receiver
-serves transfer messages as the node daemon does (a KVData right away when
-its engine is idle, else in a task of its own; on uvloop), and its KV pool is
-made resident first (as a serving node's is).
-``--oneshot-mib`` / ``--chunk-mib`` override the two thresholds; ``--threads``
-sets torch threads per process (default 1: two processes share the host's
-cores; a node with more torch threads never runs transfer work inline on
-its event loop, see ``EngineDriver``).
+(must be O(layers) at most: 1 + chunks). The receiver serves transfer
+messages as the node daemon does (a KVData right away when its engine is
+idle, else in a task of its own; on uvloop), and its KV pool is made
+resident first (as a serving node's is).
+``--chunk-mib`` overrides the chunk size; ``--threads`` sets torch threads
+per process (default 1: two processes share the host's cores; a node with
+more torch threads never runs transfer work inline on its event loop, see
+``EngineDriver``). ``--keys`` authenticates the link as the daemons do by
+default (zmq: CURVE, which also encrypts every byte; ucx: the handshake
+only), so both columns pay for it.
 
 The KV model: the tiny Llama widened to 16 layers x 8 KV heads x 64 dims in
 float32 (64 KiB per token) so that 256 MiB is 4096 tokens (the token ids
@@ -72,7 +72,7 @@ from transports import TransportOptions  # noqa: E402
 
 MiB = 1 << 20
 BLOCK = 16
-TUNING: dict = {}      # send_prefix(oneshot_max_bytes=, chunk_bytes=) from the command line
+TUNING: dict = {}      # send_prefix(chunk_bytes=) from the command line
 THREADS = {"n": 1}     # torch threads per process (--threads)
 OPTIONS = TransportOptions(send_timeout=120, request_timeout=120, max_frame_bytes=1 << 31)
 
@@ -106,7 +106,7 @@ def drop_cache(engine: LLMEngine) -> int:
 # ─── receiver process ───────────────────────────────────────────────────────
 
 
-async def serve(url: str, num_blocks: int) -> None:
+async def serve(url: str, num_blocks: int, keys: str | None = None) -> None:
     loop = asyncio.get_running_loop()
     loop.add_reader(sys.stdin.fileno(), lambda: sys.stdin.read() or os._exit(0))
     engine = bench_engine(num_blocks)
@@ -116,17 +116,18 @@ async def serve(url: str, num_blocks: int) -> None:
     driver = EngineDriver(engine)
     await driver.start()
     receiver = TransferReceiver(driver)
-    listener = await transports.listen(url, options=OPTIONS)
+    listener = await transports.listen(url, options=OPTIONS, curve=_server_keys(keys) if keys else None)
     print(listener.url, flush=True)
     tasks: set[asyncio.Task] = set()
 
     async def reply_later(incoming, msg) -> None:
         # as the node daemon does (_reply_later): a task per transfer message the
         # engine cannot take at once, so later chunks are received meanwhile
+        sender = (incoming.peer, incoming.identity)      # the grant's link, as in the node daemon
         if isinstance(msg, protocol.KVTransferRequest):
-            reply = await receiver.on_request(msg, 60.0)
+            reply = await receiver.on_request(msg, 60.0, sender)
         elif isinstance(msg, protocol.KVData):
-            reply = await receiver.on_data(msg)
+            reply = await receiver.on_data(msg, sender)
         else:
             raise SystemExit(f"bench receiver: unexpected {msg}")
         await listener.reply(incoming, *protocol.encode(reply))
@@ -141,12 +142,26 @@ async def serve(url: str, num_blocks: int) -> None:
             await listener.reply(incoming, b'{"dropped":%d}' % n)
             continue
         msg = protocol.decode(incoming.header, incoming.frames)
-        if isinstance(msg, protocol.KVData) and (ack := receiver.try_data(msg)) is not None:
+        if isinstance(msg, protocol.KVData) and (
+                ack := receiver.try_data(msg, (incoming.peer, incoming.identity))) is not None:
             await listener.reply(incoming, *protocol.encode(ack))   # as the node daemon: idle engine, no task
             continue
         task = asyncio.create_task(reply_later(incoming, msg))
         tasks.add(task)
         task.add_done_callback(tasks.discard)
+
+
+def _server_keys(keys: str):
+    from transports.keys import CurveServer, KeyDirectory, load_secret_keypair
+
+    return CurveServer(*load_secret_keypair(Path(keys) / "receiver.key_secret"), KeyDirectory(keys))
+
+
+def _client_keys(keys: str):
+    from transports.keys import CurveClient, load_keypair, load_secret_keypair
+
+    return CurveClient(*load_secret_keypair(Path(keys) / "sender.key_secret"),
+                       server_key=load_keypair(Path(keys) / "receiver.key")[0])
 
 
 # ─── sender (this process) ──────────────────────────────────────────────────
@@ -161,11 +176,13 @@ def cache_prefix(engine: LLMEngine, tokens: list[int]) -> None:
     engine.pool.insert(tokens, ids)
 
 
-async def bench_transport(url: str, sizes: list[int], driver: EngineDriver, runs: dict[int, int]) -> list[dict]:
+async def bench_transport(url: str, sizes: list[int], driver: EngineDriver, runs: dict[int, int],
+                          keys: str | None = None) -> list[dict]:
     max_blocks = max(sizes) * MiB // bytes_per_block(driver.engine) + 8
     rows = []
-    async with receiver(str(Path(__file__).resolve()), url, ["--blocks", str(max_blocks), "--threads", str(THREADS["n"])],
-                        OPTIONS) as conn:
+    args = ["--blocks", str(max_blocks), "--threads", str(THREADS["n"])] + (["--keys-dir", keys] if keys else [])
+    async with receiver(str(Path(__file__).resolve()), url, args, OPTIONS,
+                        curve=_client_keys(keys) if keys else None) as conn:
         for size in sizes:
             nblocks = size * MiB // bytes_per_block(driver.engine)
             tokens = [(size * 7919 + i) % 40000 + 1 for i in range(nblocks * BLOCK)]
@@ -188,7 +205,7 @@ async def bench_transport(url: str, sizes: list[int], driver: EngineDriver, runs
                     frames.add("pool pieces" if res["zero_copy"] else "staged")
             nbytes = len(payload)
             p, x = statistics.median(plain), statistics.median(xfer)
-            rows.append({"transport": url.split("://")[0], "size_mib": size, "bytes": nbytes,
+            rows.append({"transport": url.split("://")[0], "keys": bool(keys), "size_mib": size, "bytes": nbytes,
                          "blocks": nblocks, "layers": driver.engine.kv.num_layers, "runs": runs[size],
                          "plain_gbps": nbytes / p / 1e9, "transfer_gbps": nbytes / x / 1e9,
                          "ratio": p / x, "sends_per_transfer": max(sends),
@@ -200,7 +217,7 @@ async def bench_transport(url: str, sizes: list[int], driver: EngineDriver, runs
 
 
 def _row(r: dict) -> str:
-    return (f"| {r['transport']} | {r['size_mib']} | {r['plain_gbps']:.2f} | {r['transfer_gbps']:.2f} "
+    return (f"| {r['transport']}{' (keys)' if r.get('keys') else ''} | {r['size_mib']} | {r['plain_gbps']:.2f} | {r['transfer_gbps']:.2f} "
             f"| {r['ratio']:.2f} | {r['sends_per_transfer']} (blocks {r['blocks']}, layers {r['layers']}) "
             f"| {r['frames']} |")
 
@@ -216,10 +233,17 @@ async def main_async(args) -> list[dict]:
     print("|---|---|---|---|---|---|---|")
     rows = []
     tmp = tempfile.mkdtemp(prefix="kvd-bench-")
+    keys = None
+    if args.keys:
+        from transports.keys import generate_keypair
+
+        keys = os.path.join(tmp, "keys")
+        for name in ("sender", "receiver"):
+            generate_keypair(keys, name)
     try:
         for name in names:
             url = receiver_url(name, tmp)
-            rows += await bench_transport(url, sizes, driver, runs)
+            rows += await bench_transport(url, sizes, driver, runs, keys)
     finally:
         await driver.stop()
     return rows
@@ -230,20 +254,20 @@ def main() -> None:
     ap.add_argument("--sizes", default="1,16,256")
     ap.add_argument("--transports", default="zmq+tcp,zmq+ipc,ucx")
     ap.add_argument("--runs", type=int, default=0, help="samples per size (default 20/10/5)")
-    ap.add_argument("--oneshot-mib", type=float, help="one-shot (allocation folded) up to this payload")
     ap.add_argument("--chunk-mib", type=float, help="streamed chunk size target")
+    ap.add_argument("--keys", action="store_true",
+                    help="authenticate the link as the daemons do (zmq: CURVE, ucx: the handshake)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
     ap.add_argument("--serve", help=argparse.SUPPRESS)
     ap.add_argument("--blocks", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--keys-dir", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=str(ROOT / "results" / "bench_kv_transfer.json"))
     args = ap.parse_args()
     THREADS["n"] = args.threads
     torch.set_num_threads(args.threads)
     if args.serve:
-        run_on_uvloop(serve(args.serve, args.blocks))
+        run_on_uvloop(serve(args.serve, args.blocks, args.keys_dir))
         return
-    if args.oneshot_mib is not None:
-        TUNING["oneshot_max_bytes"] = int(args.oneshot_mib * MiB)
     if args.chunk_mib is not None:
         TUNING["chunk_bytes"] = int(args.chunk_mib * MiB)
     rows = run_on_uvloop(main_async(args))

@@ -25,7 +25,11 @@ for payloads <= 32 MiB) let any sender that reached the port write KV into
 the prefix cache, which then served other users' prompts from it.
 
 At most ``num_layers`` KVData per transfer (chunks of >= ``CHUNK_BYTES``,
-whole layers), never one per block: sends = 1 + chunks.
+whole layers), never one per block: sends = 1 + chunks. A payload up to
+``WHOLE_MAX_BYTES`` goes as ONE chunk of every layer: splitting it to
+overlap the receiver's import with the wire measured no better on a 2-core
+host (tools/bench_kv_transfer.py), and each message costs a round of Python
+on both sides.
 
 Frames come one of two ways (``KVData.pieces``):
 
@@ -72,6 +76,7 @@ from transports import Connection
 log = logging.getLogger("kvd.transfer")
 
 CHUNK_BYTES = 8 << 20           # streamed chunk size target (whole layers, <= num_layers chunks)
+WHOLE_MAX_BYTES = 32 << 20      # payloads up to this go as ONE KVData after the allocation
 STAGING_KEEP_BYTES = 1 << 30    # staging memory kept for reuse between transfers
 ZERO_COPY_MIN_BYTES = 64 << 10  # a pool slice this big is sent as is (pyzmq copies smaller frames)
 MAX_PIECE_FRAMES = 128          # pieces frames in one KVData message (the protocol allows 256)
@@ -368,6 +373,7 @@ async def send_prefix(driver: EngineDriver, conn: Connection, token_ids: list[in
     every case.
     """
     t0 = time.perf_counter()
+    whole_max = WHOLE_MAX_BYTES if chunk_bytes is None else 0   # an explicit chunk size is kept
     chunk_bytes = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
     transfer_id = f"{_ID_PREFIX}{next(_ID_SEQ)}"
     result: dict[str, Any] = {"transferred": False, "blocks": 0, "sent_blocks": 0, "new_blocks": 0,
@@ -376,17 +382,18 @@ async def send_prefix(driver: EngineDriver, conn: Connection, token_ids: list[in
     staging: list[Any] = []          # buffers to give back once every frame from them is acked
 
     def lock_prefix(engine):
-        """Match + lock; pick the frame layout (pool pieces or staged)."""
+        """Match + lock; pick the chunk size and the frame layout (pool pieces or staged)."""
         m = engine.pool.tree.match(token_ids)
         kv = engine.kv
         L = kv.num_layers
-        n = len(m.blocks)
-        per_message = max(l1 - l0 for l0, l1 in _layer_chunks(L, n * kv.bytes_per_block, chunk_bytes))
-        zc_tier = _zero_copy_tier(engine, m.blocks, per_message) if n else None
+        payload = len(m.blocks) * kv.bytes_per_block
+        chunk = max(chunk_bytes, payload) if payload <= whole_max else chunk_bytes
+        per_message = max(l1 - l0 for l0, l1 in _layer_chunks(L, payload, chunk))
+        zc_tier = _zero_copy_tier(engine, m.blocks, per_message) if m.blocks else None
         engine.pool.tree.lock(m.last_node)
-        return m, L, protocol.dtype_name(kv.dtype), kv.block_shape[2], kv.bytes_per_block, zc_tier
+        return m, L, protocol.dtype_name(kv.dtype), kv.block_shape[2], kv.bytes_per_block, zc_tier, chunk
 
-    m, num_layers, dtype, bs, block_bytes, zc_tier = await driver.call(lock_prefix)
+    m, num_layers, dtype, bs, block_bytes, zc_tier, chunk_bytes = await driver.call(lock_prefix)
     locked = True
     result["blocks"] = len(m.blocks)
     deadline = time.time() + timeout
