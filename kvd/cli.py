@@ -43,6 +43,11 @@ SERVER_FLAGS = {
     "--served-model-name": ("served_model_name", str, "model id in /v1/models and requests"),
     "--drain-timeout": ("drain_timeout", float, "seconds SIGTERM waits for in-flight requests"),
     "--log-level": ("log_level", str, "debug, info, warning or error"),
+    "--max-body-bytes": ("max_body_bytes", int, "largest HTTP request body (413 beyond)"),
+    "--body-timeout": ("body_timeout", float, "seconds to receive a request body (408 beyond)"),
+    "--header-timeout": ("header_timeout", float,
+                         "seconds a connection has for a complete request head; also the idle keep-alive"),
+    "--max-connections": ("max_connections", int, "most HTTP connections at once (503 and close beyond)"),
 }
 
 

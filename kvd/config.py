@@ -30,10 +30,18 @@ class ServerConfig:
     served_model_name: str | None = None
     drain_timeout: float = 30.0
     log_level: str = "info"
+    # HTTP limits (docs/operations.md "Limits"): a client cannot hold the server
+    max_body_bytes: int = 8 * 1024 * 1024
+    body_timeout: float = 30.0
+    header_timeout: float = 15.0
+    max_connections: int = 2048
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"server.port must be in 0..65535, got {self.port}")
+        for name in ("max_body_bytes", "body_timeout", "header_timeout", "max_connections"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"server.{name} must be > 0, got {getattr(self, name)}")
         if self.drain_timeout < 0:
             raise ConfigError("server.drain_timeout must be >= 0")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):

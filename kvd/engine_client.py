@@ -36,6 +36,9 @@ class EngineClient(Protocol):
 
     async def abort(self, request_id: str) -> None: ...
 
+    def unavailable(self) -> str | None:
+        """Why no request could run now (for /health's 503), or None. No side effects."""
+
     def stats(self) -> dict: ...
 
     async def start(self) -> None: ...

@@ -21,8 +21,8 @@ engine. One sample is
 Both alternate sample by sample (shared, noisy machine); the table reports
 medians in GB/s, the ratio b/a (target >= 0.8) and the sends per transfer
 (must be O(layers) at most: 1 + chunks). The receiver serves transfer
-messages as the node daemon does (a KVData right away when its engine is
-idle, else in a task of its own; on uvloop), and its KV pool is made
+messages as the node daemon does (an allocation or a KVData right away when
+its engine is idle, else in a task of its own; on uvloop), and its KV pool is made
 resident first (as a serving node's is).
 ``--chunk-mib`` overrides the chunk size; ``--threads`` sets torch threads
 per process (default 1: two processes share the host's cores; a node with
@@ -142,9 +142,16 @@ async def serve(url: str, num_blocks: int, keys: str | None = None) -> None:
             await listener.reply(incoming, b'{"dropped":%d}' % n)
             continue
         msg = protocol.decode(incoming.header, incoming.frames)
-        if isinstance(msg, protocol.KVData) and (
-                ack := receiver.try_data(msg, (incoming.peer, incoming.identity))) is not None:
-            await listener.reply(incoming, *protocol.encode(ack))   # as the node daemon: idle engine, no task
+        sender = (incoming.peer, incoming.identity)
+        # as the node daemon: an idle engine answers right here, no task
+        if isinstance(msg, protocol.KVData):
+            ack = receiver.try_data(msg, sender)
+        elif isinstance(msg, protocol.KVTransferRequest):
+            ack = receiver.try_request(msg, 60.0, sender)
+        else:
+            ack = None
+        if ack is not None:
+            await listener.reply(incoming, *protocol.encode(ack))
             continue
         task = asyncio.create_task(reply_later(incoming, msg))
         tasks.add(task)

@@ -7,6 +7,12 @@ Contracts:
 
 - Bad input never reaches the engine: bodies are validated (``schema.py``) and
   token counts checked before ``generate``; errors are OpenAI-shaped.
+- Work is bounded before it is done: a body over ``max_body_bytes`` is 413, one
+  not received within ``body_timeout`` 408 (both close the connection); a
+  prompt is refused by its bytes before it is tokenized, and a big body is
+  parsed and tokenized off the event loop (``prompt.py``).
+- /health is 200 only when a request could run: 503 while draining, and 503
+  with the reason when no node can serve.
 - A client that disconnects cancels its handler (``handler_cancellation``);
   closing the engine stream aborts the request, which frees its blocks.
 - While draining (SIGTERM), new generation requests get 503; open ones finish.
@@ -26,36 +32,47 @@ import orjson
 from aiohttp import web
 
 from engine.request import InvalidParam, RequestOutput, SamplingParams
-from kvd.api.schema import ApiError, GenerateRequest, bad, parse_chat, parse_completion
+from kvd.api.prompt import PromptBuilder
+from kvd.api.schema import ApiError, GenerateRequest, bad
+from kvd.config import ServerConfig
 from kvd.engine_client import EngineClient, EngineDead
 from kvd.metrics import ServerMetrics
 
 log = logging.getLogger("kvd.http")
 
-MAX_BODY_BYTES = 8 * 1024 * 1024
+_DEFAULTS = ServerConfig()
 
 
 class FrontDoor:
     """State shared by the handlers: the engine client, metrics, drain flag."""
 
     def __init__(self, client: EngineClient, api_key: str | None = None,
-                 served_model_name: str | None = None) -> None:
+                 served_model_name: str | None = None, *,
+                 max_body_bytes: int = _DEFAULTS.max_body_bytes,
+                 body_timeout: float = _DEFAULTS.body_timeout) -> None:
         self.client = client
         self.api_key = api_key.encode() if api_key else None
         self.model_name = served_model_name or client.model_name
+        self.max_body_bytes = max_body_bytes
+        self.body_timeout = body_timeout
+        self.prompts = PromptBuilder(client.tokenizer, self.model_name)
         self.metrics = ServerMetrics(client.stats, self.model_name)
         self.draining = False
         self.in_flight = 0
 
     # ------------------------------------------------------------- app
     def make_app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY_BYTES,
+        app = web.Application(client_max_size=self.max_body_bytes,
                               middlewares=[self._errors_middleware, self._auth_middleware])
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_handler)
+
+        async def close_prompts(app: web.Application) -> None:
+            self.prompts.close()
+        app.on_cleanup.append(close_prompts)
         return app
 
     @web.middleware
@@ -63,7 +80,14 @@ class FrontDoor:
         try:
             return await handler(request)
         except ApiError as exc:
-            return json_response(exc.body(), status=exc.status)
+            resp = json_response(exc.body(), status=exc.status)
+            if exc.status in (408, 413):
+                resp.force_close()        # the body was not read in full: the connection is spent
+            if exc.status == 408:         # and its client is not sending it: close now, no lingering
+                await resp.prepare(request)
+                await resp.write_eof()
+                request.protocol.force_close()
+            return resp
         except web.HTTPException as exc:
             if exc.status >= 400:
                 kind = "not_found_error" if exc.status == 404 else "invalid_request_error"
@@ -93,8 +117,15 @@ class FrontDoor:
             "max_model_len": self.client.max_model_len}]})
 
     async def health(self, request: web.Request) -> web.Response:
+        """200 ``{"status": "ok"}`` when a request could run now; else 503 with
+        ``status`` "draining" or "unavailable", and the reason as an OpenAI error."""
         if self.draining:
-            return json_response({"status": "draining"}, status=503)
+            error = ApiError(503, "server is draining; retry on another replica",
+                             type="service_unavailable", code="draining")
+            return json_response({"status": "draining", **error.body()}, status=503)
+        if (reason := self.client.unavailable()) is not None:
+            error = ApiError(503, reason, type="service_unavailable", code="no_node_available")
+            return json_response({"status": "unavailable", **error.body()}, status=503)
         return json_response({"status": "ok"})
 
     async def metrics_handler(self, request: web.Request) -> web.Response:
@@ -115,9 +146,10 @@ class FrontDoor:
             raise ApiError(503, "server is draining; retry on another replica",
                            type="service_unavailable", code="draining")
         try:
-            req = (parse_chat if chat else parse_completion)(await read_json(request))
-            prompt_ids, params = self._tokenize(req, chat)
-            req = replace(req, params=params)
+            raw = await read_body(request, self.max_body_bytes, self.body_timeout)
+            max_model_len = self.client.max_model_len      # on the loop: membership is its own
+            req, prompt_ids = await self.prompts.build(raw, chat, max_model_len)
+            req = replace(req, params=self._final_params(req, prompt_ids, chat, max_model_len))
         except ApiError as exc:
             self.metrics.requests.labels(endpoint, str(exc.status)).inc()
             raise
@@ -129,37 +161,19 @@ class FrontDoor:
         finally:
             self.in_flight -= 1
 
-    def _tokenize(self, req: GenerateRequest, chat: bool) -> tuple[list[int], SamplingParams]:
-        """Prompt token ids and final sampling params (chat's default max_tokens
-        is the rest of the context, as in vLLM). Raises ApiError."""
-        if req.model != self.model_name:
-            raise ApiError(404, f"The model '{req.model}' does not exist; this server serves "
-                           f"'{self.model_name}'", param="model", type="not_found_error",
-                           code="model_not_found")
-        tok = self.client.tokenizer
-        if chat:
-            if not tok.has_chat_template:
-                raise bad("messages", "this model has no chat template; use /v1/completions")
-            try:
-                text = tok.apply_chat_template([{"role": m.role, "content": m.content}
-                                                for m in req.messages], add_generation_prompt=True)
-            except Exception as exc:  # the template's own raise_exception, e.g. bad role order
-                raise bad("messages", f"chat template rejected the messages: {exc}") from None
-            ids = tok.encode(text, add_special_tokens=False)
-        elif req.prompt_ids is not None:
-            ids = list(req.prompt_ids)
-            if any(not 0 <= t < tok.vocab_size for t in ids):
-                raise bad("prompt", f"token ids must be in [0, {tok.vocab_size})")
-        else:
-            ids = tok.encode(req.prompt_text, add_special_tokens=True)
+    def _final_params(self, req: GenerateRequest, ids: list[int], chat: bool,
+                      max_model_len: int) -> SamplingParams:
+        """The sampling params to run (chat's default max_tokens is the rest of
+        the context, as in vLLM), once the engine said the request can run.
+        Raises ApiError."""
         params = req.params
         if not req.max_tokens_given and chat:
-            params = replace(params, max_tokens=max(1, self.client.max_model_len - len(ids)))
+            params = replace(params, max_tokens=max(1, max_model_len - len(ids)))
         try:
             self.client.check_request(len(ids), params)
         except InvalidParam as exc:
             raise bad(exc.param, str(exc), code="context_length_exceeded") from None
-        return ids, params
+        return params
 
     async def _complete(self, req: GenerateRequest, prompt_ids: list[int], chat: bool,
                         endpoint: str) -> web.Response:
@@ -292,14 +306,17 @@ def json_response(obj: dict, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json")
 
 
-async def read_json(request: web.Request):
+async def read_body(request: web.Request, max_bytes: int, timeout: float) -> bytes:
+    """The whole body: at most ``max_bytes`` (413, refused by its Content-Length
+    before any is read when it declares one) within ``timeout`` seconds (408)."""
+    too_large = ApiError(413, f"request body exceeds {max_bytes} bytes", code="body_too_large")
+    if request.content_length is not None and request.content_length > max_bytes:
+        raise too_large
     try:
-        raw = await request.read()
+        async with asyncio.timeout(timeout):
+            return await request.read()
     except web.HTTPRequestEntityTooLarge:
-        raise ApiError(413, f"request body exceeds {MAX_BODY_BYTES} bytes") from None
-    if not raw:
-        raise bad(None, "request body is empty; expected a JSON object")
-    try:
-        return orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise bad(None, f"request body is not valid JSON: {exc}", code="invalid_json") from None
+        raise too_large from None
+    except TimeoutError:
+        raise ApiError(408, f"request body not received within {timeout:g}s",
+                       code="body_timeout") from None

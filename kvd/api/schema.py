@@ -13,7 +13,14 @@ from typing import Any
 
 from engine.request import InvalidParam, SamplingParams
 
-MAX_STOP = 16
+# Limits on the stop conditions, checked before anything else sees them: a
+# request carries them to a node in one wire header (ProtocolLimits), and
+# every decode step matches them against the text. OpenAI allows 4 stop
+# sequences; their length is ours to bound (a stop string longer than this
+# would have to be generated whole to ever match).
+MAX_STOP = 4
+MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 64
 
 
 class ApiError(Exception):
@@ -95,7 +102,11 @@ def _sampling(body: dict, default_max_tokens: int | None) -> tuple[SamplingParam
     stop = stop or []
     if len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop):
         raise bad("stop", f"stop must be a non-empty string or a list of up to {MAX_STOP} non-empty strings")
+    if any(len(s) > MAX_STOP_CHARS for s in stop):
+        raise bad("stop", f"each stop string must be at most {MAX_STOP_CHARS} characters")
     stop_ids = _get(body, "stop_token_ids", list, [])
+    if len(stop_ids) > MAX_STOP_TOKEN_IDS:
+        raise bad("stop_token_ids", f"stop_token_ids must hold at most {MAX_STOP_TOKEN_IDS} ids")
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
         raise bad("stop_token_ids", "stop_token_ids must be a list of integers", "invalid_type")
     try:

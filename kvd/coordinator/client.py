@@ -15,6 +15,12 @@ in-process engine. Contracts:
   says it gave up; the others end normally, their last chunks arriving after
   its Goodbye.
 - Closing a stream early sends ``Abort`` to the node (an owned task).
+- Every request ends, and at once when a node will not serve it: a
+  ``GenerateRequest`` is a transport request that the node answers with
+  ``Accepted`` or an ``Error`` (draining, duplicate, a message it could not
+  decode), and one it does not answer within the link's request timeout ends
+  with ``EngineDead``. A request whose encoded header exceeds the protocol
+  limit is refused here, before it is sent.
 - A node that refuses a request because it just started draining is retried
   once on another node, before any token was delivered.
 
@@ -45,6 +51,11 @@ log = logging.getLogger("kvd.coordinator.client")
 
 _WIRE_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
                 "ignore_eos", "min_tokens")
+
+
+def _error_output(request_id: str, prompt_ids: list[int], message: str) -> RequestOutput:
+    """The one output of a request that ends before it ran (the front door's 400)."""
+    return RequestOutput(request_id, [], "", True, "error", num_prompt_tokens=len(prompt_ids), error=message)
 
 
 def params_to_wire(params: SamplingParams) -> dict[str, Any]:
@@ -89,6 +100,12 @@ class NodeLink:
     async def send(self, msg: protocol.Message) -> None:
         await self.conn.send(*protocol.encode(msg))
 
+    async def call(self, header: bytes) -> protocol.Message | protocol.ProtocolError:
+        """Send an encoded message as a request; its decoded reply. Raises
+        TransportError (RequestTimeout past the link's request timeout)."""
+        reply = await self.conn.request(header)
+        return protocol.decode(reply.header, reply.frames)
+
     async def close(self) -> None:
         self.reader.cancel()
         await asyncio.gather(self.reader, return_exceptions=True)
@@ -108,8 +125,10 @@ class _Stream:
 class RemoteEngineClient:
     def __init__(self, model_name: str, tokenizer: Tokenizer, membership: Membership, router: Router,
                  *, default_max_model_len: int = 2048,
-                 stats_source: Callable[[], dict] | None = None) -> None:
+                 stats_source: Callable[[], dict] | None = None,
+                 limits: protocol.ProtocolLimits = protocol.DEFAULT_LIMITS) -> None:
         self.model_name = model_name
+        self.limits = limits                   # what a node's decode accepts
         self.tokenizer = tokenizer
         self.membership = membership
         self.router = router
@@ -139,6 +158,17 @@ class RemoteEngineClient:
             raise InvalidParam("max_tokens", f"max_tokens={params.max_tokens} plus the prompt's "
                                f"{num_prompt_tokens} tokens exceeds the context of {limit} tokens")
 
+    def unavailable(self) -> str | None:
+        """Why no request could be routed now, or None when some node can take
+        one (registered, not draining, linked: what ``_submit`` picks from)."""
+        if any(n.name in self.links for n in self.membership.routable()):
+            return None
+        nodes = self.membership.nodes
+        if not nodes:
+            return "no node is serving: none is registered"
+        return (f"no node is serving: the {len(nodes)} registered node(s) are draining "
+                f"or not linked yet")
+
     async def start(self) -> None:
         pass
 
@@ -158,9 +188,24 @@ class RemoteEngineClient:
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
         if request_id in self._streams:
             raise InvalidParam("request_id", f"request id {request_id} is already in flight")
-        stream, node = await self._submit(request_id, prompt_ids, params, exclude=())
+        header, _ = protocol.encode(protocol.GenerateRequest(
+            id=request_id, request_id=request_id, prompt_token_ids=tuple(prompt_ids),
+            sampling=params_to_wire(params)))
+        if len(header) > self.limits.max_header_bytes:
+            yield _error_output(request_id, prompt_ids, (
+                f"the request takes {len(header)} bytes on the cluster wire, over the "
+                f"{self.limits.max_header_bytes}-byte limit; shorten the prompt or the stop conditions"))
+            return
+        stream, node, refusal = await self._submit(request_id, header, prompt_ids, exclude=())
+        if refusal is not None and refusal.code == "draining":
+            # it began draining before its heartbeat said so: another node, once
+            stream, node, refusal = await self._submit(request_id, header, prompt_ids,
+                                                       exclude=(node.name,))
+        if refusal is not None:
+            self.failed_requests += 1
+            yield _error_output(request_id, prompt_ids, refusal.message or refusal.code)
+            return
         finished = False
-        retried = False
         try:
             while True:
                 item = await stream.queue.get()  # bounded: a dead node's streams are failed by the detector
@@ -168,16 +213,9 @@ class RemoteEngineClient:
                     finished = True
                     raise item
                 if isinstance(item, protocol.Error):
-                    if item.code == "draining" and not retried and stream.next_index == 0:
-                        retried = True
-                        self._forget(request_id, node)
-                        stream, node = await self._submit(request_id, prompt_ids, params,
-                                                          exclude=(node.name,))
-                        continue
                     finished = True
                     self.failed_requests += 1
-                    yield RequestOutput(request_id, [], "", True, "error",
-                                        num_prompt_tokens=len(prompt_ids), error=item.message or item.code)
+                    yield _error_output(request_id, prompt_ids, item.message or item.code)
                     return
                 out = self._to_output(stream, item)
                 if out is None:
@@ -213,8 +251,17 @@ class RemoteEngineClient:
         return total
 
     # --------------------------------------------------------------- routing
-    async def _submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                      exclude: tuple[str, ...]) -> tuple[_Stream, NodeInfo]:
+    async def _submit(self, request_id: str, header: bytes, prompt_ids: list[int],
+                      exclude: tuple[str, ...]) -> tuple[_Stream, NodeInfo, protocol.Error | None]:
+        """Route the encoded GenerateRequest ``header`` to a node and wait for
+        its answer (at most the link's request timeout).
+
+        Returns (stream, node, None) once the node accepted, (stream, node,
+        Error) when it refused; the stream is registered before the send (a
+        chunk may overtake the answer) and forgotten again unless accepted.
+        Raises EngineDead when no node can take the request, or the chosen one
+        is unreachable or does not answer (then it is sent an Abort, in case
+        only its answer was lost)."""
         candidates = [n for n in self.membership.routable()
                       if n.name not in exclude and n.name in self.links]
         node = self.router.pick(candidates, prompt_ids)
@@ -224,14 +271,29 @@ class RemoteEngineClient:
         self._streams[request_id] = stream
         node.in_flight.add(request_id)
         node.routed += 1
+        accepted = False
         try:
-            await self.links[node.name].send(protocol.GenerateRequest(
-                id=request_id, request_id=request_id, prompt_token_ids=tuple(prompt_ids),
-                sampling=params_to_wire(params)))
+            reply = await self.links[node.name].call(header)
+            if isinstance(reply, protocol.Accepted) and reply.request_id == request_id:
+                accepted = True
+                return stream, node, None
+            if isinstance(reply, protocol.Error):
+                return stream, node, reply
+            what = reply.reason if isinstance(reply, protocol.ProtocolError) else reply.TYPE
+            self.bad_messages["bad_reply"] += 1
+            log.warning("node %s answered request %s with %s", node.name, request_id, what)
+            self._send_abort(node.name, request_id)
+            return stream, node, protocol.Error(code="bad_reply", request_id=request_id,
+                                                message=f"node {node.name} answered the request with {what}")
         except TransportError as exc:
-            self._forget(request_id, node)
-            raise EngineDead(f"node {node.name} is unreachable: {exc}") from None
-        return stream, node
+            self._send_abort(node.name, request_id)
+            raise EngineDead(f"node {node.name} did not take request {request_id}: {exc}") from None
+        except BaseException:                 # cancelled (the client left) while waiting
+            self._send_abort(node.name, request_id)
+            raise
+        finally:
+            if not accepted:
+                self._forget(request_id, node)
 
     def _forget(self, request_id: str, node: NodeInfo) -> None:
         self._streams.pop(request_id, None)

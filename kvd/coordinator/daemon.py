@@ -28,6 +28,7 @@ from aiohttp import web
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvd import links, protocol, trust
+from kvd.api.connections import CappedSite, fit_open_files, runner_options
 from kvd.api.http import FrontDoor
 from kvd.cluster_config import ClusterConfig
 from kvd.config import ServerConfig
@@ -43,6 +44,8 @@ FAIL_MODES = ("exit", "stop", "resume", "drop-transfers")   # served by the node
 FANOUT_TIMEOUT_S = 5.0     # per node, for commands sent to every node: under the admin deadline
 STATUS_INTERVAL_S = 1.0    # STATUS= is sent only when the line changed
 GOODBYE_GRACE_S = 1.5      # how long a leaving node's last chunks may trail its Goodbye
+STALL_MIN_S = 0.1          # a failure-detector wake-up this late is a stall of this loop: excused
+STALL_WARN_S = 1.0         # ... and logged as a warning from this long
 
 
 class CoordinatorDaemon:
@@ -67,6 +70,7 @@ class CoordinatorDaemon:
         self.listener: Listener | None = None
         self.front: FrontDoor | None = None
         self.runner: web.AppRunner | None = None
+        self.site: CappedSite | None = None
         self.admin = None
         self.port: int | None = None
         self._stop = asyncio.Event()
@@ -90,14 +94,18 @@ class CoordinatorDaemon:
                                                registry=self.registry, options=self.options)
 
     async def start_http(self) -> None:
-        self.front = FrontDoor(self.client, api_key=self.server.resolved_api_key(),
-                               served_model_name=self.server.served_model_name)
+        srv = self.server
+        self.front = FrontDoor(self.client, api_key=srv.resolved_api_key(),
+                               served_model_name=srv.served_model_name,
+                               max_body_bytes=srv.max_body_bytes, body_timeout=srv.body_timeout)
         self.front.metrics.registry.register(_ClusterCollector(self))
-        self.runner = web.AppRunner(self.front.make_app(), handler_cancellation=True, access_log=None)
+        self.runner = web.AppRunner(self.front.make_app(), handler_cancellation=True, access_log=None,
+                                    **runner_options(srv.header_timeout))
         await self.runner.setup()
-        site = web.TCPSite(self.runner, self.server.host, self.server.port)
-        await site.start()
-        self.port = self.runner.addresses[0][1]
+        self.site = CappedSite(self.runner, srv.host, srv.port,
+                               max_connections=fit_open_files(srv.max_connections))
+        await self.site.start()
+        self.port = self.site.port
         if self.admin_socket:
             await self._start_admin()
         log.info("coordinator: nodes register at %s; serving %s on http://%s:%d/v1", self.address,
@@ -248,8 +256,22 @@ class CoordinatorDaemon:
                                 heartbeat_interval=self.cluster.heartbeat_interval)
 
     async def _detect_failures(self) -> None:
+        """Every half interval, declare dead the nodes silent past the deadline.
+
+        A wake-up later than asked means this loop was blocked for that long (a
+        slow handler, a paused process): the lag is excused to every node
+        first (``Membership.excuse``), since no heartbeat could be read
+        meanwhile; those that queued are read before the node's deadline,
+        moved by the lag, passes."""
+        period = self.cluster.heartbeat_interval / 2
         while True:
-            await asyncio.sleep(self.cluster.heartbeat_interval / 2)
+            asleep = time.monotonic()
+            await asyncio.sleep(period)
+            lag = time.monotonic() - asleep - period
+            if lag >= STALL_MIN_S:
+                self.membership.excuse(lag)
+                (log.warning if lag >= STALL_WARN_S else log.info)(
+                    "coordinator event loop stalled %.2fs: not counted against the nodes", lag)
             for info in self.membership.expired():
                 n = await self.client.fail_node(info, f"no heartbeat for {self.cluster.heartbeat_deadline:g}s")
                 log.error("node %s declared dead: no heartbeat for %.1fs; %d request(s) failed",
@@ -262,6 +284,7 @@ class CoordinatorDaemon:
                 "in_flight": self.front.in_flight if self.front else 0,
                 "draining": bool(self.front and self.front.draining),
                 "node_failures": self.membership.failures, "joins": self.membership.joins,
+                "loop_stalls": self.membership.stalls,
                 "failed_requests": self.client.failed_requests,
                 "bad_messages": dict(self.bad_messages + self.client.bad_messages),
                 "malformed_frames": self.listener.stats.malformed if self.listener else 0}
@@ -420,6 +443,20 @@ class _ClusterCollector:
         c = CounterMetricFamily("kvd_cluster_node_failures", "Nodes declared dead by heartbeat deadline")
         c.add_metric([], d.membership.failures)
         yield c
+        c = CounterMetricFamily("kvd_coordinator_loop_stalls", "Event loop stalls excused to the nodes")
+        c.add_metric([], d.membership.stalls)
+        yield c
+        c = CounterMetricFamily("kvd_coordinator_loop_stalled_seconds", "Time the event loop was stalled")
+        c.add_metric([], d.membership.stalled_s)
+        yield c
+        if d.site is not None:
+            g = GaugeMetricFamily("kvd_http_connections", "Open HTTP connections")
+            g.add_metric([], d.site.open_connections)
+            yield g
+            c = CounterMetricFamily("kvd_http_connections_refused",
+                                    "HTTP connections refused at max_connections")
+            c.add_metric([], d.site.refused)
+            yield c
         c = CounterMetricFamily("kvd_cluster_failed_requests", "Requests ended by a node failure or error")
         c.add_metric([], d.client.failed_requests)
         yield c

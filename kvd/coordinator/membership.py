@@ -8,6 +8,12 @@ younger than ``deadline`` seconds and it is not draining.
 A Hello from a known name with a new ``incarnation`` means the process
 restarted: the old incarnation's requests are lost, so ``register`` returns
 the replaced entry for the caller to fail them.
+
+The coordinator's own stalls never count against a node: while its event loop
+was blocked it could neither receive heartbeats nor judge them, so the
+detector reports each stall (``excuse``) and a node's silence is measured
+without that time. A node that really died is still declared dead, one
+deadline of the coordinator's *running* time after its last beat.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ class NodeInfo:
     joined_at: float = field(default_factory=time.time)
     heartbeat: protocol.Heartbeat | None = None
     admin_drained: bool = False            # drained by an operator through the coordinator
+    excused: float = 0.0                   # seconds of coordinator stall since last_seen, not counted
     in_flight: set[str] = field(default_factory=set)   # request ids routed here
     routed: int = 0                        # requests routed here since it joined
 
@@ -43,6 +50,14 @@ class NodeInfo:
     def load(self) -> int:
         """Requests this coordinator has in flight there (exact, no heartbeat lag)."""
         return len(self.in_flight)
+
+    def silence(self, now: float) -> float:
+        """Seconds without a beat, the coordinator's stalls left out."""
+        return now - self.last_seen - self.excused
+
+    def seen(self, now: float) -> None:
+        self.last_seen = now
+        self.excused = 0.0
 
     def describe(self, now: float | None = None) -> dict[str, Any]:
         now = time.monotonic() if now is None else now
@@ -63,6 +78,8 @@ class Membership:
         self.nodes: dict[str, NodeInfo] = {}
         self.failures = 0                  # nodes declared dead since start
         self.joins = 0
+        self.stalls = 0                    # coordinator stalls excused (see excuse)
+        self.stalled_s = 0.0
 
     def register(self, hello: protocol.Hello, now: float | None = None
                  ) -> tuple[NodeInfo, NodeInfo | None]:
@@ -70,7 +87,7 @@ class Membership:
         now = time.monotonic() if now is None else now
         old = self.nodes.get(hello.node)
         if old is not None and old.incarnation == hello.incarnation and old.address == hello.address:
-            old.last_seen = now                # a repeated Hello (lost Welcome): same node
+            old.seen(now)                      # a repeated Hello (lost Welcome): same node
             return old, None
         info = NodeInfo(hello.node, hello.address, hello.incarnation, hello.model_name,
                         hello.max_model_len, hello.block_size, dict(hello.blocks_per_tier), now)
@@ -85,7 +102,7 @@ class Membership:
             return None
         if info.heartbeat is None or hb.seq > info.heartbeat.seq or hb.seq <= 1:
             info.heartbeat = hb
-        info.last_seen = time.monotonic() if now is None else now
+        info.seen(time.monotonic() if now is None else now)
         return info
 
     def remove(self, name: str) -> NodeInfo | None:
@@ -94,11 +111,20 @@ class Membership:
     def expired(self, now: float | None = None) -> list[NodeInfo]:
         """Remove and return every node whose last beat is older than the deadline."""
         now = time.monotonic() if now is None else now
-        dead = [n for n in self.nodes.values() if now - n.last_seen > self.deadline]
+        dead = [n for n in self.nodes.values() if n.silence(now) > self.deadline]
         for n in dead:
             del self.nodes[n.name]
         self.failures += len(dead)
         return dead
+
+    def excuse(self, seconds: float) -> None:
+        """The coordinator could not run for ``seconds`` (its event loop was
+        blocked): that time is not counted in any node's silence. Heartbeats
+        that queued meanwhile are read after, within the deadline left."""
+        for n in self.nodes.values():
+            n.excused += seconds
+        self.stalls += 1
+        self.stalled_s += seconds
 
     def routable(self) -> list[NodeInfo]:
         return [n for n in self.nodes.values() if not n.draining]

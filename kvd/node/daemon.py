@@ -252,10 +252,14 @@ class NodeDaemon:
             self.transfers_dropped += 1
             return protocol.Error(id=msg.id, code="transfer_refused",
                                   message=f"node {self.name} drops KV transfers (fault injection)")
-        if isinstance(msg, protocol.KVData):
-            # an idle engine imports it right here: the ack goes back without a task
+        if isinstance(msg, (protocol.KVTransferRequest, protocol.KVData)):
+            # an idle engine allocates / imports right here: the reply goes back without a task
             try:
-                if (ack := self.receiver.try_data(msg, _sender(incoming))) is not None:
+                if isinstance(msg, protocol.KVData):
+                    ack = self.receiver.try_data(msg, _sender(incoming))
+                else:
+                    ack = self.receiver.try_request(msg, self._grant_timeout(msg), _sender(incoming))
+                if ack is not None:
                     return ack
             except Exception as exc:  # noqa: BLE001 -- answered as _reply_later answers a failure
                 return _internal_error(msg, exc)
@@ -300,11 +304,15 @@ class NodeDaemon:
         finally:
             self.streams.pop(rid, None)
 
+    def _grant_timeout(self, msg: protocol.KVTransferRequest) -> float:
+        """Seconds a grant waits for its data: the sender's deadline (>= 1 s)."""
+        timeout = (msg.deadline - time.time()) if msg.deadline else self.cluster.request_timeout
+        return max(timeout, 1.0)
+
     async def _reply_later(self, msg: protocol.Message, incoming) -> None:
         try:
             if isinstance(msg, protocol.KVTransferRequest):
-                timeout = (msg.deadline - time.time()) if msg.deadline else self.cluster.request_timeout
-                reply = await self.receiver.on_request(msg, max(timeout, 1.0), _sender(incoming))
+                reply = await self.receiver.on_request(msg, self._grant_timeout(msg), _sender(incoming))
             elif isinstance(msg, protocol.KVData):
                 reply = await self.receiver.on_data(msg, _sender(incoming))
             else:

@@ -119,6 +119,11 @@ class EngineDriver:
     async def abort(self, request_id: str) -> None:
         self._submit(("abort", request_id))
 
+    def unavailable(self) -> str | None:
+        if self._dead is not None:
+            return f"engine stopped: {self._dead}"
+        return None if self._running else "engine is not running"
+
     def _submit(self, cmd: tuple) -> None:
         """Queue a command for the engine thread (event loop thread only)."""
         self._submitted += 1

@@ -226,6 +226,27 @@ class TransferReceiver:
 
     async def on_request(self, msg: protocol.KVTransferRequest, timeout: float,
                          sender: Any) -> protocol.KVAllocReply:
+        """Step 1: allocate (a grant to ``sender``, released at ``timeout``
+        seconds unless its data completes) and answer the block ids."""
+        if msg.transfer_id in self._pending:
+            return self._duplicate(msg)
+        return await self.driver.call(self._allocate_fn(msg, timeout, sender))
+
+    def try_request(self, msg: protocol.KVTransferRequest, timeout: float,
+                    sender: Any) -> protocol.KVAllocReply | None:
+        """``on_request`` at once, without a task, when the engine is idle (the
+        reply); None when it is busy: then await ``on_request``."""
+        if msg.transfer_id in self._pending:
+            return self._duplicate(msg)
+        done, reply = self.driver.try_call(self._allocate_fn(msg, timeout, sender))
+        return reply if done else None
+
+    @staticmethod
+    def _duplicate(msg: protocol.KVTransferRequest) -> protocol.KVAllocReply:
+        return protocol.KVAllocReply(id=msg.id, transfer_id=msg.transfer_id, ok=False,
+                                     reason="duplicate transfer id")
+
+    def _allocate_fn(self, msg: protocol.KVTransferRequest, timeout: float, sender: Any) -> Any:
         def allocate(engine) -> protocol.KVAllocReply:
             pool = engine.pool
             bs = pool.block_size
@@ -248,10 +269,7 @@ class TransferReceiver:
                                                       engine.kv.num_layers, sender=sender)
             return protocol.KVAllocReply(id=msg.id, transfer_id=msg.transfer_id, ok=True,
                                          block_ids=tuple(ids), have_blocks=have)
-        if msg.transfer_id in self._pending:
-            return protocol.KVAllocReply(id=msg.id, transfer_id=msg.transfer_id, ok=False,
-                                         reason="duplicate transfer id")
-        return await self.driver.call(allocate)
+        return allocate
 
     async def on_data(self, msg: protocol.KVData, sender: Any) -> protocol.KVAck | protocol.Error:
         return await self.driver.call(lambda engine: self._import_chunk(engine, msg, sender))

@@ -233,3 +233,34 @@ def test_from_hf_dir_reads_transformers_save(hf_tok, tok, tmp_path):
         assert again.encode(text) == tok.encode(text), text
     messages = CONVERSATIONS["system_multi"]
     assert again.apply_chat_template(messages) == tok.apply_chat_template(messages)
+
+
+@pytest.mark.parametrize("text", TEXTS + ["\n" + " " * 80, " " * 5000, "<|im_start|>" * 50])
+def test_encode_is_the_backends_encode(tok, text):
+    """``encode`` goes through the batch entry point (it releases the GIL): same ids."""
+    for special in (False, True):
+        assert tok.encode(text, add_special_tokens=special) == \
+            tok._backend.encode(text, add_special_tokens=special).ids
+
+
+@pytest.mark.parametrize("text", TEXTS + ["\n" + " " * 80, " " * 5000, "<|im_start|>" * 50])
+def test_max_token_bytes_bounds_the_bytes_a_token_stands_for(tok, text):
+    """No token covers more than ``max_token_bytes`` bytes of input: a prompt
+    refused for its bytes could never have fit in the context."""
+    ids = tok.encode(text)
+    assert len(text.encode()) <= len(ids) * tok.max_token_bytes
+    # byte-level BPE: the bound is the longest token exactly ("\n" + 80 spaces here)
+    assert tok.max_token_bytes == 81
+    assert len(tok.encode("\n" + " " * 80)) == 1
+
+
+def test_max_token_bytes_counts_utf8_for_other_vocabularies_and_a_normalizer_4x():
+    from tokenizers import normalizers
+
+    vocab = {"[UNK]": 0, "▁": 1, "é": 2, "▁héllo": 3}
+    backend = BackendTokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    plain = Tokenizer(backend, bos_token_id=None, eos_token_ids=(), chat_template=None, special_tokens={})
+    assert plain.max_token_bytes == len("▁héllo".encode())      # 9: not byte-level, UTF-8 counted
+    backend.normalizer = normalizers.NFC()
+    normalized = Tokenizer(backend, bos_token_id=None, eos_token_ids=(), chat_template=None, special_tokens={})
+    assert normalized.max_token_bytes == 4 * 9

@@ -1,9 +1,12 @@
-"""RemoteEngineClient's membership contracts, without processes: a node that
-leaves on purpose loses only what it gave up; a dead node loses everything."""
+"""RemoteEngineClient's contracts, without processes: a node that leaves on
+purpose loses only what it gave up; a dead node loses everything; a request a
+node refuses, does not answer, or could not even decode ends at once."""
 
 from __future__ import annotations
 
 import asyncio
+
+import pytest
 
 from engine.request import SamplingParams
 from kvd import protocol
@@ -11,10 +14,10 @@ from kvd.coordinator.client import RemoteEngineClient
 from kvd.coordinator.membership import Membership
 from kvd.coordinator.router import LeastLoadRouter
 from kvd.engine_client import EngineDead
-from transports import InprocRegistry, connect, listen
+from transports import InprocRegistry, TransportOptions, connect, listen
 
 
-async def node_and_client():
+async def node_and_client(options: TransportOptions | None = None):
     """A registered node 'n1' whose listener we hold, and a client linked to it."""
     registry = InprocRegistry()
     listener = await listen("inproc://n1", registry=registry)
@@ -23,24 +26,30 @@ async def node_and_client():
         id="h", node="n1", address="inproc://n1", incarnation="i1", model_name="m",
         max_model_len=512, block_size=16, blocks_per_tier={"cpu": 64}))
     client = RemoteEngineClient("m", None, membership, LeastLoadRouter())
-    await client.attach(info, await connect("inproc://n1", registry=registry))
+    await client.attach(info, await connect("inproc://n1", registry=registry, options=options))
     return listener, membership, info, client
 
 
-async def start(client: RemoteEngineClient, listener, rid: str):
-    """Begin streaming ``rid``; returns (collector task, the node's peer id)."""
+async def collect(client: RemoteEngineClient, rid: str, params: SamplingParams | None = None) -> list:
+    """Every output of ``rid``, ending with the EngineDead it raised, if any."""
     outputs: list = []
+    try:
+        async for out in client.generate(rid, [1, 2, 3], params or SamplingParams(max_tokens=2, temperature=0)):
+            outputs.append(out)
+    except EngineDead as exc:
+        outputs.append(exc)
+    return outputs
 
-    async def collect():
-        try:
-            async for out in client.generate(rid, [1, 2, 3], SamplingParams(max_tokens=2, temperature=0)):
-                outputs.append(out)
-        except EngineDead as exc:
-            outputs.append(exc)
-        return outputs
-    task = asyncio.create_task(collect())
+
+async def start(client: RemoteEngineClient, listener, rid: str, answer: protocol.Message | None = None):
+    """Begin streaming ``rid``, the node answering ``Accepted`` (or ``answer``);
+    returns (collector task, the node's peer id)."""
+    task = asyncio.create_task(collect(client, rid))
     incoming = await asyncio.wait_for(listener.recv(), 5)
-    assert protocol.decode(incoming.header, incoming.frames).request_id == rid
+    msg = protocol.decode(incoming.header, incoming.frames)
+    assert isinstance(msg, protocol.GenerateRequest) and msg.request_id == rid
+    assert incoming.request_id, "a GenerateRequest must be a request: its answer ends a refused one"
+    await listener.reply(incoming, *protocol.encode(answer or protocol.Accepted(id=msg.id, request_id=rid)))
     return task, incoming.peer
 
 
@@ -88,4 +97,52 @@ async def test_a_dead_node_fails_every_stream_at_once():
     assert await client.fail_node(info, "no heartbeat") == 2
     for task in (a, b):
         assert isinstance((await asyncio.wait_for(task, 5))[-1], EngineDead)
+    await listener.close()
+
+
+async def test_a_refused_request_ends_at_once_and_leaves_nothing_in_flight():
+    listener, membership, info, client = await node_and_client()
+    refused, _ = await start(client, listener, "r", protocol.Error(
+        id="r", code="duplicate", request_id="r", message="request id already in flight"))
+    outputs = await asyncio.wait_for(refused, 5)
+    assert [(o.finish_reason, o.error) for o in outputs] == [("error", "request id already in flight")]
+    assert client.streams_on("n1") == [] and info.in_flight == set()
+    await listener.close()
+
+
+async def test_a_draining_refusal_is_retried_once_then_ends():
+    listener, membership, info, client = await node_and_client()
+    draining = protocol.Error(id="d", code="draining", request_id="d", message="node n1 is draining")
+    task, _ = await start(client, listener, "d", draining)
+    # the only other candidate is the same node, excluded: no node is left
+    outputs = await asyncio.wait_for(task, 5)
+    assert isinstance(outputs[-1], EngineDead) and "no node" in str(outputs[-1])
+    assert client.streams_on("n1") == []
+    await listener.close()
+
+
+async def test_a_request_the_node_never_answers_ends_after_the_request_timeout():
+    listener, membership, info, client = await node_and_client(TransportOptions(request_timeout=0.5))
+    task = asyncio.create_task(collect(client, "silent"))
+    first = await asyncio.wait_for(listener.recv(), 5)         # received, never answered
+    outputs = await asyncio.wait_for(task, 5)
+    assert isinstance(outputs[-1], EngineDead) and "silent" in str(outputs[-1])
+    assert client.streams_on("n1") == [] and info.in_flight == set()
+    # it may have taken the request and lost only its answer: it is told to abort
+    nxt = await asyncio.wait_for(listener.recv(), 5)
+    msg = protocol.decode(nxt.header, nxt.frames)
+    assert isinstance(msg, protocol.Abort) and msg.request_id == "silent"
+    assert first.request_id
+    await listener.close()
+
+
+async def test_a_request_over_the_wire_limit_is_refused_before_it_is_sent():
+    listener, membership, info, client = await node_and_client()
+    client.limits = protocol.ProtocolLimits(max_header_bytes=4096)
+    outputs = await collect(client, "big", SamplingParams(max_tokens=2, stop=("x" * 5000,)))
+    assert len(outputs) == 1 and outputs[0].finish_reason == "error"
+    assert "4096-byte limit" in outputs[0].error
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(listener.recv(), 0.2)            # nothing reached the node
+    assert client.streams_on("n1") == [] and info.in_flight == set()
     await listener.close()
