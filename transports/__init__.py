@@ -3,13 +3,13 @@
     listener = await transports.listen("zmq+tcp://127.0.0.1:0")
     conn = await transports.connect(listener.url)
 
-| scheme      | module          | notes                                        |
-|-------------|-----------------|----------------------------------------------|
-| zmq+tcp     | transports.zmq  | default between hosts; optional CURVE        |
-| zmq+ipc     | transports.zmq  | Unix socket, same host; optional CURVE       |
-| ucx         | transports.ucx  | optional extra `[ucx]`, imported lazily;     |
-|             |                 | optional keys (handshake, transports.ucx_auth)|
-| inproc      | transports.inproc | needs an explicit InprocRegistry           |
+| scheme  | module            | notes                                              |
+|---------|-------------------|----------------------------------------------------|
+| zmq+tcp | transports.zmq    | default between hosts; keys: CURVE                 |
+| zmq+ipc | transports.zmq    | Unix socket, same host; keys: CURVE                |
+| ucx     | transports.ucx    | optional extra `[ucx]`, imported lazily; keys: the |
+|         |                   | handshake of transports.ucx_auth                   |
+| inproc  | transports.inproc | needs an explicit InprocRegistry                   |
 
 `curve` (keys: transports.keys.CurveServer to listen, CurveClient to
 connect) authenticates zmq+* and ucx links; a listener with keys reports
