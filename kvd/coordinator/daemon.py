@@ -1,8 +1,9 @@
 """The coordinator daemon (``kvd coordinator``): front door, membership, routing.
 
 Tasks, owned by one TaskGroup in ``run``: the registration listener (Hello,
-Heartbeat, Goodbye, decoded by ``kvd.protocol.serve``; bad messages counted
-by reason), the failure detector (every ``heartbeat_interval / 2``: nodes
+Heartbeat, Goodbye, decoded by ``kvd.protocol.serve``, each from a node's key
+about that node only, kvd/trust.py; bad and refused messages counted by
+reason), the failure detector (every ``heartbeat_interval / 2``: nodes
 silent for ``heartbeat_deadline`` are declared dead and their in-flight
 requests end with an error), the HTTP front door (``FrontDoor``,
 unchanged for clients) over a ``RemoteEngineClient``, and the systemd notify

@@ -20,10 +20,15 @@ Messages served on the listener:
   cache stats, cache flush, transfer); the same handlers serve the admin Unix
   socket.
 
-Malformed messages are answered with ``Error``, counted by reason
-(``bad_messages``) and never stop the loop. SIGTERM drains: STOPPING=1 to
-systemd, the node says so in its heartbeat (nothing new is routed here),
-finishes its requests (up to ``drain_timeout``), says Goodbye and exits.
+Who may send what is checked before any handler runs (kvd/trust.py, the
+gate of ``protocol.serve``): requests, aborts and admin commands from the
+coordinator's key only, KV transfer messages from a node's key only, and a
+``KVData`` is taken only into a grant made to its own link (transfer.py).
+Malformed and refused messages are answered with ``Error``, counted by
+reason (``bad_messages``), logged rate-limited, and never stop the loop.
+SIGTERM drains: STOPPING=1 to systemd, the node says so in its heartbeat
+(nothing new is routed here), finishes its requests (up to
+``drain_timeout``), says Goodbye and exits.
 
 Fault injection (admin ``fail``): ``exit`` crashes, ``stop`` pauses the
 heartbeats, ``drop-transfers`` sets ``drop_transfers`` so that this node
