@@ -368,6 +368,17 @@ class GenerateRequest(Message):
 
 @message
 @dataclass(frozen=True, kw_only=True)
+class Accepted(Message):
+    """Node -> coordinator, the reply to a GenerateRequest: the node took the
+    request and its TokenChunks follow. A refusal is an Error reply instead
+    (draining, duplicate, or a message the node could not decode), so every
+    GenerateRequest is answered or times out: none waits forever."""
+
+    request_id: str
+
+
+@message
+@dataclass(frozen=True, kw_only=True)
 class TokenChunk(Message):
     """Node -> coordinator: tokens [start_index, start_index + len(token_ids))."""
 

@@ -11,9 +11,11 @@ Tasks, all owned by one TaskGroup in ``run``::
 
 Messages served on the listener:
 
-- ``GenerateRequest`` -> a stream of ``TokenChunk`` pushed to the sender (every
-  chunk carries ``start_index``, the index of its first token), ending with a
-  chunk whose ``finish_reason`` is set, or one ``Error`` with the request id.
+- ``GenerateRequest`` (a transport request) -> the reply ``Accepted``, or an
+  ``Error`` (draining, duplicate, undecodable), then a stream of ``TokenChunk``
+  pushed to the sender (every chunk carries ``start_index``, the index of its
+  first token), ending with a chunk whose ``finish_reason`` is set, or one
+  ``Error`` with the request id.
 - ``Abort`` -> the request stops and frees its blocks.
 - ``KVTransferRequest`` / ``KVData`` -> the receiver half of a KV transfer.
 - ``AdminCommand`` -> ``AdminReply`` (status, requests, drain, undrain, fail,
@@ -244,7 +246,7 @@ class NodeDaemon:
                                       message="request id already in flight")
             self.streams[msg.request_id] = self._tg.create_task(
                 self._stream(msg, incoming.peer), name=f"req {msg.request_id}")
-            return None
+            return protocol.Accepted(id=msg.id, request_id=msg.request_id)
         if isinstance(msg, protocol.Abort):
             task = self.streams.get(msg.request_id)
             if task is not None:
