@@ -9,6 +9,7 @@ from engine.scheduler import SchedulerConfig
 
 DTYPE_NAMES = ("auto", "float32", "fp32", "bfloat16", "bf16")
 DECODE_KERNELS = ("auto", "torch")
+WEIGHTS_MODES = ("native", "dequantize")
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_threads: int | None = None      # torch intra-op threads; None: torch's default
     decode_kernel: str = "auto"         # auto: fused C++ bf16 decode step where the CPU has it; torch
+    weights: str = "native"             # native: a GGUF's Q4_0/Q4_1/Q8_0 blocks served as they are; dequantize
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_NAMES:
@@ -36,6 +38,8 @@ class EngineConfig:
         if self.decode_kernel not in DECODE_KERNELS:
             raise ValueError(f"decode_kernel must be one of {', '.join(DECODE_KERNELS)}, "
                              f"got {self.decode_kernel!r}")
+        if self.weights not in WEIGHTS_MODES:
+            raise ValueError(f"weights must be one of {', '.join(WEIGHTS_MODES)}, got {self.weights!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError("num_threads must be >= 1")
         SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.block_size,

@@ -7,6 +7,7 @@ drives it from one thread and talks to it through queues.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -17,6 +18,7 @@ from engine.memory.mempool import MemPool
 from engine.model.llama import LlamaModel
 from engine.model.registry import resolve_model
 from engine.model.tokenizer import Tokenizer
+from engine.model.weights import LoadedWeights
 from engine.output import OutputProcessor
 from engine.request import FinishReason, InvalidParam, Request, RequestOutput, RequestStatus, SamplingParams
 from engine.config import EngineConfig  # noqa: F401  (re-exported: callers import it from here)
@@ -24,6 +26,9 @@ from engine.runner import ModelRunner
 from engine.sampling import make_generator
 from engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from kernels.fused_decode import FusedDecoder
+from kernels.quant_linear import QuantKernel
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -49,6 +54,24 @@ def resolve_dtype(name: str) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
     return DTYPES[name]
+
+
+def build_model(config: EngineConfig, weights: LoadedWeights) -> LlamaModel:
+    """The model ``config`` asks for over ``weights``.
+
+    Quantized weights (``weights = "native"`` on a GGUF with Q4_0/Q4_1/Q8_0
+    matrices) run on this CPU's quantized-weights kernel; where there is none
+    (no AVX2/FMA/F16C, or a failed build: logged) they are dequantized here and
+    served as ``weights = "dequantize"`` would serve them."""
+    kernel = None
+    if weights.is_quantized:
+        kernel = QuantKernel.create()
+        if kernel is None:
+            log.warning("serving %s dequantized: no quantized-weights kernel here", weights.source)
+            weights = weights.dequantized()
+        else:
+            log.info("serving %s with its quantized weights (%s kernel)", weights.source, kernel.variant)
+    return LlamaModel(weights.config, weights.tensors, dtype=resolve_dtype(config.dtype), quant_kernel=kernel)
 
 
 @dataclass
@@ -97,9 +120,8 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         source = resolve_model(config.model)
-        weights = source.load_weights()
-        model = LlamaModel(weights.config, weights.tensors, dtype=resolve_dtype(config.dtype))
-        return cls(config, model, source.load_tokenizer(), source.name)
+        weights = source.load_weights(quantized=config.weights == "native")
+        return cls(config, build_model(config, weights), source.load_tokenizer(), source.name)
 
     # ------------------------------------------------------------------ intake
     def max_blocks_per_request(self) -> int:

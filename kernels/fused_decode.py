@@ -48,25 +48,16 @@ MADV_HUGEPAGE = 14
 HUGE_PAGE = 2 << 20
 
 
-def cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 def cpu_unsupported_reason() -> str | None:
     """Why this CPU cannot run the kernel, or None if it can."""
-    missing = [f for f in REQUIRED_FLAGS if f not in cpu_flags()]
+    missing = [f for f in REQUIRED_FLAGS if f not in native.cpu_flags()]
     return f"CPU lacks {', '.join(missing)}" if missing else None
 
 
 def unsupported_reason(model: LlamaModel) -> str | None:
     """Why ``model`` cannot use the fused decode step here, or None if it can."""
+    if model.quantized:
+        return "quantized weights (the fused step packs bf16 matrices; weights = \"native\" has its own kernel)"
     if model.dtype != torch.bfloat16:
         return f"dtype {model.dtype} (the fused decode step is bf16 only)"
     if not (model.is_first and model.is_last):

@@ -13,7 +13,9 @@ already loaded its own bundled ``libgomp.so.1``; the dynamic loader resolves
 the same soname to that copy, so the kernels share torch's thread pool
 instead of starting a second runtime whose threads would spin against it.
 
-``python -m kernels.native`` builds every kernel (``make install`` runs it).
+``python -m kernels.native`` builds every kernel this CPU runs (``make install``
+runs it): the fused bf16 decode step where the CPU has AVX512-BF16, and the
+quantized-weights matmul in its AVX-512 or AVX2 variant (kernels/quant_linear.py).
 """
 
 from __future__ import annotations
@@ -94,6 +96,18 @@ def build(name: str, flags: tuple[str, ...]) -> Path:
     return out
 
 
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags from /proc/cpuinfo (empty where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
 def load(name: str, flags: tuple[str, ...]) -> ctypes.CDLL:
     """Build if needed and load. Raises BuildError or OSError (a library that will not load)."""
     import torch  # noqa: F401  (load torch's libgomp first, see the module docstring)
@@ -101,12 +115,18 @@ def load(name: str, flags: tuple[str, ...]) -> ctypes.CDLL:
 
 
 def main() -> None:
+    from kernels import quant_linear
     from kernels.fused_decode import LIBRARY, cpu_unsupported_reason
     reason = cpu_unsupported_reason()
     if reason:
         print(f"{LIBRARY}: not built ({reason}; decode uses torch)")
-        return
-    print(build(LIBRARY, AVX512_BF16_FLAGS))
+    else:
+        print(build(LIBRARY, AVX512_BF16_FLAGS))
+    variant = quant_linear.host_variant()
+    if variant is None:
+        print(f"{quant_linear.LIBRARY}: not built (CPU lacks AVX2/FMA/F16C; GGUF weights are dequantized)")
+    else:
+        print(build(quant_linear.LIBRARY, quant_linear.VARIANTS[variant][1]))
 
 
 if __name__ == "__main__":

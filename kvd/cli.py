@@ -34,6 +34,7 @@ ENGINE_FLAGS = {
     "--preemption-mode": ("preemption_mode", str, "swap or recompute"),
     "--num-threads": ("num_threads", int, "torch threads (default: torch's choice)"),
     "--decode-kernel": ("decode_kernel", str, "auto (fused C++ bf16 decode where the CPU has AVX512-BF16) or torch"),
+    "--weights": ("weights", str, "native (serve a GGUF's Q4_0/Q4_1/Q8_0 blocks as they are) or dequantize"),
 }
 SERVER_FLAGS = {
     "--host": ("host", str, "bind address (default 127.0.0.1)"),
@@ -62,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
                        const=False, default=None, help="disable the MemPool prefix cache")
     serve.add_argument("--nodes", type=int, default=0,
                        help="run N node processes on this machine (default: one node in this process)")
+    serve.add_argument("--restart-nodes", dest="restart_nodes", action=argparse.BooleanOptionalAction,
+                       default=None, help="with --nodes: start a node process that exited again "
+                       "([cluster].restart_nodes, default on)")
     _cluster_flags(serve)
 
     node = sub.add_parser("node", help="run a node daemon (engine, transfers, heartbeats)")
@@ -247,6 +251,9 @@ def serve(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config, {"engine": engine, "server": server})
         cluster = _cluster(args)
+        if args.restart_nodes is not None:
+            from kvd.cluster_config import with_overrides
+            cluster = with_overrides(cluster, restart_nodes=args.restart_nodes)
     except (ConfigError, ValueError) as exc:
         print(f"kvd: error: {exc}", file=sys.stderr)
         return 2

@@ -12,6 +12,11 @@ Values come back as Python values, as ``GGUFReader``'s ``contents()`` gives
 them: ints, floats, bools, str, and lists of those for arrays. GGUF versions
 2 and 3 (little-endian) are read; anything else, a truncated file or an
 unknown value type is a ``ValueError`` that names the file.
+
+``read_tensor_infos`` goes one section further, through the tensor
+descriptors, and says where each tensor's bytes lie: the weight loader checks
+them against the file's size before mapping it, so a truncated file is
+refused by naming the first tensor it cuts.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import mmap
 import os
 import struct
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -33,12 +39,41 @@ _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 
 
+# ggml type id -> (weights per block, bytes per block), for the types kvd loads
+# (ggml.h's enum ggml_type; gguf-py's GGML_QUANT_SIZES)
+_TYPE_SIZES = {0: (1, 4), 1: (1, 2), 30: (1, 2), 2: (32, 18), 3: (32, 20), 8: (32, 34)}
+
+
 class _Truncated(Exception):
     pass
 
 
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor descriptor: ``shape`` as GGUF lists it (ne0, the row length,
+    first); ``ggml_type`` the ggml type id; its bytes are ``[offset, offset +
+    nbytes)`` of the file, ``nbytes`` None for a type this reader does not size."""
+
+    name: str
+    shape: tuple[int, ...]
+    ggml_type: int
+    offset: int
+    nbytes: int | None
+
+
 def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Every metadata key of the GGUF file at ``path`` with its value."""
+    return _read(path, _parse)
+
+
+def read_tensor_infos(path: str | os.PathLike[str]) -> list[TensorInfo]:
+    """Every tensor descriptor of the GGUF file at ``path``, in file order.
+    Does not check that the bytes are there (compare ``offset + nbytes`` with
+    the file's size)."""
+    return _read(path, _parse_tensors)
+
+
+def _read(path: str | os.PathLike[str], parse: Any) -> Any:
     if not os.path.isfile(path):
         raise ValueError(f"GGUF file not found: {path}")
     with open(path, "rb") as f:
@@ -47,9 +82,9 @@ def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
             buf = memoryview(mm)
             try:
-                return _parse(buf)         # values are copies: nothing keeps the map
+                return parse(buf)          # values are copies: nothing keeps the map
             except _Truncated:
-                raise ValueError(f"{path}: truncated GGUF metadata") from None
+                raise ValueError(f"{path}: truncated GGUF header") from None
             except UnicodeDecodeError as e:
                 raise ValueError(f"{path}: a GGUF string is not UTF-8 ({e.reason})") from None
             except ValueError as e:
@@ -59,6 +94,11 @@ def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def _parse(buf: memoryview) -> dict[str, Any]:
+    return _parse_kv(buf)[0]
+
+
+def _parse_kv(buf: memoryview) -> tuple[dict[str, Any], int]:
+    """The key/value section and the offset just past it."""
     if bytes(buf[:4]) != _MAGIC:
         raise ValueError("not a GGUF file (bad magic)")
     (version,) = _U32.unpack_from(buf, 4)
@@ -71,7 +111,42 @@ def _parse(buf: memoryview) -> dict[str, Any]:
         key, off = _string(buf, off)
         vtype, off = _u32(buf, off)
         out[key], off = _value(buf, off, vtype)
-    return out
+    return out, off
+
+
+def _parse_tensors(buf: memoryview) -> list[TensorInfo]:
+    meta, off = _parse_kv(buf)
+    (n_tensors,) = _U64.unpack_from(buf, 8)
+    alignment = meta.get("general.alignment", 32)
+    if not isinstance(alignment, int) or alignment < 1 or alignment & (alignment - 1):
+        raise ValueError(f"general.alignment {alignment!r} is not a power of two")
+    raw = []
+    for _ in range(n_tensors):
+        name, off = _string(buf, off)
+        n_dims, off = _u32(buf, off)
+        if n_dims > 4:
+            raise ValueError(f"tensor {name} has {n_dims} dimensions")
+        dims = []
+        for _ in range(n_dims):
+            n, off = _u64(buf, off)
+            dims.append(n)
+        ggml_type, off = _u32(buf, off)
+        rel, off = _u64(buf, off)
+        raw.append((name, tuple(dims), ggml_type, rel))
+    data_start = -(-off // alignment) * alignment
+    infos = []
+    for name, dims, ggml_type, rel in raw:
+        nbytes = None
+        if ggml_type in _TYPE_SIZES:
+            per_block, block_bytes = _TYPE_SIZES[ggml_type]
+            count = 1
+            for n in dims:
+                count *= n
+            if dims and dims[0] % per_block:
+                raise ValueError(f"tensor {name}: row length {dims[0]} is not a multiple of {per_block}")
+            nbytes = count // per_block * block_bytes
+        infos.append(TensorInfo(name, dims, ggml_type, data_start + rel, nbytes))
+    return infos
 
 
 def _u32(buf: memoryview, off: int) -> tuple[int, int]:

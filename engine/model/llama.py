@@ -8,6 +8,13 @@ every extra op is Python overhead paid 30 times per token.
 A model instance may hold a contiguous range of layers ``[start, end)`` (a
 pipeline stage): the first stage embeds tokens, the last applies the final norm
 and the LM head; a middle stage maps hidden states to hidden states.
+
+Weights given as ``QuantTensor`` (a GGUF's Q4_0 / Q4_1 / Q8_0 blocks,
+``weights = "native"``) stay in their blocks: every matrix of such a model is
+a ``QuantLinear`` (kernels/quant_linear.py), the kernel this same layer loop
+calls where a float model calls a matmul, and the embedding table is read
+through it too (its rows dequantized on lookup; a tied LM head is the same
+object).
 """
 
 from __future__ import annotations
@@ -19,21 +26,34 @@ import torch.nn.functional as F
 
 from engine.model.config import LlamaConfig
 from kernels.attention import AttentionBatch, decode_attention, prefill_attention, write_kv
+from kernels.quant import QuantTensor
+from kernels.quant_linear import QuantKernel, QuantLinear
+
+Matrix = torch.Tensor | QuantLinear
 
 
 @dataclass
 class _Layer:
-    # matrices are stored [out, in] (F.linear) or [in, out] (matmul), see LlamaModel
+    # matrices are stored [out, in] (F.linear) or [in, out] (matmul), or are a
+    # QuantLinear (quantized weights), see LlamaModel
     input_norm: torch.Tensor      # [D]
-    qkv: torch.Tensor             # [q + 2*kv, D]
-    o: torch.Tensor               # [D, q]
+    qkv: Matrix                   # [q + 2*kv, D]
+    o: Matrix                     # [D, q]
     post_norm: torch.Tensor       # [D]
-    gate_up: torch.Tensor         # [2*I, D]
-    down: torch.Tensor            # [D, I]
+    gate_up: Matrix               # [2*I, D]
+    down: Matrix                  # [D, I]
 
 
 def _matmul_in_out(x: torch.Tensor, w_in_out: torch.Tensor) -> torch.Tensor:
     return torch.matmul(x, w_in_out)
+
+
+def _quant_linear(x: torch.Tensor, w: QuantLinear) -> torch.Tensor:
+    return w(x)
+
+
+def _nbytes(t: Matrix) -> int:
+    return t.nbytes if isinstance(t, QuantLinear) else t.numel() * t.element_size()
 
 
 def _linear_batch_invariant(x: torch.Tensor, w_out_in: torch.Tensor) -> torch.Tensor:
@@ -106,14 +126,20 @@ class LlamaModel:
     ``F.linear`` (``W[out, in]``) falls to a single-threaded gemv (~25% slower
     decode); for bf16, oneDNN is the other way round (5x slower transposed).
 
+    ``tensors`` holding any ``QuantTensor`` make a quantized model
+    (``quantized``): its matrices are ``QuantLinear`` objects over
+    ``quant_kernel`` (None: their torch reference, for tests), fp32 inside
+    whatever ``dtype`` the rest of the model runs in.
+
     Contract of :meth:`forward`: it writes the new tokens' K/V into ``kv`` at
     the slots named by ``batch`` and returns hidden states. It does not allocate
     KV memory and keeps no per-request state.
     """
 
-    def __init__(self, config: LlamaConfig, tensors: dict[str, torch.Tensor],
+    def __init__(self, config: LlamaConfig, tensors: dict[str, torch.Tensor | QuantTensor],
                  dtype: torch.dtype = torch.float32,
-                 layer_range: tuple[int, int] | None = None) -> None:
+                 layer_range: tuple[int, int] | None = None,
+                 quant_kernel: QuantKernel | None = None) -> None:
         self.config = config
         self.dtype = dtype
         start, end = layer_range or (0, config.num_layers)
@@ -123,36 +149,49 @@ class LlamaModel:
         self.is_first, self.is_last = start == 0, end == config.num_layers
         self.scale = config.head_dim ** -0.5
 
-        def w(name: str) -> torch.Tensor:
+        def w(name: str) -> torch.Tensor | QuantTensor:
             if name not in tensors:
                 raise ValueError(f"missing tensor {name}")
-            return tensors[name].to(dtype).contiguous()
+            t = tensors[name]
+            return t if isinstance(t, QuantTensor) else t.to(dtype).contiguous()
 
-        transposed = dtype == torch.float32
-        self._linear = _matmul_in_out if transposed else _linear_batch_invariant
+        self.quantized = any(isinstance(t, QuantTensor) for t in tensors.values())
+        transposed = dtype == torch.float32 and not self.quantized
+        self._linear = (_quant_linear if self.quantized else
+                        _matmul_in_out if transposed else _linear_batch_invariant)
 
-        def mat(t: torch.Tensor) -> torch.Tensor:    # [out, in] -> the layout _linear wants
+        def mat(*names: str) -> Matrix:    # rows of these [out, in] weights -> what _linear takes
+            parts = [w(n) for n in names]
+            if self.quantized:
+                return QuantLinear(parts, quant_kernel)
+            t = torch.cat(parts) if len(parts) > 1 else parts[0]
             return t.t().contiguous() if transposed else t.contiguous()
 
-        self.embed = w("model.embed_tokens.weight") if self.is_first else None
+        embed = w("model.embed_tokens.weight") if self.is_first else None
+        # a quantized table is read through its QuantLinear (rows dequantized on lookup)
+        self.embed = QuantLinear([embed], quant_kernel) if isinstance(embed, QuantTensor) else embed
         self.layers: list[_Layer] = []
         for i in range(start, end):
             p = f"model.layers.{i}."
             self.layers.append(_Layer(
                 input_norm=w(p + "input_layernorm.weight"),
-                qkv=mat(torch.cat([w(p + "self_attn.q_proj.weight"), w(p + "self_attn.k_proj.weight"),
-                                   w(p + "self_attn.v_proj.weight")])),
-                o=mat(w(p + "self_attn.o_proj.weight")),
+                qkv=mat(p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight"),
+                o=mat(p + "self_attn.o_proj.weight"),
                 post_norm=w(p + "post_attention_layernorm.weight"),
-                gate_up=mat(torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])),
-                down=mat(w(p + "mlp.down_proj.weight")),
+                gate_up=mat(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                down=mat(p + "mlp.down_proj.weight"),
             ))
         if self.is_last:
             self.norm = w("model.norm.weight")
             head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
             tied_here = config.tie_word_embeddings and self.embed is not None
-            # shares the embedding unless transposed (then a [D, V] copy)
-            self.lm_head = mat(self.embed if tied_here else w(head))
+            if tied_here and isinstance(self.embed, QuantLinear):
+                self.lm_head = self.embed                   # one table, read both ways
+            elif tied_here and not self.quantized:
+                # shares the embedding unless transposed (then a [D, V] copy)
+                self.lm_head = self.embed.t().contiguous() if transposed else self.embed
+            else:
+                self.lm_head = mat(head)
         self.cos, self.sin = rope_tables(config, dtype)
 
     @property
@@ -161,9 +200,9 @@ class LlamaModel:
 
     def weight_bytes_per_token(self) -> int:
         """Bytes of weights a single-token decode step must read (the bandwidth bound)."""
-        n = sum(t.numel() * t.element_size() for layer in self.layers for t in vars(layer).values())
+        n = sum(_nbytes(t) for layer in self.layers for t in vars(layer).values())
         if self.is_last:
-            n += self.lm_head.numel() * self.lm_head.element_size() + self.norm.numel() * self.norm.element_size()
+            n += _nbytes(self.lm_head) + _nbytes(self.norm)
         return n
 
     @torch.inference_mode()
@@ -172,7 +211,12 @@ class LlamaModel:
         """x: token ids [T] (first stage) or hidden [T, D]; positions [T];
         kv: [local_layers, 2, N, bs, kvh, hd]. Returns hidden [T, D] (final-normed on the last stage)."""
         cfg, lin = self.config, self._linear
-        h = F.embedding(x, self.embed) if self.is_first else x.to(self.dtype)   # [T, D]
+        if not self.is_first:
+            h = x.to(self.dtype)                                                  # [T, D]
+        elif isinstance(self.embed, QuantLinear):
+            h = self.embed.embed(x).to(self.dtype)
+        else:
+            h = F.embedding(x, self.embed)
         T = h.shape[0]
         cos = self.cos[positions].unsqueeze(1)            # [T, 1, hd]
         sin = self.sin[positions].unsqueeze(1)

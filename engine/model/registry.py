@@ -71,11 +71,13 @@ class ModelSource:
     tokenizer_path: Path             # a .gguf file or an HF dir
     seed: int | None = None          # tiny only
 
-    def load_weights(self) -> LoadedWeights:
+    def load_weights(self, quantized: bool = False) -> LoadedWeights:
+        """``quantized``: keep a GGUF's Q4_0 / Q4_1 / Q8_0 matrices in their blocks
+        (``load_gguf``); no effect on other sources, whose weights are float."""
         from engine.model.weights import load_gguf, load_hf_dir, random_weights
 
         if self.kind == "gguf":
-            return load_gguf(self.weights_path)
+            return load_gguf(self.weights_path, quantized=quantized)
         if self.kind == "hf":
             return load_hf_dir(self.weights_path)
         return random_weights(tiny_config(), seed=self.seed or 0)

@@ -2,7 +2,9 @@
 
 Both loaders return the same thing, ``LoadedWeights``: a ``LlamaConfig`` and a
 dict of float32 contiguous tensors under Hugging Face Llama names, shaped as in
-HF (a Linear weight is ``[out_features, in_features]``)::
+HF (a Linear weight is ``[out_features, in_features]``). ``load_gguf(path,
+quantized=True)`` keeps Q4_0, Q4_1 and Q8_0 matrices in their GGUF blocks
+instead (``kernels.quant.QuantTensor``, same logical shape, no fp32 copy)::
 
     model.embed_tokens.weight                         [V, D]
     model.layers.{i}.input_layernorm.weight           [D]
@@ -33,10 +35,14 @@ import numpy as np
 import torch
 
 from engine.model.config import LlamaConfig
+from engine.model.gguf_meta import read_tensor_infos
+from kernels.quant import FORMATS, QuantTensor
 
 # GGUF tensor types we dequantize. Others (K-quants, IQ...) are rejected by
 # name rather than risk an untested path.
 SUPPORTED_GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+# Of those, the block formats load_gguf(quantized=True) keeps as they are.
+NATIVE_GGUF_TYPES = tuple(FORMATS)
 
 # GGUF (llama.cpp) per-layer tensor name -> HF name suffix.
 _GGUF_LAYER_NAMES = {
@@ -61,15 +67,28 @@ _IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
 
 @dataclass(frozen=True)
 class LoadedWeights:
-    """A config plus its tensors (HF names, float32, contiguous, CPU).
+    """A config plus its tensors (HF names, float32, contiguous, CPU; or
+    ``QuantTensor`` for a block-quantized matrix loaded with ``quantized=True``).
 
     ``source`` says where they came from ("gguf:/path", "hf:/dir", "tiny:0").
     The dict is not copied by consumers; treat it as read-only.
     """
 
     config: LlamaConfig
-    tensors: dict[str, torch.Tensor]
+    tensors: dict[str, torch.Tensor | QuantTensor]
     source: str
+
+    @property
+    def is_quantized(self) -> bool:
+        return any(isinstance(t, QuantTensor) for t in self.tensors.values())
+
+    def dequantized(self) -> LoadedWeights:
+        """The same weights with every ``QuantTensor`` dequantized to float32
+        (bit for bit what ``load_gguf(path)`` gives); self when none is quantized."""
+        if not self.is_quantized:
+            return self
+        return LoadedWeights(self.config, {n: t.dequantize() if isinstance(t, QuantTensor) else t
+                                           for n, t in self.tensors.items()}, self.source)
 
 
 # --------------------------------------------------------------------- shapes
@@ -116,13 +135,16 @@ def _short_list(names: list[str], limit: int = 8) -> str:
 
 
 # ----------------------------------------------------------------------- GGUF
-def load_gguf(path: str | Path) -> LoadedWeights:
-    """Read a llama-architecture GGUF file, dequantize every tensor to float32.
+def load_gguf(path: str | Path, quantized: bool = False) -> LoadedWeights:
+    """Read a llama-architecture GGUF file, dequantize every tensor to float32
+    — or, with ``quantized``, keep Q4_0 / Q4_1 / Q8_0 matrices as ``QuantTensor``
+    (their bytes copied out of the file as they are; q/k rows un-permuted).
 
     Config comes from the ``llama.*`` metadata keys; embeddings are tied when
     the file has no ``output.weight``. Raises ``ValueError`` for a missing
-    file, another architecture, an unsupported tensor type (named), missing
-    tensors or shapes that disagree with the metadata.
+    file, another architecture, an unsupported tensor type (named), a tensor
+    whose bytes do not fit its shape (a truncated file), missing tensors or
+    shapes that disagree with the metadata.
     """
     import gguf  # local: only this loader needs it
 
@@ -130,6 +152,7 @@ def load_gguf(path: str | Path) -> LoadedWeights:
     if not path.is_file():
         raise ValueError(f"GGUF file not found: {path}")
     source = f"gguf:{path}"
+    _check_tensor_table(path)
     try:
         reader = gguf.GGUFReader(path)
     except Exception as exc:  # gguf raises ValueError/struct.error on garbage
@@ -141,19 +164,25 @@ def load_gguf(path: str | Path) -> LoadedWeights:
         name = _gguf_to_hf_name(tensor.name, path)
         if name is None:
             continue
-        qtype = gguf.GGMLQuantizationType(tensor.tensor_type)
+        try:
+            qtype = gguf.GGMLQuantizationType(tensor.tensor_type)
+        except ValueError:
+            raise ValueError(f"{path}: tensor {tensor.name} has unknown GGUF type {tensor.tensor_type}") from None
         if qtype.name not in SUPPORTED_GGUF_TYPES:
             raise ValueError(f"{path}: tensor {tensor.name} has GGUF type {qtype.name}, "
                              f"which kvd does not dequantize (supported: {', '.join(SUPPORTED_GGUF_TYPES)})")
-        # dequantize returns the logical shape in numpy order: [out, in] for a Linear.
-        array = gguf.quants.dequantize(tensor.data, qtype)
-        # Copy: F32/F16 come back as views of the read-only memory map.
-        weight = torch.from_numpy(np.array(array, dtype=np.float32, order="C", copy=True))
+        if quantized and qtype.name in NATIVE_GGUF_TYPES and len(tensor.shape) == 2:
+            weight = _gguf_blocks(tensor, qtype.name, path)
+        else:
+            # dequantize returns the logical shape in numpy order: [out, in] for a Linear.
+            array = gguf.quants.dequantize(tensor.data, qtype)
+            # Copy: F32/F16 come back as views of the read-only memory map.
+            weight = torch.from_numpy(np.array(array, dtype=np.float32, order="C", copy=True))
         if name.endswith("self_attn.q_proj.weight"):
             weight = reverse_permute_qk(weight, config.num_heads)
         elif name.endswith("self_attn.k_proj.weight"):
             weight = reverse_permute_qk(weight, config.num_kv_heads)
-        tensors[name] = weight.contiguous()
+        tensors[name] = weight if isinstance(weight, QuantTensor) else weight.contiguous()
 
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
@@ -161,13 +190,48 @@ def load_gguf(path: str | Path) -> LoadedWeights:
     return LoadedWeights(config=config, tensors=tensors, source=source)
 
 
-def reverse_permute_qk(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+def _check_tensor_table(path: Path) -> None:
+    """Refuse, before mapping anything, a tensor of a type kvd does not load
+    (named) or one whose bytes run past the end of the file (a truncated file)."""
+    import gguf
+
+    size = path.stat().st_size
+    for info in read_tensor_infos(path):
+        try:
+            type_name = gguf.GGMLQuantizationType(info.ggml_type).name
+        except ValueError:
+            raise ValueError(f"{path}: tensor {info.name} has unknown GGUF type {info.ggml_type}") from None
+        if type_name not in SUPPORTED_GGUF_TYPES:
+            raise ValueError(f"{path}: tensor {info.name} has GGUF type {type_name}, "
+                             f"which kvd does not dequantize (supported: {', '.join(SUPPORTED_GGUF_TYPES)})")
+        if info.offset + info.nbytes > size:
+            raise ValueError(f"{path}: truncated: tensor {info.name} ({type_name} {list(info.shape)}) needs "
+                             f"bytes up to {info.offset + info.nbytes}, the file has {size}")
+
+
+def _gguf_blocks(tensor: Any, fmt: str, path: Path) -> QuantTensor:
+    """A GGUF block-quantized matrix as a ``QuantTensor``: its bytes, copied (the
+    reader's are views of a read-only memory map). ValueError when they do not fit."""
+    cols, rows = (int(n) for n in tensor.shape)           # GGUF lists ne0 (the row length) first
+    data = np.asarray(tensor.data)
+    try:
+        return QuantTensor(fmt, (rows, cols), torch.from_numpy(np.array(data, dtype=np.uint8, order="C",
+                                                                         copy=True)))
+    except ValueError as exc:
+        raise ValueError(f"{path}: tensor {tensor.name}: {exc}") from None
+
+
+def reverse_permute_qk(weight: torch.Tensor | QuantTensor, n_heads: int) -> torch.Tensor | QuantTensor:
     """Undo llama.cpp's q/k row permutation (interleaved RoPE -> HF rotate_half).
 
     llama.cpp wrote ``w.reshape(n, 2, hd/2, D).swapaxes(1, 2)``; per head, rows
     ``[x0 y0 x1 y1 ...]`` go back to ``[x0 x1 ... y0 y1 ...]``.
-    weight: [n_heads * hd, D] -> same shape.
+    weight: [n_heads * hd, D] -> same shape. A ``QuantTensor``'s rows (whole
+    rows of blocks) move the same way.
     """
+    if isinstance(weight, QuantTensor):
+        order = reverse_permute_qk(torch.arange(weight.shape[0]).unsqueeze(1), n_heads).squeeze(1)
+        return weight.take_rows(order)
     rows = weight.shape[0]
     half = rows // n_heads // 2
     return (weight.reshape(n_heads, half, 2, *weight.shape[1:])

@@ -1,0 +1,111 @@
+"""GGUF block-quantized matrices kept as the file stores them (Q4_0, Q4_1, Q8_0).
+
+A ``QuantTensor`` is a matrix ``[rows, cols]`` whose every row is
+``cols / 32`` blocks of 32 weights in one of ggml's block formats::
+
+    Q4_0  18 B / 32 weights  fp16 d, 16 B nibbles      w = d * (q - 8)
+    Q4_1  20 B / 32 weights  fp16 d, fp16 m, 16 B      w = d * q + m
+    Q8_0  34 B / 32 weights  fp16 d, 32 x int8         w = d * q
+
+(in a Q4 block, byte j holds weight j in its low nibble and weight j + 16 in
+its high nibble). The bytes are held in a ``uint8`` tensor ``[rows,
+row_bytes]``, so a row permutation or a concatenation of rows is a plain
+tensor op on whole rows of blocks.
+
+``dequantize`` is the torch reference: it gives bit for bit what gguf-py's
+``gguf.quants.dequantize`` gives (every ``d * q`` is exact in fp32, so the
+only rounding is Q4_1's ``+ m``). The kernels (kernels/quant_linear.py)
+compute with exactly these weight values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+BLOCK = 32                      # weights per block, every format here
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    """One ggml block format: its name, the kernel's code for it, bytes per block."""
+
+    name: str
+    code: int                   # enum Format in kernels/csrc/quant_matmul.cpp
+    block_bytes: int
+
+    def bits_per_weight(self) -> float:
+        return self.block_bytes * 8 / BLOCK
+
+
+FORMATS = {f.name: f for f in (BlockFormat("Q4_0", 0, 18), BlockFormat("Q4_1", 1, 20),
+                                BlockFormat("Q8_0", 2, 34))}
+
+
+class QuantTensor:
+    """A ``[rows, cols]`` matrix in a GGUF block format (see the module docstring).
+
+    ``data``: uint8 ``[rows, cols / 32 * block_bytes]``, contiguous; not copied,
+    treat it as read-only. Raises ``ValueError`` when the bytes do not fit the
+    shape and format, so a truncated or mislabelled tensor fails at load.
+    """
+
+    __slots__ = ("fmt", "shape", "data")
+
+    def __init__(self, fmt: BlockFormat | str, shape: tuple[int, int], data: torch.Tensor) -> None:
+        fmt = FORMATS[fmt] if isinstance(fmt, str) else fmt
+        rows, cols = (int(s) for s in shape)
+        if rows < 1 or cols < 1 or cols % BLOCK:
+            raise ValueError(f"{fmt.name} matrix [{rows}, {cols}]: rows must be >= 1 and cols a positive "
+                             f"multiple of {BLOCK}")
+        want = (rows, cols // BLOCK * fmt.block_bytes)
+        if data.dtype != torch.uint8 or tuple(data.shape) != want:
+            raise ValueError(f"{fmt.name} matrix [{rows}, {cols}] needs uint8 bytes {list(want)}, "
+                             f"got {data.dtype} {list(data.shape)}")
+        self.fmt, self.shape, self.data = fmt, (rows, cols), data.contiguous()
+
+    def __repr__(self) -> str:
+        return f"QuantTensor({self.fmt.name}, {list(self.shape)})"
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def dequantize(self) -> torch.Tensor:
+        """fp32 ``[rows, cols]``, equal to gguf-py's dequantize bit for bit."""
+        return _dequantize(self.fmt, self.data, self.shape[1])
+
+    def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """fp32 ``[len(ids), cols]``: rows ``ids`` only (an embedding lookup)."""
+        return _dequantize(self.fmt, self.data.index_select(0, ids), self.shape[1])
+
+    def take_rows(self, index: torch.Tensor) -> QuantTensor:
+        """The matrix whose row i is this one's row ``index[i]`` (a row permutation)."""
+        return QuantTensor(self.fmt, (len(index), self.shape[1]), self.data.index_select(0, index))
+
+    @staticmethod
+    def cat_rows(parts: list[QuantTensor]) -> QuantTensor:
+        """Rows of ``parts`` one after another; all of one format and width."""
+        fmt, cols = parts[0].fmt, parts[0].shape[1]
+        if any(p.fmt != fmt or p.shape[1] != cols for p in parts):
+            raise ValueError("cat_rows needs parts of one format and one width")
+        return QuantTensor(fmt, (sum(p.shape[0] for p in parts), cols), torch.cat([p.data for p in parts]))
+
+
+def _dequantize(fmt: BlockFormat, data: torch.Tensor, cols: int) -> torch.Tensor:
+    rows = data.shape[0]
+    blocks = data.view(rows, cols // BLOCK, fmt.block_bytes)          # [R, nb, block_bytes]
+
+    def half(at: int) -> torch.Tensor:                                 # fp16 field -> fp32 [R, nb, 1]
+        return blocks[..., at:at + 2].contiguous().view(torch.float16).float()
+
+    d = half(0)
+    if fmt.name == "Q8_0":
+        q = blocks[..., 2:].contiguous().view(torch.int8).float()      # [R, nb, 32]
+        w = q * d
+    else:
+        qs = blocks[..., 4:] if fmt.name == "Q4_1" else blocks[..., 2:]
+        q = torch.cat([qs & 15, qs >> 4], dim=-1).float()              # weights 0..15, then 16..31
+        w = d * q + half(2) if fmt.name == "Q4_1" else d * (q - 8)
+    return w.reshape(rows, cols)

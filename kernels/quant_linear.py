@@ -1,0 +1,209 @@
+"""Linear layers over GGUF block-quantized weights, computed without a dequantized copy.
+
+``QuantLinear(x)`` is ``x @ W.T`` for a ``W`` kept in its GGUF blocks
+(kernels/quant.py). With a ``QuantKernel`` it runs the C++ kernel
+(kernels/csrc/quant_matmul.cpp): activations fp32, each block's weights
+dequantized in registers, OpenMP threads over output rows. Without one it is
+the torch reference: dequantize, then an fp32 matmul (tests and the fallback
+of a host without a kernel).
+
+Contract of the kernel path, for ``x`` [M, K] -> ``y`` [M, N]:
+
+- the weights it multiplies by are exactly ``W.dequantize()`` (gguf-py's
+  values, the ``weights = "dequantize"`` path's);
+- **batch invariant, bit for bit**: row m of y depends only on row m of x —
+  not on M, the other rows or the thread count — because every output is one
+  fixed sequence of fp32 fused multiply-adds (16 lanes over k, then a fixed
+  tree; see the .cpp header) run by one thread, whether the batch takes the
+  few-rows path or the tiled one;
+- the same bits on every build (AVX2, AVX-512, portable), since each runs the
+  same operations per lane;
+- it differs from dequantize-then-matmul only by the order of the fp32 sum
+  (tests/kernels/test_quant_linear.py bounds it).
+
+Builds are chosen at start-up from /proc/cpuinfo (``host_variant``): AVX-512
+where the CPU has AVX512F, else AVX2 + FMA + F16C; each is compiled once by
+kernels/native.py (``make install``). A CPU with neither gets no kernel: the
+engine then serves dequantized weights (engine/engine.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+
+from kernels import native
+from kernels.quant import QuantTensor
+
+log = logging.getLogger(__name__)
+
+LIBRARY = "quant_matmul"
+_COMMON = ("-ffp-contract=off",)        # the source spells out every fma; let the compiler add none
+# variant -> (CPU flags it needs, compiler flags); preferred first
+VARIANTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "avx512": (("avx512f", "fma", "f16c"), ("-mavx512f", "-mfma", "-mf16c", *_COMMON)),
+    "avx2": (("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c", *_COMMON)),
+    # std::fma per lane: the arithmetic's definition, far too slow to serve (tests only)
+    "portable": ((), _COMMON),
+}
+SERVING_VARIANTS = ("avx512", "avx2")
+
+
+def host_variant(flags: Iterable[str] | None = None) -> str | None:
+    """The fastest serving build this CPU runs (``flags`` default: /proc/cpuinfo's), or None."""
+    have = set(native.cpu_flags() if flags is None else flags)
+    return next((v for v in SERVING_VARIANTS if set(VARIANTS[v][0]) <= have), None)
+
+
+class QuantKernel:
+    """One loaded build of csrc/quant_matmul.cpp. Construct with :meth:`load` or :meth:`create`."""
+
+    def __init__(self, lib: ctypes.CDLL, variant: str) -> None:
+        lib.kvd_quant_variant.restype = ctypes.c_char_p
+        built = lib.kvd_quant_variant().decode()
+        if built != variant:                       # flags and source disagree: never serve it
+            raise native.BuildError(f"{LIBRARY} built for {variant} reports {built}")
+        self.variant = variant
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        self._matmul = lib.kvd_quant_matmul
+        self._matmul.restype = ctypes.c_int
+        self._matmul.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, i64, ptr, i64, ctypes.c_int]
+        self._rows = lib.kvd_quant_rows
+        self._rows.restype = ctypes.c_int
+        self._rows.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr]
+
+    @classmethod
+    def load(cls, variant: str) -> QuantKernel:
+        """Build (if needed) and load ``variant``. Raises BuildError or OSError."""
+        return cls(native.load(LIBRARY, VARIANTS[variant][1]), variant)
+
+    @classmethod
+    def create(cls) -> QuantKernel | None:
+        """This host's serving build, or None (logged) when the CPU has no variant
+        or the build fails."""
+        variant = host_variant()
+        if variant is None:
+            log.info("no quantized-weights kernel for this CPU (needs AVX2, FMA and F16C)")
+            return None
+        try:
+            return cls.load(variant)
+        except (native.BuildError, OSError) as exc:
+            log.warning("quantized-weights kernel (%s) unavailable: %s", variant, exc)
+            return None
+
+    def matmul_into(self, w: QuantTensor, x: torch.Tensor, y: torch.Tensor) -> None:
+        """y[:, :N] = x @ w.T: x fp32 [M, K] with unit column stride; y fp32 [M, >= N],
+        unit column stride (a column slice of a wider output is fine)."""
+        n, k = w.shape
+        m = x.shape[0]
+        if (x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1
+                or (m > 1 and x.stride(0) < k) or y.dtype != torch.float32 or y.dim() != 2
+                or y.shape[0] != m or y.shape[1] < n or y.stride(1) != 1 or (m > 1 and y.stride(0) < n)):
+            raise ValueError(f"quant matmul: x {x.dtype} {list(x.shape)} / y {list(y.shape)} do not fit "
+                             f"W {list(w.shape)}")
+        rc = self._matmul(w.fmt.code, w.data.data_ptr(), n, k, x.data_ptr(), m, x.stride(0) if m > 1 else k,
+                          y.data_ptr(), y.stride(0) if m > 1 else n, torch.get_num_threads())
+        if rc != 0:
+            raise ValueError(f"quant matmul refused W {w!r}")
+
+    def rows(self, w: QuantTensor, ids: torch.Tensor) -> torch.Tensor:
+        """fp32 [T, K]: rows ``ids`` (int64 [T]) of ``w`` dequantized. ValueError for an id
+        outside [0, rows)."""
+        ids = ids.contiguous()
+        if ids.dtype != torch.int64 or ids.dim() != 1:
+            raise ValueError("ids must be int64 [T]")
+        out = torch.empty(ids.shape[0], w.shape[1], dtype=torch.float32)
+        if self._rows(w.fmt.code, w.data.data_ptr(), w.shape[0], w.shape[1], ids.data_ptr(), ids.shape[0],
+                      out.data_ptr()) != 0:
+            raise ValueError(f"token id out of range [0, {w.shape[0]})")
+        return out
+
+
+class QuantLinear:
+    """``y = x @ W.T`` for a ``W`` made of row blocks (``parts``, stacked in order):
+    each a ``QuantTensor``, or a float tensor ``[rows, K]`` for a part the file
+    stores unquantized. Parts of one format are merged into one (one kernel call).
+
+    ``x``: [M, K] of any float dtype; the result has x's dtype (computed in fp32,
+    rounded once at the end, where a bf16 ``F.linear`` rounds). ``kernel``
+    None: the torch reference (dequantize, fp32 matmul: slow, not batch
+    invariant), used by tests and where no kernel loads.
+    """
+
+    def __init__(self, parts: list[QuantTensor | torch.Tensor], kernel: QuantKernel | None) -> None:
+        merged: list[QuantTensor | torch.Tensor] = []
+        for p in parts:
+            last = merged[-1] if merged else None
+            if (isinstance(p, QuantTensor) and isinstance(last, QuantTensor) and last.fmt == p.fmt
+                    and last.shape[1] == p.shape[1]):
+                merged[-1] = QuantTensor.cat_rows([last, p])
+            elif isinstance(p, QuantTensor):
+                merged.append(p)
+            else:
+                merged.append(p.to(torch.float32).contiguous())
+        widths = {p.shape[1] for p in merged}
+        if len(widths) != 1:
+            raise ValueError(f"QuantLinear parts disagree on the input width: {sorted(widths)}")
+        self.parts = merged
+        self.kernel = kernel
+        self.in_features = widths.pop()
+        self.out_features = sum(p.shape[0] for p in merged)
+        # the hot path (one quantized part and a kernel): the call's constant arguments, bound once
+        single = merged[0] if len(merged) == 1 and isinstance(merged[0], QuantTensor) else None
+        self._fast = None if kernel is None or single is None else (
+            kernel._matmul, single.fmt.code, single.data.data_ptr(), single.shape[0], single.shape[1])
+
+    def __repr__(self) -> str:
+        return f"QuantLinear({self.parts}, kernel={self.kernel and self.kernel.variant})"
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of weights one call reads."""
+        return sum(p.nbytes if isinstance(p, QuantTensor) else p.numel() * p.element_size() for p in self.parts)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32:
+            return self(x.float()).to(x.dtype)
+        if x.dim() != 2 or x.shape[1] != self.in_features:
+            raise ValueError(f"QuantLinear expects [M, {self.in_features}], got {list(x.shape)}")
+        m = x.shape[0]
+        if x.stride(1) != 1 or (m > 1 and x.stride(0) < self.in_features):    # e.g. an expanded row
+            x = x.contiguous()
+        y = torch.empty(m, self.out_features, dtype=torch.float32)
+        if self._fast is not None:
+            # ~4 us of Python per call on a slow host, ~30 layers x 4 calls a token: no more checks
+            # than the ones above (matmul_into's are implied by them)
+            fn, code, w, n, k = self._fast
+            if fn(code, w, n, k, x.data_ptr(), m, x.stride(0) if m > 1 else k, y.data_ptr(), n,
+                  torch.get_num_threads()) != 0:
+                raise ValueError(f"quant matmul refused {self!r}")
+            return y
+        kernel = self.kernel
+        at = 0
+        for p in self.parts:
+            n = p.shape[0]
+            if not isinstance(p, QuantTensor):
+                y[:, at:at + n] = x @ p.t()
+            elif kernel is not None:
+                kernel.matmul_into(p, x, y[:, at:at + n])
+            else:
+                y[:, at:at + n] = x @ p.dequantize().t()
+            at += n
+        return y
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of W as fp32 [T, K] (W read as an embedding table); exact."""
+        if len(self.parts) != 1:
+            raise ValueError("an embedding table is one tensor")
+        w = self.parts[0]
+        if not isinstance(w, QuantTensor):
+            return F.embedding(ids, w)
+        if self.kernel is not None:
+            return self.kernel.rows(w, ids)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= w.shape[0]):
+            raise ValueError(f"token id out of range [0, {w.shape[0]})")
+        return w.dequantize_rows(ids)

@@ -1,0 +1,222 @@
+"""GGUF block-quantized matmul (kernels/quant.py, kernels/quant_linear.py, csrc/quant_matmul.cpp).
+
+The kernel of this host is exercised, never skipped: ``HOST`` is the build
+the engine would pick here (AVX2 on the project's machines). The portable
+build (std::fma per lane) is the arithmetic's definition; every build must
+give its bits. Agreement with dequantize-then-fp32-matmul is bounded by the
+standard forward-error bound of a dot product (see ``error_bound``).
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from kernels import native
+from kernels.quant import FORMATS, QuantTensor
+from kernels.quant_linear import VARIANTS, QuantKernel, QuantLinear, host_variant
+
+U = 2.0 ** -24                                   # fp32 unit roundoff
+HOST = host_variant()
+FMTS = list(FORMATS)
+
+
+@pytest.fixture(scope="module")
+def host() -> QuantKernel:
+    assert HOST is not None, "this CPU has no quantized-weights kernel (needs AVX2, FMA, F16C)"
+    kernel = QuantKernel.create()
+    assert kernel is not None and kernel.variant == HOST, "the host's kernel did not build or load"
+    return kernel
+
+
+@pytest.fixture(scope="module")
+def portable() -> QuantKernel:
+    return QuantKernel.load("portable")
+
+
+def quantized(n: int, k: int, fmt: str, seed: int, scale: float = 0.05) -> QuantTensor:
+    """A random [n, k] matrix quantized by gguf-py (llama.cpp's reference quantizer)."""
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n, k, generator=g) * scale).numpy()
+    blocks = gguf.quants.quantize(w, gguf.GGMLQuantizationType[fmt])
+    return QuantTensor(fmt, (n, k), torch.from_numpy(np.ascontiguousarray(blocks)))
+
+
+def random_blocks(n: int, k: int, fmt: str, seed: int) -> QuantTensor:
+    """Arbitrary block bytes (every nibble and int8 value, every finite fp16 scale
+    sign and exponent, subnormals included), not only what a quantizer writes."""
+    f = FORMATS[fmt]
+    g = torch.Generator().manual_seed(seed)
+    data = torch.randint(0, 256, (n, k // 32, f.block_bytes), generator=g, dtype=torch.uint8)
+    scales = 4 if fmt == "Q4_1" else 2
+    half = data[..., :scales].clone().view(torch.int16)
+    half &= ~0x4000                               # exponent < 16: finite, |v| < 2 (no inf/nan)
+    data[..., :scales] = half.view(torch.uint8)
+    return QuantTensor(fmt, (n, k), data.reshape(n, -1))
+
+
+def error_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """|a - b| for two fp32 evaluations of the same dot products in different orders.
+
+    Each of ``sum_k x_k w_k`` evaluated in any order has a forward error of at
+    most gamma_K * sum_k |x_k w_k|, gamma_K = K u / (1 - K u) (Higham,
+    Accuracy and Stability of Numerical Algorithms, 3.1); the weights are the
+    same fp32 values on both sides (exact dequantization), so two orders differ
+    by at most twice that. Loose (our kernel's depth is K/16 + 4, not K), but
+    it cannot be wrong, whatever order MKL picks."""
+    k = x.shape[1]
+    gamma = k * U / (1 - k * U)
+    return 2 * gamma * (x.abs().double() @ w.abs().double().t()) + 1e-30
+
+
+# ------------------------------------------------------------------ formats (any CPU)
+@pytest.mark.parametrize("fmt", FMTS)
+def test_dequantize_is_gguf_py_bit_for_bit(fmt):
+    for qt in (quantized(40, 96, fmt, seed=1), random_blocks(40, 96, fmt, seed=2)):
+        ref = gguf.quants.dequantize(qt.data.numpy(), gguf.GGMLQuantizationType[fmt])
+        assert torch.equal(qt.dequantize(), torch.from_numpy(np.ascontiguousarray(ref)))
+        ids = torch.tensor([39, 0, 7, 7])
+        assert torch.equal(qt.dequantize_rows(ids), qt.dequantize()[ids])
+
+
+def test_bits_per_weight_and_bytes():
+    assert FORMATS["Q4_1"].bits_per_weight() == 5.0          # 16 B of nibbles + fp16 d, m per 32
+    assert FORMATS["Q4_0"].bits_per_weight() == 4.5 and FORMATS["Q8_0"].bits_per_weight() == 8.5
+    assert quantized(8, 64, "Q4_1", seed=0).nbytes == 8 * 2 * 20
+
+
+def test_bad_tensors_are_refused():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        QuantTensor("Q4_1", (4, 48), torch.zeros(4, 30, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="needs uint8 bytes"):
+        QuantTensor("Q4_1", (4, 64), torch.zeros(4, 39, dtype=torch.uint8))      # a truncated row
+    with pytest.raises(ValueError, match="needs uint8 bytes"):
+        QuantTensor("Q8_0", (4, 64), torch.zeros(4, 68, dtype=torch.int8))
+    with pytest.raises(KeyError):
+        QuantTensor("Q5_0", (4, 64), torch.zeros(4, 44, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="one format"):
+        QuantTensor.cat_rows([quantized(4, 64, "Q4_1", 0), quantized(4, 64, "Q8_0", 0)])
+
+
+def test_variant_choice_follows_the_cpu_flags():
+    assert host_variant({"avx2", "fma", "f16c"}) == "avx2"
+    assert host_variant({"avx2", "fma", "f16c", "avx512f", "avx512bw"}) == "avx512"
+    assert host_variant({"avx2", "f16c"}) is None                      # no FMA: no serving build
+    assert host_variant(set()) is None
+
+
+def test_torch_reference_is_dequantize_then_matmul():
+    qt = quantized(24, 64, "Q4_1", seed=3)
+    x = torch.randn(5, 64)
+    ref = QuantLinear([qt], None)
+    assert torch.allclose(ref(x), x @ qt.dequantize().t(), rtol=0, atol=1e-6)
+    assert torch.equal(ref.embed(torch.tensor([3, 1])), qt.dequantize()[[3, 1]])
+    with pytest.raises(ValueError, match="out of range"):
+        ref.embed(torch.tensor([24]))
+
+
+# ------------------------------------------------------------------ the host's kernel
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("n,k", [(1, 32), (37, 96), (130, 576), (64, 1536)])
+def test_kernel_matches_dequantize_then_fp32_matmul(host, fmt, n, k):
+    qt = quantized(n, k, fmt, seed=n + k)
+    w = qt.dequantize()
+    for m in (1, 2, 3, 4, 17):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+        got = QuantLinear([qt], host)(x)
+        ref = x @ w.t()
+        assert got.dtype == torch.float32 and got.shape == (m, n)
+        assert ((got - ref).abs().double() <= error_bound(x, w)).all(), (fmt, m)
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_every_build_computes_the_same_bits(host, portable, fmt):
+    """The host's SIMD build against the portable one (std::fma per lane, the
+    arithmetic's definition): bit for bit, on arbitrary block bytes, on both
+    the few-rows and the tiled path."""
+    qt = random_blocks(45, 192, fmt, seed=5)
+    x = torch.randn(20, 192) * torch.logspace(-3, 3, 192)           # magnitudes that round
+    for m in (1, 2, 3, 20):
+        assert torch.equal(QuantLinear([qt], host)(x[:m]), QuantLinear([qt], portable)(x[:m])), m
+    ids = torch.tensor([0, 44, 12])
+    assert torch.equal(host.rows(qt, ids), portable.rows(qt, ids))
+    assert torch.equal(host.rows(qt, ids), qt.dequantize()[ids])
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_a_row_alone_equals_the_row_in_a_batch_of_16_bit_for_bit(host, fmt):
+    qt = quantized(200, 576, fmt, seed=6)
+    x = torch.randn(16, 576)
+    lin = QuantLinear([qt], host)
+    batch = lin(x)                                   # 16 rows: the tiled path
+    for r in range(16):
+        assert torch.equal(lin(x[r:r + 1])[0], batch[r]), f"row {r} differs alone"
+    for lo, hi in [(0, 2), (5, 8), (3, 7), (0, 9)]:   # 2 and 3 rows: the few-rows path
+        assert torch.equal(lin(x[lo:hi]), batch[lo:hi])
+
+
+def test_thread_count_does_not_change_a_bit(host):
+    qt = quantized(300, 576, "Q4_1", seed=7)
+    lin = QuantLinear([qt], host)
+    for m in (1, 16):
+        x = torch.randn(m, 576)
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            one = lin(x)
+            torch.set_num_threads(2)
+            two = lin(x)
+        finally:
+            torch.set_num_threads(threads)
+        assert torch.equal(one, two)
+
+
+def test_strided_and_bf16_inputs(host):
+    qt = quantized(48, 64, "Q8_0", seed=8)
+    lin = QuantLinear([qt], host)
+    wide = torch.randn(6, 200)
+    x = wide[:, 10:74]                                # rows with a stride of 200
+    assert torch.equal(lin(x), lin(x.contiguous()))
+    row = torch.randn(1, 64)
+    assert torch.equal(lin(row.expand(3, 64)), lin(row).expand(3, 48))    # stride-0 rows
+    xb = torch.randn(4, 64).bfloat16()
+    out = lin(xb)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, lin(xb.float()).bfloat16())
+
+
+def test_stacked_parts_of_mixed_formats(host):
+    """q/k/v stored in different types: one QuantLinear, one output, each part
+    as if alone (a float part runs a plain matmul)."""
+    a, b, c = quantized(32, 64, "Q4_1", 9), quantized(32, 64, "Q4_1", 10), quantized(16, 64, "Q8_0", 11)
+    f = torch.randn(8, 64)
+    lin = QuantLinear([a, b, c, f], host)
+    assert len(lin.parts) == 3                        # a and b merged: one kernel call
+    assert lin.out_features == 88 and lin.nbytes == a.nbytes + b.nbytes + c.nbytes + f.numel() * 4
+    x = torch.randn(3, 64)
+    want = torch.cat([QuantLinear([a], host)(x), QuantLinear([b], host)(x), QuantLinear([c], host)(x),
+                      x @ f.t()], dim=1)
+    assert torch.equal(lin(x), want)
+
+
+def test_bad_input_is_refused(host):
+    qt = quantized(8, 64, "Q4_0", seed=12)
+    lin = QuantLinear([qt], host)
+    with pytest.raises(ValueError, match=r"expects \[M, 64\]"):
+        lin(torch.randn(2, 32))
+    with pytest.raises(ValueError, match="do not fit"):
+        host.matmul_into(qt, torch.randn(2, 64), torch.empty(3, 8))
+    with pytest.raises(ValueError, match="out of range"):
+        lin.embed(torch.tensor([0, 8]))
+    with pytest.raises(ValueError, match="out of range"):
+        lin.embed(torch.tensor([-1]))
+    with pytest.raises(ValueError, match="input width"):
+        QuantLinear([qt, quantized(8, 96, "Q4_0", seed=0)], host)
+
+
+def test_every_variant_compiles():
+    """Builds this CPU cannot run are still compiled here, so a mistake in their
+    code path shows up on any machine (they share the arithmetic above)."""
+    for variant, (_, flags) in VARIANTS.items():
+        assert native.build("quant_matmul", flags).exists(), variant
