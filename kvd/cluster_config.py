@@ -87,6 +87,8 @@ class ClusterConfig:
     ucx_progress_mode: how ucxx drives UCX in each daemon ("blocking", the
         default: the event loop wakes on the worker's fd; "thread": a polling
         progress thread, which takes a core; "polling", "thread-polling").
+    restart_nodes: ``kvd serve --nodes N`` starts a node process that exited
+        again, with a backoff (kvd/supervisor.py); off: a dead node stays dead.
     """
 
     transport: str = "zmq+tcp"
@@ -99,6 +101,7 @@ class ClusterConfig:
     insecure: bool = False
     admin_socket: str = ""
     ucx_progress_mode: str = "blocking"
+    restart_nodes: bool = True
     nodes: dict[str, NodeConfig] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -7,10 +7,12 @@ ucx) and registering with this coordinator, which binds its registration
 address first. Every link is authenticated: unless the config names a
 ``curve_keys_dir`` (or says ``insecure``), a keypair for the coordinator and
 for each node is generated in the private (0700) runtime directory, which is
-removed, keys and all, when ``kvd serve`` ends. SIGTERM drains the front door, then stops the nodes (SIGTERM,
-then SIGKILL after their drain timeout). A node process that exits is not
-restarted here (systemd does that in production); the failure detector
-removes it and requests go to the survivors.
+removed, keys and all, when ``kvd serve`` ends. SIGTERM drains the front door (``drain_timeout``, then what is still
+open is ended), then stops the nodes (kvd/supervisor.py: SIGTERM and SIGINT,
+SIGKILL after NODE_STOP_TIMEOUT_S), then closes HTTP. A node process that
+exits is reaped and its exit logged; the failure detector removes it and
+requests go to the survivors, and unless ``[cluster].restart_nodes`` is off
+(``--no-restart-nodes``) it is started again, with a backoff, and rejoins.
 
 systemd notify: READY=1 once all N nodes registered and HTTP is bound (the
 coordinator's), the watchdog from this loop; the node processes get no
@@ -24,7 +26,6 @@ import logging
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 
@@ -32,8 +33,13 @@ from kvd.cluster_config import ClusterConfig, with_overrides
 from kvd.coordinator.daemon import CoordinatorDaemon
 from kvd.coordinator.settings import CoordinatorSettings, load_tokenizer
 from kvd.sdnotify import Notifier, run_watchdog
+from kvd.supervisor import NodeSupervisor
 
 log = logging.getLogger("kvd.local")
+
+# The nodes are stopped after the front door drained (nothing left to finish
+# there): they leave at once, this only bounds a node that hangs.
+NODE_STOP_TIMEOUT_S = 10.0
 
 
 def local_cluster(cluster: ClusterConfig, runtime_dir: str) -> ClusterConfig:
@@ -71,10 +77,10 @@ class LocalCluster:
                                     [f"n{i + 1}" for i in range(num_nodes)])
         self.num_nodes = num_nodes
         self.node_args = node_args
-        self.procs: list[subprocess.Popen] = []
+        self.supervisor: NodeSupervisor | None = None
         self.coordinator: CoordinatorDaemon | None = None
 
-    def _spawn(self, name: str, coordinator_url: str) -> subprocess.Popen:
+    def _command(self, name: str, coordinator_url: str) -> list[str]:
         scheme = self.cluster.transport
         listen = (f"zmq+ipc://{self.runtime_dir}/{name}.sock" if scheme == "zmq+ipc"
                   else f"{scheme}://127.0.0.1:0")
@@ -82,21 +88,21 @@ class LocalCluster:
                "--listen", listen, *self.node_args]
         if self.cluster.curve_keys_dir:
             cmd += ["--curve-keys-dir", self.cluster.curve_keys_dir]     # the last flag wins
-        return subprocess.Popen(cmd, env={**os.environ, "KVD_PARENT": str(os.getpid())})
+        return cmd
 
     async def run(self) -> None:
         try:
             async with asyncio.TaskGroup() as tg:
                 pinging = tg.create_task(run_watchdog(self.notifier, self.watchdog), name="watchdog")
                 try:
-                    await self._run()
+                    await self._run(tg)
                 finally:
                     pinging.cancel()
         finally:
             # the generated secret keys (and ipc sockets) do not outlive this cluster
             shutil.rmtree(self.runtime_dir, ignore_errors=True)
 
-    async def _run(self) -> None:
+    async def _run(self, tg: asyncio.TaskGroup) -> None:
         model_name, tokenizer = await asyncio.to_thread(load_tokenizer, self.settings.model)
         self.coordinator = CoordinatorDaemon(self.cluster, self.settings.server, model_name, tokenizer,
                                              default_max_model_len=self.settings.max_model_len or 2048,
@@ -106,20 +112,16 @@ class LocalCluster:
             loop.add_signal_handler(sig, self.coordinator.request_stop)
         await self.coordinator.start_registration()
         url = self.coordinator.address
-        self.procs = [self._spawn(f"n{i + 1}", url) for i in range(self.num_nodes)]
+        self.supervisor = NodeSupervisor(
+            {f"n{i + 1}": self._command(f"n{i + 1}", url) for i in range(self.num_nodes)},
+            restart=self.cluster.restart_nodes, env={**os.environ, "KVD_PARENT": str(os.getpid())},
+            on_exit=self.coordinator.node_exited)
+        tg.create_task(self.supervisor.run(), name="node processes")
         self.notifier.status(f"starting {self.num_nodes} node processes")
         try:
-            await self.coordinator.run(expect_nodes=self.num_nodes)
+            await self.coordinator.run(expect_nodes=self.num_nodes, after_drain=self._stop_nodes)
         finally:
-            await asyncio.to_thread(self._stop_nodes)
+            await self._stop_nodes()       # done already, unless the coordinator failed
 
-    def _stop_nodes(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self.procs:
-            try:
-                p.wait(self.settings.server.drain_timeout + 5)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+    async def _stop_nodes(self) -> None:
+        await self.supervisor.stop(NODE_STOP_TIMEOUT_S)

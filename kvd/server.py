@@ -6,7 +6,9 @@ code paths of a real cluster. Lifecycle (aiohttp's runner pattern): load the
 model, start the node, register it, then open HTTP (so /health is 200 only
 when requests can run); on SIGTERM/SIGINT drain — /health turns 503, new
 generation requests get 503, in-flight ones finish — until none are left or
-``drain_timeout`` passes, then stop the node. A second signal skips the wait.
+``drain_timeout`` passes; requests still open are then ended (streams with an
+error event and [DONE]), the node is stopped, HTTP closed. A second signal
+skips the wait. The timeline: docs/operations.md ("Shutdown").
 
 systemd notify: the process's one notifier belongs to the coordinator (READY=1
 once HTTP is bound, which is after the node registered; STATUS=; STOPPING=1);
@@ -49,15 +51,19 @@ class Server:
         self.registry = InprocRegistry()
         self.node: NodeDaemon | None = None
         self.coordinator: CoordinatorDaemon | None = None
+        self._stops = 0                          # signals taken before the coordinator existed
 
     @property
     def port(self) -> int | None:
         return self.coordinator.port if self.coordinator else None
 
     def request_stop(self) -> None:
-        """First call: drain. Second call: stop without waiting."""
+        """First call: drain. Second call: stop without waiting (the coordinator's
+        ``request_stop``; a signal during start-up is passed on once it exists)."""
         if self.coordinator is not None:
             self.coordinator.request_stop()
+        else:
+            self._stops += 1
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -75,9 +81,14 @@ class Server:
                 self.cluster, cfg.server, driver.model_name, driver.tokenizer, registry=self.registry,
                 default_max_model_len=driver.max_model_len, stats_source=driver.stats,
                 notifier=self.notifier)
+            for _ in range(self._stops):
+                self.coordinator.request_stop()
             node_task = tg.create_task(self.node.run(), name="node n0")
-            await self.coordinator.run(expect_nodes=1)
-            # drained: the node has nothing left to finish
-            self.node.request_stop()
-            await node_task
+
+            async def stop_node() -> None:
+                # the front door is drained and aborted what it ended: nothing to wait for
+                self.node.request_stop(force=True)
+                await node_task
+
+            await self.coordinator.run(expect_nodes=1, after_drain=stop_node)
             pinging.cancel()

@@ -16,6 +16,10 @@ Contracts:
 - A client that disconnects cancels its handler (``handler_cancellation``);
   closing the engine stream aborts the request, which frees its blocks.
 - While draining (SIGTERM), new generation requests get 503; open ones finish.
+  ``end_requests`` (the drain's deadline, or a second signal) ends those still
+  open at once: a stream with a final error event (code ``shutdown``) and
+  ``data: [DONE]``, a request not streaming yet with a 503; their engine
+  requests are aborted.
 - The engine is reached only through :class:`EngineClient`.
 """
 
@@ -41,6 +45,7 @@ from kvd.metrics import ServerMetrics
 log = logging.getLogger("kvd.http")
 
 _DEFAULTS = ServerConfig()
+END_WRITE_TIMEOUT_S = 1.0   # a stream's final error event: a client that does not read cannot hold it
 
 
 class FrontDoor:
@@ -59,6 +64,8 @@ class FrontDoor:
         self.metrics = ServerMetrics(client.stats, self.model_name)
         self.draining = False
         self.in_flight = 0
+        self.ending: ApiError | None = None           # set by end_requests: what open requests answer
+        self._handlers: set[asyncio.Task] = set()     # generation handlers, from body to last byte
 
     # ------------------------------------------------------------- app
     def make_app(self) -> web.Application:
@@ -134,10 +141,49 @@ class FrontDoor:
 
     # ---------------------------------------------------------- generation
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, chat=False)
+        return await self._endable("completions", self._generate(request, chat=False))
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, chat=True)
+        return await self._endable("chat", self._generate(request, chat=True))
+
+    @property
+    def open_requests(self) -> int:
+        """Generation requests whose handler has not returned (reading, tokenizing, streaming)."""
+        return len(self._handlers)
+
+    def end_requests(self, message: str) -> int:
+        """End every open generation request now (the drain's deadline, a second
+        signal): a stream writes a final error event (code ``shutdown``) and
+        ``data: [DONE]``, any other request answers 503 with that error; their
+        engine requests are aborted. Each handler is cancelled, and turns its own
+        cancellation into that answer (``_shutdown_cancelled``). New requests
+        should already get 503 (``draining``). Returns how many were open."""
+        self.ending = ApiError(503, message, type="service_unavailable", code="shutdown")
+        for task in self._handlers:
+            task.cancel()
+        return len(self._handlers)
+
+    def _shutdown_cancelled(self, task: asyncio.Task) -> bool:
+        """Whether ``task``'s cancellation came from ``end_requests`` and from
+        nothing else: then it is consumed (the handler answers ``self.ending``);
+        otherwise (a client that went away, a server closing) it must propagate."""
+        return self.ending is not None and task.uncancel() == 0
+
+    async def _endable(self, endpoint: str, generate) -> web.StreamResponse:
+        """Run a generation handler as an open request that ``end_requests`` can
+        end: cancelled before its stream began, it answers 503 ``shutdown`` (a
+        stream under way writes that error as its last event in ``_write_stream``)."""
+        task = asyncio.current_task()
+        self._handlers.add(task)
+        try:
+            return await generate
+        except asyncio.CancelledError:
+            if not self._shutdown_cancelled(task):
+                raise
+            self.metrics.requests.labels(endpoint, "503").inc()
+            raise self.ending from None
+        finally:
+            self._handlers.discard(task)
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         endpoint = "chat" if chat else "completions"
@@ -222,7 +268,6 @@ class FrontDoor:
         first = await anext(outputs)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
-        await resp.prepare(request)
 
         def chunk(delta_text: str | None, finish: str | None, stop_reason=None, role: bool = False) -> bytes:
             if chat:
@@ -237,11 +282,12 @@ class FrontDoor:
             return sse({"id": rid, "object": obj, "created": created, "model": self.model_name,
                         "choices": [choice]})
 
-        first_at, last = None, None
-        if chat:
-            await resp.write(chunk(None, None, role=True))
-        out = first
+        first_at, last, done = None, None, False
         try:
+            await resp.prepare(request)
+            if chat:
+                await resp.write(chunk(None, None, role=True))
+            out = first
             while out is not None:
                 if first_at is None and out.new_token_ids:
                     first_at = time.perf_counter()
@@ -250,20 +296,29 @@ class FrontDoor:
                     await resp.write(chunk(out.text, out.finish_reason if out.finished else None,
                                            out.stop_reason))
                 out = await anext(outputs, None)
-        except ApiError as exc:
-            # the 200 is already sent: end the stream with an error event (the
-            # openai client raises APIError on it), as vLLM does
-            self.metrics.requests.labels(endpoint, str(exc.status)).inc()
-            await resp.write(sse(exc.body()))
+            if req.include_usage:
+                await resp.write(sse({"id": rid, "object": obj, "created": created,
+                                      "model": self.model_name, "choices": [], "usage": usage(last)}))
+            done = True
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
+        except ApiError as exc:
+            error = exc
+        except asyncio.CancelledError:
+            if not self._shutdown_cancelled(asyncio.current_task()):
+                raise
+            if done:                          # [DONE] is on its way: nothing left to end
+                return resp
+            error = self.ending
+        else:
+            self._observe(endpoint, t0, first_at, last)
             return resp
-        if req.include_usage:
-            await resp.write(sse({"id": rid, "object": obj, "created": created,
-                                  "model": self.model_name, "choices": [], "usage": usage(last)}))
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
-        self._observe(endpoint, t0, first_at, last)
+        if not resp.prepared:                 # cancelled before the 200 went out
+            raise error
+        # the 200 is already sent: end the stream with an error event (the
+        # openai client raises APIError on it), as vLLM does
+        self.metrics.requests.labels(endpoint, str(error.status)).inc()
+        await end_stream(resp, error)
         return resp
 
     async def _outputs(self, rid: str, prompt_ids: list[int], req: GenerateRequest):
@@ -300,6 +355,17 @@ def new_id(prefix: str) -> str:
 
 def sse(obj: dict) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+async def end_stream(resp: web.StreamResponse, error: ApiError) -> None:
+    """Write ``error`` as a stream's last event, then ``data: [DONE]``; bounded
+    by END_WRITE_TIMEOUT_S, so a client that stopped reading cannot hold it."""
+    try:
+        async with asyncio.timeout(END_WRITE_TIMEOUT_S):
+            await resp.write(sse(error.body()) + b"data: [DONE]\n\n")
+            await resp.write_eof()
+    except TimeoutError:
+        log.info("a stream's final error event was not taken within %gs", END_WRITE_TIMEOUT_S)
 
 
 def json_response(obj: dict, status: int = 200) -> web.Response:

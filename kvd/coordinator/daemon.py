@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import signal
 import time
@@ -47,6 +48,11 @@ STATUS_INTERVAL_S = 1.0    # STATUS= is sent only when the line changed
 GOODBYE_GRACE_S = 1.5      # how long a leaving node's last chunks may trail its Goodbye
 STALL_MIN_S = 0.1          # a failure-detector wake-up this late is a stall of this loop: excused
 STALL_WARN_S = 1.0         # ... and logged as a warning from this long
+# Shutdown, after drain_timeout: requests still open get END_GRACE_S to write
+# their final error event; then aiohttp gets HTTP_CLOSE_S per phase to close
+# connections (its default, 60 s for each of two phases, outlasted any drain).
+END_GRACE_S = 2.0
+HTTP_CLOSE_S = 1.0
 
 
 class CoordinatorDaemon:
@@ -101,7 +107,7 @@ class CoordinatorDaemon:
                                max_body_bytes=srv.max_body_bytes, body_timeout=srv.body_timeout)
         self.front.metrics.registry.register(_ClusterCollector(self))
         self.runner = web.AppRunner(self.front.make_app(), handler_cancellation=True, access_log=None,
-                                    **runner_options(srv.header_timeout))
+                                    shutdown_timeout=HTTP_CLOSE_S, **runner_options(srv.header_timeout))
         await self.runner.setup()
         self.site = CappedSite(self.runner, srv.host, srv.port,
                                max_connections=fit_open_files(srv.max_connections))
@@ -113,10 +119,13 @@ class CoordinatorDaemon:
                  self.front.model_name, self.server.host, self.port)
 
     async def run(self, install_signals: bool = False, expect_nodes: int = 0,
-                  nodes_timeout: float = 300.0) -> None:
+                  nodes_timeout: float = 300.0, after_drain=None) -> None:
         """Serve until ``request_stop``. With ``expect_nodes``, the HTTP port
         opens only once that many nodes registered (``kvd serve``: /health is
-        200 only when requests can run)."""
+        200 only when requests can run). Then ``drain``, then ``after_drain()``
+        (awaited while nodes can still say Goodbye: ``kvd serve`` stops its
+        nodes there), then ``cleanup``. A stop requested while waiting for the
+        nodes skips straight to cleanup."""
         if install_signals:
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
@@ -131,22 +140,25 @@ class CoordinatorDaemon:
                 detecting = tg.create_task(self._detect_failures(), name="failure-detector")
                 if expect_nodes:
                     await self.wait_for_nodes(expect_nodes, nodes_timeout)
-                if self.runner is None:
+                if self.runner is None and not self._stop.is_set():
                     await self.start_http()
-                self._ready.set()
-                notifying = tg.create_task(self._notify(), name="notify")
-                await self._stop.wait()
-                notifying.cancel()
-                await self.drain()
+                if self.front is not None:
+                    self._ready.set()
+                    notifying = tg.create_task(self._notify(), name="notify")
+                    await self._stop.wait()
+                    notifying.cancel()
+                    await self.drain()
+                if after_drain is not None:
+                    await after_drain()
                 serving.cancel()
                 detecting.cancel()
         finally:
             await self.cleanup()
 
     async def wait_for_nodes(self, n: int, timeout: float) -> None:
-        """Until ``n`` nodes are registered; TimeoutError past ``timeout``."""
+        """Until ``n`` nodes are registered or a stop is requested; TimeoutError past ``timeout``."""
         async with asyncio.timeout(timeout):
-            while len(self.membership.nodes) < n or len(self.client.links) < n:
+            while (len(self.membership.nodes) < n or len(self.client.links) < n) and not self._stop.is_set():
                 await asyncio.sleep(0.02)
 
     async def wait_ready(self, timeout: float = 60.0) -> None:
@@ -154,19 +166,28 @@ class CoordinatorDaemon:
             await self._ready.wait()
 
     def request_stop(self) -> None:
+        """First call (SIGTERM): drain. Second call: end the drain now."""
         if self._stop.is_set():
             self._force.set()
         self._stop.set()
 
     async def drain(self) -> None:
+        """New requests get 503; open ones may finish until ``drain_timeout`` has
+        passed or a second stop is requested; those still open then are ended
+        (``FrontDoor.end_requests``: an error event and [DONE] on each stream, a
+        503 for the others, an Abort to their nodes) and get END_GRACE_S to say
+        so. Returns within drain_timeout + END_GRACE_S."""
         front = self.front
         front.draining = True
-        self.notifier.stopping(f"draining: {front.in_flight} request(s) in flight")
-        deadline = time.monotonic() + self.server.drain_timeout
-        while front.in_flight and time.monotonic() < deadline and not self._force.is_set():
-            await asyncio.sleep(0.05)
-        if front.in_flight:
-            log.warning("drain ended with %d request(s) still in flight", front.in_flight)
+        self.notifier.stopping(f"draining: {front.open_requests} request(s) in flight")
+        log.info("draining: %d request(s) in flight, %gs to finish", front.open_requests,
+                 self.server.drain_timeout)
+        await _until(lambda: not front.open_requests or self._force.is_set(), self.server.drain_timeout)
+        if front.open_requests:
+            why = "second signal" if self._force.is_set() else f"drain_timeout {self.server.drain_timeout:g}s"
+            n = front.end_requests(f"the server is shutting down ({why}); retry the request")
+            log.warning("drain: ending %d request(s) still in flight (%s)", n, why)
+            await _until(lambda: not front.open_requests, END_GRACE_S)
 
     async def _notify(self) -> None:
         """READY=1 (HTTP and admin are bound), then a STATUS= line when it changes."""
@@ -277,6 +298,17 @@ class CoordinatorDaemon:
                 n = await self.client.fail_node(info, f"no heartbeat for {self.cluster.heartbeat_deadline:g}s")
                 log.error("node %s declared dead: no heartbeat for %.1fs; %d request(s) failed",
                           info.name, self.cluster.heartbeat_deadline, n)
+
+    async def node_exited(self, name: str, how: str) -> None:
+        """The process of node ``name`` exited (``how``: "killed by SIGKILL"), as
+        the supervisor of ``kvd serve --nodes`` saw: it is dead now, not a
+        heartbeat deadline later; its requests end with an error at once."""
+        info = self.membership.remove(name)
+        if info is None:
+            return
+        self.membership.failures += 1
+        n = await self.client.fail_node(info, f"its process {how}")
+        log.error("node %s declared dead: its process %s; %d request(s) failed", name, how, n)
 
     # ---------------------------------------------------------------- admin
     def status(self) -> dict[str, Any]:
@@ -398,6 +430,14 @@ class CoordinatorDaemon:
         for name, (handler, help_, schema) in self.admin_handlers().items():
             self.admin.register(name, _as_admin_errors(handler, AdminError), help=help_, args_schema=schema)
         await self.admin.start()
+
+
+async def _until(done, timeout: float) -> None:
+    """Poll ``done()`` every 50 ms until it is true or ``timeout`` seconds passed."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(timeout):
+            while not done():
+                await asyncio.sleep(0.05)
 
 
 def _as_admin_errors(handler, admin_error):

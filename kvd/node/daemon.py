@@ -97,6 +97,7 @@ class NodeDaemon:
         self.transfers_sent = 0
         self._tg: asyncio.TaskGroup | None = None
         self._stop = asyncio.Event()
+        self._force = asyncio.Event()                  # end the drain now
         self._ready = asyncio.Event()
 
     # ------------------------------------------------------------ lifecycle
@@ -147,9 +148,11 @@ class NodeDaemon:
             self._tg = None
             await self.cleanup()
 
-    def request_stop(self) -> None:
-        if self._stop.is_set():
-            self.drain_timeout = 0  # second signal: stop without waiting
+    def request_stop(self, force: bool = False) -> None:
+        """First call (SIGTERM): drain, up to ``drain_timeout``. A second call, or
+        ``force``: end the drain now, even one already under way."""
+        if force or self._stop.is_set():
+            self._force.set()
         self._stop.set()
 
     async def wait_ready(self, timeout: float = 300.0) -> None:
@@ -160,10 +163,14 @@ class NodeDaemon:
         self.draining = True
         self.heartbeat.kick()
         self.notifier.stopping(f"node {self.name}: draining {len(self.streams)} request(s)")
-        deadline = time.monotonic() + self.drain_timeout
         log.info("node %s draining: %d request(s) in flight", self.name, len(self.streams))
-        while self.streams and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.drain_timeout):
+                while self.streams and not self._force.is_set():
+                    await asyncio.sleep(0.05)
+        if self.streams:
+            log.warning("node %s: drain ended with %d request(s) in flight; they are given up",
+                        self.name, len(self.streams))
 
     async def _notify(self) -> None:
         """READY=1 once registered with the coordinator (listener bound, requests
