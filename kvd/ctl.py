@@ -7,6 +7,7 @@
     kvctl cache stats           kvctl cache flush
     kvctl log-level LEVEL [--logger NAME]
     kvctl fail [NODE] --mode exit|stop|resume|drop-transfers
+    kvctl fail --mode stall [--seconds S]   (the coordinator blocks its own loop)
     kvctl keys --dir DIR --name NAME        (local: no daemon needed)
     kvctl call CMD [KEY=VALUE ...]          (any registered command)
     kvctl raw '{"cmd": "status"}'
@@ -34,7 +35,7 @@ CONNECT_TIMEOUT = 2.0
 # command is reported by the server's own timeout error rather than ours.
 REPLY_TIMEOUT = 15.0
 MAX_REPLY = 64 * 1024 * 1024
-FAIL_MODES = ("exit", "stop", "resume", "drop-transfers")
+FAIL_MODES = ("exit", "stop", "resume", "drop-transfers", "stall")
 
 
 class AdminUnavailable(Exception):
@@ -143,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     fail = sub.add_parser("fail", help="fault injection (tests): exit, stop heartbeats, resume, drop transfers")
     fail.add_argument("node", nargs="?", help="node name (required by the coordinator)")
     fail.add_argument("--mode", required=True, choices=FAIL_MODES)
+    fail.add_argument("--seconds", type=float, help="stall: how long the coordinator blocks its loop")
     keys = sub.add_parser("keys", help="generate a CURVE keypair locally")
     keys.add_argument("--dir", required=True, help="directory for NAME.key and NAME.key_secret")
     keys.add_argument("--name", required=True, help="key name, e.g. coordinator or n1")
@@ -163,7 +165,8 @@ def to_request(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[
     if cmd == "log-level":
         return {"cmd": cmd, "level": ns.level, **({"logger": ns.logger} if ns.logger else {})}
     if cmd == "fail":
-        return {"cmd": cmd, "mode": ns.mode, **({"node": ns.node} if ns.node else {})}
+        return {"cmd": cmd, "mode": ns.mode, **({"node": ns.node} if ns.node else {}),
+                **({"seconds": ns.seconds} if ns.seconds is not None else {})}
     if cmd == "call":
         msg: dict[str, Any] = {"cmd": ns.cmd}
         for item in ns.args:

@@ -48,6 +48,7 @@ STATUS_INTERVAL_S = 1.0    # STATUS= is sent only when the line changed
 GOODBYE_GRACE_S = 1.5      # how long a leaving node's last chunks may trail its Goodbye
 STALL_MIN_S = 0.1          # a failure-detector wake-up this late is a stall of this loop: excused
 STALL_WARN_S = 1.0         # ... and logged as a warning from this long
+MAX_STALL_S = 60.0         # the longest stall `fail mode=stall` injects
 # Shutdown, after drain_timeout: requests still open get END_GRACE_S to write
 # their final error event; then aiohttp gets HTTP_CLOSE_S per phase to close
 # connections (its default, 60 s for each of two phases, outlasted any drain).
@@ -387,6 +388,15 @@ class CoordinatorDaemon:
         return {name: task.result() for name, task in tasks.items()}
 
     async def cmd_fail(self, args: dict) -> dict:
+        if not args.get("node"):
+            if args["mode"] != "stall":
+                raise ValueError("fail needs a node, except mode stall (this coordinator's own loop)")
+            seconds = args.get("seconds", 5.0)
+            if not 0 < seconds <= MAX_STALL_S:
+                raise ValueError(f"seconds must be in (0, {MAX_STALL_S:g}], got {seconds}")
+            log.warning("fault injection: blocking the event loop for %gs", seconds)
+            time.sleep(seconds)       # on purpose: what a handler that never yields does to this loop
+            return {"stalled_s": seconds}
         if args["mode"] not in FAIL_MODES:
             raise ValueError(f"fail mode must be one of {', '.join(FAIL_MODES)}, got {args['mode']!r}")
         return {"node": args["node"], **await self.forward(args["node"], "fail", {"mode": args["mode"]})}
@@ -419,8 +429,9 @@ class CoordinatorDaemon:
                             "(node: one node)", {"node": (str, False)}),
             "cache flush": (self.cmd_cache_flush, "drop unlocked cached prefixes on every node "
                             "(node: one node)", {"node": (str, False)}),
-            "fail": (self.cmd_fail, "fault injection on a node: mode exit | stop | resume | drop-transfers",
-                     {"node": (str, True), "mode": (str, True)}),
+            "fail": (self.cmd_fail, "fault injection on a node: mode exit | stop | resume | drop-transfers; "
+                     "without a node, mode stall blocks this coordinator's event loop for `seconds` (5)",
+                     {"node": (str, False), "mode": (str, True), "seconds": (float, False)}),
         }
 
     async def _start_admin(self) -> None:
