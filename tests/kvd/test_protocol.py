@@ -31,6 +31,7 @@ EXAMPLES = [
     P.GenerateRequest(id="g", request_id="r1", prompt_token_ids=(1, 2, 3), deadline=2e9,
                       sampling={"temperature": 0.0, "max_tokens": 8, "stop_token_ids": [2],
                                 "ignore_eos": False, "seed": 3}),
+    P.Accepted(id="g", request_id="r1"),
     P.TokenChunk(request_id="r1", start_index=4, token_ids=(9, 10), text="hi",
                  finish_reason="stop", usage={"prompt_tokens": 3, "completion_tokens": 6}),
     P.Abort(request_id="r1", reason="client left"),
