@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 
 
@@ -195,6 +196,9 @@ def node(args: argparse.Namespace) -> int:
         print(f"kvd: error: {exc}", file=sys.stderr)
         return 2
     _logging(config.server.log_level)
+    if not _die_with_parent():
+        print("kvd: error: the kvd serve process that started this node is gone", file=sys.stderr)
+        return 1
     from kvd.node.daemon import NodeDaemon
 
     notifier, watchdog = _systemd()
@@ -210,6 +214,24 @@ def node(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, daemon.request_stop)
         await supervised(notifier, watchdog, daemon.run())
     return _run(main)
+
+
+def _die_with_parent() -> bool:
+    """A node started by ``kvd serve --nodes`` (``$KVD_PARENT`` = its pid) gets
+    SIGTERM when that process dies, even by SIGKILL (Linux ``PR_SET_PDEATHSIG``),
+    so it drains and exits instead of living on as an orphan. False when the
+    parent is already gone (it died before the request took effect)."""
+    parent = os.environ.pop("KVD_PARENT", "")
+    if not parent.isdigit():
+        return True
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        PR_SET_PDEATHSIG = 1
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    return os.getppid() == int(parent)
 
 
 def coordinator(args: argparse.Namespace) -> int:

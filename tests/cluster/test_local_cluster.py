@@ -42,7 +42,8 @@ def test_serve_with_two_local_nodes_and_sigterm(tmp_path):
         assert len(children) == 2
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
-        for pid in children:                                      assert not os.path.exists(f"/proc/{pid}"), f"node process {pid} outlived kvd serve"
+        for pid in children:
+            assert not os.path.exists(f"/proc/{pid}"), f"node process {pid} outlived kvd serve"
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -178,3 +179,19 @@ def test_no_restart_nodes_leaves_a_dead_node_dead_but_reaped(serve):
     assert s.complete("n1 alone").usage.completion_tokens == 4
     s.proc.send_signal(signal.SIGTERM)
     assert s.proc.wait(60) == 0
+
+
+def test_nodes_exit_when_kvd_serve_is_killed(serve):
+    """SIGKILL of kvd serve itself (no drain, no chance to stop its children):
+    each node process gets SIGTERM from the kernel (PR_SET_PDEATHSIG) and exits
+    instead of living on as an orphan that holds its port and memory."""
+    s = serve("--drain-timeout", "2")
+    pids = s.node_pids()
+    assert sorted(pids) == ["n1", "n2"]
+    s.proc.send_signal(signal.SIGKILL)          # the process only, not its session
+    s.proc.wait(10)
+
+    def gone(pid: int) -> bool:
+        return process_state(pid) in (None, "Z")    # exited (an orphan is reaped by init)
+    wait_until(lambda: all(gone(pid) for pid in pids.values()), 30,
+               lambda: f"orphaned nodes still running: {[(p, process_state(p)) for p in pids.values()]}")
