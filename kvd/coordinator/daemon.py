@@ -8,10 +8,9 @@ silent for ``heartbeat_deadline`` are declared dead and their in-flight
 requests end with an error), the HTTP front door (``FrontDoor``,
 unchanged for clients) over a ``RemoteEngineClient``, and the systemd notify
 task (READY=1 once HTTP is bound, then STATUS= lines; STOPPING=1 when the
-drain begins). Admin commands (``status``, ``nodes``, ``requests``,
-``drain``, ``undrain``, ``cache stats``, ``cache flush``, ``fail``) are served
-on the admin socket; those naming a node are forwarded to it, ``cache``
-commands without a node go to every node.
+drain begins). Admin commands are served on the admin socket by
+``CoordinatorAdmin`` (kvd/coordinator/admin_commands.py); /metrics adds the
+cluster's series through ``ClusterCollector`` (kvd/coordinator/collector.py).
 
 Imports no torch.
 """
@@ -27,14 +26,15 @@ import time
 from typing import Any
 
 from aiohttp import web
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvd import links, protocol, trust
 from kvd.api.connections import CappedSite, fit_open_files, runner_options
 from kvd.api.http import FrontDoor
 from kvd.cluster_config import ClusterConfig
 from kvd.config import ServerConfig
+from kvd.coordinator.admin_commands import CoordinatorAdmin, as_admin_errors
 from kvd.coordinator.client import RemoteEngineClient
+from kvd.coordinator.collector import ClusterCollector
 from kvd.coordinator.membership import Membership, NodeInfo
 from kvd.coordinator.router import LeastLoadRouter, Router
 from kvd.sdnotify import Notifier
@@ -42,13 +42,10 @@ from transports import InprocRegistry, Listener, TransportError, TransportOption
 
 log = logging.getLogger("kvd.coordinator")
 
-FAIL_MODES = ("exit", "stop", "resume", "drop-transfers")   # served by the node (kvd.node.daemon)
-FANOUT_TIMEOUT_S = 5.0     # per node, for commands sent to every node: under the admin deadline
 STATUS_INTERVAL_S = 1.0    # STATUS= is sent only when the line changed
 GOODBYE_GRACE_S = 1.5      # how long a leaving node's last chunks may trail its Goodbye
 STALL_MIN_S = 0.1          # a failure-detector wake-up this late is a stall of this loop: excused
 STALL_WARN_S = 1.0         # ... and logged as a warning from this long
-MAX_STALL_S = 60.0         # the longest stall `fail mode=stall` injects
 # Shutdown, after drain_timeout: requests still open get END_GRACE_S to write
 # their final error event; then aiohttp gets HTTP_CLOSE_S per phase to close
 # connections (its default, 60 s for each of two phases, outlasted any drain).
@@ -80,6 +77,7 @@ class CoordinatorDaemon:
         self.runner: web.AppRunner | None = None
         self.site: CappedSite | None = None
         self.admin = None
+        self.commands = CoordinatorAdmin(self)
         self.port: int | None = None
         self._stop = asyncio.Event()
         self._force = asyncio.Event()
@@ -106,7 +104,7 @@ class CoordinatorDaemon:
         self.front = FrontDoor(self.client, api_key=srv.resolved_api_key(),
                                served_model_name=srv.served_model_name,
                                max_body_bytes=srv.max_body_bytes, body_timeout=srv.body_timeout)
-        self.front.metrics.registry.register(_ClusterCollector(self))
+        self.front.metrics.registry.register(ClusterCollector(self))
         self.runner = web.AppRunner(self.front.make_app(), handler_cancellation=True, access_log=None,
                                     shutdown_timeout=HTTP_CLOSE_S, **runner_options(srv.header_timeout))
         await self.runner.setup()
@@ -311,135 +309,15 @@ class CoordinatorDaemon:
         n = await self.client.fail_node(info, f"its process {how}")
         log.error("node %s declared dead: its process %s; %d request(s) failed", name, how, n)
 
-    # ---------------------------------------------------------------- admin
     def status(self) -> dict[str, Any]:
-        return {"role": "coordinator", "address": self.address, "http_port": self.port,
-                "model": self.client.model_name, "nodes": sorted(self.membership.nodes),
-                "in_flight": self.front.in_flight if self.front else 0,
-                "draining": bool(self.front and self.front.draining),
-                "node_failures": self.membership.failures, "joins": self.membership.joins,
-                "loop_stalls": self.membership.stalls,
-                "failed_requests": self.client.failed_requests,
-                "bad_messages": dict(self.bad_messages + self.client.bad_messages),
-                "malformed_frames": self.listener.stats.malformed if self.listener else 0}
-
-    def _node(self, args: dict) -> NodeInfo:
-        name = args.get("node")
-        info = self.membership.nodes.get(name) if name else None
-        if info is None:
-            raise ValueError(f"unknown node {name!r}; nodes: {sorted(self.membership.nodes)}")
-        return info
-
-    async def forward(self, node: str, command: str, args: dict | None = None,
-                      timeout: float | None = None) -> dict:
-        """Send an AdminCommand to ``node`` and return its result (raises ValueError,
-        TransportError, TimeoutError)."""
-        link = self.client.links.get(self._node({"node": node}).name)
-        if link is None:
-            raise ValueError(f"node {node} has no link")
-        reply = await protocol.call(link.conn, protocol.AdminCommand(
-            id=f"admin-{time.monotonic_ns()}", command=command, args=args or {}),
-            timeout=timeout or self.cluster.request_timeout)
-        if not isinstance(reply, protocol.AdminReply):
-            raise ValueError(f"node {node}: {getattr(reply, 'message', reply)}")
-        if not reply.ok:
-            raise ValueError(f"node {node}: {reply.error}")
-        return reply.result
-
-    async def cmd_status(self, args: dict) -> dict:
-        return self.status()
-
-    async def cmd_nodes(self, args: dict) -> dict:
-        return {"nodes": [n.describe() for n in self.membership.nodes.values()]}
-
-    async def cmd_requests(self, args: dict) -> dict:
-        return {"requests": {rid: s.node for rid, s in self.client._streams.items()}}
-
-    async def cmd_drain(self, args: dict) -> dict:
-        if not args.get("node"):
-            self.front.draining = True
-            return {"draining": "cluster"}
-        info = self._node(args)
-        info.admin_drained = True            # routing stops now, before the node's next beat
-        result = await self.forward(info.name, "drain")
-        return {"node": info.name, **result}
-
-    async def cmd_undrain(self, args: dict) -> dict:
-        if not args.get("node"):
-            self.front.draining = False
-            return {"draining": False}
-        info = self._node(args)
-        result = await self.forward(info.name, "undrain")
-        info.admin_drained = False
-        return {"node": info.name, **result}
-
-    async def forward_all(self, command: str, args: dict | None = None) -> dict[str, dict]:
-        """``command`` on every registered node at once: node -> result, or
-        {"error": message} for a node that failed or did not answer in time."""
-        async def one(name: str) -> dict:
-            try:
-                return await self.forward(name, command, args,
-                                          timeout=min(self.cluster.request_timeout, FANOUT_TIMEOUT_S))
-            except (ValueError, TransportError, TimeoutError) as exc:
-                return {"error": str(exc) or type(exc).__name__}
-
-        async with asyncio.TaskGroup() as tg:
-            tasks = {name: tg.create_task(one(name)) for name in sorted(self.membership.nodes)}
-        return {name: task.result() for name, task in tasks.items()}
-
-    async def cmd_fail(self, args: dict) -> dict:
-        if not args.get("node"):
-            if args["mode"] != "stall":
-                raise ValueError("fail needs a node, except mode stall (this coordinator's own loop)")
-            seconds = args.get("seconds", 5.0)
-            if not 0 < seconds <= MAX_STALL_S:
-                raise ValueError(f"seconds must be in (0, {MAX_STALL_S:g}], got {seconds}")
-            log.warning("fault injection: blocking the event loop for %gs", seconds)
-            time.sleep(seconds)       # on purpose: what a handler that never yields does to this loop
-            return {"stalled_s": seconds}
-        if args["mode"] not in FAIL_MODES:
-            raise ValueError(f"fail mode must be one of {', '.join(FAIL_MODES)}, got {args['mode']!r}")
-        return {"node": args["node"], **await self.forward(args["node"], "fail", {"mode": args["mode"]})}
-
-    async def cmd_cache_stats(self, args: dict) -> dict:
-        """Per node MemPool stats and their sums (blocks per tier, hit/miss tokens)."""
-        if args.get("node"):
-            nodes = {args["node"]: await self.forward(self._node(args).name, "cache stats")}
-        else:
-            nodes = await self.forward_all("cache stats")
-        return {"nodes": nodes, "kv": _sum_counters(r["kv"] for r in nodes.values() if "kv" in r)}
-
-    async def cmd_cache_flush(self, args: dict) -> dict:
-        if args.get("node"):
-            nodes = {args["node"]: await self.forward(self._node(args).name, "cache flush")}
-        else:
-            nodes = await self.forward_all("cache flush")
-        return {"nodes": nodes, "freed": _sum_counters(r["freed"] for r in nodes.values() if "freed" in r),
-                "errors": sorted(n for n, r in nodes.items() if "error" in r)}
-
-    def admin_handlers(self) -> dict[str, tuple[Any, str, dict | None]]:
-        return {
-            "status": (self.cmd_status, "coordinator status and bad-message counters", None),
-            "nodes": (self.cmd_nodes, "registered nodes: load, heartbeat age, KV", None),
-            "requests": (self.cmd_requests, "request id -> node", None),
-            "drain": (self.cmd_drain, "stop routing to a node (or the cluster, no node)",
-                      {"node": (str, False)}),
-            "undrain": (self.cmd_undrain, "route to a node (or the cluster) again", {"node": (str, False)}),
-            "cache stats": (self.cmd_cache_stats, "prefix-cache blocks and hits, per node and summed "
-                            "(node: one node)", {"node": (str, False)}),
-            "cache flush": (self.cmd_cache_flush, "drop unlocked cached prefixes on every node "
-                            "(node: one node)", {"node": (str, False)}),
-            "fail": (self.cmd_fail, "fault injection on a node: mode exit | stop | resume | drop-transfers; "
-                     "without a node, mode stall blocks this coordinator's event loop for `seconds` (5)",
-                     {"node": (str, False), "mode": (str, True), "seconds": (float, False)}),
-        }
+        return self.commands.status()
 
     async def _start_admin(self) -> None:
         from kvd.api.admin import AdminError, AdminServer
 
         self.admin = AdminServer(self.admin_socket, name="kvd-coordinator")
-        for name, (handler, help_, schema) in self.admin_handlers().items():
-            self.admin.register(name, _as_admin_errors(handler, AdminError), help=help_, args_schema=schema)
+        for name, (handler, help_, schema) in self.commands.handlers().items():
+            self.admin.register(name, as_admin_errors(handler, AdminError), help=help_, args_schema=schema)
         await self.admin.start()
 
 
@@ -449,74 +327,3 @@ async def _until(done, timeout: float) -> None:
         async with asyncio.timeout(timeout):
             while not done():
                 await asyncio.sleep(0.05)
-
-
-def _as_admin_errors(handler, admin_error):
-    async def wrapped(args: dict) -> dict:
-        try:
-            return await handler(args)
-        except (ValueError, TransportError, TimeoutError) as exc:
-            raise admin_error(str(exc)) from None
-    return wrapped
-
-
-def _sum_counters(dicts) -> dict:
-    """Sum the integer fields of dicts (one level of nesting: per-tier tables);
-    ``block_size`` and strings are not counters and are left out."""
-    total: dict = {}
-    for d in dicts:
-        for key, value in d.items():
-            if isinstance(value, dict):
-                sub = total.setdefault(key, {})
-                for k, v in value.items():
-                    if type(v) is int:
-                        sub[k] = sub.get(k, 0) + v
-            elif type(value) is int and key != "block_size":
-                total[key] = total.get(key, 0) + value
-    return total
-
-
-class _ClusterCollector:
-    """Cluster gauges and counters for /metrics, read at scrape time."""
-
-    def __init__(self, daemon: CoordinatorDaemon) -> None:
-        self.d = daemon
-
-    def describe(self):
-        return []
-
-    def collect(self):
-        d = self.d
-        g = GaugeMetricFamily("kvd_cluster_nodes", "Registered nodes by state", labels=["state"])
-        nodes = list(d.membership.nodes.values())
-        g.add_metric(["routable"], sum(not n.draining for n in nodes))
-        g.add_metric(["draining"], sum(n.draining for n in nodes))
-        yield g
-        c = CounterMetricFamily("kvd_cluster_node_failures", "Nodes declared dead by heartbeat deadline")
-        c.add_metric([], d.membership.failures)
-        yield c
-        c = CounterMetricFamily("kvd_coordinator_loop_stalls", "Event loop stalls excused to the nodes")
-        c.add_metric([], d.membership.stalls)
-        yield c
-        c = CounterMetricFamily("kvd_coordinator_loop_stalled_seconds", "Time the event loop was stalled")
-        c.add_metric([], d.membership.stalled_s)
-        yield c
-        if d.site is not None:
-            g = GaugeMetricFamily("kvd_http_connections", "Open HTTP connections")
-            g.add_metric([], d.site.open_connections)
-            yield g
-            c = CounterMetricFamily("kvd_http_connections_refused",
-                                    "HTTP connections refused at max_connections")
-            c.add_metric([], d.site.refused)
-            yield c
-        c = CounterMetricFamily("kvd_cluster_failed_requests", "Requests ended by a node failure or error")
-        c.add_metric([], d.client.failed_requests)
-        yield c
-        c = CounterMetricFamily("kvd_protocol_rejected", "Malformed or unexpected wire messages by reason",
-                                labels=["reason"])
-        for reason, n in sorted((d.bad_messages + d.client.bad_messages).items()):
-            c.add_metric([reason], n)
-        yield c
-        c = CounterMetricFamily("kvd_transport_malformed_frames", "Frames with a bad envelope, dropped")
-        c.add_metric([], d.listener.stats.malformed if d.listener else 0)
-        yield c

@@ -81,7 +81,7 @@ async def test_a_node_that_refuses_a_request_ends_it_at_once(embedded):
             assert r.status_code == 503 and err["code"] == "engine_dead" and "no node" in err["message"]
             assert took < 5.0
             assert embedded.coordinator.client._streams == {}
-            assert (await embedded.coordinator.cmd_requests({})) == {"requests": {}}
+            assert (await embedded.coordinator.commands.cmd_requests({})) == {"requests": {}}
             m = (await client.get("/metrics")).text
             assert 'kvd_num_requests_in_flight{model_name="tiny"} 0.0' in m
     finally:

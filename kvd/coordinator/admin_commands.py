@@ -1,0 +1,185 @@
+"""The coordinator's admin commands (``kvctl``): status, nodes, requests, drain,
+undrain, cache stats/flush, fail.
+
+Served on the coordinator's 0600 admin Unix socket. Commands naming a node
+are forwarded to it as an ``AdminCommand`` (which a node accepts from the
+coordinator's key only, kvd/trust.py); ``cache`` commands without a node go
+to every node at once, each with its own deadline (``FANOUT_TIMEOUT_S``).
+
+Imports no torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from kvd import protocol
+from kvd.coordinator.membership import NodeInfo
+from transports import TransportError
+
+if TYPE_CHECKING:
+    from kvd.coordinator.daemon import CoordinatorDaemon
+
+log = logging.getLogger("kvd.coordinator")
+
+FAIL_MODES = ("exit", "stop", "resume", "drop-transfers")   # served by the node (kvd.node.daemon)
+FANOUT_TIMEOUT_S = 5.0     # per node, for commands sent to every node: under the admin deadline
+MAX_STALL_S = 60.0         # the longest stall `fail mode=stall` injects
+
+
+class CoordinatorAdmin:
+    """The command handlers; each ``cmd_*(args) -> dict`` raises ValueError,
+    TransportError or TimeoutError for a command that cannot be done."""
+
+    def __init__(self, daemon: CoordinatorDaemon) -> None:
+        self.d = daemon
+
+    def status(self) -> dict[str, Any]:
+        return {"role": "coordinator", "address": self.d.address, "http_port": self.d.port,
+                "model": self.d.client.model_name, "nodes": sorted(self.d.membership.nodes),
+                "in_flight": self.d.front.in_flight if self.d.front else 0,
+                "draining": bool(self.d.front and self.d.front.draining),
+                "node_failures": self.d.membership.failures, "joins": self.d.membership.joins,
+                "loop_stalls": self.d.membership.stalls,
+                "failed_requests": self.d.client.failed_requests,
+                "bad_messages": dict(self.d.bad_messages + self.d.client.bad_messages),
+                "malformed_frames": self.d.listener.stats.malformed if self.d.listener else 0}
+
+    def _node(self, args: dict) -> NodeInfo:
+        name = args.get("node")
+        info = self.d.membership.nodes.get(name) if name else None
+        if info is None:
+            raise ValueError(f"unknown node {name!r}; nodes: {sorted(self.d.membership.nodes)}")
+        return info
+
+    async def forward(self, node: str, command: str, args: dict | None = None,
+                      timeout: float | None = None) -> dict:
+        """Send an AdminCommand to ``node`` and return its result (raises ValueError,
+        TransportError, TimeoutError)."""
+        link = self.d.client.links.get(self._node({"node": node}).name)
+        if link is None:
+            raise ValueError(f"node {node} has no link")
+        reply = await protocol.call(link.conn, protocol.AdminCommand(
+            id=f"admin-{time.monotonic_ns()}", command=command, args=args or {}),
+            timeout=timeout or self.d.cluster.request_timeout)
+        if not isinstance(reply, protocol.AdminReply):
+            raise ValueError(f"node {node}: {getattr(reply, 'message', reply)}")
+        if not reply.ok:
+            raise ValueError(f"node {node}: {reply.error}")
+        return reply.result
+
+    async def cmd_status(self, args: dict) -> dict:
+        return self.status()
+
+    async def cmd_nodes(self, args: dict) -> dict:
+        return {"nodes": [n.describe() for n in self.d.membership.nodes.values()]}
+
+    async def cmd_requests(self, args: dict) -> dict:
+        return {"requests": {rid: s.node for rid, s in self.d.client._streams.items()}}
+
+    async def cmd_drain(self, args: dict) -> dict:
+        if not args.get("node"):
+            self.d.front.draining = True
+            return {"draining": "cluster"}
+        info = self._node(args)
+        info.admin_drained = True            # routing stops now, before the node's next beat
+        result = await self.forward(info.name, "drain")
+        return {"node": info.name, **result}
+
+    async def cmd_undrain(self, args: dict) -> dict:
+        if not args.get("node"):
+            self.d.front.draining = False
+            return {"draining": False}
+        info = self._node(args)
+        result = await self.forward(info.name, "undrain")
+        info.admin_drained = False
+        return {"node": info.name, **result}
+
+    async def forward_all(self, command: str, args: dict | None = None) -> dict[str, dict]:
+        """``command`` on every registered node at once: node -> result, or
+        {"error": message} for a node that failed or did not answer in time."""
+        async def one(name: str) -> dict:
+            try:
+                return await self.forward(name, command, args,
+                                          timeout=min(self.d.cluster.request_timeout, FANOUT_TIMEOUT_S))
+            except (ValueError, TransportError, TimeoutError) as exc:
+                return {"error": str(exc) or type(exc).__name__}
+
+        async with asyncio.TaskGroup() as tg:
+            tasks = {name: tg.create_task(one(name)) for name in sorted(self.d.membership.nodes)}
+        return {name: task.result() for name, task in tasks.items()}
+
+    async def cmd_fail(self, args: dict) -> dict:
+        if not args.get("node"):
+            if args["mode"] != "stall":
+                raise ValueError("fail needs a node, except mode stall (this coordinator's own loop)")
+            seconds = args.get("seconds", 5.0)
+            if not 0 < seconds <= MAX_STALL_S:
+                raise ValueError(f"seconds must be in (0, {MAX_STALL_S:g}], got {seconds}")
+            log.warning("fault injection: blocking the event loop for %gs", seconds)
+            time.sleep(seconds)       # on purpose: what a handler that never yields does to this loop
+            return {"stalled_s": seconds}
+        if args["mode"] not in FAIL_MODES:
+            raise ValueError(f"fail mode must be one of {', '.join(FAIL_MODES)}, got {args['mode']!r}")
+        return {"node": args["node"], **await self.forward(args["node"], "fail", {"mode": args["mode"]})}
+
+    async def cmd_cache_stats(self, args: dict) -> dict:
+        """Per node MemPool stats and their sums (blocks per tier, hit/miss tokens)."""
+        if args.get("node"):
+            nodes = {args["node"]: await self.forward(self._node(args).name, "cache stats")}
+        else:
+            nodes = await self.forward_all("cache stats")
+        return {"nodes": nodes, "kv": sum_counters(r["kv"] for r in nodes.values() if "kv" in r)}
+
+    async def cmd_cache_flush(self, args: dict) -> dict:
+        if args.get("node"):
+            nodes = {args["node"]: await self.forward(self._node(args).name, "cache flush")}
+        else:
+            nodes = await self.forward_all("cache flush")
+        return {"nodes": nodes, "freed": sum_counters(r["freed"] for r in nodes.values() if "freed" in r),
+                "errors": sorted(n for n, r in nodes.items() if "error" in r)}
+
+    def handlers(self) -> dict[str, tuple[Any, str, dict | None]]:
+        return {
+            "status": (self.cmd_status, "coordinator status and bad-message counters", None),
+            "nodes": (self.cmd_nodes, "registered nodes: load, heartbeat age, KV", None),
+            "requests": (self.cmd_requests, "request id -> node", None),
+            "drain": (self.cmd_drain, "stop routing to a node (or the cluster, no node)",
+                      {"node": (str, False)}),
+            "undrain": (self.cmd_undrain, "route to a node (or the cluster) again", {"node": (str, False)}),
+            "cache stats": (self.cmd_cache_stats, "prefix-cache blocks and hits, per node and summed "
+                            "(node: one node)", {"node": (str, False)}),
+            "cache flush": (self.cmd_cache_flush, "drop unlocked cached prefixes on every node "
+                            "(node: one node)", {"node": (str, False)}),
+            "fail": (self.cmd_fail, "fault injection on a node: mode exit | stop | resume | drop-transfers; "
+                     "without a node, mode stall blocks this coordinator's event loop for `seconds` (5)",
+                     {"node": (str, False), "mode": (str, True), "seconds": (float, False)}),
+        }
+
+
+def as_admin_errors(handler, admin_error):
+    async def wrapped(args: dict) -> dict:
+        try:
+            return await handler(args)
+        except (ValueError, TransportError, TimeoutError) as exc:
+            raise admin_error(str(exc)) from None
+    return wrapped
+
+
+def sum_counters(dicts) -> dict:
+    """Sum the integer fields of dicts (one level of nesting: per-tier tables);
+    ``block_size`` and strings are not counters and are left out."""
+    total: dict = {}
+    for d in dicts:
+        for key, value in d.items():
+            if isinstance(value, dict):
+                sub = total.setdefault(key, {})
+                for k, v in value.items():
+                    if type(v) is int:
+                        sub[k] = sub.get(k, 0) + v
+            elif type(value) is int and key != "block_size":
+                total[key] = total.get(key, 0) + value
+    return total

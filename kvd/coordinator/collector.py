@@ -1,0 +1,59 @@
+"""Cluster gauges and counters for the coordinator's /metrics, read at scrape time.
+
+Imports no torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+if TYPE_CHECKING:
+    from kvd.coordinator.daemon import CoordinatorDaemon
+
+
+class ClusterCollector:
+    """Cluster gauges and counters for /metrics, read at scrape time."""
+
+    def __init__(self, daemon: CoordinatorDaemon) -> None:
+        self.d = daemon
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        d = self.d
+        g = GaugeMetricFamily("kvd_cluster_nodes", "Registered nodes by state", labels=["state"])
+        nodes = list(d.membership.nodes.values())
+        g.add_metric(["routable"], sum(not n.draining for n in nodes))
+        g.add_metric(["draining"], sum(n.draining for n in nodes))
+        yield g
+        c = CounterMetricFamily("kvd_cluster_node_failures", "Nodes declared dead by heartbeat deadline")
+        c.add_metric([], d.membership.failures)
+        yield c
+        c = CounterMetricFamily("kvd_coordinator_loop_stalls", "Event loop stalls excused to the nodes")
+        c.add_metric([], d.membership.stalls)
+        yield c
+        c = CounterMetricFamily("kvd_coordinator_loop_stalled_seconds", "Time the event loop was stalled")
+        c.add_metric([], d.membership.stalled_s)
+        yield c
+        if d.site is not None:
+            g = GaugeMetricFamily("kvd_http_connections", "Open HTTP connections")
+            g.add_metric([], d.site.open_connections)
+            yield g
+            c = CounterMetricFamily("kvd_http_connections_refused",
+                                    "HTTP connections refused at max_connections")
+            c.add_metric([], d.site.refused)
+            yield c
+        c = CounterMetricFamily("kvd_cluster_failed_requests", "Requests ended by a node failure or error")
+        c.add_metric([], d.client.failed_requests)
+        yield c
+        c = CounterMetricFamily("kvd_protocol_rejected", "Malformed or unexpected wire messages by reason",
+                                labels=["reason"])
+        for reason, n in sorted((d.bad_messages + d.client.bad_messages).items()):
+            c.add_metric([reason], n)
+        yield c
+        c = CounterMetricFamily("kvd_transport_malformed_frames", "Frames with a bad envelope, dropped")
+        c.add_metric([], d.listener.stats.malformed if d.listener else 0)
+        yield c
