@@ -26,6 +26,7 @@ from engine.runner import ModelRunner
 from engine.sampling import make_generator
 from engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from kernels.fused_decode import FusedDecoder
+from kernels.plan_decode import PlanDecoder
 from kernels.quant_linear import QuantKernel
 
 log = logging.getLogger(__name__)
@@ -107,8 +108,10 @@ class LLMEngine:
             block_size=config.block_size, preemption_mode=config.preemption_mode,
             enable_prefix_caching=config.enable_prefix_caching), self.pool)
         device_kv = self.kv.tier("device")
-        fused = (FusedDecoder.create(model, device_kv, config.block_size)
-                 if config.decode_kernel == "auto" else None)
+        fused = None
+        if config.decode_kernel == "auto":   # one C++ call per decode step where one can run it
+            make = PlanDecoder.create if model.quantized else FusedDecoder.create
+            fused = make(model, device_kv, config.block_size)
         self.runner = ModelRunner(model, device_kv, config.block_size, fused)
         self.outputs = OutputProcessor(tokenizer, self.max_model_len)
         self.requests: dict[str, Request] = {}

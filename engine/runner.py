@@ -9,8 +9,10 @@ Input layout of one step (T tokens over B requests)::
 Only each request's last row reaches the LM head: the head is the largest
 matmul of a small model and prefill would otherwise pay it per prompt token.
 
-A decode step goes to the fused C++ kernel (kernels/fused_decode.py) when the
-runner has one (bf16 on an AVX512-BF16 CPU); prefill always runs the torch model.
+A decode step goes to a one-call C++ decoder when the runner has one: the
+fused bf16 kernel (kernels/fused_decode.py, bf16 on an AVX512-BF16 CPU) or the
+plan executor of a quantized fp32 model (kernels/plan_decode.py); prefill
+always runs the torch model.
 """
 
 from __future__ import annotations
@@ -22,16 +24,18 @@ from engine.request import Request
 from engine.sampling import apply_min_tokens, sample
 from kernels.attention import AttentionBatch, PrefillSeq, decode_key_mask
 from kernels.fused_decode import FusedDecoder
+from kernels.plan_decode import PlanDecoder
 
 
 class ModelRunner:
     """Executes steps of a full model (all layers) against one device KV tensor.
 
-    ``fused``: the fused decode kernel over the same model and ``kv``, or None
+    ``fused``: a one-call decoder over the same model and ``kv`` (the fused
+    bf16 kernel or the plan executor, same ``decode`` contract), or None
     (every step runs the torch model)."""
 
     def __init__(self, model: LlamaModel, kv: torch.Tensor, block_size: int,
-                 fused: FusedDecoder | None = None) -> None:
+                 fused: FusedDecoder | PlanDecoder | None = None) -> None:
         if not (model.is_first and model.is_last):
             raise ValueError("ModelRunner drives a whole model; pipeline stages use the stage runner")
         self.model = model

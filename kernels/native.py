@@ -58,9 +58,11 @@ def _compiler_version() -> str:
 
 
 def library_path(name: str, flags: tuple[str, ...]) -> Path:
-    """Where ``name``'s library for ``flags`` lives: keyed on source, flags and compiler."""
+    """Where ``name``'s library for ``flags`` lives: keyed on source (and every header
+    in csrc/, which a source may include), flags and compiler."""
     src = SOURCES / f"{name}.cpp"
-    key = hashlib.sha256(src.read_bytes() + " ".join(BASE_FLAGS + flags).encode()
+    headers = b"".join(h.read_bytes() for h in sorted(SOURCES.glob("*.h")))
+    key = hashlib.sha256(src.read_bytes() + headers + " ".join(BASE_FLAGS + flags).encode()
                          + _compiler_version().encode()).hexdigest()[:16]
     return cache_dir() / f"{name}-{key}.so"
 

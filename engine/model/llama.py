@@ -32,6 +32,36 @@ from kernels.quant_linear import QuantKernel, QuantLinear
 Matrix = torch.Tensor | QuantLinear
 
 
+@dataclass(frozen=True)
+class Step:
+    """One step of a decoder layer: ``dst = op(src, weight)``. ``src`` and ``dst``
+    name the layer's activations (``h`` is the residual stream, the layer's input
+    and output); ``weight`` names a field of ``_Layer``."""
+
+    op: str
+    src: str
+    dst: str
+    weight: str | None = None
+
+
+# The decoder layer (HF Llama), the one definition of what a layer computes.
+# LlamaModel.forward runs these steps with torch ops, for every kind of step;
+# kernels/plan_decode.py runs the same steps for a decode step in one C++ call
+# (quantized fp32 models) and declines a plan with an op it does not implement,
+# so a change to the model is made here, in forward's op for it, and, for the
+# fast decode path, in the executor's op.
+LAYER_STEPS = (
+    Step("rms_norm", "h", "a", "input_norm"),
+    Step("linear", "a", "qkv", "qkv"),             # [T, q + 2kv]
+    Step("rope_attention", "qkv", "o"),            # RoPE on q, k; k, v into the cache; attention: [T, q]
+    Step("linear_add", "o", "h", "o"),             # h = h + o Wo
+    Step("rms_norm", "h", "m", "post_norm"),
+    Step("linear", "m", "gu", "gate_up"),          # [T, 2I]
+    Step("silu_mul", "gu", "act"),                 # silu(gate) * up: [T, I]
+    Step("linear_add", "act", "h", "down"),        # h = h + act Wdown
+)
+
+
 @dataclass
 class _Layer:
     # matrices are stored [out, in] (F.linear) or [in, out] (matmul), or are a
@@ -217,34 +247,51 @@ class LlamaModel:
             h = self.embed.embed(x).to(self.dtype)
         else:
             h = F.embedding(x, self.embed)
-        T = h.shape[0]
         cos = self.cos[positions].unsqueeze(1)            # [T, 1, hd]
         sin = self.sin[positions].unsqueeze(1)
-        q_size, kv_size, hd = cfg.q_size, cfg.kv_size, cfg.head_dim
-        n_qk = cfg.num_heads + cfg.num_kv_heads
+        eps = cfg.rms_norm_eps
         for i, layer in enumerate(self.layers):
-            # --- attention block
-            a = rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
-            qkv = lin(a, layer.qkv)                  # [T, q + 2kv]
-            # RoPE on q and k heads together: [T, H + kvh, hd]
-            qk = apply_rope(qkv[:, :q_size + kv_size].view(T, n_qk, hd), cos, sin)
-            q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]
-            v = qkv[:, q_size + kv_size:].view(T, cfg.num_kv_heads, hd)
-            k_cache, v_cache = kv[i, 0], kv[i, 1]         # [N, bs, kvh, hd]
-            write_kv(k_cache, v_cache, k, v, batch)
-            if batch.is_prefill:
-                o = prefill_attention(q, k, v, k_cache, v_cache, batch, self.scale)
-            else:
-                o = decode_attention(q, k_cache, v_cache, batch, self.scale)
-            h = h + lin(o.reshape(T, q_size), layer.o)
-            # --- MLP block (SwiGLU)
-            m = rms_norm(h, layer.post_norm, cfg.rms_norm_eps)
-            gu = lin(m, layer.gate_up)               # [T, 2I]
-            gate, up = gu.chunk(2, dim=-1)
-            h = h + lin(F.silu(gate) * up, layer.down)
+            acts = {"h": h}
+            for step in LAYER_STEPS:
+                x = acts[step.src]
+                w = getattr(layer, step.weight) if step.weight else None
+                op = step.op
+                if op == "rms_norm":
+                    y = rms_norm(x, w, eps)
+                elif op == "linear":
+                    y = lin(x, w)
+                elif op == "linear_add":
+                    y = acts[step.dst] + lin(x, w)
+                elif op == "silu_mul":
+                    gate, up = x.chunk(2, dim=-1)
+                    y = F.silu(gate) * up
+                elif op == "rope_attention":
+                    y = self._rope_attention(x, cos, sin, batch, kv[i])
+                else:
+                    raise ValueError(f"LAYER_STEPS: unknown op {op!r}")
+                acts[step.dst] = y
+            h = acts["h"]
         if self.is_last:
-            h = rms_norm(h, self.norm, cfg.rms_norm_eps)
+            h = rms_norm(h, self.norm, eps)
         return h
+
+    def _rope_attention(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        batch: AttentionBatch, kv_layer: torch.Tensor) -> torch.Tensor:
+        """qkv [T, q + 2kv] -> attention output [T, q]; writes the new K/V into
+        ``kv_layer`` ([2, N, bs, kvh, hd])."""
+        cfg = self.config
+        T, q_size, kv_size, hd = qkv.shape[0], cfg.q_size, cfg.kv_size, cfg.head_dim
+        # RoPE on q and k heads together: [T, H + kvh, hd]
+        qk = apply_rope(qkv[:, :q_size + kv_size].view(T, cfg.num_heads + cfg.num_kv_heads, hd), cos, sin)
+        q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]
+        v = qkv[:, q_size + kv_size:].view(T, cfg.num_kv_heads, hd)
+        k_cache, v_cache = kv_layer[0], kv_layer[1]       # [N, bs, kvh, hd]
+        write_kv(k_cache, v_cache, k, v, batch)
+        if batch.is_prefill:
+            o = prefill_attention(q, k, v, k_cache, v_cache, batch, self.scale)
+        else:
+            o = decode_attention(q, k_cache, v_cache, batch, self.scale)
+        return o.reshape(T, q_size)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

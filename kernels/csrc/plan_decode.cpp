@@ -1,0 +1,280 @@
+// One fp32 decode step of a Llama decoder with GGUF block-quantized weights,
+// executing the layer plan of engine/model/llama.py (LAYER_STEPS).
+//
+// Called through ctypes from kernels/plan_decode.py, which documents the
+// contract. This file does not know what a Llama layer is: it runs, for every
+// layer, the steps it is given (op, source slot, destination slot, weight),
+// each op the fp32 equivalent of the torch op LlamaModel.forward runs for it:
+//
+//     rms_norm        dst = w * (x * (1 / sqrt(mean(x^2) + eps)))       per row
+//     linear          dst = x Wᵀ                                       the quant matmul (quant_gemm.h)
+//     linear_add      dst = dst + x Wᵀ
+//     silu_mul        dst = silu(x[:, :I]) * x[:, I:]
+//     rope_attention  q, k = RoPE(x's q and k heads) (rotate_half, torch's three roundings);
+//                     k, v into the token's cache slot; dst = softmax(q·kᵀ scale) v over the
+//                     sequence's keys 0..pos, GQA (query head h reads kv head h / (H / KVH))
+//
+// then the final norm and the LM head. One OpenMP team runs the whole step:
+// matmuls split output rows between threads, norms and silu split rows,
+// RoPE splits (sequence, head) pairs, attention splits (sequence, query head)
+// pairs; a barrier separates steps. Every output is computed by one thread in
+// a fixed order that depends on nothing but its own row, so a sequence's
+// logits are the same bit for bit alone or in any batch, with any thread count
+// (the matmul's contract, quant_matmul.cpp, and row-local ops everywhere else).
+// The sums inside norms and attention run in another order than torch's, so
+// this step agrees with LlamaModel.forward to fp32 rounding, not bit for bit.
+
+#include "quant_gemm.h"
+
+namespace {
+
+enum Op { OP_RMS_NORM = 0, OP_LINEAR = 1, OP_ROPE_ATTENTION = 2, OP_LINEAR_ADD = 3, OP_SILU_MUL = 4 };
+
+}  // namespace
+
+extern "C" {
+
+// Mirrors of the ctypes structures in kernels/plan_decode.py.
+struct PlanStep { int32_t op, src, dst, weight; };
+
+struct PlanWeight {
+    int32_t format;             // 0 Q4_0, 1 Q4_1, 2 Q8_0: a matrix [n, k]; -1: an fp32 vector [n]
+    int32_t unused;
+    int64_t n, k;
+    const void* data;
+};
+
+struct PlanModel {
+    int32_t num_layers, num_steps, num_slots, num_weights;   // num_weights: weight slots per layer
+    int32_t hidden, heads, kv_heads, head_dim, vocab, block_size, num_blocks, max_positions;
+    float eps, scale;
+    const PlanStep* steps;          // [num_steps], run for every layer
+    const int64_t* slot_width;      // [num_slots] floats per row; slot 0 is h, the residual stream
+    const PlanWeight* weights;      // [num_layers][num_weights]
+    const float* cos;               // [max_positions, head_dim]
+    const float* sin;               // [max_positions, head_dim], first half negated (rope_tables)
+    PlanWeight embed;               // [vocab, hidden], quantized
+    PlanWeight head;                // [vocab, hidden], quantized (may be the embedding)
+    const float* final_norm;        // [hidden]
+};
+
+}  // extern "C"
+
+namespace {
+
+// HF LlamaRMSNorm in fp32, as rms_norm() in llama.py: the mean of squares in a fixed order.
+void rms_norm_row(const float* x, const float* w, int64_t D, float eps, float* out) {
+    V16 acc = vzero();
+    int64_t d = 0;
+    for (; d + 16 <= D; d += 16) { V16 v = vload(x + d); acc = vfma(v, v, acc); }
+    float ss = vsum(acc);
+    for (; d < D; d++) ss = fmaf(x[d], x[d], ss);
+    const float inv = 1.0f / sqrtf(ss / (float)D + eps);
+    for (d = 0; d < D; d++) out[d] = w[d] * (x[d] * inv);
+}
+
+// apply_rope: x * cos + swap_halves(x) * signed_sin, rounding after each op as torch does.
+void rope_head(const float* x, const float* cos, const float* sin, int hd, float* out) {
+    const int half = hd / 2;
+    for (int d = 0; d < hd; d++) {
+        const float a = x[d] * cos[d];
+        const float b = x[d < half ? d + half : d - half] * sin[d];
+        out[d] = a + b;
+    }
+}
+
+inline float dot_head(const float* a, const float* b, int hd) {      // hd % 16 == 0
+    V16 acc = vmul(vload(a), vload(b));
+    for (int c = 16; c < hd; c += 16) acc = vfma(vload(a + c), vload(b + c), acc);
+    return vsum(acc);
+}
+
+// One query head over its sequence's paged keys 0..ctx-1: fp32 scores, softmax, sum of p_t v_t in key order.
+void attend_head(const float* q, const float* kc, const float* vc, const int64_t* table, int64_t ctx,
+                 int block_size, int64_t kvh_stride, int hd, float scale, float* scores, float* out) {
+    float mx = -INFINITY;
+    for (int64_t t0 = 0, blk = 0; t0 < ctx; t0 += block_size, blk++) {
+        const float* k = kc + table[blk] * block_size * kvh_stride;
+        const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
+        for (int64_t i = 0; i < n; i++, k += kvh_stride) {
+            const float s = dot_head(q, k, hd) * scale;
+            scores[t0 + i] = s;
+            mx = s > mx ? s : mx;
+        }
+    }
+    float sum = 0.0f;
+    for (int64_t t = 0; t < ctx; t++) { scores[t] = expf(scores[t] - mx); sum += scores[t]; }
+    const float inv = 1.0f / sum;
+    V16 o[16];                                   // hd <= 256
+    const int chunks = hd / 16;
+    for (int c = 0; c < chunks; c++) o[c] = vzero();
+    for (int64_t t0 = 0, blk = 0; t0 < ctx; t0 += block_size, blk++) {
+        const float* v = vc + table[blk] * block_size * kvh_stride;
+        const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
+        for (int64_t i = 0; i < n; i++, v += kvh_stride) {
+            const V16 p = vset1(scores[t0 + i] * inv);
+            for (int c = 0; c < chunks; c++) o[c] = vfma(p, vload(v + 16 * c), o[c]);
+        }
+    }
+    for (int c = 0; c < chunks; c++) vstore(out + 16 * c, o[c]);
+}
+
+inline float silu(float x) { return x / (1.0f + expf(-x)); }
+
+}  // namespace
+
+extern "C" {
+
+// 0 when this build can run the plan as described; -2 for an unknown op or format,
+// a slot of the wrong width or a weight that does not fit its step. Called once,
+// when the Python side builds the plan: kvd_plan_decode trusts a checked plan.
+int kvd_plan_check(const PlanModel* m) {
+    if (m->head_dim % 16 || m->head_dim > 256 || m->num_slots < 1 || m->slot_width[0] != m->hidden) return -2;
+    const int64_t q_size = (int64_t)m->heads * m->head_dim, kv_size = (int64_t)m->kv_heads * m->head_dim;
+    for (int l = 0; l < m->num_layers; l++)
+        for (int s = 0; s < m->num_steps; s++) {
+            const PlanStep& st = m->steps[s];
+            if (st.src < 0 || st.src >= m->num_slots || st.dst < 0 || st.dst >= m->num_slots) return -2;
+            if (st.weight >= m->num_weights) return -2;
+            const int64_t in = m->slot_width[st.src], out = m->slot_width[st.dst];
+            const PlanWeight* w = st.weight >= 0 ? &m->weights[(size_t)l * m->num_weights + st.weight] : nullptr;
+            switch (st.op) {
+                case OP_RMS_NORM:
+                    if (!w || w->format != -1 || w->n != in || out != in) return -2;
+                    break;
+                case OP_LINEAR:
+                case OP_LINEAR_ADD:
+                    if (!w || w->format < 0 || w->format > 2 || w->k != in || w->n != out || w->k % QK) return -2;
+                    break;
+                case OP_ROPE_ATTENTION:
+                    if (in != q_size + 2 * kv_size || out != q_size || m->heads % m->kv_heads) return -2;
+                    break;
+                case OP_SILU_MUL:
+                    if (in != 2 * out) return -2;
+                    break;
+                default:
+                    return -2;
+            }
+        }
+    if (m->embed.format < 0 || m->embed.format > 2 || m->embed.k != m->hidden || m->embed.n != m->vocab) return -2;
+    if (m->head.format < 0 || m->head.format > 2 || m->head.k != m->hidden || m->head.n != m->vocab) return -2;
+    return 0;
+}
+
+// kv: [num_layers, 2, num_blocks, block_size, kv_heads, head_dim] fp32 (the new K/V written);
+// ids, positions [B]; tables [B, max_blocks]; logits [B, vocab]. Returns 0, or -1 when
+// B < 1 or an id, position or block is out of range (nothing written).
+int kvd_plan_decode(const PlanModel* m, float* kv, int B, const int64_t* ids, const int64_t* positions,
+                    const int64_t* tables, int max_blocks, float* logits, int num_threads) {
+    const int bs = m->block_size, hd = m->head_dim, H = m->heads, KVH = m->kv_heads;
+    if (B < 1) return -1;
+    for (int b = 0; b < B; b++) {
+        if (ids[b] < 0 || ids[b] >= m->vocab || positions[b] < 0 || positions[b] >= m->max_positions
+            || positions[b] / bs >= max_blocks)
+            return -1;
+        for (int64_t j = 0; j <= positions[b] / bs; j++)
+            if (tables[(size_t)b * max_blocks + j] < 0 || tables[(size_t)b * max_blocks + j] >= m->num_blocks)
+                return -1;
+    }
+    int64_t max_ctx = 1;
+    for (int b = 0; b < B; b++) max_ctx = positions[b] + 1 > max_ctx ? positions[b] + 1 : max_ctx;
+
+    const int64_t D = m->hidden, q_size = (int64_t)H * hd, kvh_stride = (int64_t)KVH * hd;
+    std::vector<std::vector<float>> slots((size_t)m->num_slots);
+    int64_t widest = D;
+    for (int s = 0; s < m->num_slots; s++) {
+        slots[s].resize((size_t)B * m->slot_width[s]);
+        widest = m->slot_width[s] > widest ? m->slot_width[s] : widest;
+    }
+    std::vector<float> tmp((size_t)B * widest), qrot((size_t)B * q_size), normed((size_t)B * D);
+    float* h = slots[0].data();
+    gather_rows_any(m->embed.format, (const uint8_t*)m->embed.data, D, ids, B, h);
+
+    const size_t layer_kv = (size_t)2 * m->num_blocks * bs * kvh_stride;
+    const int group = H / KVH;
+    const int nt = num_threads < 1 ? 1 : num_threads;
+
+#pragma omp parallel num_threads(nt)
+    {
+        const int tid = omp_get_thread_num(), T = omp_get_num_threads();
+        // a tile for K holds tile_rows_for(K) * K <= max(TILE_FLOATS, 2K) floats
+        std::vector<float> buf(B > SMALL_M ? (size_t)(TILE_FLOATS > 2 * widest ? TILE_FLOATS : 2 * widest) : 0);
+        std::vector<float> scores((size_t)max_ctx);
+        int64_t r0, r1;
+        split(B, T, tid, &r0, &r1);
+        for (int l = 0; l < m->num_layers; l++) {
+            float* kcache = kv + l * layer_kv;
+            float* vcache = kcache + layer_kv / 2;
+            const PlanWeight* lw = m->weights + (size_t)l * m->num_weights;
+            for (int s = 0; s < m->num_steps; s++) {
+                const PlanStep& st = m->steps[s];
+                const float* x = slots[st.src].data();
+                float* y = slots[st.dst].data();
+                const int64_t in = m->slot_width[st.src], out = m->slot_width[st.dst];
+                switch (st.op) {
+                    case OP_RMS_NORM:
+                        for (int64_t r = r0; r < r1; r++)
+                            rms_norm_row(x + r * in, (const float*)lw[st.weight].data, in, m->eps, y + r * out);
+                        break;
+                    case OP_LINEAR: {
+                        int64_t n0, n1;
+                        split(out, T, tid, &n0, &n1);
+                        matmul_range(lw[st.weight].format, (const uint8_t*)lw[st.weight].data, in, n0, n1, x, B,
+                                     in, y, out, buf.data());
+                        break;
+                    }
+                    case OP_LINEAR_ADD: {       // this thread's columns: matmul into tmp, then add
+                        int64_t n0, n1;
+                        split(out, T, tid, &n0, &n1);
+                        matmul_range(lw[st.weight].format, (const uint8_t*)lw[st.weight].data, in, n0, n1, x, B,
+                                     in, tmp.data(), out, buf.data());
+                        for (int64_t r = 0; r < B; r++)
+                            for (int64_t n = n0; n < n1; n++) y[r * out + n] = y[r * out + n] + tmp[r * out + n];
+                        break;
+                    }
+                    case OP_SILU_MUL:
+                        for (int64_t r = r0; r < r1; r++)
+                            for (int64_t i = 0; i < out; i++)
+                                y[r * out + i] = silu(x[r * in + i]) * x[r * in + out + i];
+                        break;
+                    case OP_ROPE_ATTENTION: {
+                        const int per_seq = H + 2 * KVH;
+                        int64_t i0, i1;
+                        split((int64_t)B * per_seq, T, tid, &i0, &i1);
+                        for (int64_t i = i0; i < i1; i++) {        // RoPE on q, k; k, v into their slot
+                            const int64_t b = i / per_seq, j = i % per_seq, pos = positions[b];
+                            const int64_t slot = tables[(size_t)b * max_blocks + pos / bs] * bs + pos % bs;
+                            const float* src = x + b * in + j * hd;
+                            const float* c = m->cos + pos * hd;
+                            const float* sn = m->sin + pos * hd;
+                            if (j < H) rope_head(src, c, sn, hd, &qrot[b * q_size + j * hd]);
+                            else if (j < H + KVH) rope_head(src, c, sn, hd, kcache + slot * kvh_stride + (j - H) * hd);
+                            else memcpy(vcache + slot * kvh_stride + (j - H - KVH) * hd, src, hd * sizeof(float));
+                        }
+#pragma omp barrier
+                        split((int64_t)B * H, T, tid, &i0, &i1);
+                        for (int64_t i = i0; i < i1; i++) {
+                            const int64_t b = i / H, head = i % H, g = head / group;
+                            attend_head(&qrot[b * q_size + head * hd], kcache + g * hd, vcache + g * hd,
+                                        tables + (size_t)b * max_blocks, positions[b] + 1, bs, kvh_stride, hd,
+                                        m->scale, scores.data(), y + b * out + head * hd);
+                        }
+                        break;
+                    }
+                    default:
+                        break;                  // ruled out by kvd_plan_check
+                }
+#pragma omp barrier
+            }
+        }
+        for (int64_t r = r0; r < r1; r++) rms_norm_row(h + r * D, m->final_norm, D, m->eps, &normed[r * D]);
+#pragma omp barrier
+        int64_t n0, n1;
+        split(m->vocab, T, tid, &n0, &n1);
+        matmul_range(m->head.format, (const uint8_t*)m->head.data, D, n0, n1, normed.data(), B, D, logits,
+                     m->vocab, buf.data());
+    }
+    return 0;
+}
+
+}  // extern "C"

@@ -1,0 +1,315 @@
+// GGUF block-quantized matmul building blocks, shared by quant_matmul.cpp (the
+// standalone matmul) and plan_decode.cpp (the decode-step executor). Each .so is
+// one translation unit that includes this once; the arithmetic contract is in
+// quant_matmul.cpp's header comment.
+#pragma once
+
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <vector>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+enum Format { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 };
+constexpr int QK = 32;                          // weights per block
+
+constexpr int64_t block_bytes(int f) { return f == Q4_0 ? 18 : f == Q4_1 ? 20 : 34; }
+
+inline float fp16_to_f32(const uint8_t* p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    // exact: a half is (1024 + man) * 2^(exp - 25), or man * 2^-24 when subnormal
+    const int exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    float f = exp == 0 ? ldexpf((float)man, -24)
+              : exp == 31 ? (man ? NAN : INFINITY)
+              : ldexpf((float)(man | 0x400), exp - 25);
+    return (h & 0x8000) ? -f : f;
+#endif
+}
+
+// ------------------------------------------------------------------ V16: 16 fp32 lanes
+#if defined(__AVX512F__)
+#define KVD_VARIANT "avx512"
+struct V16 { __m512 v; };
+inline V16 vzero() { return {_mm512_setzero_ps()}; }
+inline V16 vload(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline void vstore(float* p, V16 a) { _mm512_storeu_ps(p, a.v); }
+inline V16 vset1(float f) { return {_mm512_set1_ps(f)}; }
+inline V16 vmul(V16 a, V16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline V16 vsub(V16 a, V16 b) { return {_mm512_sub_ps(a.v, b.v)}; }
+inline V16 vfma(V16 a, V16 b, V16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+inline __m256 fold16(V16 a) {      // lanes j + j+8
+    __m256 lo = _mm512_castps512_ps256(a.v);
+    __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a.v), 1));
+    return _mm256_add_ps(lo, hi);
+}
+inline V16 i8_to_v16(const uint8_t* p) {
+    return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)))};
+}
+// 16 bytes of nibbles -> lo: the 16 low nibbles, hi: the 16 high nibbles (as floats)
+inline void nibbles(const uint8_t* p, V16* lo, V16* hi) {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));    // one byte per lane
+    *lo = {_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)))};
+    *hi = {_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4))};
+}
+// fp16 d and m at p, p + 2 -> broadcast fp32
+inline void scales(const uint8_t* p, V16* d, V16* m) {
+    int32_t bits;
+    memcpy(&bits, p, 4);
+    const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(bits));
+    *d = {_mm512_broadcastss_ps(dm)};
+    *m = {_mm512_broadcastss_ps(_mm_movehdup_ps(dm))};
+}
+#elif defined(__AVX2__)
+#define KVD_VARIANT "avx2"
+struct V16 { __m256 a, b; };    // lanes 0-7, 8-15
+inline V16 vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline V16 vload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline void vstore(float* p, V16 a) { _mm256_storeu_ps(p, a.a); _mm256_storeu_ps(p + 8, a.b); }
+inline V16 vset1(float f) { __m256 v = _mm256_set1_ps(f); return {v, v}; }
+inline V16 vmul(V16 x, V16 y) { return {_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.b, y.b)}; }
+inline V16 vsub(V16 x, V16 y) { return {_mm256_sub_ps(x.a, y.a), _mm256_sub_ps(x.b, y.b)}; }
+inline V16 vfma(V16 x, V16 y, V16 z) { return {_mm256_fmadd_ps(x.a, y.a, z.a), _mm256_fmadd_ps(x.b, y.b, z.b)}; }
+inline __m256 fold16(V16 x) { return _mm256_add_ps(x.a, x.b); }
+inline V16 i8_to_v16(const uint8_t* p) {
+    return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p))),
+            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8))))};
+}
+// 16 bytes of nibbles -> lo: the 16 low nibbles, hi: the 16 high nibbles (as floats).
+// Widen bytes to dwords straight from memory, then mask/shift: 6 ops, no lane shuffles.
+inline void nibbles(const uint8_t* p, V16* lo, V16* hi) {
+    const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
+    const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8)));
+    const __m256i mask = _mm256_set1_epi32(15);
+    *lo = {_mm256_cvtepi32_ps(_mm256_and_si256(b0, mask)), _mm256_cvtepi32_ps(_mm256_and_si256(b1, mask))};
+    *hi = {_mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4))};
+}
+// fp16 d and m at p, p + 2 -> broadcast fp32 (one conversion for both)
+inline void scales(const uint8_t* p, V16* d, V16* m) {
+    int32_t bits;
+    memcpy(&bits, p, 4);
+    const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(bits));
+    const __m256 dv = _mm256_broadcastss_ps(dm), mv = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
+    *d = {dv, dv};
+    *m = {mv, mv};
+}
+#else
+#define KVD_VARIANT "portable"
+struct V16 { float f[16]; };
+inline V16 vzero() { V16 r; for (int i = 0; i < 16; i++) r.f[i] = 0.0f; return r; }
+inline V16 vload(const float* p) { V16 r; memcpy(r.f, p, sizeof r.f); return r; }
+inline void vstore(float* p, V16 a) { memcpy(p, a.f, sizeof a.f); }
+inline V16 vset1(float v) { V16 r; for (int i = 0; i < 16; i++) r.f[i] = v; return r; }
+inline V16 vmul(V16 x, V16 y) { V16 r; for (int i = 0; i < 16; i++) r.f[i] = x.f[i] * y.f[i]; return r; }
+inline V16 vsub(V16 x, V16 y) { V16 r; for (int i = 0; i < 16; i++) r.f[i] = x.f[i] - y.f[i]; return r; }
+inline V16 vfma(V16 x, V16 y, V16 z) { V16 r; for (int i = 0; i < 16; i++) r.f[i] = fmaf(x.f[i], y.f[i], z.f[i]); return r; }
+#endif
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+// The fixed tree: (j + j+8) -> (j + j+4) -> (j + j+2) -> (0 + 1).
+inline float vsum(V16 x) {
+    __m256 s8 = fold16(x);
+    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+#else
+inline float vsum(V16 x) {
+    float s8[8], s4[4], s2[2];
+    for (int i = 0; i < 8; i++) s8[i] = x.f[i] + x.f[i + 8];
+    for (int i = 0; i < 4; i++) s4[i] = s8[i] + s8[i + 4];
+    for (int i = 0; i < 2; i++) s2[i] = s4[i] + s4[i + 2];
+    return s2[0] + s2[1];
+}
+inline void nibbles(const uint8_t* p, V16* lo, V16* hi) {
+    for (int i = 0; i < 16; i++) { lo->f[i] = (float)(p[i] & 15); hi->f[i] = (float)(p[i] >> 4); }
+}
+inline V16 i8_to_v16(const uint8_t* p) {
+    V16 r;
+    for (int i = 0; i < 16; i++) r.f[i] = (float)(int8_t)p[i];
+    return r;
+}
+inline void scales(const uint8_t* p, V16* d, V16* m) {
+    *d = vset1(fp16_to_f32(p));
+    *m = vset1(fp16_to_f32(p + 2));
+}
+#endif
+
+// One block's 32 weights in fp32: lo = elements 0..15, hi = 16..31 (exact, see the header).
+template <int F>
+inline void dequant_block(const uint8_t* blk, V16* lo, V16* hi) {
+    if constexpr (F == Q8_0) {
+        const V16 d = vset1(fp16_to_f32(blk));
+        *lo = vmul(d, i8_to_v16(blk + 2));
+        *hi = vmul(d, i8_to_v16(blk + 18));
+    } else if constexpr (F == Q4_0) {
+        const V16 d = vset1(fp16_to_f32(blk)), eight = vset1(8.0f);
+        V16 ql, qh;
+        nibbles(blk + 2, &ql, &qh);
+        *lo = vmul(d, vsub(ql, eight));
+        *hi = vmul(d, vsub(qh, eight));
+    } else {
+        V16 ql, qh, d, m;
+        scales(blk, &d, &m);
+        nibbles(blk + 4, &ql, &qh);
+        *lo = vfma(d, ql, m);
+        *hi = vfma(d, qh, m);
+    }
+}
+
+inline void split(int64_t n, int parts, int part, int64_t* begin, int64_t* end) {
+    *begin = n * part / parts;
+    *end = n * (part + 1) / parts;
+}
+
+// ------------------------------------------------------------------ few rows of x
+// R rows of x (R <= 3) against NR rows of W, blocks decoded once for all R.
+template <int F, int R, int NR>
+inline void rows_small(const uint8_t* w, int64_t row_bytes, int64_t nb, const float* x, int64_t ldx,
+                       float* y, int64_t ldy) {
+    V16 acc[R][NR];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < NR; c++) acc[r][c] = vzero();
+    for (int64_t b = 0; b < nb; b++) {
+        for (int c = 0; c < NR; c++) {
+            V16 lo, hi;
+            dequant_block<F>(w + c * row_bytes + b * block_bytes(F), &lo, &hi);
+            for (int r = 0; r < R; r++) {
+                acc[r][c] = vfma(vload(x + r * ldx + b * QK), lo, acc[r][c]);
+                acc[r][c] = vfma(vload(x + r * ldx + b * QK + 16), hi, acc[r][c]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < NR; c++) y[r * ldy + c] = vsum(acc[r][c]);
+}
+
+template <int F, int R>
+void range_small(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t n0, int64_t n1, const float* x,
+                 int64_t ldx, float* y, int64_t ldy) {
+    int64_t n = n0;
+    for (; n + 4 <= n1; n += 4) rows_small<F, R, 4>(w + n * row_bytes, row_bytes, nb, x, ldx, y + n, ldy);
+    for (; n < n1; n++) rows_small<F, R, 1>(w + n * row_bytes, row_bytes, nb, x, ldx, y + n, ldy);
+}
+
+// ------------------------------------------------------------------ many rows of x
+// A tile of W rows dequantized once ([rows][K] fp32, the same values dequant_block
+// gives), then R rows of x against NR rows of the tile in the same per-lane order.
+template <int F>
+void dequant_rows(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t rows, float* out) {
+    const int64_t K = nb * QK;
+    for (int64_t n = 0; n < rows; n++)
+        for (int64_t b = 0; b < nb; b++) {
+            V16 lo, hi;
+            dequant_block<F>(w + n * row_bytes + b * block_bytes(F), &lo, &hi);
+            vstore(out + n * K + b * QK, lo);
+            vstore(out + n * K + b * QK + 16, hi);
+        }
+}
+
+template <int R, int NR>
+inline void tile_dot(const float* wt, int64_t K, const float* x, int64_t ldx, float* y, int64_t ldy) {
+    V16 acc[R][NR];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < NR; c++) acc[r][c] = vzero();
+    for (int64_t k = 0; k < K; k += QK) {
+        for (int h = 0; h < QK; h += 16) {              // elements 0..15 of the block, then 16..31
+            V16 wv[NR];
+            for (int c = 0; c < NR; c++) wv[c] = vload(wt + c * K + k + h);
+            for (int r = 0; r < R; r++) {
+                const V16 xv = vload(x + r * ldx + k + h);
+                for (int c = 0; c < NR; c++) acc[r][c] = vfma(xv, wv[c], acc[r][c]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < NR; c++) y[r * ldy + c] = vsum(acc[r][c]);
+}
+
+template <int R>
+void tile_rows(const float* wt, int64_t rows, int64_t K, const float* x, int64_t ldx, float* y, int64_t ldy) {
+    int64_t c = 0;
+    for (; c + 2 <= rows; c += 2) tile_dot<R, 2>(wt + c * K, K, x, ldx, y + c, ldy);
+    for (; c < rows; c++) tile_dot<R, 1>(wt + c * K, K, x, ldx, y + c, ldy);
+}
+
+// Rows [n0, n1) of W against all M rows of x, tile by tile; `buf` holds one tile.
+template <int F>
+void range_tiled(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t n0, int64_t n1, const float* x,
+                 int64_t M, int64_t ldx, float* y, int64_t ldy, float* buf, int64_t tile) {
+    const int64_t K = nb * QK;
+    for (int64_t t0 = n0; t0 < n1; t0 += tile) {
+        const int64_t rows = n1 - t0 < tile ? n1 - t0 : tile;
+        dequant_rows<F>(w + t0 * row_bytes, row_bytes, nb, rows, buf);
+        int64_t m = 0;
+        for (; m + 3 <= M; m += 3) tile_rows<3>(buf, rows, K, x + m * ldx, ldx, y + m * ldy + t0, ldy);
+        switch (M - m) {
+            case 2: tile_rows<2>(buf, rows, K, x + m * ldx, ldx, y + m * ldy + t0, ldy); break;
+            case 1: tile_rows<1>(buf, rows, K, x + m * ldx, ldx, y + m * ldy + t0, ldy); break;
+            default: break;
+        }
+    }
+}
+
+constexpr int64_t SMALL_M = 3;                  // M <= SMALL_M: decode blocks in registers, no tile
+constexpr int64_t TILE_FLOATS = 32 * 1024;      // one dequantized tile: 128 KiB, stays in L2
+
+inline int64_t tile_rows_for(int64_t K) { return TILE_FLOATS / K > 2 ? TILE_FLOATS / K : 2; }
+
+// Rows [n0, n1) of W (format F, [N, K]) against all M rows of x: one thread's share.
+// `buf` holds tile_rows_for(K) * K floats (used when M > SMALL_M).
+template <int F>
+void matmul_range(const uint8_t* w, int64_t K, int64_t n0, int64_t n1, const float* x, int64_t M,
+                  int64_t ldx, float* y, int64_t ldy, float* buf) {
+    const int64_t nb = K / QK, row_bytes = nb * block_bytes(F);
+    if (n0 >= n1) return;
+    if (M == 1) range_small<F, 1>(w, row_bytes, nb, n0, n1, x, ldx, y, ldy);
+    else if (M == 2) range_small<F, 2>(w, row_bytes, nb, n0, n1, x, ldx, y, ldy);
+    else if (M == 3) range_small<F, 3>(w, row_bytes, nb, n0, n1, x, ldx, y, ldy);
+    else range_tiled<F>(w, row_bytes, nb, n0, n1, x, M, ldx, y, ldy, buf, tile_rows_for(K));
+}
+
+// The same for a format known only at run time (false: unknown format).
+inline bool matmul_range(int format, const uint8_t* w, int64_t K, int64_t n0, int64_t n1, const float* x,
+                         int64_t M, int64_t ldx, float* y, int64_t ldy, float* buf) {
+    switch (format) {
+        case Q4_0: matmul_range<Q4_0>(w, K, n0, n1, x, M, ldx, y, ldy, buf); return true;
+        case Q4_1: matmul_range<Q4_1>(w, K, n0, n1, x, M, ldx, y, ldy, buf); return true;
+        case Q8_0: matmul_range<Q8_0>(w, K, n0, n1, x, M, ldx, y, ldy, buf); return true;
+        default: return false;
+    }
+}
+
+// out[t, :] = row ids[t] of W (format F, [N, K]) dequantized; ids already checked.
+template <int F>
+void gather_rows(const uint8_t* w, int64_t K, const int64_t* ids, int64_t T, float* out) {
+    const int64_t nb = K / QK, row_bytes = nb * block_bytes(F);
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t b = 0; b < nb; b++) {
+            V16 lo, hi;
+            dequant_block<F>(w + ids[t] * row_bytes + b * block_bytes(F), &lo, &hi);
+            vstore(out + t * K + b * QK, lo);
+            vstore(out + t * K + b * QK + 16, hi);
+        }
+}
+
+inline bool gather_rows_any(int format, const uint8_t* w, int64_t K, const int64_t* ids, int64_t T, float* out) {
+    switch (format) {
+        case Q4_0: gather_rows<Q4_0>(w, K, ids, T, out); return true;
+        case Q4_1: gather_rows<Q4_1>(w, K, ids, T, out); return true;
+        case Q8_0: gather_rows<Q8_0>(w, K, ids, T, out); return true;
+        default: return false;
+    }
+}
+
+}  // namespace

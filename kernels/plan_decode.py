@@ -1,0 +1,181 @@
+"""A whole fp32 decode step of a quantized model in one C++ call, run from llama.py's layer plan.
+
+``LlamaModel.forward`` runs ``engine.model.llama.LAYER_STEPS`` op by op in
+torch: about 1,700 torch ops per SmolLM2 decode step, whose dispatch costs more
+than reading the quantized weights (docs/architecture.md). ``PlanDecoder``
+hands the same steps, the layers' weights (``QuantLinear`` blocks, norm
+vectors), the embedding and the LM head to kernels/csrc/plan_decode.cpp once,
+and each decode step is then one ctypes call: embed, every layer's steps,
+final norm, LM head. The C++ side implements ops, not a Llama: a plan with an
+op it does not know is declined here (``unsupported_reason``) and decode stays
+on ``forward``.
+
+Contract of :meth:`PlanDecoder.decode` (as ``LlamaModel.forward`` +
+``compute_logits`` for a decode batch, like ``kernels.fused_decode``):
+
+- one new token per sequence; writes its K/V into ``kv`` at the slot
+  ``block_tables[b, pos // bs] * bs + pos % bs`` of every layer and reads the
+  sequence's keys ``0..pos`` through its block table;
+- returns fp32 logits [B, V];
+- **batch invariant, bit for bit**: row b depends only on sequence b's token,
+  position, block table and cached K/V, not on B, the other rows or the
+  thread count (the quantized matmul's fixed order, row-local ops elsewhere);
+- agrees with ``forward`` to fp32 rounding (norm and attention sums run in
+  another order; the matmuls are the same kernel, bit for bit);
+- deterministic; keeps no per-request state; allocates no KV memory.
+
+:meth:`PlanDecoder.create` returns None (and says why) for a float or bf16
+model, a pipeline stage, a matrix that is not one block-quantized tensor, an
+unsupported shape, a CPU without a quantized-weights build, or a failed build.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+
+import torch
+
+from engine.model.llama import LAYER_STEPS, LlamaModel
+from kernels import native
+from kernels.quant import QuantTensor
+from kernels.quant_linear import VARIANTS, QuantLinear, host_variant
+
+log = logging.getLogger(__name__)
+
+LIBRARY = "plan_decode"
+OPS = {"rms_norm": 0, "linear": 1, "rope_attention": 2, "linear_add": 3, "silu_mul": 4}   # enum Op in the .cpp
+_MATRIX_OPS = ("linear", "linear_add")
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [("op", ctypes.c_int32), ("src", ctypes.c_int32), ("dst", ctypes.c_int32),
+                ("weight", ctypes.c_int32)]
+
+
+class _Weight(ctypes.Structure):
+    _fields_ = [("format", ctypes.c_int32), ("unused", ctypes.c_int32), ("n", ctypes.c_int64),
+                ("k", ctypes.c_int64), ("data", ctypes.c_void_p)]
+
+
+class _Model(ctypes.Structure):
+    """Mirror of ``struct PlanModel`` in csrc/plan_decode.cpp."""
+
+    _fields_ = [(name, ctypes.c_int32) for name in (
+        "num_layers", "num_steps", "num_slots", "num_weights", "hidden", "heads", "kv_heads", "head_dim",
+        "vocab", "block_size", "num_blocks", "max_positions")] + [
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+        ("steps", ctypes.POINTER(_Step)), ("slot_width", ctypes.POINTER(ctypes.c_int64)),
+        ("weights", ctypes.POINTER(_Weight)), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p),
+        ("embed", _Weight), ("head", _Weight), ("final_norm", ctypes.c_void_p)]
+
+
+def _single_block_tensor(m: object) -> bool:
+    return isinstance(m, QuantLinear) and len(m.parts) == 1 and isinstance(m.parts[0], QuantTensor)
+
+
+def unsupported_reason(model: LlamaModel) -> str | None:
+    """Why the plan executor cannot run ``model``'s decode steps here, or None."""
+    if not model.quantized:
+        return "float weights (the plan executor runs block-quantized models)"
+    if model.dtype != torch.float32:
+        return f"dtype {model.dtype} (the plan executor computes in fp32)"
+    if not (model.is_first and model.is_last):
+        return "a pipeline stage (the plan executor runs whole models)"
+    if model.config.head_dim % 16 or model.config.head_dim > 256:
+        return f"head_dim {model.config.head_dim} (needs a multiple of 16, at most 256)"
+    unknown = sorted({s.op for s in LAYER_STEPS} - set(OPS))
+    if unknown:
+        return f"LAYER_STEPS has ops the executor does not implement: {', '.join(unknown)}"
+    for step in LAYER_STEPS:
+        if step.op in _MATRIX_OPS and not all(_single_block_tensor(getattr(layer, step.weight))
+                                              for layer in model.layers):
+            return f"{step.weight} is not one block-quantized tensor in every layer"
+    if not (_single_block_tensor(model.embed) and _single_block_tensor(model.lm_head)):
+        return "the embedding or the LM head is not block-quantized"
+    if host_variant() is None:
+        return "CPU lacks AVX2, FMA or F16C"
+    return None
+
+
+def _weight(t: object) -> _Weight:
+    if isinstance(t, QuantLinear):
+        q = t.parts[0]
+        return _Weight(q.fmt.code, 0, q.shape[0], q.shape[1], q.data.data_ptr())
+    return _Weight(-1, 0, t.numel(), 1, t.data_ptr())             # an fp32 vector (a norm's weight)
+
+
+class PlanDecoder:
+    """The plan of one quantized fp32 model plus the loaded executor. Construct with :meth:`create`."""
+
+    def __init__(self, model: LlamaModel, lib: ctypes.CDLL, num_blocks: int, block_size: int) -> None:
+        cfg = model.config
+        slots = ["h"] + [s.dst for s in LAYER_STEPS if s.dst != "h"]
+        slots = list(dict.fromkeys(slots))
+        weights = list(dict.fromkeys(s.weight for s in LAYER_STEPS if s.weight))
+        width = {"h": cfg.hidden_size}
+        for s in LAYER_STEPS:                       # each slot's width from the step that writes it
+            w = getattr(model.layers[0], s.weight) if s.weight else None
+            width[s.dst] = (w.out_features if s.op in _MATRIX_OPS else width[s.src] // 2
+                            if s.op == "silu_mul" else cfg.q_size if s.op == "rope_attention" else width[s.src])
+        self._steps = (_Step * len(LAYER_STEPS))(*[
+            _Step(OPS[s.op], slots.index(s.src), slots.index(s.dst), weights.index(s.weight) if s.weight else -1)
+            for s in LAYER_STEPS])
+        self._widths = (ctypes.c_int64 * len(slots))(*[width[s] for s in slots])
+        self._weights = (_Weight * (len(model.layers) * len(weights)))(*[
+            _weight(getattr(layer, name)) for layer in model.layers for name in weights])
+        self.model = model                          # keeps every buffer the plan points into alive
+        self.cos, self.sin = model.cos.contiguous(), model.sin.contiguous()
+        self.config, self.num_blocks, self.block_size = cfg, num_blocks, block_size
+        self.desc = _Model(
+            cfg.num_layers, len(LAYER_STEPS), len(slots), len(weights), cfg.hidden_size, cfg.num_heads,
+            cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size, block_size, num_blocks, self.cos.shape[0],
+            cfg.rms_norm_eps, model.scale, self._steps, self._widths, self._weights, self.cos.data_ptr(),
+            self.sin.data_ptr(), _weight(model.embed), _weight(model.lm_head), model.norm.data_ptr())
+        check = lib.kvd_plan_check
+        check.restype, check.argtypes = ctypes.c_int, [ctypes.POINTER(_Model)]
+        if check(ctypes.byref(self.desc)) != 0:
+            raise ValueError("the plan executor refused the model's plan (a weight or width does not fit)")
+        self._step = lib.kvd_plan_decode
+        self._step.restype = ctypes.c_int
+        self._step.argtypes = [ctypes.POINTER(_Model), ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+                               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+
+    @classmethod
+    def create(cls, model: LlamaModel, kv: torch.Tensor, block_size: int) -> PlanDecoder | None:
+        """The executor for ``model`` over the KV tensor ``kv`` ([L, 2, N, bs, kvh, hd]),
+        or None (logged) where it cannot run."""
+        reason = unsupported_reason(model)
+        if reason is not None:
+            log.info("plan decode off: %s", reason)
+            return None
+        variant = host_variant()
+        try:
+            lib = native.load(LIBRARY, VARIANTS[variant][1])
+            return cls(model, lib, kv.shape[2], block_size)
+        except (native.BuildError, OSError, ValueError) as exc:
+            log.warning("plan decode executor unavailable, decoding with torch: %s", exc)
+            return None
+
+    def decode(self, ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
+               kv: torch.Tensor) -> torch.Tensor:
+        """ids, positions [B] int64; block_tables [B, M] int64 covering every
+        position; kv [L, 2, N, bs, kvh, hd] fp32 (mutated: the new K/V).
+        Returns fp32 logits [B, V]. Raises ValueError on bad input (nothing written)."""
+        B = ids.shape[0]
+        cfg = self.config
+        if (kv.dtype != torch.float32 or not kv.is_contiguous()
+                or tuple(kv.shape) != (cfg.num_layers, 2, self.num_blocks, self.block_size,
+                                       cfg.num_kv_heads, cfg.head_dim)):
+            raise ValueError(f"kv {tuple(kv.shape)} {kv.dtype} does not match the plan decoder")
+        if ids.dtype != torch.int64 or positions.dtype != torch.int64 or block_tables.dtype != torch.int64:
+            raise ValueError("ids, positions and block_tables must be int64")
+        ids, positions, tables = ids.contiguous(), positions.contiguous(), block_tables.contiguous()
+        if ids.dim() != 1 or positions.shape != (B,) or tables.dim() != 2 or tables.shape[0] != B:
+            raise ValueError("ids, positions and block_tables disagree on the batch size")
+        logits = torch.empty(B, cfg.vocab_size, dtype=torch.float32)
+        rc = self._step(ctypes.byref(self.desc), kv.data_ptr(), B, ids.data_ptr(), positions.data_ptr(),
+                        tables.data_ptr(), tables.shape[1], logits.data_ptr(), torch.get_num_threads())
+        if rc != 0:
+            raise ValueError("empty batch, or a token id, position or block id out of range")
+        return logits
