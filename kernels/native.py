@@ -15,7 +15,8 @@ instead of starting a second runtime whose threads would spin against it.
 
 ``python -m kernels.native`` builds every kernel this CPU runs (``make install``
 runs it): the fused bf16 decode step where the CPU has AVX512-BF16, and the
-quantized-weights matmul in its AVX-512 or AVX2 variant (kernels/quant_linear.py).
+quantized-weights matmul and decode-plan executor in their AVX-512 or AVX2
+variant (kernels/quant_linear.py, kernels/plan_decode.py).
 """
 
 from __future__ import annotations
@@ -126,9 +127,11 @@ def main() -> None:
         print(build(LIBRARY, AVX512_BF16_FLAGS))
     variant = quant_linear.host_variant()
     if variant is None:
-        print(f"{quant_linear.LIBRARY}: not built (CPU lacks AVX2/FMA/F16C; GGUF weights are dequantized)")
+        print(f"{quant_linear.LIBRARY}, plan_decode: not built (CPU lacks AVX2/FMA/F16C; GGUF weights "
+              "are dequantized)")
     else:
-        print(build(quant_linear.LIBRARY, quant_linear.VARIANTS[variant][1]))
+        for name in (quant_linear.LIBRARY, "plan_decode"):       # kernels/plan_decode.py's LIBRARY
+            print(build(name, quant_linear.VARIANTS[variant][1]))
 
 
 if __name__ == "__main__":
