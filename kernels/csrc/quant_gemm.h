@@ -183,6 +183,11 @@ inline void rows_small(const uint8_t* w, int64_t row_bytes, int64_t nb, const fl
     for (int64_t b = 0; b < nb; b++) {
         for (int c = 0; c < NR; c++) {
             V16 lo, hi;
+#if defined(__AVX2__) || defined(__AVX512F__)
+            // 1 KiB ahead in the row: streaming from DRAM, one core read 6.5-6.7 GB/s with it
+            // and 4.2-6.4 without (Zen 3, a shared host); a hint, so no effect on the result
+            _mm_prefetch((const char*)(w + c * row_bytes + b * block_bytes(F)) + 1024, _MM_HINT_T0);
+#endif
             dequant_block<F>(w + c * row_bytes + b * block_bytes(F), &lo, &hi);
             for (int r = 0; r < R; r++) {
                 acc[r][c] = vfma(vload(x + r * ldx + b * QK), lo, acc[r][c]);
@@ -197,9 +202,10 @@ inline void rows_small(const uint8_t* w, int64_t row_bytes, int64_t nb, const fl
 template <int F, int R>
 void range_small(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t n0, int64_t n1, const float* x,
                  int64_t ldx, float* y, int64_t ldy) {
+    // two rows of W at a time: as fast as 3 or 4 in cache, faster streaming from DRAM (measured)
     int64_t n = n0;
-    for (; n + 4 <= n1; n += 4) rows_small<F, R, 4>(w + n * row_bytes, row_bytes, nb, x, ldx, y + n, ldy);
-    for (; n < n1; n++) rows_small<F, R, 1>(w + n * row_bytes, row_bytes, nb, x, ldx, y + n, ldy);
+    for (; n + 2 <= n1; n += 2) rows_small<F, R, 2>(w + n * row_bytes, row_bytes, nb, x, ldx, y + n, ldy);
+    if (n < n1) rows_small<F, R, 1>(w + n * row_bytes, row_bytes, nb, x, ldx, y + n, ldy);
 }
 
 // ------------------------------------------------------------------ many rows of x
@@ -251,13 +257,12 @@ void range_tiled(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t n0, in
     for (int64_t t0 = n0; t0 < n1; t0 += tile) {
         const int64_t rows = n1 - t0 < tile ? n1 - t0 : tile;
         dequant_rows<F>(w + t0 * row_bytes, row_bytes, nb, rows, buf);
+        // 2 rows of x by 2 of the tile: 8 accumulator registers on AVX2, the fastest shape
+        // measured (7.8 MAC/cycle/core on Zen 3, against 7.0 for 3 x 2 and 6.2 for 4 x 1);
+        // every shape runs the same per-output sequence, so this is speed only
         int64_t m = 0;
-        for (; m + 3 <= M; m += 3) tile_rows<3>(buf, rows, K, x + m * ldx, ldx, y + m * ldy + t0, ldy);
-        switch (M - m) {
-            case 2: tile_rows<2>(buf, rows, K, x + m * ldx, ldx, y + m * ldy + t0, ldy); break;
-            case 1: tile_rows<1>(buf, rows, K, x + m * ldx, ldx, y + m * ldy + t0, ldy); break;
-            default: break;
-        }
+        for (; m + 2 <= M; m += 2) tile_rows<2>(buf, rows, K, x + m * ldx, ldx, y + m * ldy + t0, ldy);
+        if (m < M) tile_rows<1>(buf, rows, K, x + m * ldx, ldx, y + m * ldy + t0, ldy);
     }
 }
 
