@@ -9,20 +9,41 @@ from __future__ import annotations
 import enum
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 
 class InvalidParam(ValueError):
-    """A request parameter is out of range; ``param`` names it (OpenAI's ``param``)."""
+    """A request parameter is refused; ``param`` names it and ``code`` says
+    why, as OpenAI's error does: ``invalid_type`` (a value of the wrong type)
+    or ``invalid_value`` (out of range)."""
 
-    def __init__(self, param: str, message: str) -> None:
+    def __init__(self, param: str, message: str, code: str = "invalid_value") -> None:
         super().__init__(message)
         self.param = param
+        self.code = code
+
+
+# Bounds on the stop conditions. A request carries them to a node in one wire
+# header (kvd.protocol.ProtocolLimits) and every decode step matches them
+# against the text. OpenAI allows 4 stop sequences; their length is ours to
+# bound (a stop string longer than this would have to be generated whole to
+# ever match).
+MAX_STOP = 4
+MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 64
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens and when to stop. ``temperature == 0`` is greedy."""
+    """How to pick tokens and when to stop. ``temperature == 0`` is greedy.
+
+    The one definition of the sampling parameters, end to end: the HTTP schema
+    (kvd/api/schema.py) builds one with ``from_dict``, the wire carries it
+    (``kvd.protocol.GenerateRequest.sampling``, a JSON object of these fields)
+    and decodes it with ``from_dict`` again, and the engine samples with it. A
+    value refused here is refused at every edge, with this message.
+    Construction validates types and ranges and raises ``InvalidParam``.
+    """
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -35,34 +56,85 @@ class SamplingParams:
     min_tokens: int = 0
 
     def __post_init__(self) -> None:
-        def check(ok: bool, param: str, message: str) -> None:
-            if not ok:
+        def check(param: str, typed: bool, in_range: bool, message: str) -> None:
+            # typed: the value has the right type (else code invalid_type)
+            if not typed:
+                raise InvalidParam(param, message, code="invalid_type")
+            if not in_range:
                 raise InvalidParam(param, message)
 
-        check(type(self.max_tokens) is int and self.max_tokens >= 1, "max_tokens",
+        def integer(x: object) -> bool:
+            return type(x) is int                  # bool is not an integer here
+
+        check("max_tokens", integer(self.max_tokens), integer(self.max_tokens) and self.max_tokens >= 1,
               f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        check(_finite(self.temperature) and 0.0 <= self.temperature <= 2.0, "temperature",
-              f"temperature must be in [0, 2], got {self.temperature!r}")
-        check(_finite(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p",
-              f"top_p must be in (0, 1], got {self.top_p!r}")
-        check(type(self.top_k) is int and self.top_k >= -1, "top_k",
+        check("temperature", _number(self.temperature), _finite(self.temperature) and 0.0 <= self.temperature <= 2.0,
+              f"temperature must be a number in [0, 2], got {self.temperature!r}")
+        check("top_p", _number(self.top_p), _finite(self.top_p) and 0.0 < self.top_p <= 1.0,
+              f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        check("top_k", integer(self.top_k), integer(self.top_k) and self.top_k >= -1,
               f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
-        check(self.seed is None or (type(self.seed) is int and 0 <= self.seed < 2**63), "seed",
+        check("seed", self.seed is None or integer(self.seed),
+              self.seed is None or (integer(self.seed) and 0 <= self.seed < 2**63),
               f"seed must be a non-negative integer below 2**63, got {self.seed!r}")
-        check(len(self.stop) <= 16 and all(isinstance(s, str) and s for s in self.stop), "stop",
-              "stop must be up to 16 non-empty strings")
-        check(all(type(t) is int and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
-              "stop_token_ids must be non-negative integers")
-        check(type(self.min_tokens) is int and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
-              "min_tokens must be an integer in [0, max_tokens]")
+        stop_typed = isinstance(self.stop, tuple) and all(isinstance(s, str) for s in self.stop)
+        check("stop", stop_typed, stop_typed and len(self.stop) <= MAX_STOP
+              and all(0 < len(s) <= MAX_STOP_CHARS for s in self.stop),
+              f"stop must be up to {MAX_STOP} non-empty strings of at most {MAX_STOP_CHARS} characters each")
+        ids_typed = isinstance(self.stop_token_ids, tuple) and all(map(integer, self.stop_token_ids))
+        check("stop_token_ids", ids_typed, ids_typed and len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS
+              and all(t >= 0 for t in self.stop_token_ids),
+              f"stop_token_ids must be up to {MAX_STOP_TOKEN_IDS} non-negative integers")
+        check("ignore_eos", type(self.ignore_eos) is bool, True,
+              f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+        check("min_tokens", integer(self.min_tokens),
+              integer(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+              f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+
+    @classmethod
+    def from_dict(cls, values: object) -> "SamplingParams":
+        """Build from a JSON object (an HTTP body's fields, a wire header's).
+
+        Absent keys take their defaults; a list stands for a tuple and an
+        integer for a float where a float is due (JSON cannot tell them apart).
+        Raises ``InvalidParam`` on an unknown key or a bad value; never
+        anything else."""
+        if not isinstance(values, dict):
+            raise InvalidParam("sampling", f"sampling parameters must be an object, got {type(values).__name__}",
+                               code="invalid_type")
+        unknown = values.keys() - _FIELDS
+        if unknown:
+            name = sorted(map(str, unknown))[0]
+            raise InvalidParam(name, f"unknown sampling parameter {name!r}")
+        kwargs = dict(values)
+        for name in ("stop", "stop_token_ids"):
+            if isinstance(kwargs.get(name), list):
+                kwargs[name] = tuple(kwargs[name])
+        for name in ("temperature", "top_p"):
+            if type(kwargs.get(name)) is int:
+                kwargs[name] = float(kwargs[name])
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict:
+        """The JSON object ``from_dict`` reads back to an equal SamplingParams."""
+        return {name: list(v) if isinstance(v, tuple) else v
+                for name in _FIELD_ORDER for v in (getattr(self, name),)}
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
 
+_FIELD_ORDER = tuple(f.name for f in fields(SamplingParams))
+_FIELDS = frozenset(_FIELD_ORDER)
+
+
+def _number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 def _finite(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    return _number(x) and math.isfinite(x)
 
 
 class RequestStatus(enum.Enum):

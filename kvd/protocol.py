@@ -34,6 +34,8 @@ from typing import Any, ClassVar
 
 import orjson
 
+from engine.memory.mempool import TIERS as MEMPOOL_TIERS
+from engine.request import SamplingParams
 from kvd.ratelog import LOG_EVERY_S, RateLimitedLog
 from transports.base import Connection, Incoming, Listener, TransportClosed, TransportError, as_buffer
 
@@ -163,8 +165,14 @@ def _json_value(v: Any) -> Any:
     return v  # orjson produced it, or the caller built it; orjson.dumps re-checks on encode
 
 
+def _check_sampling(v: Any) -> SamplingParams:
+    # the engine's own validation, so the wire refuses what the engine would
+    # (InvalidParam is a ValueError: decode answers it as invalid_field)
+    return v if isinstance(v, SamplingParams) else SamplingParams.from_dict(v)
+
+
 _SCALARS: dict[Any, Checker] = {int: _check_int, float: _check_float, str: _check_str,
-                                bool: _check_bool, Any: _json_value}
+                                bool: _check_bool, Any: _json_value, SamplingParams: _check_sampling}
 
 
 _INT_ONLY = frozenset((int,))
@@ -251,27 +259,8 @@ def message(cls: type[Message]) -> type[Message]:
     return cls
 
 
-TIERS = ("gpu", "cpu", "disk")  # memory tiers, fastest first
+TIERS = MEMPOOL_TIERS  # the engine's memory tiers ("device", "host"), fastest first: one set of names
 FINISH_REASONS = ("stop", "length", "abort", "error")
-# Sampling keys a GenerateRequest may carry: key -> (checker, valid?)
-SAMPLING_PARAMS: dict[str, tuple[Checker, Callable[[Any], bool]]] = {
-    "temperature": (_check_float, lambda v: v >= 0),
-    "top_p": (_check_float, lambda v: 0 < v <= 1),
-    "top_k": (_check_int, lambda v: v >= -1),
-    "min_p": (_check_float, lambda v: 0 <= v <= 1),
-    "max_tokens": (_check_int, lambda v: v >= 1),
-    "min_tokens": (_check_int, lambda v: v >= 0),
-    "seed": (_check_int, lambda v: True),
-    "presence_penalty": (_check_float, lambda v: -2 <= v <= 2),
-    "frequency_penalty": (_check_float, lambda v: -2 <= v <= 2),
-    "repetition_penalty": (_check_float, lambda v: v > 0),
-    "ignore_eos": (_check_bool, lambda v: True),
-    "stop_token_ids": (_checker(tuple[int, ...]), lambda v: all(t >= 0 for t in v)),
-    "logprobs": (_check_int, lambda v: 0 <= v <= 20),
-    "stop": (_checker(tuple[str, ...]), lambda v: len(v) <= 16 and all(v)),
-}
-
-
 def _require(ok: bool, what: str) -> None:
     if not ok:
         raise ValueError(what)
@@ -289,7 +278,7 @@ class Hello(Message):
     node: str
     address: str                       # transport URL the node listens on
     capabilities: tuple[str, ...] = ()  # e.g. "prefill", "decode", "ucx"
-    blocks_per_tier: dict[str, int]    # KV blocks per tier ("gpu", "cpu", "disk")
+    blocks_per_tier: dict[str, int]    # KV blocks per tier (TIERS: "device", "host")
     block_size: int                    # tokens per KV block
     model_name: str = ""               # the served model (all nodes of a cluster agree)
     max_model_len: int = 0             # context length; 0: unknown
@@ -311,7 +300,6 @@ class Welcome(Message):
     accepted: bool
     reason: str = ""
     heartbeat_interval: float = 1.0
-    replica_peer: str | None = None    # where this node streams its KV replicas
 
     def _check(self) -> None:
         _require(self.heartbeat_interval > 0, "heartbeat_interval must be > 0")
@@ -328,8 +316,6 @@ class Heartbeat(Message):
     running: int
     waiting: int
     free_blocks: dict[str, int]
-    cached_prefixes: tuple[str, ...] = ()  # hashes of cached prefix blocks (summary)
-    replicated: dict[str, int] = field(default_factory=dict)  # request id -> last replicated step
     draining: bool = False             # finishing its requests; route nothing new here
     cached_blocks: int = 0             # blocks held by the prefix cache (all tiers)
     cache_events: int = 0              # MemPool stored/removed events since the last beat
@@ -345,25 +331,21 @@ class Heartbeat(Message):
 @message
 @dataclass(frozen=True, kw_only=True)
 class GenerateRequest(Message):
-    """Coordinator -> node. `output_token_ids` resumes a recovered request."""
+    """Coordinator -> node: generate for this prompt.
+
+    ``sampling`` is the engine's own ``SamplingParams``: on the wire a JSON
+    object of its fields (absent ones take their defaults), decoded by
+    ``SamplingParams.from_dict``, so a value the engine would refuse is an
+    ``invalid_field`` here, with the engine's message."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
-    sampling: dict[str, Any] = field(default_factory=dict)
-    output_token_ids: tuple[int, ...] = ()
+    sampling: SamplingParams = field(default_factory=SamplingParams)
 
     def _check(self) -> None:
         _require(bool(self.request_id), "request_id must be set")
         _require(len(self.prompt_token_ids) > 0, "prompt must not be empty")
         _require(all(t >= 0 for t in self.prompt_token_ids), "token ids must be >= 0")
-        checked = {}
-        for key, value in self.sampling.items():
-            if key not in SAMPLING_PARAMS:
-                raise ValueError(f"unknown sampling parameter {key!r}")
-            check, valid = SAMPLING_PARAMS[key]
-            checked[key] = check(value)
-            _require(valid(checked[key]), f"sampling parameter {key} out of range")
-        object.__setattr__(self, "sampling", checked)
 
 
 @message
@@ -447,12 +429,10 @@ class KVTransferRequest(Message):
     num_blocks: int
     num_layers: int
     dtype: str
-    purpose: str = "migrate"           # migrate | replicate | prefill
 
     def _check(self) -> None:
         _require(self.num_blocks > 0 and self.num_layers > 0, "num_blocks, num_layers must be > 0")
         _require(self.dtype in DTYPES, f"dtype must be in {sorted(DTYPES)}")
-        _require(self.purpose in ("migrate", "replicate", "prefill"), "unknown purpose")
 
 
 @message

@@ -37,7 +37,7 @@ from aiohttp import web
 
 from engine.request import InvalidParam, RequestOutput, SamplingParams
 from kvd.api.prompt import PromptBuilder
-from kvd.api.schema import ApiError, GenerateRequest, bad
+from kvd.api.schema import ApiError, ApiRequest, bad
 from kvd.config import ServerConfig
 from kvd.engine_client import EngineClient, EngineDead
 from kvd.metrics import ServerMetrics
@@ -207,7 +207,7 @@ class FrontDoor:
         finally:
             self.in_flight -= 1
 
-    def _final_params(self, req: GenerateRequest, ids: list[int], chat: bool,
+    def _final_params(self, req: ApiRequest, ids: list[int], chat: bool,
                       max_model_len: int) -> SamplingParams:
         """The sampling params to run (chat's default max_tokens is the rest of
         the context, as in vLLM), once the engine said the request can run.
@@ -221,7 +221,7 @@ class FrontDoor:
             raise bad(exc.param, str(exc), code="context_length_exceeded") from None
         return params
 
-    async def _complete(self, req: GenerateRequest, prompt_ids: list[int], chat: bool,
+    async def _complete(self, req: ApiRequest, prompt_ids: list[int], chat: bool,
                         endpoint: str) -> web.Response:
         rid = new_id("chatcmpl" if chat else "cmpl")
         t0 = time.perf_counter()
@@ -250,7 +250,7 @@ class FrontDoor:
         return json_response({"id": rid, "object": obj, "created": created, "model": self.model_name,
                               "choices": [choice], "usage": usage(last)})
 
-    async def _stream(self, request: web.Request, req: GenerateRequest, prompt_ids: list[int],
+    async def _stream(self, request: web.Request, req: ApiRequest, prompt_ids: list[int],
                       chat: bool, endpoint: str) -> web.StreamResponse:
         rid = new_id("chatcmpl" if chat else "cmpl")
         t0 = time.perf_counter()
@@ -321,7 +321,7 @@ class FrontDoor:
         await end_stream(resp, error)
         return resp
 
-    async def _outputs(self, rid: str, prompt_ids: list[int], req: GenerateRequest):
+    async def _outputs(self, rid: str, prompt_ids: list[int], req: ApiRequest):
         """Engine outputs for one request; engine-side rejections become ApiErrors."""
         try:
             async for out in self.client.generate(rid, prompt_ids, req.params):

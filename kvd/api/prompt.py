@@ -30,13 +30,13 @@ from typing import Any
 
 import orjson
 
-from kvd.api.schema import ApiError, GenerateRequest, bad, parse_chat, parse_completion
+from kvd.api.schema import ApiError, ApiRequest, bad, parse_chat, parse_completion
 
 INLINE_BODY_BYTES = 2048       # at most ~1k tokens: about 2 ms of tokenizing on the loop
 
 
 class PromptBuilder:
-    """Turns request bodies into (GenerateRequest, prompt token ids).
+    """Turns request bodies into (ApiRequest, prompt token ids).
 
     Holds only immutable state (the tokenizer is safe to share across
     threads), so ``parse`` may run in any thread. ``max_model_len`` is passed
@@ -60,14 +60,14 @@ class PromptBuilder:
         """Bytes of prompt text beyond which it cannot fit ``max_model_len`` tokens."""
         return max_model_len * self.max_token_bytes
 
-    async def build(self, raw: bytes, chat: bool, max_model_len: int) -> tuple[GenerateRequest, list[int]]:
+    async def build(self, raw: bytes, chat: bool, max_model_len: int) -> tuple[ApiRequest, list[int]]:
         """``parse``, in a worker thread when the body is big. Raises ApiError."""
         if len(raw) <= INLINE_BODY_BYTES:
             return self.parse(raw, chat, max_model_len)
         return await asyncio.get_running_loop().run_in_executor(
             self._pool, self.parse, raw, chat, max_model_len)
 
-    def parse(self, raw: bytes, chat: bool, max_model_len: int) -> tuple[GenerateRequest, list[int]]:
+    def parse(self, raw: bytes, chat: bool, max_model_len: int) -> tuple[ApiRequest, list[int]]:
         """The validated request and its prompt token ids; the model name is
         checked, the prompt bounded by ``max_model_len``. Raises ApiError."""
         if not raw:

@@ -8,19 +8,10 @@ known fields with the wrong type or range are rejected.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from engine.request import InvalidParam, SamplingParams
-
-# Limits on the stop conditions, checked before anything else sees them: a
-# request carries them to a node in one wire header (ProtocolLimits), and
-# every decode step matches them against the text. OpenAI allows 4 stop
-# sequences; their length is ours to bound (a stop string longer than this
-# would have to be generated whole to ever match).
-MAX_STOP = 4
-MAX_STOP_CHARS = 1024
-MAX_STOP_TOKEN_IDS = 64
 
 
 class ApiError(Exception):
@@ -47,7 +38,7 @@ class ChatMessage:
 
 
 @dataclass(frozen=True)
-class GenerateRequest:
+class ApiRequest:
     """A validated completion or chat request. Exactly one of prompt/messages is set."""
 
     model: str
@@ -78,6 +69,9 @@ def _tname(types: type | tuple) -> str:
     return " or ".join(dict.fromkeys(names.get(t, t.__name__) for t in ts))
 
 
+SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
+
+
 def _sampling(body: dict, default_max_tokens: int | None) -> tuple[SamplingParams, bool]:
     n = _get(body, "n", int, 1)
     if n != 1:
@@ -91,40 +85,25 @@ def _sampling(body: dict, default_max_tokens: int | None) -> tuple[SamplingParam
         raise bad("logprobs", "logprobs are not supported yet")
     if _get(body, "echo", bool, False):
         raise bad("echo", "echo is not supported")
-    max_tokens = _get(body, "max_completion_tokens", int, None)
-    max_tokens = _get(body, "max_tokens", int, max_tokens)
-    given = max_tokens is not None
-    if given and max_tokens < 1:
-        raise bad("max_tokens", f"max_tokens must be at least 1, got {max_tokens}")
-    stop = _get(body, "stop", (str, list), None)
-    if isinstance(stop, str):
-        stop = [stop]
-    stop = stop or []
-    if len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop):
-        raise bad("stop", f"stop must be a non-empty string or a list of up to {MAX_STOP} non-empty strings")
-    if any(len(s) > MAX_STOP_CHARS for s in stop):
-        raise bad("stop", f"each stop string must be at most {MAX_STOP_CHARS} characters")
-    stop_ids = _get(body, "stop_token_ids", list, [])
-    if len(stop_ids) > MAX_STOP_TOKEN_IDS:
-        raise bad("stop_token_ids", f"stop_token_ids must hold at most {MAX_STOP_TOKEN_IDS} ids")
-    if not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
-        raise bad("stop_token_ids", "stop_token_ids must be a list of integers", "invalid_type")
+    # Every SamplingParams field is read by SamplingParams itself (from_dict):
+    # one definition of names, types and ranges for HTTP, the wire and the
+    # engine. Here only OpenAI's spelling: null means absent, stop may be one
+    # string, max_completion_tokens is max_tokens.
+    values = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None}
+    if "max_tokens" not in values and body.get("max_completion_tokens") is not None:
+        values["max_tokens"] = body["max_completion_tokens"]
+    if isinstance(values.get("stop"), str):
+        values["stop"] = [values["stop"]]
+    given = "max_tokens" in values
+    if not given:
+        # chat's real default (the rest of the context) is set after tokenizing;
+        # until then a placeholder that admits any min_tokens
+        min_tokens = values.get("min_tokens")
+        values["max_tokens"] = default_max_tokens or max(16, min_tokens if type(min_tokens) is int else 0)
     try:
-        params = SamplingParams(
-            # chat's real default (the rest of the context) is set after tokenizing;
-            # until then a placeholder that admits any min_tokens
-            max_tokens=max_tokens if given else (default_max_tokens or max(16, _get(body, "min_tokens", int, 0))),
-            temperature=float(_get(body, "temperature", (int, float), 1.0)),
-            top_p=float(_get(body, "top_p", (int, float), 1.0)),
-            top_k=_get(body, "top_k", int, 0),
-            seed=_get(body, "seed", int, None),
-            stop=tuple(stop),
-            stop_token_ids=tuple(stop_ids),
-            ignore_eos=_get(body, "ignore_eos", bool, False),
-            min_tokens=_get(body, "min_tokens", int, 0),
-        )
+        params = SamplingParams.from_dict(values)
     except InvalidParam as exc:
-        raise bad(exc.param, str(exc)) from None
+        raise bad(exc.param, str(exc), exc.code) from None
     return params, given
 
 
@@ -146,8 +125,8 @@ def _model(body: dict) -> str:
     return model
 
 
-def parse_completion(body: Any) -> GenerateRequest:
-    """POST /v1/completions body -> GenerateRequest."""
+def parse_completion(body: Any) -> ApiRequest:
+    """POST /v1/completions body -> ApiRequest."""
     if not isinstance(body, dict):
         raise bad(None, "request body must be a JSON object")
     model = _model(body)
@@ -173,15 +152,15 @@ def parse_completion(body: Any) -> GenerateRequest:
         raise bad("prompt", "prompt must be a string or a list of token ids", "invalid_type")
     params, given = _sampling(body, default_max_tokens=16)
     stream, include_usage = _stream(body)
-    return GenerateRequest(model=model, params=params, max_tokens_given=given, stream=stream,
+    return ApiRequest(model=model, params=params, max_tokens_given=given, stream=stream,
                            include_usage=include_usage, prompt_text=text, prompt_ids=ids)
 
 
 ROLES = ("system", "user", "assistant", "developer", "tool")
 
 
-def parse_chat(body: Any) -> GenerateRequest:
-    """POST /v1/chat/completions body -> GenerateRequest (max_tokens defaults to the rest of the context)."""
+def parse_chat(body: Any) -> ApiRequest:
+    """POST /v1/chat/completions body -> ApiRequest (max_tokens defaults to the rest of the context)."""
     if not isinstance(body, dict):
         raise bad(None, "request body must be a JSON object")
     model = _model(body)
@@ -202,7 +181,7 @@ def parse_chat(body: Any) -> GenerateRequest:
                                     content=_content(m.get("content"), f"{where}.content")))
     params, given = _sampling(body, default_max_tokens=None)
     stream, include_usage = _stream(body)
-    return GenerateRequest(model=model, params=params, max_tokens_given=given, stream=stream,
+    return ApiRequest(model=model, params=params, max_tokens_given=given, stream=stream,
                            include_usage=include_usage, messages=tuple(messages))
 
 

@@ -35,7 +35,6 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
-from dataclasses import fields
 from typing import Any
 
 from engine.model.tokenizer import Tokenizer
@@ -49,26 +48,10 @@ from transports import Connection, TransportClosed, TransportError
 
 log = logging.getLogger("kvd.coordinator.client")
 
-_WIRE_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
-                "ignore_eos", "min_tokens")
-
 
 def _error_output(request_id: str, prompt_ids: list[int], message: str) -> RequestOutput:
     """The one output of a request that ends before it ran (the front door's 400)."""
     return RequestOutput(request_id, [], "", True, "error", num_prompt_tokens=len(prompt_ids), error=message)
-
-
-def params_to_wire(params: SamplingParams) -> dict[str, Any]:
-    """SamplingParams as GenerateRequest.sampling (None values left out)."""
-    out = {}
-    for name in _WIRE_PARAMS:
-        value = getattr(params, name)
-        if value is not None:
-            out[name] = list(value) if isinstance(value, tuple) else value
-    return out
-
-
-assert set(_WIRE_PARAMS) == {f.name for f in fields(SamplingParams)}, "wire params out of date"
 
 
 class NodeLink:
@@ -190,7 +173,7 @@ class RemoteEngineClient:
             raise InvalidParam("request_id", f"request id {request_id} is already in flight")
         header, _ = protocol.encode(protocol.GenerateRequest(
             id=request_id, request_id=request_id, prompt_token_ids=tuple(prompt_ids),
-            sampling=params_to_wire(params)))
+            sampling=params))
         if len(header) > self.limits.max_header_bytes:
             yield _error_output(request_id, prompt_ids, (
                 f"the request takes {len(header)} bytes on the cluster wire, over the "

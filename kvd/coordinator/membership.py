@@ -66,6 +66,7 @@ class NodeInfo:
                 "draining": self.draining, "in_flight": len(self.in_flight), "routed": self.routed,
                 "last_heartbeat_age_s": round(now - self.last_seen, 3),
                 "running": hb.running if hb else 0, "waiting": hb.waiting if hb else 0,
+                "blocks_per_tier": dict(self.blocks_per_tier),
                 "free_blocks": dict(hb.free_blocks) if hb else {},
                 "cached_blocks": hb.cached_blocks if hb else 0}
 

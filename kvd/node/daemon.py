@@ -49,7 +49,6 @@ import uuid
 from typing import Any
 
 from engine.engine import EngineConfig, LLMEngine
-from engine.request import InvalidParam, SamplingParams
 from kvd import links, protocol, trust
 from kvd.cluster_config import ClusterConfig
 from kvd.node.engine_driver import EngineDriver
@@ -60,7 +59,6 @@ from transports import InprocRegistry, Listener, TransportError, TransportOption
 
 log = logging.getLogger("kvd.node")
 
-TIER_NAMES = {"device": "gpu", "host": "cpu"}   # engine tier -> wire tier
 FAIL_MODES = ("exit", "stop", "resume", "drop-transfers")
 STATUS_INTERVAL_S = 1.0                          # STATUS= is sent only when the line changed
 
@@ -215,7 +213,7 @@ class NodeDaemon:
         return protocol.Hello(
             id=f"hello-{self.name}", deadline=time.time() + self.cluster.request_timeout,
             node=self.name, address=self.address, capabilities=("prefill", "decode", "transfer"),
-            blocks_per_tier={"gpu": eng.config.kv_blocks, "cpu": eng.config.host_kv_blocks},
+            blocks_per_tier={"device": eng.config.kv_blocks, "host": eng.config.host_kv_blocks},
             block_size=eng.config.block_size, model_name=eng.model_name,
             max_model_len=eng.max_model_len, incarnation=self.incarnation)
 
@@ -231,9 +229,9 @@ class NodeDaemon:
             id=f"hb-{self.name}-{seq}", deadline=time.time() + self.cluster.request_timeout,
             node=self.name, seq=seq, load=(snap["running"] + snap["waiting"]) / max_seqs,
             running=snap["running"], waiting=snap["waiting"],
-            free_blocks={TIER_NAMES[t]: kv.get(t, {}).get("free", 0) for t in TIER_NAMES},
+            free_blocks={t: kv.get(t, {}).get("free", 0) for t in protocol.TIERS},
             draining=self.draining,
-            cached_blocks=sum(kv.get(t, {}).get("cached", 0) for t in TIER_NAMES),
+            cached_blocks=sum(kv.get(t, {}).get("cached", 0) for t in protocol.TIERS),
             cache_events=events, stats=snap)
 
     # ------------------------------------------------------------- messages
@@ -289,12 +287,8 @@ class NodeDaemon:
     async def _stream(self, msg: protocol.GenerateRequest, peer: bytes) -> None:
         rid = msg.request_id
         try:
-            try:
-                params = SamplingParams(**msg.sampling)
-            except (InvalidParam, TypeError) as exc:
-                await self._send(peer, protocol.Error(code="invalid_param", request_id=rid, message=str(exc)))
-                return
-            outputs = self.driver.generate(rid, list(msg.prompt_token_ids), params)
+            # msg.sampling was validated by the engine's own SamplingParams on decode
+            outputs = self.driver.generate(rid, list(msg.prompt_token_ids), msg.sampling)
             async with contextlib.aclosing(outputs):  # closing early aborts in the engine
                 async for out in outputs:
                     if out.error is not None:

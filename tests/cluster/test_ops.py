@@ -137,6 +137,10 @@ def test_ready_after_serving_then_watchdog_and_status(ops):
     time.sleep(1.8)
     assert coord.count("WATCHDOG=1", since) >= 3
     assert n1.count("WATCHDOG=1", since) >= 3
+    # the engine's tier names end to end: the node's Hello and beats, the coordinator's table
+    node = admin(ops.admin_socket, "nodes")["nodes"][0]
+    assert set(node["blocks_per_tier"]) == set(node["free_blocks"]) == {"device", "host"}
+    assert 0 < node["free_blocks"]["device"] <= node["blocks_per_tier"]["device"]
     coord.wait_for("STATUS=serving 2 nodes, 0 requests", 5)
     assert any(f.startswith("STATUS=node n1: running 0, waiting 0, free blocks") for _, f in n1.fields())
 

@@ -213,7 +213,7 @@ def bad_message(draw) -> list[bytes]:
     body = orjson.loads(header)
     key = draw(st.sampled_from(sorted(set(body) - {"frames"})))
     # a value of the wrong type for that field: a list where a dict belongs
-    # ({"k": 1} is a valid Heartbeat.stats or .replicated), a dict anywhere else
+    # ({"k": 1} is a valid Heartbeat.stats), a dict anywhere else
     body[key] = [[1]] if isinstance(body[key], dict) else {"k": 1}
     if key == "type":
         body[key] = "NoSuchMessage"

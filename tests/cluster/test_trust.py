@@ -123,7 +123,7 @@ def test_a_node_key_may_not_send_what_only_the_coordinator_sends(pair):
     # the same key may not speak for another node at the coordinator either
     b_to_coordinator = pair.client_keys("coordinator", as_name="b")
     for msg in (protocol.Goodbye(node="a", reason="forged"),
-                protocol.Hello(node="a", address="zmq+tcp://127.0.0.1:9", blocks_per_tier={"gpu": 1},
+                protocol.Hello(node="a", address="zmq+tcp://127.0.0.1:9", blocks_per_tier={"device": 1},
                                block_size=16, model_name=MODEL),
                 protocol.Heartbeat(node="a", seq=1, load=0.0, running=0, waiting=0, free_blocks={})):
         reply = asyncio.run(_raw_request(_tcp(pair.coordinator_url), msg, b_to_coordinator, timeout=10))

@@ -24,7 +24,7 @@ async def node_and_client(options: TransportOptions | None = None):
     membership = Membership(deadline=5.0)
     info, _ = membership.register(protocol.Hello(
         id="h", node="n1", address="inproc://n1", incarnation="i1", model_name="m",
-        max_model_len=512, block_size=16, blocks_per_tier={"cpu": 64}))
+        max_model_len=512, block_size=16, blocks_per_tier={"host": 64}))
     client = RemoteEngineClient("m", None, membership, LeastLoadRouter())
     await client.attach(info, await connect("inproc://n1", registry=registry, options=options))
     return listener, membership, info, client
@@ -139,7 +139,7 @@ async def test_a_request_the_node_never_answers_ends_after_the_request_timeout()
 async def test_a_request_over_the_wire_limit_is_refused_before_it_is_sent():
     listener, membership, info, client = await node_and_client()
     client.limits = protocol.ProtocolLimits(max_header_bytes=4096)
-    outputs = await collect(client, "big", SamplingParams(max_tokens=2, stop=("x" * 5000,)))
+    outputs = await collect(client, "big", SamplingParams(max_tokens=2, stop=("x" * 1024,) * 4))
     assert len(outputs) == 1 and outputs[0].finish_reason == "error"
     assert "4096-byte limit" in outputs[0].error
     with pytest.raises(TimeoutError):

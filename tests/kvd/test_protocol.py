@@ -24,10 +24,10 @@ from kvd.protocol import (
 
 EXAMPLES = [
     P.Hello(id="h", node="n1", address="zmq+tcp://127.0.0.1:5555", capabilities=("decode",),
-            blocks_per_tier={"gpu": 100, "cpu": 400}, block_size=16),
-    P.Welcome(id="h", node="n1", accepted=True, heartbeat_interval=0.5, replica_peer="n2"),
-    P.Heartbeat(node="n1", seq=7, load=0.25, running=3, waiting=1, free_blocks={"gpu": 12},
-                cached_prefixes=("ab12",), replicated={"r1": 40}),
+            blocks_per_tier={"device": 100, "host": 400}, block_size=16),
+    P.Welcome(id="h", node="n1", accepted=True, heartbeat_interval=0.5),
+    P.Heartbeat(node="n1", seq=7, load=0.25, running=3, waiting=1, free_blocks={"device": 12},
+                cached_blocks=5, cache_events=2, stats={"running": 3}),
     P.GenerateRequest(id="g", request_id="r1", prompt_token_ids=(1, 2, 3), deadline=2e9,
                       sampling={"temperature": 0.0, "max_tokens": 8, "stop_token_ids": [2],
                                 "ignore_eos": False, "seed": 3}),
@@ -87,7 +87,7 @@ def test_empty_tensor_frame():
 
 
 @pytest.mark.parametrize("bad, match", [
-    (dict(sampling={"temperature": -1.0}), "out of range"),
+    (dict(sampling={"temperature": -1.0}), r"temperature must be a number in \[0, 2\]"),
     (dict(sampling={"beam_width": 4}), "unknown sampling"),
     (dict(sampling={"max_tokens": True}), "int"),
     (dict(prompt_token_ids=()), "empty"),
@@ -235,3 +235,25 @@ def test_floats_on_the_wire_stay_finite():
     assert math.isinf(float("inf"))
     with pytest.raises(ValueError):
         P.Heartbeat(node="n", seq=0, load=float("inf"), running=0, waiting=0, free_blocks={})
+
+
+def test_tier_names_are_the_engines():
+    from engine.memory.mempool import TIERS as ENGINE_TIERS
+    assert P.TIERS == ENGINE_TIERS == ("device", "host")
+    hello = dict(type="Hello", v=1, node="n", address="zmq+tcp://127.0.0.1:1", block_size=16)
+    assert isinstance(decode(h(**hello, blocks_per_tier={"device": 4, "host": 8}), []), P.Hello)
+    for wire_name in ("gpu", "cpu", "disk"):   # the old wire names are refused, not mapped
+        err = decode(h(**hello, blocks_per_tier={wire_name: 4}), [])
+        assert isinstance(err, P.ProtocolError) and err.reason == "invalid_field" and "tiers must be in" in err.detail
+        beat = dict(type="Heartbeat", v=1, node="n", seq=1, load=0.0, running=0, waiting=0)
+        err = decode(h(**beat, free_blocks={wire_name: 1}), [])
+        assert isinstance(err, P.ProtocolError) and err.reason == "invalid_field"
+
+
+@pytest.mark.parametrize("type_, field_", [
+    ("Welcome", "replica_peer"), ("Heartbeat", "cached_prefixes"), ("Heartbeat", "replicated"),
+    ("GenerateRequest", "output_token_ids"), ("KVTransferRequest", "purpose"),
+])
+def test_fields_nothing_used_are_gone(type_, field_):
+    # they were never read; a peer that still sends one is told so
+    assert field_ not in P.MESSAGE_TYPES[type_]._FIELDS

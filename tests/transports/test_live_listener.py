@@ -94,7 +94,7 @@ async def test_raw_garbage_on_the_socket_is_dropped_and_counted(live):
 async def test_one_way_bad_messages_are_counted_silently(live):
     listener, conn, rejected = live
     await conn.send(b'{"type":"Heartbeat","v":1}')  # missing fields, nobody waits
-    hb = Heartbeat(node="n1", seq=1, load=0.5, running=1, waiting=0, free_blocks={"gpu": 3})
+    hb = Heartbeat(node="n1", seq=1, load=0.5, running=1, waiting=0, free_blocks={"device": 3})
     await conn.send(*protocol.encode(hb))
     await good_round_trip(conn, 4)
     assert rejected == {"missing_field": 1}

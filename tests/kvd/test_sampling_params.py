@@ -1,0 +1,102 @@
+"""One vocabulary for sampling parameters: engine.request.SamplingParams is the
+definition, and the HTTP schema and the wire (GenerateRequest.sampling) read
+it through SamplingParams.from_dict, so each refuses exactly what the engine
+refuses, with the engine's message, and every field arrives as it was sent."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+import orjson
+import pytest
+
+from engine.request import InvalidParam, SamplingParams
+from kvd import protocol as P
+from kvd.api.schema import ApiError, parse_completion
+
+# a value the engine refuses -> the param and the code (OpenAI's) named in the error
+REFUSED = [
+    ({"temperature": 2.5}, "temperature", "invalid_value"),          # the old wire took any temperature >= 0
+    ({"temperature": -0.5}, "temperature", "invalid_value"),
+    ({"temperature": "hot"}, "temperature", "invalid_type"),
+    ({"top_p": 0}, "top_p", "invalid_value"),
+    ({"top_p": 1.5}, "top_p", "invalid_value"),
+    ({"top_k": -2}, "top_k", "invalid_value"),
+    ({"top_k": 1.5}, "top_k", "invalid_type"),
+    ({"max_tokens": 0}, "max_tokens", "invalid_value"),
+    ({"max_tokens": "3"}, "max_tokens", "invalid_type"),
+    ({"max_tokens": True}, "max_tokens", "invalid_type"),
+    ({"min_tokens": 9, "max_tokens": 4}, "min_tokens", "invalid_value"),
+    ({"seed": -1}, "seed", "invalid_value"),
+    ({"seed": 2**63}, "seed", "invalid_value"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "invalid_value"),
+    ({"stop": [""]}, "stop", "invalid_value"),
+    ({"stop": ["x" * 1025]}, "stop", "invalid_value"),
+    ({"stop": [1]}, "stop", "invalid_type"),
+    ({"stop_token_ids": list(range(65))}, "stop_token_ids", "invalid_value"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids", "invalid_value"),
+    ({"stop_token_ids": "12"}, "stop_token_ids", "invalid_type"),
+    ({"ignore_eos": "yes"}, "ignore_eos", "invalid_type"),
+]
+
+
+@pytest.mark.parametrize("values,param,code", REFUSED)
+def test_a_value_the_engine_refuses_is_refused_at_every_edge_with_its_message(values, param, code):
+    with pytest.raises(InvalidParam) as engine:
+        SamplingParams.from_dict(values)
+    assert engine.value.param == param and engine.value.code == code
+
+    with pytest.raises(ApiError) as http:
+        parse_completion({"model": "m", "prompt": "x", **values})
+    assert http.value.status == 400 and http.value.param == param
+    assert http.value.message == str(engine.value) and http.value.code == engine.value.code
+
+    header = orjson.dumps({"type": "GenerateRequest", "v": 1, "id": "g", "request_id": "r",
+                           "prompt_token_ids": [1], "sampling": values})
+    err = P.decode(header, [])
+    assert isinstance(err, P.ProtocolError) and err.reason == "invalid_field"
+    assert err.detail == str(engine.value)
+    with pytest.raises(ValueError, match=param):
+        P.GenerateRequest(request_id="r", prompt_token_ids=(1,), sampling=values)
+
+
+@pytest.mark.parametrize("key", ["min_p", "repetition_penalty", "logprobs", "presence_penalty"])
+def test_the_wire_refuses_parameters_the_engine_does_not_have(key):
+    # the old wire took these and the node refused them after the fact
+    header = orjson.dumps({"type": "GenerateRequest", "v": 1, "id": "g", "request_id": "r",
+                           "prompt_token_ids": [1], "sampling": {key: 0.5}})
+    err = P.decode(header, [])
+    assert isinstance(err, P.ProtocolError) and err.reason == "invalid_field"
+    assert err.detail == f"unknown sampling parameter {key!r}"
+
+
+# a non-default value for every field, as an OpenAI body spells it
+BODY = {"max_tokens": 7, "temperature": 0.7, "top_p": 0.9, "top_k": 5, "seed": 1234,
+        "stop": ["foo", "bar"], "stop_token_ids": [3, 4], "ignore_eos": True, "min_tokens": 2}
+EXPECTED = dict(max_tokens=7, temperature=0.7, top_p=0.9, top_k=5, seed=1234, stop=("foo", "bar"),
+                stop_token_ids=(3, 4), ignore_eos=True, min_tokens=2)
+
+
+def test_every_field_round_trips_http_wire_engine():
+    names = {f.name for f in fields(SamplingParams)}
+    assert set(BODY) == names, "a SamplingParams field this test does not carry"
+    defaults = SamplingParams()
+    assert all(getattr(defaults, k) != v for k, v in EXPECTED.items()), "each value must differ from its default"
+
+    params = parse_completion({"model": "m", "prompt": "x", **BODY}).params        # HTTP
+    assert params == SamplingParams(**EXPECTED)
+    header, frames = P.encode(P.GenerateRequest(id="g", request_id="r", prompt_token_ids=(1, 2),
+                                                sampling=params))                  # the coordinator
+    assert orjson.loads(header)["sampling"] == BODY                                # the wire's JSON
+    msg = P.decode(header, frames)                                                 # the node
+    assert isinstance(msg, P.GenerateRequest) and msg.sampling == params
+    for name, value in EXPECTED.items():                                           # what the engine gets
+        assert getattr(msg.sampling, name) == value and type(getattr(msg.sampling, name)) is type(value)
+
+
+def test_integers_where_numbers_are_due_and_absent_keys():
+    assert SamplingParams.from_dict({"temperature": 0, "top_p": 1}) == SamplingParams(temperature=0.0)
+    assert SamplingParams.from_dict({}) == SamplingParams()
+    assert SamplingParams.from_dict(SamplingParams(seed=5).to_dict()) == SamplingParams(seed=5)
+    with pytest.raises(InvalidParam, match="must be an object"):
+        SamplingParams.from_dict([1, 2])
