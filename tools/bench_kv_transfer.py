@@ -87,20 +87,18 @@ def bench_engine(num_blocks: int) -> LLMEngine:
 
 
 def bytes_per_block(engine: LLMEngine) -> int:
-    L, two, bs, kvh, hd = engine.kv.block_shape
-    return L * two * bs * kvh * hd * 4
+    return engine.pool.kv_layout().bytes_per_block
+
+
+def _block_batch(engine: LLMEngine, n: int) -> tuple[int, ...]:
+    """The shape of ``n`` blocks' KV: [L, 2, n, bs, kvh, hd]."""
+    L, two, bs, kvh, hd = engine.pool.kv_layout().block_shape
+    return (L, two, n, bs, kvh, hd)
 
 
 def drop_cache(engine: LLMEngine) -> int:
     """Evict every cached block (engine thread). Returns how many."""
-    pool = engine.pool
-    refs = pool.tree.evict(pool.tree.evictable("device"), "device")
-    by_tier: dict[str, list[int]] = {}
-    for r in refs:
-        by_tier.setdefault(r.tier, []).append(r.block_id)
-    for tier, ids in by_tier.items():
-        pool.pools[tier].free(ids)
-    return len(refs)
+    return sum(engine.pool.flush().values())
 
 
 # ─── receiver process ───────────────────────────────────────────────────────
@@ -112,7 +110,9 @@ async def serve(url: str, num_blocks: int, keys: str | None = None) -> None:
     engine = bench_engine(num_blocks)
     # a serving node's KV pool is resident; a fresh (calloc'd, untouched) pool
     # would charge first-touch page faults to whichever transfer lands first
-    engine.kv.tier("device").fill_(0)
+    ids = engine.pool.alloc_mem(num_blocks)
+    engine.pool.write_blocks(ids, torch.zeros(*_block_batch(engine, num_blocks)))
+    engine.pool.free_mem(ids)
     driver = EngineDriver(engine)
     await driver.start()
     receiver = TransferReceiver(driver)
@@ -178,8 +178,7 @@ def cache_prefix(engine: LLMEngine, tokens: list[int]) -> None:
     """Make ``tokens`` a cached prefix with random KV (engine thread)."""
     n = len(tokens) // BLOCK
     ids = engine.pool.alloc_mem(n)
-    L, two, bs, kvh, hd = engine.kv.block_shape
-    engine.kv.import_blocks("device", ids, torch.randn(L, two, n, bs, kvh, hd))
+    engine.pool.write_blocks(ids, torch.randn(*_block_batch(engine, n)))
     engine.pool.insert(tokens, ids)
 
 
@@ -213,7 +212,7 @@ async def bench_transport(url: str, sizes: list[int], driver: EngineDriver, runs
             nbytes = len(payload)
             p, x = statistics.median(plain), statistics.median(xfer)
             rows.append({"transport": url.split("://")[0], "keys": bool(keys), "size_mib": size, "bytes": nbytes,
-                         "blocks": nblocks, "layers": driver.engine.kv.num_layers, "runs": runs[size],
+                         "blocks": nblocks, "layers": driver.engine.pool.kv_layout().num_layers, "runs": runs[size],
                          "plain_gbps": nbytes / p / 1e9, "transfer_gbps": nbytes / x / 1e9,
                          "ratio": p / x, "sends_per_transfer": max(sends),
                          "frames": "/".join(sorted(frames)),

@@ -22,11 +22,19 @@ recognised and neither duplicated nor freed.
 
 Shortages return ``None`` and change nothing; misuse (double free, freeing a
 cached block, releasing twice) raises.
+
+MemPool is the only door to KV memory: code outside engine/ (the node's
+transfers, its admin commands, the benchmarks) uses the verbs of the "KV
+movement" section -- ``flush``, ``lock_prefix``/``unlock``, ``kv_layout``,
+``gather``/``pieces``, ``grant``/``import_kv``/``import_pieces``/
+``insert_granted``/``abandon``, ``write_blocks`` -- never ``tree``, ``pools``
+or the storage itself (tests/kvd/test_kv_door.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 from engine.memory.blocks import BlockPool
@@ -63,6 +71,52 @@ class PrefixHit:
 
     def __repr__(self) -> str:
         return f"PrefixHit(num_tokens={self.num_tokens}, blocks={len(self.blocks)})"
+
+
+class PrefixLock:
+    """A cached prefix locked for a transfer (``MemPool.lock_prefix``):
+    ``blocks`` (BlockRefs, any tier) cover ``num_tokens`` tokens and cannot be
+    evicted until ``MemPool.unlock(lock)``, exactly once."""
+
+    __slots__ = ("num_tokens", "blocks", "_handle", "_released")
+
+    def __init__(self, num_tokens: int, blocks: list[BlockRef], handle: object) -> None:
+        self.num_tokens = num_tokens
+        self.blocks = blocks
+        self._handle = handle
+        self._released = False
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+
+@dataclass
+class Grant:
+    """Blocks allocated to receive a transfer (``MemPool.grant``): ``lock``
+    holds the prefix the pool already had (``len(lock.blocks)`` blocks, not
+    sent), ``block_ids`` of ``tier`` take the rest, in token order."""
+
+    tokens: tuple[int, ...]
+    lock: PrefixLock
+    block_ids: list[int]
+    tier: str
+
+    @property
+    def have_blocks(self) -> int:
+        return len(self.lock.blocks)
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What a peer must agree on and a sender sizes its messages by."""
+
+    num_layers: int
+    dtype: object                       # torch dtype
+    block_shape: tuple[int, ...]        # [L, 2, bs, kvh, hd]
+    bytes_per_block: int
+    slice_bytes: int                    # one layer's K (or V) of one block
+    cpu_tiers: tuple[str, ...]          # tiers whose blocks can be sent as views (pieces)
 
 
 class MemPool:
@@ -329,6 +383,119 @@ class MemPool:
             return nfull - present
         finally:
             dst.tree.unlock(m.last_node)
+
+    # ------------------------------------------------- KV movement (kvd's door)
+    # What a transfer needs, as verbs: kvd/ never reaches the radix tree, the
+    # block pools or the KV tensors (tests/kvd/test_kv_door.py keeps it so).
+
+    def flush(self) -> dict[str, int]:
+        """Evict every unlocked cached block of every tier; returns the blocks
+        freed per tier. Locked prefixes (running requests, transfers) stay."""
+        freed = dict.fromkeys(self.pools, 0)
+        for tier in self.pools:
+            refs = self.tree.evict(self.tree.evictable(tier), tier)
+            self._free_refs(refs)       # evicting a tier may take blocks of another tier below it
+            for ref in refs:
+                freed[ref.tier] += 1
+        return freed
+
+    def lock_prefix(self, tokens: Sequence[int]) -> PrefixLock:
+        """The longest cached prefix of ``tokens`` (full blocks, any tier),
+        locked against eviction until ``unlock``: for the length of a
+        transfer. Unlike ``match`` it is not a lookup for the hit-rate
+        statistics. A miss is a lock of no blocks (unlock it too)."""
+        m = self.tree.match(tokens)
+        self.tree.lock(m.last_node)
+        return PrefixLock(m.num_tokens, list(m.blocks), m.last_node)
+
+    def unlock(self, lock: PrefixLock) -> None:
+        """Release a ``lock_prefix`` (or a grant's) lock; raises ValueError
+        when released twice."""
+        if lock.released:
+            raise ValueError("PrefixLock released twice")
+        self.tree.unlock(lock._handle)
+        lock._released = True
+
+    def grant(self, tokens: Sequence[int], num_blocks: int, tier: str = "device") -> Grant | None:
+        """Receive side of a transfer of the ``num_blocks`` full blocks of
+        ``tokens``: lock the prefix this pool already caches and allocate
+        blocks of ``tier`` for the rest. None when short of memory (nothing
+        changed). End it with ``insert_granted`` once its KV is written
+        (``import_kv``), or ``abandon`` it."""
+        tokens = tuple(tokens[:num_blocks * self.block_size])
+        if len(tokens) != num_blocks * self.block_size:
+            raise ValueError(f"grant: {len(tokens)} tokens for {num_blocks} blocks")
+        lock = self.lock_prefix(tokens)
+        have = len(lock.blocks)
+        ids = self.alloc_mem(num_blocks - have, tier) if have < num_blocks else []
+        if ids is None:
+            self.unlock(lock)
+            return None
+        return Grant(tokens, lock, ids, tier)
+
+    def insert_granted(self, grant: Grant) -> int:
+        """Index a grant's blocks under its tokens (blocks cached meanwhile
+        by someone else are duplicates: freed), unlock. Returns its tokens."""
+        refs = grant.lock.blocks + make_refs(grant.tier, grant.block_ids, self.node_id)
+        present = self.tree.insert(grant.tokens, refs)
+        dups = [r.block_id for r in refs[len(grant.lock.blocks):present]]
+        if dups:
+            self._pool(grant.tier).free(dups)
+        self.unlock(grant.lock)
+        return len(grant.tokens)
+
+    def abandon(self, grant: Grant) -> None:
+        """Free a grant's blocks and unlock its prefix: nothing was indexed."""
+        self.free_mem(grant.block_ids, grant.tier)
+        self.unlock(grant.lock)
+
+    def kv_layout(self) -> KVLayout:
+        """The KV storage's shape, for a peer to check and a sender to size."""
+        kv = self._storage()
+        return KVLayout(kv.num_layers, kv.dtype, tuple(kv.block_shape), kv.bytes_per_block, kv.slice_bytes,
+                        tuple(t for t in self.pools if kv.tier(t).device.type == "cpu"))
+
+    def gather(self, refs: Sequence[BlockRef], out: object, layers: tuple[int, int]) -> None:
+        """Copy layers ``[l0, l1)`` of the blocks ``refs`` (a locked prefix's,
+        any tiers) into ``out`` [l1-l0, 2, len(refs), bs, kvh, hd]: one copy
+        per run of consecutive ids of one tier, never one per block."""
+        kv = self._storage()
+        l0, l1 = layers
+        pos = 0
+        while pos < len(refs):
+            end = pos
+            while end < len(refs) and refs[end].tier == refs[pos].tier:
+                end += 1
+            kv.gather(refs[pos].tier, [r.block_id for r in refs[pos:end]], out[:, :, pos:end], layers=(l0, l1))
+            pos = end
+
+    def pieces(self, tier: str, ids: Sequence[int], layers: tuple[int, int]) -> tuple[list[int], list]:
+        """Byte views (no copy) of layers ``[l0, l1)`` of blocks ``ids`` of a
+        CPU tier, one per (layer, K|V, run): ``KVCache.pieces``. They alias
+        the pool: the blocks must stay locked while the views are read."""
+        return self._storage().pieces(tier, ids, layers)
+
+    def import_kv(self, grant: Grant, payload: object, layers: tuple[int, int], skip: int = 0) -> None:
+        """Write layers ``[l0, l1)`` of a granted transfer into its blocks:
+        ``payload`` [l1-l0, 2, skip + n, bs, kvh, hd] (its first ``skip``
+        blocks dropped), one copy per run of the grant's ids."""
+        if grant.block_ids:
+            self._storage().scatter(grant.tier, grant.block_ids, payload[:, :, skip:], layers=layers)
+
+    def import_pieces(self, grant: Grant, pieces: Sequence[object], lengths: Sequence[int],
+                      layers: tuple[int, int], skip: int = 0) -> None:
+        """``import_kv`` for KV that arrives as pieces (``KVCache.scatter_pieces``)."""
+        self._storage().scatter_pieces(grant.tier, grant.block_ids, pieces, lengths, layers, skip)
+
+    def write_blocks(self, ids: Sequence[int], payload: object, tier: str = "device") -> None:
+        """Overwrite whole blocks ``ids`` of ``tier`` with ``payload`` [L, 2, n, bs, kvh, hd]
+        (allocated ids: a benchmark's or a test's synthetic KV)."""
+        self._storage().import_blocks(tier, ids, payload)
+
+    def _storage(self):
+        if self.storage is None:
+            raise ValueError("this MemPool has no KV storage")
+        return self.storage
 
     # ----------------------------------------------------------------- reporting
 

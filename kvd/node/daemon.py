@@ -461,24 +461,9 @@ class NodeDaemon:
 
 
 def flush_prefix_cache(engine: LLMEngine) -> dict[str, int]:
-    """Evict every unlocked cached block of every tier; returns blocks freed per
-    tier. Runs on the engine thread (``EngineDriver.call``).
-
-    MemPool has no verb for this, so it drives its radix tree directly, as
-    ``alloc_mem`` does: evict removes the blocks from the index, and the
-    caller returns them to their pools.
-    """
-    pool = engine.pool
-    freed = dict.fromkeys(pool.pools, 0)
-    for tier in pool.pools:
-        refs = pool.tree.evict(pool.tree.evictable(tier), tier)
-        by_tier: dict[str, list[int]] = {}
-        for ref in refs:     # evicting a tier may take blocks of the other tier below it
-            by_tier.setdefault(ref.tier, []).append(ref.block_id)
-        for t, ids in by_tier.items():
-            pool.pools[t].free(ids)
-            freed[t] += len(ids)
-    return freed
+    """Evict every unlocked cached block of every tier (``MemPool.flush``);
+    returns blocks freed per tier. Runs on the engine thread (``EngineDriver.call``)."""
+    return engine.pool.flush()
 
 
 def _sender(incoming) -> tuple[bytes, str | None]:

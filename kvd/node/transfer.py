@@ -48,8 +48,10 @@ Frames come one of two ways (``KVData.pieces``):
   (zmq sends it zero-copy), and the prefix is unlocked once gathered.
 
 The receiver copies each frame into its blocks, one copy per overlap of a
-frame with a run of its block ids. Every MemPool and KV touch goes through
-``EngineDriver.call`` (inline when the engine is idle); the
+frame with a run of its block ids. KV memory is reached only through MemPool's
+verbs (``lock_prefix``/``unlock``, ``kv_layout``, ``gather``/``pieces`` on the
+sender; ``grant``, ``import_kv``/``import_pieces``, ``insert_granted``/``abandon``
+on the receiver), each inside ``EngineDriver.call`` (inline when the engine is idle); the
 receiver serialises chunk imports there, so the reaper (``expire``) never
 races an import. A receiver's allocation that never sees all its data is
 released at its deadline.
@@ -68,7 +70,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.memory.kv_cache import block_runs
-from engine.memory.radix import make_refs
+from engine.memory.mempool import Grant, KVLayout, PrefixLock
 from kvd import protocol
 from kvd.node.engine_driver import EngineDriver
 from transports import Connection
@@ -123,38 +125,20 @@ class _StagingPool:
 _STAGING = _StagingPool(STAGING_KEEP_BYTES)
 
 
-def _runs(refs: list[Any]) -> list[tuple[str, int, list[int]]]:
-    """Group refs into (tier, first position, block ids) runs of one tier."""
-    runs: list[tuple[str, int, list[int]]] = []
-    for i, r in enumerate(refs):
-        if not runs or runs[-1][0] != r.tier:
-            runs.append((r.tier, i, []))
-        runs[-1][2].append(r.block_id)
-    return runs
-
-
-def _gather(engine: Any, runs: list[tuple[str, int, list[int]]], out: Any, l0: int, l1: int) -> None:
-    """Copy layers [l0, l1) of the blocks in ``runs`` into ``out`` [l1-l0, 2, n, ...]
-    (engine thread): one strided copy per run of consecutive block ids."""
-    for tier, pos, ids in runs:
-        engine.kv.gather(tier, ids, out[:, :, pos:pos + len(ids)], layers=(l0, l1))
-
-
-def _zero_copy_tier(engine: Any, refs: list[Any], layers_per_message: int) -> str | None:
+def _zero_copy_tier(layout: KVLayout, refs: list[Any], layers_per_message: int) -> str | None:
     """The tier to send ``refs`` from without a gather (pieces layout), or
     None: they must sit in one CPU tier, in few runs of consecutive ids
     (<= MAX_PIECE_FRAMES frames in a message of ``layers_per_message``
     layers), each run's slice of a layer's K or V >= ZERO_COPY_MIN_BYTES
     (smaller ones cost more per frame than the gather they save)."""
-    kv = engine.kv
-    slice_bytes = kv.slice_bytes
+    slice_bytes = layout.slice_bytes
     if len(refs) * slice_bytes < ZERO_COPY_MIN_BYTES:
         return None                   # not even one run could make a frame worth sending
     tiers = {r.tier for r in refs}
     if len(tiers) != 1:
         return None
     tier = tiers.pop()
-    if kv.tier(tier).device.type != "cpu":
+    if tier not in layout.cpu_tiers:
         return None
     runs = block_runs([r.block_id for r in refs])
     if 2 * layers_per_message * len(runs) > MAX_PIECE_FRAMES:
@@ -162,9 +146,9 @@ def _zero_copy_tier(engine: Any, refs: list[Any], layers_per_message: int) -> st
     return tier if min(n for _, _, n in runs) * slice_bytes >= ZERO_COPY_MIN_BYTES else None
 
 
-def _piece_tensors(kv: Any, lengths: list[int], views: list[memoryview]) -> tuple[Any, ...]:
-    """``KVCache.pieces`` byte views as wire tensors (no torch op per piece)."""
-    dtype, (bs, kvh, hd) = protocol.dtype_name(kv.dtype), kv.block_shape[2:]
+def _piece_tensors(layout: KVLayout, lengths: list[int], views: list[memoryview]) -> tuple[Any, ...]:
+    """``MemPool.pieces`` byte views as wire tensors (no torch op per piece)."""
+    dtype, (bs, kvh, hd) = protocol.dtype_name(layout.dtype), layout.block_shape[2:]
     shapes = [(n, bs, kvh, hd) for n in lengths]
     R = len(lengths)
     return tuple(protocol.RawTensor(dtype, shapes[i % R], v) for i, v in enumerate(views))
@@ -188,11 +172,7 @@ def _layer_chunks(num_layers: int, nbytes: int, chunk_bytes: int,
 class _Pending:
     """A receiver-side allocation awaiting its KVData (engine-thread state)."""
 
-    tokens: tuple[int, ...]
-    have_refs: list[Any]
-    block_ids: list[int]
-    handle: Any            # radix node locked for the duration
-    tier: str
+    grant: Grant           # MemPool's: the blocks, and the lock on what this node had
     expires: float
     num_layers: int = 0
     layers_done: set[int] = field(default_factory=set)
@@ -220,7 +200,8 @@ class TransferReceiver:
 
     @staticmethod
     def _layout_error(engine: Any, num_layers: int, dtype: str) -> str | None:
-        if num_layers != engine.kv.num_layers or dtype != protocol.dtype_name(engine.kv.dtype):
+        layout = engine.pool.kv_layout()
+        if num_layers != layout.num_layers or dtype != protocol.dtype_name(layout.dtype):
             return "layout mismatch (layers or dtype)"
         return None
 
@@ -256,19 +237,14 @@ class TransferReceiver:
                                              reason="token_ids shorter than num_blocks")
             if reason := self._layout_error(engine, msg.num_layers, msg.dtype):
                 return protocol.KVAllocReply(id=msg.id, transfer_id=msg.transfer_id, ok=False, reason=reason)
-            m = pool.tree.match(tokens)
-            pool.tree.lock(m.last_node)
-            have = len(m.blocks)
-            ids = pool.alloc_mem(msg.num_blocks - have, self.tier) if have < msg.num_blocks else []
-            if ids is None:
-                pool.tree.unlock(m.last_node)
+            grant = pool.grant(tokens, msg.num_blocks, self.tier)
+            if grant is None:
                 return protocol.KVAllocReply(id=msg.id, transfer_id=msg.transfer_id, ok=False,
                                              reason="out of KV blocks")
-            self._pending[msg.transfer_id] = _Pending(tokens, list(m.blocks), ids, m.last_node,
-                                                      self.tier, time.monotonic() + timeout,
-                                                      engine.kv.num_layers, sender=sender)
+            self._pending[msg.transfer_id] = _Pending(grant, time.monotonic() + timeout,
+                                                      msg.num_layers, sender=sender)
             return protocol.KVAllocReply(id=msg.id, transfer_id=msg.transfer_id, ok=True,
-                                         block_ids=tuple(ids), have_blocks=have)
+                                         block_ids=tuple(grant.block_ids), have_blocks=grant.have_blocks)
         return allocate
 
     async def on_data(self, msg: protocol.KVData, sender: Any) -> protocol.KVAck | protocol.Error:
@@ -285,48 +261,40 @@ class TransferReceiver:
 
     def _finish(self, engine: Any, p: _Pending) -> int:
         """Insert the transferred tokens, free duplicates, unlock (engine thread)."""
-        pool = engine.pool
-        refs = p.have_refs + make_refs(p.tier, p.block_ids, pool.node_id)
-        present = pool.tree.insert(p.tokens, refs)
-        dups = [r.block_id for r in refs[len(p.have_refs):present]]
-        if dups:
-            pool.pools[p.tier].free(dups)
-        pool.tree.unlock(p.handle)
+        inserted = engine.pool.insert_granted(p.grant)
         self.completed += 1
-        return len(p.tokens)
+        return inserted
 
     def _abandon(self, engine: Any, p: _Pending) -> None:
-        engine.pool.free_mem(p.block_ids, p.tier)
-        engine.pool.tree.unlock(p.handle)
+        engine.pool.abandon(p.grant)
         self.failed += 1
 
-    def _import(self, engine: Any, tier: str, ids: list[int], l0: int, l1: int,
+    def _import(self, engine: Any, grant: Grant, l0: int, l1: int,
                 msg: protocol.KVData, skip: int = 0) -> None:
-        """Write layers [l0, l1) of the message's KV into blocks ``ids``,
+        """Write layers [l0, l1) of the message's KV into the grant's blocks,
         dropping its first ``skip`` blocks (the receiver had them): one copy
-        per overlap of a received frame with a run of ``ids``, read from the
-        frames in place. Raises ValueError on frames that do not fit."""
-        kv = engine.kv
+        per overlap of a received frame with a run of the grant's ids, read
+        from the frames in place. Raises ValueError on frames that do not fit."""
+        pool, layout, ids = engine.pool, engine.pool.kv_layout(), grant.block_ids
         if msg.pieces:
-            dtype, (bs, kvh, hd) = protocol.dtype_name(kv.dtype), kv.block_shape[2:]
+            dtype, (bs, kvh, hd) = protocol.dtype_name(layout.dtype), layout.block_shape[2:]
             R = len(msg.pieces)
             for i, t in enumerate(msg.tensors):
                 if t.dtype != dtype or t.shape != (msg.pieces[i % R], bs, kvh, hd):
                     raise ValueError(f"piece {i} is {t.dtype}{list(t.shape)}, want "
                                      f"{dtype}[{msg.pieces[i % R]}, {bs}, {kvh}, {hd}]")
-            kv.scatter_pieces(tier, ids, [t.data for t in msg.tensors], msg.pieces, (l0, l1), skip)
+            pool.import_pieces(grant, [t.data for t in msg.tensors], msg.pieces, (l0, l1), skip)
             return
         if len(msg.tensors) != 1:
             raise ValueError(f"packed KVData carries one frame, got {len(msg.tensors)}")
         payload = msg.tensors[0].to_torch()
-        L, two, bs, kvh, hd = kv.block_shape
-        if payload.dtype != kv.dtype:
-            raise ValueError(f"dtype {payload.dtype} != cache dtype {kv.dtype}")
+        L, two, bs, kvh, hd = layout.block_shape
+        if payload.dtype != layout.dtype:
+            raise ValueError(f"dtype {payload.dtype} != cache dtype {layout.dtype}")
         if tuple(payload.shape) != (l1 - l0, two, skip + len(ids), bs, kvh, hd):
             raise ValueError(f"shape {tuple(payload.shape)} does not match "
                              f"[{l1 - l0}, 2, {skip + len(ids)}, {bs}, {kvh}, {hd}]")
-        if ids:
-            kv.scatter(tier, ids, payload[:, :, skip:], layers=(l0, l1))
+        pool.import_kv(grant, payload, (l0, l1), skip)
 
     def _import_chunk(self, engine: Any, msg: protocol.KVData,
                       sender: Any) -> protocol.KVAck | protocol.Error:
@@ -339,13 +307,14 @@ class TransferReceiver:
                                   message=f"transfer {msg.transfer_id!r}: no KV allocation of this node "
                                           "for this sender (unknown, expired, or granted to another link)")
         try:
-            if list(msg.block_ids) != p.block_ids or bool(msg.tensors) != bool(p.block_ids):
+            ids = p.grant.block_ids
+            if list(msg.block_ids) != ids or bool(msg.tensors) != bool(ids):
                 raise ValueError("KVData does not match the allocation")
-            layers = range(msg.layer_start, msg.layer_end) if p.block_ids else range(p.num_layers)
+            layers = range(msg.layer_start, msg.layer_end) if ids else range(p.num_layers)
             if msg.layer_end > p.num_layers or not layers or p.layers_done.intersection(layers):
                 raise ValueError(f"bad or repeated layer range [{msg.layer_start}, {msg.layer_end})")
-            if p.block_ids:
-                self._import(engine, p.tier, p.block_ids, msg.layer_start, msg.layer_end, msg)
+            if ids:
+                self._import(engine, p.grant, msg.layer_start, msg.layer_end, msg)
         except (TypeError, ValueError, IndexError) as exc:
             del self._pending[msg.transfer_id]
             self._abandon(engine, p)
@@ -355,7 +324,7 @@ class TransferReceiver:
         if len(p.layers_done) < p.num_layers:
             return self._ack(msg, True)
         del self._pending[msg.transfer_id]
-        return self._ack(msg, True, inserted_tokens=self._finish(engine, p), have_blocks=len(p.have_refs))
+        return self._ack(msg, True, inserted_tokens=self._finish(engine, p), have_blocks=p.grant.have_blocks)
 
     async def expire(self) -> int:
         """Release allocations whose data never came. Returns how many."""
@@ -401,18 +370,17 @@ async def send_prefix(driver: EngineDriver, conn: Connection, token_ids: list[in
 
     def lock_prefix(engine):
         """Match + lock; pick the chunk size and the frame layout (pool pieces or staged)."""
-        m = engine.pool.tree.match(token_ids)
-        kv = engine.kv
-        L = kv.num_layers
-        payload = len(m.blocks) * kv.bytes_per_block
+        layout = engine.pool.kv_layout()
+        L = layout.num_layers
+        m = engine.pool.lock_prefix(token_ids)
+        payload = len(m.blocks) * layout.bytes_per_block
         chunk = max(chunk_bytes, payload) if payload <= whole_max else chunk_bytes
         per_message = max(l1 - l0 for l0, l1 in _layer_chunks(L, payload, chunk))
-        zc_tier = _zero_copy_tier(engine, m.blocks, per_message) if m.blocks else None
-        engine.pool.tree.lock(m.last_node)
-        return m, L, protocol.dtype_name(kv.dtype), kv.block_shape[2], kv.bytes_per_block, zc_tier, chunk
+        zc_tier = _zero_copy_tier(layout, m.blocks, per_message) if m.blocks else None
+        return (m, L, protocol.dtype_name(layout.dtype), layout.block_shape[2], layout.bytes_per_block,
+                zc_tier, chunk)
 
     m, num_layers, dtype, bs, block_bytes, zc_tier, chunk_bytes = await driver.call(lock_prefix)
-    locked = True
     result["blocks"] = len(m.blocks)
     deadline = time.time() + timeout
     tokens = tuple(token_ids[:len(m.blocks) * bs])
@@ -433,15 +401,14 @@ async def send_prefix(driver: EngineDriver, conn: Connection, token_ids: list[in
         clean = True
         return result
     finally:
-        if "_locked" in result:       # the stream unlocks with its last gather
-            locked = result.pop("_locked")["held"]
-        if locked and (clean or not result.get("zero_copy")):
-            await driver.call(lambda engine: engine.pool.tree.unlock(m.last_node))
-        elif locked:
+        # (a staged stream unlocks with its last gather: the data is in staging)
+        if not m.released and (clean or not result.get("zero_copy")):
+            await driver.call(lambda engine: _unlock(engine, m))
+        elif not m.released:
             # Frames that alias the pool may still sit in the transport's
             # queue: keep the blocks from being reused until the deadline has
             # passed, after which the receiver refuses the message on arrival.
-            _unlock_after(driver, m.last_node, deadline)
+            _unlock_after(driver, m, deadline)
         for buf in staging:
             if clean:
                 _STAGING.release(buf)
@@ -451,12 +418,18 @@ async def send_prefix(driver: EngineDriver, conn: Connection, token_ids: list[in
 _LATE_UNLOCKS: set[asyncio.Task] = set()
 
 
-def _unlock_after(driver: EngineDriver, node: Any, deadline: float) -> None:
-    """Unlock ``node`` once wall-clock ``deadline`` (+1 s) has passed."""
+def _unlock(engine: Any, lock: PrefixLock) -> None:
+    """Engine thread: release the sender's lock on its prefix, once."""
+    if not lock.released:
+        engine.pool.unlock(lock)
+
+
+def _unlock_after(driver: EngineDriver, lock: PrefixLock, deadline: float) -> None:
+    """Unlock ``lock`` once wall-clock ``deadline`` (+1 s) has passed."""
     async def later() -> None:
         await asyncio.sleep(max(0.0, deadline - time.time()) + 1.0)
         try:
-            await driver.call(lambda engine: engine.pool.tree.unlock(node))
+            await driver.call(lambda engine: _unlock(engine, lock))
         except Exception:  # noqa: BLE001 -- the engine stopped: nothing left to protect
             log.debug("late unlock skipped", exc_info=True)
     task = asyncio.get_running_loop().create_task(later())
@@ -483,8 +456,8 @@ async def _stream_pieces(driver: EngineDriver, conn: Connection, m: Any,
     views: list[Any] = []
     if refs:
         def pieces(engine):
-            runs, views = engine.kv.pieces(tier, [r.block_id for r in refs], (0, num_layers))
-            return runs, _piece_tensors(engine.kv, runs, views)
+            runs, views = engine.pool.pieces(tier, [r.block_id for r in refs], (0, num_layers))
+            return runs, _piece_tensors(engine.pool.kv_layout(), runs, views)
         lengths, views = await driver.call(pieces)
     per_layer = 2 * len(lengths)
     # fewer blocks than planned (the receiver had some) may mean fewer, wider
@@ -542,8 +515,6 @@ async def _stream(driver: EngineDriver, conn: Connection, m: Any, req: protocol.
     n = len(m.blocks)
     chunks = _layer_chunks(num_layers, n * block_bytes, chunk_bytes)
 
-    lock = {"held": True}
-
     def gather(refs, l0, l1, new_staging=False, unlock=False):
         """Engine thread: (optionally a fresh staging view,) gather layers
         [l0, l1) into it, (optionally) unlock the prefix: the data to send is
@@ -552,15 +523,15 @@ async def _stream(driver: EngineDriver, conn: Connection, m: Any, req: protocol.
             nonlocal view
             try:
                 if new_staging:
-                    L, two, bs, kvh, hd = engine.kv.block_shape
-                    buf, view = _STAGING.acquire((L, two, len(refs), bs, kvh, hd), engine.kv.dtype)
+                    layout = engine.pool.kv_layout()
+                    L, two, bs, kvh, hd = layout.block_shape
+                    buf, view = _STAGING.acquire((L, two, len(refs), bs, kvh, hd), layout.dtype)
                     staging.append(buf)
                 if refs and l1 > l0:
-                    _gather(engine, _runs(refs), view[l0:l1], l0, l1)
+                    engine.pool.gather(refs, view[l0:l1], (l0, l1))
             finally:
-                if unlock and lock["held"]:
-                    engine.pool.tree.unlock(m.last_node)
-                    lock["held"] = False
+                if unlock:
+                    _unlock(engine, m)
         return run
 
     # speculative: gather chunk 0 of every block while the allocation round trip runs
@@ -570,8 +541,6 @@ async def _stream(driver: EngineDriver, conn: Connection, m: Any, req: protocol.
     except BaseException:
         await asyncio.gather(alloc_call, return_exceptions=True)
         raise
-    finally:
-        result["_locked"] = lock
     alloc = await alloc_call
     if not isinstance(alloc, protocol.KVAllocReply) or not alloc.ok:
         result["reason"] = _reason(alloc)
@@ -583,7 +552,7 @@ async def _stream(driver: EngineDriver, conn: Connection, m: Any, req: protocol.
         chunks = _layer_chunks(num_layers, len(refs) * block_bytes, chunk_bytes) if refs else [(0, num_layers)]
         await driver.call(gather(refs, *chunks[0], new_staging=True, unlock=len(chunks) == 1))
     sends: list[asyncio.Future] = []
-    if len(chunks) == 1 and lock["held"]:   # nothing left to gather: unlock while chunk 0 travels
+    if len(chunks) == 1 and not m.released:   # nothing left to gather: unlock while chunk 0 travels
         sends.append(asyncio.ensure_future(driver.call(gather(refs, 0, 0, unlock=True))))
     try:
         for c, (l0, l1) in enumerate(chunks):

@@ -295,20 +295,19 @@ def test_pieces_frames_are_capped_per_message_not_per_transfer(monkeypatch):
     """A prefix in many runs (a fragmented pool) still goes as pool pieces
     when it is streamed in narrow layer chunks: the frame cap holds for each
     KVData message. One message of every layer would exceed it: staged."""
-    from types import SimpleNamespace
-
     from engine.memory.kv_cache import KVCache
+    from engine.memory.mempool import MemPool
     from engine.memory.radix import make_refs
     from kvd.node import transfer
 
     kv = KVCache(num_layers=16, num_kv_heads=8, head_dim=64, block_size=16, device_blocks=64)
-    engine = SimpleNamespace(kv=kv)
+    layout = MemPool(64, 0, 16, storage=kv).kv_layout()
     ids = [b for start in range(0, 48, 8) for b in (start, start + 1)]      # 6 runs of 2 blocks
     refs = make_refs("device", ids, "n")
     assert transfer.MAX_PIECE_FRAMES == 128
-    assert transfer._zero_copy_tier(engine, refs, layers_per_message=16) is None   # 2*16*6 > 128
-    assert transfer._zero_copy_tier(engine, refs, layers_per_message=4) == "device"
-    assert transfer._zero_copy_tier(engine, refs[:1], layers_per_message=1) is None  # 32 KiB slices
+    assert transfer._zero_copy_tier(layout, refs, layers_per_message=16) is None   # 2*16*6 > 128
+    assert transfer._zero_copy_tier(layout, refs, layers_per_message=4) == "device"
+    assert transfer._zero_copy_tier(layout, refs[:1], layers_per_message=1) is None  # 32 KiB slices
     for L, max_layers in ((16, 1), (16, 3), (16, 16), (5, 2)):
         chunks = transfer._layer_chunks(L, 1, 1 << 30, max_layers=max_layers)
         assert chunks[0][0] == 0 and chunks[-1][1] == L and len(chunks) <= L

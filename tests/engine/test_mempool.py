@@ -384,3 +384,85 @@ def test_random_ops_keep_integrity_and_data(ops):
         pool.release(hit)
     assert pool.live_hits == 0
     pool.check_integrity()
+
+
+# ---------------------------------------------------- KV movement (kvd's door)
+
+def test_flush_frees_every_unlocked_cached_block_per_tier():
+    kv = storage()
+    pool = MemPool(8, 8, BS, storage=kv)
+    pool.insert(toks(1, 2), pool.alloc_mem(2))
+    pool.insert(toks(7), pool.alloc_mem(1))
+    assert pool.swap_out(1) == 1                         # one cached block now sits in the host tier
+    held = pool.lock_prefix(toks(7))                     # a transfer holds this prefix
+    before = {t: pool.stats()[t]["cached"] for t in ("device", "host")}
+    freed = pool.flush()
+    assert sum(freed.values()) == 2 and freed["host"] == 1
+    assert freed == {t: before[t] - pool.stats()[t]["cached"] for t in ("device", "host")}
+    pool.check_integrity()
+    assert pool.stats()["device"]["cached"] + pool.stats()["host"]["cached"] == 1   # the locked one stays
+    pool.unlock(held)
+    assert sum(pool.flush().values()) == 1
+    assert pool.stats()["device"]["free"] == 8 and pool.stats()["host"]["free"] == 8
+    pool.check_integrity()
+
+
+def test_lock_prefix_keeps_blocks_from_eviction_until_unlocked_once():
+    pool = MemPool(2, 0, BS, storage=storage(2, 0))
+    pool.insert(toks(1, 2), pool.alloc_mem(2))
+    lock = pool.lock_prefix(toks(1, 2, 3))
+    assert lock.num_tokens == 2 * BS and len(lock.blocks) == 2
+    assert pool.alloc_mem(1) is None                     # locked: not evictable
+    assert pool.stats()["hit_tokens"] == 0               # not a lookup for the statistics
+    pool.unlock(lock)
+    with pytest.raises(ValueError, match="twice"):
+        pool.unlock(lock)
+    assert pool.alloc_mem(1) is not None
+    miss = pool.lock_prefix(toks(9))
+    assert miss.blocks == [] and miss.num_tokens == 0
+    pool.unlock(miss)
+    pool.check_integrity()
+
+
+def test_grant_import_and_insert_granted_move_exact_bytes():
+    a_kv, b_kv = storage(), storage()
+    a = MemPool(8, 8, BS, node_id="a", storage=a_kv)
+    b = MemPool(8, 8, BS, node_id="b", storage=b_kv)
+    ids = a.alloc_mem(3)
+    stamp(a_kv, "device", ids, [5.0, 6.0, 7.0])
+    a.insert(toks(1, 2, 3), ids)
+    b_first = b.alloc_mem(1)
+    stamp(b_kv, "device", b_first, [5.0])
+    b.insert(toks(1), b_first)                           # the receiver has the first block
+    lock = a.lock_prefix(toks(1, 2, 3))
+    grant = b.grant(toks(1, 2, 3), 3)
+    assert grant.have_blocks == 1 and len(grant.block_ids) == 2
+    layout = a.kv_layout()
+    L = layout.num_layers
+    out = torch.empty(L, 2, 3, *layout.block_shape[2:], dtype=layout.dtype)
+    a.gather(lock.blocks, out, (0, L))
+    b.import_kv(grant, out, (0, L), skip=grant.have_blocks)
+    a.unlock(lock)
+    assert b.insert_granted(grant) == 3 * BS
+    hit = b.match(toks(1, 2, 3))
+    assert hit.num_tokens == 3 * BS
+    assert values(b_kv, "device", [r.block_id for r in hit.blocks]) == [5.0, 6.0, 7.0]
+    b.release(hit)
+    a.check_integrity()
+    b.check_integrity()
+
+
+def test_insert_granted_frees_blocks_cached_meanwhile_and_abandon_frees_all():
+    pool = MemPool(8, 0, BS, storage=storage(8, 0))
+    grant = pool.grant(toks(1, 2), 2)
+    other = pool.alloc_mem(2)
+    pool.insert(toks(1, 2), other)                       # the same prefix cached meanwhile
+    assert pool.insert_granted(grant) == 2 * BS
+    assert pool.stats()["device"]["cached"] == 2 and pool.stats()["device"]["request_owned"] == 0
+    pool.check_integrity()
+    grant = pool.grant(toks(5, 6), 2)
+    pool.abandon(grant)
+    assert pool.stats()["device"]["free"] == 6
+    assert pool.grant(toks(1, 2, 3, 4, 5, 6, 7, 8, 9), 9) is None   # short: nothing changed
+    assert pool.stats()["device"]["free"] == 6 and pool.stats()["device"]["cached"] == 2
+    pool.check_integrity()
