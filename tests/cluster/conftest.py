@@ -12,6 +12,7 @@ one of those keys, the way the daemons themselves do.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -201,6 +202,19 @@ class Cluster:
             p.stop()
         self.coordinator.stop()
 
+
+
+@contextlib.contextmanager
+def running_cluster(tmp: Path, transport: str, nodes: list[str], extra: tuple[str, ...] = ()):
+    """A coordinator and ``nodes``, all registered, stopped on exit (for module fixtures)."""
+    c = Cluster(tmp, transport, extra)
+    for n in nodes:
+        c.start_node(n)
+    try:
+        c.wait_nodes(nodes)
+        yield c
+    finally:
+        c.stop()
 
 @pytest.fixture(scope="session")
 def reference_engine():

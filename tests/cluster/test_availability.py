@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from .conftest import MODEL, Cluster, admin
+from .conftest import MODEL, Cluster, admin, running_cluster
 
 NODES = ["n1", "n2"]
 DEADLINE = 3.0          # conftest.HEARTBEAT
@@ -19,14 +19,8 @@ DEADLINE = 3.0          # conftest.HEARTBEAT
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    c = Cluster(tmp_path_factory.mktemp("availability"), "zmq+tcp")
-    for n in NODES:
-        c.start_node(n)
-    try:
-        c.wait_nodes(NODES)
+    with running_cluster(tmp_path_factory.mktemp("availability"), "zmq+tcp", NODES) as c:
         yield c
-    finally:
-        c.stop()
 
 
 def health(c: Cluster) -> httpx.Response:

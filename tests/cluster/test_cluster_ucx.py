@@ -8,7 +8,7 @@ import importlib.util
 
 import pytest
 
-from .conftest import Cluster, admin, reference_tokens
+from .conftest import admin, reference_tokens, running_cluster
 from .test_cluster_zmq import prompt, stream_text
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx not installed")
@@ -17,14 +17,8 @@ NODES = ["u1", "u2", "u3"]
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    c = Cluster(tmp_path_factory.mktemp("ucx"), "ucx")
-    for n in NODES:
-        c.start_node(n)
-    try:
-        c.wait_nodes(NODES)
+    with running_cluster(tmp_path_factory.mktemp("ucx"), "ucx", NODES) as c:
         yield c
-    finally:
-        c.stop()
 
 
 def test_concurrent_streams_over_ucx_match_the_single_node_engine(cluster, reference_engine):

@@ -14,7 +14,7 @@ import time
 import openai
 import pytest
 
-from .conftest import MODEL, Cluster, admin, reference_tokens
+from .conftest import MODEL, Cluster, admin, reference_tokens, running_cluster
 
 NODES = ["n1", "n2", "n3"]
 DEADLINE = 3.0
@@ -22,14 +22,8 @@ DEADLINE = 3.0
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    c = Cluster(tmp_path_factory.mktemp("zmq"), "zmq+tcp")
-    for n in NODES:
-        c.start_node(n)
-    try:
-        c.wait_nodes(NODES)
+    with running_cluster(tmp_path_factory.mktemp("zmq"), "zmq+tcp", NODES) as c:
         yield c
-    finally:
-        c.stop()
 
 
 def prompt(seed: int, n: int = 24) -> list[int]:

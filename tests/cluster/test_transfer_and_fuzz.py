@@ -19,19 +19,13 @@ import transports
 from kvd import protocol
 from transports.base import KIND_MSG, KIND_REQUEST, pack_envelope
 
-from .conftest import MODEL, Cluster, admin, reference_tokens
+from .conftest import MODEL, Cluster, admin, reference_tokens, running_cluster
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    c = Cluster(tmp_path_factory.mktemp("pair"), "zmq+tcp")
-    c.start_node("a")
-    c.start_node("b")
-    try:
-        c.wait_nodes(["a", "b"])
+    with running_cluster(tmp_path_factory.mktemp("pair"), "zmq+tcp", ["a", "b"]) as c:
         yield c
-    finally:
-        c.stop()
 
 
 async def _generate(cluster: Cluster, node: str, ids: list[int], max_tokens: int) -> tuple[list[int], dict]:

@@ -29,10 +29,9 @@ import torch
 import zmq
 import zmq.asyncio
 
-import transports
 from kvd import protocol
 
-from .conftest import MODEL, ROOT, TINY, Cluster, admin, free_port, reference_tokens
+from .conftest import MODEL, ROOT, TINY, Cluster, admin, free_port, reference_tokens, running_cluster
 
 pytestmark = pytest.mark.timeout(300)
 NO_REPLY_S = 2.0        # how long a forged request waits for the reply that must not come
@@ -40,14 +39,8 @@ NO_REPLY_S = 2.0        # how long a forged request waits for the reply that mus
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    c = Cluster(tmp_path_factory.mktemp("trust"), "zmq+tcp")
-    c.start_node("a")
-    c.start_node("b")
-    try:
-        c.wait_nodes(["a", "b"])
+    with running_cluster(tmp_path_factory.mktemp("trust"), "zmq+tcp", ["a", "b"]) as c:
         yield c
-    finally:
-        c.stop()
 
 
 def _tcp(url: str) -> str:
