@@ -63,8 +63,11 @@ def build_model(config: EngineConfig, weights: LoadedWeights) -> LlamaModel:
     Quantized weights (``weights = "native"`` on a GGUF with Q4_0/Q4_1/Q8_0
     matrices) run on this CPU's quantized-weights kernel; where there is none
     (no AVX2/FMA/F16C, or a failed build: logged) they are dequantized here and
-    served as ``weights = "dequantize"`` would serve them."""
+    served as ``weights = "dequantize"`` would serve them. ``dtype = "auto"``
+    is float32 for quantized weights on every CPU: their kernels compute in
+    fp32, and only an fp32 model decodes through the plan executor."""
     kernel = None
+    dtype = resolve_dtype(config.dtype)
     if weights.is_quantized:
         kernel = QuantKernel.create()
         if kernel is None:
@@ -72,7 +75,9 @@ def build_model(config: EngineConfig, weights: LoadedWeights) -> LlamaModel:
             weights = weights.dequantized()
         else:
             log.info("serving %s with its quantized weights (%s kernel)", weights.source, kernel.variant)
-    return LlamaModel(weights.config, weights.tensors, dtype=resolve_dtype(config.dtype), quant_kernel=kernel)
+            if config.dtype == "auto":
+                dtype = torch.float32
+    return LlamaModel(weights.config, weights.tensors, dtype=dtype, quant_kernel=kernel)
 
 
 @dataclass

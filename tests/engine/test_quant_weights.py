@@ -171,6 +171,16 @@ def test_build_model_uses_the_host_kernel(tiny_gguf, kernel):
     assert not build_model(EngineConfig(), load_gguf(tiny_gguf)).quantized
 
 
+def test_auto_dtype_is_float32_for_native_weights(tiny_gguf, kernel, monkeypatch):
+    """Even where the CPU computes bf16 (faked here: this host has no AVX512-BF16),
+    native weights run fp32; explicit dtypes and float weights are unchanged."""
+    from engine import engine as engine_module
+    monkeypatch.setattr(engine_module, "cpu_has_native_bf16", lambda: True)
+    assert build_model(EngineConfig(), load_gguf(tiny_gguf, quantized=True)).dtype == torch.float32
+    assert build_model(EngineConfig(), load_gguf(tiny_gguf)).dtype == torch.bfloat16
+    assert build_model(EngineConfig(dtype="bfloat16"), load_gguf(tiny_gguf, quantized=True)).dtype == torch.bfloat16
+
+
 def test_without_a_kernel_the_engine_serves_dequantized_weights(tiny_gguf, monkeypatch):
     """A CPU without AVX2 (which this machine cannot be): the weights are
     dequantized at load, exactly the fp32 loader's."""
