@@ -169,3 +169,21 @@ def test_native_weights_batch_and_prefix_exactness(native_engine, prompts):
     assert warm.generate(prompts, params) == alone                          # every prefix now cached
     assert warm.stats.prefix_hit_tokens >= sum(len(p) // 16 * 16 for p in prompts)
     warm.check_integrity()
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_native_weights_preemption_exactness(native_engine, prompts, mode):
+    """Native weights under KV pressure: preempted requests give the tokens they give
+    alone. Recompute rebuilds KV that the plan executor wrote through the torch
+    prefill, which agrees with it to fp32 rounding only: measured, not by construction."""
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    model, tok = native_engine.model, native_engine.tokenizer
+    cold = LLMEngine(EngineConfig(model="smollm2", dtype="float32", kv_blocks=512, enable_prefix_caching=False),
+                     model, tok, "smollm2")
+    alone = [cold.generate([p], params)[0] for p in prompts]
+    small = LLMEngine(EngineConfig(model="smollm2", dtype="float32", kv_blocks=24, host_kv_blocks=64,
+                                   enable_prefix_caching=False, preemption_mode=mode), model, tok, "smollm2")
+    assert small.runner.fused is not None
+    assert small.generate(prompts, params) == alone
+    assert small.stats.preemptions > 0
+    small.check_integrity()

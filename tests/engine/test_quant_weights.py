@@ -212,3 +212,21 @@ def test_native_and_dequantized_engines_agree(tiny_gguf, tokenizer, kernel):
     fp32 = native_engine(tiny_gguf, tokenizer, weights="dequantize")
     assert native.model.quantized and not fp32.model.quantized
     assert native.generate(prompts, params) == fp32.generate(prompts, params)
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_preempted_requests_keep_their_tokens(tiny_gguf, tokenizer, kernel, mode):
+    """Under KV pressure, with decode on the plan executor: swap keeps the KV bit for
+    bit; recompute rebuilds decode-written KV through prefill (forward), which agrees
+    with the executor only to fp32 rounding, so its exactness is measured here."""
+    prompts = [[(5 * i + j) % 500 + 3 for j in range(6 + 5 * i)] for i in range(8)]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    cold = native_engine(tiny_gguf, tokenizer, enable_prefix_caching=False)
+    assert cold.runner.fused is not None
+    alone = [cold.generate([p], params)[0] for p in prompts]
+    cfg = EngineConfig(model=str(tiny_gguf), dtype="float32", kv_blocks=14, host_kv_blocks=64,
+                       enable_prefix_caching=False, preemption_mode=mode)
+    small = LLMEngine(cfg, cold.model, tokenizer, "tiny-gguf")
+    assert small.generate(prompts, params) == alone
+    assert small.stats.preemptions > 0
+    small.check_integrity()
