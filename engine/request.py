@@ -168,7 +168,7 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     host_block_ids: list[int] = field(default_factory=list)   # while SWAPPED
-    prefix: object | None = None        # MemPool PrefixHit, released exactly once
+    prefix: object | None = None        # MemPool PrefixLock (match), released exactly once
     num_computed: int = 0
     num_cached_tokens: int = 0          # prompt tokens served from the prefix cache
     num_preemptions: int = 0

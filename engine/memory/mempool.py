@@ -54,8 +54,11 @@ class KVStorage(Protocol):
     def import_blocks(self, tier: str, ids: Sequence[int], payload: object) -> None: ...
 
 
-class PrefixHit:
-    """A locked cached prefix; pass to ``MemPool.release`` exactly once."""
+class PrefixLock:
+    """A cached prefix locked against eviction: ``blocks`` (BlockRefs, any
+    tier) cover ``num_tokens`` tokens. From ``MemPool.match`` (a lookup, for a
+    request; give it back with ``release``) or ``MemPool.lock_prefix`` (for a
+    transfer; give it back with ``unlock``), exactly once either way."""
 
     __slots__ = ("num_tokens", "blocks", "_handle", "_released")
 
@@ -70,25 +73,7 @@ class PrefixHit:
         return self._released
 
     def __repr__(self) -> str:
-        return f"PrefixHit(num_tokens={self.num_tokens}, blocks={len(self.blocks)})"
-
-
-class PrefixLock:
-    """A cached prefix locked for a transfer (``MemPool.lock_prefix``):
-    ``blocks`` (BlockRefs, any tier) cover ``num_tokens`` tokens and cannot be
-    evicted until ``MemPool.unlock(lock)``, exactly once."""
-
-    __slots__ = ("num_tokens", "blocks", "_handle", "_released")
-
-    def __init__(self, num_tokens: int, blocks: list[BlockRef], handle: object) -> None:
-        self.num_tokens = num_tokens
-        self.blocks = blocks
-        self._handle = handle
-        self._released = False
-
-    @property
-    def released(self) -> bool:
-        return self._released
+        return f"PrefixLock(num_tokens={self.num_tokens}, blocks={len(self.blocks)})"
 
 
 @dataclass
@@ -207,7 +192,7 @@ class MemPool:
             pool.free(dups)
         return nfull - present
 
-    def match(self, tokens: Sequence[int]) -> PrefixHit:
+    def match(self, tokens: Sequence[int]) -> PrefixLock:
         """Longest cached prefix of ``tokens`` (full blocks), LOCKED for the
         caller until ``release(hit)``. Blocks may be in the host tier: the
         engine calls ``swap_in`` for those. A miss is a hit of 0 tokens (it
@@ -217,14 +202,11 @@ class MemPool:
         self.hit_tokens += m.num_tokens
         self.miss_tokens += len(tokens) - m.num_tokens
         self.live_hits += 1
-        return PrefixHit(m.num_tokens, m.blocks, m.last_node)
+        return PrefixLock(m.num_tokens, m.blocks, m.last_node)
 
-    def release(self, hit: PrefixHit) -> None:
-        """Unlock a hit; raises ValueError when released twice."""
-        if hit._released:
-            raise ValueError("PrefixHit released twice")
-        self.tree.unlock(hit._handle)
-        hit._released = True
+    def release(self, hit: PrefixLock) -> None:
+        """Unlock a ``match``; raises ValueError when released twice."""
+        self.unlock(hit)
         self.live_hits -= 1
 
     def delete(self, tokens: Sequence[int]) -> int:
@@ -266,7 +248,7 @@ class MemPool:
         """Bring cached host blocks back to device (one copy call), updating the
         index; returns their new device ids in order, or None when device
         memory is short (nothing changed). Refs are typically the host part of
-        a live PrefixHit, whose ``blocks`` are NOT updated: use the result."""
+        a live PrefixLock, whose ``blocks`` are NOT updated: use the result."""
         refs = list(refs)
         bad = [r for r in refs if r.tier != "host" or r.node_id != self.node_id
                or not self.tree.holds(r)]
