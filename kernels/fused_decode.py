@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from engine.model.llama import LlamaModel
 from kernels import native
+from kernels.decode_inputs import check_decode_inputs
 
 log = logging.getLogger(__name__)
 
@@ -173,15 +174,9 @@ class FusedDecoder:
         Returns fp32 logits [B, V]. Raises ValueError on bad input (nothing written)."""
         B = ids.shape[0]
         cfg = self.config
-        if (kv.dtype != torch.bfloat16 or not kv.is_contiguous()
-                or tuple(kv.shape) != (cfg.num_layers, 2, self.num_blocks, self.block_size,
-                                       cfg.num_kv_heads, cfg.head_dim)):
-            raise ValueError(f"kv {tuple(kv.shape)} {kv.dtype} does not match the fused decoder")
-        if ids.dtype != torch.int64 or positions.dtype != torch.int64 or block_tables.dtype != torch.int64:
-            raise ValueError("ids, positions and block_tables must be int64")
-        ids, positions, tables = ids.contiguous(), positions.contiguous(), block_tables.contiguous()
-        if positions.shape != (B,) or tables.dim() != 2 or tables.shape[0] != B:
-            raise ValueError("ids, positions and block_tables disagree on the batch size")
+        ids, positions, tables = check_decode_inputs(ids, positions, block_tables, kv, config=cfg,
+                                                     num_blocks=self.num_blocks, block_size=self.block_size,
+                                                     dtype=torch.bfloat16, what="fused decoder")
         logits = torch.empty(B, cfg.vocab_size, dtype=torch.float32)
         prof = self.phase_seconds
         if prof is not None and (prof.dtype != torch.float64 or prof.shape != (len(PHASES),)):

@@ -38,6 +38,7 @@ import torch
 
 from engine.model.llama import LAYER_STEPS, LlamaModel
 from kernels import native
+from kernels.decode_inputs import check_decode_inputs
 from kernels.quant import QuantTensor
 from kernels.quant_linear import VARIANTS, QuantLinear, host_variant
 
@@ -164,15 +165,9 @@ class PlanDecoder:
         Returns fp32 logits [B, V]. Raises ValueError on bad input (nothing written)."""
         B = ids.shape[0]
         cfg = self.config
-        if (kv.dtype != torch.float32 or not kv.is_contiguous()
-                or tuple(kv.shape) != (cfg.num_layers, 2, self.num_blocks, self.block_size,
-                                       cfg.num_kv_heads, cfg.head_dim)):
-            raise ValueError(f"kv {tuple(kv.shape)} {kv.dtype} does not match the plan decoder")
-        if ids.dtype != torch.int64 or positions.dtype != torch.int64 or block_tables.dtype != torch.int64:
-            raise ValueError("ids, positions and block_tables must be int64")
-        ids, positions, tables = ids.contiguous(), positions.contiguous(), block_tables.contiguous()
-        if ids.dim() != 1 or positions.shape != (B,) or tables.dim() != 2 or tables.shape[0] != B:
-            raise ValueError("ids, positions and block_tables disagree on the batch size")
+        ids, positions, tables = check_decode_inputs(ids, positions, block_tables, kv, config=cfg,
+                                                     num_blocks=self.num_blocks, block_size=self.block_size,
+                                                     dtype=torch.float32, what="plan decoder")
         logits = torch.empty(B, cfg.vocab_size, dtype=torch.float32)
         rc = self._step(ctypes.byref(self.desc), kv.data_ptr(), B, ids.data_ptr(), positions.data_ptr(),
                         tables.data_ptr(), tables.shape[1], logits.data_ptr(), torch.get_num_threads())
