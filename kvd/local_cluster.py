@@ -7,12 +7,15 @@ ucx) and registering with this coordinator, which binds its registration
 address first. Every link is authenticated: unless the config names a
 ``curve_keys_dir`` (or says ``insecure``), a keypair for the coordinator and
 for each node is generated in the private (0700) runtime directory, which is
-removed, keys and all, when ``kvd serve`` ends. SIGTERM drains the front door (``drain_timeout``, then what is still
-open is ended), then stops the nodes (kvd/supervisor.py: SIGTERM and SIGINT,
-SIGKILL after NODE_STOP_TIMEOUT_S), then closes HTTP. A node process that
-exits is reaped and its exit logged; the failure detector removes it and
-requests go to the survivors, and unless ``[cluster].restart_nodes`` is off
+removed, keys and all, when ``kvd serve`` ends. SIGTERM drains the front
+door (``drain_timeout``, then what is still open is ended), then stops the
+nodes (kvd/supervisor.py: SIGTERM and SIGINT, SIGKILL after
+NODE_STOP_TIMEOUT_S), then closes HTTP. A node process that exits is reaped
+and its exit logged; it is declared dead at once and requests go to the
+survivors, and unless ``[cluster].restart_nodes`` is off
 (``--no-restart-nodes``) it is started again, with a backoff, and rejoins.
+If this process is killed outright, each node gets SIGTERM from the kernel
+(``$KVD_PARENT``, see ``kvd.cli``) and exits rather than live on orphaned.
 
 systemd notify: READY=1 once all N nodes registered and HTTP is bound (the
 coordinator's), the watchdog from this loop; the node processes get no
