@@ -39,6 +39,12 @@ def storage(device=8, host=8) -> CountingKV:
     return CountingKV(2, 1, 2, BS, device, host, torch.float64)
 
 
+def two_pools() -> tuple[MemPool, CountingKV, MemPool, CountingKV]:
+    """Pools of nodes "a" and "b" (8 device + 8 host blocks each) and their storages."""
+    a_kv, b_kv = storage(), storage()
+    return MemPool(8, 8, BS, node_id="a", storage=a_kv), a_kv, MemPool(8, 8, BS, node_id="b", storage=b_kv), b_kv
+
+
 def stamp(kv: KVCache, tier: str, ids, values) -> None:
     """Fill each block with one value, so a block's identity is its bytes."""
     for i, v in zip(ids, values):
@@ -223,9 +229,7 @@ def test_private_swap_round_trip():
 # ------------------------------------------------------------------ transfer
 
 def test_transfer_lands_exact_bytes_in_one_payload():
-    a_kv, b_kv = storage(), storage()
-    a = MemPool(8, 8, BS, node_id="a", storage=a_kv)
-    b = MemPool(8, 8, BS, node_id="b", storage=b_kv)
+    a, a_kv, b, b_kv = two_pools()
     ids = a.alloc_mem(3)
     stamp(a_kv, "device", ids, [5.0, 6.0, 7.0])
     got = a.transfer(b, ids)
@@ -245,9 +249,7 @@ def test_transfer_lands_exact_bytes_in_one_payload():
 
 
 def test_transfer_with_insert_makes_receiver_hit():
-    a_kv, b_kv = storage(), storage()
-    a = MemPool(8, 8, BS, node_id="a", storage=a_kv)
-    b = MemPool(8, 8, BS, node_id="b", storage=b_kv)
+    a, a_kv, b, b_kv = two_pools()
     ids = a.alloc_mem(4)
     stamp(a_kv, "device", ids, [1.0, 2.0, 3.0, 4.0])
     prompt = toks(1, 2, 3) + [9, 9]               # 3 full blocks + a partial tail
@@ -425,9 +427,7 @@ def test_lock_prefix_keeps_blocks_from_eviction_until_unlocked_once():
 
 
 def test_grant_import_and_insert_granted_move_exact_bytes():
-    a_kv, b_kv = storage(), storage()
-    a = MemPool(8, 8, BS, node_id="a", storage=a_kv)
-    b = MemPool(8, 8, BS, node_id="b", storage=b_kv)
+    a, a_kv, b, b_kv = two_pools()
     ids = a.alloc_mem(3)
     stamp(a_kv, "device", ids, [5.0, 6.0, 7.0])
     a.insert(toks(1, 2, 3), ids)
