@@ -89,9 +89,6 @@ class KeyDirectory:
             return None           # the directory is gone: nobody is authorized
         return self._names.get(public_key)
 
-    def names(self) -> dict[bytes, str]:
-        return dict(self._names)
-
 
 def as_key_set(allowed: Any) -> KeySet:
     """A KeySet from a KeySet, a {public: name} mapping or a set of public keys."""
