@@ -438,7 +438,7 @@ class NodeDaemon:
     async def cmd_cache_flush(self, args: dict) -> dict:
         """Drop every unlocked cached block (on the engine thread, between steps);
         blocks of running requests and locked prefixes stay."""
-        freed = await self.driver.call(flush_prefix_cache, timeout=self.cluster.request_timeout)
+        freed = await self.driver.call(lambda engine: engine.pool.flush(), timeout=self.cluster.request_timeout)
         self.heartbeat.kick()       # the coordinator's view of cached blocks
         log.info("cache flush: freed %s", freed)
         return {"freed": freed, "kv": self.driver.stats().get("kv", {})}
@@ -458,12 +458,6 @@ class NodeDaemon:
             await conn.close()
         self.transfers_sent += result["transferred"]
         return result
-
-
-def flush_prefix_cache(engine: LLMEngine) -> dict[str, int]:
-    """Evict every unlocked cached block of every tier (``MemPool.flush``);
-    returns blocks freed per tier. Runs on the engine thread (``EngineDriver.call``)."""
-    return engine.pool.flush()
 
 
 def _sender(incoming) -> tuple[bytes, str | None]:
