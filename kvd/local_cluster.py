@@ -32,7 +32,7 @@ import signal
 import sys
 import tempfile
 
-from kvd.cluster_config import ClusterConfig, with_overrides
+from kvd.cluster_config import COORDINATOR_NAME, ClusterConfig, with_overrides
 from kvd.coordinator.daemon import CoordinatorDaemon
 from kvd.coordinator.settings import CoordinatorSettings, load_tokenizer
 from kvd.sdnotify import Notifier, run_watchdog
@@ -63,7 +63,7 @@ def cluster_keys(cluster: ClusterConfig, runtime_dir: str, node_names: list[str]
     from transports.keys import generate_keypair
 
     keys = os.path.join(runtime_dir, "keys")
-    for name in ["coordinator", *node_names]:
+    for name in [COORDINATOR_NAME, *node_names]:
         generate_keypair(keys, name)
     return with_overrides(cluster, curve_keys_dir=keys)
 

@@ -30,7 +30,7 @@ from aiohttp import web
 from kvd import links, protocol, trust
 from kvd.api.connections import CappedSite, fit_open_files, runner_options
 from kvd.api.http import FrontDoor
-from kvd.cluster_config import ClusterConfig
+from kvd.cluster_config import COORDINATOR_NAME, ClusterConfig
 from kvd.config import ServerConfig
 from kvd.coordinator.admin_commands import CoordinatorAdmin, as_admin_errors
 from kvd.coordinator.client import RemoteEngineClient
@@ -96,7 +96,7 @@ class CoordinatorDaemon:
 
     async def start_registration(self) -> None:
         if self.listener is None:
-            self.listener = await links.listen(self.cluster.coordinator, self.cluster, "coordinator",
+            self.listener = await links.listen(self.cluster.coordinator, self.cluster, COORDINATOR_NAME,
                                                registry=self.registry, options=self.options)
 
     async def start_http(self) -> None:
@@ -264,7 +264,7 @@ class CoordinatorDaemon:
         if info.name not in self.client.links:
             try:
                 conn = await asyncio.wait_for(
-                    links.connect(hello.address, self.cluster, "coordinator", hello.node,
+                    links.connect(hello.address, self.cluster, COORDINATOR_NAME, hello.node,
                                   registry=self.registry, options=self.options),
                     self.cluster.request_timeout)
             except (TransportError, TimeoutError, OSError) as exc:

@@ -50,7 +50,7 @@ from typing import Any
 
 from engine.engine import EngineConfig, LLMEngine
 from kvd import links, protocol, trust
-from kvd.cluster_config import ClusterConfig
+from kvd.cluster_config import COORDINATOR_NAME, ClusterConfig
 from kvd.node.engine_driver import EngineDriver
 from kvd.node.heartbeat import Heartbeater
 from kvd.node.transfer import TransferReceiver, send_prefix
@@ -205,7 +205,7 @@ class NodeDaemon:
 
     # ----------------------------------------------------------- registration
     async def _connect_coordinator(self):
-        return await links.connect(self.coordinator_url, self.cluster, self.name, "coordinator",
+        return await links.connect(self.coordinator_url, self.cluster, self.name, COORDINATOR_NAME,
                                    registry=self.registry, options=self.options)
 
     def _hello(self) -> protocol.Hello:
