@@ -10,7 +10,7 @@ engine. One sample is
   (b) transfer: ``kvd.node.transfer.send_prefix`` — the MemServe steps for
       real: allocation request -> KVAllocReply (the receiver's grant, bound
       to this link), then layer chunks of ~CHUNK_BYTES (<= num_layers of
-      them; ONE for payloads up to CHUNK_BYTES) sent without waiting, each
+      them; ONE for payloads up to WHOLE_MAX_BYTES, 32 MiB) sent without waiting, each
       imported on arrival (a copy per frame and run of block ids, from the
       received frames), the last inserts -> KVAck. Frames are views of the
       sender's pool (one per layer, K|V and run of blocks) when a run's slice
