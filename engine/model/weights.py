@@ -164,13 +164,7 @@ def load_gguf(path: str | Path, quantized: bool = False) -> LoadedWeights:
         name = _gguf_to_hf_name(tensor.name, path)
         if name is None:
             continue
-        try:
-            qtype = gguf.GGMLQuantizationType(tensor.tensor_type)
-        except ValueError:
-            raise ValueError(f"{path}: tensor {tensor.name} has unknown GGUF type {tensor.tensor_type}") from None
-        if qtype.name not in SUPPORTED_GGUF_TYPES:
-            raise ValueError(f"{path}: tensor {tensor.name} has GGUF type {qtype.name}, "
-                             f"which kvd does not dequantize (supported: {', '.join(SUPPORTED_GGUF_TYPES)})")
+        qtype = gguf.GGMLQuantizationType(tensor.tensor_type)     # a supported type: _check_tensor_table
         if quantized and qtype.name in NATIVE_GGUF_TYPES and len(tensor.shape) == 2:
             weight = _gguf_blocks(tensor, qtype.name, path)
         else:
