@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.memory.kv_cache import KVCache
-from engine.memory.mempool import MemPool
+from engine.memory.mempool import MemPool, Reservation
 from engine.model.llama import LlamaModel
 from engine.model.registry import resolve_model
 from engine.model.tokenizer import Tokenizer
@@ -25,6 +25,7 @@ from engine.config import EngineConfig  # noqa: F401  (re-exported: callers impo
 from engine.runner import ModelRunner
 from engine.sampling import make_generator
 from engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from engine.stream import KVSink, LayerStreamer
 from kernels.fused_decode import FusedDecoder
 from kernels.plan_decode import PlanDecoder
 from kernels.quant_linear import QuantKernel
@@ -88,6 +89,7 @@ class EngineStats:
     generation_tokens: int = 0
     prefix_hit_tokens: int = 0
     preemptions: int = 0
+    handed_off: int = 0                 # prefilled here, decoded elsewhere (engine.stream)
     finished: dict = field(default_factory=lambda: {r.value: 0 for r in FinishReason})
     steps: int = 0
 
@@ -150,8 +152,53 @@ class LLMEngine:
             raise InvalidParam("max_tokens", f"{total} tokens would need more KV blocks than the "
                                f"{self.config.kv_blocks} this node has")
 
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Queue a request. Raises InvalidParam (nothing queued) or ValueError on a duplicate id."""
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                    kv_out: KVSink | None = None) -> None:
+        """Queue a request. Raises InvalidParam (nothing queued) or ValueError on a duplicate id.
+
+        ``kv_out``: prefill only. The prompt's KV goes to the sink layer by
+        layer as the prefill computes it (its first ``kv_out.skip_blocks``
+        blocks excepted); the first token is sampled here, and unless it
+        ends the request, the request's one output says ``handed_off`` (the
+        request is done here; its prompt's KV stays in the prefix cache)."""
+        req = self._new_request(request_id, prompt_ids, params)
+        req.kv_out = kv_out
+        self.scheduler.add(req)
+
+    def add_prefilled(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                      reservation: Reservation, first_token: int, cached_tokens: int = 0
+                      ) -> RequestOutput | None:
+        """Run a request whose prompt KV another instance computed into
+        ``reservation`` (``MemPool.reserve`` of ``prompt_ids``, every layer
+        imported) and whose first token it sampled: the request decodes from
+        there. The first token's output was the prefill instance's to send:
+        it is replayed into the stop conditions and text state, not emitted.
+        Returns that replayed output when the token already ends the request
+        here (then nothing runs), else None. The reservation belongs to the
+        request from now on, whatever happens; on an exception it was
+        cancelled. ``cached_tokens``: prompt tokens the prefill side served
+        from its cache (reported in usage)."""
+        try:
+            if tuple(prompt_ids) != reservation.tokens:
+                raise ValueError("add_prefilled: the reservation is for another prompt")
+            if not 0 <= first_token < self.model.config.vocab_size:
+                raise InvalidParam("first_token", "first token id out of the vocabulary")
+            req = self._new_request(request_id, prompt_ids, params)
+        except Exception:
+            self.pool.cancel(reservation)
+            raise
+        req.prefix = reservation.prefix
+        req.block_ids = reservation.all_ids
+        req.num_computed = len(prompt_ids)
+        req.num_cached_tokens = cached_tokens
+        out = self.outputs.append(req, first_token)
+        if out.finished:
+            self._retire(req, cache=True)
+            return out
+        self.scheduler.add_prefilled(req)
+        return None
+
+    def _new_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Request:
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id}")
         vocab = self.model.config.vocab_size
@@ -162,7 +209,7 @@ class LLMEngine:
         self.requests[request_id] = req
         self._generators[request_id] = make_generator(params)
         self.outputs.add(req)
-        self.scheduler.add(req)
+        return req
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Finish ``request_id`` now, returning its blocks. None if unknown or done."""
@@ -195,8 +242,11 @@ class LLMEngine:
     def _execute(self, batch: ScheduledBatch) -> list[RequestOutput]:
         reqs = batch.requests
         banned = [(i, ids) for i, r in enumerate(reqs) if (ids := self.outputs.banned_ids(r))]
+        streamed = [r for r in reqs if r.kv_out is not None] if batch.is_prefill else []
+        on_layer = LayerStreamer(self.pool, [(self._prompt_blocks(r)[r.kv_out.skip_blocks:], r.kv_out)
+                                             for r in streamed]) if streamed else None
         tokens = self.runner.execute(reqs, batch.is_prefill,
-                                     [self._generators[r.request_id] for r in reqs], banned)
+                                     [self._generators[r.request_id] for r in reqs], banned, on_layer)
         outs = []
         for req, tok in zip(reqs, tokens):
             if batch.is_prefill and req.num_preemptions == 0:
@@ -205,16 +255,25 @@ class LLMEngine:
             req.num_computed = req.num_tokens
             out = self.outputs.append(req, tok)
             self.stats.generation_tokens += 1
+            if req.kv_out is not None and not out.finished:
+                out.finished = out.handed_off = True      # its decode runs where its KV went
+                req.finish_reason = None
             if out.finished:
                 self.scheduler.remove(req)
                 self._retire(req, cache=True)
             outs.append(out)
         return outs
 
+    def _prompt_blocks(self, req: Request) -> list[int]:
+        return req.block_ids[:-(-len(req.prompt_ids) // self.config.block_size)]
+
     def _retire(self, req: Request, cache: bool) -> None:
         self.scheduler.release_memory(req, cache=cache)
         req.status = RequestStatus.FINISHED
-        self.stats.finished[req.finish_reason.value] += 1
+        if req.finish_reason is None:
+            self.stats.handed_off += 1
+        else:
+            self.stats.finished[req.finish_reason.value] += 1
         self.requests.pop(req.request_id, None)
         self._generators.pop(req.request_id, None)
         self.outputs.discard(req.request_id)

@@ -169,6 +169,7 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     host_block_ids: list[int] = field(default_factory=list)   # while SWAPPED
     prefix: object | None = None        # MemPool PrefixLock (match), released exactly once
+    kv_out: object | None = None        # engine.stream.KVSink: prefill here, stream the KV, hand off
     num_computed: int = 0
     num_cached_tokens: int = 0          # prompt tokens served from the prefix cache
     num_preemptions: int = 0
@@ -206,3 +207,4 @@ class RequestOutput:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    handed_off: bool = False            # finished here after its prefill: another instance decodes it

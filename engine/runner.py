@@ -17,6 +17,8 @@ always runs the torch model.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from engine.model.llama import LlamaModel
@@ -82,19 +84,22 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, requests: list[Request], is_prefill: bool, generators: list,
-                banned: list[tuple[int, list[int]]]) -> list[int]:
+                banned: list[tuple[int, list[int]]],
+                on_layer: Callable[[int], None] | None = None) -> list[int]:
         """Run one step; writes KV for every computed token and returns one sampled id per request.
 
         ``banned``: (row, token ids) masked for requests below their min_tokens.
+        ``on_layer``: the prefill's layer hook (engine.stream.LayerStreamer).
         """
         ids, positions, batch, last_rows = self.build_batch(requests, is_prefill)
         if not is_prefill and self.fused is not None:
             logits = self.fused.decode(ids, positions, batch.block_tables, self.kv)  # [B, V]
         else:
-            hidden = self.model.forward(ids, positions, batch, self.kv)      # [T, D]
+            hidden = self.model.forward(ids, positions, batch, self.kv, on_layer)   # [T, D]
             if len(last_rows) != hidden.shape[0]:
                 hidden = hidden[torch.tensor(last_rows, dtype=torch.int64)]  # [B, D]
             logits = self.model.compute_logits(hidden)                       # [B, V]
         if banned:
             apply_min_tokens(logits, banned)
-        return sample(logits, [r.params for r in requests], generators)
+        return sample(logits, [r.params for r in requests], generators,
+                      [len(r.output_ids) for r in requests])

@@ -1,8 +1,12 @@
 """Token sampling: greedy, temperature, top-k, top-p, per-request seeds.
 
-Greedy rows are one vectorised argmax. Random rows are sampled one by one
-with the request's own ``torch.Generator`` so a seeded request draws the same
-tokens whatever else shares its batch.
+Greedy rows are one vectorised argmax. Random rows are sampled one by one.
+A seeded request's draw for its output token ``i`` comes from a generator
+seeded with ``draw_seed(seed, i)``: it depends on nothing but the seed and the
+token's position, so the same tokens come out whatever else shares the batch,
+and a request that moves between nodes (a prefill node samples token 0, a
+decode node the rest; a replica resumes after a failure) needs no generator
+state carried with it.
 """
 
 from __future__ import annotations
@@ -12,13 +16,25 @@ import torch
 from engine.request import SamplingParams
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def draw_seed(seed: int, position: int) -> int:
+    """The generator seed of output token ``position`` of a request seeded
+    ``seed`` (splitmix64 of the pair: neighbouring positions and seeds give
+    unrelated streams). A non-negative int below 2**63."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
+
+
 def make_generator(params: SamplingParams) -> torch.Generator | None:
-    """A generator for a seeded random request; None for greedy or unseeded."""
+    """A generator for a seeded random request (reseeded before every draw,
+    see ``sample``); None for greedy or unseeded."""
     if params.greedy or params.seed is None:
         return None
-    g = torch.Generator()
-    g.manual_seed(params.seed)
-    return g
+    return torch.Generator()
 
 
 def apply_min_tokens(logits: torch.Tensor, banned: list[tuple[int, list[int]]]) -> None:
@@ -28,13 +44,17 @@ def apply_min_tokens(logits: torch.Tensor, banned: list[tuple[int, list[int]]]) 
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> list[int]:
-    """logits: [B, V] fp32 -> one token id per row."""
+           generators: list[torch.Generator | None], positions: list[int]) -> list[int]:
+    """logits: [B, V] fp32 -> one token id per row. ``positions[row]``: the
+    output index of the token drawn for that row (its seeded draw's key)."""
     out = logits.argmax(dim=-1).tolist()
     for row, p in enumerate(params):
         if p.greedy:
             continue
-        out[row] = _sample_row(logits[row], p, generators[row])
+        g = generators[row]
+        if g is not None:
+            g.manual_seed(draw_seed(p.seed, positions[row]))
+        out[row] = _sample_row(logits[row], p, g)
     return out
 
 

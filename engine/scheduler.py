@@ -4,6 +4,9 @@ Pure Python (no torch). Each call to :meth:`Scheduler.schedule` picks ONE kind
 of step — prefill or decode — because on this engine they never share a step
 (DESIGN §4). The policy:
 
+0. Prefilled requests (their prompt's KV computed by another instance and
+   imported into reserved blocks, ``add_prefilled``) join the running set
+   while sequence slots last; they decode in the next decode step.
 1. Swapped requests come back first (FCFS), if their blocks fit on device.
 2. Otherwise admit waiting requests FCFS while blocks, sequence slots and the
    token budget last: ``MemPool.match`` finds the cached prefix (locked for the
@@ -65,20 +68,26 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
+        self.prefilled: deque[Request] = deque()
 
     # ------------------------------------------------------------------ queues
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
+    def add_prefilled(self, req: Request) -> None:
+        """Queue a request whose blocks hold its computed tokens
+        (``num_computed``) already: it joins ``running`` when a slot is free."""
+        self.prefilled.append(req)
+
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped)
+        return bool(self.waiting or self.running or self.swapped or self.prefilled)
 
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running) + len(self.swapped)
+        return len(self.waiting) + len(self.running) + len(self.swapped) + len(self.prefilled)
 
     def remove(self, req: Request) -> None:
         """Take ``req`` out of whatever queue holds it (no memory released)."""
-        for queue in (self.waiting, self.swapped):
+        for queue in (self.waiting, self.swapped, self.prefilled):
             if req in queue:
                 queue.remove(req)
                 return
@@ -88,6 +97,10 @@ class Scheduler:
     # --------------------------------------------------------------- schedule
     def schedule(self) -> ScheduledBatch | None:
         """Pick the next step; None when there is nothing to run."""
+        while self.prefilled and len(self.running) < self.config.max_num_seqs:
+            req = self.prefilled.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
         if self.swapped and self._swap_in_ready():
             pass  # swapped requests rejoin running and decode below
         elif self.waiting and not self.swapped:

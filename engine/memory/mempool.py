@@ -92,6 +92,32 @@ class Grant:
         return len(self.lock.blocks)
 
 
+@dataclass
+class Reservation:
+    """Device blocks reserved for a request whose prompt KV another instance
+    computes (disaggregated prefill, ``MemPool.reserve``): ``prefix`` is this
+    pool's cached prefix of the prompt, locked as a request's lookup
+    (``match``), its blocks on device at ``prefix_ids``; ``block_ids`` take
+    the rest of the prompt, blocks ``[have_blocks, ceil(len(tokens)/bs))``,
+    the last one possibly partial. The KV arrives through ``import_kv``; the
+    engine then runs the request from these blocks (``LLMEngine.add_prefilled``),
+    or ``cancel`` returns them."""
+
+    tokens: tuple[int, ...]
+    prefix: PrefixLock
+    prefix_ids: list[int]
+    block_ids: list[int]
+    tier: str = "device"
+
+    @property
+    def have_blocks(self) -> int:
+        return len(self.prefix_ids)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prefix_ids + self.block_ids
+
+
 @dataclass(frozen=True)
 class KVLayout:
     """What a peer must agree on and a sender sizes its messages by."""
@@ -431,6 +457,50 @@ class MemPool:
         self.free_mem(grant.block_ids, grant.tier)
         self.unlock(grant.lock)
 
+    def cached_tokens(self, tokens: Sequence[int]) -> int:
+        """How many leading tokens of ``tokens`` this pool caches (full
+        blocks, any tier). A peek: nothing is locked or counted."""
+        return self.tree.match(tokens).num_tokens
+
+    def reserve(self, tokens: Sequence[int]) -> Reservation | None:
+        """Reserve device blocks for every token of a prompt whose KV another
+        instance computes: the cached prefix of ``tokens[:-1]`` (as
+        ``match`` finds it: counted as a lookup, host blocks swapped in) plus
+        fresh blocks for the rest. None when device memory is short (nothing
+        changed). End it with ``LLMEngine.add_prefilled`` or ``cancel``."""
+        bs = self.block_size
+        hit = self.lock_prefix(tokens[:-1])
+        host = [r for r in hit.blocks if r.tier != "device"]
+        moved = iter(())
+        if host:
+            new_ids = self.swap_in(host)
+            if new_ids is None:
+                self.unlock(hit)
+                return None
+            moved = iter(new_ids)
+        prefix_ids = [r.block_id if r.tier == "device" else next(moved) for r in hit.blocks]
+        fresh = self.alloc_mem(-(-len(tokens) // bs) - len(prefix_ids))
+        if fresh is None:
+            self.unlock(hit)
+            return None
+        self.hit_tokens += hit.num_tokens                 # from here on it is a request's lookup
+        self.miss_tokens += len(tokens) - 1 - hit.num_tokens
+        self.live_hits += 1
+        return Reservation(tuple(tokens), hit, prefix_ids, fresh)
+
+    def cancel(self, res: Reservation) -> None:
+        """Return a reservation that will not run: its fresh blocks are freed
+        and its prefix released (raises ValueError when done twice)."""
+        self.free_mem(res.block_ids, res.tier)
+        res.block_ids = []
+        self.release(res.prefix)
+
+    def gather_blocks(self, ids: Sequence[int], out: object, layers: tuple[int, int],
+                      tier: str = "device") -> None:
+        """``gather`` of a running request's own blocks (ids of ``tier``, which
+        the request holds: no lock needed while it runs)."""
+        self._storage().gather(tier, ids, out, layers=layers)
+
     def kv_layout(self) -> KVLayout:
         """The KV storage's shape, for a peer to check and a sender to size."""
         kv = self._storage()
@@ -457,8 +527,10 @@ class MemPool:
         the pool: the blocks must stay locked while the views are read."""
         return self._storage().pieces(tier, ids, layers)
 
-    def import_kv(self, grant: Grant, payload: object, layers: tuple[int, int], skip: int = 0) -> None:
-        """Write layers ``[l0, l1)`` of a granted transfer into its blocks:
+    def import_kv(self, grant: Grant | Reservation, payload: object, layers: tuple[int, int],
+                  skip: int = 0) -> None:
+        """Write layers ``[l0, l1)`` of a granted transfer (or a reservation's
+        KV) into its fresh blocks:
         ``payload`` [l1-l0, 2, skip + n, bs, kvh, hd] (its first ``skip``
         blocks dropped), one copy per run of the grant's ids."""
         if grant.block_ids:

@@ -19,6 +19,7 @@ object).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -237,9 +238,11 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, x: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
-                kv: torch.Tensor) -> torch.Tensor:
+                kv: torch.Tensor, on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """x: token ids [T] (first stage) or hidden [T, D]; positions [T];
-        kv: [local_layers, 2, N, bs, kvh, hd]. Returns hidden [T, D] (final-normed on the last stage)."""
+        kv: [local_layers, 2, N, bs, kvh, hd]. Returns hidden [T, D] (final-normed on the last stage).
+        ``on_layer(i)`` runs after local layer ``i`` wrote its K/V (a layer-wise
+        KV stream, engine/stream/layers.py); it must not block."""
         cfg, lin = self.config, self._linear
         if not self.is_first:
             h = x.to(self.dtype)                                                  # [T, D]
@@ -271,6 +274,8 @@ class LlamaModel:
                     raise ValueError(f"LAYER_STEPS: unknown op {op!r}")
                 acts[step.dst] = y
             h = acts["h"]
+            if on_layer is not None:
+                on_layer(i)
         if self.is_last:
             h = rms_norm(h, self.norm, eps)
         return h
