@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
                        const=False, default=None, help="disable the MemPool prefix cache")
     serve.add_argument("--nodes", type=int, default=0,
                        help="run N node processes on this machine (default: one node in this process)")
+    serve.add_argument("--prefill", type=int, default=0,
+                       help="with --nodes N: P of them are prefill nodes, the other N-P decode nodes "
+                       "(disaggregated prefill; default 0: N mixed nodes)")
     serve.add_argument("--restart-nodes", dest="restart_nodes", action=argparse.BooleanOptionalAction,
                        default=None, help="with --nodes: start a node process that exited again "
                        "([cluster].restart_nodes, default on)")
@@ -75,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     node.add_argument("--listen", help="transport URL to listen on (default: [nodes.NAME].address)")
     node.add_argument("--coordinator", help="coordinator URL (default: [cluster].coordinator)")
     node.add_argument("--admin-socket", help="admin Unix socket path (default: [nodes.NAME].admin_socket)")
+    node.add_argument("--role", choices=("mixed", "prefill", "decode"), default=None,
+                      help="what this node computes (default: [nodes.NAME].role, else mixed)")
     for flag, (dest, typ, help_) in ENGINE_FLAGS.items():
         node.add_argument(flag, dest=dest, type=typ, default=None, help=help_)
     node.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_const",
@@ -108,6 +113,12 @@ def _cluster_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--insecure", dest="insecure", action="store_const", const=True, default=None,
                    help="allow a port without authentication (no keys): anyone who reaches it "
                         "may send it anything; for debugging on a trusted host")
+    p.add_argument("--prefill-threshold", dest="prefill_threshold", type=int, default=None,
+                   help="a decode node computes prompts with fewer uncached tokens itself "
+                        "([cluster].prefill_threshold)")
+    p.add_argument("--kv-load-failure", dest="kv_load_failure", choices=("recompute", "fail"), default=None,
+                   help="a decode node whose prompt KV does not arrive: recompute or fail "
+                        "([cluster].kv_load_failure)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -124,9 +135,12 @@ def main(argv: list[str] | None = None) -> int:
 def _cluster(args: argparse.Namespace):
     from kvd.cluster_config import load_cluster_config
 
-    overrides = {k: getattr(args, k) for k in ("transport", "heartbeat_interval", "heartbeat_deadline",
-                                               "curve_keys_dir", "insecure")}
+    overrides = {k: getattr(args, k) for k in CLUSTER_OVERRIDES}
     return load_cluster_config(args.config, overrides)
+
+
+CLUSTER_OVERRIDES = ("transport", "heartbeat_interval", "heartbeat_deadline", "curve_keys_dir", "insecure",
+                     "prefill_threshold", "kv_load_failure")
 
 
 def _run(main_coro_factory) -> int:
@@ -207,7 +221,7 @@ def node(args: argparse.Namespace) -> int:
         import signal
 
         daemon = NodeDaemon(config.engine, cluster, args.name, address=args.listen,
-                            coordinator=args.coordinator, admin_socket=args.admin_socket,
+                            coordinator=args.coordinator, admin_socket=args.admin_socket, role=args.role,
                             drain_timeout=config.server.drain_timeout, notifier=notifier)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -282,6 +296,9 @@ def serve(args: argparse.Namespace) -> int:
     if args.nodes < 0:
         print("kvd: error: --nodes must be >= 0", file=sys.stderr)
         return 2
+    if args.prefill and not 0 < args.prefill < args.nodes:
+        print("kvd: error: --prefill P needs --nodes N with 0 < P < N (N-P decode nodes)", file=sys.stderr)
+        return 2
     _logging(config.server.log_level)
     notifier, watchdog = _systemd()
     if args.nodes:
@@ -290,7 +307,8 @@ def serve(args: argparse.Namespace) -> int:
 
         node_args = _passthrough(args)
         return _run(lambda: LocalCluster(CoordinatorSettings.from_config(config), cluster, args.nodes,
-                                         node_args, notifier=notifier, watchdog=watchdog).run())
+                                         node_args, notifier=notifier, watchdog=watchdog,
+                                         prefill=args.prefill).run())
     from kvd.server import Server  # imports torch: after argument errors are reported
 
     return _run(lambda: Server(config, cluster, notifier=notifier, watchdog=watchdog).run())
@@ -310,7 +328,8 @@ def _passthrough(args: argparse.Namespace) -> list[str]:
             out += [flag, str(getattr(args, dest))]
     for flag, dest in (("--heartbeat-interval", "heartbeat_interval"),
                        ("--heartbeat-deadline", "heartbeat_deadline"),
-                       ("--curve-keys-dir", "curve_keys_dir"), ("--transport", "transport")):
+                       ("--curve-keys-dir", "curve_keys_dir"), ("--transport", "transport"),
+                       ("--prefill-threshold", "prefill_threshold"), ("--kv-load-failure", "kv_load_failure")):
         if getattr(args, dest) is not None:
             out += [flag, str(getattr(args, dest))]
     if args.insecure:

@@ -37,6 +37,13 @@ class ConfigError(ValueError):
 
 
 COORDINATOR_NAME = "coordinator"   # the coordinator's key name; no node may take it
+ROLES = ("mixed", "prefill", "decode")
+KV_LOAD_FAILURE = ("recompute", "fail")
+
+
+def check_role(where: str, role: str) -> None:
+    if role not in ROLES:
+        raise ConfigError(f"{where} must be one of {ROLES}, got {role!r}")
 
 
 def check_node_name(name: str) -> None:
@@ -54,9 +61,11 @@ class NodeConfig:
     name: str
     address: str = ""                 # transport URL; "" = transport on 127.0.0.1, any port
     admin_socket: str = ""            # Unix socket path; "" = no admin socket
+    role: str = "mixed"               # ROLES: whole requests, prompts only, or decodes
 
     def __post_init__(self) -> None:
         check_node_name(self.name)
+        check_role(f"nodes.{self.name}.role", self.role)
         if self.address:
             _check_url(f"nodes.{self.name}.address", self.address)
 
@@ -89,6 +98,14 @@ class ClusterConfig:
         progress thread, which takes a core; "polling", "thread-polling").
     restart_nodes: ``kvd serve --nodes N`` starts a node process that exited
         again, with a backoff (kvd/supervisor.py); off: a dead node stays dead.
+    prefill_threshold: a decode node computes a prompt itself when fewer
+        than this many of its tokens are not in its prefix cache (the rest
+        go to a prefill node); 0 sends every prompt to a prefill node.
+    kv_load_failure: what a decode node does when the prompt's KV does not
+        arrive (prefill node dead, transfer past its deadline, refused):
+        "recompute" the prompt itself (the request completes), or "fail" it.
+    kv_transfer_timeout: seconds from a decode node's reservation to the
+        prefill node's commit (prefill and transfer, queueing included).
     """
 
     transport: str = "zmq+tcp"
@@ -102,6 +119,9 @@ class ClusterConfig:
     admin_socket: str = ""
     ucx_progress_mode: str = "blocking"
     restart_nodes: bool = True
+    prefill_threshold: int = 64
+    kv_load_failure: str = "recompute"
+    kv_transfer_timeout: float = 60.0
     nodes: dict[str, NodeConfig] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -119,6 +139,13 @@ class ClusterConfig:
         if self.ucx_progress_mode not in UCX_PROGRESS_MODES:
             raise ConfigError(f"cluster.ucx_progress_mode must be one of {UCX_PROGRESS_MODES}, "
                               f"got {self.ucx_progress_mode!r}")
+        if self.prefill_threshold < 0:
+            raise ConfigError("cluster.prefill_threshold must be >= 0")
+        if self.kv_load_failure not in KV_LOAD_FAILURE:
+            raise ConfigError(f"cluster.kv_load_failure must be one of {KV_LOAD_FAILURE}, "
+                              f"got {self.kv_load_failure!r}")
+        if not self.kv_transfer_timeout > 0:
+            raise ConfigError("cluster.kv_transfer_timeout must be > 0")
         if self.curve_keys_dir and self.transport == "inproc":
             raise ConfigError("cluster.curve_keys_dir authenticates zmq+ and ucx links, not inproc")
 

@@ -1,5 +1,8 @@
 """``kvd serve --nodes N``: a coordinator here and N node processes on this machine.
 
+With ``--prefill P`` nodes n1..nP are prefill nodes and the others decode
+nodes (disaggregated prefill, docs/cluster.md); else all are mixed.
+
 The node processes run ``kvd node`` with the same config file and engine
 flags, named n1..nN, listening on loopback (``[cluster].transport``: zmq+tcp
 on 127.0.0.1 with a free port, zmq+ipc under a private runtime directory, or
@@ -71,7 +74,7 @@ def cluster_keys(cluster: ClusterConfig, runtime_dir: str, node_names: list[str]
 class LocalCluster:
     def __init__(self, settings: CoordinatorSettings, cluster: ClusterConfig, num_nodes: int,
                  node_args: list[str], notifier: Notifier | None = None,
-                 watchdog: float | None = None) -> None:
+                 watchdog: float | None = None, prefill: int = 0) -> None:
         self.settings = settings
         self.notifier = notifier or Notifier(None)
         self.watchdog = watchdog                 # seconds between WATCHDOG=1; None: off
@@ -79,6 +82,7 @@ class LocalCluster:
         self.cluster = cluster_keys(local_cluster(cluster, self.runtime_dir), self.runtime_dir,
                                     [f"n{i + 1}" for i in range(num_nodes)])
         self.num_nodes = num_nodes
+        self.prefill = prefill                   # n1..nP prefill nodes, the rest decode nodes
         self.node_args = node_args
         self.supervisor: NodeSupervisor | None = None
         self.coordinator: CoordinatorDaemon | None = None
@@ -89,6 +93,8 @@ class LocalCluster:
                   else f"{scheme}://127.0.0.1:0")
         cmd = [sys.executable, "-m", "kvd.cli", "node", "--name", name, "--coordinator", coordinator_url,
                "--listen", listen, *self.node_args]
+        if self.prefill:
+            cmd += ["--role", "prefill" if int(name[1:]) <= self.prefill else "decode"]
         if self.cluster.curve_keys_dir:
             cmd += ["--curve-keys-dir", self.cluster.curve_keys_dir]     # the last flag wins
         return cmd

@@ -36,6 +36,7 @@ import orjson
 
 from engine.memory.mempool import TIERS as MEMPOOL_TIERS
 from engine.request import SamplingParams
+from kvd.cluster_config import ROLES as CONFIG_ROLES
 from kvd.ratelog import LOG_EVERY_S, RateLimitedLog
 from transports.base import Connection, Incoming, Listener, TransportClosed, TransportError, as_buffer
 
@@ -261,6 +262,8 @@ def message(cls: type[Message]) -> type[Message]:
 
 TIERS = MEMPOOL_TIERS  # the engine's memory tiers ("device", "host"), fastest first: one set of names
 FINISH_REASONS = ("stop", "length", "abort", "error")
+ROLES = CONFIG_ROLES                      # what a node computes: whole requests, prompts, or decodes
+COMMIT_STATUSES = ("done", "finished", "failed")
 def _require(ok: bool, what: str) -> None:
     if not ok:
         raise ValueError(what)
@@ -277,7 +280,7 @@ class Hello(Message):
 
     node: str
     address: str                       # transport URL the node listens on
-    capabilities: tuple[str, ...] = ()  # e.g. "prefill", "decode", "ucx"
+    role: str = "mixed"                # ROLES: mixed (default), prefill or decode
     blocks_per_tier: dict[str, int]    # KV blocks per tier (TIERS: "device", "host")
     block_size: int                    # tokens per KV block
     model_name: str = ""               # the served model (all nodes of a cluster agree)
@@ -287,6 +290,7 @@ class Hello(Message):
     def _check(self) -> None:
         _require(bool(self.node) and bool(self.address), "node and address must be set")
         _require(self.max_model_len >= 0, "max_model_len must be >= 0")
+        _require(self.role in ROLES, f"role must be one of {ROLES}")
         _require(_tiers_ok(self.blocks_per_tier), f"tiers must be in {TIERS}, counts >= 0")
         _require(self.block_size > 0, "block_size must be > 0")
 
@@ -336,16 +340,58 @@ class GenerateRequest(Message):
     ``sampling`` is the engine's own ``SamplingParams``: on the wire a JSON
     object of its fields (absent ones take their defaults), decoded by
     ``SamplingParams.from_dict``, so a value the engine would refuse is an
-    ``invalid_field`` here, with the engine's message."""
+    ``invalid_field`` here, with the engine's message.
+
+    Disaggregated requests (docs/cluster.md, "Disaggregated prefill") take two
+    of these, one per leg:
+
+    - to the decode node, ``prefill_node`` names a prefill node the decode
+      node may have the prompt computed on; its ``Accepted`` then carries the
+      grant (``kv_*``) when it chose to, none when it prefills itself;
+    - to that prefill node, ``kv_to_node``/``kv_to_address`` and the grant
+      (``kv_transfer_id``, ``kv_block_ids``, ``kv_have_blocks``, ``kv_num_layers``,
+      ``kv_dtype``): it computes the prompt, streams the KV of blocks
+      ``[kv_have_blocks, ...)`` into ``kv_block_ids`` layer by layer, sends the
+      first token to the coordinator (TokenChunk 0) and to the decode node
+      (``KVCommit``), and is done."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    prefill_node: str = ""
+    kv_to_node: str = ""
+    kv_to_address: str = ""
+    kv_transfer_id: str = ""
+    kv_block_ids: tuple[int, ...] = ()
+    kv_have_blocks: int = 0
+    kv_num_layers: int = 0
+    kv_dtype: str = ""
 
     def _check(self) -> None:
         _require(bool(self.request_id), "request_id must be set")
         _require(len(self.prompt_token_ids) > 0, "prompt must not be empty")
         _require(all(t >= 0 for t in self.prompt_token_ids), "token ids must be >= 0")
+        _require(not (self.prefill_node and self.kv_to_node), "a request has one leg: prefill_node or kv_to_node")
+        if self.kv_to_node:
+            _check_grant(self.kv_transfer_id, self.kv_block_ids, self.kv_have_blocks, self.kv_num_layers,
+                         self.kv_dtype, len(self.prompt_token_ids))
+            _require(bool(self.kv_to_address), "kv_to_address must be set with kv_to_node")
+
+    @property
+    def is_prefill_leg(self) -> bool:
+        return bool(self.kv_to_node)
+
+
+def _check_grant(transfer_id: str, block_ids: tuple[int, ...], have_blocks: int, num_layers: int,
+                 dtype: str, prompt_len: int) -> None:
+    """A decode node's grant for a prompt of ``prompt_len`` tokens: blocks
+    [have_blocks, ceil(prompt_len / bs)) (block size unknown here: checked by
+    the prefill node)."""
+    _require(bool(transfer_id), "kv_transfer_id must be set")
+    _require(have_blocks >= 0 and all(b >= 0 for b in block_ids), "block ids and counts must be >= 0")
+    _require(len(set(block_ids)) == len(block_ids), "block ids must be distinct")
+    _require(num_layers > 0 and dtype in DTYPES, f"kv_num_layers > 0 and kv_dtype in {sorted(DTYPES)}")
+    _require(have_blocks + len(block_ids) <= prompt_len, "more blocks than prompt tokens")
 
 
 @message
@@ -354,9 +400,24 @@ class Accepted(Message):
     """Node -> coordinator, the reply to a GenerateRequest: the node took the
     request and its TokenChunks follow. A refusal is an Error reply instead
     (draining, duplicate, or a message the node could not decode), so every
-    GenerateRequest is answered or times out: none waits forever."""
+    GenerateRequest is answered or times out: none waits forever.
+
+    A decode node asked with ``prefill_node`` answers its grant for the
+    prefill leg here (``kv_transfer_id`` set: blocks reserved, see
+    GenerateRequest), or no grant: it computes the prompt itself."""
 
     request_id: str
+    kv_transfer_id: str = ""
+    kv_block_ids: tuple[int, ...] = ()
+    kv_have_blocks: int = 0
+    kv_num_layers: int = 0
+    kv_dtype: str = ""
+
+    def _check(self) -> None:
+        if self.kv_transfer_id:
+            _require(self.kv_num_layers > 0 and self.kv_dtype in DTYPES, "kv_num_layers, kv_dtype")
+            _require(self.kv_have_blocks >= 0 and all(b >= 0 for b in self.kv_block_ids),
+                     "block ids and counts must be >= 0")
 
 
 @message
@@ -398,8 +459,17 @@ class Goodbye(Message):
 @message
 @dataclass(frozen=True, kw_only=True)
 class Abort(Message):
+    """Coordinator -> node: stop a request and free its blocks. ``leg =
+    "prefill"`` to a decode node: stop waiting for the remote prefill (its
+    prefill node will not run it) and compute the prompt here, or fail it,
+    as ``[cluster].kv_load_failure`` says."""
+
     request_id: str
     reason: str = ""
+    leg: str = ""
+
+    def _check(self) -> None:
+        _require(self.leg in ("", "prefill"), "leg must be '' or 'prefill'")
 
 
 @message
@@ -493,6 +563,30 @@ class KVAck(Message):
     inserted_tokens: int = 0           # set on the ack that completes the transfer
     have_blocks: int = 0               # leading blocks the receiver already had (not imported)
     reason: str = ""
+
+
+@message
+@dataclass(frozen=True, kw_only=True)
+class KVCommit(Message):
+    """Prefill node -> decode node, the end of a disaggregated prefill (a
+    request; the reply is a KVAck): ``done``: every layer was sent and
+    acknowledged, ``first_token`` is the request's token 0 and the decode
+    node runs the request from its imported KV; ``finished``: token 0 ended
+    the request (the coordinator has it): release the grant; ``failed``:
+    no KV will come (``reason``): the decode node computes the prompt itself
+    or fails the request (``[cluster].kv_load_failure``)."""
+
+    transfer_id: str
+    request_id: str
+    status: str
+    first_token: int = -1
+    cached_tokens: int = 0             # prompt tokens the prefill node served from its cache
+    reason: str = ""
+
+    def _check(self) -> None:
+        _require(self.status in COMMIT_STATUSES, f"status must be one of {COMMIT_STATUSES}")
+        _require(self.status != "done" or self.first_token >= 0, "a done commit carries first_token")
+        _require(self.cached_tokens >= 0, "cached_tokens must be >= 0")
 
 
 @message

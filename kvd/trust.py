@@ -9,9 +9,11 @@ the name of its key file, see kvd/links.py). The names that matter:
 What each port accepts, from whom (docs/operations.md, "Trust model")::
 
     node port          GenerateRequest, Abort, AdminCommand   the coordinator only
-                       KVTransferRequest, KVData              a node (src_node = its own name);
-                                                              KVData only for a grant this node
-                                                              made to that very link (transfer.py)
+                       KVTransferRequest, KVData, KVCommit    a node (src_node = its own name);
+                                                              KVData/KVCommit only for a grant this
+                                                              node made to that very link, or for
+                                                              a prefill leg to the node the
+                                                              coordinator named (transfer.py)
     coordinator port   Hello, Heartbeat, Goodbye              a node, about itself (node = its name)
 
 A listener without keys (``[cluster].insecure``) names nobody: everything is
@@ -27,7 +29,7 @@ from kvd import protocol
 from kvd.cluster_config import COORDINATOR_NAME
 
 FROM_COORDINATOR = (protocol.GenerateRequest, protocol.Abort, protocol.AdminCommand)
-FROM_NODES = (protocol.KVTransferRequest, protocol.KVData)
+FROM_NODES = (protocol.KVTransferRequest, protocol.KVData, protocol.KVCommit)
 NODE_ABOUT_ITSELF = (protocol.Hello, protocol.Heartbeat, protocol.Goodbye)
 
 

@@ -23,6 +23,16 @@ in-process engine. Contracts:
   limit is refused here, before it is sent.
 - A node that refuses a request because it just started draining is retried
   once on another node, before any token was delivered.
+- Disaggregated prefill (docs/cluster.md): when the chosen node is a
+  ``decode`` node and a ``prefill`` node is routable, the request has two
+  legs. The decode node is asked first, naming the prefill node; when its
+  ``Accepted`` carries a grant, the prefill node is sent the prompt and the
+  grant. Chunks from either leg feed one stream, delivered in token order
+  (a chunk that arrives early waits for the gap before it to fill) and once
+  each. A prefill leg that cannot start, or whose node is declared dead, is
+  reported to the decode node (``Abort(leg="prefill")``), which then
+  computes the prompt itself or fails the request; nothing waits on it.
+  Prefill nodes take whole requests only when no other node is routable.
 
 Imports no torch.
 """
@@ -32,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -96,13 +107,21 @@ class NodeLink:
 
 
 class _Stream:
-    __slots__ = ("node", "queue", "next_index", "prompt_len")
+    """One request's chunks: ``node`` owns it (its death ends the request),
+    ``prefill`` names its prefill leg's node, if any (chunks from it count too)."""
+
+    __slots__ = ("node", "prefill", "queue", "next_index", "prompt_len", "early")
 
     def __init__(self, node: str, prompt_len: int) -> None:
         self.node = node
+        self.prefill: str | None = None
         self.queue: asyncio.Queue = asyncio.Queue()
         self.next_index = 0
         self.prompt_len = prompt_len
+        self.early: dict[int, protocol.TokenChunk] = {}   # chunks past a gap, by start_index
+
+    def legs(self) -> tuple[str, ...]:
+        return (self.node, self.prefill) if self.prefill else (self.node,)
 
 
 class RemoteEngineClient:
@@ -165,25 +184,25 @@ class RemoteEngineClient:
     async def abort(self, request_id: str) -> None:
         stream = self._streams.get(request_id)
         if stream is not None:
-            self._send_abort(stream.node, request_id)
+            for leg in stream.legs():
+                self._send_abort(leg, request_id)
 
     async def generate(self, request_id: str, prompt_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
         if request_id in self._streams:
             raise InvalidParam("request_id", f"request id {request_id} is already in flight")
-        header, _ = protocol.encode(protocol.GenerateRequest(
-            id=request_id, request_id=request_id, prompt_token_ids=tuple(prompt_ids),
-            sampling=params))
+        request = protocol.GenerateRequest(id=request_id, request_id=request_id,
+                                           prompt_token_ids=tuple(prompt_ids), sampling=params)
+        header, _ = protocol.encode(request)
         if len(header) > self.limits.max_header_bytes:
             yield _error_output(request_id, prompt_ids, (
                 f"the request takes {len(header)} bytes on the cluster wire, over the "
                 f"{self.limits.max_header_bytes}-byte limit; shorten the prompt or the stop conditions"))
             return
-        stream, node, refusal = await self._submit(request_id, header, prompt_ids, exclude=())
+        stream, node, refusal = await self._submit(request, header, exclude=())
         if refusal is not None and refusal.code == "draining":
             # it began draining before its heartbeat said so: another node, once
-            stream, node, refusal = await self._submit(request_id, header, prompt_ids,
-                                                       exclude=(node.name,))
+            stream, node, refusal = await self._submit(request, header, exclude=(node.name,))
         if refusal is not None:
             self.failed_requests += 1
             yield _error_output(request_id, prompt_ids, refusal.message or refusal.code)
@@ -200,17 +219,17 @@ class RemoteEngineClient:
                     self.failed_requests += 1
                     yield _error_output(request_id, prompt_ids, item.message or item.code)
                     return
-                out = self._to_output(stream, item)
-                if out is None:
-                    continue
-                yield out
-                if out.finished:
-                    finished = True
-                    return
+                for out in self._in_order(stream, item):
+                    yield out
+                    if out.finished:
+                        finished = True
+                        return
         finally:
+            legs = stream.legs()
             self._forget(request_id, node)
             if not finished:
-                self._send_abort(node.name, request_id)
+                for leg in legs:
+                    self._send_abort(leg, request_id)
 
     def stats(self) -> dict:
         """Engine-shaped stats for /metrics: the nodes' last heartbeats, summed."""
@@ -234,10 +253,11 @@ class RemoteEngineClient:
         return total
 
     # --------------------------------------------------------------- routing
-    async def _submit(self, request_id: str, header: bytes, prompt_ids: list[int],
+    async def _submit(self, request: protocol.GenerateRequest, header: bytes,
                       exclude: tuple[str, ...]) -> tuple[_Stream, NodeInfo, protocol.Error | None]:
-        """Route the encoded GenerateRequest ``header`` to a node and wait for
-        its answer (at most the link's request timeout).
+        """Route ``request`` (``header``: it encoded) to a node and wait for
+        its answer (at most the link's request timeout); a decode node is
+        asked with a prefill node named, and its grant starts the prefill leg.
 
         Returns (stream, node, None) once the node accepted, (stream, node,
         Error) when it refused; the stream is registered before the send (a
@@ -245,11 +265,16 @@ class RemoteEngineClient:
         Raises EngineDead when no node can take the request, or the chosen one
         is unreachable or does not answer (then it is sent an Abort, in case
         only its answer was lost)."""
+        request_id, prompt_ids = request.request_id, request.prompt_token_ids
         candidates = [n for n in self.membership.routable()
                       if n.name not in exclude and n.name in self.links]
-        node = self.router.pick(candidates, prompt_ids)
+        whole = [n for n in candidates if n.role != "prefill"] or candidates
+        node = self.router.pick(whole, prompt_ids)
         if node is None:
             raise EngineDead("no node is available to serve the request; retry later")
+        prefill = self._pick_prefill(candidates) if node.role == "decode" else None
+        if prefill is not None:
+            header, _ = protocol.encode(dataclasses.replace(request, prefill_node=prefill.name))
         stream = _Stream(node.name, len(prompt_ids))
         self._streams[request_id] = stream
         node.in_flight.add(request_id)
@@ -259,6 +284,8 @@ class RemoteEngineClient:
             reply = await self.links[node.name].call(header)
             if isinstance(reply, protocol.Accepted) and reply.request_id == request_id:
                 accepted = True
+                if prefill is not None and reply.kv_transfer_id:
+                    self._start_prefill_leg(request, stream, node, prefill, reply)
                 return stream, node, None
             if isinstance(reply, protocol.Error):
                 return stream, node, reply
@@ -278,15 +305,74 @@ class RemoteEngineClient:
             if not accepted:
                 self._forget(request_id, node)
 
+    def _pick_prefill(self, candidates: list[NodeInfo]) -> NodeInfo | None:
+        """The routable prefill node with the fewest prompts in flight (ties: name)."""
+        prefills = [n for n in candidates if n.role == "prefill"]
+        return min(prefills, key=lambda n: (n.load, n.name)) if prefills else None
+
+    def _start_prefill_leg(self, request: protocol.GenerateRequest, stream: _Stream, decode: NodeInfo,
+                           prefill: NodeInfo, grant: protocol.Accepted) -> None:
+        """Send the prefill leg (an owned task); if the prefill node does not
+        take it, the decode node is told at once (``Abort(leg="prefill")``)."""
+        rid = request.request_id
+        stream.prefill = prefill.name
+        prefill.in_flight.add(rid)
+        prefill.routed += 1
+        leg = dataclasses.replace(
+            request, id=f"{rid}.prefill", kv_to_node=decode.name, kv_to_address=decode.address,
+            kv_transfer_id=grant.kv_transfer_id, kv_block_ids=grant.kv_block_ids,
+            kv_have_blocks=grant.kv_have_blocks, kv_num_layers=grant.kv_num_layers, kv_dtype=grant.kv_dtype)
+
+        async def send() -> None:
+            why = None
+            try:
+                reply = await self.links[prefill.name].call(protocol.encode(leg)[0])
+                if not isinstance(reply, protocol.Accepted):
+                    why = getattr(reply, "message", None) or getattr(reply, "reason", None) or repr(reply)
+            except (TransportError, KeyError) as exc:
+                why = f"unreachable: {exc}"
+            if why is not None:
+                log.warning("request %s: prefill node %s did not take the prompt (%s); %s computes it",
+                            rid, prefill.name, why, decode.name)
+                self._prefill_leg_lost(rid, stream, prefill.name)
+        self._spawn(send())
+
+    def _prefill_leg_lost(self, rid: str, stream: _Stream, prefill: str) -> None:
+        """The prefill leg of ``rid`` will not deliver: tell its decode node."""
+        if stream.prefill != prefill:
+            return
+        stream.prefill = None
+        node = self.membership.nodes.get(prefill)
+        if node is not None:
+            node.in_flight.discard(rid)
+        link = self.links.get(stream.node)
+        if link is not None and self._streams.get(rid) is stream:
+            self._spawn(self._send_quietly(link, protocol.Abort(request_id=rid, reason="prefill leg lost",
+                                                                leg="prefill")))
+
     def _forget(self, request_id: str, node: NodeInfo) -> None:
-        self._streams.pop(request_id, None)
+        stream = self._streams.pop(request_id, None)
         node.in_flight.discard(request_id)
+        if stream is not None and stream.prefill and (p := self.membership.nodes.get(stream.prefill)):
+            p.in_flight.discard(request_id)
+
+    def _in_order(self, stream: _Stream, chunk: protocol.TokenChunk) -> list[RequestOutput]:
+        """The outputs ``chunk`` makes deliverable, in token order: a chunk
+        past a gap (the decode leg's token 1 overtaking the prefill leg's
+        token 0) waits in ``early`` until the gap fills."""
+        if chunk.start_index > stream.next_index:
+            stream.early[chunk.start_index] = chunk
+            return []
+        outs = []
+        while chunk is not None:
+            out = self._to_output(stream, chunk)
+            if out is not None:
+                outs.append(out)
+            chunk = stream.early.pop(stream.next_index, None)
+        return outs
 
     def _to_output(self, stream: _Stream, chunk: protocol.TokenChunk) -> RequestOutput | None:
         skip = stream.next_index - chunk.start_index   # tokens already delivered (dedup)
-        if skip < 0:
-            log.error("gap in the token stream of %s at %d", chunk.request_id, stream.next_index)
-            skip = 0
         tokens = list(chunk.token_ids[skip:])
         if not tokens and chunk.finish_reason is None and skip > 0:
             return None
@@ -302,8 +388,14 @@ class RemoteEngineClient:
         """A message a node pushed: route it to its request's stream."""
         rid = getattr(msg, "request_id", None)
         stream = self._streams.get(rid) if rid else None
-        if stream is None or stream.node != node:
+        if stream is None or node not in stream.legs():
             return  # finished, aborted or failed over: late chunks are dropped
+        if node != stream.node:            # the prefill leg: token 0; its errors are the decode node's to handle
+            if isinstance(msg, protocol.TokenChunk):
+                stream.queue.put_nowait(msg)
+                if (p := self.membership.nodes.get(node)) is not None:
+                    p.in_flight.discard(rid)
+            return
         if isinstance(msg, (protocol.TokenChunk, protocol.Error)):
             stream.queue.put_nowait(msg)
 
@@ -332,7 +424,11 @@ class RemoteEngineClient:
         return n
 
     async def fail_node(self, node: NodeInfo, reason: str) -> int:
-        """End every stream on ``node`` with EngineDead; drop its link. Returns how many."""
+        """End every stream on ``node`` with EngineDead; tell the decode nodes
+        whose prefill leg it ran; drop its link. Returns how many ended."""
+        for rid, stream in list(self._streams.items()):
+            if stream.prefill == node.name:
+                self._prefill_leg_lost(rid, stream, node.name)
         n = self.fail_requests(node.name, self.streams_on(node.name), reason)
         link = self.links.pop(node.name, None)
         if link is not None:
@@ -353,13 +449,17 @@ class RemoteEngineClient:
 
     def _send_abort(self, node: str, request_id: str) -> None:
         link = self.links.get(node)
-        if link is None:
-            return
+        if link is not None:
+            self._spawn(self._send_quietly(link, protocol.Abort(request_id=request_id, reason="client closed")))
 
-        async def send() -> None:
-            with contextlib.suppress(TransportError, TransportClosed, TimeoutError):
-                async with asyncio.timeout(2.0):
-                    await link.send(protocol.Abort(request_id=request_id, reason="client closed"))
-        task = asyncio.get_running_loop().create_task(send())
+    @staticmethod
+    async def _send_quietly(link: NodeLink, msg: protocol.Message) -> None:
+        with contextlib.suppress(TransportError, TransportClosed, TimeoutError):
+            async with asyncio.timeout(2.0):
+                await link.send(msg)
+
+    def _spawn(self, coro) -> None:
+        """An owned task (awaited, at most briefly, by ``stop``)."""
+        task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

@@ -39,8 +39,9 @@ class NodeInfo:
     heartbeat: protocol.Heartbeat | None = None
     admin_drained: bool = False            # drained by an operator through the coordinator
     excused: float = 0.0                   # seconds of coordinator stall since last_seen, not counted
-    in_flight: set[str] = field(default_factory=set)   # request ids routed here
+    in_flight: set[str] = field(default_factory=set)   # request ids routed here (either leg)
     routed: int = 0                        # requests routed here since it joined
+    role: str = "mixed"                    # protocol.ROLES, from its Hello
 
     @property
     def draining(self) -> bool:
@@ -62,7 +63,7 @@ class NodeInfo:
     def describe(self, now: float | None = None) -> dict[str, Any]:
         now = time.monotonic() if now is None else now
         hb = self.heartbeat
-        return {"name": self.name, "address": self.address, "incarnation": self.incarnation,
+        return {"name": self.name, "role": self.role, "address": self.address, "incarnation": self.incarnation,
                 "draining": self.draining, "in_flight": len(self.in_flight), "routed": self.routed,
                 "last_heartbeat_age_s": round(now - self.last_seen, 3),
                 "running": hb.running if hb else 0, "waiting": hb.waiting if hb else 0,
@@ -91,7 +92,8 @@ class Membership:
             old.seen(now)                      # a repeated Hello (lost Welcome): same node
             return old, None
         info = NodeInfo(hello.node, hello.address, hello.incarnation, hello.model_name,
-                        hello.max_model_len, hello.block_size, dict(hello.blocks_per_tier), now)
+                        hello.max_model_len, hello.block_size, dict(hello.blocks_per_tier), now,
+                        role=hello.role)
         self.nodes[hello.node] = info
         self.joins += 1
         return info, old

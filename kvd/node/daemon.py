@@ -49,10 +49,12 @@ import uuid
 from typing import Any
 
 from engine.engine import EngineConfig, LLMEngine
+from engine.request import InvalidParam, RequestOutput
 from kvd import links, protocol, trust
 from kvd.cluster_config import COORDINATOR_NAME, ClusterConfig
 from kvd.node.engine_driver import EngineDriver
 from kvd.node.heartbeat import Heartbeater
+from kvd.node.disagg import FINAL, DecodeSide, KVReceiver, KVSender, TransferState, new_transfer_id
 from kvd.node.transfer import TransferReceiver, send_prefix
 from kvd.sdnotify import Notifier
 from transports import InprocRegistry, Listener, TransportError, TransportOptions
@@ -67,9 +69,11 @@ class NodeDaemon:
     def __init__(self, engine_config: EngineConfig, cluster: ClusterConfig, name: str, *,
                  address: str | None = None, coordinator: str | None = None,
                  registry: InprocRegistry | None = None, admin_socket: str | None = None,
-                 drain_timeout: float = 30.0, notifier: Notifier | None = None) -> None:
+                 drain_timeout: float = 30.0, notifier: Notifier | None = None,
+                 role: str | None = None) -> None:
         node_cfg = cluster.node(name)
         self.name = name
+        self.role = role or node_cfg.role
         self.engine_config = engine_config
         self.cluster = cluster
         self.address = address or node_cfg.address or cluster.default_address(name)
@@ -93,6 +97,10 @@ class NodeDaemon:
         self.transfers_dropped = 0
         self.streams: dict[str, asyncio.Task] = {}
         self.transfers_sent = 0
+        self.decode_side: DecodeSide | None = None
+        self.prefill_legs = collections.Counter()      # outcomes of the prefill legs run here
+        self._peers: dict[str, Any] = {}               # node name -> Connection (prefill legs' KV)
+        self._peer_locks: dict[str, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
         self._tg: asyncio.TaskGroup | None = None
         self._stop = asyncio.Event()
         self._force = asyncio.Event()                  # end the drain now
@@ -110,6 +118,7 @@ class NodeDaemon:
         self.listener = await links.listen(self.address, self.cluster, self.name,
                                            registry=self.registry, options=self.options)
         self.address = self.listener.url
+        self.decode_side = DecodeSide(self.driver, self.listener.authenticated)
         self.heartbeat = Heartbeater(self.name, self._connect_coordinator, self._hello, self._beat,
                                      self.cluster.heartbeat_interval, self.cluster.request_timeout,
                                      beat_timeout=self.cluster.heartbeat_deadline)
@@ -196,6 +205,10 @@ class NodeDaemon:
         return line
 
     async def cleanup(self) -> None:
+        for conn in self._peers.values():
+            with contextlib.suppress(Exception):
+                await conn.close()
+        self._peers.clear()
         if self.admin is not None:
             await self.admin.close()
         if self.listener is not None:
@@ -212,7 +225,7 @@ class NodeDaemon:
         eng = self.driver.engine
         return protocol.Hello(
             id=f"hello-{self.name}", deadline=time.time() + self.cluster.request_timeout,
-            node=self.name, address=self.address, capabilities=("prefill", "decode", "transfer"),
+            node=self.name, address=self.address, role=self.role,
             blocks_per_tier={"device": eng.config.kv_blocks, "host": eng.config.host_kv_blocks},
             block_size=eng.config.block_size, model_name=eng.model_name,
             max_model_len=eng.max_model_len, incarnation=self.incarnation)
@@ -249,21 +262,41 @@ class NodeDaemon:
             if msg.request_id in self.streams:
                 return protocol.Error(id=msg.id, code="duplicate", request_id=msg.request_id,
                                       message="request id already in flight")
-            self.streams[msg.request_id] = self._tg.create_task(
-                self._stream(msg, incoming.peer), name=f"req {msg.request_id}")
-            return protocol.Accepted(id=msg.id, request_id=msg.request_id)
+            if msg.is_prefill_leg and (why := self._prefill_leg_refusal(msg)):
+                return protocol.Error(id=msg.id, code="bad_grant", request_id=msg.request_id, message=why)
+            if msg.prefill_node:     # the reply (with or without a grant) comes from the task
+                leg = self._decode_leg(msg, incoming)
+            elif msg.is_prefill_leg:
+                leg = self._prefill_leg(msg, incoming.peer)
+            else:
+                leg = self._pipe(msg.request_id, incoming.peer,
+                                 self.driver.generate(msg.request_id, list(msg.prompt_token_ids), msg.sampling))
+            self.streams[msg.request_id] = self._tg.create_task(self._leg(msg.request_id, leg),
+                                                                name=f"req {msg.request_id}")
+            return None if msg.prefill_node else protocol.Accepted(id=msg.id, request_id=msg.request_id)
         if isinstance(msg, protocol.Abort):
+            if msg.leg == "prefill":
+                self._abort_prefill_wait(msg.request_id)
+                return None
             task = self.streams.get(msg.request_id)
             if task is not None:
                 task.cancel()
             return None
-        if isinstance(msg, (protocol.KVTransferRequest, protocol.KVData)) and self.drop_transfers:
+        if isinstance(msg, (protocol.KVTransferRequest, protocol.KVData, protocol.KVCommit)) and self.drop_transfers:
             # Refused with an answer rather than ignored: the sender learns at once
             # instead of holding its prefix lock for a whole request_timeout. An
             # allocation made before the fault is released by the reaper.
             self.transfers_dropped += 1
             return protocol.Error(id=msg.id, code="transfer_refused",
                                   message=f"node {self.name} drops KV transfers (fault injection)")
+        if isinstance(msg, protocol.KVCommit):
+            if not self.decode_side.owns(msg.transfer_id):
+                self.decode_side.counts["refused"] += 1
+                return protocol.Error(id=msg.id, code="no_grant", message=f"no reservation {msg.transfer_id!r}")
+            return self.decode_side.on_commit(msg, incoming.peer, incoming.identity)
+        if isinstance(msg, protocol.KVData) and self.decode_side.owns(msg.transfer_id):
+            self._tg.create_task(self._reply_later(msg, incoming), name=f"KVData {msg.id}")
+            return None
         if isinstance(msg, (protocol.KVTransferRequest, protocol.KVData)):
             # an idle engine allocates / imports right here: the reply goes back without a task
             try:
@@ -284,22 +317,33 @@ class NodeDaemon:
     async def _send(self, peer: bytes, msg: protocol.Message) -> None:
         await self.listener.send(peer, *protocol.encode(msg))
 
-    async def _stream(self, msg: protocol.GenerateRequest, peer: bytes) -> None:
-        rid = msg.request_id
+    async def _leg(self, rid: str, leg) -> None:
+        """Run one request's leg (a coroutine); forget the request at its end."""
         try:
-            # msg.sampling was validated by the engine's own SamplingParams on decode
-            outputs = self.driver.generate(rid, list(msg.prompt_token_ids), msg.sampling)
-            async with contextlib.aclosing(outputs):  # closing early aborts in the engine
+            await leg
+        finally:
+            self.streams.pop(rid, None)
+
+    async def _pipe(self, rid: str, peer: bytes, outputs) -> RequestOutput | None:
+        """Send ``outputs`` (an engine stream) to the coordinator as TokenChunks;
+        an engine error as one Error. Returns the last output (None when the
+        stream failed). Closing early (cancel) aborts the request in the engine."""
+        last = None
+        try:
+            # the sampling parameters were validated by the engine's own SamplingParams on decode
+            async with contextlib.aclosing(outputs):
                 async for out in outputs:
                     if out.error is not None:
                         await self._send(peer, protocol.Error(code="invalid_request", request_id=rid,
                                                               message=out.error))
-                        return
+                        return None
+                    last = out
+                    ends = out.finished and not out.handed_off
                     await self._send(peer, protocol.TokenChunk(
                         request_id=rid, start_index=out.num_output_tokens - len(out.new_token_ids),
                         token_ids=tuple(out.new_token_ids), text=out.text,
-                        finish_reason=out.finish_reason if out.finished else None,
-                        stop_reason=out.stop_reason if out.finished else None,
+                        finish_reason=out.finish_reason if ends else None,
+                        stop_reason=out.stop_reason if ends else None,
                         usage={"prompt_tokens": out.num_prompt_tokens,
                                "completion_tokens": out.num_output_tokens,
                                "cached_tokens": out.num_cached_tokens}))
@@ -309,8 +353,143 @@ class NodeDaemon:
             log.exception("request %s failed", rid)
             with contextlib.suppress(TransportError):
                 await self._send(peer, protocol.Error(code="engine_error", request_id=rid, message=str(exc)))
+        return last
+
+    # ------------------------------------------------- disaggregated prefill
+    def _prefill_leg_refusal(self, msg: protocol.GenerateRequest) -> str | None:
+        """Why this node cannot fill the decode node's grant (layout, block
+        count), or None."""
+        layout = self.driver.engine.pool.kv_layout()
+        if msg.kv_num_layers != layout.num_layers or msg.kv_dtype != protocol.dtype_name(layout.dtype):
+            return (f"KV layout mismatch: the decode node has {msg.kv_num_layers} layers of {msg.kv_dtype}, "
+                    f"this node {layout.num_layers} of {protocol.dtype_name(layout.dtype)}")
+        blocks = -(-len(msg.prompt_token_ids) // layout.block_shape[2])
+        if msg.kv_have_blocks + len(msg.kv_block_ids) != blocks:
+            return f"the grant covers {msg.kv_have_blocks + len(msg.kv_block_ids)} blocks, the prompt {blocks}"
+        return None
+
+    async def _peer(self, node: str, address: str):
+        """The link this node's prefill legs use to reach ``node`` (one per peer)."""
+        async with self._peer_locks[node]:
+            conn = self._peers.get(node)
+            if conn is None:
+                conn = await links.connect(address, self.cluster, self.name, node,
+                                           registry=self.registry, options=self.options)
+                self._peers[node] = conn
+            return conn
+
+    async def _drop_peer(self, node: str) -> None:
+        conn = self._peers.pop(node, None)
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                await conn.close()
+
+    async def _prefill_leg(self, msg: protocol.GenerateRequest, peer: bytes) -> None:
+        """Compute the prompt here, stream its KV into the decode node's grant
+        layer by layer, send token 0 to the coordinator and the commit to the
+        decode node. Every path ends the decode node's wait: a commit (done,
+        finished or failed) or, when it is unreachable, its deadline."""
+        rid, loop = msg.request_id, asyncio.get_running_loop()
+        deadline = msg.deadline or time.time() + self.cluster.kv_transfer_timeout
+        sender = None
+        try:
+            conn = await self._peer(msg.kv_to_node, msg.kv_to_address)
+            sender = KVSender(transfer_id=msg.kv_transfer_id, request_id=rid, conn=conn,
+                              block_ids=msg.kv_block_ids, have_blocks=msg.kv_have_blocks,
+                              num_layers=msg.kv_num_layers, deadline=deadline, loop=loop)
+            out = await self._pipe(rid, peer, self.driver.generate(
+                rid, list(msg.prompt_token_ids), msg.sampling, kv_out=sender))
+            if out is not None and out.handed_off:
+                state = await sender.commit("done", out.new_token_ids[0], out.num_cached_tokens)
+            elif out is not None and out.finished:
+                state = await sender.commit("finished")
+            else:
+                state = await sender.commit("failed", reason="the prefill node could not run the prompt")
+        except asyncio.CancelledError:
+            if sender is not None:          # aborted: the decode node stops waiting (its own abort may trail)
+                await asyncio.shield(sender.commit("failed", reason="prefill leg aborted"))
+            raise
+        except TransportError as exc:
+            await self._drop_peer(msg.kv_to_node)
+            log.warning("request %s: decode node %s unreachable: %s", rid, msg.kv_to_node, exc)
+            state = TransferState.FAILED
+        if state in (TransferState.FAILED, TransferState.TIMED_OUT) and sender is not None:
+            log.warning("request %s: KV to %s %s: %s", rid, msg.kv_to_node, state.value, sender.reason)
+        self.prefill_legs[state.value] += 1
+
+    async def _decode_leg(self, msg: protocol.GenerateRequest, incoming) -> None:
+        """Reserve blocks for the prompt and answer the coordinator with the
+        grant (or none: the prompt is computed here); wait for the KV; then
+        decode from token 1, or compute the prompt here when the KV does not
+        come (``[cluster].kv_load_failure = "recompute"``), or fail."""
+        rid, prompt, params = msg.request_id, list(msg.prompt_token_ids), msg.sampling
+        threshold, peer = self.cluster.prefill_threshold, incoming.peer
+
+        def reserve(engine) -> Any:
+            engine.check_request(len(prompt), params)
+            if len(prompt) - engine.pool.cached_tokens(prompt[:-1]) < threshold:
+                return None
+            return engine.pool.reserve(prompt)
+        try:
+            res = await self.driver.call(reserve, timeout=self.cluster.request_timeout)
+        except InvalidParam as exc:
+            await self._answer(incoming, protocol.Error(id=msg.id, code="invalid_request", request_id=rid,
+                                                        message=str(exc)))
+            return
+        except Exception as exc:  # noqa: BLE001 -- answered; the coordinator ends the request
+            await self._answer(incoming, _internal_error(msg, exc))
+            return
+        if res is None:
+            self.decode_side.counts["local"] += 1
+            await self._answer(incoming, protocol.Accepted(id=msg.id, request_id=rid))
+            await self._pipe(rid, peer, self.driver.generate(rid, prompt, params))
+            return
+        layout = self.driver.engine.pool.kv_layout()
+        rx = KVReceiver(transfer_id=new_transfer_id(), request_id=rid, reservation=res,
+                        prefill_node=msg.prefill_node, num_layers=layout.num_layers,
+                        deadline=time.monotonic() + self.cluster.kv_transfer_timeout)
+        self.decode_side.receivers[rx.transfer_id] = rx
+        handed = False
+        try:
+            await self._answer(incoming, protocol.Accepted(
+                id=msg.id, request_id=rid, kv_transfer_id=rx.transfer_id, kv_block_ids=tuple(res.block_ids),
+                kv_have_blocks=res.have_blocks, kv_num_layers=layout.num_layers,
+                kv_dtype=protocol.dtype_name(layout.dtype)))
+            state = await rx.wait()
+            if state is TransferState.DONE:
+                handed = True
+                await self._pipe(rid, peer, self.driver.generate_prefilled(
+                    rid, prompt, params, res, rx.first_token, rx.cached_tokens))
+                return
+            if state is TransferState.FINISHED:
+                return                      # token 0 ended it; the coordinator has it from the prefill node
+            log.warning("request %s: prompt KV from %s %s (%s); %s", rid, msg.prefill_node, state.value,
+                        rx.reason, self.cluster.kv_load_failure)
+            await self.decode_side.release(rx, handed_to_engine=False)
+            handed = True                   # released
+            if self.cluster.kv_load_failure == "fail":
+                await self._send(peer, protocol.Error(code="kv_load_failed", request_id=rid,
+                                                      message=f"the prompt's KV did not arrive: {rx.reason}"))
+                return
+            await self._pipe(rid, peer, self.driver.generate(rid, prompt, params))
         finally:
-            self.streams.pop(rid, None)
+            if rx.state not in FINAL:
+                rx.end(TransferState.CANCELLED, "request aborted")
+            if rx.transfer_id in self.decode_side.receivers:
+                await asyncio.shield(self.decode_side.release(rx, handed_to_engine=handed))
+
+    def _abort_prefill_wait(self, rid: str) -> None:
+        for rx in list(self.decode_side.receivers.values()):
+            if rx.request_id == rid:
+                rx.end(TransferState.FAILED, "the coordinator could not start the prefill leg")
+
+    async def _answer(self, incoming, reply: protocol.Message) -> None:
+        """The reply to a transport request, from a task."""
+        if incoming.request_id:
+            try:
+                await self.listener.reply(incoming, *protocol.encode(reply))
+            except TransportError as exc:
+                log.info("reply to %s not delivered: %s", reply.TYPE, exc)
 
     def _grant_timeout(self, msg: protocol.KVTransferRequest) -> float:
         """Seconds a grant waits for its data: the sender's deadline (>= 1 s)."""
@@ -321,17 +500,15 @@ class NodeDaemon:
         try:
             if isinstance(msg, protocol.KVTransferRequest):
                 reply = await self.receiver.on_request(msg, self._grant_timeout(msg), _sender(incoming))
+            elif isinstance(msg, protocol.KVData) and self.decode_side.owns(msg.transfer_id):
+                reply = await self.decode_side.on_data(msg, incoming.peer, incoming.identity)
             elif isinstance(msg, protocol.KVData):
                 reply = await self.receiver.on_data(msg, _sender(incoming))
             else:
                 reply = await self._admin_command(msg)
         except Exception as exc:  # noqa: BLE001
             reply = _internal_error(msg, exc)
-        if incoming.request_id:
-            try:
-                await self.listener.reply(incoming, *protocol.encode(reply))
-            except TransportError as exc:
-                log.info("reply to %s not delivered: %s", msg.TYPE, exc)
+        await self._answer(incoming, reply)
 
     async def _reap(self) -> None:
         while True:
@@ -384,7 +561,7 @@ class NodeDaemon:
     def status(self) -> dict[str, Any]:
         snap = self.driver.stats() if self.driver else {}
         lst = self.listener.stats if self.listener else None
-        return {"node": self.name, "address": self.address, "incarnation": self.incarnation,
+        return {"node": self.name, "role": self.role, "address": self.address, "incarnation": self.incarnation,
                 "draining": self.draining, "registered": bool(self.heartbeat and self.heartbeat.registered),
                 "heartbeats_paused": bool(self.heartbeat and self.heartbeat.paused),
                 "in_flight": len(self.streams), "running": snap.get("running", 0),
@@ -396,7 +573,9 @@ class NodeDaemon:
                 "transfers": {"sent": self.transfers_sent, "dropped": self.transfers_dropped,
                               "received": self.receiver.completed if self.receiver else 0,
                               "failed": self.receiver.failed if self.receiver else 0,
-                              "refused": self.receiver.refused if self.receiver else 0}}
+                              "refused": self.receiver.refused if self.receiver else 0},
+                "disaggregation": {"decode": self.decode_side.stats() if self.decode_side else {},
+                                   "prefill": dict(self.prefill_legs)}}
 
     async def cmd_status(self, args: dict) -> dict:
         return self.status()

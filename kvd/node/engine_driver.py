@@ -91,15 +91,31 @@ class EngineDriver:
     def check_request(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         self.engine.check_request(num_prompt_tokens, params)
 
-    async def generate(self, request_id: str, prompt_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                       kv_out: Any = None) -> AsyncIterator[RequestOutput]:
+        """The request's outputs, as the engine produces them. ``kv_out``: a
+        prefill leg (``LLMEngine.add_request``'s KV sink)."""
+        async for out in self._run_stream(request_id, ("add", request_id, prompt_ids, params, kv_out)):
+            yield out
+
+    async def generate_prefilled(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                                 reservation: Any, first_token: int, cached_tokens: int
+                                 ) -> AsyncIterator[RequestOutput]:
+        """A decode leg: ``LLMEngine.add_prefilled``, then its outputs (from
+        token 1; token 0's output only when it already ends the request).
+        The reservation is the engine's from here on."""
+        cmd = ("add_prefilled", request_id, prompt_ids, params, reservation, first_token, cached_tokens)
+        async for out in self._run_stream(request_id, cmd):
+            yield out
+
+    async def _run_stream(self, request_id: str, cmd: tuple) -> AsyncIterator[RequestOutput]:
         if self._dead is not None:
             raise EngineDead(f"engine stopped: {self._dead}")
         if request_id in self._streams:
             raise InvalidParam("request_id", f"request id {request_id} is already in flight")
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
-        self._submit(("add", request_id, prompt_ids, params))
+        self._submit(cmd)
         finished = False
         try:
             while True:
@@ -221,11 +237,19 @@ class EngineDriver:
     def _apply(self, cmd: tuple) -> None:
         self._applied += 1
         if cmd[0] == "add":
-            _, rid, ids, params = cmd
+            _, rid, ids, params, kv_out = cmd
             try:
-                self.engine.add_request(rid, ids, params)
+                self.engine.add_request(rid, ids, params, kv_out=kv_out)
             except (InvalidParam, ValueError) as exc:
                 self._deliver([RequestOutput(rid, [], "", True, "error", error=str(exc))])
+        elif cmd[0] == "add_prefilled":
+            rid = cmd[1]
+            try:
+                out = self.engine.add_prefilled(*cmd[1:])
+            except (InvalidParam, ValueError) as exc:       # the reservation was cancelled
+                out = RequestOutput(rid, [], "", True, "error", error=str(exc))
+            if out is not None:
+                self._deliver([out])
         elif cmd[0] == "abort":
             out = self.engine.abort_request(cmd[1])
             if out is not None:
@@ -270,6 +294,7 @@ class EngineDriver:
             "generation_tokens": s.generation_tokens,
             "prefix_hit_tokens": s.prefix_hit_tokens,
             "preemptions": s.preemptions,
+            "handed_off": s.handed_off,
             "finished": dict(s.finished),
         }
 

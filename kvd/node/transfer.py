@@ -43,7 +43,7 @@ Frames come one of two ways (``KVData.pieces``):
   not worth a frame each (pyzmq copies them anyway, and per-frame costs
   dominate: 1 MiB as 32 frames of 32 KiB measured half as fast).
 - **staged**: gathered (a copy per run) into reusable staging buffers
-  (``_STAGING``: no fresh allocation, no page faults per transfer); a
+  (engine.stream's ``STAGING``: no fresh allocation, no page faults per transfer); a
   staging buffer is reused only after every chunk from it was acknowledged
   (zmq sends it zero-copy), and the prefix is unlocked once gathered.
 
@@ -62,15 +62,15 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import math
 import os
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine.memory.kv_cache import block_runs
 from engine.memory.mempool import Grant, KVLayout, PrefixLock
+from engine.stream import STAGING as _STAGING
+from engine.stream import stream_in
 from kvd import protocol
 from kvd.node.engine_driver import EngineDriver
 from transports import Connection
@@ -79,7 +79,6 @@ log = logging.getLogger("kvd.transfer")
 
 CHUNK_BYTES = 8 << 20           # streamed chunk size target (whole layers, <= num_layers chunks)
 WHOLE_MAX_BYTES = 32 << 20      # payloads up to this go as ONE KVData after the allocation
-STAGING_KEEP_BYTES = 1 << 30    # staging memory kept for reuse between transfers
 ZERO_COPY_MIN_BYTES = 64 << 10  # a pool slice this big is sent as is (pyzmq copies smaller frames)
 MAX_PIECE_FRAMES = 128          # pieces frames in one KVData message (the protocol allows 256)
 
@@ -87,42 +86,6 @@ MAX_PIECE_FRAMES = 128          # pieces frames in one KVData message (the proto
 # (counter); a receiver keys its pending allocations by them
 _ID_PREFIX = f"x-{os.urandom(6).hex()}-"
 _ID_SEQ = itertools.count(1)
-
-
-# ─── staging buffers (sender) ────────────────────────────────────────────────
-
-
-class _StagingPool:
-    """Reusable flat CPU byte buffers for the sender's gathers (thread-safe)."""
-
-    def __init__(self, keep_bytes: int) -> None:
-        self.keep_bytes = keep_bytes
-        self._free: list[Any] = []
-        self._lock = threading.Lock()
-        self.allocated = 0          # buffers created (a warm pool stops counting)
-
-    def acquire(self, shape: tuple[int, ...], dtype: Any) -> tuple[Any, Any]:
-        """(buffer, a contiguous view of it with ``shape``/``dtype``)."""
-        import torch  # noqa: PLC0415 -- the coordinator never imports this module's callers
-
-        need = math.prod(shape) * dtype.itemsize
-        with self._lock:
-            fits = [i for i, b in enumerate(self._free) if b.numel() >= need]
-            buf = self._free.pop(min(fits, key=lambda i: self._free[i].numel())) if fits else None
-        if buf is None:
-            buf = torch.empty(max(need, 1), dtype=torch.uint8)
-            self.allocated += 1
-        return buf, buf[:need].view(dtype).view(shape)
-
-    def release(self, buf: Any) -> None:
-        with self._lock:
-            self._free.append(buf)
-            self._free.sort(key=lambda b: -b.numel())
-            while sum(b.numel() for b in self._free) > self.keep_bytes:
-                self._free.pop(0)   # drop the largest first
-
-
-_STAGING = _StagingPool(STAGING_KEEP_BYTES)
 
 
 def _zero_copy_tier(layout: KVLayout, refs: list[Any], layers_per_message: int) -> str | None:
@@ -163,6 +126,34 @@ def _layer_chunks(num_layers: int, nbytes: int, chunk_bytes: int,
         n = max(n, -(-num_layers // max(1, max_layers)))
     bounds = [round(i * num_layers / n) for i in range(n + 1)]
     return [(bounds[i], bounds[i + 1]) for i in range(n)]
+
+
+def import_layers(pool: Any, region: Any, l0: int, l1: int, msg: protocol.KVData, skip: int = 0) -> None:
+    """Write layers [l0, l1) of a KVData's KV into ``region``'s fresh blocks
+    (a Grant or a Reservation: ``block_ids`` of ``tier``), dropping its
+    first ``skip`` blocks (the receiver had them): one copy per overlap of a
+    received frame with a run of the region's ids, read from the frames in
+    place (engine thread). Raises ValueError on frames that do not fit."""
+    layout, ids = pool.kv_layout(), region.block_ids
+    if msg.pieces:
+        dtype, (bs, kvh, hd) = protocol.dtype_name(layout.dtype), layout.block_shape[2:]
+        R = len(msg.pieces)
+        for i, t in enumerate(msg.tensors):
+            if t.dtype != dtype or t.shape != (msg.pieces[i % R], bs, kvh, hd):
+                raise ValueError(f"piece {i} is {t.dtype}{list(t.shape)}, want "
+                                 f"{dtype}[{msg.pieces[i % R]}, {bs}, {kvh}, {hd}]")
+        pool.import_pieces(region, [t.data for t in msg.tensors], msg.pieces, (l0, l1), skip)
+        return
+    if len(msg.tensors) != 1:
+        raise ValueError(f"packed KVData carries one frame, got {len(msg.tensors)}")
+    payload = msg.tensors[0].to_torch()
+    L, two, bs, kvh, hd = layout.block_shape
+    if payload.dtype != layout.dtype:
+        raise ValueError(f"dtype {payload.dtype} != cache dtype {layout.dtype}")
+    if tuple(payload.shape) != (l1 - l0, two, skip + len(ids), bs, kvh, hd):
+        raise ValueError(f"shape {tuple(payload.shape)} does not match "
+                         f"[{l1 - l0}, 2, {skip + len(ids)}, {bs}, {kvh}, {hd}]")
+    stream_in(pool, region, payload, (l0, l1), skip)
 
 
 # ─── receiver ────────────────────────────────────────────────────────────────
@@ -269,33 +260,6 @@ class TransferReceiver:
         engine.pool.abandon(p.grant)
         self.failed += 1
 
-    def _import(self, engine: Any, grant: Grant, l0: int, l1: int,
-                msg: protocol.KVData, skip: int = 0) -> None:
-        """Write layers [l0, l1) of the message's KV into the grant's blocks,
-        dropping its first ``skip`` blocks (the receiver had them): one copy
-        per overlap of a received frame with a run of the grant's ids, read
-        from the frames in place. Raises ValueError on frames that do not fit."""
-        pool, layout, ids = engine.pool, engine.pool.kv_layout(), grant.block_ids
-        if msg.pieces:
-            dtype, (bs, kvh, hd) = protocol.dtype_name(layout.dtype), layout.block_shape[2:]
-            R = len(msg.pieces)
-            for i, t in enumerate(msg.tensors):
-                if t.dtype != dtype or t.shape != (msg.pieces[i % R], bs, kvh, hd):
-                    raise ValueError(f"piece {i} is {t.dtype}{list(t.shape)}, want "
-                                     f"{dtype}[{msg.pieces[i % R]}, {bs}, {kvh}, {hd}]")
-            pool.import_pieces(grant, [t.data for t in msg.tensors], msg.pieces, (l0, l1), skip)
-            return
-        if len(msg.tensors) != 1:
-            raise ValueError(f"packed KVData carries one frame, got {len(msg.tensors)}")
-        payload = msg.tensors[0].to_torch()
-        L, two, bs, kvh, hd = layout.block_shape
-        if payload.dtype != layout.dtype:
-            raise ValueError(f"dtype {payload.dtype} != cache dtype {layout.dtype}")
-        if tuple(payload.shape) != (l1 - l0, two, skip + len(ids), bs, kvh, hd):
-            raise ValueError(f"shape {tuple(payload.shape)} does not match "
-                             f"[{l1 - l0}, 2, {skip + len(ids)}, {bs}, {kvh}, {hd}]")
-        pool.import_kv(grant, payload, (l0, l1), skip)
-
     def _import_chunk(self, engine: Any, msg: protocol.KVData,
                       sender: Any) -> protocol.KVAck | protocol.Error:
         """One chunk of layers of a granted transfer; the last one inserts.
@@ -314,7 +278,7 @@ class TransferReceiver:
             if msg.layer_end > p.num_layers or not layers or p.layers_done.intersection(layers):
                 raise ValueError(f"bad or repeated layer range [{msg.layer_start}, {msg.layer_end})")
             if ids:
-                self._import(engine, p.grant, msg.layer_start, msg.layer_end, msg)
+                import_layers(engine.pool, p.grant, msg.layer_start, msg.layer_end, msg)
         except (TypeError, ValueError, IndexError) as exc:
             del self._pending[msg.transfer_id]
             self._abandon(engine, p)

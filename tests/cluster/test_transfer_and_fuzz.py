@@ -270,9 +270,9 @@ def test_malformed_frames_are_counted_and_nothing_breaks(pair, reference_engine,
 def test_staging_pool_reuses_buffers_of_any_size():
     import torch
 
-    from kvd.node.transfer import _StagingPool
+    from engine.stream import StagingPool
 
-    pool = _StagingPool(keep_bytes=1 << 20)
+    pool = StagingPool(keep_bytes=1 << 20)
     big, v = pool.acquire((4, 1024), torch.float32)          # 16 KiB
     small, w = pool.acquire((2, 8), torch.float32)
     pool.release(big)

@@ -23,7 +23,7 @@ from kvd.protocol import (
 )
 
 EXAMPLES = [
-    P.Hello(id="h", node="n1", address="zmq+tcp://127.0.0.1:5555", capabilities=("decode",),
+    P.Hello(id="h", node="n1", address="zmq+tcp://127.0.0.1:5555", role="decode",
             blocks_per_tier={"device": 100, "host": 400}, block_size=16),
     P.Welcome(id="h", node="n1", accepted=True, heartbeat_interval=0.5),
     P.Heartbeat(node="n1", seq=7, load=0.25, running=3, waiting=1, free_blocks={"device": 12},

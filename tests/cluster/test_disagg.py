@@ -1,0 +1,142 @@
+"""Disaggregated prefill over real daemons: 1P1D and 2P2D, the openai client,
+tokens equal to the single-node engine's, and every failure case ending in
+time with every block returned on both sides."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import random
+import time
+
+import pytest
+
+from .conftest import MODEL, Cluster, admin, reference_tokens, running_cluster
+
+ROLES = {"p1": "prefill", "d1": "decode"}
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 40000) for _ in range(n)]
+
+
+def start(tmp, transport: str, roles: dict[str, str], extra: tuple[str, ...] = (),
+          node_extra: tuple[str, ...] = ()) -> Cluster:
+    c = Cluster(tmp, transport, extra=extra)
+    for name, role in roles.items():
+        c.start_node(name, "--role", role, "--prefill-threshold", "0", *node_extra)
+    c.wait_nodes(sorted(roles))
+    return c
+
+
+def stream(client, ids: list[int], max_tokens: int, **kw) -> tuple[str, str, object]:
+    text, finish, usage = [], None, None
+    for chunk in client.completions.create(model=MODEL, prompt=ids, max_tokens=max_tokens, temperature=0,
+                                           stream=True, stream_options={"include_usage": True},
+                                           extra_body={"ignore_eos": True}, **kw):
+        if chunk.choices:
+            text.append(chunk.choices[0].text)
+            finish = chunk.choices[0].finish_reason or finish
+        if chunk.usage:
+            usage = chunk.usage
+    return "".join(text), finish, usage
+
+
+def node_status(c: Cluster, name: str) -> dict:
+    return admin(c.node_admin(name), "status")
+
+
+def wait_idle(c: Cluster, names, timeout: float = 30.0) -> None:
+    """Every node's device blocks back to free + cached (nothing request-owned)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        kv = {n: admin(c.node_admin(n), "cache stats")["kv"]["device"] for n in names}
+        if all(v["request_owned"] == 0 for v in kv.values()):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"blocks still owned: {kv}")
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory):
+    c = start(tmp_path_factory.mktemp("pd"), "zmq+tcp", ROLES)
+    yield c
+    c.stop()
+
+
+def test_roles_are_registered_and_shown(pd):
+    nodes = {n["name"]: n["role"] for n in admin(pd.admin_socket, "nodes")["nodes"]}
+    assert nodes == ROLES
+    assert node_status(pd, "p1")["role"] == "prefill"
+
+
+def test_1p1d_tokens_equal_the_single_node_engine(pd, reference_engine):
+    prompts = [prompt(i, n) for i, n in enumerate((5, 16, 40, 100, 150))]
+    ref = reference_tokens(reference_engine, prompts, 16)
+    client = pd.client(timeout=60)
+    with concurrent.futures.ThreadPoolExecutor(5) as pool:
+        results = list(pool.map(lambda p: stream(client, p, 16), prompts))
+    tok = reference_engine.tokenizer
+    for (text, finish, usage), r, p in zip(results, ref, prompts):
+        assert finish == "length"
+        assert text == tok.decode(r)
+        assert usage.completion_tokens == 16 and usage.prompt_tokens == len(p)
+    st = node_status(pd, "d1")["disaggregation"]["decode"]
+    assert st["remote"] >= 5 and st["failed"] == 0
+    assert node_status(pd, "p1")["disaggregation"]["prefill"].get("done", 0) >= 5
+    wait_idle(pd, ROLES)
+
+
+def test_prefix_hits_on_either_side_keep_the_tokens(pd, reference_engine):
+    client = pd.client(timeout=60)
+    system = prompt(77, 96)
+    a, b = system + prompt(78, 20), system + prompt(79, 23)
+    ref = reference_tokens(reference_engine, [a, b], 12)
+    text_a, _, _ = stream(client, a, 12)
+    text_b, _, usage = stream(client, b, 12)           # both sides hold the system prompt now
+    tok = reference_engine.tokenizer
+    assert (text_a, text_b) == (tok.decode(ref[0]), tok.decode(ref[1]))
+    assert usage.prompt_tokens_details.cached_tokens >= 96    # the prefill node's cache (PD-Caching-2)
+    wait_idle(pd, ROLES)
+
+
+def test_non_streaming_and_first_token_finish(pd, reference_engine):
+    client = pd.client(timeout=60)
+    p = prompt(5, 30)
+    ref = reference_tokens(reference_engine, [p], 1)[0]
+    r = client.completions.create(model=MODEL, prompt=p, max_tokens=1, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].text == reference_engine.tokenizer.decode(ref)
+    assert r.choices[0].finish_reason == "length"
+    wait_idle(pd, ROLES)
+
+
+def test_client_that_leaves_aborts_both_legs(pd):
+    client = pd.client(timeout=60)
+    it = client.completions.create(model=MODEL, prompt=prompt(9, 64), max_tokens=400, temperature=0,
+                                   stream=True, extra_body={"ignore_eos": True})
+    next(iter(it))
+    it.response.close()
+    wait_idle(pd, ROLES)
+    deadline = time.monotonic() + 10
+    while node_status(pd, "d1")["in_flight"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert node_status(pd, "d1")["in_flight"] == 0 == node_status(pd, "p1")["in_flight"]
+
+
+def test_decode_node_without_a_reachable_prefill_node_computes_itself(pd, reference_engine):
+    """Transfers refused by the decode node (fault injection): the prefill
+    leg fails at once and the decode node recomputes; tokens unchanged."""
+    client = pd.client(timeout=60)
+    p = prompt(31, 70)
+    ref = reference_tokens(reference_engine, [p], 10)[0]
+    admin(pd.node_admin("d1"), "fail", mode="drop-transfers")
+    try:
+        text, finish, _ = stream(client, p, 10)
+    finally:
+        admin(pd.node_admin("d1"), "fail", mode="resume")
+    assert text == reference_engine.tokenizer.decode(ref)
+    st = node_status(pd, "d1")["disaggregation"]["decode"]
+    assert st["failed"] + st["timed_out"] >= 1
+    wait_idle(pd, ROLES)
