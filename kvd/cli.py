@@ -119,6 +119,8 @@ def _cluster_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-load-failure", dest="kv_load_failure", choices=("recompute", "fail"), default=None,
                    help="a decode node whose prompt KV does not arrive: recompute or fail "
                         "([cluster].kv_load_failure)")
+    p.add_argument("--kv-transfer-timeout", dest="kv_transfer_timeout", type=float, default=None,
+                   help="seconds a decode node waits for a prompt's KV ([cluster].kv_transfer_timeout)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,7 +142,7 @@ def _cluster(args: argparse.Namespace):
 
 
 CLUSTER_OVERRIDES = ("transport", "heartbeat_interval", "heartbeat_deadline", "curve_keys_dir", "insecure",
-                     "prefill_threshold", "kv_load_failure")
+                     "prefill_threshold", "kv_load_failure", "kv_transfer_timeout")
 
 
 def _run(main_coro_factory) -> int:
@@ -329,7 +331,8 @@ def _passthrough(args: argparse.Namespace) -> list[str]:
     for flag, dest in (("--heartbeat-interval", "heartbeat_interval"),
                        ("--heartbeat-deadline", "heartbeat_deadline"),
                        ("--curve-keys-dir", "curve_keys_dir"), ("--transport", "transport"),
-                       ("--prefill-threshold", "prefill_threshold"), ("--kv-load-failure", "kv_load_failure")):
+                       ("--prefill-threshold", "prefill_threshold"), ("--kv-load-failure", "kv_load_failure"),
+                       ("--kv-transfer-timeout", "kv_transfer_timeout")):
         if getattr(args, dest) is not None:
             out += [flag, str(getattr(args, dest))]
     if args.insecure:

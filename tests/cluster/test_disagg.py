@@ -24,7 +24,8 @@ def start(tmp, transport: str, roles: dict[str, str], extra: tuple[str, ...] = (
           node_extra: tuple[str, ...] = ()) -> Cluster:
     c = Cluster(tmp, transport, extra=extra)
     for name, role in roles.items():
-        c.start_node(name, "--role", role, "--prefill-threshold", "0", *node_extra)
+        c.start_node(name, "--role", role, "--prefill-threshold", "0", "--kv-transfer-timeout", "3",
+                     *node_extra)
     c.wait_nodes(sorted(roles))
     return c
 
@@ -125,9 +126,10 @@ def test_client_that_leaves_aborts_both_legs(pd):
     assert node_status(pd, "d1")["in_flight"] == 0 == node_status(pd, "p1")["in_flight"]
 
 
-def test_decode_node_without_a_reachable_prefill_node_computes_itself(pd, reference_engine):
-    """Transfers refused by the decode node (fault injection): the prefill
-    leg fails at once and the decode node recomputes; tokens unchanged."""
+def test_transfer_past_its_deadline_is_recomputed(pd, reference_engine):
+    """KV refused by the decode node (fault injection: its commit too): the
+    reservation expires at kv_transfer_timeout (3 s here), its blocks come
+    back and the decode node computes the prompt; tokens unchanged."""
     client = pd.client(timeout=60)
     p = prompt(31, 70)
     ref = reference_tokens(reference_engine, [p], 10)[0]
@@ -138,5 +140,81 @@ def test_decode_node_without_a_reachable_prefill_node_computes_itself(pd, refere
         admin(pd.node_admin("d1"), "fail", mode="resume")
     assert text == reference_engine.tokenizer.decode(ref)
     st = node_status(pd, "d1")["disaggregation"]["decode"]
-    assert st["failed"] + st["timed_out"] >= 1
+    assert st["timed_out"] >= 1
+    assert node_status(pd, "p1")["disaggregation"]["prefill"].get("failed", 0) >= 1
     wait_idle(pd, ROLES)
+
+
+def test_kv_load_failure_fail_ends_the_request_with_an_openai_error(pd):
+    import openai
+
+    pd.start_node("d2", "--role", "decode", "--prefill-threshold", "0", "--kv-transfer-timeout", "2",
+                  "--kv-load-failure", "fail")
+    pd.wait_nodes(["d1", "d2", "p1"])
+    admin(pd.admin_socket, "drain", node="d1")
+    admin(pd.node_admin("d2"), "fail", mode="drop-transfers")
+    client = pd.client(timeout=60)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(openai.APIError) as err:
+            client.completions.create(model=MODEL, prompt=prompt(41, 50), max_tokens=5, temperature=0)
+        assert time.monotonic() - t0 < 15
+        assert "KV did not arrive" in str(err.value)
+    finally:
+        admin(pd.admin_socket, "undrain", node="d1")
+        admin(pd.node_admin("d2"), "fail", mode="resume")
+    wait_idle(pd, ["d1", "d2", "p1"])
+    pd.nodes.pop("d2").stop()
+
+
+def test_prefill_node_that_dies_mid_request_is_recomputed(pd, reference_engine):
+    """The prefill node stops (SIGSTOP: no answer, no heartbeat, no KV): the
+    coordinator declares it dead and tells the decode node, which computes
+    the prompt; the client sees the reference tokens, and blocks return."""
+    import signal
+
+    p = prompt(51, 60)
+    ref = reference_tokens(reference_engine, [p], 8)[0]
+    pd.wait_gone("d2", 10)
+    proc = pd.nodes["p1"].proc
+    proc.send_signal(signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        text, finish, _ = stream(pd.client(timeout=60), p, 8)
+        assert time.monotonic() - t0 < 12           # the heartbeat deadline (3 s), not a hang
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    assert text == reference_engine.tokenizer.decode(ref)
+    wait_idle(pd, ["d1"])
+
+
+@pytest.mark.parametrize("transport,dtype,roles", [
+    ("zmq+ipc", "bfloat16", {"p1": "prefill", "p2": "prefill", "d1": "decode", "d2": "decode"}),
+    ("ucx", "float32", {"p1": "prefill", "p2": "prefill", "d1": "decode", "d2": "decode"}),
+    ("ucx", "bfloat16", {"p1": "prefill", "d1": "decode"}),
+])
+def test_topologies_transports_and_dtypes(tmp_path, transport, dtype, roles, reference_engine):
+    from engine.engine import EngineConfig, LLMEngine
+
+    ref_engine = reference_engine if dtype == "float32" else LLMEngine.from_config(EngineConfig(
+        model="tiny", dtype=dtype, block_size=16, kv_blocks=256, host_kv_blocks=32, max_model_len=512,
+        num_threads=1))
+    if transport == "ucx":
+        pytest.importorskip("ucxx")
+    c = start(tmp_path, transport, roles, node_extra=("--dtype", dtype))
+    try:
+        system = prompt(90, 64)
+        prompts = [prompt(i, n) for i, n in enumerate((7, 33, 120))] + [system + prompt(91 + i, 9) for i in range(4)]
+        ref = reference_tokens(ref_engine, prompts, 10)
+        client = c.client(timeout=60)
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            results = list(pool.map(lambda p: stream(client, p, 10), prompts))
+        tok = ref_engine.tokenizer
+        assert [r[0] for r in results] == [tok.decode(r) for r in ref]
+        decoders = [n for n, r in roles.items() if r == "decode"]
+        remote = sum(node_status(c, n)["disaggregation"]["decode"]["remote"] for n in decoders)
+        assert remote == len(prompts)
+        wait_idle(c, roles)
+    finally:
+        c.stop()
