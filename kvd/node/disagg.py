@@ -328,4 +328,9 @@ class DecodeSide:
             await self.driver.call(lambda engine: engine.pool.cancel(rx.reservation))
 
     def stats(self) -> dict[str, Any]:
-        return {**self.counts, "open": len(self.receivers)}
+        """Outcome counts, and each open reservation: request, transfer id,
+        prefill node, state, layers landed."""
+        return {**self.counts, "open": [
+            {"request_id": rx.request_id, "transfer_id": tid, "prefill_node": rx.prefill_node,
+             "state": rx.state.value, "layers": len(rx.layers_done), "blocks": len(rx.reservation.block_ids)}
+            for tid, rx in self.receivers.items()]}

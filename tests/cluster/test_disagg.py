@@ -4,6 +4,7 @@ time with every block returned on both sides."""
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import random
 import time
@@ -180,13 +181,42 @@ def test_prefill_node_that_dies_mid_request_is_recomputed(pd, reference_engine):
     proc.send_signal(signal.SIGSTOP)
     try:
         t0 = time.monotonic()
-        text, finish, _ = stream(pd.client(timeout=60), p, 8)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            running = pool.submit(stream, pd.client(timeout=60), p, 8)
+            forged = asyncio.run(forge_commit(pd))
+            text, finish, _ = running.result(30)
         assert time.monotonic() - t0 < 12           # the heartbeat deadline (3 s), not a hang
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
+    assert [m.code for m in forged] == ["no_grant", "no_grant"], forged
     assert text == reference_engine.tokenizer.decode(ref)
     wait_idle(pd, ["d1"])
+
+
+async def forge_commit(c: Cluster) -> list:
+    """The attacker's view: a node with a valid key of its own (m1), not the
+    request's prefill node, finishes d1's open reservation with a forged
+    first token and writes KV into it. Returns d1's replies."""
+    from kvd import protocol
+
+    deadline = time.monotonic() + 5
+    while not (waiting := node_status(c, "d1")["disaggregation"]["decode"]["open"]):
+        assert time.monotonic() < deadline, "d1 never reserved blocks"
+        await asyncio.sleep(0.05)
+    rx = waiting[0]
+    c.make_key("m1")
+    conn = await c.connect("d1", as_name="m1")
+    try:
+        commit = await protocol.call(conn, protocol.KVCommit(
+            id="forged", deadline=time.time() + 5, transfer_id=rx["transfer_id"],
+            request_id=rx["request_id"], status="done", first_token=13))
+        data = await protocol.call(conn, protocol.KVData(
+            id="forged-kv", deadline=time.time() + 5, transfer_id=rx["transfer_id"], layer_start=0,
+            layer_end=1, block_ids=(0,), tensors=()))
+    finally:
+        await conn.close()
+    return [commit, data]
 
 
 @pytest.mark.parametrize("transport,dtype,roles", [
