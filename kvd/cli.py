@@ -119,6 +119,8 @@ def _cluster_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-load-failure", dest="kv_load_failure", choices=("recompute", "fail"), default=None,
                    help="a decode node whose prompt KV does not arrive: recompute or fail "
                         "([cluster].kv_load_failure)")
+    p.add_argument("--kv-stream", dest="kv_stream", choices=("layers", "request"), default=None,
+                   help="prefill nodes send KV per layer as computed, or per request ([cluster].kv_stream)")
     p.add_argument("--kv-transfer-timeout", dest="kv_transfer_timeout", type=float, default=None,
                    help="seconds a decode node waits for a prompt's KV ([cluster].kv_transfer_timeout)")
 
@@ -142,7 +144,7 @@ def _cluster(args: argparse.Namespace):
 
 
 CLUSTER_OVERRIDES = ("transport", "heartbeat_interval", "heartbeat_deadline", "curve_keys_dir", "insecure",
-                     "prefill_threshold", "kv_load_failure", "kv_transfer_timeout")
+                     "prefill_threshold", "kv_load_failure", "kv_transfer_timeout", "kv_stream")
 
 
 def _run(main_coro_factory) -> int:
@@ -332,7 +334,7 @@ def _passthrough(args: argparse.Namespace) -> list[str]:
                        ("--heartbeat-deadline", "heartbeat_deadline"),
                        ("--curve-keys-dir", "curve_keys_dir"), ("--transport", "transport"),
                        ("--prefill-threshold", "prefill_threshold"), ("--kv-load-failure", "kv_load_failure"),
-                       ("--kv-transfer-timeout", "kv_transfer_timeout")):
+                       ("--kv-transfer-timeout", "kv_transfer_timeout"), ("--kv-stream", "kv_stream")):
         if getattr(args, dest) is not None:
             out += [flag, str(getattr(args, dest))]
     if args.insecure:

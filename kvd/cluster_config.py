@@ -106,6 +106,10 @@ class ClusterConfig:
         "recompute" the prompt itself (the request completes), or "fail" it.
     kv_transfer_timeout: seconds from a decode node's reservation to the
         prefill node's commit (prefill and transfer, queueing included).
+    kv_stream: how a prefill node sends a prompt's KV: "layers" (each layer
+        as soon as it is computed, overlapped with the next layer's compute),
+        or "request" (all layers once the prefill ends: the baseline of
+        tools/bench_disagg.py).
     """
 
     transport: str = "zmq+tcp"
@@ -122,6 +126,7 @@ class ClusterConfig:
     prefill_threshold: int = 64
     kv_load_failure: str = "recompute"
     kv_transfer_timeout: float = 60.0
+    kv_stream: str = "layers"
     nodes: dict[str, NodeConfig] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -144,6 +149,8 @@ class ClusterConfig:
         if self.kv_load_failure not in KV_LOAD_FAILURE:
             raise ConfigError(f"cluster.kv_load_failure must be one of {KV_LOAD_FAILURE}, "
                               f"got {self.kv_load_failure!r}")
+        if self.kv_stream not in ("layers", "request"):
+            raise ConfigError(f"cluster.kv_stream must be 'layers' or 'request', got {self.kv_stream!r}")
         if not self.kv_transfer_timeout > 0:
             raise ConfigError("cluster.kv_transfer_timeout must be > 0")
         if self.curve_keys_dir and self.transport == "inproc":

@@ -396,7 +396,8 @@ class NodeDaemon:
             conn = await self._peer(msg.kv_to_node, msg.kv_to_address)
             sender = KVSender(transfer_id=msg.kv_transfer_id, request_id=rid, conn=conn,
                               block_ids=msg.kv_block_ids, have_blocks=msg.kv_have_blocks,
-                              num_layers=msg.kv_num_layers, deadline=deadline, loop=loop)
+                              num_layers=msg.kv_num_layers, deadline=deadline, loop=loop,
+                              by_request=self.cluster.kv_stream == "request")
             out = await self._pipe(rid, peer, self.driver.generate(
                 rid, list(msg.prompt_token_ids), msg.sampling, kv_out=sender))
             if out is not None and out.handed_off:

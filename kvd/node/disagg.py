@@ -93,12 +93,14 @@ class KVSender:
     ``layers_ready`` (hands the layer range to the event loop, never
     blocks). Event loop: each staged range of at least ``MIN_MESSAGE_BYTES``
     (or the last layer) is sent as one KVData without waiting for the acks
-    of the previous ones; ``commit`` waits for every ack, then sends the
+    of the previous ones (``by_request``: every layer in one KVData once the
+    prefill's last layer is staged, ``[cluster].kv_stream = "request"``);
+    ``commit`` waits for every ack, then sends the
     KVCommit. The staging buffer is released once nothing is in flight."""
 
     def __init__(self, *, transfer_id: str, request_id: str, conn: Connection,
                  block_ids: tuple[int, ...], have_blocks: int, num_layers: int, deadline: float,
-                 loop: asyncio.AbstractEventLoop) -> None:
+                 loop: asyncio.AbstractEventLoop, by_request: bool = False) -> None:
         self.transfer_id = transfer_id
         self.request_id = request_id
         self.conn = conn
@@ -107,6 +109,7 @@ class KVSender:
         self.num_layers = num_layers
         self.deadline = deadline                  # wall clock, as on the wire
         self.loop = loop
+        self.by_request = by_request              # hold every layer until the prefill ends (a baseline)
         self.state = TransferState.PENDING
         self.reason = ""
         self.bytes = 0
@@ -134,7 +137,7 @@ class KVSender:
         if self.state is not TransferState.SENDING or not self.block_ids:
             return
         per_layer = self._view[0].numel() * self._view.element_size()
-        if (upto - self._next) * per_layer < MIN_MESSAGE_BYTES and upto < self.num_layers:
+        if upto < self.num_layers and (self.by_request or (upto - self._next) * per_layer < MIN_MESSAGE_BYTES):
             return
         l0, self._next = self._next, upto
         self._sends.append(self.loop.create_task(self._send(l0, upto), name=f"kv {self.transfer_id} {l0}"))

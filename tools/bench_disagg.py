@@ -1,0 +1,168 @@
+"""Layer-wise KV streaming vs by-request vs colocated: TTFT and TTST of 1P1D.
+
+Three clusters, started one after the other on this machine, each a real
+coordinator and node processes (authenticated, as always), the node
+processes pinned with ``taskset`` and one torch thread each:
+
+- ``layers``:   prefill node on core 0, decode node on core 1; the prompt's
+                KV streams layer by layer while the prefill computes
+                (``[cluster].kv_stream = "layers"``, the default);
+- ``request``:  the same, KV sent once the prefill ends (``kv_stream = "request"``);
+- ``colocated``: one mixed node on core 0, no transfer.
+
+For each prompt length, ``--reps`` greedy streamed completions of fresh
+random prompts (no prefix-cache hits) over HTTP: time to first token (TTFT:
+sampled on the prefill node) and time to second token (TTST: the first token
+the decode node computes, after the whole KV landed), medians.
+
+    .venv/bin/python tools/bench_disagg.py [--lengths 256,1024,4096] [--reps 3]
+        [--model smollm2] [--transport zmq+tcp]
+
+Prints a markdown table and writes JSON to results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tools._twoproc import write_results  # noqa: E402
+from tools.loadgen.report import machine_info  # noqa: E402
+from transports.keys import generate_keypair  # noqa: E402
+
+MODES = ("layers", "request", "colocated")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def admin(path: str, cmd: str) -> dict:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(10)
+        s.connect(path)
+        s.sendall(json.dumps({"cmd": cmd}).encode() + b"\n")
+        buf = b""
+        while not buf.endswith(b"\n"):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            buf += chunk
+    return json.loads(buf)
+
+
+@contextlib.contextmanager
+def cluster(mode: str, args: argparse.Namespace, tmp: str):
+    """Start the mode's daemons; yield the HTTP base URL; stop them."""
+    keys = os.path.join(tmp, f"keys-{mode}")
+    nodes = {"n1": ("mixed", 0)} if mode == "colocated" else {"p1": ("prefill", 0), "d1": ("decode", 1)}
+    for name in ["coordinator", *nodes]:
+        generate_keypair(keys, name)
+    url = lambda: f"{args.transport}://127.0.0.1:{free_port()}"  # noqa: E731
+    coord_url, port, sock = url(), free_port(), os.path.join(tmp, f"coord-{mode}.sock")
+    common = ["--transport", args.transport, "--curve-keys-dir", keys, "--heartbeat-interval", "0.5",
+              "--heartbeat-deadline", "30", "--kv-stream", "request" if mode == "request" else "layers",
+              "--prefill-threshold", "0", "--kv-transfer-timeout", "600"]
+    logs = open(os.path.join(tmp, f"{mode}.log"), "ab")
+    procs = [subprocess.Popen([sys.executable, "-m", "kvd.cli", "coordinator", "--listen", coord_url,
+                               "--port", str(port), "--model", args.model, "--admin-socket", sock, *common],
+                              cwd=REPO, stdout=logs, stderr=subprocess.STDOUT)]
+    max_len = max(args.lengths) + 64
+    for name, (role, core) in nodes.items():
+        procs.append(subprocess.Popen(
+            ["taskset", "-c", str(core), sys.executable, "-m", "kvd.cli", "node", "--name", name, "--role", role,
+             "--listen", url(), "--coordinator", coord_url, "--model", args.model, "--num-threads", "1",
+             "--max-model-len", str(max_len), "--kv-blocks", str(2 * max_len // 16 + 64), "--host-kv-blocks", "0",
+             *common], cwd=REPO, stdout=logs, stderr=subprocess.STDOUT))
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                if len(admin(sock, "nodes")["nodes"]) == len(nodes):
+                    break
+            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                raise SystemExit(f"bench_disagg: {mode} cluster did not start; see {logs.name}")
+            time.sleep(0.5)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def first_two(client: httpx.Client, base: str, ids: list[int]) -> tuple[float, float]:
+    """(TTFT, TTST) of one greedy streamed completion, seconds."""
+    model = client.get(base + "/v1/models").json()["data"][0]["id"]
+    body = {"model": model, "prompt": ids, "max_tokens": 3, "temperature": 0, "stream": True, "ignore_eos": True}
+    t0 = time.perf_counter()
+    times: list[float] = []
+    with client.stream("POST", base + "/v1/completions", json=body, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data: {") and '"text"' in line:
+                times.append(time.perf_counter() - t0)
+    if len(times) < 2:
+        raise RuntimeError(f"expected >= 2 token events, got {len(times)}")
+    return times[0], times[1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--lengths", default="256,1024,4096")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--transport", default="zmq+tcp")
+    ap.add_argument("--out", default=str(REPO / "results" / "bench_disagg.json"))
+    args = ap.parse_args()
+    args.lengths = [int(x) for x in args.lengths.split(",")]
+    rows = []
+    rng = random.Random(0)
+    with tempfile.TemporaryDirectory(prefix="kvd-bench-") as tmp, httpx.Client() as client:
+        for mode in MODES:
+            with cluster(mode, args, tmp) as base:
+                first_two(client, base, [rng.randrange(1, 40000) for _ in range(64)])    # warm-up
+                for n in args.lengths:
+                    samples = [first_two(client, base, [rng.randrange(1, 40000) for _ in range(n)])
+                               for _ in range(args.reps)]
+                    row = {"mode": mode, "tokens": n, "reps": args.reps,
+                           "ttft_s": statistics.median(s[0] for s in samples),
+                           "ttst_s": statistics.median(s[1] for s in samples)}
+                    rows.append(row)
+                    print(f"{mode:9s} {n:5d} tokens: TTFT {row['ttft_s']:.3f} s, TTST {row['ttst_s']:.3f} s",
+                          flush=True)
+    by = {(r["mode"], r["tokens"]): r for r in rows}
+    print(f"\nCPU: {machine_info().get('cpu_model', '?')}, transport {args.transport}, model {args.model}\n")
+    print("| tokens | TTFT layers / request / colocated (s) | TTST layers / request / colocated (s) "
+          "| TTST layers ÷ colocated | TTST layers ÷ request |")
+    print("|---|---|---|---|---|")
+    for n in args.lengths:
+        lw, rq, co = by[("layers", n)], by[("request", n)], by[("colocated", n)]
+        print(f"| {n} | {lw['ttft_s']:.3f} / {rq['ttft_s']:.3f} / {co['ttft_s']:.3f} "
+              f"| {lw['ttst_s']:.3f} / {rq['ttst_s']:.3f} / {co['ttst_s']:.3f} "
+              f"| {lw['ttst_s'] / co['ttst_s']:.2f} | {lw['ttst_s'] / rq['ttst_s']:.2f} |")
+    write_results(args.out, rows)
+
+
+if __name__ == "__main__":
+    main()
