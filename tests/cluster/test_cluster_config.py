@@ -23,6 +23,15 @@ def test_example_cluster_file_parses_and_the_engine_part_too():
     load_config(ROOT / "etc" / "kvd.example-cluster.toml")      # the rest of the file is valid too
 
 
+def test_example_1p1d_file_parses():
+    cfg = load_cluster_config(ROOT / "etc" / "kvd.example-1p1d.toml")
+    assert {n: c.role for n, c in cfg.nodes.items()} == {"p1": "prefill", "d1": "decode"}
+    assert (cfg.kv_load_failure, cfg.kv_stream) == ("recompute", "layers")
+    from kvd.config import load_config
+
+    load_config(ROOT / "etc" / "kvd.example-1p1d.toml")
+
+
 @pytest.mark.parametrize("data, message", [
     ({"cluster": {"bogus": 1}}, "unknown key"),
     ({"cluster": {"heartbeat_interval": "fast"}}, "must be float"),
@@ -35,6 +44,11 @@ def test_example_cluster_file_parses_and_the_engine_part_too():
     ({"cluster": {"insecure": "yes"}}, "must be bool"),
     ({"nodes": {"coordinator": {}}}, "coordinator's key name"),
     ({"cluster": {"ucx_progress_mode": "spin"}}, "ucx_progress_mode"),
+    ({"nodes": {"n1": {"role": "both"}}}, "role"),
+    ({"cluster": {"prefill_threshold": -1}}, "prefill_threshold"),
+    ({"cluster": {"kv_load_failure": "retry"}}, "kv_load_failure"),
+    ({"cluster": {"kv_stream": "blocks"}}, "kv_stream"),
+    ({"cluster": {"kv_transfer_timeout": 0}}, "kv_transfer_timeout"),
 ])
 def test_bad_cluster_config_is_an_error(data, message):
     with pytest.raises(ConfigError, match=message):

@@ -32,9 +32,17 @@ EXAMPLES = [
                       sampling={"temperature": 0.0, "max_tokens": 8, "stop_token_ids": [2],
                                 "ignore_eos": False, "seed": 3}),
     P.Accepted(id="g", request_id="r1"),
+    P.GenerateRequest(id="g2", request_id="r2", prompt_token_ids=tuple(range(40)), prefill_node="p1"),
+    P.GenerateRequest(id="g3", request_id="r2", prompt_token_ids=tuple(range(40)), kv_to_node="d1",
+                      kv_to_address="zmq+tcp://127.0.0.1:5562", kv_transfer_id="pd-1", kv_block_ids=(7, 8),
+                      kv_have_blocks=1, kv_num_layers=30, kv_dtype="float32"),
+    P.Accepted(id="g2", request_id="r2", kv_transfer_id="pd-1", kv_block_ids=(7, 8), kv_have_blocks=1,
+               kv_num_layers=30, kv_dtype="float32"),
+    P.KVCommit(transfer_id="pd-1", request_id="r2", status="done", first_token=42, cached_tokens=16),
     P.TokenChunk(request_id="r1", start_index=4, token_ids=(9, 10), text="hi",
                  finish_reason="stop", usage={"prompt_tokens": 3, "completion_tokens": 6}),
     P.Abort(request_id="r1", reason="client left"),
+    P.Abort(request_id="r1", reason="prefill leg lost", leg="prefill"),
     P.Goodbye(node="n1", reason="drained"),
     P.Error(code="no_capacity", message="full", request_id="r1"),
     P.KVTransferRequest(transfer_id="t", request_id="r1", src_node="a", dst_node="b",
@@ -95,6 +103,13 @@ def test_empty_tensor_frame():
     (dict(prompt_token_ids=(1, 2.0)), "int"),
     (dict(request_id=""), "request_id"),
     (dict(deadline=float("nan")), "finite"),
+    (dict(prefill_node="p1", kv_to_node="d1"), "one leg"),
+    (dict(kv_to_node="d1", kv_to_address="zmq+tcp://x:1", kv_transfer_id=""), "kv_transfer_id"),
+    (dict(kv_to_node="d1", kv_to_address="a", kv_transfer_id="t", kv_num_layers=2, kv_dtype="float32",
+          kv_block_ids=(1, 1)), "distinct"),
+    (dict(kv_to_node="d1", kv_to_address="a", kv_transfer_id="t", kv_num_layers=2, kv_dtype="float32",
+          kv_block_ids=(1, 2), kv_have_blocks=5), "more blocks"),
+    (dict(kv_to_node="d1", kv_transfer_id="t", kv_num_layers=2, kv_dtype="float32"), "kv_to_address"),
 ])
 def test_generate_request_validation(bad, match):
     fields = dict(request_id="r", prompt_token_ids=(1,)) | bad
@@ -252,8 +267,25 @@ def test_tier_names_are_the_engines():
 
 @pytest.mark.parametrize("type_, field_", [
     ("Welcome", "replica_peer"), ("Heartbeat", "cached_prefixes"), ("Heartbeat", "replicated"),
-    ("GenerateRequest", "output_token_ids"), ("KVTransferRequest", "purpose"),
+    ("GenerateRequest", "output_token_ids"), ("KVTransferRequest", "purpose"), ("Hello", "capabilities"),
 ])
 def test_fields_nothing_used_are_gone(type_, field_):
     # they were never read; a peer that still sends one is told so
     assert field_ not in P.MESSAGE_TYPES[type_]._FIELDS
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(status="maybe"), "status"),
+    (dict(status="done"), "first_token"),
+    (dict(status="failed", cached_tokens=-1), "cached_tokens"),
+])
+def test_kv_commit_validation(bad, match):
+    with pytest.raises(ValueError, match=match):
+        P.KVCommit(**(dict(transfer_id="t", request_id="r") | bad))
+
+
+def test_roles_and_legs_are_checked():
+    with pytest.raises(ValueError, match="role"):
+        P.Hello(node="n", address="a", role="both", blocks_per_tier={}, block_size=16)
+    with pytest.raises(ValueError, match="leg"):
+        P.Abort(request_id="r", leg="decode")
