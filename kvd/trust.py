@@ -12,7 +12,7 @@ What each port accepts, from whom (docs/operations.md, "Trust model")::
                        KVTransferRequest, KVData              a node (src_node = its own name);
                                                               KVData only for a grant this node
                                                               made to that very link (transfer.py)
-    coordinator port   Hello, Heartbeat, Goodbye              a node, about itself (node = its name)
+    coordinator port   Hello, Heartbeat, Goodbye, CacheEvents a node, about itself (node = its name)
 
 A listener without keys (``[cluster].insecure``) names nobody: everything is
 accepted from anyone who reaches the port, which is what insecure means.
@@ -28,7 +28,7 @@ from kvd.cluster_config import COORDINATOR_NAME
 
 FROM_COORDINATOR = (protocol.GenerateRequest, protocol.Abort, protocol.AdminCommand)
 FROM_NODES = (protocol.KVTransferRequest, protocol.KVData)
-NODE_ABOUT_ITSELF = (protocol.Hello, protocol.Heartbeat, protocol.Goodbye)
+NODE_ABOUT_ITSELF = (protocol.Hello, protocol.Heartbeat, protocol.Goodbye, protocol.CacheEvents)
 
 
 def node_refusal(msg: protocol.Message, identity: str | None, authenticated: bool) -> str | None:
