@@ -318,7 +318,7 @@ class Heartbeat(Message):
     free_blocks: dict[str, int]
     draining: bool = False             # finishing its requests; route nothing new here
     cached_blocks: int = 0             # blocks held by the prefix cache (all tiers)
-    cache_events: int = 0              # MemPool stored/removed events since the last beat
+    cache_events: int = 0              # MemPool stored/removed events shipped (CacheEvents) since the last beat
     stats: dict[str, Any] = field(default_factory=dict)  # engine snapshot (metrics)
 
     def _check(self) -> None:
