@@ -59,12 +59,10 @@ class ClusterCollector:
             for name in tree.nodes():
                 g.add_metric([role, name], tree.num_blocks(name))
         yield g
-        c = CounterMetricFamily("kvd_prompt_tree_events", "Node cache events applied to the prompt trees")
-        c.add_metric([], d.cache_sync.applied_events)
-        yield c
-        c = CounterMetricFamily("kvd_prompt_tree_snapshots", "Node cache snapshots applied (resyncs)")
-        c.add_metric([], d.cache_sync.snapshots)
-        yield c
+        yield _counter("kvd_prompt_tree_events", "Node cache events applied to the prompt trees",
+                       d.cache_sync.applied_events)
+        yield _counter("kvd_prompt_tree_snapshots", "Node cache snapshots applied (resyncs)",
+                       d.cache_sync.snapshots)
         c = CounterMetricFamily("kvd_cluster_failed_requests", "Requests ended by a node failure or error")
         c.add_metric([], d.client.failed_requests)
         yield c
@@ -76,3 +74,10 @@ class ClusterCollector:
         c = CounterMetricFamily("kvd_transport_malformed_frames", "Frames with a bad envelope, dropped")
         c.add_metric([], d.listener.stats.malformed if d.listener else 0)
         yield c
+
+
+def _counter(name: str, help_: str, value: float) -> CounterMetricFamily:
+    """A counter without labels, at ``value``."""
+    c = CounterMetricFamily(name, help_)
+    c.add_metric([], value)
+    return c
