@@ -43,12 +43,13 @@ def unpack(msg: protocol.CacheEvents) -> list[Op]:
     flat = msg.tensors[0].data.cast("q").tolist()
     toks = msg.tensors[1].data.cast("q").tolist()
     out: list[Op] = []
+    new_op = tuple.__new__             # Op(...) without its Python-level __new__: thousands per snapshot
     row = 0
     for i in range(0, len(flat), 3):
         kind, parent, h = flat[i], flat[i + 1], flat[i + 2]
         if kind == STORED:
-            out.append(Op(STORED, parent, h, tuple(toks[row:row + bs])))
+            out.append(new_op(Op, (STORED, parent, h, tuple(toks[row:row + bs]))))
             row += bs
         else:
-            out.append(Op(REMOVED, 0, h))
+            out.append(new_op(Op, (REMOVED, 0, h, ())))
     return out

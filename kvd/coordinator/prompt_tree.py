@@ -41,7 +41,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from engine.memory.radix import ROOT_HASH
 
@@ -53,10 +53,10 @@ class InvalidEvents(ValueError):
     """A batch of events (or a snapshot) that does not fit the tree; nothing changed."""
 
 
-@dataclass(frozen=True, slots=True)
-class Op:
+class Op(NamedTuple):
     """One cache event on the coordinator's side: ``kind`` STORED (with
-    ``parent`` and ``tokens``) or REMOVED (``parent`` 0, ``tokens`` ())."""
+    ``parent`` and ``tokens``) or REMOVED (``parent`` 0, ``tokens`` ()).
+    A NamedTuple: a snapshot makes thousands (tools/bench_prompt_tree.py)."""
 
     kind: int
     parent: int
@@ -147,6 +147,9 @@ class GlobalPromptTree:
         """Apply ``node``'s events in order; raises ``InvalidEvents`` (and
         changes nothing) when any of them does not fit."""
         self._validate(self._held.get(node, {}), ops)
+        self._apply_valid(node, ops)
+
+    def _apply_valid(self, node: str, ops: Sequence[Op]) -> None:
         held = self._held.setdefault(node, {})
         for op in ops:
             if op.kind == STORED:
@@ -165,7 +168,7 @@ class GlobalPromptTree:
         self._validate({}, ops)
         self.drop(node, keep_pending=True)
         if ops:
-            self.apply(node, ops)
+            self._apply_valid(node, ops)
 
     def drop(self, node: str, keep_pending: bool = False) -> None:
         """Forget everything ``node`` holds (it died, or a snapshot follows)
