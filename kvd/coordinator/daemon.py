@@ -284,6 +284,7 @@ class CoordinatorDaemon:
                     self.cluster.request_timeout)
             except (TransportError, TimeoutError, OSError) as exc:
                 self.membership.remove(hello.node)
+                self.cache_sync.gone(hello.node)
                 return protocol.Welcome(id=hello.id, node=hello.node, accepted=False,
                                         reason=f"cannot reach {hello.address}: {exc}")
             await self.client.attach(info, conn)
