@@ -29,6 +29,7 @@ from typing import Any
 from transports.base import UCX_PROGRESS_MODES
 
 TRANSPORTS = ("zmq+tcp", "zmq+ipc", "ucx", "inproc")
+ROUTING_POLICIES = ("prompt-tree", "session", "least-load")   # kvd/coordinator/cache_router.py
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 
 
@@ -110,6 +111,17 @@ class ClusterConfig:
         as soon as it is computed, overlapped with the next layer's compute),
         or "request" (all layers once the prefill ends: the baseline of
         tools/bench_disagg.py).
+    routing: the coordinator's policy, "prompt-tree" (cache-aware, on the
+        global prompt trees), "session" (least load + session affinity) or
+        "least-load"; ``kvctl routing POLICY`` switches at run time.
+    routing_overlap_weight / routing_load_weight / routing_max_imbalance:
+        prompt-tree cost = overlap_weight * blocks to prefill + load_weight *
+        requests in flight, among nodes at most max_imbalance requests above
+        the least loaded (kvd/coordinator/cache_router.py).
+    routing_pending_ttl: seconds a routed prompt counts as cached on its node
+        before the node's events confirm it.
+    cache_events_interval: seconds between a node's pushes of its cache
+        events to the coordinator's prompt trees.
     """
 
     transport: str = "zmq+tcp"
@@ -127,6 +139,12 @@ class ClusterConfig:
     kv_load_failure: str = "recompute"
     kv_transfer_timeout: float = 60.0
     kv_stream: str = "layers"
+    routing: str = "prompt-tree"
+    routing_overlap_weight: float = 1.0
+    routing_load_weight: float = 4.0
+    routing_max_imbalance: int = 4
+    routing_pending_ttl: float = 30.0
+    cache_events_interval: float = 0.05
     nodes: dict[str, NodeConfig] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -141,6 +159,13 @@ class ClusterConfig:
             raise ConfigError("cluster.request_timeout must be > 0")
         if self.affinity_tokens < 0:
             raise ConfigError("cluster.affinity_tokens must be >= 0")
+        if self.routing not in ROUTING_POLICIES:
+            raise ConfigError(f"cluster.routing must be one of {ROUTING_POLICIES}, got {self.routing!r}")
+        if min(self.routing_overlap_weight, self.routing_load_weight, self.routing_max_imbalance,
+               self.routing_pending_ttl) < 0:
+            raise ConfigError("cluster.routing_* weights, max_imbalance and pending_ttl must be >= 0")
+        if not self.cache_events_interval > 0:
+            raise ConfigError("cluster.cache_events_interval must be > 0")
         if self.ucx_progress_mode not in UCX_PROGRESS_MODES:
             raise ConfigError(f"cluster.ucx_progress_mode must be one of {UCX_PROGRESS_MODES}, "
                               f"got {self.ucx_progress_mode!r}")

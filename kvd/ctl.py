@@ -137,6 +137,11 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("node", nargs="?", help="node name; omitted: the whole cluster / this node")
     cache = sub.add_parser("cache", help="prefix cache: stats | flush")
     cache.add_argument("action", choices=("stats", "flush"))
+    tree = sub.add_parser("tree", help="global prompt trees (coordinator): per node cached blocks, "
+                          "tokens, longest shared prefixes")
+    tree.add_argument("--verify", action="store_true", help="compare with every node's own cache")
+    routing = sub.add_parser("routing", help="show or switch the routing policy (coordinator)")
+    routing.add_argument("policy", nargs="?", help="prompt-tree | session | least-load; omitted: show")
     ll = sub.add_parser("log-level", help="set the daemon's log level")
     ll.add_argument("level", choices=("debug", "info", "warning", "error", "critical"),
                     type=str.lower)
@@ -162,6 +167,10 @@ def to_request(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[
         return {"cmd": cmd, **({"node": ns.node} if ns.node else {})}
     if cmd == "cache":
         return {"cmd": f"cache {ns.action}"}
+    if cmd == "tree":
+        return {"cmd": cmd, **({"verify": True} if ns.verify else {})}
+    if cmd == "routing":
+        return {"cmd": cmd, **({"policy": ns.policy} if ns.policy else {})}
     if cmd == "log-level":
         return {"cmd": cmd, "level": ns.level, **({"logger": ns.logger} if ns.logger else {})}
     if cmd == "fail":

@@ -322,7 +322,7 @@ class Heartbeat(Message):
     free_blocks: dict[str, int]
     draining: bool = False             # finishing its requests; route nothing new here
     cached_blocks: int = 0             # blocks held by the prefix cache (all tiers)
-    cache_events: int = 0              # MemPool stored/removed events since the last beat
+    cache_events: int = 0              # MemPool stored/removed events shipped (CacheEvents) since the last beat
     stats: dict[str, Any] = field(default_factory=dict)  # engine snapshot (metrics)
 
     def _check(self) -> None:
@@ -330,6 +330,56 @@ class Heartbeat(Message):
         _require(self.seq >= 0 and self.running >= 0 and self.waiting >= 0, "counts must be >= 0")
         _require(self.load >= 0, "load must be >= 0")
         _require(_tiers_ok(self.free_blocks), f"tiers must be in {TIERS}, counts >= 0")
+
+
+@message
+@dataclass(frozen=True, kw_only=True)
+class CacheEvents(Message):
+    """Node -> coordinator: the node's MemPool cache events, numbered, for the
+    global prompt tree (kvd/coordinator/cache_sync.py). Answered by CacheAck.
+
+    ``snapshot`` False: events ``[seq, seq + n)``, applied only when ``seq``
+    is the next one the coordinator expects. ``snapshot`` True: the node's
+    whole cache (stored ops only, parents first); the next events are
+    numbered from ``seq``. Two int64 frames (kvd/cache_events.py)::
+
+        ops    [n, 3]   (kind: 1 stored | 0 removed, parent hash, block hash)
+        tokens [m, block_size]  the tokens of the m stored ops, in order
+    """
+
+    FRAMES_FIELD: ClassVar[str | None] = "tensors"
+
+    node: str
+    seq: int
+    block_size: int
+    snapshot: bool = False
+    tensors: tuple[Any, ...] = ()
+
+    def _check(self) -> None:
+        _require(self.seq >= 0 and self.block_size > 0, "seq must be >= 0, block_size > 0")
+        _require(len(self.tensors) == 2 and all(t.dtype == "int64" for t in self.tensors),
+                 "needs two int64 frames: ops and tokens")
+        ops, toks = self.tensors
+        _require(len(ops.shape) == 2 and ops.shape[1] == 3, "ops must be [n, 3]")
+        _require(len(toks.shape) == 2 and toks.shape[1] == self.block_size,
+                 "tokens must be [m, block_size]")
+        kinds = ops.data.cast("q")[0::3]
+        _require(set(kinds) <= {0, 1}, "op kinds must be 0 (removed) or 1 (stored)")
+        _require(sum(kinds) == toks.shape[0], "one token row per stored op")
+        _require(not self.snapshot or all(kinds), "a snapshot holds stored ops only")
+        _require(min(toks.data.cast("q"), default=0) >= 0, "token ids must be >= 0")
+
+
+@message
+@dataclass(frozen=True, kw_only=True)
+class CacheAck(Message):
+    """Coordinator -> node, the reply to CacheEvents: applied (``next_seq`` is
+    the next event number it expects) or ``resync``: send a snapshot."""
+
+    node: str
+    next_seq: int = 0
+    resync: bool = False
+    reason: str = ""
 
 
 @message

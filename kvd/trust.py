@@ -14,7 +14,7 @@ What each port accepts, from whom (docs/operations.md, "Trust model")::
                                                               node made to that very link, or for
                                                               a prefill leg to the node the
                                                               coordinator named (transfer.py)
-    coordinator port   Hello, Heartbeat, Goodbye              a node, about itself (node = its name)
+    coordinator port   Hello, Heartbeat, Goodbye, CacheEvents a node, about itself (node = its name)
 
 A listener without keys (``[cluster].insecure``) names nobody: everything is
 accepted from anyone who reaches the port, which is what insecure means.
@@ -30,7 +30,7 @@ from kvd.cluster_config import COORDINATOR_NAME
 
 FROM_COORDINATOR = (protocol.GenerateRequest, protocol.Abort, protocol.AdminCommand)
 FROM_NODES = (protocol.KVTransferRequest, protocol.KVData, protocol.KVCommit)
-NODE_ABOUT_ITSELF = (protocol.Hello, protocol.Heartbeat, protocol.Goodbye)
+NODE_ABOUT_ITSELF = (protocol.Hello, protocol.Heartbeat, protocol.Goodbye, protocol.CacheEvents)
 
 
 def node_refusal(msg: protocol.Message, identity: str | None, authenticated: bool) -> str | None:

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from engine.memory.blocks import BlockPool
-from engine.memory.radix import BlockRef, CacheEvent, RadixTree, make_refs
+from engine.memory.radix import BlockRef, BlockStored, CacheEvent, RadixTree, make_refs
 
 TIERS = ("device", "host")
 
@@ -554,7 +554,18 @@ class MemPool:
     # ----------------------------------------------------------------- reporting
 
     def take_events(self) -> list[CacheEvent]:
+        """Drain the index's stored/removed events, oldest first."""
         return self.tree.take_events()
+
+    def events_dropped(self) -> int:
+        """Events lost to the full event buffer since start (a reader that saw
+        this grow must resync from ``cache_snapshot``)."""
+        return self.tree.events_dropped
+
+    def cache_snapshot(self) -> list[BlockStored]:
+        """Every cached block as a ``BlockStored`` event, parents first (see
+        ``RadixTree.snapshot``); nothing changes."""
+        return self.tree.snapshot()
 
     def stats(self) -> dict:
         out: dict = {"block_size": self.block_size, "node_id": self.node_id,

@@ -559,6 +559,24 @@ class RadixTree:
         self._events.clear()
         return out
 
+    def snapshot(self) -> list[BlockStored]:
+        """A ``BlockStored`` for every cached block, parents before children:
+        replayed from an empty tree, these events rebuild this tree's index
+        (what a global prompt tree resyncs from). Needs events enabled. Does
+        not modify the tree or its event buffer."""
+        if not self.enable_events:
+            raise ValueError("snapshot needs a tree with events enabled")
+        bs = self.block_size
+        out: list[BlockStored] = []
+        stack = [(c, ROOT_HASH) for c in self._root.children.values()]
+        while stack:
+            node, ph = stack.pop()
+            for j, (ref, h) in enumerate(zip(node.refs, node.hashes)):
+                out.append(BlockStored(ref.node_id, ph, h, node.key[j * bs:(j + 1) * bs], ref))
+                ph = h
+            stack.extend((c, ph) for c in node.children.values())
+        return out
+
     # -------------------------------------------------------------- integrity
 
     def check_integrity(self) -> None:

@@ -1,5 +1,5 @@
 """The coordinator's admin commands (``kvctl``): status, nodes, requests, drain,
-undrain, cache stats/flush, fail.
+undrain, cache stats/flush, fail, tree (the global prompt trees), routing.
 
 Served on the coordinator's 0600 admin Unix socket. Commands naming a node
 are forwarded to it as an ``AdminCommand`` (which a node accepts from the
@@ -142,6 +142,31 @@ class CoordinatorAdmin:
         return {"nodes": nodes, "freed": sum_counters(r["freed"] for r in nodes.values() if "freed" in r),
                 "errors": sorted(n for n, r in nodes.items() if "error" in r)}
 
+    async def cmd_tree(self, args: dict) -> dict:
+        """The global prompt trees: per role and node, cached blocks and tokens
+        and the longest shared prefixes; the event sync state. With ``verify``,
+        each node's own cached blocks are fetched and compared with what the
+        tree holds for it (``equal``, and the blocks ``missing`` / ``extra``)."""
+        d = self.d
+        out = {"roles": d.trees.describe(), "sync": d.cache_sync.stats()}
+        if args.get("verify"):
+            nodes = await self.forward_all("cache blocks")
+            out["verify"] = {name: verify_holdings(d.trees.for_node(name).held(name), result)
+                             for name, result in nodes.items()}
+        return out
+
+    async def cmd_routing(self, args: dict) -> dict:
+        """Show the routing policy, or switch to ``policy`` (from the next request on)."""
+        from kvd.coordinator.cache_router import POLICIES, policy_name
+
+        client = self.d.client
+        if args.get("policy"):
+            client.router = self.d.make_router(args["policy"])     # ValueError: unknown policy
+            log.warning("routing policy switched to %s", args["policy"])
+        describe = getattr(client.router, "describe", None)
+        return {"policy": policy_name(client.router), "policies": list(POLICIES),
+                **(describe() if describe else {})}
+
     def handlers(self) -> dict[str, tuple[Any, str, dict | None]]:
         return {
             "status": (self.cmd_status, "coordinator status and bad-message counters", None),
@@ -154,10 +179,27 @@ class CoordinatorAdmin:
                             "(node: one node)", {"node": (str, False)}),
             "cache flush": (self.cmd_cache_flush, "drop unlocked cached prefixes on every node "
                             "(node: one node)", {"node": (str, False)}),
+            "tree": (self.cmd_tree, "global prompt trees: per node cached blocks/tokens, longest shared "
+                     "prefixes, event sync (verify: compare with every node's own cache)",
+                     {"verify": (bool, False)}),
+            "routing": (self.cmd_routing, "show the routing policy, or switch it: policy = prompt-tree | "
+                        "session | least-load", {"policy": (str, False)}),
             "fail": (self.cmd_fail, "fault injection on a node: mode exit | stop | resume | drop-transfers; "
                      "without a node, mode stall blocks this coordinator's event loop for `seconds` (5)",
                      {"node": (str, False), "mode": (str, True), "seconds": (float, False)}),
         }
+
+
+def verify_holdings(held: dict[int, tuple[int, tuple]], node_reply: dict) -> dict:
+    """Compare a prompt tree's blocks for a node (``{hash: (parent, tokens)}``)
+    with the node's ``cache blocks`` reply."""
+    if "blocks" not in node_reply:
+        return {"error": node_reply.get("error", "no blocks in the reply")}
+    own = {h: p for h, p in node_reply["blocks"]}
+    missing = [h for h, p in own.items() if h not in held or held[h][0] != p]
+    extra = [h for h in held if h not in own]
+    return {"equal": not missing and not extra, "blocks": len(own), "missing": len(missing),
+            "extra": len(extra), "node_seq": node_reply.get("seq")}
 
 
 def as_admin_errors(handler, admin_error):

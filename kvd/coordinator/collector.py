@@ -46,6 +46,23 @@ class ClusterCollector:
                                     "HTTP connections refused at max_connections")
             c.add_metric([], d.site.refused)
             yield c
+        c = CounterMetricFamily("kvd_node_prefix_cache_hit_tokens",
+                                "Prompt tokens served from a node's prefix cache (its last heartbeat)",
+                                labels=["node"])
+        for n in nodes:
+            hits = n.heartbeat.stats.get("prefix_hit_tokens", 0) if n.heartbeat else 0
+            c.add_metric([n.name], hits if type(hits) is int else 0)
+        yield c
+        g = GaugeMetricFamily("kvd_prompt_tree_blocks", "Blocks a node caches, per the global prompt tree",
+                              labels=["role", "node"])
+        for role, tree in sorted(d.trees.trees.items()):
+            for name in tree.nodes():
+                g.add_metric([role, name], tree.num_blocks(name))
+        yield g
+        yield _counter("kvd_prompt_tree_events", "Node cache events applied to the prompt trees",
+                       d.cache_sync.applied_events)
+        yield _counter("kvd_prompt_tree_snapshots", "Node cache snapshots applied (resyncs)",
+                       d.cache_sync.snapshots)
         c = CounterMetricFamily("kvd_cluster_failed_requests", "Requests ended by a node failure or error")
         c.add_metric([], d.client.failed_requests)
         yield c
@@ -57,3 +74,10 @@ class ClusterCollector:
         c = CounterMetricFamily("kvd_transport_malformed_frames", "Frames with a bad envelope, dropped")
         c.add_metric([], d.listener.stats.malformed if d.listener else 0)
         yield c
+
+
+def _counter(name: str, help_: str, value: float) -> CounterMetricFamily:
+    """A counter without labels, at ``value``."""
+    c = CounterMetricFamily(name, help_)
+    c.add_metric([], value)
+    return c

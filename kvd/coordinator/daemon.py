@@ -33,10 +33,13 @@ from kvd.api.http import FrontDoor
 from kvd.cluster_config import COORDINATOR_NAME, ClusterConfig
 from kvd.config import ServerConfig
 from kvd.coordinator.admin_commands import CoordinatorAdmin, as_admin_errors
+from kvd.coordinator.cache_router import CostWeights, make_router
+from kvd.coordinator.cache_sync import CacheSync
 from kvd.coordinator.client import RemoteEngineClient
 from kvd.coordinator.collector import ClusterCollector
 from kvd.coordinator.membership import Membership, NodeInfo
-from kvd.coordinator.router import LeastLoadRouter, Router
+from kvd.coordinator.prompt_tree import PromptTrees
+from kvd.coordinator.router import Router
 from kvd.sdnotify import Notifier
 from transports import InprocRegistry, Listener, TransportError, TransportOptions
 
@@ -64,8 +67,10 @@ class CoordinatorDaemon:
         self.registry = registry
         self.admin_socket = admin_socket if admin_socket is not None else cluster.admin_socket
         self.membership = Membership(cluster.heartbeat_deadline)
+        self.trees = PromptTrees(pending_ttl=cluster.routing_pending_ttl)   # global prompt trees
+        self.cache_sync = CacheSync(self.trees)
         self.client = RemoteEngineClient(model_name, tokenizer, self.membership,
-                                         router or LeastLoadRouter(cluster.affinity_tokens),
+                                         router or self.make_router(cluster.routing),
                                          default_max_model_len=default_max_model_len,
                                          stats_source=stats_source)
         self.options = TransportOptions(request_timeout=cluster.request_timeout,
@@ -83,6 +88,13 @@ class CoordinatorDaemon:
         self._force = asyncio.Event()
         self._ready = asyncio.Event()
         self._tg: asyncio.TaskGroup | None = None
+
+    def make_router(self, policy: str) -> Router:
+        """A router for ``policy`` with this cluster's settings (ValueError for an unknown one)."""
+        c = self.cluster
+        return make_router(policy, self.trees, affinity_tokens=c.affinity_tokens,
+                           weights=CostWeights(c.routing_overlap_weight, c.routing_load_weight,
+                                               c.routing_max_imbalance))
 
     @property
     def address(self) -> str:
@@ -227,10 +239,13 @@ class CoordinatorDaemon:
                 return protocol.Welcome(id=msg.id, node=msg.node, accepted=False, reason="unknown node")
             return protocol.Welcome(id=msg.id, node=msg.node, accepted=True,
                                     heartbeat_interval=self.cluster.heartbeat_interval)
+        if isinstance(msg, protocol.CacheEvents):
+            return self.cache_sync.handle(msg)
         if isinstance(msg, protocol.Hello):
             return await self._register(msg)
         if isinstance(msg, protocol.Goodbye):
             info = self.membership.remove(msg.node)       # routable no more, from now on
+            self.cache_sync.gone(msg.node)
             if info is None:
                 return protocol.Welcome(id=msg.id, node=msg.node, accepted=False, reason="goodbye")
             self._tg.create_task(self._farewell(info, msg, incoming), name=f"goodbye {msg.node}")
@@ -269,10 +284,12 @@ class CoordinatorDaemon:
                     self.cluster.request_timeout)
             except (TransportError, TimeoutError, OSError) as exc:
                 self.membership.remove(hello.node)
+                self.cache_sync.gone(hello.node)
                 return protocol.Welcome(id=hello.id, node=hello.node, accepted=False,
                                         reason=f"cannot reach {hello.address}: {exc}")
             await self.client.attach(info, conn)
             log.info("node %s joined at %s", hello.node, hello.address)
+        self.cache_sync.registered(hello.node, hello.block_size, hello.role)   # its snapshot follows
         return protocol.Welcome(id=hello.id, node=hello.node, accepted=True,
                                 heartbeat_interval=self.cluster.heartbeat_interval)
 
@@ -294,6 +311,7 @@ class CoordinatorDaemon:
                 (log.warning if lag >= STALL_WARN_S else log.info)(
                     "coordinator event loop stalled %.2fs: not counted against the nodes", lag)
             for info in self.membership.expired():
+                self.cache_sync.gone(info.name)
                 n = await self.client.fail_node(info, f"no heartbeat for {self.cluster.heartbeat_deadline:g}s")
                 log.error("node %s declared dead: no heartbeat for %.1fs; %d request(s) failed",
                           info.name, self.cluster.heartbeat_deadline, n)
@@ -305,6 +323,7 @@ class CoordinatorDaemon:
         info = self.membership.remove(name)
         if info is None:
             return
+        self.cache_sync.gone(name)
         self.membership.failures += 1
         n = await self.client.fail_node(info, f"its process {how}")
         log.error("node %s declared dead: its process %s; %d request(s) failed", name, how, n)

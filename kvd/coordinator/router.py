@@ -6,7 +6,7 @@ whose first ``affinity_tokens`` prompt tokens agree (the turns of one
 conversation, which extend each other) go back to the node that served the
 last one — its prefix cache holds their KV — unless that node is gone,
 draining, or busier than the least-loaded node by more than ``slack``.
-Prompt-tree (cache-aware) routing will be another Router.
+Prompt-tree (cache-aware) routing is ``PromptTreeRouter`` (cache_router.py).
 """
 
 from __future__ import annotations

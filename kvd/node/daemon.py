@@ -53,6 +53,7 @@ from engine.request import InvalidParam, RequestOutput
 from kvd import links, protocol, trust
 from kvd.cluster_config import COORDINATOR_NAME, ClusterConfig
 from kvd.node.engine_driver import EngineDriver
+from kvd.node.cache_shipper import CacheShipper
 from kvd.node.heartbeat import Heartbeater
 from kvd.node.disagg import FINAL, DecodeSide, KVReceiver, KVSender, TransferState, new_transfer_id
 from kvd.node.transfer import TransferReceiver, send_prefix
@@ -89,6 +90,7 @@ class NodeDaemon:
         self.listener: Listener | None = None
         self.receiver: TransferReceiver | None = None
         self.heartbeat: Heartbeater | None = None
+        self.cache_shipper: CacheShipper | None = None   # cache events -> the global prompt tree
         self.admin = None
         self.bad_messages: collections.Counter[str] = collections.Counter()
         self.notifier = notifier or Notifier(None)     # disabled: the embedded node of `kvd serve`
@@ -122,6 +124,8 @@ class NodeDaemon:
         self.heartbeat = Heartbeater(self.name, self._connect_coordinator, self._hello, self._beat,
                                      self.cluster.heartbeat_interval, self.cluster.request_timeout,
                                      beat_timeout=self.cluster.heartbeat_deadline)
+        self.cache_shipper = CacheShipper(self.name, self.driver, self.heartbeat, engine.config.block_size,
+                                          self.cluster.cache_events_interval, self.cluster.heartbeat_deadline)
         if self.admin_socket:
             await self._start_admin()
         log.info("node %s: %s loaded in %.1fs, listening on %s", self.name, engine.model_name,
@@ -141,6 +145,7 @@ class NodeDaemon:
                                                         rejected=self.bad_messages, gate=self._gate),
                                          name="serve")
                 beating = tg.create_task(self.heartbeat.run(), name="heartbeat")
+                shipping = tg.create_task(self.cache_shipper.run(), name="cache-events")
                 reaping = tg.create_task(self._reap(), name="reaper")
                 notifying = tg.create_task(self._notify(), name="notify")
                 self._ready.set()
@@ -148,7 +153,7 @@ class NodeDaemon:
                 notifying.cancel()
                 await self._drain()
                 await self.heartbeat.goodbye("shutdown", tuple(self.streams))
-                for task in (serving, beating, reaping, *self.streams.values()):
+                for task in (serving, beating, shipping, reaping, *self.streams.values()):
                     task.cancel()
                 await self.listener.close()
         finally:
@@ -231,10 +236,7 @@ class NodeDaemon:
             max_model_len=eng.max_model_len, incarnation=self.incarnation)
 
     async def _beat(self, seq: int) -> protocol.Heartbeat:
-        events = 0
-        with contextlib.suppress(Exception):  # a busy engine thread must not stop the beat
-            events = await self.driver.call(lambda e: len(e.pool.take_events()),
-                                            timeout=self.cluster.heartbeat_interval)
+        events = self.cache_shipper.events_since_beat()   # the events themselves: CacheShipper
         snap = self.driver.stats()
         kv = snap.get("kv", {})
         max_seqs = self.driver.engine.config.max_num_seqs
@@ -530,6 +532,8 @@ class NodeDaemon:
                                     " | resume (heartbeats and transfers again)", {"mode": (str, True)}),
             "cache stats": (self.cmd_cache_stats, "MemPool blocks per tier", None),
             "cache flush": (self.cmd_cache_flush, "drop every unlocked cached prefix block", None),
+            "cache blocks": (self.cmd_cache_blocks, "this node's cached blocks [hash, parent] and "
+                             "its cache-event seq (the prompt tree's check)", None),
             "transfer": (self.cmd_transfer, "move the cached KV of token_ids to node `to` at `address`",
                          {"to": (str, True), "address": (str, True), "token_ids": (list, True)}),
         }
@@ -571,6 +575,7 @@ class NodeDaemon:
                 "malformed_frames": lst.malformed if lst else 0,
                 "refused_peers": lst.refused if lst else 0,
                 "drop_transfers": self.drop_transfers,
+                "cache_events": self.cache_shipper.stats() if self.cache_shipper else {},
                 "transfers": {"sent": self.transfers_sent, "dropped": self.transfers_dropped,
                               "received": self.receiver.completed if self.receiver else 0,
                               "failed": self.receiver.failed if self.receiver else 0,
@@ -622,6 +627,15 @@ class NodeDaemon:
         self.heartbeat.kick()       # the coordinator's view of cached blocks
         log.info("cache flush: freed %s", freed)
         return {"freed": freed, "kv": self.driver.stats().get("kv", {})}
+
+    async def cmd_cache_blocks(self, args: dict) -> dict:
+        """This node's own cached blocks, ``[block hash, parent hash]`` each
+        (what the coordinator's prompt tree must hold for it), and the number
+        of the next cache event it will send."""
+        blocks = await self.driver.call(lambda engine: engine.pool.cache_snapshot(),
+                                        timeout=self.cluster.request_timeout)
+        return {"blocks": [[b.block_hash, b.parent_hash] for b in blocks],
+                "seq": self.cache_shipper.seq, "need_snapshot": self.cache_shipper.need_snapshot}
 
     async def cmd_transfer(self, args: dict) -> dict:
         if self.drop_transfers:

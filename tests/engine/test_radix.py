@@ -288,3 +288,29 @@ def test_random_ops_against_model(ops):
     tree.check_integrity()
     assert tree.evictable("device") == tree.num_cached("device")
     assert tree.evictable("host") == tree.num_cached("host")
+
+
+def test_snapshot_replays_the_stored_events_of_the_cached_blocks():
+    """``snapshot`` = the stored events of exactly the cached blocks, parents
+    first, whatever splits, evictions and tier moves happened since."""
+    tree, ids = RadixTree(BS, "n1"), Ids()
+    tree.insert(toks(1, 2, 3, 4), ids.take(4))
+    tree.insert(toks(1, 2, 7), ids.take(3))
+    tree.insert(toks(5), ids.take(1))
+    tree.relocate([(tree.match(toks(1, 2, 3, 4)).blocks[3], BlockRef("host", 0, "n1"))])
+    tree.evict(1, "device")
+    events = tree.take_events()
+    stored = [e for e in events if isinstance(e, BlockStored)]
+    removed = {e.block_hash for e in events if isinstance(e, BlockRemoved)}
+    assert removed                       # the eviction took a block
+    snap = tree.snapshot()
+    assert len(snap) == tree.num_cached() == len({e.ref for e in snap})
+    assert {e.ref for e in snap} == set(tree.cached_refs())
+    seen = {ROOT_HASH}
+    for e in snap:                       # parents first, hashes chained as the events had them
+        assert e.parent_hash in seen and e.block_hash == hash((e.parent_hash, e.tokens))
+        seen.add(e.block_hash)
+    by_hash = {e.block_hash: e for e in stored if e.block_hash not in removed}
+    assert {e.block_hash for e in snap} <= {e.block_hash for e in stored}
+    assert all(by_hash[e.block_hash].tokens == e.tokens for e in snap if e.block_hash in by_hash)
+    assert tree.take_events() == []      # a snapshot emits nothing

@@ -51,6 +51,10 @@ EXAMPLES = [
     P.KVData(transfer_id="t", seq=1, layer_start=0, layer_end=2, block_ids=(5, 6), last=True,
              tensors=(RawTensor("int8", (2, 2), memoryview(b"abcd")),)),
     P.KVAck(transfer_id="t", ok=True, inserted_tokens=32),
+    P.CacheEvents(id="c", node="n1", seq=3, block_size=2, tensors=(
+        RawTensor("int64", (2, 3), memoryview(bytes(8) * 2 + (1).to_bytes(8, "little") + bytes(24))),
+        RawTensor("int64", (0, 2), memoryview(b"")))),
+    P.CacheAck(id="c", node="n1", next_seq=5),
     P.AdminCommand(command="cache", args={"op": "stats", "verbose": True}),
     P.AdminReply(ok=True, result={"nodes": [{"name": "n1"}]}),
 ]

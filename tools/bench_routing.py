@@ -1,0 +1,160 @@
+"""Routing policies side by side: prompt-tree vs session affinity vs least load.
+
+Starts ONE cluster (``kvd serve --nodes 3``, the tiny model unless
+``--model``) and, for each dataset (``sessions`` with a shared system prompt,
+``prefix-repetition``) and each policy, flushes every node's prefix cache,
+switches the policy at run time (``kvctl routing``), runs the same
+kvd-loadgen trace (chat endpoint, greedy) and reports:
+
+- cached share: prompt tokens served from a prefix cache / all prompt tokens
+  (the nodes' MemPool hit and miss counters, ``kvctl cache stats``);
+- TTFT p50 / p99 (kvd-loadgen's records);
+- balance: max over mean requests per node (``kvctl nodes``' routed counts).
+
+    .venv/bin/python tools/bench_routing.py [--num-prompts 24] [--request-rate 4]
+
+Prints a markdown table and writes JSON to results/bench_routing.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tools.loadgen import datasets  # noqa: E402
+from tools.loadgen.report import machine_info  # noqa: E402
+from tools.loadgen.runner import RunConfig, run  # noqa: E402
+
+POLICIES = ("prompt-tree", "session", "least-load")
+
+
+def admin(path: str, cmd: str, **args) -> dict:
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(30)
+        s.connect(path)
+        s.sendall(json.dumps({"cmd": cmd, **args}).encode() + b"\n")
+        buf = b""
+        while not buf.endswith(b"\n"):
+            chunk = s.recv(1 << 20)
+            if not chunk:
+                break
+            buf += chunk
+    reply = json.loads(buf)
+    if not reply.get("ok"):
+        raise RuntimeError(f"{cmd}: {reply.get('error')}")
+    return reply
+
+
+def start_cluster(tmp: Path, model: str, nodes: int, kv_blocks: int,
+                  extra_cluster: str = "") -> tuple[subprocess.Popen, str, str]:
+    """``kvd serve --nodes N`` with an admin socket; (process, base URL, socket)
+    once every node registered. ``extra_cluster``: more [cluster] TOML lines."""
+    sock = str(tmp / "coordinator.sock")
+    (tmp / "kvd.toml").write_text(f'[cluster]\nadmin_socket = "{sock}"\n{extra_cluster}')
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "kvd.cli", "serve", "-c", str(tmp / "kvd.toml"),
+                             "--nodes", str(nodes), "--model", model, "--dtype", "float32",
+                             "--kv-blocks", str(kv_blocks), "--num-threads", "1", "--port", str(port)],
+                            cwd=REPO, stdout=open(tmp / "serve.log", "wb"), stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        try:
+            if len(admin(sock, "nodes")["nodes"]) == nodes:
+                return proc, base, sock
+        except (OSError, ValueError, RuntimeError):
+            pass
+        if proc.poll() is not None:
+            raise SystemExit(f"kvd serve exited:\n{(tmp / 'serve.log').read_text()[-3000:]}")
+        time.sleep(0.5)
+    proc.terminate()
+    raise SystemExit("the cluster did not come up")
+
+
+def counters(sock: str) -> tuple[dict[str, int], int, int]:
+    routed = {n["name"]: n["routed"] for n in admin(sock, "nodes")["nodes"]}
+    nodes = admin(sock, "cache stats")["nodes"]
+    hit = sum(r.get("kv", {}).get("hit_tokens", 0) for r in nodes.values())
+    miss = sum(r.get("kv", {}).get("miss_tokens", 0) for r in nodes.values())
+    return routed, hit, miss
+
+
+def one_run(base: str, sock: str, model: str, policy: str, convs, args) -> dict:
+    admin(sock, "cache flush")
+    admin(sock, "routing", policy=policy)
+    routed0, hit0, miss0 = counters(sock)
+    cfg = RunConfig(url=base + "/v1/chat/completions", model=model, chat=True,
+                    request_rate=args.request_rate, ignore_eos=True, seed=args.seed, progress=False)
+    result = asyncio.run(run(convs, cfg))
+    routed1, hit1, miss1 = counters(sock)
+    ok = [r for r in result.records if r.success]
+    ttft = np.array([r.ttft for r in ok if r.ttft is not None]) * 1000
+    per_node = [routed1[n] - routed0.get(n, 0) for n in routed1]
+    hit, miss = hit1 - hit0, miss1 - miss0
+    return {"policy": policy, "requests": len(result.records), "failed": len(result.records) - len(ok),
+            "cached_share": hit / max(1, hit + miss), "ttft_p50_ms": float(np.percentile(ttft, 50)),
+            "ttft_p99_ms": float(np.percentile(ttft, 99)), "per_node": per_node,
+            "max_over_mean": max(per_node) / max(1e-9, float(np.mean(per_node))),
+            "duration_s": result.duration_s}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--nodes", type=int, default=3)
+    p.add_argument("--kv-blocks", type=int, default=512)
+    p.add_argument("--num-prompts", type=int, default=24)
+    p.add_argument("--request-rate", type=float, default=4.0)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    from engine.model.registry import load_tokenizer, resolve_model
+    tokenizer = load_tokenizer(args.model)
+    served = resolve_model(args.model).name
+    traces = {
+        "sessions": datasets.DatasetOptions(name="sessions", num_prompts=args.num_prompts, seed=args.seed,
+                                            sessions_num_turns=4, sessions_user_len=64,
+                                            sessions_output_len=32, sessions_shared_prefix_len=512),
+        "prefix-repetition": datasets.DatasetOptions(
+            name="prefix-repetition", num_prompts=args.num_prompts * 3, seed=args.seed,
+            prefix_repetition_num_prefixes=6, prefix_repetition_prefix_len=512,
+            prefix_repetition_suffix_len=64, prefix_repetition_output_len=32),
+    }
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="kvd-bench-routing-") as tmp:
+        proc, base, sock = start_cluster(Path(tmp), args.model, args.nodes, args.kv_blocks)
+        try:
+            for name, opts in traces.items():
+                convs = datasets.build(opts, tokenizer)
+                for policy in POLICIES:
+                    row = {"dataset": name, **one_run(base, sock, served, policy, convs, args)}
+                    rows.append(row)
+                    print(f"| {name} | {policy} | {row['cached_share']:.3f} | {row['ttft_p50_ms']:.0f} | "
+                          f"{row['ttft_p99_ms']:.0f} | {row['max_over_mean']:.2f} {row['per_node']} | "
+                          f"{row['failed']} |", flush=True)
+        finally:
+            proc.terminate()
+            proc.wait(60)
+    out = REPO / "results" / "bench_routing.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps({"date": dt.datetime.now().isoformat(timespec="seconds"),
+                               "machine": machine_info(), "args": vars(args), "rows": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
