@@ -11,6 +11,8 @@
 
 #include <vector>
 
+#include "simd.h"
+
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -286,32 +288,6 @@ void range_tiled(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t n0, in
 //
 // Both packs are read front to back, so a lane pass streams them. Rows of x
 // past M and rows of W past N are zero padding whose results are dropped.
-#if defined(__AVX512F__)
-constexpr int GEMM_MR = 8, GEMM_VW = 16;        // 16 accumulators of 32 zmm registers
-struct VN { __m512 v; };
-inline VN vn_zero() { return {_mm512_setzero_ps()}; }
-inline VN vn_load(const float* p) { return {_mm512_loadu_ps(p)}; }
-inline void vn_store(float* p, VN a) { _mm512_storeu_ps(p, a.v); }
-inline VN vn_bcast(const float* p) { return {_mm512_set1_ps(*p)}; }
-inline VN vn_fma(VN a, VN b, VN c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
-#elif defined(__AVX2__)
-constexpr int GEMM_MR = 6, GEMM_VW = 8;         // 12 accumulators + 2 of W + 1 of x: 15 of 16 ymm
-struct VN { __m256 v; };
-inline VN vn_zero() { return {_mm256_setzero_ps()}; }
-inline VN vn_load(const float* p) { return {_mm256_loadu_ps(p)}; }
-inline void vn_store(float* p, VN a) { _mm256_storeu_ps(p, a.v); }
-inline VN vn_bcast(const float* p) { return {_mm256_broadcast_ss(p)}; }
-inline VN vn_fma(VN a, VN b, VN c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
-#else
-constexpr int GEMM_MR = 4, GEMM_VW = 8;
-struct VN { float f[8]; };
-inline VN vn_zero() { VN r; for (int i = 0; i < 8; i++) r.f[i] = 0.0f; return r; }
-inline VN vn_load(const float* p) { VN r; memcpy(r.f, p, sizeof r.f); return r; }
-inline void vn_store(float* p, VN a) { memcpy(p, a.f, sizeof a.f); }
-inline VN vn_bcast(const float* p) { VN r; for (int i = 0; i < 8; i++) r.f[i] = *p; return r; }
-inline VN vn_fma(VN a, VN b, VN c) { VN r; for (int i = 0; i < 8; i++) r.f[i] = fmaf(a.f[i], b.f[i], c.f[i]); return r; }
-#endif
-constexpr int GEMM_NV = 2, GEMM_NR = GEMM_NV * GEMM_VW;
 constexpr int64_t GEMM_TILE_FLOATS = 48 * 1024;   // one packed tile of W: 192 KiB, stays in L2
 
 inline int64_t gemm_tile_rows(int64_t K) {
