@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from engine.model.config import LlamaConfig
 from kernels.attention import AttentionBatch, decode_attention, prefill_attention, write_kv
+from kernels.prefill_attention import PrefillAttention
 from kernels.quant import QuantTensor
 from kernels.quant_linear import QuantKernel, QuantLinear
 
@@ -162,6 +163,9 @@ class LlamaModel:
     ``quant_kernel`` (None: their torch reference, for tests), fp32 inside
     whatever ``dtype`` the rest of the model runs in.
 
+    ``attention_kernel``: the blocked prefill attention (kernels/prefill_attention.py);
+    "auto" loads this host's build (None where there is none), None runs torch's SDPA.
+
     Contract of :meth:`forward`: it writes the new tokens' K/V into ``kv`` at
     the slots named by ``batch`` and returns hidden states. It does not allocate
     KV memory and keeps no per-request state.
@@ -170,7 +174,8 @@ class LlamaModel:
     def __init__(self, config: LlamaConfig, tensors: dict[str, torch.Tensor | QuantTensor],
                  dtype: torch.dtype = torch.float32,
                  layer_range: tuple[int, int] | None = None,
-                 quant_kernel: QuantKernel | None = None) -> None:
+                 quant_kernel: QuantKernel | None = None,
+                 attention_kernel: PrefillAttention | None | str = "auto") -> None:
         self.config = config
         self.dtype = dtype
         start, end = layer_range or (0, config.num_layers)
@@ -179,6 +184,7 @@ class LlamaModel:
         self.start, self.end = start, end
         self.is_first, self.is_last = start == 0, end == config.num_layers
         self.scale = config.head_dim ** -0.5
+        self.attention_kernel = PrefillAttention.create() if attention_kernel == "auto" else attention_kernel
 
         def w(name: str) -> torch.Tensor | QuantTensor:
             if name not in tensors:
@@ -293,7 +299,7 @@ class LlamaModel:
         k_cache, v_cache = kv_layer[0], kv_layer[1]       # [N, bs, kvh, hd]
         write_kv(k_cache, v_cache, k, v, batch)
         if batch.is_prefill:
-            o = prefill_attention(q, k, v, k_cache, v_cache, batch, self.scale)
+            o = prefill_attention(q, k, v, k_cache, v_cache, batch, self.scale, self.attention_kernel)
         else:
             o = decode_attention(q, k_cache, v_cache, batch, self.scale)
         return o.reshape(T, q_size)

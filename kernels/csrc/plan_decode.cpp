@@ -197,8 +197,10 @@ int kvd_plan_decode(const PlanModel* m, float* kv, int B, const int64_t* ids, co
 #pragma omp parallel num_threads(nt)
     {
         const int tid = omp_get_thread_num(), T = omp_get_num_threads();
-        // a tile for K holds tile_rows_for(K) * K <= max(TILE_FLOATS, 2K) floats
-        std::vector<float> buf(B > SMALL_M ? (size_t)(TILE_FLOATS > 2 * widest ? TILE_FLOATS : 2 * widest) : 0);
+        std::vector<float> buf;         // the matmuls' scratch, sized for the widest input
+        for (int st = 0; st < m->num_slots; st++)
+            if ((size_t)matmul_scratch_floats(B, m->slot_width[st]) > buf.size())
+                buf.resize((size_t)matmul_scratch_floats(B, m->slot_width[st]));
         std::vector<float> scores((size_t)max_ctx);
         int64_t r0, r1;
         split(B, T, tid, &r0, &r1);

@@ -11,6 +11,8 @@
 
 #include <vector>
 
+#include "simd.h"
+
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -266,13 +268,136 @@ void range_tiled(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t n0, in
     }
 }
 
+// ------------------------------------------------------------------ many rows of x: packed GEMM
+// The same per-output arithmetic as above, rearranged so a register tile reuses
+// every load (GotoBLAS-style; here MR rows of x by NR rows of W per step).
+//
+// An output's 16 lane accumulators are 16 independent fma chains: lane j runs
+// over chunk c = 0, 1, ..., K/16 - 1 taking x[16c + j] * w[16c + j]. Nothing
+// forces the 16 lanes of ONE output into one register; instead, for one lane j
+// at a time, a register holds that lane's accumulator for VW different outputs
+// n (an outer product: broadcast x[m, 16c + j], multiply by a vector of
+// w[n.., 16c + j]). Each scalar chain sees the same fmas in the same order,
+// so after the 16 lane passes the partial sums are bit for bit the lanes of
+// the few-rows path, and the same fixed tree finishes them:
+//
+//     xpack (one MR-row block of x)   [j = 0..15][c = 0..C-1][MR]     C = K/16
+//     wpack (one NR-row panel of W)   [j = 0..15][c = 0..C-1][NR]
+//     lane pass j:  acc[r][n] = fma(xpack[j][c][r], wpack[j][c][n], acc[r][n])  for c = 0..C-1
+//     part[j][r][n] = acc;  y[r][n] = tree(part[0..15][r][n])   (vsum's tree)
+//
+// Both packs are read front to back, so a lane pass streams them. Rows of x
+// past M and rows of W past N are zero padding whose results are dropped.
+constexpr int64_t GEMM_TILE_FLOATS = 48 * 1024;   // one packed tile of W: 192 KiB, stays in L2
+
+inline int64_t gemm_tile_rows(int64_t K) {
+    const int64_t t = GEMM_TILE_FLOATS / K / GEMM_NR * GEMM_NR;
+    return t > GEMM_NR ? t : GEMM_NR;
+}
+
+// rows m0..m0+MR of x (rows >= M zero) -> xpack [16][C][MR]
+inline void pack_x(const float* x, int64_t ldx, int64_t M, int64_t m0, int64_t K, float* xp) {
+    const int64_t C = K / 16;
+    for (int r = 0; r < GEMM_MR; r++) {
+        const int64_t m = m0 + r;
+        if (m >= M) {
+            for (int64_t i = 0; i < K; i++) xp[i * GEMM_MR + r] = 0.0f;
+            continue;
+        }
+        const float* row = x + m * ldx;
+        for (int64_t c = 0; c < C; c++)
+            for (int j = 0; j < 16; j++) xp[(j * C + c) * GEMM_MR + r] = row[c * 16 + j];
+    }
+}
+
+// rows n0..n0+NR of W (rows >= n1 zero) -> wpack [16][C][NR]; `row` holds K floats
+template <int F>
+void pack_w(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t n0, int64_t n1, float* wp, float* row) {
+    const int64_t K = nb * QK, C = K / 16;
+    for (int r = 0; r < GEMM_NR; r++) {
+        if (n0 + r >= n1) {
+            for (int64_t i = 0; i < K; i++) wp[i * GEMM_NR + r] = 0.0f;
+            continue;
+        }
+        dequant_rows<F>(w + (n0 + r) * row_bytes, row_bytes, nb, 1, row);
+        for (int64_t c = 0; c < C; c++)
+            for (int j = 0; j < 16; j++) wp[(j * C + c) * GEMM_NR + r] = row[c * 16 + j];
+    }
+}
+
+// y[r][n] for the MR x NR block of xpack and wpack (rows < mr, columns < nr written).
+inline void gemm_block(const float* xp, const float* wp, int64_t C, float* y, int64_t ldy, int mr, int nr) {
+    alignas(64) float part[16][GEMM_MR * GEMM_NR];
+    for (int j = 0; j < 16; j++) {
+        VN acc[GEMM_MR][GEMM_NV];
+        for (int r = 0; r < GEMM_MR; r++)
+            for (int v = 0; v < GEMM_NV; v++) acc[r][v] = vn_zero();
+        const float* xs = xp + j * C * GEMM_MR;
+        const float* ws = wp + j * C * GEMM_NR;
+        for (int64_t c = 0; c < C; c++) {
+            VN wv[GEMM_NV];
+            for (int v = 0; v < GEMM_NV; v++) wv[v] = vn_load(ws + c * GEMM_NR + v * GEMM_VW);
+            for (int r = 0; r < GEMM_MR; r++) {
+                const VN b = vn_bcast(xs + c * GEMM_MR + r);
+                for (int v = 0; v < GEMM_NV; v++) acc[r][v] = vn_fma(b, wv[v], acc[r][v]);
+            }
+        }
+        for (int r = 0; r < GEMM_MR; r++)
+            for (int v = 0; v < GEMM_NV; v++) vn_store(&part[j][r * GEMM_NR + v * GEMM_VW], acc[r][v]);
+    }
+    // vsum's tree, elementwise over the block: (j + j+8) -> (j + j+4) -> (j + j+2) -> (0 + 1)
+    for (int half = 8; half >= 1; half /= 2)
+        for (int j = 0; j < half; j++)
+            for (int i = 0; i < GEMM_MR * GEMM_NR; i++) part[j][i] = part[j][i] + part[j + half][i];
+    for (int r = 0; r < mr; r++)
+        for (int n = 0; n < nr; n++) y[r * ldy + n] = part[0][r * GEMM_NR + n];
+}
+
+// Floats of scratch one thread's gemm_range needs: every MR-block of x packed,
+// one tile of W packed, one dequantized row, and slack to align them.
+inline int64_t gemm_scratch_floats(int64_t M, int64_t K) {
+    const int64_t m_pad = (M + GEMM_MR - 1) / GEMM_MR * GEMM_MR;
+    return m_pad * K + gemm_tile_rows(K) * K + K + 16;
+}
+
+// Rows [n0, n1) of W against all M rows of x: x packed once, then tile by tile of W,
+// every MR-row block of x against every NR-row panel of the tile.
+template <int F>
+void gemm_range(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t n0, int64_t n1, const float* x,
+                int64_t M, int64_t ldx, float* y, int64_t ldy, float* buf) {
+    const int64_t K = nb * QK, C = K / 16, tile = gemm_tile_rows(K);
+    const int64_t m_pad = (M + GEMM_MR - 1) / GEMM_MR * GEMM_MR;
+    // 64-byte aligned: a 32-byte load from a 16-byte-aligned pack crosses a cache line every
+    // other time (K is a multiple of 32, so every offset below keeps the alignment)
+    float* xp = (float*)(((uintptr_t)buf + 63) & ~(uintptr_t)63);
+    float* wp = xp + m_pad * K;
+    float* row = wp + tile * K;
+    for (int64_t m = 0; m < M; m += GEMM_MR) pack_x(x, ldx, M, m, K, xp + m * K);
+    for (int64_t t0 = n0; t0 < n1; t0 += tile) {
+        const int64_t t1 = n1 - t0 < tile ? n1 : t0 + tile;
+        for (int64_t p = t0; p < t1; p += GEMM_NR) pack_w<F>(w, row_bytes, nb, p, t1, wp + (p - t0) * K, row);
+        for (int64_t m = 0; m < M; m += GEMM_MR) {
+            const int mr = M - m < GEMM_MR ? (int)(M - m) : GEMM_MR;
+            for (int64_t p = t0; p < t1; p += GEMM_NR)
+                gemm_block(xp + m * K, wp + (p - t0) * K, C, y + m * ldy + p, ldy, mr,
+                           t1 - p < GEMM_NR ? (int)(t1 - p) : GEMM_NR);
+        }
+    }
+}
+
 constexpr int64_t SMALL_M = 3;                  // M <= SMALL_M: decode blocks in registers, no tile
+constexpr int64_t GEMM_M = 8;                   // M >= GEMM_M: the packed GEMM
 constexpr int64_t TILE_FLOATS = 32 * 1024;      // one dequantized tile: 128 KiB, stays in L2
 
 inline int64_t tile_rows_for(int64_t K) { return TILE_FLOATS / K > 2 ? TILE_FLOATS / K : 2; }
 
+// Floats of scratch one thread's matmul_range needs for M rows of x and depth K.
+inline int64_t matmul_scratch_floats(int64_t M, int64_t K) {
+    return M <= SMALL_M ? 0 : M < GEMM_M ? tile_rows_for(K) * K : gemm_scratch_floats(M, K);
+}
+
 // Rows [n0, n1) of W (format F, [N, K]) against all M rows of x: one thread's share.
-// `buf` holds tile_rows_for(K) * K floats (used when M > SMALL_M).
+// `buf` holds matmul_scratch_floats(M, K) floats.
 template <int F>
 void matmul_range(const uint8_t* w, int64_t K, int64_t n0, int64_t n1, const float* x, int64_t M,
                   int64_t ldx, float* y, int64_t ldy, float* buf) {
@@ -281,7 +406,8 @@ void matmul_range(const uint8_t* w, int64_t K, int64_t n0, int64_t n1, const flo
     if (M == 1) range_small<F, 1>(w, row_bytes, nb, n0, n1, x, ldx, y, ldy);
     else if (M == 2) range_small<F, 2>(w, row_bytes, nb, n0, n1, x, ldx, y, ldy);
     else if (M == 3) range_small<F, 3>(w, row_bytes, nb, n0, n1, x, ldx, y, ldy);
-    else range_tiled<F>(w, row_bytes, nb, n0, n1, x, M, ldx, y, ldy, buf, tile_rows_for(K));
+    else if (M < GEMM_M) range_tiled<F>(w, row_bytes, nb, n0, n1, x, M, ldx, y, ldy, buf, tile_rows_for(K));
+    else gemm_range<F>(w, row_bytes, nb, n0, n1, x, M, ldx, y, ldy, buf);
 }
 
 // The same for a format known only at run time (false: unknown format).

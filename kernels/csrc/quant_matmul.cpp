@@ -43,7 +43,7 @@ void matmul(const uint8_t* w, int64_t N, int64_t K, const float* x, int64_t M, i
     {
         int64_t n0, n1;
         split(N, omp_get_num_threads(), omp_get_thread_num(), &n0, &n1);
-        std::vector<float> buf(M > SMALL_M ? (size_t)(tile_rows_for(K) * K) : 0);
+        std::vector<float> buf((size_t)matmul_scratch_floats(M, K));
         matmul_range<F>(w, K, n0, n1, x, M, ldx, y, ldy, buf.data());
     }
 }

@@ -1,0 +1,90 @@
+"""Blocked causal prefill attention with an online softmax, in C++ (csrc/prefill_attention.cpp).
+
+``PrefillAttention.attend(q, k, v, scale)`` is causal attention of a sequence's
+new tokens (queries at positions ``S - T .. S - 1``) over its keys ``0 .. S - 1``:
+the query heads of one KV head together (GQA), keys in blocks of 128 with a
+running max and sum (flash attention's online softmax), so no ``[H, T, S]``
+score matrix is ever made. Where torch's CPU SDPA takes its math path (it does
+for ``enable_gqa``), that matrix and its softmax cost more than the matmuls at
+1,024 tokens (tools/bench_prefill.py).
+
+Contract, for q fp32 [T, H, hd] and k, v fp32 [S, KVH, hd]:
+
+- agrees with ``F.scaled_dot_product_attention`` (causal, GQA) to fp32
+  rounding: dot products and sums run in another order, and ``exp`` is a
+  polynomial within 2 ulp (tests/kernels/test_prefill_attention.py bounds the
+  difference);
+- **position invariant**: a token's output depends only on its query, its
+  position and the keys and values up to it, bit for bit (up to the sign of a
+  zero), not on T, on how the prompt was split (a cached prefix, chunks), on
+  the other sequences of the step or on the thread count (the .cpp header says
+  why);
+- ``hd`` must be a multiple of 32 (``attend`` refuses others; the caller then
+  uses torch).
+
+Builds follow the quantized-weights kernel's variants (AVX-512, AVX2 + FMA,
+portable for tests), chosen by ``kernels.quant_linear.host_variant``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+
+import torch
+
+from kernels import native
+from kernels.quant_linear import VARIANTS, host_variant
+
+log = logging.getLogger(__name__)
+
+LIBRARY = "prefill_attention"
+
+
+class PrefillAttention:
+    """One loaded build of csrc/prefill_attention.cpp. Construct with :meth:`load` or :meth:`create`."""
+
+    def __init__(self, lib: ctypes.CDLL, variant: str) -> None:
+        lib.kvd_attention_variant.restype = ctypes.c_char_p
+        built = lib.kvd_attention_variant().decode()
+        if built != variant:
+            raise native.BuildError(f"{LIBRARY} built for {variant} reports {built}")
+        self.variant = variant
+        ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        self._attend = lib.kvd_prefill_attention
+        self._attend.restype = ctypes.c_int
+        self._attend.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i32, i32, i32, ctypes.c_float, i32]
+
+    @classmethod
+    def load(cls, variant: str) -> PrefillAttention:
+        """Build (if needed) and load ``variant``. Raises BuildError or OSError."""
+        return cls(native.load(LIBRARY, VARIANTS[variant][1]), variant)
+
+    @classmethod
+    def create(cls) -> PrefillAttention | None:
+        """This host's build, or None (logged) where the CPU has no variant or the build fails."""
+        variant = host_variant()
+        if variant is None:
+            return None
+        try:
+            return cls.load(variant)
+        except (native.BuildError, OSError) as exc:
+            log.warning("prefill attention kernel (%s) unavailable: %s", variant, exc)
+            return None
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor | None:
+        """q [T, H, hd], k and v [S, KVH, hd] (S >= T; the queries are the last T
+        positions) -> [T, H, hd] in q's dtype, computed in fp32. None (nothing
+        computed) for a shape the kernel does not take."""
+        T, H, hd = q.shape
+        S, kvh = k.shape[0], k.shape[1]
+        if (v.shape != k.shape or k.shape[2] != hd or S < T or H % kvh or hd % 32
+                or k.dim() != 3):
+            return None
+        qf, kf, vf = (t.float().contiguous() for t in (q, k, v))
+        out = torch.empty(T, H, hd, dtype=torch.float32)
+        rc = self._attend(qf.data_ptr(), kf.data_ptr(), vf.data_ptr(), out.data_ptr(), T, S, H, kvh, hd,
+                          scale, torch.get_num_threads())
+        if rc != 0:
+            return None
+        return out if q.dtype == torch.float32 else out.to(q.dtype)
