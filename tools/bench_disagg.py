@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import random
 import socket
@@ -41,6 +40,8 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from kvd.ctl import AdminUnavailable  # noqa: E402
+from kvd.ctl import request as admin_request  # noqa: E402
 from tools._twoproc import write_results  # noqa: E402
 from tools.loadgen.report import machine_info  # noqa: E402
 from transports.keys import generate_keypair  # noqa: E402
@@ -52,20 +53,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def admin(path: str, cmd: str) -> dict:
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(10)
-        s.connect(path)
-        s.sendall(json.dumps({"cmd": cmd}).encode() + b"\n")
-        buf = b""
-        while not buf.endswith(b"\n"):
-            chunk = s.recv(65536)
-            if not chunk:
-                break
-            buf += chunk
-    return json.loads(buf)
 
 
 @contextlib.contextmanager
@@ -94,8 +81,8 @@ def cluster(mode: str, args: argparse.Namespace, tmp: str):
     try:
         deadline = time.monotonic() + 300
         while True:
-            with contextlib.suppress(OSError, ValueError, KeyError):
-                if len(admin(sock, "nodes")["nodes"]) == len(nodes):
+            with contextlib.suppress(AdminUnavailable, OSError, ValueError, KeyError):
+                if len(admin_request(sock, {"cmd": "nodes"})["nodes"]) == len(nodes):
                     break
             if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
                 raise SystemExit(f"bench_disagg: {mode} cluster did not start; see {logs.name}")
