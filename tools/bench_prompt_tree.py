@@ -118,6 +118,9 @@ def lag(interval: float, samples: int = 10) -> dict:
                 client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0)
                 t0 = time.perf_counter()
                 while admin(sock, "tree")["sync"]["applied_events"] < before + 8:
+                    if time.perf_counter() - t0 > 10:
+                        raise SystemExit(f"no events after 10 s: {admin(sock, 'tree')}\n"
+                                         + (tmp_path / "serve.log").read_text()[-3000:])
                     time.sleep(0.002)
                 delays.append(time.perf_counter() - t0)
                 time.sleep(rng.random() * 0.1)

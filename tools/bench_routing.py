@@ -11,7 +11,8 @@ kvd-loadgen trace (chat endpoint, greedy) and reports:
 - TTFT p50 / p99 (kvd-loadgen's records);
 - balance: max over mean requests per node (``kvctl nodes``' routed counts).
 
-    .venv/bin/python tools/bench_routing.py [--num-prompts 24] [--request-rate 4]
+    .venv/bin/python tools/bench_routing.py [--num-prompts 24] [--request-rate 4] \
+        [--cluster routing_load_weight=8.0 ...]
 
 Prints a markdown table and writes JSON to results/bench_routing.json.
 """
@@ -121,6 +122,8 @@ def main() -> int:
     p.add_argument("--num-prompts", type=int, default=24)
     p.add_argument("--request-rate", type=float, default=4.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cluster", action="append", default=[], metavar="KEY=VALUE",
+                   help="a [cluster] setting (TOML value), e.g. routing_load_weight=8.0; repeatable")
     args = p.parse_args()
     from engine.model.registry import load_tokenizer, resolve_model
     tokenizer = load_tokenizer(args.model)
@@ -136,7 +139,8 @@ def main() -> int:
     }
     rows = []
     with tempfile.TemporaryDirectory(prefix="kvd-bench-routing-") as tmp:
-        proc, base, sock = start_cluster(Path(tmp), args.model, args.nodes, args.kv_blocks)
+        proc, base, sock = start_cluster(Path(tmp), args.model, args.nodes, args.kv_blocks,
+                                         extra_cluster="".join(f"{kv}\n" for kv in args.cluster))
         try:
             for name, opts in traces.items():
                 convs = datasets.build(opts, tokenizer)

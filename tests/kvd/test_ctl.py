@@ -61,6 +61,8 @@ class ThreadedAdmin:
         reg("cache stats", record("cache stats", {"hit_rate": 0.5}))
         reg("cache flush", record("cache flush", {"flushed_blocks": 12}))
         reg("fail", record("fail"), args_schema={"node": (str, True), "mode": (str, True)})
+        reg("tree", record("tree"), args_schema={"verify": (bool, False)})
+        reg("routing", record("routing"), args_schema={"policy": (str, False)})
         reg("set-role", record("set-role"), args_schema={"node": (str, True), "role": (str, True),
                                                           "weight": (float, False)})
         reg("slow", slow)
@@ -117,6 +119,10 @@ def test_status_pretty_and_json(admin, capsys):
     (["fail", "n1", "--mode", "stop"], ("fail", {"node": "n1", "mode": "stop"})),
     (["fail", "n3", "--mode", "drop-transfers"], ("fail", {"node": "n3", "mode": "drop-transfers"})),
     (["fail", "--mode", "resume", "n2"], ("fail", {"node": "n2", "mode": "resume"})),
+    (["tree"], ("tree", {})),
+    (["tree", "--verify"], ("tree", {"verify": True})),
+    (["routing"], ("routing", {})),
+    (["routing", "least-load"], ("routing", {"policy": "least-load"})),
     (["call", "set-role", "node=n1", "role=prefill", "weight=0.5"],
      ("set-role", {"node": "n1", "role": "prefill", "weight": 0.5})),
     (["raw", '{"cmd": "cache", "sub": "stats"}'], ("cache stats", {})),
