@@ -31,7 +31,7 @@ import torch
 
 from engine.engine import LLMEngine
 from kernels.attention import AttentionBatch, PrefillSeq, prefill_attention
-from tools.bench_engine import machine, make_engine, random_prompts
+from tools.bench_engine import append_result, machine, make_engine, random_prompts
 from tools.bench_weights import prefill_seconds
 
 RESULTS = Path("results/bench_prefill.json")
@@ -145,10 +145,7 @@ def main() -> None:
     print(json.dumps({k: v for k, v in r.items() if k != "machine"}))
     for line in report(r):
         print(line)
-    out = json.loads(RESULTS.read_text()) if RESULTS.exists() else []
-    out.append(r)
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps(out, indent=1))
+    append_result(RESULTS, r)
 
 
 if __name__ == "__main__":

@@ -378,23 +378,8 @@ void pack_w(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t n0, int64_t
 // y[r][n] for the MR x NR block of xpack and wpack (rows < mr, columns < nr written).
 inline void gemm_block(const float* xp, const float* wp, int64_t C, float* y, int64_t ldy, int mr, int nr) {
     alignas(64) float part[16][GEMM_MR * GEMM_NR];
-    for (int j = 0; j < 16; j++) {
-        VN acc[GEMM_MR][GEMM_NV];
-        for (int r = 0; r < GEMM_MR; r++)
-            for (int v = 0; v < GEMM_NV; v++) acc[r][v] = vn_zero();
-        const float* xs = xp + j * C * GEMM_MR;
-        const float* ws = wp + j * C * GEMM_NR;
-        for (int64_t c = 0; c < C; c++) {
-            VN wv[GEMM_NV];
-            for (int v = 0; v < GEMM_NV; v++) wv[v] = vn_load(ws + c * GEMM_NR + v * GEMM_VW);
-            for (int r = 0; r < GEMM_MR; r++) {
-                const VN b = vn_bcast(xs + c * GEMM_MR + r);
-                for (int v = 0; v < GEMM_NV; v++) acc[r][v] = vn_fma(b, wv[v], acc[r][v]);
-            }
-        }
-        for (int r = 0; r < GEMM_MR; r++)
-            for (int v = 0; v < GEMM_NV; v++) vn_store(&part[j][r * GEMM_NR + v * GEMM_VW], acc[r][v]);
-    }
+    for (int j = 0; j < 16; j++)                    // lane pass j
+        outer_tile<false, true>(xp + j * C * GEMM_MR, 0, wp + j * C * GEMM_NR, GEMM_NR, C, part[j], GEMM_NR);
     // vsum's tree, elementwise over the block: (j + j+8) -> (j + j+4) -> (j + j+2) -> (0 + 1)
     for (int half = 8; half >= 1; half /= 2)
         for (int j = 0; j < half; j++)
