@@ -235,26 +235,29 @@ inline void gemm_block(const float* xp, const float* wp, int64_t C, float* y, in
         for (int n = 0; n < nr; n++) y[r * ldy + n] = part[0][r * GEMM_NR + n];
 }
 
-// Floats of scratch one thread's gemm_range needs: every MR-block of x packed,
-// one tile of W packed, one dequantized row, and slack to align them.
+// 64-byte aligned: a 32-byte load from a 16-byte-aligned pack crosses a cache line every
+// other time (K is a multiple of 32, so every offset from here keeps the alignment)
+inline float* align64(float* p) { return (float*)(((uintptr_t)p + 63) & ~(uintptr_t)63); }
+
+inline int64_t gemm_rows_padded(int64_t M) { return (M + GEMM_MR - 1) / GEMM_MR * GEMM_MR; }
+
+// Floats of scratch gemm_packed needs: one tile of W packed, one dequantized row, alignment.
+inline int64_t gemm_tile_scratch_floats(int64_t K) { return gemm_tile_rows(K) * K + K + 16; }
+
+// Floats of scratch gemm_range needs: every MR-block of x packed, and gemm_packed's.
 inline int64_t gemm_scratch_floats(int64_t M, int64_t K) {
-    const int64_t m_pad = (M + GEMM_MR - 1) / GEMM_MR * GEMM_MR;
-    return m_pad * K + gemm_tile_rows(K) * K + K + 16;
+    return gemm_rows_padded(M) * K + gemm_tile_scratch_floats(K);
 }
 
-// Rows [n0, n1) of W against all M rows of x: x packed once, then tile by tile of W,
-// every MR-row block of x against every NR-row panel of the tile.
+// Rows [n0, n1) of W against all M rows of x, x already packed (xp: pack_x of every
+// MR-block, 64-byte aligned): tile by tile of W, every MR-row block of x against every
+// NR-row panel of the tile. `buf` holds gemm_tile_scratch_floats(K) floats.
 template <int F>
-void gemm_range(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t n0, int64_t n1, const float* x,
-                int64_t M, int64_t ldx, float* y, int64_t ldy, float* buf) {
+void gemm_packed(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t n0, int64_t n1, const float* xp,
+                 int64_t M, float* y, int64_t ldy, float* buf) {
     const int64_t K = nb * QK, C = K / 16, tile = gemm_tile_rows(K);
-    const int64_t m_pad = (M + GEMM_MR - 1) / GEMM_MR * GEMM_MR;
-    // 64-byte aligned: a 32-byte load from a 16-byte-aligned pack crosses a cache line every
-    // other time (K is a multiple of 32, so every offset below keeps the alignment)
-    float* xp = (float*)(((uintptr_t)buf + 63) & ~(uintptr_t)63);
-    float* wp = xp + m_pad * K;
+    float* wp = align64(buf);
     float* row = wp + tile * K;
-    for (int64_t m = 0; m < M; m += GEMM_MR) pack_x(x, ldx, M, m, K, xp + m * K);
     for (int64_t t0 = n0; t0 < n1; t0 += tile) {
         const int64_t t1 = n1 - t0 < tile ? n1 : t0 + tile;
         for (int64_t p = t0; p < t1; p += GEMM_NR) pack_w<F>(w, row_bytes, nb, p, t1, wp + (p - t0) * K, row);
@@ -265,6 +268,16 @@ void gemm_range(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t n0, int
                            t1 - p < GEMM_NR ? (int)(t1 - p) : GEMM_NR);
         }
     }
+}
+
+// The same for one thread that packs x itself; `buf` holds gemm_scratch_floats(M, K) floats.
+template <int F>
+void gemm_range(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t n0, int64_t n1, const float* x,
+                int64_t M, int64_t ldx, float* y, int64_t ldy, float* buf) {
+    const int64_t K = nb * QK;
+    float* xp = align64(buf);
+    for (int64_t m = 0; m < M; m += GEMM_MR) pack_x(x, ldx, M, m, K, xp + m * K);
+    gemm_packed<F>(w, row_bytes, nb, n0, n1, xp, M, y, ldy, xp + gemm_rows_padded(M) * K);
 }
 
 constexpr int64_t SMALL_M = 3;                  // M <= SMALL_M: decode blocks in registers, no tile

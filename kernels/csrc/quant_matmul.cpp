@@ -41,12 +41,30 @@ namespace {
 template <int F>
 void matmul(const uint8_t* w, int64_t N, int64_t K, const float* x, int64_t M, int64_t ldx, float* y,
             int64_t ldy, int nt) {
+    if (M < GEMM_M) {
+#pragma omp parallel num_threads(nt)
+        {
+            int64_t n0, n1;
+            split(N, omp_get_num_threads(), omp_get_thread_num(), &n0, &n1);
+            std::vector<float> buf((size_t)matmul_scratch_floats(M, K));
+            matmul_range<F>(w, K, n0, n1, x, M, ldx, y, ldy, buf.data());
+        }
+        return;
+    }
+    // the packed GEMM: x packed once, its blocks shared out between the threads, then each
+    // thread its rows of W against all of it (the same outputs, in the same order, as
+    // gemm_range: packing is a copy)
+    const int64_t nb = K / QK, row_bytes = nb * block_bytes(F), blocks = gemm_rows_padded(M) / GEMM_MR;
+    std::vector<float> xbuf((size_t)(gemm_rows_padded(M) * K + 16));
+    float* xp = align64(xbuf.data());
 #pragma omp parallel num_threads(nt)
     {
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < blocks; b++) pack_x(x, ldx, M, b * GEMM_MR, K, xp + b * GEMM_MR * K);
         int64_t n0, n1;
         split(N, omp_get_num_threads(), omp_get_thread_num(), &n0, &n1);
-        std::vector<float> buf((size_t)matmul_scratch_floats(M, K));
-        matmul_range<F>(w, K, n0, n1, x, M, ldx, y, ldy, buf.data());
+        std::vector<float> buf((size_t)gemm_tile_scratch_floats(K));
+        if (n0 < n1) gemm_packed<F>(w, row_bytes, nb, n0, n1, xp, M, y, ldy, buf.data());
     }
 }
 
