@@ -116,7 +116,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     own k/v directly; one with a prefix gathers its context from the cache.
 
     ``kernel``: the blocked C++ kernel (kernels/prefill_attention.py: position
-    invariant; 4.6x torch's SDPA for a layer at 512 tokens, 6.1x at 1,024,
+    invariant; 4.1x torch's SDPA for a layer at 512 tokens, 5.8x at 1,024,
     tools/bench_prefill.py) for fp32 q/k/v. None, a shape it refuses, or a
     16-bit model: torch's SDPA. A bf16 model keeps SDPA because its greedy
     tokens under recompute preemption rely on a re-prefilled token rounding to
