@@ -76,10 +76,11 @@ class PrefillAttention:
         """q [T, H, hd], k and v [S, KVH, hd] (S >= T; the queries are the last T
         positions) -> [T, H, hd] in q's dtype, computed in fp32. None (nothing
         computed) for a shape the kernel does not take."""
+        if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape:
+            return None
         T, H, hd = q.shape
         S, kvh = k.shape[0], k.shape[1]
-        if (v.shape != k.shape or k.shape[2] != hd or S < T or H % kvh or hd % 32
-                or k.dim() != 3):
+        if k.shape[2] != hd or S < T or H % kvh or hd % 32:
             return None
         qf, kf, vf = (t.float().contiguous() for t in (q, k, v))
         out = torch.empty(T, H, hd, dtype=torch.float32)

@@ -58,6 +58,14 @@ def read_bandwidth(gib: float = 1.0, repeats: int = 7) -> float:
     return best
 
 
+def append_result(path: Path, record: dict) -> None:
+    """Append ``record`` to the JSON list in ``path`` (made, with its folder, if missing)."""
+    out = json.loads(path.read_text()) if path.exists() else []
+    out.append(record)
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(json.dumps(out, indent=1))
+
+
 def random_prompts(tok, n: int, lengths: list[int], seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     special = set(tok.eos_token_ids) | ({tok.bos_token_id} if tok.bos_token_id is not None else set())

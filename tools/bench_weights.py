@@ -38,7 +38,8 @@ import torch
 from engine.engine import LLMEngine
 from engine.request import SamplingParams
 from kernels.quant_linear import QuantLinear
-from tools.bench_engine import decode_rates, machine, make_engine, random_prompts, read_bandwidth
+from tools.bench_engine import (append_result, decode_rates, machine, make_engine, random_prompts,
+                                read_bandwidth)
 
 RESULTS = Path("results/bench_weights.json")
 MODES = ("native", "native-torch", "dequantize")   # native-torch: decode_kernel = "torch"
@@ -150,10 +151,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for line in report(r):
         print(line)
-    out = json.loads(RESULTS.read_text()) if RESULTS.exists() else []
-    out.append(r)
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps(out, indent=1))
+    append_result(RESULTS, r)
 
 
 if __name__ == "__main__":

@@ -163,8 +163,9 @@ class LlamaModel:
     ``quant_kernel`` (None: their torch reference, for tests), fp32 inside
     whatever ``dtype`` the rest of the model runs in.
 
-    ``attention_kernel``: the blocked prefill attention (kernels/prefill_attention.py);
-    "auto" loads this host's build (None where there is none), None runs torch's SDPA.
+    ``attention_kernel``: the blocked prefill attention (kernels/prefill_attention.py),
+    used for fp32 activations; "auto" loads this host's build (None where there is
+    none), None runs torch's SDPA.
 
     Contract of :meth:`forward`: it writes the new tokens' K/V into ``kv`` at
     the slots named by ``batch`` and returns hidden states. It does not allocate

@@ -40,25 +40,6 @@ namespace {
 constexpr int64_t QB = 32;          // query positions per unit
 constexpr int64_t KB = 128;         // keys per block: s holds QB * G * KB floats, L2-resident
 
-// c[r][0..NR) (row stride ldc) = (ACCUM ? c : 0) + sum_t a[r * lda + t] * b[t * ldb + 0..NR)
-// for r < GEMM_MR: one outer product per t, each output an fma chain over t in order.
-template <bool ACCUM>
-inline void tile(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t T, float* c, int64_t ldc) {
-    VN acc[GEMM_MR][GEMM_NV];
-    for (int r = 0; r < GEMM_MR; r++)
-        for (int v = 0; v < GEMM_NV; v++) acc[r][v] = ACCUM ? vn_load(c + r * ldc + v * GEMM_VW) : vn_zero();
-    for (int64_t t = 0; t < T; t++) {
-        VN bv[GEMM_NV];
-        for (int v = 0; v < GEMM_NV; v++) bv[v] = vn_load(b + t * ldb + v * GEMM_VW);
-        for (int r = 0; r < GEMM_MR; r++) {
-            const VN x = vn_bcast(a + r * lda + t);
-            for (int v = 0; v < GEMM_NV; v++) acc[r][v] = vn_fma(x, bv[v], acc[r][v]);
-        }
-    }
-    for (int r = 0; r < GEMM_MR; r++)
-        for (int v = 0; v < GEMM_NV; v++) vn_store(c + r * ldc + v * GEMM_VW, acc[r][v]);
-}
-
 struct Scratch {
     std::vector<float> q, s, acc, m, l;
     Scratch(int64_t rows, int64_t hd)
@@ -88,7 +69,7 @@ void unit(const float* q, const float* kt, const float* v, float* out, int64_t T
         const int64_t kb_pad = (kb + GEMM_NR - 1) / GEMM_NR * GEMM_NR;
         for (int64_t r = 0; r < rows_pad; r += GEMM_MR)
             for (int64_t n = 0; n < kb_pad; n += GEMM_NR)
-                tile<false>(qs + r * hd, hd, ktg + j0 + n, s_pad, hd, s + r * KB + n, KB);
+                outer_tile<false, false>(qs + r * hd, hd, ktg + j0 + n, s_pad, hd, s + r * KB + n, KB);
         for (int64_t r = 0; r < rows_pad; r++) {
             float* sr = s + r * KB;
             // keys [j0, j0 + valid) are at or before this row's position
@@ -127,7 +108,7 @@ void unit(const float* q, const float* kt, const float* v, float* out, int64_t T
         const float* vb = v + (j0 * KVH + g) * hd;
         for (int64_t r = 0; r < rows_pad; r += GEMM_MR)
             for (int d = 0; d < hd; d += GEMM_NR)
-                tile<true>(s + r * KB, KB, vb + d, (int64_t)KVH * hd, kb, acc + r * hd + d, hd);
+                outer_tile<true, false>(s + r * KB, KB, vb + d, (int64_t)KVH * hd, kb, acc + r * hd + d, hd);
     }
     for (int64_t r = 0; r < rows; r++) {
         float* dst = out + ((i0 + r / G) * H + g * G + r % G) * hd;

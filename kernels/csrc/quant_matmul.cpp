@@ -23,9 +23,11 @@
 //
 // then y = ((acc[0..8) + acc[8..16)) folded 8 -> 4 -> 2 -> 1), a fixed tree.
 // Nothing in that sequence depends on M, on the other rows, on the thread
-// count or on the path (one row of x at a time, or a tile of W dequantized once
-// and reused over many rows of x): a row's result is the same bit for bit
-// alone or in any batch. The AVX2 build (V16 = two 8-lane registers), the
+// count or on the path (blocks decoded in registers for M <= 3; a tile of W
+// dequantized once and dotted with each row for M = 4, 5; from M = 6 the packed
+// GEMM of quant_gemm.h, which runs each lane's fma chain as one element of an
+// outer-product register tile): a row's result is the same bit for bit alone
+// or in any batch. The AVX2 build (V16 = two 8-lane registers), the
 // AVX-512 build (one 16-lane register) and the portable build (std::fma over
 // arrays) run the same operations per lane, so they agree bit for bit too
 // (the tests hold this host's build to the portable one).
@@ -39,12 +41,30 @@ namespace {
 template <int F>
 void matmul(const uint8_t* w, int64_t N, int64_t K, const float* x, int64_t M, int64_t ldx, float* y,
             int64_t ldy, int nt) {
+    if (M < GEMM_M) {
+#pragma omp parallel num_threads(nt)
+        {
+            int64_t n0, n1;
+            split(N, omp_get_num_threads(), omp_get_thread_num(), &n0, &n1);
+            std::vector<float> buf((size_t)matmul_scratch_floats(M, K));
+            matmul_range<F>(w, K, n0, n1, x, M, ldx, y, ldy, buf.data());
+        }
+        return;
+    }
+    // the packed GEMM: x packed once, its blocks shared out between the threads, then each
+    // thread its rows of W against all of it (the same outputs, in the same order, as
+    // gemm_range: packing is a copy)
+    const int64_t nb = K / QK, row_bytes = nb * block_bytes(F), blocks = gemm_rows_padded(M) / GEMM_MR;
+    std::vector<float> xbuf((size_t)(gemm_rows_padded(M) * K + 16));
+    float* xp = align64(xbuf.data());
 #pragma omp parallel num_threads(nt)
     {
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < blocks; b++) pack_x(x, ldx, M, b * GEMM_MR, K, xp + b * GEMM_MR * K);
         int64_t n0, n1;
         split(N, omp_get_num_threads(), omp_get_thread_num(), &n0, &n1);
-        std::vector<float> buf((size_t)matmul_scratch_floats(M, K));
-        matmul_range<F>(w, K, n0, n1, x, M, ldx, y, ldy, buf.data());
+        std::vector<float> buf((size_t)gemm_tile_scratch_floats(K));
+        if (n0 < n1) gemm_packed<F>(w, row_bytes, nb, n0, n1, xp, M, y, ldy, buf.data());
     }
 }
 

@@ -96,4 +96,25 @@ inline VN vn_exp(VN x) {
     return vn_zero_below(vn_mul(y, vn_pow2i(n)), x, -87.0f);
 }
 
+// c[r][0..GEMM_NR) (row stride ldc) = (ACCUM ? c : 0) + sum over t < T of a(r, t) * b[t * ldb + 0..GEMM_NR)
+// for r < GEMM_MR: one outer product per t, so each output is one fma chain over t in
+// order. a(r, t) is a[t * GEMM_MR + r] when A_PACKED (a packed panel), else a[r * lda + t].
+template <bool ACCUM, bool A_PACKED>
+inline void outer_tile(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t T, float* c,
+                       int64_t ldc) {
+    VN acc[GEMM_MR][GEMM_NV];
+    for (int r = 0; r < GEMM_MR; r++)
+        for (int v = 0; v < GEMM_NV; v++) acc[r][v] = ACCUM ? vn_load(c + r * ldc + v * GEMM_VW) : vn_zero();
+    for (int64_t t = 0; t < T; t++) {
+        VN bv[GEMM_NV];
+        for (int v = 0; v < GEMM_NV; v++) bv[v] = vn_load(b + t * ldb + v * GEMM_VW);
+        for (int r = 0; r < GEMM_MR; r++) {
+            const VN x = vn_bcast(A_PACKED ? a + t * GEMM_MR + r : a + r * lda + t);
+            for (int v = 0; v < GEMM_NV; v++) acc[r][v] = vn_fma(x, bv[v], acc[r][v]);
+        }
+    }
+    for (int r = 0; r < GEMM_MR; r++)
+        for (int v = 0; v < GEMM_NV; v++) vn_store(c + r * ldc + v * GEMM_VW, acc[r][v]);
+}
+
 }  // namespace

@@ -71,7 +71,8 @@ def test_decode_over_scattered_blocks_matches_dense(dtype, tol):
 @pytest.mark.parametrize("kernel", ["torch", "host"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_prefill_with_and_without_a_cached_prefix_matches_dense(dtype, tol, kernel):
-    """torch's SDPA and the blocked C++ kernel of this host (kernels/prefill_attention.py)."""
+    """torch's SDPA and the blocked C++ kernel of this host (kernels/prefill_attention.py;
+    a bf16 batch goes to SDPA even with the kernel given)."""
     attention = PrefillAttention.create() if kernel == "host" else None
     assert kernel == "torch" or attention is not None, "this host's prefill attention kernel did not load"
     g = torch.Generator().manual_seed(2)

@@ -1,0 +1,165 @@
+// GGUF blocks in registers: the formats, fp16 scales, a 16-lane fp32 vector (V16) and
+// one block's 32 weights dequantized exactly (dequant_block). Included by quant_gemm.h;
+// the arithmetic contract is in quant_matmul.cpp's header comment.
+#pragma once
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+enum Format { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 };
+constexpr int QK = 32;                          // weights per block
+
+constexpr int64_t block_bytes(int f) { return f == Q4_0 ? 18 : f == Q4_1 ? 20 : 34; }
+
+inline float fp16_to_f32(const uint8_t* p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    // exact: a half is (1024 + man) * 2^(exp - 25), or man * 2^-24 when subnormal
+    const int exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    float f = exp == 0 ? ldexpf((float)man, -24)
+              : exp == 31 ? (man ? NAN : INFINITY)
+              : ldexpf((float)(man | 0x400), exp - 25);
+    return (h & 0x8000) ? -f : f;
+#endif
+}
+
+// ------------------------------------------------------------------ V16: 16 fp32 lanes
+#if defined(__AVX512F__)
+#define KVD_VARIANT "avx512"
+struct V16 { __m512 v; };
+inline V16 vzero() { return {_mm512_setzero_ps()}; }
+inline V16 vload(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline void vstore(float* p, V16 a) { _mm512_storeu_ps(p, a.v); }
+inline V16 vset1(float f) { return {_mm512_set1_ps(f)}; }
+inline V16 vmul(V16 a, V16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline V16 vsub(V16 a, V16 b) { return {_mm512_sub_ps(a.v, b.v)}; }
+inline V16 vfma(V16 a, V16 b, V16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+inline __m256 fold16(V16 a) {      // lanes j + j+8
+    __m256 lo = _mm512_castps512_ps256(a.v);
+    __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a.v), 1));
+    return _mm256_add_ps(lo, hi);
+}
+inline V16 i8_to_v16(const uint8_t* p) {
+    return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)))};
+}
+// 16 bytes of nibbles -> lo: the 16 low nibbles, hi: the 16 high nibbles (as floats)
+inline void nibbles(const uint8_t* p, V16* lo, V16* hi) {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));    // one byte per lane
+    *lo = {_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)))};
+    *hi = {_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4))};
+}
+// fp16 d and m at p, p + 2 -> broadcast fp32
+inline void scales(const uint8_t* p, V16* d, V16* m) {
+    int32_t bits;
+    memcpy(&bits, p, 4);
+    const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(bits));
+    *d = {_mm512_broadcastss_ps(dm)};
+    *m = {_mm512_broadcastss_ps(_mm_movehdup_ps(dm))};
+}
+#elif defined(__AVX2__)
+#define KVD_VARIANT "avx2"
+struct V16 { __m256 a, b; };    // lanes 0-7, 8-15
+inline V16 vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline V16 vload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline void vstore(float* p, V16 a) { _mm256_storeu_ps(p, a.a); _mm256_storeu_ps(p + 8, a.b); }
+inline V16 vset1(float f) { __m256 v = _mm256_set1_ps(f); return {v, v}; }
+inline V16 vmul(V16 x, V16 y) { return {_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.b, y.b)}; }
+inline V16 vsub(V16 x, V16 y) { return {_mm256_sub_ps(x.a, y.a), _mm256_sub_ps(x.b, y.b)}; }
+inline V16 vfma(V16 x, V16 y, V16 z) { return {_mm256_fmadd_ps(x.a, y.a, z.a), _mm256_fmadd_ps(x.b, y.b, z.b)}; }
+inline __m256 fold16(V16 x) { return _mm256_add_ps(x.a, x.b); }
+inline V16 i8_to_v16(const uint8_t* p) {
+    return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p))),
+            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8))))};
+}
+// 16 bytes of nibbles -> lo: the 16 low nibbles, hi: the 16 high nibbles (as floats).
+// Widen bytes to dwords straight from memory, then mask/shift: 6 ops, no lane shuffles.
+inline void nibbles(const uint8_t* p, V16* lo, V16* hi) {
+    const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
+    const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8)));
+    const __m256i mask = _mm256_set1_epi32(15);
+    *lo = {_mm256_cvtepi32_ps(_mm256_and_si256(b0, mask)), _mm256_cvtepi32_ps(_mm256_and_si256(b1, mask))};
+    *hi = {_mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4))};
+}
+// fp16 d and m at p, p + 2 -> broadcast fp32 (one conversion for both)
+inline void scales(const uint8_t* p, V16* d, V16* m) {
+    int32_t bits;
+    memcpy(&bits, p, 4);
+    const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(bits));
+    const __m256 dv = _mm256_broadcastss_ps(dm), mv = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
+    *d = {dv, dv};
+    *m = {mv, mv};
+}
+#else
+#define KVD_VARIANT "portable"
+struct V16 { float f[16]; };
+inline V16 vzero() { V16 r; for (int i = 0; i < 16; i++) r.f[i] = 0.0f; return r; }
+inline V16 vload(const float* p) { V16 r; memcpy(r.f, p, sizeof r.f); return r; }
+inline void vstore(float* p, V16 a) { memcpy(p, a.f, sizeof a.f); }
+inline V16 vset1(float v) { V16 r; for (int i = 0; i < 16; i++) r.f[i] = v; return r; }
+inline V16 vmul(V16 x, V16 y) { V16 r; for (int i = 0; i < 16; i++) r.f[i] = x.f[i] * y.f[i]; return r; }
+inline V16 vsub(V16 x, V16 y) { V16 r; for (int i = 0; i < 16; i++) r.f[i] = x.f[i] - y.f[i]; return r; }
+inline V16 vfma(V16 x, V16 y, V16 z) { V16 r; for (int i = 0; i < 16; i++) r.f[i] = fmaf(x.f[i], y.f[i], z.f[i]); return r; }
+#endif
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+// The fixed tree: (j + j+8) -> (j + j+4) -> (j + j+2) -> (0 + 1).
+inline float vsum(V16 x) {
+    __m256 s8 = fold16(x);
+    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+#else
+inline float vsum(V16 x) {
+    float s8[8], s4[4], s2[2];
+    for (int i = 0; i < 8; i++) s8[i] = x.f[i] + x.f[i + 8];
+    for (int i = 0; i < 4; i++) s4[i] = s8[i] + s8[i + 4];
+    for (int i = 0; i < 2; i++) s2[i] = s4[i] + s4[i + 2];
+    return s2[0] + s2[1];
+}
+inline void nibbles(const uint8_t* p, V16* lo, V16* hi) {
+    for (int i = 0; i < 16; i++) { lo->f[i] = (float)(p[i] & 15); hi->f[i] = (float)(p[i] >> 4); }
+}
+inline V16 i8_to_v16(const uint8_t* p) {
+    V16 r;
+    for (int i = 0; i < 16; i++) r.f[i] = (float)(int8_t)p[i];
+    return r;
+}
+inline void scales(const uint8_t* p, V16* d, V16* m) {
+    *d = vset1(fp16_to_f32(p));
+    *m = vset1(fp16_to_f32(p + 2));
+}
+#endif
+
+// One block's 32 weights in fp32: lo = elements 0..15, hi = 16..31 (exact, see the header).
+template <int F>
+inline void dequant_block(const uint8_t* blk, V16* lo, V16* hi) {
+    if constexpr (F == Q8_0) {
+        const V16 d = vset1(fp16_to_f32(blk));
+        *lo = vmul(d, i8_to_v16(blk + 2));
+        *hi = vmul(d, i8_to_v16(blk + 18));
+    } else if constexpr (F == Q4_0) {
+        const V16 d = vset1(fp16_to_f32(blk)), eight = vset1(8.0f);
+        V16 ql, qh;
+        nibbles(blk + 2, &ql, &qh);
+        *lo = vmul(d, vsub(ql, eight));
+        *hi = vmul(d, vsub(qh, eight));
+    } else {
+        V16 ql, qh, d, m;
+        scales(blk, &d, &m);
+        nibbles(blk + 4, &ql, &qh);
+        *lo = vfma(d, ql, m);
+        *hi = vfma(d, qh, m);
+    }
+}
+}  // namespace
