@@ -433,15 +433,15 @@ class GenerateRequest(Message):
 
 
 def _check_grant(transfer_id: str, block_ids: tuple[int, ...], have_blocks: int, num_layers: int,
-                 dtype: str, prompt_len: int) -> None:
-    """A decode node's grant for a prompt of ``prompt_len`` tokens: blocks
-    [have_blocks, ceil(prompt_len / bs)) (block size unknown here: checked by
-    the prefill node)."""
+                 dtype: str, prompt_len: int | None = None) -> None:
+    """A decode node's grant for a prompt of ``prompt_len`` tokens (None:
+    not known here): blocks [have_blocks, ceil(prompt_len / bs)) (block size
+    unknown here: checked by the prefill node)."""
     _require(bool(transfer_id), "kv_transfer_id must be set")
     _require(have_blocks >= 0 and all(b >= 0 for b in block_ids), "block ids and counts must be >= 0")
     _require(len(set(block_ids)) == len(block_ids), "block ids must be distinct")
     _require(num_layers > 0 and dtype in DTYPES, f"kv_num_layers > 0 and kv_dtype in {sorted(DTYPES)}")
-    _require(have_blocks + len(block_ids) <= prompt_len, "more blocks than prompt tokens")
+    _require(prompt_len is None or have_blocks + len(block_ids) <= prompt_len, "more blocks than prompt tokens")
 
 
 @message
@@ -465,9 +465,8 @@ class Accepted(Message):
 
     def _check(self) -> None:
         if self.kv_transfer_id:
-            _require(self.kv_num_layers > 0 and self.kv_dtype in DTYPES, "kv_num_layers, kv_dtype")
-            _require(self.kv_have_blocks >= 0 and all(b >= 0 for b in self.kv_block_ids),
-                     "block ids and counts must be >= 0")
+            _check_grant(self.kv_transfer_id, self.kv_block_ids, self.kv_have_blocks, self.kv_num_layers,
+                         self.kv_dtype)
 
 
 @message

@@ -469,7 +469,6 @@ class NodeDaemon:
             log.warning("request %s: prompt KV from %s %s (%s); %s", rid, msg.prefill_node, state.value,
                         rx.reason, self.cluster.kv_load_failure)
             await self.decode_side.release(rx, handed_to_engine=False)
-            handed = True                   # released
             if self.cluster.kv_load_failure == "fail":
                 await self._send(peer, protocol.Error(code="kv_load_failed", request_id=rid,
                                                       message=f"the prompt's KV did not arrive: {rx.reason}"))

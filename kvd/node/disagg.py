@@ -46,7 +46,7 @@ from engine.memory.mempool import Reservation
 from engine.stream import STAGING
 from kvd import protocol
 from kvd.node.engine_driver import EngineDriver
-from kvd.node.transfer import import_layers
+from kvd.node.transfer import import_layers, reply_reason
 from transports import Connection, TransportError
 
 log = logging.getLogger("kvd.disagg")
@@ -77,10 +77,6 @@ class TransferState(str, enum.Enum):
 
 FINAL = frozenset((TransferState.DONE, TransferState.FINISHED, TransferState.FAILED,
                    TransferState.TIMED_OUT, TransferState.CANCELLED))
-
-
-def _reason(reply: Any) -> str:
-    return getattr(reply, "reason", None) or getattr(reply, "message", None) or repr(reply)
 
 
 # ─── prefill side ────────────────────────────────────────────────────────────
@@ -150,7 +146,7 @@ class KVSender:
         self.messages += 1
         ack = await protocol.call(self.conn, data)
         if not (isinstance(ack, protocol.KVAck) and ack.ok):
-            raise RuntimeError(f"decode node refused layers [{l0}, {l1}): {_reason(ack)}")
+            raise RuntimeError(f"decode node refused layers [{l0}, {l1}): {reply_reason(ack)}")
         self.bytes += data.tensors[0].nbytes
 
     async def commit(self, status: str, first_token: int = -1, cached_tokens: int = 0,
@@ -168,7 +164,7 @@ class KVSender:
                 request_id=self.request_id, status=status, first_token=first_token,
                 cached_tokens=cached_tokens, reason=reason))
             if not (isinstance(reply, protocol.KVAck) and reply.ok):
-                raise RuntimeError(f"decode node refused the commit: {_reason(reply)}")
+                raise RuntimeError(f"decode node refused the commit: {reply_reason(reply)}")
             self.state = TransferState.DONE if status == "done" else TransferState(status)
             self.reason = reason
         except TimeoutError:

@@ -306,7 +306,7 @@ class TransferReceiver:
 # ─── sender ──────────────────────────────────────────────────────────────────
 
 
-def _reason(reply: Any) -> str:
+def reply_reason(reply: Any) -> str:
     return getattr(reply, "reason", None) or getattr(reply, "message", None) or repr(reply)
 
 
@@ -412,7 +412,7 @@ async def _stream_pieces(driver: EngineDriver, conn: Connection, m: Any,
     result.update(sends=1, zero_copy=True)
     alloc = await protocol.call(conn, req)
     if not isinstance(alloc, protocol.KVAllocReply) or not alloc.ok:
-        result["reason"] = _reason(alloc)
+        result["reason"] = reply_reason(alloc)
         return
     refs = m.blocks[alloc.have_blocks:]
     result["new_blocks"] = len(refs)
@@ -462,7 +462,7 @@ def _record_acks(acks: list[Any], sent_blocks: int, result: dict[str, Any]) -> N
     result["sent_blocks"] = sent_blocks
     bad = [a for a in acks if not (isinstance(a, protocol.KVAck) and a.ok)]
     if bad:
-        result["reason"] = _reason(bad[0])
+        result["reason"] = reply_reason(bad[0])
         return
     result.update(transferred=True, inserted_tokens=max(a.inserted_tokens for a in acks))
 
@@ -507,7 +507,7 @@ async def _stream(driver: EngineDriver, conn: Connection, m: Any, req: protocol.
         raise
     alloc = await alloc_call
     if not isinstance(alloc, protocol.KVAllocReply) or not alloc.ok:
-        result["reason"] = _reason(alloc)
+        result["reason"] = reply_reason(alloc)
         return
     have = alloc.have_blocks
     refs = m.blocks[have:]
