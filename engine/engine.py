@@ -198,6 +198,32 @@ class LLMEngine:
         self.scheduler.add_prefilled(req)
         return None
 
+    def resume_request(self, request_id: str, prompt_ids: list[int], output_ids: list[int],
+                       params: SamplingParams) -> RequestOutput | None:
+        """Continue a request another instance ran until it failed: its
+        ``output_ids`` (the tokens the client has) are replayed into the stop
+        conditions and text state, not emitted, and the request is queued to
+        compute prompt and outputs (every cached prefix of them reused: a
+        replica held with ``MemPool.extend_hold`` is one) and go on from the
+        next token. With greedy or seeded sampling the tokens are those of a
+        run that never stopped. Returns the replayed output when the tokens
+        already end the request (then nothing runs), else None. Raises
+        InvalidParam or ValueError (nothing queued)."""
+        vocab = self.model.config.vocab_size
+        if not output_ids or any(not 0 <= t < vocab for t in output_ids):
+            raise InvalidParam("output_token_ids", f"a resumed request needs its tokens, in [0, {vocab})")
+        if len(output_ids) >= params.max_tokens:
+            raise InvalidParam("output_token_ids", "the request already has max_tokens tokens")
+        req = self._new_request(request_id, prompt_ids, params)
+        out = None
+        for tok in output_ids:
+            out = self.outputs.append(req, tok)
+            if out.finished:
+                self._retire(req, cache=False)
+                return out
+        self.scheduler.add(req)
+        return None
+
     def _new_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Request:
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id}")

@@ -40,6 +40,7 @@ class ConfigError(ValueError):
 COORDINATOR_NAME = "coordinator"   # the coordinator's key name; no node may take it
 ROLES = ("mixed", "prefill", "decode")
 KV_LOAD_FAILURE = ("recompute", "fail")
+RECOVERY_POLICIES = ("replica", "reprefill", "fail")   # kvd/coordinator/recovery.py
 
 
 def check_role(where: str, role: str) -> None:
@@ -122,6 +123,19 @@ class ClusterConfig:
         before the node's events confirm it.
     cache_events_interval: seconds between a node's pushes of its cache
         events to the coordinator's prompt trees.
+    replicas: 1 streams the KV of every request a node decodes to a peer
+        (a ring over the live nodes that decode), so that a node's death
+        costs its requests a pause, not an error; 0 replicates nothing.
+    recovery: what happens to the requests of a node declared dead:
+        "replica" (resume on the replica holder, recomputing only what was
+        not replicated; reprefill where no replica is usable), "reprefill"
+        (re-run prompt and tokens so far on another node) or "fail" (end
+        them with an error).
+    max_recoveries: recoveries one request may go through; past it, it fails.
+    replica_kv_blocks: host-tier KV blocks a node may hold as replicas of its
+        peers' requests; a replica past the budget is refused and reported.
+    replication_interval: seconds between a node's replication rounds (each
+        sends the KV blocks its requests filled since, in one message).
     """
 
     transport: str = "zmq+tcp"
@@ -145,6 +159,11 @@ class ClusterConfig:
     routing_max_imbalance: int = 4
     routing_pending_ttl: float = 30.0
     cache_events_interval: float = 0.05
+    replicas: int = 1
+    recovery: str = "replica"
+    max_recoveries: int = 3
+    replica_kv_blocks: int = 1024
+    replication_interval: float = 0.05
     nodes: dict[str, NodeConfig] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -178,6 +197,14 @@ class ClusterConfig:
             raise ConfigError(f"cluster.kv_stream must be 'layers' or 'request', got {self.kv_stream!r}")
         if not self.kv_transfer_timeout > 0:
             raise ConfigError("cluster.kv_transfer_timeout must be > 0")
+        if self.replicas not in (0, 1):
+            raise ConfigError(f"cluster.replicas must be 0 or 1, got {self.replicas}")
+        if self.recovery not in RECOVERY_POLICIES:
+            raise ConfigError(f"cluster.recovery must be one of {RECOVERY_POLICIES}, got {self.recovery!r}")
+        if self.max_recoveries < 0 or self.replica_kv_blocks < 0:
+            raise ConfigError("cluster.max_recoveries and cluster.replica_kv_blocks must be >= 0")
+        if not self.replication_interval > 0:
+            raise ConfigError("cluster.replication_interval must be > 0")
         if self.curve_keys_dir and self.transport == "inproc":
             raise ConfigError("cluster.curve_keys_dir authenticates zmq+ and ucx links, not inproc")
 

@@ -304,9 +304,14 @@ class Welcome(Message):
     accepted: bool
     reason: str = ""
     heartbeat_interval: float = 1.0
+    replica_peer: str = ""             # the node to stream this node's KV to ("" = none: replicate nothing)
+    replica_address: str = ""          # its transport URL
+    drop_replicas: tuple[str, ...] = ()   # replicas held here whose requests are not in flight: free them
 
     def _check(self) -> None:
         _require(self.heartbeat_interval > 0, "heartbeat_interval must be > 0")
+        _require(bool(self.replica_peer) == bool(self.replica_address),
+                 "replica_peer and replica_address are set together")
 
 
 @message
@@ -323,10 +328,12 @@ class Heartbeat(Message):
     draining: bool = False             # finishing its requests; route nothing new here
     cached_blocks: int = 0             # blocks held by the prefix cache (all tiers)
     cache_events: int = 0              # MemPool stored/removed events shipped (CacheEvents) since the last beat
+    replicas: dict[str, int] = field(default_factory=dict)  # request id -> tokens replicated here (DejaVu's (x, j, t))
     stats: dict[str, Any] = field(default_factory=dict)  # engine snapshot (metrics)
 
     def _check(self) -> None:
         _require(self.cached_blocks >= 0 and self.cache_events >= 0, "counts must be >= 0")
+        _require(all(n >= 0 for n in self.replicas.values()), "replicated tokens must be >= 0")
         _require(self.seq >= 0 and self.running >= 0 and self.waiting >= 0, "counts must be >= 0")
         _require(self.load >= 0, "load must be >= 0")
         _require(_tiers_ok(self.free_blocks), f"tiers must be in {TIERS}, counts >= 0")
@@ -403,12 +410,21 @@ class GenerateRequest(Message):
       ``kv_dtype``): it computes the prompt, streams the KV of blocks
       ``[kv_have_blocks, ...)`` into ``kv_block_ids`` layer by layer, sends the
       first token to the coordinator (TokenChunk 0) and to the decode node
-      (``KVCommit``), and is done."""
+      (``KVCommit``), and is done.
+
+    A recovered request (docs/cluster.md, "Failure semantics") carries the
+    tokens the client already has (``output_token_ids``): the node resumes
+    after them, its first chunk at ``start_index = len(output_token_ids)``;
+    ``replica_from`` names the dead node whose replica of this request the
+    node holds (its KV up to the replicated position is used, the rest
+    recomputed), "" re-runs prompt and tokens from the prefix cache."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     prefill_node: str = ""
+    output_token_ids: tuple[int, ...] = ()
+    replica_from: str = ""
     kv_to_node: str = ""
     kv_to_address: str = ""
     kv_transfer_id: str = ""
@@ -422,6 +438,10 @@ class GenerateRequest(Message):
         _require(len(self.prompt_token_ids) > 0, "prompt must not be empty")
         _require(all(t >= 0 for t in self.prompt_token_ids), "token ids must be >= 0")
         _require(not (self.prefill_node and self.kv_to_node), "a request has one leg: prefill_node or kv_to_node")
+        _require(all(t >= 0 for t in self.output_token_ids), "token ids must be >= 0")
+        _require(not (self.output_token_ids or self.replica_from) or not (self.prefill_node or self.kv_to_node),
+                 "a resumed request is not disaggregated")
+        _require(not self.replica_from or bool(self.output_token_ids), "replica_from needs output_token_ids")
         if self.kv_to_node:
             _check_grant(self.kv_transfer_id, self.kv_block_ids, self.kv_have_blocks, self.kv_num_layers,
                          self.kv_dtype, len(self.prompt_token_ids))
@@ -462,8 +482,10 @@ class Accepted(Message):
     kv_have_blocks: int = 0
     kv_num_layers: int = 0
     kv_dtype: str = ""
+    resumed_tokens: int = 0            # a recovered request: tokens whose KV came from the replica
 
     def _check(self) -> None:
+        _require(self.resumed_tokens >= 0, "resumed_tokens must be >= 0")
         if self.kv_transfer_id:
             _check_grant(self.kv_transfer_id, self.kv_block_ids, self.kv_have_blocks, self.kv_num_layers,
                          self.kv_dtype)
@@ -636,6 +658,61 @@ class KVCommit(Message):
         _require(self.status in COMMIT_STATUSES, f"status must be one of {COMMIT_STATUSES}")
         _require(self.status != "done" or self.first_token >= 0, "a done commit carries first_token")
         _require(self.cached_tokens >= 0, "cached_tokens must be >= 0")
+
+
+@message
+@dataclass(frozen=True, kw_only=True)
+class ReplicaData(Message):
+    """Node -> its replica peer (a request; the reply is a ReplicaAck): one
+    replication round (kvd/node/replication.py). Entry ``i`` extends the
+    replica of request ``request_ids[i]`` from token ``starts[i]`` (a whole
+    number of blocks; 0 opens it) by ``counts[i]`` full blocks: their tokens
+    are the next ``counts[i] * block_size`` of ``token_ids`` and their KV the
+    next ``counts[i]`` blocks of the one frame [L, 2, sum(counts), bs, kvh,
+    hd]. ``frees``: replicas to drop (their requests ended here). The holder
+    keys every replica by the sender's authenticated name, so a node can
+    touch its own replicas only."""
+
+    FRAMES_FIELD: ClassVar[str | None] = "tensors"
+
+    source: str
+    block_size: int
+    request_ids: tuple[str, ...] = ()
+    starts: tuple[int, ...] = ()
+    counts: tuple[int, ...] = ()
+    token_ids: tuple[int, ...] = ()
+    frees: tuple[str, ...] = ()
+    tensors: tuple[Any, ...] = ()
+
+    def _check(self) -> None:
+        n = len(self.request_ids)
+        _require(bool(self.source) and self.block_size > 0, "source and block_size must be set")
+        _require(len(self.starts) == n and len(self.counts) == n, "one start and one count per request id")
+        _require(len(set(self.request_ids)) == n and all(self.request_ids), "request ids must be distinct, non-empty")
+        _require(all(s >= 0 and s % self.block_size == 0 for s in self.starts), "starts must be whole blocks")
+        _require(all(c > 0 for c in self.counts), "counts must be > 0")
+        _require(len(self.token_ids) == sum(self.counts) * self.block_size, "token_ids must fill the blocks")
+        _require(all(t >= 0 for t in self.token_ids), "token ids must be >= 0")
+        _require(len(self.tensors) == (1 if n else 0), "one KV frame when there are entries")
+        if n:
+            shape = self.tensors[0].shape
+            _require(len(shape) == 6 and shape[1] == 2 and shape[2] == sum(self.counts)
+                     and shape[3] == self.block_size, "the KV frame must be [L, 2, sum(counts), bs, kvh, hd]")
+
+
+@message
+@dataclass(frozen=True, kw_only=True)
+class ReplicaAck(Message):
+    """Replica holder -> sender: the tokens it now holds of each request of
+    the ReplicaData (a replica the sender must restart from there, e.g. 0
+    after the holder restarted), and the requests it refused (``refused``:
+    request id -> why, e.g. over ``replica_kv_blocks``)."""
+
+    held: dict[str, int] = field(default_factory=dict)
+    refused: dict[str, str] = field(default_factory=dict)
+
+    def _check(self) -> None:
+        _require(all(n >= 0 for n in self.held.values()), "held tokens must be >= 0")
 
 
 @message

@@ -9,7 +9,8 @@ the name of its key file, see kvd/links.py). The names that matter:
 What each port accepts, from whom (docs/operations.md, "Trust model")::
 
     node port          GenerateRequest, Abort, AdminCommand   the coordinator only
-                       KVTransferRequest, KVData, KVCommit    a node (src_node = its own name);
+                       KVTransferRequest, KVData, KVCommit,   a node (src_node / source = its own
+                       ReplicaData                            name);
                                                               KVData/KVCommit only for a grant this
                                                               node made to that very link, or for
                                                               a prefill leg to the node the
@@ -29,7 +30,7 @@ from kvd import protocol
 from kvd.cluster_config import COORDINATOR_NAME
 
 FROM_COORDINATOR = (protocol.GenerateRequest, protocol.Abort, protocol.AdminCommand)
-FROM_NODES = (protocol.KVTransferRequest, protocol.KVData, protocol.KVCommit)
+FROM_NODES = (protocol.KVTransferRequest, protocol.KVData, protocol.KVCommit, protocol.ReplicaData)
 NODE_ABOUT_ITSELF = (protocol.Hello, protocol.Heartbeat, protocol.Goodbye, protocol.CacheEvents)
 
 
@@ -51,6 +52,8 @@ def node_refusal(msg: protocol.Message, identity: str | None, authenticated: boo
             return f"{msg.TYPE} comes from a node, not from the coordinator"
         if isinstance(msg, protocol.KVTransferRequest) and msg.src_node != identity:
             return f"src_node {msg.src_node!r} is not the sender's key {identity!r}"
+        if isinstance(msg, protocol.ReplicaData) and msg.source != identity:
+            return f"source {msg.source!r} is not the sender's key {identity!r}"
         return None
     return None          # other types: the handler answers unexpected_type
 

@@ -457,6 +457,40 @@ class MemPool:
         self.free_mem(grant.block_ids, grant.tier)
         self.unlock(grant.lock)
 
+    def extend_hold(self, lock: PrefixLock | None, tokens: Sequence[int], payload: object,
+                    tier: str = "host") -> PrefixLock | None:
+        """Cache the full blocks of ``tokens`` in ``tier`` and keep them locked:
+        a replica of a request another instance runs (DéjaVu §4.2.3).
+
+        ``lock`` (from an earlier call, or None) holds the first
+        ``lock.num_tokens`` tokens; ``payload`` [L, 2, n, bs, kvh, hd] is the
+        KV of the ``n`` blocks after them, up to ``len(tokens) // bs``.
+        Blocks this pool already caches are not written again. Returns a
+        lock on every full block of ``tokens``, ``lock`` released; or None
+        when ``tier`` is short of memory, and then nothing changed and
+        ``lock`` still holds. Release the result with ``unlock``."""
+        bs = self.block_size
+        nfull = len(tokens) // bs
+        first = lock.num_tokens // bs if lock is not None else 0
+        if lock is not None and lock.num_tokens != first * bs or not first <= nfull:
+            raise ValueError(f"extend_hold: a lock of {lock.num_tokens if lock else 0} tokens "
+                             f"cannot grow to {len(tokens)}")
+        grant = self.grant(tokens[:nfull * bs], nfull, tier)
+        if grant is None:
+            return None
+        have = len(grant.lock.blocks)
+        if have < first:                     # the locked prefix is in the index: cannot happen
+            self.abandon(grant)
+            raise ValueError(f"extend_hold: {first} blocks locked, {have} cached")
+        if grant.block_ids:
+            layers = (0, self._storage().num_layers)
+            self.import_kv(grant, payload, layers, skip=have - first)
+        self.insert_granted(grant)
+        held = self.lock_prefix(tokens[:nfull * bs])
+        if lock is not None:
+            self.unlock(lock)
+        return held
+
     def cached_tokens(self, tokens: Sequence[int]) -> int:
         """How many leading tokens of ``tokens`` this pool caches (full
         blocks, any tier). A peek: nothing is locked or counted."""

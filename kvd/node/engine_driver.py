@@ -108,6 +108,14 @@ class EngineDriver:
         async for out in self._run_stream(request_id, cmd):
             yield out
 
+    async def generate_resumed(self, request_id: str, prompt_ids: list[int], output_ids: list[int],
+                               params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """A recovered request: ``LLMEngine.resume_request``, then its outputs
+        (from token ``len(output_ids)``; the replayed output only when the
+        tokens already end the request)."""
+        async for out in self._run_stream(request_id, ("resume", request_id, prompt_ids, output_ids, params)):
+            yield out
+
     async def _run_stream(self, request_id: str, cmd: tuple) -> AsyncIterator[RequestOutput]:
         if self._dead is not None:
             raise EngineDead(f"engine stopped: {self._dead}")
@@ -242,10 +250,11 @@ class EngineDriver:
                 self.engine.add_request(rid, ids, params, kv_out=kv_out)
             except (InvalidParam, ValueError) as exc:
                 self._deliver([RequestOutput(rid, [], "", True, "error", error=str(exc))])
-        elif cmd[0] == "add_prefilled":
+        elif cmd[0] in ("add_prefilled", "resume"):
             rid = cmd[1]
+            add = self.engine.add_prefilled if cmd[0] == "add_prefilled" else self.engine.resume_request
             try:
-                out = self.engine.add_prefilled(*cmd[1:])
+                out = add(*cmd[1:])
             except (InvalidParam, ValueError) as exc:       # the reservation was cancelled
                 out = RequestOutput(rid, [], "", True, "error", error=str(exc))
             if out is not None:
