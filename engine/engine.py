@@ -250,6 +250,23 @@ class LLMEngine:
                              num_output_tokens=len(req.output_ids),
                              num_cached_tokens=req.num_cached_tokens)
 
+    def replicable(self) -> list[tuple[str, int, list[int], list[int]]]:
+        """What a replica of each running request that decodes here can hold
+        now: (request id, tokens computed, the tokens of its full computed
+        blocks, those device block ids), oldest first. A query: nothing changes; the ids stay the
+        request's until its next step."""
+        bs = self.config.block_size
+        out = []
+        for req in self.scheduler.running:
+            if req.kv_out is not None:
+                continue
+            n = min(req.num_computed // bs, len(req.block_ids))
+            out.append((req.request_id, req.num_computed, req.all_ids[:n * bs], req.block_ids[:n]))
+        return out
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.requests
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 

@@ -123,6 +123,16 @@ def _cluster_flags(p: argparse.ArgumentParser) -> None:
                    help="prefill nodes send KV per layer as computed, or per request ([cluster].kv_stream)")
     p.add_argument("--kv-transfer-timeout", dest="kv_transfer_timeout", type=float, default=None,
                    help="seconds a decode node waits for a prompt's KV ([cluster].kv_transfer_timeout)")
+    p.add_argument("--replicas", dest="replicas", type=int, choices=(0, 1), default=None,
+                   help="1: stream each request's KV to a peer node ([cluster].replicas)")
+    p.add_argument("--recovery", dest="recovery", choices=("replica", "reprefill", "fail"), default=None,
+                   help="what a dead node's requests do ([cluster].recovery)")
+    p.add_argument("--max-recoveries", dest="max_recoveries", type=int, default=None,
+                   help="recoveries one request may go through ([cluster].max_recoveries)")
+    p.add_argument("--replica-kv-blocks", dest="replica_kv_blocks", type=int, default=None,
+                   help="host KV blocks a node may hold as its peers' replicas ([cluster].replica_kv_blocks)")
+    p.add_argument("--replication-interval", dest="replication_interval", type=float, default=None,
+                   help="seconds between replication rounds ([cluster].replication_interval)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -144,7 +154,8 @@ def _cluster(args: argparse.Namespace):
 
 
 CLUSTER_OVERRIDES = ("transport", "heartbeat_interval", "heartbeat_deadline", "curve_keys_dir", "insecure",
-                     "prefill_threshold", "kv_load_failure", "kv_transfer_timeout", "kv_stream")
+                     "prefill_threshold", "kv_load_failure", "kv_transfer_timeout", "kv_stream",
+                     "replicas", "recovery", "max_recoveries", "replica_kv_blocks", "replication_interval")
 
 
 def _run(main_coro_factory) -> int:
@@ -334,7 +345,10 @@ def _passthrough(args: argparse.Namespace) -> list[str]:
                        ("--heartbeat-deadline", "heartbeat_deadline"),
                        ("--curve-keys-dir", "curve_keys_dir"), ("--transport", "transport"),
                        ("--prefill-threshold", "prefill_threshold"), ("--kv-load-failure", "kv_load_failure"),
-                       ("--kv-transfer-timeout", "kv_transfer_timeout"), ("--kv-stream", "kv_stream")):
+                       ("--kv-transfer-timeout", "kv_transfer_timeout"), ("--kv-stream", "kv_stream"),
+                       ("--replicas", "replicas"), ("--recovery", "recovery"),
+                       ("--max-recoveries", "max_recoveries"), ("--replica-kv-blocks", "replica_kv_blocks"),
+                       ("--replication-interval", "replication_interval")):
         if getattr(args, dest) is not None:
             out += [flag, str(getattr(args, dest))]
     if args.insecure:

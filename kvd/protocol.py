@@ -328,12 +328,13 @@ class Heartbeat(Message):
     draining: bool = False             # finishing its requests; route nothing new here
     cached_blocks: int = 0             # blocks held by the prefix cache (all tiers)
     cache_events: int = 0              # MemPool stored/removed events shipped (CacheEvents) since the last beat
-    replicas: dict[str, int] = field(default_factory=dict)  # request id -> tokens replicated here (DejaVu's (x, j, t))
+    replicas: dict[str, dict[str, int]] = field(default_factory=dict)  # sender -> {request id -> tokens held here}: DejaVu's (x, j, t)
     stats: dict[str, Any] = field(default_factory=dict)  # engine snapshot (metrics)
 
     def _check(self) -> None:
         _require(self.cached_blocks >= 0 and self.cache_events >= 0, "counts must be >= 0")
-        _require(all(n >= 0 for n in self.replicas.values()), "replicated tokens must be >= 0")
+        _require(all(n >= 0 for held in self.replicas.values() for n in held.values()),
+                 "replicated tokens must be >= 0")
         _require(self.seq >= 0 and self.running >= 0 and self.waiting >= 0, "counts must be >= 0")
         _require(self.load >= 0, "load must be >= 0")
         _require(_tiers_ok(self.free_blocks), f"tiers must be in {TIERS}, counts >= 0")

@@ -45,6 +45,8 @@ class CoordinatorAdmin:
                 "node_failures": self.d.membership.failures, "joins": self.d.membership.joins,
                 "loop_stalls": self.d.membership.stalls,
                 "failed_requests": self.d.client.failed_requests,
+                "recoveries": {f"{how}/{outcome}": n
+                               for (how, outcome), n in sorted(self.d.client.recovery.outcomes.items())},
                 "bad_messages": dict(self.d.bad_messages + self.d.client.bad_messages),
                 "malformed_frames": self.d.listener.stats.malformed if self.d.listener else 0}
 
@@ -78,7 +80,7 @@ class CoordinatorAdmin:
         return {"nodes": [n.describe() for n in self.d.membership.nodes.values()]}
 
     async def cmd_requests(self, args: dict) -> dict:
-        return {"requests": {rid: s.node for rid, s in self.d.client._streams.items()}}
+        return {"requests": self.d.client.requests()}
 
     async def cmd_drain(self, args: dict) -> dict:
         if not args.get("node"):

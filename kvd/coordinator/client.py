@@ -8,9 +8,15 @@ in-process engine. Contracts:
 - Tokens are deduplicated by index (``TokenChunk.start_index``): a chunk that
   repeats tokens already delivered is trimmed, so a later replay/recovery can
   resend safely.
-- A node declared dead (``fail_node``) ends each of its streams with
-  ``EngineDead`` naming the node: the front door turns it into a 503 or an
-  SSE error event. Nothing waits on a dead node.
+- A node declared dead (``fail_node``) hands each of its streams to
+  recovery (kvd/coordinator/recovery.py, ``[cluster].recovery``): the
+  request resumes on the holder of its replica, or is re-run with its
+  tokens so far on another node, and the client's stream goes on with no
+  gap and no duplicate (tokens are deduplicated by index). A request that
+  cannot be recovered (policy ``fail``, ``max_recoveries`` reached, no node
+  left, each candidate refused) ends with ``EngineDead`` naming the node:
+  the front door turns it into a 503 or an SSE error event. Nothing waits
+  on a dead node.
 - A node that leaves on purpose (``node_left``) loses only the requests it
   says it gave up; the others end normally, their last chunks arriving after
   its Goodbye.
@@ -52,6 +58,7 @@ from engine.model.tokenizer import Tokenizer
 from engine.request import InvalidParam, RequestOutput, SamplingParams
 from kvd import protocol
 from kvd.coordinator.membership import Membership, NodeInfo
+from kvd.coordinator.recovery import RecoveryPolicy
 from kvd.coordinator.router import Router
 from kvd.engine_client import EngineDead
 from kvd.ratelog import RateLimitedLog
@@ -107,18 +114,25 @@ class NodeLink:
 
 
 class _Stream:
-    """One request's chunks: ``node`` owns it (its death ends the request),
-    ``prefill`` names its prefill leg's node, if any (chunks from it count too)."""
+    """One request's chunks: ``node`` owns it (its death recovers or ends the
+    request), ``prefill`` names its prefill leg's node, if any (chunks from
+    it count too). ``tokens``: every token delivered, what a recovery resumes
+    after."""
 
-    __slots__ = ("node", "prefill", "queue", "next_index", "prompt_len", "early")
+    __slots__ = ("node", "prefill", "queue", "next_index", "prompt_len", "early", "request", "tokens",
+                 "recoveries", "failed")
 
-    def __init__(self, node: str, prompt_len: int) -> None:
+    def __init__(self, node: str, request: protocol.GenerateRequest) -> None:
         self.node = node
         self.prefill: str | None = None
         self.queue: asyncio.Queue = asyncio.Queue()
         self.next_index = 0
-        self.prompt_len = prompt_len
+        self.prompt_len = len(request.prompt_token_ids)
         self.early: dict[int, protocol.TokenChunk] = {}   # chunks past a gap, by start_index
+        self.request = request
+        self.tokens: list[int] = []
+        self.recoveries = 0
+        self.failed: set[str] = set()                      # nodes that lost this request
 
     def legs(self) -> tuple[str, ...]:
         return (self.node, self.prefill) if self.prefill else (self.node,)
@@ -128,7 +142,8 @@ class RemoteEngineClient:
     def __init__(self, model_name: str, tokenizer: Tokenizer, membership: Membership, router: Router,
                  *, default_max_model_len: int = 2048,
                  stats_source: Callable[[], dict] | None = None,
-                 limits: protocol.ProtocolLimits = protocol.DEFAULT_LIMITS) -> None:
+                 limits: protocol.ProtocolLimits = protocol.DEFAULT_LIMITS,
+                 recovery: RecoveryPolicy | None = None) -> None:
         self.model_name = model_name
         self.limits = limits                   # what a node's decode accepts
         self.tokenizer = tokenizer
@@ -142,6 +157,7 @@ class RemoteEngineClient:
         self._stats_source = stats_source
         self._tasks: set[asyncio.Task] = set()
         self.failed_requests = 0
+        self.recovery = recovery or RecoveryPolicy()
 
     # ------------------------------------------------------------ EngineClient
     @property
@@ -275,7 +291,7 @@ class RemoteEngineClient:
         prefill = self._pick_prefill(candidates) if node.role == "decode" else None
         if prefill is not None:
             header, _ = protocol.encode(dataclasses.replace(request, prefill_node=prefill.name))
-        stream = _Stream(node.name, len(prompt_ids))
+        stream = _Stream(node.name, request)
         self._streams[request_id] = stream
         node.in_flight.add(request_id)
         node.routed += 1
@@ -377,6 +393,7 @@ class RemoteEngineClient:
         if not tokens and chunk.finish_reason is None and skip > 0:
             return None
         stream.next_index = chunk.start_index + len(chunk.token_ids)
+        stream.tokens.extend(tokens)
         usage = chunk.usage or {}
         return RequestOutput(chunk.request_id, tokens, chunk.text if skip == 0 else "",
                              chunk.finish_reason is not None, chunk.finish_reason, chunk.stop_reason,
@@ -407,6 +424,10 @@ class RemoteEngineClient:
             await old.close()
         self.links[node.name] = NodeLink(node.name, conn, self.dispatch, self.bad_messages, self._warn)
 
+    def in_flight(self) -> dict[str, str]:
+        """request id -> the node that owns it, for every request in flight."""
+        return {rid: stream.node for rid, stream in self._streams.items()}
+
     def streams_on(self, node: str) -> list[str]:
         """Request ids in flight on ``node``."""
         return [rid for rid, stream in self._streams.items() if stream.node == node]
@@ -423,13 +444,87 @@ class RemoteEngineClient:
         self.failed_requests += n
         return n
 
+    def lose_requests(self, node: str, request_ids: Iterable[str], reason: str) -> int:
+        """``node`` lost the named streams: each is recovered (an owned task,
+        ``_recover``) or, when it cannot be, ended with EngineDead. Returns
+        how many ended at once."""
+        ended = []
+        for rid in request_ids:
+            stream = self._streams.get(rid)
+            if stream is None or stream.node != node:
+                continue
+            if self.recovery.policy == "fail" or stream.recoveries >= self.recovery.max_recoveries:
+                ended.append(rid)
+                continue
+            stream.failed.add(node)
+            self._spawn(self._recover(rid, stream, node, reason))
+        return self.fail_requests(node, ended, reason)
+
+    async def _recover(self, rid: str, stream: _Stream, dead: str, reason: str) -> None:
+        """Move ``rid`` off ``dead``: to the holder of its replica, or re-run
+        it with its tokens so far elsewhere (RecoveryPolicy.target); a node
+        that refuses or cannot be reached is excluded and the next tried, up
+        to ``max_recoveries`` in all. The stream points at the new node
+        before the request is sent (its chunks may overtake the answer)."""
+        if stream.prefill:                          # a prefill leg for the dead decode node: stop it
+            self._send_abort(stream.prefill, rid)
+            if (p := self.membership.nodes.get(stream.prefill)) is not None:
+                p.in_flight.discard(rid)
+            stream.prefill = None
+        how = "reprefill"
+        while stream.recoveries < self.recovery.max_recoveries and self._streams.get(rid) is stream:
+            stream.recoveries += 1
+            candidates = [n for n in self.membership.routable() if n.name in self.links]
+            choice = self.recovery.target(rid, dead, stream.failed, candidates,
+                                          lambda nodes: self.router.pick(nodes, stream.request.prompt_token_ids))
+            if choice is None:
+                break
+            node, replicated = choice
+            how = "replica" if replicated else "reprefill"
+            outputs = tuple(stream.tokens)
+            msg = dataclasses.replace(stream.request, id=f"{rid}.r{stream.recoveries}", output_token_ids=outputs,
+                                      replica_from=dead if replicated and outputs else "")
+            stream.node = node.name
+            node.in_flight.add(rid)
+            node.routed += 1
+            try:
+                reply = await self.links[node.name].call(protocol.encode(msg)[0])
+            except (TransportError, KeyError) as exc:
+                reply = exc
+            if isinstance(reply, protocol.Accepted):
+                self.recovery.outcomes[(how, "resumed")] += 1
+                log.warning("request %s: node %s failed (%s); resumed on %s after %d token(s), %d from "
+                            "its replica", rid, dead, reason, node.name, len(outputs), reply.resumed_tokens)
+                return
+            node.in_flight.discard(rid)
+            stream.failed.add(node.name)
+            log.warning("request %s: recovery on %s failed: %s", rid, node.name,
+                        getattr(reply, "message", None) or getattr(reply, "reason", None) or reply)
+        self.recovery.outcomes[(how, "failed")] += 1
+        if self._streams.get(rid) is stream:
+            stream.node = dead
+            self.fail_requests(dead, [rid], f"{reason}; not recovered")
+
+    def requests(self) -> dict[str, dict]:
+        """Each request in flight: its node, prefill leg, tokens delivered,
+        recoveries, and its fullest replica (holder, tokens) as last reported."""
+        alive = set(self.membership.nodes)
+        out = {}
+        for rid, s in self._streams.items():
+            holder, tokens = self.recovery.table.best(s.node, rid, alive) or ("", 0)
+            out[rid] = {"node": s.node, "prefill": s.prefill or "", "tokens": len(s.tokens),
+                        "recoveries": s.recoveries, "replica_holder": holder, "replicated_tokens": tokens}
+        return out
+
     async def fail_node(self, node: NodeInfo, reason: str) -> int:
-        """End every stream on ``node`` with EngineDead; tell the decode nodes
-        whose prefill leg it ran; drop its link. Returns how many ended."""
+        """Recover (or end with EngineDead) every stream on ``node``; tell the
+        decode nodes whose prefill leg it ran; drop its link and the replicas
+        it held. Returns how many ended."""
         for rid, stream in list(self._streams.items()):
             if stream.prefill == node.name:
                 self._prefill_leg_lost(rid, stream, node.name)
-        n = self.fail_requests(node.name, self.streams_on(node.name), reason)
+        self.recovery.table.forget(node.name)
+        n = self.lose_requests(node.name, self.streams_on(node.name), reason)
         link = self.links.pop(node.name, None)
         if link is not None:
             await link.close()
@@ -441,7 +536,7 @@ class RemoteEngineClient:
         at once; wait up to ``grace`` seconds for the last chunks of the others,
         which travel on the data link and may trail the Goodbye; then end what
         is left and drop the link. Returns how many requests were lost."""
-        n = self.fail_requests(node.name, unfinished, reason)
+        n = self.lose_requests(node.name, unfinished, reason)
         deadline = time.monotonic() + grace
         while self.streams_on(node.name) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)

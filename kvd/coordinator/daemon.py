@@ -39,6 +39,7 @@ from kvd.coordinator.client import RemoteEngineClient
 from kvd.coordinator.collector import ClusterCollector
 from kvd.coordinator.membership import Membership, NodeInfo
 from kvd.coordinator.prompt_tree import PromptTrees
+from kvd.coordinator.recovery import RecoveryPolicy, ring_peers
 from kvd.coordinator.router import Router
 from kvd.sdnotify import Notifier
 from transports import InprocRegistry, Listener, TransportError, TransportOptions
@@ -72,7 +73,8 @@ class CoordinatorDaemon:
         self.client = RemoteEngineClient(model_name, tokenizer, self.membership,
                                          router or self.make_router(cluster.routing),
                                          default_max_model_len=default_max_model_len,
-                                         stats_source=stats_source)
+                                         stats_source=stats_source,
+                                         recovery=RecoveryPolicy(cluster.recovery, cluster.max_recoveries))
         self.options = TransportOptions(request_timeout=cluster.request_timeout,
                                         send_timeout=cluster.request_timeout,
                                         ucx_progress_mode=cluster.ucx_progress_mode)
@@ -237,8 +239,7 @@ class CoordinatorDaemon:
         if isinstance(msg, protocol.Heartbeat):
             if self.membership.beat(msg) is None:
                 return protocol.Welcome(id=msg.id, node=msg.node, accepted=False, reason="unknown node")
-            return protocol.Welcome(id=msg.id, node=msg.node, accepted=True,
-                                    heartbeat_interval=self.cluster.heartbeat_interval)
+            return self._assignments(msg)
         if isinstance(msg, protocol.CacheEvents):
             return self.cache_sync.handle(msg)
         if isinstance(msg, protocol.Hello):
@@ -253,6 +254,19 @@ class CoordinatorDaemon:
         self.bad_messages["unexpected_type"] += 1
         return protocol.Error(id=msg.id, code="unexpected_type",
                               message=f"the coordinator does not serve {msg.TYPE}")
+
+    def _assignments(self, hb: protocol.Heartbeat) -> protocol.Welcome:
+        """The reply to a beat: the node's replica peer (the ring of
+        kvd/coordinator/recovery.py; none with ``replicas = 0``) and the
+        replicas it holds that may go (their requests ended)."""
+        table = self.client.recovery.table
+        table.update(hb.node, hb.replicas)
+        peer = ring_peers(list(self.membership.nodes.values())).get(hb.node) if self.cluster.replicas else None
+        stale = table.stale(hb.node, self.client.in_flight())
+        return protocol.Welcome(id=hb.id, node=hb.node, accepted=True,
+                                heartbeat_interval=self.cluster.heartbeat_interval,
+                                replica_peer=peer.name if peer else "", replica_address=peer.address if peer else "",
+                                drop_replicas=stale)
 
     async def _farewell(self, info: NodeInfo, bye: protocol.Goodbye, incoming) -> None:
         """Answer a Goodbye once the node's finished streams have delivered their

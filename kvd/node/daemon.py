@@ -52,10 +52,12 @@ from engine.engine import EngineConfig, LLMEngine
 from engine.request import InvalidParam, RequestOutput
 from kvd import links, protocol, trust
 from kvd.cluster_config import COORDINATOR_NAME, ClusterConfig
+from kvd.engine_client import EngineDead
 from kvd.node.engine_driver import EngineDriver
 from kvd.node.cache_shipper import CacheShipper
 from kvd.node.heartbeat import Heartbeater
 from kvd.node.disagg import FINAL, DecodeSide, KVReceiver, KVSender, TransferState, new_transfer_id
+from kvd.node.replication import Replicator, ReplicaStore
 from kvd.node.transfer import TransferReceiver, send_prefix
 from kvd.sdnotify import Notifier
 from transports import InprocRegistry, Listener, TransportError, TransportOptions
@@ -100,6 +102,8 @@ class NodeDaemon:
         self.streams: dict[str, asyncio.Task] = {}
         self.transfers_sent = 0
         self.decode_side: DecodeSide | None = None
+        self.replicator: Replicator | None = None      # this node's KV -> its replica peer
+        self.replica_store: ReplicaStore | None = None  # its peers' replicas, held here
         self.prefill_legs = collections.Counter()      # outcomes of the prefill legs run here
         self._peers: dict[str, Any] = {}               # node name -> Connection (prefill legs' KV)
         self._peer_locks: dict[str, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
@@ -121,9 +125,13 @@ class NodeDaemon:
                                            registry=self.registry, options=self.options)
         self.address = self.listener.url
         self.decode_side = DecodeSide(self.driver, self.listener.authenticated)
+        self.replica_store = ReplicaStore(self.driver, self.cluster.replica_kv_blocks, self.cluster.request_timeout)
+        if self.cluster.replicas and self.role != "prefill":
+            self.replicator = Replicator(self.name, self.driver, self._peer, self._drop_peer,
+                                         self.cluster.replication_interval, self.cluster.request_timeout)
         self.heartbeat = Heartbeater(self.name, self._connect_coordinator, self._hello, self._beat,
                                      self.cluster.heartbeat_interval, self.cluster.request_timeout,
-                                     beat_timeout=self.cluster.heartbeat_deadline)
+                                     beat_timeout=self.cluster.heartbeat_deadline, on_reply=self._assigned)
         self.cache_shipper = CacheShipper(self.name, self.driver, self.heartbeat, engine.config.block_size,
                                           self.cluster.cache_events_interval, self.cluster.heartbeat_deadline)
         if self.admin_socket:
@@ -148,13 +156,15 @@ class NodeDaemon:
                 shipping = tg.create_task(self.cache_shipper.run(), name="cache-events")
                 reaping = tg.create_task(self._reap(), name="reaper")
                 notifying = tg.create_task(self._notify(), name="notify")
+                replicating = tg.create_task(self.replicator.run(), name="replication") if self.replicator else None
                 self._ready.set()
                 await self._stop.wait()
                 notifying.cancel()
                 await self._drain()
                 await self.heartbeat.goodbye("shutdown", tuple(self.streams))
-                for task in (serving, beating, shipping, reaping, *self.streams.values()):
-                    task.cancel()
+                for task in (serving, beating, shipping, reaping, replicating, *self.streams.values()):
+                    if task is not None:
+                        task.cancel()
                 await self.listener.close()
         finally:
             self._tg = None
@@ -247,7 +257,19 @@ class NodeDaemon:
             free_blocks={t: kv.get(t, {}).get("free", 0) for t in protocol.TIERS},
             draining=self.draining,
             cached_blocks=sum(kv.get(t, {}).get("cached", 0) for t in protocol.TIERS),
-            cache_events=events, stats=snap)
+            cache_events=events, replicas=self.replica_store.report(), stats=snap)
+
+    def _assigned(self, welcome: protocol.Welcome) -> None:
+        """The coordinator's reply to a beat: this node's replica peer, and the
+        replicas held here whose requests are no longer in flight."""
+        if self.replicator is not None:
+            self.replicator.set_peer(welcome.replica_peer, welcome.replica_address)
+        if welcome.drop_replicas and self._tg is not None:
+            self._tg.create_task(self._drop_replicas(welcome.drop_replicas), name="drop replicas")
+
+    async def _drop_replicas(self, request_ids: tuple[str, ...]) -> None:
+        with contextlib.suppress(TimeoutError, EngineDead):
+            await self.replica_store.drop(request_ids)
 
     # ------------------------------------------------------------- messages
     def _gate(self, msg: protocol.Message, incoming) -> str | None:
@@ -266,8 +288,11 @@ class NodeDaemon:
                                       message="request id already in flight")
             if msg.is_prefill_leg and (why := self._prefill_leg_refusal(msg)):
                 return protocol.Error(id=msg.id, code="bad_grant", request_id=msg.request_id, message=why)
+            resumed = 0
             if msg.prefill_node:     # the reply (with or without a grant) comes from the task
                 leg = self._decode_leg(msg, incoming)
+            elif msg.output_token_ids:
+                leg, resumed = self._resume_leg(msg, incoming.peer)
             elif msg.is_prefill_leg:
                 leg = self._prefill_leg(msg, incoming.peer)
             else:
@@ -275,7 +300,8 @@ class NodeDaemon:
                                  self.driver.generate(msg.request_id, list(msg.prompt_token_ids), msg.sampling))
             self.streams[msg.request_id] = self._tg.create_task(self._leg(msg.request_id, leg),
                                                                 name=f"req {msg.request_id}")
-            return None if msg.prefill_node else protocol.Accepted(id=msg.id, request_id=msg.request_id)
+            return None if msg.prefill_node else protocol.Accepted(id=msg.id, request_id=msg.request_id,
+                                                                   resumed_tokens=resumed)
         if isinstance(msg, protocol.Abort):
             if msg.leg == "prefill":
                 self._abort_prefill_wait(msg.request_id)
@@ -284,7 +310,8 @@ class NodeDaemon:
             if task is not None:
                 task.cancel()
             return None
-        if isinstance(msg, (protocol.KVTransferRequest, protocol.KVData, protocol.KVCommit)) and self.drop_transfers:
+        if isinstance(msg, (protocol.KVTransferRequest, protocol.KVData, protocol.KVCommit,
+                            protocol.ReplicaData)) and self.drop_transfers:
             # Refused with an answer rather than ignored: the sender learns at once
             # instead of holding its prefix lock for a whole request_timeout. An
             # allocation made before the fault is released by the reaper.
@@ -310,7 +337,8 @@ class NodeDaemon:
                     return ack
             except Exception as exc:  # noqa: BLE001 -- answered as _reply_later answers a failure
                 return _internal_error(msg, exc)
-        if isinstance(msg, (protocol.KVTransferRequest, protocol.KVData, protocol.AdminCommand)):
+        if isinstance(msg, (protocol.KVTransferRequest, protocol.KVData, protocol.AdminCommand,
+                            protocol.ReplicaData)):
             self._tg.create_task(self._reply_later(msg, incoming), name=f"{msg.TYPE} {msg.id}")
             return None
         self.bad_messages["unexpected_type"] += 1
@@ -356,6 +384,35 @@ class NodeDaemon:
             with contextlib.suppress(TransportError):
                 await self._send(peer, protocol.Error(code="engine_error", request_id=rid, message=str(exc)))
         return last
+
+    # ----------------------------------------------------------- recovery
+    def _resume_leg(self, msg: protocol.GenerateRequest, peer: bytes):
+        """A request recovered from a dead node: (its leg, the tokens whose KV
+        the replica held here gives). The replica's lock is released once
+        the resumed request produced its first output (its prefix match
+        holds the blocks from then on) or ended."""
+        rid, outputs = msg.request_id, list(msg.output_token_ids)
+        rep = self.replica_store.take(msg.replica_from, rid) if msg.replica_from else None
+        usable = 0
+        if rep is not None:
+            known = list(msg.prompt_token_ids) + outputs
+            usable = next((i for i, (a, b) in enumerate(zip(rep.tokens, known[:-1])) if a != b),
+                          min(len(rep.tokens), len(known) - 1))
+        store = self.replica_store
+
+        async def resumed():
+            try:
+                async for out in self.driver.generate_resumed(rid, list(msg.prompt_token_ids), outputs,
+                                                              msg.sampling):
+                    if rep is not None:
+                        await store.release(rep)
+                    yield out
+            finally:
+                if rep is not None:
+                    await asyncio.shield(store.release(rep))
+        log.info("request %s: resuming after %d token(s), %d from the replica of %s", rid, len(outputs),
+                 usable, msg.replica_from or "-")
+        return self._pipe(rid, peer, resumed()), usable
 
     # ------------------------------------------------- disaggregated prefill
     def _prefill_leg_refusal(self, msg: protocol.GenerateRequest) -> str | None:
@@ -506,6 +563,8 @@ class NodeDaemon:
                 reply = await self.decode_side.on_data(msg, incoming.peer, incoming.identity)
             elif isinstance(msg, protocol.KVData):
                 reply = await self.receiver.on_data(msg, _sender(incoming))
+            elif isinstance(msg, protocol.ReplicaData):
+                reply = await self.replica_store.on_data(msg)
             else:
                 reply = await self._admin_command(msg)
         except Exception as exc:  # noqa: BLE001
@@ -580,7 +639,9 @@ class NodeDaemon:
                               "failed": self.receiver.failed if self.receiver else 0,
                               "refused": self.receiver.refused if self.receiver else 0},
                 "disaggregation": {"decode": self.decode_side.stats() if self.decode_side else {},
-                                   "prefill": dict(self.prefill_legs)}}
+                                   "prefill": dict(self.prefill_legs)},
+                "replication": {"sender": self.replicator.stats() if self.replicator else {},
+                                "holder": self.replica_store.stats() if self.replica_store else {}}}
 
     async def cmd_status(self, args: dict) -> dict:
         return self.status()

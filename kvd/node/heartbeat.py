@@ -42,7 +42,8 @@ class Heartbeater:
     def __init__(self, name: str, connect: Callable[[], Awaitable[Connection]],
                  hello: Callable[[], protocol.Hello],
                  beat: Callable[[int], Awaitable[protocol.Heartbeat]],
-                 interval: float, timeout: float, beat_timeout: float | None = None) -> None:
+                 interval: float, timeout: float, beat_timeout: float | None = None,
+                 on_reply: Callable[[protocol.Welcome], None] | None = None) -> None:
         self.name = name
         self._connect = connect
         self._hello = hello
@@ -50,6 +51,7 @@ class Heartbeater:
         self.interval = interval
         self.timeout = timeout
         self.beat_timeout = min(timeout, beat_timeout or timeout)
+        self._on_reply = on_reply          # each accepted Welcome (registration and beats): its assignments
         self.registered = False
         self.registrations = 0
         self.paused = False
@@ -90,6 +92,8 @@ class Heartbeater:
                     self.joined.set()
                     if reply.heartbeat_interval > 0:
                         self.interval = reply.heartbeat_interval
+                    if self._on_reply is not None:
+                        self._on_reply(reply)
                     log.info("registered with the coordinator (%d)", self.registrations)
                 else:
                     log.warning("coordinator refused registration: %s",
@@ -101,6 +105,8 @@ class Heartbeater:
                 log.warning("coordinator does not know this node (%s); registering again", reply.reason)
                 self.registered = False
                 self._kick.set()
+            elif isinstance(reply, protocol.Welcome) and self._on_reply is not None:
+                self._on_reply(reply)
         except (TransportError, TimeoutError) as exc:
             if self.registered:
                 log.warning("heartbeat to the coordinator failed: %s", exc)

@@ -22,7 +22,8 @@ DEADLINE = 3.0
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    with running_cluster(tmp_path_factory.mktemp("zmq"), "zmq+tcp", NODES) as c:
+    with running_cluster(tmp_path_factory.mktemp("zmq"), "zmq+tcp", NODES,
+                         extra=("--recovery", "fail")) as c:
         yield c
 
 
@@ -98,7 +99,7 @@ def test_drain_lets_a_running_request_finish(cluster):
     node = None
     while node is None and time.monotonic() < deadline:
         reqs = admin(cluster.admin_socket, "requests")["requests"]
-        node = next(iter(reqs.values()), None)
+        node = next((r["node"] for r in reqs.values()), None)
         time.sleep(0.01)
     assert node is not None
     admin(cluster.admin_socket, "drain", node=node)
@@ -152,7 +153,7 @@ def _fail_one_node(cluster: Cluster, fail) -> str:
     for t in threads:
         t.start()
     started.wait(60)
-    on_node = {rid: node for rid, node in admin(cluster.admin_socket, "requests")["requests"].items()}
+    on_node = {rid: r["node"] for rid, r in admin(cluster.admin_socket, "requests")["requests"].items()}
     serving = sorted(set(on_node.values()))
     assert len(serving) >= 2, on_node          # least-load routing spreads the streams
     victim = "n2" if "n2" in serving else serving[0]

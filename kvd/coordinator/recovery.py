@@ -1,0 +1,83 @@
+"""Failure recovery's bookkeeping (DéjàVu §4.2.3; docs/cluster.md, "Failure
+semantics"): who replicates to whom, how far each replica got, and where a
+dead node's request resumes. Pure: no I/O, no asyncio, no torch.
+
+- ``ring_peers``: every node that decodes (role mixed or decode, not
+  draining) streams its requests' KV to the next one by name, cyclically;
+  a node alone has no peer. Assignments travel in the heartbeat replies, so
+  a ring change reaches every node within one heartbeat interval.
+- ``ReplicaTable``: what each holder reported in its last heartbeat, sender
+  -> {request id -> tokens held} (DéjàVu's ``(x, j, t)``).
+- ``RecoveryPolicy``: ``replica`` resumes on the live holder with the most
+  tokens of the dead node's replica, else like ``reprefill``; ``reprefill``
+  re-runs prompt and tokens so far on the least-loaded other node
+  (Dynamo's request migration); ``fail`` ends the request. A request is
+  recovered at most ``max_recoveries`` times and never sent back to a node
+  that already failed it.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+from kvd.coordinator.membership import NodeInfo
+
+
+def ring_peers(nodes: list[NodeInfo]) -> dict[str, NodeInfo]:
+    """node name -> the node it replicates to (absent: none)."""
+    ring = sorted((n for n in nodes if n.role != "prefill" and not n.draining), key=lambda n: n.name)
+    if len(ring) < 2:
+        return {}
+    return {n.name: ring[(i + 1) % len(ring)] for i, n in enumerate(ring)}
+
+
+class ReplicaTable:
+    """The replicas each holder reported, as of its last heartbeat."""
+
+    def __init__(self) -> None:
+        self.by_holder: dict[str, dict[str, dict[str, int]]] = {}
+
+    def update(self, holder: str, replicas: dict[str, dict[str, int]]) -> None:
+        self.by_holder[holder] = replicas
+
+    def forget(self, holder: str) -> None:
+        self.by_holder.pop(holder, None)
+
+    def best(self, source: str, request_id: str, alive: set[str]) -> tuple[str, int] | None:
+        """(holder, tokens) of the fullest replica of ``request_id`` made by
+        ``source`` on a node in ``alive``; None when there is none."""
+        found = [(held[request_id], holder) for holder, by_src in self.by_holder.items()
+                 if holder in alive and (held := by_src.get(source)) and request_id in held]
+        if not found:
+            return None
+        tokens, holder = max(found)
+        return holder, tokens
+
+    def stale(self, holder: str, in_flight: dict[str, str]) -> tuple[str, ...]:
+        """Request ids ``holder`` holds replicas of that it may drop: the
+        request is not in flight, or runs on the holder itself."""
+        return tuple(rid for by_src in self.by_holder.get(holder, {}).values() for rid in by_src
+                     if in_flight.get(rid) in (None, holder))
+
+
+@dataclass
+class RecoveryPolicy:
+    policy: str = "replica"                  # cluster_config.RECOVERY_POLICIES
+    max_recoveries: int = 3
+    table: ReplicaTable = field(default_factory=ReplicaTable)
+    outcomes: collections.Counter = field(default_factory=collections.Counter)   # (how, outcome) -> n
+
+    def target(self, request_id: str, dead: str, exclude: set[str], candidates: list[NodeInfo],
+               pick) -> tuple[NodeInfo, int] | None:
+        """Where ``request_id`` of dead node ``dead`` resumes: (node, tokens
+        its replica holds; 0 = none, recompute) or None (no node is left).
+        ``pick(nodes)`` chooses among equals (the router)."""
+        usable = [n for n in candidates if n.name not in exclude and n.role != "prefill"]
+        if self.policy == "replica":
+            best = self.table.best(dead, request_id, {n.name for n in usable})
+            if best is not None:
+                holder, tokens = best
+                return next(n for n in usable if n.name == holder), tokens
+        node = pick(usable) if usable else None
+        return (node, 0) if node is not None else None

@@ -1,0 +1,297 @@
+"""KV replication to a peer, and the replicas a node holds for its peers
+(DéjàVu §4.2.3; docs/cluster.md, "Failure semantics").
+
+Sender (``Replicator``, one per node that decodes, ``[cluster].replicas =
+1``): every ``replication_interval`` one round gathers, on the engine
+thread between two steps, the KV blocks its running requests filled since
+the last round (one ``MemPool.gather_blocks`` into one staging buffer, never
+a copy per block) and sends them to the replica peer the coordinator
+assigned (a ring over the live nodes that decode) as ONE ``ReplicaData``:
+the prompt's blocks in the round after its prefill, then each block of new
+tokens once it is full. A request that ended here is named in ``frees``.
+The round waits for the peer's ``ReplicaAck`` (deadline: the cluster's
+request timeout) before the next one, so at most one message is in flight.
+
+Holder (``ReplicaStore``): a replica is the request's full blocks, cached in
+the host tier and locked (``MemPool.extend_hold``), keyed by (sender,
+request id): a node can touch only its own replicas, whatever it sends.
+The blocks held for all senders together stay within ``replica_kv_blocks``;
+a replica past that (or past the host tier) is refused in the ack, counted
+and logged, never dropped silently. The holder reports what it holds in
+each heartbeat (DéjàVu's ``(x, j, t)``); the coordinator tells it in the
+reply which replicas to drop (their requests ended). On recovery the
+coordinator asks the holder to resume a request (``replica_from``): the
+replica is taken out of the store; its lock is released once the resumed
+request's prefix match has taken its blocks.
+
+What a replica misses is recomputed: the tokens past its last full block
+(at most ``block_size - 1``) plus those generated since the last round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.memory.mempool import PrefixLock
+from engine.stream import STAGING
+from kvd import protocol
+from kvd.node.engine_driver import EngineDriver
+from kvd.ratelog import RateLimitedLog
+from transports import Connection, TransportError
+
+log = logging.getLogger("kvd.replication")
+
+REFUSED_RETRY_S = 1.0          # a request the holder refused is offered again after this
+
+
+class Replicator:
+    """This node's replication stream to its peer (module docstring)."""
+
+    def __init__(self, name: str, driver: EngineDriver, connect: Callable[[str, str], Awaitable[Connection]],
+                 drop: Callable[[str], Awaitable[None]], interval: float, timeout: float) -> None:
+        self.name = name
+        self.driver = driver
+        self._connect = connect                   # (peer name, address) -> the node's link to it
+        self._drop = drop                         # peer name: forget a broken link
+        self.interval = interval
+        self.timeout = timeout
+        self.peer: tuple[str, str] | None = None  # (name, address), from the coordinator
+        self.sent: dict[str, int] = {}            # request id -> blocks the peer holds
+        self.retry_at: dict[str, float] = {}      # request id -> when to offer it again (refused)
+        self.lag_tokens = 0                       # computed tokens not replicated, last round
+        self.counts = {"rounds": 0, "messages": 0, "blocks": 0, "bytes": 0, "refused": 0, "errors": 0}
+        self._warn = RateLimitedLog(log)
+        self._epoch = 0                           # bumped on every peer change
+
+    def set_peer(self, name: str, address: str) -> None:
+        """The coordinator's assignment ("" = none). A new peer starts from
+        nothing: every request is replicated to it whole."""
+        new = (name, address) if name else None
+        if new != self.peer:
+            log.info("replica peer: %s", name or "none")
+            self.peer = new
+            self.sent = {}
+            self.retry_at.clear()
+            self._epoch += 1
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            if self.peer is None:
+                continue
+            try:
+                await self.round()
+            except (TransportError, TimeoutError, RuntimeError, ValueError) as exc:
+                self.counts["errors"] += 1
+                self._warn.warning(("round", type(exc).__name__), "replication to %s failed: %s",
+                                   self.peer[0] if self.peer else "-", exc)
+                if self.peer is not None:
+                    await self._drop(self.peer[0])
+                self.sent = {}                    # the next round starts over (the holder keeps what it has)
+
+    async def round(self) -> None:
+        """One round: gather what is new, send it, apply the ack."""
+        peer, epoch, sent = self.peer, self._epoch, self.sent
+        now = time.monotonic()
+        retry = {rid for rid, t in self.retry_at.items() if t > now}
+        batch = await self.driver.call(lambda engine: _collect(engine, sent, retry), timeout=self.timeout)
+        msg, buf, lag = batch
+        self.lag_tokens = lag
+        self.counts["rounds"] += 1
+        if msg is None:
+            return
+        try:
+            msg = protocol.ReplicaData(id=f"rep-{self.name}-{self.counts['rounds']}",
+                                       deadline=time.time() + self.timeout, source=self.name, **msg)
+            conn = await self._connect(*peer)
+            ack = await protocol.call(conn, msg, timeout=self.timeout)
+        finally:
+            if buf is not None:
+                STAGING.release(buf)
+        if not isinstance(ack, protocol.ReplicaAck):
+            raise RuntimeError(f"peer {peer[0]} answered {_why(ack)}")
+        if epoch != self._epoch:
+            return                                # the peer changed meanwhile: this ack is stale
+        self.counts["messages"] += 1
+        if msg.tensors:
+            self.counts["blocks"] += sum(msg.counts)
+            self.counts["bytes"] += msg.tensors[0].nbytes
+        bs = msg.block_size
+        for rid in msg.frees:
+            sent.pop(rid, None)
+            self.retry_at.pop(rid, None)
+        for rid, n in ack.held.items():
+            if rid in msg.request_ids:
+                sent[rid] = n // bs
+        for rid, why in ack.refused.items():
+            if rid in msg.request_ids:
+                self.counts["refused"] += 1
+                self.retry_at[rid] = time.monotonic() + REFUSED_RETRY_S
+                self._warn.warning(("refused", why[:40]), "peer %s refused the replica of %s: %s",
+                                   peer[0], rid, why)
+
+    def stats(self) -> dict[str, Any]:
+        return {"peer": self.peer[0] if self.peer else "", "requests": len(self.sent),
+                "lag_tokens": self.lag_tokens, **self.counts}
+
+
+def _collect(engine: Any, sent: dict[str, int], skip: set[str]) -> tuple[dict | None, Any, int]:
+    """Engine thread: the ReplicaData fields of one round (None: nothing to
+    send), the staging buffer holding its KV, and the lag in tokens."""
+    bs = engine.config.block_size
+    ids, rids, starts, counts, tokens = [], [], [], [], []
+    lag = 0
+    live = set()
+    for rid, computed, toks, blocks in engine.replicable():
+        live.add(rid)
+        have = sent.get(rid, 0)
+        lag += max(0, computed - have * bs)
+        if len(blocks) <= have or rid in skip:
+            continue
+        rids.append(rid)
+        starts.append(have * bs)
+        counts.append(len(blocks) - have)
+        tokens.extend(toks[have * bs:])
+        ids.extend(blocks[have:])
+    frees = tuple(rid for rid in sent if rid not in live and not engine.has_request(rid))
+    if not rids and not frees:
+        return None, None, lag
+    buf, tensors = None, ()
+    if ids:
+        layout = engine.pool.kv_layout()
+        buf, view = STAGING.acquire((layout.num_layers, 2, len(ids), *layout.block_shape[2:]), layout.dtype)
+        engine.pool.gather_blocks(ids, view, (0, layout.num_layers))
+        tensors = (view,)
+    return {"block_size": bs, "request_ids": tuple(rids), "starts": tuple(starts), "counts": tuple(counts),
+            "token_ids": tuple(tokens), "frees": frees, "tensors": tensors}, buf, lag
+
+
+def _why(msg: Any) -> str:
+    return getattr(msg, "message", None) or getattr(msg, "reason", None) or getattr(msg, "TYPE", repr(msg))
+
+
+# ─── holder side ─────────────────────────────────────────────────────────────
+
+
+@dataclass
+class Replica:
+    source: str
+    tokens: list[int] = field(default_factory=list)
+    lock: PrefixLock | None = None
+
+    @property
+    def blocks(self) -> int:
+        return len(self.lock.blocks) if self.lock is not None else 0
+
+
+class ReplicaStore:
+    """The replicas this node holds for its peers (module docstring)."""
+
+    def __init__(self, driver: EngineDriver, budget_blocks: int, timeout: float) -> None:
+        self.driver = driver
+        self.budget = budget_blocks
+        self.timeout = timeout
+        self.replicas: dict[tuple[str, str], Replica] = {}
+        self.counts = {"received_blocks": 0, "refused": 0, "dropped": 0, "resumed": 0}
+
+    @property
+    def blocks(self) -> int:
+        return sum(r.blocks for r in self.replicas.values())
+
+    def report(self) -> dict[str, dict[str, int]]:
+        """sender -> {request id -> tokens held}: the heartbeat's ``replicas``."""
+        out: dict[str, dict[str, int]] = {}
+        for (source, rid), rep in self.replicas.items():
+            out.setdefault(source, {})[rid] = len(rep.tokens)
+        return out
+
+    async def on_data(self, msg: protocol.ReplicaData) -> protocol.ReplicaAck:
+        """Apply one round from ``msg.source`` (already authenticated as it)."""
+        return await self.driver.call(lambda engine: self._apply(engine, msg), timeout=self.timeout)
+
+    def _apply(self, engine: Any, msg: protocol.ReplicaData) -> protocol.ReplicaAck:
+        pool = engine.pool
+        bs = pool.block_size
+        for rid in msg.frees:
+            self._drop_now(pool, (msg.source, rid))
+        held, refused = {}, {}
+        if not msg.request_ids:
+            return protocol.ReplicaAck(id=msg.id, held=held, refused=refused)
+        layout = pool.kv_layout()
+        frame = msg.tensors[0]
+        want = (layout.num_layers, 2, sum(msg.counts), *layout.block_shape[2:])
+        if msg.block_size != bs or tuple(frame.shape) != want or frame.dtype != protocol.dtype_name(layout.dtype):
+            why = (f"layout mismatch: this node holds [{', '.join(map(str, want))}] {protocol.dtype_name(layout.dtype)} "
+                   f"in blocks of {bs}, got [{', '.join(map(str, frame.shape))}] {frame.dtype} in blocks of "
+                   f"{msg.block_size}")
+            self.counts["refused"] += len(msg.request_ids)
+            return protocol.ReplicaAck(id=msg.id, refused={rid: why for rid in msg.request_ids})
+        kv = frame.to_torch()
+        total = self.blocks
+        off = 0
+        for rid, start, count in zip(msg.request_ids, msg.starts, msg.counts):
+            payload = kv[:, :, off:off + count]
+            new_tokens = msg.token_ids[off * bs:(off + count) * bs]
+            off += count
+            key = (msg.source, rid)
+            rep = self.replicas.get(key)
+            have = len(rep.tokens) if rep is not None else 0
+            if start != have:            # a gap or a resend: the sender restarts from what is held
+                held[rid] = have
+                continue
+            if total + count > self.budget:
+                refused[rid] = f"over the replica budget of {self.budget} blocks (replica_kv_blocks)"
+                continue
+            rep = rep or Replica(msg.source)
+            lock = pool.extend_hold(rep.lock, rep.tokens + list(new_tokens), payload)
+            if lock is None:
+                refused[rid] = "the host tier is full"
+                continue
+            total += len(lock.blocks) - rep.blocks
+            rep.lock = lock
+            rep.tokens.extend(new_tokens)
+            self.replicas[key] = rep
+            held[rid] = len(rep.tokens)
+            self.counts["received_blocks"] += count
+        self.counts["refused"] += len(refused)
+        return protocol.ReplicaAck(id=msg.id, held=held, refused=refused)
+
+    def _drop_now(self, pool: Any, key: tuple[str, str]) -> bool:
+        rep = self.replicas.pop(key, None)
+        if rep is None:
+            return False
+        if rep.lock is not None:
+            pool.unlock(rep.lock)
+        self.counts["dropped"] += 1
+        return True
+
+    async def drop(self, request_ids: tuple[str, ...] | list[str], source: str | None = None) -> int:
+        """Drop the replicas of ``request_ids`` (from ``source``, or any). Returns how many."""
+        def run(engine: Any) -> int:
+            keys = [k for k in self.replicas if k[1] in request_ids and (source is None or k[0] == source)]
+            return sum(self._drop_now(engine.pool, k) for k in keys)
+        if not any(k[1] in request_ids for k in self.replicas):
+            return 0
+        return await self.driver.call(run, timeout=self.timeout)
+
+    def take(self, source: str, request_id: str) -> Replica | None:
+        """Take a replica out of the store for recovery; release its lock
+        (``release``) once the resumed request was admitted."""
+        rep = self.replicas.pop((source, request_id), None)
+        if rep is not None:
+            self.counts["resumed"] += 1
+        return rep
+
+    async def release(self, rep: Replica) -> None:
+        if rep.lock is not None:
+            lock, rep.lock = rep.lock, None
+            await self.driver.call(lambda engine: engine.pool.unlock(lock), timeout=self.timeout)
+
+    def stats(self) -> dict[str, Any]:
+        return {"replicas": len(self.replicas), "blocks": self.blocks, "budget_blocks": self.budget,
+                **self.counts}

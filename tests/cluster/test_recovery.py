@@ -1,0 +1,238 @@
+"""Fault tolerance over real daemons (docs/cluster.md, "Failure semantics"):
+every node streams its requests' KV to a ring peer; a node killed with
+SIGKILL mid-stream costs its clients a pause, and the text they receive is
+the uninterrupted run's, greedy and seeded. The holder killed instead, both
+killed, a restarted node rejoining the ring, the ``reprefill`` policy, and a
+stranger's forged replica. Blocks and replica budgets return to baseline."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+
+import openai
+import pytest
+
+from engine.request import SamplingParams
+from kvd import protocol
+
+from .conftest import MODEL, Cluster, admin
+
+NODES = ["n1", "n2", "n3"]
+DEADLINE = 3.0
+MAX_TOKENS = 900
+NODE_FLAGS = ("--host-kv-blocks", "256", "--replication-interval", "0.05")
+
+
+def prompt(seed: int, n: int = 40) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 40000) for _ in range(n)]
+
+
+def start(tmp, transport: str, extra: tuple[str, ...] = ()) -> Cluster:
+    c = Cluster(tmp, transport, extra=extra)
+    for name in NODES:
+        c.start_node(name, *NODE_FLAGS)
+    c.wait_nodes(NODES)
+    return c
+
+
+def reference(engine, ids: list[int], params: SamplingParams) -> str:
+    engine.add_request("ref", ids, params)
+    out = []
+    while engine.has_unfinished():
+        out += [t for o in engine.step() for t in o.new_token_ids]
+    return engine.tokenizer.decode(out)
+
+
+def params_of(i: int) -> SamplingParams:
+    """Even: greedy; odd: seeded sampling."""
+    if i % 2 == 0:
+        return SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    return SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_p=0.95, seed=100 + i, ignore_eos=True)
+
+
+class Streams:
+    """``n`` streaming completions in threads; each one's text, finish reason or error."""
+
+    def __init__(self, c: Cluster, n: int, seed0: int = 0) -> None:
+        self.client = c.client(timeout=120)
+        self.prompts = [prompt(seed0 + i) for i in range(n)]
+        self.results: dict[int, tuple] = {}
+        self.ids: dict[int, str] = {}
+        self.counts = [0] * n
+        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(n)]
+        for t in self.threads:
+            t.start()
+
+    def _run(self, i: int) -> None:
+        p = params_of(i)
+        text, finish = [], None
+        try:
+            kw = {"seed": p.seed, "top_p": p.top_p} if p.seed is not None else {}
+            for chunk in self.client.completions.create(model=MODEL, prompt=self.prompts[i], max_tokens=p.max_tokens,
+                                                        temperature=p.temperature, stream=True,
+                                                        extra_body={"ignore_eos": True}, **kw):
+                self.ids[i] = chunk.id
+                if chunk.choices:
+                    text.append(chunk.choices[0].text)
+                    finish = chunk.choices[0].finish_reason or finish
+                    self.counts[i] += 1
+            self.results[i] = ("ok", "".join(text), finish)
+        except openai.APIError as exc:
+            self.results[i] = ("error", "".join(text), str(exc))
+
+    def join(self, timeout: float = 180) -> None:
+        for t in self.threads:
+            t.join(timeout)
+        assert len(self.results) == len(self.threads), self.results
+
+
+def requests(c: Cluster) -> dict[str, dict]:
+    return admin(c.admin_socket, "requests")["requests"]
+
+
+def wait_replicated(c: Cluster, node: str, tokens: int, timeout: float = 60) -> dict[str, dict]:
+    """The requests on ``node``, once each has a replica of >= ``tokens`` tokens."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        on = {rid: r for rid, r in requests(c).items() if r["node"] == node}
+        if on and all(r["replicated_tokens"] >= tokens and r["replica_holder"] for r in on.values()):
+            return on
+        time.sleep(0.05)
+    raise AssertionError(f"replicas of {node}'s requests did not reach {tokens} tokens: {requests(c)}")
+
+
+def busiest(c: Cluster) -> str:
+    nodes = [r["node"] for r in requests(c).values()]
+    return max(sorted(set(nodes)), key=nodes.count)
+
+
+def wait_baseline(c: Cluster, names, timeout: float = 30.0) -> None:
+    """No request-owned device blocks and no replica held, on every node."""
+    deadline = time.monotonic() + timeout
+    while True:
+        st = {n: admin(c.node_admin(n), "status") for n in names}
+        kv = {n: admin(c.node_admin(n), "cache stats")["kv"] for n in names}
+        held = {n: s["replication"]["holder"]["replicas"] for n, s in st.items()}
+        owned = {n: (k["device"]["request_owned"], k["host"]["request_owned"]) for n, k in kv.items()}
+        if not any(held.values()) and all(o == (0, 0) for o in owned.values()):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not back to baseline: replicas {held}, request-owned blocks {owned}")
+        time.sleep(0.2)
+
+
+def check_texts(streams: Streams, engine) -> None:
+    for i, p in enumerate(streams.prompts):
+        kind, text, finish = streams.results[i]
+        assert kind == "ok", (i, finish)
+        assert finish == "length"
+        assert text == reference(engine, p, params_of(i)), f"stream {i} differs from the uninterrupted run"
+
+
+@pytest.fixture(scope="module")
+def ring(tmp_path_factory):
+    c = start(tmp_path_factory.mktemp("ring"), "zmq+tcp")
+    yield c
+    c.stop()
+
+
+def restart_all(c: Cluster) -> None:
+    for name in NODES:
+        if not c.nodes[name].alive():
+            c.start_node(name, *NODE_FLAGS)
+    c.wait_nodes(NODES)
+
+
+def test_kill9_mid_stream_resumes_on_the_replica_with_the_uninterrupted_text(ring, reference_engine):
+    c = ring
+    before = admin(c.admin_socket, "status")["recoveries"]
+    s = Streams(c, 6)
+    while sum(1 for n in s.counts if n >= 5) < 6:
+        time.sleep(0.02)
+    victim = busiest(c)
+    on_victim = wait_replicated(c, victim, 64)
+    c.nodes[victim].kill9()
+    s.join()
+    check_texts(s, reference_engine)
+    rec = admin(c.admin_socket, "status")["recoveries"]
+    assert rec.get("replica/resumed", 0) - before.get("replica/resumed", 0) == len(on_victim)
+    assert not any(k.endswith("/failed") for k in rec)
+    survivors = [n for n in NODES if n != victim]
+    wait_baseline(c, survivors)
+    restart_all(c)
+
+
+def test_the_holder_killed_instead_keeps_the_requests_and_gives_a_new_peer(ring, reference_engine):
+    c = ring
+    s = Streams(c, 4, seed0=20)
+    while sum(1 for n in s.counts if n >= 5) < 4:
+        time.sleep(0.02)
+    source = busiest(c)
+    holder = next(iter(wait_replicated(c, source, 32).values()))["replica_holder"]
+    c.nodes[holder].kill9()
+    c.wait_gone(holder, DEADLINE + 5)
+    third = next(n for n in NODES if n not in (source, holder))
+    deadline = time.monotonic() + 10
+    while admin(c.node_admin(source), "status")["replication"]["sender"]["peer"] != third:
+        assert time.monotonic() < deadline, "the source got no new replica peer"
+        time.sleep(0.1)
+    s.join()
+    check_texts(s, reference_engine)
+    # the restarted holder rejoins the ring: someone replicates to it again
+    c.start_node(holder, *NODE_FLAGS)
+    c.wait_nodes(NODES)
+    s2 = Streams(c, 3, seed0=40)
+    deadline = time.monotonic() + 30
+    while admin(c.node_admin(holder), "status")["replication"]["holder"]["received_blocks"] == 0:
+        assert time.monotonic() < deadline, "the restarted node holds no replica"
+        time.sleep(0.1)
+    s2.join()
+    check_texts(s2, reference_engine)
+    wait_baseline(c, NODES)
+
+
+def test_node_and_holder_killed_at_once_reprefill_elsewhere(ring, reference_engine):
+    c = ring
+    s = Streams(c, 4, seed0=60)
+    while sum(1 for n in s.counts if n >= 5) < 4:
+        time.sleep(0.02)
+    source = busiest(c)
+    holder = next(iter(wait_replicated(c, source, 32).values()))["replica_holder"]
+    before = admin(c.admin_socket, "status")["recoveries"]
+    c.nodes[source].kill9()
+    c.nodes[holder].kill9()
+    s.join()
+    check_texts(s, reference_engine)
+    rec = admin(c.admin_socket, "status")["recoveries"]
+    assert rec.get("reprefill/resumed", 0) > before.get("reprefill/resumed", 0)
+    third = next(n for n in NODES if n not in (source, holder))
+    wait_baseline(c, [third])
+    restart_all(c)
+
+
+def test_a_forged_replica_from_another_nodes_key_is_refused(ring):
+    """A node's key may only write its own replicas: ReplicaData naming
+    another source is forbidden at the gate; one naming its own is kept
+    apart from every other node's (keyed by the sender)."""
+    c = ring
+
+    async def forge():
+        conn = await c.connect("n2", as_name="n1")
+        try:
+            kv = __import__("torch").zeros((2, 2, 1, 16, 2, 8))
+            forged = protocol.ReplicaData(id="x", source="n3", block_size=16, request_ids=("r",), starts=(0,),
+                                          counts=(1,), token_ids=tuple(range(16)), tensors=(kv,))
+            reply = await protocol.call(conn, forged, timeout=10)
+            assert isinstance(reply, protocol.Error) and reply.code == "forbidden", reply
+            own = protocol.ReplicaData(id="y", source="n1", block_size=16, request_ids=("r",), starts=(0,),
+                                       counts=(1,), token_ids=tuple(range(16)), tensors=(kv,))
+            reply = await protocol.call(conn, own, timeout=10)
+            assert isinstance(reply, protocol.ReplicaAck) and "layout mismatch" in reply.refused["r"], reply
+        finally:
+            await conn.close()
+    asyncio.run(forge())
+    assert admin(c.node_admin("n2"), "status")["replication"]["holder"]["replicas"] == 0
