@@ -134,6 +134,15 @@ def check_texts(streams: Streams, engine) -> None:
 
 
 @pytest.fixture(scope="module")
+def reference_engine():
+    """The plain single-node engine with the cluster's context length."""
+    from engine.engine import EngineConfig, LLMEngine
+
+    return LLMEngine.from_config(EngineConfig(model="tiny", dtype="float32", block_size=16, kv_blocks=256,
+                                              host_kv_blocks=0, max_model_len=2048, num_threads=1))
+
+
+@pytest.fixture(scope="module")
 def ring(tmp_path_factory):
     c = start(tmp_path_factory.mktemp("ring"), "zmq+tcp")
     yield c
