@@ -128,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
     for name, text in (("status", "daemon status"), ("nodes", "cluster members (coordinator)"),
-                       ("requests", "requests in flight"), ("ping", "liveness check"),
+                       ("requests", "requests in flight: node, replica holder, replicated tokens"), ("ping", "liveness check"),
                        ("help", "commands the daemon knows")):
         sub.add_parser(name, help=text)
     for name, text in (("drain", "stop routing new requests to NODE (or to the whole cluster)"),

@@ -157,7 +157,7 @@ class RemoteEngineClient:
         self._stats_source = stats_source
         self._tasks: set[asyncio.Task] = set()
         self.failed_requests = 0
-        self.recovery = recovery or RecoveryPolicy()
+        self.recovery = recovery or RecoveryPolicy("fail")    # the coordinator passes [cluster].recovery
 
     # ------------------------------------------------------------ EngineClient
     @property

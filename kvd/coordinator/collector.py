@@ -63,6 +63,22 @@ class ClusterCollector:
                        d.cache_sync.applied_events)
         yield _counter("kvd_prompt_tree_snapshots", "Node cache snapshots applied (resyncs)",
                        d.cache_sync.snapshots)
+        c = CounterMetricFamily("kvd_recoveries", "Requests moved off a failed node, by how (replica or "
+                                "reprefill) and outcome (resumed or failed)", labels=["policy", "outcome"])
+        for (how, outcome), n in sorted(d.client.recovery.outcomes.items()):
+            c.add_metric([how, outcome], n)
+        yield c
+        c = CounterMetricFamily("kvd_replication_bytes", "KV bytes a node sent to its replica peer "
+                                "(its last heartbeat)", labels=["node"])
+        g = GaugeMetricFamily("kvd_replication_lag_tokens", "Computed tokens of a node's requests not "
+                              "replicated yet (its last heartbeat)", labels=["node"])
+        for n in nodes:
+            rep = n.heartbeat.stats.get("replication", {}) if n.heartbeat else {}
+            rep = rep if isinstance(rep, dict) else {}
+            c.add_metric([n.name], _int(rep.get("bytes")))
+            g.add_metric([n.name], _int(rep.get("lag_tokens")))
+        yield c
+        yield g
         c = CounterMetricFamily("kvd_cluster_failed_requests", "Requests ended by a node failure or error")
         c.add_metric([], d.client.failed_requests)
         yield c
@@ -74,6 +90,11 @@ class ClusterCollector:
         c = CounterMetricFamily("kvd_transport_malformed_frames", "Frames with a bad envelope, dropped")
         c.add_metric([], d.listener.stats.malformed if d.listener else 0)
         yield c
+
+
+def _int(value: object) -> int:
+    """A node-reported count, or 0 when it is not an int."""
+    return value if type(value) is int and value >= 0 else 0
 
 
 def _counter(name: str, help_: str, value: float) -> CounterMetricFamily:

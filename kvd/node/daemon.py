@@ -257,7 +257,8 @@ class NodeDaemon:
             free_blocks={t: kv.get(t, {}).get("free", 0) for t in protocol.TIERS},
             draining=self.draining,
             cached_blocks=sum(kv.get(t, {}).get("cached", 0) for t in protocol.TIERS),
-            cache_events=events, replicas=self.replica_store.report(), stats=snap)
+            cache_events=events, replicas=self.replica_store.report(),
+            stats=dict(snap, replication=self.replicator.stats() if self.replicator else {}))
 
     def _assigned(self, welcome: protocol.Welcome) -> None:
         """The coordinator's reply to a beat: this node's replica peer, and the

@@ -146,3 +146,45 @@ async def test_a_request_over_the_wire_limit_is_refused_before_it_is_sent():
         await asyncio.wait_for(listener.recv(), 0.2)            # nothing reached the node
     assert client.streams_on("n1") == [] and info.in_flight == set()
     await listener.close()
+
+
+async def test_a_dead_nodes_request_resumes_elsewhere_after_its_delivered_tokens():
+    """recovery = reprefill: the request goes to the other node with the
+    tokens the client has; its stream goes on from there, no gap, no repeat."""
+    from kvd.coordinator.recovery import RecoveryPolicy
+
+    registry = InprocRegistry()
+    membership = Membership(deadline=5.0)
+    client = RemoteEngineClient("m", None, membership, LeastLoadRouter(), recovery=RecoveryPolicy("reprefill"))
+    listeners = {}
+    for name in ("n1", "n2"):
+        listeners[name] = await listen(f"inproc://{name}", registry=registry)
+        info, _ = membership.register(protocol.Hello(
+            id="h", node=name, address=f"inproc://{name}", incarnation="i", model_name="m",
+            max_model_len=512, block_size=16, blocks_per_tier={"host": 64}))
+        await client.attach(info, await connect(f"inproc://{name}", registry=registry))
+    outputs: list = []
+
+    async def run():
+        async for out in client.generate("r", [1, 2, 3], SamplingParams(max_tokens=5, temperature=0)):
+            outputs.append(out)
+    task = asyncio.create_task(run())
+    first = await asyncio.wait_for(listeners["n1"].recv(), 5)   # least load, ties by name: n1
+    await listeners["n1"].reply(first, *protocol.encode(protocol.Accepted(id="a", request_id="r")))
+    await listeners["n1"].send(first.peer, *protocol.encode(protocol.TokenChunk(
+        request_id="r", start_index=0, token_ids=(7, 8))))
+    while len(outputs) < 1:
+        await asyncio.sleep(0.01)
+    dead = membership.remove("n1")
+    assert await client.fail_node(dead, "no heartbeat") == 0          # recovering, not lost
+    incoming = await asyncio.wait_for(listeners["n2"].recv(), 5)
+    resumed = protocol.decode(incoming.header, incoming.frames)
+    assert resumed.output_token_ids == (7, 8) and resumed.replica_from == ""
+    await listeners["n2"].reply(incoming, *protocol.encode(protocol.Accepted(id="b", request_id="r")))
+    await listeners["n2"].send(incoming.peer, *protocol.encode(protocol.TokenChunk(   # one repeated token
+        request_id="r", start_index=1, token_ids=(8, 9, 10, 11), finish_reason="length")))
+    await asyncio.wait_for(task, 5)
+    assert [t for o in outputs for t in o.new_token_ids] == [7, 8, 9, 10, 11]
+    assert client.recovery.outcomes[("reprefill", "resumed")] == 1
+    for lst in listeners.values():
+        await lst.close()
