@@ -1,6 +1,7 @@
-"""Layer-wise KV streaming vs by-request vs colocated: TTFT and TTST of 1P1D.
+"""Layer-wise KV streaming vs by-request vs colocated: TTFT and TTST of 1P1D,
+and where disaggregation starts to pay (``[cluster].prefill_threshold``).
 
-Three clusters, started one after the other on this machine, each a real
+Three clusters, all running at once on this machine, each a real
 coordinator and node processes (authenticated, as always), the node
 processes pinned with ``taskset`` and one torch thread each:
 
@@ -8,15 +9,25 @@ processes pinned with ``taskset`` and one torch thread each:
                 KV streams layer by layer while the prefill computes
                 (``[cluster].kv_stream = "layers"``, the default);
 - ``request``:  the same, KV sent once the prefill ends (``kv_stream = "request"``);
-- ``colocated``: one mixed node on core 0, no transfer.
+- ``colocated``: one mixed node on core 0, no transfer (what a decode node
+                does when it prefills locally).
 
-For each prompt length, ``--reps`` greedy streamed completions of fresh
-random prompts (no prefix-cache hits) over HTTP: time to first token (TTFT:
-sampled on the prefill node) and time to second token (TTST: the first token
-the decode node computes, after the whole KV landed), medians.
+Samples are interleaved: for each repetition and prompt length, one greedy
+streamed completion of a fresh random prompt (no prefix-cache hits) per
+mode, in turn, so the host's load (shared, noisy) falls on every mode alike;
+``os.getloadavg()`` is recorded with each sample. Time to first token
+(TTFT: sampled on the prefill node) and time to second token (TTST: the
+first token the decode node computes, after the whole KV landed), medians.
+
+The threshold columns: ``extra`` = TTST layers − TTST colocated (what a
+request pays for going through a prefill node), ``stall`` = TTFT colocated
+− TTFT colocated at the shortest length (the prefill compute a decode node
+would spend on the prompt itself, stalling its running decodes).
+Disaggregation pays from the first length where stall ≥ extra.
 
     .venv/bin/python tools/bench_disagg.py [--lengths 256,1024,4096] [--reps 3]
         [--model smollm2] [--transport zmq+tcp]
+    .venv/bin/python tools/bench_disagg.py --lengths 16,32,64,128,256,512 --reps 5   # the threshold
 
 Prints a markdown table and writes JSON to results/.
 """
@@ -56,10 +67,12 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def cluster(mode: str, args: argparse.Namespace, tmp: str):
-    """Start the mode's daemons; yield the HTTP base URL; stop them."""
+def cluster(mode: str, args: argparse.Namespace, tmp: str, nodes: dict[str, tuple[str, int]] | None = None):
+    """Start the mode's daemons (``nodes``: name -> (role, core), by default
+    the mode's); yield the HTTP base URL; stop them."""
     keys = os.path.join(tmp, f"keys-{mode}")
-    nodes = {"n1": ("mixed", 0)} if mode == "colocated" else {"p1": ("prefill", 0), "d1": ("decode", 1)}
+    if nodes is None:
+        nodes = {"n1": ("mixed", 0)} if mode == "colocated" else {"p1": ("prefill", 0), "d1": ("decode", 1)}
     for name in ["coordinator", *nodes]:
         generate_keypair(keys, name)
     url = lambda: f"{args.transport}://127.0.0.1:{free_port()}"  # noqa: E731
@@ -123,31 +136,39 @@ def main() -> None:
     ap.add_argument("--out", default=str(REPO / "results" / "bench_disagg.json"))
     args = ap.parse_args()
     args.lengths = [int(x) for x in args.lengths.split(",")]
-    rows = []
+    samples: dict[tuple[str, int], list[dict]] = {(m, n): [] for m in MODES for n in args.lengths}
     rng = random.Random(0)
-    with tempfile.TemporaryDirectory(prefix="kvd-bench-") as tmp, httpx.Client() as client:
-        for mode in MODES:
-            with cluster(mode, args, tmp) as base:
-                first_two(client, base, [rng.randrange(1, 40000) for _ in range(64)])    # warm-up
-                for n in args.lengths:
-                    samples = [first_two(client, base, [rng.randrange(1, 40000) for _ in range(n)])
-                               for _ in range(args.reps)]
-                    row = {"mode": mode, "tokens": n, "reps": args.reps,
-                           "ttft_s": statistics.median(s[0] for s in samples),
-                           "ttst_s": statistics.median(s[1] for s in samples)}
-                    rows.append(row)
-                    print(f"{mode:9s} {n:5d} tokens: TTFT {row['ttft_s']:.3f} s, TTST {row['ttst_s']:.3f} s",
-                          flush=True)
+    with tempfile.TemporaryDirectory(prefix="kvd-bench-") as tmp, httpx.Client() as client, \
+            contextlib.ExitStack() as stack:
+        bases = {mode: stack.enter_context(cluster(mode, args, tmp)) for mode in MODES}
+        for base in bases.values():
+            first_two(client, base, [rng.randrange(1, 40000) for _ in range(64)])    # warm-up
+        for rep in range(args.reps):
+            for n in args.lengths:
+                for mode in (MODES if rep % 2 == 0 else MODES[::-1]):
+                    load = os.getloadavg()[0]
+                    ttft, ttst = first_two(client, bases[mode], [rng.randrange(1, 40000) for _ in range(n)])
+                    samples[(mode, n)].append({"ttft_s": ttft, "ttst_s": ttst, "load1": load})
+                    print(f"rep {rep} {mode:9s} {n:5d} tokens: TTFT {ttft:.3f} s, TTST {ttst:.3f} s "
+                          f"(load {load:.2f})", flush=True)
+    rows = [{"mode": m, "tokens": n, "reps": args.reps,
+             "ttft_s": statistics.median(x["ttft_s"] for x in xs), "ttst_s": statistics.median(x["ttst_s"] for x in xs),
+             "load1": [x["load1"] for x in xs], "samples": xs}
+            for (m, n), xs in samples.items()]
     by = {(r["mode"], r["tokens"]): r for r in rows}
-    print(f"\nCPU: {machine_info().get('cpu_model', '?')}, transport {args.transport}, model {args.model}\n")
+    loads = [x for r in rows for x in r["load1"]]
+    print(f"\nCPU: {machine_info().get('cpu_model', '?')}, transport {args.transport}, model {args.model}, "
+          f"1-min load average during the samples {min(loads):.2f}–{max(loads):.2f}\n")
     print("| tokens | TTFT layers / request / colocated (s) | TTST layers / request / colocated (s) "
-          "| TTST layers ÷ colocated | TTST layers ÷ request |")
-    print("|---|---|---|---|---|")
+          "| TTST layers ÷ colocated | TTST layers ÷ request | extra (s) | stall (s) |")
+    print("|---|---|---|---|---|---|---|")
+    floor = by[("colocated", args.lengths[0])]["ttft_s"]
     for n in args.lengths:
         lw, rq, co = by[("layers", n)], by[("request", n)], by[("colocated", n)]
         print(f"| {n} | {lw['ttft_s']:.3f} / {rq['ttft_s']:.3f} / {co['ttft_s']:.3f} "
               f"| {lw['ttst_s']:.3f} / {rq['ttst_s']:.3f} / {co['ttst_s']:.3f} "
-              f"| {lw['ttst_s'] / co['ttst_s']:.2f} | {lw['ttst_s'] / rq['ttst_s']:.2f} |")
+              f"| {lw['ttst_s'] / co['ttst_s']:.2f} | {lw['ttst_s'] / rq['ttst_s']:.2f} "
+              f"| {lw['ttst_s'] - co['ttst_s']:.3f} | {co['ttft_s'] - floor:.3f} |")
     write_results(args.out, rows)
 
 

@@ -67,7 +67,7 @@ from engine.model.registry import resolve_model  # noqa: E402
 from engine.model.weights import random_weights  # noqa: E402
 from kvd import protocol  # noqa: E402
 from kvd.node.engine_driver import EngineDriver  # noqa: E402
-from kvd.node.transfer import TransferReceiver, send_prefix  # noqa: E402
+from kvd.node.transfer import PrefixReceiver, send_prefix  # noqa: E402
 from transports import TransportOptions  # noqa: E402
 
 MiB = 1 << 20
@@ -115,7 +115,7 @@ async def serve(url: str, num_blocks: int, keys: str | None = None) -> None:
     engine.pool.free_mem(ids)
     driver = EngineDriver(engine)
     await driver.start()
-    receiver = TransferReceiver(driver)
+    receiver = PrefixReceiver(driver)
     listener = await transports.listen(url, options=OPTIONS, curve=_server_keys(keys) if keys else None)
     print(listener.url, flush=True)
     tasks: set[asyncio.Task] = set()

@@ -9,7 +9,7 @@ contiguous buffers, by layer, with few large copies.
   another layout: the source's leading blocks the destination already holds
   are skipped), and ``LayerStreamer``, the hook a prefill step calls after
   each layer so that a prompt's KV leaves while the next layer computes.
-- ``KVSink``: what a layer streamer hands layers to (kvd's ``KVSender``
+- ``KVSink``: what a layer streamer hands layers to (kvd's ``LayerSender``
   sends them to a decode node).
 
 Every copy goes through MemPool's verbs (``gather_blocks``, ``import_kv``):

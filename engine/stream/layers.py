@@ -22,7 +22,7 @@ import torch
 
 
 class KVSink(Protocol):
-    """Where a streamed prefill's KV goes (kvd's ``KVSender``). Called on the
+    """Where a streamed prefill's KV goes (kvd's ``LayerSender``). Called on the
     engine thread; no call may block."""
 
     skip_blocks: int            # leading prompt blocks the destination holds: not sent

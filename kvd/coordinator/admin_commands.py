@@ -164,6 +164,7 @@ class CoordinatorAdmin:
         client = self.d.client
         if args.get("policy"):
             client.router = self.d.make_router(args["policy"])     # ValueError: unknown policy
+            client.prefill_router = self.d.make_router(args["policy"])
             log.warning("routing policy switched to %s", args["policy"])
         describe = getattr(client.router, "describe", None)
         return {"policy": policy_name(client.router), "policies": list(POLICIES),

@@ -51,7 +51,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any
 
 from engine.model.tokenizer import Tokenizer
@@ -59,7 +59,7 @@ from engine.request import InvalidParam, RequestOutput, SamplingParams
 from kvd import protocol
 from kvd.coordinator.membership import Membership, NodeInfo
 from kvd.coordinator.recovery import RecoveryPolicy
-from kvd.coordinator.router import Router
+from kvd.coordinator.router import LeastLoadRouter, Router
 from kvd.engine_client import EngineDead
 from kvd.ratelog import RateLimitedLog
 from transports import Connection, TransportClosed, TransportError
@@ -140,7 +140,7 @@ class _Stream:
 
 class RemoteEngineClient:
     def __init__(self, model_name: str, tokenizer: Tokenizer, membership: Membership, router: Router,
-                 *, default_max_model_len: int = 2048,
+                 *, prefill_router: Router | None = None, default_max_model_len: int = 2048,
                  stats_source: Callable[[], dict] | None = None,
                  limits: protocol.ProtocolLimits = protocol.DEFAULT_LIMITS,
                  recovery: RecoveryPolicy | None = None) -> None:
@@ -148,7 +148,11 @@ class RemoteEngineClient:
         self.limits = limits                   # what a node's decode accepts
         self.tokenizer = tokenizer
         self.membership = membership
-        self.router = router
+        self.router = router                   # the node that serves a request (or its decode leg)
+        # the prefill leg's node, among the prefill nodes: its own router of the same policy, so
+        # that prompt-tree routing scores the prefill role's tree (where a repeated prefix is
+        # cached) and session affinity keeps one session table per leg
+        self.prefill_router = prefill_router or LeastLoadRouter(0)
         self.default_max_model_len = default_max_model_len
         self.links: dict[str, NodeLink] = {}
         self.bad_messages: collections.Counter[str] = collections.Counter()
@@ -288,7 +292,7 @@ class RemoteEngineClient:
         node = self.router.pick(whole, prompt_ids)
         if node is None:
             raise EngineDead("no node is available to serve the request; retry later")
-        prefill = self._pick_prefill(candidates) if node.role == "decode" else None
+        prefill = self._pick_prefill(candidates, prompt_ids) if node.role == "decode" else None
         if prefill is not None:
             header, _ = protocol.encode(dataclasses.replace(request, prefill_node=prefill.name))
         stream = _Stream(node.name, request)
@@ -321,10 +325,12 @@ class RemoteEngineClient:
             if not accepted:
                 self._forget(request_id, node)
 
-    def _pick_prefill(self, candidates: list[NodeInfo]) -> NodeInfo | None:
-        """The routable prefill node with the fewest prompts in flight (ties: name)."""
+    def _pick_prefill(self, candidates: list[NodeInfo], prompt_ids: Sequence[int]) -> NodeInfo | None:
+        """The routable prefill node for the prompt (``prefill_router``: with
+        prompt-tree routing the one whose cache holds most of it, within the
+        load guard), or None when there is none."""
         prefills = [n for n in candidates if n.role == "prefill"]
-        return min(prefills, key=lambda n: (n.load, n.name)) if prefills else None
+        return self.prefill_router.pick(prefills, prompt_ids) if prefills else None
 
     def _start_prefill_leg(self, request: protocol.GenerateRequest, stream: _Stream, decode: NodeInfo,
                            prefill: NodeInfo, grant: protocol.Accepted) -> None:

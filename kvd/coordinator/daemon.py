@@ -72,6 +72,7 @@ class CoordinatorDaemon:
         self.cache_sync = CacheSync(self.trees)
         self.client = RemoteEngineClient(model_name, tokenizer, self.membership,
                                          router or self.make_router(cluster.routing),
+                                         prefill_router=self.make_router(cluster.routing),
                                          default_max_model_len=default_max_model_len,
                                          stats_source=stats_source,
                                          recovery=RecoveryPolicy(cluster.recovery, cluster.max_recoveries))

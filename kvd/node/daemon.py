@@ -56,9 +56,10 @@ from kvd.engine_client import EngineDead
 from kvd.node.engine_driver import EngineDriver
 from kvd.node.cache_shipper import CacheShipper
 from kvd.node.heartbeat import Heartbeater
-from kvd.node.disagg import FINAL, DecodeSide, KVReceiver, KVSender, TransferState, new_transfer_id
+from kvd.node.disagg import DecodeSide, LayerSender
+from kvd.node.kvmove import FINAL, KVReceiver, TransferState, new_transfer_id
 from kvd.node.replication import Replicator, ReplicaStore
-from kvd.node.transfer import TransferReceiver, send_prefix
+from kvd.node.transfer import PrefixReceiver, send_prefix
 from kvd.sdnotify import Notifier
 from transports import InprocRegistry, Listener, TransportError, TransportOptions
 
@@ -90,7 +91,7 @@ class NodeDaemon:
                                         ucx_progress_mode=cluster.ucx_progress_mode)
         self.driver: EngineDriver | None = None
         self.listener: Listener | None = None
-        self.receiver: TransferReceiver | None = None
+        self.receiver: PrefixReceiver | None = None
         self.heartbeat: Heartbeater | None = None
         self.cache_shipper: CacheShipper | None = None   # cache events -> the global prompt tree
         self.admin = None
@@ -120,7 +121,7 @@ class NodeDaemon:
         engine = await asyncio.to_thread(LLMEngine.from_config, self.engine_config)
         self.driver = EngineDriver(engine)
         await self.driver.start()
-        self.receiver = TransferReceiver(self.driver)
+        self.receiver = PrefixReceiver(self.driver)
         self.listener = await links.listen(self.address, self.cluster, self.name,
                                            registry=self.registry, options=self.options)
         self.address = self.listener.url
@@ -454,10 +455,10 @@ class NodeDaemon:
         sender = None
         try:
             conn = await self._peer(msg.kv_to_node, msg.kv_to_address)
-            sender = KVSender(transfer_id=msg.kv_transfer_id, request_id=rid, conn=conn,
-                              block_ids=msg.kv_block_ids, have_blocks=msg.kv_have_blocks,
-                              num_layers=msg.kv_num_layers, deadline=deadline, loop=loop,
-                              by_request=self.cluster.kv_stream == "request")
+            sender = LayerSender(transfer_id=msg.kv_transfer_id, request_id=rid, conn=conn,
+                                 block_ids=msg.kv_block_ids, have_blocks=msg.kv_have_blocks,
+                                 num_layers=msg.kv_num_layers, deadline=deadline, loop=loop,
+                                 by_request=self.cluster.kv_stream == "request")
             out = await self._pipe(rid, peer, self.driver.generate(
                 rid, list(msg.prompt_token_ids), msg.sampling, kv_out=sender))
             if out is not None and out.handed_off:
@@ -486,13 +487,15 @@ class NodeDaemon:
         rid, prompt, params = msg.request_id, list(msg.prompt_token_ids), msg.sampling
         threshold, peer = self.cluster.prefill_threshold, incoming.peer
 
-        def reserve(engine) -> Any:
+        def reserve(engine) -> tuple[Any, str]:
+            """(the reservation, "") or (None, why the prompt is computed here)."""
             engine.check_request(len(prompt), params)
             if len(prompt) - engine.pool.cached_tokens(prompt[:-1]) < threshold:
-                return None
-            return engine.pool.reserve(prompt)
+                return None, "below_threshold"
+            res = engine.pool.reserve(prompt)
+            return res, "" if res is not None else "no_blocks"
         try:
-            res = await self.driver.call(reserve, timeout=self.cluster.request_timeout)
+            res, why_local = await self.driver.call(reserve, timeout=self.cluster.request_timeout)
         except InvalidParam as exc:
             await self._answer(incoming, protocol.Error(id=msg.id, code="invalid_request", request_id=rid,
                                                         message=str(exc)))
@@ -500,14 +503,15 @@ class NodeDaemon:
         except Exception as exc:  # noqa: BLE001 -- answered; the coordinator ends the request
             await self._answer(incoming, _internal_error(msg, exc))
             return
-        if res is None:
+        if res is None:           # no transfer: the prefill leg's node is told by Accepted without a grant
             self.decode_side.counts["local"] += 1
+            self.decode_side.counts[why_local] += 1
             await self._answer(incoming, protocol.Accepted(id=msg.id, request_id=rid))
             await self._pipe(rid, peer, self.driver.generate(rid, prompt, params))
             return
         layout = self.driver.engine.pool.kv_layout()
-        rx = KVReceiver(transfer_id=new_transfer_id(), request_id=rid, reservation=res,
-                        prefill_node=msg.prefill_node, num_layers=layout.num_layers,
+        rx = KVReceiver(transfer_id=new_transfer_id(), request_id=rid, region=res,
+                        sender_node=msg.prefill_node, num_layers=layout.num_layers,
                         deadline=time.monotonic() + self.cluster.kv_transfer_timeout)
         self.decode_side.receivers[rx.transfer_id] = rx
         handed = False
@@ -717,7 +721,7 @@ class NodeDaemon:
 
 def _sender(incoming) -> tuple[bytes, str | None]:
     """Who a KV grant is bound to: the link it was asked on and that link's
-    authenticated identity (TransferReceiver accepts KVData from it only)."""
+    authenticated identity (PrefixReceiver accepts KVData from it only)."""
     return incoming.peer, incoming.identity
 
 

@@ -1,4 +1,7 @@
-"""MemServe distributed transfer (§4.3) between two node processes.
+"""MemServe distributed transfer (§4.3) of a cached prefix between two node
+processes, on the KV-movement layer (``kvmove.py``: a ``KVSender`` here, a
+``KVReceiver`` per grant on the other side, each with its states and one
+deadline).
 
 ``MemPool.transfer_with_insert`` moves KV between two pools of one process;
 here the same three steps cross a transport. MemServe's allocation step
@@ -6,15 +9,17 @@ always comes first (so nothing the receiver has is sent, and the receiver
 takes KV only into blocks it granted), then layer chunks stream, DéjàVu
 §4.1 style::
 
+    KVSender: pending
     match + lock             ── KVTransferRequest ──▶  match + lock, alloc_mem(the rest):
     gather chunk 0 (overlaps ◀──── KVAllocReply ────   a grant, bound to the asking link
-      the round trip)                                   (block ids, have_blocks)
-    for each chunk c:        ─── KVData(c) ─────────▶  the grant of this transfer id, for
-      send c, gather c+1          [l1-l0, 2, n, ...]    this very link? else Error(no_grant),
-      (no wait for acks)                                nothing changes; import chunk c (a
-                                                        copy per run of block ids)
-                             ◀────── KVAck(c) ──────   the last one inserts into the tree
-    all acked: unlock
+      the round trip)                                   (KVReceiver: pending)
+    KVSender: sending
+    for each chunk c:        ─── KVData(c) ─────────▶  the KVReceiver of this transfer id,
+      send c, gather c+1          [l1-l0, 2, n, ...]    from this very link? else
+      (no wait for acks)                                Error(no_grant), nothing changes;
+                                                        import chunk c (receiving)
+                             ◀────── KVAck(c) ──────   the last one inserts: done
+    drain (every ack, by the deadline): done | failed | timed_out; unlock
 
 Grants (receiver): a KVData is taken only into an allocation this node made
 for a KVTransferRequest *from the same link* (its transport peer id and its
@@ -42,10 +47,10 @@ Frames come one of two ways (``KVData.pieces``):
   reads a block that was reused. Slices under ``ZERO_COPY_MIN_BYTES`` are
   not worth a frame each (pyzmq copies them anyway, and per-frame costs
   dominate: 1 MiB as 32 frames of 32 KiB measured half as fast).
-- **staged**: gathered (a copy per run) into reusable staging buffers
-  (engine.stream's ``STAGING``: no fresh allocation, no page faults per transfer); a
-  staging buffer is reused only after every chunk from it was acknowledged
-  (zmq sends it zero-copy), and the prefix is unlocked once gathered.
+- **staged**: gathered (a copy per run) into the sender's staging buffers
+  (``KVSender.stage``: reused, no page faults per transfer; given back only
+  when every frame from them was answered), and the prefix is unlocked once
+  gathered.
 
 The receiver copies each frame into its blocks, one copy per overlap of a
 frame with a run of its block ids. KV memory is reached only through MemPool's
@@ -53,26 +58,22 @@ verbs (``lock_prefix``/``unlock``, ``kv_layout``, ``gather``/``pieces`` on the
 sender; ``grant``, ``import_kv``/``import_pieces``, ``insert_granted``/``abandon``
 on the receiver), each inside ``EngineDriver.call`` (inline when the engine is idle); the
 receiver serialises chunk imports there, so the reaper (``expire``) never
-races an import. A receiver's allocation that never sees all its data is
-released at its deadline.
+races an import. A grant that never sees all its data is released at its
+deadline (``timed_out``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
-import os
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from engine.memory.kv_cache import block_runs
-from engine.memory.mempool import Grant, KVLayout, PrefixLock
-from engine.stream import STAGING as _STAGING
-from engine.stream import stream_in
+from engine.memory.mempool import KVLayout, PrefixLock
 from kvd import protocol
 from kvd.node.engine_driver import EngineDriver
+from kvd.node.kvmove import FINAL, KVReceiver, KVSender, TransferState, new_transfer_id, reply_reason
 from transports import Connection
 
 log = logging.getLogger("kvd.transfer")
@@ -81,13 +82,6 @@ CHUNK_BYTES = 8 << 20           # streamed chunk size target (whole layers, <= n
 WHOLE_MAX_BYTES = 32 << 20      # payloads up to this go as ONE KVData after the allocation
 ZERO_COPY_MIN_BYTES = 64 << 10  # a pool slice this big is sent as is (pyzmq copies smaller frames)
 MAX_PIECE_FRAMES = 128          # pieces frames in one KVData message (the protocol allows 256)
-
-# transfer ids: unique per sender process (random prefix) and per transfer
-# (counter); a receiver keys its pending allocations by them
-_ID_PREFIX = f"x-{os.urandom(6).hex()}-"
-_ID_SEQ = itertools.count(1)
-
-
 def _zero_copy_tier(layout: KVLayout, refs: list[Any], layers_per_message: int) -> str | None:
     """The tier to send ``refs`` from without a gather (pieces layout), or
     None: they must sit in one CPU tier, in few runs of consecutive ids
@@ -128,62 +122,26 @@ def _layer_chunks(num_layers: int, nbytes: int, chunk_bytes: int,
     return [(bounds[i], bounds[i + 1]) for i in range(n)]
 
 
-def import_layers(pool: Any, region: Any, l0: int, l1: int, msg: protocol.KVData, skip: int = 0) -> None:
-    """Write layers [l0, l1) of a KVData's KV into ``region``'s fresh blocks
-    (a Grant or a Reservation: ``block_ids`` of ``tier``), dropping its
-    first ``skip`` blocks (the receiver had them): one copy per overlap of a
-    received frame with a run of the region's ids, read from the frames in
-    place (engine thread). Raises ValueError on frames that do not fit."""
-    layout, ids = pool.kv_layout(), region.block_ids
-    if msg.pieces:
-        dtype, (bs, kvh, hd) = protocol.dtype_name(layout.dtype), layout.block_shape[2:]
-        R = len(msg.pieces)
-        for i, t in enumerate(msg.tensors):
-            if t.dtype != dtype or t.shape != (msg.pieces[i % R], bs, kvh, hd):
-                raise ValueError(f"piece {i} is {t.dtype}{list(t.shape)}, want "
-                                 f"{dtype}[{msg.pieces[i % R]}, {bs}, {kvh}, {hd}]")
-        pool.import_pieces(region, [t.data for t in msg.tensors], msg.pieces, (l0, l1), skip)
-        return
-    if len(msg.tensors) != 1:
-        raise ValueError(f"packed KVData carries one frame, got {len(msg.tensors)}")
-    payload = msg.tensors[0].to_torch()
-    L, two, bs, kvh, hd = layout.block_shape
-    if payload.dtype != layout.dtype:
-        raise ValueError(f"dtype {payload.dtype} != cache dtype {layout.dtype}")
-    if tuple(payload.shape) != (l1 - l0, two, skip + len(ids), bs, kvh, hd):
-        raise ValueError(f"shape {tuple(payload.shape)} does not match "
-                         f"[{l1 - l0}, 2, {skip + len(ids)}, {bs}, {kvh}, {hd}]")
-    stream_in(pool, region, payload, (l0, l1), skip)
-
-
 # ─── receiver ────────────────────────────────────────────────────────────────
 
 
-@dataclass
-class _Pending:
-    """A receiver-side allocation awaiting its KVData (engine-thread state)."""
+class PrefixReceiver:
+    """Receiver half: a grant (allocation) on KVTransferRequest, held by a
+    ``KVReceiver`` bound to the link that asked; import per KVData chunk
+    of that grant, from that link only; the last chunk inserts into the
+    radix tree (``done``).
 
-    grant: Grant           # MemPool's: the blocks, and the lock on what this node had
-    expires: float
-    num_layers: int = 0
-    layers_done: set[int] = field(default_factory=set)
-    sender: Any = None     # the link the grant is bound to: (peer id, identity)
-
-
-class TransferReceiver:
-    """Receiver half: a grant (allocation) on KVTransferRequest, bound to the
-    link that asked; import per KVData chunk of that grant, from that link
-    only; insertion on the last.
-
-    ``sender``, in every call: who the message came from, as an opaque
-    hashable (the node daemon passes (transport peer id, authenticated
-    identity)); a KVData whose sender is not its grant's is refused with
-    Error("no_grant") and changes nothing (counted in ``refused``)."""
+    ``sender``, in every call: who the message came from, as (transport peer
+    id, authenticated identity); a KVData whose sender is not its grant's
+    is refused with Error("no_grant") and changes nothing (counted in
+    ``refused``). Every call that touches a receiver runs on the engine
+    thread (``EngineDriver``), so imports, completion and the reaper never
+    race."""
 
     def __init__(self, driver: EngineDriver, tier: str = "device") -> None:
         self.driver = driver
         self.tier = tier
-        self._pending: dict[str, _Pending] = {}
+        self.receivers: dict[str, KVReceiver] = {}   # open transfers, by transfer id
         self.received_bytes = 0
         self.completed = 0
         self.failed = 0
@@ -197,18 +155,18 @@ class TransferReceiver:
         return None
 
     async def on_request(self, msg: protocol.KVTransferRequest, timeout: float,
-                         sender: Any) -> protocol.KVAllocReply:
+                         sender: tuple[bytes, str | None]) -> protocol.KVAllocReply:
         """Step 1: allocate (a grant to ``sender``, released at ``timeout``
         seconds unless its data completes) and answer the block ids."""
-        if msg.transfer_id in self._pending:
+        if msg.transfer_id in self.receivers:
             return self._duplicate(msg)
         return await self.driver.call(self._allocate_fn(msg, timeout, sender))
 
     def try_request(self, msg: protocol.KVTransferRequest, timeout: float,
-                    sender: Any) -> protocol.KVAllocReply | None:
+                    sender: tuple[bytes, str | None]) -> protocol.KVAllocReply | None:
         """``on_request`` at once, without a task, when the engine is idle (the
         reply); None when it is busy: then await ``on_request``."""
-        if msg.transfer_id in self._pending:
+        if msg.transfer_id in self.receivers:
             return self._duplicate(msg)
         done, reply = self.driver.try_call(self._allocate_fn(msg, timeout, sender))
         return reply if done else None
@@ -218,87 +176,80 @@ class TransferReceiver:
         return protocol.KVAllocReply(id=msg.id, transfer_id=msg.transfer_id, ok=False,
                                      reason="duplicate transfer id")
 
-    def _allocate_fn(self, msg: protocol.KVTransferRequest, timeout: float, sender: Any) -> Any:
+    def _allocate_fn(self, msg: protocol.KVTransferRequest, timeout: float, sender: tuple[bytes, str | None]):
         def allocate(engine) -> protocol.KVAllocReply:
-            pool = engine.pool
-            bs = pool.block_size
-            tokens = tuple(msg.token_ids[:msg.num_blocks * bs])
-            if len(tokens) != msg.num_blocks * bs:
-                return protocol.KVAllocReply(id=msg.id, transfer_id=msg.transfer_id, ok=False,
-                                             reason="token_ids shorter than num_blocks")
-            if reason := self._layout_error(engine, msg.num_layers, msg.dtype):
+            def refuse(reason: str) -> protocol.KVAllocReply:
                 return protocol.KVAllocReply(id=msg.id, transfer_id=msg.transfer_id, ok=False, reason=reason)
+            pool = engine.pool
+            tokens = tuple(msg.token_ids[:msg.num_blocks * pool.block_size])
+            if len(tokens) != msg.num_blocks * pool.block_size:
+                return refuse("token_ids shorter than num_blocks")
+            if reason := self._layout_error(engine, msg.num_layers, msg.dtype):
+                return refuse(reason)
+            if msg.transfer_id in self.receivers:
+                return self._duplicate(msg)
             grant = pool.grant(tokens, msg.num_blocks, self.tier)
             if grant is None:
-                return protocol.KVAllocReply(id=msg.id, transfer_id=msg.transfer_id, ok=False,
-                                             reason="out of KV blocks")
-            self._pending[msg.transfer_id] = _Pending(grant, time.monotonic() + timeout,
-                                                      msg.num_layers, sender=sender)
+                return refuse("out of KV blocks")
+            peer, identity = sender
+            self.receivers[msg.transfer_id] = KVReceiver(
+                transfer_id=msg.transfer_id, region=grant, num_layers=msg.num_layers,
+                deadline=time.monotonic() + timeout, sender_node=identity, link=peer,
+                on_complete=lambda engine: engine.pool.insert_granted(grant))
             return protocol.KVAllocReply(id=msg.id, transfer_id=msg.transfer_id, ok=True,
                                          block_ids=tuple(grant.block_ids), have_blocks=grant.have_blocks)
         return allocate
 
-    async def on_data(self, msg: protocol.KVData, sender: Any) -> protocol.KVAck | protocol.Error:
+    async def on_data(self, msg: protocol.KVData, sender: tuple[bytes, str | None]) -> protocol.Message:
         return await self.driver.call(lambda engine: self._import_chunk(engine, msg, sender))
 
-    def try_data(self, msg: protocol.KVData, sender: Any) -> protocol.KVAck | protocol.Error | None:
+    def try_data(self, msg: protocol.KVData, sender: tuple[bytes, str | None]) -> protocol.Message | None:
         """``on_data`` at once, without a task, when the engine is idle (the
         ack); None when it is busy: then await ``on_data``."""
         done, ack = self.driver.try_call(lambda engine: self._import_chunk(engine, msg, sender))
         return ack if done else None
 
-    def _ack(self, msg: protocol.KVData, ok: bool, **kw: Any) -> protocol.KVAck:
-        return protocol.KVAck(id=msg.id, transfer_id=msg.transfer_id, ok=ok, **kw)
-
-    def _finish(self, engine: Any, p: _Pending) -> int:
-        """Insert the transferred tokens, free duplicates, unlock (engine thread)."""
-        inserted = engine.pool.insert_granted(p.grant)
-        self.completed += 1
-        return inserted
-
-    def _abandon(self, engine: Any, p: _Pending) -> None:
-        engine.pool.abandon(p.grant)
-        self.failed += 1
-
     def _import_chunk(self, engine: Any, msg: protocol.KVData,
-                      sender: Any) -> protocol.KVAck | protocol.Error:
+                      sender: tuple[bytes, str | None]) -> protocol.Message:
         """One chunk of layers of a granted transfer; the last one inserts.
         A KVData that is not for a grant of this sender changes nothing."""
-        p = self._pending.get(msg.transfer_id)
-        if p is None or p.sender != sender:
+        rx = self.receivers.get(msg.transfer_id)
+        # both the link and the identity were bound when the grant was made: both must match
+        if rx is None or rx.refusal(*sender, authenticated=True):
             self.refused += 1
             return protocol.Error(id=msg.id, code="no_grant",
                                   message=f"transfer {msg.transfer_id!r}: no KV allocation of this node "
                                           "for this sender (unknown, expired, or granted to another link)")
         try:
-            ids = p.grant.block_ids
-            if list(msg.block_ids) != ids or bool(msg.tensors) != bool(ids):
-                raise ValueError("KVData does not match the allocation")
-            layers = range(msg.layer_start, msg.layer_end) if ids else range(p.num_layers)
-            if msg.layer_end > p.num_layers or not layers or p.layers_done.intersection(layers):
-                raise ValueError(f"bad or repeated layer range [{msg.layer_start}, {msg.layer_end})")
-            if ids:
-                import_layers(engine.pool, p.grant, msg.layer_start, msg.layer_end, msg)
+            ack = rx.import_fn(msg)(engine)
         except (TypeError, ValueError, IndexError) as exc:
-            del self._pending[msg.transfer_id]
-            self._abandon(engine, p)
-            return self._ack(msg, False, reason=str(exc))
-        p.layers_done.update(layers)
-        self.received_bytes += sum(t.nbytes for t in msg.tensors)
-        if len(p.layers_done) < p.num_layers:
-            return self._ack(msg, True)
-        del self._pending[msg.transfer_id]
-        return self._ack(msg, True, inserted_tokens=self._finish(engine, p), have_blocks=p.grant.have_blocks)
+            rx.end(TransferState.FAILED, str(exc))
+            ack = protocol.KVAck(id=msg.id, transfer_id=msg.transfer_id, ok=False, reason=str(exc))
+        if rx.state in FINAL:
+            self._close(engine, rx)
+        return ack
+
+    def _close(self, engine: Any, rx: KVReceiver) -> None:
+        """Forget a transfer that ended; unless ``done`` (inserted), free its
+        grant's blocks and unlock its prefix (engine thread)."""
+        del self.receivers[rx.transfer_id]
+        if rx.state is TransferState.DONE:
+            self.completed += 1
+            self.received_bytes += rx.bytes
+        else:
+            engine.pool.abandon(rx.region)
+            self.failed += 1
 
     async def expire(self) -> int:
-        """Release allocations whose data never came. Returns how many."""
+        """End (``timed_out``) and release the grants whose data did not all
+        come by their deadline. Returns how many."""
         def reap(engine) -> int:
-            now = time.monotonic()
-            dead = [tid for tid, p in self._pending.items() if p.expires < now]
-            for tid in dead:
-                self._abandon(engine, self._pending.pop(tid))
+            dead = [rx for rx in self.receivers.values() if rx.expired]
+            for rx in dead:
+                rx.end(TransferState.TIMED_OUT, "no KV before the deadline")
+                self._close(engine, rx)
             return len(dead)
-        if not self._pending:
+        if not self.receivers:
             return 0
         return await self.driver.call(reap)
 
@@ -306,31 +257,27 @@ class TransferReceiver:
 # ─── sender ──────────────────────────────────────────────────────────────────
 
 
-def reply_reason(reply: Any) -> str:
-    return getattr(reply, "reason", None) or getattr(reply, "message", None) or repr(reply)
-
-
 async def send_prefix(driver: EngineDriver, conn: Connection, token_ids: list[int], *,
                       src_node: str, dst_node: str, timeout: float = 30.0,
                       chunk_bytes: int | None = None) -> dict[str, Any]:
     """Sender half: move the cached KV of ``token_ids``' full blocks to the
-    node behind ``conn`` and insert it into that node's radix tree.
+    node behind ``conn`` and insert it into that node's radix tree, as one
+    ``KVSender`` whose deadline is ``timeout`` seconds from now.
 
-    Returns {"transferred", "blocks", "sent_blocks", "new_blocks", "bytes",
-    "sends", "chunks", "inserted_tokens", "zero_copy", "seconds", "reason"}:
-    ``sent_blocks`` travelled, ``new_blocks`` the receiver did not have,
-    ``zero_copy``: the frames were views of the pool (no gather). Raises TransportError
-    on a transport failure; the sender's lock on the prefix is released in
-    every case.
+    Returns {"transferred", "state", "transfer_id", "blocks", "sent_blocks",
+    "new_blocks", "bytes", "sends", "chunks", "inserted_tokens", "zero_copy",
+    "seconds", "reason"}: ``state`` the sender's final state, ``sent_blocks``
+    travelled, ``new_blocks`` the receiver did not have, ``zero_copy``: the
+    frames were views of the pool (no gather). Raises TimeoutError past the
+    deadline and TransportError on a transport failure; the sender's lock
+    on the prefix is released in every case.
     """
     t0 = time.perf_counter()
     whole_max = WHOLE_MAX_BYTES if chunk_bytes is None else 0   # an explicit chunk size is kept
     chunk_bytes = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
-    transfer_id = f"{_ID_PREFIX}{next(_ID_SEQ)}"
     result: dict[str, Any] = {"transferred": False, "blocks": 0, "sent_blocks": 0, "new_blocks": 0,
                               "bytes": 0, "sends": 0, "chunks": 0, "inserted_tokens": 0, "reason": "",
                               "zero_copy": False}
-    staging: list[Any] = []          # buffers to give back once every frame from them is acked
 
     def lock_prefix(engine):
         """Match + lock; pick the chunk size and the frame layout (pool pieces or staged)."""
@@ -341,42 +288,45 @@ async def send_prefix(driver: EngineDriver, conn: Connection, token_ids: list[in
         chunk = max(chunk_bytes, payload) if payload <= whole_max else chunk_bytes
         per_message = max(l1 - l0 for l0, l1 in _layer_chunks(L, payload, chunk))
         zc_tier = _zero_copy_tier(layout, m.blocks, per_message) if m.blocks else None
-        return (m, L, protocol.dtype_name(layout.dtype), layout.block_shape[2], layout.bytes_per_block,
-                zc_tier, chunk)
+        return m, layout, zc_tier, chunk
 
-    m, num_layers, dtype, bs, block_bytes, zc_tier, chunk_bytes = await driver.call(lock_prefix)
-    result["blocks"] = len(m.blocks)
-    deadline = time.time() + timeout
-    tokens = tuple(token_ids[:len(m.blocks) * bs])
-    clean = False                    # every frame sent was acknowledged (or none was sent)
+    m, layout, zc_tier, chunk_bytes = await driver.call(lock_prefix)
+    sender = KVSender(transfer_id=new_transfer_id(), conn=conn, num_layers=layout.num_layers,
+                      deadline=time.time() + timeout)
+    result.update(blocks=len(m.blocks), transfer_id=sender.transfer_id)
+    clean = False                    # every frame sent was answered (or none was sent)
     try:
         if not m.blocks:
             clean = True
             result["reason"] = "no cached prefix for these tokens"
+            sender.end(TransferState.FAILED, result["reason"])
             return result
         req = protocol.KVTransferRequest(
-            id=transfer_id, deadline=deadline, transfer_id=transfer_id, src_node=src_node,
-            dst_node=dst_node, token_ids=tokens, num_blocks=len(m.blocks), num_layers=num_layers,
-            dtype=dtype)
-        if zc_tier is not None:
-            await _stream_pieces(driver, conn, m, req, block_bytes, chunk_bytes, zc_tier, result)
-        else:
-            await _stream(driver, conn, m, req, block_bytes, chunk_bytes, staging, result)
+            id=sender.transfer_id, deadline=sender.deadline, transfer_id=sender.transfer_id, src_node=src_node,
+            dst_node=dst_node, token_ids=tuple(token_ids[:len(m.blocks) * layout.block_shape[2]]),
+            num_blocks=len(m.blocks), num_layers=layout.num_layers, dtype=protocol.dtype_name(layout.dtype))
+        try:
+            async with asyncio.timeout(sender.seconds_left()):
+                if zc_tier is not None:
+                    await _send_pieces(driver, sender, m, req, layout, chunk_bytes, zc_tier, result)
+                else:
+                    await _send_staged(driver, sender, m, req, layout, chunk_bytes, result)
+        except TimeoutError:
+            sender.end(TransferState.TIMED_OUT, "past the transfer deadline")
+            raise
         clean = True
         return result
     finally:
         # (a staged stream unlocks with its last gather: the data is in staging)
-        if not m.released and (clean or not result.get("zero_copy")):
+        if not m.released and (clean or not result["zero_copy"]):
             await driver.call(lambda engine: _unlock(engine, m))
         elif not m.released:
             # Frames that alias the pool may still sit in the transport's
             # queue: keep the blocks from being reused until the deadline has
             # passed, after which the receiver refuses the message on arrival.
-            _unlock_after(driver, m, deadline)
-        for buf in staging:
-            if clean:
-                _STAGING.release(buf)
-        result["seconds"] = time.perf_counter() - t0
+            _unlock_after(driver, m, sender.deadline)
+        await sender.close()         # staging back to the pool unless a send was cut in flight
+        result.update(state=sender.state.value, seconds=time.perf_counter() - t0)
 
 
 _LATE_UNLOCKS: set[asyncio.Task] = set()
@@ -401,21 +351,42 @@ def _unlock_after(driver: EngineDriver, lock: PrefixLock, deadline: float) -> No
     task.add_done_callback(_LATE_UNLOCKS.discard)
 
 
-async def _stream_pieces(driver: EngineDriver, conn: Connection, m: Any,
-                         req: protocol.KVTransferRequest, block_bytes: int, chunk_bytes: int,
-                         tier: str, result: dict[str, Any]) -> None:
+def _granted(sender: KVSender, alloc: Any, m: PrefixLock, result: dict[str, Any]) -> list[Any] | None:
+    """The sender's blocks to send after the allocation reply (the receiver
+    has the first ``have_blocks``), or None when it refused (``failed``)."""
+    if not isinstance(alloc, protocol.KVAllocReply) or not alloc.ok:
+        result["reason"] = reply_reason(alloc)
+        sender.end(TransferState.FAILED, result["reason"])
+        return None
+    sender.start(alloc.block_ids)
+    refs = m.blocks[alloc.have_blocks:]
+    result["new_blocks"] = len(refs)
+    return refs
+
+
+async def _finish(sender: KVSender, sent_blocks: int, result: dict[str, Any]) -> None:
+    """Every chunk's ack (``done``), or the first refusal's reason."""
+    result["sent_blocks"] = sent_blocks
+    try:
+        acks = await sender.drain()
+    except RuntimeError as exc:
+        result["reason"] = str(exc)
+        return
+    result.update(transferred=sender.state is TransferState.DONE,
+                  inserted_tokens=max(a.inserted_tokens for a in acks))
+
+
+async def _send_pieces(driver: EngineDriver, sender: KVSender, m: PrefixLock, req: protocol.KVTransferRequest,
+                       layout: KVLayout, chunk_bytes: int, tier: str, result: dict[str, Any]) -> None:
     """Allocation round trip (``req``), then layer chunks whose frames are
     views of the sender's pool (pieces layout: no gather, no staging), sent
     without waiting for acks. The prefix stays locked until the caller
     unlocks it, after every ack. Raises TransportError."""
-    transfer_id, deadline, num_layers = req.transfer_id, req.deadline, req.num_layers
+    num_layers = req.num_layers
     result.update(sends=1, zero_copy=True)
-    alloc = await protocol.call(conn, req)
-    if not isinstance(alloc, protocol.KVAllocReply) or not alloc.ok:
-        result["reason"] = reply_reason(alloc)
+    refs = _granted(sender, await protocol.call(sender.conn, req), m, result)
+    if refs is None:
         return
-    refs = m.blocks[alloc.have_blocks:]
-    result["new_blocks"] = len(refs)
     lengths: list[int] = []
     views: list[Any] = []
     if refs:
@@ -427,70 +398,38 @@ async def _stream_pieces(driver: EngineDriver, conn: Connection, m: Any,
     # fewer blocks than planned (the receiver had some) may mean fewer, wider
     # chunks: keep each message within MAX_PIECE_FRAMES (a suffix of the
     # blocks has no more runs than all of them, so one layer always fits)
-    chunks = (_layer_chunks(num_layers, len(refs) * block_bytes, chunk_bytes,
+    chunks = (_layer_chunks(num_layers, len(refs) * layout.bytes_per_block, chunk_bytes,
                             max_layers=MAX_PIECE_FRAMES // per_layer) if refs else [(0, num_layers)])
-    sends: list[asyncio.Future] = []
-    try:
-        for c, (l0, l1) in enumerate(chunks):
-            data = protocol.KVData(id=f"{transfer_id}.{c}", deadline=deadline, transfer_id=transfer_id,
-                                   seq=c, layer_start=l0, layer_end=l1, block_ids=alloc.block_ids,
-                                   last=c == len(chunks) - 1, pieces=tuple(lengths),
-                                   tensors=tuple(views[l0 * per_layer:l1 * per_layer]))
-            sends.append(asyncio.ensure_future(protocol.call(conn, data)))
-            result["sends"] += 1
-            result["chunks"] += 1
-            result["bytes"] += len(refs) * block_bytes * (l1 - l0) // num_layers
-        acks = await asyncio.gather(*sends)
-    finally:
-        await _settle(sends)
-    _record_acks(acks, len(refs), result)
+    for l0, l1 in chunks:
+        sender.send(l0, l1, tuple(views[l0 * per_layer:l1 * per_layer]), tuple(lengths))
+        result["sends"] += 1
+        result["chunks"] += 1
+        result["bytes"] += len(refs) * layout.bytes_per_block * (l1 - l0) // num_layers
+    await _finish(sender, len(refs), result)
 
 
-async def _settle(sends: list[asyncio.Future]) -> None:
-    """Cancel the chunk sends still in flight (after a failure) and wait for all."""
-    for s in sends:
-        if not s.done():
-            s.cancel()
-    if sends:
-        await asyncio.gather(*sends, return_exceptions=True)
-
-
-def _record_acks(acks: list[Any], sent_blocks: int, result: dict[str, Any]) -> None:
-    """The outcome of a streamed transfer: every chunk's ack ok, or the first
-    reason. ``None`` entries (an unlock that rode along with the sends) are not acks."""
-    acks = [a for a in acks if a is not None]
-    result["sent_blocks"] = sent_blocks
-    bad = [a for a in acks if not (isinstance(a, protocol.KVAck) and a.ok)]
-    if bad:
-        result["reason"] = reply_reason(bad[0])
-        return
-    result.update(transferred=True, inserted_tokens=max(a.inserted_tokens for a in acks))
-
-
-async def _stream(driver: EngineDriver, conn: Connection, m: Any, req: protocol.KVTransferRequest,
-                  block_bytes: int, chunk_bytes: int, staging: list[Any], result: dict[str, Any]) -> None:
-    """Allocation round trip (``req``), then layer chunks sent without waiting
-    for acks (the gather of chunk c+1 overlaps the wire time of chunk c).
-    Returns once every chunk was acked (or the first failure); raises
-    TransportError."""
-    transfer_id, deadline, num_layers = req.transfer_id, req.deadline, req.num_layers
-    alloc_call = asyncio.ensure_future(protocol.call(conn, req))
+async def _send_staged(driver: EngineDriver, sender: KVSender, m: PrefixLock, req: protocol.KVTransferRequest,
+                       layout: KVLayout, chunk_bytes: int, result: dict[str, Any]) -> None:
+    """Allocation round trip (``req``), then layer chunks gathered into the
+    sender's staging buffer and sent without waiting for acks (the gather
+    of chunk c+1 overlaps the wire time of chunk c). Returns once every
+    chunk was answered (or the allocation refused); raises TransportError."""
+    num_layers = req.num_layers
+    alloc_call = asyncio.ensure_future(protocol.call(sender.conn, req))
     result["sends"] += 1
-    n = len(m.blocks)
-    chunks = _layer_chunks(num_layers, n * block_bytes, chunk_bytes)
+    chunks = _layer_chunks(num_layers, len(m.blocks) * layout.bytes_per_block, chunk_bytes)
+    L, two, bs, kvh, hd = layout.block_shape
+    view: Any = None
 
-    def gather(refs, l0, l1, new_staging=False, unlock=False):
+    def gather(refs, l0, l1, fresh=False, unlock=False):
         """Engine thread: (optionally a fresh staging view,) gather layers
         [l0, l1) into it, (optionally) unlock the prefix: the data to send is
         in staging, so the sender's blocks need no lock while it travels."""
         def run(engine):
             nonlocal view
             try:
-                if new_staging:
-                    layout = engine.pool.kv_layout()
-                    L, two, bs, kvh, hd = layout.block_shape
-                    buf, view = _STAGING.acquire((L, two, len(refs), bs, kvh, hd), layout.dtype)
-                    staging.append(buf)
+                if fresh:
+                    view = sender.stage((L, two, len(refs), bs, kvh, hd), layout.dtype)
                 if refs and l1 > l0:
                     engine.pool.gather(refs, view[l0:l1], (l0, l1))
             finally:
@@ -499,38 +438,29 @@ async def _stream(driver: EngineDriver, conn: Connection, m: Any, req: protocol.
         return run
 
     # speculative: gather chunk 0 of every block while the allocation round trip runs
-    view: Any = None
     try:
-        await driver.call(gather(m.blocks, *chunks[0], new_staging=True))
+        await driver.call(gather(m.blocks, *chunks[0], fresh=True))
     except BaseException:
         await asyncio.gather(alloc_call, return_exceptions=True)
         raise
-    alloc = await alloc_call
-    if not isinstance(alloc, protocol.KVAllocReply) or not alloc.ok:
-        result["reason"] = reply_reason(alloc)
+    refs = _granted(sender, await alloc_call, m, result)
+    if refs is None:
         return
-    have = alloc.have_blocks
-    refs = m.blocks[have:]
-    result["new_blocks"] = len(refs)
-    if have:                          # the receiver has a prefix: send only the rest
-        chunks = _layer_chunks(num_layers, len(refs) * block_bytes, chunk_bytes) if refs else [(0, num_layers)]
-        await driver.call(gather(refs, *chunks[0], new_staging=True, unlock=len(chunks) == 1))
-    sends: list[asyncio.Future] = []
+    if len(refs) < len(m.blocks):     # the receiver has a prefix: send only the rest
+        chunks = _layer_chunks(num_layers, len(refs) * layout.bytes_per_block, chunk_bytes) if refs else [(0, num_layers)]
+        await driver.call(gather(refs, *chunks[0], fresh=True, unlock=len(chunks) == 1))
+    unlocking = None
     if len(chunks) == 1 and not m.released:   # nothing left to gather: unlock while chunk 0 travels
-        sends.append(asyncio.ensure_future(driver.call(gather(refs, 0, 0, unlock=True))))
+        unlocking = asyncio.ensure_future(driver.call(gather(refs, 0, 0, unlock=True)))
     try:
         for c, (l0, l1) in enumerate(chunks):
             if c:
                 await driver.call(gather(refs, l0, l1, unlock=c == len(chunks) - 1))
-            data = protocol.KVData(id=f"{transfer_id}.{c}", deadline=deadline, transfer_id=transfer_id,
-                                   seq=c, layer_start=l0, layer_end=l1, block_ids=alloc.block_ids,
-                                   last=c == len(chunks) - 1,
-                                   tensors=(view[l0:l1],) if refs else ())
-            sends.append(asyncio.ensure_future(protocol.call(conn, data)))
+            sender.send(l0, l1, (view[l0:l1],) if refs else ())
             result["sends"] += 1
             result["chunks"] += 1
-            result["bytes"] += data.tensors[0].nbytes if refs else 0
-        acks = await asyncio.gather(*sends)
+            result["bytes"] += view[l0:l1].nbytes if refs else 0
     finally:
-        await _settle(sends)
-    _record_acks(acks, len(refs), result)
+        if unlocking is not None:
+            await asyncio.gather(unlocking, return_exceptions=True)
+    await _finish(sender, len(refs), result)

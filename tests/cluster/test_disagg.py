@@ -168,6 +168,43 @@ def test_kv_load_failure_fail_ends_the_request_with_an_openai_error(pd):
     pd.nodes.pop("d2").stop()
 
 
+def test_decode_node_without_free_blocks_computes_the_prompt_itself(pd, reference_engine):
+    """d3 has 12 blocks; request A (40 + 140 tokens) decodes there and holds
+    3 or more, so B's 150-token prompt (10 blocks) cannot be reserved: d3
+    computes B itself (no prefill leg), once A leaves it room. Both get the
+    reference tokens, and no block stays owned on either side."""
+    pd.wait_gone("d2", 10)
+    pd.start_node("d3", "--role", "decode", "--prefill-threshold", "0", "--kv-blocks", "12",
+                  "--host-kv-blocks", "0")
+    pd.wait_nodes(["d1", "d3", "p1"])
+    admin(pd.admin_socket, "drain", node="d1")
+    a, b = prompt(61, 40), prompt(62, 150)
+    ref = reference_tokens(reference_engine, [a, b], 140)
+    client = pd.client(timeout=60)
+    try:
+        before = node_status(pd, "p1")["disaggregation"]["prefill"].get("done", 0)
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            it = client.completions.create(model=MODEL, prompt=a, max_tokens=140, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})
+            chunks = iter(it)
+            first = next(chunks).choices[0].text                 # A is decoding on d3 now
+            running_b = pool.submit(stream, client, b, 10)
+            text_a = first + "".join(c.choices[0].text for c in chunks)
+            text_b, finish_b, usage_b = running_b.result(60)
+        tok = reference_engine.tokenizer
+        assert text_a == tok.decode(ref[0])
+        assert text_b == tok.decode(ref[1][:10]) and finish_b == "length"
+        st = node_status(pd, "d3")["disaggregation"]["decode"]
+        assert st["no_blocks"] == 1 and st["remote"] == 1 and st["failed"] == 0, st
+        # only A's prompt went through the prefill node
+        assert node_status(pd, "p1")["disaggregation"]["prefill"].get("done", 0) == before + 1
+        wait_idle(pd, ["d1", "d3", "p1"])
+    finally:
+        admin(pd.admin_socket, "undrain", node="d1")
+    pd.nodes.pop("d3").stop()
+    pd.wait_gone("d3", 10)
+
+
 def test_prefill_node_that_dies_mid_request_is_recomputed(pd, reference_engine):
     """The prefill node stops (SIGSTOP: no answer, no heartbeat, no KV): the
     coordinator declares it dead and tells the decode node, which computes
@@ -217,6 +254,36 @@ async def forge_commit(c: Cluster) -> list:
     finally:
         await conn.close()
     return [commit, data]
+
+
+def test_prefill_node_is_the_one_whose_cache_holds_the_prefix(tmp_path, reference_engine):
+    """2P1D, prompt-tree routing: a prompt computed on p2 (p1 drained) leaves
+    its prefix in p2's cache; later prompts sharing it go to p2 again (the
+    prefill role's prompt tree), though least-load would pick idle p1 by
+    name, and are served from that cache with the reference tokens."""
+    roles = {"p1": "prefill", "p2": "prefill", "d1": "decode"}
+    c = start(tmp_path, "zmq+tcp", roles)
+    try:
+        assert admin(c.admin_socket, "routing", policy="prompt-tree")["policy"] == "prompt-tree"
+        client = c.client(timeout=60)
+        system = prompt(70, 96)
+        prompts = [system + prompt(71 + i, 17) for i in range(3)]
+        ref = reference_tokens(reference_engine, prompts, 6)
+        tok = reference_engine.tokenizer
+        admin(c.admin_socket, "drain", node="p1")
+        try:
+            assert stream(client, prompts[0], 6)[0] == tok.decode(ref[0])
+        finally:
+            admin(c.admin_socket, "undrain", node="p1")
+        for p, r in zip(prompts[1:], ref[1:]):
+            text, _, usage = stream(client, p, 6)
+            assert text == tok.decode(r)
+            assert usage.prompt_tokens_details.cached_tokens >= 96     # p2's prefix cache
+        done = {n: node_status(c, n)["disaggregation"]["prefill"].get("done", 0) for n in ("p1", "p2")}
+        assert done == {"p1": 0, "p2": 3}
+        wait_idle(c, roles)
+    finally:
+        c.stop()
 
 
 @pytest.mark.parametrize("transport,dtype,roles", [

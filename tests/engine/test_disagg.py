@@ -13,7 +13,7 @@ from engine.stream import STAGING, stream_in
 
 
 class ListSink:
-    """A KVSink that keeps the staged layers (what kvd's KVSender sends)."""
+    """A KVSink that keeps the staged layers (what kvd's LayerSender sends)."""
 
     def __init__(self, skip_blocks: int) -> None:
         self.skip_blocks = skip_blocks

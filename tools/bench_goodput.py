@@ -1,0 +1,127 @@
+"""Why disaggregate (DistServe's goodput): 1P1D vs two mixed nodes on the
+same two cores, under a workload that mixes long prompts with chat.
+
+Two configurations, each a real coordinator and two node processes, every
+node pinned to one core with ``taskset`` (one torch thread each), started
+one after the other and alternated ``--rounds`` times (the host is shared):
+
+- ``1p1d``:  a prefill node on core 0, a decode node on core 1;
+- ``mixed``: two mixed nodes, on core 0 and core 1 (each prefills and
+             decodes its own requests, as a colocated engine does).
+
+The workload is two ``kvd-loadgen`` processes started together against the
+coordinator: ``long`` (random prompts of 1,024–2,048 tokens, 8-token
+answers) and ``chat`` (64-token prompts, ``--chat-output`` tokens, 256 by
+default), Poisson arrivals at ``--long-rate`` and ``--chat-rate`` for
+``--duration`` seconds. Reported per class: p50/p99 TPOT and ITL, and
+goodput (requests per second meeting the SLO, ``--slo-ttft`` and
+``--slo-tpot`` in ms); the total goodput is the sum of both classes'.
+
+    .venv/bin/python tools/bench_goodput.py [--rounds 2] [--duration 60]
+        [--long-rate 0.15] [--chat-rate 0.5] [--slo-ttft 10000] [--slo-tpot 100]
+
+Prints a markdown table (medians over rounds) and writes JSON to results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tools._twoproc import write_results  # noqa: E402
+from tools.bench_disagg import cluster  # noqa: E402
+
+CONFIGS = {"1p1d": {"p1": ("prefill", 0), "d1": ("decode", 1)},
+           "mixed": {"n1": ("mixed", 0), "n2": ("mixed", 1)}}
+METRICS = ("median_tpot_ms", "p99_tpot_ms", "median_itl_ms", "p99_itl_ms", "median_ttft_ms", "p99_ttft_ms")
+
+
+def loadgen(base: str, cls: str, args: argparse.Namespace, out: str) -> subprocess.Popen:
+    """One kvd-loadgen process for workload class ``cls`` (long | chat)."""
+    rate = args.long_rate if cls == "long" else args.chat_rate
+    shape = (["--random-input-len", "1536", "--random-range-ratio", "0.33", "--random-output-len", "8"]
+             if cls == "long" else
+             ["--random-input-len", "64", "--random-output-len", str(args.chat_output)])
+    return subprocess.Popen(
+        [sys.executable, "-m", "tools.loadgen.cli", "run", "--base-url", base, "--tokenizer", args.model,
+         "--dataset-name", "random", *shape, "--num-prompts", str(max(1, round(rate * args.duration))),
+         "--request-rate", str(rate), "--ignore-eos", "--seed", str(args.seed + (cls == "chat")),
+         "--goodput", f"ttft:{args.slo_ttft}", f"tpot:{args.slo_tpot}", "--percentile-metrics", "ttft,tpot,itl",
+         "--metric-percentiles", "50,99", "--save-result", "--result-dir", os.path.dirname(out),
+         "--result-filename", os.path.basename(out), "--disable-tqdm"],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+
+
+def run_once(config: str, args: argparse.Namespace, tmp: str, rnd: int) -> dict:
+    with cluster(f"{config}-{rnd}", args, tmp, CONFIGS[config]) as base:
+        load0 = os.getloadavg()
+        outs = {cls: os.path.join(tmp, f"{config}-{rnd}-{cls}.json") for cls in ("long", "chat")}
+        procs = {cls: loadgen(base, cls, args, out) for cls, out in outs.items()}
+        for cls, p in procs.items():
+            if p.wait(args.duration * 20 + 600) != 0:
+                raise SystemExit(f"bench_goodput: kvd-loadgen ({config}, {cls}) exited {p.returncode}")
+        result = {"config": config, "round": rnd, "load1_start": load0[0], "load1_end": os.getloadavg()[0]}
+        for cls, out in outs.items():
+            r = json.loads(Path(out).read_text())
+            result[cls] = {k: r.get(k) for k in (*METRICS, "request_goodput", "completed", "failed", "duration")}
+        result["goodput"] = sum(result[c]["request_goodput"] or 0 for c in ("long", "chat"))
+        return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per class")
+    ap.add_argument("--long-rate", type=float, default=0.15)
+    ap.add_argument("--chat-rate", type=float, default=0.5)
+    ap.add_argument("--chat-output", type=int, default=256)
+    ap.add_argument("--slo-ttft", type=float, default=10000.0, help="ms")
+    ap.add_argument("--slo-tpot", type=float, default=100.0, help="ms")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--transport", default="zmq+tcp")
+    ap.add_argument("--out", default=str(REPO / "results" / "bench_goodput.json"))
+    args = ap.parse_args()
+    args.lengths = [2048 + args.chat_output]        # cluster(): max-model-len and KV blocks
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="kvd-goodput-") as tmp:
+        for rnd in range(args.rounds):
+            for config in (CONFIGS if rnd % 2 == 0 else list(CONFIGS)[::-1]):
+                t0 = time.monotonic()
+                rows.append(run_once(config, args, tmp, rnd))
+                r = rows[-1]
+                print(f"round {rnd} {config:5s} ({time.monotonic() - t0:.0f} s, load {r['load1_start']:.2f}"
+                      f"→{r['load1_end']:.2f}): " + ", ".join(
+                          f"{c} TPOT p50/p99 {r[c]['median_tpot_ms']:.0f}/{r[c]['p99_tpot_ms']:.0f} ms "
+                          f"ITL p50/p99 {r[c]['median_itl_ms']:.0f}/{r[c]['p99_itl_ms']:.0f} ms "
+                          f"goodput {r[c]['request_goodput']:.3f}/s" for c in ("long", "chat")), flush=True)
+    print(f"\nSLO: TTFT <= {args.slo_ttft:.0f} ms, TPOT <= {args.slo_tpot:.0f} ms; long {args.long_rate}/s, "
+          f"chat {args.chat_rate}/s ({args.chat_output} tokens) for {args.duration:.0f} s; medians of "
+          f"{args.rounds} rounds\n")
+    print("| config | chat TPOT p50 / p99 (ms) | chat ITL p50 / p99 (ms) | long TTFT p50 / p99 (s) "
+          "| goodput chat + long (req/s) | load average |")
+    print("|---|---|---|---|---|---|")
+    for config in CONFIGS:
+        rs = [r for r in rows if r["config"] == config]
+        med = lambda cls, k: statistics.median(r[cls][k] for r in rs)  # noqa: E731
+        print(f"| {config} | {med('chat', 'median_tpot_ms'):.0f} / {med('chat', 'p99_tpot_ms'):.0f} "
+              f"| {med('chat', 'median_itl_ms'):.0f} / {med('chat', 'p99_itl_ms'):.0f} "
+              f"| {med('long', 'median_ttft_ms') / 1e3:.1f} / {med('long', 'p99_ttft_ms') / 1e3:.1f} "
+              f"| {statistics.median(r['goodput'] for r in rs):.3f} "
+              f"({med('chat', 'request_goodput'):.3f} + {med('long', 'request_goodput'):.3f}) "
+              f"| {min(r['load1_start'] for r in rs):.1f}–{max(r['load1_end'] for r in rs):.1f} |")
+    write_results(args.out, rows)
+
+
+if __name__ == "__main__":
+    main()
