@@ -21,6 +21,7 @@ class EngineConfig:
     host_kv_blocks: int = 2048          # host tier (swap space, demoted cache)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 4096
+    prefill_chunk_tokens: int = 256     # chunked prefill: most prompt tokens per step; 0: off
     max_model_len: int | None = None    # None: the model's max_position_embeddings
     preemption_mode: str = "swap"
     enable_prefix_caching: bool = True
@@ -43,4 +44,4 @@ class EngineConfig:
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError("num_threads must be >= 1")
         SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.block_size,
-                        self.preemption_mode, self.enable_prefix_caching)
+                        self.preemption_mode, self.enable_prefix_caching, self.prefill_chunk_tokens)

@@ -24,7 +24,7 @@ from engine.request import FinishReason, InvalidParam, Request, RequestOutput, R
 from engine.config import EngineConfig  # noqa: F401  (re-exported: callers import it from here)
 from engine.runner import ModelRunner
 from engine.sampling import make_generator
-from engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from engine.scheduler import Scheduler, SchedulerConfig
 from engine.stream import KVSink, LayerStreamer
 from kernels.fused_decode import FusedDecoder
 from kernels.plan_decode import PlanDecoder
@@ -113,7 +113,8 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             block_size=config.block_size, preemption_mode=config.preemption_mode,
-            enable_prefix_caching=config.enable_prefix_caching), self.pool)
+            enable_prefix_caching=config.enable_prefix_caching,
+            prefill_chunk_tokens=config.prefill_chunk_tokens), self.pool)
         device_kv = self.kv.tier("device")
         fused = None
         if config.decode_kernel == "auto":   # one C++ call per decode step where one can run it
@@ -278,24 +279,39 @@ class LLMEngine:
             return []
         self.stats.steps += 1
         self.stats.preemptions += len(batch.preempted)
-        if not batch.requests:
-            return []
-        return self._execute(batch)
+        outs = []
+        if batch.prefill:
+            outs += self._execute(batch.prefill, True, batch.prefill_lens)
+        if batch.decode:
+            outs += self._execute(batch.decode, False)
+        return outs
 
-    def _execute(self, batch: ScheduledBatch) -> list[RequestOutput]:
-        reqs = batch.requests
+    def _execute(self, reqs: list[Request], is_prefill: bool, num_new: list[int] | None = None
+                 ) -> list[RequestOutput]:
+        """Run one call of the runner over ``reqs`` (a prefill part computing
+        ``num_new`` tokens each, or a decode part) and apply its tokens.
+
+        A streamed prefill (``kv_out``) sends its prompt's KV in the step of its
+        last chunk: after each layer of that step, the layer's KV of every
+        prompt block (the earlier chunks' blocks hold theirs already) goes to
+        the sink, so every layer streams once, in order, as unchunked."""
         banned = [(i, ids) for i, r in enumerate(reqs) if (ids := self.outputs.banned_ids(r))]
-        streamed = [r for r in reqs if r.kv_out is not None] if batch.is_prefill else []
+        streamed = ([r for r, n in zip(reqs, num_new) if r.kv_out is not None and r.num_computed + n == r.num_tokens]
+                    if is_prefill else [])
         on_layer = LayerStreamer(self.pool, [(self._prompt_blocks(r)[r.kv_out.skip_blocks:], r.kv_out)
                                              for r in streamed]) if streamed else None
-        tokens = self.runner.execute(reqs, batch.is_prefill,
-                                     [self._generators[r.request_id] for r in reqs], banned, on_layer)
+        tokens = self.runner.execute(reqs, is_prefill, [self._generators[r.request_id] for r in reqs],
+                                     banned, on_layer, num_new)
         outs = []
-        for req, tok in zip(reqs, tokens):
-            if batch.is_prefill and req.num_preemptions == 0:
+        for i, (req, tok) in enumerate(zip(reqs, tokens)):
+            if tok is None:                               # a prefill chunk short of the prompt's end
+                req.num_computed += num_new[i]
+                continue
+            if is_prefill and req.num_preemptions == 0:
                 self.stats.prompt_tokens += len(req.prompt_ids)
                 self.stats.prefix_hit_tokens += req.num_cached_tokens
             req.num_computed = req.num_tokens
+            req.prefilling = False
             out = self.outputs.append(req, tok)
             self.stats.generation_tokens += 1
             if req.kv_out is not None and not out.finished:

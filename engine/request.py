@@ -171,6 +171,7 @@ class Request:
     prefix: object | None = None        # MemPool PrefixLock (match), released exactly once
     kv_out: object | None = None        # engine.stream.KVSink: prefill here, stream the KV, hand off
     num_computed: int = 0
+    prefilling: bool = False            # admitted; its last prefill chunk (which samples) not run yet
     num_cached_tokens: int = 0          # prompt tokens served from the prefix cache
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None

@@ -1,13 +1,16 @@
 """ModelRunner: turns a scheduled batch into tensors, runs the model, samples.
 
-Input layout of one step (T tokens over B requests)::
+Input layout of one call (T tokens over B requests)::
 
-    prefill: ids  [t0 t1 t2 | u0 u1 | ...]   each request's uncomputed tokens, concatenated
+    prefill: ids  [t0 t1 t2 | u0 u1 | ...]   each request's next ``num_new`` tokens (a chunk
+                                             of its prompt, or all it has left), concatenated
     decode:  ids  [a b c ...]                one token per request
     slots:   (block_table[pos // bs], pos % bs) for every token
 
-Only each request's last row reaches the LM head: the head is the largest
-matmul of a small model and prefill would otherwise pay it per prompt token.
+Only the last row of each request that reaches its last token goes to the LM
+head: the head is the largest matmul of a small model and prefill would
+otherwise pay it per prompt token; a request whose chunk stops short of the
+end samples nothing.
 
 A decode step goes to a one-call C++ decoder when the runner has one: the
 fused bf16 kernel (kernels/fused_decode.py, bf16 on an AVX512-BF16 CPU) or the
@@ -45,18 +48,20 @@ class ModelRunner:
         self.block_size = block_size
         self.fused = fused
 
-    def build_batch(self, requests: list[Request], is_prefill: bool
+    def build_batch(self, requests: list[Request], is_prefill: bool, num_new: list[int] | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch, list[int]]:
-        """ids [T], positions [T], attention metadata, and each request's last row."""
+        """ids [T], positions [T], attention metadata, and each request's last row.
+        ``num_new[i]``: tokens request i computes (prefill; default: all it has left)."""
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         last_rows: list[int] = []
         prefill: list[PrefillSeq] = []
-        for req in requests:
+        for i, req in enumerate(requests):
             tokens = req.all_ids
-            start, end = req.num_computed, len(tokens)
+            start = req.num_computed
+            end = start + num_new[i] if num_new is not None else len(tokens)
             table = req.block_ids
             if is_prefill:
                 prefill.append(PrefillSeq(q_start=len(ids), q_len=end - start, ctx_len=end,
@@ -85,21 +90,35 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, requests: list[Request], is_prefill: bool, generators: list,
                 banned: list[tuple[int, list[int]]],
-                on_layer: Callable[[int], None] | None = None) -> list[int]:
-        """Run one step; writes KV for every computed token and returns one sampled id per request.
+                on_layer: Callable[[int], None] | None = None,
+                num_new: list[int] | None = None) -> list[int | None]:
+        """Run one call; writes KV for every computed token and returns, per
+        request, its sampled id, or None for a prefill chunk that stops short of
+        the request's last token (nothing sampled).
 
-        ``banned``: (row, token ids) masked for requests below their min_tokens.
+        ``banned``: (request index, token ids) masked for requests below their min_tokens.
         ``on_layer``: the prefill's layer hook (engine.stream.LayerStreamer).
+        ``num_new``: prefill only, tokens each request computes (default: all it has left).
         """
-        ids, positions, batch, last_rows = self.build_batch(requests, is_prefill)
+        ids, positions, batch, last_rows = self.build_batch(requests, is_prefill, num_new)
+        sampled = [i for i, r in enumerate(requests)
+                   if num_new is None or r.num_computed + num_new[i] == r.num_tokens]
         if not is_prefill and self.fused is not None:
             logits = self.fused.decode(ids, positions, batch.block_tables, self.kv)  # [B, V]
         else:
             hidden = self.model.forward(ids, positions, batch, self.kv, on_layer)   # [T, D]
-            if len(last_rows) != hidden.shape[0]:
-                hidden = hidden[torch.tensor(last_rows, dtype=torch.int64)]  # [B, D]
-            logits = self.model.compute_logits(hidden)                       # [B, V]
-        if banned:
+            if not sampled:
+                return [None] * len(requests)
+            rows = [last_rows[i] for i in sampled]
+            if len(rows) != hidden.shape[0]:
+                hidden = hidden[torch.tensor(rows, dtype=torch.int64)]       # [B', D]
+            logits = self.model.compute_logits(hidden)                       # [B', V]
+        row_of = {i: row for row, i in enumerate(sampled)}
+        if banned := [(row_of[i], ids) for i, ids in banned if i in row_of]:
             apply_min_tokens(logits, banned)
-        return sample(logits, [r.params for r in requests], generators,
-                      [len(r.output_ids) for r in requests])
+        picked = sample(logits, [requests[i].params for i in sampled], [generators[i] for i in sampled],
+                        [len(requests[i].output_ids) for i in sampled])
+        tokens: list[int | None] = [None] * len(requests)
+        for i, tok in zip(sampled, picked):
+            tokens[i] = tok
+        return tokens

@@ -1,21 +1,43 @@
-"""Iteration-level scheduling over the MemPool: admission, decode, preemption.
+"""Iteration-level scheduling over the MemPool: admission, chunked prefill, decode, preemption.
 
-Pure Python (no torch). Each call to :meth:`Scheduler.schedule` picks ONE kind
-of step — prefill or decode — because on this engine they never share a step
-(DESIGN §4). The policy:
+Pure Python (no torch). Each call to :meth:`Scheduler.schedule` picks the work
+of one engine step: a prefill part (requests computing a run of their
+uncomputed tokens) and a decode part (one token for every other running
+request).
+
+The policy:
 
 0. Prefilled requests (their prompt's KV computed by another instance and
    imported into reserved blocks, ``add_prefilled``) join the running set
    while sequence slots last; they decode in the next decode step.
 1. Swapped requests come back first (FCFS), if their blocks fit on device.
-2. Otherwise admit waiting requests FCFS while blocks, sequence slots and the
+   While any request is swapped out, nothing is admitted.
+2. Admission: waiting requests FCFS while blocks, sequence slots and the
    token budget last: ``MemPool.match`` finds the cached prefix (locked for the
-   request), ``alloc_mem`` gets the rest. If anything was admitted, the step is
-   a prefill of the admitted requests.
-3. Otherwise decode every running request. A request crossing a block boundary
-   needs one new block; when the pool is dry, the most recently arrived running
-   request is preempted — swapped to the host tier, or, when the host tier is
-   full or swapping is off, reset for recompute — until the rest fit.
+   request), ``alloc_mem`` gets the blocks of the whole sequence.
+3. Decode: every running request whose prefill is done. A request crossing a
+   block boundary needs one new block; when the pool is dry, the most recently
+   arrived running request (decoding or prefilling) is preempted — swapped to
+   the host tier, or, when the host tier is full or swapping is off, reset for
+   recompute — until the rest fit.
+
+**Chunked prefill** (``prefill_chunk_tokens > 0``, the default): every step
+decodes (3.) and then gives at most ``prefill_chunk_tokens`` prompt tokens to
+the unfinished prefills, oldest first, and to newly admitted requests (2.,
+skipped in a step that preempted), so a long prompt is computed over several
+steps while every running request still gets one token per step: a 4K-token
+prompt delays each stream's next token by one chunk's compute instead of the
+whole prompt's (tools/bench_chunked_prefill.py). Decode tokens do not count
+against the chunk: the decode part runs in its own call (the one-call decoder
+where there is one), so the chunk bounds what the prefill adds to a step. A
+request keeps the blocks it was admitted with while its prompt is computed
+chunk by chunk (``Request.prefilling``) and samples its first token in the
+step that computes its last chunk.
+
+**Unchunked** (``prefill_chunk_tokens = 0``): a step is prefill or decode,
+never both. If anything was admitted (2.; the first request always fits the
+``max_num_batched_tokens`` budget), the step is a prefill of the admitted
+requests' whole prompts; otherwise it decodes (3.).
 
 Preemption never fails a request, and every path returns its blocks exactly
 once: that is what ``MemPool.check_integrity`` verifies in the tests.
@@ -36,8 +58,11 @@ class SchedulerConfig:
     block_size: int = 16
     preemption_mode: str = "swap"        # "swap" | "recompute"
     enable_prefix_caching: bool = True
+    prefill_chunk_tokens: int = 0        # 0: whole prompts, in steps of their own
 
     def __post_init__(self) -> None:
+        if self.prefill_chunk_tokens < 0:
+            raise ValueError("prefill_chunk_tokens must be >= 0 (0 turns chunked prefill off)")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
         if self.max_num_batched_tokens < 1:
@@ -48,10 +73,16 @@ class SchedulerConfig:
 
 @dataclass
 class ScheduledBatch:
-    """One step's work: requests compute ``all_ids[num_computed:]`` and sample one token."""
+    """One step's work.
 
-    is_prefill: bool
-    requests: list[Request]
+    ``prefill[i]`` computes ``prefill_lens[i]`` tokens, ``all_ids[num_computed:
+    num_computed + prefill_lens[i]]``, and samples a token only when they reach
+    the end of ``all_ids`` (its last chunk). ``decode``: one token each.
+    ``preempted``: requests this schedule took off the device."""
+
+    prefill: list[Request] = field(default_factory=list)
+    prefill_lens: list[int] = field(default_factory=list)
+    decode: list[Request] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
 
 
@@ -101,15 +132,40 @@ class Scheduler:
             req = self.prefilled.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+        if self.config.prefill_chunk_tokens:
+            return self._schedule_chunked()
         if self.swapped and self._swap_in_ready():
             pass  # swapped requests rejoin running and decode below
         elif self.waiting and not self.swapped:
-            admitted = self._admit()
+            admitted, lens = self._admit(self.config.max_num_batched_tokens, chunked=False)
             if admitted:
-                return ScheduledBatch(is_prefill=True, requests=admitted)
+                return ScheduledBatch(prefill=admitted, prefill_lens=lens)
         if not self.running:
             return None
         return self._decode_batch()
+
+    def _schedule_chunked(self) -> ScheduledBatch | None:
+        """Decode every running request whose prefill is done, and give the
+        chunk's tokens to the unfinished prefills (oldest first), then to
+        newly admitted requests."""
+        if self.swapped:
+            self._swap_in_ready()
+        batch = self._decode_batch()
+        budget = min(self.config.prefill_chunk_tokens, self.config.max_num_batched_tokens)
+        for req in sorted((r for r in self.running if r.prefilling), key=lambda r: r.arrival):
+            if budget == 0:
+                break
+            n = min(req.num_tokens - req.num_computed, budget)
+            batch.prefill.append(req)
+            batch.prefill_lens.append(n)
+            budget -= n
+        if budget and self.waiting and not self.swapped and not batch.preempted:
+            admitted, lens = self._admit(budget, chunked=True)
+            batch.prefill += admitted
+            batch.prefill_lens += lens
+        if not (batch.prefill or batch.decode or batch.preempted):
+            return None
+        return batch
 
     def _swap_in_ready(self) -> bool:
         """Bring swapped requests back while their blocks fit. True if any did."""
@@ -127,11 +183,16 @@ class Scheduler:
             moved = True
         return moved
 
-    def _admit(self) -> list[Request]:
+    def _admit(self, budget: int, chunked: bool) -> tuple[list[Request], list[int]]:
+        """Admit waiting requests FCFS while ``budget`` prompt tokens, sequence
+        slots and blocks last: (admitted, tokens each computes this step).
+        Unchunked, a request's uncached tokens are computed whole (the first
+        always fits); chunked, the last one admitted may get a part of them.
+        Blocks are allocated for the whole sequence either way."""
         cfg, bs = self.config, self.config.block_size
         admitted: list[Request] = []
-        budget = cfg.max_num_batched_tokens
-        while self.waiting and len(self.running) < cfg.max_num_seqs:
+        lens: list[int] = []
+        while self.waiting and len(self.running) < cfg.max_num_seqs and budget > 0:
             req = self.waiting[0]
             tokens = req.all_ids
             hit = None
@@ -144,7 +205,7 @@ class Scheduler:
                 break
             num_cached = len(cached_ids) * bs
             new_tokens = len(tokens) - num_cached
-            if admitted and new_tokens > budget:
+            if not chunked and admitted and new_tokens > budget:
                 if hit is not None:
                     self.pool.release(hit)
                 break
@@ -160,10 +221,12 @@ class Scheduler:
             if not req.output_ids:                       # a recompute keeps its first count
                 req.num_cached_tokens = num_cached
             req.status = RequestStatus.RUNNING
+            req.prefilling = True
             self.running.append(req)
             admitted.append(req)
-            budget -= new_tokens
-        return admitted
+            lens.append(min(new_tokens, budget) if chunked else new_tokens)
+            budget -= lens[-1]
+        return admitted, lens
 
     def _device_ids_of(self, hit) -> list[int] | None:
         """Device block ids for a locked prefix hit, swapping host-tier blocks in
@@ -185,6 +248,8 @@ class Scheduler:
         queue = sorted(self.running, key=lambda r: r.arrival)
         while queue:
             req = queue.pop(0)
+            if req.prefilling:           # holds its blocks already; a victim like any other
+                continue
             if req.num_computed < len(req.block_ids) * bs:
                 batch.append(req)
                 continue
@@ -200,7 +265,7 @@ class Scheduler:
                 if victim is req:
                     break
         self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
-        return ScheduledBatch(is_prefill=False, requests=batch, preempted=preempted)
+        return ScheduledBatch(decode=batch, preempted=preempted)
 
     def _preempt(self, req: Request) -> None:
         """Release ``req``'s device memory: swap its private KV out, or drop it for recompute."""

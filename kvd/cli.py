@@ -31,6 +31,8 @@ ENGINE_FLAGS = {
     "--host-kv-blocks": ("host_kv_blocks", int, "KV blocks in the host tier (swap space)"),
     "--max-num-seqs": ("max_num_seqs", int, "most requests decoding at once"),
     "--max-num-batched-tokens": ("max_num_batched_tokens", int, "prefill token budget per step"),
+    "--prefill-chunk-tokens": ("prefill_chunk_tokens", int,
+                               "chunked prefill: most prompt tokens per step, beside the decodes (0: off)"),
     "--max-model-len": ("max_model_len", int, "context length (default: the model's)"),
     "--preemption-mode": ("preemption_mode", str, "swap or recompute"),
     "--num-threads": ("num_threads", int, "torch threads (default: torch's choice)"),
