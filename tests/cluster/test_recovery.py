@@ -245,3 +245,38 @@ def test_a_forged_replica_from_another_nodes_key_is_refused(ring):
             await conn.close()
     asyncio.run(forge())
     assert admin(c.node_admin("n2"), "status")["replication"]["holder"]["replicas"] == 0
+
+
+def test_kill9_over_ucx_resumes_on_the_replica(tmp_path, reference_engine):
+    c = start(tmp_path, "ucx")
+    try:
+        s = Streams(c, 2, seed0=80)
+        while sum(1 for n in s.counts if n >= 5) < 2:
+            time.sleep(0.02)
+        victim = busiest(c)
+        on_victim = wait_replicated(c, victim, 32)
+        c.nodes[victim].kill9()
+        s.join()
+        check_texts(s, reference_engine)
+        assert admin(c.admin_socket, "status")["recoveries"].get("replica/resumed", 0) == len(on_victim)
+        wait_baseline(c, [n for n in NODES if n != victim])
+    finally:
+        c.stop()
+
+
+def test_reprefill_policy_resumes_without_replicas(tmp_path, reference_engine):
+    c = start(tmp_path, "zmq+tcp", extra=("--replicas", "0", "--recovery", "reprefill"))
+    try:
+        s = Streams(c, 2, seed0=90)
+        while sum(1 for n in s.counts if n >= 20) < 2:
+            time.sleep(0.02)
+        victim = busiest(c)
+        assert all(r["replica_holder"] == "" for r in requests(c).values())
+        c.nodes[victim].kill9()
+        s.join()
+        check_texts(s, reference_engine)
+        assert admin(c.admin_socket, "status")["recoveries"].get("reprefill/resumed", 0) >= 1
+        assert all(admin(c.node_admin(n), "status")["replication"]["holder"]["received_blocks"] == 0
+                   for n in NODES if n != victim)
+    finally:
+        c.stop()
