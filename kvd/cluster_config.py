@@ -159,8 +159,8 @@ class ClusterConfig:
     routing_max_imbalance: int = 4
     routing_pending_ttl: float = 30.0
     cache_events_interval: float = 0.05
-    replicas: int = 1
-    recovery: str = "replica"
+    replicas: int = 0
+    recovery: str = "fail"
     max_recoveries: int = 3
     replica_kv_blocks: int = 1024
     replication_interval: float = 0.05
