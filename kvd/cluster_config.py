@@ -103,6 +103,7 @@ class ClusterConfig:
     prefill_threshold: a decode node computes a prompt itself when fewer
         than this many of its tokens are not in its prefix cache (the rest
         go to a prefill node); 0 sends every prompt to a prefill node.
+        The default, 64, is measured (tools/bench_disagg.py, docs/benchmarks.md).
     kv_load_failure: what a decode node does when the prompt's KV does not
         arrive (prefill node dead, transfer past its deadline, refused):
         "recompute" the prompt itself (the request completes), or "fail" it.
