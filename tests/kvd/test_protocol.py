@@ -39,6 +39,9 @@ EXAMPLES = [
     P.Accepted(id="g2", request_id="r2", kv_transfer_id="pd-1", kv_block_ids=(7, 8), kv_have_blocks=1,
                kv_num_layers=30, kv_dtype="float32"),
     P.KVCommit(transfer_id="pd-1", request_id="r2", status="done", first_token=42, cached_tokens=16),
+    P.ReplicaData(source="n1", block_size=2, request_ids=("r1",), starts=(0,), counts=(1,), token_ids=(5, 6),
+                  frees=("r0",), tensors=(RawTensor("int8", (1, 2, 1, 2, 1, 2), memoryview(b"abcdefgh")),)),
+    P.ReplicaAck(held={"r1": 2}, refused={"r2": "over the replica budget"}),
     P.TokenChunk(request_id="r1", start_index=4, token_ids=(9, 10), text="hi",
                  finish_reason="stop", usage={"prompt_tokens": 3, "completion_tokens": 6}),
     P.Abort(request_id="r1", reason="client left"),
@@ -270,8 +273,8 @@ def test_tier_names_are_the_engines():
 
 
 @pytest.mark.parametrize("type_, field_", [
-    ("Welcome", "replica_peer"), ("Heartbeat", "cached_prefixes"), ("Heartbeat", "replicated"),
-    ("GenerateRequest", "output_token_ids"), ("KVTransferRequest", "purpose"), ("Hello", "capabilities"),
+    ("Heartbeat", "cached_prefixes"), ("Heartbeat", "replicated"),
+    ("KVTransferRequest", "purpose"), ("Hello", "capabilities"),
 ])
 def test_fields_nothing_used_are_gone(type_, field_):
     # they were never read; a peer that still sends one is told so
