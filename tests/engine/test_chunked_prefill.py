@@ -9,12 +9,18 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
+from engine.model.llama import LlamaModel
+from engine.model.config import tiny_config
+from engine.model.weights import NATIVE_GGUF_TYPES, load_gguf, random_weights
 from engine.request import SamplingParams
 from engine.scheduler import SchedulerConfig
+from kernels.attention import AttentionBatch, PrefillSeq
 
 from .test_disagg import reference, run_disaggregated
-from .test_quant_weights import kernel, native_engine, tiny_gguf  # noqa: F401  (fixtures)
+from .test_quant_weights import _args, kernel, native_engine, tiny_gguf  # noqa: F401  (fixtures)
+from .test_weights import write_gguf
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 CHUNKS = [5, 16, 37]
@@ -162,3 +168,43 @@ def test_native_weights_chunked_equals_unchunked(tiny_gguf, tokenizer, kernel): 
 def test_config_is_validated():
     with pytest.raises(ValueError, match="prefill_chunk_tokens"):
         SchedulerConfig(prefill_chunk_tokens=-1)
+
+
+# ------------------------------------------------------------- the model alone
+def chunked_prefill(model, prompt: list[int], chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every position's logits [len(prompt), V] and the KV, the prompt computed
+    ``chunk`` tokens per forward call (chunk >= len(prompt): one call), each
+    call attending to the KV the earlier calls wrote, as the engine's chunks do."""
+    c, bs = model.config, 16
+    kv = torch.zeros(c.num_layers, 2, 64, bs, c.num_kv_heads, c.head_dim, dtype=model.dtype)
+    table = torch.arange(-(-len(prompt) // bs))
+    logits = []
+    for start in range(0, len(prompt), chunk):
+        end = min(start + chunk, len(prompt))
+        seq = PrefillSeq(0, end - start, end, table[:-(-end // bs)])
+        batch = AttentionBatch(slots=torch.tensor([int(table[p // bs]) * bs + p % bs for p in range(start, end)]),
+                               is_prefill=True, prefill=[seq])
+        hidden = model.forward(torch.tensor(prompt[start:end]), torch.arange(start, end), batch, kv)
+        logits.append(model.compute_logits(hidden))
+    return torch.cat(logits), kv
+
+
+@pytest.mark.parametrize("fmt", NATIVE_GGUF_TYPES)
+def test_native_weights_chunks_are_bit_for_bit_the_whole_prompt(tmp_path, kernel, fmt):  # noqa: F811
+    """Native weights, fp32 activations: the quantized matmul gives a row the same
+    bits whatever M is, the blocked attention a query the same bits however its
+    prompt is split, and every other op is row-local: every position's logits and
+    every layer's KV are identical, chunked or not (by construction, checked here).
+    head_dim 32: the blocked attention kernel's smallest (the tiny model's 16 runs
+    torch's SDPA, whose masked path for a chunk rounds otherwise than its causal
+    path for a whole prompt: exact by measurement, the tests above)."""
+    path = tmp_path / "hd32.gguf"
+    write_gguf(path, random_weights(tiny_config(vocab_size=512, hidden_size=128, head_dim=32), seed=5, std=0.08), fmt)
+    model = LlamaModel(*_args(load_gguf(path, quantized=True)), quant_kernel=kernel)
+    assert model.quantized and model.attention_kernel is not None
+    prompt = prompts(1, lo=300, hi=301, seed=1)[0]
+    whole, kv = chunked_prefill(model, prompt, len(prompt))
+    for chunk in (1, 7, 16, 100):
+        logits, kv_chunked = chunked_prefill(model, prompt, chunk)
+        assert torch.equal(logits, whole), chunk
+        assert torch.equal(kv_chunked, kv), chunk

@@ -14,6 +14,7 @@ from engine.request import SamplingParams
 from kernels.attention import AttentionBatch, PrefillSeq
 
 from .conftest import build_engine
+from .test_chunked_prefill import chunked_prefill
 
 pytestmark = pytest.mark.slow
 
@@ -189,3 +190,36 @@ def test_native_weights_preemption_exactness(native_engine, prompts, mode):
     assert small.generate(prompts, params) == alone
     assert small.stats.preemptions > 0
     small.check_integrity()
+
+
+@pytest.mark.parametrize("weights", ["float32", "bfloat16", "native"])
+def test_real_model_chunked_prefill_exactness(smollm2_weights, smollm2_source, native_engine, prompts, weights):
+    """Chunked prefill, chunks of 5 tokens (every fidelity prompt spans several,
+    and they share steps with the decodes): a batch of 16 and each prompt alone
+    give the tokens of an unchunked prefill alone, in fp32, bf16 and native weights."""
+    tok = smollm2_source.load_tokenizer()
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+
+    def make(**kw) -> LLMEngine:
+        if weights != "native":
+            return build_engine(smollm2_weights, tok, dtype=weights, kv_blocks=512, **kw)
+        return LLMEngine(EngineConfig(model="smollm2", dtype="float32", kv_blocks=512, **kw),
+                         native_engine.model, tok, "smollm2")
+
+    unchunked = make(prefill_chunk_tokens=0, enable_prefix_caching=False)
+    want = [unchunked.generate([p], params)[0] for p in prompts]
+    chunked = make(prefill_chunk_tokens=5, enable_prefix_caching=False)
+    assert [chunked.generate([p], params)[0] for p in prompts] == want
+    assert chunked.generate((prompts * 2)[:16], params) == (want * 2)[:16]
+    chunked.check_integrity()
+
+
+def test_native_weights_chunked_prefill_is_bit_for_bit(native_engine):
+    """SmolLM2's native weights: every position's logits and every layer's KV of a
+    300-token prompt computed in chunks equal the whole prompt's bit for bit."""
+    model = native_engine.model
+    prompt = [(37 * i) % 40000 + 100 for i in range(300)]
+    whole, kv = chunked_prefill(model, prompt, len(prompt))
+    for chunk in (16, 100):
+        logits, kv_chunked = chunked_prefill(model, prompt, chunk)
+        assert torch.equal(logits, whole) and torch.equal(kv_chunked, kv), chunk
