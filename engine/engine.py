@@ -110,11 +110,12 @@ class LLMEngine:
                           dtype=model.dtype)
         self.pool = MemPool(device_blocks=config.kv_blocks, host_blocks=config.host_kv_blocks,
                             block_size=config.block_size, storage=self.kv)
+        self.prefill_chunk_tokens = self.effective_chunk_tokens(config, model)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             block_size=config.block_size, preemption_mode=config.preemption_mode,
             enable_prefix_caching=config.enable_prefix_caching,
-            prefill_chunk_tokens=config.prefill_chunk_tokens), self.pool)
+            prefill_chunk_tokens=self.prefill_chunk_tokens), self.pool)
         device_kv = self.kv.tier("device")
         fused = None
         if config.decode_kernel == "auto":   # one C++ call per decode step where one can run it
@@ -125,6 +126,21 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._generators: dict[str, torch.Generator | None] = {}
         self.stats = EngineStats()
+
+    @staticmethod
+    def effective_chunk_tokens(config: EngineConfig, model: LlamaModel) -> int:
+        """``prefill_chunk_tokens`` as this model runs it: 0 (whole prompts)
+        for 16-bit activations. A bf16 chunk runs its GEMMs and SDPA with
+        fewer query rows than the whole prompt does, and on an AMX CPU oneDNN
+        and torch's flash attention pick other kernels (another summation
+        order) below 64 rows, so greedy tokens can differ from the unchunked
+        engine's; fp32 activations (native and dequantized weights) chunk."""
+        if config.prefill_chunk_tokens and model.dtype != torch.float32:
+            log.warning("prefill_chunk_tokens = %d ignored: %s activations prefill whole prompts "
+                        "(chunks would not be token-exact, docs/architecture.md)",
+                        config.prefill_chunk_tokens, str(model.dtype).removeprefix("torch."))
+            return 0
+        return config.prefill_chunk_tokens
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "LLMEngine":

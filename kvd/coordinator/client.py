@@ -120,7 +120,7 @@ class _Stream:
     after."""
 
     __slots__ = ("node", "prefill", "queue", "next_index", "prompt_len", "early", "request", "tokens",
-                 "recoveries", "failed")
+                 "recoveries", "failed", "recovering")
 
     def __init__(self, node: str, request: protocol.GenerateRequest) -> None:
         self.node = node
@@ -133,6 +133,7 @@ class _Stream:
         self.tokens: list[int] = []
         self.recoveries = 0
         self.failed: set[str] = set()                      # nodes that lost this request
+        self.recovering = False                            # a _recover task owns it
 
     def legs(self) -> tuple[str, ...]:
         return (self.node, self.prefill) if self.prefill else (self.node,)
@@ -459,6 +460,9 @@ class RemoteEngineClient:
             stream = self._streams.get(rid)
             if stream is None or stream.node != node:
                 continue
+            if stream.recovering:               # its _recover call to ``node`` fails and it moves on
+                stream.failed.add(node)
+                continue
             if self.recovery.policy == "fail" or stream.recoveries >= self.recovery.max_recoveries:
                 ended.append(rid)
                 continue
@@ -471,7 +475,17 @@ class RemoteEngineClient:
         it with its tokens so far elsewhere (RecoveryPolicy.target); a node
         that refuses or cannot be reached is excluded and the next tried, up
         to ``max_recoveries`` in all. The stream points at the new node
-        before the request is sent (its chunks may overtake the answer)."""
+        before the request is sent (its chunks may overtake the answer); while
+        the task runs it owns the stream: a target that dies meanwhile (its
+        link closed, so the call fails at once) is excluded, not recovered
+        a second time."""
+        stream.recovering = True
+        try:
+            await self._recover_once(rid, stream, dead, reason)
+        finally:
+            stream.recovering = False
+
+    async def _recover_once(self, rid: str, stream: _Stream, dead: str, reason: str) -> None:
         if stream.prefill:                          # a prefill leg for the dead decode node: stop it
             self._send_abort(stream.prefill, rid)
             if (p := self.membership.nodes.get(stream.prefill)) is not None:

@@ -178,6 +178,7 @@ def test_kill9_mid_stream_resumes_on_the_replica_with_the_uninterrupted_text(rin
 
 def test_the_holder_killed_instead_keeps_the_requests_and_gives_a_new_peer(ring, reference_engine):
     c = ring
+    restart_all(c)                                    # whatever an earlier test left dead
     s = Streams(c, 4, seed0=20)
     while sum(1 for n in s.counts if n >= 5) < 4:
         time.sleep(0.02)
@@ -207,6 +208,7 @@ def test_the_holder_killed_instead_keeps_the_requests_and_gives_a_new_peer(ring,
 
 def test_node_and_holder_killed_at_once_reprefill_elsewhere(ring, reference_engine):
     c = ring
+    restart_all(c)                                    # whatever an earlier test left dead
     s = Streams(c, 4, seed0=60)
     while sum(1 for n in s.counts if n >= 5) < 4:
         time.sleep(0.02)
@@ -229,6 +231,7 @@ def test_a_forged_replica_from_another_nodes_key_is_refused(ring):
     another source is forbidden at the gate; one naming its own is kept
     apart from every other node's (keyed by the sender)."""
     c = ring
+    restart_all(c)
 
     async def forge():
         conn = await c.connect("n2", as_name="n1")

@@ -35,12 +35,11 @@ def alone(engine, ps, params=GREEDY):
     return [engine.generate([p], params)[0] for p in ps]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_chunked_equals_unchunked_alone_and_in_a_batch_of_16(make_tiny, dtype):
+def test_chunked_equals_unchunked_alone_and_in_a_batch_of_16(make_tiny):
     ps = prompts(16)
-    want = alone(make_tiny(dtype=dtype, prefill_chunk_tokens=0, enable_prefix_caching=False), ps)
+    want = alone(make_tiny(prefill_chunk_tokens=0, enable_prefix_caching=False), ps)
     for chunk in CHUNKS:
-        eng = make_tiny(dtype=dtype, prefill_chunk_tokens=chunk, enable_prefix_caching=False)
+        eng = make_tiny(prefill_chunk_tokens=chunk, enable_prefix_caching=False)
         assert alone(eng, ps[:4]) == want[:4], chunk
         steps = eng.stats.steps
         assert eng.generate(ps, GREEDY) == want, chunk
@@ -48,6 +47,17 @@ def test_chunked_equals_unchunked_alone_and_in_a_batch_of_16(make_tiny, dtype):
         assert eng.stats.steps - steps >= sum(map(len, ps)) // chunk
         eng.check_integrity()
         assert eng.pool.stats()["device"]["used"] == 0
+
+
+def test_a_bf16_engine_prefills_whole_prompts(make_tiny):
+    """16-bit activations ignore prefill_chunk_tokens (LLMEngine.effective_chunk_tokens):
+    a 600-token prompt is one step, and the tokens are the unchunked engine's."""
+    ps = prompts(4, lo=100, hi=600, seed=5)
+    want = alone(make_tiny(dtype="bfloat16", prefill_chunk_tokens=0, enable_prefix_caching=False), ps)
+    eng = make_tiny(dtype="bfloat16", prefill_chunk_tokens=16, enable_prefix_caching=False, kv_blocks=256)
+    assert eng.prefill_chunk_tokens == 0 and eng.scheduler.config.prefill_chunk_tokens == 0
+    assert alone(eng, ps) == want
+    assert make_tiny(prefill_chunk_tokens=16).prefill_chunk_tokens == 16
 
 
 def test_running_streams_decode_in_every_step_of_a_long_prefill(make_tiny):
@@ -133,14 +143,13 @@ def test_abort_mid_prefill_frees_everything(make_tiny):
     assert eng.pool.stats()["device"]["used"] == 0
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_prefill_leg_streams_every_layer_once_from_a_chunked_prompt(make_tiny, dtype):
+def test_prefill_leg_streams_every_layer_once_from_a_chunked_prompt(make_tiny):
     """Disaggregation with the prefill engine chunking: the KV of the earlier
     chunks is in the blocks when the last chunk runs, whose layer loop streams
     every layer of the whole prompt once, in order (run_disaggregated checks);
     the decode engine yields one engine's tokens."""
-    ref_engine = make_tiny(dtype=dtype, prefill_chunk_tokens=0)
-    p, d = make_tiny(dtype=dtype, prefill_chunk_tokens=16), make_tiny(dtype=dtype)
+    ref_engine = make_tiny(prefill_chunk_tokens=0)
+    p, d = make_tiny(prefill_chunk_tokens=16), make_tiny()
     for i, prompt in enumerate(prompts(3, lo=60, hi=200, seed=12)):
         for params in (SamplingParams(max_tokens=10, temperature=0.0),
                        SamplingParams(max_tokens=10, temperature=0.9, seed=7 + i)):
