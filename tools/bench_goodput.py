@@ -40,6 +40,7 @@ sys.path.insert(0, str(REPO))
 
 from tools._twoproc import write_results  # noqa: E402
 from tools.bench_disagg import cluster  # noqa: E402
+from tools.loadgen.report import cpu_model  # noqa: E402
 
 CONFIGS = {"1p1d": {"p1": ("prefill", 0), "d1": ("decode", 1)},
            "mixed": {"n1": ("mixed", 0), "n2": ("mixed", 1)}}
@@ -90,6 +91,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--transport", default="zmq+tcp")
+    ap.add_argument("--kv-blocks", type=int, default=1024, help="per node")
     ap.add_argument("--out", default=str(REPO / "results" / "bench_goodput.json"))
     args = ap.parse_args()
     args.lengths = [2048 + args.chat_output]        # cluster(): max-model-len and KV blocks
@@ -102,25 +104,44 @@ def main() -> None:
                 r = rows[-1]
                 print(f"round {rnd} {config:5s} ({time.monotonic() - t0:.0f} s, load {r['load1_start']:.2f}"
                       f"→{r['load1_end']:.2f}): " + ", ".join(
-                          f"{c} TPOT p50/p99 {r[c]['median_tpot_ms']:.0f}/{r[c]['p99_tpot_ms']:.0f} ms "
-                          f"ITL p50/p99 {r[c]['median_itl_ms']:.0f}/{r[c]['p99_itl_ms']:.0f} ms "
-                          f"goodput {r[c]['request_goodput']:.3f}/s" for c in ("long", "chat")), flush=True)
+                          f"{c} {r[c]['completed']} done, {r[c]['failed']} failed, TPOT p50/p99 "
+                          f"{fmt(r[c]['median_tpot_ms'])}/{fmt(r[c]['p99_tpot_ms'])} ms "
+                          f"ITL p50/p99 {fmt(r[c]['median_itl_ms'])}/{fmt(r[c]['p99_itl_ms'])} ms "
+                          f"goodput {fmt(r[c]['request_goodput'], 3)}/s" for c in ("long", "chat")), flush=True)
     print(f"\nSLO: TTFT <= {args.slo_ttft:.0f} ms, TPOT <= {args.slo_tpot:.0f} ms; long {args.long_rate}/s, "
           f"chat {args.chat_rate}/s ({args.chat_output} tokens) for {args.duration:.0f} s; medians of "
           f"{args.rounds} rounds\n")
-    print("| config | chat TPOT p50 / p99 (ms) | chat ITL p50 / p99 (ms) | long TTFT p50 / p99 (s) "
+    print("| CPU | config | chat TPOT p50 / p99 (ms) | chat ITL p50 / p99 (ms) | long TTFT p50 / p99 (s) "
           "| goodput chat + long (req/s) | load average |")
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
+    summary = {}
     for config in CONFIGS:
         rs = [r for r in rows if r["config"] == config]
-        med = lambda cls, k: statistics.median(r[cls][k] for r in rs)  # noqa: E731
-        print(f"| {config} | {med('chat', 'median_tpot_ms'):.0f} / {med('chat', 'p99_tpot_ms'):.0f} "
-              f"| {med('chat', 'median_itl_ms'):.0f} / {med('chat', 'p99_itl_ms'):.0f} "
-              f"| {med('long', 'median_ttft_ms') / 1e3:.1f} / {med('long', 'p99_ttft_ms') / 1e3:.1f} "
-              f"| {statistics.median(r['goodput'] for r in rs):.3f} "
-              f"({med('chat', 'request_goodput'):.3f} + {med('long', 'request_goodput'):.3f}) "
+
+        def med(cls: str, k: str) -> float | None:
+            xs = [r[cls][k] for r in rs if r[cls][k] is not None]
+            return statistics.median(xs) if xs else None
+        summary[config] = {"chat_p99_tpot_ms": med("chat", "p99_tpot_ms"),
+                           "goodput": statistics.median(r["goodput"] for r in rs)}
+        s = lambda x: None if x is None else x / 1e3  # noqa: E731
+        print(f"| {cpu_model()} | {config} | {fmt(med('chat', 'median_tpot_ms'))} / {fmt(med('chat', 'p99_tpot_ms'))} "
+              f"| {fmt(med('chat', 'median_itl_ms'))} / {fmt(med('chat', 'p99_itl_ms'))} "
+              f"| {fmt(s(med('long', 'median_ttft_ms')), 1)} / {fmt(s(med('long', 'p99_ttft_ms')), 1)} "
+              f"| {summary[config]['goodput']:.3f} "
+              f"({fmt(med('chat', 'request_goodput'), 3)} + {fmt(med('long', 'request_goodput'), 3)}) "
               f"| {min(r['load1_start'] for r in rs):.1f}–{max(r['load1_end'] for r in rs):.1f} |")
-    write_results(args.out, rows)
+    d, m = summary["1p1d"], summary["mixed"]
+    if d["chat_p99_tpot_ms"] and m["chat_p99_tpot_ms"] and m["goodput"]:
+        print(f"\nmixed ÷ 1p1d chat p99 TPOT: {m['chat_p99_tpot_ms'] / d['chat_p99_tpot_ms']:.2f}x (target >= 2); "
+              f"1p1d ÷ mixed goodput: {d['goodput'] / m['goodput']:.2f}x (target >= 1.3)")
+    write_results(args.out, {"cpu": cpu_model(), "args": {k: v for k, v in vars(args).items()}, "rows": rows,
+                             "summary": summary})
+
+
+def fmt(x: float | None, digits: int = 0) -> str:
+    """A figure for the table; "n/a" for a metric the loadgen could not compute."""
+    return "n/a" if x is None else f"{x:.{digits}f}"
+
 
 
 if __name__ == "__main__":

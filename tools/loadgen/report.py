@@ -87,7 +87,7 @@ def machine_info() -> dict:
         "platform": platform.platform(),
         "python": platform.python_version(),
         "cpu_count": os.cpu_count(),
-        "cpu_model": _cpu_model(),
+        "cpu_model": cpu_model(),
         "memory_gib": _memory_gib(),
         "kvd_loadgen": __version__,
         "git_commit": _git_commit(),
@@ -99,7 +99,7 @@ def machine_info() -> dict:
     return info
 
 
-def _cpu_model() -> str | None:
+def cpu_model() -> str | None:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
