@@ -73,7 +73,7 @@ def run_once(config: str, args: argparse.Namespace, tmp: str, rnd: int) -> dict:
                 raise SystemExit(f"bench_goodput: kvd-loadgen ({config}, {cls}) exited {p.returncode}")
         result = {"config": config, "round": rnd, "load1_start": load0[0], "load1_end": os.getloadavg()[0]}
         for cls, out in outs.items():
-            r = json.loads(Path(out).read_text())
+            r = json.loads(Path(out).read_text())["metrics"]
             result[cls] = {k: r.get(k) for k in (*METRICS, "request_goodput", "completed", "failed", "duration")}
         result["goodput"] = sum(result[c]["request_goodput"] or 0 for c in ("long", "chat"))
         return result
