@@ -70,3 +70,15 @@ def write_results(path: str | os.PathLike, rows: list[dict]) -> None:
                                            "python": platform.python_version(), "torch": torch.__version__},
                                "time": time.time(), "rows": rows}, indent=2))
     print(f"\nwrote {out}")
+
+
+def stop_processes(procs: list[subprocess.Popen], grace: float = 30.0) -> None:
+    """SIGTERM every process, then wait for each; one still alive after
+    ``grace`` seconds is killed."""
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        try:
+            p.wait(grace)
+        except subprocess.TimeoutExpired:
+            p.kill()

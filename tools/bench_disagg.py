@@ -53,7 +53,7 @@ sys.path.insert(0, str(REPO))
 
 from kvd.ctl import AdminUnavailable  # noqa: E402
 from kvd.ctl import request as admin_request  # noqa: E402
-from tools._twoproc import write_results  # noqa: E402
+from tools._twoproc import stop_processes, write_results  # noqa: E402
 from tools.loadgen.report import machine_info  # noqa: E402
 from transports.keys import generate_keypair  # noqa: E402
 
@@ -102,13 +102,7 @@ def cluster(mode: str, args: argparse.Namespace, tmp: str, nodes: dict[str, tupl
             time.sleep(0.5)
         yield f"http://127.0.0.1:{port}"
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_processes(procs)
 
 
 def first_two(client: httpx.Client, base: str, ids: list[int]) -> tuple[float, float]:

@@ -44,7 +44,7 @@ sys.path.insert(0, str(REPO))
 
 from kvd.ctl import AdminUnavailable  # noqa: E402
 from kvd.ctl import request as admin_request  # noqa: E402
-from tools._twoproc import write_results  # noqa: E402
+from tools._twoproc import stop_processes, write_results  # noqa: E402
 from tools.loadgen.report import machine_info  # noqa: E402
 from transports.keys import generate_keypair  # noqa: E402
 
@@ -88,13 +88,7 @@ def cluster(tag: str, args: argparse.Namespace, tmp: str, flags: list[str]):
             time.sleep(0.5)
         yield f"http://127.0.0.1:{port}", sock
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_processes(procs)
 
 
 def stream(base: str, ids: list[int], max_tokens: int, on_token=None) -> tuple[list[float], str, str | None]:

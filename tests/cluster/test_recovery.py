@@ -176,14 +176,20 @@ def test_kill9_mid_stream_resumes_on_the_replica_with_the_uninterrupted_text(rin
     restart_all(c)
 
 
-def test_the_holder_killed_instead_keeps_the_requests_and_gives_a_new_peer(ring, reference_engine):
-    c = ring
-    restart_all(c)                                    # whatever an earlier test left dead
-    s = Streams(c, 4, seed0=20)
+def streaming_with_a_replica(c: Cluster, seed0: int) -> tuple[Streams, str, str]:
+    """All nodes up (whatever an earlier test left dead), 4 streams started and
+    decoding; (streams, the busiest node, the holder of its replicas)."""
+    restart_all(c)
+    s = Streams(c, 4, seed0=seed0)
     while sum(1 for n in s.counts if n >= 5) < 4:
         time.sleep(0.02)
     source = busiest(c)
-    holder = next(iter(wait_replicated(c, source, 32).values()))["replica_holder"]
+    return s, source, next(iter(wait_replicated(c, source, 32).values()))["replica_holder"]
+
+
+def test_the_holder_killed_instead_keeps_the_requests_and_gives_a_new_peer(ring, reference_engine):
+    c = ring
+    s, source, holder = streaming_with_a_replica(c, seed0=20)
     c.nodes[holder].kill9()
     c.wait_gone(holder, DEADLINE + 5)
     third = next(n for n in NODES if n not in (source, holder))
@@ -208,12 +214,7 @@ def test_the_holder_killed_instead_keeps_the_requests_and_gives_a_new_peer(ring,
 
 def test_node_and_holder_killed_at_once_reprefill_elsewhere(ring, reference_engine):
     c = ring
-    restart_all(c)                                    # whatever an earlier test left dead
-    s = Streams(c, 4, seed0=60)
-    while sum(1 for n in s.counts if n >= 5) < 4:
-        time.sleep(0.02)
-    source = busiest(c)
-    holder = next(iter(wait_replicated(c, source, 32).values()))["replica_holder"]
+    s, source, holder = streaming_with_a_replica(c, seed0=60)
     before = admin(c.admin_socket, "status")["recoveries"]
     c.nodes[source].kill9()
     c.nodes[holder].kill9()
