@@ -9,8 +9,11 @@ core with ``taskset`` and one torch thread:
   per request and output tokens per second, each pair in the same run.
 - ``--mode recovery``: for each context length, a streamed greedy completion
   whose node is crashed (admin ``fail exit``: ``os._exit``, no goodbye)
-  after ``--kill-after`` tokens; the time from the crash to the client's next
-  token, under ``recovery = replica`` and ``reprefill``, and for ``fail`` the
+  by a thread of its own ``--settle`` seconds after the client read
+  ``--kill-after`` tokens; the client's pause (the longest gap between two
+  tokens that spans or follows the crash; the reader never stops, so no token
+  computed before the crash counts) under ``recovery = replica`` and
+  ``reprefill``, and for ``fail`` the
   time until a client that retries from scratch gets its first token again.
   All three include the failure detection (``--deadline`` seconds of missed
   heartbeats), the same for each; the text must equal an uninterrupted run.
@@ -34,6 +37,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -148,14 +152,28 @@ def recovery(args: argparse.Namespace, tmp: str) -> list[dict]:
             with cluster(f"recovery-{policy}-{n}", args, tmp, ["--recovery", policy, "--replicas", "1"]) as (base, sock):
                 stream(base, [rng.randrange(1, 40000) for _ in range(32)], 4)           # warm-up
                 killed: dict = {}
+                counted = threading.Event()
 
                 def on_token(k: int) -> None:
-                    if k == args.kill_after and not killed:
-                        time.sleep(args.settle)            # let the replica catch up, as in steady state
-                        node = next(iter(admin_request(sock, {"cmd": "requests"})["requests"].values()))["node"]
-                        killed["t"], killed["node"] = time.perf_counter(), node
-                        admin_request(sock, {"cmd": "fail", "node": node, "mode": "exit"})
+                    if k == args.kill_after:
+                        counted.set()
+
+                def crash() -> None:
+                    # from a thread of its own: the reader keeps draining the stream,
+                    # so no token produced before the crash is read after it
+                    if not counted.wait(600):
+                        return
+                    time.sleep(args.settle)                # let the replica catch up, as in steady state
+                    node = next(iter(admin_request(sock, {"cmd": "requests"})["requests"].values()))["node"]
+                    killed["t"], killed["node"] = time.perf_counter(), node
+                    admin_request(sock, {"cmd": "fail", "node": node, "mode": "exit"})
+
+                crasher = threading.Thread(target=crash, daemon=True)
+                crasher.start()
                 times, text, error = stream(base, prompts[n], args.max_tokens, on_token)
+                crasher.join(60)
+                if "t" not in killed:
+                    raise SystemExit("bench_recovery: the stream ended before the crash; raise --max-tokens")
                 if policy == "fail":
                     if error is None:
                         raise SystemExit("bench_recovery: a fail-policy stream did not end with an error")
@@ -164,11 +182,15 @@ def recovery(args: argparse.Namespace, tmp: str) -> list[dict]:
                 else:
                     if error is not None:
                         raise SystemExit(f"bench_recovery: {policy} stream failed: {error}")
-                    gap = next(t for t in times if t > killed["t"]) - killed["t"]
+                    # the pause the client sees: the longest gap between two tokens that
+                    # spans or follows the crash (tokens already in flight may still arrive)
+                    after = [t for t in times if t > killed["t"]]
+                    before = max((t for t in times if t <= killed["t"]), default=killed["t"])
+                    gap = max(b - a for a, b in zip([before, *after], after)) if after else float("nan")
                 rows.append({"mode": "recovery", "policy": policy, "context": n, "gap_s": gap,
                              "deadline_s": args.deadline, "tokens": len(times), "text": text if error is None else "",
                              "loadavg": os.getloadavg()[0]})
-                print(f"{policy:9s} context {n:5d}: crash -> next token {gap:.2f} s "
+                print(f"{policy:9s} context {n:5d}: client's pause at the crash {gap:.2f} s "
                       f"(detection deadline {args.deadline} s)", flush=True)
     for n in args.lengths:
         texts = {r["text"] for r in rows if r["context"] == n and r["policy"] != "fail"}
