@@ -149,7 +149,10 @@ def recovery(args: argparse.Namespace, tmp: str) -> list[dict]:
     prompts = {n: [rng.randrange(1, 40000) for _ in range(n)] for n in args.lengths}
     for n in args.lengths:
         for policy in ("replica", "reprefill", "fail"):
-            with cluster(f"recovery-{policy}-{n}", args, tmp, ["--recovery", policy, "--replicas", "1"]) as (base, sock):
+            # replicas only under ``replica``: a holder's replica sits in its prefix cache,
+            # where a reprefill would find it and not recompute
+            flags = ["--recovery", policy, "--replicas", "1" if policy == "replica" else "0"]
+            with cluster(f"recovery-{policy}-{n}", args, tmp, flags) as (base, sock):
                 stream(base, [rng.randrange(1, 40000) for _ in range(32)], 4)           # warm-up
                 killed: dict = {}
                 counted = threading.Event()
