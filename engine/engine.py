@@ -110,12 +110,11 @@ class LLMEngine:
                           dtype=model.dtype)
         self.pool = MemPool(device_blocks=config.kv_blocks, host_blocks=config.host_kv_blocks,
                             block_size=config.block_size, storage=self.kv)
-        self.prefill_chunk_tokens = self.effective_chunk_tokens(config, model)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             block_size=config.block_size, preemption_mode=config.preemption_mode,
             enable_prefix_caching=config.enable_prefix_caching,
-            prefill_chunk_tokens=self.prefill_chunk_tokens), self.pool)
+            prefill_chunk_tokens=self.effective_chunk_tokens(config, model)), self.pool)
         device_kv = self.kv.tier("device")
         fused = None
         if config.decode_kernel == "auto":   # one C++ call per decode step where one can run it
@@ -126,6 +125,11 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._generators: dict[str, torch.Generator | None] = {}
         self.stats = EngineStats()
+
+    @property
+    def prefill_chunk_tokens(self) -> int:
+        """The chunk size the scheduler runs (effective_chunk_tokens)."""
+        return self.scheduler.config.prefill_chunk_tokens
 
     @staticmethod
     def effective_chunk_tokens(config: EngineConfig, model: LlamaModel) -> int:

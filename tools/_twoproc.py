@@ -60,15 +60,15 @@ async def receiver(script: str, url: str, args: list[str], options: transports.T
         proc.wait(10)
 
 
-def write_results(path: str | os.PathLike, rows: list[dict]) -> None:
-    """``{"machine", "time", "rows"}`` as JSON at ``path`` (its folder made)."""
+def write_results(path: str | os.PathLike, rows: list[dict], **extra: Any) -> None:
+    """``{"machine", "time", "rows", **extra}`` as JSON at ``path`` (its folder made)."""
     import torch  # noqa: PLC0415
 
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                                            "python": platform.python_version(), "torch": torch.__version__},
-                               "time": time.time(), "rows": rows}, indent=2))
+                               "time": time.time(), "rows": rows, **extra}, indent=2))
     print(f"\nwrote {out}")
 
 

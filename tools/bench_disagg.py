@@ -89,7 +89,8 @@ def cluster(mode: str, args: argparse.Namespace, tmp: str, nodes: dict[str, tupl
         procs.append(subprocess.Popen(
             ["taskset", "-c", str(core), sys.executable, "-m", "kvd.cli", "node", "--name", name, "--role", role,
              "--listen", url(), "--coordinator", coord_url, "--model", args.model, "--num-threads", "1",
-             "--max-model-len", str(max_len), "--kv-blocks", str(getattr(args, "kv_blocks", 0) or 2 * max_len // 16 + 64), "--host-kv-blocks", "0",
+             "--max-model-len", str(max_len), "--host-kv-blocks", "0",
+             "--kv-blocks", str(getattr(args, "kv_blocks", 0) or 2 * max_len // 16 + 64),
              *common], cwd=REPO, stdout=logs, stderr=subprocess.STDOUT))
     try:
         deadline = time.monotonic() + 300

@@ -114,7 +114,7 @@ def main() -> None:
     print("| CPU | config | chat TPOT p50 / p99 (ms) | chat ITL p50 / p99 (ms) | long TTFT p50 / p99 (s) "
           "| goodput chat + long (req/s) | load average |")
     print("|---|---|---|---|---|---|---|")
-    summary = {}
+    cpu, summary = cpu_model(), {}
     for config in CONFIGS:
         rs = [r for r in rows if r["config"] == config]
 
@@ -123,10 +123,10 @@ def main() -> None:
             return statistics.median(xs) if xs else None
         summary[config] = {"chat_p99_tpot_ms": med("chat", "p99_tpot_ms"),
                            "goodput": statistics.median(r["goodput"] for r in rs)}
-        s = lambda x: None if x is None else x / 1e3  # noqa: E731
-        print(f"| {cpu_model()} | {config} | {fmt(med('chat', 'median_tpot_ms'))} / {fmt(med('chat', 'p99_tpot_ms'))} "
+        ttft_s = lambda k: fmt(None if med("long", k) is None else med("long", k) / 1e3, 1)  # noqa: E731
+        print(f"| {cpu} | {config} | {fmt(med('chat', 'median_tpot_ms'))} / {fmt(med('chat', 'p99_tpot_ms'))} "
               f"| {fmt(med('chat', 'median_itl_ms'))} / {fmt(med('chat', 'p99_itl_ms'))} "
-              f"| {fmt(s(med('long', 'median_ttft_ms')), 1)} / {fmt(s(med('long', 'p99_ttft_ms')), 1)} "
+              f"| {ttft_s('median_ttft_ms')} / {ttft_s('p99_ttft_ms')} "
               f"| {summary[config]['goodput']:.3f} "
               f"({fmt(med('chat', 'request_goodput'), 3)} + {fmt(med('long', 'request_goodput'), 3)}) "
               f"| {min(r['load1_start'] for r in rs):.1f}–{max(r['load1_end'] for r in rs):.1f} |")
@@ -134,14 +134,12 @@ def main() -> None:
     if d["chat_p99_tpot_ms"] and m["chat_p99_tpot_ms"] and m["goodput"]:
         print(f"\nmixed ÷ 1p1d chat p99 TPOT: {m['chat_p99_tpot_ms'] / d['chat_p99_tpot_ms']:.2f}x (target >= 2); "
               f"1p1d ÷ mixed goodput: {d['goodput'] / m['goodput']:.2f}x (target >= 1.3)")
-    write_results(args.out, {"cpu": cpu_model(), "args": {k: v for k, v in vars(args).items()}, "rows": rows,
-                             "summary": summary})
+    write_results(args.out, rows, cpu=cpu, args=vars(args), summary=summary)
 
 
 def fmt(x: float | None, digits: int = 0) -> str:
     """A figure for the table; "n/a" for a metric the loadgen could not compute."""
     return "n/a" if x is None else f"{x:.{digits}f}"
-
 
 
 if __name__ == "__main__":

@@ -511,6 +511,8 @@ class RemoteEngineClient:
                 reply = await self.links[node.name].call(protocol.encode(msg)[0])
             except (TransportError, KeyError) as exc:
                 reply = exc
+            if isinstance(reply, protocol.Accepted) and node.name in stream.failed:
+                reply = f"{node.name} failed after accepting it"     # lose_requests skipped it: ours to move
             if isinstance(reply, protocol.Accepted):
                 self.recovery.outcomes[(how, "resumed")] += 1
                 log.warning("request %s: node %s failed (%s); resumed on %s after %d token(s), %d from "
