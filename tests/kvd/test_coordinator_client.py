@@ -188,3 +188,51 @@ async def test_a_dead_nodes_request_resumes_elsewhere_after_its_delivered_tokens
     assert client.recovery.outcomes[("reprefill", "resumed")] == 1
     for lst in listeners.values():
         await lst.close()
+
+
+async def test_a_recovery_target_declared_dead_after_accepting_is_not_a_resume():
+    """The target of a recovery is declared dead while its Accepted is on the
+    way: the recovery owns the stream, so it counts the target as failed and
+    moves the request on to the next node (no second recovery task, no
+    stream left pointing at a dead node)."""
+    from kvd.coordinator.recovery import RecoveryPolicy
+
+    registry = InprocRegistry()
+    membership = Membership(deadline=5.0)
+    client = RemoteEngineClient("m", None, membership, LeastLoadRouter(),
+                                recovery=RecoveryPolicy("reprefill", max_recoveries=3))
+    listeners = {}
+    for name in ("n1", "n2", "n3"):
+        listeners[name] = await listen(f"inproc://{name}", registry=registry)
+        info, _ = membership.register(protocol.Hello(
+            id="h", node=name, address=f"inproc://{name}", incarnation="i", model_name="m",
+            max_model_len=512, block_size=16, blocks_per_tier={"host": 64}))
+        await client.attach(info, await connect(f"inproc://{name}", registry=registry))
+    outputs: list = []
+
+    async def run():
+        async for out in client.generate("r", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0)):
+            outputs.append(out)
+    task = asyncio.create_task(run())
+    first = await asyncio.wait_for(listeners["n1"].recv(), 5)
+    await listeners["n1"].reply(first, *protocol.encode(protocol.Accepted(id="a", request_id="r")))
+    await listeners["n1"].send(first.peer, *protocol.encode(protocol.TokenChunk(
+        request_id="r", start_index=0, token_ids=(7,))))
+    while len(outputs) < 1:
+        await asyncio.sleep(0.01)
+    assert await client.fail_node(membership.remove("n1"), "no heartbeat") == 0
+    second = await asyncio.wait_for(listeners["n2"].recv(), 5)            # least load, ties by name
+    assert client.lose_requests("n2", ["r"], "no heartbeat") == 0         # n2 dies before its answer
+    await listeners["n2"].reply(second, *protocol.encode(protocol.Accepted(id="b", request_id="r")))
+    third = await asyncio.wait_for(listeners["n3"].recv(), 5)
+    resumed = protocol.decode(third.header, third.frames)
+    assert resumed.output_token_ids == (7,)
+    await listeners["n3"].reply(third, *protocol.encode(protocol.Accepted(id="c", request_id="r")))
+    await listeners["n3"].send(third.peer, *protocol.encode(protocol.TokenChunk(
+        request_id="r", start_index=1, token_ids=(8, 9, 10), finish_reason="length")))
+    await asyncio.wait_for(task, 5)
+    assert [t for o in outputs for t in o.new_token_ids] == [7, 8, 9, 10]
+    assert client.recovery.outcomes[("reprefill", "resumed")] == 1
+    assert client.requests() == {}
+    for lst in listeners.values():
+        await lst.close()
