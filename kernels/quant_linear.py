@@ -14,10 +14,10 @@ Contract of the kernel path, for ``x`` [M, K] -> ``y`` [M, N]:
 - **batch invariant, bit for bit**: row m of y depends only on row m of x —
   not on M, the other rows or the thread count — because every output is one
   fixed sequence of fp32 fused multiply-adds (16 lanes over k, then a fixed
-  tree; see the .cpp header) run by one thread, whichever of the three paths
-  the batch size picks: blocks decoded in registers (M <= 3), a dequantized
-  tile dotted row by row (M = 4, 5), or the packed GEMM (M >= 6: prefill and
-  decode batches), which keeps each lane's chain of fmas in order while a
+  tree; see the .cpp header) run by one thread, whichever of the two paths
+  the batch size picks: blocks decoded in registers once per group of up to
+  3 rows (M < 10: decode batches), or the packed GEMM (M >= 10: prefill and
+  large decode batches), which keeps each lane's chain of fmas in order while a
   register tile reuses its loads (6 rows x 16 outputs on AVX2; quant_gemm.h);
   so a prompt's tokens get the same bits in a prefill of any length as one
   at a time, and a sequence the same logits alone as in a decode batch;

@@ -123,6 +123,9 @@ def _cluster_flags(p: argparse.ArgumentParser) -> None:
                         "([cluster].kv_load_failure)")
     p.add_argument("--kv-stream", dest="kv_stream", choices=("layers", "request"), default=None,
                    help="prefill nodes send KV per layer as computed, or per request ([cluster].kv_stream)")
+    p.add_argument("--kv-return", dest="kv_return", choices=("on", "off"), default=None,
+                   help="decode nodes return a finished disaggregated sequence's KV to its prefill node "
+                        "(PD-Caching-3; [cluster].kv_return)")
     p.add_argument("--kv-transfer-timeout", dest="kv_transfer_timeout", type=float, default=None,
                    help="seconds a decode node waits for a prompt's KV ([cluster].kv_transfer_timeout)")
     p.add_argument("--replicas", dest="replicas", type=int, choices=(0, 1), default=None,
@@ -152,11 +155,13 @@ def _cluster(args: argparse.Namespace):
     from kvd.cluster_config import load_cluster_config
 
     overrides = {k: getattr(args, k) for k in CLUSTER_OVERRIDES}
+    if overrides["kv_return"] is not None:
+        overrides["kv_return"] = overrides["kv_return"] == "on"
     return load_cluster_config(args.config, overrides)
 
 
 CLUSTER_OVERRIDES = ("transport", "heartbeat_interval", "heartbeat_deadline", "curve_keys_dir", "insecure",
-                     "prefill_threshold", "kv_load_failure", "kv_transfer_timeout", "kv_stream",
+                     "prefill_threshold", "kv_load_failure", "kv_transfer_timeout", "kv_stream", "kv_return",
                      "replicas", "recovery", "max_recoveries", "replica_kv_blocks", "replication_interval")
 
 
@@ -348,7 +353,7 @@ def _passthrough(args: argparse.Namespace) -> list[str]:
                        ("--curve-keys-dir", "curve_keys_dir"), ("--transport", "transport"),
                        ("--prefill-threshold", "prefill_threshold"), ("--kv-load-failure", "kv_load_failure"),
                        ("--kv-transfer-timeout", "kv_transfer_timeout"), ("--kv-stream", "kv_stream"),
-                       ("--replicas", "replicas"), ("--recovery", "recovery"),
+                       ("--kv-return", "kv_return"), ("--replicas", "replicas"), ("--recovery", "recovery"),
                        ("--max-recoveries", "max_recoveries"), ("--replica-kv-blocks", "replica_kv_blocks"),
                        ("--replication-interval", "replication_interval")):
         if getattr(args, dest) is not None:

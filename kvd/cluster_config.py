@@ -113,6 +113,11 @@ class ClusterConfig:
         as soon as it is computed, overlapped with the next layer's compute),
         or "request" (all layers once the prefill ends: the baseline of
         tools/bench_disagg.py).
+    kv_return: MemServe's PD-Caching-3: when a disaggregated request
+        finishes, its decode node pushes the KV of the whole sequence (prompt
+        and output) to the prefill node that computed the prompt, off the
+        request's path, so the conversation's next turn prefills only its new
+        tokens there. Off: prefill nodes cache prompts only (PD-Caching-2).
     routing: the coordinator's policy, "prompt-tree" (cache-aware, on the
         global prompt trees), "session" (least load + session affinity) or
         "least-load"; ``kvctl routing POLICY`` switches at run time.
@@ -154,6 +159,7 @@ class ClusterConfig:
     kv_load_failure: str = "recompute"
     kv_transfer_timeout: float = 60.0
     kv_stream: str = "layers"
+    kv_return: bool = True
     routing: str = "prompt-tree"
     routing_overlap_weight: float = 1.0
     routing_load_weight: float = 4.0

@@ -67,9 +67,11 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def cluster(mode: str, args: argparse.Namespace, tmp: str, nodes: dict[str, tuple[str, int]] | None = None):
+def cluster(mode: str, args: argparse.Namespace, tmp: str, nodes: dict[str, tuple[str, int]] | None = None,
+            node_args: tuple[str, ...] = ()):
     """Start the mode's daemons (``nodes``: name -> (role, core), by default
-    the mode's); yield the HTTP base URL; stop them."""
+    the mode's; ``node_args`` added to every ``kvd node``); yield the HTTP
+    base URL; stop them."""
     keys = os.path.join(tmp, f"keys-{mode}")
     if nodes is None:
         nodes = {"n1": ("mixed", 0)} if mode == "colocated" else {"p1": ("prefill", 0), "d1": ("decode", 1)}
@@ -91,7 +93,7 @@ def cluster(mode: str, args: argparse.Namespace, tmp: str, nodes: dict[str, tupl
              "--listen", url(), "--coordinator", coord_url, "--model", args.model, "--num-threads", "1",
              "--max-model-len", str(max_len), "--host-kv-blocks", "0",
              "--kv-blocks", str(getattr(args, "kv_blocks", 0) or 2 * max_len // 16 + 64),
-             *common], cwd=REPO, stdout=logs, stderr=subprocess.STDOUT))
+             *common, *node_args], cwd=REPO, stdout=logs, stderr=subprocess.STDOUT))
     try:
         deadline = time.monotonic() + 300
         while True:

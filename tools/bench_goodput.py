@@ -1,13 +1,17 @@
 """Why disaggregate (DistServe's goodput): 1P1D vs two mixed nodes on the
 same two cores, under a workload that mixes long prompts with chat.
 
-Two configurations, each a real coordinator and two node processes, every
+Three configurations, each a real coordinator and two node processes, every
 node pinned to one core with ``taskset`` (one torch thread each), started
 one after the other and alternated ``--rounds`` times (the host is shared):
 
 - ``1p1d``:  a prefill node on core 0, a decode node on core 1;
 - ``mixed``: two mixed nodes, on core 0 and core 1 (each prefills and
-             decodes its own requests, as a colocated engine does).
+             decodes its own requests, as a colocated engine does, with
+             chunked prefill: kvd's default);
+- ``mixed-unchunked``: the same with ``--prefill-chunk-tokens 0``, a
+             colocated engine that runs each prompt whole (DistServe's
+             baseline).
 
 The workload is two ``kvd-loadgen`` processes started together against the
 coordinator: ``long`` (random prompts of 1,024–2,048 tokens, 8-token
@@ -43,7 +47,9 @@ from tools.bench_disagg import cluster  # noqa: E402
 from tools.loadgen.report import cpu_model  # noqa: E402
 
 CONFIGS = {"1p1d": {"p1": ("prefill", 0), "d1": ("decode", 1)},
-           "mixed": {"n1": ("mixed", 0), "n2": ("mixed", 1)}}
+           "mixed": {"n1": ("mixed", 0), "n2": ("mixed", 1)},
+           "mixed-unchunked": {"n1": ("mixed", 0), "n2": ("mixed", 1)}}
+NODE_ARGS = {"mixed-unchunked": ("--prefill-chunk-tokens", "0")}   # DistServe's colocated baseline
 METRICS = ("median_tpot_ms", "p99_tpot_ms", "median_itl_ms", "p99_itl_ms", "median_ttft_ms", "p99_ttft_ms")
 
 
@@ -64,7 +70,7 @@ def loadgen(base: str, cls: str, args: argparse.Namespace, out: str) -> subproce
 
 
 def run_once(config: str, args: argparse.Namespace, tmp: str, rnd: int) -> dict:
-    with cluster(f"{config}-{rnd}", args, tmp, CONFIGS[config]) as base:
+    with cluster(f"{config}-{rnd}", args, tmp, CONFIGS[config], NODE_ARGS.get(config, ())) as base:
         load0 = os.getloadavg()
         outs = {cls: os.path.join(tmp, f"{config}-{rnd}-{cls}.json") for cls in ("long", "chat")}
         procs = {cls: loadgen(base, cls, args, out) for cls, out in outs.items()}
@@ -82,6 +88,7 @@ def run_once(config: str, args: argparse.Namespace, tmp: str, rnd: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated, of: " + ", ".join(CONFIGS))
     ap.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per class")
     ap.add_argument("--long-rate", type=float, default=0.15)
     ap.add_argument("--chat-rate", type=float, default=0.5)
@@ -94,15 +101,18 @@ def main() -> None:
     ap.add_argument("--kv-blocks", type=int, default=1024, help="per node")
     ap.add_argument("--out", default=str(REPO / "results" / "bench_goodput.json"))
     args = ap.parse_args()
+    configs = args.configs.split(",")
+    if "1p1d" not in configs or not set(configs) <= set(CONFIGS):
+        ap.error(f"--configs: 1p1d and any of {', '.join(CONFIGS)}")
     args.lengths = [2048 + args.chat_output]        # cluster(): max-model-len and KV blocks
     rows = []
     with tempfile.TemporaryDirectory(prefix="kvd-goodput-") as tmp:
         for rnd in range(args.rounds):
-            for config in (CONFIGS if rnd % 2 == 0 else list(CONFIGS)[::-1]):
+            for config in (configs if rnd % 2 == 0 else configs[::-1]):
                 t0 = time.monotonic()
                 rows.append(run_once(config, args, tmp, rnd))
                 r = rows[-1]
-                print(f"round {rnd} {config:5s} ({time.monotonic() - t0:.0f} s, load {r['load1_start']:.2f}"
+                print(f"round {rnd} {config:15s} ({time.monotonic() - t0:.0f} s, load {r['load1_start']:.2f}"
                       f"→{r['load1_end']:.2f}): " + ", ".join(
                           f"{c} {r[c]['completed']} done, {r[c]['failed']} failed, TPOT p50/p99 "
                           f"{fmt(r[c]['median_tpot_ms'])}/{fmt(r[c]['p99_tpot_ms'])} ms "
@@ -115,7 +125,7 @@ def main() -> None:
           "| goodput chat + long (req/s) | load average |")
     print("|---|---|---|---|---|---|---|")
     cpu, summary = cpu_model(), {}
-    for config in CONFIGS:
+    for config in configs:
         rs = [r for r in rows if r["config"] == config]
 
         def med(cls: str, k: str) -> float | None:
@@ -130,10 +140,12 @@ def main() -> None:
               f"| {summary[config]['goodput']:.3f} "
               f"({fmt(med('chat', 'request_goodput'), 3)} + {fmt(med('long', 'request_goodput'), 3)}) "
               f"| {min(r['load1_start'] for r in rs):.1f}–{max(r['load1_end'] for r in rs):.1f} |")
-    d, m = summary["1p1d"], summary["mixed"]
-    if d["chat_p99_tpot_ms"] and m["chat_p99_tpot_ms"] and m["goodput"]:
-        print(f"\nmixed ÷ 1p1d chat p99 TPOT: {m['chat_p99_tpot_ms'] / d['chat_p99_tpot_ms']:.2f}x (target >= 2); "
-              f"1p1d ÷ mixed goodput: {d['goodput'] / m['goodput']:.2f}x (target >= 1.3)")
+    d = summary["1p1d"]
+    for name in [c for c in configs if c != "1p1d"]:
+        m = summary[name]
+        if d["chat_p99_tpot_ms"] and m["chat_p99_tpot_ms"] and m["goodput"]:
+            print(f"\n{name} ÷ 1p1d chat p99 TPOT: {m['chat_p99_tpot_ms'] / d['chat_p99_tpot_ms']:.2f}x "
+                  f"(target >= 2); 1p1d ÷ {name} goodput: {d['goodput'] / m['goodput']:.2f}x (target >= 1.3)")
     write_results(args.out, rows, cpu=cpu, args=vars(args), summary=summary)
 
 

@@ -47,6 +47,7 @@ class CoordinatorAdmin:
                 "failed_requests": self.d.client.failed_requests,
                 "recoveries": {f"{how}/{outcome}": n
                                for (how, outcome), n in sorted(self.d.client.recovery.outcomes.items())},
+                "kv_returns": dict(self.d.client.kv_returns),
                 "bad_messages": dict(self.d.bad_messages + self.d.client.bad_messages),
                 "malformed_frames": self.d.listener.stats.malformed if self.d.listener else 0}
 

@@ -39,6 +39,14 @@ in-process engine. Contracts:
   reported to the decode node (``Abort(leg="prefill")``), which then
   computes the prompt itself or fails the request; nothing waits on it.
   Prefill nodes take whole requests only when no other node is routable.
+- PD-Caching-3 (``kv_return``): when a disaggregated request finishes
+  (stop or length), the decode node is asked (an owned task, after the
+  client has its last token) to push the KV of the whole sequence, prompt
+  and output, to the prefill node that computed the prompt, which inserts
+  it into its prefix cache; the conversation's next turn, which the
+  prompt-tree router sends there, prefills only its new tokens. Only the
+  blocks the prefill node lacks travel (kvd/node/transfer.py). The outcome
+  is counted (``kv_returns``), never waited on.
 
 Imports no torch.
 """
@@ -119,12 +127,13 @@ class _Stream:
     it count too). ``tokens``: every token delivered, what a recovery resumes
     after."""
 
-    __slots__ = ("node", "prefill", "queue", "next_index", "prompt_len", "early", "request", "tokens",
-                 "recoveries", "failed", "recovering")
+    __slots__ = ("node", "prefill", "prefilled_by", "queue", "next_index", "prompt_len", "early", "request",
+                 "tokens", "recoveries", "failed", "recovering")
 
     def __init__(self, node: str, request: protocol.GenerateRequest) -> None:
         self.node = node
         self.prefill: str | None = None
+        self.prefilled_by: str | None = None                # the prefill leg's node, kept after it ends
         self.queue: asyncio.Queue = asyncio.Queue()
         self.next_index = 0
         self.prompt_len = len(request.prompt_token_ids)
@@ -144,7 +153,8 @@ class RemoteEngineClient:
                  *, prefill_router: Router | None = None, default_max_model_len: int = 2048,
                  stats_source: Callable[[], dict] | None = None,
                  limits: protocol.ProtocolLimits = protocol.DEFAULT_LIMITS,
-                 recovery: RecoveryPolicy | None = None) -> None:
+                 recovery: RecoveryPolicy | None = None, kv_return: bool = False,
+                 kv_return_timeout: float = 10.0) -> None:
         self.model_name = model_name
         self.limits = limits                   # what a node's decode accepts
         self.tokenizer = tokenizer
@@ -163,6 +173,9 @@ class RemoteEngineClient:
         self._tasks: set[asyncio.Task] = set()
         self.failed_requests = 0
         self.recovery = recovery or RecoveryPolicy("fail")    # the coordinator passes [cluster].recovery
+        self.kv_return = kv_return                 # PD-Caching-3 ([cluster].kv_return)
+        self.kv_return_timeout = kv_return_timeout
+        self.kv_returns: collections.Counter[str] = collections.Counter()   # done | nothing | failed
 
     # ------------------------------------------------------------ EngineClient
     @property
@@ -241,9 +254,11 @@ class RemoteEngineClient:
                     yield _error_output(request_id, prompt_ids, item.message or item.code)
                     return
                 for out in self._in_order(stream, item):
-                    yield out
                     if out.finished:
                         finished = True
+                        self._maybe_return_kv(stream, out)
+                    yield out
+                    if out.finished:
                         return
         finally:
             legs = stream.legs()
@@ -338,7 +353,7 @@ class RemoteEngineClient:
         """Send the prefill leg (an owned task); if the prefill node does not
         take it, the decode node is told at once (``Abort(leg="prefill")``)."""
         rid = request.request_id
-        stream.prefill = prefill.name
+        stream.prefill = stream.prefilled_by = prefill.name
         prefill.in_flight.add(rid)
         prefill.routed += 1
         leg = dataclasses.replace(
@@ -364,7 +379,7 @@ class RemoteEngineClient:
         """The prefill leg of ``rid`` will not deliver: tell its decode node."""
         if stream.prefill != prefill:
             return
-        stream.prefill = None
+        stream.prefill = stream.prefilled_by = None
         node = self.membership.nodes.get(prefill)
         if node is not None:
             node.in_flight.discard(rid)
@@ -372,6 +387,34 @@ class RemoteEngineClient:
         if link is not None and self._streams.get(rid) is stream:
             self._spawn(self._send_quietly(link, protocol.Abort(request_id=rid, reason="prefill leg lost",
                                                                 leg="prefill")))
+
+    def _maybe_return_kv(self, stream: _Stream, out: RequestOutput) -> None:
+        """PD-Caching-3: ``stream`` finished on its decode node; have that node
+        push the sequence's KV to the prefill node that computed its prompt."""
+        if not (self.kv_return and stream.prefilled_by and out.finish_reason in ("stop", "length")
+                and stream.recoveries == 0):
+            return
+        prefill = self.membership.nodes.get(stream.prefilled_by)
+        link = self.links.get(stream.node)
+        if prefill is None or link is None or prefill.draining:
+            return
+        tokens = [*stream.request.prompt_token_ids, *stream.tokens]
+        self._spawn(self._return_kv(link, prefill, tokens))
+
+    async def _return_kv(self, link: NodeLink, prefill: NodeInfo, tokens: list[int]) -> None:
+        args = {"token_ids": tokens, "to": prefill.name, "address": prefill.address}
+        try:
+            reply = await protocol.call(link.conn, protocol.AdminCommand(
+                id=f"kv-return-{time.monotonic_ns()}", command="transfer", args=args),
+                timeout=self.kv_return_timeout)
+        except (TransportError, TimeoutError) as exc:
+            reply = exc
+        if isinstance(reply, protocol.AdminReply) and reply.ok:
+            self.kv_returns["done" if reply.result.get("transferred") else "nothing"] += 1
+            return
+        self.kv_returns["failed"] += 1
+        self._warn.warning(("kv-return", link.node), "returning KV from %s to %s failed: %s", link.node,
+                           prefill.name, getattr(reply, "error", None) or getattr(reply, "message", None) or reply)
 
     def _forget(self, request_id: str, node: NodeInfo) -> None:
         stream = self._streams.pop(request_id, None)

@@ -68,6 +68,12 @@ class ClusterCollector:
         for (how, outcome), n in sorted(d.client.recovery.outcomes.items()):
             c.add_metric([how, outcome], n)
         yield c
+        c = CounterMetricFamily("kvd_kv_returns", "Finished disaggregated sequences whose KV a decode node "
+                                "was asked to return to their prefill node (PD-Caching-3), by outcome "
+                                "(done, nothing: none of it cached, failed)", labels=["outcome"])
+        for outcome, n in sorted(d.client.kv_returns.items()):
+            c.add_metric([outcome], n)
+        yield c
         c = CounterMetricFamily("kvd_replication_bytes", "KV bytes a node sent to its replica peer "
                                 "(its last heartbeat)", labels=["node"])
         g = GaugeMetricFamily("kvd_replication_lag_tokens", "Computed tokens of a node's requests not "

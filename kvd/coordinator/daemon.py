@@ -75,7 +75,9 @@ class CoordinatorDaemon:
                                          prefill_router=self.make_router(cluster.routing),
                                          default_max_model_len=default_max_model_len,
                                          stats_source=stats_source,
-                                         recovery=RecoveryPolicy(cluster.recovery, cluster.max_recoveries))
+                                         recovery=RecoveryPolicy(cluster.recovery, cluster.max_recoveries),
+                                         kv_return=cluster.kv_return,
+                                         kv_return_timeout=2 * cluster.request_timeout)
         self.options = TransportOptions(request_timeout=cluster.request_timeout,
                                         send_timeout=cluster.request_timeout,
                                         ucx_progress_mode=cluster.ucx_progress_mode)

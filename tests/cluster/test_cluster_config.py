@@ -49,6 +49,7 @@ def test_example_1p1d_file_parses():
     ({"cluster": {"kv_load_failure": "retry"}}, "kv_load_failure"),
     ({"cluster": {"kv_stream": "blocks"}}, "kv_stream"),
     ({"cluster": {"kv_transfer_timeout": 0}}, "kv_transfer_timeout"),
+    ({"cluster": {"kv_return": "yes"}}, "must be bool"),
 ])
 def test_bad_cluster_config_is_an_error(data, message):
     with pytest.raises(ConfigError, match=message):

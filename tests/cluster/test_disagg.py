@@ -103,6 +103,30 @@ def test_prefix_hits_on_either_side_keep_the_tokens(pd, reference_engine):
     wait_idle(pd, ROLES)
 
 
+def test_a_finished_turn_returns_its_kv_to_the_prefill_node(pd, reference_engine):
+    """PD-Caching-3: once turn 1 finished, d1 pushes the KV of its prompt and
+    answer to p1, so turn 2 (turn 1, its answer, new tokens) hits p1's cache
+    past the answer; both turns give the single-node engine's tokens."""
+    client = pd.client(timeout=60)
+    tok = reference_engine.tokenizer
+    turn1 = prompt(90, 70)
+    answer = reference_tokens(reference_engine, [turn1], 40)[0]
+    done = admin(pd.admin_socket, "status")["kv_returns"].get("done", 0)
+    text1, _, usage1 = stream(client, turn1, 40)
+    assert text1 == tok.decode(answer) and usage1.prompt_tokens_details.cached_tokens < len(turn1)
+    deadline = time.monotonic() + 30
+    while admin(pd.admin_socket, "status")["kv_returns"].get("done", 0) == done:
+        assert time.monotonic() < deadline, admin(pd.admin_socket, "status")["kv_returns"]
+        time.sleep(0.1)
+    turn2 = turn1 + answer + prompt(91, 20)
+    ref2 = reference_tokens(reference_engine, [turn2], 12)[0]
+    text2, _, usage2 = stream(client, turn2, 12)
+    assert text2 == tok.decode(ref2)
+    with_kv = (len(turn1) + len(answer) - 1) // 16 * 16          # the answer's last token has no KV yet
+    assert usage2.prompt_tokens_details.cached_tokens == with_kv > len(turn1)
+    wait_idle(pd, ROLES)
+
+
 def test_non_streaming_and_first_token_finish(pd, reference_engine):
     client = pd.client(timeout=60)
     p = prompt(5, 30)

@@ -135,10 +135,10 @@ def test_kernel_matches_dequantize_then_fp32_matmul(host, fmt, n, k):
 def test_every_build_computes_the_same_bits(host, portable, fmt):
     """The host's SIMD build against the portable one (std::fma per lane, the
     arithmetic's definition): bit for bit, on arbitrary block bytes, on both
-    the few-rows and the tiled path."""
+    the grouped-rows path and the packed GEMM."""
     qt = random_blocks(45, 192, fmt, seed=5)
     x = torch.randn(20, 192) * torch.logspace(-3, 3, 192)           # magnitudes that round
-    for m in (1, 2, 3, 4, 20):                       # registers, registers, registers, tile, GEMM
+    for m in (1, 2, 3, 4, 7, 20):                    # groups [1] [2] [3] [2, 2] [3, 2, 2], then the GEMM
         assert torch.equal(QuantLinear([qt], host)(x[:m]), QuantLinear([qt], portable)(x[:m])), m
     ids = torch.tensor([0, 44, 12])
     assert torch.equal(host.rows(qt, ids), portable.rows(qt, ids))
@@ -153,13 +153,13 @@ def test_a_row_alone_equals_the_row_in_a_batch_of_16_bit_for_bit(host, fmt):
     batch = lin(x)                                   # 16 rows: the packed GEMM
     for r in range(16):
         assert torch.equal(lin(x[r:r + 1])[0], batch[r]), f"row {r} differs alone"
-    for lo, hi in [(0, 2), (5, 8), (3, 7), (0, 9)]:   # 2, 3 rows: registers; 4: a tile; 9: GEMM
+    for lo, hi in [(0, 2), (5, 8), (3, 7), (0, 9), (2, 14)]:   # below 10 rows: groups; 12: the GEMM
         assert torch.equal(lin(x[lo:hi]), batch[lo:hi])
 
 
 @pytest.mark.parametrize("fmt", FMTS)
 def test_the_packed_gemm_gives_each_row_its_bits_alone(host, portable, fmt):
-    """The GEMM path (M >= 6) against rows computed one at a time (the
+    """The GEMM path (M >= 10) against rows computed one at a time (the
     register path), on shapes that leave partial register tiles: M not a
     multiple of 6 (AVX2) or 8 (AVX-512) rows, N not a multiple of 16 or 32
     outputs or below it, K of one block and K past a packed tile."""
@@ -169,7 +169,7 @@ def test_the_packed_gemm_gives_each_row_its_bits_alone(host, portable, fmt):
         lin = QuantLinear([qt], host)
         full = lin(x)
         assert torch.equal(full, QuantLinear([qt], portable)(x)), (n, k)
-        for m in (6, 7, 13):
+        for m in (10, 11, 13, 17):
             assert torch.equal(lin(x[:m]), full[:m]), (n, k, m)
         for r in (0, 5, 6, 69):
             assert torch.equal(lin(x[r:r + 1])[0], full[r]), (n, k, r)
