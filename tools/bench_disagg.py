@@ -68,10 +68,10 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def cluster(mode: str, args: argparse.Namespace, tmp: str, nodes: dict[str, tuple[str, int]] | None = None,
-            node_args: tuple[str, ...] = ()):
+            node_args: tuple[str, ...] = (), coordinator_args: tuple[str, ...] = ()):
     """Start the mode's daemons (``nodes``: name -> (role, core), by default
-    the mode's; ``node_args`` added to every ``kvd node``); yield the HTTP
-    base URL; stop them."""
+    the mode's; ``node_args`` added to every ``kvd node``, ``coordinator_args``
+    to the coordinator); yield the HTTP base URL; stop them."""
     keys = os.path.join(tmp, f"keys-{mode}")
     if nodes is None:
         nodes = {"n1": ("mixed", 0)} if mode == "colocated" else {"p1": ("prefill", 0), "d1": ("decode", 1)}
@@ -84,7 +84,8 @@ def cluster(mode: str, args: argparse.Namespace, tmp: str, nodes: dict[str, tupl
               "--prefill-threshold", "0", "--kv-transfer-timeout", "600"]
     logs = open(os.path.join(tmp, f"{mode}.log"), "ab")
     procs = [subprocess.Popen([sys.executable, "-m", "kvd.cli", "coordinator", "--listen", coord_url,
-                               "--port", str(port), "--model", args.model, "--admin-socket", sock, *common],
+                               "--port", str(port), "--model", args.model, "--admin-socket", sock, *common,
+                               *coordinator_args],
                               cwd=REPO, stdout=logs, stderr=subprocess.STDOUT)]
     max_len = max(args.lengths) + 64
     for name, (role, core) in nodes.items():

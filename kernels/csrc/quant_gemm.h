@@ -83,7 +83,8 @@ void range_grouped(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t n0, 
     if (M == 1) return range_small<F, 1>(w, row_bytes, nb, n0, n1, x, ldx, y, ldy);
     int64_t threes = M / 3, m = 0;
     if (M % 3 == 1) threes -= 1;
-    for (int64_t g = 0; g < threes; g++, m += 3) range_small<F, 3>(w, row_bytes, nb, n0, n1, x + m * ldx, ldx, y + m * ldy, ldy);
+    for (int64_t g = 0; g < threes; g++, m += 3)
+        range_small<F, 3>(w, row_bytes, nb, n0, n1, x + m * ldx, ldx, y + m * ldy, ldy);
     for (; m < M; m += 2) range_small<F, 2>(w, row_bytes, nb, n0, n1, x + m * ldx, ldx, y + m * ldy, ldy);
 }
 

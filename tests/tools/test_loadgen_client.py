@@ -151,6 +151,18 @@ async def test_sessions_wait_for_answers_and_resend_history(server, chat):
         assert last["prompt"] == "w1 w2t0 t1 \nw3t0 t1 t2 \nw4"
 
 
+async def test_a_session_thinks_between_turns(server):
+    conv = Conversation((Turn("w1", 1, 2), Turn("w2", 1, 2), Turn("w3", 1, 2)))
+    cfg = RunConfig(url=server.url + "/v1/completions", model="fake", chat=False, progress=False,
+                    think_time_s=0.3)
+    res = await run([conv], cfg)
+    recs = sorted(res.records, key=lambda r: r.turn)
+    assert all(r.success for r in recs)
+    for prev, nxt in zip(recs, recs[1:]):
+        assert nxt.start >= prev.start + prev.e2el + 0.3    # the answer, then the pause, then the turn
+    assert res.duration_s < recs[-1].start + recs[-1].e2el + 0.3   # no pause after the last turn
+
+
 async def test_failed_turn_ends_its_session_with_records(server):
     conv = Conversation((Turn("w1", 1, 2), Turn("FAIL500", 1, 2), Turn("w2", 1, 2), Turn("w3", 1, 2)))
     cfg = RunConfig(url=server.url + "/v1/chat/completions", model="fake", chat=True, progress=False)
@@ -164,6 +176,8 @@ def test_run_config_validation():
         RunConfig(url="http://x", model="m", chat=False, request_rate=-1)
     with pytest.raises(ValueError):
         RunConfig(url="http://x", model="m", chat=False, max_concurrency=0)
+    with pytest.raises(ValueError):
+        RunConfig(url="http://x", model="m", chat=False, think_time_s=-1)
 
 
 class FakeTTY(io.StringIO):

@@ -58,6 +58,16 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _nonneg_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (value >= 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
+    return value
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -130,6 +140,8 @@ def run_parser() -> OneLineParser:
     g.add_argument("--sessions-output-len", type=_positive_int, default=64, help="max_tokens per turn")
     g.add_argument("--sessions-shared-prefix-len", type=_nonneg_int, default=0,
                    help="tokens of a prefix shared by every session's first message")
+    g.add_argument("--sessions-think-time", type=_nonneg_float, default=0.0,
+                   help="seconds between an answer and the session's next turn (a user reading and typing)")
     g.add_argument("--sharegpt-output-len", type=_positive_int, default=None,
                    help="fixed max_tokens (default: the length of the dataset's answer)")
     g.add_argument("--file-output-len", type=_positive_int, default=128, help="max_tokens for --dataset-name file")
@@ -293,7 +305,7 @@ def cmd_run(argv: Sequence[str]) -> int:
             api_key=args.api_key, request_rate=args.request_rate, burstiness=args.burstiness,
             max_concurrency=args.max_concurrency, ignore_eos=args.ignore_eos, temperature=args.temperature,
             request_timeout_s=args.request_timeout, seed=args.seed, progress=not args.disable_tqdm,
-            admin_socket=args.admin_socket, faults=args.faults)
+            admin_socket=args.admin_socket, faults=args.faults, think_time_s=args.sessions_think_time)
         total = sum(len(c.turns) for c in conversations)
         print(f"{PROG}: {total} requests ({args.dataset_name}) -> {cfg.url} model={model} "
               f"rate={args.request_rate:g}/s burstiness={args.burstiness:g} "

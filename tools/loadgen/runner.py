@@ -13,7 +13,8 @@ endpoint; on the completions endpoint the previous prompt, its answer
 appended as the continuation it is, a newline and the next message -- so
 every turn's prompt starts with the previous turn's prompt and answer.
 ``max_concurrency`` bounds requests in flight (a turn waiting for its
-predecessor holds no slot).  A failed turn ends its conversation; the turns
+predecessor holds no slot); ``think_time_s`` is the pause between an
+answer and the next turn (a user reading and typing; 0: at once).  A failed turn ends its conversation; the turns
 not sent are recorded as failures with that reason, so counts always add up.
 """
 
@@ -51,8 +52,11 @@ class RunConfig:
     admin_socket: str | None = None
     faults: tuple[faults.FaultSpec, ...] = ()
     extra_body: dict = field(default_factory=dict)
+    think_time_s: float = 0.0
 
     def __post_init__(self) -> None:
+        if not (self.think_time_s >= 0 and math.isfinite(self.think_time_s)):
+            raise ValueError("think time must be a finite number of seconds >= 0")
         if not self.request_rate > 0:
             raise ValueError("request rate must be > 0 (inf for all at once)")
         if not (self.burstiness > 0 and math.isfinite(self.burstiness)):
@@ -207,6 +211,8 @@ async def run(conversations: list[Conversation], cfg: RunConfig) -> RunResult:
                 messages.append({"role": "assistant", "content": record.text})
             else:
                 history += record.text
+            if cfg.think_time_s and k + 1 < len(conv.turns):
+                await asyncio.sleep(cfg.think_time_s)
 
     async def inject_fault(spec: faults.FaultSpec, t0: float) -> None:
         event = await faults.inject(cfg.admin_socket, spec, t0, fault_log)
