@@ -246,3 +246,25 @@ def test_fault_injection_through_the_admin_socket(fake, word_tokenizer, tmp_path
     assert "Faults injected" in out
     if not ok:
         assert faults[0]["error"] == "no node n9"
+
+
+def test_compare_outputs_request_by_request(fake, word_tokenizer, tmp_path, capsys):
+    for name, extra in (("a", "--save-outputs"), ("b", "--save-outputs"), ("c", "--save-detailed")):
+        rc, _, _ = run_main(capsys, "--base-url", fake.url, "--dataset-name", "sessions",
+                            "--num-prompts", "3", "--sessions-num-turns", "2", "--sessions-user-len", "5",
+                            "--sessions-output-len", "3", "--request-rate", "inf", extra,
+                            "--result-dir", str(tmp_path), "--result-filename", f"{name}.json", "--disable-tqdm")
+        assert rc == 0
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    assert all(r["text"] for r in json.loads(a.read_text())["requests"])
+    rc, out, _ = run_main(capsys, "compare", "--outputs", str(a), str(b))
+    assert rc == 0 and out.strip() == "b vs a: 6 identical, 0 different, 0 failed, 0 missing"
+    doc = json.loads(b.read_text())
+    doc["requests"][3]["text"] += "!"
+    key = [doc["requests"][3]["session"], doc["requests"][3]["turn"]]
+    b.write_text(json.dumps(doc))
+    rc, out, _ = run_main(capsys, "compare", "--outputs", str(a), str(b))
+    assert rc == 1 and out.strip() == f"b vs a: 5 identical, 1 different, 0 failed, 0 missing; differing " \
+                                      f"(session, turn): [{key}]"
+    rc, _, err = run_main(capsys, "compare", "--outputs", str(a), str(tmp_path / "c.json"))
+    assert rc == 1 and "--save-outputs" in err

@@ -155,6 +155,9 @@ def run_parser() -> OneLineParser:
     g.add_argument("--save-result", action="store_true", help="write the JSON result file")
     g.add_argument("--save-detailed", action="store_true",
                    help="also save per-request records (implies --save-result; needed by plot)")
+    g.add_argument("--save-outputs", action="store_true",
+                   help="also save each request's generated text (implies --save-detailed; for "
+                        "`kvd-loadgen compare --outputs`)")
     g.add_argument("--result-dir", default=".", help="directory of the result file")
     g.add_argument("--result-filename", help="file name (default: derived from dataset, rate, model, time)")
     g.add_argument("--disable-tqdm", "--no-progress", dest="disable_tqdm", action="store_true",
@@ -211,6 +214,7 @@ def _parse_run_args(argv: Sequence[str]):
     args.base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
     if not args.base_url.startswith(("http://", "https://")):
         parser.error(f"--base-url must start with http:// or https://, got {args.base_url!r}")
+    args.save_detailed = args.save_detailed or args.save_outputs
     args.save_result = args.save_result or args.save_detailed
     return args
 
@@ -321,7 +325,7 @@ def cmd_run(argv: Sequence[str]) -> int:
         config = _config(args, model, tokenizer_spec)
         doc = report.build_result(config=config, metrics=m, errors=errors, faults=result.fault_events,
                                   records=result.records if args.save_detailed else None,
-                                  started_at=result.started_at)
+                                  started_at=result.started_at, with_text=args.save_outputs)
         name = args.result_filename or report.default_filename(config, result.started_at)
         try:
             path = report.write_result(doc, Path(args.result_dir) / name)
@@ -356,14 +360,22 @@ def cmd_plot(argv: Sequence[str]) -> int:
 
 
 def cmd_compare(argv: Sequence[str]) -> int:
-    from tools.loadgen.compare import compare_files
+    from tools.loadgen.compare import compare_files, compare_output_files
 
-    p = OneLineParser(prog=f"{PROG} compare", description="Every metric side by side, with ratios to the first.")
+    p = OneLineParser(prog=f"{PROG} compare", description="Every metric side by side, with ratios to the first; "
+                      "with --outputs, each request's generated text against the first run's.")
     p.add_argument("results", nargs="+", metavar="RESULT")
+    p.add_argument("--outputs", action="store_true",
+                   help="compare texts request by request (results saved with --save-outputs); exit status 1 "
+                        "when any request differs or failed")
     args = p.parse_args(argv)
     if len(args.results) < 2:
         p.error("compare needs at least two result files")
     try:
+        if args.outputs:
+            text, same = compare_output_files(args.results)
+            print(text)
+            return 0 if same else 1
         print(compare_files(args.results))
     except ValueError as exc:
         raise UserError(str(exc)) from None

@@ -57,11 +57,12 @@ class RequestRecord:
     prompt_tokens: int | None = None  # usage.prompt_tokens (includes any chat template)
     usage_reported: bool = False
     finish_reason: str | None = None
-    text: str = ""               # generated text; kept for session history, never saved
+    text: str = ""               # generated text; saved only with --save-outputs
 
-    def to_json(self) -> dict:
-        """The record as saved by ``--save-detailed`` (no generated text)."""
-        return {
+    def to_json(self, with_text: bool = False) -> dict:
+        """The record as saved by ``--save-detailed`` (the generated text only
+        ``with_text``: ``--save-outputs``)."""
+        out = {
             "index": self.index, "session": self.session, "turn": self.turn,
             "success": self.success, "error": self.error,
             "start": self.start, "ttft": self.ttft, "e2el": self.e2el, "itl": self.itl,
@@ -70,6 +71,9 @@ class RequestRecord:
             "output_tokens": self.output_tokens, "chunks": self.chunks,
             "usage_reported": self.usage_reported, "finish_reason": self.finish_reason,
         }
+        if with_text:
+            out["text"] = self.text
+        return out
 
     @classmethod
     def from_json(cls, data: dict) -> "RequestRecord":

@@ -129,8 +129,10 @@ def _git_commit() -> str | None:
 
 
 def build_result(*, config: dict, metrics: dict, errors: dict, faults: Sequence[dict],
-                 records: Sequence[RequestRecord] | None, started_at: float) -> dict:
-    """The JSON result document (``records`` only with --save-detailed)."""
+                 records: Sequence[RequestRecord] | None, started_at: float,
+                 with_text: bool = False) -> dict:
+    """The JSON result document (``records`` only with --save-detailed; their
+    generated text only ``with_text``, --save-outputs)."""
     result = {
         "tool": "kvd-loadgen",
         "version": __version__,
@@ -143,7 +145,7 @@ def build_result(*, config: dict, metrics: dict, errors: dict, faults: Sequence[
         "faults": list(faults),
     }
     if records is not None:
-        result["requests"] = [r.to_json() for r in records]
+        result["requests"] = [r.to_json(with_text) for r in records]
     return result
 
 
