@@ -16,7 +16,7 @@ Contract of the kernel path, for ``x`` [M, K] -> ``y`` [M, N]:
   fixed sequence of fp32 fused multiply-adds (16 lanes over k, then a fixed
   tree; see the .cpp header) run by one thread, whichever of the two paths
   the batch size picks: blocks decoded in registers once per group of up to
-  3 rows (M < 10: decode batches), or the packed GEMM (M >= 10: prefill and
+  3 rows (M < 16: decode batches), or the packed GEMM (M >= 16: prefill and
   large decode batches), which keeps each lane's chain of fmas in order while a
   register tile reuses its loads (6 rows x 16 outputs on AVX2; quant_gemm.h);
   so a prompt's tokens get the same bits in a prefill of any length as one

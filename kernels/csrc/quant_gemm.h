@@ -48,15 +48,6 @@ inline void rows_small(const uint8_t* w, int64_t row_bytes, int64_t nb, const fl
         for (int c = 0; c < NR; c++) y[r * ldy + c] = vsum(acc[r][c]);
 }
 
-template <int F, int R>
-void range_small(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t n0, int64_t n1, const float* x,
-                 int64_t ldx, float* y, int64_t ldy) {
-    // two rows of W at a time: as fast as 3 or 4 in cache, faster streaming from DRAM (measured)
-    int64_t n = n0;
-    for (; n + 2 <= n1; n += 2) rows_small<F, R, 2>(w + n * row_bytes, row_bytes, nb, x, ldx, y + n, ldy);
-    if (n < n1) rows_small<F, R, 1>(w + n * row_bytes, row_bytes, nb, x, ldx, y + n, ldy);
-}
-
 // Dequantized W rows, [rows][K] fp32 (the values dequant_block gives).
 template <int F>
 void dequant_rows(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t rows, float* out) {
@@ -72,20 +63,31 @@ void dequant_rows(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t rows,
 
 // ------------------------------------------------------------------ a decode batch of x rows
 // M rows of x in groups of 3 (the most rows_small keeps in registers: 3 x 2 accumulators
-// plus a block's weights fill AVX2's 16 registers), a remainder of 1 made 2 + 2: each group
-// streams W once, dequantizing each block once for its rows. Per row this costs the
-// group's FMAs plus a third of a dequantization, against a whole one at M = 1
-// (Zen 3, one thread, N = 3,072 x K = 576: M = 4 in 0.37 ms against 0.60 for a dequantized
-// tile, M = 8 in 0.67 against 0.83 for the packed GEMM). Same per-output order as every path.
-template <int F>
-void range_grouped(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t n0, int64_t n1, const float* x,
-                   int64_t M, int64_t ldx, float* y, int64_t ldy) {
-    if (M == 1) return range_small<F, 1>(w, row_bytes, nb, n0, n1, x, ldx, y, ldy);
+// plus a block's weights fill AVX2's 16 registers), a remainder of 1 made 2 + 2. W is read
+// once, two rows at a time (as fast as 3 or 4 in cache, faster streaming from DRAM), and each group runs over those two rows before the next pair:
+// a block is dequantized once per group, and the pair stays in L1 for every group, so a
+// matrix larger than the caches (the LM head) streams from memory once whatever M is.
+// Per row this costs the group's FMAs plus a third of a dequantization, against a whole one
+// at M = 1 (Zen 3, one thread, a whole SmolLM2 decode step at context 256: 4 sequences in 43 ms
+// against 66-70 for the dequantized tile this replaced, 6 in 57 against 110-124). Same per-output order
+// as every path.
+template <int F, int NR>
+inline void groups_pass(const uint8_t* w, int64_t row_bytes, int64_t nb, const float* x, int64_t M, int64_t ldx,
+                        float* y, int64_t ldy) {
+    if (M == 1) return rows_small<F, 1, NR>(w, row_bytes, nb, x, ldx, y, ldy);
     int64_t threes = M / 3, m = 0;
     if (M % 3 == 1) threes -= 1;
     for (int64_t g = 0; g < threes; g++, m += 3)
-        range_small<F, 3>(w, row_bytes, nb, n0, n1, x + m * ldx, ldx, y + m * ldy, ldy);
-    for (; m < M; m += 2) range_small<F, 2>(w, row_bytes, nb, n0, n1, x + m * ldx, ldx, y + m * ldy, ldy);
+        rows_small<F, 3, NR>(w, row_bytes, nb, x + m * ldx, ldx, y + m * ldy, ldy);
+    for (; m < M; m += 2) rows_small<F, 2, NR>(w, row_bytes, nb, x + m * ldx, ldx, y + m * ldy, ldy);
+}
+
+template <int F>
+void range_grouped(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t n0, int64_t n1, const float* x,
+                   int64_t M, int64_t ldx, float* y, int64_t ldy) {
+    int64_t n = n0;
+    for (; n + 2 <= n1; n += 2) groups_pass<F, 2>(w + n * row_bytes, row_bytes, nb, x, M, ldx, y + n, ldy);
+    if (n < n1) groups_pass<F, 1>(w + n * row_bytes, row_bytes, nb, x, M, ldx, y + n, ldy);
 }
 
 // ------------------------------------------------------------------ many rows of x: packed GEMM
@@ -253,9 +255,10 @@ void gemm_range(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t n0, int
     gemm_packed<F>(w, row_bytes, nb, n0, n1, xp, M, y, ldy, xp + gemm_rows_padded(M) * K);
 }
 
-// M >= GEMM_M: the packed GEMM. Below, range_grouped: faster up to 9 rows, level at 10-12
-// (Zen 3, one thread, SmolLM2's gate_up and down projections; the GEMM packs in blocks of 6).
-constexpr int64_t GEMM_M = 10;
+// M >= GEMM_M: the packed GEMM. Below, range_grouped: a whole SmolLM2 decode step on one
+// Zen 3 thread took 9.4-10 ms per sequence at 10-14 rows against 9.8-13 for the GEMM, and
+// the GEMM pulls ahead from 16 (8.3-8.7 ms per sequence at 24-32 against 9.7-10.6).
+constexpr int64_t GEMM_M = 16;
 
 // Floats of scratch one thread's matmul_range needs for M rows of x and depth K.
 inline int64_t matmul_scratch_floats(int64_t M, int64_t K) { return M < GEMM_M ? 0 : gemm_scratch_floats(M, K); }

@@ -23,8 +23,8 @@
 //
 // then y = ((acc[0..8) + acc[8..16)) folded 8 -> 4 -> 2 -> 1), a fixed tree.
 // Nothing in that sequence depends on M, on the other rows, on the thread
-// count or on the path (below 10 rows, blocks decoded in registers, once for
-// each group of up to 3 rows; from M = 10 the packed GEMM of quant_gemm.h, which runs each lane's fma chain as one element of an
+// count or on the path (below 16 rows, blocks decoded in registers, once for
+// each group of up to 3 rows; from M = 16 the packed GEMM of quant_gemm.h, which runs each lane's fma chain as one element of an
 // outer-product register tile): a row's result is the same bit for bit alone
 // or in any batch. The AVX2 build (V16 = two 8-lane registers), the
 // AVX-512 build (one 16-lane register) and the portable build (std::fma over

@@ -192,12 +192,12 @@ def test_native_weights_preemption_exactness(native_engine, prompts, mode):
     small.check_integrity()
 
 
-@pytest.mark.parametrize("weights", ["float32", "bfloat16", "native"])
+@pytest.mark.parametrize("weights", ["float32", "native"])
 def test_real_model_chunked_prefill_exactness(smollm2_weights, smollm2_source, native_engine, prompts, weights):
     """Chunked prefill, chunks of 5 tokens (every fidelity prompt spans several,
     and they share steps with the decodes): a batch of 16 and each prompt alone
-    give the tokens of an unchunked prefill alone, in fp32 and native weights;
-    a bf16 engine ignores the setting (LLMEngine.effective_chunk_tokens)."""
+    give the tokens of an unchunked prefill alone, in fp32 and native weights.
+    (A bf16 engine ignores the setting: tests/engine/test_chunked_prefill.py.)"""
     tok = smollm2_source.load_tokenizer()
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 
@@ -210,7 +210,7 @@ def test_real_model_chunked_prefill_exactness(smollm2_weights, smollm2_source, n
     unchunked = make(prefill_chunk_tokens=0, enable_prefix_caching=False)
     want = [unchunked.generate([p], params)[0] for p in prompts]
     chunked = make(prefill_chunk_tokens=5, enable_prefix_caching=False)
-    assert chunked.prefill_chunk_tokens == (0 if weights == "bfloat16" else 5)   # bf16: whole prompts
+    assert chunked.prefill_chunk_tokens == 5
     assert [chunked.generate([p], params)[0] for p in prompts] == want
     assert chunked.generate((prompts * 2)[:16], params) == (want * 2)[:16]
     chunked.check_integrity()
