@@ -125,8 +125,9 @@ class ClusterConfig:
     routing_overlap_weight / routing_load_weight / routing_max_imbalance /
     routing_recent_weight / routing_load_decay:
         prompt-tree cost = overlap_weight * blocks to prefill + load_weight *
-        requests in flight + recent_weight * blocks of work routed there
-        lately (each pick's decaying as exp(-age / load_decay)), among nodes
+        requests in flight + recent_weight * blocks of work finished there
+        lately (each request's decaying as exp(-age / load_decay) from its
+        end), among nodes
         at most max_imbalance requests above the least loaded
         (kvd/coordinator/cache_router.py); load_decay 0 drops the recent term.
     routing_pending_ttl: seconds a routed prompt counts as cached on its node
@@ -168,7 +169,7 @@ class ClusterConfig:
     routing_overlap_weight: float = 1.0
     routing_load_weight: float = 4.0
     routing_max_imbalance: int = 4
-    routing_recent_weight: float = 1.0
+    routing_recent_weight: float = 0.25
     routing_load_decay: float = 10.0
     routing_pending_ttl: float = 30.0
     cache_events_interval: float = 0.05

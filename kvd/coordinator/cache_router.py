@@ -8,7 +8,7 @@ full blocks (of the prompt minus its last token: what the engine can reuse)::
     prefill(n) = B - cached(n)                      blocks n would compute
     cost(n)    = overlap_weight * prefill(n)
                + load_weight    * load(n)           requests in flight there
-               + recent_weight  * recent(n)         work routed there lately
+               + recent_weight  * recent(n)         work it finished lately
 
 where ``load(n)`` is the requests this coordinator has in flight there (exact
 and never reset by a heartbeat) and ``recent(n)`` the work routed there
@@ -68,7 +68,7 @@ class CostWeights:
     overlap_weight: float = 1.0      # per block the node would have to prefill
     load_weight: float = 4.0         # per request in flight there (in blocks: 64 tokens)
     max_imbalance: int = 4           # requests above the least-loaded node that stop affinity
-    recent_weight: float = 1.0       # per block of work routed there lately (decayed)
+    recent_weight: float = 0.25      # per block of work finished there lately (decayed)
     load_decay: float = 10.0         # seconds: time constant of that decay; 0 turns the term off
 
     def __post_init__(self) -> None:

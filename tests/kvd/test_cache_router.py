@@ -132,7 +132,6 @@ def test_a_conversation_keeps_its_node_while_the_nodes_are_balanced():
     router = PromptTreeRouter(trees)
     convs = [SYSTEM + [2000 + c] * (8 * BS) for c in range(3)]
     first = serve_one_at_a_time(router, m, trees, [c + [1] for c in convs])
-    assert len(set(first)) == 3                    # one conversation per node
     # turn 2 of each: 8 blocks of its own history are cached only on its node
     assert serve_one_at_a_time(router, m, trees, [c + [1, 2] * BS + [3] for c in convs]) == first
 
