@@ -327,6 +327,7 @@ class LLMEngine:
         for i, (req, tok) in enumerate(zip(reqs, tokens)):
             if tok is None:                               # a prefill chunk short of the prompt's end
                 req.num_computed += num_new[i]
+                self.scheduler.cache_computed(req)
                 continue
             if is_prefill and req.num_preemptions == 0:
                 self.stats.prompt_tokens += len(req.prompt_ids)
@@ -341,6 +342,8 @@ class LLMEngine:
             if out.finished:
                 self.scheduler.remove(req)
                 self._retire(req, cache=True)
+            elif is_prefill:
+                self.scheduler.cache_computed(req)        # its prompt, for requests arriving meanwhile
             outs.append(out)
         return outs
 

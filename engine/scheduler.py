@@ -328,6 +328,20 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
 
+    # ------------------------------------------------------------ caching
+    def cache_computed(self, req: Request) -> None:
+        """Index ``req``'s full blocks of computed tokens while it still runs
+        (after each prefill chunk), so a request sharing its prompt that
+        arrives meanwhile hits them instead of computing them again: its
+        lookup then covers those blocks, which stay locked until it retires
+        (``MemPool.cache_running``; nothing changes when another request
+        indexed the same tokens first)."""
+        if not self.config.enable_prefix_caching or req.prefix is None:
+            return
+        lock = self.pool.cache_running(req.all_ids[:req.num_computed], req.block_ids, req.prefix)
+        if lock is not None:
+            req.prefix = lock
+
     # ------------------------------------------------------------ retirement
     def release_memory(self, req: Request, cache: bool = False) -> None:
         """Return every block ``req`` holds. With ``cache``, its full blocks of

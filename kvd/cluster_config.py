@@ -19,6 +19,7 @@ Example (see etc/kvd.example-cluster.toml, every option commented)::
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import tomllib
@@ -121,10 +122,14 @@ class ClusterConfig:
     routing: the coordinator's policy, "prompt-tree" (cache-aware, on the
         global prompt trees), "session" (least load + session affinity) or
         "least-load"; ``kvctl routing POLICY`` switches at run time.
-    routing_overlap_weight / routing_load_weight / routing_max_imbalance:
+    routing_overlap_weight / routing_load_weight / routing_max_imbalance /
+    routing_recent_weight / routing_load_decay:
         prompt-tree cost = overlap_weight * blocks to prefill + load_weight *
-        requests in flight, among nodes at most max_imbalance requests above
-        the least loaded (kvd/coordinator/cache_router.py).
+        requests in flight + recent_weight * blocks of work finished there
+        lately (each request's decaying as exp(-age / load_decay) from its
+        end), among nodes
+        at most max_imbalance requests above the least loaded
+        (kvd/coordinator/cache_router.py); load_decay 0 drops the recent term.
     routing_pending_ttl: seconds a routed prompt counts as cached on its node
         before the node's events confirm it.
     cache_events_interval: seconds between a node's pushes of its cache
@@ -164,6 +169,8 @@ class ClusterConfig:
     routing_overlap_weight: float = 1.0
     routing_load_weight: float = 4.0
     routing_max_imbalance: int = 4
+    routing_recent_weight: float = 0.25
+    routing_load_decay: float = 10.0
     routing_pending_ttl: float = 30.0
     cache_events_interval: float = 0.05
     replicas: int = 0
@@ -187,9 +194,11 @@ class ClusterConfig:
             raise ConfigError("cluster.affinity_tokens must be >= 0")
         if self.routing not in ROUTING_POLICIES:
             raise ConfigError(f"cluster.routing must be one of {ROUTING_POLICIES}, got {self.routing!r}")
-        if min(self.routing_overlap_weight, self.routing_load_weight, self.routing_max_imbalance,
-               self.routing_pending_ttl) < 0:
-            raise ConfigError("cluster.routing_* weights, max_imbalance and pending_ttl must be >= 0")
+        routing = (self.routing_overlap_weight, self.routing_load_weight, self.routing_max_imbalance,
+                   self.routing_pending_ttl, self.routing_recent_weight, self.routing_load_decay)
+        if not all(math.isfinite(v) and v >= 0 for v in routing):
+            raise ConfigError("cluster.routing_* weights, max_imbalance, pending_ttl and load_decay "
+                              "must be finite and >= 0")
         if not self.cache_events_interval > 0:
             raise ConfigError("cluster.cache_events_interval must be > 0")
         if self.ucx_progress_mode not in UCX_PROGRESS_MODES:

@@ -9,9 +9,14 @@ kvd-loadgen trace (chat endpoint, greedy) and reports:
 - cached share: prompt tokens served from a prefix cache / all prompt tokens
   (the nodes' MemPool hit and miss counters, ``kvctl cache stats``);
 - TTFT p50 / p99 (kvd-loadgen's records);
-- balance: max over mean requests per node (``kvctl nodes``' routed counts).
+- balance: max over mean requests per node (``kvctl nodes``' routed counts);
+- against the ideal: the same traces on ONE node whose cache holds
+  everything (``--reference-kv-blocks``), whose cached share is what any
+  routing policy could reach at best; each row's ``of_ideal`` is its cached
+  share over that one.
 
     .venv/bin/python tools/bench_routing.py [--num-prompts 24] [--request-rate 4] \
+        [--policies prompt-tree,session,least-load] [--reference-kv-blocks 8192] \
         [--cluster routing_load_weight=8.0 ...]
 
 Prints a markdown table and writes JSON to results/bench_routing.json.
@@ -114,6 +119,14 @@ def one_run(base: str, sock: str, model: str, policy: str, convs, args) -> dict:
             "duration_s": result.duration_s}
 
 
+def print_row(row: dict, ideal: dict[str, float]) -> None:
+    ref = ideal.get(row["dataset"])
+    row["of_ideal"] = row["cached_share"] / ref if ref else None
+    of = f"{row['of_ideal']:.3f}" if ref else "n/a"
+    print(f"| {row['dataset']} | {row['policy']} | {row['cached_share']:.3f} | {of} | {row['ttft_p50_ms']:.0f} | "
+          f"{row['ttft_p99_ms']:.0f} | {row['max_over_mean']:.2f} {row['per_node']} | {row['failed']} |", flush=True)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="tiny")
@@ -122,6 +135,9 @@ def main() -> int:
     p.add_argument("--num-prompts", type=int, default=24)
     p.add_argument("--request-rate", type=float, default=4.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated, in run order")
+    p.add_argument("--reference-kv-blocks", type=int, default=8192,
+                   help="KV blocks of the one-node ideal run (0: skip it)")
     p.add_argument("--cluster", action="append", default=[], metavar="KEY=VALUE",
                    help="a [cluster] setting (TOML value), e.g. routing_load_weight=8.0; repeatable")
     args = p.parse_args()
@@ -138,18 +154,32 @@ def main() -> int:
             prefix_repetition_suffix_len=64, prefix_repetition_output_len=32),
     }
     rows = []
+    convs = {name: datasets.build(opts, tokenizer) for name, opts in traces.items()}
+    print("| dataset | policy | cached share | of ideal | TTFT p50 ms | TTFT p99 ms | max/mean [per node] | failed |")
+    print("|---|---|---|---|---|---|---|---|")
+    ideal: dict[str, float] = {}
+    if args.reference_kv_blocks:
+        with tempfile.TemporaryDirectory(prefix="kvd-bench-routing-ref-") as tmp:
+            proc, base, sock = start_cluster(Path(tmp), args.model, 1, args.reference_kv_blocks)
+            try:
+                for name in traces:
+                    row = {"dataset": name, **one_run(base, sock, served, "least-load", convs[name], args)}
+                    row["policy"] = "ideal: one node, unbounded cache"
+                    ideal[name] = row["cached_share"]
+                    rows.append(row)
+                    print_row(row, ideal)
+            finally:
+                proc.terminate()
+                proc.wait(60)
     with tempfile.TemporaryDirectory(prefix="kvd-bench-routing-") as tmp:
         proc, base, sock = start_cluster(Path(tmp), args.model, args.nodes, args.kv_blocks,
                                          extra_cluster="".join(f"{kv}\n" for kv in args.cluster))
         try:
-            for name, opts in traces.items():
-                convs = datasets.build(opts, tokenizer)
-                for policy in POLICIES:
-                    row = {"dataset": name, **one_run(base, sock, served, policy, convs, args)}
+            for name in traces:
+                for policy in args.policies.split(","):
+                    row = {"dataset": name, **one_run(base, sock, served, policy, convs[name], args)}
                     rows.append(row)
-                    print(f"| {name} | {policy} | {row['cached_share']:.3f} | {row['ttft_p50_ms']:.0f} | "
-                          f"{row['ttft_p99_ms']:.0f} | {row['max_over_mean']:.2f} {row['per_node']} | "
-                          f"{row['failed']} |", flush=True)
+                    print_row(row, ideal)
         finally:
             proc.terminate()
             proc.wait(60)

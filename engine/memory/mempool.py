@@ -230,6 +230,39 @@ class MemPool:
         self.live_hits += 1
         return PrefixLock(m.num_tokens, m.blocks, m.last_node)
 
+    def cache_running(self, tokens: Sequence[int], block_ids: Sequence[int],
+                      held: PrefixLock) -> PrefixLock | None:
+        """Index a RUNNING request's full blocks of computed ``tokens`` now,
+        not when it finishes, so that requests arriving meanwhile hit them
+        (SGLang's ``cache_unfinished_req``; vLLM caches a block once full).
+
+        ``block_ids`` is the request's device block table, ``held`` its
+        lookup (``match``), whose blocks are the table's first ones. Only when
+        the index holds nothing of ``tokens`` beyond ``held``: then every block
+        indexed is the request's own and its table stays valid. On success the
+        request's lookup becomes the returned lock, covering all those full
+        blocks (``held`` is given back; the live-lookup count is unchanged),
+        and the caller must not free them: they belong to the cache.
+
+        Returns None and changes nothing when there is nothing new to index
+        or another request indexed part of these tokens first (this request's
+        copies then stay private and are offered again, as duplicates, by
+        ``insert`` when it finishes).
+        """
+        bs = self.block_size
+        have = len(held.blocks)
+        nfull = min(len(tokens) // bs, len(block_ids))
+        if held.released or nfull <= have:
+            return None
+        prefix = tokens[:nfull * bs]
+        if self.tree.match(prefix).num_tokens != have * bs:
+            return None
+        self.insert(prefix, block_ids[:nfull])
+        m = self.tree.match(prefix)
+        self.tree.lock(m.last_node)
+        self.unlock(held)
+        return PrefixLock(m.num_tokens, list(m.blocks), m.last_node)
+
     def release(self, hit: PrefixLock) -> None:
         """Unlock a ``match``; raises ValueError when released twice."""
         self.unlock(hit)

@@ -5,11 +5,26 @@ routing policies by name.
 full blocks (of the prompt minus its last token: what the engine can reuse)::
 
     cached(n)  = leading blocks n holds (global prompt tree) or has pending
-    cost(n)    = overlap_weight * (B - cached(n)) + load_weight * load(n)
+    prefill(n) = B - cached(n)                      blocks n would compute
+    cost(n)    = overlap_weight * prefill(n)
+               + load_weight    * load(n)           requests in flight there
+               + recent_weight  * recent(n)         work it finished lately
 
 where ``load(n)`` is the requests this coordinator has in flight there (exact
-and never reset by a heartbeat), and picks the cheapest node among the
-*eligible* ones:
+and never reset by a heartbeat) and ``recent(n)`` the work routed there
+lately, in blocks: each request routed there adds ``prefill(n) +
+load_weight`` (the blocks it computes plus what a request costs beyond them)
+once it has left the node, decaying as ``exp(-age / load_decay)`` from then
+(while in flight it counts in ``load(n)``). In-flight counts alone say nothing on a
+cluster whose requests end before the next arrives: affinity then wins every
+pick and a node that first computed a popular prefix takes all of its
+traffic. The decayed term remembers who did the work: once a node has
+absorbed about one prefix's worth of blocks more than another, computing the
+prefix again elsewhere is cheaper than queueing behind it, so a hot prefix
+spreads over the nodes, each computing it once. It decays rather than resets
+(vllm-project/router #179: counters that reset create hot spots).
+
+The cheapest node is picked among the *eligible* ones:
 
     eligible   = { n : load(n) <= min_load + max_imbalance }
 
@@ -33,6 +48,7 @@ instead of scattering before that request's blocks are confirmed by events.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -52,10 +68,64 @@ class CostWeights:
     overlap_weight: float = 1.0      # per block the node would have to prefill
     load_weight: float = 4.0         # per request in flight there (in blocks: 64 tokens)
     max_imbalance: int = 4           # requests above the least-loaded node that stop affinity
+    recent_weight: float = 0.25      # per block of work finished there lately (decayed)
+    load_decay: float = 10.0         # seconds: time constant of that decay; 0 turns the term off
 
     def __post_init__(self) -> None:
-        if self.overlap_weight < 0 or self.load_weight < 0 or self.max_imbalance < 0:
-            raise ValueError("routing weights and max_imbalance must be >= 0")
+        if min(self.overlap_weight, self.load_weight, self.max_imbalance, self.recent_weight,
+               self.load_decay) < 0 or not math.isfinite(self.load_decay):
+            raise ValueError("routing weights, max_imbalance and load_decay must be finite and >= 0")
+
+
+class RecentWork:
+    """Work each node finished lately, in blocks, each request's decaying as
+    ``exp(-age / decay)`` from when it ended.
+
+    ``open`` records a routed request's work (by request id); it counts here
+    only once the request has left its node's ``in_flight`` (``settle``
+    notices, at the next pick), because while in flight it is already the
+    load term's: a burst sharing a new prefix then follows its first request
+    as before, and only finished work pushes later requests elsewhere. Per
+    node one (value, time) pair: decaying it to ``now`` before adding is exact
+    for a sum of exponentials. Not thread-safe (the coordinator's loop owns it).
+    """
+
+    def __init__(self, decay: float, max_open: int = 100_000) -> None:
+        self.decay = decay
+        self.max_open = max_open
+        self._open: dict[tuple[str, str], float] = {}        # (node, request id) -> blocks
+        self._done: dict[str, tuple[float, float]] = {}      # node -> (value, at)
+
+    def value(self, node: str, now: float) -> float:
+        """The decayed finished work of ``node`` at ``now`` (0 when none)."""
+        if self.decay <= 0 or node not in self._done:
+            return 0.0
+        value, at = self._done[node]
+        return value * math.exp(-max(0.0, now - at) / self.decay)
+
+    def add(self, node: str, blocks: float, now: float) -> None:
+        """Count ``blocks`` of work finished on ``node`` at ``now``."""
+        if self.decay > 0:
+            self._done[node] = (self.value(node, now) + blocks, now)
+
+    def open(self, node: str, request_id: str, blocks: float) -> None:
+        if self.decay <= 0:
+            return
+        self._open[(node, request_id)] = blocks
+        while len(self._open) > self.max_open:             # a coordinator that never settles
+            self._open.pop(next(iter(self._open)))
+
+    def settle(self, nodes: Sequence[NodeInfo], now: float) -> None:
+        """Move the work of requests no longer in flight on their node (or
+        whose node is not among ``nodes``) into the finished work."""
+        if not self._open:
+            return
+        by_name = {n.name: n for n in nodes}
+        for key in [k for k in self._open if (n := by_name.get(k[0])) is None or k[1] not in n.in_flight]:
+            self.add(key[0], self._open.pop(key), now)
+
+    def snapshot(self, now: float) -> dict[str, float]:
+        return {n: round(self.value(n, now), 1) for n in sorted(self._done)}
 
 
 def role_of(node: NodeInfo) -> str:
@@ -64,21 +134,25 @@ def role_of(node: NodeInfo) -> str:
 
 
 class PromptTreeRouter:
-    """Router on cost = overlap_weight * blocks to prefill + load_weight * load; see the module docstring."""
+    """Router on cost = overlap_weight * blocks to prefill + load_weight * load
+    + recent_weight * recent work; see the module docstring."""
 
     name = "prompt-tree"
 
     def __init__(self, trees: PromptTrees, weights: CostWeights | None = None) -> None:
         self.trees = trees
         self.weights = weights or CostWeights()
+        self.recent = RecentWork(self.weights.load_decay)
         self.cache_routed = 0                # picks that had cached blocks on the chosen node
         self.guarded = 0                     # picks where the guard excluded a better-cached node
 
-    def pick(self, nodes: Sequence[NodeInfo], prompt_ids: Sequence[int]) -> NodeInfo | None:
+    def pick(self, nodes: Sequence[NodeInfo], prompt_ids: Sequence[int],
+             request_id: str | None = None) -> NodeInfo | None:
         if not nodes:
             return None
         w = self.weights
         now = time.monotonic()
+        self.recent.settle(nodes, now)
         # reusable prefix: the engine matches the prompt minus its last token
         usable = prompt_ids[:-1]
         total = len(usable) // self.trees.block_size
@@ -91,10 +165,16 @@ class PromptTreeRouter:
         eligible = [n for n in nodes if n.load <= min_load + w.max_imbalance]
 
         def score(n: NodeInfo) -> tuple:
-            cost = w.overlap_weight * (total - cached.get(n.name, 0)) + w.load_weight * n.load
+            cost = (w.overlap_weight * (total - cached.get(n.name, 0)) + w.load_weight * n.load
+                    + w.recent_weight * self.recent.value(n.name, now))
             return (cost, n.load, n.heartbeat.running if n.heartbeat else 0, n.name)
 
         choice = min(eligible, key=score)
+        work = total - cached.get(choice.name, 0) + w.load_weight
+        if request_id is None:
+            self.recent.add(choice.name, work, now)       # a caller that cannot say when it ends
+        else:
+            self.recent.open(choice.name, request_id, work)
         best_cached = max((cached.get(n.name, 0) for n in nodes), default=0)
         if cached.get(choice.name, 0):
             self.cache_routed += 1
@@ -107,6 +187,8 @@ class PromptTreeRouter:
     def describe(self) -> dict:
         return {"policy": self.name, "overlap_weight": self.weights.overlap_weight,
                 "load_weight": self.weights.load_weight, "max_imbalance": self.weights.max_imbalance,
+                "recent_weight": self.weights.recent_weight, "load_decay": self.weights.load_decay,
+                "recent_work": self.recent.snapshot(time.monotonic()),
                 "pending_ttl": self.trees.pending_ttl, "cache_routed": self.cache_routed,
                 "guarded": self.guarded}
 

@@ -307,10 +307,10 @@ class RemoteEngineClient:
         candidates = [n for n in self.membership.routable()
                       if n.name not in exclude and n.name in self.links]
         whole = [n for n in candidates if n.role != "prefill"] or candidates
-        node = self.router.pick(whole, prompt_ids)
+        node = self.router.pick(whole, prompt_ids, request_id)
         if node is None:
             raise EngineDead("no node is available to serve the request; retry later")
-        prefill = self._pick_prefill(candidates, prompt_ids) if node.role == "decode" else None
+        prefill = self._pick_prefill(candidates, prompt_ids, request_id) if node.role == "decode" else None
         if prefill is not None:
             header, _ = protocol.encode(dataclasses.replace(request, prefill_node=prefill.name))
         stream = _Stream(node.name, request)
@@ -343,12 +343,13 @@ class RemoteEngineClient:
             if not accepted:
                 self._forget(request_id, node)
 
-    def _pick_prefill(self, candidates: list[NodeInfo], prompt_ids: Sequence[int]) -> NodeInfo | None:
+    def _pick_prefill(self, candidates: list[NodeInfo], prompt_ids: Sequence[int],
+                      request_id: str) -> NodeInfo | None:
         """The routable prefill node for the prompt (``prefill_router``: with
         prompt-tree routing the one whose cache holds most of it, within the
         load guard), or None when there is none."""
         prefills = [n for n in candidates if n.role == "prefill"]
-        return self.prefill_router.pick(prefills, prompt_ids) if prefills else None
+        return self.prefill_router.pick(prefills, prompt_ids, request_id) if prefills else None
 
     def _start_prefill_leg(self, request: protocol.GenerateRequest, stream: _Stream, decode: NodeInfo,
                            prefill: NodeInfo, grant: protocol.Accepted) -> None:
@@ -541,7 +542,7 @@ class RemoteEngineClient:
             stream.recoveries += 1
             candidates = [n for n in self.membership.routable() if n.name in self.links]
             choice = self.recovery.target(rid, dead, stream.failed, candidates,
-                                          lambda nodes: self.router.pick(nodes, stream.request.prompt_token_ids))
+                                          lambda nodes: self.router.pick(nodes, stream.request.prompt_token_ids, rid))
             if choice is None:
                 break
             node, replicated = choice

@@ -99,7 +99,8 @@ class CoordinatorDaemon:
         c = self.cluster
         return make_router(policy, self.trees, affinity_tokens=c.affinity_tokens,
                            weights=CostWeights(c.routing_overlap_weight, c.routing_load_weight,
-                                               c.routing_max_imbalance))
+                                               c.routing_max_imbalance, c.routing_recent_weight,
+                                               c.routing_load_decay))
 
     @property
     def address(self) -> str:

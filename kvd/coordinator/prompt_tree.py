@@ -27,7 +27,7 @@ changes nothing when any op is invalid (``InvalidEvents``). A real hash
 collision (two different blocks, one hash) is reported the same way.
 
 Pending prefixes: between a routing decision and the stored events that
-confirm it (the node inserts a request's blocks when it finishes), the router
+confirm it (the node indexes a prompt's blocks when its prefill ends), the router
 records the prompt's block hashes as pending on the chosen node for
 ``ttl`` seconds, so a burst sharing a new prefix lands on one node. A stored
 event for (node, hash) confirms (drops) the pending entry; ``match`` counts

@@ -21,9 +21,12 @@ from kvd.coordinator.membership import NodeInfo
 
 
 class Router(Protocol):
-    def pick(self, nodes: Sequence[NodeInfo], prompt_ids: Sequence[int]) -> NodeInfo | None:
+    def pick(self, nodes: Sequence[NodeInfo], prompt_ids: Sequence[int],
+             request_id: str | None = None) -> NodeInfo | None:
         """The node for a request, or None when ``nodes`` is empty. No side effects
-        on ``nodes``; may update the router's own state."""
+        on ``nodes``; may update the router's own state. ``request_id`` names
+        the request the caller will put in the chosen node's ``in_flight``
+        (a router may follow it there to learn when it ended)."""
 
 
 def affinity_key(prompt_ids: Sequence[int], num_tokens: int) -> bytes:
@@ -41,7 +44,8 @@ class LeastLoadRouter:
         self._sessions: OrderedDict[bytes, tuple[str, float]] = OrderedDict()
         self.affinity_hits = 0
 
-    def pick(self, nodes: Sequence[NodeInfo], prompt_ids: Sequence[int]) -> NodeInfo | None:
+    def pick(self, nodes: Sequence[NodeInfo], prompt_ids: Sequence[int],
+             request_id: str | None = None) -> NodeInfo | None:
         if not nodes:
             return None
         # fewest in flight; ties: fewer running per heartbeat, then name (deterministic)

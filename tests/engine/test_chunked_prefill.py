@@ -130,17 +130,23 @@ def test_seeded_sampling_and_stop_strings_are_unchanged(make_tiny):
 
 
 def test_abort_mid_prefill_frees_everything(make_tiny):
+    """An abort between chunks frees the request's blocks; the full blocks of
+    the chunks already computed stay in the prefix cache (unlocked), as they
+    would have for a finished request."""
     eng = make_tiny(prefill_chunk_tokens=8)
     eng.add_request("long", prompts(1, lo=150, hi=151)[0], GREEDY)
     eng.step()
     eng.step()
     req = eng.requests["long"]
     assert req.prefilling and 0 < req.num_computed < len(req.prompt_ids)
+    computed_blocks = req.num_computed // 16
     out = eng.abort_request("long")
     assert out.finished and out.finish_reason == "abort"
     assert not eng.has_unfinished()
     eng.check_integrity()
-    assert eng.pool.stats()["device"]["used"] == 0
+    device = eng.pool.stats()["device"]
+    assert device["request_owned"] == 0
+    assert device["cached"] == device["evictable"] == computed_blocks
 
 
 def test_prefill_leg_streams_every_layer_once_from_a_chunked_prompt(make_tiny):

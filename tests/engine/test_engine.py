@@ -45,6 +45,47 @@ def test_prefix_cache_hit_equals_cold(make_tiny, dtype):
     eng.check_integrity()
 
 
+@pytest.mark.parametrize("chunk", [0, 32])
+def test_a_running_requests_prompt_is_a_hit_for_requests_arriving_meanwhile(make_tiny, chunk):
+    """The prompt's full blocks are indexed once its prefill ends (or after
+    each chunk), not when the request finishes: a request sharing the prompt
+    that arrives while the first still decodes computes only its own tail."""
+    base = prompts(1, 80, 80, seed=11)[0]                  # 5 full blocks of 16
+    later = [base + p for p in prompts(3, 5, 20, seed=12)]
+    cold = alone(make_tiny(enable_prefix_caching=False), [base] + later)
+    eng = make_tiny(prefill_chunk_tokens=chunk)
+    eng.add_request("first", base, GREEDY)
+    out: dict[str, list[int]] = {"first": []}
+    while eng.scheduler.running[0].prefilling if eng.scheduler.running else True:
+        for o in eng.step():
+            out[o.request_id] += o.new_token_ids
+    assert eng.pool.stats()["device"]["cached"] == 5     # indexed while "first" decodes
+    hits = eng.stats.prefix_hit_tokens
+    for i, p in enumerate(later):
+        eng.add_request(f"later{i}", p, GREEDY)
+        out[f"later{i}"] = []
+    while eng.has_unfinished():
+        for o in eng.step():
+            out[o.request_id] += o.new_token_ids
+    assert [out["first"]] + [out[f"later{i}"] for i in range(3)] == cold
+    assert eng.stats.prefix_hit_tokens - hits == 3 * 80
+    eng.check_integrity()
+    assert eng.pool.stats()["device"]["request_owned"] == 0
+
+
+def test_two_running_copies_of_one_prompt_index_it_once(make_tiny):
+    """Two requests with the same prompt admitted in one step: the first to
+    finish its prefill indexes the blocks; the other keeps its private copy
+    until it finishes (then a duplicate, freed). Nothing leaks."""
+    base = prompts(1, 64, 64, seed=13)[0]
+    cold = alone(make_tiny(enable_prefix_caching=False), [base])[0]
+    eng = make_tiny()
+    assert eng.generate([base, base], GREEDY) == [cold, cold]
+    eng.check_integrity()
+    stats = eng.pool.stats()["device"]
+    assert stats["request_owned"] == 0 and stats["cached"] == (64 + 24) // 16
+
+
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_preemption_keeps_tokens_and_blocks(make_tiny, mode):
     ps = prompts(12, 20, 60, seed=5)

@@ -131,6 +131,41 @@ def test_insert_frees_duplicates_but_not_shared_hit_blocks():
         pool.insert(toks(5), [9])                         # not allocated
 
 
+def test_cache_running_indexes_a_running_requests_blocks_and_grows_its_lock():
+    pool = MemPool(10, 0, BS)
+    pool.insert(toks(1), pool.alloc_mem(1))
+    hit = pool.match(toks(1, 2, 3) + [9])                  # block 1 cached, locked
+    ids = [r.block_id for r in hit.blocks] + pool.alloc_mem(3)
+    lock = pool.cache_running(toks(1, 2, 3) + [9], ids, hit)
+    assert lock is not None and hit.released and lock.num_tokens == 3 * BS
+    assert [r.block_id for r in lock.blocks] == ids[:3]     # its own blocks: the table stays valid
+    assert pool.stats()["live_hits"] == 1                   # one lookup, grown, not two
+    assert pool.match(toks(1, 2, 3)).num_tokens == 3 * BS   # a newcomer hits them
+    assert pool.tree.evictable("device") == 0               # locked while it runs
+    assert pool.cache_running(toks(1, 2, 3) + [9], ids, lock) is None   # nothing new
+    # finishing: the same ids go back through insert (recognised, not duplicates)
+    assert pool.insert(toks(1, 2, 3, 4), ids) == 1
+    pool.release(lock)
+    pool.check_integrity()
+
+
+def test_cache_running_changes_nothing_when_another_request_indexed_them_first():
+    pool = MemPool(10, 0, BS)
+    first, second = pool.match(toks(1, 2)), pool.match(toks(1, 2))    # two misses
+    a, b = pool.alloc_mem(2), pool.alloc_mem(2)
+    lock_a = pool.cache_running(toks(1, 2), a, first)
+    assert lock_a is not None
+    before = pool.stats()["device"]
+    assert pool.cache_running(toks(1, 2), b, second) is None          # a's are indexed: b keeps its copies
+    assert not second.released and pool.stats()["device"] == before
+    pool.insert(toks(1, 2), b)                                         # b finishes: duplicates freed
+    pool.release(second)
+    pool.release(lock_a)
+    s = pool.stats()["device"]
+    assert s["cached"] == 2 and s["request_owned"] == 0
+    pool.check_integrity()
+
+
 def test_match_counts_and_delete():
     pool = MemPool(8, 0, BS)
     pool.insert(toks(1, 2), pool.alloc_mem(2))

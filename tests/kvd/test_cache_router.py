@@ -4,8 +4,8 @@ against load, with the guard both ways; policies by name."""
 import pytest
 
 from kvd import protocol
-from kvd.coordinator.cache_router import (POLICIES, CostWeights, PromptTreeRouter, make_router,
-                                          policy_name)
+from kvd.coordinator.cache_router import (POLICIES, CostWeights, PromptTreeRouter, RecentWork,
+                                          make_router, policy_name)
 from kvd.coordinator.membership import Membership
 from kvd.coordinator.prompt_tree import STORED, Op, PromptTrees
 from kvd.coordinator.router import LeastLoadRouter
@@ -36,11 +36,16 @@ def cache(trees: PromptTrees, node: str, tokens: list[int]) -> None:
     tree.apply(node, ops)
 
 
+_ids = iter(range(1 << 30))
+
+
 def route(router, m: Membership, prompt: list[int], hold: bool = True) -> str:
-    """Pick for ``prompt``; with ``hold`` the request stays in flight there."""
-    node = router.pick(m.routable(), prompt)
+    """Pick for ``prompt``; with ``hold`` the request stays in flight there,
+    without it the request has ended by the next pick."""
+    rid = f"r{next(_ids)}"
+    node = router.pick(m.routable(), prompt, rid)
     if hold:
-        node.in_flight.add(f"r{len(node.in_flight)}-{id(prompt)}")
+        node.in_flight.add(rid)
     return node.name
 
 
@@ -90,6 +95,80 @@ def test_uneven_load_keeps_affinity_among_the_eligible_nodes():
     # n2 is idle and holds nothing: pure load balance would pick it; n3 is
     # within the slack and caches 12 of 16 blocks, so it wins.
     assert route(router, m, SYSTEM + [7]) == "n3"
+
+
+def serve_one_at_a_time(router, m, trees, prompts):
+    """Each request ends before the next arrives (no load in flight) and its
+    node's events confirm the prompt's blocks: the low-load case."""
+    picks = []
+    for p in prompts:
+        node = route(router, m, p, hold=False)
+        cache(trees, node, p)
+        picks.append(node)
+    return picks
+
+
+def test_a_hot_prefix_spreads_when_requests_end_before_the_next_arrives():
+    m, trees = cluster(), PromptTrees(BS)
+    router = PromptTreeRouter(trees)
+    prompts = [SYSTEM + [1000 + i] * (2 * BS) + [7] for i in range(30)]   # 18 blocks, 16 shared
+    picks = serve_one_at_a_time(router, m, trees, prompts)
+    counts = [picks.count(n) for n in ("n1", "n2", "n3")]
+    assert max(counts) / (sum(counts) / 3) <= 1.3, counts
+    # each node computed the shared prefix once: every other pick was a hit
+    assert router.cache_routed == 30 - 3
+
+
+def test_without_the_recent_term_a_hot_prefix_stays_on_one_node():
+    """What the decayed term fixes: in-flight counts alone are all 0 here."""
+    m, trees = cluster(), PromptTrees(BS)
+    router = PromptTreeRouter(trees, CostWeights(load_decay=0.0))
+    prompts = [SYSTEM + [1000 + i] * (2 * BS) + [7] for i in range(12)]
+    assert set(serve_one_at_a_time(router, m, trees, prompts)) == {"n1"}
+
+
+def test_a_conversation_keeps_its_node_while_the_nodes_are_balanced():
+    m, trees = cluster(), PromptTrees(BS)
+    router = PromptTreeRouter(trees)
+    convs = [SYSTEM + [2000 + c] * (8 * BS) for c in range(3)]
+    first = serve_one_at_a_time(router, m, trees, [c + [1] for c in convs])
+    # turn 2 of each: 8 blocks of its own history are cached only on its node
+    assert serve_one_at_a_time(router, m, trees, [c + [1, 2] * BS + [3] for c in convs]) == first
+
+
+def test_recent_work_decays_exponentially_and_zero_decay_is_off():
+    work = RecentWork(decay=10.0)
+    work.add("n1", 8.0, now=100.0)
+    work.add("n1", 8.0, now=100.0)
+    assert work.value("n1", 100.0) == 16.0
+    assert work.value("n1", 100.0 + 10.0 * 0.6931471805599453) == pytest.approx(8.0)
+    assert work.value("n2", 100.0) == 0.0
+    off = RecentWork(decay=0.0)
+    off.add("n1", 8.0, now=1.0)
+    assert off.value("n1", 1.0) == 0.0
+
+
+def test_work_in_flight_counts_only_once_it_has_ended():
+    m = cluster()
+    n1 = m.nodes["n1"]
+    work = RecentWork(decay=10.0)
+    work.open("n1", "a", 20.0)
+    n1.in_flight.add("a")
+    work.settle(m.routable(), now=5.0)
+    assert work.value("n1", 5.0) == 0.0                 # still in flight: the load term's
+    n1.in_flight.discard("a")
+    work.settle(m.routable(), now=6.0)
+    assert work.value("n1", 6.0) == 20.0
+    work.open("gone", "b", 3.0)                         # its node left: settled too
+    work.settle(m.routable(), now=6.0)
+    assert work.value("gone", 6.0) == 3.0
+
+
+@pytest.mark.parametrize("bad", [dict(load_decay=-1.0), dict(load_decay=float("nan")),
+                                 dict(recent_weight=-0.5), dict(load_decay=float("inf"))])
+def test_cost_weights_reject_bad_values(bad):
+    with pytest.raises(ValueError):
+        CostWeights(**bad)
 
 
 def test_policies_by_name():
