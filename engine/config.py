@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+from engine.memory.caching_cost import CachingCostModel
 from engine.scheduler import SchedulerConfig
 
 DTYPE_NAMES = ("auto", "float32", "fp32", "bfloat16", "bf16")
@@ -28,6 +30,15 @@ class EngineConfig:
     num_threads: int | None = None      # torch intra-op threads; None: torch's default
     decode_kernel: str = "auto"         # auto: fused C++ bf16 decode step where the CPU has it; torch
     weights: str = "native"             # native: a GGUF's Q4_0/Q4_1/Q8_0 blocks served as they are; dequantize
+    # A prefix hit with host-tier blocks: "cost" (swap in or recompute, the
+    # cheaper by the caching cost model below), "swap" (always), "recompute" (always)
+    host_hit_policy: str = "cost"
+    # the caching cost model's coefficients (engine/memory/caching_cost.py), seconds,
+    # fitted by tools/bench_caching_cost.py on the project's AVX2 host: see etc/kvd.toml
+    cost_token_s: float = 3.32e-3
+    cost_attention_s: float = 1.6e-6
+    cost_fixed_s: float = 0.0509
+    cost_swap_block_s: float = 1.1e-4
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_NAMES:
@@ -43,5 +54,23 @@ class EngineConfig:
             raise ValueError(f"weights must be one of {', '.join(WEIGHTS_MODES)}, got {self.weights!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError("num_threads must be >= 1")
-        SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.block_size,
-                        self.preemption_mode, self.enable_prefix_caching, self.prefill_chunk_tokens)
+        for name in ("cost_token_s", "cost_attention_s", "cost_fixed_s", "cost_swap_block_s"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0 (seconds), got {v!r}")
+        self.scheduler_config(self.prefill_chunk_tokens)
+
+    def caching_cost(self) -> CachingCostModel:
+        """The cost model of the ``cost_*`` coefficients."""
+        return CachingCostModel(token_s=self.cost_token_s, attention_s=self.cost_attention_s,
+                                fixed_s=self.cost_fixed_s, swap_block_s=self.cost_swap_block_s)
+
+    def scheduler_config(self, prefill_chunk_tokens: int) -> SchedulerConfig:
+        """The scheduler's share of this config, chunking as the model runs it
+        (``LLMEngine.effective_chunk_tokens``). Raises ValueError if invalid."""
+        return SchedulerConfig(
+            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+            block_size=self.block_size, preemption_mode=self.preemption_mode,
+            enable_prefix_caching=self.enable_prefix_caching, prefill_chunk_tokens=prefill_chunk_tokens,
+            host_hit_policy=self.host_hit_policy,
+            caching_cost=self.caching_cost() if self.host_hit_policy == "cost" else None)

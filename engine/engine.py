@@ -24,7 +24,7 @@ from engine.request import FinishReason, InvalidParam, Request, RequestOutput, R
 from engine.config import EngineConfig  # noqa: F401  (re-exported: callers import it from here)
 from engine.runner import ModelRunner
 from engine.sampling import make_generator
-from engine.scheduler import Scheduler, SchedulerConfig
+from engine.scheduler import Scheduler
 from engine.stream import KVSink, LayerStreamer
 from kernels.fused_decode import FusedDecoder
 from kernels.plan_decode import PlanDecoder
@@ -89,6 +89,8 @@ class EngineStats:
     generation_tokens: int = 0
     prefix_hit_tokens: int = 0
     preemptions: int = 0
+    host_blocks_swapped_in: int = 0     # host-tier blocks of prefix hits: swapped in at admission,
+    host_blocks_recomputed: int = 0     # or recomputed (host_hit_policy, the caching cost model)
     handed_off: int = 0                 # prefilled here, decoded elsewhere (engine.stream)
     finished: dict = field(default_factory=lambda: {r.value: 0 for r in FinishReason})
     steps: int = 0
@@ -110,11 +112,8 @@ class LLMEngine:
                           dtype=model.dtype)
         self.pool = MemPool(device_blocks=config.kv_blocks, host_blocks=config.host_kv_blocks,
                             block_size=config.block_size, storage=self.kv)
-        self.scheduler = Scheduler(SchedulerConfig(
-            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-            block_size=config.block_size, preemption_mode=config.preemption_mode,
-            enable_prefix_caching=config.enable_prefix_caching,
-            prefill_chunk_tokens=self.effective_chunk_tokens(config, model)), self.pool)
+        self.scheduler = Scheduler(config.scheduler_config(self.effective_chunk_tokens(config, model)),
+                                   self.pool)
         device_kv = self.kv.tier("device")
         fused = None
         if config.decode_kernel == "auto":   # one C++ call per decode step where one can run it
@@ -299,6 +298,8 @@ class LLMEngine:
             return []
         self.stats.steps += 1
         self.stats.preemptions += len(batch.preempted)
+        self.stats.host_blocks_swapped_in += batch.host_blocks_swapped_in
+        self.stats.host_blocks_recomputed += batch.host_blocks_recomputed
         outs = []
         if batch.prefill:
             outs += self._execute(batch.prefill, True, batch.prefill_lens)

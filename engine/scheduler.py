@@ -14,7 +14,10 @@ The policy:
    While any request is swapped out, nothing is admitted.
 2. Admission: waiting requests FCFS while blocks, sequence slots and the
    token budget last: ``MemPool.match`` finds the cached prefix (locked for the
-   request), ``alloc_mem`` gets the blocks of the whole sequence.
+   request), ``alloc_mem`` gets the blocks of the whole sequence. A prefix
+   with blocks in the host tier is swapped in, or cut before them and
+   recomputed, as ``host_hit_policy`` says (MemServe's caching cost model,
+   engine/memory/caching_cost.py).
 3. Decode: every running request whose prefill is done. A request crossing a
    block boundary needs one new block; when the pool is dry, the most recently
    arrived running request (decoding or prefilling) is preempted — swapped to
@@ -48,7 +51,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from engine.memory.caching_cost import CachingCostModel
 from engine.request import Request, RequestStatus
+
+HOST_HIT_POLICIES = ("cost", "swap", "recompute")
 
 
 @dataclass(frozen=True)
@@ -59,8 +65,15 @@ class SchedulerConfig:
     preemption_mode: str = "swap"        # "swap" | "recompute"
     enable_prefix_caching: bool = True
     prefill_chunk_tokens: int = 0        # 0: whole prompts, in steps of their own
+    host_hit_policy: str = "swap"        # host-tier blocks of a hit: "cost" | "swap" | "recompute"
+    caching_cost: CachingCostModel | None = None   # decides for "cost"
 
     def __post_init__(self) -> None:
+        if self.host_hit_policy not in HOST_HIT_POLICIES:
+            raise ValueError(f"host_hit_policy must be one of {', '.join(HOST_HIT_POLICIES)}, "
+                             f"got {self.host_hit_policy!r}")
+        if self.host_hit_policy == "cost" and self.caching_cost is None:
+            raise ValueError("host_hit_policy 'cost' needs a caching_cost model")
         if self.prefill_chunk_tokens < 0:
             raise ValueError("prefill_chunk_tokens must be >= 0 (0 turns chunked prefill off)")
         if self.max_num_seqs < 1:
@@ -78,12 +91,17 @@ class ScheduledBatch:
     ``prefill[i]`` computes ``prefill_lens[i]`` tokens, ``all_ids[num_computed:
     num_computed + prefill_lens[i]]``, and samples a token only when they reach
     the end of ``all_ids`` (its last chunk). ``decode``: one token each.
-    ``preempted``: requests this schedule took off the device."""
+    ``preempted``: requests this schedule took off the device.
+    ``host_blocks_swapped_in`` / ``host_blocks_recomputed``: host-tier blocks
+    of the admitted requests' prefix hits that admission swapped in, or cut
+    off to be recomputed (``host_hit_policy``)."""
 
     prefill: list[Request] = field(default_factory=list)
     prefill_lens: list[int] = field(default_factory=list)
     decode: list[Request] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    host_blocks_swapped_in: int = 0
+    host_blocks_recomputed: int = 0
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
@@ -137,9 +155,9 @@ class Scheduler:
         if self.swapped and self._swap_in_ready():
             pass  # swapped requests rejoin running and decode below
         elif self.waiting and not self.swapped:
-            admitted, lens = self._admit(self.config.max_num_batched_tokens, chunked=False)
-            if admitted:
-                return ScheduledBatch(prefill=admitted, prefill_lens=lens)
+            admission = self._admit(self.config.max_num_batched_tokens, chunked=False)
+            if admission.prefill:
+                return admission
         if not self.running:
             return None
         return self._decode_batch()
@@ -160,9 +178,11 @@ class Scheduler:
             batch.prefill_lens.append(n)
             budget -= n
         if budget and self.waiting and not self.swapped and not batch.preempted:
-            admitted, lens = self._admit(budget, chunked=True)
-            batch.prefill += admitted
-            batch.prefill_lens += lens
+            admission = self._admit(budget, chunked=True)
+            batch.prefill += admission.prefill
+            batch.prefill_lens += admission.prefill_lens
+            batch.host_blocks_swapped_in = admission.host_blocks_swapped_in
+            batch.host_blocks_recomputed = admission.host_blocks_recomputed
         if not (batch.prefill or batch.decode or batch.preempted):
             return None
         return batch
@@ -183,22 +203,26 @@ class Scheduler:
             moved = True
         return moved
 
-    def _admit(self, budget: int, chunked: bool) -> tuple[list[Request], list[int]]:
+    def _admit(self, budget: int, chunked: bool) -> ScheduledBatch:
         """Admit waiting requests FCFS while ``budget`` prompt tokens, sequence
-        slots and blocks last: (admitted, tokens each computes this step).
-        Unchunked, a request's uncached tokens are computed whole (the first
-        always fits); chunked, the last one admitted may get a part of them.
-        Blocks are allocated for the whole sequence either way."""
+        slots and blocks last: a batch of the admitted (``prefill``) and the
+        tokens each computes this step (``prefill_lens``), with the host-hit
+        counts. Unchunked, a request's uncached tokens are computed whole (the
+        first always fits); chunked, the last one admitted may get a part of
+        them. Blocks are allocated for the whole sequence either way."""
         cfg, bs = self.config, self.config.block_size
-        admitted: list[Request] = []
-        lens: list[int] = []
+        out = ScheduledBatch()
+        admitted, lens = out.prefill, out.prefill_lens
         while self.waiting and len(self.running) < cfg.max_num_seqs and budget > 0:
             req = self.waiting[0]
             tokens = req.all_ids
             hit = None
+            swapped = recomputed = 0
             if cfg.enable_prefix_caching:
                 # leave at least one token to compute: it yields the next logits
                 hit = self.pool.match(tokens[:-1])
+                hit, recomputed = self._reusable_part(hit, tokens)
+                swapped = sum(ref.tier != "device" for ref in hit.blocks)
             cached_ids = self._device_ids_of(hit) if hit is not None else []
             if cached_ids is None:                       # host-tier prefix, no room to swap in
                 self.pool.release(hit)
@@ -215,6 +239,8 @@ class Scheduler:
                     self.pool.release(hit)
                 break
             self.waiting.popleft()
+            out.host_blocks_swapped_in += swapped
+            out.host_blocks_recomputed += recomputed
             req.prefix = hit
             req.block_ids = cached_ids + fresh
             req.num_computed = num_cached
@@ -226,7 +252,25 @@ class Scheduler:
             admitted.append(req)
             lens.append(min(new_tokens, budget) if chunked else new_tokens)
             budget -= lens[-1]
-        return admitted, lens
+        return out
+
+    def _reusable_part(self, hit, tokens: list[int]):
+        """(the part of a locked prefix ``hit`` of ``tokens`` the request reuses,
+        the number of host blocks it leaves to recompute), as
+        ``host_hit_policy`` decides: the leading blocks worth their swap-in.
+        Either ``hit`` itself or a shorter lock that replaced it (``hit`` is
+        then released: the caller owns exactly one lock either way)."""
+        on_host = [ref.tier != "device" for ref in hit.blocks]
+        policy = self.config.host_hit_policy
+        if policy == "swap" or not any(on_host):
+            return hit, 0
+        if policy == "recompute":
+            keep = on_host.index(True)
+        else:
+            keep = self.config.caching_cost.reuse_blocks(on_host, len(tokens), self.config.block_size)
+        if keep == len(on_host):
+            return hit, 0
+        return self.pool.shorten(hit, tokens, keep), sum(on_host[keep:])
 
     def _device_ids_of(self, hit) -> list[int] | None:
         """Device block ids for a locked prefix hit, swapping host-tier blocks in

@@ -38,6 +38,13 @@ ENGINE_FLAGS = {
     "--num-threads": ("num_threads", int, "torch threads (default: torch's choice)"),
     "--decode-kernel": ("decode_kernel", str, "auto (fused C++ bf16 decode where the CPU has AVX512-BF16) or torch"),
     "--weights": ("weights", str, "native (serve a GGUF's Q4_0/Q4_1/Q8_0 blocks as they are) or dequantize"),
+    "--host-hit-policy": ("host_hit_policy", str,
+                          "a cached prefix in the host tier: cost (swap in or recompute, the cheaper), swap or recompute"),
+    "--cost-token-s": ("cost_token_s", float, "caching cost model: prefill seconds per token"),
+    "--cost-attention-s": ("cost_attention_s", float,
+                           "caching cost model: prefill seconds per token per token of context"),
+    "--cost-fixed-s": ("cost_fixed_s", float, "caching cost model: seconds per prefill step"),
+    "--cost-swap-block-s": ("cost_swap_block_s", float, "caching cost model: seconds to swap one host block in"),
 }
 SERVER_FLAGS = {
     "--host": ("host", str, "bind address (default 127.0.0.1)"),

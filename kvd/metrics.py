@@ -66,7 +66,10 @@ class _EngineCollector:
         for key, help_ in (("prompt_tokens", "Prompt tokens admitted"),
                            ("generation_tokens", "Tokens generated"),
                            ("prefix_hit_tokens", "Prompt tokens served from the prefix cache"),
-                           ("preemptions", "Requests preempted for memory")):
+                           ("preemptions", "Requests preempted for memory"),
+                           ("host_blocks_swapped_in", "Host-tier prefix blocks swapped in at admission"),
+                           ("host_blocks_recomputed",
+                            "Host-tier prefix blocks recomputed instead (the caching cost model)")):
             c = CounterMetricFamily(f"kvd_{key}", help_, labels=names)
             c.add_metric(values, s.get(key, 0))
             yield c

@@ -268,6 +268,29 @@ class MemPool:
         self.unlock(hit)
         self.live_hits -= 1
 
+    def shorten(self, hit: PrefixLock, tokens: Sequence[int], num_blocks: int) -> PrefixLock:
+        """Replace a live ``match`` of ``tokens`` by a hit of its first
+        ``num_blocks`` blocks: the caller recomputes the rest (the caching
+        cost model chose not to swap them in). ``hit`` is released and the
+        result is released in its place, once. The kept blocks are locked
+        before ``hit`` lets go, so they are never evictable in between; the
+        dropped tokens count as misses, not hits. Call it before swapping any
+        of ``hit`` in (``swap_in`` leaves ``hit.blocks`` stale). Raises
+        ValueError (nothing changed) when ``hit`` is released, ``num_blocks``
+        is not within it, or ``tokens`` are not what it matched."""
+        if hit.released or not 0 <= num_blocks <= len(hit.blocks):
+            raise ValueError(f"shorten: {hit!r} (released: {hit.released}) to {num_blocks} blocks")
+        bs = self.block_size
+        if len(tokens) < hit.num_tokens or self.tree.match(tokens[:hit.num_tokens]).blocks != hit.blocks:
+            raise ValueError("shorten: tokens are not the ones the hit matched")
+        m = self.tree.match(tokens[:num_blocks * bs])
+        self.tree.lock(m.last_node)
+        self.unlock(hit)
+        dropped = hit.num_tokens - m.num_tokens
+        self.hit_tokens -= dropped
+        self.miss_tokens += dropped
+        return PrefixLock(m.num_tokens, m.blocks, m.last_node)
+
     def delete(self, tokens: Sequence[int]) -> int:
         """Drop the cached blocks that only this prompt uses (see
         ``RadixTree.delete``); returns the number of blocks freed."""

@@ -303,6 +303,8 @@ class EngineDriver:
             "generation_tokens": s.generation_tokens,
             "prefix_hit_tokens": s.prefix_hit_tokens,
             "preemptions": s.preemptions,
+            "host_blocks_swapped_in": s.host_blocks_swapped_in,
+            "host_blocks_recomputed": s.host_blocks_recomputed,
             "handed_off": s.handed_off,
             "finished": dict(s.finished),
         }

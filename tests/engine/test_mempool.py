@@ -242,6 +242,55 @@ def test_swap_in_returns_none_when_device_short():
     pool.check_integrity()
 
 
+def test_shorten_keeps_the_leading_blocks_locked_and_counts_the_rest_as_misses():
+    pool = MemPool(8, 8, BS)
+    pool.insert(toks(1, 2, 3), pool.alloc_mem(3))
+    assert pool.swap_out(2) == 2                          # blocks 2 and 3 go to host
+    hit = pool.match(toks(1, 2, 3, 4))
+    assert (hit.num_tokens, pool.stats()["hit_tokens"], pool.stats()["miss_tokens"]) == (3 * BS, 3 * BS, BS)
+    short = pool.shorten(hit, toks(1, 2, 3, 4), 1)
+    assert hit.released and not short.released
+    assert (short.num_tokens, [r.tier for r in short.blocks]) == (BS, ["device"])
+    assert (pool.stats()["hit_tokens"], pool.stats()["miss_tokens"], pool.live_hits) == (BS, 3 * BS, 1)
+    # the kept block stays locked; the host blocks became evictable again
+    assert pool.stats()["device"]["evictable"] == 0 and pool.stats()["host"]["evictable"] == 2
+    with pytest.raises(ValueError):
+        pool.release(hit)                                 # the old lock is gone
+    pool.release(short)
+    assert pool.live_hits == 0 and pool.stats()["device"]["evictable"] == 1
+    pool.check_integrity()
+
+
+def test_shorten_to_nothing_and_to_everything():
+    pool = MemPool(8, 8, BS)
+    pool.insert(toks(1, 2), pool.alloc_mem(2))
+    hit = pool.match(toks(1, 2, 3))
+    none = pool.shorten(hit, toks(1, 2, 3), 0)
+    assert none.num_tokens == 0 and none.blocks == []
+    pool.release(none)
+    hit = pool.match(toks(1, 2, 3))
+    same = pool.shorten(hit, toks(1, 2, 3), 2)
+    assert same.num_tokens == 2 * BS
+    pool.release(same)
+    assert pool.stats()["device"]["evictable"] == 2 and pool.live_hits == 0
+    pool.check_integrity()
+
+
+def test_shorten_refuses_misuse_and_changes_nothing():
+    pool = MemPool(8, 8, BS)
+    pool.insert(toks(1, 2), pool.alloc_mem(2))
+    hit = pool.match(toks(1, 2))
+    stats = pool.stats()
+    for tokens, k in ((toks(1, 2), 3), (toks(1, 2), -1), (toks(1, 5), 1), (toks(1), 1)):
+        with pytest.raises(ValueError):
+            pool.shorten(hit, tokens, k)
+    assert not hit.released and pool.stats() == stats
+    pool.release(hit)
+    with pytest.raises(ValueError):
+        pool.shorten(hit, toks(1, 2), 1)                  # released already
+    pool.check_integrity()
+
+
 def test_private_swap_round_trip():
     kv = storage(4, 4)
     pool = MemPool(4, 4, BS, storage=kv)

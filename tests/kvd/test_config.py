@@ -97,6 +97,17 @@ anything = "is left to the cluster daemons"
     assert isinstance(cfg.server.drain_timeout, float)
 
 
+def test_caching_cost_options(tmp_path):
+    path = write(tmp_path, '[engine]\nhost_hit_policy = "recompute"\ncost_token_s = 2e-3\n'
+                           'cost_swap_block_s = 1\n')
+    cfg = load_config(path).engine
+    assert (cfg.host_hit_policy, cfg.cost_token_s, cfg.cost_swap_block_s) == ("recompute", 2e-3, 1.0)
+    assert isinstance(cfg.cost_swap_block_s, float)
+    assert cfg.scheduler_config(0).caching_cost is None          # only "cost" consults it
+    assert load_config(path, {"engine": {"host_hit_policy": "cost"}}).engine.scheduler_config(0).caching_cost \
+        == cfg.caching_cost()
+
+
 def test_zero_and_empty_mean_unset_for_optional_options(tmp_path):
     path = write(tmp_path, '[engine]\nmax_model_len = 0\nnum_threads = 0\n'
                            '[server]\napi_key = ""\napi_key_file = ""\n')
@@ -165,6 +176,11 @@ def test_bad_flag_value_is_a_config_error():
     ("[engine]\nkv_blocks = 0\n", ["kv_blocks"]),
     ("[engine]\nmax_model_len = 1\n", ["max_model_len"]),
     ("[engine]\nnum_threads = -2\n", ["num_threads"]),
+    ("[engine]\nhost_hit_policy = \"never\"\n", ["host_hit_policy", "never"]),
+    ("[engine]\ncost_swap_block_s = -1.0\n", ["cost_swap_block_s", ">= 0"]),
+    ("[engine]\ncost_token_s = nan\n", ["cost_token_s", "finite"]),
+    ("[engine]\ncost_attention_s = inf\n", ["cost_attention_s", "finite"]),
+    ("[engine]\ncost_fixed_s = \"1ms\"\n", ["engine.cost_fixed_s", "float"]),
 ])
 def test_bad_file_names_the_key(tmp_path, text, names):
     path = write(tmp_path, text)
