@@ -127,11 +127,12 @@ class _Stream:
     it count too). ``tokens``: every token delivered, what a recovery resumes
     after."""
 
-    __slots__ = ("node", "prefill", "prefilled_by", "queue", "next_index", "prompt_len", "early", "request",
-                 "tokens", "recoveries", "failed", "recovering")
+    __slots__ = ("node", "incarnation", "prefill", "prefilled_by", "queue", "next_index", "prompt_len", "early",
+                 "request", "tokens", "recoveries", "failed", "recovering")
 
-    def __init__(self, node: str, request: protocol.GenerateRequest) -> None:
+    def __init__(self, node: str, request: protocol.GenerateRequest, incarnation: str = "") -> None:
         self.node = node
+        self.incarnation = incarnation                      # of the node process serving it now
         self.prefill: str | None = None
         self.prefilled_by: str | None = None                # the prefill leg's node, kept after it ends
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -141,7 +142,7 @@ class _Stream:
         self.request = request
         self.tokens: list[int] = []
         self.recoveries = 0
-        self.failed: set[str] = set()                      # nodes that lost this request
+        self.failed: set[tuple[str, str]] = set()          # (node, incarnation) that lost this request
         self.recovering = False                            # a _recover task owns it
 
     def legs(self) -> tuple[str, ...]:
@@ -313,7 +314,7 @@ class RemoteEngineClient:
         prefill = self._pick_prefill(candidates, prompt_ids, request_id) if node.role == "decode" else None
         if prefill is not None:
             header, _ = protocol.encode(dataclasses.replace(request, prefill_node=prefill.name))
-        stream = _Stream(node.name, request)
+        stream = _Stream(node.name, request, node.incarnation)
         self._streams[request_id] = stream
         node.in_flight.add(request_id)
         node.routed += 1
@@ -507,12 +508,12 @@ class RemoteEngineClient:
             if stream is None or stream.node != node:
                 continue
             if stream.recovering:               # its _recover call to ``node`` fails and it moves on
-                stream.failed.add(node)
+                stream.failed.add((node, stream.incarnation))
                 continue
             if self.recovery.policy == "fail" or stream.recoveries >= self.recovery.max_recoveries:
                 ended.append(rid)
                 continue
-            stream.failed.add(node)
+            stream.failed.add((node, stream.incarnation))
             self._spawn(self._recover(rid, stream, node, reason))
         return self.fail_requests(node, ended, reason)
 
@@ -550,14 +551,14 @@ class RemoteEngineClient:
             outputs = tuple(stream.tokens)
             msg = dataclasses.replace(stream.request, id=f"{rid}.r{stream.recoveries}", output_token_ids=outputs,
                                       replica_from=dead if replicated and outputs else "")
-            stream.node = node.name
+            stream.node, stream.incarnation = node.name, node.incarnation
             node.in_flight.add(rid)
             node.routed += 1
             try:
                 reply = await self.links[node.name].call(protocol.encode(msg)[0])
             except (TransportError, KeyError) as exc:
                 reply = exc
-            if isinstance(reply, protocol.Accepted) and node.name in stream.failed:
+            if isinstance(reply, protocol.Accepted) and (node.name, node.incarnation) in stream.failed:
                 reply = f"{node.name} failed after accepting it"     # lose_requests skipped it: ours to move
             if isinstance(reply, protocol.Accepted):
                 self.recovery.outcomes[(how, "resumed")] += 1
@@ -565,7 +566,7 @@ class RemoteEngineClient:
                             "its replica", rid, dead, reason, node.name, len(outputs), reply.resumed_tokens)
                 return
             node.in_flight.discard(rid)
-            stream.failed.add(node.name)
+            stream.failed.add((node.name, node.incarnation))
             log.warning("request %s: recovery on %s failed: %s", rid, node.name,
                         getattr(reply, "message", None) or getattr(reply, "reason", None) or reply)
         self.recovery.outcomes[(how, "failed")] += 1

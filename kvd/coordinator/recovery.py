@@ -13,7 +13,11 @@ dead node's request resumes. Pure: no I/O, no asyncio, no torch.
   re-runs prompt and tokens so far on the least-loaded other node
   (Dynamo's request migration); ``fail`` ends the request. A request is
   recovered at most ``max_recoveries`` times and never sent back to a node
-  that already failed it.
+  process that already failed it: an (name, incarnation) pair, as Dynamo
+  excludes worker instances. A node that restarts (systemd, a kill -9 and
+  a new process under the same name) is a new instance: empty, but as good
+  a target as any, where excluding its name would leave a 3-node cluster
+  with no target for a request that outlived three kills.
 """
 
 from __future__ import annotations
@@ -68,12 +72,13 @@ class RecoveryPolicy:
     table: ReplicaTable = field(default_factory=ReplicaTable)
     outcomes: collections.Counter = field(default_factory=collections.Counter)   # (how, outcome) -> n
 
-    def target(self, request_id: str, dead: str, exclude: set[str], candidates: list[NodeInfo],
+    def target(self, request_id: str, dead: str, exclude: set[tuple[str, str]], candidates: list[NodeInfo],
                pick) -> tuple[NodeInfo, int] | None:
         """Where ``request_id`` of dead node ``dead`` resumes: (node, tokens
         its replica holds; 0 = none, recompute) or None (no node is left).
-        ``pick(nodes)`` chooses among equals (the router)."""
-        usable = [n for n in candidates if n.name not in exclude and n.role != "prefill"]
+        ``exclude``: (name, incarnation) of the node processes that failed
+        it. ``pick(nodes)`` chooses among equals (the router)."""
+        usable = [n for n in candidates if (n.name, n.incarnation) not in exclude and n.role != "prefill"]
         if self.policy == "replica":
             best = self.table.best(dead, request_id, {n.name for n in usable})
             if best is not None:

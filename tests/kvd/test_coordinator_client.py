@@ -236,3 +236,57 @@ async def test_a_recovery_target_declared_dead_after_accepting_is_not_a_resume()
     assert client.requests() == {}
     for lst in listeners.values():
         await lst.close()
+
+
+async def test_a_restarted_node_is_a_new_instance_and_a_recovery_target_again():
+    """Nodes that failed a request are excluded by (name, incarnation): n1
+    dies, the request moves to n2; n1 comes back as a new process; n2 dies
+    and the request moves to the new n1 (excluding names would leave no
+    target in a two-node cluster and fail it)."""
+    from kvd.coordinator.recovery import RecoveryPolicy
+
+    registry = InprocRegistry()
+    membership = Membership(deadline=5.0)
+    client = RemoteEngineClient("m", None, membership, LeastLoadRouter(),
+                                recovery=RecoveryPolicy("reprefill", max_recoveries=3))
+    listeners = {}
+
+    async def join(name: str, incarnation: str) -> None:
+        listeners[name] = await listen(f"inproc://{name}", registry=registry)
+        info, _ = membership.register(protocol.Hello(
+            id="h", node=name, address=f"inproc://{name}", incarnation=incarnation, model_name="m",
+            max_model_len=512, block_size=16, blocks_per_tier={"host": 64}))
+        await client.attach(info, await connect(f"inproc://{name}", registry=registry))
+
+    for name in ("n1", "n2"):
+        await join(name, "i1")
+    outputs: list = []
+
+    async def run():
+        async for out in client.generate("r", [1, 2, 3], SamplingParams(max_tokens=3, temperature=0)):
+            outputs.append(out)
+    task = asyncio.create_task(run())
+    first = await asyncio.wait_for(listeners["n1"].recv(), 5)
+    await listeners["n1"].reply(first, *protocol.encode(protocol.Accepted(id="a", request_id="r")))
+    await listeners["n1"].send(first.peer, *protocol.encode(protocol.TokenChunk(
+        request_id="r", start_index=0, token_ids=(7,))))
+    while len(outputs) < 1:
+        await asyncio.sleep(0.01)
+    assert await client.fail_node(membership.remove("n1"), "no heartbeat") == 0
+    second = await asyncio.wait_for(listeners["n2"].recv(), 5)
+    await listeners["n2"].reply(second, *protocol.encode(protocol.Accepted(id="b", request_id="r")))
+    while client.recovery.outcomes[("reprefill", "resumed")] < 1:     # resumed on n2
+        await asyncio.sleep(0.01)
+    await listeners["n1"].close()
+    await join("n1", "i2")                                             # restarted: a new process
+    assert await client.fail_node(membership.remove("n2"), "no heartbeat") == 0
+    third = await asyncio.wait_for(listeners["n1"].recv(), 5)
+    assert protocol.decode(third.header, third.frames).output_token_ids == (7,)
+    await listeners["n1"].reply(third, *protocol.encode(protocol.Accepted(id="c", request_id="r")))
+    await listeners["n1"].send(third.peer, *protocol.encode(protocol.TokenChunk(
+        request_id="r", start_index=1, token_ids=(8, 9), finish_reason="length")))
+    await asyncio.wait_for(task, 5)
+    assert [t for o in outputs for t in o.new_token_ids] == [7, 8, 9]
+    assert client.recovery.outcomes[("reprefill", "resumed")] == 2
+    for lst in listeners.values():
+        await lst.close()
