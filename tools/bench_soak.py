@@ -18,7 +18,7 @@ generated texts against the clean run's, request by request
 (``kvd-loadgen compare --outputs``; target: all identical, greedy).
 
     .venv/bin/python tools/bench_soak.py [--duration 600] [--every 30] [--rate 0.5]
-        [--input-len 256] [--output-len 128] [--recovery replica]
+        [--input-len 256] [--output-len 128] [--recovery replica] [--keep DIR]
 
 Prints a summary and writes JSON to results/.
 """
@@ -172,8 +172,12 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--out", default=str(REPO / "results" / "bench_soak.json"))
+    ap.add_argument("--keep", metavar="DIR", help="keep the daemons' logs and the loadgen results in DIR")
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory(prefix="kvd-soak-") as tmp:
+    keep = contextlib.nullcontext(args.keep) if args.keep else tempfile.TemporaryDirectory(prefix="kvd-soak-")
+    if args.keep:
+        os.makedirs(args.keep, exist_ok=True)
+    with keep as tmp:
         clean = run("clean", args, tmp, faults=False)
         print(f"clean: {clean['completed']} completed, {clean['failed_requests']} failed in {clean['seconds']} s",
               flush=True)
