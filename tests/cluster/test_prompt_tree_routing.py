@@ -110,7 +110,11 @@ def test_global_tree_equals_the_nodes_trees_after_a_random_workload(cluster, ref
 
 
 def test_an_overloaded_node_stops_receiving_cache_affine_work(cluster, reference_engine):
-    system = tokens(2, 20 * BS)
+    # a fresh router (no recent work from the tests before) and a prefix long
+    # enough (30 blocks) that affinity outweighs 4 requests in flight and the
+    # recent work of computing it once: only the in-flight guard stops it
+    assert admin(cluster.admin_socket, "routing", policy="prompt-tree")["ok"]
+    system = tokens(2, 30 * BS)
     before = routed(cluster)
     complete(cluster, system + [5])
     home = node_of(cluster, before)
@@ -120,7 +124,7 @@ def test_an_overloaded_node_stops_receiving_cache_affine_work(cluster, reference
     client = cluster.client(timeout=120)
 
     def long_stream(i: int) -> None:
-        stream = client.completions.create(model=MODEL, prompt=system + tokens(500 + i, 4), max_tokens=1500,
+        stream = client.completions.create(model=MODEL, prompt=system + tokens(500 + i, 4), max_tokens=1300,
                                            temperature=0, stream=True, extra_body={"ignore_eos": True})
         with stream:
             for n, _ in enumerate(stream):
