@@ -53,6 +53,35 @@ async def start(client: RemoteEngineClient, listener, rid: str, answer: protocol
     return task, incoming.peer
 
 
+async def join(client: RemoteEngineClient, membership: Membership, registry: InprocRegistry,
+               listeners: dict, name: str, incarnation: str = "i") -> None:
+    """Register node ``name`` (a new process when ``incarnation`` is new), link
+    the client to it and keep its listener in ``listeners``."""
+    listeners[name] = await listen(f"inproc://{name}", registry=registry)
+    info, _ = membership.register(protocol.Hello(
+        id="h", node=name, address=f"inproc://{name}", incarnation=incarnation, model_name="m",
+        max_model_len=512, block_size=16, blocks_per_tier={"host": 64}))
+    await client.attach(info, await connect(f"inproc://{name}", registry=registry))
+
+
+async def streaming_on_n1(client: RemoteEngineClient, listeners: dict, max_tokens: int):
+    """Start request "r"; n1 accepts it and delivers token 7. Returns (task,
+    outputs) once the client has that token."""
+    outputs: list = []
+
+    async def run():
+        async for out in client.generate("r", [1, 2, 3], SamplingParams(max_tokens=max_tokens, temperature=0)):
+            outputs.append(out)
+    task = asyncio.create_task(run())
+    first = await asyncio.wait_for(listeners["n1"].recv(), 5)          # least load, ties by name
+    await listeners["n1"].reply(first, *protocol.encode(protocol.Accepted(id="a", request_id="r")))
+    await listeners["n1"].send(first.peer, *protocol.encode(protocol.TokenChunk(
+        request_id="r", start_index=0, token_ids=(7,))))
+    while len(outputs) < 1:
+        await asyncio.sleep(0.01)
+    return task, outputs
+
+
 def last_chunk(rid: str) -> protocol.TokenChunk:
     return protocol.TokenChunk(request_id=rid, start_index=0, token_ids=(7, 8), finish_reason="length",
                                usage={"prompt_tokens": 3, "completion_tokens": 2, "cached_tokens": 0})
@@ -156,13 +185,9 @@ async def test_a_dead_nodes_request_resumes_elsewhere_after_its_delivered_tokens
     registry = InprocRegistry()
     membership = Membership(deadline=5.0)
     client = RemoteEngineClient("m", None, membership, LeastLoadRouter(), recovery=RecoveryPolicy("reprefill"))
-    listeners = {}
+    listeners: dict = {}
     for name in ("n1", "n2"):
-        listeners[name] = await listen(f"inproc://{name}", registry=registry)
-        info, _ = membership.register(protocol.Hello(
-            id="h", node=name, address=f"inproc://{name}", incarnation="i", model_name="m",
-            max_model_len=512, block_size=16, blocks_per_tier={"host": 64}))
-        await client.attach(info, await connect(f"inproc://{name}", registry=registry))
+        await join(client, membership, registry, listeners, name)
     outputs: list = []
 
     async def run():
@@ -201,25 +226,10 @@ async def test_a_recovery_target_declared_dead_after_accepting_is_not_a_resume()
     membership = Membership(deadline=5.0)
     client = RemoteEngineClient("m", None, membership, LeastLoadRouter(),
                                 recovery=RecoveryPolicy("reprefill", max_recoveries=3))
-    listeners = {}
+    listeners: dict = {}
     for name in ("n1", "n2", "n3"):
-        listeners[name] = await listen(f"inproc://{name}", registry=registry)
-        info, _ = membership.register(protocol.Hello(
-            id="h", node=name, address=f"inproc://{name}", incarnation="i", model_name="m",
-            max_model_len=512, block_size=16, blocks_per_tier={"host": 64}))
-        await client.attach(info, await connect(f"inproc://{name}", registry=registry))
-    outputs: list = []
-
-    async def run():
-        async for out in client.generate("r", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0)):
-            outputs.append(out)
-    task = asyncio.create_task(run())
-    first = await asyncio.wait_for(listeners["n1"].recv(), 5)
-    await listeners["n1"].reply(first, *protocol.encode(protocol.Accepted(id="a", request_id="r")))
-    await listeners["n1"].send(first.peer, *protocol.encode(protocol.TokenChunk(
-        request_id="r", start_index=0, token_ids=(7,))))
-    while len(outputs) < 1:
-        await asyncio.sleep(0.01)
+        await join(client, membership, registry, listeners, name)
+    task, outputs = await streaming_on_n1(client, listeners, 4)
     assert await client.fail_node(membership.remove("n1"), "no heartbeat") == 0
     second = await asyncio.wait_for(listeners["n2"].recv(), 5)            # least load, ties by name
     assert client.lose_requests("n2", ["r"], "no heartbeat") == 0         # n2 dies before its answer
@@ -249,36 +259,17 @@ async def test_a_restarted_node_is_a_new_instance_and_a_recovery_target_again():
     membership = Membership(deadline=5.0)
     client = RemoteEngineClient("m", None, membership, LeastLoadRouter(),
                                 recovery=RecoveryPolicy("reprefill", max_recoveries=3))
-    listeners = {}
-
-    async def join(name: str, incarnation: str) -> None:
-        listeners[name] = await listen(f"inproc://{name}", registry=registry)
-        info, _ = membership.register(protocol.Hello(
-            id="h", node=name, address=f"inproc://{name}", incarnation=incarnation, model_name="m",
-            max_model_len=512, block_size=16, blocks_per_tier={"host": 64}))
-        await client.attach(info, await connect(f"inproc://{name}", registry=registry))
-
+    listeners: dict = {}
     for name in ("n1", "n2"):
-        await join(name, "i1")
-    outputs: list = []
-
-    async def run():
-        async for out in client.generate("r", [1, 2, 3], SamplingParams(max_tokens=3, temperature=0)):
-            outputs.append(out)
-    task = asyncio.create_task(run())
-    first = await asyncio.wait_for(listeners["n1"].recv(), 5)
-    await listeners["n1"].reply(first, *protocol.encode(protocol.Accepted(id="a", request_id="r")))
-    await listeners["n1"].send(first.peer, *protocol.encode(protocol.TokenChunk(
-        request_id="r", start_index=0, token_ids=(7,))))
-    while len(outputs) < 1:
-        await asyncio.sleep(0.01)
+        await join(client, membership, registry, listeners, name, "i1")
+    task, outputs = await streaming_on_n1(client, listeners, 3)
     assert await client.fail_node(membership.remove("n1"), "no heartbeat") == 0
     second = await asyncio.wait_for(listeners["n2"].recv(), 5)
     await listeners["n2"].reply(second, *protocol.encode(protocol.Accepted(id="b", request_id="r")))
     while client.recovery.outcomes[("reprefill", "resumed")] < 1:     # resumed on n2
         await asyncio.sleep(0.01)
     await listeners["n1"].close()
-    await join("n1", "i2")                                             # restarted: a new process
+    await join(client, membership, registry, listeners, "n1", "i2")   # restarted: a new process
     assert await client.fail_node(membership.remove("n2"), "no heartbeat") == 0
     third = await asyncio.wait_for(listeners["n1"].recv(), 5)
     assert protocol.decode(third.header, third.frames).output_token_ids == (7,)
