@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import platform
+import socket
 import subprocess
 import sys
 import time
@@ -58,6 +59,13 @@ async def receiver(script: str, url: str, args: list[str], options: transports.T
     finally:
         proc.stdin.close()
         proc.wait(10)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a daemon to bind)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def write_results(path: str | os.PathLike, rows: list[dict], **extra: Any) -> None:

@@ -30,7 +30,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -43,16 +42,10 @@ sys.path.insert(0, str(REPO))
 
 from kvd.ctl import AdminUnavailable  # noqa: E402
 from kvd.ctl import request as admin_request  # noqa: E402
-from tools._twoproc import stop_processes, write_results  # noqa: E402
+from tools._twoproc import free_port, stop_processes, write_results  # noqa: E402
 from tools.loadgen.compare import compare_outputs  # noqa: E402
 from tools.loadgen.report import cpu_model  # noqa: E402
 from transports.keys import generate_keypair  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Cluster:
