@@ -50,6 +50,9 @@ def test_example_1p1d_file_parses():
     ({"cluster": {"kv_stream": "blocks"}}, "kv_stream"),
     ({"cluster": {"kv_transfer_timeout": 0}}, "kv_transfer_timeout"),
     ({"cluster": {"kv_return": "yes"}}, "must be bool"),
+    ({"cluster": {"routing_recent_weight": -0.5}}, "routing_"),
+    ({"cluster": {"routing_load_decay": float("nan")}}, "routing_"),
+    ({"cluster": {"routing_load_decay": float("inf")}}, "routing_"),
 ])
 def test_bad_cluster_config_is_an_error(data, message):
     with pytest.raises(ConfigError, match=message):
