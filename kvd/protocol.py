@@ -411,7 +411,11 @@ class GenerateRequest(Message):
       ``kv_dtype``): it computes the prompt, streams the KV of blocks
       ``[kv_have_blocks, ...)`` into ``kv_block_ids`` layer by layer, sends the
       first token to the coordinator (TokenChunk 0) and to the decode node
-      (``KVCommit``), and is done.
+      (``KVCommit``), and is done. With ``replica_to``/``replica_address``
+      (``[cluster].replicas = 1``, a grant from block 0) it also sends the
+      prompt's full blocks to the decode node's replica peer as a
+      ``ReplicaData`` owned by the decode node, which adopts it
+      (kvd/node/replication.py), so the decode node never sends the prompt.
 
     A recovered request (docs/cluster.md, "Failure semantics") carries the
     tokens the client already has (``output_token_ids``): the node resumes
@@ -433,6 +437,8 @@ class GenerateRequest(Message):
     kv_have_blocks: int = 0
     kv_num_layers: int = 0
     kv_dtype: str = ""
+    replica_to: str = ""
+    replica_address: str = ""
 
     def _check(self) -> None:
         _require(bool(self.request_id), "request_id must be set")
@@ -447,6 +453,9 @@ class GenerateRequest(Message):
             _check_grant(self.kv_transfer_id, self.kv_block_ids, self.kv_have_blocks, self.kv_num_layers,
                          self.kv_dtype, len(self.prompt_token_ids))
             _require(bool(self.kv_to_address), "kv_to_address must be set with kv_to_node")
+        _require(not self.replica_to or (self.kv_to_node and self.replica_address and self.kv_have_blocks == 0
+                                         and self.replica_to != self.kv_to_node),
+                 "replica_to needs a prefill leg from block 0 to another node, and replica_address")
 
     @property
     def is_prefill_leg(self) -> bool:
@@ -646,7 +655,9 @@ class KVCommit(Message):
     node runs the request from its imported KV; ``finished``: token 0 ended
     the request (the coordinator has it): release the grant; ``failed``:
     no KV will come (``reason``): the decode node computes the prompt itself
-    or fails the request (``[cluster].kv_load_failure``)."""
+    or fails the request (``[cluster].kv_load_failure``). ``replica_to``:
+    the node the prefill node is sending the prompt's replica to, on the
+    decode node's behalf (it adopts it there; GenerateRequest)."""
 
     transfer_id: str
     request_id: str
@@ -654,6 +665,7 @@ class KVCommit(Message):
     first_token: int = -1
     cached_tokens: int = 0             # prompt tokens the prefill node served from its cache
     reason: str = ""
+    replica_to: str = ""
 
     def _check(self) -> None:
         _require(self.status in COMMIT_STATUSES, f"status must be one of {COMMIT_STATUSES}")
@@ -683,10 +695,16 @@ class ReplicaData(Message):
     counts: tuple[int, ...] = ()
     token_ids: tuple[int, ...] = ()
     frees: tuple[str, ...] = ()
+    owner: str = ""
+    adopt: dict[str, str] = field(default_factory=dict)
     tensors: tuple[Any, ...] = ()
 
     def _check(self) -> None:
         n = len(self.request_ids)
+        _require(self.owner != self.source, "owner is another node than source (or empty)")
+        _require(all(k and v and v != self.source for k, v in self.adopt.items()),
+                 "adopt maps request ids to the nodes that wrote them")
+        _require(not (self.owner and self.adopt), "a message either writes for an owner or adopts")
         _require(bool(self.source) and self.block_size > 0, "source and block_size must be set")
         _require(len(self.starts) == n and len(self.counts) == n, "one start and one count per request id")
         _require(len(set(self.request_ids)) == n and all(self.request_ids), "request ids must be distinct, non-empty")

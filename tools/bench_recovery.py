@@ -115,24 +115,37 @@ def overhead(args: argparse.Namespace, tmp: str) -> list[dict]:
     rows = []
     rng = random.Random(1)
     for rnd in range(args.rounds):
-        for replicas in (1, 0):
+        # the same prompts for both settings of a round: only replication differs
+        warm = [rng.randrange(1, 40000) for _ in range(32)]
+        prompts = [[rng.randrange(1, 40000) for _ in range(args.prompt_len)] for _ in range(args.concurrency)]
+        for replicas in ((1, 0) if rnd % 2 == 0 else (0, 1)):      # alternate which runs first
             tag = f"overhead-{rnd}-r{replicas}"
-            with cluster(tag, args, tmp, ["--replicas", str(replicas)]) as (base, _):
-                stream(base, [rng.randrange(1, 40000) for _ in range(32)], 4)       # warm-up
-                prompts = [[rng.randrange(1, 40000) for _ in range(args.prompt_len)]
-                           for _ in range(args.concurrency)]
+            flags = ["--replicas", str(replicas), "--replication-interval", str(args.replication_interval)]
+            with cluster(tag, args, tmp, flags) as (base, _):
+                stream(base, warm, 4)       # warm-up
                 t0 = time.perf_counter()
                 with concurrent.futures.ThreadPoolExecutor(args.concurrency) as pool:
                     res = list(pool.map(lambda p: stream(base, p, args.max_tokens), prompts))
                 wall = time.perf_counter() - t0
                 tpots = [(t[-1] - t[0]) / (len(t) - 1) for t, _, _ in res if len(t) > 1]
                 row = {"mode": "overhead", "round": rnd, "replicas": replicas, "concurrency": args.concurrency,
+                       "replication_interval_s": args.replication_interval,
                        "tpot_median_s": statistics.median(tpots), "output_tok_s": sum(len(t) for t, _, _ in res) / wall,
                        "errors": sum(e is not None for _, _, e in res), "loadavg": os.getloadavg()[0]}
                 rows.append(row)
                 print(f"round {rnd} replicas={replicas}: TPOT {row['tpot_median_s'] * 1e3:.1f} ms, "
                       f"{row['output_tok_s']:.1f} out tok/s, errors {row['errors']}", flush=True)
-    return rows
+    ratios = [on["tpot_median_s"] / off["tpot_median_s"] for rnd in range(args.rounds)
+              for on in rows if on["round"] == rnd and on["replicas"] == 1
+              for off in rows if off["round"] == rnd and off["replicas"] == 0]
+    tput = [on["output_tok_s"] / off["output_tok_s"] for rnd in range(args.rounds)
+            for on in rows if on["round"] == rnd and on["replicas"] == 1
+            for off in rows if off["round"] == rnd and off["replicas"] == 0]
+    summary = {"mode": "overhead-summary", "tpot_ratio_median": statistics.median(ratios),
+               "tpot_ratios": ratios, "output_tok_s_ratio_median": statistics.median(tput)}
+    print(f"replicas 1 vs 0, median of {len(ratios)} paired rounds: TPOT {summary['tpot_ratio_median']:.3f}x "
+          f"(rounds: {', '.join(f'{r:.3f}' for r in ratios)}), output tok/s {summary['output_tok_s_ratio_median']:.3f}x")
+    return rows + [summary]
 
 
 def recovery(args: argparse.Namespace, tmp: str) -> list[dict]:
@@ -202,6 +215,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--replication-interval", type=float, default=0.05,
+                    help="[cluster].replication_interval of the replicas = 1 runs")
     ap.add_argument("--lengths", default="256,1024,4096")
     ap.add_argument("--kill-after", type=int, default=16)
     ap.add_argument("--settle", type=float, default=0.3)

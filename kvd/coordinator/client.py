@@ -360,10 +360,16 @@ class RemoteEngineClient:
         stream.prefill = stream.prefilled_by = prefill.name
         prefill.in_flight.add(rid)
         prefill.routed += 1
+        # with replication the prefill node also writes the prompt's replica to the decode
+        # node's peer (from block 0 only: it stages no KV of blocks the decode node had)
+        holder = self.recovery.peer_of(decode.name, self.membership.nodes.values())
+        if holder is None or grant.kv_have_blocks or holder.name == prefill.name:
+            holder = None
         leg = dataclasses.replace(
             request, id=f"{rid}.prefill", kv_to_node=decode.name, kv_to_address=decode.address,
             kv_transfer_id=grant.kv_transfer_id, kv_block_ids=grant.kv_block_ids,
-            kv_have_blocks=grant.kv_have_blocks, kv_num_layers=grant.kv_num_layers, kv_dtype=grant.kv_dtype)
+            kv_have_blocks=grant.kv_have_blocks, kv_num_layers=grant.kv_num_layers, kv_dtype=grant.kv_dtype,
+            replica_to=holder.name if holder else "", replica_address=holder.address if holder else "")
 
         async def send() -> None:
             why = None

@@ -39,7 +39,7 @@ from kvd.coordinator.client import RemoteEngineClient
 from kvd.coordinator.collector import ClusterCollector
 from kvd.coordinator.membership import Membership, NodeInfo
 from kvd.coordinator.prompt_tree import PromptTrees
-from kvd.coordinator.recovery import RecoveryPolicy, ring_peers
+from kvd.coordinator.recovery import RecoveryPolicy
 from kvd.coordinator.router import Router
 from kvd.sdnotify import Notifier
 from transports import InprocRegistry, Listener, TransportError, TransportOptions
@@ -75,7 +75,8 @@ class CoordinatorDaemon:
                                          prefill_router=self.make_router(cluster.routing),
                                          default_max_model_len=default_max_model_len,
                                          stats_source=stats_source,
-                                         recovery=RecoveryPolicy(cluster.recovery, cluster.max_recoveries),
+                                         recovery=RecoveryPolicy(cluster.recovery, cluster.max_recoveries,
+                                                                  replicas=cluster.replicas),
                                          kv_return=cluster.kv_return,
                                          kv_return_timeout=2 * cluster.request_timeout)
         self.options = TransportOptions(request_timeout=cluster.request_timeout,
@@ -265,7 +266,7 @@ class CoordinatorDaemon:
         replicas it holds that may go (their requests ended)."""
         table = self.client.recovery.table
         table.update(hb.node, hb.replicas)
-        peer = ring_peers(list(self.membership.nodes.values())).get(hb.node) if self.cluster.replicas else None
+        peer = self.client.recovery.peer_of(hb.node, self.membership.nodes.values())
         stale = table.stale(hb.node, self.client.in_flight())
         return protocol.Welcome(id=hb.id, node=hb.node, accepted=True,
                                 heartbeat_interval=self.cluster.heartbeat_interval,

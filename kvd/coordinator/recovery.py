@@ -23,6 +23,7 @@ dead node's request resumes. Pure: no I/O, no asyncio, no torch.
 from __future__ import annotations
 
 import collections
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kvd.coordinator.membership import NodeInfo
@@ -69,8 +70,14 @@ class ReplicaTable:
 class RecoveryPolicy:
     policy: str = "replica"                  # cluster_config.RECOVERY_POLICIES
     max_recoveries: int = 3
+    replicas: int = 0                        # [cluster].replicas: 1 = every decoding node has a ring peer
     table: ReplicaTable = field(default_factory=ReplicaTable)
     outcomes: collections.Counter = field(default_factory=collections.Counter)   # (how, outcome) -> n
+
+    def peer_of(self, name: str, nodes: Iterable[NodeInfo]) -> NodeInfo | None:
+        """The node ``name`` replicates to (``ring_peers``), None with
+        ``replicas = 0`` or no peer."""
+        return ring_peers(list(nodes)).get(name) if self.replicas else None
 
     def target(self, request_id: str, dead: str, exclude: set[tuple[str, str]], candidates: list[NodeInfo],
                pick) -> tuple[NodeInfo, int] | None:

@@ -50,6 +50,7 @@ from typing import Any
 
 from engine.engine import EngineConfig, LLMEngine
 from engine.request import InvalidParam, RequestOutput
+from engine.stream import STAGING
 from kvd import links, protocol, trust
 from kvd.cluster_config import COORDINATOR_NAME, ClusterConfig
 from kvd.engine_client import EngineDead
@@ -58,8 +59,9 @@ from kvd.node.cache_shipper import CacheShipper
 from kvd.node.heartbeat import Heartbeater
 from kvd.node.disagg import DecodeSide, LayerSender
 from kvd.node.kvmove import FINAL, KVReceiver, TransferState, new_transfer_id
-from kvd.node.replication import Replicator, ReplicaStore
+from kvd.node.replication import Replicator, ReplicaStore, send_prompt_replica
 from kvd.node.transfer import PrefixReceiver, send_prefix
+from kvd.ratelog import RateLimitedLog
 from kvd.sdnotify import Notifier
 from transports import InprocRegistry, Listener, TransportError, TransportOptions
 
@@ -106,6 +108,8 @@ class NodeDaemon:
         self.replicator: Replicator | None = None      # this node's KV -> its replica peer
         self.replica_store: ReplicaStore | None = None  # its peers' replicas, held here
         self.prefill_legs = collections.Counter()      # outcomes of the prefill legs run here
+        self.prompt_replicas = collections.Counter()   # prefill legs' prompt replicas: sent | empty | refused | failed
+        self._warn = RateLimitedLog(log)
         self._peers: dict[str, Any] = {}               # node name -> Connection (prefill legs' KV)
         self._peer_locks: dict[str, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
         self._tg: asyncio.TaskGroup | None = None
@@ -462,7 +466,14 @@ class NodeDaemon:
             out = await self._pipe(rid, peer, self.driver.generate(
                 rid, list(msg.prompt_token_ids), msg.sampling, kv_out=sender))
             if out is not None and out.handed_off:
-                state = await sender.commit("done", out.new_token_ids[0], out.num_cached_tokens)
+                replica = self._prompt_replica(msg, sender)
+                try:
+                    state = await sender.commit("done", out.new_token_ids[0], out.num_cached_tokens,
+                                                replica_to=msg.replica_to if replica else "",
+                                                keep_staging=replica is not None)
+                finally:
+                    if replica is not None:
+                        await asyncio.shield(self._end_prompt_replica(msg, replica, sender))
             elif out is not None and out.finished:
                 state = await sender.commit("finished")
             else:
@@ -478,6 +489,45 @@ class NodeDaemon:
         if state in (TransferState.FAILED, TransferState.TIMED_OUT) and sender is not None:
             log.warning("request %s: KV to %s %s: %s", rid, msg.kv_to_node, state.value, sender.reason)
         self.prefill_legs[state.value] += 1
+
+    def _prompt_replica(self, msg: protocol.GenerateRequest, sender: LayerSender) -> asyncio.Task | None:
+        """Start sending the prompt's replica to the decode node's replica peer
+        (``msg.replica_to``), reading the KV staged for the decode node; None
+        when there is none to send."""
+        kv = sender.staged
+        if not msg.replica_to or kv is None:
+            return None
+
+        async def run() -> tuple[str, str]:
+            try:
+                conn = await self._peer(msg.replica_to, msg.replica_address)
+            except TransportError as exc:
+                return "failed", str(exc)
+            outcome, why = await send_prompt_replica(
+                conn, source=self.name, owner=msg.kv_to_node, request_id=msg.request_id,
+                prompt=list(msg.prompt_token_ids), kv=kv, block_size=self.driver.engine.config.block_size,
+                timeout=self.cluster.request_timeout)
+            if outcome == "failed":
+                await self._drop_peer(msg.replica_to)
+            return outcome, why
+        return asyncio.get_running_loop().create_task(run(), name=f"prompt replica {msg.request_id}")
+
+    async def _end_prompt_replica(self, msg: protocol.GenerateRequest, replica: asyncio.Task,
+                                  sender: LayerSender) -> None:
+        """Wait for the prompt replica's send (its own deadline) and give the
+        staging buffers back once nothing reads them."""
+        try:
+            outcome, why = await replica
+        except Exception as exc:  # noqa: BLE001 -- the replica is best effort: the decode node sends it then
+            outcome, why = "failed", str(exc)
+        self.prompt_replicas[outcome] += 1
+        if outcome in ("failed", "refused"):
+            self._warn.warning(("prompt replica", outcome), "request %s: the prompt replica to %s %s: %s",
+                               msg.request_id, msg.replica_to, outcome, why)
+        buffers, reusable = sender.take_staging()
+        if reusable and outcome != "failed":      # a failed send may still sit in the transport's queue
+            for buf in buffers:
+                STAGING.release(buf)
 
     async def _decode_leg(self, msg: protocol.GenerateRequest, incoming) -> None:
         """Reserve blocks for the prompt and answer the coordinator with the
@@ -523,6 +573,8 @@ class NodeDaemon:
             state = await rx.wait()
             if state is TransferState.DONE:
                 handed = True
+                if rx.replica_to and self.replicator is not None:
+                    self.replicator.expect_prompt(rid, writer=msg.prefill_node, holder=rx.replica_to)
                 await self._pipe(rid, peer, self.driver.generate_prefilled(
                     rid, prompt, params, res, rx.first_token, rx.cached_tokens))
                 return
@@ -644,7 +696,8 @@ class NodeDaemon:
                               "failed": self.receiver.failed if self.receiver else 0,
                               "refused": self.receiver.refused if self.receiver else 0},
                 "disaggregation": {"decode": self.decode_side.stats() if self.decode_side else {},
-                                   "prefill": dict(self.prefill_legs)},
+                                   "prefill": dict(self.prefill_legs),
+                                   "prompt_replicas": dict(self.prompt_replicas)},
                 "replication": {"sender": self.replicator.stats() if self.replicator else {},
                                 "holder": self.replica_store.stats() if self.replica_store else {}}}
 

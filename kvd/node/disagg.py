@@ -96,11 +96,16 @@ class LayerSender(KVSender):
         l0, self._next = self._next, upto
         self.send(l0, upto, (self._view[l0:upto],))
 
+    @property
+    def staged(self) -> torch.Tensor | None:
+        """The staged KV of every block sent, once the last layer was staged."""
+        return self._view if self._next == self.num_layers else None
+
     async def commit(self, status: str, first_token: int = -1, cached_tokens: int = 0,
-                     reason: str = "") -> TransferState:
+                     reason: str = "", replica_to: str = "", keep_staging: bool = False) -> TransferState:
         if status == "done" and self.block_ids and self._next < self.num_layers:
             status, reason = "failed", f"only {self._next} of {self.num_layers} layers were staged"
-        return await super().commit(status, first_token, cached_tokens, reason)
+        return await super().commit(status, first_token, cached_tokens, reason, replica_to, keep_staging)
 
 
 # ─── decode side ─────────────────────────────────────────────────────────────
@@ -144,7 +149,7 @@ class DecodeSide:
         if msg.status == "done" and not rx.complete:
             rx.end(TransferState.FAILED, f"commit after {len(rx.layers_done)} of {rx.num_layers} layers")
             return protocol.KVAck(id=msg.id, transfer_id=msg.transfer_id, ok=False, reason=rx.reason)
-        rx.first_token, rx.cached_tokens = msg.first_token, msg.cached_tokens
+        rx.first_token, rx.cached_tokens, rx.replica_to = msg.first_token, msg.cached_tokens, msg.replica_to
         rx.end(TransferState(msg.status), msg.reason)
         return protocol.KVAck(id=msg.id, transfer_id=msg.transfer_id, ok=True)
 

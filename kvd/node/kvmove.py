@@ -149,6 +149,14 @@ class KVSender:
         self._staging.append(buf)
         return view
 
+    def take_staging(self) -> tuple[list[torch.Tensor], bool]:
+        """Take the staging buffers out of this transfer, after ``close``:
+        (buffers, reusable): the caller gives them back (``STAGING.release``)
+        once it no longer reads them, and only if ``reusable`` (no send of
+        this transfer was cut in flight)."""
+        staging, self._staging = self._staging, []
+        return staging, not self._cut
+
     def seconds_left(self) -> float:
         return max(0.0, self.deadline - time.time())
 
@@ -192,10 +200,11 @@ class KVSender:
         return results
 
     async def commit(self, status: str, first_token: int = -1, cached_tokens: int = 0,
-                     reason: str = "") -> TransferState:
+                     reason: str = "", replica_to: str = "", keep_staging: bool = False) -> TransferState:
         """End the transfer with a KVCommit: ``done`` after every layer's ack;
         ``finished`` or ``failed`` at once. Returns the final state; never
-        raises (a transport failure is ``failed``)."""
+        raises (a transport failure is ``failed``). ``keep_staging``: the
+        staging buffers outlive it (``take_staging``)."""
         try:
             if status == "done":
                 if self.block_ids and not self._sends:
@@ -204,7 +213,7 @@ class KVSender:
             reply = await protocol.call(self.conn, protocol.KVCommit(
                 id=f"{self.transfer_id}.commit", deadline=self.deadline, transfer_id=self.transfer_id,
                 request_id=self.request_id, status=status, first_token=first_token,
-                cached_tokens=cached_tokens, reason=reason))
+                cached_tokens=cached_tokens, reason=reason, replica_to=replica_to))
             if not (isinstance(reply, protocol.KVAck) and reply.ok):
                 raise RuntimeError(f"the receiver refused the commit: {reply_reason(reply)}")
             self.end(TransferState.DONE if status == "done" else TransferState(status), reason)
@@ -215,7 +224,7 @@ class KVSender:
             if status == "done":      # tell the receiver at once rather than let it time out
                 await self._fail_quietly(self.reason)
         finally:
-            await self.close()
+            await self.close(release=not keep_staging)
         return self.state
 
     async def _fail_quietly(self, reason: str) -> None:
@@ -230,9 +239,10 @@ class KVSender:
         if self.state not in FINAL:
             self.state, self.reason = state, reason
 
-    async def close(self) -> None:
+    async def close(self, release: bool = True) -> None:
         """Cancel sends still in flight and wait for them; give the staging
-        buffers back unless a cancelled send may still read one."""
+        buffers back unless a cancelled send may still read one (or not
+        ``release``: ``take_staging``)."""
         for task in self._sends:
             if not task.done():
                 task.cancel()
@@ -241,6 +251,8 @@ class KVSender:
         self._sends.clear()
         if self.state not in FINAL:
             self.end(TransferState.FAILED, "closed before it ended")
+        if not release:
+            return
         staging, self._staging = self._staging, []
         if not self._cut:
             for buf in staging:
@@ -275,6 +287,7 @@ class KVReceiver:
         self.reason = ""
         self.first_token = -1
         self.cached_tokens = 0
+        self.replica_to = ""                      # disagg: where the prefill node sent the prompt's replica
         self.layers_done: set[int] = set()
         self.bytes = 0
         self._lock = threading.Lock()

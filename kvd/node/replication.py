@@ -26,6 +26,18 @@ request's prefix match has taken its blocks.
 
 What a replica misses is recomputed: the tokens past its last full block
 (at most ``block_size - 1``) plus those generated since the last round.
+
+Disaggregated requests: the prefill node sends the prompt's replica to the
+decode node's peer itself (``send_prompt_replica``, a ReplicaData with
+``owner`` = the decode node), off the decode node's compute path and its
+link. The decode node learns it from the KVCommit (``replica_to``) and,
+instead of sending the prompt, claims that replica (``adopt``) in its next
+rounds; the holder re-keys it to the decode node, whose rounds then extend
+it. A claim is given up, and the decode node replicates the prompt itself,
+when the holder has not answered it within ``ADOPT_WAIT_S`` (the replica did
+not arrive, or was refused) or the holder is not the peer this node has once
+it has one. An unclaimed replica is dropped with its request (the
+coordinator's ``drop_replicas``).
 """
 
 from __future__ import annotations
@@ -47,6 +59,7 @@ from transports import Connection, TransportError
 log = logging.getLogger("kvd.replication")
 
 REFUSED_RETRY_S = 1.0          # a request the holder refused is offered again after this
+ADOPT_WAIT_S = 2.0             # how long a decode node claims a prompt replica its prefill node sent
 
 
 class Replicator:
@@ -63,8 +76,10 @@ class Replicator:
         self.peer: tuple[str, str] | None = None  # (name, address), from the coordinator
         self.sent: dict[str, int] = {}            # request id -> blocks the peer holds
         self.retry_at: dict[str, float] = {}      # request id -> when to offer it again (refused)
+        self.adopting: dict[str, tuple[str, str, float]] = {}  # request id -> (writer, holder, give up at)
         self.lag_tokens = 0                       # computed tokens not replicated, last round
-        self.counts = {"rounds": 0, "messages": 0, "blocks": 0, "bytes": 0, "refused": 0, "errors": 0}
+        self.counts = {"rounds": 0, "messages": 0, "blocks": 0, "bytes": 0, "refused": 0, "errors": 0,
+                       "adopted": 0, "adopt_fallbacks": 0}
         self._warn = RateLimitedLog(log)
         self._epoch = 0                           # bumped on every peer change
 
@@ -78,6 +93,13 @@ class Replicator:
             self.sent = {}
             self.retry_at.clear()
             self._epoch += 1
+
+    def expect_prompt(self, request_id: str, writer: str, holder: str) -> None:
+        """``writer`` (the prefill node) is sending the prompt replica of
+        ``request_id`` to ``holder`` for this node: claim it there instead of
+        sending the prompt, once ``holder`` is this node's peer (the
+        coordinator may have told the prefill node first)."""
+        self.adopting[request_id] = (writer, holder, time.monotonic() + ADOPT_WAIT_S)
 
     async def run(self) -> None:
         while True:
@@ -98,8 +120,14 @@ class Replicator:
         """One round: gather what is new, send it, apply the ack."""
         peer, epoch, sent = self.peer, self._epoch, self.sent
         now = time.monotonic()
-        retry = {rid for rid, t in self.retry_at.items() if t > now}
-        batch = await self.driver.call(lambda engine: _collect(engine, sent, retry), timeout=self.timeout)
+        for rid in [rid for rid, (_, holder, until) in self.adopting.items() if until <= now or holder != peer[0]]:
+            _, holder, _ = self.adopting.pop(rid)  # never arrived, was refused, or sits elsewhere: send it from here
+            self.counts["adopt_fallbacks"] += 1
+            self._warn.warning(("adopt",), "the prompt replica of %s is not at %s (sent to %s); sending it from here",
+                               rid, peer[0], holder)
+        adopt = {rid: writer for rid, (writer, _, _) in self.adopting.items()}
+        retry = {rid for rid, t in self.retry_at.items() if t > now} | set(adopt)
+        batch = await self.driver.call(lambda engine: _collect(engine, sent, retry, adopt), timeout=self.timeout)
         msg, buf, lag = batch
         self.lag_tokens = lag
         self.counts["rounds"] += 1
@@ -125,9 +153,13 @@ class Replicator:
         for rid in msg.frees:
             sent.pop(rid, None)
             self.retry_at.pop(rid, None)
+            self.adopting.pop(rid, None)
         for rid, n in ack.held.items():
             if rid in msg.request_ids:
                 sent[rid] = n // bs
+            elif rid in msg.adopt and self.adopting.pop(rid, None) is not None:
+                sent[rid] = n // bs
+                self.counts["adopted"] += 1
         for rid, why in ack.refused.items():
             if rid in msg.request_ids:
                 self.counts["refused"] += 1
@@ -140,9 +172,11 @@ class Replicator:
                 "lag_tokens": self.lag_tokens, **self.counts}
 
 
-def _collect(engine: Any, sent: dict[str, int], skip: set[str]) -> tuple[dict | None, Any, int]:
+def _collect(engine: Any, sent: dict[str, int], skip: set[str],
+             adopt: dict[str, str]) -> tuple[dict | None, Any, int]:
     """Engine thread: the ReplicaData fields of one round (None: nothing to
-    send), the staging buffer holding its KV, and the lag in tokens."""
+    send), the staging buffer holding its KV, and the lag in tokens.
+    ``adopt``: claims to make (request id -> writer) for requests still here."""
     bs = engine.config.block_size
     ids, rids, starts, counts, tokens = [], [], [], [], []
     lag = 0
@@ -158,8 +192,9 @@ def _collect(engine: Any, sent: dict[str, int], skip: set[str]) -> tuple[dict | 
         counts.append(len(blocks) - have)
         tokens.extend(toks[have * bs:])
         ids.extend(blocks[have:])
-    frees = tuple(rid for rid in sent if rid not in live and not engine.has_request(rid))
-    if not rids and not frees:
+    frees = tuple(rid for rid in {*sent, *adopt} if rid not in live and not engine.has_request(rid))
+    claims = {rid: writer for rid, writer in adopt.items() if rid not in sent and engine.has_request(rid)}
+    if not rids and not frees and not claims:
         return None, None, lag
     buf, tensors = None, ()
     if ids:
@@ -168,7 +203,35 @@ def _collect(engine: Any, sent: dict[str, int], skip: set[str]) -> tuple[dict | 
         engine.pool.gather_blocks(ids, view, (0, layout.num_layers))
         tensors = (view,)
     return {"block_size": bs, "request_ids": tuple(rids), "starts": tuple(starts), "counts": tuple(counts),
-            "token_ids": tuple(tokens), "frees": frees, "tensors": tensors}, buf, lag
+            "token_ids": tuple(tokens), "frees": frees, "adopt": claims, "tensors": tensors}, buf, lag
+
+
+async def send_prompt_replica(conn: Connection, *, source: str, owner: str, request_id: str,
+                              prompt: list[int], kv: Any, block_size: int, timeout: float) -> tuple[str, str]:
+    """Prefill node: send the full blocks of ``prompt`` (their KV: ``kv``,
+    the staged [L, 2, n, bs, kvh, hd] of every prompt block) to ``owner``'s
+    replica peer over ``conn``, as a replica ``owner`` adopts. Returns
+    (outcome, why): ``sent``, ``empty`` (no full block), ``refused`` (the
+    holder's answer) or ``failed`` (transport, deadline). Never raises
+    TransportError; ``kv`` is read until it returns."""
+    k = len(prompt) // block_size
+    if k == 0:
+        return "empty", ""
+    frame = kv if k == kv.shape[2] else await asyncio.to_thread(lambda: kv[:, :, :k].contiguous())
+    msg = protocol.ReplicaData(id=f"rep-{source}-{request_id}", deadline=time.time() + timeout, source=source,
+                               owner=owner, block_size=block_size, request_ids=(request_id,), starts=(0,),
+                               counts=(k,), token_ids=tuple(prompt[:k * block_size]), tensors=(frame,))
+    try:
+        ack = await protocol.call(conn, msg, timeout=timeout)
+    except (TransportError, TimeoutError) as exc:
+        return "failed", str(exc) or type(exc).__name__
+    if not isinstance(ack, protocol.ReplicaAck):
+        return "refused", _why(ack)
+    if request_id in ack.refused:
+        return "refused", ack.refused[request_id]
+    if ack.held.get(request_id) != k * block_size:
+        return "refused", f"the holder holds {ack.held.get(request_id, 0)} of {k * block_size} tokens"
+    return "sent", ""
 
 
 def _why(msg: Any) -> str:
@@ -180,9 +243,10 @@ def _why(msg: Any) -> str:
 
 @dataclass
 class Replica:
-    source: str
+    source: str                          # who may extend it (its key's sender)
     tokens: list[int] = field(default_factory=list)
     lock: PrefixLock | None = None
+    owner: str = ""                      # a prefill node's write: the decode node that may adopt it
 
     @property
     def blocks(self) -> int:
@@ -197,7 +261,7 @@ class ReplicaStore:
         self.budget = budget_blocks
         self.timeout = timeout
         self.replicas: dict[tuple[str, str], Replica] = {}
-        self.counts = {"received_blocks": 0, "refused": 0, "dropped": 0, "resumed": 0}
+        self.counts = {"received_blocks": 0, "refused": 0, "dropped": 0, "resumed": 0, "adopted": 0}
 
     @property
     def blocks(self) -> int:
@@ -220,6 +284,16 @@ class ReplicaStore:
         for rid in msg.frees:
             self._drop_now(pool, (msg.source, rid))
         held, refused = {}, {}
+        for rid, writer in msg.adopt.items():
+            key = (msg.source, rid)
+            rep = self.replicas.get((writer, rid))
+            if key not in self.replicas and rep is not None and rep.owner == msg.source:
+                del self.replicas[(writer, rid)]
+                rep.source, rep.owner = msg.source, ""
+                self.replicas[key] = rep
+                self.counts["adopted"] += 1
+            if key in self.replicas:
+                held[rid] = len(self.replicas[key].tokens)
         if not msg.request_ids:
             return protocol.ReplicaAck(id=msg.id, held=held, refused=refused)
         layout = pool.kv_layout()
@@ -247,7 +321,7 @@ class ReplicaStore:
             if total + count > self.budget:
                 refused[rid] = f"over the replica budget of {self.budget} blocks (replica_kv_blocks)"
                 continue
-            rep = rep or Replica(msg.source)
+            rep = rep or Replica(msg.source, owner=msg.owner)
             lock = pool.extend_hold(rep.lock, rep.tokens + list(new_tokens), payload)
             if lock is None:
                 refused[rid] = "the host tier is full"

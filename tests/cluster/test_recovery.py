@@ -285,3 +285,32 @@ def test_reprefill_policy_resumes_without_replicas(tmp_path, reference_engine):
                    for n in NODES if n != victim)
     finally:
         c.stop()
+
+
+def test_disaggregated_prompt_replica_comes_from_the_prefill_node(tmp_path, reference_engine):
+    """1P2D with replicas: the prefill node writes each prompt's replica to
+    the decode node's peer; the decode node adopts it and sends only the
+    blocks it generates; killed mid-stream, its requests resume on that
+    replica with the uninterrupted text."""
+    roles = {"p1": "prefill", "d1": "decode", "d2": "decode"}
+    c = Cluster(tmp_path, "zmq+tcp", extra=ON)
+    for name, role in roles.items():
+        c.start_node(name, "--role", role, "--prefill-threshold", "0", *NODE_FLAGS)
+    c.wait_nodes(sorted(roles))
+    try:
+        s = Streams(c, 4, seed0=110)
+        while sum(1 for n in s.counts if n >= 5) < 4:
+            time.sleep(0.02)
+        victim = busiest(c)
+        on_victim = wait_replicated(c, victim, 64)
+        senders = {n: admin(c.node_admin(n), "status")["replication"]["sender"] for n in ("d1", "d2")}
+        assert admin(c.node_admin("p1"), "status")["disaggregation"]["prompt_replicas"] == {"sent": 4}
+        assert sum(st["adopted"] for st in senders.values()) == 4, senders
+        assert all(st["adopt_fallbacks"] == 0 for st in senders.values())
+        c.nodes[victim].kill9()
+        s.join()
+        check_texts(s, reference_engine)
+        assert admin(c.admin_socket, "status")["recoveries"].get("replica/resumed", 0) == len(on_victim)
+        wait_baseline(c, [n for n in roles if n != victim])
+    finally:
+        c.stop()

@@ -117,6 +117,14 @@ def test_empty_tensor_frame():
     (dict(kv_to_node="d1", kv_to_address="a", kv_transfer_id="t", kv_num_layers=2, kv_dtype="float32",
           kv_block_ids=(1, 2), kv_have_blocks=5), "more blocks"),
     (dict(kv_to_node="d1", kv_transfer_id="t", kv_num_layers=2, kv_dtype="float32"), "kv_to_address"),
+    (dict(replica_to="d2", replica_address="a"), "replica_to needs a prefill leg"),
+    (dict(kv_to_node="d1", kv_to_address="a", kv_transfer_id="t", kv_num_layers=2, kv_dtype="float32",
+          kv_block_ids=(1,), replica_to="d2"), "replica_address"),
+    (dict(prompt_token_ids=tuple(range(32)), kv_to_node="d1", kv_to_address="a", kv_transfer_id="t",
+          kv_num_layers=2, kv_dtype="float32", kv_block_ids=(1,), kv_have_blocks=1, replica_to="d2",
+          replica_address="b"), "from block 0"),
+    (dict(kv_to_node="d1", kv_to_address="a", kv_transfer_id="t", kv_num_layers=2, kv_dtype="float32",
+          kv_block_ids=(1,), replica_to="d1", replica_address="a"), "to another node"),
 ])
 def test_generate_request_validation(bad, match):
     fields = dict(request_id="r", prompt_token_ids=(1,)) | bad
@@ -279,6 +287,18 @@ def test_tier_names_are_the_engines():
 def test_fields_nothing_used_are_gone(type_, field_):
     # they were never read; a peer that still sends one is told so
     assert field_ not in P.MESSAGE_TYPES[type_]._FIELDS
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(owner="n1"), "owner is another node"),
+    (dict(adopt={"r": "n1"}), "adopt maps"),
+    (dict(adopt={"": "p1"}), "adopt maps"),
+    (dict(adopt={"r": ""}), "adopt maps"),
+    (dict(owner="d1", adopt={"r": "p1"}), "either writes for an owner or adopts"),
+])
+def test_replica_data_owner_and_adopt_validation(bad, match):
+    with pytest.raises(ValueError, match=match):
+        P.ReplicaData(**(dict(source="n1", block_size=16) | bad))
 
 
 @pytest.mark.parametrize("bad, match", [
