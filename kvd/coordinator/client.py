@@ -314,6 +314,9 @@ class RemoteEngineClient:
         prefill = self._pick_prefill(candidates, prompt_ids, request_id) if node.role == "decode" else None
         if prefill is not None:
             header, _ = protocol.encode(dataclasses.replace(request, prefill_node=prefill.name))
+            # the leg is the prefill node's load from the pick (the router follows it there), not
+            # from the decode node's grant; dropped again when the decode node prefills itself
+            prefill.in_flight.add(request_id)
         stream = _Stream(node.name, request, node.incarnation)
         self._streams[request_id] = stream
         node.in_flight.add(request_id)
@@ -325,6 +328,8 @@ class RemoteEngineClient:
                 accepted = True
                 if prefill is not None and reply.kv_transfer_id:
                     self._start_prefill_leg(request, stream, node, prefill, reply)
+                elif prefill is not None:
+                    prefill.in_flight.discard(request_id)
                 return stream, node, None
             if isinstance(reply, protocol.Error):
                 return stream, node, reply
@@ -343,6 +348,8 @@ class RemoteEngineClient:
         finally:
             if not accepted:
                 self._forget(request_id, node)
+                if prefill is not None:
+                    prefill.in_flight.discard(request_id)
 
     def _pick_prefill(self, candidates: list[NodeInfo], prompt_ids: Sequence[int],
                       request_id: str) -> NodeInfo | None:
@@ -358,7 +365,6 @@ class RemoteEngineClient:
         take it, the decode node is told at once (``Abort(leg="prefill")``)."""
         rid = request.request_id
         stream.prefill = stream.prefilled_by = prefill.name
-        prefill.in_flight.add(rid)
         prefill.routed += 1
         # with replication the prefill node also writes the prompt's replica to the decode
         # node's peer (from block 0 only: it stages no KV of blocks the decode node had)

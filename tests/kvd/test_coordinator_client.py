@@ -281,3 +281,34 @@ async def test_a_restarted_node_is_a_new_instance_and_a_recovery_target_again():
     assert client.recovery.outcomes[("reprefill", "resumed")] == 2
     for lst in listeners.values():
         await lst.close()
+
+
+async def test_a_prefill_leg_is_its_nodes_load_from_the_pick_until_the_decode_node_prefills_itself():
+    """The prefill node carries the request in ``in_flight`` while the decode
+    node decides (the router's bookkeeping follows it there); a decode node
+    that computes the prompt itself (no grant) or refuses takes it off."""
+    registry, membership, listeners = InprocRegistry(), Membership(deadline=5.0), {}
+    client = RemoteEngineClient("m", None, membership, LeastLoadRouter())
+    for name, role in (("d1", "decode"), ("p1", "prefill")):
+        listeners[name] = await listen(f"inproc://{name}", registry=registry)
+        info, _ = membership.register(protocol.Hello(
+            id="h", node=name, address=f"inproc://{name}", incarnation="i", model_name="m", role=role,
+            max_model_len=512, block_size=16, blocks_per_tier={"host": 64}))
+        await client.attach(info, await connect(f"inproc://{name}", registry=registry))
+    p1 = membership.nodes["p1"]
+    for rid, answer in (("local", protocol.Accepted(id="a", request_id="local")),
+                        ("refused", protocol.Error(id="a", code="invalid_request", request_id="refused",
+                                                   message="no"))):
+        task = asyncio.create_task(collect(client, rid))
+        incoming = await asyncio.wait_for(listeners["d1"].recv(), 5)
+        msg = protocol.decode(incoming.header, incoming.frames)
+        assert msg.prefill_node == "p1" and rid in p1.in_flight
+        await listeners["d1"].reply(incoming, *protocol.encode(answer))
+        if rid == "local":
+            while rid in p1.in_flight:
+                await asyncio.sleep(0.01)
+            await listeners["d1"].send(incoming.peer, *protocol.encode(last_chunk(rid)))
+        await asyncio.wait_for(task, 5)
+        assert rid not in p1.in_flight
+    for listener in listeners.values():
+        await listener.close()
