@@ -17,7 +17,8 @@ kvd-loadgen trace (chat endpoint, greedy) and reports:
 
     .venv/bin/python tools/bench_routing.py [--num-prompts 24] [--request-rate 4] \
         [--policies prompt-tree,session,least-load] [--reference-kv-blocks 8192] \
-        [--cluster routing_load_weight=8.0 ...]
+        [--cluster routing_load_weight=8.0 ...] [--datasets sessions,prefix-repetition] \
+        [--sessions-turns 4 --sessions-user-len 64 --sessions-output-len 32 --sessions-shared-len 512]
 
 Prints a markdown table and writes JSON to results/bench_routing.json.
 """
@@ -140,19 +141,31 @@ def main() -> int:
                    help="KV blocks of the one-node ideal run (0: skip it)")
     p.add_argument("--cluster", action="append", default=[], metavar="KEY=VALUE",
                    help="a [cluster] setting (TOML value), e.g. routing_load_weight=8.0; repeatable")
+    p.add_argument("--datasets", default="sessions,prefix-repetition", help="comma-separated, in run order")
+    p.add_argument("--sessions-turns", type=int, default=4)
+    p.add_argument("--sessions-user-len", type=int, default=64)
+    p.add_argument("--sessions-output-len", type=int, default=32)
+    p.add_argument("--sessions-shared-len", type=int, default=512,
+                   help="tokens of the system prompt every session shares")
     args = p.parse_args()
     from engine.model.registry import load_tokenizer, resolve_model
     tokenizer = load_tokenizer(args.model)
     served = resolve_model(args.model).name
     traces = {
         "sessions": datasets.DatasetOptions(name="sessions", num_prompts=args.num_prompts, seed=args.seed,
-                                            sessions_num_turns=4, sessions_user_len=64,
-                                            sessions_output_len=32, sessions_shared_prefix_len=512),
+                                            sessions_num_turns=args.sessions_turns,
+                                            sessions_user_len=args.sessions_user_len,
+                                            sessions_output_len=args.sessions_output_len,
+                                            sessions_shared_prefix_len=args.sessions_shared_len),
         "prefix-repetition": datasets.DatasetOptions(
             name="prefix-repetition", num_prompts=args.num_prompts * 3, seed=args.seed,
             prefix_repetition_num_prefixes=6, prefix_repetition_prefix_len=512,
             prefix_repetition_suffix_len=64, prefix_repetition_output_len=32),
     }
+    unknown = set(args.datasets.split(",")) - set(traces)
+    if unknown:
+        p.error(f"unknown datasets {sorted(unknown)}; choose from {sorted(traces)}")
+    traces = {name: traces[name] for name in args.datasets.split(",")}
     rows = []
     convs = {name: datasets.build(opts, tokenizer) for name, opts in traces.items()}
     print("| dataset | policy | cached share | of ideal | TTFT p50 ms | TTFT p99 ms | max/mean [per node] | failed |")

@@ -126,16 +126,25 @@ def test_real_model_batch_and_prefix_exactness(smollm2_weights, smollm2_source, 
     warm.check_integrity()
 
 
+PREEMPT_BF16 = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def bf16_alone(smollm2_weights, smollm2_source, prompts):
+    """Each prompt's bf16 greedy tokens, run alone with room to spare."""
+    cold = build_engine(smollm2_weights, smollm2_source.load_tokenizer(), dtype="bfloat16",
+                        enable_prefix_caching=False, kv_blocks=512)
+    return [cold.generate([p], PREEMPT_BF16)[0] for p in prompts]
+
+
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
-def test_real_model_preemption_exactness_bf16(smollm2_weights, smollm2_source, prompts, mode):
+def test_real_model_preemption_exactness_bf16(smollm2_weights, smollm2_source, prompts, bf16_alone, mode):
     """bf16 under KV pressure: preempted requests give the tokens they give alone.
     With the fused decode kernel, recompute rebuilds generated tokens' KV through
     the torch prefill instead of the kernel that first wrote it; greedy tokens
     must not notice."""
     tok = smollm2_source.load_tokenizer()
-    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
-    cold = build_engine(smollm2_weights, tok, dtype="bfloat16", enable_prefix_caching=False, kv_blocks=512)
-    alone = [cold.generate([p], params)[0] for p in prompts]
+    params, alone = PREEMPT_BF16, bf16_alone
     small = build_engine(smollm2_weights, tok, dtype="bfloat16", enable_prefix_caching=False, kv_blocks=24,
                          host_kv_blocks=64, preemption_mode=mode)
     assert small.generate(prompts, params) == alone
