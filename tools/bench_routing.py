@@ -18,7 +18,8 @@ kvd-loadgen trace (chat endpoint, greedy) and reports:
     .venv/bin/python tools/bench_routing.py [--num-prompts 24] [--request-rate 4] \
         [--policies prompt-tree,session,least-load] [--reference-kv-blocks 8192] \
         [--cluster routing_load_weight=8.0 ...] [--datasets sessions,prefix-repetition] \
-        [--sessions-turns 4 --sessions-user-len 64 --sessions-output-len 32 --sessions-shared-len 512]
+        [--sessions-turns 4 --sessions-user-len 64 --sessions-output-len 32 --sessions-shared-len 512] \
+        [--prefixes 6 --prefix-len 512 --suffix-len 64]
 
 Prints a markdown table and writes JSON to results/bench_routing.json.
 """
@@ -147,6 +148,9 @@ def main() -> int:
     p.add_argument("--sessions-output-len", type=int, default=32)
     p.add_argument("--sessions-shared-len", type=int, default=512,
                    help="tokens of the system prompt every session shares")
+    p.add_argument("--prefixes", type=int, default=6, help="prefix-repetition: distinct shared prefixes")
+    p.add_argument("--prefix-len", type=int, default=512)
+    p.add_argument("--suffix-len", type=int, default=64)
     args = p.parse_args()
     from engine.model.registry import load_tokenizer, resolve_model
     tokenizer = load_tokenizer(args.model)
@@ -159,8 +163,8 @@ def main() -> int:
                                             sessions_shared_prefix_len=args.sessions_shared_len),
         "prefix-repetition": datasets.DatasetOptions(
             name="prefix-repetition", num_prompts=args.num_prompts * 3, seed=args.seed,
-            prefix_repetition_num_prefixes=6, prefix_repetition_prefix_len=512,
-            prefix_repetition_suffix_len=64, prefix_repetition_output_len=32),
+            prefix_repetition_num_prefixes=args.prefixes, prefix_repetition_prefix_len=args.prefix_len,
+            prefix_repetition_suffix_len=args.suffix_len, prefix_repetition_output_len=32),
     }
     unknown = set(args.datasets.split(",")) - set(traces)
     if unknown:
