@@ -97,6 +97,14 @@ class Streams:
         assert len(self.results) == len(self.threads), self.results
 
 
+def decoding(c: Cluster, n: int, seed0: int, tokens: int = 5) -> Streams:
+    """``n`` streams started, once each has delivered ``tokens`` tokens."""
+    s = Streams(c, n, seed0=seed0)
+    while sum(1 for k in s.counts if k >= tokens) < n:
+        time.sleep(0.02)
+    return s
+
+
 def requests(c: Cluster) -> dict[str, dict]:
     return admin(c.admin_socket, "requests")["requests"]
 
@@ -167,9 +175,7 @@ def restart_all(c: Cluster) -> None:
 def test_kill9_mid_stream_resumes_on_the_replica_with_the_uninterrupted_text(ring, reference_engine):
     c = ring
     before = admin(c.admin_socket, "status")["recoveries"]
-    s = Streams(c, 6)
-    while sum(1 for n in s.counts if n >= 5) < 6:
-        time.sleep(0.02)
+    s = decoding(c, 6, seed0=0)
     victim = busiest(c)
     on_victim = wait_replicated(c, victim, 64)
     c.nodes[victim].kill9()
@@ -183,13 +189,29 @@ def test_kill9_mid_stream_resumes_on_the_replica_with_the_uninterrupted_text(rin
     restart_all(c)
 
 
+def kill_the_busiest_and_resume(c: Cluster, s: Streams, engine, names: list[str], replicated: int,
+                                before_kill=None) -> None:
+    """Once the busiest node's requests have ``replicated`` tokens at their
+    holder, ``kill -9`` it: every stream ends with the uninterrupted text,
+    each of its requests resumed on a replica, and the other nodes of
+    ``names`` are back to baseline."""
+    before = admin(c.admin_socket, "status")["recoveries"].get("replica/resumed", 0)
+    victim = busiest(c)
+    on_victim = wait_replicated(c, victim, replicated)
+    if before_kill is not None:
+        before_kill()
+    c.nodes[victim].kill9()
+    s.join()
+    check_texts(s, engine)
+    assert admin(c.admin_socket, "status")["recoveries"].get("replica/resumed", 0) - before == len(on_victim)
+    wait_baseline(c, [n for n in names if n != victim])
+
+
 def streaming_with_a_replica(c: Cluster, seed0: int) -> tuple[Streams, str, str]:
     """All nodes up (whatever an earlier test left dead), 4 streams started and
     decoding; (streams, the busiest node, the holder of its replicas)."""
     restart_all(c)
-    s = Streams(c, 4, seed0=seed0)
-    while sum(1 for n in s.counts if n >= 5) < 4:
-        time.sleep(0.02)
+    s = decoding(c, 4, seed0=seed0)
     source = busiest(c)
     return s, source, next(iter(wait_replicated(c, source, 32).values()))["replica_holder"]
 
@@ -262,16 +284,7 @@ def test_a_forged_replica_from_another_nodes_key_is_refused(ring):
 def test_kill9_over_ucx_resumes_on_the_replica(tmp_path, reference_engine):
     c = start(tmp_path, "ucx")
     try:
-        s = Streams(c, 2, seed0=80)
-        while sum(1 for n in s.counts if n >= 5) < 2:
-            time.sleep(0.02)
-        victim = busiest(c)
-        on_victim = wait_replicated(c, victim, 32)
-        c.nodes[victim].kill9()
-        s.join()
-        check_texts(s, reference_engine)
-        assert admin(c.admin_socket, "status")["recoveries"].get("replica/resumed", 0) == len(on_victim)
-        wait_baseline(c, [n for n in NODES if n != victim])
+        kill_the_busiest_and_resume(c, decoding(c, 2, seed0=80), reference_engine, NODES, 32)
     finally:
         c.stop()
 
@@ -279,9 +292,7 @@ def test_kill9_over_ucx_resumes_on_the_replica(tmp_path, reference_engine):
 def test_reprefill_policy_resumes_without_replicas(tmp_path, reference_engine):
     c = start(tmp_path, "zmq+tcp", extra=("--replicas", "0", "--recovery", "reprefill"))
     try:
-        s = Streams(c, 2, seed0=90)
-        while sum(1 for n in s.counts if n >= 20) < 2:
-            time.sleep(0.02)
+        s = decoding(c, 2, seed0=90, tokens=20)
         victim = busiest(c)
         assert all(r["replica_holder"] == "" for r in requests(c).values())
         c.nodes[victim].kill9()
@@ -305,19 +316,12 @@ def test_disaggregated_prompt_replica_comes_from_the_prefill_node(tmp_path, refe
         c.start_node(name, "--role", role, "--prefill-threshold", "0", *NODE_FLAGS)
     c.wait_nodes(sorted(roles))
     try:
-        s = Streams(c, 4, seed0=110)
-        while sum(1 for n in s.counts if n >= 5) < 4:
-            time.sleep(0.02)
-        victim = busiest(c)
-        on_victim = wait_replicated(c, victim, 64)
-        senders = {n: admin(c.node_admin(n), "status")["replication"]["sender"] for n in ("d1", "d2")}
-        assert admin(c.node_admin("p1"), "status")["disaggregation"]["prompt_replicas"] == {"sent": 4}
-        assert sum(st["adopted"] for st in senders.values()) == 4, senders
-        assert all(st["adopt_fallbacks"] == 0 for st in senders.values())
-        c.nodes[victim].kill9()
-        s.join()
-        check_texts(s, reference_engine)
-        assert admin(c.admin_socket, "status")["recoveries"].get("replica/resumed", 0) == len(on_victim)
-        wait_baseline(c, [n for n in roles if n != victim])
+        def the_prompts_came_from_p1() -> None:
+            senders = {n: admin(c.node_admin(n), "status")["replication"]["sender"] for n in ("d1", "d2")}
+            assert admin(c.node_admin("p1"), "status")["disaggregation"]["prompt_replicas"] == {"sent": 4}
+            assert sum(st["adopted"] for st in senders.values()) == 4, senders
+            assert all(st["adopt_fallbacks"] == 0 for st in senders.values())
+        kill_the_busiest_and_resume(c, decoding(c, 4, seed0=110), reference_engine, list(roles), 64,
+                                    before_kill=the_prompts_came_from_p1)
     finally:
         c.stop()
