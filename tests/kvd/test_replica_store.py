@@ -1,9 +1,12 @@
 """ReplicaStore on a real engine: a prefill node's prompt replica written for
 its decode node is the writer's until that node adopts it; only the named
 owner can adopt; the adopted replica is extended by the owner's rounds and
-given back whole on recovery."""
+given back whole on recovery. The decode side: a claim the holder cannot
+answer falls back to sending the prompt from the decode node."""
 
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 import torch
@@ -72,3 +75,71 @@ async def test_an_unadopted_prompt_replica_counts_against_the_budget_and_is_drop
     assert "replica budget" in ack.refused["b"]
     assert await store.drop(["a"]) == 1
     assert store.blocks == 0
+
+
+async def holder_serving(store: ReplicaStore, registry, url: str):
+    """A listener at ``url`` that answers ReplicaData with ``store``."""
+    from transports import listen
+
+    listener = await listen(url, registry=registry)
+
+    async def serve() -> None:
+        while True:
+            incoming = await listener.recv()
+            msg = protocol.decode(incoming.header, incoming.frames)
+            await listener.reply(incoming, *protocol.encode(await store.on_data(msg)))
+    return listener, asyncio.create_task(serve())
+
+
+async def test_a_claim_the_holder_cannot_answer_falls_back_to_sending_the_prompt(store, monkeypatch):
+    """The decode side: a prompt replica that never reached the holder (or
+    sits on a node that is not the peer) is sent from here after the wait,
+    and the holder then has the decode node's own replica."""
+    from engine.request import SamplingParams
+    from kvd.node import replication
+    from transports import InprocRegistry, connect
+
+    monkeypatch.setattr(replication, "ADOPT_WAIT_S", 0.3)
+    registry = InprocRegistry()
+    listener, serving = await holder_serving(store, registry, "inproc://r1")
+    decode = EngineDriver(LLMEngine.from_config(EngineConfig(model="tiny", dtype="float32", block_size=BS,
+                                                             kv_blocks=64, host_kv_blocks=0, max_model_len=512,
+                                                             num_threads=1)))
+    await decode.start()
+    conn = await connect("inproc://r1", registry=registry)
+    rep = replication.Replicator("d1", decode, lambda name, addr: _const(conn), _noop, interval=0.02, timeout=5)
+    rep.set_peer("r1", "inproc://r1")
+    rep.expect_prompt("a", writer="p1", holder="r1")        # p1's replica never comes
+    rep.expect_prompt("b", writer="p1", holder="r9")        # sent to another node than the peer
+    running = asyncio.create_task(rep.run())
+    params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    streams = [asyncio.create_task(_drain(decode.generate(rid, list(range(1, 41)), params))) for rid in "ab"]
+    try:
+        for _ in range(500):
+            held = store.report().get("d1", {})
+            if held.get("a", 0) >= 2 * BS and held.get("b", 0) >= 2 * BS:
+                break
+            await asyncio.sleep(0.02)
+        assert held.get("a", 0) >= 2 * BS and held.get("b", 0) >= 2 * BS, store.report()
+        assert rep.counts["adopt_fallbacks"] == 2 and rep.counts["adopted"] == 0
+        assert not rep.adopting
+    finally:
+        for t in (running, serving, *streams):
+            t.cancel()
+        await asyncio.gather(running, serving, *streams, return_exceptions=True)
+        await conn.close()
+        await listener.close()
+        await decode.stop()
+
+
+async def _const(value):
+    return value
+
+
+async def _noop(*_):
+    return None
+
+
+async def _drain(outputs) -> None:
+    async for _ in outputs:
+        pass
