@@ -701,11 +701,11 @@ class ReplicaData(Message):
 
     def _check(self) -> None:
         n = len(self.request_ids)
+        _require(bool(self.source) and self.block_size > 0, "source and block_size must be set")
         _require(self.owner != self.source, "owner is another node than source (or empty)")
         _require(all(k and v and v != self.source for k, v in self.adopt.items()),
                  "adopt maps request ids to the nodes that wrote them")
         _require(not (self.owner and self.adopt), "a message either writes for an owner or adopts")
-        _require(bool(self.source) and self.block_size > 0, "source and block_size must be set")
         _require(len(self.starts) == n and len(self.counts) == n, "one start and one count per request id")
         _require(len(set(self.request_ids)) == n and all(self.request_ids), "request ids must be distinct, non-empty")
         _require(all(s >= 0 and s % self.block_size == 0 for s in self.starts), "starts must be whole blocks")

@@ -135,12 +135,10 @@ def overhead(args: argparse.Namespace, tmp: str) -> list[dict]:
                 rows.append(row)
                 print(f"round {rnd} replicas={replicas}: TPOT {row['tpot_median_s'] * 1e3:.1f} ms, "
                       f"{row['output_tok_s']:.1f} out tok/s, errors {row['errors']}", flush=True)
-    ratios = [on["tpot_median_s"] / off["tpot_median_s"] for rnd in range(args.rounds)
-              for on in rows if on["round"] == rnd and on["replicas"] == 1
-              for off in rows if off["round"] == rnd and off["replicas"] == 0]
-    tput = [on["output_tok_s"] / off["output_tok_s"] for rnd in range(args.rounds)
-            for on in rows if on["round"] == rnd and on["replicas"] == 1
-            for off in rows if off["round"] == rnd and off["replicas"] == 0]
+    by = {(r["round"], r["replicas"]): r for r in rows}
+    pairs = [(by[(rnd, 1)], by[(rnd, 0)]) for rnd in range(args.rounds)]
+    ratios = [on["tpot_median_s"] / off["tpot_median_s"] for on, off in pairs]
+    tput = [on["output_tok_s"] / off["output_tok_s"] for on, off in pairs]
     summary = {"mode": "overhead-summary", "tpot_ratio_median": statistics.median(ratios),
                "tpot_ratios": ratios, "output_tok_s_ratio_median": statistics.median(tput)}
     print(f"replicas 1 vs 0, median of {len(ratios)} paired rounds: TPOT {summary['tpot_ratio_median']:.3f}x "

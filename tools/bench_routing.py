@@ -18,8 +18,9 @@ kvd-loadgen trace (chat endpoint, greedy) and reports:
     .venv/bin/python tools/bench_routing.py [--num-prompts 24] [--request-rate 4] \
         [--policies prompt-tree,session,least-load] [--reference-kv-blocks 8192] \
         [--cluster routing_load_weight=8.0 ...] [--datasets sessions,prefix-repetition] \
-        [--sessions-turns 4 --sessions-user-len 64 --sessions-output-len 32 --sessions-shared-len 512] \
-        [--prefixes 6 --prefix-len 512 --suffix-len 64]
+        [--sessions-num-turns 4 --sessions-user-len 64 --sessions-output-len 32 \
+         --sessions-shared-prefix-len 512] [--prefix-repetition-num-prefixes 6 \
+         --prefix-repetition-prefix-len 512 --prefix-repetition-suffix-len 64]
 
 Prints a markdown table and writes JSON to results/bench_routing.json.
 """
@@ -143,28 +144,26 @@ def main() -> int:
     p.add_argument("--cluster", action="append", default=[], metavar="KEY=VALUE",
                    help="a [cluster] setting (TOML value), e.g. routing_load_weight=8.0; repeatable")
     p.add_argument("--datasets", default="sessions,prefix-repetition", help="comma-separated, in run order")
-    p.add_argument("--sessions-turns", type=int, default=4)
-    p.add_argument("--sessions-user-len", type=int, default=64)
-    p.add_argument("--sessions-output-len", type=int, default=32)
-    p.add_argument("--sessions-shared-len", type=int, default=512,
-                   help="tokens of the system prompt every session shares")
-    p.add_argument("--prefixes", type=int, default=6, help="prefix-repetition: distinct shared prefixes")
-    p.add_argument("--prefix-len", type=int, default=512)
-    p.add_argument("--suffix-len", type=int, default=64)
+    # the traces' shapes, under kvd-loadgen's flag names (other defaults)
+    for flag, default in (("--sessions-num-turns", 4), ("--sessions-user-len", 64), ("--sessions-output-len", 32),
+                          ("--sessions-shared-prefix-len", 512), ("--prefix-repetition-num-prefixes", 6),
+                          ("--prefix-repetition-prefix-len", 512), ("--prefix-repetition-suffix-len", 64)):
+        p.add_argument(flag, type=int, default=default, help=f"as kvd-loadgen's (default {default})")
     args = p.parse_args()
     from engine.model.registry import load_tokenizer, resolve_model
     tokenizer = load_tokenizer(args.model)
     served = resolve_model(args.model).name
     traces = {
         "sessions": datasets.DatasetOptions(name="sessions", num_prompts=args.num_prompts, seed=args.seed,
-                                            sessions_num_turns=args.sessions_turns,
+                                            sessions_num_turns=args.sessions_num_turns,
                                             sessions_user_len=args.sessions_user_len,
                                             sessions_output_len=args.sessions_output_len,
-                                            sessions_shared_prefix_len=args.sessions_shared_len),
+                                            sessions_shared_prefix_len=args.sessions_shared_prefix_len),
         "prefix-repetition": datasets.DatasetOptions(
             name="prefix-repetition", num_prompts=args.num_prompts * 3, seed=args.seed,
-            prefix_repetition_num_prefixes=args.prefixes, prefix_repetition_prefix_len=args.prefix_len,
-            prefix_repetition_suffix_len=args.suffix_len, prefix_repetition_output_len=32),
+            prefix_repetition_num_prefixes=args.prefix_repetition_num_prefixes,
+            prefix_repetition_prefix_len=args.prefix_repetition_prefix_len,
+            prefix_repetition_suffix_len=args.prefix_repetition_suffix_len, prefix_repetition_output_len=32),
     }
     unknown = set(args.datasets.split(",")) - set(traces)
     if unknown:

@@ -368,9 +368,8 @@ class RemoteEngineClient:
         prefill.routed += 1
         # with replication the prefill node also writes the prompt's replica to the decode
         # node's peer (from block 0 only: it stages no KV of blocks the decode node had)
-        holder = self.recovery.peer_of(decode.name, self.membership.nodes.values())
-        if holder is None or grant.kv_have_blocks or holder.name == prefill.name:
-            holder = None
+        nodes = self.membership.nodes.values()
+        holder = None if grant.kv_have_blocks else self.recovery.peer_of(decode.name, nodes)
         leg = dataclasses.replace(
             request, id=f"{rid}.prefill", kv_to_node=decode.name, kv_to_address=decode.address,
             kv_transfer_id=grant.kv_transfer_id, kv_block_ids=grant.kv_block_ids,

@@ -50,7 +50,6 @@ from typing import Any
 
 from engine.engine import EngineConfig, LLMEngine
 from engine.request import InvalidParam, RequestOutput
-from engine.stream import STAGING
 from kvd import links, protocol, trust
 from kvd.cluster_config import COORDINATOR_NAME, ClusterConfig
 from kvd.engine_client import EngineDead
@@ -524,10 +523,7 @@ class NodeDaemon:
         if outcome in ("failed", "refused"):
             self._warn.warning(("prompt replica", outcome), "request %s: the prompt replica to %s %s: %s",
                                msg.request_id, msg.replica_to, outcome, why)
-        buffers, reusable = sender.take_staging()
-        if reusable and outcome != "failed":      # a failed send may still sit in the transport's queue
-            for buf in buffers:
-                STAGING.release(buf)
+        sender.release_staging(reusable=outcome != "failed")   # a failed send may still sit in a queue
 
     async def _decode_leg(self, msg: protocol.GenerateRequest, incoming) -> None:
         """Reserve blocks for the prompt and answer the coordinator with the

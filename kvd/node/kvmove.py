@@ -149,13 +149,14 @@ class KVSender:
         self._staging.append(buf)
         return view
 
-    def take_staging(self) -> tuple[list[torch.Tensor], bool]:
-        """Take the staging buffers out of this transfer, after ``close``:
-        (buffers, reusable): the caller gives them back (``STAGING.release``)
-        once it no longer reads them, and only if ``reusable`` (no send of
-        this transfer was cut in flight)."""
+    def release_staging(self, reusable: bool = True) -> None:
+        """Give the staging buffers back to ``STAGING``; drop them instead
+        when a send of this transfer was cut in flight or not ``reusable``
+        (a send outside this transfer may still read them)."""
         staging, self._staging = self._staging, []
-        return staging, not self._cut
+        if reusable and not self._cut:
+            for buf in staging:
+                STAGING.release(buf)
 
     def seconds_left(self) -> float:
         return max(0.0, self.deadline - time.time())
@@ -204,7 +205,7 @@ class KVSender:
         """End the transfer with a KVCommit: ``done`` after every layer's ack;
         ``finished`` or ``failed`` at once. Returns the final state; never
         raises (a transport failure is ``failed``). ``keep_staging``: the
-        staging buffers outlive it (``take_staging``)."""
+        staging buffers outlive it (the caller ends with ``release_staging``)."""
         try:
             if status == "done":
                 if self.block_ids and not self._sends:
@@ -241,8 +242,7 @@ class KVSender:
 
     async def close(self, release: bool = True) -> None:
         """Cancel sends still in flight and wait for them; give the staging
-        buffers back unless a cancelled send may still read one (or not
-        ``release``: ``take_staging``)."""
+        buffers back (``release_staging``) unless not ``release``."""
         for task in self._sends:
             if not task.done():
                 task.cancel()
@@ -251,12 +251,8 @@ class KVSender:
         self._sends.clear()
         if self.state not in FINAL:
             self.end(TransferState.FAILED, "closed before it ended")
-        if not release:
-            return
-        staging, self._staging = self._staging, []
-        if not self._cut:
-            for buf in staging:
-                STAGING.release(buf)
+        if release:
+            self.release_staging()
 
 
 # ─── receiver ────────────────────────────────────────────────────────────────

@@ -126,7 +126,7 @@ class Replicator:
             self._warn.warning(("adopt",), "the prompt replica of %s is not at %s (sent to %s); sending it from here",
                                rid, peer[0], holder)
         adopt = {rid: writer for rid, (writer, _, _) in self.adopting.items()}
-        retry = {rid for rid, t in self.retry_at.items() if t > now} | set(adopt)
+        retry = {rid for rid, t in self.retry_at.items() if t > now}
         batch = await self.driver.call(lambda engine: _collect(engine, sent, retry, adopt), timeout=self.timeout)
         msg, buf, lag = batch
         self.lag_tokens = lag
@@ -176,7 +176,8 @@ def _collect(engine: Any, sent: dict[str, int], skip: set[str],
              adopt: dict[str, str]) -> tuple[dict | None, Any, int]:
     """Engine thread: the ReplicaData fields of one round (None: nothing to
     send), the staging buffer holding its KV, and the lag in tokens.
-    ``adopt``: claims to make (request id -> writer) for requests still here."""
+    ``skip``: requests not to send now; ``adopt``: requests not to send
+    but to claim (request id -> writer) while they are still here."""
     bs = engine.config.block_size
     ids, rids, starts, counts, tokens = [], [], [], [], []
     lag = 0
@@ -185,7 +186,7 @@ def _collect(engine: Any, sent: dict[str, int], skip: set[str],
         live.add(rid)
         have = sent.get(rid, 0)
         lag += max(0, computed - have * bs)
-        if len(blocks) <= have or rid in skip:
+        if len(blocks) <= have or rid in skip or rid in adopt:
             continue
         rids.append(rid)
         starts.append(have * bs)

@@ -54,12 +54,12 @@ async def start(client: RemoteEngineClient, listener, rid: str, answer: protocol
 
 
 async def join(client: RemoteEngineClient, membership: Membership, registry: InprocRegistry,
-               listeners: dict, name: str, incarnation: str = "i") -> None:
+               listeners: dict, name: str, incarnation: str = "i", role: str = "mixed") -> None:
     """Register node ``name`` (a new process when ``incarnation`` is new), link
     the client to it and keep its listener in ``listeners``."""
     listeners[name] = await listen(f"inproc://{name}", registry=registry)
     info, _ = membership.register(protocol.Hello(
-        id="h", node=name, address=f"inproc://{name}", incarnation=incarnation, model_name="m",
+        id="h", node=name, address=f"inproc://{name}", incarnation=incarnation, model_name="m", role=role,
         max_model_len=512, block_size=16, blocks_per_tier={"host": 64}))
     await client.attach(info, await connect(f"inproc://{name}", registry=registry))
 
@@ -290,11 +290,7 @@ async def test_a_prefill_leg_is_its_nodes_load_from_the_pick_until_the_decode_no
     registry, membership, listeners = InprocRegistry(), Membership(deadline=5.0), {}
     client = RemoteEngineClient("m", None, membership, LeastLoadRouter())
     for name, role in (("d1", "decode"), ("p1", "prefill")):
-        listeners[name] = await listen(f"inproc://{name}", registry=registry)
-        info, _ = membership.register(protocol.Hello(
-            id="h", node=name, address=f"inproc://{name}", incarnation="i", model_name="m", role=role,
-            max_model_len=512, block_size=16, blocks_per_tier={"host": 64}))
-        await client.attach(info, await connect(f"inproc://{name}", registry=registry))
+        await join(client, membership, registry, listeners, name, role=role)
     p1 = membership.nodes["p1"]
     for rid, answer in (("local", protocol.Accepted(id="a", request_id="local")),
                         ("refused", protocol.Error(id="a", code="invalid_request", request_id="refused",
