@@ -143,3 +143,37 @@ async def _noop(*_):
 async def _drain(outputs) -> None:
     async for _ in outputs:
         pass
+
+
+async def test_a_prompt_replica_send_reports_sent_empty_refused_and_failed(store):
+    """The prefill side's outcomes against a real holder: a prompt with no
+    full block sends nothing; one past the holder's budget is refused with
+    its reason; a holder that never answers is ``failed`` at the deadline."""
+    from kvd.node.replication import send_prompt_replica
+    from transports import InprocRegistry, connect, listen
+
+    registry = InprocRegistry()
+    listener, serving = await holder_serving(store, registry, "inproc://r1")
+    silent = await listen("inproc://r2", registry=registry)
+    conn, mute = await connect("inproc://r1", registry=registry), await connect("inproc://r2", registry=registry)
+    kv = kv_of(store, 3, 2.0)
+
+    def send(c, rid: str, n_tokens: int, timeout: float = 5):
+        return send_prompt_replica(c, source="p1", owner="d1", request_id=rid, prompt=list(range(1, n_tokens + 1)),
+                                   kv=kv, block_size=BS, timeout=timeout)
+    try:
+        assert await send(conn, "short", BS - 1) == ("empty", "")
+        assert await send(conn, "a", 2 * BS + 5) == ("sent", "")        # 2 full blocks of the 3 staged
+        assert store.report() == {"p1": {"a": 2 * BS}}
+        await store.on_data(write(store, "p1", "big", 0, 30, owner="d1"))
+        outcome, why = await send(conn, "b", 3 * BS)
+        assert outcome == "refused" and "replica budget" in why
+        outcome, _ = await send(mute, "c", 3 * BS, timeout=0.3)
+        assert outcome == "failed"
+    finally:
+        serving.cancel()
+        await asyncio.gather(serving, return_exceptions=True)
+        for c in (conn, mute):
+            await c.close()
+        await listener.close()
+        await silent.close()
