@@ -1,4 +1,4 @@
-// One fp32 decode step of a Llama decoder with GGUF block-quantized weights,
+// One decode step of a Llama decoder with GGUF block-quantized weights,
 // executing the layer plan of engine/model/llama.py (LAYER_STEPS).
 //
 // Called through ctypes from kernels/plan_decode.py, which documents the
@@ -7,7 +7,8 @@
 // each op the fp32 equivalent of the torch op LlamaModel.forward runs for it:
 //
 //     rms_norm        dst = w * (x * (1 / sqrt(mean(x^2) + eps)))       per row
-//     linear          dst = x Wᵀ                                       the quant matmul (quant_gemm.h)
+//     linear          dst = x Wᵀ                                       the quant matmul (quant_gemm.h:
+//                                                                      x quantized to 16 bits first)
 //     linear_add      dst = dst + x Wᵀ
 //     silu_mul        dst = silu(x[:, :I]) * x[:, I:]
 //     rope_attention  q, k = RoPE(x's q and k heads) (rotate_half, torch's three roundings);
@@ -187,6 +188,14 @@ int kvd_plan_decode(const PlanModel* m, float* kv, int B, const int64_t* ids, co
         widest = m->slot_width[s] > widest ? m->slot_width[s] : widest;
     }
     std::vector<float> tmp((size_t)B * widest), qrot((size_t)B * q_size), normed((size_t)B * D);
+    // a matmul's input quantized (shared by the team): one buffer per slot, the last for the LM head
+    std::vector<QRowsBuf> qbufs((size_t)m->num_slots + 1);
+    std::vector<QRows> qx((size_t)m->num_slots + 1);
+    for (int s = 0; s <= m->num_slots; s++) {
+        const int64_t k = s < m->num_slots ? m->slot_width[s] : D;
+        if (k % QK == 0) qx[s] = qbufs[s].rows(B, k);
+    }
+    const QRows& qhead = qx[m->num_slots];
     float* h = slots[0].data();
     gather_rows_any(m->embed.format, (const uint8_t*)m->embed.data, D, ids, B, h);
 
@@ -197,10 +206,6 @@ int kvd_plan_decode(const PlanModel* m, float* kv, int B, const int64_t* ids, co
 #pragma omp parallel num_threads(nt)
     {
         const int tid = omp_get_thread_num(), T = omp_get_num_threads();
-        std::vector<float> buf;         // the matmuls' scratch, sized for the widest input
-        for (int st = 0; st < m->num_slots; st++)
-            if ((size_t)matmul_scratch_floats(B, m->slot_width[st]) > buf.size())
-                buf.resize((size_t)matmul_scratch_floats(B, m->slot_width[st]));
         std::vector<float> scores((size_t)max_ctx);
         int64_t r0, r1;
         split(B, T, tid, &r0, &r1);
@@ -218,18 +223,19 @@ int kvd_plan_decode(const PlanModel* m, float* kv, int B, const int64_t* ids, co
                         for (int64_t r = r0; r < r1; r++)
                             rms_norm_row(x + r * in, (const float*)lw[st.weight].data, in, m->eps, y + r * out);
                         break;
-                    case OP_LINEAR: {
+                    case OP_LINEAR:
+                    case OP_LINEAR_ADD: {       // x quantized (rows split), then this thread's columns
+                        quantize_rows(x, in, r0, r1, qx[st.src]);
+#pragma omp barrier
                         int64_t n0, n1;
-                        split(out, T, tid, &n0, &n1);
-                        matmul_range(lw[st.weight].format, (const uint8_t*)lw[st.weight].data, in, n0, n1, x, B,
-                                     in, y, out, buf.data());
-                        break;
-                    }
-                    case OP_LINEAR_ADD: {       // this thread's columns: matmul into tmp, then add
-                        int64_t n0, n1;
-                        split(out, T, tid, &n0, &n1);
-                        matmul_range(lw[st.weight].format, (const uint8_t*)lw[st.weight].data, in, n0, n1, x, B,
-                                     in, tmp.data(), out, buf.data());
+                        split_rows(out, T, tid, &n0, &n1);
+                        if (st.op == OP_LINEAR) {
+                            matmul_range(lw[st.weight].format, (const uint8_t*)lw[st.weight].data, n0, n1, qx[st.src], B,
+                                         y, out);
+                            break;
+                        }
+                        matmul_range(lw[st.weight].format, (const uint8_t*)lw[st.weight].data, n0, n1, qx[st.src], B,
+                                     tmp.data(), out);
                         for (int64_t r = 0; r < B; r++)
                             for (int64_t n = n0; n < n1; n++) y[r * out + n] = y[r * out + n] + tmp[r * out + n];
                         break;
@@ -270,11 +276,11 @@ int kvd_plan_decode(const PlanModel* m, float* kv, int B, const int64_t* ids, co
             }
         }
         for (int64_t r = r0; r < r1; r++) rms_norm_row(h + r * D, m->final_norm, D, m->eps, &normed[r * D]);
+        quantize_rows(normed.data(), D, r0, r1, qhead);
 #pragma omp barrier
         int64_t n0, n1;
-        split(m->vocab, T, tid, &n0, &n1);
-        matmul_range(m->head.format, (const uint8_t*)m->head.data, D, n0, n1, normed.data(), B, D, logits,
-                     m->vocab, buf.data());
+        split_rows(m->vocab, T, tid, &n0, &n1);
+        matmul_range(m->head.format, (const uint8_t*)m->head.data, n0, n1, qhead, B, logits, m->vocab);
     }
     return 0;
 }

@@ -1,7 +1,16 @@
-// GGUF block-quantized matmul building blocks, shared by quant_matmul.cpp (the
-// standalone matmul) and plan_decode.cpp (the decode-step executor). Each .so is
-// one translation unit that includes this once; the arithmetic contract is in
-// quant_matmul.cpp's header comment.
+// GGUF block-quantized matmul with 16-bit activations, shared by quant_matmul.cpp (the
+// standalone matmul) and plan_decode.cpp (the decode-step executor). Each .so is one
+// translation unit that includes this once; the arithmetic contract is in
+// quant_matmul.cpp's header comment, restated where each piece implements it.
+//
+//   x rows (fp32) --quantize_rows--> QRows: per 32-block b of a row
+//                                      q[32] int16, d (x ≈ d q), s (fp32 sum of x), qs (sum of q)
+//   W rows (GGUF blocks) x QRows ----> y: per output, per block, an exact integer dot
+//                                      isum = sum q_w q_x, then d_w d_x isum (+ m_w s) in fp32
+//
+// The integer dot is exact whatever order computes it, so a path is free to reduce it
+// however is fastest (pmaddwd pairs, a horizontal tree across 8 rows of W, VNNI); only
+// the fp32 chain after it is fixed, and every path runs it the same.
 #pragma once
 
 #include <omp.h>
@@ -11,281 +20,324 @@
 #include <vector>
 
 #include "quant_blocks.h"
-#include "simd.h"
 
 namespace {
 
-// [begin, end): part `part` of `parts` of n rows (threads split output rows, never k)
+// [begin, end): part `part` of `parts` of n items (threads split output rows, never k)
 inline void split(int64_t n, int parts, int part, int64_t* begin, int64_t* end) {
     *begin = n * part / parts;
     *end = n * (part + 1) / parts;
 }
 
-// ------------------------------------------------------------------ few rows of x
-// R rows of x (R <= 3) against NR rows of W, blocks decoded once for all R.
-template <int F, int R, int NR>
-inline void rows_small(const uint8_t* w, int64_t row_bytes, int64_t nb, const float* x, int64_t ldx,
-                       float* y, int64_t ldy) {
-    V16 acc[R][NR];
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < NR; c++) acc[r][c] = vzero();
-    for (int64_t b = 0; b < nb; b++) {
-        for (int c = 0; c < NR; c++) {
-            V16 lo, hi;
-#if defined(__AVX2__) || defined(__AVX512F__)
-            // 1 KiB ahead in the row: streaming from DRAM, one core read 6.5-6.7 GB/s with it
-            // and 4.2-6.4 without (Zen 3, a shared host); a hint, so no effect on the result
-            _mm_prefetch((const char*)(w + c * row_bytes + b * block_bytes(F)) + 1024, _MM_HINT_T0);
-#endif
-            dequant_block<F>(w + c * row_bytes + b * block_bytes(F), &lo, &hi);
-            for (int r = 0; r < R; r++) {
-                acc[r][c] = vfma(vload(x + r * ldx + b * QK), lo, acc[r][c]);
-                acc[r][c] = vfma(vload(x + r * ldx + b * QK + 16), hi, acc[r][c]);
-            }
-        }
+// ------------------------------------------------------------------ activations
+constexpr float QX_MAX = 32767.0f;
+
+// Rows of x quantized per 32-block. Row m, block b: x[m, 32b + i] ≈ d * q[i], |q| <= 32767.
+struct QRows {
+    int16_t* q;         // [M][K]
+    float* d;           // [M][nb]  amax / 32767 (0 for an all-zero block)
+    float* s;           // [M][nb]  sum of the block's 32 x in fp32, a fixed tree (Q4_1's m term)
+    int32_t* qs;        // [M][nb]  sum of the block's 32 q (Q4_0's -8 term), exact
+    int64_t K, nb;
+};
+
+// Owner of QRows storage for up to M rows of depth K.
+struct QRowsBuf {
+    std::vector<int16_t> q;
+    std::vector<float> d, s;
+    std::vector<int32_t> qs;
+    QRows rows(int64_t M, int64_t K) {
+        const int64_t nb = K / QK;
+        if ((int64_t)q.size() < M * K) q.resize((size_t)(M * K));
+        if ((int64_t)d.size() < M * nb) { d.resize((size_t)(M * nb)); s.resize((size_t)(M * nb)); qs.resize((size_t)(M * nb)); }
+        return {q.data(), d.data(), s.data(), qs.data(), K, nb};
     }
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < NR; c++) y[r * ldy + c] = vsum(acc[r][c]);
+};
+
+// One block: amax = max |x|; d = amax / 32767; q = round-half-even(x * (32767 / amax));
+// s = ((x[j] + x[j+8]) + x[j+16]) + x[j+24] per j < 8, then (j + j+4) -> (j + j+2) -> (0 + 1).
+// Every build computes each of these with the same fp32 operations, so they agree bit for bit.
+inline void quantize_block(const float* x, int16_t* q, float* d, float* s, int32_t* qs) {
+#if defined(__AVX2__)
+    const __m256 x0 = _mm256_loadu_ps(x), x1 = _mm256_loadu_ps(x + 8), x2 = _mm256_loadu_ps(x + 16),
+                 x3 = _mm256_loadu_ps(x + 24);
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(x0, absmask), _mm256_and_ps(x1, absmask)),
+                              _mm256_max_ps(_mm256_and_ps(x2, absmask), _mm256_and_ps(x3, absmask)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
+    const float inv = amax > 0.0f ? QX_MAX / amax : 0.0f;
+    *d = amax / QX_MAX;
+    const __m256 iv = _mm256_set1_ps(inv);
+    const __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(x0, iv)), q1 = _mm256_cvtps_epi32(_mm256_mul_ps(x1, iv)),
+                  q2 = _mm256_cvtps_epi32(_mm256_mul_ps(x2, iv)), q3 = _mm256_cvtps_epi32(_mm256_mul_ps(x3, iv));
+    // packs works per 128-bit lane: [a0-3 b0-3 | a4-7 b4-7]; the permute puts a before b
+    _mm256_storeu_si256((__m256i*)q, _mm256_permute4x64_epi64(_mm256_packs_epi32(q0, q1), 0xD8));
+    _mm256_storeu_si256((__m256i*)(q + 16), _mm256_permute4x64_epi64(_mm256_packs_epi32(q2, q3), 0xD8));
+    __m256i qsum = _mm256_add_epi32(_mm256_add_epi32(q0, q1), _mm256_add_epi32(q2, q3));
+    __m128i qs4 = _mm_add_epi32(_mm256_castsi256_si128(qsum), _mm256_extracti128_si256(qsum, 1));
+    qs4 = _mm_add_epi32(qs4, _mm_shuffle_epi32(qs4, 0x4E));
+    *qs = _mm_cvtsi128_si32(_mm_add_epi32(qs4, _mm_shuffle_epi32(qs4, 0xB1)));
+    const __m256 t = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(x0, x1), x2), x3);
+    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+    __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    *s = _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+#else
+    float amax = 0.0f;
+    for (int i = 0; i < QK; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+    const float inv = amax > 0.0f ? QX_MAX / amax : 0.0f;
+    *d = amax / QX_MAX;
+    int32_t sum = 0;
+    for (int i = 0; i < QK; i++) {
+        const float r = nearbyintf(x[i] * inv);      // the default rounding: half to even
+        q[i] = (int16_t)(r > QX_MAX ? QX_MAX : r < -QX_MAX ? -QX_MAX : r);
+        sum += q[i];
+    }
+    *qs = sum;
+    float t[8], s4[4], s2[2];
+    for (int j = 0; j < 8; j++) t[j] = ((x[j] + x[j + 8]) + x[j + 16]) + x[j + 24];
+    for (int j = 0; j < 4; j++) s4[j] = t[j] + t[j + 4];
+    for (int j = 0; j < 2; j++) s2[j] = s4[j] + s4[j + 2];
+    *s = s2[0] + s2[1];
+#endif
 }
 
-// Dequantized W rows, [rows][K] fp32 (the values dequant_block gives).
-template <int F>
-void dequant_rows(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t rows, float* out) {
-    const int64_t K = nb * QK;
-    for (int64_t n = 0; n < rows; n++)
-        for (int64_t b = 0; b < nb; b++) {
-            V16 lo, hi;
-            dequant_block<F>(w + n * row_bytes + b * block_bytes(F), &lo, &hi);
-            vstore(out + n * K + b * QK, lo);
-            vstore(out + n * K + b * QK + 16, hi);
+// Rows [m0, m1) of x (row stride ldx, depth K = out.K) into out.
+inline void quantize_rows(const float* x, int64_t ldx, int64_t m0, int64_t m1, const QRows& out) {
+    for (int64_t m = m0; m < m1; m++)
+        for (int64_t b = 0; b < out.nb; b++) {
+            const int64_t i = m * out.nb + b;
+            quantize_block(x + m * ldx + b * QK, out.q + m * out.K + b * QK, &out.d[i], &out.s[i], &out.qs[i]);
         }
 }
 
-// ------------------------------------------------------------------ a decode batch of x rows
-// M rows of x in groups of 3 (the most rows_small keeps in registers: 3 x 2 accumulators
-// plus a block's weights fill AVX2's 16 registers), a remainder of 1 made 2 + 2. W is read
-// once, two rows at a time (as fast as 3 or 4 in cache, faster streaming from DRAM), and each group runs over those two rows before the next pair:
-// a block is dequantized once per group, and the pair stays in L1 for every group, so a
-// matrix larger than the caches (the LM head) streams from memory once whatever M is.
-// Per row this costs the group's FMAs plus a third of a dequantization, against a whole one
-// at M = 1 (Zen 3, one thread, a whole SmolLM2 decode step at context 256: 4 sequences in 43 ms
-// against 66-70 for the dequantized tile this replaced, 6 in 57 against 110-124). Same per-output order
-// as every path.
-template <int F, int NR>
-inline void groups_pass(const uint8_t* w, int64_t row_bytes, int64_t nb, const float* x, int64_t M, int64_t ldx,
-                        float* y, int64_t ldy) {
-    if (M == 1) return rows_small<F, 1, NR>(w, row_bytes, nb, x, ldx, y, ldy);
-    int64_t threes = M / 3, m = 0;
-    if (M % 3 == 1) threes -= 1;
-    for (int64_t g = 0; g < threes; g++, m += 3)
-        rows_small<F, 3, NR>(w, row_bytes, nb, x + m * ldx, ldx, y + m * ldy, ldy);
-    for (; m < M; m += 2) rows_small<F, 2, NR>(w, row_bytes, nb, x + m * ldx, ldx, y + m * ldy, ldy);
+// ------------------------------------------------------------------ 8 rows of W, one block
+// A group is 8 consecutive rows of W (fewer at the end of a range: `nr` live rows, the
+// others read as zero blocks and their outputs dropped). For block b the group's weights
+// are widened to int16 (Q4: the nibble values 0..15; Q8_0: the int8 values) and its
+// fp16 scales converted:
+//     dw[r] = d of row r, mw[r] = m of row r (Q4_1; 0 otherwise)
+// then for each x row: isum[r] = sum_i qw[r][i] qx[i] (exact int32: |q_w| <= 128 and
+// |q_x| <= 32767, 32 terms), minus 8 * qs for Q4_0 (its weights are q - 8), and the fp32
+// chain of every output:
+//     acc = fma(dw[r] * d_x, (float)isum[r], acc);   accm = fma(mw[r], s_x, accm)   (Q4_1)
+//     y = acc + accm (Q4_1), acc (Q4_0, Q8_0)
+// with acc, accm starting at 0 and blocks in order.
+
+#if defined(__AVX2__)
+struct WGroup { __m256i w[8][2]; __m256 dw, mw; };    // weights 0..15 and 16..31 of each row
+
+inline __m256 fp16x8(__m256i lanes) {   // the low 16 bits of each 32-bit lane, fp16 -> fp32
+    const __m256i packed = _mm256_packus_epi32(_mm256_and_si256(lanes, _mm256_set1_epi32(0xffff)), lanes);
+    return _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08)));
+}
+
+// one block's 32 weights as int16: w0 = elements 0..15, w1 = 16..31
+template <int F>
+inline void widen(const uint8_t* blk, __m256i* w0, __m256i* w1) {
+    if constexpr (F == Q8_0) {
+        *w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(blk + 2)));
+        *w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(blk + 18)));
+    } else {
+        const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(blk + (F == Q4_1 ? 4 : 2))));
+        *w0 = _mm256_and_si256(bytes, _mm256_set1_epi16(15));
+        *w1 = _mm256_srli_epi16(bytes, 4);
+    }
+}
+
+// the fp16 d (and Q4_1's m) of block b in 8 rows (rows >= nr: 0), as fp32 lanes
+template <int F>
+inline void group_scales(const uint8_t* w, int64_t row_bytes, int64_t b, int nr, __m256* dw, __m256* mw) {
+    int32_t h[8];
+    for (int r = 0; r < 8; r++) {
+        h[r] = 0;
+        if (r < nr) memcpy(&h[r], w + r * row_bytes + b * block_bytes(F), 4);
+    }
+    // built in registers (a 32-byte load of 8 fresh 4-byte stores would stall on forwarding)
+    const __m256i v = _mm256_setr_epi32(h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7]);
+    *dw = fp16x8(v);
+    *mw = F == Q4_1 ? fp16x8(_mm256_srli_epi32(v, 16)) : _mm256_setzero_ps();
 }
 
 template <int F>
-void range_grouped(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t n0, int64_t n1, const float* x,
-                   int64_t M, int64_t ldx, float* y, int64_t ldy) {
-    int64_t n = n0;
-    for (; n + 2 <= n1; n += 2) groups_pass<F, 2>(w + n * row_bytes, row_bytes, nb, x, M, ldx, y + n, ldy);
-    if (n < n1) groups_pass<F, 1>(w + n * row_bytes, row_bytes, nb, x, M, ldx, y + n, ldy);
-}
-
-// ------------------------------------------------------------------ many rows of x: packed GEMM
-// The same per-output arithmetic as above, rearranged so a register tile reuses
-// every load (GotoBLAS-style; here MR rows of x by NR rows of W per step).
-//
-// An output's 16 lane accumulators are 16 independent fma chains: lane j runs
-// over chunk c = 0, 1, ..., K/16 - 1 taking x[16c + j] * w[16c + j]. Nothing
-// forces the 16 lanes of ONE output into one register; instead, for one lane j
-// at a time, a register holds that lane's accumulator for VW different outputs
-// n (an outer product: broadcast x[m, 16c + j], multiply by a vector of
-// w[n.., 16c + j]). Each scalar chain sees the same fmas in the same order,
-// so after the 16 lane passes the partial sums are bit for bit the lanes of
-// the few-rows path, and the same fixed tree finishes them:
-//
-//     xpack (one MR-row block of x)   [j = 0..15][c = 0..C-1][MR]     C = K/16
-//     wpack (one NR-row panel of W)   [j = 0..15][c = 0..C-1][NR]
-//     lane pass j:  acc[r][n] = fma(xpack[j][c][r], wpack[j][c][n], acc[r][n])  for c = 0..C-1
-//     part[j][r][n] = acc;  y[r][n] = tree(part[0..15][r][n])   (vsum's tree)
-//
-// Both packs are read front to back, so a lane pass streams them. Rows of x
-// past M and rows of W past N are zero padding whose results are dropped.
-constexpr int64_t GEMM_TILE_FLOATS = 48 * 1024;   // one packed tile of W: 192 KiB, stays in L2
-
-inline int64_t gemm_tile_rows(int64_t K) {
-    const int64_t t = GEMM_TILE_FLOATS / K / GEMM_NR * GEMM_NR;
-    return t > GEMM_NR ? t : GEMM_NR;
-}
-
-// rows m0..m0+MR of x (rows >= M zero) -> xpack [16][C][MR]
-inline void pack_x(const float* x, int64_t ldx, int64_t M, int64_t m0, int64_t K, float* xp) {
-    const int64_t C = K / 16;
-    for (int r = 0; r < GEMM_MR; r++) {
-        const int64_t m = m0 + r;
-        if (m >= M) {
-            for (int64_t i = 0; i < K; i++) xp[i * GEMM_MR + r] = 0.0f;
+inline void load_group(const uint8_t* w, int64_t row_bytes, int64_t b, int nr, WGroup* g) {
+    for (int r = 0; r < 8; r++) {
+        if (r >= nr) {
+            g->w[r][0] = g->w[r][1] = _mm256_setzero_si256();
             continue;
         }
-        const float* row = x + m * ldx;
-        for (int64_t c = 0; c < C; c++)
-            for (int j = 0; j < 16; j++) xp[(j * C + c) * GEMM_MR + r] = row[c * 16 + j];
+        widen<F>(w + r * row_bytes + b * block_bytes(F), &g->w[r][0], &g->w[r][1]);
     }
+    group_scales<F>(w, row_bytes, b, nr, &g->dw, &g->mw);
 }
 
-#if defined(__AVX2__) || defined(__AVX512F__)
-// r[i] = column i of the 8 x 8 block whose rows are r[0..8) (AVX2's unpack/shuffle/permute)
-inline void transpose8(__m256 r[8]) {
-    __m256 t[8], u[8];
-    for (int i = 0; i < 8; i += 2) {
-        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 8; i += 4) {
-        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
-        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
-        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
-        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
-    }
-    for (int i = 0; i < 4; i++) {
-        r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
-        r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
-    }
+inline __m256i dot_pairs(__m256i w0, __m256i w1, __m256i x0, __m256i x1) {   // 8 lanes, each 4 products
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpwssd_epi32(_mm256_madd_epi16(w0, x0), w1, x1);
+#else
+    return _mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1));
+#endif
 }
 
-// rows n0..n0+NR of W (rows >= n1 zero) -> wpack [16][C][NR]: eight rows at a time, one
-// block of each dequantized, then transposed 8 x 8 into place (a copy: no arithmetic)
+// lane r = the sum of p[r]'s 8 lanes
+inline __m256i hsum8(const __m256i p[8]) {
+    const __m256i h0123 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+    const __m256i h4567 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(h0123, h4567, 0x20),
+                            _mm256_permute2x128_si256(h0123, h4567, 0x31));
+}
+
+struct Acc { __m256 acc, accm; };
+
 template <int F>
-void pack_w(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t n0, int64_t n1, float* wp, float*) {
-    const int64_t C = nb * 2;
-    alignas(64) float blk[8][QK];
-    for (int r0 = 0; r0 < GEMM_NR; r0 += 8)
-        for (int64_t b = 0; b < nb; b++) {
-            for (int i = 0; i < 8; i++) {
-                if (n0 + r0 + i >= n1) {
-                    for (int e = 0; e < QK; e++) blk[i][e] = 0.0f;
-                    continue;
-                }
-                V16 lo, hi;
-                dequant_block<F>(w + (n0 + r0 + i) * row_bytes + b * block_bytes(F), &lo, &hi);
-                vstore(blk[i], lo);
-                vstore(blk[i] + 16, hi);
-            }
-            for (int e0 = 0; e0 < QK; e0 += 8) {        // elements e0..e0+8: chunk 2b + e0/16, lanes e0%16..
-                __m256 r[8];
-                for (int i = 0; i < 8; i++) r[i] = _mm256_load_ps(blk[i] + e0);
-                transpose8(r);
-                const int64_t c = 2 * b + e0 / 16;
-                for (int jj = 0; jj < 8; jj++)
-                    _mm256_storeu_ps(wp + ((e0 % 16 + jj) * C + c) * GEMM_NR + r0, r[jj]);
-            }
+inline void group_block_row(const WGroup& g, const int16_t* xq, float dx, float sx, int32_t qsx, Acc* a) {
+    const __m256i x0 = _mm256_loadu_si256((const __m256i*)xq), x1 = _mm256_loadu_si256((const __m256i*)(xq + 16));
+    __m256i p[8];
+    for (int r = 0; r < 8; r++) p[r] = dot_pairs(g.w[r][0], g.w[r][1], x0, x1);
+    __m256i isum = hsum8(p);
+    if constexpr (F == Q4_0) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(8 * qsx));
+    a->acc = _mm256_fmadd_ps(_mm256_mul_ps(g.dw, _mm256_set1_ps(dx)), _mm256_cvtepi32_ps(isum), a->acc);
+    if constexpr (F == Q4_1) a->accm = _mm256_fmadd_ps(g.mw, _mm256_set1_ps(sx), a->accm);
+}
+
+// One x row against a full group of 8 W rows, every block: the decode step's shape, kept in
+// registers (the same chain as group_block_row, which would widen the group into memory).
+template <int F>
+inline void group_one_row(const uint8_t* w, int64_t row_bytes, const QRows& x, int64_t m, Acc* a) {
+    const int16_t* xq = x.q + m * x.K;
+    // The group is 8 whole rows, one contiguous run of 8 * row_bytes; while it is read, the
+    // next group's run is prefetched, an even share of its cache lines per block (8 rows
+    // interleaved by block are more streams than the hardware prefetcher follows).
+    const char* next = (const char*)(w + 8 * row_bytes);
+    const int64_t lines = 8 * row_bytes / 64;
+    for (int64_t b = 0; b < x.nb; b++) {
+        for (int64_t l = b * lines / x.nb; l < (b + 1) * lines / x.nb; l++) _mm_prefetch(next + 64 * l, _MM_HINT_T0);
+        const __m256i x0 = _mm256_loadu_si256((const __m256i*)(xq + b * QK));
+        const __m256i x1 = _mm256_loadu_si256((const __m256i*)(xq + b * QK + 16));
+        __m256i p[8];
+        for (int r = 0; r < 8; r++) {
+            const uint8_t* blk = w + r * row_bytes + b * block_bytes(F);
+            __m256i w0, w1;
+            widen<F>(blk, &w0, &w1);
+            p[r] = dot_pairs(w0, w1, x0, x1);
         }
+        __m256i isum = hsum8(p);
+        const int64_t i = m * x.nb + b;
+        if constexpr (F == Q4_0) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(8 * x.qs[i]));
+        __m256 dw, mw;
+        group_scales<F>(w, row_bytes, b, 8, &dw, &mw);
+        a->acc = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(x.d[i])), _mm256_cvtepi32_ps(isum), a->acc);
+        if constexpr (F == Q4_1) a->accm = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.s[i]), a->accm);
+    }
+}
+
+template <int F>
+inline void store_group(const Acc& a, float* y, int nr) {
+    alignas(32) float out[8];
+    _mm256_store_ps(out, F == Q4_1 ? _mm256_add_ps(a.acc, a.accm) : a.acc);
+    for (int r = 0; r < nr; r++) y[r] = out[r];
 }
 #else
-// rows n0..n0+NR of W (rows >= n1 zero) -> wpack [16][C][NR]; `row` holds K floats
+struct WGroup { int16_t w[8][QK]; float dw[8], mw[8]; };
+
 template <int F>
-void pack_w(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t n0, int64_t n1, float* wp, float* row) {
-    const int64_t K = nb * QK, C = K / 16;
-    for (int r = 0; r < GEMM_NR; r++) {
-        if (n0 + r >= n1) {
-            for (int64_t i = 0; i < K; i++) wp[i * GEMM_NR + r] = 0.0f;
-            continue;
+inline void load_group(const uint8_t* w, int64_t row_bytes, int64_t b, int nr, WGroup* g) {
+    for (int r = 0; r < 8; r++) {
+        g->dw[r] = g->mw[r] = 0.0f;
+        for (int i = 0; i < QK; i++) g->w[r][i] = 0;
+        if (r >= nr) continue;
+        const uint8_t* blk = w + r * row_bytes + b * block_bytes(F);
+        g->dw[r] = fp16_to_f32(blk);
+        if constexpr (F == Q8_0) {
+            for (int i = 0; i < QK; i++) g->w[r][i] = (int8_t)blk[2 + i];
+        } else {
+            const uint8_t* qs = blk + (F == Q4_1 ? 4 : 2);
+            if constexpr (F == Q4_1) g->mw[r] = fp16_to_f32(blk + 2);
+            for (int i = 0; i < 16; i++) { g->w[r][i] = qs[i] & 15; g->w[r][i + 16] = qs[i] >> 4; }
         }
-        dequant_rows<F>(w + (n0 + r) * row_bytes, row_bytes, nb, 1, row);
-        for (int64_t c = 0; c < C; c++)
-            for (int j = 0; j < 16; j++) wp[(j * C + c) * GEMM_NR + r] = row[c * 16 + j];
     }
+}
+
+struct Acc { float acc[8], accm[8]; };
+
+template <int F>
+inline void group_block_row(const WGroup& g, const int16_t* xq, float dx, float sx, int32_t qsx, Acc* a) {
+    for (int r = 0; r < 8; r++) {
+        int32_t isum = 0;
+        for (int i = 0; i < QK; i++) isum += (int32_t)g.w[r][i] * xq[i];
+        if constexpr (F == Q4_0) isum -= 8 * qsx;
+        a->acc[r] = fmaf(g.dw[r] * dx, (float)isum, a->acc[r]);
+        if constexpr (F == Q4_1) a->accm[r] = fmaf(g.mw[r], sx, a->accm[r]);
+    }
+}
+
+template <int F>
+inline void store_group(const Acc& a, float* y, int nr) {
+    for (int r = 0; r < nr; r++) y[r] = F == Q4_1 ? a.acc[r] + a.accm[r] : a.acc[r];
 }
 #endif
 
-// y[r][n] for the MR x NR block of xpack and wpack (rows < mr, columns < nr written).
-inline void gemm_block(const float* xp, const float* wp, int64_t C, float* y, int64_t ldy, int mr, int nr) {
-    alignas(64) float part[16][GEMM_MR * GEMM_NR];
-    for (int j = 0; j < 16; j++)                    // lane pass j
-        outer_tile<false, true>(xp + j * C * GEMM_MR, 0, wp + j * C * GEMM_NR, GEMM_NR, C, part[j], GEMM_NR);
-    // vsum's tree, elementwise over the block: (j + j+8) -> (j + j+4) -> (j + j+2) -> (0 + 1)
-    for (int half = 8; half >= 1; half /= 2)
-        for (int j = 0; j < half; j++)
-            for (int i = 0; i < GEMM_MR * GEMM_NR; i++) part[j][i] = part[j][i] + part[j + half][i];
-    for (int r = 0; r < mr; r++)
-        for (int n = 0; n < nr; n++) y[r * ldy + n] = part[0][r * GEMM_NR + n];
-}
+inline Acc acc_zero() { Acc a; memset(&a, 0, sizeof a); return a; }
 
-// 64-byte aligned: a 32-byte load from a 16-byte-aligned pack crosses a cache line every
-// other time (K is a multiple of 32, so every offset from here keeps the alignment)
-inline float* align64(float* p) { return (float*)(((uintptr_t)p + 63) & ~(uintptr_t)63); }
+// ------------------------------------------------------------------ a range of W rows
+// Rows of x are taken in chunks of ROW_CHUNK (their quantized blocks, ~100 KiB at K = 1536,
+// stay in L2 while every group of W passes over them); within a chunk each group of W
+// is widened block by block once and applied to every row. The order in which rows,
+// groups and blocks are visited changes no output: each is its own chain over blocks.
+constexpr int64_t ROW_CHUNK = 32;
 
-inline int64_t gemm_rows_padded(int64_t M) { return (M + GEMM_MR - 1) / GEMM_MR * GEMM_MR; }
-
-// Floats of scratch gemm_packed needs: one tile of W packed, one dequantized row, alignment.
-inline int64_t gemm_tile_scratch_floats(int64_t K) { return gemm_tile_rows(K) * K + K + 16; }
-
-// Floats of scratch gemm_range needs: every MR-block of x packed, and gemm_packed's.
-inline int64_t gemm_scratch_floats(int64_t M, int64_t K) {
-    return gemm_rows_padded(M) * K + gemm_tile_scratch_floats(K);
-}
-
-// Rows [n0, n1) of W against all M rows of x, x already packed (xp: pack_x of every
-// MR-block, 64-byte aligned): tile by tile of W, every MR-row block of x against every
-// NR-row panel of the tile. `buf` holds gemm_tile_scratch_floats(K) floats.
+// y[m, n] for n in [n0, n1), m < M. W is format F, [N, K] with K = x.K.
 template <int F>
-void gemm_packed(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t n0, int64_t n1, const float* xp,
-                 int64_t M, float* y, int64_t ldy, float* buf) {
-    const int64_t K = nb * QK, C = K / 16, tile = gemm_tile_rows(K);
-    float* wp = align64(buf);
-    float* row = wp + tile * K;
-    for (int64_t t0 = n0; t0 < n1; t0 += tile) {
-        const int64_t t1 = n1 - t0 < tile ? n1 : t0 + tile;
-        for (int64_t p = t0; p < t1; p += GEMM_NR) pack_w<F>(w, row_bytes, nb, p, t1, wp + (p - t0) * K, row);
-        for (int64_t m = 0; m < M; m += GEMM_MR) {
-            const int mr = M - m < GEMM_MR ? (int)(M - m) : GEMM_MR;
-            for (int64_t p = t0; p < t1; p += GEMM_NR)
-                gemm_block(xp + m * K, wp + (p - t0) * K, C, y + m * ldy + p, ldy, mr,
-                           t1 - p < GEMM_NR ? (int)(t1 - p) : GEMM_NR);
+void matmul_range(const uint8_t* w, int64_t n0, int64_t n1, const QRows& x, int64_t M, float* y, int64_t ldy) {
+    const int64_t nb = x.nb, row_bytes = nb * block_bytes(F);
+    Acc acc[ROW_CHUNK];
+    WGroup g;
+    for (int64_t m0 = 0; m0 < M; m0 += ROW_CHUNK) {
+        const int64_t mc = M - m0 < ROW_CHUNK ? M - m0 : ROW_CHUNK;
+        for (int64_t n = n0; n < n1; n += 8) {
+            const int nr = n1 - n < 8 ? (int)(n1 - n) : 8;
+            for (int64_t m = 0; m < mc; m++) acc[m] = acc_zero();
+#if defined(__AVX2__)
+            if (mc == 1 && nr == 8) {
+                group_one_row<F>(w + n * row_bytes, row_bytes, x, m0, &acc[0]);
+                store_group<F>(acc[0], y + m0 * ldy + n, nr);
+                continue;
+            }
+#endif
+            for (int64_t b = 0; b < nb; b++) {
+                load_group<F>(w + n * row_bytes, row_bytes, b, nr, &g);
+                for (int64_t m = 0; m < mc; m++) {
+                    const int64_t i = (m0 + m) * nb + b;
+                    group_block_row<F>(g, x.q + (m0 + m) * x.K + b * QK, x.d[i], x.s[i], x.qs[i], &acc[m]);
+                }
+            }
+            for (int64_t m = 0; m < mc; m++) store_group<F>(acc[m], y + (m0 + m) * ldy + n, nr);
         }
     }
-}
-
-// The same for one thread that packs x itself; `buf` holds gemm_scratch_floats(M, K) floats.
-template <int F>
-void gemm_range(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t n0, int64_t n1, const float* x,
-                int64_t M, int64_t ldx, float* y, int64_t ldy, float* buf) {
-    const int64_t K = nb * QK;
-    float* xp = align64(buf);
-    for (int64_t m = 0; m < M; m += GEMM_MR) pack_x(x, ldx, M, m, K, xp + m * K);
-    gemm_packed<F>(w, row_bytes, nb, n0, n1, xp, M, y, ldy, xp + gemm_rows_padded(M) * K);
-}
-
-// M >= GEMM_M: the packed GEMM. Below, range_grouped: a whole SmolLM2 decode step on one
-// Zen 3 thread took 9.4-10 ms per sequence at 10-14 rows against 9.8-13 for the GEMM, and
-// the GEMM pulls ahead from 16 (8.3-8.7 ms per sequence at 24-32 against 9.7-10.6).
-constexpr int64_t GEMM_M = 16;
-
-// Floats of scratch one thread's matmul_range needs for M rows of x and depth K.
-inline int64_t matmul_scratch_floats(int64_t M, int64_t K) { return M < GEMM_M ? 0 : gemm_scratch_floats(M, K); }
-
-// Rows [n0, n1) of W (format F, [N, K]) against all M rows of x: one thread's share.
-// `buf` holds matmul_scratch_floats(M, K) floats.
-template <int F>
-void matmul_range(const uint8_t* w, int64_t K, int64_t n0, int64_t n1, const float* x, int64_t M,
-                  int64_t ldx, float* y, int64_t ldy, float* buf) {
-    const int64_t nb = K / QK, row_bytes = nb * block_bytes(F);
-    if (n0 >= n1) return;
-    if (M < GEMM_M) range_grouped<F>(w, row_bytes, nb, n0, n1, x, M, ldx, y, ldy);
-    else gemm_range<F>(w, row_bytes, nb, n0, n1, x, M, ldx, y, ldy, buf);
 }
 
 // The same for a format known only at run time (false: unknown format).
-inline bool matmul_range(int format, const uint8_t* w, int64_t K, int64_t n0, int64_t n1, const float* x,
-                         int64_t M, int64_t ldx, float* y, int64_t ldy, float* buf) {
+inline bool matmul_range(int format, const uint8_t* w, int64_t n0, int64_t n1, const QRows& x, int64_t M, float* y,
+                         int64_t ldy) {
     switch (format) {
-        case Q4_0: matmul_range<Q4_0>(w, K, n0, n1, x, M, ldx, y, ldy, buf); return true;
-        case Q4_1: matmul_range<Q4_1>(w, K, n0, n1, x, M, ldx, y, ldy, buf); return true;
-        case Q8_0: matmul_range<Q8_0>(w, K, n0, n1, x, M, ldx, y, ldy, buf); return true;
+        case Q4_0: matmul_range<Q4_0>(w, n0, n1, x, M, y, ldy); return true;
+        case Q4_1: matmul_range<Q4_1>(w, n0, n1, x, M, y, ldy); return true;
+        case Q8_0: matmul_range<Q8_0>(w, n0, n1, x, M, y, ldy); return true;
         default: return false;
     }
 }
 
-// out[t, :] = row ids[t] of W (format F, [N, K]) dequantized; ids already checked.
+// This thread's share of N output rows: whole groups of 8, so no group straddles two threads.
+inline void split_rows(int64_t N, int parts, int part, int64_t* n0, int64_t* n1) {
+    int64_t g0, g1;
+    split((N + 7) / 8, parts, part, &g0, &g1);
+    *n0 = g0 * 8 < N ? g0 * 8 : N;
+    *n1 = g1 * 8 < N ? g1 * 8 : N;
+}
+
+// ------------------------------------------------------------------ embedding rows
+// out[t, :] = row ids[t] of W (format F, [N, K]) dequantized exactly; ids already checked.
 template <int F>
 void gather_rows(const uint8_t* w, int64_t K, const int64_t* ids, int64_t T, float* out) {
     const int64_t nb = K / QK, row_bytes = nb * block_bytes(F);

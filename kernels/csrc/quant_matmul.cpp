@@ -1,4 +1,5 @@
-// y = x · Wᵀ with W kept in a GGUF block format (Q4_0, Q4_1, Q8_0), fp32 activations.
+// y = x · Wᵀ with W kept in a GGUF block format (Q4_0, Q4_1, Q8_0), activations quantized
+// to 16 bits per 32-block.
 //
 // Called through ctypes from kernels/quant_linear.py, which documents the
 // contract; this file documents the layouts and the arithmetic.
@@ -15,55 +16,45 @@
 // significant bits), so the weights this kernel computes with are bit for bit
 // those that gguf-py's dequantize (the `weights = "dequantize"` path) gives.
 //
-// Arithmetic (the contract every path and every build keeps): one output
-// y[m, n] is a 16-lane fp32 accumulator; lane j takes block elements j and
-// j + 16, block after block, each by one fused multiply-add:
+// Arithmetic (the contract every path and every build keeps). Each row of x is first
+// quantized per 32-block to 16 bits (quant_gemm.h, quantize_block):
 //
-//     acc[j] = fma(x[32b + j], w[32b + j], acc[j]);  acc[j] = fma(x[32b + 16 + j], w[32b + 16 + j], acc[j])
+//     d = amax / 32767,  q[i] = round-half-even(x[i] * (32767 / amax)),  s = fp32 sum of x (fixed tree)
 //
-// then y = ((acc[0..8) + acc[8..16)) folded 8 -> 4 -> 2 -> 1), a fixed tree.
-// Nothing in that sequence depends on M, on the other rows, on the thread
-// count or on the path (below 16 rows, blocks decoded in registers, once for
-// each group of up to 3 rows; from M = 16 the packed GEMM of quant_gemm.h, which runs each lane's fma chain as one element of an
-// outer-product register tile): a row's result is the same bit for bit alone
-// or in any batch. The AVX2 build (V16 = two 8-lane registers), the
-// AVX-512 build (one 16-lane register) and the portable build (std::fma over
-// arrays) run the same operations per lane, so they agree bit for bit too
-// (the tests hold this host's build to the portable one).
+// so |x[i] - d q[i]| <= d / 2 = amax / 65534: finer than bf16 (8 significant bits) for
+// any element within 2^7 of its block's largest. One output y[m, n] is then, block
+// after block in order,
 //
-// Work is split between threads by whole output rows of W (n), never by k.
+//     isum = sum_i q_w[i] * q_x[i]                    exact int32 (Q4_0: minus 8 * sum_i q_x[i])
+//     acc  = fma(d_w * d_x, (float)isum, acc)
+//     accm = fma(m_w, s_x, accm)                      Q4_1 only
+//
+// and y = acc + accm (Q4_1) or acc. Nothing in that sequence depends on M, on the
+// other rows, on the thread count or on the path: the integer dot is exact in any
+// order, and every path and build runs the same fp32 chain per output, so a row's
+// result is the same bit for bit alone or in any batch, in a prefill or a decode
+// step. The AVX2 and AVX-512 builds and the portable build (scalar ints, fmaf) agree
+// bit for bit (the tests hold this host's build to the portable one).
+//
+// Work is split between threads by whole groups of 8 output rows of W (n), never by k.
 
 #include "quant_gemm.h"
 
 namespace {
 
-template <int F>
-void matmul(const uint8_t* w, int64_t N, int64_t K, const float* x, int64_t M, int64_t ldx, float* y,
+void matmul(int format, const uint8_t* w, int64_t N, int64_t K, const float* x, int64_t M, int64_t ldx, float* y,
             int64_t ldy, int nt) {
-    if (M < GEMM_M) {
-#pragma omp parallel num_threads(nt)
-        {
-            int64_t n0, n1;
-            split(N, omp_get_num_threads(), omp_get_thread_num(), &n0, &n1);
-            std::vector<float> buf((size_t)matmul_scratch_floats(M, K));
-            matmul_range<F>(w, K, n0, n1, x, M, ldx, y, ldy, buf.data());
-        }
-        return;
-    }
-    // the packed GEMM: x packed once, its blocks shared out between the threads, then each
-    // thread its rows of W against all of it (the same outputs, in the same order, as
-    // gemm_range: packing is a copy)
-    const int64_t nb = K / QK, row_bytes = nb * block_bytes(F), blocks = gemm_rows_padded(M) / GEMM_MR;
-    std::vector<float> xbuf((size_t)(gemm_rows_padded(M) * K + 16));
-    float* xp = align64(xbuf.data());
+    QRowsBuf buf;
+    const QRows q = buf.rows(M, K);
 #pragma omp parallel num_threads(nt)
     {
-#pragma omp for schedule(static)
-        for (int64_t b = 0; b < blocks; b++) pack_x(x, ldx, M, b * GEMM_MR, K, xp + b * GEMM_MR * K);
-        int64_t n0, n1;
-        split(N, omp_get_num_threads(), omp_get_thread_num(), &n0, &n1);
-        std::vector<float> buf((size_t)gemm_tile_scratch_floats(K));
-        if (n0 < n1) gemm_packed<F>(w, row_bytes, nb, n0, n1, xp, M, y, ldy, buf.data());
+        const int T = omp_get_num_threads(), tid = omp_get_thread_num();
+        int64_t m0, m1, n0, n1;
+        split(M, T, tid, &m0, &m1);
+        quantize_rows(x, ldx, m0, m1, q);
+#pragma omp barrier
+        split_rows(N, T, tid, &n0, &n1);
+        if (n0 < n1) matmul_range(format, w, n0, n1, q, M, y, ldy);
     }
 }
 
@@ -82,12 +73,9 @@ int kvd_quant_matmul(int format, const uint8_t* w, int64_t N, int64_t K, const f
     if (K <= 0 || K % QK || N < 0 || M < 0 || ldx < K || ldy < N) return -1;
     const int nt = num_threads < 1 ? 1 : num_threads;
     if (M == 0 || N == 0) return 0;
-    switch (format) {
-        case Q4_0: matmul<Q4_0>(w, N, K, x, M, ldx, y, ldy, nt); return 0;
-        case Q4_1: matmul<Q4_1>(w, N, K, x, M, ldx, y, ldy, nt); return 0;
-        case Q8_0: matmul<Q8_0>(w, N, K, x, M, ldx, y, ldy, nt); return 0;
-        default: return -1;
-    }
+    if (format < Q4_0 || format > Q8_0) return -1;
+    matmul(format, w, N, K, x, M, ldx, y, ldy, nt);
+    return 0;
 }
 
 // out[t, :] = W[ids[t], :] dequantized (an embedding lookup). Returns 0, or -1 for

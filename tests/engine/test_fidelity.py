@@ -154,10 +154,13 @@ def test_real_model_preemption_exactness_bf16(smollm2_weights, smollm2_source, p
 
 def test_native_weights_logits_match_transformers(native_engine, hf_model, prompts):
     """Native Q4_1 / Q8_0 weights against transformers' dequantized fp32 model of the same
-    GGUF: logits to the same 1e-3 as the fp32 path (only the order of fp32 sums inside
-    the matmuls differs; measured ~1e-5)."""
+    GGUF, to 0.05 (logits here reach ~30). The weights are the same values; the gap is the
+    kernel's 16-bit activations (every matmul input rounded to amax / 32767 of its 32-block,
+    kernels/csrc/quant_matmul.cpp). Measured on the fidelity prompts: 0.030, against 1e-4
+    for fp32 activations and 0.67 for activations rounded to bf16, the format the issue
+    allows (the same model with each matmul input rounded to bf16)."""
     worst = worst_logit_delta(native_engine, hf_model, prompts)
-    assert worst <= 1e-3, f"max |logit delta| {worst}"
+    assert worst <= 0.05, f"max |logit delta| {worst}"
 
 
 def test_native_weights_64_greedy_tokens_match_the_dequantized_engine(native_engine, engine, prompts):

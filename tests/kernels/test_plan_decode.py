@@ -1,8 +1,9 @@
 """The plan executor (kernels/plan_decode.py): a quantized fp32 decode step in one C++ call,
 run from llama.py's LAYER_STEPS, against LlamaModel.forward.
 
-Agreement with forward is to fp32 rounding (norm and attention sums in
-another order; the matmuls are the same kernel); batch and thread-count
+Agreement with forward is to rounding (norm and attention sums in another
+order, so a matmul input can differ in its last bit and then round to a
+neighbouring 16-bit step; the matmuls are the same kernel); batch and thread-count
 invariance and the KV slots written are checked bit for bit. The host's
 build runs here (AVX2 on the project's machines): nothing is skipped.
 """
@@ -120,9 +121,10 @@ def test_logits_and_kv_match_forward(model):
     ref = torch_decode(model, kv_torch, ids, pos, tables)
     out = decoder(model, kv).decode(ids, pos, tables, kv_plan)
     assert out.dtype == torch.float32 and out.shape == ref.shape
-    # fp32 rounding of differently ordered sums through every layer: measured ~1e-6 of the
-    # largest logit on SmolLM2; 1e-4 leaves room and still fails on any real mistake
-    assert (out - ref).abs().max() <= 1e-4 * ref.abs().max()
+    # differently ordered fp32 sums through every layer, each able to move a matmul input to
+    # the neighbouring 16-bit step (amax / 32767 of its block): measured 1.3e-4 of the largest
+    # logit on the tiny Q4_1 model; 1e-3 leaves room and still fails on any real mistake
+    assert (out - ref).abs().max() <= 1e-3 * ref.abs().max()
     assert torch.equal(out.argmax(-1), ref.argmax(-1))
     # only the new tokens' slots changed, in every layer, to (nearly) forward's K/V
     slots = [tables[b, p // BS].item() * BS + p % BS for b, p in enumerate(pos.tolist())]
@@ -130,7 +132,7 @@ def test_logits_and_kv_match_forward(model):
     changed = (flat(kv_plan) != flat(kv)).flatten(3).any(-1).any(0).any(0)
     assert sorted(changed.nonzero().flatten().tolist()) == sorted(slots)
     new_p, new_t = flat(kv_plan)[:, :, slots], flat(kv_torch)[:, :, slots]
-    assert (new_p - new_t).abs().max() <= 1e-4 * new_t.abs().max()
+    assert (new_p - new_t).abs().max() <= 1e-3 * new_t.abs().max()
 
 
 def test_batch_of_16_rows_equal_each_row_alone_bit_for_bit(model):
