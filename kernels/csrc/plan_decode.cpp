@@ -26,10 +26,14 @@
 // this step agrees with LlamaModel.forward to fp32 rounding, not bit for bit.
 
 #include "quant_gemm.h"
+#include "simd.h"
 
 namespace {
 
 enum Op { OP_RMS_NORM = 0, OP_LINEAR = 1, OP_ROPE_ATTENTION = 2, OP_LINEAR_ADD = 3, OP_SILU_MUL = 4 };
+
+// Batches of at most this many rows run row-local ops on every thread (kvd_plan_decode).
+constexpr int REDUNDANT_ROWS = 4;
 
 }  // namespace
 
@@ -103,8 +107,28 @@ void attend_head(const float* q, const float* kc, const float* vc, const int64_t
             mx = s > mx ? s : mx;
         }
     }
+    // p_t = e^(s_t - max), GEMM_VW keys at a time (vn_exp: the same per-lane operations on
+    // every build); the sum in lanes, then lane by lane: a fixed order for a given ctx
     float sum = 0.0f;
-    for (int64_t t = 0; t < ctx; t++) { scores[t] = expf(scores[t] - mx); sum += scores[t]; }
+    {
+        VN acc = vn_zero();
+        const VN mxv = vn_set1(mx);
+        int64_t t = 0;
+        for (; t + GEMM_VW <= ctx; t += GEMM_VW) {
+            const VN e = vn_exp(vn_sub(vn_load(scores + t), mxv));
+            vn_store(scores + t, e);
+            acc = vn_add(acc, e);
+        }
+        float lanes[GEMM_VW];
+        vn_store(lanes, acc);
+        for (int j = 0; j < GEMM_VW; j++) sum += lanes[j];
+        if (t < ctx) {                          // the tail, padded with -inf (e^-inf = 0)
+            float tail[GEMM_VW];
+            for (int j = 0; j < GEMM_VW; j++) tail[j] = t + j < ctx ? scores[t + j] - mx : -INFINITY;
+            vn_store(tail, vn_exp(vn_load(tail)));
+            for (int j = 0; t + j < ctx; j++) { scores[t + j] = tail[j]; sum += tail[j]; }
+        }
+    }
     const float inv = 1.0f / sum;
     V16 o[16];                                   // hd <= 256
     const int chunks = hd / 16;
@@ -120,7 +144,33 @@ void attend_head(const float* q, const float* kc, const float* vc, const int64_t
     for (int c = 0; c < chunks; c++) vstore(out + 16 * c, o[c]);
 }
 
-inline float silu(float x) { return x / (1.0f + expf(-x)); }
+// y[i] = silu(x[i]) * u[i], silu(x) = x * sigmoid(x) with sigmoid from e = e^-|x| (vn_exp
+// takes x <= 0): 1 / (1 + e) for x >= 0, e / (1 + e) below; GEMM_VW lanes at a time, the
+// same operations per element on every build and for every n.
+void silu_mul_row(const float* x, const float* u, int64_t n, float* y) {
+    int64_t i = 0;
+    const VN one = vn_set1(1.0f), zero = vn_zero();
+    for (; i + GEMM_VW <= n; i += GEMM_VW) {
+        const VN v = vn_load(x + i);
+        const VN e = vn_exp(vn_sub(zero, vn_max(v, vn_sub(zero, v))));       // e^-|v|
+        float ev[GEMM_VW], vv[GEMM_VW], uu[GEMM_VW], den[GEMM_VW];
+        vn_store(ev, e);
+        vn_store(vv, v);
+        vn_store(den, vn_add(one, e));
+        vn_store(uu, vn_load(u + i));
+        for (int j = 0; j < GEMM_VW; j++) {
+            const float sig = (vv[j] >= 0.0f ? 1.0f : ev[j]) / den[j];
+            y[i + j] = (vv[j] * sig) * uu[j];
+        }
+    }
+    for (; i < n; i++) {                        // the same operations, one element at a time
+        float v[GEMM_VW] = {0}, e[GEMM_VW];
+        v[0] = x[i] >= 0.0f ? -x[i] : x[i];
+        vn_store(e, vn_exp(vn_load(v)));
+        const float sig = (x[i] >= 0.0f ? 1.0f : e[0]) / (1.0f + e[0]);
+        y[i] = (x[i] * sig) * u[i];
+    }
+}
 
 }  // namespace
 
@@ -203,48 +253,86 @@ int kvd_plan_decode(const PlanModel* m, float* kv, int B, const int64_t* ids, co
     const int group = H / KVH;
     const int nt = num_threads < 1 ? 1 : num_threads;
 
+    // Few rows: a row-local op (norm, silu, quantizing a matmul's input) on one thread while
+    // the others wait at a barrier costs more than every thread computing it whole. Then
+    // each thread computes it for every row into private copies of the slots only row-local
+    // ops write, and a matmul reads its own copy: one barrier per matmul (after it), not three.
+    // The same operations on the same inputs: the outputs do not change.
+    const bool redundant = B <= REDUNDANT_ROWS;
+    std::vector<char> priv_slot((size_t)m->num_slots, redundant ? 1 : 0);
+    for (int s = 0; s < m->num_steps; s++) {
+        const int op = m->steps[s].op;
+        if (op != OP_RMS_NORM && op != OP_SILU_MUL) priv_slot[m->steps[s].dst] = 0;
+    }
+    priv_slot[0] = 0;                                   // h: the embedding writes it shared
+
 #pragma omp parallel num_threads(nt)
     {
         const int tid = omp_get_thread_num(), T = omp_get_num_threads();
         std::vector<float> scores((size_t)max_ctx);
-        int64_t r0, r1;
-        split(B, T, tid, &r0, &r1);
+        std::vector<std::vector<float>> own((size_t)m->num_slots);      // this thread's private slots
+        std::vector<QRowsBuf> own_qbufs;
+        std::vector<QRows> own_qx;
+        if (redundant) {
+            own_qbufs.resize((size_t)m->num_slots + 1);
+            own_qx.resize((size_t)m->num_slots + 1);
+            for (int s = 0; s <= m->num_slots; s++) {
+                const int64_t k = s < m->num_slots ? m->slot_width[s] : D;
+                if (k % QK == 0) own_qx[s] = own_qbufs[s].rows(B, k);
+                if (s < m->num_slots && priv_slot[s]) own[s].resize((size_t)B * k);
+            }
+        }
+        auto slot = [&](int s) { return priv_slot[s] ? own[s].data() : slots[s].data(); };
+        int64_t r0, r1;                                 // this thread's rows for row-local ops
+        if (redundant) r0 = 0, r1 = B;
+        else split(B, T, tid, &r0, &r1);
+        const std::vector<QRows>& xq = redundant ? own_qx : qx;
         for (int l = 0; l < m->num_layers; l++) {
             float* kcache = kv + l * layer_kv;
             float* vcache = kcache + layer_kv / 2;
             const PlanWeight* lw = m->weights + (size_t)l * m->num_weights;
             for (int s = 0; s < m->num_steps; s++) {
                 const PlanStep& st = m->steps[s];
-                const float* x = slots[st.src].data();
-                float* y = slots[st.dst].data();
+                const float* x = slot(st.src);
+                float* y = slot(st.dst);
                 const int64_t in = m->slot_width[st.src], out = m->slot_width[st.dst];
+                bool row_local = false;
                 switch (st.op) {
-                    case OP_RMS_NORM:
-                        for (int64_t r = r0; r < r1; r++)
+                    case OP_RMS_NORM: {
+                        // private output: every thread has all rows; shared: this thread's rows
+                        int64_t a = r0, z = r1;
+                        if (redundant && !priv_slot[st.dst]) split(B, T, tid, &a, &z);
+                        for (int64_t r = a; r < z; r++)
                             rms_norm_row(x + r * in, (const float*)lw[st.weight].data, in, m->eps, y + r * out);
+                        row_local = priv_slot[st.dst];
                         break;
+                    }
                     case OP_LINEAR:
-                    case OP_LINEAR_ADD: {       // x quantized (rows split), then this thread's columns
-                        quantize_rows(x, in, r0, r1, qx[st.src]);
+                    case OP_LINEAR_ADD: {       // x quantized (rows split, or whole per thread), then this thread's columns
+                        quantize_rows(x, in, r0, r1, xq[st.src]);
+                        if (!redundant) {
 #pragma omp barrier
+                        }
                         int64_t n0, n1;
                         split_rows(out, T, tid, &n0, &n1);
                         if (st.op == OP_LINEAR) {
-                            matmul_range(lw[st.weight].format, (const uint8_t*)lw[st.weight].data, n0, n1, qx[st.src], B,
+                            matmul_range(lw[st.weight].format, (const uint8_t*)lw[st.weight].data, n0, n1, xq[st.src], B,
                                          y, out);
                             break;
                         }
-                        matmul_range(lw[st.weight].format, (const uint8_t*)lw[st.weight].data, n0, n1, qx[st.src], B,
+                        matmul_range(lw[st.weight].format, (const uint8_t*)lw[st.weight].data, n0, n1, xq[st.src], B,
                                      tmp.data(), out);
                         for (int64_t r = 0; r < B; r++)
                             for (int64_t n = n0; n < n1; n++) y[r * out + n] = y[r * out + n] + tmp[r * out + n];
                         break;
                     }
-                    case OP_SILU_MUL:
-                        for (int64_t r = r0; r < r1; r++)
-                            for (int64_t i = 0; i < out; i++)
-                                y[r * out + i] = silu(x[r * in + i]) * x[r * in + out + i];
+                    case OP_SILU_MUL: {
+                        int64_t a = r0, z = r1;
+                        if (redundant && !priv_slot[st.dst]) split(B, T, tid, &a, &z);
+                        for (int64_t r = a; r < z; r++) silu_mul_row(x + r * in, x + r * in + out, out, y + r * out);
+                        row_local = priv_slot[st.dst];
                         break;
+                    }
                     case OP_ROPE_ATTENTION: {
                         const int per_seq = H + 2 * KVH;
                         int64_t i0, i1;
@@ -272,15 +360,24 @@ int kvd_plan_decode(const PlanModel* m, float* kv, int B, const int64_t* ids, co
                     default:
                         break;                  // ruled out by kvd_plan_check
                 }
+                if (!row_local) {
 #pragma omp barrier
+                }
             }
         }
-        for (int64_t r = r0; r < r1; r++) rms_norm_row(h + r * D, m->final_norm, D, m->eps, &normed[r * D]);
-        quantize_rows(normed.data(), D, r0, r1, qhead);
+        // the final norm into `normed` (private rows when redundant: each thread writes its own
+        // copy of all rows into its quantized buffer; `normed` itself is only read back here)
+        std::vector<float> own_normed(redundant ? (size_t)B * D : 0);
+        float* nrm = redundant ? own_normed.data() : normed.data();
+        for (int64_t r = r0; r < r1; r++) rms_norm_row(h + r * D, m->final_norm, D, m->eps, &nrm[r * D]);
+        const QRows& qh = redundant ? own_qx[m->num_slots] : qhead;
+        quantize_rows(nrm, D, r0, r1, qh);
+        if (!redundant) {
 #pragma omp barrier
+        }
         int64_t n0, n1;
         split_rows(m->vocab, T, tid, &n0, &n1);
-        matmul_range(m->head.format, (const uint8_t*)m->head.data, n0, n1, qhead, B, logits, m->vocab);
+        matmul_range(m->head.format, (const uint8_t*)m->head.data, n0, n1, qh, B, logits, m->vocab);
     }
     return 0;
 }

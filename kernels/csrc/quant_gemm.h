@@ -160,8 +160,22 @@ inline void group_scales(const uint8_t* w, int64_t row_bytes, int64_t b, int nr,
     *mw = F == Q4_1 ? fp16x8(_mm256_srli_epi32(v, 16)) : _mm256_setzero_ps();
 }
 
+// A group is 8 whole rows, one contiguous run of 8 * row_bytes. While block b of a group is
+// read, block b's even share of the cache lines PREFETCH_GROUPS groups ahead is prefetched
+// (8 rows interleaved by block are more streams than the hardware prefetcher follows; the
+// LM head streams from DRAM). A hint: no effect on any result; past the matrix's end it is
+// dropped (prefetches do not fault).
+constexpr int64_t PREFETCH_GROUPS = 2;
+
+inline void prefetch_ahead(const uint8_t* group, int64_t row_bytes, int64_t b, int64_t nb) {
+    const char* next = (const char*)(group + PREFETCH_GROUPS * 8 * row_bytes);
+    const int64_t lines = 8 * row_bytes / 64;
+    for (int64_t l = b * lines / nb; l < (b + 1) * lines / nb; l++) _mm_prefetch(next + 64 * l, _MM_HINT_T0);
+}
+
 template <int F>
 inline void load_group(const uint8_t* w, int64_t row_bytes, int64_t b, int nr, WGroup* g) {
+    prefetch_ahead(w, row_bytes, b, row_bytes / block_bytes(F));
     for (int r = 0; r < 8; r++) {
         if (r >= nr) {
             g->w[r][0] = g->w[r][1] = _mm256_setzero_si256();
@@ -206,13 +220,8 @@ inline void group_block_row(const WGroup& g, const int16_t* xq, float dx, float 
 template <int F>
 inline void group_one_row(const uint8_t* w, int64_t row_bytes, const QRows& x, int64_t m, Acc* a) {
     const int16_t* xq = x.q + m * x.K;
-    // The group is 8 whole rows, one contiguous run of 8 * row_bytes; while it is read, the
-    // next group's run is prefetched, an even share of its cache lines per block (8 rows
-    // interleaved by block are more streams than the hardware prefetcher follows).
-    const char* next = (const char*)(w + 8 * row_bytes);
-    const int64_t lines = 8 * row_bytes / 64;
     for (int64_t b = 0; b < x.nb; b++) {
-        for (int64_t l = b * lines / x.nb; l < (b + 1) * lines / x.nb; l++) _mm_prefetch(next + 64 * l, _MM_HINT_T0);
+        prefetch_ahead(w, row_bytes, b, x.nb);
         const __m256i x0 = _mm256_loadu_si256((const __m256i*)(xq + b * QK));
         const __m256i x1 = _mm256_loadu_si256((const __m256i*)(xq + b * QK + 16));
         __m256i p[8];
@@ -225,6 +234,8 @@ inline void group_one_row(const uint8_t* w, int64_t row_bytes, const QRows& x, i
         __m256i isum = hsum8(p);
         const int64_t i = m * x.nb + b;
         if constexpr (F == Q4_0) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(8 * x.qs[i]));
+        // the 8 rows' (d, m) words in one gather (building the vector from 8 scalar loads
+        // costs ~16 ops per block, as much as the block's arithmetic)
         __m256 dw, mw;
         group_scales<F>(w, row_bytes, b, 8, &dw, &mw);
         a->acc = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(x.d[i])), _mm256_cvtepi32_ps(isum), a->acc);
@@ -286,6 +297,9 @@ inline Acc acc_zero() { Acc a; memset(&a, 0, sizeof a); return a; }
 // is widened block by block once and applied to every row. The order in which rows,
 // groups and blocks are visited changes no output: each is its own chain over blocks.
 constexpr int64_t ROW_CHUNK = 32;
+// Up to this many rows of x run the one-row register path each (the group's bytes stay in
+// L1 after the first): faster than widening the group into memory at 2 rows, not at 4.
+constexpr int64_t ONE_ROW_MAX = 2;
 
 // y[m, n] for n in [n0, n1), m < M. W is format F, [N, K] with K = x.K.
 template <int F>
@@ -299,9 +313,11 @@ void matmul_range(const uint8_t* w, int64_t n0, int64_t n1, const QRows& x, int6
             const int nr = n1 - n < 8 ? (int)(n1 - n) : 8;
             for (int64_t m = 0; m < mc; m++) acc[m] = acc_zero();
 #if defined(__AVX2__)
-            if (mc == 1 && nr == 8) {
-                group_one_row<F>(w + n * row_bytes, row_bytes, x, m0, &acc[0]);
-                store_group<F>(acc[0], y + m0 * ldy + n, nr);
+            if (mc <= ONE_ROW_MAX && nr == 8) {
+                for (int64_t m = 0; m < mc; m++) {
+                    group_one_row<F>(w + n * row_bytes, row_bytes, x, m0 + m, &acc[m]);
+                    store_group<F>(acc[m], y + (m0 + m) * ldy + n, nr);
+                }
                 continue;
             }
 #endif
