@@ -2,33 +2,33 @@
 
 ``QuantLinear(x)`` is ``x @ W.T`` for a ``W`` kept in its GGUF blocks
 (kernels/quant.py). With a ``QuantKernel`` it runs the C++ kernel
-(kernels/csrc/quant_matmul.cpp): activations fp32, each block's weights
-dequantized in registers, OpenMP threads over output rows. Without one it is
-the torch reference: dequantize, then an fp32 matmul (tests and the fallback
-of a host without a kernel).
+(kernels/csrc/quant_matmul.cpp): each row of x quantized per 32-block to 16
+bits, an exact integer dot per block of weights, one fixed fp32 chain per
+output; OpenMP threads over groups of 8 output rows. Without one it is the
+torch reference: dequantize, then an fp32 matmul (tests and the fallback of a
+host without a kernel).
 
 Contract of the kernel path, for ``x`` [M, K] -> ``y`` [M, N]:
 
 - the weights it multiplies by are exactly ``W.dequantize()`` (gguf-py's
-  values, the ``weights = "dequantize"`` path's);
+  values, the ``weights = "dequantize"`` path's); x is rounded to
+  ``amax / 32767`` of its 32-block (half that at most per element: finer than
+  bf16 for every element within 2^7 of its block's largest);
 - **batch invariant, bit for bit**: row m of y depends only on row m of x —
-  not on M, the other rows or the thread count — because every output is one
-  fixed sequence of fp32 fused multiply-adds (16 lanes over k, then a fixed
-  tree; see the .cpp header) run by one thread, whichever of the two paths
-  the batch size picks: blocks decoded in registers once per group of up to
-  3 rows (M < 16: decode batches), or the packed GEMM (M >= 16: prefill and
-  large decode batches), which keeps each lane's chain of fmas in order while a
-  register tile reuses its loads (6 rows x 16 outputs on AVX2; quant_gemm.h);
-  so a prompt's tokens get the same bits in a prefill of any length as one
-  at a time, and a sequence the same logits alone as in a decode batch;
-- the same bits on every build (AVX2, AVX-512, portable), since each runs the
-  same operations per lane;
-- it differs from dequantize-then-matmul only by the order of the fp32 sum
-  (tests/kernels/test_quant_linear.py bounds it).
+  not on M, the other rows or the thread count — because every output is an
+  exact integer dot per block then one fixed fp32 sequence (see the .cpp
+  header) run by one thread, whichever path the batch size picks (one row in
+  registers, or groups of W widened once for a chunk of rows); so a prompt's
+  tokens get the same bits in a prefill of any length as one at a time, and a
+  sequence the same logits alone as in a decode batch;
+- the same bits on every build (AVX2, AVX-512, AVX-512 VNNI, portable);
+- against the exact product of x and the dequantized weights it is within
+  the bound tests/kernels/test_quant_linear.py states (x's rounding plus the
+  fp32 chain's).
 
 Builds are chosen at start-up from /proc/cpuinfo (``host_variant``): AVX-512
-where the CPU has AVX512F, else AVX2 + FMA + F16C; each is compiled once by
-kernels/native.py (``make install``). A CPU with neither gets no kernel: the
+VNNI, then AVX-512, else AVX2 + FMA + F16C; each is compiled once by
+kernels/native.py (``make install``). A CPU with none gets no kernel: the
 engine then serves dequantized weights (engine/engine.py).
 """
 
@@ -50,12 +50,15 @@ LIBRARY = "quant_matmul"
 _COMMON = ("-ffp-contract=off",)        # the source spells out every fma; let the compiler add none
 # variant -> (CPU flags it needs, compiler flags); preferred first
 VARIANTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    # vpdpwssd in place of pmaddwd + add: the same integers
+    "avx512vnni": (("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma", "f16c"),
+                   ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-mf16c", *_COMMON)),
     "avx512": (("avx512f", "fma", "f16c"), ("-mavx512f", "-mfma", "-mf16c", *_COMMON)),
     "avx2": (("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c", *_COMMON)),
-    # std::fma per lane: the arithmetic's definition, far too slow to serve (tests only)
+    # scalar integers and fmaf: the arithmetic's definition, far too slow to serve (tests only)
     "portable": ((), _COMMON),
 }
-SERVING_VARIANTS = ("avx512", "avx2")
+SERVING_VARIANTS = ("avx512vnni", "avx512", "avx2")
 
 
 def host_variant(flags: Iterable[str] | None = None) -> str | None:

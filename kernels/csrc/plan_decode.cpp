@@ -26,6 +26,7 @@
 // this step agrees with LlamaModel.forward to fp32 rounding, not bit for bit.
 
 #include "quant_gemm.h"
+#include "spin_barrier.h"
 #include "simd.h"
 
 namespace {
@@ -34,6 +35,7 @@ enum Op { OP_RMS_NORM = 0, OP_LINEAR = 1, OP_ROPE_ATTENTION = 2, OP_LINEAR_ADD =
 
 // Batches of at most this many rows run row-local ops on every thread (kvd_plan_decode).
 constexpr int REDUNDANT_ROWS = 4;
+
 
 }  // namespace
 
@@ -266,6 +268,7 @@ int kvd_plan_decode(const PlanModel* m, float* kv, int B, const int64_t* ids, co
     }
     priv_slot[0] = 0;                                   // h: the embedding writes it shared
 
+    SpinBarrier barrier;
 #pragma omp parallel num_threads(nt)
     {
         const int tid = omp_get_thread_num(), T = omp_get_num_threads();
@@ -310,9 +313,7 @@ int kvd_plan_decode(const PlanModel* m, float* kv, int B, const int64_t* ids, co
                     case OP_LINEAR:
                     case OP_LINEAR_ADD: {       // x quantized (rows split, or whole per thread), then this thread's columns
                         quantize_rows(x, in, r0, r1, xq[st.src]);
-                        if (!redundant) {
-#pragma omp barrier
-                        }
+                        if (!redundant) barrier.wait(T);
                         int64_t n0, n1;
                         split_rows(out, T, tid, &n0, &n1);
                         if (st.op == OP_LINEAR) {
@@ -347,7 +348,7 @@ int kvd_plan_decode(const PlanModel* m, float* kv, int B, const int64_t* ids, co
                             else if (j < H + KVH) rope_head(src, c, sn, hd, kcache + slot * kvh_stride + (j - H) * hd);
                             else memcpy(vcache + slot * kvh_stride + (j - H - KVH) * hd, src, hd * sizeof(float));
                         }
-#pragma omp barrier
+                        barrier.wait(T);
                         split((int64_t)B * H, T, tid, &i0, &i1);
                         for (int64_t i = i0; i < i1; i++) {
                             const int64_t b = i / H, head = i % H, g = head / group;
@@ -360,9 +361,7 @@ int kvd_plan_decode(const PlanModel* m, float* kv, int B, const int64_t* ids, co
                     default:
                         break;                  // ruled out by kvd_plan_check
                 }
-                if (!row_local) {
-#pragma omp barrier
-                }
+                if (!row_local) barrier.wait(T);
             }
         }
         // the final norm into `normed` (private rows when redundant: each thread writes its own
@@ -372,9 +371,7 @@ int kvd_plan_decode(const PlanModel* m, float* kv, int B, const int64_t* ids, co
         for (int64_t r = r0; r < r1; r++) rms_norm_row(h + r * D, m->final_norm, D, m->eps, &nrm[r * D]);
         const QRows& qh = redundant ? own_qx[m->num_slots] : qhead;
         quantize_rows(nrm, D, r0, r1, qh);
-        if (!redundant) {
-#pragma omp barrier
-        }
+        if (!redundant) barrier.wait(T);
         int64_t n0, n1;
         split_rows(m->vocab, T, tid, &n0, &n1);
         matmul_range(m->head.format, (const uint8_t*)m->head.data, n0, n1, qh, B, logits, m->vocab);

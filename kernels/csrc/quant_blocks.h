@@ -35,7 +35,11 @@ inline float fp16_to_f32(const uint8_t* p) {
 
 // ------------------------------------------------------------------ V16: 16 fp32 lanes
 #if defined(__AVX512F__)
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define KVD_VARIANT "avx512vnni"
+#else
 #define KVD_VARIANT "avx512"
+#endif
 struct V16 { __m512 v; };
 inline V16 vzero() { return {_mm512_setzero_ps()}; }
 inline V16 vload(const float* p) { return {_mm512_loadu_ps(p)}; }

@@ -39,6 +39,7 @@
 // Work is split between threads by whole groups of 8 output rows of W (n), never by k.
 
 #include "quant_gemm.h"
+#include "spin_barrier.h"
 
 namespace {
 
@@ -46,13 +47,14 @@ void matmul(int format, const uint8_t* w, int64_t N, int64_t K, const float* x, 
             int64_t ldy, int nt) {
     QRowsBuf buf;
     const QRows q = buf.rows(M, K);
+    SpinBarrier barrier;
 #pragma omp parallel num_threads(nt)
     {
         const int T = omp_get_num_threads(), tid = omp_get_thread_num();
         int64_t m0, m1, n0, n1;
         split(M, T, tid, &m0, &m1);
         quantize_rows(x, ldx, m0, m1, q);
-#pragma omp barrier
+        barrier.wait(T);
         split_rows(N, T, tid, &n0, &n1);
         if (n0 < n1) matmul_range(format, w, n0, n1, q, M, y, ldy);
     }

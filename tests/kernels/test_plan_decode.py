@@ -11,6 +11,7 @@ build runs here (AVX2 on the project's machines): nothing is skipped.
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import gguf
 import numpy as np
@@ -160,6 +161,21 @@ def test_thread_count_does_not_change_a_bit(smollm2):
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two)
+
+
+def test_another_thread_gets_the_same_bits(tiny):
+    """The daemon decodes on its engine thread, not the main thread: the executor's own
+    barrier (csrc/spin_barrier.h) runs there, 1 to 4 rows (every thread computing the
+    row-local ops) and 6 rows (rows split between threads)."""
+    for lengths in ([5], [3, 30, 17, 64], [1, 8, 40, 16, 2, 33]):
+        kv, ids, pos, tables = prefilled(tiny, lengths, seed=4)
+        dec = decoder(tiny, kv)
+        here = dec.decode(ids, pos, tables, kv.clone())
+        there: list[torch.Tensor] = []
+        worker = threading.Thread(target=lambda: there.append(dec.decode(ids, pos, tables, kv.clone())))
+        worker.start()
+        worker.join(60)
+        assert there and torch.equal(there[0], here), lengths
 
 
 def test_bad_input_is_refused_before_writing(tiny):

@@ -120,6 +120,7 @@ def test_bad_tensors_are_refused():
 def test_variant_choice_follows_the_cpu_flags():
     assert host_variant({"avx2", "fma", "f16c"}) == "avx2"
     assert host_variant({"avx2", "fma", "f16c", "avx512f", "avx512bw"}) == "avx512"
+    assert host_variant({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"}) == "avx512vnni"
     assert host_variant({"avx2", "f16c"}) is None                      # no FMA: no serving build
     assert host_variant(set()) is None
 

@@ -1,0 +1,186 @@
+"""kvd against llama.cpp on the same GGUF, the same thread count and the same host, in one run.
+
+    .venv/bin/python tools/bench_llamacpp.py --llama-cpp /path/to/llama.cpp/build/bin [--threads 2]
+
+llama.cpp is not part of kvd and never built by it: build ``llama-bench`` and
+``llama-server`` yourself (docs/benchmarks.md gives the commands) and point
+``--llama-cpp`` at the folder that holds them. Rows, each side by side:
+
+- **engine**: ``llama-bench -p 512 -n 128`` (pp512, tg128) against kvd's engine
+  in this process: single-stream greedy decode of 128 tokens and the prefill of
+  fresh 512-token prompts (no cached prefix), with the bandwidth bound for the
+  weight bytes a decode step reads (read bandwidth measured in this run);
+  rounds alternate between the two;
+- **HTTP**: ``kvd-loadgen`` against ``llama-server`` and against ``kvd serve``,
+  the same dataset and seed: one stream (``--max-concurrency 1``) and 32
+  concurrent requests (``llama-server -np 32``); output tok/s, TPOT, TTFT.
+
+Every row names the CPU. Appends to ``results/bench_llamacpp.json`` and prints
+markdown rows for docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from engine.model.registry import bundled_gguf_path  # noqa: E402
+from tools._twoproc import free_port, stop_processes, write_results  # noqa: E402
+from tools.bench_engine import decode_rates, make_engine, random_prompts, read_bandwidth  # noqa: E402
+from tools.bench_weights import prefill_seconds  # noqa: E402
+from tools.loadgen.report import cpu_model  # noqa: E402
+
+# (name, concurrency, prompts, input tokens, output tokens)
+HTTP_LOADS = (("1 stream", 1, 8, 32, 128), ("32 concurrent", 32, 64, 300, 128))
+
+
+def llama_bench(bin_dir: Path, gguf: Path, threads: int, reps: int) -> dict[str, float]:
+    """{"pp512": tok/s, "tg128": tok/s} from one llama-bench run."""
+    out = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(gguf), "-t", str(threads), "-p", "512",
+                          "-n", "128", "-r", str(reps), "-o", "json"], capture_output=True, text=True,
+                         timeout=1800, check=True).stdout
+    rows = json.loads(out)
+    return {("pp512" if r["n_prompt"] else "tg128"): float(r["avg_ts"]) for r in rows}
+
+
+def kvd_engine(eng, prompts: list[list[int]]) -> dict[str, float]:
+    """{"pp512": tok/s, "tg128": tok/s} of kvd's engine: 512-token prefills, one 128-token decode."""
+    pre = [prefill_seconds(eng, p) for p in prompts]
+    dec = decode_rates(eng, prompts[0][:16], rounds=1)
+    return {"pp512": 512 / statistics.median(pre), "tg128": dec[0]}
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"bench_llamacpp: server exited {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit(f"bench_llamacpp: {url} not healthy after {timeout:.0f} s")
+
+
+def loadgen(url: str, load: tuple, tmp: str, tag: str) -> dict:
+    name, conc, n, inp, outp = load
+    out = Path(tmp) / f"{tag}.json"
+    subprocess.run([sys.executable, "-m", "tools.loadgen.cli", "run", "--base-url", url,
+                    "--tokenizer", "smollm2", "--endpoint", "/v1/completions", "--dataset-name", "random",
+                    "--random-input-len", str(inp), "--random-output-len", str(outp), "--num-prompts", str(n),
+                    "--max-concurrency", str(conc), "--request-rate", "inf", "--ignore-eos", "--seed", "0",
+                    "--temperature", "0", "--save-result", "--result-dir", tmp, "--result-filename", out.name,
+                    "--disable-tqdm"], cwd=REPO, check=True, stdout=subprocess.DEVNULL, timeout=3600)
+    m = json.loads(out.read_text())["metrics"]
+    return {k: m.get(k) for k in ("output_throughput", "median_tpot_ms", "median_ttft_ms", "p99_ttft_ms",
+                                  "completed", "failed", "duration")}
+
+
+def serve(kind: str, bin_dir: Path, gguf: Path, threads: int, conc: int, port: int) -> subprocess.Popen:
+    if kind == "llama.cpp":
+        cmd = [str(bin_dir / "llama-server"), "-m", str(gguf), "-t", str(threads), "-tb", str(threads),
+               "-np", str(conc), "-c", str(1024 * conc), "--host", "127.0.0.1", "--port", str(port)]
+    else:
+        cmd = [sys.executable, "-m", "kvd.cli", "serve", "--port", str(port), "--num-threads", str(threads),
+               "--max-num-seqs", str(max(conc, 8))]
+    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def http_rows(bin_dir: Path, gguf: Path, threads: int, rounds: int) -> list[dict]:
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="kvd-llamacpp-") as tmp:
+        for load in HTTP_LOADS:
+            for rnd in range(rounds):
+                for kind in (("llama.cpp", "kvd") if rnd % 2 == 0 else ("kvd", "llama.cpp")):
+                    port = free_port()
+                    proc = serve(kind, bin_dir, gguf, threads, load[1], port)
+                    try:
+                        url = f"http://127.0.0.1:{port}"
+                        wait_healthy(url, proc)
+                        r = loadgen(url, load, tmp, f"{kind}-{load[1]}-{rnd}")
+                    finally:
+                        stop_processes([proc])
+                    rows.append({"part": "http", "load": load[0], "server": kind, "round": rnd, **r})
+                    print(f"{load[0]:14s} {kind:9s} round {rnd}: {r['output_throughput']:.1f} out tok/s, "
+                          f"TPOT p50 {r['median_tpot_ms']:.1f} ms, TTFT p50 {r['median_ttft_ms']:.0f} ms "
+                          f"({r['completed']} done, {r['failed']} failed)", flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--llama-cpp", required=True, type=Path, help="folder with llama-bench and llama-server")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--parts", default="engine,http")
+    ap.add_argument("--out", default=str(REPO / "results" / "bench_llamacpp.json"))
+    args = ap.parse_args()
+    from kernels.quant_linear import host_variant
+    gguf, rows = bundled_gguf_path(), []
+    cpu = f"{cpu_model()} ({host_variant() or 'no quantized kernel'})"
+    torch.set_num_threads(args.threads)
+    parts = args.parts.split(",")
+    if "engine" in parts:
+        eng = make_engine("float32", weights="native", num_threads=args.threads)
+        tok = eng.tokenizer
+        weight_bytes = sum(p.nbytes for layer in eng.model.layers
+                           for m in (layer.qkv, layer.o, layer.gate_up, layer.down) for p in m.parts)
+        weight_bytes += eng.model.lm_head.nbytes
+        bw = read_bandwidth()
+        for rnd in range(args.rounds):
+            for side in (("llama.cpp", "kvd") if rnd % 2 == 0 else ("kvd", "llama.cpp")):
+                if side == "llama.cpp":
+                    r = llama_bench(args.llama_cpp, gguf, args.threads, reps=3)
+                else:
+                    r = kvd_engine(eng, random_prompts(tok, 3, [512] * 3, seed=100 + rnd))
+                rows.append({"part": "engine", "side": side, "round": rnd, **r})
+                print(f"engine {side:9s} round {rnd}: pp512 {r['pp512']:.1f} tok/s, tg128 {r['tg128']:.1f} tok/s",
+                      flush=True)
+        bound = bw / weight_bytes
+        print(f"\nbandwidth bound: {bw / 1e9:.1f} GB/s / {weight_bytes / 1e6:.0f} MB per token = {bound:.0f} tok/s")
+        best = {s: {k: max(r[k] for r in rows if r.get("side") == s) for k in ("pp512", "tg128")}
+                for s in ("kvd", "llama.cpp")}
+        print(f"\n| CPU | threads | test | llama.cpp (llama-bench) | kvd | kvd / llama.cpp |")
+        print("|---|---|---|---|---|---|")
+        for k in ("tg128", "pp512"):
+            print(f"| {cpu} | {args.threads} | {k} | {best['llama.cpp'][k]:.1f} tok/s | {best['kvd'][k]:.1f} tok/s "
+                  f"| **{best['kvd'][k] / best['llama.cpp'][k]:.2f}x** |")
+        print(f"\nkvd tg128 = {best['kvd']['tg128'] / bound:.2f} of the bandwidth bound ({bound:.0f} tok/s)")
+        rows.append({"part": "bound", "bandwidth_gbs": bw / 1e9, "weight_bytes": weight_bytes,
+                     "bound_tok_s": bound})
+        del eng
+    if "http" in parts:
+        rows += http_rows(args.llama_cpp, gguf, args.threads, args.rounds)
+        print("\n| CPU | threads | load | llama-server out tok/s | kvd serve out tok/s | ratio "
+              "| TPOT p50 llama / kvd (ms) | TTFT p50 llama / kvd (ms) |")
+        print("|---|---|---|---|---|---|---|---|")
+        for name, *_ in HTTP_LOADS:
+            med = {s: {k: statistics.median(r[k] for r in rows if r.get("load") == name and r["server"] == s)
+                       for k in ("output_throughput", "median_tpot_ms", "median_ttft_ms")}
+                   for s in ("llama.cpp", "kvd")}
+            lc, kv = med["llama.cpp"], med["kvd"]
+            print(f"| {cpu} | {args.threads} | {name} | {lc['output_throughput']:.1f} | {kv['output_throughput']:.1f} "
+                  f"| **{kv['output_throughput'] / lc['output_throughput']:.2f}x** "
+                  f"| {lc['median_tpot_ms']:.1f} / {kv['median_tpot_ms']:.1f} "
+                  f"| {lc['median_ttft_ms']:.0f} / {kv['median_ttft_ms']:.0f} |")
+    write_results(args.out, rows, cpu=cpu, args={k: str(v) for k, v in vars(args).items()})
+
+
+if __name__ == "__main__":
+    main()
