@@ -85,7 +85,8 @@ def loadgen(url: str, load: tuple, tmp: str, tag: str) -> dict:
                     "--tokenizer", "smollm2", "--endpoint", "/v1/completions", "--dataset-name", "random",
                     "--random-input-len", str(inp), "--random-output-len", str(outp), "--num-prompts", str(n),
                     "--max-concurrency", str(conc), "--request-rate", "inf", "--ignore-eos", "--seed", "0",
-                    "--temperature", "0", "--save-result", "--result-dir", tmp, "--result-filename", out.name,
+                    "--temperature", "0", "--no-keepalive", "--save-result", "--result-dir", tmp,
+                    "--result-filename", out.name,
                     "--disable-tqdm"], cwd=REPO, check=True, stdout=subprocess.DEVNULL, timeout=3600)
     m = json.loads(out.read_text())["metrics"]
     return {k: m.get(k) for k in ("output_throughput", "median_tpot_ms", "median_ttft_ms", "p99_ttft_ms",
@@ -95,7 +96,10 @@ def loadgen(url: str, load: tuple, tmp: str, tag: str) -> dict:
 def serve(kind: str, bin_dir: Path, gguf: Path, threads: int, conc: int, port: int) -> subprocess.Popen:
     if kind == "llama.cpp":
         cmd = [str(bin_dir / "llama-server"), "-m", str(gguf), "-t", str(threads), "-tb", str(threads),
-               "-np", str(conc), "-c", str(1024 * conc), "--host", "127.0.0.1", "--port", str(port)]
+               "-np", str(conc), "-c", str(1024 * conc), "--host", "127.0.0.1", "--port", str(port),
+               # its HTTP pool defaults to a thread per core: with 32 streams open it drops new
+               # connections ("Can not write request body"), which would count as its failures
+               "--threads-http", str(2 * conc + 4)]
     else:
         cmd = [sys.executable, "-m", "kvd.cli", "serve", "--port", str(port), "--num-threads", str(threads),
                "--max-num-seqs", str(max(conc, 8))]

@@ -211,3 +211,29 @@ def test_progress_on_a_terminal_redraws_one_line():
     off.update(True)
     off.close()
     assert silent.getvalue() == ""
+
+
+@pytest.mark.parametrize("keepalive", [True, False])
+async def test_no_keepalive_opens_a_connection_per_request(keepalive):
+    """--no-keepalive: one connection per request (llama-server drops idle keep-alive
+    connections under load, failing the next request sent on one); the default reuses."""
+    import asyncio
+
+    from tools.loadgen.fake_server import _Connection
+    opts, made = FakeOptions(), []
+
+    def connection():
+        made.append(1)
+        return _Connection(opts)
+
+    srv = await asyncio.get_running_loop().create_server(connection, "127.0.0.1", 0)
+    try:
+        url = f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}/v1/completions"
+        cfg = RunConfig(url=url, model="fake", chat=False, max_concurrency=1, progress=False,
+                        keepalive=keepalive)
+        res = await run(single(["a", "b", "c", "d"]), cfg)
+    finally:
+        srv.close()
+        await srv.wait_closed()
+    assert all(r.success for r in res.records) and len(res.records) == 4
+    assert len(made) == (1 if keepalive else 4)

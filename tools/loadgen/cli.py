@@ -108,6 +108,10 @@ def run_parser() -> OneLineParser:
                    help="bearer token (default: $OPENAI_API_KEY)")
     g.add_argument("--request-timeout", type=_positive_float, default=3600.0,
                    help="seconds one request may take before it counts as failed")
+    g.add_argument("--no-keepalive", action="store_true",
+                   help="open a new connection per request: for servers that close idle keep-alive "
+                        "connections, where a request sent on one fails before the server sees it "
+                        "(llama-server under 32 streams)")
 
     g = p.add_argument_group("load")
     g.add_argument("--num-prompts", type=_positive_int, default=1000,
@@ -308,7 +312,8 @@ def cmd_run(argv: Sequence[str]) -> int:
             url=args.base_url + args.endpoint, model=model, chat=args.endpoint.endswith("/chat/completions"),
             api_key=args.api_key, request_rate=args.request_rate, burstiness=args.burstiness,
             max_concurrency=args.max_concurrency, ignore_eos=args.ignore_eos, temperature=args.temperature,
-            request_timeout_s=args.request_timeout, seed=args.seed, progress=not args.disable_tqdm,
+            request_timeout_s=args.request_timeout, keepalive=not args.no_keepalive, seed=args.seed,
+            progress=not args.disable_tqdm,
             admin_socket=args.admin_socket, faults=args.faults, think_time_s=args.sessions_think_time)
         total = sum(len(c.turns) for c in conversations)
         print(f"{PROG}: {total} requests ({args.dataset_name}) -> {cfg.url} model={model} "

@@ -47,6 +47,7 @@ class RunConfig:
     ignore_eos: bool = False
     temperature: float = 0.0
     request_timeout_s: float = 3600.0
+    keepalive: bool = True         # False: a new connection per request (servers that drop idle ones)
     seed: int = 0
     progress: bool = True
     admin_socket: str | None = None
@@ -165,7 +166,8 @@ async def run(conversations: list[Conversation], cfg: RunConfig) -> RunResult:
     fault_log: list[dict] = []
     # No connection cap unless asked: a cap would queue requests inside the
     # client and charge that wait to the server's TTFT.
-    connector = aiohttp.TCPConnector(limit=cfg.max_concurrency or 0, ttl_dns_cache=300)
+    connector = aiohttp.TCPConnector(limit=cfg.max_concurrency or 0, ttl_dns_cache=300,
+                                     force_close=not cfg.keepalive)
     timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s)
     counter = iter(range(total))
 
