@@ -167,15 +167,18 @@ inline void group_scales(const uint8_t* w, int64_t row_bytes, int64_t b, int nr,
 // dropped (prefetches do not fault).
 constexpr int64_t PREFETCH_GROUPS = 2;
 
-inline void prefetch_ahead(const uint8_t* group, int64_t row_bytes, int64_t b, int64_t nb) {
+// The share of block b is bytes [8 b bb, 8 (b + 1) bb) of the group's run, bb = block_bytes(F)
+// (the run is 8 nb blocks long): no division in the loop.
+template <int F>
+inline void prefetch_ahead(const uint8_t* group, int64_t row_bytes, int64_t b) {
     const char* next = (const char*)(group + PREFETCH_GROUPS * 8 * row_bytes);
-    const int64_t lines = 8 * row_bytes / 64;
-    for (int64_t l = b * lines / nb; l < (b + 1) * lines / nb; l++) _mm_prefetch(next + 64 * l, _MM_HINT_T0);
+    constexpr int64_t share = 8 * block_bytes(F);
+    for (int64_t at = (b * share) & ~(int64_t)63; at < (b + 1) * share; at += 64) _mm_prefetch(next + at, _MM_HINT_T0);
 }
 
 template <int F>
 inline void load_group(const uint8_t* w, int64_t row_bytes, int64_t b, int nr, WGroup* g) {
-    prefetch_ahead(w, row_bytes, b, row_bytes / block_bytes(F));
+    prefetch_ahead<F>(w, row_bytes, b);
     for (int r = 0; r < 8; r++) {
         if (r >= nr) {
             g->w[r][0] = g->w[r][1] = _mm256_setzero_si256();
@@ -225,7 +228,7 @@ template <int F>
 inline void group_one_row(const uint8_t* w, int64_t row_bytes, const QRows& x, int64_t m, Acc* a) {
     const int16_t* xq = x.q + m * x.K;
     for (int64_t b = 0; b < x.nb; b++) {
-        prefetch_ahead(w, row_bytes, b, x.nb);
+        prefetch_ahead<F>(w, row_bytes, b);
         const __m256i x0 = _mm256_loadu_si256((const __m256i*)(xq + b * QK));
         const __m256i x1 = _mm256_loadu_si256((const __m256i*)(xq + b * QK + 16));
         __m256i p[8];
