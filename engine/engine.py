@@ -137,7 +137,8 @@ class LLMEngine:
         fewer query rows than the whole prompt does, and on an AMX CPU oneDNN
         and torch's flash attention pick other kernels (another summation
         order) below 64 rows, so greedy tokens can differ from the unchunked
-        engine's; fp32 activations (native and dequantized weights) chunk."""
+        engine's; fp32 models (native weights, whose matmuls take fp32 rows, and
+        dequantized fp32 weights) chunk."""
         if config.prefill_chunk_tokens and model.dtype != torch.float32:
             log.warning("prefill_chunk_tokens = %d ignored: %s activations prefill whole prompts "
                         "(chunks would not be token-exact, docs/architecture.md)",

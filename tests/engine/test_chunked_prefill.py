@@ -206,7 +206,7 @@ def chunked_prefill(model, prompt: list[int], chunk: int) -> tuple[torch.Tensor,
 
 @pytest.mark.parametrize("fmt", NATIVE_GGUF_TYPES)
 def test_native_weights_chunks_are_bit_for_bit_the_whole_prompt(tmp_path, kernel, fmt):  # noqa: F811
-    """Native weights, fp32 activations: the quantized matmul gives a row the same
+    """Native weights (16-bit activations): the quantized matmul gives a row the same
     bits whatever M is, the blocked attention a query the same bits however its
     prompt is split, and every other op is row-local: every position's logits and
     every layer's KV are identical, chunked or not (by construction, checked here).

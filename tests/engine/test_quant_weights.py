@@ -107,19 +107,20 @@ def prefill_logits(model: LlamaModel, prompts: list[list[int]]) -> list[torch.Te
 
 
 def test_native_model_matches_the_dequantized_model(tiny_gguf, kernel):
-    """Same weights, fp32 activations; only the order of fp32 sums inside the
-    matmuls differs. Tolerance: logits of this tiny model are O(1); each matmul
-    differs by at most ~2 K u sum|x w| (tests/kernels/test_quant_linear.py),
-    about 1e-5 relative here, and 4 layers may grow it a few times: 1e-4 of
-    the largest logit is far above that and far below any logit gap that
-    decides a token."""
+    """Same weights; the native kernel rounds each matmul's input to 16 bits per
+    32-block (amax / 32767) and sums in another order. Tolerance: logits of this
+    tiny model are O(1); each matmul differs by at most its bound in
+    tests/kernels/test_quant_linear.py (the rounding of x dominates: ~1.5e-5 of a
+    block's largest per element), and 4 layers grow it: measured 3.6e-4 of the
+    largest logit (Q4_1), so 1e-3 of it, far below any logit gap that decides
+    a token."""
     native = LlamaModel(*_args(load_gguf(tiny_gguf, quantized=True)), quant_kernel=kernel)
     fp32 = LlamaModel(*_args(load_gguf(tiny_gguf)))
     assert native.quantized and not fp32.quantized
     assert isinstance(native.lm_head, QuantLinear) and native.lm_head is native.embed      # tied: one table
     prompts = [[5, 17, 300, 2, 9, 44, 101], list(range(40, 75))]
     for a, b in zip(prefill_logits(native, prompts), prefill_logits(fp32, prompts)):
-        assert (a - b).abs().max() <= 1e-4 * b.abs().max()
+        assert (a - b).abs().max() <= 1e-3 * b.abs().max()
     assert native.weight_bytes_per_token() < fp32.weight_bytes_per_token() / 3
 
 
@@ -132,12 +133,13 @@ def test_native_prefill_rows_do_not_depend_on_the_batch(tiny_gguf, kernel):
 
 
 def test_the_reference_path_without_a_kernel(tiny_gguf, kernel):
-    """kernel None: QuantLinear's torch reference, same model, same answers to rounding."""
+    """kernel None: QuantLinear's torch reference (fp32 activations), same model, the
+    same answers to the kernel's rounding (the test above)."""
     weights = load_gguf(tiny_gguf, quantized=True)
     ref = LlamaModel(*_args(weights))
     fast = LlamaModel(*_args(weights), quant_kernel=kernel)
     a, b = prefill_logits(ref, [[3, 4, 5, 6]])[0], prefill_logits(fast, [[3, 4, 5, 6]])[0]
-    assert (a - b).abs().max() <= 1e-4 * b.abs().max()
+    assert (a - b).abs().max() <= 1e-3 * b.abs().max()
 
 
 def test_the_fused_bf16_step_declines_quantized_models(tiny_gguf, kernel):
