@@ -15,8 +15,8 @@ instead of starting a second runtime whose threads would spin against it.
 
 ``python -m kernels.native`` builds every kernel this CPU runs (``make install``
 runs it): the fused bf16 decode step where the CPU has AVX512-BF16, and the
-quantized-weights matmul and decode-plan executor in their AVX-512 or AVX2
-variant (kernels/quant_linear.py, kernels/plan_decode.py).
+quantized-weights matmul and decode-plan executor in their AVX-512 VNNI,
+AVX-512 or AVX2 variant (kernels/quant_linear.py, kernels/plan_decode.py).
 """
 
 from __future__ import annotations

@@ -68,6 +68,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> str | None:
+    """Poll ``url``/health until it answers 200: None, or why not (``proc`` exited,
+    or ``timeout`` seconds passed)."""
+    import urllib.request  # noqa: PLC0415
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return f"exited with {proc.returncode}"
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return None
+        except OSError:
+            pass
+        time.sleep(0.3)
+    return f"did not answer /health within {timeout:.0f} s"
+
+
 def write_results(path: str | os.PathLike, rows: list[dict], **extra: Any) -> None:
     """``{"machine", "time", "rows", **extra}`` as JSON at ``path`` (its folder made)."""
     import torch  # noqa: PLC0415

@@ -30,8 +30,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -40,7 +38,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from engine.model.registry import bundled_gguf_path  # noqa: E402
-from tools._twoproc import free_port, stop_processes, write_results  # noqa: E402
+from tools._twoproc import free_port, stop_processes, wait_healthy, write_results  # noqa: E402
 from tools.bench_engine import decode_rates, make_engine, random_prompts, read_bandwidth  # noqa: E402
 from tools.bench_weights import prefill_seconds  # noqa: E402
 from tools.loadgen.report import cpu_model  # noqa: E402
@@ -65,21 +63,6 @@ def kvd_engine(eng, prompts: list[list[int]]) -> dict[str, float]:
     pre = [prefill_seconds(eng, p) for p in prompts]
     dec = decode_rates(eng, prompts[0][:16], rounds=len(prompts))
     return {"pp512": 512 / min(pre), "tg128": max(dec)}
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"bench_llamacpp: server exited {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit(f"bench_llamacpp: {url} not healthy after {timeout:.0f} s")
 
 
 def loadgen(url: str, load: tuple, tmp: str, tag: str) -> dict:
@@ -120,7 +103,9 @@ def http_rows(bin_dir: Path, gguf: Path, threads: int, rounds: int) -> list[dict
                     proc = serve(kind, bin_dir, gguf, threads, load[1], port)
                     try:
                         url = f"http://127.0.0.1:{port}"
-                        wait_healthy(url, proc)
+                        why = wait_healthy(url, proc, 180.0)
+                        if why:
+                            raise SystemExit(f"bench_llamacpp: {kind} server {why}")
                         r = loadgen(url, load, tmp, f"{kind}-{load[1]}-{rnd}")
                     finally:
                         stop_processes([proc])

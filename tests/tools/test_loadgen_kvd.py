@@ -13,12 +13,11 @@ import signal
 import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
+from tools._twoproc import wait_healthy
 from tools.loadgen import cli
 
 REPO = Path(__file__).resolve().parents[2]
@@ -42,20 +41,10 @@ def kvd_server():
                              "--host", "127.0.0.1", "--port", str(port)],
                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
     try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"kvd serve exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail("kvd serve did not answer /health within 120 s")
-            time.sleep(0.3)
+        why = wait_healthy(url, proc, 120.0)
+        if why:
+            pytest.fail(f"kvd serve {why}: {proc.stderr.read()[-2000:] if proc.poll() is not None else ''}")
         yield url
     finally:
         proc.send_signal(signal.SIGTERM)
