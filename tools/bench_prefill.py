@@ -11,8 +11,8 @@ ever slows a round down) and every round in the JSON:
   torch's SDPA (``attention_kernel = None``, the attention before), and
   ``weights = "dequantize"`` (fp32, MKL) with each attention;
 - **matmuls**: a layer's four projections at M = the prompt length, native
-  (kernels/quant_linear.py: 16-bit activations, groups of W widened once per chunk of rows) vs MKL over the
-  dequantized fp32 weights, GMAC/s;
+  (kernels/quant_linear.py: 16-bit activations, groups of W widened once per
+  chunk of rows) vs MKL over the dequantized fp32 weights, GMAC/s;
 - **attention**: one layer's prefill attention, the C++ kernel
   (kernels/prefill_attention.py) vs torch's SDPA, milliseconds.
 
