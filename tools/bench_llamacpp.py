@@ -132,9 +132,7 @@ def main() -> None:
     if "engine" in parts:
         eng = make_engine("float32", weights="native", num_threads=args.threads)
         tok = eng.tokenizer
-        weight_bytes = sum(p.nbytes for layer in eng.model.layers
-                           for m in (layer.qkv, layer.o, layer.gate_up, layer.down) for p in m.parts)
-        weight_bytes += eng.model.lm_head.nbytes
+        weight_bytes = eng.model.weight_bytes_per_token()
         bw = read_bandwidth()
         for rnd in range(args.rounds):
             for side in (("llama.cpp", "kvd") if rnd % 2 == 0 else ("kvd", "llama.cpp")):

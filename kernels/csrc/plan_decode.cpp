@@ -36,7 +36,6 @@ enum Op { OP_RMS_NORM = 0, OP_LINEAR = 1, OP_ROPE_ATTENTION = 2, OP_LINEAR_ADD =
 // Batches of at most this many rows run row-local ops on every thread (kvd_plan_decode).
 constexpr int REDUNDANT_ROWS = 4;
 
-
 }  // namespace
 
 extern "C" {
@@ -174,6 +173,22 @@ void silu_mul_row(const float* x, const float* u, int64_t n, float* y) {
     }
 }
 
+// Storage for every matmul input of a step quantized, one buffer per slot and the last for
+// the LM head's input (the final norm's rows).
+using QuantizedInputs = std::vector<QRowsBuf>;
+
+// Rows of B for slot s of m at [s] (slots whose width is not a whole number of blocks get
+// none: no matmul reads them, kvd_plan_check saw to it), the LM head's input at [num_slots].
+std::vector<QRows> quantized_inputs(const PlanModel* m, int B, QuantizedInputs& bufs) {
+    bufs.resize((size_t)m->num_slots + 1);
+    std::vector<QRows> rows((size_t)m->num_slots + 1);
+    for (int s = 0; s <= m->num_slots; s++) {
+        const int64_t k = s < m->num_slots ? m->slot_width[s] : m->hidden;
+        if (k % QK == 0) rows[s] = bufs[s].rows(B, k);
+    }
+    return rows;
+}
+
 }  // namespace
 
 extern "C" {
@@ -240,14 +255,6 @@ int kvd_plan_decode(const PlanModel* m, float* kv, int B, const int64_t* ids, co
         widest = m->slot_width[s] > widest ? m->slot_width[s] : widest;
     }
     std::vector<float> tmp((size_t)B * widest), qrot((size_t)B * q_size), normed((size_t)B * D);
-    // a matmul's input quantized (shared by the team): one buffer per slot, the last for the LM head
-    std::vector<QRowsBuf> qbufs((size_t)m->num_slots + 1);
-    std::vector<QRows> qx((size_t)m->num_slots + 1);
-    for (int s = 0; s <= m->num_slots; s++) {
-        const int64_t k = s < m->num_slots ? m->slot_width[s] : D;
-        if (k % QK == 0) qx[s] = qbufs[s].rows(B, k);
-    }
-    const QRows& qhead = qx[m->num_slots];
     float* h = slots[0].data();
     gather_rows_any(m->embed.format, (const uint8_t*)m->embed.data, D, ids, B, h);
 
@@ -268,28 +275,25 @@ int kvd_plan_decode(const PlanModel* m, float* kv, int B, const int64_t* ids, co
     }
     priv_slot[0] = 0;                                   // h: the embedding writes it shared
 
+    // matmul inputs quantized, shared by the team (only when rows are split between threads)
+    QuantizedInputs team_qbufs;
+    const std::vector<QRows> qx = redundant ? std::vector<QRows>() : quantized_inputs(m, B, team_qbufs);
+
     SpinBarrier barrier;
 #pragma omp parallel num_threads(nt)
     {
         const int tid = omp_get_thread_num(), T = omp_get_num_threads();
+        QuantizedInputs own_qbufs;
         std::vector<float> scores((size_t)max_ctx);
         std::vector<std::vector<float>> own((size_t)m->num_slots);      // this thread's private slots
-        std::vector<QRowsBuf> own_qbufs;
-        std::vector<QRows> own_qx;
-        if (redundant) {
-            own_qbufs.resize((size_t)m->num_slots + 1);
-            own_qx.resize((size_t)m->num_slots + 1);
-            for (int s = 0; s <= m->num_slots; s++) {
-                const int64_t k = s < m->num_slots ? m->slot_width[s] : D;
-                if (k % QK == 0) own_qx[s] = own_qbufs[s].rows(B, k);
-                if (s < m->num_slots && priv_slot[s]) own[s].resize((size_t)B * k);
-            }
-        }
+        for (int s = 0; s < m->num_slots; s++)
+            if (priv_slot[s]) own[s].resize((size_t)B * m->slot_width[s]);
         auto slot = [&](int s) { return priv_slot[s] ? own[s].data() : slots[s].data(); };
+        // matmul inputs quantized: this thread's own buffers, or the team's (rows split)
+        const std::vector<QRows> xq = redundant ? quantized_inputs(m, B, own_qbufs) : qx;
         int64_t r0, r1;                                 // this thread's rows for row-local ops
         if (redundant) r0 = 0, r1 = B;
         else split(B, T, tid, &r0, &r1);
-        const std::vector<QRows>& xq = redundant ? own_qx : qx;
         for (int l = 0; l < m->num_layers; l++) {
             float* kcache = kv + l * layer_kv;
             float* vcache = kcache + layer_kv / 2;
@@ -369,7 +373,7 @@ int kvd_plan_decode(const PlanModel* m, float* kv, int B, const int64_t* ids, co
         std::vector<float> own_normed(redundant ? (size_t)B * D : 0);
         float* nrm = redundant ? own_normed.data() : normed.data();
         for (int64_t r = r0; r < r1; r++) rms_norm_row(h + r * D, m->final_norm, D, m->eps, &nrm[r * D]);
-        const QRows& qh = redundant ? own_qx[m->num_slots] : qhead;
+        const QRows& qh = xq[m->num_slots];
         quantize_rows(nrm, D, r0, r1, qh);
         if (!redundant) barrier.wait(T);
         int64_t n0, n1;

@@ -1,5 +1,6 @@
 """The request function and the runner against the fake SSE server."""
 
+import asyncio
 import io
 import math
 
@@ -8,7 +9,7 @@ import pytest
 
 from tools.loadgen.client import RequestRecord, build_body, error_message, send_request
 from tools.loadgen.datasets import Conversation, Turn
-from tools.loadgen.fake_server import FakeOptions, serve
+from tools.loadgen.fake_server import FakeOptions, _Connection, serve
 from tools.loadgen.runner import Progress, RunConfig, run, start_offsets
 
 
