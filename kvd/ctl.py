@@ -142,6 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
     tree.add_argument("--verify", action="store_true", help="compare with every node's own cache")
     routing = sub.add_parser("routing", help="show or switch the routing policy (coordinator)")
     routing.add_argument("policy", nargs="?", help="prompt-tree | session | least-load; omitted: show")
+    routing.add_argument("--set", action="append", default=[], metavar="WEIGHT=VALUE",
+                         help="override a prompt-tree cost weight until the next switch (overlap_weight, "
+                              "load_weight, max_imbalance, recent_weight, load_decay, queue_weight); repeatable")
     ll = sub.add_parser("log-level", help="set the daemon's log level")
     ll.add_argument("level", choices=("debug", "info", "warning", "error", "critical"),
                     type=str.lower)
@@ -170,7 +173,13 @@ def to_request(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[
     if cmd == "tree":
         return {"cmd": cmd, **({"verify": True} if ns.verify else {})}
     if cmd == "routing":
-        return {"cmd": cmd, **({"policy": ns.policy} if ns.policy else {})}
+        msg = {"cmd": cmd, **({"policy": ns.policy} if ns.policy else {})}
+        for item in ns.set:
+            key, sep, value = item.partition("=")
+            if not sep or not key:
+                parser.error(f"routing --set: expected WEIGHT=VALUE, got {item!r}")
+            msg[key] = _value(value)
+        return msg
     if cmd == "log-level":
         return {"cmd": cmd, "level": ns.level, **({"logger": ns.logger} if ns.logger else {})}
     if cmd == "fail":

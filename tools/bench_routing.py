@@ -31,6 +31,7 @@ import argparse
 import asyncio
 import datetime as dt
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -103,9 +104,20 @@ def counters(sock: str) -> tuple[dict[str, int], int, int]:
     return routed, hit, miss
 
 
+def policy_spec(spec: str) -> tuple[str, dict[str, float]]:
+    """``prompt-tree[queue_weight=0,load_weight=2]`` -> (policy, weight overrides)."""
+    name, _, rest = spec.partition("[")
+    weights = {}
+    for item in filter(None, rest.rstrip("]").split(",")):
+        key, _, value = item.partition("=")
+        weights[key.strip()] = json.loads(value)
+    return name, weights
+
+
 def one_run(base: str, sock: str, model: str, policy: str, convs, args) -> dict:
     admin(sock, "cache flush")
-    admin(sock, "routing", policy=policy)
+    name, weights = policy_spec(policy)
+    admin(sock, "routing", policy=name, **weights)
     routed0, hit0, miss0 = counters(sock)
     cfg = RunConfig(url=base + "/v1/chat/completions", model=model, chat=True,
                     request_rate=args.request_rate, ignore_eos=True, seed=args.seed, progress=False)
@@ -119,6 +131,9 @@ def one_run(base: str, sock: str, model: str, policy: str, convs, args) -> dict:
             "cached_share": hit / max(1, hit + miss), "ttft_p50_ms": float(np.percentile(ttft, 50)),
             "ttft_p99_ms": float(np.percentile(ttft, 99)), "per_node": per_node,
             "max_over_mean": max(per_node) / max(1e-9, float(np.mean(per_node))),
+            # the tail, to tell a cold start from a queue: (TTFT, start) of the slowest five
+            "slowest_ms_at_s": sorted(([round(r.ttft * 1000), round(r.start, 1)] for r in ok if r.ttft is not None),
+                                      reverse=True)[:5],
             "duration_s": result.duration_s}
 
 
@@ -138,7 +153,9 @@ def main() -> int:
     p.add_argument("--num-prompts", type=int, default=24)
     p.add_argument("--request-rate", type=float, default=4.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated, in run order")
+    p.add_argument("--policies", default=",".join(POLICIES),
+                   help="comma-separated, in run order; a policy may override prompt-tree weights: "
+                        "'prompt-tree[queue_weight=0,load_weight=2],least-load'")
     p.add_argument("--reference-kv-blocks", type=int, default=8192,
                    help="KV blocks of the one-node ideal run (0: skip it)")
     p.add_argument("--cluster", action="append", default=[], metavar="KEY=VALUE",
@@ -192,7 +209,7 @@ def main() -> int:
                                          extra_cluster="".join(f"{kv}\n" for kv in args.cluster))
         try:
             for name in traces:
-                for policy in args.policies.split(","):
+                for policy in re.findall(r"[^,\[\s]+(?:\[[^\]]*\])?", args.policies):
                     row = {"dataset": name, **one_run(base, sock, served, policy, convs[name], args)}
                     rows.append(row)
                     print_row(row, ideal)

@@ -17,6 +17,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from kvd import protocol
+from kvd.coordinator.cache_router import ROUTING_WEIGHTS
 from kvd.coordinator.membership import NodeInfo
 from transports import TransportError
 
@@ -159,14 +160,19 @@ class CoordinatorAdmin:
         return out
 
     async def cmd_routing(self, args: dict) -> dict:
-        """Show the routing policy, or switch to ``policy`` (from the next request on)."""
+        """Show the routing policy, or switch to ``policy`` (from the next
+        request on; the current one when only weights are given). Prompt-tree
+        cost weights given here override ``[cluster]`` routing_* for this
+        router only: the next switch without them is back to the config."""
         from kvd.coordinator.cache_router import POLICIES, policy_name
 
         client = self.d.client
-        if args.get("policy"):
-            client.router = self.d.make_router(args["policy"])     # ValueError: unknown policy
-            client.prefill_router = self.d.make_router(args["policy"])
-            log.warning("routing policy switched to %s", args["policy"])
+        weights = {k: args[k] for k in ROUTING_WEIGHTS if k in args}
+        if args.get("policy") or weights:
+            policy = args.get("policy") or policy_name(client.router)
+            router = self.d.make_router(policy, **weights)        # ValueError: unknown policy, bad weight
+            client.router, client.prefill_router = router, self.d.make_router(policy, **weights)
+            log.warning("routing policy switched to %s %s", policy, weights or "")
         describe = getattr(client.router, "describe", None)
         return {"policy": policy_name(client.router), "policies": list(POLICIES),
                 **(describe() if describe else {})}
@@ -187,7 +193,9 @@ class CoordinatorAdmin:
                      "prefixes, event sync (verify: compare with every node's own cache)",
                      {"verify": (bool, False)}),
             "routing": (self.cmd_routing, "show the routing policy, or switch it: policy = prompt-tree | "
-                        "session | least-load", {"policy": (str, False)}),
+                        "session | least-load; prompt-tree weights (" + ", ".join(ROUTING_WEIGHTS)
+                        + ") override the config's", {"policy": (str, False),
+                                                      **{k: (t, False) for k, t in ROUTING_WEIGHTS.items()}}),
             "fail": (self.cmd_fail, "fault injection on a node: mode exit | stop | resume | drop-transfers; "
                      "without a node, mode stall blocks this coordinator's event loop for `seconds` (5)",
                      {"node": (str, False), "mode": (str, True), "seconds": (float, False)}),

@@ -18,6 +18,7 @@ Imports no torch.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import collections
 import contextlib
 import logging
@@ -95,13 +96,15 @@ class CoordinatorDaemon:
         self._ready = asyncio.Event()
         self._tg: asyncio.TaskGroup | None = None
 
-    def make_router(self, policy: str) -> Router:
-        """A router for ``policy`` with this cluster's settings (ValueError for an unknown one)."""
+    def make_router(self, policy: str, **weights: float) -> Router:
+        """A router for ``policy`` with this cluster's settings, ``weights``
+        (CostWeights fields) overriding them; ValueError for an unknown policy
+        or a bad weight."""
         c = self.cluster
+        base = CostWeights(c.routing_overlap_weight, c.routing_load_weight, c.routing_max_imbalance,
+                           c.routing_recent_weight, c.routing_load_decay, c.routing_queue_weight)
         return make_router(policy, self.trees, affinity_tokens=c.affinity_tokens,
-                           weights=CostWeights(c.routing_overlap_weight, c.routing_load_weight,
-                                               c.routing_max_imbalance, c.routing_recent_weight,
-                                               c.routing_load_decay))
+                           weights=dataclasses.replace(base, **weights))
 
     @property
     def address(self) -> str:
