@@ -123,15 +123,13 @@ class ClusterConfig:
         global prompt trees), "session" (least load + session affinity) or
         "least-load"; ``kvctl routing POLICY`` switches at run time.
     routing_overlap_weight / routing_load_weight / routing_max_imbalance /
-    routing_recent_weight / routing_load_decay / routing_queue_weight:
+    routing_recent_weight / routing_load_decay:
         prompt-tree cost = overlap_weight * blocks to prefill + load_weight *
         requests in flight + recent_weight * blocks of work finished there
         lately (each request's decaying as exp(-age / load_decay) from its
-        end) + queue_weight * prompt blocks queued there for prefill * the
-        share of the prompt it must compute there, among nodes at most
-        max_imbalance requests above the least loaded
-        (kvd/coordinator/cache_router.py); load_decay 0 drops the recent
-        term, queue_weight 0 the queue term.
+        end), among nodes
+        at most max_imbalance requests above the least loaded
+        (kvd/coordinator/cache_router.py); load_decay 0 drops the recent term.
     routing_pending_ttl: seconds a routed prompt counts as cached on its node
         before the node's events confirm it.
     cache_events_interval: seconds between a node's pushes of its cache
@@ -173,7 +171,6 @@ class ClusterConfig:
     routing_max_imbalance: int = 4
     routing_recent_weight: float = 0.25
     routing_load_decay: float = 60.0
-    routing_queue_weight: float = 1.0
     routing_pending_ttl: float = 30.0
     cache_events_interval: float = 0.05
     replicas: int = 0
@@ -198,8 +195,7 @@ class ClusterConfig:
         if self.routing not in ROUTING_POLICIES:
             raise ConfigError(f"cluster.routing must be one of {ROUTING_POLICIES}, got {self.routing!r}")
         routing = (self.routing_overlap_weight, self.routing_load_weight, self.routing_max_imbalance,
-                   self.routing_pending_ttl, self.routing_recent_weight, self.routing_load_decay,
-                   self.routing_queue_weight)
+                   self.routing_pending_ttl, self.routing_recent_weight, self.routing_load_decay)
         if not all(math.isfinite(v) and v >= 0 for v in routing):
             raise ConfigError("cluster.routing_* weights, max_imbalance, pending_ttl and load_decay "
                               "must be finite and >= 0")

@@ -144,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     routing.add_argument("policy", nargs="?", help="prompt-tree | session | least-load; omitted: show")
     routing.add_argument("--set", action="append", default=[], metavar="WEIGHT=VALUE",
                          help="override a prompt-tree cost weight until the next switch (overlap_weight, "
-                              "load_weight, max_imbalance, recent_weight, load_decay, queue_weight); repeatable")
+                              "load_weight, max_imbalance, recent_weight, load_decay); repeatable")
     ll = sub.add_parser("log-level", help="set the daemon's log level")
     ll.add_argument("level", choices=("debug", "info", "warning", "error", "critical"),
                     type=str.lower)

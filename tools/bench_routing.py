@@ -105,7 +105,7 @@ def counters(sock: str) -> tuple[dict[str, int], int, int]:
 
 
 def policy_spec(spec: str) -> tuple[str, dict[str, float]]:
-    """``prompt-tree[queue_weight=0,load_weight=2]`` -> (policy, weight overrides)."""
+    """``prompt-tree[recent_weight=0,load_weight=2]`` -> (policy, weight overrides)."""
     name, _, rest = spec.partition("[")
     weights = {}
     for item in filter(None, rest.rstrip("]").split(",")):
@@ -155,7 +155,7 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--policies", default=",".join(POLICIES),
                    help="comma-separated, in run order; a policy may override prompt-tree weights: "
-                        "'prompt-tree[queue_weight=0,load_weight=2],least-load'")
+                        "'prompt-tree[recent_weight=0,load_weight=2],least-load'")
     p.add_argument("--reference-kv-blocks", type=int, default=8192,
                    help="KV blocks of the one-node ideal run (0: skip it)")
     p.add_argument("--cluster", action="append", default=[], metavar="KEY=VALUE",

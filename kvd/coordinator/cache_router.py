@@ -9,9 +9,6 @@ full blocks (of the prompt minus its last token: what the engine can reuse)::
     cost(n)    = overlap_weight * prefill(n)
                + load_weight    * load(n)           requests in flight there
                + recent_weight  * recent(n)         work it finished lately
-               + queue_weight   * queued(n) * prefill(n) / B
-                                                    prefill queued there, for
-                                                    the share it must compute
 
 where ``load(n)`` is the requests this coordinator has in flight there (exact
 and never reset by a heartbeat) and ``recent(n)`` the work routed there
@@ -26,17 +23,6 @@ absorbed about one prefix's worth of blocks more than another, computing the
 prefix again elsewhere is cheaper than queueing behind it, so a hot prefix
 spreads over the nodes, each computing it once. It decays rather than resets
 (vllm-project/router #179: counters that reset create hot spots).
-
-``queued(n)`` is the prompt blocks routed to ``n`` whose requests have not
-yet sent a token from it (``NodeInfo.queued_blocks``): prefill work waiting
-there or under way. The engine admits FCFS under a chunk budget, so a prompt
-routed to ``n`` starts its own prefill only once those blocks are computed.
-The term is scaled by the share of the prompt the request must compute on
-``n``: a cold prompt avoids a node busy with another cold prompt (the two
-would otherwise queue, the tail of TTFT), while a request that finds most of
-its prompt cached (or pending, behind the request computing it) stays with
-its cache: its own prefill is short and moving it would compute its prefix a
-second time. Dynamo's KV router counts the same queued prefill, unscaled.
 
 The cheapest node is picked among the *eligible* ones:
 
@@ -85,7 +71,6 @@ class CostWeights:
     max_imbalance: int = 4           # requests above the least-loaded node that stop affinity
     recent_weight: float = 0.25      # per block of work finished there lately (decayed)
     load_decay: float = 60.0         # seconds: time constant of that decay; 0 turns the term off
-    queue_weight: float = 1.0        # per block queued for prefill there, times the prompt's uncached share
 
     def __post_init__(self) -> None:
         if not all(math.isfinite(v) and v >= 0 for v in dataclasses.astuple(self)):
@@ -154,10 +139,7 @@ def role_of(node: NodeInfo) -> str:
 
 class PromptTreeRouter:
     """Router on cost = overlap_weight * blocks to prefill + load_weight * load
-    + recent_weight * recent work + queue_weight * queued prefill * uncached
-    share; see the module docstring. ``pick`` with a request id records the
-    blocks the request computes on the chosen node in its ``prefilling``
-    (the caller drops them when the node sends the request's first token)."""
+    + recent_weight * recent work; see the module docstring."""
 
     name = "prompt-tree"
 
@@ -187,22 +169,16 @@ class PromptTreeRouter:
         eligible = [n for n in nodes if n.load <= min_load + w.max_imbalance]
 
         def score(n: NodeInfo) -> tuple:
-            prefill = total - cached.get(n.name, 0)
-            cost = (w.overlap_weight * prefill + w.load_weight * n.load
+            cost = (w.overlap_weight * (total - cached.get(n.name, 0)) + w.load_weight * n.load
                     + w.recent_weight * self.recent.value(n.name, now))
-            if w.queue_weight and prefill:
-                cost += w.queue_weight * n.queued_blocks * prefill / total
             return (cost, n.load, n.heartbeat.running if n.heartbeat else 0, n.name)
 
         choice = min(eligible, key=score)
-        prefill = total - cached.get(choice.name, 0)
-        work = prefill + w.load_weight
+        work = total - cached.get(choice.name, 0) + w.load_weight
         if request_id is None:
             self.recent.add(choice.name, work, now)       # a caller that cannot say when it ends
         else:
             self.recent.open(choice.name, request_id, work)
-            if prefill:
-                choice.prefilling[request_id] = prefill
         best_cached = max((cached.get(n.name, 0) for n in nodes), default=0)
         if cached.get(choice.name, 0):
             self.cache_routed += 1
@@ -216,7 +192,6 @@ class PromptTreeRouter:
         return {"policy": self.name, "overlap_weight": self.weights.overlap_weight,
                 "load_weight": self.weights.load_weight, "max_imbalance": self.weights.max_imbalance,
                 "recent_weight": self.weights.recent_weight, "load_decay": self.weights.load_decay,
-                "queue_weight": self.weights.queue_weight,
                 "recent_work": self.recent.snapshot(time.monotonic()),
                 "pending_ttl": self.trees.pending_ttl, "cache_routed": self.cache_routed,
                 "guarded": self.guarded}

@@ -317,7 +317,6 @@ class RemoteEngineClient:
             # the leg is the prefill node's load from the pick (the router follows it there), not
             # from the decode node's grant; dropped again when the decode node prefills itself
             prefill.in_flight.add(request_id)
-            node.prefilling.pop(request_id, None)      # the prefill node computes the prompt
         stream = _Stream(node.name, request, node.incarnation)
         self._streams[request_id] = stream
         node.in_flight.add(request_id)
@@ -473,8 +472,6 @@ class RemoteEngineClient:
         stream = self._streams.get(rid) if rid else None
         if stream is None or node not in stream.legs():
             return  # finished, aborted or failed over: late chunks are dropped
-        if (n := self.membership.nodes.get(node)) is not None:
-            n.prefilling.pop(rid, None)    # its prompt is computed there (or it failed): no longer queued
         if node != stream.node:            # the prefill leg: token 0; its errors are the decode node's to handle
             if isinstance(msg, protocol.TokenChunk):
                 stream.queue.put_nowait(msg)

@@ -18,9 +18,9 @@ Imports no torch.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import collections
 import contextlib
+import dataclasses
 import logging
 import signal
 import time
@@ -102,7 +102,7 @@ class CoordinatorDaemon:
         or a bad weight."""
         c = self.cluster
         base = CostWeights(c.routing_overlap_weight, c.routing_load_weight, c.routing_max_imbalance,
-                           c.routing_recent_weight, c.routing_load_decay, c.routing_queue_weight)
+                           c.routing_recent_weight, c.routing_load_decay)
         return make_router(policy, self.trees, affinity_tokens=c.affinity_tokens,
                            weights=dataclasses.replace(base, **weights))
 

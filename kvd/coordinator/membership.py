@@ -40,7 +40,6 @@ class NodeInfo:
     admin_drained: bool = False            # drained by an operator through the coordinator
     excused: float = 0.0                   # seconds of coordinator stall since last_seen, not counted
     in_flight: set[str] = field(default_factory=set)   # request ids routed here (either leg)
-    prefilling: dict[str, int] = field(default_factory=dict)  # request id -> blocks to prefill, until its 1st token
     routed: int = 0                        # requests routed here since it joined
     role: str = "mixed"                    # protocol.ROLES, from its Hello
 
@@ -52,15 +51,6 @@ class NodeInfo:
     def load(self) -> int:
         """Requests this coordinator has in flight there (exact, no heartbeat lag)."""
         return len(self.in_flight)
-
-    @property
-    def queued_blocks(self) -> int:
-        """Prompt blocks routed here whose request has not yet sent a token
-        from here: the prefill work queued on the node as the router sees
-        it. Entries whose request left ``in_flight`` are dropped here."""
-        for rid in [r for r in self.prefilling if r not in self.in_flight]:
-            del self.prefilling[rid]
-        return sum(self.prefilling.values())
 
     def silence(self, now: float) -> float:
         """Seconds without a beat, the coordinator's stalls left out."""
@@ -74,8 +64,7 @@ class NodeInfo:
         now = time.monotonic() if now is None else now
         hb = self.heartbeat
         return {"name": self.name, "role": self.role, "address": self.address, "incarnation": self.incarnation,
-                "draining": self.draining, "in_flight": len(self.in_flight),
-                "queued_blocks": self.queued_blocks, "routed": self.routed,
+                "draining": self.draining, "in_flight": len(self.in_flight), "routed": self.routed,
                 "last_heartbeat_age_s": round(now - self.last_seen, 3),
                 "running": hb.running if hb else 0, "waiting": hb.waiting if hb else 0,
                 "blocks_per_tier": dict(self.blocks_per_tier),

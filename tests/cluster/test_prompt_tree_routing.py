@@ -158,14 +158,14 @@ def test_routing_policy_switches_at_run_time(cluster):
     bad = admin(cluster.admin_socket, "routing", policy="random")
     assert not bad["ok"] and "routing policy" in bad["error"]
     # weights: overridden for this router only, validated, and gone with the next switch
-    tuned = admin(cluster.admin_socket, "routing", queue_weight=0, load_weight=2.5)
-    assert tuned["ok"] and (tuned["queue_weight"], tuned["load_weight"]) == (0, 2.5)
-    for bad_args in ({"queue_weight": -1}, {"queue_weight": "x"}, {"bogus_weight": 1.0}):
+    tuned = admin(cluster.admin_socket, "routing", recent_weight=0, load_weight=2.5)
+    assert tuned["ok"] and (tuned["recent_weight"], tuned["load_weight"]) == (0, 2.5)
+    for bad_args in ({"recent_weight": -1}, {"recent_weight": "x"}, {"bogus_weight": 1.0}):
         bad = admin(cluster.admin_socket, "routing", **bad_args)
         assert not bad["ok"] and bad["error"]
-        assert admin(cluster.admin_socket, "routing")["queue_weight"] == 0    # the refusal changed nothing
+        assert admin(cluster.admin_socket, "routing")["recent_weight"] == 0   # the refusal changed nothing
     default = admin(cluster.admin_socket, "routing", policy="prompt-tree")
-    assert (default["queue_weight"], default["load_weight"]) == (1.0, 4.0)
+    assert (default["recent_weight"], default["load_weight"]) == (0.25, 4.0)
     prefix = tokens(5, 8 * BS)                   # cached on one node only
 
     def route(prompt: list[int]) -> str:

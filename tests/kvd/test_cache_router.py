@@ -97,40 +97,6 @@ def test_uneven_load_keeps_affinity_among_the_eligible_nodes():
     assert route(router, m, SYSTEM + [7]) == "n3"
 
 
-def test_a_cold_prompt_avoids_a_node_with_prefill_queued_at_equal_load():
-    """n1 and n2 each run one request; n1's is a cold 16-block prompt still
-    prefilling, n2's a hit. A new cold prompt queues behind nothing on n2."""
-    m, trees = cluster(2), PromptTrees(BS, pending_ttl=0)
-    cache(trees, "n2", SYSTEM)
-    router = PromptTreeRouter(trees)
-    assert route(router, m, [5] * (16 * BS) + [1]) == "n1"             # cold: ties by name
-    assert route(router, m, SYSTEM + [1]) == "n2"                      # a hit
-    assert m.nodes["n1"].queued_blocks == 16 and m.nodes["n2"].queued_blocks == 0
-    assert route(router, m, [6] * (16 * BS) + [1]) == "n2"
-    unscaled = PromptTreeRouter(trees, CostWeights(queue_weight=0.0))  # the term off: name breaks the tie
-    assert unscaled.pick(m.routable(), [7] * (16 * BS) + [1], None).name == "n1"
-
-
-def test_a_hit_stays_with_its_cache_while_that_node_prefills_another_prompt():
-    m, trees = cluster(2), PromptTrees(BS, pending_ttl=0)
-    cache(trees, "n1", SYSTEM)
-    router = PromptTreeRouter(trees)
-    m.nodes["n1"].in_flight.add("cold")
-    m.nodes["n1"].prefilling["cold"] = 16
-    m.nodes["n2"].in_flight.add("other")                               # equal load
-    assert route(router, m, SYSTEM + [3] * BS + [1]) == "n1"
-
-
-def test_queued_blocks_leave_with_the_request():
-    m = cluster(1)
-    n1 = m.nodes["n1"]
-    n1.in_flight.update({"a", "b"})
-    n1.prefilling.update({"a": 5, "b": 7})
-    assert n1.queued_blocks == 12 and n1.describe()["queued_blocks"] == 12
-    n1.in_flight.discard("a")                      # ended (or failed) without a token from here
-    assert n1.queued_blocks == 7 and "a" not in n1.prefilling
-
-
 def serve_one_at_a_time(router, m, trees, prompts):
     """Each request ends before the next arrives (no load in flight) and its
     node's events confirm the prompt's blocks: the low-load case."""
@@ -199,8 +165,7 @@ def test_work_in_flight_counts_only_once_it_has_ended():
 
 
 @pytest.mark.parametrize("bad", [dict(load_decay=-1.0), dict(load_decay=float("nan")),
-                                 dict(recent_weight=-0.5), dict(load_decay=float("inf")),
-                                 dict(queue_weight=-1.0)])
+                                 dict(recent_weight=-0.5), dict(load_decay=float("inf"))])
 def test_cost_weights_reject_bad_values(bad):
     with pytest.raises(ValueError):
         CostWeights(**bad)

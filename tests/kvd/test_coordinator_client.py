@@ -308,33 +308,3 @@ async def test_a_prefill_leg_is_its_nodes_load_from_the_pick_until_the_decode_no
         assert rid not in p1.in_flight
     for listener in listeners.values():
         await listener.close()
-
-
-async def test_a_requests_queued_prefill_leaves_its_node_with_its_first_token():
-    """The router records the blocks a request computes on its node
-    (``prefilling``); the node's first chunk for it clears them."""
-    from kvd.coordinator.cache_router import PromptTreeRouter
-    from kvd.coordinator.prompt_tree import PromptTrees
-
-    registry, membership, listeners = InprocRegistry(), Membership(deadline=5.0), {}
-    client = RemoteEngineClient("m", None, membership, PromptTreeRouter(PromptTrees(16)))
-    await join(client, membership, registry, listeners, "n1")
-    n1 = membership.nodes["n1"]
-    outputs: list = []
-
-    async def run():
-        async for out in client.generate("r", list(range(1, 50)), SamplingParams(max_tokens=2, temperature=0)):
-            outputs.append(out)
-    task = asyncio.create_task(run())
-    first = await asyncio.wait_for(listeners["n1"].recv(), 5)
-    assert n1.prefilling == {"r": 3} and n1.queued_blocks == 3         # 48 reusable tokens: 3 blocks
-    await listeners["n1"].reply(first, *protocol.encode(protocol.Accepted(id="a", request_id="r")))
-    await listeners["n1"].send(first.peer, *protocol.encode(protocol.TokenChunk(
-        request_id="r", start_index=0, token_ids=(7,))))
-    while not outputs:
-        await asyncio.sleep(0.01)
-    assert n1.queued_blocks == 0 and "r" in n1.in_flight
-    await listeners["n1"].send(first.peer, *protocol.encode(last_chunk("r")))
-    await asyncio.wait_for(task, 5)
-    for listener in listeners.values():
-        await listener.close()

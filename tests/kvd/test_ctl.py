@@ -62,7 +62,7 @@ class ThreadedAdmin:
         reg("cache flush", record("cache flush", {"flushed_blocks": 12}))
         reg("fail", record("fail"), args_schema={"node": (str, True), "mode": (str, True)})
         reg("tree", record("tree"), args_schema={"verify": (bool, False)})
-        reg("routing", record("routing"), args_schema={"policy": (str, False), "queue_weight": (float, False),
+        reg("routing", record("routing"), args_schema={"policy": (str, False), "recent_weight": (float, False),
                                                        "max_imbalance": (int, False)})
         reg("set-role", record("set-role"), args_schema={"node": (str, True), "role": (str, True),
                                                           "weight": (float, False)})
@@ -124,8 +124,8 @@ def test_status_pretty_and_json(admin, capsys):
     (["tree", "--verify"], ("tree", {"verify": True})),
     (["routing"], ("routing", {})),
     (["routing", "least-load"], ("routing", {"policy": "least-load"})),
-    (["routing", "--set", "queue_weight=0.5", "--set", "max_imbalance=2"],
-     ("routing", {"queue_weight": 0.5, "max_imbalance": 2})),
+    (["routing", "--set", "recent_weight=0.5", "--set", "max_imbalance=2"],
+     ("routing", {"recent_weight": 0.5, "max_imbalance": 2})),
     (["call", "set-role", "node=n1", "role=prefill", "weight=0.5"],
      ("set-role", {"node": "n1", "role": "prefill", "weight": 0.5})),
     (["raw", '{"cmd": "cache", "sub": "stats"}'], ("cache stats", {})),
