@@ -3,13 +3,17 @@
 Starts ONE cluster (``kvd serve --nodes 3``, the tiny model unless
 ``--model``) and, for each dataset (``sessions`` with a shared system prompt,
 ``prefix-repetition``) and each policy, flushes every node's prefix cache,
-switches the policy at run time (``kvctl routing``), runs the same
-kvd-loadgen trace (chat endpoint, greedy) and reports:
+switches the policy at run time (``kvctl routing``; a policy may carry
+prompt-tree weights, ``prompt-tree[load_weight=2]``), optionally warms the
+cluster through that policy with each distinct prompt head once
+(``--warmup``), runs the same kvd-loadgen trace (chat endpoint, greedy) and
+reports:
 
 - cached share: prompt tokens served from a prefix cache / all prompt tokens
   (the nodes' MemPool hit and miss counters, ``kvctl cache stats``);
 - TTFT p50 / p99 (kvd-loadgen's records);
 - balance: max over mean requests per node (``kvctl nodes``' routed counts);
+- the slowest five TTFTs with their start times (a cold start or a queue);
 - against the ideal: the same traces on ONE node whose cache holds
   everything (``--reference-kv-blocks``), whose cached share is what any
   routing policy could reach at best; each row's ``of_ideal`` is its cached
@@ -114,13 +118,29 @@ def policy_spec(spec: str) -> tuple[str, dict[str, float]]:
     return name, weights
 
 
+def warmup_requests(convs) -> list:
+    """One single-token request per distinct prompt head (the first 256
+    characters: a prefix-repetition prefix, a shared system prompt), each the
+    first trace request that has it: what a cluster that has served the
+    trace's prefixes for a while has cached, whatever its policy."""
+    seen: dict[str, datasets.Conversation] = {}
+    for conv in convs:
+        head = conv.turns[0].text[:256]
+        if head not in seen:
+            t = conv.turns[0]
+            seen[head] = datasets.Conversation((datasets.Turn(t.text, t.prompt_len, 1),))
+    return list(seen.values())
+
+
 def one_run(base: str, sock: str, model: str, policy: str, convs, args) -> dict:
     admin(sock, "cache flush")
     name, weights = policy_spec(policy)
     admin(sock, "routing", policy=name, **weights)
-    routed0, hit0, miss0 = counters(sock)
     cfg = RunConfig(url=base + "/v1/chat/completions", model=model, chat=True,
                     request_rate=args.request_rate, ignore_eos=True, seed=args.seed, progress=False)
+    if args.warmup:                  # through the policy under test, then measured from here
+        asyncio.run(run(warmup_requests(convs), cfg))
+    routed0, hit0, miss0 = counters(sock)
     result = asyncio.run(run(convs, cfg))
     routed1, hit1, miss1 = counters(sock)
     ok = [r for r in result.records if r.success]
@@ -161,6 +181,9 @@ def main() -> int:
     p.add_argument("--cluster", action="append", default=[], metavar="KEY=VALUE",
                    help="a [cluster] setting (TOML value), e.g. routing_load_weight=8.0; repeatable")
     p.add_argument("--datasets", default="sessions,prefix-repetition", help="comma-separated, in run order")
+    p.add_argument("--warmup", action="store_true",
+                   help="before each policy's measured run, send each distinct prompt head once through "
+                        "that policy (steady state: the cold start of a short trace left out)")
     # the traces' shapes, under kvd-loadgen's flag names (other defaults)
     for flag, default in (("--sessions-num-turns", 4), ("--sessions-user-len", 64), ("--sessions-output-len", 32),
                           ("--sessions-shared-prefix-len", 512), ("--prefix-repetition-num-prefixes", 6),
