@@ -170,6 +170,8 @@ class CoordinatorAdmin:
         weights = {k: args[k] for k in ROUTING_WEIGHTS if k in args}
         if args.get("policy") or weights:
             policy = args.get("policy") or policy_name(client.router)
+            if weights and policy != "prompt-tree":
+                raise ValueError(f"cost weights apply to prompt-tree routing, not {policy}")
             router = self.d.make_router(policy, **weights)        # ValueError: unknown policy, bad weight
             client.router, client.prefill_router = router, self.d.make_router(policy, **weights)
             log.warning("routing policy switched to %s %s", policy, weights or "")

@@ -160,7 +160,8 @@ def test_routing_policy_switches_at_run_time(cluster):
     # weights: overridden for this router only, validated, and gone with the next switch
     tuned = admin(cluster.admin_socket, "routing", recent_weight=0, load_weight=2.5)
     assert tuned["ok"] and (tuned["recent_weight"], tuned["load_weight"]) == (0, 2.5)
-    for bad_args in ({"recent_weight": -1}, {"recent_weight": "x"}, {"bogus_weight": 1.0}):
+    for bad_args in ({"recent_weight": -1}, {"recent_weight": "x"}, {"bogus_weight": 1.0},
+                     {"policy": "least-load", "load_weight": 1.0}):
         bad = admin(cluster.admin_socket, "routing", **bad_args)
         assert not bad["ok"] and bad["error"]
         assert admin(cluster.admin_socket, "routing")["recent_weight"] == 0   # the refusal changed nothing
