@@ -118,6 +118,17 @@ def _value(text: str) -> Any:
         return text
 
 
+def _pairs(items: list[str], what: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """KEY=VALUE arguments as a dict (values by ``_value``); a malformed one is a usage error."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            parser.error(f"{what}: expected KEY=VALUE, got {item!r}")
+        out[key] = _value(value)
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="kvctl", description="Talk to a kvd daemon's admin socket.")
     p.add_argument("--socket", "-s", default=None,
@@ -173,26 +184,15 @@ def to_request(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[
     if cmd == "tree":
         return {"cmd": cmd, **({"verify": True} if ns.verify else {})}
     if cmd == "routing":
-        msg = {"cmd": cmd, **({"policy": ns.policy} if ns.policy else {})}
-        for item in ns.set:
-            key, sep, value = item.partition("=")
-            if not sep or not key:
-                parser.error(f"routing --set: expected WEIGHT=VALUE, got {item!r}")
-            msg[key] = _value(value)
-        return msg
+        return {"cmd": cmd, **({"policy": ns.policy} if ns.policy else {}),
+                **_pairs(ns.set, "routing --set", parser)}
     if cmd == "log-level":
         return {"cmd": cmd, "level": ns.level, **({"logger": ns.logger} if ns.logger else {})}
     if cmd == "fail":
         return {"cmd": cmd, "mode": ns.mode, **({"node": ns.node} if ns.node else {}),
                 **({"seconds": ns.seconds} if ns.seconds is not None else {})}
     if cmd == "call":
-        msg: dict[str, Any] = {"cmd": ns.cmd}
-        for item in ns.args:
-            key, sep, value = item.partition("=")
-            if not sep or not key:
-                parser.error(f"call: expected KEY=VALUE, got {item!r}")
-            msg[key] = _value(value)
-        return msg
+        return {"cmd": ns.cmd, **_pairs(ns.args, "call", parser)}
     if cmd == "raw":
         try:
             msg = json.loads(ns.json)
