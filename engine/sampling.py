@@ -43,11 +43,20 @@ def apply_min_tokens(logits: torch.Tensor, banned: list[tuple[int, list[int]]]) 
         logits[row, ids] = float("-inf")
 
 
+def greedy(logits: torch.Tensor) -> list[int]:
+    """The first index of each row's maximum (a NaN counts as the maximum):
+    ``torch.argmax``'s indices. fp32 rows go through numpy's argmax, about
+    10x faster than torch's on CPU (tools/bench_sampling.py)."""
+    if logits.dtype == torch.float32:
+        return logits.detach().numpy().argmax(axis=-1).tolist()
+    return logits.argmax(dim=-1).tolist()
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator | None], positions: list[int]) -> list[int]:
     """logits: [B, V] fp32 -> one token id per row. ``positions[row]``: the
     output index of the token drawn for that row (its seeded draw's key)."""
-    out = logits.argmax(dim=-1).tolist()
+    out = greedy(logits)
     for row, p in enumerate(params):
         if p.greedy:
             continue
