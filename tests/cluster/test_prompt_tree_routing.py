@@ -100,13 +100,20 @@ def test_global_tree_equals_the_nodes_trees_after_a_random_workload(cluster, ref
     admin(cluster.admin_socket, "cache flush", node="n1")
     for p in prompts[:3]:
         complete(cluster, p, 2)
-    reply = wait_exact(cluster)
-    stats = admin(cluster.admin_socket, "cache stats")["nodes"]
-    per_node = reply["roles"].get("mixed", {}).get("nodes", {})
-    for name in NODES:
-        kv = stats[name]["kv"]
-        cached = kv["device"]["cached"] + kv["host"]["cached"]
-        assert per_node.get(name, {}).get("blocks", 0) == cached == reply["verify"][name]["blocks"]
+    # a finished request's blocks reach its node's cache just after its last chunk reaches
+    # the client: settle until the tree, its verification and the nodes' counters agree
+    deadline = time.monotonic() + 20
+    while True:
+        reply = wait_exact(cluster)
+        stats = admin(cluster.admin_socket, "cache stats")["nodes"]
+        per_node = reply["roles"].get("mixed", {}).get("nodes", {})
+        seen = {name: (per_node.get(name, {}).get("blocks", 0), reply["verify"][name]["blocks"],
+                       stats[name]["kv"]["device"]["cached"] + stats[name]["kv"]["host"]["cached"])
+                for name in NODES}
+        if all(len(set(v)) == 1 for v in seen.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert all(len(set(v)) == 1 for v in seen.values()), seen
 
 
 def test_an_overloaded_node_stops_receiving_cache_affine_work(cluster, reference_engine):
