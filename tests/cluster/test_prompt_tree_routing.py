@@ -43,17 +43,32 @@ def complete(c: Cluster, prompt: list[int], max_tokens: int = 8):
                                                    temperature=0, extra_body={"ignore_eos": True})
 
 
-def wait_exact(c: Cluster, timeout: float = 20.0) -> dict:
+def held_blocks(c: Cluster, reply: dict) -> dict[str, tuple[int, int, int]]:
+    """Per node: (blocks in the coordinator's tree, blocks its verification
+    counted on the node, the node's cached-block counters)."""
+    stats = admin(c.admin_socket, "cache stats")["nodes"]
+    per_node = reply["roles"].get("mixed", {}).get("nodes", {})
+    return {name: (per_node.get(name, {}).get("blocks", 0), reply["verify"][name]["blocks"],
+                   stats[name]["kv"]["device"]["cached"] + stats[name]["kv"]["host"]["cached"])
+            for name in NODES}
+
+
+def wait_exact(c: Cluster, timeout: float = 20.0, counters: bool = False) -> dict:
     """Until the coordinator's tree equals every node's own cache (events
-    travel every 50 ms); returns the last ``tree`` reply."""
+    travel every 50 ms) and, with ``counters``, the nodes' cached-block
+    counters agree too (a finished request's blocks reach its node's cache
+    just after its last chunk reaches the client); returns the last ``tree`` reply."""
     deadline = time.monotonic() + timeout
     while True:
         reply = admin(c.admin_socket, "tree", verify=True)
-        checks = reply["verify"]
+        checks, held = reply["verify"], {}
         if set(checks) == set(c.nodes_up()) and all(v.get("equal") for v in checks.values()):
-            return reply
+            held = held_blocks(c, reply) if counters else {}
+            if all(len(set(v)) == 1 for v in held.values()):
+                return reply
         if time.monotonic() > deadline:
-            raise AssertionError(f"the global tree never matched the nodes' trees: {checks}")
+            raise AssertionError(f"the global tree never matched the nodes' trees: {checks} "
+                                 f"(tree, verified, counters per node: {held})")
         time.sleep(0.1)
 
 
@@ -100,20 +115,7 @@ def test_global_tree_equals_the_nodes_trees_after_a_random_workload(cluster, ref
     admin(cluster.admin_socket, "cache flush", node="n1")
     for p in prompts[:3]:
         complete(cluster, p, 2)
-    # a finished request's blocks reach its node's cache just after its last chunk reaches
-    # the client: settle until the tree, its verification and the nodes' counters agree
-    deadline = time.monotonic() + 20
-    while True:
-        reply = wait_exact(cluster)
-        stats = admin(cluster.admin_socket, "cache stats")["nodes"]
-        per_node = reply["roles"].get("mixed", {}).get("nodes", {})
-        seen = {name: (per_node.get(name, {}).get("blocks", 0), reply["verify"][name]["blocks"],
-                       stats[name]["kv"]["device"]["cached"] + stats[name]["kv"]["host"]["cached"])
-                for name in NODES}
-        if all(len(set(v)) == 1 for v in seen.values()) or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
-    assert all(len(set(v)) == 1 for v in seen.values()), seen
+    wait_exact(cluster, counters=True)
 
 
 def test_an_overloaded_node_stops_receiving_cache_affine_work(cluster, reference_engine):
