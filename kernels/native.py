@@ -15,8 +15,9 @@ instead of starting a second runtime whose threads would spin against it.
 
 ``python -m kernels.native`` builds every kernel this CPU runs (``make install``
 runs it): the fused bf16 decode step where the CPU has AVX512-BF16, and the
-quantized-weights matmul and decode-plan executor in their AVX-512 VNNI,
-AVX-512 or AVX2 variant (kernels/quant_linear.py, kernels/plan_decode.py).
+quantized-weights matmul, the decode-plan executor and the prefill attention
+in their AVX-512 VNNI, AVX-512 or AVX2 variant (kernels/quant_linear.py,
+kernels/plan_decode.py, kernels/prefill_attention.py).
 """
 
 from __future__ import annotations
@@ -127,10 +128,11 @@ def main() -> None:
         print(build(LIBRARY, AVX512_BF16_FLAGS))
     variant = quant_linear.host_variant()
     if variant is None:
-        print(f"{quant_linear.LIBRARY}, plan_decode: not built (CPU lacks AVX2/FMA/F16C; GGUF weights "
+        print(f"{quant_linear.LIBRARY}, plan_decode, prefill_attention: not built (CPU lacks AVX2/FMA/F16C; GGUF weights "
               "are dequantized)")
     else:
-        for name in (quant_linear.LIBRARY, "plan_decode"):       # kernels/plan_decode.py's LIBRARY
+        # kernels/plan_decode.py's and kernels/prefill_attention.py's LIBRARY
+        for name in (quant_linear.LIBRARY, "plan_decode", "prefill_attention"):
             print(build(name, quant_linear.VARIANTS[variant][1]))
 
 

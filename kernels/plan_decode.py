@@ -109,8 +109,14 @@ def _weight(t: object) -> _Weight:
 class PlanDecoder:
     """The plan of one quantized fp32 model plus the loaded executor. Construct with :meth:`create`."""
 
-    def __init__(self, model: LlamaModel, lib: ctypes.CDLL, num_blocks: int, block_size: int) -> None:
+    def __init__(self, model: LlamaModel, lib: ctypes.CDLL, num_blocks: int, block_size: int,
+                 variant: str) -> None:
+        lib.kvd_plan_variant.restype = ctypes.c_char_p
+        built = lib.kvd_plan_variant().decode()
+        if built != variant:                        # flags and source disagree: never run it
+            raise native.BuildError(f"{LIBRARY} built for {variant} reports {built}")
         cfg = model.config
+        self.variant = variant                      # the build in use (a key of quant_linear.VARIANTS)
         slots = ["h"] + [s.dst for s in LAYER_STEPS if s.dst != "h"]
         slots = list(dict.fromkeys(slots))
         weights = list(dict.fromkeys(s.weight for s in LAYER_STEPS if s.weight))
@@ -143,17 +149,24 @@ class PlanDecoder:
                                ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
 
     @classmethod
-    def create(cls, model: LlamaModel, kv: torch.Tensor, block_size: int) -> PlanDecoder | None:
+    def create(cls, model: LlamaModel, kv: torch.Tensor, block_size: int,
+               variant: str | None = None) -> PlanDecoder | None:
         """The executor for ``model`` over the KV tensor ``kv`` ([L, 2, N, bs, kvh, hd]),
-        or None (logged) where it cannot run."""
+        or None (logged) where it cannot run. ``variant`` (a key of
+        ``quant_linear.VARIANTS``) picks a build other than the host's fastest, for
+        benchmarks and tests; one this CPU cannot run gives None."""
         reason = unsupported_reason(model)
+        if reason is None and variant is not None and variant not in VARIANTS:
+            reason = f"unknown kernel variant {variant!r}"
+        if reason is None and variant is not None and not set(VARIANTS[variant][0]) <= native.cpu_flags():
+            reason = f"this CPU cannot run the {variant} build"
         if reason is not None:
             log.info("plan decode off: %s", reason)
             return None
-        variant = host_variant()
+        variant = variant or host_variant()
         try:
             lib = native.load(LIBRARY, VARIANTS[variant][1])
-            return cls(model, lib, kv.shape[2], block_size)
+            return cls(model, lib, kv.shape[2], block_size, variant)
         except (native.BuildError, OSError, ValueError) as exc:
             log.warning("plan decode executor unavailable, decoding with torch: %s", exc)
             return None

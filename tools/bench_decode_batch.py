@@ -6,10 +6,20 @@ position ``--context`` (its keys random, block tables distinct); the figure is
 the fastest step (the host is shared: interference only slows a step down)
 and the median. ``--repos`` compares checkouts side by side (e.g. this tree
 and a ``git worktree`` of an older commit): each is run in a subprocess of
-its own, alternated ``--rounds`` times.
+its own, alternated ``--rounds`` times. ``--variants`` compares the kernel
+builds this CPU runs (``all``: every serving build it has, e.g. AVX2 against
+AVX-512 VNNI), each step of each build alternated in one process.
+
+``--weights random`` runs SmolLM2-135M's exact shapes and block formats (Q4_1
+layers, Q8_0 tied embedding) filled with random blocks, for a host without the
+bundled GGUF: a decode step reads the same bytes and does the same arithmetic,
+so its time is the real model's (its logits are not). The single-sequence row
+is also set against the bandwidth bound: read bandwidth measured in the run
+(same thread count) ÷ the weight bytes a step reads.
 
     .venv/bin/python tools/bench_decode_batch.py [--threads 1] [--context 256]
         [--batches 1,2,3,4,6,8,12,16,32] [--repos .,/tmp/old] [--rounds 2]
+        [--variants host|all|avx2,avx512vnni] [--weights bundled|random]
 
 Prints a table (ms per step; per sequence in brackets) and writes JSON to results/.
 """
@@ -28,37 +38,53 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def measure(threads: int, context: int, batches: list[int], steps: int) -> dict[int, dict]:
-    """Runs in the checkout under test (its engine and kernels on sys.path)."""
+def measure(threads: int, context: int, batches: list[int], steps: int, variants: list[str],
+            weights: str) -> dict:
+    """Runs in the checkout under test (its engine and kernels on sys.path).
+    Returns {variant: {batch: {min_ms, median_ms}}} plus ``_bound`` (bandwidth bound)."""
     import torch
 
     from engine.model.llama import LlamaModel
     from engine.model.registry import resolve_model
     from kernels.plan_decode import PlanDecoder
-    from kernels.quant_linear import QuantKernel
+    from kernels.quant_linear import SERVING_VARIANTS, VARIANTS, QuantKernel, host_variant
+    from kernels.native import cpu_flags
+    from tools.bench_engine import random_smollm2, read_bandwidth
 
     torch.set_num_threads(threads)
-    w = resolve_model("smollm2").load_weights(quantized=True)
+    w = random_smollm2() if weights == "random" else resolve_model("smollm2").load_weights(quantized=True)
     model = LlamaModel(w.config, w.tensors, quant_kernel=QuantKernel.create())
+    if variants == ["host"]:
+        variants = [host_variant()]
+    elif variants == ["all"]:
+        variants = [v for v in SERVING_VARIANTS if set(VARIANTS[v][0]) <= cpu_flags()]
     c, bs = model.config, 16
     per = context // bs + 2
     kv = torch.randn(c.num_layers, 2, max(batches) * per + 1, bs, c.num_kv_heads, c.head_dim)
-    dec = PlanDecoder.create(model, kv, bs)
-    if dec is None:
-        raise SystemExit("bench_decode_batch: the plan executor does not run here (see the log)")
-    out = {}
+    decoders = {v: PlanDecoder.create(model, kv, bs, variant=v) for v in variants}
+    missing = [v for v, d in decoders.items() if d is None]
+    if missing:
+        raise SystemExit(f"bench_decode_batch: the plan executor does not run here for {missing} (see the log)")
+    out: dict = {v: {} for v in variants}
     for b in batches:
         ids = torch.randint(0, c.vocab_size, (b,), generator=torch.Generator().manual_seed(b))
         pos = torch.full((b,), context, dtype=torch.int64)
         tables = torch.arange(b * per, dtype=torch.int64).reshape(b, per)
-        for _ in range(3):
-            dec.decode(ids, pos, tables, kv)
-        times = []
+        times: dict[str, list[float]] = {v: [] for v in variants}
+        for dec in decoders.values():
+            for _ in range(3):
+                dec.decode(ids, pos, tables, kv)
         for _ in range(steps):
-            t = time.perf_counter()
-            dec.decode(ids, pos, tables, kv)
-            times.append((time.perf_counter() - t) * 1e3)
-        out[b] = {"min_ms": min(times), "median_ms": statistics.median(times)}
+            for v, dec in decoders.items():          # builds alternate step by step
+                t = time.perf_counter()
+                dec.decode(ids, pos, tables, kv)
+                times[v].append((time.perf_counter() - t) * 1e3)
+        for v in variants:
+            out[v][b] = {"min_ms": min(times[v]), "median_ms": statistics.median(times[v])}
+    bw = read_bandwidth()
+    wbytes = model.weight_bytes_per_token()
+    out["_bound"] = {"read_bandwidth_GBps": bw / 1e9, "weight_bytes_per_token": wbytes,
+                     "bound_ms_per_step": wbytes / bw * 1e3, "weights": weights}
     return out
 
 
@@ -70,13 +96,18 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--repos", default=".", help="comma-separated checkouts to compare")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--variants", default="host",
+                    help="kernel builds: host (the one serving uses), all (every build this CPU runs), or a list")
+    ap.add_argument("--weights", choices=("bundled", "random"), default="bundled",
+                    help="the bundled GGUF, or random blocks in its shapes and formats")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=str(REPO / "results" / "bench_decode_batch.json"))
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
+    variants = args.variants.split(",")
     if args.worker:
         sys.path.insert(0, os.getcwd())
-        print(json.dumps(measure(args.threads, args.context, batches, args.steps)))
+        print(json.dumps(measure(args.threads, args.context, batches, args.steps, variants, args.weights)))
         return
     sys.path.insert(0, str(REPO))
     from tools._twoproc import write_results
@@ -88,23 +119,36 @@ def main() -> None:
         for repo in (repos if rnd % 2 == 0 else repos[::-1]):
             proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", "--threads",
                                    str(args.threads), "--context", str(args.context), "--batches", args.batches,
-                                   "--steps", str(args.steps)], cwd=repo, capture_output=True, text=True,
+                                   "--steps", str(args.steps), "--variants", args.variants,
+                                   "--weights", args.weights], cwd=repo, capture_output=True, text=True,
                                   timeout=3600)
             if proc.returncode != 0:
                 raise SystemExit(f"bench_decode_batch: {repo}: {proc.stderr.strip()[-500:]}")
             result = json.loads(proc.stdout.strip().splitlines()[-1])
-            rows.append({"repo": repo, "round": rnd, "steps": {int(k): v for k, v in result.items()}})
+            bound = result.pop("_bound")
+            for variant, steps in result.items():
+                rows.append({"repo": repo, "variant": variant, "round": rnd, "bound": bound,
+                             "steps": {int(k): v for k, v in steps.items()}})
     cpu = cpu_model()
-    print(f"\n{cpu}, {args.threads} thread(s), context {args.context}: fastest step over {args.rounds} rounds, "
-          f"ms (per sequence)\n")
-    print("| batch | " + " | ".join(repos) + " |")
-    print("|---" * (len(repos) + 1) + "|")
+    columns = list(dict.fromkeys((r["repo"], r["variant"]) for r in rows))
+    label = {col: (col[1] if len(repos) == 1 else f"{col[0]} ({col[1]})") for col in columns}
+    bound = min(r["bound"]["bound_ms_per_step"] for r in rows)
+    gbs = max(r["bound"]["read_bandwidth_GBps"] for r in rows)
+    print(f"\n{cpu}, {args.threads} thread(s), context {args.context}, {args.weights} weights: fastest step "
+          f"over {args.rounds} rounds, ms (per sequence)\n")
+    print("| batch | " + " | ".join(label[c] for c in columns) + " |")
+    print("|---" * (len(columns) + 1) + "|")
     for b in batches:
         cells = []
-        for repo in repos:
-            best = min(r["steps"][b]["min_ms"] for r in rows if r["repo"] == repo)
-            cells.append(f"{best:.1f} ({best / b:.1f})")
+        for col in columns:
+            best = min(r["steps"][b]["min_ms"] for r in rows if (r["repo"], r["variant"]) == col)
+            cells.append(f"{best:.2f} ({best / b:.2f})")
         print(f"| {b} | " + " | ".join(cells) + " |")
+    if 1 in batches:
+        print(f"\nbandwidth bound: {rows[0]['bound']['weight_bytes_per_token'] / 1e6:.1f} MB per step "
+              f"÷ {gbs:.1f} GB/s = {bound:.2f} ms; a single sequence's step reaches "
+              + ", ".join(f"{label[c]} {bound / min(r['steps'][1]['min_ms'] for r in rows if (r['repo'], r['variant']) == c):.2f}"
+                          for c in columns) + " of it")
     write_results(args.out, rows, cpu=cpu, args=vars(args))
 
 

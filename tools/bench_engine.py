@@ -24,8 +24,12 @@ from pathlib import Path
 
 import torch
 
-from engine.engine import DTYPES, EngineConfig, LLMEngine, resolve_dtype
+from engine.engine import DTYPES, EngineConfig, LLMEngine, build_model, resolve_dtype
+from engine.model.config import LlamaConfig
+from engine.model.registry import resolve_model
+from engine.model.weights import LoadedWeights, expected_shapes
 from engine.request import SamplingParams
+from kernels.quant import BLOCK, FORMATS, QuantTensor
 
 RESULTS = Path("results/bench_engine.json")
 
@@ -73,11 +77,48 @@ def random_prompts(tok, n: int, lengths: list[int], seed: int) -> list[list[int]
     return [[rng.choice(vocab) for _ in range(lengths[i])] for i in range(n)]
 
 
-def make_engine(dtype: str, **kw) -> LLMEngine:
+def make_engine(dtype: str, random_weights: bool = False, **kw) -> LLMEngine:
+    """An engine on the bundled SmolLM2, or (``random_weights``) on ``random_smollm2()``
+    with the bundled tokenizer; ``kw`` overrides EngineConfig fields."""
     cfg = dict(model="smollm2", dtype=dtype, kv_blocks=4096, host_kv_blocks=0, max_num_seqs=64,
                max_num_batched_tokens=8192)
     cfg.update(kw)
-    return LLMEngine.from_config(EngineConfig(**cfg))
+    config = EngineConfig(**cfg)
+    if not random_weights:
+        return LLMEngine.from_config(config)
+    w = random_smollm2()
+    w = w if config.weights == "native" else w.dequantized()
+    return LLMEngine(config, build_model(config, w), resolve_model("smollm2").load_tokenizer(), w.source)
+
+
+def random_smollm2(seed: int = 0) -> LoadedWeights:
+    """SmolLM2-135M's config and tensors in the bundled file's formats (Q4_1 layers,
+    Q8_0 tied embedding), filled with random blocks: for a host without the bundled
+    GGUF. A step reads the same bytes and does the same arithmetic as on the real
+    weights, so its time is the real model's (its tokens are not).
+
+    Q4_1 blocks get scale 2^-7 and minimum -2^-4 (weights in [-0.0625, 0.055]),
+    Q8_0 blocks scale 2^-11: finite, model-like magnitudes; the nibbles and
+    int8s are uniform random bytes."""
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+                      num_kv_heads=3, head_dim=64, rope_theta=100000.0, rms_norm_eps=1e-5,
+                      max_position_embeddings=8192, tie_word_embeddings=True)
+    gen = torch.Generator().manual_seed(seed)
+    half = {v: torch.tensor([v], dtype=torch.float16).view(torch.uint8) for v in (2.0 ** -7, -2.0 ** -4, 2.0 ** -11)}
+    tensors = {}
+    for name, shape in expected_shapes(cfg).items():
+        if len(shape) == 1:
+            tensors[name] = torch.ones(shape)
+            continue
+        fmt = FORMATS["Q8_0" if "embed" in name else "Q4_1"]
+        rows, nb = shape[0], shape[1] // BLOCK
+        blocks = torch.randint(0, 256, (rows, nb, fmt.block_bytes), dtype=torch.uint8, generator=gen)
+        if fmt.name == "Q4_1":
+            blocks[:, :, 0:2], blocks[:, :, 2:4] = half[2.0 ** -7], half[-2.0 ** -4]
+        else:
+            blocks[:, :, 0:2] = half[2.0 ** -11]
+        tensors[name] = QuantTensor(fmt, shape, blocks.reshape(rows, -1).contiguous())
+    return LoadedWeights(cfg, tensors, f"random-smollm2:seed={seed}")
 
 
 def hf_model(dtype: str):

@@ -1,6 +1,6 @@
 """Prefill over native GGUF weights: the old and new paths side by side in one run.
 
-    python tools/bench_prefill.py [--lengths 512,1024] [--rounds 3] [--threads N]
+    python tools/bench_prefill.py [--lengths 512,1024] [--rounds 3] [--threads N] [--random-weights]
 
 For the bundled SmolLM2 (Q4_1 layers), rounds alternated between the
 configurations, best of the rounds (the host may be shared: another job only
@@ -15,6 +15,9 @@ ever slows a round down) and every round in the JSON:
   chunk of rows) vs MKL over the dequantized fp32 weights, GMAC/s;
 - **attention**: one layer's prefill attention, the C++ kernel
   (kernels/prefill_attention.py) vs torch's SDPA, milliseconds.
+
+``--random-weights``: SmolLM2's shapes and formats filled with random blocks
+(``tools.bench_engine.random_smollm2``), for a host without the bundled GGUF.
 
 Appends to ``results/bench_prefill.json`` and prints markdown rows naming the CPU.
 """
@@ -87,17 +90,17 @@ def attention_row(eng: LLMEngine, t: int, rounds: int) -> dict:
             "speedup": min(old) / min(new), "kernel_max_err_vs_fp64": float(err)}
 
 
-def run(lengths: list[int], rounds: int) -> dict:
+def run(lengths: list[int], rounds: int, random_weights: bool = False) -> dict:
     load_before = os.getloadavg()
     engines = {}
     for name, (weights, blocked) in CONFIGS.items():
-        eng = make_engine("float32", weights=weights, kv_blocks=max(lengths) // 16 + 64,
+        eng = make_engine("float32", random_weights, weights=weights, kv_blocks=max(lengths) // 16 + 64,
                           enable_prefix_caching=False)
         if not blocked:
             eng.model.attention_kernel = None
         engines[name] = eng
     assert engines["native"].model.attention_kernel is not None, "no prefill attention kernel on this host"
-    out: dict = {"bench": "prefill", "rounds": rounds, "lengths": lengths}
+    out: dict = {"bench": "prefill", "rounds": rounds, "lengths": lengths, "random_weights": random_weights}
     for n in lengths:
         prompts = random_prompts(engines["native"].tokenizer, rounds + 1, [n] * (rounds + 1), seed=n)
         secs: dict[str, list[float]] = {name: [] for name in engines}
@@ -135,17 +138,20 @@ def main() -> None:
     ap.add_argument("--lengths", default="512,1024")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--random-weights", action="store_true",
+                    help="SmolLM2's shapes and formats with random blocks (no bundled GGUF needed)")
+    ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     info = machine()
     print(json.dumps(info))
-    r = run([int(x) for x in args.lengths.split(",")], args.rounds)
+    r = run([int(x) for x in args.lengths.split(",")], args.rounds, args.random_weights)
     r.update(machine=info, time=time.strftime("%Y-%m-%dT%H:%M:%S"))
     print(json.dumps({k: v for k, v in r.items() if k != "machine"}))
     for line in report(r):
         print(line)
-    append_result(RESULTS, r)
+    append_result(Path(args.out), r)
 
 
 if __name__ == "__main__":

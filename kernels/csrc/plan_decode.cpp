@@ -108,28 +108,8 @@ void attend_head(const float* q, const float* kc, const float* vc, const int64_t
             mx = s > mx ? s : mx;
         }
     }
-    // p_t = e^(s_t - max), GEMM_VW keys at a time (vn_exp: the same per-lane operations on
-    // every build); the sum in lanes, then lane by lane: a fixed order for a given ctx
-    float sum = 0.0f;
-    {
-        VN acc = vn_zero();
-        const VN mxv = vn_set1(mx);
-        int64_t t = 0;
-        for (; t + GEMM_VW <= ctx; t += GEMM_VW) {
-            const VN e = vn_exp(vn_sub(vn_load(scores + t), mxv));
-            vn_store(scores + t, e);
-            acc = vn_add(acc, e);
-        }
-        float lanes[GEMM_VW];
-        vn_store(lanes, acc);
-        for (int j = 0; j < GEMM_VW; j++) sum += lanes[j];
-        if (t < ctx) {                          // the tail, padded with -inf (e^-inf = 0)
-            float tail[GEMM_VW];
-            for (int j = 0; j < GEMM_VW; j++) tail[j] = t + j < ctx ? scores[t + j] - mx : -INFINITY;
-            vn_store(tail, vn_exp(vn_load(tail)));
-            for (int j = 0; t + j < ctx; j++) { scores[t + j] = tail[j]; sum += tail[j]; }
-        }
-    }
+    // p_t = e^(s_t - max) and their sum (simd.h's exp_sum: the same bits on every build)
+    const float sum = exp_sum(scores, ctx, mx);
     const float inv = 1.0f / sum;
     V16 o[16];                                   // hd <= 256
     const int chunks = hd / 16;
@@ -192,6 +172,9 @@ std::vector<QRows> quantized_inputs(const PlanModel* m, int B, QuantizedInputs& 
 }  // namespace
 
 extern "C" {
+
+// Which build this is (variant.h): "avx512vnni", "avx512", "avx2" or "portable".
+const char* kvd_plan_variant() { return KVD_VARIANT; }
 
 // 0 when this build can run the plan as described; -2 for an unknown op or format,
 // a slot of the wrong width or a weight that does not fit its step. Called once,

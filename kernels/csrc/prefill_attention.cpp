@@ -27,7 +27,9 @@
 // row's position (the unit's other rows need it) changes nothing in that row
 // (p = 0, alpha = 1). So a token's output is the same bit for bit whichever
 // query block, batch or cached prefix it is computed in, and with any thread
-// count (units are whole, one thread each).
+// count (units are whole, one thread each). The dot products, the accumulations and
+// the row sums (simd.h's exp_sum) run in the same order on every build, so the
+// AVX-512, AVX2 and portable builds give the same bits too.
 
 #include <omp.h>
 
@@ -86,16 +88,7 @@ void unit(const float* q, const float* kt, const float* v, float* out, int64_t T
             vn_store(lanes, mx);
             float m_new = w.m[r];
             for (int i = 0; i < GEMM_VW; i++) m_new = lanes[i] > m_new ? lanes[i] : m_new;
-            const VN mv = vn_set1(m_new);
-            VN sum = vn_zero();
-            for (int64_t n = 0; n < kb_pad; n += GEMM_VW) {
-                const VN p = vn_exp(vn_sub(vn_load(sr + n), mv));       // -inf - m -> 0
-                vn_store(sr + n, p);
-                sum = vn_add(sum, p);
-            }
-            vn_store(lanes, sum);
-            float l_blk = 0.0f;
-            for (int i = 0; i < GEMM_VW; i++) l_blk += lanes[i];
+            const float l_blk = exp_sum(sr, kb_pad, m_new);          // -inf - m -> 0
             if (m_new != w.m[r]) {                      // rescale what the earlier blocks summed
                 vn_store(lanes, vn_exp(vn_set1(w.m[r] - m_new)));
                 const float alpha = lanes[0];
@@ -121,7 +114,7 @@ void unit(const float* q, const float* kt, const float* v, float* out, int64_t T
 
 extern "C" {
 
-const char* kvd_attention_variant() { return KVD_SIMD_VARIANT; }
+const char* kvd_attention_variant() { return KVD_VARIANT; }
 
 // out = causal attention of q over k, v (layouts above). Returns 0, or -1 for a shape
 // this kernel does not take (nothing written): T > S, H not a multiple of KVH, or hd

@@ -3,6 +3,8 @@
 // the arithmetic contract is in quant_matmul.cpp's header comment.
 #pragma once
 
+#include "variant.h"
+
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -35,11 +37,6 @@ inline float fp16_to_f32(const uint8_t* p) {
 
 // ------------------------------------------------------------------ V16: 16 fp32 lanes
 #if defined(__AVX512F__)
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-#define KVD_VARIANT "avx512vnni"
-#else
-#define KVD_VARIANT "avx512"
-#endif
 struct V16 { __m512 v; };
 inline V16 vzero() { return {_mm512_setzero_ps()}; }
 inline V16 vload(const float* p) { return {_mm512_loadu_ps(p)}; }
@@ -71,7 +68,6 @@ inline void scales(const uint8_t* p, V16* d, V16* m) {
     *m = {_mm512_broadcastss_ps(_mm_movehdup_ps(dm))};
 }
 #elif defined(__AVX2__)
-#define KVD_VARIANT "avx2"
 struct V16 { __m256 a, b; };    // lanes 0-7, 8-15
 inline V16 vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 inline V16 vload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
@@ -104,7 +100,6 @@ inline void scales(const uint8_t* p, V16* d, V16* m) {
     *m = {mv, mv};
 }
 #else
-#define KVD_VARIANT "portable"
 struct V16 { float f[16]; };
 inline V16 vzero() { V16 r; for (int i = 0; i < 16; i++) r.f[i] = 0.0f; return r; }
 inline V16 vload(const float* p) { V16 r; memcpy(r.f, p, sizeof r.f); return r; }

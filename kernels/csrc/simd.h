@@ -4,6 +4,8 @@
 // per lane (vn_fma is one fused multiply-add), only the widths differ.
 #pragma once
 
+#include "variant.h"
+
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -15,7 +17,6 @@
 namespace {
 
 #if defined(__AVX512F__)
-#define KVD_SIMD_VARIANT "avx512"
 constexpr int GEMM_MR = 8, GEMM_VW = 16;        // 16 accumulators of 32 zmm registers
 struct VN { __m512 v; };
 inline VN vn_zero() { return {_mm512_setzero_ps()}; }
@@ -36,7 +37,6 @@ inline VN vn_zero_below(VN v, VN x, float lim) {       // v where x >= lim, else
     return {_mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x.v, _mm512_set1_ps(lim), _CMP_GE_OQ), v.v)};
 }
 #elif defined(__AVX2__)
-#define KVD_SIMD_VARIANT "avx2"
 constexpr int GEMM_MR = 6, GEMM_VW = 8;         // 12 accumulators + 2 of W + 1 of x: 15 of 16 ymm
 struct VN { __m256 v; };
 inline VN vn_zero() { return {_mm256_setzero_ps()}; }
@@ -57,7 +57,6 @@ inline VN vn_zero_below(VN v, VN x, float lim) {       // v where x >= lim, else
     return {_mm256_and_ps(v.v, _mm256_cmp_ps(x.v, _mm256_set1_ps(lim), _CMP_GE_OQ))};
 }
 #else
-#define KVD_SIMD_VARIANT "portable"
 constexpr int GEMM_MR = 4, GEMM_VW = 8;
 struct VN { float f[8]; };
 inline VN vn_zero() { VN r; for (int i = 0; i < 8; i++) r.f[i] = 0.0f; return r; }
@@ -94,6 +93,39 @@ inline VN vn_exp(VN x) {
     y = vn_fma(y, r, vn_set1(5.0000001201e-1f));
     y = vn_add(vn_fma(y, vn_mul(r, r), r), vn_set1(1.0f));
     return vn_zero_below(vn_mul(y, vn_pow2i(n)), x, -87.0f);
+}
+
+// s[i] = e^(s[i] - m) for i < n; returns their sum, in an order that does not depend on the
+// build's vector width: 16 lane sums (lane j adds s[j], s[j + 16], ... in turn), then lanes
+// 0..15 in turn. So softmax denominators, and with them attention outputs, have the same bits
+// on the AVX2, AVX-512 and portable builds (one node's prefill, another's decode).
+constexpr int SUM_LANES = 16;
+constexpr int SUM_VECS = SUM_LANES / GEMM_VW;
+inline float exp_sum(float* s, int64_t n, float m) {
+    const VN mv = vn_set1(m);
+    VN acc[SUM_VECS];
+    for (int v = 0; v < SUM_VECS; v++) acc[v] = vn_zero();
+    int64_t i = 0;
+    for (; i + SUM_LANES <= n; i += SUM_LANES)
+        for (int v = 0; v < SUM_VECS; v++) {
+            const VN e = vn_exp(vn_sub(vn_load(s + i + v * GEMM_VW), mv));
+            vn_store(s + i + v * GEMM_VW, e);
+            acc[v] = vn_add(acc[v], e);
+        }
+    alignas(64) float lanes[SUM_LANES];
+    for (int v = 0; v < SUM_VECS; v++) vn_store(lanes + v * GEMM_VW, acc[v]);
+    if (i < n) {                                    // the tail: its lane sums take one term more
+        alignas(64) float tail[SUM_LANES];
+        for (int j = 0; j < SUM_LANES; j++) tail[j] = i + j < n ? s[i + j] - m : -INFINITY;
+        for (int v = 0; v < SUM_VECS; v++) vn_store(tail + v * GEMM_VW, vn_exp(vn_load(tail + v * GEMM_VW)));
+        for (int j = 0; i + j < n; j++) {
+            s[i + j] = tail[j];
+            lanes[j] += tail[j];
+        }
+    }
+    float sum = 0.0f;
+    for (int j = 0; j < SUM_LANES; j++) sum += lanes[j];
+    return sum;
 }
 
 // c[r][0..GEMM_NR) (row stride ldc) = (ACCUM ? c : 0) + sum over t < T of a(r, t) * b[t * ldb + 0..GEMM_NR)

@@ -70,8 +70,10 @@ def smollm2(kernel) -> LlamaModel:
 
 
 @pytest.fixture(scope="module", params=["tiny-Q4_1", "tiny-Q8_0", "tiny-Q4_0", "smollm2"])
-def model(request, kernel, smollm2) -> LlamaModel:
-    return smollm2 if request.param == "smollm2" else tiny_model(request.param.split("-")[1], kernel)
+def model(request, kernel) -> LlamaModel:
+    if request.param == "smollm2":                 # loaded only for its own cases
+        return request.getfixturevalue("smollm2")
+    return tiny_model(request.param.split("-")[1], kernel)
 
 
 def empty_kv(model: LlamaModel) -> torch.Tensor:
@@ -134,6 +136,21 @@ def test_logits_and_kv_match_forward(model):
     assert sorted(changed.nonzero().flatten().tolist()) == sorted(slots)
     new_p, new_t = flat(kv_plan)[:, :, slots], flat(kv_torch)[:, :, slots]
     assert (new_p - new_t).abs().max() <= 1e-3 * new_t.abs().max()
+
+
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0", "Q4_0"])
+def test_every_build_computes_the_same_bits(fmt, kernel):
+    """The host's build and the portable one (the arithmetic's definition; far too slow for
+    the real model): the same logits and K/V bit for bit, so nodes of different CPU families
+    agree (a prefill on one, the decode on another)."""
+    model = tiny_model(fmt, kernel)
+    kv, ids, pos, tables = prefilled(model, [1, 5, 16, 17, 40, 100], seed=3)
+    kv_host, kv_port = kv.clone(), kv.clone()
+    portable = PlanDecoder.create(model, kv, BS, variant="portable")
+    assert portable is not None and portable.variant == "portable"
+    assert torch.equal(decoder(model, kv).decode(ids, pos, tables, kv_host),
+                       portable.decode(ids, pos, tables, kv_port))
+    assert torch.equal(kv_host, kv_port)
 
 
 def test_batch_of_16_rows_equal_each_row_alone_bit_for_bit(model):

@@ -10,6 +10,9 @@ standard forward-error bound of the fp32 chain (see ``error_bound``).
 
 from __future__ import annotations
 
+import re
+import subprocess
+
 import gguf
 import numpy as np
 import pytest
@@ -123,6 +126,18 @@ def test_variant_choice_follows_the_cpu_flags():
     assert host_variant({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"}) == "avx512vnni"
     assert host_variant({"avx2", "f16c"}) is None                      # no FMA: no serving build
     assert host_variant(set()) is None
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_every_build_names_itself_the_variant_it_was_built_as(variant):
+    """Each library reports csrc/variant.h's KVD_VARIANT and Python refuses one that names
+    another build, so a wrong name silently sends that CPU family to the torch path (it did:
+    prefill attention on AVX-512 VNNI hosts). Read with the preprocessor under each build's
+    flags, so this host checks the names of builds it cannot run too."""
+    proc = subprocess.run([native.COMPILER, "-dM", "-E", "-x", "c++", *VARIANTS[variant][1],
+                           str(native.SOURCES / "variant.h")], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert re.findall(r'^#define KVD_VARIANT "(\w+)"$', proc.stdout, re.M) == [variant]
 
 
 def test_torch_reference_is_dequantize_then_matmul():
