@@ -1,7 +1,8 @@
 """Engine benchmarks for the single-node issue, each a side-by-side ratio in one run.
 
-    python tools/bench_engine.py decode            # single-stream tok/s vs the bandwidth bound,
-                                                   # fused kernel and torch path side by side
+    python tools/bench_engine.py decode            # single-stream tok/s vs the bandwidth bound: native
+                                                   # weights, torch path, dequantized (--dtype), side by side
+                                                   # [--random-weights: SmolLM2's shapes, random blocks]
     python tools/bench_engine.py batch             # 32 x (256 in, 128 out): kvd vs HF generate
     python tools/bench_engine.py mixed             # 64 mixed lengths: kvd vs HF static batch
     python tools/bench_engine.py ttft              # 1,024-token prompt, 960 cached vs uncached
@@ -148,11 +149,14 @@ def decode_rates(eng: LLMEngine, ids: list[int], rounds: int = 3) -> list[float]
     return rates
 
 
-def bench_decode(dtype: str) -> dict:
-    """The engine's default decode path (the fused kernel where it runs) and the
-    torch path (``decode_kernel="torch"``), rounds alternated, against one bound."""
-    engines = {"default": make_engine(dtype, kv_blocks=256),
-               "torch": make_engine(dtype, kv_blocks=256, decode_kernel="torch")}
+def bench_decode(dtype: str, random_weights: bool = False) -> dict:
+    """What ``dtype = "auto"`` serves (the plan executor on native weights), the same
+    with the torch path (``decode_kernel="torch"``), and the dequantized weights in
+    ``dtype`` (``weights = "dequantize"``: the fused kernel in bf16 where it runs),
+    rounds alternated, against one bound (the default path's bytes per token)."""
+    engines = {"default": make_engine("auto", random_weights, kv_blocks=256),
+               "torch": make_engine("auto", random_weights, kv_blocks=256, decode_kernel="torch"),
+               "dequantize": make_engine(dtype, random_weights, kv_blocks=256, weights="dequantize")}
     ids = engines["default"].tokenizer.encode("The history of the Roman Empire begins")
     rates: dict[str, list[float]] = {k: [] for k in engines}
     for _ in range(3):
@@ -164,8 +168,14 @@ def bench_decode(dtype: str) -> dict:
     limit = bw / wbytes
     tps = statistics.median(rates["default"])
     torch_tps = statistics.median(rates["torch"])
-    return {"bench": "decode", "dtype": dtype, "fused": engines["default"].runner.fused is not None,
-            "tokens_per_s": tps, "torch_tokens_per_s": torch_tps, "weight_bytes_per_token": wbytes,
+    deq = engines["dequantize"]
+    fused = engines["default"].runner.fused
+    return {"bench": "decode", "dtype": dtype, "fused": fused is not None,
+            "decoder": type(fused).__name__ if fused is not None else "torch",
+            "random_weights": random_weights, "tokens_per_s": tps, "torch_tokens_per_s": torch_tps,
+            "dequantized_tokens_per_s": statistics.median(rates["dequantize"]),
+            "dequantized_fused": deq.runner.fused is not None, "dequantized_dtype": str(deq.model.dtype),
+            "weight_bytes_per_token": wbytes,
             "read_bandwidth_GBps": bw / 1e9, "limit_tokens_per_s": limit, "fraction_of_limit": tps / limit,
             "torch_fraction_of_limit": torch_tps / limit, "fused_phase_ms_per_token": phases}
 
@@ -272,12 +282,14 @@ def bench_ttft(dtype: str) -> dict:
 def report(r: dict) -> str:
     b = r["bench"]
     if b == "decode":
-        path = "fused kernel" if r["fused"] else "torch (no fused kernel here)"
+        path = r.get("decoder", "fused kernel" if r["fused"] else "torch (no fused kernel here)")
         return (f"| single-stream decode ({r['dtype']}) | {path} {r['tokens_per_s']:.1f} tok/s, "
                 f"torch path {r['torch_tokens_per_s']:.1f} tok/s | limit "
                 f"{r['limit_tokens_per_s']:.1f} tok/s = {r['read_bandwidth_GBps']:.1f} GB/s ÷ "
                 f"{r['weight_bytes_per_token'] / 1e6:.0f} MB/token | **{r['fraction_of_limit']:.2f}** "
-                f"of limit (torch {r['torch_fraction_of_limit']:.2f}) |")
+                f"of limit (torch {r['torch_fraction_of_limit']:.2f}) | dequantized "
+                f"{r['dequantized_dtype'].removeprefix('torch.')}"
+                f"{' (fused kernel)' if r['dequantized_fused'] else ''} {r['dequantized_tokens_per_s']:.1f} tok/s |")
     if b in ("batch32", "mixed64"):
         return (f"| {b} ({r['dtype']}) | kvd {r['kvd_tokens_per_s']:.1f} tok/s | HF generate "
                 f"{r['hf_tokens_per_s']:.1f} tok/s | **{r['ratio']:.2f}x** |")
@@ -291,11 +303,13 @@ def main() -> None:
     ap.add_argument("--dtype", default=str(resolve_dtype("auto")).removeprefix("torch."),
                     choices=["bfloat16", "float32"])
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--random-weights", action="store_true",
+                    help="decode only: SmolLM2's shapes and formats with random blocks (no bundled GGUF needed)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     todo = ["decode", "batch", "mixed", "ttft"] if args.which == "all" else [args.which]
-    runs = {"decode": lambda: bench_decode(args.dtype), "batch": lambda: bench_batch(args.dtype, False),
+    runs = {"decode": lambda: bench_decode(args.dtype, args.random_weights), "batch": lambda: bench_batch(args.dtype, False),
             "mixed": lambda: bench_batch(args.dtype, True), "ttft": lambda: bench_ttft(args.dtype)}
     info = machine()
     print(json.dumps(info))
