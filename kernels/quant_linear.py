@@ -53,7 +53,7 @@ VARIANTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     # vpdpwssd in place of pmaddwd + add: the same integers
     "avx512vnni": (("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma", "f16c"),
                    ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-mf16c", *_COMMON)),
-    "avx512": (("avx512f", "fma", "f16c"), ("-mavx512f", "-mfma", "-mf16c", *_COMMON)),
+    "avx512": (("avx512f", "avx512bw", "fma", "f16c"), ("-mavx512f", "-mavx512bw", "-mfma", "-mf16c", *_COMMON)),
     "avx2": (("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c", *_COMMON)),
     # scalar integers and fmaf: the arithmetic's definition, far too slow to serve (tests only)
     "portable": ((), _COMMON),

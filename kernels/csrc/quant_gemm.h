@@ -126,7 +126,19 @@ inline void quantize_rows(const float* x, int64_t ldx, int64_t m0, int64_t m1, c
 // with acc, accm starting at 0 and blocks in order.
 
 #if defined(__AVX2__)
-struct WGroup { __m256i w[8][2]; __m256 dw, mw; };    // weights 0..15 and 16..31 of each row
+// With AVX512BW, two rows of x run at once in 512-bit vectors (row m in the low 256 bits,
+// row m + 1 in the high): the same integer dots, the same per-lane fp32 chain.
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define KVD_GEMM_ROW_PAIRS 1
+#endif
+
+struct WGroup {
+    __m256i w[8][2];                    // weights 0..15 and 16..31 of each row
+    __m256 dw, mw;
+#if KVD_GEMM_ROW_PAIRS
+    __m512i w2[8][2];                   // each w twice, for a pair of x rows
+#endif
+};
 
 inline __m256 fp16x8(__m256i lanes) {   // the low 16 bits of each 32-bit lane, fp16 -> fp32
     const __m256i packed = _mm256_packus_epi32(_mm256_and_si256(lanes, _mm256_set1_epi32(0xffff)), lanes);
@@ -187,6 +199,10 @@ inline void load_group(const uint8_t* w, int64_t row_bytes, int64_t b, int nr, W
         widen<F>(w + r * row_bytes + b * block_bytes(F), &g->w[r][0], &g->w[r][1]);
     }
     group_scales<F>(w, row_bytes, b, nr, &g->dw, &g->mw);
+#if KVD_GEMM_ROW_PAIRS
+    for (int r = 0; r < 8; r++)
+        for (int h = 0; h < 2; h++) g->w2[r][h] = _mm512_inserti64x4(_mm512_castsi256_si512(g->w[r][h]), g->w[r][h], 1);
+#endif
 }
 
 inline __m256i dot_pairs(__m256i w0, __m256i w1, __m256i x0, __m256i x1) {   // 8 lanes, each 4 products
@@ -221,6 +237,57 @@ inline void group_block_row(const WGroup& g, const int16_t* xq, float dx, float 
     a->acc = _mm256_fmadd_ps(_mm256_mul_ps(g.dw, _mm256_set1_ps(dx)), _mm256_cvtepi32_ps(isum), a->acc);
     if constexpr (F == Q4_1) a->accm = _mm256_fmadd_ps(g.mw, _mm256_set1_ps(sx), a->accm);
 }
+
+#if KVD_GEMM_ROW_PAIRS
+inline __m512 f32x2(__m256 lo, __m256 hi) {
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
+}
+inline __m256 f32_hi(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
+
+// hsum8 for two rows at once: lane r of each 256-bit half = the sum of that half's p[r]
+inline __m512i hsum8x2(const __m512i p[8]) {
+    __m512i t[4];
+    for (int i = 0; i < 4; i++)
+        t[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(p[2 * i], p[2 * i + 1]), _mm512_unpackhi_epi32(p[2 * i], p[2 * i + 1]));
+    const __m512i u0 = _mm512_add_epi32(_mm512_unpacklo_epi64(t[0], t[1]), _mm512_unpackhi_epi64(t[0], t[1]));
+    const __m512i u1 = _mm512_add_epi32(_mm512_unpacklo_epi64(t[2], t[3]), _mm512_unpackhi_epi64(t[2], t[3]));
+    // 128-bit lanes of u0: [row m: p0-3 of elements 0-3, of 4-7 | row m+1: the same]; u1: p4-7
+    const __m512i lo = _mm512_shuffle_i64x2(u0, u1, _MM_SHUFFLE(2, 0, 2, 0));
+    const __m512i hi = _mm512_shuffle_i64x2(u0, u1, _MM_SHUFFLE(3, 1, 3, 1));
+    const __m512i sum = _mm512_add_epi32(lo, hi);          // [m p0-3, m+1 p0-3, m p4-7, m+1 p4-7]
+    return _mm512_shuffle_i64x2(sum, sum, _MM_SHUFFLE(3, 1, 2, 0));
+}
+
+struct Acc2 { __m512 acc, accm; };      // rows m (low half) and m + 1 (high half)
+
+// group_block_row for rows a (low half) and b (high half): per lane the same operations
+template <int F>
+inline void group_block_2rows(const WGroup& g, const QRows& x, int64_t ma, int64_t b, Acc2* a) {
+    const int64_t ia = ma * x.nb + b, ib = ia + x.nb;
+    const int16_t* xa = x.q + ma * x.K + b * QK;
+    const int16_t* xb = xa + x.K;
+    const __m512i x0 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)xa)),
+                                          _mm256_loadu_si256((const __m256i*)xb), 1);
+    const __m512i x1 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(xa + 16))),
+                                          _mm256_loadu_si256((const __m256i*)(xb + 16)), 1);
+    __m512i p[8];
+    for (int r = 0; r < 8; r++) {
+#if defined(__AVX512VNNI__)
+        p[r] = _mm512_dpwssd_epi32(_mm512_madd_epi16(g.w2[r][0], x0), g.w2[r][1], x1);
+#else
+        p[r] = _mm512_add_epi32(_mm512_madd_epi16(g.w2[r][0], x0), _mm512_madd_epi16(g.w2[r][1], x1));
+#endif
+    }
+    __m512i isum = hsum8x2(p);
+    if constexpr (F == Q4_0)
+        isum = _mm512_sub_epi32(isum, _mm512_inserti64x4(_mm512_set1_epi32(8 * x.qs[ia]),
+                                                         _mm256_set1_epi32(8 * x.qs[ib]), 1));
+    const __m512 dx = f32x2(_mm256_set1_ps(x.d[ia]), _mm256_set1_ps(x.d[ib]));
+    a->acc = _mm512_fmadd_ps(_mm512_mul_ps(f32x2(g.dw, g.dw), dx), _mm512_cvtepi32_ps(isum), a->acc);
+    if constexpr (F == Q4_1)
+        a->accm = _mm512_fmadd_ps(f32x2(g.mw, g.mw), f32x2(_mm256_set1_ps(x.s[ia]), _mm256_set1_ps(x.s[ib])), a->accm);
+}
+#endif
 
 // One x row against a full group of 8 W rows, every block: the decode step's shape, kept in
 // registers (the same chain as group_block_row, which would widen the group into memory).
@@ -313,6 +380,9 @@ template <int F>
 void matmul_range(const uint8_t* w, int64_t n0, int64_t n1, const QRows& x, int64_t M, float* y, int64_t ldy) {
     const int64_t nb = x.nb, row_bytes = nb * block_bytes(F);
     Acc acc[ROW_CHUNK];
+#if KVD_GEMM_ROW_PAIRS
+    Acc2 acc2[ROW_CHUNK / 2];
+#endif
     WGroup g;
     for (int64_t m0 = 0; m0 < M; m0 += ROW_CHUNK) {
         const int64_t mc = M - m0 < ROW_CHUNK ? M - m0 : ROW_CHUNK;
@@ -328,14 +398,28 @@ void matmul_range(const uint8_t* w, int64_t n0, int64_t n1, const QRows& x, int6
                 continue;
             }
 #endif
+#if KVD_GEMM_ROW_PAIRS
+            const int64_t pairs = mc / 2;
+            for (int64_t p = 0; p < pairs; p++) acc2[p] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+#else
+            const int64_t pairs = 0;
+#endif
             for (int64_t b = 0; b < nb; b++) {
                 load_group<F>(w + n * row_bytes, row_bytes, b, nr, &g);
-                int64_t m = 0;
-                for (; m < mc; m++) {
+#if KVD_GEMM_ROW_PAIRS
+                for (int64_t p = 0; p < pairs; p++) group_block_2rows<F>(g, x, m0 + 2 * p, b, &acc2[p]);
+#endif
+                for (int64_t m = 2 * pairs; m < mc; m++) {
                     const int64_t i = (m0 + m) * nb + b;
                     group_block_row<F>(g, x.q + (m0 + m) * x.K + b * QK, x.d[i], x.s[i], x.qs[i], &acc[m]);
                 }
             }
+#if KVD_GEMM_ROW_PAIRS
+            for (int64_t p = 0; p < pairs; p++) {
+                acc[2 * p] = {_mm512_castps512_ps256(acc2[p].acc), _mm512_castps512_ps256(acc2[p].accm)};
+                acc[2 * p + 1] = {f32_hi(acc2[p].acc), f32_hi(acc2[p].accm)};
+            }
+#endif
             for (int64_t m = 0; m < mc; m++) store_group<F>(acc[m], y + (m0 + m) * ldy + n, nr);
         }
     }
