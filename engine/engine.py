@@ -125,6 +125,24 @@ class LLMEngine:
         self._generators: dict[str, torch.Generator | None] = {}
         self.stats = EngineStats()
 
+    def kernels(self) -> dict[str, str]:
+        """What computes each part of a step on this CPU, for operators (node status,
+        the start-up log): ``weights`` ("native" block-quantized or "float") and
+        ``dtype``; ``matmul``, the quantized-weights kernel's build ("avx2",
+        "avx512vnni", ...) or "torch"; ``decode``, the one-call decoder
+        ("plan:<build>" or "fused-bf16") or "torch"; ``prefill_attention``, the
+        blocked kernel's build or "torch" (SDPA). "torch" where a kernel was
+        expected is a fallback: the log at start-up says why."""
+        model, fused = self.model, self.runner.fused
+        decode = ("torch" if fused is None else f"plan:{fused.variant}" if isinstance(fused, PlanDecoder)
+                  else "fused-bf16")
+        return {"weights": "native" if model.quantized else "float",
+                "dtype": str(model.dtype).removeprefix("torch."),
+                "matmul": model.quant_kernel.variant if model.quant_kernel is not None else "torch",
+                "decode": decode,
+                "prefill_attention": (model.attention_kernel.variant if model.attention_kernel is not None
+                                      else "torch")}
+
     @property
     def prefill_chunk_tokens(self) -> int:
         """The chunk size the scheduler runs (effective_chunk_tokens)."""

@@ -194,6 +194,7 @@ class LlamaModel:
             return t if isinstance(t, QuantTensor) else t.to(dtype).contiguous()
 
         self.quantized = any(isinstance(t, QuantTensor) for t in tensors.values())
+        self.quant_kernel = quant_kernel if self.quantized else None
         transposed = dtype == torch.float32 and not self.quantized
         self._linear = (_quant_linear if self.quantized else
                         _matmul_in_out if transposed else _linear_batch_invariant)

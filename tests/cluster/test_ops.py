@@ -23,6 +23,7 @@ import httpx
 import openai
 import pytest
 
+from kernels.quant_linear import host_variant
 from kvd import ctl
 
 from .conftest import MODEL, ROOT, TINY, Cluster, admin, free_port
@@ -245,7 +246,11 @@ def test_drop_transfers_refuses_kv_transfers_until_resume(ops):
     transfer = {"to": dst, "address": ops.node_urls[dst], "token_ids": ids}
 
     assert admin(ops.admin_socket, "fail", node=dst, mode="drop-transfers")["mode"] == "drop-transfers"
-    assert admin(ops.node_admin(dst), "status")["drop_transfers"] is True
+    status = admin(ops.node_admin(dst), "status")
+    assert status["drop_transfers"] is True
+    # what computes each part of a step, for the operator (tiny: float weights)
+    assert status["kernels"]["weights"] == "float" and status["kernels"]["matmul"] == "torch"
+    assert status["kernels"]["prefill_attention"] == (host_variant() or "torch")
     refused = admin(ops.node_admin(src), "transfer", **transfer)
     assert refused["ok"] and refused["transferred"] is False and "drops KV transfers" in refused["reason"]
     assert admin(ops.node_admin(dst), "status")["transfers"]["dropped"] == 1

@@ -18,7 +18,7 @@ from kernels import quant_linear
 from kernels.attention import AttentionBatch, PrefillSeq
 from kernels.fused_decode import unsupported_reason
 from kernels.quant import QuantTensor
-from kernels.quant_linear import QuantKernel, QuantLinear
+from kernels.quant_linear import QuantKernel, QuantLinear, host_variant
 
 from .test_weights import small_config, write_gguf
 
@@ -171,6 +171,19 @@ def test_build_model_uses_the_host_kernel(tiny_gguf, kernel):
     model = build_model(EngineConfig(), load_gguf(tiny_gguf, quantized=True))
     assert model.quantized and model.layers[0].qkv.kernel.variant == kernel.variant
     assert not build_model(EngineConfig(), load_gguf(tiny_gguf)).quantized
+
+
+def test_the_engine_names_the_kernels_of_this_host(tiny_gguf, tokenizer, kernel):
+    """Native weights on a host with a build: every part runs its kernel, none falls back
+    to torch (on an AVX-512 VNNI host the prefill attention once did, unnoticed)."""
+    host = host_variant()
+    assert native_engine(tiny_gguf, tokenizer).kernels() == {
+        "weights": "native", "dtype": "float32", "matmul": host, "decode": f"plan:{host}",
+        "prefill_attention": host}
+    torch_decode = native_engine(tiny_gguf, tokenizer, decode_kernel="torch").kernels()
+    assert torch_decode["decode"] == "torch" and torch_decode["matmul"] == host
+    floats = native_engine(tiny_gguf, tokenizer, weights="dequantize").kernels()
+    assert floats["weights"] == "float" and floats["matmul"] == "torch" and floats["prefill_attention"] == host
 
 
 def test_auto_dtype_is_float32_for_native_weights(tiny_gguf, kernel, monkeypatch):
