@@ -49,10 +49,14 @@ def measure(threads: int, context: int, batches: list[int], steps: int, variants
     from kernels.plan_decode import PlanDecoder
     from kernels.quant_linear import SERVING_VARIANTS, VARIANTS, QuantKernel, host_variant
     from kernels.native import cpu_flags
-    from tools.bench_engine import random_smollm2, read_bandwidth
+    from tools.bench_engine import read_bandwidth
 
     torch.set_num_threads(threads)
-    w = random_smollm2() if weights == "random" else resolve_model("smollm2").load_weights(quantized=True)
+    if weights == "random":
+        from tools.bench_engine import random_smollm2
+        w = random_smollm2()
+    else:
+        w = resolve_model("smollm2").load_weights(quantized=True)
     model = LlamaModel(w.config, w.tensors, quant_kernel=QuantKernel.create())
     if variants == ["host"]:
         variants = [host_variant()]
@@ -61,7 +65,10 @@ def measure(threads: int, context: int, batches: list[int], steps: int, variants
     c, bs = model.config, 16
     per = context // bs + 2
     kv = torch.randn(c.num_layers, 2, max(batches) * per + 1, bs, c.num_kv_heads, c.head_dim)
-    decoders = {v: PlanDecoder.create(model, kv, bs, variant=v) for v in variants}
+    if len(variants) == 1 and variants[0] == host_variant():    # also a checkout from before variant=
+        decoders = {variants[0]: PlanDecoder.create(model, kv, bs)}
+    else:
+        decoders = {v: PlanDecoder.create(model, kv, bs, variant=v) for v in variants}
     missing = [v for v, d in decoders.items() if d is None]
     if missing:
         raise SystemExit(f"bench_decode_batch: the plan executor does not run here for {missing} (see the log)")
