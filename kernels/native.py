@@ -118,8 +118,18 @@ def load(name: str, flags: tuple[str, ...]) -> ctypes.CDLL:
     return ctypes.CDLL(str(build(name, flags)))
 
 
+def require_variant(lib: ctypes.CDLL, symbol: str, library: str, variant: str) -> None:
+    """Raise BuildError unless ``lib``'s ``symbol()`` (csrc/variant.h's KVD_VARIANT)
+    names ``variant``: flags and source disagree, and such a library is never run."""
+    fn = getattr(lib, symbol)
+    fn.restype = ctypes.c_char_p
+    built = fn().decode()
+    if built != variant:
+        raise BuildError(f"{library} built for {variant} reports {built}")
+
+
 def main() -> None:
-    from kernels import quant_linear
+    from kernels import plan_decode, prefill_attention, quant_linear
     from kernels.fused_decode import LIBRARY, cpu_unsupported_reason
     reason = cpu_unsupported_reason()
     if reason:
@@ -128,11 +138,10 @@ def main() -> None:
         print(build(LIBRARY, AVX512_BF16_FLAGS))
     variant = quant_linear.host_variant()
     if variant is None:
-        print(f"{quant_linear.LIBRARY}, plan_decode, prefill_attention: not built (CPU lacks AVX2/FMA/F16C; GGUF weights "
+        print(f"{quant_linear.LIBRARY}, {plan_decode.LIBRARY}, {prefill_attention.LIBRARY}: not built (CPU lacks AVX2/FMA/F16C; GGUF weights "
               "are dequantized)")
     else:
-        # kernels/plan_decode.py's and kernels/prefill_attention.py's LIBRARY
-        for name in (quant_linear.LIBRARY, "plan_decode", "prefill_attention"):
+        for name in (quant_linear.LIBRARY, plan_decode.LIBRARY, prefill_attention.LIBRARY):
             print(build(name, quant_linear.VARIANTS[variant][1]))
 
 

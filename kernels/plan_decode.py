@@ -40,7 +40,7 @@ from engine.model.llama import LAYER_STEPS, LlamaModel
 from kernels import native
 from kernels.decode_inputs import check_decode_inputs
 from kernels.quant import QuantTensor
-from kernels.quant_linear import VARIANTS, QuantLinear, host_variant
+from kernels.quant_linear import VARIANTS, QuantLinear, host_variant, runs_here
 
 log = logging.getLogger(__name__)
 
@@ -111,10 +111,7 @@ class PlanDecoder:
 
     def __init__(self, model: LlamaModel, lib: ctypes.CDLL, num_blocks: int, block_size: int,
                  variant: str) -> None:
-        lib.kvd_plan_variant.restype = ctypes.c_char_p
-        built = lib.kvd_plan_variant().decode()
-        if built != variant:                        # flags and source disagree: never run it
-            raise native.BuildError(f"{LIBRARY} built for {variant} reports {built}")
+        native.require_variant(lib, "kvd_plan_variant", LIBRARY, variant)
         cfg = model.config
         self.variant = variant                      # the build in use (a key of quant_linear.VARIANTS)
         slots = ["h"] + [s.dst for s in LAYER_STEPS if s.dst != "h"]
@@ -158,7 +155,7 @@ class PlanDecoder:
         reason = unsupported_reason(model)
         if reason is None and variant is not None and variant not in VARIANTS:
             reason = f"unknown kernel variant {variant!r}"
-        if reason is None and variant is not None and not set(VARIANTS[variant][0]) <= native.cpu_flags():
+        if reason is None and variant is not None and not runs_here(variant):
             reason = f"this CPU cannot run the {variant} build"
         if reason is not None:
             log.info("plan decode off: %s", reason)

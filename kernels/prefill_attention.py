@@ -45,10 +45,7 @@ class PrefillAttention:
     """One loaded build of csrc/prefill_attention.cpp. Construct with :meth:`load` or :meth:`create`."""
 
     def __init__(self, lib: ctypes.CDLL, variant: str) -> None:
-        lib.kvd_attention_variant.restype = ctypes.c_char_p
-        built = lib.kvd_attention_variant().decode()
-        if built != variant:
-            raise native.BuildError(f"{LIBRARY} built for {variant} reports {built}")
+        native.require_variant(lib, "kvd_attention_variant", LIBRARY, variant)
         self.variant = variant
         ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         self._attend = lib.kvd_prefill_attention

@@ -61,20 +61,22 @@ VARIANTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 SERVING_VARIANTS = ("avx512vnni", "avx512", "avx2")
 
 
+def runs_here(variant: str, flags: Iterable[str] | None = None) -> bool:
+    """Whether this CPU (``flags`` default: /proc/cpuinfo's) runs ``variant``'s build."""
+    return set(VARIANTS[variant][0]) <= set(native.cpu_flags() if flags is None else flags)
+
+
 def host_variant(flags: Iterable[str] | None = None) -> str | None:
     """The fastest serving build this CPU runs (``flags`` default: /proc/cpuinfo's), or None."""
     have = set(native.cpu_flags() if flags is None else flags)
-    return next((v for v in SERVING_VARIANTS if set(VARIANTS[v][0]) <= have), None)
+    return next((v for v in SERVING_VARIANTS if runs_here(v, have)), None)
 
 
 class QuantKernel:
     """One loaded build of csrc/quant_matmul.cpp. Construct with :meth:`load` or :meth:`create`."""
 
     def __init__(self, lib: ctypes.CDLL, variant: str) -> None:
-        lib.kvd_quant_variant.restype = ctypes.c_char_p
-        built = lib.kvd_quant_variant().decode()
-        if built != variant:                       # flags and source disagree: never serve it
-            raise native.BuildError(f"{LIBRARY} built for {variant} reports {built}")
+        native.require_variant(lib, "kvd_quant_variant", LIBRARY, variant)
         self.variant = variant
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         self._matmul = lib.kvd_quant_matmul

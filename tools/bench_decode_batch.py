@@ -47,8 +47,7 @@ def measure(threads: int, context: int, batches: list[int], steps: int, variants
     from engine.model.llama import LlamaModel
     from engine.model.registry import resolve_model
     from kernels.plan_decode import PlanDecoder
-    from kernels.quant_linear import SERVING_VARIANTS, VARIANTS, QuantKernel, host_variant
-    from kernels.native import cpu_flags
+    from kernels.quant_linear import SERVING_VARIANTS, QuantKernel, host_variant
     from tools.bench_engine import read_bandwidth
 
     torch.set_num_threads(threads)
@@ -61,7 +60,8 @@ def measure(threads: int, context: int, batches: list[int], steps: int, variants
     if variants == ["host"]:
         variants = [host_variant()]
     elif variants == ["all"]:
-        variants = [v for v in SERVING_VARIANTS if set(VARIANTS[v][0]) <= cpu_flags()]
+        from kernels.quant_linear import runs_here
+        variants = [v for v in SERVING_VARIANTS if runs_here(v)]
     c, bs = model.config, 16
     per = context // bs + 2
     kv = torch.randn(c.num_layers, 2, max(batches) * per + 1, bs, c.num_kv_heads, c.head_dim)

@@ -91,7 +91,6 @@ class NodeDaemon:
                                         send_timeout=cluster.request_timeout,
                                         ucx_progress_mode=cluster.ucx_progress_mode)
         self.driver: EngineDriver | None = None
-        self.kernels: dict[str, str] = {}              # engine.kernels(), once it has loaded
         self.listener: Listener | None = None
         self.receiver: PrefixReceiver | None = None
         self.heartbeat: Heartbeater | None = None
@@ -141,9 +140,8 @@ class NodeDaemon:
                                           self.cluster.cache_events_interval, self.cluster.heartbeat_deadline)
         if self.admin_socket:
             await self._start_admin()
-        self.kernels = engine.kernels()
         log.info("node %s: %s loaded in %.1fs, listening on %s; kernels: %s", self.name, engine.model_name,
-                 time.perf_counter() - t0, self.address, ", ".join(f"{k} {v}" for k, v in self.kernels.items()))
+                 time.perf_counter() - t0, self.address, ", ".join(f"{k} {v}" for k, v in engine.kernels().items()))
 
     async def run(self) -> None:
         """Serve until ``request_stop``; then drain and clean up. Calls ``start`` if needed.
@@ -682,7 +680,7 @@ class NodeDaemon:
         return {"node": self.name, "role": self.role, "address": self.address, "incarnation": self.incarnation,
                 "draining": self.draining, "registered": bool(self.heartbeat and self.heartbeat.registered),
                 "heartbeats_paused": bool(self.heartbeat and self.heartbeat.paused),
-                "kernels": self.kernels, "in_flight": len(self.streams), "running": snap.get("running", 0),
+                "kernels": self.driver.engine.kernels() if self.driver else {}, "in_flight": len(self.streams), "running": snap.get("running", 0),
                 "waiting": snap.get("waiting", 0),
                 "bad_messages": dict(self.bad_messages),
                 "malformed_frames": lst.malformed if lst else 0,
