@@ -25,11 +25,11 @@ from engine.model.llama import LlamaModel, Step
 from engine.model.registry import resolve_model
 from engine.model.weights import random_weights
 from engine.request import SamplingParams
-from kernels import plan_decode
+from kernels import native, plan_decode
 from kernels.attention import AttentionBatch, PrefillSeq, decode_key_mask
 from kernels.plan_decode import PlanDecoder, unsupported_reason
 from kernels.quant import QuantTensor
-from kernels.quant_linear import QuantKernel
+from kernels.quant_linear import VARIANTS, QuantKernel, runs_here
 
 BS, NUM_BLOCKS = 16, 160
 
@@ -151,6 +151,22 @@ def test_every_build_computes_the_same_bits(fmt, kernel):
     assert torch.equal(decoder(model, kv).decode(ids, pos, tables, kv_host),
                        portable.decode(ids, pos, tables, kv_port))
     assert torch.equal(kv_host, kv_port)
+
+
+def test_a_build_is_refused_when_unknown_not_runnable_or_misnamed(kernel):
+    """PlanDecoder.create(variant=) gives None, and builds nothing, for a name it does not
+    know or a build this CPU cannot run; a library whose reported build differs from the
+    one asked for is refused (native.require_variant), whichever kernel it is."""
+    model = tiny_model("Q4_1", kernel)
+    kv = empty_kv(model)
+    assert PlanDecoder.create(model, kv, BS, variant="avx9000") is None
+    for variant in [v for v in VARIANTS if not runs_here(v)]:     # none on a CPU that runs every build
+        assert PlanDecoder.create(model, kv, BS, variant=variant) is None
+    lib = native.load(plan_decode.LIBRARY, VARIANTS["portable"][1])
+    with pytest.raises(native.BuildError, match="reports portable"):
+        PlanDecoder(model, lib, kv.shape[2], BS, "avx2")
+    with pytest.raises(native.BuildError, match="reports portable"):
+        QuantKernel(native.load("quant_matmul", VARIANTS["portable"][1]), "avx2")
 
 
 def test_batch_of_16_rows_equal_each_row_alone_bit_for_bit(model):
