@@ -125,6 +125,10 @@ def _cluster_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-threshold", dest="prefill_threshold", type=int, default=None,
                    help="a decode node computes prompts with fewer uncached tokens itself "
                         "([cluster].prefill_threshold)")
+    p.add_argument("--prefill-queue-factor", dest="prefill_queue_factor", type=float, default=None,
+                   help="the coordinator sends a prompt of n tokens to a prefill node only while that "
+                        "node's queue holds at most factor*n prompt tokens; else its decode node computes "
+                        "it; 0: no limit ([cluster].prefill_queue_factor)")
     p.add_argument("--kv-load-failure", dest="kv_load_failure", choices=("recompute", "fail"), default=None,
                    help="a decode node whose prompt KV does not arrive: recompute or fail "
                         "([cluster].kv_load_failure)")
@@ -168,7 +172,8 @@ def _cluster(args: argparse.Namespace):
 
 
 CLUSTER_OVERRIDES = ("transport", "heartbeat_interval", "heartbeat_deadline", "curve_keys_dir", "insecure",
-                     "prefill_threshold", "kv_load_failure", "kv_transfer_timeout", "kv_stream", "kv_return",
+                     "prefill_threshold", "prefill_queue_factor", "kv_load_failure", "kv_transfer_timeout",
+                     "kv_stream", "kv_return",
                      "replicas", "recovery", "max_recoveries", "replica_kv_blocks", "replication_interval")
 
 
@@ -358,7 +363,8 @@ def _passthrough(args: argparse.Namespace) -> list[str]:
     for flag, dest in (("--heartbeat-interval", "heartbeat_interval"),
                        ("--heartbeat-deadline", "heartbeat_deadline"),
                        ("--curve-keys-dir", "curve_keys_dir"), ("--transport", "transport"),
-                       ("--prefill-threshold", "prefill_threshold"), ("--kv-load-failure", "kv_load_failure"),
+                       ("--prefill-threshold", "prefill_threshold"),
+                       ("--prefill-queue-factor", "prefill_queue_factor"), ("--kv-load-failure", "kv_load_failure"),
                        ("--kv-transfer-timeout", "kv_transfer_timeout"), ("--kv-stream", "kv_stream"),
                        ("--kv-return", "kv_return"), ("--replicas", "replicas"), ("--recovery", "recovery"),
                        ("--max-recoveries", "max_recoveries"), ("--replica-kv-blocks", "replica_kv_blocks"),

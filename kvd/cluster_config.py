@@ -105,6 +105,13 @@ class ClusterConfig:
         than this many of its tokens are not in its prefix cache (the rest
         go to a prefill node); 0 sends every prompt to a prefill node.
         The default, 64, is measured (tools/bench_disagg.py, docs/benchmarks.md).
+    prefill_queue_factor: the coordinator sends a prompt of n tokens to a
+        prefill node only while that node's queue (the prompt tokens of the
+        prefill legs in flight there) holds at most ``factor * n`` tokens;
+        when every prefill node's queue is longer, the decode node computes
+        the prompt itself, as when no prefill node is routable. A request
+        never waits behind more than ``factor`` times its own prefill, and
+        a short prompt is not queued behind long ones. 0: no limit.
     kv_load_failure: what a decode node does when the prompt's KV does not
         arrive (prefill node dead, transfer past its deadline, refused):
         "recompute" the prompt itself (the request completes), or "fail" it.
@@ -161,6 +168,7 @@ class ClusterConfig:
     ucx_progress_mode: str = "blocking"
     restart_nodes: bool = True
     prefill_threshold: int = 64
+    prefill_queue_factor: float = 4.0
     kv_load_failure: str = "recompute"
     kv_transfer_timeout: float = 60.0
     kv_stream: str = "layers"
@@ -206,6 +214,8 @@ class ClusterConfig:
                               f"got {self.ucx_progress_mode!r}")
         if self.prefill_threshold < 0:
             raise ConfigError("cluster.prefill_threshold must be >= 0")
+        if not (math.isfinite(self.prefill_queue_factor) and self.prefill_queue_factor >= 0):
+            raise ConfigError("cluster.prefill_queue_factor must be a finite number >= 0")
         if self.kv_load_failure not in KV_LOAD_FAILURE:
             raise ConfigError(f"cluster.kv_load_failure must be one of {KV_LOAD_FAILURE}, "
                               f"got {self.kv_load_failure!r}")

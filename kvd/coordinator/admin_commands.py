@@ -49,6 +49,7 @@ class CoordinatorAdmin:
                 "recoveries": {f"{how}/{outcome}": n
                                for (how, outcome), n in sorted(self.d.client.recovery.outcomes.items())},
                 "kv_returns": dict(self.d.client.kv_returns),
+                "prefill_queue_bypassed": self.d.client.prefill_queue_bypassed,
                 "bad_messages": dict(self.d.bad_messages + self.d.client.bad_messages),
                 "malformed_frames": self.d.listener.stats.malformed if self.d.listener else 0}
 
@@ -79,7 +80,8 @@ class CoordinatorAdmin:
         return self.status()
 
     async def cmd_nodes(self, args: dict) -> dict:
-        return {"nodes": [n.describe() for n in self.d.membership.nodes.values()]}
+        return {"nodes": [dict(n.describe(), prefill_queue_tokens=self.d.client.prefill_queue(n))
+                          for n in self.d.membership.nodes.values()]}
 
     async def cmd_requests(self, args: dict) -> dict:
         return {"requests": self.d.client.requests()}

@@ -39,6 +39,13 @@ in-process engine. Contracts:
   reported to the decode node (``Abort(leg="prefill")``), which then
   computes the prompt itself or fails the request; nothing waits on it.
   Prefill nodes take whole requests only when no other node is routable.
+  A prompt of n tokens goes to a prefill node only while that node's
+  queue, the prompt tokens of the prefill legs in flight there, holds at
+  most ``prefill_queue_factor * n`` tokens (0: no limit); when every
+  prefill node's queue is longer the decode node computes the prompt
+  itself (counted in ``prefill_queue_bypassed``), as when no prefill node
+  is routable: a request never waits behind more than that many times its
+  own prefill, and a short prompt never queues behind long ones.
 - PD-Caching-3 (``kv_return``): when a disaggregated request finishes
   (stop or length), the decode node is asked (an owned task, after the
   client has its last token) to push the KV of the whole sequence, prompt
@@ -155,7 +162,7 @@ class RemoteEngineClient:
                  stats_source: Callable[[], dict] | None = None,
                  limits: protocol.ProtocolLimits = protocol.DEFAULT_LIMITS,
                  recovery: RecoveryPolicy | None = None, kv_return: bool = False,
-                 kv_return_timeout: float = 10.0) -> None:
+                 kv_return_timeout: float = 10.0, prefill_queue_factor: float = 0.0) -> None:
         self.model_name = model_name
         self.limits = limits                   # what a node's decode accepts
         self.tokenizer = tokenizer
@@ -177,6 +184,8 @@ class RemoteEngineClient:
         self.kv_return = kv_return                 # PD-Caching-3 ([cluster].kv_return)
         self.kv_return_timeout = kv_return_timeout
         self.kv_returns: collections.Counter[str] = collections.Counter()   # done | nothing | failed
+        self.prefill_queue_factor = prefill_queue_factor     # [cluster].prefill_queue_factor; 0: no limit
+        self.prefill_queue_bypassed = 0        # prompts their decode node computed: prefill queues too long
 
     # ------------------------------------------------------------ EngineClient
     @property
@@ -355,9 +364,26 @@ class RemoteEngineClient:
                       request_id: str) -> NodeInfo | None:
         """The routable prefill node for the prompt (``prefill_router``: with
         prompt-tree routing the one whose cache holds most of it, within the
-        load guard), or None when there is none."""
+        load guard) among those whose queue is short enough for it
+        (``prefill_queue_factor``), or None when there is none."""
         prefills = [n for n in candidates if n.role == "prefill"]
+        if prefills and self.prefill_queue_factor > 0:
+            bound = self.prefill_queue_factor * len(prompt_ids)
+            prefills = [n for n in prefills if self.prefill_queue(n) <= bound]
+            if not prefills:
+                self.prefill_queue_bypassed += 1
         return self.prefill_router.pick(prefills, prompt_ids, request_id) if prefills else None
+
+    def prefill_queue(self, node: NodeInfo) -> int:
+        """Prompt tokens of the requests in flight on ``node`` that have not
+        had their first token (on a prefill node: its prefill legs, queued or
+        computing)."""
+        queued = 0
+        for rid in node.in_flight:
+            stream = self._streams.get(rid)
+            if stream is not None and not stream.tokens:
+                queued += stream.prompt_len
+        return queued
 
     def _start_prefill_leg(self, request: protocol.GenerateRequest, stream: _Stream, decode: NodeInfo,
                            prefill: NodeInfo, grant: protocol.Accepted) -> None:

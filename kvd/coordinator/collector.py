@@ -68,6 +68,9 @@ class ClusterCollector:
         for (how, outcome), n in sorted(d.client.recovery.outcomes.items()):
             c.add_metric([how, outcome], n)
         yield c
+        yield _counter("kvd_prefill_queue_bypassed", "Prompts their decode node computed because every "
+                       "prefill node's queue was longer than [cluster].prefill_queue_factor allows",
+                       d.client.prefill_queue_bypassed)
         c = CounterMetricFamily("kvd_kv_returns", "Finished disaggregated sequences whose KV a decode node "
                                 "was asked to return to their prefill node (PD-Caching-3), by outcome "
                                 "(done, nothing: none of it cached, failed)", labels=["outcome"])

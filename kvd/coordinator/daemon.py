@@ -79,7 +79,8 @@ class CoordinatorDaemon:
                                          recovery=RecoveryPolicy(cluster.recovery, cluster.max_recoveries,
                                                                   replicas=cluster.replicas),
                                          kv_return=cluster.kv_return,
-                                         kv_return_timeout=2 * cluster.request_timeout)
+                                         kv_return_timeout=2 * cluster.request_timeout,
+                                         prefill_queue_factor=cluster.prefill_queue_factor)
         self.options = TransportOptions(request_timeout=cluster.request_timeout,
                                         send_timeout=cluster.request_timeout,
                                         ucx_progress_mode=cluster.ucx_progress_mode)

@@ -23,7 +23,9 @@ def prompt(seed: int, n: int) -> list[int]:
 
 def start(tmp, transport: str, roles: dict[str, str], extra: tuple[str, ...] = (),
           node_extra: tuple[str, ...] = ()) -> Cluster:
-    c = Cluster(tmp, transport, extra=extra)
+    """A cluster of ``roles`` whose every prompt goes to a prefill node (no
+    threshold, no queue bound) unless ``extra`` says otherwise."""
+    c = Cluster(tmp, transport, extra=("--prefill-queue-factor", "0", *extra))
     for name, role in roles.items():
         c.start_node(name, "--role", role, "--prefill-threshold", "0", "--kv-transfer-timeout", "3",
                      *node_extra)
@@ -253,6 +255,51 @@ def test_prefill_node_that_dies_mid_request_is_recomputed(pd, reference_engine):
     assert [m.code for m in forged] == ["no_grant", "no_grant"], forged
     assert text == reference_engine.tokenizer.decode(ref)
     wait_idle(pd, ["d1"])
+
+
+def test_a_short_prompt_is_not_queued_behind_a_long_one(tmp_path, reference_engine):
+    """[cluster].prefill_queue_factor: p1 is stopped (SIGSTOP) with a 300-token
+    prompt in its queue; a 20-token prompt may wait behind at most 4x its
+    own tokens, so d1 computes it and it completes while p1 is frozen. The
+    long prompt's KV never comes (d1 recomputes it past the 3 s transfer
+    deadline). Both give the single-node engine's tokens; every block returns."""
+    import signal
+
+    c = start(tmp_path, "zmq+tcp", ROLES, extra=("--prefill-queue-factor", "4", "--heartbeat-deadline", "60"))
+    try:
+        long_p, short_p = prompt(61, 300), prompt(62, 20)
+        ref = reference_tokens(reference_engine, [long_p, short_p], 8)
+        tok = reference_engine.tokenizer
+        proc = c.nodes["p1"].proc
+        proc.send_signal(signal.SIGSTOP)
+        try:
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                running = pool.submit(stream, c.client(timeout=60), long_p, 8)
+                deadline = time.monotonic() + 10
+                while queue_of(c, "p1") != len(long_p):
+                    assert time.monotonic() < deadline and not running.done(), "the long prompt never reached p1"
+                    time.sleep(0.05)
+                t0 = time.monotonic()
+                text, finish, _ = stream(c.client(timeout=60), short_p, 8)
+                took = time.monotonic() - t0
+                assert not running.done()
+                assert (text, finish) == (tok.decode(ref[1]), "length")
+                assert took < 3                        # not the long prompt's transfer deadline
+                assert admin(c.admin_socket, "status")["prefill_queue_bypassed"] == 1
+                proc.send_signal(signal.SIGCONT)
+                text_long, _, _ = running.result(30)
+        finally:
+            proc.send_signal(signal.SIGCONT)
+        assert text_long == tok.decode(ref[0])
+        assert node_status(c, "d1")["disaggregation"]["decode"]["remote"] == 1   # the long one's grant
+        wait_idle(c, ROLES)
+    finally:
+        c.stop()
+
+
+def queue_of(c: Cluster, node: str) -> int:
+    """The prompt tokens the coordinator has queued on ``node`` (``kvctl nodes``)."""
+    return next(n["prefill_queue_tokens"] for n in admin(c.admin_socket, "nodes")["nodes"] if n["name"] == node)
 
 
 async def forge_commit(c: Cluster) -> list:
