@@ -45,6 +45,7 @@ def test_counts_and_throughputs():
     assert m["output_throughput"] == pytest.approx(3.0)
     assert m["total_token_throughput"] == pytest.approx(20.5)
     assert m["request_goodput"] is None           # no SLO given
+    assert m["slo_attainment"] is None
     assert m["duration"] == 2.0
 
 
@@ -99,6 +100,7 @@ def test_goodput_requires_every_slo():
     # A: ttft 100 ok, tpot 33 ok -> good; B: ttft 300 misses; C: ttft 50, tpot counts as 0 -> good
     m = compute_metrics(timeline(), 2.0, slo=Slo(ttft_ms=150, tpot_ms=50))
     assert m["request_goodput"] == pytest.approx(1.0)
+    assert m["slo_attainment"] == pytest.approx(2 / 6)      # A and C; the failed ones count too
     m = compute_metrics(timeline(), 2.0, slo=Slo(e2el_ms=100))
     assert m["request_goodput"] == pytest.approx(0.5)      # only C
     m = compute_metrics(timeline(), 2.0, slo=Slo(tpot_ms=10))

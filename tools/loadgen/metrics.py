@@ -143,6 +143,8 @@ def compute_metrics(records: Sequence[RequestRecord], duration_s: float,
         "total_output_tokens": total_out,
         "request_throughput": len(ok) / duration_s,
         "request_goodput": good / duration_s if slo is not None else None,
+        # the share of all requests (failed ones too) that met every SLO: DistServe's attainment
+        "slo_attainment": good / len(records) if slo is not None and records else None,
         "output_throughput": total_out / duration_s,
         "total_token_throughput": (total_in + total_out) / duration_s,
     }

@@ -58,6 +58,8 @@ def summary_table(metrics: dict, *, selected: Sequence[str], percentiles: Sequen
     lines.append(_row("Request throughput (req/s):", metrics["request_throughput"], ".2f"))
     if metrics.get("request_goodput") is not None:
         lines.append(_row("Request goodput (req/s):", metrics["request_goodput"], ".2f"))
+    if metrics.get("slo_attainment") is not None:
+        lines.append(_row("SLO attainment (%):", 100 * metrics["slo_attainment"], ".1f"))
     lines.append(_row("Output token throughput (tok/s):", metrics["output_throughput"], ".2f"))
     lines.append(_row("Total Token throughput (tok/s):", metrics["total_token_throughput"], ".2f"))
     for name in selected:
