@@ -1,6 +1,7 @@
 """kvd against llama.cpp on the same GGUF, the same thread count and the same host, in one run.
 
     .venv/bin/python tools/bench_llamacpp.py --llama-cpp /path/to/llama.cpp/build/bin [--threads 2]
+        [--parts engine,http] [--rounds 2] [--gguf FILE]
 
 llama.cpp is not part of kvd and never built by it: build ``llama-bench`` and
 ``llama-server`` yourself (docs/benchmarks.md gives the commands) and point
@@ -17,7 +18,9 @@ llama.cpp is not part of kvd and never built by it: build ``llama-bench`` and
   the same dataset and seed: one stream (``--max-concurrency 1``) and 32
   concurrent requests (``llama-server -np 32``); output tok/s, TPOT, TTFT.
 
-Every row names the CPU. Appends to ``results/bench_llamacpp.json`` and prints
+Both load the same GGUF: the bundled SmolLM2, or ``--gguf`` (for example the
+same shapes and formats with random blocks, where the real file cannot be
+copied). Every row names the CPU. Appends to ``results/bench_llamacpp.json`` and prints
 markdown rows for docs/benchmarks.md.
 """
 
@@ -65,11 +68,11 @@ def kvd_engine(eng, prompts: list[list[int]]) -> dict[str, float]:
     return {"pp512": 512 / min(pre), "tg128": max(dec)}
 
 
-def loadgen(url: str, load: tuple, tmp: str, tag: str) -> dict:
+def loadgen(url: str, load: tuple, tmp: str, tag: str, gguf: Path) -> dict:
     name, conc, n, inp, outp = load
     out = Path(tmp) / f"{tag}.json"
     subprocess.run([sys.executable, "-m", "tools.loadgen.cli", "run", "--base-url", url,
-                    "--tokenizer", "smollm2", "--endpoint", "/v1/completions", "--dataset-name", "random",
+                    "--tokenizer", str(gguf), "--endpoint", "/v1/completions", "--dataset-name", "random",
                     "--random-input-len", str(inp), "--random-output-len", str(outp), "--num-prompts", str(n),
                     "--max-concurrency", str(conc), "--request-rate", "inf", "--ignore-eos", "--seed", "0",
                     "--temperature", "0", "--no-keepalive", "--save-result", "--result-dir", tmp,
@@ -89,7 +92,7 @@ def serve(kind: str, bin_dir: Path, gguf: Path, threads: int, conc: int, port: i
                "--threads-http", str(2 * conc + 4)]
     else:
         cmd = [sys.executable, "-m", "kvd.cli", "serve", "--port", str(port), "--num-threads", str(threads),
-               "--max-num-seqs", str(max(conc, 8))]
+               "--max-num-seqs", str(max(conc, 8)), "--model", str(gguf)]
     return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -106,7 +109,7 @@ def http_rows(bin_dir: Path, gguf: Path, threads: int, rounds: int) -> list[dict
                         why = wait_healthy(url, proc, 180.0)
                         if why:
                             raise SystemExit(f"bench_llamacpp: {kind} server {why}")
-                        r = loadgen(url, load, tmp, f"{kind}-{load[1]}-{rnd}")
+                        r = loadgen(url, load, tmp, f"{kind}-{load[1]}-{rnd}", gguf)
                     finally:
                         stop_processes([proc])
                     rows.append({"part": "http", "load": load[0], "server": kind, "round": rnd, **r})
@@ -122,15 +125,17 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--parts", default="engine,http")
+    ap.add_argument("--gguf", type=Path, default=None,
+                    help="the GGUF both engines load (default: the bundled SmolLM2); the tokenizer is its own")
     ap.add_argument("--out", default=str(REPO / "results" / "bench_llamacpp.json"))
     args = ap.parse_args()
     from kernels.quant_linear import host_variant
-    gguf, rows = bundled_gguf_path(), []
+    gguf, rows = (args.gguf or bundled_gguf_path()).resolve(), []
     cpu = f"{cpu_model()} ({host_variant() or 'no quantized kernel'})"
     torch.set_num_threads(args.threads)
     parts = args.parts.split(",")
     if "engine" in parts:
-        eng = make_engine("float32", weights="native", num_threads=args.threads)
+        eng = make_engine("float32", weights="native", num_threads=args.threads, model=str(gguf))
         tok = eng.tokenizer
         weight_bytes = eng.model.weight_bytes_per_token()
         bw = read_bandwidth()
