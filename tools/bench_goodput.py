@@ -13,6 +13,11 @@ one after the other and alternated ``--rounds`` times (the host is shared):
              colocated engine that runs each prompt whole (DistServe's
              baseline).
 
+Nodes start as tools/bench_disagg.py's ``cluster`` starts them, with
+``--prefill-threshold 0``: in ``1p1d`` where each prompt is computed is the
+coordinator's prefill-queue bound (``--prefill-queue-factor``, default the
+coordinator's own; 0 sends every prompt to the prefill node).
+
 The workload is two ``kvd-loadgen`` processes started together against the
 coordinator: ``long`` (random prompts of 1,024–2,048 tokens, 8-token
 answers) and ``chat`` (64-token prompts, ``--chat-output`` tokens, 256 by
@@ -78,7 +83,8 @@ def loadgen(base: str, cls: str, args: argparse.Namespace, out: str) -> subproce
 
 
 def run_once(config: str, args: argparse.Namespace, tmp: str, rnd: int) -> dict:
-    with cluster(f"{config}-{rnd}", args, tmp, CONFIGS[config], NODE_ARGS.get(config, ())) as base:
+    factor = () if args.prefill_queue_factor is None else ("--prefill-queue-factor", str(args.prefill_queue_factor))
+    with cluster(f"{config}-{rnd}", args, tmp, CONFIGS[config], NODE_ARGS.get(config, ()), factor) as base:
         load0 = os.getloadavg()
         outs = {cls: os.path.join(tmp, f"{config}-{rnd}-{cls}.json") for cls in ("long", "chat")}
         procs = {cls: loadgen(base, cls, args, out) for cls, out in outs.items()}
@@ -120,6 +126,8 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--transport", default="zmq+tcp")
     ap.add_argument("--kv-blocks", type=int, default=1024, help="per node")
+    ap.add_argument("--prefill-queue-factor", type=float, default=None,
+                    help="the coordinator's [cluster].prefill_queue_factor (default: its default)")
     ap.add_argument("--out", default=str(REPO / "results" / "bench_goodput.json"))
     args = ap.parse_args()
     args.slo_chat_ttft = args.slo_ttft if args.slo_chat_ttft is None else args.slo_chat_ttft
