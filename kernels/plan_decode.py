@@ -39,7 +39,7 @@ import torch
 from engine.model.llama import LAYER_STEPS, LlamaModel
 from kernels import native
 from kernels.decode_inputs import check_decode_inputs
-from kernels.quant import QuantTensor
+from kernels.quant import X8, QuantTensor
 from kernels.quant_linear import VARIANTS, QuantLinear, host_variant, runs_here
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,9 @@ class _Model(ctypes.Structure):
 
 
 def _single_block_tensor(m: object) -> bool:
-    return isinstance(m, QuantLinear) and len(m.parts) == 1 and isinstance(m.parts[0], QuantTensor)
+    """One block-quantized tensor in the kernels' x8 layout (a QuantLinear with a kernel)."""
+    return (isinstance(m, QuantLinear) and len(m.parts) == 1 and isinstance(m.parts[0], QuantTensor)
+            and m.parts[0].layout == X8)
 
 
 def unsupported_reason(model: LlamaModel) -> str | None:
@@ -91,9 +93,9 @@ def unsupported_reason(model: LlamaModel) -> str | None:
     for step in LAYER_STEPS:
         if step.op in _MATRIX_OPS and not all(_single_block_tensor(getattr(layer, step.weight))
                                               for layer in model.layers):
-            return f"{step.weight} is not one block-quantized tensor in every layer"
+            return f"{step.weight} is not one block-quantized tensor (with a kernel) in every layer"
     if not (_single_block_tensor(model.embed) and _single_block_tensor(model.lm_head)):
-        return "the embedding or the LM head is not block-quantized"
+        return "the embedding or the LM head is not block-quantized (with a kernel)"
     if host_variant() is None:
         return "CPU lacks AVX2, FMA or F16C"
     return None

@@ -8,9 +8,16 @@ A ``QuantTensor`` is a matrix ``[rows, cols]`` whose every row is
     Q8_0  34 B / 32 weights  fp16 d, 32 x int8         w = d * q
 
 (in a Q4 block, byte j holds weight j in its low nibble and weight j + 16 in
-its high nibble). The bytes are held in a ``uint8`` tensor ``[rows,
-row_bytes]``, so a row permutation or a concatenation of rows is a plain
-tensor op on whole rows of blocks.
+its high nibble). The bytes are held in a ``uint8`` tensor in one of two
+layouts:
+
+- ``rows`` (the file's): ``[rows, row_bytes]``, so a row permutation or a
+  concatenation of rows is a plain tensor op on whole rows of blocks;
+- ``x8`` (the kernels', ``pack()``): rows in groups of 8, the last padded with
+  zero blocks, ``[ceil(rows / 8), 8 * row_bytes]``; for each group and block the
+  8 rows' blocks transposed as 2-byte words (word i of rows 0..7, then word
+  i + 1). The same bytes, reordered so that one vector load holds a word of 8
+  rows (kernels/csrc/quant_gemm.h says what the kernels make of it).
 
 ``dequantize`` is the torch reference: it gives bit for bit what gguf-py's
 ``gguf.quants.dequantize`` gives (every ``d * q`` is exact in fp32, so the
@@ -25,6 +32,8 @@ from dataclasses import dataclass
 import torch
 
 BLOCK = 32                      # weights per block, every format here
+GROUP = 8                       # rows per group in the x8 layout
+ROWS, X8 = "rows", "x8"         # layouts
 
 
 @dataclass(frozen=True)
@@ -46,27 +55,70 @@ FORMATS = {f.name: f for f in (BlockFormat("Q4_0", 0, 18), BlockFormat("Q4_1", 1
 class QuantTensor:
     """A ``[rows, cols]`` matrix in a GGUF block format (see the module docstring).
 
-    ``data``: uint8 ``[rows, cols / 32 * block_bytes]``, contiguous; not copied,
-    treat it as read-only. Raises ``ValueError`` when the bytes do not fit the
-    shape and format, so a truncated or mislabelled tensor fails at load.
+    ``data``: uint8 in ``layout`` (the module docstring): ``[rows, cols / 32 *
+    block_bytes]`` for ``rows``, ``[ceil(rows / 8), 8 * cols / 32 * block_bytes]``
+    for ``x8``; contiguous, not copied, treat it as read-only. Raises
+    ``ValueError`` when the bytes do not fit the shape, format and layout, so a
+    truncated or mislabelled tensor fails at load.
     """
 
-    __slots__ = ("fmt", "shape", "data")
+    __slots__ = ("fmt", "shape", "data", "layout")
 
-    def __init__(self, fmt: BlockFormat | str, shape: tuple[int, int], data: torch.Tensor) -> None:
+    def __init__(self, fmt: BlockFormat | str, shape: tuple[int, int], data: torch.Tensor,
+                 layout: str = ROWS) -> None:
         fmt = FORMATS[fmt] if isinstance(fmt, str) else fmt
         rows, cols = (int(s) for s in shape)
         if rows < 1 or cols < 1 or cols % BLOCK:
             raise ValueError(f"{fmt.name} matrix [{rows}, {cols}]: rows must be >= 1 and cols a positive "
                              f"multiple of {BLOCK}")
-        want = (rows, cols // BLOCK * fmt.block_bytes)
+        row_bytes = cols // BLOCK * fmt.block_bytes
+        if layout == ROWS:
+            want = (rows, row_bytes)
+        elif layout == X8:
+            want = (-(-rows // GROUP), GROUP * row_bytes)
+        else:
+            raise ValueError(f"unknown layout {layout!r} (expected {ROWS!r} or {X8!r})")
         if data.dtype != torch.uint8 or tuple(data.shape) != want:
-            raise ValueError(f"{fmt.name} matrix [{rows}, {cols}] needs uint8 bytes {list(want)}, "
-                             f"got {data.dtype} {list(data.shape)}")
-        self.fmt, self.shape, self.data = fmt, (rows, cols), data.contiguous()
+            raise ValueError(f"{fmt.name} matrix [{rows}, {cols}] in layout {layout} needs uint8 bytes "
+                             f"{list(want)}, got {data.dtype} {list(data.shape)}")
+        self.fmt, self.shape, self.data, self.layout = fmt, (rows, cols), data.contiguous(), layout
 
     def __repr__(self) -> str:
-        return f"QuantTensor({self.fmt.name}, {list(self.shape)})"
+        return f"QuantTensor({self.fmt.name}, {list(self.shape)}{', x8' if self.layout == X8 else ''})"
+
+    def pack(self, out: torch.Tensor | None = None) -> QuantTensor:
+        """This matrix in the x8 layout (itself when it is): the same bytes reordered,
+        plus zero blocks padding the last group of 8 rows. ``out``: a uint8 tensor of
+        exactly ``packed_nbytes()`` bytes to hold them (e.g. from a WeightArena);
+        None allocates."""
+        if self.layout == X8:
+            return self
+        rows, cols = self.shape
+        groups, words = -(-rows // GROUP), self.fmt.block_bytes // 2
+        data = self.data
+        if groups * GROUP != rows:
+            data = torch.cat([data, data.new_zeros(groups * GROUP - rows, data.shape[1])])
+        w = data.view(torch.int16).view(groups, GROUP, cols // BLOCK, words).permute(0, 2, 3, 1)
+        if out is None:
+            return QuantTensor(self.fmt, self.shape, w.contiguous().view(torch.uint8).view(groups, -1), X8)
+        if out.dtype != torch.uint8 or out.numel() != self.packed_nbytes() or not out.is_contiguous():
+            raise ValueError(f"pack needs a contiguous uint8 out of {self.packed_nbytes()} bytes")
+        out.view(torch.int16).view(w.shape).copy_(w)
+        return QuantTensor(self.fmt, self.shape, out.view(groups, -1), X8)
+
+    def packed_nbytes(self) -> int:
+        """Bytes of this matrix in the x8 layout (its rows rounded up to a group of 8)."""
+        return -(-self.shape[0] // GROUP) * GROUP * (self.shape[1] // BLOCK) * self.fmt.block_bytes
+
+    def unpack(self) -> QuantTensor:
+        """This matrix in the rows layout (itself when it is): ``pack``'s inverse."""
+        if self.layout == ROWS:
+            return self
+        rows, cols = self.shape
+        groups, words = self.data.shape[0], self.fmt.block_bytes // 2
+        w = self.data.view(torch.int16).view(groups, cols // BLOCK, words, GROUP).permute(0, 3, 1, 2)
+        data = w.contiguous().view(torch.uint8).view(groups * GROUP, -1)[:rows]
+        return QuantTensor(self.fmt, self.shape, data)
 
     @property
     def nbytes(self) -> int:
@@ -74,22 +126,26 @@ class QuantTensor:
 
     def dequantize(self) -> torch.Tensor:
         """fp32 ``[rows, cols]``, equal to gguf-py's dequantize bit for bit."""
-        return _dequantize(self.fmt, self.data, self.shape[1])
+        return _dequantize(self.fmt, self.unpack().data, self.shape[1])
 
     def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """fp32 ``[len(ids), cols]``: rows ``ids`` only (an embedding lookup)."""
-        return _dequantize(self.fmt, self.data.index_select(0, ids), self.shape[1])
+        return _dequantize(self.fmt, self.unpack().data.index_select(0, ids), self.shape[1])
 
     def take_rows(self, index: torch.Tensor) -> QuantTensor:
-        """The matrix whose row i is this one's row ``index[i]`` (a row permutation)."""
+        """The matrix whose row i is this one's row ``index[i]`` (a row permutation);
+        rows layout only (ValueError otherwise)."""
+        if self.layout != ROWS:
+            raise ValueError("take_rows needs the rows layout")
         return QuantTensor(self.fmt, (len(index), self.shape[1]), self.data.index_select(0, index))
 
     @staticmethod
     def cat_rows(parts: list[QuantTensor]) -> QuantTensor:
-        """Rows of ``parts`` one after another; all of one format and width."""
+        """Rows of ``parts`` one after another; all of one format and width, in the
+        rows layout."""
         fmt, cols = parts[0].fmt, parts[0].shape[1]
-        if any(p.fmt != fmt or p.shape[1] != cols for p in parts):
-            raise ValueError("cat_rows needs parts of one format and one width")
+        if any(p.fmt != fmt or p.shape[1] != cols or p.layout != ROWS for p in parts):
+            raise ValueError("cat_rows needs parts of one format and one width, in the rows layout")
         return QuantTensor(fmt, (sum(p.shape[0] for p in parts), cols), torch.cat([p.data for p in parts]))
 
 

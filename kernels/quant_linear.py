@@ -42,7 +42,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels import native
-from kernels.quant import QuantTensor
+from kernels.quant import X8, QuantTensor
+from kernels.weight_arena import WeightArena
 
 log = logging.getLogger(__name__)
 
@@ -106,10 +107,13 @@ class QuantKernel:
             return None
 
     def matmul_into(self, w: QuantTensor, x: torch.Tensor, y: torch.Tensor) -> None:
-        """y[:, :N] = x @ w.T: x fp32 [M, K] with unit column stride; y fp32 [M, >= N],
-        unit column stride (a column slice of a wider output is fine)."""
+        """y[:, :N] = x @ w.T: w in the x8 layout (``QuantTensor.pack``); x fp32 [M, K] with
+        unit column stride; y fp32 [M, >= N], unit column stride (a column slice of a
+        wider output is fine)."""
         n, k = w.shape
         m = x.shape[0]
+        if w.layout != X8:
+            raise ValueError(f"quant matmul needs W in the x8 layout, got {w!r}")
         if (x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1
                 or (m > 1 and x.stride(0) < k) or y.dtype != torch.float32 or y.dim() != 2
                 or y.shape[0] != m or y.shape[1] < n or y.stride(1) != 1 or (m > 1 and y.stride(0) < n)):
@@ -121,11 +125,13 @@ class QuantKernel:
             raise ValueError(f"quant matmul refused W {w!r}")
 
     def rows(self, w: QuantTensor, ids: torch.Tensor) -> torch.Tensor:
-        """fp32 [T, K]: rows ``ids`` (int64 [T]) of ``w`` dequantized. ValueError for an id
-        outside [0, rows)."""
+        """fp32 [T, K]: rows ``ids`` (int64 [T]) of ``w`` (x8 layout) dequantized.
+        ValueError for an id outside [0, rows)."""
         ids = ids.contiguous()
         if ids.dtype != torch.int64 or ids.dim() != 1:
             raise ValueError("ids must be int64 [T]")
+        if w.layout != X8:
+            raise ValueError(f"quant rows needs W in the x8 layout, got {w!r}")
         out = torch.empty(ids.shape[0], w.shape[1], dtype=torch.float32)
         if self._rows(w.fmt.code, w.data.data_ptr(), w.shape[0], w.shape[1], ids.data_ptr(), ids.shape[0],
                       out.data_ptr()) != 0:
@@ -141,10 +147,14 @@ class QuantLinear:
     ``x``: [M, K] of any float dtype; the result has x's dtype (computed in fp32,
     rounded once at the end, where a bf16 ``F.linear`` rounds). ``kernel``
     None: the torch reference (dequantize, fp32 matmul: slow, not batch
-    invariant), used by tests and where no kernel loads.
+    invariant), used by tests and where no kernel loads. With a kernel the
+    quantized parts are held in the kernel's x8 layout (``QuantTensor.pack``: the
+    same bytes reordered, no copy kept in the file's layout), in memory taken
+    from ``arena`` when one is given (kernels/weight_arena.py: huge pages).
     """
 
-    def __init__(self, parts: list[QuantTensor | torch.Tensor], kernel: QuantKernel | None) -> None:
+    def __init__(self, parts: list[QuantTensor | torch.Tensor], kernel: QuantKernel | None,
+                 arena: WeightArena | None = None) -> None:
         merged: list[QuantTensor | torch.Tensor] = []
         for p in parts:
             last = merged[-1] if merged else None
@@ -155,6 +165,9 @@ class QuantLinear:
                 merged.append(p)
             else:
                 merged.append(p.to(torch.float32).contiguous())
+        if kernel is not None:
+            merged = [p.pack(arena.take(p.packed_nbytes()) if arena is not None and p.layout != X8 else None)
+                      if isinstance(p, QuantTensor) else p for p in merged]
         widths = {p.shape[1] for p in merged}
         if len(widths) != 1:
             raise ValueError(f"QuantLinear parts disagree on the input width: {sorted(widths)}")

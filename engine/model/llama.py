@@ -30,6 +30,7 @@ from kernels.attention import AttentionBatch, decode_attention, prefill_attentio
 from kernels.prefill_attention import PrefillAttention
 from kernels.quant import QuantTensor
 from kernels.quant_linear import QuantKernel, QuantLinear
+from kernels.weight_arena import WeightArena
 
 Matrix = torch.Tensor | QuantLinear
 
@@ -199,16 +200,19 @@ class LlamaModel:
         self._linear = (_quant_linear if self.quantized else
                         _matmul_in_out if transposed else _linear_batch_invariant)
 
+        # the kernels' packed weights, on huge pages: one stream of ~100 MB a decode step
+        arena = WeightArena() if self.quant_kernel is not None else None
+
         def mat(*names: str) -> Matrix:    # rows of these [out, in] weights -> what _linear takes
             parts = [w(n) for n in names]
             if self.quantized:
-                return QuantLinear(parts, quant_kernel)
+                return QuantLinear(parts, quant_kernel, arena)
             t = torch.cat(parts) if len(parts) > 1 else parts[0]
             return t.t().contiguous() if transposed else t.contiguous()
 
         embed = w("model.embed_tokens.weight") if self.is_first else None
         # a quantized table is read through its QuantLinear (rows dequantized on lookup)
-        self.embed = QuantLinear([embed], quant_kernel) if isinstance(embed, QuantTensor) else embed
+        self.embed = QuantLinear([embed], quant_kernel, arena) if isinstance(embed, QuantTensor) else embed
         self.layers: list[_Layer] = []
         for i in range(start, end):
             p = f"model.layers.{i}."

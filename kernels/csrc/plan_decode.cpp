@@ -44,7 +44,7 @@ extern "C" {
 struct PlanStep { int32_t op, src, dst, weight; };
 
 struct PlanWeight {
-    int32_t format;             // 0 Q4_0, 1 Q4_1, 2 Q8_0: a matrix [n, k]; -1: an fp32 vector [n]
+    int32_t format;             // 0 Q4_0, 1 Q4_1, 2 Q8_0: a matrix [n, k] in the x8 layout; -1: an fp32 vector [n]
     int32_t unused;
     int64_t n, k;
     const void* data;

@@ -5,12 +5,12 @@
 //
 //   x rows (fp32) --quantize_rows--> QRows: per 32-block b of a row
 //                                      q[32] int16, d (x ≈ d q), s (fp32 sum of x), qs (sum of q)
-//   W rows (GGUF blocks) x QRows ----> y: per output, per block, an exact integer dot
+//   W (GGUF blocks, x8 layout) x QRows --> y: per output, per block, an exact integer dot
 //                                      isum = sum q_w q_x, then d_w d_x isum (+ m_w s) in fp32
 //
 // The integer dot is exact whatever order computes it, so a path is free to reduce it
-// however is fastest (pmaddwd pairs, a horizontal tree across 8 rows of W, VNNI); only
-// the fp32 chain after it is fixed, and every path runs it the same.
+// however is fastest (pmaddwd on 8 rows' weight pairs at once, VNNI); only the fp32 chain
+// after it is fixed, and every path runs it the same.
 #pragma once
 
 #include <omp.h>
@@ -112,248 +112,199 @@ inline void quantize_rows(const float* x, int64_t ldx, int64_t m0, int64_t m1, c
         }
 }
 
-// ------------------------------------------------------------------ 8 rows of W, one block
-// A group is 8 consecutive rows of W (fewer at the end of a range: `nr` live rows, the
-// others read as zero blocks and their outputs dropped). For block b the group's weights
-// are widened to int16 (Q4: the nibble values 0..15; Q8_0: the int8 values) and its
-// fp16 scales converted:
-//     dw[r] = d of row r, mw[r] = m of row r (Q4_1; 0 otherwise)
-// then for each x row: isum[r] = sum_i qw[r][i] qx[i] (exact int32: |q_w| <= 128 and
-// |q_x| <= 32767, 32 terms), minus 8 * qs for Q4_0 (its weights are q - 8), and the fp32
-// chain of every output:
-//     acc = fma(dw[r] * d_x, (float)isum[r], acc);   accm = fma(mw[r], s_x, accm)   (Q4_1)
-//     y = acc + accm (Q4_1), acc (Q4_0, Q8_0)
-// with acc, accm starting at 0 and blocks in order.
+// ------------------------------------------------------------------ W in the x8 layout
+// The kernels read W in the x8 layout (kernels/quant.py, QuantTensor.pack): rows in
+// groups of 8 (the last group padded with zero blocks), and for each group and block b the
+// 8 rows' GGUF blocks transposed as 2-byte words: word i of rows 0..7 side by side, then
+// word i + 1. A group-block is the same 8 * block_bytes(F) bytes as the 8 GGUF blocks:
+//
+//     bytes [0, 16)      word 0: the 8 rows' fp16 d
+//     bytes [16, 32)     word 1: the 8 rows' fp16 m (Q4_1; Q4_0 and Q8_0 start their quants here)
+//     then quant word t: 16 bytes, row r's block bytes (2t, 2t + 1) at (2r, 2r + 1)
+//
+// A Q4 block's byte j holds weight j in its low nibble and j + 16 in its high, so quant
+// word t (t < 8) carries every row's weight pair (2t, 2t + 1) in its low nibbles and pair
+// (2t + 16, 2t + 17) in its high ones; a Q8_0 word t (t < 16) carries pair (2t, 2t + 1).
+// Widened to int16 a word is 8 lanes of 32 bits, lane r = row r's pair, so pmaddwd against
+// x's pair broadcast leaves row r's partial dot in lane r: a block's 8 integer dots are 16
+// multiply-adds and adds, no horizontal sum, and its 8 scales one fp16 -> fp32 conversion.
+// For each output the arithmetic is the contract's, unchanged: the exact integer dot per
+// block (in another order, which exact integers do not see), then the same fp32 chain.
+
+constexpr int64_t GROUP = 8;
+constexpr int PAIRS = QK / 2;                       // x's 32 values as 16 int16 pairs
+constexpr int64_t group_block_bytes(int f) { return GROUP * block_bytes(f); }
+constexpr int quant_word0(int f) { return f == Q4_1 ? 2 : 1; }
+
+// Pairs of a block in word order: Q4 word t gives pairs t and t + 8, Q8_0 word t pair t.
+// wv[p] (int16 lanes 2r, 2r + 1) = row r's weights 2p, 2p + 1; Q4: the nibble values 0..15.
+
+// Prefetch distance for the one-row path, which streams each thread's groups in address
+// order: far enough ahead to cover the memory latency at this loop's rate, measured on
+// Zen 3 (1 KiB: no better than none; 4-16 KiB within noise of each other).
+constexpr int64_t PREFETCH_BYTES = 4096;
+
+// The cache lines that start in [gb + PREFETCH_BYTES, gb + PREFETCH_BYTES + bytes): each
+// line once as a thread walks its blocks in order. A hint: no effect on any result; past
+// the matrix's end it is dropped (prefetches do not fault).
+inline void prefetch_ahead(const uint8_t* gb, int64_t bytes) {
+#if defined(__AVX2__)
+    const uintptr_t from = (uintptr_t)gb + PREFETCH_BYTES;
+    for (uintptr_t at = (from + 63) & ~(uintptr_t)63; at < from + (uintptr_t)bytes; at += 64)
+        _mm_prefetch((const char*)at, _MM_HINT_T0);
+#else
+    (void)gb, (void)bytes;
+#endif
+}
 
 #if defined(__AVX2__)
-// With AVX512BW, two rows of x run at once in 512-bit vectors (row m in the low 256 bits,
-// row m + 1 in the high): the same integer dots, the same per-lane fp32 chain.
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-#define KVD_GEMM_ROW_PAIRS 1
-#endif
-
-struct WGroup {
-    __m256i w[8][2];                    // weights 0..15 and 16..31 of each row
-    __m256 dw, mw;
-#if KVD_GEMM_ROW_PAIRS
-    __m512i w2[8][2];                   // each w twice, for a pair of x rows
-#endif
-};
-
-inline __m256 fp16x8(__m256i lanes) {   // the low 16 bits of each 32-bit lane, fp16 -> fp32
-    const __m256i packed = _mm256_packus_epi32(_mm256_and_si256(lanes, _mm256_set1_epi32(0xffff)), lanes);
-    return _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08)));
+// x's int16 pair p of a block (q[2p], q[2p + 1]) in every 32-bit lane
+inline __m256i pair_bcast(const int16_t* q, int p) {
+    int32_t v;
+    memcpy(&v, q + 2 * p, 4);
+    return _mm256_set1_epi32(v);
 }
 
-// one block's 32 weights as int16: w0 = elements 0..15, w1 = 16..31
-template <int F>
-inline void widen(const uint8_t* blk, __m256i* w0, __m256i* w1) {
-    if constexpr (F == Q8_0) {
-        *w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(blk + 2)));
-        *w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(blk + 18)));
-    } else {
-        const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(blk + (F == Q4_1 ? 4 : 2))));
-        *w0 = _mm256_and_si256(bytes, _mm256_set1_epi16(15));
-        *w1 = _mm256_srli_epi16(bytes, 4);
-    }
-}
-
-// the fp16 d (and Q4_1's m) of block b in 8 rows (rows >= nr: 0), as fp32 lanes
-template <int F>
-inline void group_scales(const uint8_t* w, int64_t row_bytes, int64_t b, int nr, __m256* dw, __m256* mw) {
-    int32_t h[8];
-    for (int r = 0; r < 8; r++) {
-        h[r] = 0;
-        if (r < nr) memcpy(&h[r], w + r * row_bytes + b * block_bytes(F), 4);
-    }
-    // built in registers (a 32-byte load of 8 fresh 4-byte stores would stall on forwarding)
-    const __m256i v = _mm256_setr_epi32(h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7]);
-    *dw = fp16x8(v);
-    *mw = F == Q4_1 ? fp16x8(_mm256_srli_epi32(v, 16)) : _mm256_setzero_ps();
-}
-
-// A group is 8 whole rows, one contiguous run of 8 * row_bytes. While block b of a group is
-// read, block b's even share of the cache lines PREFETCH_GROUPS groups ahead is prefetched
-// (8 rows interleaved by block are more streams than the hardware prefetcher follows; the
-// LM head streams from DRAM). A hint: no effect on any result; past the matrix's end it is
-// dropped (prefetches do not fault).
-constexpr int64_t PREFETCH_GROUPS = 2;
-
-// The share of block b is bytes [8 b bb, 8 (b + 1) bb) of the group's run, bb = block_bytes(F)
-// (the run is 8 nb blocks long): no division in the loop.
-template <int F>
-inline void prefetch_ahead(const uint8_t* group, int64_t row_bytes, int64_t b) {
-    const char* next = (const char*)(group + PREFETCH_GROUPS * 8 * row_bytes);
-    constexpr int64_t share = 8 * block_bytes(F);
-    for (int64_t at = (b * share) & ~(int64_t)63; at < (b + 1) * share; at += 64) _mm_prefetch(next + at, _MM_HINT_T0);
-}
-
-template <int F>
-inline void load_group(const uint8_t* w, int64_t row_bytes, int64_t b, int nr, WGroup* g) {
-    prefetch_ahead<F>(w, row_bytes, b);
-    for (int r = 0; r < 8; r++) {
-        if (r >= nr) {
-            g->w[r][0] = g->w[r][1] = _mm256_setzero_si256();
-            continue;
-        }
-        widen<F>(w + r * row_bytes + b * block_bytes(F), &g->w[r][0], &g->w[r][1]);
-    }
-    group_scales<F>(w, row_bytes, b, nr, &g->dw, &g->mw);
-#if KVD_GEMM_ROW_PAIRS
-    for (int r = 0; r < 8; r++)
-        for (int h = 0; h < 2; h++) g->w2[r][h] = _mm512_inserti64x4(_mm512_castsi256_si512(g->w[r][h]), g->w[r][h], 1);
-#endif
-}
-
-inline __m256i dot_pairs(__m256i w0, __m256i w1, __m256i x0, __m256i x1) {   // 8 lanes, each 4 products
+// acc + (per 32-bit lane) w0 x0 + w1 x1 over int16 pairs: exact
+inline __m256i dot_acc(__m256i acc, __m256i w, __m256i x) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpwssd_epi32(_mm256_madd_epi16(w0, x0), w1, x1);
+    return _mm256_dpwssd_epi32(acc, w, x);
 #else
-    return _mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(w, x));
 #endif
 }
 
-// lane r = the sum of p[r]'s 8 lanes
-inline __m256i hsum8(const __m256i p[8]) {
-    __m256i t[4];
-    for (int i = 0; i < 4; i++)
-        t[i] = _mm256_add_epi32(_mm256_unpacklo_epi32(p[2 * i], p[2 * i + 1]), _mm256_unpackhi_epi32(p[2 * i], p[2 * i + 1]));
-    // t[i] = [a0+a2, b0+b2, a1+a3, b1+b3 | ...] for (a, b) = (p[2i], p[2i+1])
-    const __m256i u0 = _mm256_add_epi32(_mm256_unpacklo_epi64(t[0], t[1]), _mm256_unpackhi_epi64(t[0], t[1]));
-    const __m256i u1 = _mm256_add_epi32(_mm256_unpacklo_epi64(t[2], t[3]), _mm256_unpackhi_epi64(t[2], t[3]));
-    // u0 = [p0 p1 p2 p3 | p0 p1 p2 p3] halves summed per 128-bit lane
-    return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
+// lane r = row r's exact integer dot of block gb with x's quantized block xq
+template <int F>
+inline __m256i block_dots(const uint8_t* gb, const int16_t* xq) {
+    const uint8_t* q = gb + 16 * quant_word0(F);
+    __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+    if constexpr (F == Q8_0) {
+        for (int t = 0; t < PAIRS; t += 2) {
+            s0 = dot_acc(s0, _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(q + 16 * t))),
+                         pair_bcast(xq, t));
+            s1 = dot_acc(s1, _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(q + 16 * t + 16))),
+                         pair_bcast(xq, t + 1));
+        }
+    } else {
+        for (int t = 0; t < 8; t++) {
+            const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(q + 16 * t)));
+            s0 = dot_acc(s0, _mm256_and_si256(bytes, _mm256_set1_epi16(15)), pair_bcast(xq, t));
+            s1 = dot_acc(s1, _mm256_srli_epi16(bytes, 4), pair_bcast(xq, t + 8));
+        }
+    }
+    return _mm256_add_epi32(s0, s1);
+}
+
+// the group-block's 8 d (and Q4_1's 8 m) as fp32 lanes
+template <int F>
+inline void group_scales(const uint8_t* gb, __m256* dw, __m256* mw) {
+    *dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)gb));
+    *mw = F == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(gb + 16))) : _mm256_setzero_ps();
 }
 
 struct Acc { __m256 acc, accm; };
 
+// The fp32 chain of 8 outputs for one block: lane r's isum with row r's scales, x row i's.
 template <int F>
-inline void group_block_row(const WGroup& g, const int16_t* xq, float dx, float sx, int32_t qsx, Acc* a) {
-    const __m256i x0 = _mm256_loadu_si256((const __m256i*)xq), x1 = _mm256_loadu_si256((const __m256i*)(xq + 16));
-    __m256i p[8];
-    for (int r = 0; r < 8; r++) p[r] = dot_pairs(g.w[r][0], g.w[r][1], x0, x1);
-    __m256i isum = hsum8(p);
-    if constexpr (F == Q4_0) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(8 * qsx));
-    a->acc = _mm256_fmadd_ps(_mm256_mul_ps(g.dw, _mm256_set1_ps(dx)), _mm256_cvtepi32_ps(isum), a->acc);
-    if constexpr (F == Q4_1) a->accm = _mm256_fmadd_ps(g.mw, _mm256_set1_ps(sx), a->accm);
+inline void chain(__m256i isum, __m256 dw, __m256 mw, const QRows& x, int64_t i, Acc* a) {
+    if constexpr (F == Q4_0) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(8 * x.qs[i]));
+    a->acc = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(x.d[i])), _mm256_cvtepi32_ps(isum), a->acc);
+    if constexpr (F == Q4_1) a->accm = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.s[i]), a->accm);
 }
 
-#if KVD_GEMM_ROW_PAIRS
-inline __m512 f32x2(__m256 lo, __m256 hi) {
-    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
-}
-inline __m256 f32_hi(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
+// A group-block widened once for many rows of x: wv[p] as above (L1-resident, 512 B).
+struct WGroup {
+    __m256i w[PAIRS];
+    __m256 dw, mw;
+};
 
-// hsum8 for two rows at once: lane r of each 256-bit half = the sum of that half's p[r]
-inline __m512i hsum8x2(const __m512i p[8]) {
-    __m512i t[4];
-    for (int i = 0; i < 4; i++)
-        t[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(p[2 * i], p[2 * i + 1]), _mm512_unpackhi_epi32(p[2 * i], p[2 * i + 1]));
-    const __m512i u0 = _mm512_add_epi32(_mm512_unpacklo_epi64(t[0], t[1]), _mm512_unpackhi_epi64(t[0], t[1]));
-    const __m512i u1 = _mm512_add_epi32(_mm512_unpacklo_epi64(t[2], t[3]), _mm512_unpackhi_epi64(t[2], t[3]));
-    // 128-bit lanes of u0: [row m: p0-3 of elements 0-3, of 4-7 | row m+1: the same]; u1: p4-7
-    const __m512i lo = _mm512_shuffle_i64x2(u0, u1, _MM_SHUFFLE(2, 0, 2, 0));
-    const __m512i hi = _mm512_shuffle_i64x2(u0, u1, _MM_SHUFFLE(3, 1, 3, 1));
-    const __m512i sum = _mm512_add_epi32(lo, hi);          // [m p0-3, m+1 p0-3, m p4-7, m+1 p4-7]
-    return _mm512_shuffle_i64x2(sum, sum, _MM_SHUFFLE(3, 1, 2, 0));
-}
-
-struct Acc2 { __m512 acc, accm; };      // rows m (low half) and m + 1 (high half)
-
-// group_block_row for rows a (low half) and b (high half): per lane the same operations
 template <int F>
-inline void group_block_2rows(const WGroup& g, const QRows& x, int64_t ma, int64_t b, Acc2* a) {
-    const int64_t ia = ma * x.nb + b, ib = ia + x.nb;
-    const int16_t* xa = x.q + ma * x.K + b * QK;
-    const int16_t* xb = xa + x.K;
-    const __m512i x0 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)xa)),
-                                          _mm256_loadu_si256((const __m256i*)xb), 1);
-    const __m512i x1 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(xa + 16))),
-                                          _mm256_loadu_si256((const __m256i*)(xb + 16)), 1);
-    __m512i p[8];
-    for (int r = 0; r < 8; r++) {
-#if defined(__AVX512VNNI__)
-        p[r] = _mm512_dpwssd_epi32(_mm512_madd_epi16(g.w2[r][0], x0), g.w2[r][1], x1);
-#else
-        p[r] = _mm512_add_epi32(_mm512_madd_epi16(g.w2[r][0], x0), _mm512_madd_epi16(g.w2[r][1], x1));
-#endif
+inline void load_group(const uint8_t* gb, WGroup* g) {
+    const uint8_t* q = gb + 16 * quant_word0(F);
+    if constexpr (F == Q8_0) {
+        for (int t = 0; t < PAIRS; t++) g->w[t] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(q + 16 * t)));
+    } else {
+        for (int t = 0; t < 8; t++) {
+            const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(q + 16 * t)));
+            g->w[t] = _mm256_and_si256(bytes, _mm256_set1_epi16(15));
+            g->w[t + 8] = _mm256_srli_epi16(bytes, 4);
+        }
     }
-    __m512i isum = hsum8x2(p);
-    if constexpr (F == Q4_0)
-        isum = _mm512_sub_epi32(isum, _mm512_inserti64x4(_mm512_set1_epi32(8 * x.qs[ia]),
-                                                         _mm256_set1_epi32(8 * x.qs[ib]), 1));
-    const __m512 dx = f32x2(_mm256_set1_ps(x.d[ia]), _mm256_set1_ps(x.d[ib]));
-    a->acc = _mm512_fmadd_ps(_mm512_mul_ps(f32x2(g.dw, g.dw), dx), _mm512_cvtepi32_ps(isum), a->acc);
-    if constexpr (F == Q4_1)
-        a->accm = _mm512_fmadd_ps(f32x2(g.mw, g.mw), f32x2(_mm256_set1_ps(x.s[ia]), _mm256_set1_ps(x.s[ib])), a->accm);
+    group_scales<F>(gb, &g->dw, &g->mw);
 }
-#endif
 
-// One x row against a full group of 8 W rows, every block: the decode step's shape, kept in
-// registers (the same chain as group_block_row, which would widen the group into memory).
 template <int F>
-inline void group_one_row(const uint8_t* w, int64_t row_bytes, const QRows& x, int64_t m, Acc* a) {
+inline void group_block_row(const WGroup& g, const QRows& x, int64_t m, int64_t b, Acc* a) {
+    const int16_t* xq = x.q + m * x.K + b * QK;
+    __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+    for (int p = 0; p < PAIRS; p += 2) {
+        s0 = dot_acc(s0, g.w[p], pair_bcast(xq, p));
+        s1 = dot_acc(s1, g.w[p + 1], pair_bcast(xq, p + 1));
+    }
+    chain<F>(_mm256_add_epi32(s0, s1), g.dw, g.mw, x, m * x.nb + b, a);
+}
+
+// One x row against one group, every block, W read straight into registers (the decode
+// step's shape: each byte of W is used once, so it streams from memory in address order).
+template <int F>
+inline void group_one_row(const uint8_t* group, const QRows& x, int64_t m, Acc* a) {
+    constexpr int64_t GB = group_block_bytes(F);
     const int16_t* xq = x.q + m * x.K;
     for (int64_t b = 0; b < x.nb; b++) {
-        prefetch_ahead<F>(w, row_bytes, b);
-        const __m256i x0 = _mm256_loadu_si256((const __m256i*)(xq + b * QK));
-        const __m256i x1 = _mm256_loadu_si256((const __m256i*)(xq + b * QK + 16));
-        __m256i p[8];
-        for (int r = 0; r < 8; r++) {
-            const uint8_t* blk = w + r * row_bytes + b * block_bytes(F);
-            __m256i w0, w1;
-            widen<F>(blk, &w0, &w1);
-            p[r] = dot_pairs(w0, w1, x0, x1);
-        }
-        __m256i isum = hsum8(p);
-        const int64_t i = m * x.nb + b;
-        if constexpr (F == Q4_0) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(8 * x.qs[i]));
-        // the 8 rows' scales: ~16 ops a block, a quarter of the block's work (an AVX2
-        // gather of the 8 words measured 5-15% slower on Zen 3)
+        const uint8_t* gb = group + b * GB;
+        prefetch_ahead(gb, GB);
         __m256 dw, mw;
-        group_scales<F>(w, row_bytes, b, 8, &dw, &mw);
-        a->acc = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(x.d[i])), _mm256_cvtepi32_ps(isum), a->acc);
-        if constexpr (F == Q4_1) a->accm = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.s[i]), a->accm);
+        group_scales<F>(gb, &dw, &mw);
+        chain<F>(block_dots<F>(gb, xq + b * QK), dw, mw, x, m * x.nb + b, a);
     }
 }
 
 template <int F>
 inline void store_group(const Acc& a, float* y, int nr) {
+    if (nr == 8) {
+        _mm256_storeu_ps(y, F == Q4_1 ? _mm256_add_ps(a.acc, a.accm) : a.acc);
+        return;
+    }
     alignas(32) float out[8];
     _mm256_store_ps(out, F == Q4_1 ? _mm256_add_ps(a.acc, a.accm) : a.acc);
     for (int r = 0; r < nr; r++) y[r] = out[r];
 }
 #else
-struct WGroup { int16_t w[8][QK]; float dw[8], mw[8]; };
+// The portable build: the group-block unpacked to each row's 32 int16 weights, scalar ints.
+struct WGroup { int16_t w[GROUP][QK]; float dw[GROUP], mw[GROUP]; };
 
 template <int F>
-inline void load_group(const uint8_t* w, int64_t row_bytes, int64_t b, int nr, WGroup* g) {
-    for (int r = 0; r < 8; r++) {
-        g->dw[r] = g->mw[r] = 0.0f;
-        for (int i = 0; i < QK; i++) g->w[r][i] = 0;
-        if (r >= nr) continue;
-        const uint8_t* blk = w + r * row_bytes + b * block_bytes(F);
-        g->dw[r] = fp16_to_f32(blk);
-        if constexpr (F == Q8_0) {
-            for (int i = 0; i < QK; i++) g->w[r][i] = (int8_t)blk[2 + i];
-        } else {
-            const uint8_t* qs = blk + (F == Q4_1 ? 4 : 2);
-            if constexpr (F == Q4_1) g->mw[r] = fp16_to_f32(blk + 2);
-            for (int i = 0; i < 16; i++) { g->w[r][i] = qs[i] & 15; g->w[r][i + 16] = qs[i] >> 4; }
-        }
+inline void load_group(const uint8_t* gb, WGroup* g) {
+    const uint8_t* q = gb + 16 * quant_word0(F);
+    for (int r = 0; r < GROUP; r++) {
+        g->dw[r] = fp16_to_f32(gb + 2 * r);
+        g->mw[r] = F == Q4_1 ? fp16_to_f32(gb + 16 + 2 * r) : 0.0f;
+        for (int t = 0; t < (F == Q8_0 ? PAIRS : 8); t++)
+            for (int j = 0; j < 2; j++) {
+                const uint8_t v = q[16 * t + 2 * r + j];
+                if constexpr (F == Q8_0) {
+                    g->w[r][2 * t + j] = (int8_t)v;
+                } else {
+                    g->w[r][2 * t + j] = v & 15;
+                    g->w[r][2 * t + 16 + j] = v >> 4;
+                }
+            }
     }
 }
 
-struct Acc { float acc[8], accm[8]; };
+struct Acc { float acc[GROUP], accm[GROUP]; };
 
 template <int F>
-inline void group_block_row(const WGroup& g, const int16_t* xq, float dx, float sx, int32_t qsx, Acc* a) {
-    for (int r = 0; r < 8; r++) {
+inline void group_block_row(const WGroup& g, const QRows& x, int64_t m, int64_t b, Acc* a) {
+    const int16_t* xq = x.q + m * x.K + b * QK;
+    const int64_t i = m * x.nb + b;
+    for (int r = 0; r < GROUP; r++) {
         int32_t isum = 0;
-        for (int i = 0; i < QK; i++) isum += (int32_t)g.w[r][i] * xq[i];
-        if constexpr (F == Q4_0) isum -= 8 * qsx;
-        a->acc[r] = fmaf(g.dw[r] * dx, (float)isum, a->acc[r]);
-        if constexpr (F == Q4_1) a->accm[r] = fmaf(g.mw[r], sx, a->accm[r]);
+        for (int k = 0; k < QK; k++) isum += (int32_t)g.w[r][k] * xq[k];
+        if constexpr (F == Q4_0) isum -= 8 * x.qs[i];
+        a->acc[r] = fmaf(g.dw[r] * x.d[i], (float)isum, a->acc[r]);
+        if constexpr (F == Q4_1) a->accm[r] = fmaf(g.mw[r], x.s[i], a->accm[r]);
     }
 }
 
@@ -367,59 +318,40 @@ inline Acc acc_zero() { Acc a; memset(&a, 0, sizeof a); return a; }
 
 // ------------------------------------------------------------------ a range of W rows
 // Rows of x are taken in chunks of ROW_CHUNK (their quantized blocks, ~100 KiB at K = 1536,
-// stay in L2 while every group of W passes over them); within a chunk each group of W
-// is widened block by block once and applied to every row. The order in which rows,
-// groups and blocks are visited changes no output: each is its own chain over blocks.
-constexpr int64_t ROW_CHUNK = 32;         // 8 and 96 measured 1.6-2.5x slower (Zen 3)
+// stay in L2 while every group of W passes over them); within a chunk each group-block of W
+// is widened once and applied to every row. The order in which rows, groups and blocks are
+// visited changes no output: each is its own chain over blocks.
+constexpr int64_t ROW_CHUNK = 32;
 // Up to this many rows of x run the one-row register path each (the group's bytes stay in
-// L1 after the first): faster than widening the group into memory at 2 rows, not at 4.
+// L1 after the first row).
 constexpr int64_t ONE_ROW_MAX = 2;
 
-// y[m, n] for n in [n0, n1), m < M. W is format F, [N, K] with K = x.K.
+// y[m, n] for n in [n0, n1), m < M; n0 a multiple of 8. W is format F in the x8 layout,
+// [N, K] with K = x.K and N >= n1.
 template <int F>
 void matmul_range(const uint8_t* w, int64_t n0, int64_t n1, const QRows& x, int64_t M, float* y, int64_t ldy) {
-    const int64_t nb = x.nb, row_bytes = nb * block_bytes(F);
+    const int64_t nb = x.nb, group_bytes = nb * group_block_bytes(F);
     Acc acc[ROW_CHUNK];
-#if KVD_GEMM_ROW_PAIRS
-    Acc2 acc2[ROW_CHUNK / 2];
-#endif
     WGroup g;
     for (int64_t m0 = 0; m0 < M; m0 += ROW_CHUNK) {
         const int64_t mc = M - m0 < ROW_CHUNK ? M - m0 : ROW_CHUNK;
-        for (int64_t n = n0; n < n1; n += 8) {
-            const int nr = n1 - n < 8 ? (int)(n1 - n) : 8;
+        for (int64_t n = n0; n < n1; n += GROUP) {
+            const int nr = n1 - n < GROUP ? (int)(n1 - n) : (int)GROUP;
+            const uint8_t* group = w + n / GROUP * group_bytes;
             for (int64_t m = 0; m < mc; m++) acc[m] = acc_zero();
 #if defined(__AVX2__)
-            if (mc <= ONE_ROW_MAX && nr == 8) {
+            if (mc <= ONE_ROW_MAX) {
                 for (int64_t m = 0; m < mc; m++) {
-                    group_one_row<F>(w + n * row_bytes, row_bytes, x, m0 + m, &acc[m]);
+                    group_one_row<F>(group, x, m0 + m, &acc[m]);
                     store_group<F>(acc[m], y + (m0 + m) * ldy + n, nr);
                 }
                 continue;
             }
 #endif
-#if KVD_GEMM_ROW_PAIRS
-            const int64_t pairs = mc / 2;
-            for (int64_t p = 0; p < pairs; p++) acc2[p] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-#else
-            const int64_t pairs = 0;
-#endif
             for (int64_t b = 0; b < nb; b++) {
-                load_group<F>(w + n * row_bytes, row_bytes, b, nr, &g);
-#if KVD_GEMM_ROW_PAIRS
-                for (int64_t p = 0; p < pairs; p++) group_block_2rows<F>(g, x, m0 + 2 * p, b, &acc2[p]);
-#endif
-                for (int64_t m = 2 * pairs; m < mc; m++) {
-                    const int64_t i = (m0 + m) * nb + b;
-                    group_block_row<F>(g, x.q + (m0 + m) * x.K + b * QK, x.d[i], x.s[i], x.qs[i], &acc[m]);
-                }
+                load_group<F>(group + b * group_block_bytes(F), &g);
+                for (int64_t m = 0; m < mc; m++) group_block_row<F>(g, x, m0 + m, b, &acc[m]);
             }
-#if KVD_GEMM_ROW_PAIRS
-            for (int64_t p = 0; p < pairs; p++) {
-                acc[2 * p] = {_mm512_castps512_ps256(acc2[p].acc), _mm512_castps512_ps256(acc2[p].accm)};
-                acc[2 * p + 1] = {f32_hi(acc2[p].acc), f32_hi(acc2[p].accm)};
-            }
-#endif
             for (int64_t m = 0; m < mc; m++) store_group<F>(acc[m], y + (m0 + m) * ldy + n, nr);
         }
     }
@@ -445,17 +377,24 @@ inline void split_rows(int64_t N, int parts, int part, int64_t* n0, int64_t* n1)
 }
 
 // ------------------------------------------------------------------ embedding rows
-// out[t, :] = row ids[t] of W (format F, [N, K]) dequantized exactly; ids already checked.
+// out[t, :] = row ids[t] of W (format F, [N, K], x8 layout) dequantized exactly; ids
+// already checked. Each block is gathered back into its GGUF bytes, then dequantized.
 template <int F>
 void gather_rows(const uint8_t* w, int64_t K, const int64_t* ids, int64_t T, float* out) {
-    const int64_t nb = K / QK, row_bytes = nb * block_bytes(F);
-    for (int64_t t = 0; t < T; t++)
+    constexpr int64_t BB = block_bytes(F), GB = group_block_bytes(F);
+    const int64_t nb = K / QK;
+    uint8_t blk[BB];
+    for (int64_t t = 0; t < T; t++) {
+        const uint8_t* group = w + ids[t] / GROUP * nb * GB;
+        const int64_t r = ids[t] % GROUP;
         for (int64_t b = 0; b < nb; b++) {
+            for (int64_t i = 0; i < BB / 2; i++) memcpy(blk + 2 * i, group + b * GB + 16 * i + 2 * r, 2);
             V16 lo, hi;
-            dequant_block<F>(w + ids[t] * row_bytes + b * block_bytes(F), &lo, &hi);
+            dequant_block<F>(blk, &lo, &hi);
             vstore(out + t * K + b * QK, lo);
             vstore(out + t * K + b * QK + 16, hi);
         }
+    }
 }
 
 inline bool gather_rows_any(int format, const uint8_t* w, int64_t K, const int64_t* ids, int64_t T, float* out) {

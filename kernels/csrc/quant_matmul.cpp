@@ -4,8 +4,9 @@
 // Called through ctypes from kernels/quant_linear.py, which documents the
 // contract; this file documents the layouts and the arithmetic.
 //
-// W is [N, K] as the GGUF file stores it: row n is K/32 blocks of 32 weights,
-// each block its scale(s) then its quants (ggml's block_q4_0 / q4_1 / q8_0):
+// W is [N, K] in the GGUF file's blocks: row n is K/32 blocks of 32 weights, each
+// block its scale(s) then its quants (ggml's block_q4_0 / q4_1 / q8_0), held in the
+// x8 layout described below:
 //
 //     Q4_0  18 B  fp16 d, 16 B nibbles     w = d * (q - 8)
 //     Q4_1  20 B  fp16 d, fp16 m, 16 B     w = d * q + m
@@ -36,7 +37,9 @@
 // step. The AVX2 and AVX-512 builds and the portable build (scalar ints, fmaf) agree
 // bit for bit (the tests hold this host's build to the portable one).
 //
-// Work is split between threads by whole groups of 8 output rows of W (n), never by k.
+// The kernels read W in the x8 layout (kernels/quant.py's QuantTensor.pack; quant_gemm.h
+// gives the bytes): the same blocks, 8 rows' blocks interleaved by 2-byte word. Work is
+// split between threads by whole groups of 8 output rows of W (n), never by k.
 
 #include "quant_gemm.h"
 #include "spin_barrier.h"
@@ -67,7 +70,8 @@ extern "C" {
 // Which build this is: "avx512", "avx2" or "portable".
 const char* kvd_quant_variant() { return KVD_VARIANT; }
 
-// y[m, n] (row stride ldy) = sum_k x[m, k] (row stride ldx) * W[n, k] for m < M, n < N.
+// y[m, n] (row stride ldy) = sum_k x[m, k] (row stride ldx) * W[n, k] for m < M, n < N;
+// W in the x8 layout (ceil(N / 8) groups).
 // Returns 0, or -1 for an unknown format or a K that is not a positive multiple of 32
 // (nothing written).
 int kvd_quant_matmul(int format, const uint8_t* w, int64_t N, int64_t K, const float* x, int64_t M,
@@ -80,7 +84,7 @@ int kvd_quant_matmul(int format, const uint8_t* w, int64_t N, int64_t K, const f
     return 0;
 }
 
-// out[t, :] = W[ids[t], :] dequantized (an embedding lookup). Returns 0, or -1 for
+// out[t, :] = W[ids[t], :] dequantized (an embedding lookup; W in the x8 layout). Returns 0, or -1 for
 // an unknown format, a bad K or an id outside [0, N) (nothing written).
 int kvd_quant_rows(int format, const uint8_t* w, int64_t N, int64_t K, const int64_t* ids, int64_t T,
                    float* out) {

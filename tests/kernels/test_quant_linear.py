@@ -140,6 +140,31 @@ def test_every_build_names_itself_the_variant_it_was_built_as(variant):
     assert re.findall(r'^#define KVD_VARIANT "(\w+)"$', proc.stdout, re.M) == [variant]
 
 
+@pytest.mark.parametrize("fmt", FMTS)
+def test_the_x8_layout_is_the_same_bytes_reordered(fmt):
+    """pack() groups rows by 8 (the last padded with zero blocks) and transposes each
+    group-block's 2-byte words; unpack() is its inverse, and the values do not move."""
+    qt = random_blocks(13, 96, fmt, seed=3)
+    packed = qt.pack()
+    assert packed.layout == "x8" and packed.shape == qt.shape and packed.pack() is packed
+    bb, nb = FORMATS[fmt].block_bytes, 3
+    assert tuple(packed.data.shape) == (2, 8 * nb * bb)
+    # group 1, block 2, word 1 of row 12 (row 4 of its group): bytes 2..3 of that GGUF block
+    at = 2 * 8 * bb + 16 * 1 + 2 * 4
+    assert packed.data[1, at:at + 2].tolist() == qt.data[12, 2 * bb + 2:2 * bb + 4].tolist()
+    assert not packed.data[1, 16 * 0 + 2 * 5:16 * 0 + 2 * 8].any()      # rows 13..15: padding
+    assert torch.equal(packed.unpack().data, qt.data)
+    assert torch.equal(packed.dequantize(), qt.dequantize())
+    ids = torch.tensor([12, 0, 5])
+    assert torch.equal(packed.dequantize_rows(ids), qt.dequantize_rows(ids))
+    with pytest.raises(ValueError, match="rows layout"):
+        packed.take_rows(ids)
+    with pytest.raises(ValueError, match="layout x8 needs"):
+        QuantTensor(fmt, (13, 96), qt.data, layout="x8")                  # unpadded bytes
+    with pytest.raises(ValueError, match="unknown layout"):
+        QuantTensor(fmt, (13, 96), qt.data, layout="cols")
+
+
 def test_torch_reference_is_dequantize_then_matmul():
     qt = quantized(24, 64, "Q4_1", seed=3)
     x = torch.randn(5, 64)
@@ -178,9 +203,10 @@ def test_every_build_computes_the_same_bits(host, portable, fmt):
     x[3, 32:64] = 0.0                                                # an all-zero block: d = 0
     for m in (1, 2, 3, 4, 7, 20, 33, 40):            # one row, groups, past one chunk of 32 rows
         assert torch.equal(QuantLinear([qt], host)(x[:m]), QuantLinear([qt], portable)(x[:m])), m
-    ids = torch.tensor([0, 44, 12])
-    assert torch.equal(host.rows(qt, ids), portable.rows(qt, ids))
-    assert torch.equal(host.rows(qt, ids), qt.dequantize()[ids])
+    ids = torch.tensor([0, 44, 12, 40, 7])
+    packed = qt.pack()
+    assert torch.equal(host.rows(packed, ids), portable.rows(packed, ids))
+    assert torch.equal(host.rows(packed, ids), qt.dequantize()[ids])
 
 
 @pytest.mark.parametrize("fmt", FMTS)
@@ -262,7 +288,11 @@ def test_bad_input_is_refused(host):
     with pytest.raises(ValueError, match=r"expects \[M, 64\]"):
         lin(torch.randn(2, 32))
     with pytest.raises(ValueError, match="do not fit"):
-        host.matmul_into(qt, torch.randn(2, 64), torch.empty(3, 8))
+        host.matmul_into(qt.pack(), torch.randn(2, 64), torch.empty(3, 8))
+    with pytest.raises(ValueError, match="x8 layout"):         # the file's layout, read as x8: refused
+        host.matmul_into(qt, torch.randn(2, 64), torch.empty(2, 8))
+    with pytest.raises(ValueError, match="x8 layout"):
+        host.rows(qt, torch.tensor([0]))
     with pytest.raises(ValueError, match="out of range"):
         lin.embed(torch.tensor([0, 8]))
     with pytest.raises(ValueError, match="out of range"):
