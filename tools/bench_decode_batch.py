@@ -9,6 +9,9 @@ and a ``git worktree`` of an older commit): each is run in a subprocess of
 its own, alternated ``--rounds`` times. ``--variants`` compares the kernel
 builds this CPU runs (``all``: every serving build it has, e.g. AVX2 against
 AVX-512 VNNI), each step of each build alternated in one process.
+``--pages both`` adds, for each build, the same weights cloned into ordinary
+memory (4 KiB pages) beside the model's own (kernels/weight_arena.py: 2 MiB
+pages where the OS allows), steps alternated the same way.
 
 ``--weights random`` runs SmolLM2-135M's exact shapes and block formats (Q4_1
 layers, Q8_0 tied embedding) filled with random blocks, for a host without the
@@ -19,7 +22,7 @@ is also set against the bandwidth bound: read bandwidth measured in the run
 
     .venv/bin/python tools/bench_decode_batch.py [--threads 1] [--context 256]
         [--batches 1,2,3,4,6,8,12,16,32] [--repos .,/tmp/old] [--rounds 2]
-        [--variants host|all|avx2,avx512vnni] [--weights bundled|random]
+        [--variants host|all|avx2,avx512vnni] [--weights bundled|random] [--pages huge|both]
 
 Prints a table (ms per step; per sequence in brackets) and writes JSON to results/.
 """
@@ -38,10 +41,32 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
+def on_plain_pages(model):
+    """A shallow copy of ``model`` whose packed weights are clones in ordinary memory
+    (torch's allocator: 4 KiB pages), for ``--pages both``."""
+    import copy
+    import dataclasses
+
+    from kernels.quant import X8, QuantTensor
+    from kernels.quant_linear import QuantLinear
+
+    def clone(lin: QuantLinear) -> QuantLinear:
+        p = lin.parts[0]
+        return QuantLinear([QuantTensor(p.fmt, p.shape, p.data.clone(), X8)], lin.kernel)
+
+    out = copy.copy(model)
+    out.layers = [dataclasses.replace(layer, qkv=clone(layer.qkv), o=clone(layer.o), gate_up=clone(layer.gate_up),
+                                      down=clone(layer.down)) for layer in model.layers]
+    out.embed = clone(model.embed)
+    out.lm_head = out.embed if model.lm_head is model.embed else clone(model.lm_head)
+    return out
+
+
 def measure(threads: int, context: int, batches: list[int], steps: int, variants: list[str],
-            weights: str) -> dict:
+            weights: str, pages: str = "huge") -> dict:
     """Runs in the checkout under test (its engine and kernels on sys.path).
-    Returns {variant: {batch: {min_ms, median_ms}}} plus ``_bound`` (bandwidth bound)."""
+    Returns {variant: {batch: {min_ms, median_ms}}} plus ``_bound`` (bandwidth bound);
+    with ``pages`` "both", also {"<variant>, 4 KiB pages": ...}."""
     import torch
 
     from engine.model.llama import LlamaModel
@@ -69,6 +94,10 @@ def measure(threads: int, context: int, batches: list[int], steps: int, variants
         decoders = {variants[0]: PlanDecoder.create(model, kv, bs)}
     else:
         decoders = {v: PlanDecoder.create(model, kv, bs, variant=v) for v in variants}
+    if pages == "both":
+        plain = on_plain_pages(model)
+        decoders.update({f"{v}, 4 KiB pages": PlanDecoder.create(plain, kv, bs, variant=v) for v in variants})
+        variants = list(decoders)
     missing = [v for v, d in decoders.items() if d is None]
     if missing:
         raise SystemExit(f"bench_decode_batch: the plan executor does not run here for {missing} (see the log)")
@@ -107,6 +136,8 @@ def main() -> None:
                     help="kernel builds: host (the one serving uses), all (every build this CPU runs), or a list")
     ap.add_argument("--weights", choices=("bundled", "random"), default="bundled",
                     help="the bundled GGUF, or random blocks in its shapes and formats")
+    ap.add_argument("--pages", choices=("huge", "both"), default="huge",
+                    help="both: also the weights cloned onto ordinary 4 KiB pages, alternated")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=str(REPO / "results" / "bench_decode_batch.json"))
     args = ap.parse_args()
@@ -114,7 +145,8 @@ def main() -> None:
     variants = args.variants.split(",")
     if args.worker:
         sys.path.insert(0, os.getcwd())
-        print(json.dumps(measure(args.threads, args.context, batches, args.steps, variants, args.weights)))
+        print(json.dumps(measure(args.threads, args.context, batches, args.steps, variants, args.weights,
+                                 args.pages)))
         return
     sys.path.insert(0, str(REPO))
     from tools._twoproc import write_results
@@ -127,7 +159,8 @@ def main() -> None:
             proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", "--threads",
                                    str(args.threads), "--context", str(args.context), "--batches", args.batches,
                                    "--steps", str(args.steps), "--variants", args.variants,
-                                   "--weights", args.weights], cwd=repo, capture_output=True, text=True,
+                                   "--weights", args.weights, *(["--pages", "both"] if args.pages == "both" else [])],
+                                  cwd=repo, capture_output=True, text=True,
                                   timeout=3600)
             if proc.returncode != 0:
                 raise SystemExit(f"bench_decode_batch: {repo}: {proc.stderr.strip()[-500:]}")
