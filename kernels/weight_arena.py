@@ -2,9 +2,8 @@
 
 A decode step streams every weight byte once (~96 MB for the bundled model). On
 4 KiB pages that is a TLB miss every 4 KiB, and the hardware prefetchers stop at
-each page boundary; on 2 MiB pages neither happens. Measured on an AMD EPYC
-(Zen 3), 2 threads, every matmul of one SmolLM2 decode step in a loop: median
-3.4 ms on 2 MiB pages against 4.1 ms on 4 KiB pages (docs/benchmarks.md).
+each page boundary; on 2 MiB pages neither happens. What it is worth is in
+docs/benchmarks.md (``tools/bench_decode_batch.py --pages both``).
 
 ``WeightArena.take(n)`` hands out uint8 tensors from anonymous mappings of at
 least ``CHUNK`` bytes, each aligned to 2 MiB and advised ``MADV_HUGEPAGE``
