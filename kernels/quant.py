@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.weight_arena import WeightArena
+
 BLOCK = 32                      # weights per block, every format here
 GROUP = 8                       # rows per group in the x8 layout
 ROWS, X8 = "rows", "x8"         # layouts
@@ -86,11 +88,10 @@ class QuantTensor:
     def __repr__(self) -> str:
         return f"QuantTensor({self.fmt.name}, {list(self.shape)}{', x8' if self.layout == X8 else ''})"
 
-    def pack(self, out: torch.Tensor | None = None) -> QuantTensor:
+    def pack(self, arena: WeightArena | None = None) -> QuantTensor:
         """This matrix in the x8 layout (itself when it is): the same bytes reordered,
-        plus zero blocks padding the last group of 8 rows. ``out``: a uint8 tensor of
-        exactly ``packed_nbytes()`` bytes to hold them (e.g. from a WeightArena);
-        None allocates."""
+        plus zero blocks padding the last group of 8 rows; held in memory from
+        ``arena`` (kernels/weight_arena.py), or torch's when None."""
         if self.layout == X8:
             return self
         rows, cols = self.shape
@@ -99,16 +100,12 @@ class QuantTensor:
         if groups * GROUP != rows:
             data = torch.cat([data, data.new_zeros(groups * GROUP - rows, data.shape[1])])
         w = data.view(torch.int16).view(groups, GROUP, cols // BLOCK, words).permute(0, 2, 3, 1)
-        if out is None:
-            return QuantTensor(self.fmt, self.shape, w.contiguous().view(torch.uint8).view(groups, -1), X8)
-        if out.dtype != torch.uint8 or out.numel() != self.packed_nbytes() or not out.is_contiguous():
-            raise ValueError(f"pack needs a contiguous uint8 out of {self.packed_nbytes()} bytes")
-        out.view(torch.int16).view(w.shape).copy_(w)
-        return QuantTensor(self.fmt, self.shape, out.view(groups, -1), X8)
-
-    def packed_nbytes(self) -> int:
-        """Bytes of this matrix in the x8 layout (its rows rounded up to a group of 8)."""
-        return -(-self.shape[0] // GROUP) * GROUP * (self.shape[1] // BLOCK) * self.fmt.block_bytes
+        if arena is None:
+            packed = w.contiguous()
+        else:
+            packed = arena.take(w.numel() * 2).view(torch.int16).view(w.shape)
+            packed.copy_(w)
+        return QuantTensor(self.fmt, self.shape, packed.view(torch.uint8).view(groups, -1), X8)
 
     def unpack(self) -> QuantTensor:
         """This matrix in the rows layout (itself when it is): ``pack``'s inverse."""

@@ -166,8 +166,7 @@ class QuantLinear:
             else:
                 merged.append(p.to(torch.float32).contiguous())
         if kernel is not None:
-            merged = [p.pack(arena.take(p.packed_nbytes()) if arena is not None and p.layout != X8 else None)
-                      if isinstance(p, QuantTensor) else p for p in merged]
+            merged = [p.pack(arena) if isinstance(p, QuantTensor) else p for p in merged]
         widths = {p.shape[1] for p in merged}
         if len(widths) != 1:
             raise ValueError(f"QuantLinear parts disagree on the input width: {sorted(widths)}")

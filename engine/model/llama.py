@@ -201,7 +201,7 @@ class LlamaModel:
                         _matmul_in_out if transposed else _linear_batch_invariant)
 
         # the kernels' packed weights, on huge pages: one stream of ~100 MB a decode step
-        arena = WeightArena() if self.quant_kernel is not None else None
+        arena = WeightArena()
 
         def mat(*names: str) -> Matrix:    # rows of these [out, in] weights -> what _linear takes
             parts = [w(n) for n in names]

@@ -136,9 +136,6 @@ constexpr int PAIRS = QK / 2;                       // x's 32 values as 16 int16
 constexpr int64_t group_block_bytes(int f) { return GROUP * block_bytes(f); }
 constexpr int quant_word0(int f) { return f == Q4_1 ? 2 : 1; }
 
-// Pairs of a block in word order: Q4 word t gives pairs t and t + 8, Q8_0 word t pair t.
-// wv[p] (int16 lanes 2r, 2r + 1) = row r's weights 2p, 2p + 1; Q4: the nibble values 0..15.
-
 // Prefetch distance for the one-row path, which streams each thread's groups in address
 // order. Every matmul of a SmolLM2 decode step on Zen 3, 2 threads, 4 KiB pages: 5.0-5.2 ms
 // without prefetching, 4.0-4.5 ms at any distance from 1 to 16 KiB (within noise).
@@ -174,23 +171,37 @@ inline __m256i dot_acc(__m256i acc, __m256i w, __m256i x) {
 #endif
 }
 
+// Quant word t of a group-block (gb) widened to int16, lanes 2r, 2r + 1 = row r's weights of
+// one pair (Q4: the nibble values 0..15): Q4 word t gives pair t in *lo and pair t + 8 in
+// *hi; a Q8_0 word t gives pair t in *lo (and leaves *hi alone).
+template <int F>
+inline void widen_word(const uint8_t* gb, int t, __m256i* lo, __m256i* hi) {
+    const __m128i word = _mm_loadu_si128((const __m128i*)(gb + 16 * (quant_word0(F) + t)));
+    if constexpr (F == Q8_0) {
+        *lo = _mm256_cvtepi8_epi16(word);
+    } else {
+        const __m256i bytes = _mm256_cvtepu8_epi16(word);
+        *lo = _mm256_and_si256(bytes, _mm256_set1_epi16(15));
+        *hi = _mm256_srli_epi16(bytes, 4);
+    }
+}
+
 // lane r = row r's exact integer dot of block gb with x's quantized block xq
 template <int F>
 inline __m256i block_dots(const uint8_t* gb, const int16_t* xq) {
-    const uint8_t* q = gb + 16 * quant_word0(F);
-    __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+    __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256(), lo, hi;
     if constexpr (F == Q8_0) {
         for (int t = 0; t < PAIRS; t += 2) {
-            s0 = dot_acc(s0, _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(q + 16 * t))),
-                         pair_bcast(xq, t));
-            s1 = dot_acc(s1, _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(q + 16 * t + 16))),
-                         pair_bcast(xq, t + 1));
+            widen_word<F>(gb, t, &lo, &hi);
+            s0 = dot_acc(s0, lo, pair_bcast(xq, t));
+            widen_word<F>(gb, t + 1, &lo, &hi);
+            s1 = dot_acc(s1, lo, pair_bcast(xq, t + 1));
         }
     } else {
         for (int t = 0; t < 8; t++) {
-            const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(q + 16 * t)));
-            s0 = dot_acc(s0, _mm256_and_si256(bytes, _mm256_set1_epi16(15)), pair_bcast(xq, t));
-            s1 = dot_acc(s1, _mm256_srli_epi16(bytes, 4), pair_bcast(xq, t + 8));
+            widen_word<F>(gb, t, &lo, &hi);
+            s0 = dot_acc(s0, lo, pair_bcast(xq, t));
+            s1 = dot_acc(s1, hi, pair_bcast(xq, t + 8));
         }
     }
     return _mm256_add_epi32(s0, s1);
@@ -213,7 +224,8 @@ inline void chain(__m256i isum, __m256 dw, __m256 mw, const QRows& x, int64_t i,
     if constexpr (F == Q4_1) a->accm = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.s[i]), a->accm);
 }
 
-// A group-block widened once for many rows of x: wv[p] as above (L1-resident, 512 B).
+// A group-block widened once for many rows of x (L1-resident, 512 B): w[p] = every row's
+// weight pair p, as widen_word gives it.
 struct WGroup {
     __m256i w[PAIRS];
     __m256 dw, mw;
@@ -221,15 +233,11 @@ struct WGroup {
 
 template <int F>
 inline void load_group(const uint8_t* gb, WGroup* g) {
-    const uint8_t* q = gb + 16 * quant_word0(F);
     if constexpr (F == Q8_0) {
-        for (int t = 0; t < PAIRS; t++) g->w[t] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(q + 16 * t)));
+        __m256i unused;
+        for (int t = 0; t < PAIRS; t++) widen_word<F>(gb, t, &g->w[t], &unused);
     } else {
-        for (int t = 0; t < 8; t++) {
-            const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(q + 16 * t)));
-            g->w[t] = _mm256_and_si256(bytes, _mm256_set1_epi16(15));
-            g->w[t + 8] = _mm256_srli_epi16(bytes, 4);
-        }
+        for (int t = 0; t < 8; t++) widen_word<F>(gb, t, &g->w[t], &g->w[t + 8]);
     }
     group_scales<F>(gb, &g->dw, &g->mw);
 }
