@@ -21,6 +21,7 @@ import torch
 from kernels import native
 from kernels.quant import FORMATS, QuantTensor
 from kernels.quant_linear import VARIANTS, QuantKernel, QuantLinear, host_variant
+from kernels.weight_arena import WeightArena
 
 U = 2.0 ** -24                                   # fp32 unit roundoff
 HOST = host_variant()
@@ -154,6 +155,8 @@ def test_the_x8_layout_is_the_same_bytes_reordered(fmt):
     assert packed.data[1, at:at + 2].tolist() == qt.data[12, 2 * bb + 2:2 * bb + 4].tolist()
     assert not packed.data[1, 16 * 0 + 2 * 5:16 * 0 + 2 * 8].any()      # rows 13..15: padding
     assert torch.equal(packed.unpack().data, qt.data)
+    in_arena = qt.pack(WeightArena())                                     # the model's way: huge pages
+    assert in_arena.layout == "x8" and torch.equal(in_arena.data, packed.data)
     assert torch.equal(packed.dequantize(), qt.dequantize())
     ids = torch.tensor([12, 0, 5])
     assert torch.equal(packed.dequantize_rows(ids), qt.dequantize_rows(ids))
