@@ -26,6 +26,7 @@
 // this step agrees with LlamaModel.forward to fp32 rounding, not bit for bit.
 
 #include "quant_gemm.h"
+#include "row_claims.h"
 #include "spin_barrier.h"
 #include "simd.h"
 
@@ -134,15 +135,8 @@ void silu_mul_row(const float* x, const float* u, int64_t n, float* y) {
     for (; i + GEMM_VW <= n; i += GEMM_VW) {
         const VN v = vn_load(x + i);
         const VN e = vn_exp(vn_sub(zero, vn_max(v, vn_sub(zero, v))));       // e^-|v|
-        float ev[GEMM_VW], vv[GEMM_VW], uu[GEMM_VW], den[GEMM_VW];
-        vn_store(ev, e);
-        vn_store(vv, v);
-        vn_store(den, vn_add(one, e));
-        vn_store(uu, vn_load(u + i));
-        for (int j = 0; j < GEMM_VW; j++) {
-            const float sig = (vv[j] >= 0.0f ? 1.0f : ev[j]) / den[j];
-            y[i + j] = (vv[j] * sig) * uu[j];
-        }
+        const VN sig = vn_div(vn_select_ge0(v, one, e), vn_add(one, e));
+        vn_store(y + i, vn_mul(vn_mul(v, sig), vn_load(u + i)));
     }
     for (; i < n; i++) {                        // the same operations, one element at a time
         float v[GEMM_VW] = {0}, e[GEMM_VW];
@@ -263,9 +257,11 @@ int kvd_plan_decode(const PlanModel* m, float* kv, int B, const int64_t* ids, co
     const std::vector<QRows> qx = redundant ? std::vector<QRows>() : quantized_inputs(m, B, team_qbufs);
 
     SpinBarrier barrier;
+    RowClaims claims(nt);
 #pragma omp parallel num_threads(nt)
     {
         const int tid = omp_get_thread_num(), T = omp_get_num_threads();
+        int64_t round = 0;                              // the team's matmuls so far (RowClaims::run)
         QuantizedInputs own_qbufs;
         std::vector<float> scores((size_t)max_ctx);
         std::vector<std::vector<float>> own((size_t)m->num_slots);      // this thread's private slots
@@ -301,17 +297,14 @@ int kvd_plan_decode(const PlanModel* m, float* kv, int B, const int64_t* ids, co
                     case OP_LINEAR_ADD: {       // x quantized (rows split, or whole per thread), then this thread's columns
                         quantize_rows(x, in, r0, r1, xq[st.src]);
                         if (!redundant) barrier.wait(T);
-                        int64_t n0, n1;
-                        split_rows(out, T, tid, &n0, &n1);
-                        if (st.op == OP_LINEAR) {
-                            matmul_range(lw[st.weight].format, (const uint8_t*)lw[st.weight].data, n0, n1, xq[st.src], B,
-                                         y, out);
-                            break;
-                        }
-                        matmul_range(lw[st.weight].format, (const uint8_t*)lw[st.weight].data, n0, n1, xq[st.src], B,
-                                     tmp.data(), out);
-                        for (int64_t r = 0; r < B; r++)
-                            for (int64_t n = n0; n < n1; n++) y[r * out + n] = y[r * out + n] + tmp[r * out + n];
+                        const PlanWeight& w = lw[st.weight];
+                        const bool add = st.op == OP_LINEAR_ADD;
+                        claims.run(out, in / QK * group_block_bytes(w.format), T, tid, round++, [&](int64_t n0, int64_t n1) {
+                            matmul_range(w.format, (const uint8_t*)w.data, n0, n1, xq[st.src], B, add ? tmp.data() : y, out);
+                            if (add)
+                                for (int64_t r = 0; r < B; r++)
+                                    for (int64_t n = n0; n < n1; n++) y[r * out + n] = y[r * out + n] + tmp[r * out + n];
+                        });
                         break;
                     }
                     case OP_SILU_MUL: {
@@ -359,9 +352,9 @@ int kvd_plan_decode(const PlanModel* m, float* kv, int B, const int64_t* ids, co
         const QRows& qh = xq[m->num_slots];
         quantize_rows(nrm, D, r0, r1, qh);
         if (!redundant) barrier.wait(T);
-        int64_t n0, n1;
-        split_rows(m->vocab, T, tid, &n0, &n1);
-        matmul_range(m->head.format, (const uint8_t*)m->head.data, n0, n1, qh, B, logits, m->vocab);
+        claims.run(m->vocab, D / QK * group_block_bytes(m->head.format), T, tid, round++, [&](int64_t n0, int64_t n1) {
+            matmul_range(m->head.format, (const uint8_t*)m->head.data, n0, n1, qh, B, logits, m->vocab);
+        });
     }
     return 0;
 }

@@ -36,6 +36,10 @@ inline VN vn_pow2i(VN n) {          // 2^n for an integral n in [-126, 127]
 inline VN vn_zero_below(VN v, VN x, float lim) {       // v where x >= lim, else 0
     return {_mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x.v, _mm512_set1_ps(lim), _CMP_GE_OQ), v.v)};
 }
+inline VN vn_div(VN a, VN b) { return {_mm512_div_ps(a.v, b.v)}; }
+inline VN vn_select_ge0(VN x, VN a, VN b) {             // a where x >= 0, else b (NaN: b)
+    return {_mm512_mask_blend_ps(_mm512_cmp_ps_mask(x.v, _mm512_setzero_ps(), _CMP_GE_OQ), b.v, a.v)};
+}
 #elif defined(__AVX2__)
 constexpr int GEMM_MR = 6, GEMM_VW = 8;         // 12 accumulators + 2 of W + 1 of x: 15 of 16 ymm
 struct VN { __m256 v; };
@@ -56,6 +60,10 @@ inline VN vn_pow2i(VN n) {          // 2^n for an integral n in [-126, 127]
 inline VN vn_zero_below(VN v, VN x, float lim) {       // v where x >= lim, else 0
     return {_mm256_and_ps(v.v, _mm256_cmp_ps(x.v, _mm256_set1_ps(lim), _CMP_GE_OQ))};
 }
+inline VN vn_div(VN a, VN b) { return {_mm256_div_ps(a.v, b.v)}; }
+inline VN vn_select_ge0(VN x, VN a, VN b) {             // a where x >= 0, else b (NaN: b)
+    return {_mm256_blendv_ps(b.v, a.v, _mm256_cmp_ps(x.v, _mm256_setzero_ps(), _CMP_GE_OQ))};
+}
 #else
 constexpr int GEMM_MR = 4, GEMM_VW = 8;
 struct VN { float f[8]; };
@@ -73,6 +81,8 @@ inline VN vn_set1(float f) { KVD_VN_LANES(f); }
 inline VN vn_floor(VN a) { KVD_VN_LANES(floorf(a.f[i])); }
 inline VN vn_pow2i(VN n) { KVD_VN_LANES(ldexpf(1.0f, (int)n.f[i])); }
 inline VN vn_zero_below(VN v, VN x, float lim) { KVD_VN_LANES(x.f[i] >= lim ? v.f[i] : 0.0f); }
+inline VN vn_div(VN a, VN b) { KVD_VN_LANES(a.f[i] / b.f[i]); }
+inline VN vn_select_ge0(VN x, VN a, VN b) { KVD_VN_LANES(x.f[i] >= 0.0f ? a.f[i] : b.f[i]); }
 #undef KVD_VN_LANES
 #endif
 constexpr int GEMM_NV = 2, GEMM_NR = GEMM_NV * GEMM_VW;

@@ -1,0 +1,62 @@
+// A matmul's output rows handed to a team's threads in chunks, each thread taking its own
+// share first and then helping with the others' (plan_decode.cpp's matmuls).
+//
+// A static split waits for its slowest thread at the barrier after every matmul, and on a
+// shared host a thread that loses its CPU for a moment stalls the whole step. Here thread t
+// owns the t-th of T equal shares of the row groups and claims chunks of it from the front
+// with an atomic counter; when its share is done it claims from the other shares' counters
+// in turn, so it takes over what a stalled thread has not started. A chunk is claimed once
+// (the counter only grows), every row is computed by exactly one thread, and which thread
+// computes a row changes none of its bits (each output's arithmetic depends on its row alone).
+#pragma once
+
+#include <stdint.h>
+
+#include <atomic>
+#include <vector>
+
+namespace {
+
+// Bytes of W one claim covers: large enough that a claim (an atomic add, usually on a line
+// this core owns) costs nothing beside it, small enough to leave little for the last thread.
+constexpr int64_t CLAIM_BYTES = 16 << 10;
+
+struct alignas(64) ClaimCounter {
+    std::atomic<int64_t> next{0};
+};
+
+class RowClaims {
+  public:
+    explicit RowClaims(int max_threads) : counters_(2 * (size_t)max_threads), max_threads_(max_threads) {}
+
+    // Calls fn(n0, n1) for chunks of [0, N) rows, n0 a multiple of 8 (a group of the x8
+    // layout), until no chunk is left; every thread tid < T <= max_threads of the team calls
+    // it for the same matmul with the same T and `round`. Rounds count the team's matmuls from 0, and a barrier
+    // separates consecutive rounds (the counters of round r are reset during round r + 1).
+    template <class Fn>
+    void run(int64_t N, int64_t group_bytes, int T, int tid, int64_t round, Fn&& fn) {
+        ClaimCounter* set = &counters_[(size_t)(round & 1) * max_threads_];
+        const int64_t groups = (N + 7) / 8;
+        const int64_t chunk = group_bytes >= CLAIM_BYTES ? 1 : CLAIM_BYTES / group_bytes;
+        for (int k = 0; k < T; k++) {
+            const int owner = (tid + k) % T;
+            const int64_t g0 = groups * owner / T, g1 = groups * (owner + 1) / T;
+            for (;;) {
+                const int64_t i = set[owner].next.fetch_add(1, std::memory_order_relaxed);
+                const int64_t a = g0 + i * chunk;
+                if (a >= g1) break;
+                const int64_t b = a + chunk < g1 ? a + chunk : g1;
+                fn(a * 8, b * 8 < N ? b * 8 : N);
+            }
+        }
+        // Nobody claims from the other set until after the next barrier: this round's
+        // callers have all finished the previous round, and the next waits for this one.
+        counters_[(size_t)((round + 1) & 1) * max_threads_ + tid].next.store(0, std::memory_order_relaxed);
+    }
+
+  private:
+    std::vector<ClaimCounter> counters_;
+    int max_threads_;
+};
+
+}  // namespace
