@@ -16,7 +16,7 @@
 //                     sequence's keys 0..pos, GQA (query head h reads kv head h / (H / KVH))
 //
 // then the final norm and the LM head. One OpenMP team runs the whole step:
-// matmuls split output rows between threads, norms and silu split rows,
+// matmuls hand out output rows in chunks (row_claims.h), norms and silu split rows,
 // RoPE splits (sequence, head) pairs, attention splits (sequence, query head)
 // pairs; a barrier separates steps. Every output is computed by one thread in
 // a fixed order that depends on nothing but its own row, so a sequence's
