@@ -299,7 +299,7 @@ int kvd_plan_decode(const PlanModel* m, float* kv, int B, const int64_t* ids, co
                         if (!redundant) barrier.wait(T);
                         const PlanWeight& w = lw[st.weight];
                         const bool add = st.op == OP_LINEAR_ADD;
-                        claims.run(out, in / QK * group_block_bytes(w.format), T, tid, round++, [&](int64_t n0, int64_t n1) {
+                        claims.run(out, group_bytes(w.format, in), T, tid, round++, [&](int64_t n0, int64_t n1) {
                             matmul_range(w.format, (const uint8_t*)w.data, n0, n1, xq[st.src], B, add ? tmp.data() : y, out);
                             if (add)
                                 for (int64_t r = 0; r < B; r++)
@@ -352,7 +352,7 @@ int kvd_plan_decode(const PlanModel* m, float* kv, int B, const int64_t* ids, co
         const QRows& qh = xq[m->num_slots];
         quantize_rows(nrm, D, r0, r1, qh);
         if (!redundant) barrier.wait(T);
-        claims.run(m->vocab, D / QK * group_block_bytes(m->head.format), T, tid, round++, [&](int64_t n0, int64_t n1) {
+        claims.run(m->vocab, group_bytes(m->head.format, D), T, tid, round++, [&](int64_t n0, int64_t n1) {
             matmul_range(m->head.format, (const uint8_t*)m->head.data, n0, n1, qh, B, logits, m->vocab);
         });
     }

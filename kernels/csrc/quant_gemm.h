@@ -134,6 +134,8 @@ inline void quantize_rows(const float* x, int64_t ldx, int64_t m0, int64_t m1, c
 constexpr int64_t GROUP = 8;
 constexpr int PAIRS = QK / 2;                       // x's 32 values as 16 int16 pairs
 constexpr int64_t group_block_bytes(int f) { return GROUP * block_bytes(f); }
+// bytes of one group (8 rows, every block) of a [N, K] matrix in format f
+constexpr int64_t group_bytes(int f, int64_t K) { return K / QK * group_block_bytes(f); }
 constexpr int quant_word0(int f) { return f == Q4_1 ? 2 : 1; }
 
 // Prefetch distance for the one-row path, which streams each thread's groups in address
@@ -338,14 +340,14 @@ constexpr int64_t ONE_ROW_MAX = 2;
 // [N, K] with K = x.K and N >= n1.
 template <int F>
 void matmul_range(const uint8_t* w, int64_t n0, int64_t n1, const QRows& x, int64_t M, float* y, int64_t ldy) {
-    const int64_t nb = x.nb, group_bytes = nb * group_block_bytes(F);
+    const int64_t nb = x.nb, gbytes = group_bytes(F, x.K);
     Acc acc[ROW_CHUNK];
     WGroup g;
     for (int64_t m0 = 0; m0 < M; m0 += ROW_CHUNK) {
         const int64_t mc = M - m0 < ROW_CHUNK ? M - m0 : ROW_CHUNK;
         for (int64_t n = n0; n < n1; n += GROUP) {
             const int nr = n1 - n < GROUP ? (int)(n1 - n) : (int)GROUP;
-            const uint8_t* group = w + n / GROUP * group_bytes;
+            const uint8_t* group = w + n / GROUP * gbytes;
             for (int64_t m = 0; m < mc; m++) acc[m] = acc_zero();
 #if defined(__AVX2__)
             if (mc <= ONE_ROW_MAX) {
@@ -393,7 +395,7 @@ void gather_rows(const uint8_t* w, int64_t K, const int64_t* ids, int64_t T, flo
     const int64_t nb = K / QK;
     uint8_t blk[BB];
     for (int64_t t = 0; t < T; t++) {
-        const uint8_t* group = w + ids[t] / GROUP * nb * GB;
+        const uint8_t* group = w + ids[t] / GROUP * group_bytes(F, K);
         const int64_t r = ids[t] % GROUP;
         for (int64_t b = 0; b < nb; b++) {
             for (int64_t i = 0; i < BB / 2; i++) memcpy(blk + 2 * i, group + b * GB + 16 * i + 2 * r, 2);

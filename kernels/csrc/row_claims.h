@@ -15,6 +15,8 @@
 #include <atomic>
 #include <vector>
 
+#include "quant_gemm.h"
+
 namespace {
 
 // Bytes of W one claim covers: large enough that a claim (an atomic add, usually on a line
@@ -30,17 +32,19 @@ class RowClaims {
     explicit RowClaims(int max_threads) : counters_(2 * (size_t)max_threads), max_threads_(max_threads) {}
 
     // Calls fn(n0, n1) for chunks of [0, N) rows, n0 a multiple of 8 (a group of the x8
-    // layout), until no chunk is left; every thread tid < T <= max_threads of the team calls
-    // it for the same matmul with the same T and `round`. Rounds count the team's matmuls from 0, and a barrier
-    // separates consecutive rounds (the counters of round r are reset during round r + 1).
+    // layout), until no chunk is left; every thread tid < T <= max_threads of the team
+    // calls it for the same matmul with the same T and `round`. Rounds count the team's
+    // matmuls from 0, and a barrier separates consecutive rounds (the counters of round r
+    // are reset during round r + 1).
     template <class Fn>
-    void run(int64_t N, int64_t group_bytes, int T, int tid, int64_t round, Fn&& fn) {
+    void run(int64_t N, int64_t bytes_per_group, int T, int tid, int64_t round, Fn&& fn) {
         ClaimCounter* set = &counters_[(size_t)(round & 1) * max_threads_];
         const int64_t groups = (N + 7) / 8;
-        const int64_t chunk = group_bytes >= CLAIM_BYTES ? 1 : CLAIM_BYTES / group_bytes;
+        const int64_t chunk = bytes_per_group >= CLAIM_BYTES ? 1 : CLAIM_BYTES / bytes_per_group;
         for (int k = 0; k < T; k++) {
             const int owner = (tid + k) % T;
-            const int64_t g0 = groups * owner / T, g1 = groups * (owner + 1) / T;
+            int64_t g0, g1;
+            split(groups, T, owner, &g0, &g1);
             for (;;) {
                 const int64_t i = set[owner].next.fetch_add(1, std::memory_order_relaxed);
                 const int64_t a = g0 + i * chunk;
