@@ -16,7 +16,7 @@ instead of starting a second runtime whose threads would spin against it.
 ``python -m kernels.native`` builds every kernel this CPU runs (``make install``
 runs it): the fused bf16 decode step where the CPU has AVX512-BF16, and the
 quantized-weights matmul, the decode-plan executor and the prefill attention
-in their AVX-512 VNNI, AVX-512 or AVX2 variant (kernels/quant_linear.py,
+in their AMX, AVX-512 VNNI, AVX-512 or AVX2 variant (kernels/quant_linear.py,
 kernels/plan_decode.py, kernels/prefill_attention.py).
 """
 
@@ -100,16 +100,37 @@ def build(name: str, flags: tuple[str, ...]) -> Path:
     return out
 
 
+@functools.cache
+def amx_permitted() -> bool:
+    """Whether Linux grants this process the AMX tile state (arch_prctl
+    ARCH_REQ_XCOMP_PERM for XTILEDATA; granted once, for the whole process). Without
+    it the first tile instruction raises SIGILL, whatever /proc/cpuinfo says."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA = 158, 0x1023, 18    # x86-64 Linux
+_AMX_FLAGS = frozenset({"amx_tile", "amx_int8", "amx_bf16", "amx_fp16", "amx_complex"})
+
+
 def cpu_flags() -> set[str]:
-    """This CPU's feature flags from /proc/cpuinfo (empty where it cannot be read)."""
+    """The feature flags this process can use: /proc/cpuinfo's (empty where it cannot be
+    read), less the AMX ones where Linux does not grant the tile state (amx_permitted)."""
+    flags: set[str] = set()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                    flags = set(line.split(":", 1)[1].split())
+                    break
     except OSError:
         pass
-    return set()
+    if flags & _AMX_FLAGS and not amx_permitted():
+        flags -= _AMX_FLAGS
+    return flags
 
 
 def load(name: str, flags: tuple[str, ...]) -> ctypes.CDLL:

@@ -26,8 +26,9 @@ Contract of the kernel path, for ``x`` [M, K] -> ``y`` [M, N]:
   the bound tests/kernels/test_quant_linear.py states (x's rounding plus the
   fp32 chain's).
 
-Builds are chosen at start-up from /proc/cpuinfo (``host_variant``): AVX-512
-VNNI, then AVX-512, else AVX2 + FMA + F16C; each is compiled once by
+Builds are chosen at start-up from /proc/cpuinfo (``host_variant``): AMX (where
+Linux grants this process the tile state), then AVX-512 VNNI, then AVX-512, else
+AVX2 + FMA + F16C; each is compiled once by
 kernels/native.py (``make install``). A CPU with none gets no kernel: the
 engine then serves dequantized weights (engine/engine.py).
 """
@@ -50,16 +51,24 @@ log = logging.getLogger(__name__)
 LIBRARY = "quant_matmul"
 _COMMON = ("-ffp-contract=off",)        # the source spells out every fma; let the compiler add none
 # variant -> (CPU flags it needs, compiler flags); preferred first
+_VNNI = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-mf16c", *_COMMON)
 VARIANTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    # many rows (prefill, batched decode) on the AMX tile unit: int8 dots that give the same
+    # integers (quant_gemm.h, the tile path); one or two rows as avx512vnni
+    "avx512amx": (("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma", "f16c", "amx_tile", "amx_int8"),
+                  (*_VNNI, "-mamx-tile", "-mamx-int8")),
     # vpdpwssd in place of pmaddwd + add: the same integers
     "avx512vnni": (("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma", "f16c"),
-                   ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-mf16c", *_COMMON)),
+                   _VNNI),
     "avx512": (("avx512f", "avx512bw", "fma", "f16c"), ("-mavx512f", "-mavx512bw", "-mfma", "-mf16c", *_COMMON)),
     "avx2": (("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c", *_COMMON)),
     # scalar integers and fmaf: the arithmetic's definition, far too slow to serve (tests only)
     "portable": ((), _COMMON),
+    # the avx2 build with the AMX tile path, its six tile instructions emulated in scalar code
+    # (csrc/amx_tiles.h): tests the tile path's layout on any host; far too slow to serve
+    "amxemu": (("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c", "-DKVD_AMX_EMULATE", *_COMMON)),
 }
-SERVING_VARIANTS = ("avx512vnni", "avx512", "avx2")
+SERVING_VARIANTS = ("avx512amx", "avx512vnni", "avx512", "avx2")
 
 
 def runs_here(variant: str, flags: Iterable[str] | None = None) -> bool:

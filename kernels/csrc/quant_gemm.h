@@ -19,6 +19,7 @@
 
 #include <vector>
 
+#include "amx_tiles.h"
 #include "quant_blocks.h"
 
 namespace {
@@ -39,6 +40,9 @@ struct QRows {
     float* s;           // [M][nb]  sum of the block's 32 x in fp32, a fixed tree (Q4_1's m term)
     int32_t* qs;        // [M][nb]  sum of the block's 32 q (Q4_0's -8 term), exact
     int64_t K, nb;
+    // AMX builds only (else null): q's bytes apart, q = 256 hi + lo, for ceil(M / 16) * 16 rows
+    int8_t* hi = nullptr;   // [M16][K]  q >> 8 (arithmetic): -128..127
+    uint8_t* lo = nullptr;  // [M16][K]  q & 255
 };
 
 // Owner of QRows storage for up to M rows of depth K.
@@ -46,11 +50,21 @@ struct QRowsBuf {
     std::vector<int16_t> q;
     std::vector<float> d, s;
     std::vector<int32_t> qs;
+    std::vector<int8_t> hi;
+    std::vector<uint8_t> lo;
     QRows rows(int64_t M, int64_t K) {
         const int64_t nb = K / QK;
         if ((int64_t)q.size() < M * K) q.resize((size_t)(M * K));
         if ((int64_t)d.size() < M * nb) { d.resize((size_t)(M * nb)); s.resize((size_t)(M * nb)); qs.resize((size_t)(M * nb)); }
-        return {q.data(), d.data(), s.data(), qs.data(), K, nb};
+        QRows r{q.data(), d.data(), s.data(), qs.data(), K, nb};
+#if defined(KVD_AMX)
+        // whole tiles of 16 rows; the rows past M are read, never used (zeros when first made)
+        const int64_t m16 = (M + 15) / 16 * 16;
+        if ((int64_t)hi.size() < m16 * K) { hi.resize((size_t)(m16 * K)); lo.resize((size_t)(m16 * K)); }
+        r.hi = hi.data();
+        r.lo = lo.data();
+#endif
+        return r;
     }
 };
 
@@ -105,11 +119,19 @@ inline void quantize_block(const float* x, int16_t* q, float* d, float* s, int32
 
 // Rows [m0, m1) of x (row stride ldx, depth K = out.K) into out.
 inline void quantize_rows(const float* x, int64_t ldx, int64_t m0, int64_t m1, const QRows& out) {
-    for (int64_t m = m0; m < m1; m++)
+    for (int64_t m = m0; m < m1; m++) {
         for (int64_t b = 0; b < out.nb; b++) {
             const int64_t i = m * out.nb + b;
             quantize_block(x + m * ldx + b * QK, out.q + m * out.K + b * QK, &out.d[i], &out.s[i], &out.qs[i]);
         }
+#if defined(KVD_AMX)
+        const int16_t* q = out.q + m * out.K;
+        for (int64_t k = 0; k < out.K; k++) {
+            out.hi[m * out.K + k] = (int8_t)(q[k] >> 8);
+            out.lo[m * out.K + k] = (uint8_t)(q[k] & 255);
+        }
+#endif
+    }
 }
 
 // ------------------------------------------------------------------ W in the x8 layout
@@ -326,6 +348,127 @@ inline void store_group(const Acc& a, float* y, int nr) {
 
 inline Acc acc_zero() { Acc a; memset(&a, 0, sizeof a); return a; }
 
+// ------------------------------------------------------------------ the tile path (AMX builds)
+// Many rows of x against W on the AMX tile unit. Each block's integer dots come from the tile
+// multiply, in int8: x's int16 q split as 256 hi + lo (QRows.hi, signed; QRows.lo, unsigned),
+// W's quants widened to int8 (Q4: the nibble 0..15; Q8_0: as they are), and
+//     isum = 256 * dot(hi, w) + dot(lo, w)          exact (|isum| < 2^28)
+// which is the very isum of the other paths; the fp32 chain after it is chain<F>, theirs.
+// So the tile path gives every output the bits of every other path and build.
+//
+// Tiles: A_HI, A_LO = 16 rows of x, one block (32 bytes each); B0, B1 = one block of 16 W rows
+// (two groups) each, in the tile unit's B layout (8 rows of 64 bytes: row k4, bytes 4n..4n+3 =
+// W row n's weights 4 k4..4 k4 + 3); C_* = 16 x 16 int32 dots. W is widened once per 4 groups
+// into tile_w (every block), then reused for every 16 rows of x.
+#if defined(KVD_AMX)
+#if !defined(__AVX2__)
+#error "the tile path needs an AVX2 build (its fp32 chain is chain<F>)"
+#endif
+enum Tile { A_HI = 0, A_LO = 1, B0 = 2, B1 = 3, C_HI0 = 4, C_LO0 = 5, C_HI1 = 6, C_LO1 = 7 };
+constexpr int TILE_M = 16;                      // rows of x per tile
+constexpr int64_t TILE_B_BYTES = 8 * 64;        // one block of 16 W rows in B layout
+
+inline amx::Config tile_config() {
+    amx::Config c;
+    for (int t : {A_HI, A_LO}) c.rows[t] = TILE_M, c.colsb[t] = QK;
+    for (int t : {B0, B1}) c.rows[t] = QK / 4, c.colsb[t] = 64;
+    for (int t : {C_HI0, C_LO0, C_HI1, C_LO1}) c.rows[t] = TILE_M, c.colsb[t] = 64;
+    return c;
+}
+
+// Half of a B tile (32 bytes a row, 8 W rows): group-block gb's weights widened to int8, or
+// zeros (gb null: past the range's last group). Quant words 2j and 2j + 1 hold every row's
+// weights 4j..4j+3 (Q8_0; Q4: in their low nibbles, 4j+16..4j+19 in their high ones), and
+// interleaving them by 16 bits puts each row's four side by side.
+template <int F>
+inline void widen_b(const uint8_t* gb, uint8_t* out /* 8 rows, stride 64 */) {
+    if (gb == nullptr) {
+        for (int k4 = 0; k4 < QK / 4; k4++) memset(out + 64 * k4, 0, 32);
+        return;
+    }
+    const uint8_t* q = gb + 16 * quant_word0(F);
+    const __m128i nib = _mm_set1_epi8(15);
+    for (int j = 0; j < (F == Q8_0 ? 8 : 4); j++) {
+        const __m128i a = _mm_loadu_si128((const __m128i*)(q + 32 * j)), b = _mm_loadu_si128((const __m128i*)(q + 32 * j + 16));
+        const __m128i r03 = _mm_unpacklo_epi16(a, b), r47 = _mm_unpackhi_epi16(a, b);
+        if constexpr (F == Q8_0) {
+            _mm_storeu_si128((__m128i*)(out + 64 * j), r03);
+            _mm_storeu_si128((__m128i*)(out + 64 * j + 16), r47);
+        } else {
+            _mm_storeu_si128((__m128i*)(out + 64 * j), _mm_and_si128(r03, nib));
+            _mm_storeu_si128((__m128i*)(out + 64 * j + 16), _mm_and_si128(r47, nib));
+            _mm_storeu_si128((__m128i*)(out + 64 * (j + 4)), _mm_and_si128(_mm_srli_epi16(r03, 4), nib));
+            _mm_storeu_si128((__m128i*)(out + 64 * (j + 4) + 16), _mm_and_si128(_mm_srli_epi16(r47, 4), nib));
+        }
+    }
+}
+
+// matmul_range's contract, on the tile unit (any M; AMX builds choose it for M > ONE_ROW_MAX).
+template <int F>
+void matmul_range_tiles(const uint8_t* w, int64_t n0, int64_t n1, const QRows& x, int64_t M, float* y, int64_t ldy) {
+    constexpr int64_t GB = group_block_bytes(F);
+    const int64_t nb = x.nb, K = x.K, gbytes = group_bytes(F, K);
+    static thread_local std::vector<uint8_t> tile_w;    // 4 groups' B tiles, [pair][block]
+    if ((int64_t)tile_w.size() < 2 * nb * TILE_B_BYTES) tile_w.resize((size_t)(2 * nb * TILE_B_BYTES));
+    alignas(64) int32_t c[4][TILE_M][16];                 // C_HI0, C_LO0, C_HI1, C_LO1
+    Acc acc[TILE_M][4];
+    const amx::Config cfg = tile_config();
+    amx::configure(cfg);
+    for (int64_t n = n0; n < n1; n += 4 * GROUP) {
+        const int ng = (int)((n1 - n + GROUP - 1) / GROUP < 4 ? (n1 - n + GROUP - 1) / GROUP : 4);
+        const uint8_t* group = w + n / GROUP * gbytes;
+        for (int p = 0; p < 2; p++)
+            for (int64_t b = 0; b < nb; b++) {
+                uint8_t* t = tile_w.data() + (p * nb + b) * TILE_B_BYTES;
+                widen_b<F>(2 * p < ng ? group + 2 * p * gbytes + b * GB : nullptr, t);
+                widen_b<F>(2 * p + 1 < ng ? group + (2 * p + 1) * gbytes + b * GB : nullptr, t + 32);
+            }
+        for (int64_t m0 = 0; m0 < M; m0 += TILE_M) {
+            const int mr = M - m0 < TILE_M ? (int)(M - m0) : TILE_M;
+            for (int m = 0; m < mr; m++)
+                for (int g = 0; g < ng; g++) acc[m][g] = acc_zero();
+            for (int64_t b = 0; b < nb; b++) {
+                amx::load<A_HI>(x.hi + m0 * K + b * QK, K);
+                amx::load<A_LO>(x.lo + m0 * K + b * QK, K);
+                amx::load<B0>(tile_w.data() + b * TILE_B_BYTES, 64);
+                amx::zero<C_HI0>();
+                amx::zero<C_LO0>();
+                amx::dp_ss<C_HI0, A_HI, B0>();
+                amx::dp_us<C_LO0, A_LO, B0>();
+                amx::store<C_HI0>(c[0], 64);
+                amx::store<C_LO0>(c[1], 64);
+                if (ng > 2) {
+                    amx::load<B1>(tile_w.data() + (nb + b) * TILE_B_BYTES, 64);
+                    amx::zero<C_HI1>();
+                    amx::zero<C_LO1>();
+                    amx::dp_ss<C_HI1, A_HI, B1>();
+                    amx::dp_us<C_LO1, A_LO, B1>();
+                    amx::store<C_HI1>(c[2], 64);
+                    amx::store<C_LO1>(c[3], 64);
+                }
+                for (int g = 0; g < ng; g++) {
+                    __m256 dw, mw;
+                    group_scales<F>(group + g * gbytes + b * GB, &dw, &mw);
+                    const int32_t(*hi)[16] = c[2 * (g / 2)];
+                    const int32_t(*lo)[16] = c[2 * (g / 2) + 1];
+                    for (int m = 0; m < mr; m++) {
+                        const __m256i h = _mm256_load_si256((const __m256i*)&hi[m][8 * (g % 2)]);
+                        const __m256i l = _mm256_load_si256((const __m256i*)&lo[m][8 * (g % 2)]);
+                        chain<F>(_mm256_add_epi32(_mm256_slli_epi32(h, 8), l), dw, mw, x, (m0 + m) * nb + b, &acc[m][g]);
+                    }
+                }
+            }
+            for (int m = 0; m < mr; m++)
+                for (int g = 0; g < ng; g++) {
+                    const int64_t at = n + g * GROUP;
+                    store_group<F>(acc[m][g], y + (m0 + m) * ldy + at, n1 - at < GROUP ? (int)(n1 - at) : (int)GROUP);
+                }
+        }
+    }
+    amx::release();
+}
+#endif
+
 // ------------------------------------------------------------------ a range of W rows
 // Rows of x are taken in chunks of ROW_CHUNK (their quantized blocks, ~100 KiB at K = 1536,
 // stay in L2 while every group of W passes over them); within a chunk each group-block of W
@@ -340,6 +483,12 @@ constexpr int64_t ONE_ROW_MAX = 2;
 // [N, K] with K = x.K and N >= n1.
 template <int F>
 void matmul_range(const uint8_t* w, int64_t n0, int64_t n1, const QRows& x, int64_t M, float* y, int64_t ldy) {
+#if defined(KVD_AMX)
+    if (M > ONE_ROW_MAX) {
+        matmul_range_tiles<F>(w, n0, n1, x, M, y, ldy);
+        return;
+    }
+#endif
     const int64_t nb = x.nb, gbytes = group_bytes(F, x.K);
     Acc acc[ROW_CHUNK];
     WGroup g;

@@ -4,7 +4,11 @@
 // from the build it asked for, so this is the one place the names are derived.
 #pragma once
 
-#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if defined(KVD_AMX_EMULATE)
+#define KVD_VARIANT "amxemu"
+#elif defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define KVD_VARIANT "avx512amx"
+#elif defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define KVD_VARIANT "avx512vnni"
 #elif defined(__AVX512F__)
 #define KVD_VARIANT "avx512"

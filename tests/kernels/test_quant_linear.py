@@ -125,6 +125,10 @@ def test_variant_choice_follows_the_cpu_flags():
     assert host_variant({"avx2", "fma", "f16c"}) == "avx2"
     assert host_variant({"avx2", "fma", "f16c", "avx512f", "avx512bw"}) == "avx512"
     assert host_variant({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"}) == "avx512vnni"
+    assert host_variant({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "amx_tile",
+                         "amx_int8"}) == "avx512amx"
+    assert host_variant({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
+                         "amx_tile"}) == "avx512vnni"                    # tiles without their int8 dots
     assert host_variant({"avx2", "f16c"}) is None                      # no FMA: no serving build
     assert host_variant(set()) is None
 
@@ -210,6 +214,23 @@ def test_every_build_computes_the_same_bits(host, portable, fmt):
     packed = qt.pack()
     assert torch.equal(host.rows(packed, ids), portable.rows(packed, ids))
     assert torch.equal(host.rows(packed, ids), qt.dequantize()[ids])
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_the_tile_path_computes_the_same_bits(portable, fmt):
+    """The AMX tile path (the avx512amx build's, for more than two rows of x), its tile
+    instructions emulated (the amxemu build, any AVX2 host): the portable build's bits, on
+    shapes that leave every partial piece (x rows past a tile of 16, W groups past a B tile
+    of 2 and a pass of 4, rows past a group of 8) and on arbitrary block bytes. On an AMX
+    host the test above holds the real instructions to the same bits."""
+    emulated = QuantKernel.load("amxemu")
+    for n, k in [(1, 32), (17, 64), (45, 192), (70, 96)]:
+        qt = random_blocks(n, k, fmt, seed=n)
+        x = torch.randn(40, k, generator=torch.Generator().manual_seed(k)) * torch.logspace(-3, 3, k)
+        x[2, :32] = 0.0                                              # an all-zero block: d = 0
+        for m in (1, 3, 16, 17, 40):
+            got, want = QuantLinear([qt], emulated)(x[:m]), QuantLinear([qt], portable)(x[:m])
+            assert torch.isfinite(want).all() and torch.equal(got, want), (n, k, m)
 
 
 @pytest.mark.parametrize("fmt", FMTS)
