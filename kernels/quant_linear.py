@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 from collections.abc import Iterable
 
 import torch
@@ -76,10 +77,23 @@ def runs_here(variant: str, flags: Iterable[str] | None = None) -> bool:
     return set(VARIANTS[variant][0]) <= set(native.cpu_flags() if flags is None else flags)
 
 
+# Caps the build host_variant picks at the named one (a SERVING_VARIANTS key), as torch's
+# ATEN_CPU_CAPABILITY caps its kernels: to compare builds on one CPU, or to step around one.
+CAPABILITY_ENV = "KVD_CPU_CAPABILITY"
+
+
 def host_variant(flags: Iterable[str] | None = None) -> str | None:
-    """The fastest serving build this CPU runs (``flags`` default: /proc/cpuinfo's), or None."""
+    """The fastest serving build this CPU runs (``flags`` default: /proc/cpuinfo's), or None.
+    ``$KVD_CPU_CAPABILITY`` (read only for the host's own flags) caps it: the fastest build
+    that is no faster than the one it names; an unknown name is logged and ignored."""
     have = set(native.cpu_flags() if flags is None else flags)
-    return next((v for v in SERVING_VARIANTS if runs_here(v, have)), None)
+    order = SERVING_VARIANTS
+    cap = os.environ.get(CAPABILITY_ENV, "") if flags is None else ""
+    if cap in SERVING_VARIANTS:
+        order = SERVING_VARIANTS[SERVING_VARIANTS.index(cap):]
+    elif cap:
+        log.warning("%s=%s ignored: not one of %s", CAPABILITY_ENV, cap, ", ".join(SERVING_VARIANTS))
+    return next((v for v in order if runs_here(v, have)), None)
 
 
 class QuantKernel:

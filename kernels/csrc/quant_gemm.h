@@ -403,6 +403,12 @@ inline void widen_b(const uint8_t* gb, uint8_t* out /* 8 rows, stride 64 */) {
     }
 }
 
+#if defined(KVD_TILE_ZMM)
+inline __m512 join16(__m256 lo, __m256 hi) {       // [lo | hi] (AVX-512F alone: no 32x8 insert)
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
+}
+#endif
+
 // matmul_range's contract, on the tile unit (any M; AMX builds choose it for M > ONE_ROW_MAX).
 template <int F>
 void matmul_range_tiles(const uint8_t* w, int64_t n0, int64_t n1, const QRows& x, int64_t M, float* y, int64_t ldy) {
@@ -411,7 +417,11 @@ void matmul_range_tiles(const uint8_t* w, int64_t n0, int64_t n1, const QRows& x
     static thread_local std::vector<uint8_t> tile_w;    // 4 groups' B tiles, [pair][block]
     if ((int64_t)tile_w.size() < 2 * nb * TILE_B_BYTES) tile_w.resize((size_t)(2 * nb * TILE_B_BYTES));
     alignas(64) int32_t c[4][TILE_M][16];                 // C_HI0, C_LO0, C_HI1, C_LO1
+#if defined(KVD_TILE_ZMM)
+    __m512 acc16[TILE_M][2], accm16[TILE_M][2];           // lane 8 (g % 2) + r: group g's row r
+#else
     Acc acc[TILE_M][4];
+#endif
     const amx::Config cfg = tile_config();
     amx::configure(cfg);
     for (int64_t n = n0; n < n1; n += 4 * GROUP) {
@@ -425,8 +435,13 @@ void matmul_range_tiles(const uint8_t* w, int64_t n0, int64_t n1, const QRows& x
             }
         for (int64_t m0 = 0; m0 < M; m0 += TILE_M) {
             const int mr = M - m0 < TILE_M ? (int)(M - m0) : TILE_M;
+#if defined(KVD_TILE_ZMM)
+            for (int m = 0; m < mr; m++)
+                for (int p = 0; p < 2; p++) acc16[m][p] = accm16[m][p] = _mm512_setzero_ps();
+#else
             for (int m = 0; m < mr; m++)
                 for (int g = 0; g < ng; g++) acc[m][g] = acc_zero();
+#endif
             for (int64_t b = 0; b < nb; b++) {
                 amx::load<A_HI>(x.hi + m0 * K + b * QK, K);
                 amx::load<A_LO>(x.lo + m0 * K + b * QK, K);
@@ -446,6 +461,33 @@ void matmul_range_tiles(const uint8_t* w, int64_t n0, int64_t n1, const QRows& x
                     amx::store<C_HI1>(c[2], 64);
                     amx::store<C_LO1>(c[3], 64);
                 }
+#if defined(KVD_TILE_ZMM)
+                // chain<F> on 16 lanes (two groups) at once: the same operations per lane
+                for (int p = 0; p < (ng + 1) / 2; p++) {
+                    __m256 dw0, mw0, dw1 = _mm256_setzero_ps(), mw1 = _mm256_setzero_ps();
+                    group_scales<F>(group + 2 * p * gbytes + b * GB, &dw0, &mw0);
+                    if (2 * p + 1 < ng) group_scales<F>(group + (2 * p + 1) * gbytes + b * GB, &dw1, &mw1);
+                    const __m512 dw = join16(dw0, dw1), mw = join16(mw0, mw1);
+                    for (int m = 0; m < mr; m++) {
+                        const int64_t i = (m0 + m) * nb + b;
+                        __m512i isum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(c[2 * p][m]), 8),
+                                                        _mm512_load_si512(c[2 * p + 1][m]));
+                        if constexpr (F == Q4_0) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(8 * x.qs[i]));
+                        acc16[m][p] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(x.d[i])), _mm512_cvtepi32_ps(isum),
+                                                      acc16[m][p]);
+                        if constexpr (F == Q4_1) accm16[m][p] = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.s[i]), accm16[m][p]);
+                    }
+                }
+            }
+            for (int m = 0; m < mr; m++)
+                for (int g = 0; g < ng; g++) {
+                    const int64_t at = n + g * GROUP;
+                    alignas(64) float out[16];
+                    _mm512_store_ps(out, F == Q4_1 ? _mm512_add_ps(acc16[m][g / 2], accm16[m][g / 2]) : acc16[m][g / 2]);
+                    const int nr = n1 - at < GROUP ? (int)(n1 - at) : (int)GROUP;
+                    memcpy(y + (m0 + m) * ldy + at, out + 8 * (g % 2), sizeof(float) * nr);
+                }
+#else
                 for (int g = 0; g < ng; g++) {
                     __m256 dw, mw;
                     group_scales<F>(group + g * gbytes + b * GB, &dw, &mw);
@@ -463,6 +505,7 @@ void matmul_range_tiles(const uint8_t* w, int64_t n0, int64_t n1, const QRows& x
                     const int64_t at = n + g * GROUP;
                     store_group<F>(acc[m][g], y + (m0 + m) * ldy + at, n1 - at < GROUP ? (int)(n1 - at) : (int)GROUP);
                 }
+#endif
         }
     }
     amx::release();

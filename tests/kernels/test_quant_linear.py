@@ -133,6 +133,17 @@ def test_variant_choice_follows_the_cpu_flags():
     assert host_variant(set()) is None
 
 
+def test_the_capability_variable_caps_the_host_build(monkeypatch):
+    host = host_variant()
+    monkeypatch.setenv("KVD_CPU_CAPABILITY", "avx2")
+    assert host_variant() == "avx2"                                    # every serving host runs it
+    assert host_variant({"avx2", "fma", "f16c", "avx512f", "avx512bw"}) == "avx512"   # given flags: not read
+    monkeypatch.setenv("KVD_CPU_CAPABILITY", "avx512amx")              # the top: no cap
+    assert host_variant() == host
+    monkeypatch.setenv("KVD_CPU_CAPABILITY", "avx9000")                # unknown: ignored
+    assert host_variant() == host
+
+
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_every_build_names_itself_the_variant_it_was_built_as(variant):
     """Each library reports csrc/variant.h's KVD_VARIANT and Python refuses one that names
