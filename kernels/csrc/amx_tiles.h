@@ -6,7 +6,8 @@
 //
 // Semantics (Intel SDM, "Intel AMX instructions"), tile t has rows(t) rows of colsb(t) bytes:
 //   load<T>(p, stride)   row r of tile T = colsb(T) bytes at p + r * stride
-//   store<T>(p, stride)  the reverse
+//   store<T>(p, stride)  the reverse (at most 16 rows of 64 bytes, stride 64: what the
+//                        compiler is told it writes)
 //   zero<T>()            every byte of tile T = 0
 //   dp_ss<C, A, B>()     C[m][n] += sum_{k < colsb(A)/4, i < 4} A[m][4k+i] * B[k][4n+i], int32 lanes,
 //                        A and B signed bytes (TDPBSSD)
@@ -86,18 +87,24 @@ template <int C, int A, int B>
 inline void dp_us() { dp<C, A, B, true>(); }
 #else
 // The tile number is an immediate, so each wrapper is its own asm (GCC's _tile_* macros need a
-// literal number); "memory" because tiles read and write memory the compiler cannot see.
+// literal number). The memory a tile reads or writes is named as an operand rather than with a
+// "memory" clobber, which would also force every accumulator the caller keeps in registers out
+// to the stack around each tile instruction: a load reads (as far as the compiler knows) up to
+// LOAD_SPAN bytes from p, a store writes STORE_BYTES from p.
+constexpr int64_t LOAD_SPAN = int64_t(1) << 24;
+using LoadSpan = const uint8_t[LOAD_SPAN];
+using StoreBytes = uint8_t[16 * 64];
 inline void configure(const Config& c) { _tile_loadconfig(&c); }
 inline void release() { _tile_release(); }
 template <int T>
 inline void zero() { __asm__ volatile("tilezero %%tmm%c0" ::"i"(T)); }
 template <int T>
 inline void load(const void* p, int64_t stride) {
-    __asm__ volatile("tileloadd (%0,%1,1), %%tmm%c2" ::"r"(p), "r"(stride), "i"(T) : "memory");
+    __asm__ volatile("tileloadd (%0,%1,1), %%tmm%c2" ::"r"(p), "r"(stride), "i"(T), "m"(*(LoadSpan*)p));
 }
 template <int T>
 inline void store(void* p, int64_t stride) {
-    __asm__ volatile("tilestored %%tmm%c2, (%0,%1,1)" ::"r"(p), "r"(stride), "i"(T) : "memory");
+    __asm__ volatile("tilestored %%tmm%c2, (%1,%3,1)" : "=m"(*(StoreBytes*)p) : "r"(p), "i"(T), "r"(stride));
 }
 template <int C, int A, int B>
 inline void dp_ss() { __asm__ volatile("tdpbssd %%tmm%c2, %%tmm%c1, %%tmm%c0" ::"i"(C), "i"(A), "i"(B)); }

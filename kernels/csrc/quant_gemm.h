@@ -54,13 +54,19 @@ struct QRowsBuf {
     std::vector<uint8_t> lo;
     QRows rows(int64_t M, int64_t K) {
         const int64_t nb = K / QK;
+#if defined(KVD_AMX)
+        // the tile path reads whole tiles of 16 rows: the rows past M are read, never used
+        const int64_t rows = (M + 15) / 16 * 16;
+        if ((int64_t)hi.size() < rows * K) { hi.resize((size_t)(rows * K)); lo.resize((size_t)(rows * K)); }
+#else
+        const int64_t rows = M;
+#endif
         if ((int64_t)q.size() < M * K) q.resize((size_t)(M * K));
-        if ((int64_t)d.size() < M * nb) { d.resize((size_t)(M * nb)); s.resize((size_t)(M * nb)); qs.resize((size_t)(M * nb)); }
+        if ((int64_t)d.size() < rows * nb) {
+            d.resize((size_t)(rows * nb)); s.resize((size_t)(rows * nb)); qs.resize((size_t)(rows * nb));
+        }
         QRows r{q.data(), d.data(), s.data(), qs.data(), K, nb};
 #if defined(KVD_AMX)
-        // whole tiles of 16 rows; the rows past M are read, never used (zeros when first made)
-        const int64_t m16 = (M + 15) / 16 * 16;
-        if ((int64_t)hi.size() < m16 * K) { hi.resize((size_t)(m16 * K)); lo.resize((size_t)(m16 * K)); }
         r.hi = hi.data();
         r.lo = lo.data();
 #endif
@@ -353,20 +359,27 @@ inline Acc acc_zero() { Acc a; memset(&a, 0, sizeof a); return a; }
 // multiply, in int8: x's int16 q split as 256 hi + lo (QRows.hi, signed; QRows.lo, unsigned),
 // W's quants widened to int8 (Q4: the nibble 0..15; Q8_0: as they are), and
 //     isum = 256 * dot(hi, w) + dot(lo, w)          exact (|isum| < 2^28)
-// which is the very isum of the other paths; the fp32 chain after it is chain<F>, theirs.
-// So the tile path gives every output the bits of every other path and build.
+// which is the very isum of the other paths; the fp32 chain after it is chain<F>'s, on 16
+// lanes (two groups) at once, the same operations per lane. So the tile path gives every
+// output the bits of every other path and build.
 //
-// Tiles: A_HI, A_LO = 16 rows of x, one block (32 bytes each); B0, B1 = one block of 16 W rows
-// (two groups) each, in the tile unit's B layout (8 rows of 64 bytes: row k4, bytes 4n..4n+3 =
-// W row n's weights 4 k4..4 k4 + 3); C_* = 16 x 16 int32 dots. W is widened once per 4 groups
-// into tile_w (every block), then reused for every 16 rows of x.
+// A pass takes two groups of W (16 rows): their blocks widened once into B tiles (8 rows of 64
+// bytes: row k4, bytes 4n..4n+3 = W row n's weights 4 k4..4 k4 + 3) and their scales into
+// fp32, then for each 16 rows of x, block after block: A_HI, A_LO = the rows' hi and lo bytes
+// of the block, two tile multiplies, the 16 x 16 dots stored to memory and chained into 16
+// accumulators held in registers. The tile work of block b + 1 is issued before the chain of
+// block b, into the other B tile and C pair, so the tile unit and the vector units overlap and
+// no chain waits on the store it reads.
 #if defined(KVD_AMX)
 #if !defined(__AVX2__)
-#error "the tile path needs an AVX2 build (its fp32 chain is chain<F>)"
+#error "the tile path needs an AVX2 build"
 #endif
 enum Tile { A_HI = 0, A_LO = 1, B0 = 2, B1 = 3, C_HI0 = 4, C_LO0 = 5, C_HI1 = 6, C_LO1 = 7 };
 constexpr int TILE_M = 16;                      // rows of x per tile
 constexpr int64_t TILE_B_BYTES = 8 * 64;        // one block of 16 W rows in B layout
+// Fewer rows than this take the register paths (measured on the Xeon: at 8 rows the tile
+// path is slower than avx512vnni's registers, at 32 it is ahead).
+constexpr int64_t TILE_MIN_ROWS = 16;
 
 inline amx::Config tile_config() {
     amx::Config c;
@@ -403,109 +416,135 @@ inline void widen_b(const uint8_t* gb, uint8_t* out /* 8 rows, stride 64 */) {
     }
 }
 
-#if defined(KVD_TILE_ZMM)
-inline __m512 join16(__m256 lo, __m256 hi) {       // [lo | hi] (AVX-512F alone: no 32x8 insert)
-    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
+// 16 fp32 accumulators (two groups' 8 rows) and chain<F>'s steps on them: zmm where the build
+// has AVX-512, two ymm halves where it has AVX2 alone (amxemu); the same operations per lane.
+#if defined(__AVX512F__)
+struct Lanes16 { __m512 v; };
+inline Lanes16 lanes_zero() { return {_mm512_setzero_ps()}; }
+// acc + (d_w d_x) * (float)(256 hi + lo [- 8 qs])
+template <int F>
+inline Lanes16 lanes_chain(Lanes16 a, const int32_t* hi, const int32_t* lo, const float* dw, float dx, int32_t qs) {
+    __m512i isum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(hi), 8), _mm512_load_si512(lo));
+    if constexpr (F == Q4_0) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(8 * qs));
+    return {_mm512_fmadd_ps(_mm512_mul_ps(_mm512_loadu_ps(dw), _mm512_set1_ps(dx)), _mm512_cvtepi32_ps(isum), a.v)};
+}
+inline Lanes16 lanes_fma(Lanes16 a, const float* mw, float s) {      // accm + m_w * s_x
+    return {_mm512_fmadd_ps(_mm512_loadu_ps(mw), _mm512_set1_ps(s), a.v)};
+}
+inline void lanes_store(float* out, Lanes16 a) { _mm512_store_ps(out, a.v); }
+inline void lanes_store_sum(float* out, Lanes16 a, Lanes16 b) { _mm512_store_ps(out, _mm512_add_ps(a.v, b.v)); }
+#else
+struct Lanes16 { __m256 a, b; };
+inline Lanes16 lanes_zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+template <int F>
+inline __m256 lanes_chain8(__m256 a, const int32_t* hi, const int32_t* lo, const float* dw, float dx, int32_t qs) {
+    __m256i isum = _mm256_add_epi32(_mm256_slli_epi32(_mm256_load_si256((const __m256i*)hi), 8),
+                                    _mm256_load_si256((const __m256i*)lo));
+    if constexpr (F == Q4_0) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(8 * qs));
+    return _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(dw), _mm256_set1_ps(dx)), _mm256_cvtepi32_ps(isum), a);
+}
+template <int F>
+inline Lanes16 lanes_chain(Lanes16 a, const int32_t* hi, const int32_t* lo, const float* dw, float dx, int32_t qs) {
+    return {lanes_chain8<F>(a.a, hi, lo, dw, dx, qs), lanes_chain8<F>(a.b, hi + 8, lo + 8, dw + 8, dx, qs)};
+}
+inline Lanes16 lanes_fma(Lanes16 a, const float* mw, float s) {
+    return {_mm256_fmadd_ps(_mm256_loadu_ps(mw), _mm256_set1_ps(s), a.a),
+            _mm256_fmadd_ps(_mm256_loadu_ps(mw + 8), _mm256_set1_ps(s), a.b)};
+}
+inline void lanes_store(float* out, Lanes16 a) { _mm256_store_ps(out, a.a); _mm256_store_ps(out + 8, a.b); }
+inline void lanes_store_sum(float* out, Lanes16 a, Lanes16 b) {
+    _mm256_store_ps(out, _mm256_add_ps(a.a, b.a));
+    _mm256_store_ps(out + 8, _mm256_add_ps(a.b, b.b));
 }
 #endif
 
-// matmul_range's contract, on the tile unit (any M; AMX builds choose it for M > ONE_ROW_MAX).
+// The tile work of block b for one pass into C pair S (0: C_HI0/C_LO0, 1: C_HI1/C_LO1), read
+// from B tile S, the dots stored to c[S].
+template <int S>
+inline void tile_block(const uint8_t* a_hi, const uint8_t* a_lo, int64_t K, const uint8_t* b_tile,
+                       int32_t (*c)[2][TILE_M][16]) {
+    constexpr int B = S ? B1 : B0, CH = S ? C_HI1 : C_HI0, CL = S ? C_LO1 : C_LO0;
+    amx::load<A_HI>(a_hi, K);
+    amx::load<A_LO>(a_lo, K);
+    amx::load<B>(b_tile, 64);
+    amx::zero<CH>();
+    amx::zero<CL>();
+    amx::dp_ss<CH, A_HI, B>();
+    amx::dp_us<CL, A_LO, B>();
+    amx::store<CH>(c[S][0], 64);
+    amx::store<CL>(c[S][1], 64);
+}
+
+// matmul_range's contract, on the tile unit (any M; AMX builds choose it for M >= TILE_MIN_ROWS).
 template <int F>
 void matmul_range_tiles(const uint8_t* w, int64_t n0, int64_t n1, const QRows& x, int64_t M, float* y, int64_t ldy) {
     constexpr int64_t GB = group_block_bytes(F);
     const int64_t nb = x.nb, K = x.K, gbytes = group_bytes(F, K);
-    static thread_local std::vector<uint8_t> tile_w;    // 4 groups' B tiles, [pair][block]
-    if ((int64_t)tile_w.size() < 2 * nb * TILE_B_BYTES) tile_w.resize((size_t)(2 * nb * TILE_B_BYTES));
-    alignas(64) int32_t c[4][TILE_M][16];                 // C_HI0, C_LO0, C_HI1, C_LO1
-#if defined(KVD_TILE_ZMM)
-    __m512 acc16[TILE_M][2], accm16[TILE_M][2];           // lane 8 (g % 2) + r: group g's row r
-#else
-    Acc acc[TILE_M][4];
-#endif
-    const amx::Config cfg = tile_config();
-    amx::configure(cfg);
-    for (int64_t n = n0; n < n1; n += 4 * GROUP) {
-        const int ng = (int)((n1 - n + GROUP - 1) / GROUP < 4 ? (n1 - n + GROUP - 1) / GROUP : 4);
-        const uint8_t* group = w + n / GROUP * gbytes;
-        for (int p = 0; p < 2; p++)
-            for (int64_t b = 0; b < nb; b++) {
-                uint8_t* t = tile_w.data() + (p * nb + b) * TILE_B_BYTES;
-                widen_b<F>(2 * p < ng ? group + 2 * p * gbytes + b * GB : nullptr, t);
-                widen_b<F>(2 * p + 1 < ng ? group + (2 * p + 1) * gbytes + b * GB : nullptr, t + 32);
-            }
+    // one pass's B tiles [block] and scales [block][16 lanes] (plain pointers below: a
+    // thread_local in a shared library costs a call at each use, which spills every register)
+    static thread_local std::vector<uint8_t> tile_w_buf;
+    static thread_local std::vector<float> scales_buf;
+    if ((int64_t)tile_w_buf.size() < nb * TILE_B_BYTES) tile_w_buf.resize((size_t)(nb * TILE_B_BYTES));
+    if ((int64_t)scales_buf.size() < nb * 32) scales_buf.resize((size_t)(nb * 32));
+    uint8_t* const tile_w = tile_w_buf.data();
+    float* const dws = scales_buf.data();
+    float* const mws = dws + nb * 16;
+    alignas(64) int32_t c[2][2][TILE_M][16];              // [C pair][hi, lo][x row][W row]
+    alignas(64) float out[16];
+    amx::configure(tile_config());
+    for (int64_t n = n0; n < n1; n += 2 * GROUP) {
+        const bool two = n1 - n > GROUP;
+        const uint8_t* g0 = w + n / GROUP * gbytes;
+        const uint8_t* g1 = two ? g0 + gbytes : nullptr;
+        for (int64_t b = 0; b < nb; b++) {
+            widen_b<F>(g0 + b * GB, tile_w + b * TILE_B_BYTES);
+            widen_b<F>(two ? g1 + b * GB : nullptr, tile_w + b * TILE_B_BYTES + 32);
+            __m256 dw, mw, dw1 = _mm256_setzero_ps(), mw1 = _mm256_setzero_ps();
+            group_scales<F>(g0 + b * GB, &dw, &mw);
+            if (two) group_scales<F>(g1 + b * GB, &dw1, &mw1);
+            _mm256_storeu_ps(&dws[b * 16], dw);
+            _mm256_storeu_ps(&dws[b * 16 + 8], dw1);
+            _mm256_storeu_ps(&mws[b * 16], mw);
+            _mm256_storeu_ps(&mws[b * 16 + 8], mw1);
+        }
         for (int64_t m0 = 0; m0 < M; m0 += TILE_M) {
+            // a last partial tile's rows past M chain the padding's bytes and scales (QRowsBuf
+            // holds whole tiles); their lanes are never stored
             const int mr = M - m0 < TILE_M ? (int)(M - m0) : TILE_M;
-#if defined(KVD_TILE_ZMM)
-            for (int m = 0; m < mr; m++)
-                for (int p = 0; p < 2; p++) acc16[m][p] = accm16[m][p] = _mm512_setzero_ps();
-#else
-            for (int m = 0; m < mr; m++)
-                for (int g = 0; g < ng; g++) acc[m][g] = acc_zero();
-#endif
+            const uint8_t* a_hi = (const uint8_t*)x.hi + m0 * K;
+            const uint8_t* a_lo = x.lo + m0 * K;
+            const float* xd = x.d + m0 * nb;
+            const int32_t* xqs = x.qs + m0 * nb;
+            Lanes16 acc[TILE_M];
+#pragma GCC unroll 16
+            for (int m = 0; m < TILE_M; m++) acc[m] = lanes_zero();
+            tile_block<0>(a_hi, a_lo, K, tile_w, c);
             for (int64_t b = 0; b < nb; b++) {
-                amx::load<A_HI>(x.hi + m0 * K + b * QK, K);
-                amx::load<A_LO>(x.lo + m0 * K + b * QK, K);
-                amx::load<B0>(tile_w.data() + b * TILE_B_BYTES, 64);
-                amx::zero<C_HI0>();
-                amx::zero<C_LO0>();
-                amx::dp_ss<C_HI0, A_HI, B0>();
-                amx::dp_us<C_LO0, A_LO, B0>();
-                amx::store<C_HI0>(c[0], 64);
-                amx::store<C_LO0>(c[1], 64);
-                if (ng > 2) {
-                    amx::load<B1>(tile_w.data() + (nb + b) * TILE_B_BYTES, 64);
-                    amx::zero<C_HI1>();
-                    amx::zero<C_LO1>();
-                    amx::dp_ss<C_HI1, A_HI, B1>();
-                    amx::dp_us<C_LO1, A_LO, B1>();
-                    amx::store<C_HI1>(c[2], 64);
-                    amx::store<C_LO1>(c[3], 64);
-                }
-#if defined(KVD_TILE_ZMM)
-                // chain<F> on 16 lanes (two groups) at once: the same operations per lane
-                for (int p = 0; p < (ng + 1) / 2; p++) {
-                    __m256 dw0, mw0, dw1 = _mm256_setzero_ps(), mw1 = _mm256_setzero_ps();
-                    group_scales<F>(group + 2 * p * gbytes + b * GB, &dw0, &mw0);
-                    if (2 * p + 1 < ng) group_scales<F>(group + (2 * p + 1) * gbytes + b * GB, &dw1, &mw1);
-                    const __m512 dw = join16(dw0, dw1), mw = join16(mw0, mw1);
-                    for (int m = 0; m < mr; m++) {
-                        const int64_t i = (m0 + m) * nb + b;
-                        __m512i isum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(c[2 * p][m]), 8),
-                                                        _mm512_load_si512(c[2 * p + 1][m]));
-                        if constexpr (F == Q4_0) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(8 * x.qs[i]));
-                        acc16[m][p] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(x.d[i])), _mm512_cvtepi32_ps(isum),
-                                                      acc16[m][p]);
-                        if constexpr (F == Q4_1) accm16[m][p] = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.s[i]), accm16[m][p]);
-                    }
-                }
+                const int64_t nx = b + 1;          // issue the next block's tile work first
+                if (nx < nb && (nx & 1))
+                    tile_block<1>(a_hi + nx * QK, a_lo + nx * QK, K, tile_w + nx * TILE_B_BYTES, c);
+                else if (nx < nb)
+                    tile_block<0>(a_hi + nx * QK, a_lo + nx * QK, K, tile_w + nx * TILE_B_BYTES, c);
+                const int32_t(*hi)[16] = c[b & 1][0];
+                const int32_t(*lo)[16] = c[b & 1][1];
+                const float* dw = &dws[b * 16];
+#pragma GCC unroll 16
+                for (int m = 0; m < TILE_M; m++)
+                    acc[m] = lanes_chain<F>(acc[m], hi[m], lo[m], dw, xd[m * nb + b], F == Q4_0 ? xqs[m * nb + b] : 0);
             }
-            for (int m = 0; m < mr; m++)
-                for (int g = 0; g < ng; g++) {
-                    const int64_t at = n + g * GROUP;
-                    alignas(64) float out[16];
-                    _mm512_store_ps(out, F == Q4_1 ? _mm512_add_ps(acc16[m][g / 2], accm16[m][g / 2]) : acc16[m][g / 2]);
-                    const int nr = n1 - at < GROUP ? (int)(n1 - at) : (int)GROUP;
-                    memcpy(y + (m0 + m) * ldy + at, out + 8 * (g % 2), sizeof(float) * nr);
+#pragma GCC unroll 16
+            for (int m = 0; m < TILE_M; m++) {              // constant indices: acc stays in registers
+                if (m >= mr) break;
+                if constexpr (F == Q4_1) {
+                    Lanes16 accm = lanes_zero();                 // chain<F>'s second accumulator
+                    for (int64_t b = 0; b < nb; b++) accm = lanes_fma(accm, &mws[b * 16], x.s[(m0 + m) * nb + b]);
+                    lanes_store_sum(out, acc[m], accm);
+                } else {
+                    lanes_store(out, acc[m]);
                 }
-#else
-                for (int g = 0; g < ng; g++) {
-                    __m256 dw, mw;
-                    group_scales<F>(group + g * gbytes + b * GB, &dw, &mw);
-                    const int32_t(*hi)[16] = c[2 * (g / 2)];
-                    const int32_t(*lo)[16] = c[2 * (g / 2) + 1];
-                    for (int m = 0; m < mr; m++) {
-                        const __m256i h = _mm256_load_si256((const __m256i*)&hi[m][8 * (g % 2)]);
-                        const __m256i l = _mm256_load_si256((const __m256i*)&lo[m][8 * (g % 2)]);
-                        chain<F>(_mm256_add_epi32(_mm256_slli_epi32(h, 8), l), dw, mw, x, (m0 + m) * nb + b, &acc[m][g]);
-                    }
-                }
+                const int nr = (int)(n1 - n < 2 * GROUP ? n1 - n : 2 * GROUP);
+                memcpy(y + (m0 + m) * ldy + n, out, sizeof(float) * nr);
             }
-            for (int m = 0; m < mr; m++)
-                for (int g = 0; g < ng; g++) {
-                    const int64_t at = n + g * GROUP;
-                    store_group<F>(acc[m][g], y + (m0 + m) * ldy + at, n1 - at < GROUP ? (int)(n1 - at) : (int)GROUP);
-                }
-#endif
         }
     }
     amx::release();
@@ -527,7 +566,7 @@ constexpr int64_t ONE_ROW_MAX = 2;
 template <int F>
 void matmul_range(const uint8_t* w, int64_t n0, int64_t n1, const QRows& x, int64_t M, float* y, int64_t ldy) {
 #if defined(KVD_AMX)
-    if (M > ONE_ROW_MAX) {
+    if (M >= TILE_MIN_ROWS) {
         matmul_range_tiles<F>(w, n0, n1, x, M, y, ldy);
         return;
     }

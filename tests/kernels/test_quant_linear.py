@@ -229,7 +229,7 @@ def test_every_build_computes_the_same_bits(host, portable, fmt):
 
 @pytest.mark.parametrize("fmt", FMTS)
 def test_the_tile_path_computes_the_same_bits(portable, fmt):
-    """The AMX tile path (the avx512amx build's, for more than two rows of x), its tile
+    """The AMX tile path (the avx512amx build's, for 16 rows of x or more), its tile
     instructions emulated (the amxemu build, any AVX2 host): the portable build's bits, on
     shapes that leave every partial piece (x rows past a tile of 16, W groups past a B tile
     of 2 and a pass of 4, rows past a group of 8) and on arbitrary block bytes. On an AMX
