@@ -54,10 +54,10 @@ _COMMON = ("-ffp-contract=off",)        # the source spells out every fma; let t
 # variant -> (CPU flags it needs, compiler flags); preferred first
 _VNNI = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-mf16c", *_COMMON)
 VARIANTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    # 16 rows or more of Q4 weights (prefill, batched decode) on the AMX tile unit: bf16 tile
-    # dots that are exact, so the same integers (quant_gemm.h, the tile path); else as avx512vnni
-    "avx512amx": (("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma", "f16c", "amx_tile", "amx_bf16"),
-                  (*_VNNI, "-mamx-tile", "-mamx-bf16")),
+    # 16 rows of x or more (prefill, batched decode) on the AMX tile unit: int8 tile dots that
+    # give the same integers (quant_gemm.h, the tile path); fewer as avx512vnni
+    "avx512amx": (("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma", "f16c", "amx_tile", "amx_int8"),
+                  (*_VNNI, "-mamx-tile", "-mamx-int8")),
     # vpdpwssd in place of pmaddwd + add: the same integers
     "avx512vnni": (("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma", "f16c"),
                    _VNNI),

@@ -1,5 +1,5 @@
-// The five AMX tile instructions quant_gemm.h's tile path uses, behind one small interface,
-// either as the instructions (a build with -mamx-tile -mamx-bf16: the "avx512amx" variant)
+// The six AMX tile instructions quant_gemm.h's tile path uses, behind one small interface,
+// either as the instructions (a build with -mamx-tile -mamx-int8: the "avx512amx" variant)
 // or emulated in scalar code (a build with -DKVD_AMX_EMULATE: the test-only "amxemu"
 // variant, which lets a host without AMX run the tile path's data layout and bookkeeping
 // bit for bit; far too slow to serve). KVD_AMX is defined when either is compiled in.
@@ -9,14 +9,12 @@
 //   store<T>(p, stride)  the reverse (at most 16 rows of 64 bytes, stride 64: what the
 //                        compiler is told it writes)
 //   zero<T>()            every byte of tile T = 0
-//   dp_bf16<C, A, B>()   C[m][n] += sum_{k < colsb(A)/4} A[m][2k] B[k][2n] + A[m][2k+1] B[k][2n+1],
-//                        A and B bf16, C fp32 (TDPBF16PS: fp32 arithmetic, round to nearest
-//                        even, denormals flushed)
-// quant_gemm.h gives dp_bf16 only integers whose every partial sum stays below 2^24 in
-// magnitude, so each of its operations is exact and the result does not depend on the order
-// the hardware sums in. A process must be granted the tile state by Linux before the first
-// tile instruction (SIGILL otherwise): kernels/native.py asks (arch_prctl) before it lets an
-// AMX build be chosen.
+//   dp_ss<C, A, B>()     C[m][n] += sum_{k < colsb(A)/4, i < 4} A[m][4k+i] * B[k][4n+i], int32 lanes,
+//                        A and B signed bytes (TDPBSSD)
+//   dp_us<C, A, B>()     the same with A's bytes unsigned (TDPBUSD)
+// Every product and sum is exact in int32 for the operands quant_gemm.h gives it. A process
+// must be granted the tile state by Linux before the first tile instruction (SIGILL otherwise):
+// kernels/native.py asks (arch_prctl) before it lets an AMX build be chosen.
 #pragma once
 
 #include <stdint.h>
@@ -24,7 +22,7 @@
 
 #if defined(KVD_AMX_EMULATE)
 #define KVD_AMX 1
-#elif defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#elif defined(__AMX_TILE__) && defined(__AMX_INT8__)
 #define KVD_AMX 1
 #include <immintrin.h>
 #endif
@@ -68,27 +66,25 @@ inline void store(void* p, int64_t stride) {
     Tiles& t = tiles();
     for (int r = 0; r < t.rows[T]; r++) memcpy((uint8_t*)p + r * stride, t.data[T][r], t.colsb[T]);
 }
-inline float bf16_value(const uint8_t* p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    const uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-template <int C, int A, int B>
-inline void dp_bf16() {
+template <int C, int A, int B, bool A_UNSIGNED>
+inline void dp() {
     Tiles& t = tiles();
     for (int m = 0; m < t.rows[C]; m++)
         for (int n = 0; n < t.colsb[C] / 4; n++) {
-            float acc;
+            int32_t acc;
             memcpy(&acc, &t.data[C][m][4 * n], 4);
             for (int k = 0; k < t.colsb[A] / 4; k++)
-                for (int i = 0; i < 2; i++)
-                    acc += bf16_value(&t.data[A][m][4 * k + 2 * i]) * bf16_value(&t.data[B][k][4 * n + 2 * i]);
+                for (int i = 0; i < 4; i++) {
+                    const int32_t a = A_UNSIGNED ? (int32_t)t.data[A][m][4 * k + i] : (int32_t)(int8_t)t.data[A][m][4 * k + i];
+                    acc += a * (int32_t)(int8_t)t.data[B][k][4 * n + i];
+                }
             memcpy(&t.data[C][m][4 * n], &acc, 4);
         }
 }
+template <int C, int A, int B>
+inline void dp_ss() { dp<C, A, B, false>(); }
+template <int C, int A, int B>
+inline void dp_us() { dp<C, A, B, true>(); }
 #else
 // The tile number is an immediate, so each wrapper is its own asm (GCC's _tile_* macros need a
 // literal number). The memory a tile reads or writes is named as an operand rather than with a
@@ -111,7 +107,9 @@ inline void store(void* p, int64_t stride) {
     __asm__ volatile("tilestored %%tmm%c2, (%1,%3,1)" : "=m"(*(StoreBytes*)p) : "r"(p), "i"(T), "r"(stride));
 }
 template <int C, int A, int B>
-inline void dp_bf16() { __asm__ volatile("tdpbf16ps %%tmm%c2, %%tmm%c1, %%tmm%c0" ::"i"(C), "i"(A), "i"(B)); }
+inline void dp_ss() { __asm__ volatile("tdpbssd %%tmm%c2, %%tmm%c1, %%tmm%c0" ::"i"(C), "i"(A), "i"(B)); }
+template <int C, int A, int B>
+inline void dp_us() { __asm__ volatile("tdpbusd %%tmm%c2, %%tmm%c1, %%tmm%c0" ::"i"(C), "i"(A), "i"(B)); }
 #endif
 
 }  // namespace amx

@@ -40,9 +40,9 @@ struct QRows {
     float* s;           // [M][nb]  sum of the block's 32 x in fp32, a fixed tree (Q4_1's m term)
     int32_t* qs;        // [M][nb]  sum of the block's 32 q (Q4_0's -8 term), exact
     int64_t K, nb;
-    // AMX builds only (else null): q = hi + lo as two bf16 arrays, each exact, for ceil(M / 16) * 16 rows
-    uint16_t* hi = nullptr;  // [M16][K]  bf16 of 256 * (q >> 8): -32768..32512, 8 significant bits
-    uint16_t* lo = nullptr;  // [M16][K]  bf16 of q & 255
+    // AMX builds only (else null): q's bytes apart, q = 256 hi + lo, for ceil(M / 16) * 16 rows
+    int8_t* hi = nullptr;   // [M16][K]  q >> 8 (arithmetic): -128..127
+    uint8_t* lo = nullptr;  // [M16][K]  q & 255
 };
 
 // Owner of QRows storage for up to M rows of depth K.
@@ -50,7 +50,8 @@ struct QRowsBuf {
     std::vector<int16_t> q;
     std::vector<float> d, s;
     std::vector<int32_t> qs;
-    std::vector<uint16_t> hi, lo;
+    std::vector<int8_t> hi;
+    std::vector<uint8_t> lo;
     QRows rows(int64_t M, int64_t K) {
         const int64_t nb = K / QK;
 #if defined(KVD_AMX)
@@ -122,15 +123,6 @@ inline void quantize_block(const float* x, int16_t* q, float* d, float* s, int32
 #endif
 }
 
-#if defined(KVD_AMX)
-// The bf16 bits of f, a value bf16 holds exactly (8 significant bits): its fp32 bits' top half.
-inline uint16_t bf16_of_exact(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, 4);
-    return (uint16_t)(bits >> 16);
-}
-#endif
-
 // Rows [m0, m1) of x (row stride ldx, depth K = out.K) into out.
 inline void quantize_rows(const float* x, int64_t ldx, int64_t m0, int64_t m1, const QRows& out) {
     for (int64_t m = m0; m < m1; m++) {
@@ -141,8 +133,8 @@ inline void quantize_rows(const float* x, int64_t ldx, int64_t m0, int64_t m1, c
 #if defined(KVD_AMX)
         const int16_t* q = out.q + m * out.K;
         for (int64_t k = 0; k < out.K; k++) {
-            out.hi[m * out.K + k] = bf16_of_exact((float)(q[k] >> 8) * 256.0f);
-            out.lo[m * out.K + k] = bf16_of_exact((float)(q[k] & 255));
+            out.hi[m * out.K + k] = (int8_t)(q[k] >> 8);
+            out.lo[m * out.K + k] = (uint8_t)(q[k] & 255);
         }
 #endif
     }
@@ -363,53 +355,62 @@ inline void store_group(const Acc& a, float* y, int nr) {
 inline Acc acc_zero() { Acc a; memset(&a, 0, sizeof a); return a; }
 
 // ------------------------------------------------------------------ the tile path (AMX builds)
-// Many rows of x against W in Q4_0 or Q4_1 on the AMX tile unit. Each block's integer dot comes
-// from two bf16 tile multiplies into one fp32 tile: x's int16 q split exactly as hi + lo
-// (QRows.hi = 256 (q >> 8), QRows.lo = q & 255, each 8 significant bits), W's nibbles 0..15
-// widened to bf16. Every product and every partial sum is an integer of magnitude at most
-// 32 (32768 + 255) 15 < 2^24, so the fp32 tile arithmetic is exact in any order and the tile
-// holds isum = sum q_w q_x exactly: the very isum of the other paths. The fp32 chain after it
-// is chain<F>'s on 16 lanes (two groups) at once, the same operations per lane. So the tile
-// path gives every output the bits of every other path and build. (Q8_0's dots reach 2^27:
-// not exact in fp32; it keeps the register paths.)
+// Many rows of x against W on the AMX tile unit. Each block's integer dots come from the tile
+// multiply, in int8: x's int16 q split as 256 hi + lo (QRows.hi, signed; QRows.lo, unsigned),
+// W's quants widened to int8 (Q4: the nibble 0..15; Q8_0: as they are), and
+//     isum = 256 * dot(hi, w) + dot(lo, w)          exact in int32 (|isum| < 2^28)
+// which is the very isum of the other paths; the fp32 chain after it is chain<F>'s, on 16
+// lanes (two groups) at once, the same operations per lane. So the tile path gives every
+// output the bits of every other path and build.
 //
-// A pass takes two groups of W (16 rows): their blocks widened once into B tiles (16 rows of
-// 64 bytes: row k2 = every W row's weights 2 k2, 2 k2 + 1) and their scales into fp32, then
-// for each 16 rows of x, block after block: A_HI, A_LO = the rows' hi and lo of the block,
-// two tile multiplies, the 16 x 16 dots stored to memory and chained into 16 accumulators held
-// in registers. Every tile is double-buffered by block parity, and block b + 1's tile work is
-// issued before block b's chain, so the tile unit and the vector units overlap, and no chain
-// waits on the store it reads.
+// A pass takes four groups of W (32 rows): their blocks widened once into two B tiles a block
+// (8 rows of 64 bytes: row k4, bytes 4n..4n+3 = W row n's weights 4 k4..4 k4 + 3) and their
+// scales into fp32, then for each 16 rows of x, block after block: A_HI, A_LO = the rows' hi
+// and lo bytes of the block, four tile multiplies (hi and lo against each B tile), the 16 x 32
+// dots stored to memory and chained into the rows' accumulators.
 #if defined(KVD_AMX)
 #if !defined(__AVX2__)
 #error "the tile path needs an AVX2 build"
 #endif
-enum Tile { A_HI0 = 0, A_LO0 = 1, A_HI1 = 2, A_LO1 = 3, B0 = 4, B1 = 5, C0 = 6, C1 = 7 };
+enum Tile { A_HI = 0, A_LO = 1, B0 = 2, B1 = 3, C_HI0 = 4, C_LO0 = 5, C_HI1 = 6, C_LO1 = 7 };
 constexpr int TILE_M = 16;                      // rows of x per tile
-constexpr int64_t TILE_B_BYTES = 16 * 64;       // one block of 16 W rows in B layout
+constexpr int64_t TILE_B_BYTES = 8 * 64;        // one block of 16 W rows in B layout
 // Fewer rows than this take the register paths (measured on the Xeon: at 8 rows the tile
 // path is slower than avx512vnni's registers, at 32 it is ahead).
 constexpr int64_t TILE_MIN_ROWS = 16;
 
 inline amx::Config tile_config() {
     amx::Config c;
-    for (int t : {A_HI0, A_LO0, A_HI1, A_LO1, B0, B1, C0, C1}) c.rows[t] = TILE_M, c.colsb[t] = 64;
+    for (int t : {A_HI, A_LO}) c.rows[t] = TILE_M, c.colsb[t] = QK;
+    for (int t : {B0, B1}) c.rows[t] = QK / 4, c.colsb[t] = 64;
+    for (int t : {C_HI0, C_LO0, C_HI1, C_LO1}) c.rows[t] = TILE_M, c.colsb[t] = 64;
     return c;
 }
 
-// bf16 of 0..15 (a Q4 nibble), exact
-inline uint16_t bf16_of_nibble(int v) { return bf16_of_exact((float)v); }
-
-// Half of a B tile (32 bytes of each of its 16 rows: 8 W rows): group-block gb's nibbles as
-// bf16, or zeros (gb null: past the range's last group). Row k2 holds weights 2 k2, 2 k2 + 1:
-// for k2 < 8 the low nibbles of quant word k2 (bytes 2r, 2r + 1: row r's pair), for k2 >= 8
-// the high nibbles of word k2 - 8.
+// Half of a B tile (32 bytes a row, 8 W rows): group-block gb's weights widened to int8, or
+// zeros (gb null: past the range's last group). Quant words 2j and 2j + 1 hold every row's
+// weights 4j..4j+3 (Q8_0; Q4: in their low nibbles, 4j+16..4j+19 in their high ones), and
+// interleaving them by 16 bits puts each row's four side by side.
 template <int F>
-inline void widen_b(const uint8_t* gb, uint16_t* out /* 16 rows, stride 32 elements */) {
-    for (int k2 = 0; k2 < QK / 2; k2++) {
-        const uint8_t* word = gb ? gb + 16 * (quant_word0(F) + k2 % 8) : nullptr;
-        for (int i = 0; i < 16; i++)            // i = 2r + j: row r, weight 2 k2 + j
-            out[32 * k2 + i] = word ? bf16_of_nibble(k2 < 8 ? word[i] & 15 : word[i] >> 4) : 0;
+inline void widen_b(const uint8_t* gb, uint8_t* out /* 8 rows, stride 64 */) {
+    if (gb == nullptr) {
+        for (int k4 = 0; k4 < QK / 4; k4++) memset(out + 64 * k4, 0, 32);
+        return;
+    }
+    const uint8_t* q = gb + 16 * quant_word0(F);
+    const __m128i nib = _mm_set1_epi8(15);
+    for (int j = 0; j < (F == Q8_0 ? 8 : 4); j++) {
+        const __m128i a = _mm_loadu_si128((const __m128i*)(q + 32 * j)), b = _mm_loadu_si128((const __m128i*)(q + 32 * j + 16));
+        const __m128i r03 = _mm_unpacklo_epi16(a, b), r47 = _mm_unpackhi_epi16(a, b);
+        if constexpr (F == Q8_0) {
+            _mm_storeu_si128((__m128i*)(out + 64 * j), r03);
+            _mm_storeu_si128((__m128i*)(out + 64 * j + 16), r47);
+        } else {
+            _mm_storeu_si128((__m128i*)(out + 64 * j), _mm_and_si128(r03, nib));
+            _mm_storeu_si128((__m128i*)(out + 64 * j + 16), _mm_and_si128(r47, nib));
+            _mm_storeu_si128((__m128i*)(out + 64 * (j + 4)), _mm_and_si128(_mm_srli_epi16(r03, 4), nib));
+            _mm_storeu_si128((__m128i*)(out + 64 * (j + 4) + 16), _mm_and_si128(_mm_srli_epi16(r47, 4), nib));
+        }
     }
 }
 
@@ -418,13 +419,12 @@ inline void widen_b(const uint8_t* gb, uint16_t* out /* 16 rows, stride 32 eleme
 #if defined(__AVX512F__)
 struct Lanes16 { __m512 v; };
 inline Lanes16 lanes_zero() { return {_mm512_setzero_ps()}; }
-// acc + (d_w d_x) * isum, isum the tile's exact fp32 dot (Q4_0: minus 8 qs, in int32 as chain<F>)
+// acc + (d_w d_x) * (float)(256 hi + lo [- 8 qs])
 template <int F>
-inline Lanes16 lanes_chain(Lanes16 a, const float* dot, const float* dw, float dx, int32_t qs) {
-    __m512 isum = _mm512_load_ps(dot);
-    if constexpr (F == Q4_0)
-        isum = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvttps_epi32(isum), _mm512_set1_epi32(8 * qs)));
-    return {_mm512_fmadd_ps(_mm512_mul_ps(_mm512_loadu_ps(dw), _mm512_set1_ps(dx)), isum, a.v)};
+inline Lanes16 lanes_chain(Lanes16 a, const int32_t* hi, const int32_t* lo, const float* dw, float dx, int32_t qs) {
+    __m512i isum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(hi), 8), _mm512_load_si512(lo));
+    if constexpr (F == Q4_0) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(8 * qs));
+    return {_mm512_fmadd_ps(_mm512_mul_ps(_mm512_loadu_ps(dw), _mm512_set1_ps(dx)), _mm512_cvtepi32_ps(isum), a.v)};
 }
 inline Lanes16 lanes_fma(Lanes16 a, const float* mw, float s) {      // accm + m_w * s_x
     return {_mm512_fmadd_ps(_mm512_loadu_ps(mw), _mm512_set1_ps(s), a.v)};
@@ -435,15 +435,15 @@ inline void lanes_store_sum(float* out, Lanes16 a, Lanes16 b) { _mm512_store_ps(
 struct Lanes16 { __m256 a, b; };
 inline Lanes16 lanes_zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 template <int F>
-inline __m256 lanes_chain8(__m256 a, const float* dot, const float* dw, float dx, int32_t qs) {
-    __m256 isum = _mm256_load_ps(dot);
-    if constexpr (F == Q4_0)
-        isum = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvttps_epi32(isum), _mm256_set1_epi32(8 * qs)));
-    return _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(dw), _mm256_set1_ps(dx)), isum, a);
+inline __m256 lanes_chain8(__m256 a, const int32_t* hi, const int32_t* lo, const float* dw, float dx, int32_t qs) {
+    __m256i isum = _mm256_add_epi32(_mm256_slli_epi32(_mm256_load_si256((const __m256i*)hi), 8),
+                                    _mm256_load_si256((const __m256i*)lo));
+    if constexpr (F == Q4_0) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(8 * qs));
+    return _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(dw), _mm256_set1_ps(dx)), _mm256_cvtepi32_ps(isum), a);
 }
 template <int F>
-inline Lanes16 lanes_chain(Lanes16 a, const float* dot, const float* dw, float dx, int32_t qs) {
-    return {lanes_chain8<F>(a.a, dot, dw, dx, qs), lanes_chain8<F>(a.b, dot + 8, dw + 8, dx, qs)};
+inline Lanes16 lanes_chain(Lanes16 a, const int32_t* hi, const int32_t* lo, const float* dw, float dx, int32_t qs) {
+    return {lanes_chain8<F>(a.a, hi, lo, dw, dx, qs), lanes_chain8<F>(a.b, hi + 8, lo + 8, dw + 8, dx, qs)};
 }
 inline Lanes16 lanes_fma(Lanes16 a, const float* mw, float s) {
     return {_mm256_fmadd_ps(_mm256_loadu_ps(mw), _mm256_set1_ps(s), a.a),
@@ -456,92 +456,119 @@ inline void lanes_store_sum(float* out, Lanes16 a, Lanes16 b) {
 }
 #endif
 
-// The tile work of one block in tile set S (block parity): the 16 rows' hi and lo (row stride
-// K elements), the pass's B tile of the block, the 16 x 16 exact dots stored to dots[S].
-template <int S>
-inline void tile_block(const uint16_t* hi, const uint16_t* lo, int64_t K, const uint16_t* b_tile,
-                       float (*dots)[TILE_M][16]) {
-    constexpr int AH = S ? A_HI1 : A_HI0, AL = S ? A_LO1 : A_LO0, B = S ? B1 : B0, C = S ? C1 : C0;
-    amx::load<AH>(hi, 2 * K);
-    amx::load<AL>(lo, 2 * K);
-    amx::load<B>(b_tile, 64);
-    amx::zero<C>();
-    amx::dp_bf16<C, AH, B>();
-    amx::dp_bf16<C, AL, B>();
-    amx::store<C>(dots[S], 64);
+// Block b's tile work for one pass into dots[p] (p < pairs: B tile p's hi and lo dots).
+inline void tile_block(const uint8_t* hi, const uint8_t* lo, int64_t K, const uint8_t* b0, const uint8_t* b1,
+                       int32_t (*dots)[2][TILE_M][16]) {
+    amx::load<A_HI>(hi, K);
+    amx::load<A_LO>(lo, K);
+    amx::load<B0>(b0, 64);
+    amx::zero<C_HI0>();
+    amx::zero<C_LO0>();
+    amx::dp_ss<C_HI0, A_HI, B0>();
+    amx::dp_us<C_LO0, A_LO, B0>();
+    if (b1) {
+        amx::load<B1>(b1, 64);
+        amx::zero<C_HI1>();
+        amx::zero<C_LO1>();
+        amx::dp_ss<C_HI1, A_HI, B1>();
+        amx::dp_us<C_LO1, A_LO, B1>();
+    }
+    amx::store<C_HI0>(dots[0][0], 64);
+    amx::store<C_LO0>(dots[0][1], 64);
+    if (b1) {
+        amx::store<C_HI1>(dots[1][0], 64);
+        amx::store<C_LO1>(dots[1][1], 64);
+    }
 }
 
-// matmul_range's contract for Q4_0 and Q4_1 on the tile unit (any M; AMX builds choose it for
-// M >= TILE_MIN_ROWS).
+// matmul_range's contract on the tile unit (any M; AMX builds choose it for M >= TILE_MIN_ROWS).
 template <int F>
 void matmul_range_tiles(const uint8_t* w, int64_t n0, int64_t n1, const QRows& x, int64_t M, float* y, int64_t ldy) {
-    static_assert(F == Q4_0 || F == Q4_1, "Q8_0's dots are not exact in fp32");
     constexpr int64_t GB = group_block_bytes(F);
     const int64_t nb = x.nb, K = x.K, gbytes = group_bytes(F, K);
-    // one pass's B tiles [block] and scales [block][16 lanes] (plain pointers below: a
-    // thread_local in a shared library costs a call at each use, which spills every register)
-    static thread_local std::vector<uint16_t> tile_w_buf;
+    // a pass's B tiles [pair][block] and scales [pair][block][16 lanes] (plain pointers below:
+    // a thread_local in a shared library costs a call at each use, which spills every register)
+    static thread_local std::vector<uint8_t> tile_w_buf;
     static thread_local std::vector<float> scales_buf;
-    if ((int64_t)tile_w_buf.size() < nb * TILE_B_BYTES / 2) tile_w_buf.resize((size_t)(nb * TILE_B_BYTES / 2));
-    if ((int64_t)scales_buf.size() < nb * 32) scales_buf.resize((size_t)(nb * 32));
-    uint16_t* const tile_w = tile_w_buf.data();
-    float* const dws = scales_buf.data();
-    float* const mws = dws + nb * 16;
-    alignas(64) float dots[2][TILE_M][16];                 // [tile set][x row][W row]
+    if ((int64_t)tile_w_buf.size() < 2 * nb * TILE_B_BYTES) tile_w_buf.resize((size_t)(2 * nb * TILE_B_BYTES));
+    if ((int64_t)scales_buf.size() < 4 * nb * 16) scales_buf.resize((size_t)(4 * nb * 16));
+    uint8_t* const tile_w = tile_w_buf.data();
+    float* const dws = scales_buf.data();               // [pair][block][16]
+    float* const mws = dws + 2 * nb * 16;
+#if defined(KVD_TILE_PIPE)
+    alignas(64) int32_t dots[2][2][2][TILE_M][16];        // [block parity][pair][hi, lo][x row][W row]
+#else
+    alignas(64) int32_t dots[1][2][2][TILE_M][16];
+#endif
     alignas(64) float out[16];
+    Lanes16 acc[TILE_M][2];
     amx::configure(tile_config());
-    for (int64_t n = n0; n < n1; n += 2 * GROUP) {
-        const bool two = n1 - n > GROUP;
-        const uint8_t* g0 = w + n / GROUP * gbytes;
-        const uint8_t* g1 = two ? g0 + gbytes : nullptr;
-        for (int64_t b = 0; b < nb; b++) {
-            widen_b<F>(g0 + b * GB, tile_w + b * TILE_B_BYTES / 2);
-            widen_b<F>(two ? g1 + b * GB : nullptr, tile_w + b * TILE_B_BYTES / 2 + 16);
-            __m256 dw, mw, dw1 = _mm256_setzero_ps(), mw1 = _mm256_setzero_ps();
-            group_scales<F>(g0 + b * GB, &dw, &mw);
-            if (two) group_scales<F>(g1 + b * GB, &dw1, &mw1);
-            _mm256_storeu_ps(&dws[b * 16], dw);
-            _mm256_storeu_ps(&dws[b * 16 + 8], dw1);
-            _mm256_storeu_ps(&mws[b * 16], mw);
-            _mm256_storeu_ps(&mws[b * 16 + 8], mw1);
-        }
+    for (int64_t n = n0; n < n1; n += 4 * GROUP) {
+        const int ng = (int)((n1 - n + GROUP - 1) / GROUP < 4 ? (n1 - n + GROUP - 1) / GROUP : 4);
+        const int pairs = (ng + 1) / 2;
+        const uint8_t* group = w + n / GROUP * gbytes;
+        for (int p = 0; p < pairs; p++)
+            for (int64_t b = 0; b < nb; b++) {
+                uint8_t* t = tile_w + (p * nb + b) * TILE_B_BYTES;
+                const uint8_t* gb0 = group + 2 * p * gbytes + b * GB;
+                const bool two = 2 * p + 1 < ng;
+                widen_b<F>(gb0, t);
+                widen_b<F>(two ? gb0 + gbytes : nullptr, t + 32);
+                __m256 dw, mw, dw1 = _mm256_setzero_ps(), mw1 = _mm256_setzero_ps();
+                group_scales<F>(gb0, &dw, &mw);
+                if (two) group_scales<F>(gb0 + gbytes, &dw1, &mw1);
+                float* ds = dws + (p * nb + b) * 16;
+                float* ms = mws + (p * nb + b) * 16;
+                _mm256_storeu_ps(ds, dw);
+                _mm256_storeu_ps(ds + 8, dw1);
+                _mm256_storeu_ps(ms, mw);
+                _mm256_storeu_ps(ms + 8, mw1);
+            }
         for (int64_t m0 = 0; m0 < M; m0 += TILE_M) {
-            // a last partial tile's rows past M chain the padding's values and scales (QRowsBuf
+            // a last partial tile's rows past M chain the padding's bytes and scales (QRowsBuf
             // holds whole tiles); their lanes are never stored
             const int mr = M - m0 < TILE_M ? (int)(M - m0) : TILE_M;
-            const uint16_t* hi = x.hi + m0 * K;
-            const uint16_t* lo = x.lo + m0 * K;
+            const uint8_t* hi = (const uint8_t*)x.hi + m0 * K;
+            const uint8_t* lo = x.lo + m0 * K;
             const float* xd = x.d + m0 * nb;
             const int32_t* xqs = x.qs + m0 * nb;
-            Lanes16 acc[TILE_M];
-#pragma GCC unroll 16
-            for (int m = 0; m < TILE_M; m++) acc[m] = lanes_zero();
-            tile_block<0>(hi, lo, K, tile_w, dots);
+            for (int m = 0; m < TILE_M; m++) acc[m][0] = acc[m][1] = lanes_zero();
+            auto issue = [&](int64_t b, int32_t (*to)[2][TILE_M][16]) {
+                tile_block(hi + b * QK, lo + b * QK, K, tile_w + b * TILE_B_BYTES,
+                           pairs > 1 ? tile_w + (nb + b) * TILE_B_BYTES : nullptr, to);
+            };
+#if defined(KVD_TILE_PIPE)
+            issue(0, dots[0]);
+#endif
             for (int64_t b = 0; b < nb; b++) {
-                const int64_t nx = b + 1;          // issue the next block's tile work first
-                if (nx < nb && (nx & 1))
-                    tile_block<1>(hi + nx * QK, lo + nx * QK, K, tile_w + nx * TILE_B_BYTES / 2, dots);
-                else if (nx < nb)
-                    tile_block<0>(hi + nx * QK, lo + nx * QK, K, tile_w + nx * TILE_B_BYTES / 2, dots);
-                const float(*dot)[16] = dots[b & 1];
-                const float* dw = &dws[b * 16];
-#pragma GCC unroll 16
-                for (int m = 0; m < TILE_M; m++)
-                    acc[m] = lanes_chain<F>(acc[m], dot[m], dw, xd[m * nb + b], F == Q4_0 ? xqs[m * nb + b] : 0);
-            }
-#pragma GCC unroll 16
-            for (int m = 0; m < TILE_M; m++) {              // constant indices: acc stays in registers
-                if (m >= mr) break;
-                if constexpr (F == Q4_1) {
-                    Lanes16 accm = lanes_zero();                 // chain<F>'s second accumulator
-                    for (int64_t b = 0; b < nb; b++) accm = lanes_fma(accm, &mws[b * 16], x.s[(m0 + m) * nb + b]);
-                    lanes_store_sum(out, acc[m], accm);
-                } else {
-                    lanes_store(out, acc[m]);
+#if defined(KVD_TILE_PIPE)
+                if (b + 1 < nb) issue(b + 1, dots[(b + 1) & 1]);   // the next block's tile work first
+                int32_t(*d)[2][TILE_M][16] = dots[b & 1];
+#else
+                issue(b, dots[0]);
+                int32_t(*d)[2][TILE_M][16] = dots[0];
+#endif
+                for (int p = 0; p < pairs; p++) {
+                    const float* dw = dws + (p * nb + b) * 16;
+                    for (int m = 0; m < TILE_M; m++)
+                        acc[m][p] = lanes_chain<F>(acc[m][p], d[p][0][m], d[p][1][m], dw, xd[m * nb + b],
+                                                   F == Q4_0 ? xqs[m * nb + b] : 0);
                 }
-                const int nr = (int)(n1 - n < 2 * GROUP ? n1 - n : 2 * GROUP);
-                memcpy(y + (m0 + m) * ldy + n, out, sizeof(float) * nr);
             }
+            for (int m = 0; m < mr; m++)
+                for (int p = 0; p < pairs; p++) {
+                    if constexpr (F == Q4_1) {
+                        Lanes16 accm = lanes_zero();             // chain<F>'s second accumulator
+                        for (int64_t b = 0; b < nb; b++)
+                            accm = lanes_fma(accm, mws + (p * nb + b) * 16, x.s[(m0 + m) * nb + b]);
+                        lanes_store_sum(out, acc[m][p], accm);
+                    } else {
+                        lanes_store(out, acc[m][p]);
+                    }
+                    const int64_t at = n + 2 * p * GROUP;
+                    const int nr = (int)(n1 - at < 2 * GROUP ? n1 - at : 2 * GROUP);
+                    memcpy(y + (m0 + m) * ldy + at, out, sizeof(float) * nr);
+                }
         }
     }
     amx::release();
@@ -563,11 +590,9 @@ constexpr int64_t ONE_ROW_MAX = 2;
 template <int F>
 void matmul_range(const uint8_t* w, int64_t n0, int64_t n1, const QRows& x, int64_t M, float* y, int64_t ldy) {
 #if defined(KVD_AMX)
-    if constexpr (F != Q8_0) {
-        if (M >= TILE_MIN_ROWS) {
-            matmul_range_tiles<F>(w, n0, n1, x, M, y, ldy);
-            return;
-        }
+    if (M >= TILE_MIN_ROWS) {
+        matmul_range_tiles<F>(w, n0, n1, x, M, y, ldy);
+        return;
     }
 #endif
     const int64_t nb = x.nb, gbytes = group_bytes(F, x.K);

@@ -6,7 +6,7 @@
 
 #if defined(KVD_AMX_EMULATE)
 #define KVD_VARIANT "amxemu"
-#elif defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#elif defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define KVD_VARIANT "avx512amx"
 #elif defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define KVD_VARIANT "avx512vnni"

@@ -126,9 +126,9 @@ def test_variant_choice_follows_the_cpu_flags():
     assert host_variant({"avx2", "fma", "f16c", "avx512f", "avx512bw"}) == "avx512"
     assert host_variant({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"}) == "avx512vnni"
     assert host_variant({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "amx_tile",
-                         "amx_bf16"}) == "avx512amx"
+                         "amx_int8"}) == "avx512amx"
     assert host_variant({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
-                         "amx_tile", "amx_int8"}) == "avx512vnni"        # tiles without their bf16 dots
+                         "amx_tile", "amx_bf16"}) == "avx512vnni"        # tiles without their int8 dots
     assert host_variant({"avx2", "f16c"}) is None                      # no FMA: no serving build
     assert host_variant(set()) is None
 
@@ -229,12 +229,12 @@ def test_every_build_computes_the_same_bits(host, portable, fmt):
 
 @pytest.mark.parametrize("fmt", FMTS)
 def test_the_tile_path_computes_the_same_bits(portable, fmt):
-    """The AMX tile path (the avx512amx build's, for 16 rows of x or more of Q4 weights), its
-    tile instructions emulated (the amxemu build, any AVX2 host): the portable build's bits,
-    on shapes that leave every partial piece (x rows past a tile of 16, a pass of two groups
-    with one, rows past a group of 8), on arbitrary block bytes and on x whose blocks reach
-    the largest int16 (every dot's partial sums near 2^24, where fp32 tile sums would stop
-    being exact). On an AMX host the test above holds the real instructions to the same bits."""
+    """The AMX tile path (the avx512amx build's, for 16 rows of x or more), its tile
+    instructions emulated (the amxemu build, any AVX2 host): the portable build's bits, on
+    shapes that leave every partial piece (x rows past a tile of 16, a pass of four groups
+    with one, two or three, rows past a group of 8), on arbitrary block bytes, and on the
+    largest dots (every weight at its top against x at +-32767). On an AMX host the test
+    above holds the real instructions to the same bits."""
     emulated = QuantKernel.load("amxemu")
     for n, k in [(1, 32), (17, 64), (45, 192), (70, 96)]:
         qt = random_blocks(n, k, fmt, seed=n)
