@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from engine.model.config import LlamaConfig
 from kernels.attention import AttentionBatch, decode_attention, prefill_attention, write_kv
 from kernels.prefill_attention import PrefillAttention
+from kernels.row_ops import RowOps
 from kernels.quant import QuantTensor
 from kernels.quant_linear import QuantKernel, QuantLinear
 from kernels.weight_arena import WeightArena
@@ -168,6 +169,10 @@ class LlamaModel:
     used for fp32 activations; "auto" loads this host's build (None where there is
     none), None runs torch's SDPA.
 
+    ``row_ops``: RMSNorm, SwiGLU and RoPE over all rows in one C++ call each
+    (kernels/row_ops.py), for fp32 activations; "auto" loads this host's build
+    for an fp32 model (None where there is none), None runs the torch ops below.
+
     Contract of :meth:`forward`: it writes the new tokens' K/V into ``kv`` at
     the slots named by ``batch`` and returns hidden states. It does not allocate
     KV memory and keeps no per-request state.
@@ -177,7 +182,8 @@ class LlamaModel:
                  dtype: torch.dtype = torch.float32,
                  layer_range: tuple[int, int] | None = None,
                  quant_kernel: QuantKernel | None = None,
-                 attention_kernel: PrefillAttention | None | str = "auto") -> None:
+                 attention_kernel: PrefillAttention | None | str = "auto",
+                 row_ops: RowOps | None | str = "auto") -> None:
         self.config = config
         self.dtype = dtype
         start, end = layer_range or (0, config.num_layers)
@@ -187,6 +193,9 @@ class LlamaModel:
         self.is_first, self.is_last = start == 0, end == config.num_layers
         self.scale = config.head_dim ** -0.5
         self.attention_kernel = PrefillAttention.create() if attention_kernel == "auto" else attention_kernel
+        if row_ops == "auto":
+            row_ops = RowOps.create() if dtype == torch.float32 else None
+        self.row_ops = row_ops
 
         def w(name: str) -> torch.Tensor | QuantTensor:
             if name not in tensors:
@@ -262,8 +271,8 @@ class LlamaModel:
             h = self.embed.embed(x).to(self.dtype)
         else:
             h = F.embedding(x, self.embed)
-        cos = self.cos[positions].unsqueeze(1)            # [T, 1, hd]
-        sin = self.sin[positions].unsqueeze(1)
+        rows = self.row_ops if h.dtype == torch.float32 else None
+        cos, sin = self.cos[positions], self.sin[positions]              # [T, hd]
         eps = cfg.rms_norm_eps
         for i, layer in enumerate(self.layers):
             acts = {"h": h}
@@ -272,11 +281,13 @@ class LlamaModel:
                 w = getattr(layer, step.weight) if step.weight else None
                 op = step.op
                 if op == "rms_norm":
-                    y = rms_norm(x, w, eps)
+                    y = rows.rms_norm(x, w, eps) if rows else rms_norm(x, w, eps)
                 elif op == "linear":
                     y = lin(x, w)
                 elif op == "linear_add":
                     y = acts[step.dst] + lin(x, w)
+                elif op == "silu_mul" and rows:
+                    y = rows.silu_mul(x)
                 elif op == "silu_mul":
                     gate, up = x.chunk(2, dim=-1)
                     y = F.silu(gate) * up
@@ -289,17 +300,21 @@ class LlamaModel:
             if on_layer is not None:
                 on_layer(i)
         if self.is_last:
-            h = rms_norm(h, self.norm, eps)
+            h = rows.rms_norm(h, self.norm, eps) if rows else rms_norm(h, self.norm, eps)
         return h
 
     def _rope_attention(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                         batch: AttentionBatch, kv_layer: torch.Tensor) -> torch.Tensor:
         """qkv [T, q + 2kv] -> attention output [T, q]; writes the new K/V into
-        ``kv_layer`` ([2, N, bs, kvh, hd])."""
+        ``kv_layer`` ([2, N, bs, kvh, hd]). cos, sin: [T, hd] at the tokens' positions."""
         cfg = self.config
         T, q_size, kv_size, hd = qkv.shape[0], cfg.q_size, cfg.kv_size, cfg.head_dim
         # RoPE on q and k heads together: [T, H + kvh, hd]
-        qk = apply_rope(qkv[:, :q_size + kv_size].view(T, cfg.num_heads + cfg.num_kv_heads, hd), cos, sin)
+        if self.row_ops is not None and qkv.dtype == torch.float32:
+            qk = self.row_ops.rope(qkv, cfg.num_heads + cfg.num_kv_heads, hd, cos, sin)
+        else:
+            qk = apply_rope(qkv[:, :q_size + kv_size].view(T, cfg.num_heads + cfg.num_kv_heads, hd),
+                            cos.unsqueeze(1), sin.unsqueeze(1))
         q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]
         v = qkv[:, q_size + kv_size:].view(T, cfg.num_kv_heads, hd)
         k_cache, v_cache = kv_layer[0], kv_layer[1]       # [N, bs, kvh, hd]

@@ -27,6 +27,7 @@
 
 #include "quant_gemm.h"
 #include "row_claims.h"
+#include "row_ops.h"
 #include "spin_barrier.h"
 #include "simd.h"
 
@@ -69,27 +70,6 @@ struct PlanModel {
 
 namespace {
 
-// HF LlamaRMSNorm in fp32, as rms_norm() in llama.py: the mean of squares in a fixed order.
-void rms_norm_row(const float* x, const float* w, int64_t D, float eps, float* out) {
-    V16 acc = vzero();
-    int64_t d = 0;
-    for (; d + 16 <= D; d += 16) { V16 v = vload(x + d); acc = vfma(v, v, acc); }
-    float ss = vsum(acc);
-    for (; d < D; d++) ss = fmaf(x[d], x[d], ss);
-    const float inv = 1.0f / sqrtf(ss / (float)D + eps);
-    for (d = 0; d < D; d++) out[d] = w[d] * (x[d] * inv);
-}
-
-// apply_rope: x * cos + swap_halves(x) * signed_sin, rounding after each op as torch does.
-void rope_head(const float* x, const float* cos, const float* sin, int hd, float* out) {
-    const int half = hd / 2;
-    for (int d = 0; d < hd; d++) {
-        const float a = x[d] * cos[d];
-        const float b = x[d < half ? d + half : d - half] * sin[d];
-        out[d] = a + b;
-    }
-}
-
 inline float dot_head(const float* a, const float* b, int hd) {      // hd % 16 == 0
     V16 acc = vmul(vload(a), vload(b));
     for (int c = 16; c < hd; c += 16) acc = vfma(vload(a + c), vload(b + c), acc);
@@ -124,27 +104,6 @@ void attend_head(const float* q, const float* kc, const float* vc, const int64_t
         }
     }
     for (int c = 0; c < chunks; c++) vstore(out + 16 * c, o[c]);
-}
-
-// y[i] = silu(x[i]) * u[i], silu(x) = x * sigmoid(x) with sigmoid from e = e^-|x| (vn_exp
-// takes x <= 0): 1 / (1 + e) for x >= 0, e / (1 + e) below; GEMM_VW lanes at a time, the
-// same operations per element on every build and for every n.
-void silu_mul_row(const float* x, const float* u, int64_t n, float* y) {
-    int64_t i = 0;
-    const VN one = vn_set1(1.0f), zero = vn_zero();
-    for (; i + GEMM_VW <= n; i += GEMM_VW) {
-        const VN v = vn_load(x + i);
-        const VN e = vn_exp(vn_sub(zero, vn_max(v, vn_sub(zero, v))));       // e^-|v|
-        const VN sig = vn_div(vn_select_ge0(v, one, e), vn_add(one, e));
-        vn_store(y + i, vn_mul(vn_mul(v, sig), vn_load(u + i)));
-    }
-    for (; i < n; i++) {                        // the same operations, one element at a time
-        float v[GEMM_VW] = {0}, e[GEMM_VW];
-        v[0] = x[i] >= 0.0f ? -x[i] : x[i];
-        vn_store(e, vn_exp(vn_load(v)));
-        const float sig = (x[i] >= 0.0f ? 1.0f : e[0]) / (1.0f + e[0]);
-        y[i] = (x[i] * sig) * u[i];
-    }
 }
 
 // Storage for every matmul input of a step quantized, one buffer per slot and the last for

@@ -1,0 +1,116 @@
+"""A decoder layer's row-local ops in C++ for many rows at once (a prefill's tokens).
+
+``LlamaModel.forward`` runs ``LAYER_STEPS`` op by op; for fp32 activations it
+hands the row-local ones to a ``RowOps`` (kernels/csrc/row_ops.cpp): RMSNorm,
+SwiGLU's ``silu(gate) * up`` and RoPE, each one C++ call over every row
+instead of two to six torch ops. These are the very functions the decode-plan
+executor runs per row (kernels/csrc/row_ops.h), so a token's norm, SwiGLU and
+RoPE get the same bits in a prefill as in a plan decode step.
+
+Contract, for fp32 inputs:
+
+- ``rms_norm``: HF LlamaRMSNorm, the mean of squares in a fixed order (not
+  torch's: equal to ``engine.model.llama.rms_norm`` to fp32 rounding);
+- ``silu_mul``: ``silu(x[:, :I]) * x[:, I:]`` with its own exp (to fp32
+  rounding of torch's);
+- ``rope``: ``apply_rope`` bit for bit (the same three roundings);
+- **batch invariant, bit for bit**: row m of a result depends on row m of
+  the input alone, not on the row count or the thread count; the same bits
+  on every build (AVX-512, AVX2, portable).
+
+Builds follow kernels/quant_linear.py's variants (``host_variant``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+
+import torch
+
+from kernels import native
+from kernels.quant_linear import VARIANTS, host_variant
+
+log = logging.getLogger(__name__)
+
+LIBRARY = "row_ops"
+
+
+def _rows(x: torch.Tensor, width: int, what: str) -> torch.Tensor:
+    """x as fp32 [M, width] with unit column stride (a view where it already is one)."""
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != width:
+        raise ValueError(f"{what}: expects fp32 [M, {width}], got {x.dtype} {list(x.shape)}")
+    return x if x.stride(1) == 1 and (x.shape[0] <= 1 or x.stride(0) >= width) else x.contiguous()
+
+
+class RowOps:
+    """One loaded build of csrc/row_ops.cpp. Construct with :meth:`load` or :meth:`create`."""
+
+    def __init__(self, lib: ctypes.CDLL, variant: str) -> None:
+        native.require_variant(lib, "kvd_row_ops_variant", LIBRARY, variant)
+        self.variant = variant
+        ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+        self._norm = lib.kvd_rms_norm_rows
+        self._norm.restype = None
+        self._norm.argtypes = [ptr, i64, ptr, i64, i64, f32, ptr, i32]
+        self._silu = lib.kvd_silu_mul_rows
+        self._silu.restype = None
+        self._silu.argtypes = [ptr, i64, i64, ptr, i32]
+        self._rope = lib.kvd_rope_rows
+        self._rope.restype = None
+        self._rope.argtypes = [ptr, i64, i64, i64, i32, ptr, ptr, ptr, i32]
+
+    @classmethod
+    def load(cls, variant: str) -> RowOps:
+        """Build (if needed) and load ``variant``. Raises BuildError or OSError."""
+        return cls(native.load(LIBRARY, VARIANTS[variant][1]), variant)
+
+    @classmethod
+    def create(cls) -> RowOps | None:
+        """This host's build, or None (logged) where the CPU has no variant or the build fails."""
+        variant = host_variant()
+        if variant is None:
+            return None
+        try:
+            return cls.load(variant)
+        except (native.BuildError, OSError) as exc:
+            log.warning("row ops kernel (%s) unavailable: %s", variant, exc)
+            return None
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x fp32 [M, D], weight fp32 [D] -> fp32 [M, D]."""
+        d = x.shape[-1]
+        x = _rows(x, d, "rms_norm")
+        if weight.dtype != torch.float32 or weight.shape != (d,) or not weight.is_contiguous():
+            raise ValueError(f"rms_norm: weight must be fp32 [{d}], contiguous")
+        out = torch.empty(x.shape[0], d, dtype=torch.float32)
+        self._norm(x.data_ptr(), x.stride(0) if x.shape[0] > 1 else d, weight.data_ptr(), x.shape[0], d, eps,
+                   out.data_ptr(), torch.get_num_threads())
+        return out
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """x fp32 [M, 2I] (gate, then up) -> fp32 [M, I]."""
+        if x.dim() != 2 or x.shape[1] % 2:
+            raise ValueError(f"silu_mul: expects [M, 2I], got {list(x.shape)}")
+        x = _rows(x, x.shape[1], "silu_mul").contiguous()
+        i = x.shape[1] // 2
+        out = torch.empty(x.shape[0], i, dtype=torch.float32)
+        self._silu(x.data_ptr(), x.shape[0], i, out.data_ptr(), torch.get_num_threads())
+        return out
+
+    def rope(self, x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor,
+             signed_sin: torch.Tensor) -> torch.Tensor:
+        """The first ``heads`` heads of each row of x (fp32 [T, >= heads * head_dim]) rotated:
+        fp32 [T, heads, head_dim]; cos, signed_sin fp32 [T, head_dim] (rope_tables' rows
+        at the tokens' positions)."""
+        if x.dim() != 2 or x.shape[1] < heads * head_dim or head_dim % 2:
+            raise ValueError(f"rope: x {list(x.shape)} does not hold {heads} heads of {head_dim}")
+        t = x.shape[0]
+        x = _rows(x, x.shape[1], "rope")
+        for name, table in (("cos", cos), ("signed_sin", signed_sin)):
+            if table.dtype != torch.float32 or table.shape != (t, head_dim) or not table.is_contiguous():
+                raise ValueError(f"rope: {name} must be fp32 [{t}, {head_dim}], contiguous")
+        out = torch.empty(t, heads, head_dim, dtype=torch.float32)
+        self._rope(x.data_ptr(), x.stride(0) if t > 1 else x.shape[1], t, heads, head_dim, cos.data_ptr(),
+                   signed_sin.data_ptr(), out.data_ptr(), torch.get_num_threads())
+        return out
