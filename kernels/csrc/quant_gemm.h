@@ -367,7 +367,10 @@ inline Acc acc_zero() { Acc a; memset(&a, 0, sizeof a); return a; }
 // (8 rows of 64 bytes: row k4, bytes 4n..4n+3 = W row n's weights 4 k4..4 k4 + 3) and their
 // scales into fp32, then for each 16 rows of x, block after block: A_HI, A_LO = the rows' hi
 // and lo bytes of the block, four tile multiplies (hi and lo against each B tile), the 16 x 32
-// dots stored to memory and chained into the rows' accumulators.
+// dots stored to memory and chained into the rows' accumulators. (Measured on the Xeon and
+// dropped: one pair of groups a pass with every tile double-buffered and the next block's tile
+// work issued before this block's chain, int8 or bf16; and that issue order here. None was
+// faster: the tile unit's work per block, not the chain, sets the pace.)
 #if defined(KVD_AMX)
 #if !defined(__AVX2__)
 #error "the tile path needs an AVX2 build"
@@ -456,7 +459,7 @@ inline void lanes_store_sum(float* out, Lanes16 a, Lanes16 b) {
 }
 #endif
 
-// Block b's tile work for one pass into dots[p] (p < pairs: B tile p's hi and lo dots).
+// Block b's tile work for one pass into dots[p] (p < 2 when b1: B tile p's hi and lo dots).
 inline void tile_block(const uint8_t* hi, const uint8_t* lo, int64_t K, const uint8_t* b0, const uint8_t* b1,
                        int32_t (*dots)[2][TILE_M][16]) {
     amx::load<A_HI>(hi, K);
@@ -495,11 +498,7 @@ void matmul_range_tiles(const uint8_t* w, int64_t n0, int64_t n1, const QRows& x
     uint8_t* const tile_w = tile_w_buf.data();
     float* const dws = scales_buf.data();               // [pair][block][16]
     float* const mws = dws + 2 * nb * 16;
-#if defined(KVD_TILE_PIPE)
-    alignas(64) int32_t dots[2][2][2][TILE_M][16];        // [block parity][pair][hi, lo][x row][W row]
-#else
-    alignas(64) int32_t dots[1][2][2][TILE_M][16];
-#endif
+    alignas(64) int32_t dots[2][2][TILE_M][16];           // [pair][hi, lo][x row][W row]
     alignas(64) float out[16];
     Lanes16 acc[TILE_M][2];
     amx::configure(tile_config());
@@ -533,25 +532,13 @@ void matmul_range_tiles(const uint8_t* w, int64_t n0, int64_t n1, const QRows& x
             const float* xd = x.d + m0 * nb;
             const int32_t* xqs = x.qs + m0 * nb;
             for (int m = 0; m < TILE_M; m++) acc[m][0] = acc[m][1] = lanes_zero();
-            auto issue = [&](int64_t b, int32_t (*to)[2][TILE_M][16]) {
-                tile_block(hi + b * QK, lo + b * QK, K, tile_w + b * TILE_B_BYTES,
-                           pairs > 1 ? tile_w + (nb + b) * TILE_B_BYTES : nullptr, to);
-            };
-#if defined(KVD_TILE_PIPE)
-            issue(0, dots[0]);
-#endif
             for (int64_t b = 0; b < nb; b++) {
-#if defined(KVD_TILE_PIPE)
-                if (b + 1 < nb) issue(b + 1, dots[(b + 1) & 1]);   // the next block's tile work first
-                int32_t(*d)[2][TILE_M][16] = dots[b & 1];
-#else
-                issue(b, dots[0]);
-                int32_t(*d)[2][TILE_M][16] = dots[0];
-#endif
+                tile_block(hi + b * QK, lo + b * QK, K, tile_w + b * TILE_B_BYTES,
+                           pairs > 1 ? tile_w + (nb + b) * TILE_B_BYTES : nullptr, dots);
                 for (int p = 0; p < pairs; p++) {
                     const float* dw = dws + (p * nb + b) * 16;
                     for (int m = 0; m < TILE_M; m++)
-                        acc[m][p] = lanes_chain<F>(acc[m][p], d[p][0][m], d[p][1][m], dw, xd[m * nb + b],
+                        acc[m][p] = lanes_chain<F>(acc[m][p], dots[p][0][m], dots[p][1][m], dw, xd[m * nb + b],
                                                    F == Q4_0 ? xqs[m * nb + b] : 0);
                 }
             }
