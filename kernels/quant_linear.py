@@ -21,7 +21,7 @@ Contract of the kernel path, for ``x`` [M, K] -> ``y`` [M, N]:
   registers, or groups of W widened once for a chunk of rows); so a prompt's
   tokens get the same bits in a prefill of any length as one at a time, and a
   sequence the same logits alone as in a decode batch;
-- the same bits on every build (AVX2, AVX-512, AVX-512 VNNI, portable);
+- the same bits on every build (AVX2, AVX-512, AVX-512 VNNI, AMX, portable);
 - against the exact product of x and the dequantized weights it is within
   the bound tests/kernels/test_quant_linear.py states (x's rounding plus the
   fp32 chain's).

@@ -126,7 +126,7 @@ std::vector<QRows> quantized_inputs(const PlanModel* m, int B, QuantizedInputs& 
 
 extern "C" {
 
-// Which build this is (variant.h): "avx512vnni", "avx512", "avx2" or "portable".
+// Which build this is (variant.h): a key of kernels/quant_linear.py's VARIANTS.
 const char* kvd_plan_variant() { return KVD_VARIANT; }
 
 // 0 when this build can run the plan as described; -2 for an unknown op or format,

@@ -34,8 +34,9 @@
 // other rows, on the thread count or on the path: the integer dot is exact in any
 // order, and every path and build runs the same fp32 chain per output, so a row's
 // result is the same bit for bit alone or in any batch, in a prefill or a decode
-// step. The AVX2 and AVX-512 builds and the portable build (scalar ints, fmaf) agree
-// bit for bit (the tests hold this host's build to the portable one).
+// step. The AVX2, AVX-512 and AMX builds (the last's tile path: quant_gemm.h) and the
+// portable build (scalar ints, fmaf) agree bit for bit (the tests hold this host's build to
+// the portable one).
 //
 // The kernels read W in the x8 layout (kernels/quant.py's QuantTensor.pack; quant_gemm.h
 // gives the bytes): the same blocks, 8 rows' blocks interleaved by 2-byte word. Work is
@@ -67,7 +68,7 @@ void matmul(int format, const uint8_t* w, int64_t N, int64_t K, const float* x, 
 
 extern "C" {
 
-// Which build this is: "avx512", "avx2" or "portable".
+// Which build this is (variant.h): a key of kernels/quant_linear.py's VARIANTS.
 const char* kvd_quant_variant() { return KVD_VARIANT; }
 
 // y[m, n] (row stride ldy) = sum_k x[m, k] (row stride ldx) * W[n, k] for m < M, n < N;
