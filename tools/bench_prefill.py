@@ -1,18 +1,21 @@
 """Prefill over native GGUF weights: the old and new paths side by side in one run.
 
     python tools/bench_prefill.py [--lengths 512,1024] [--rounds 3] [--threads N] [--random-weights]
+                                  [--variants host|all]
 
 For the bundled SmolLM2 (Q4_1 layers), rounds alternated between the
 configurations, best of the rounds (the host may be shared: another job only
 ever slows a round down) and every round in the JSON:
 
-- **engine prefill** of one prompt (no cached prefix), seconds, four ways:
-  native weights with the blocked attention kernel (the default), native with
-  torch's SDPA (``attention_kernel = None``, the attention before), and
-  ``weights = "dequantize"`` (fp32, MKL) with each attention;
+- **engine prefill** of one prompt (no cached prefix), seconds, five ways:
+  native weights with the blocked attention kernel and the row ops kernel
+  (the default), native with torch's ops for RMSNorm, SwiGLU and RoPE
+  (``row_ops = None``), native with torch's SDPA (``attention_kernel =
+  None``), and ``weights = "dequantize"`` (fp32, MKL) with each attention;
 - **matmuls**: a layer's four projections at M = the prompt length, native
-  (kernels/quant_linear.py: 16-bit activations, groups of W widened once per
-  chunk of rows) vs MKL over the dequantized fp32 weights, GMAC/s;
+  (kernels/quant_linear.py: 16-bit activations; the host's build, or with
+  ``--variants all`` every serving build this CPU runs, e.g. avx512amx's tile
+  path against avx512vnni) vs MKL over the dequantized fp32 weights, GMAC/s;
 - **attention**: one layer's prefill attention, the C++ kernel
   (kernels/prefill_attention.py) vs torch's SDPA, milliseconds.
 
@@ -34,13 +37,15 @@ import torch
 
 from engine.engine import LLMEngine
 from kernels.attention import AttentionBatch, PrefillSeq, prefill_attention
+from kernels.quant_linear import SERVING_VARIANTS, QuantKernel, QuantLinear, host_variant, runs_here
 from tools.bench_engine import append_result, machine, make_engine, random_prompts
 from tools.bench_weights import prefill_seconds
 
 RESULTS = Path("results/bench_prefill.json")
-CONFIGS = {   # name -> (weights, blocked attention kernel)
-    "native": ("native", True), "native-sdpa": ("native", False),
-    "dequantize": ("dequantize", True), "dequantize-sdpa": ("dequantize", False)}
+CONFIGS = {   # name -> (weights, blocked attention kernel, row ops kernel)
+    "native": ("native", True, True), "native-torch-rows": ("native", True, False),
+    "native-sdpa": ("native", False, True),
+    "dequantize": ("dequantize", True, True), "dequantize-sdpa": ("dequantize", False, True)}
 
 
 def best_of(fn, rounds: int) -> float:
@@ -53,21 +58,27 @@ def best_of(fn, rounds: int) -> float:
     return best
 
 
-def matmul_rows(eng: LLMEngine, m: int, rounds: int) -> list[dict]:
-    """Each projection of layer 0 at M = m: native kernel vs MKL on the dequantized weights."""
+def matmul_rows(eng: LLMEngine, m: int, rounds: int, variants: list[str]) -> list[dict]:
+    """Each projection of layer 0 at M = m: the native kernel's builds vs MKL on the dequantized
+    weights, rounds alternated; ``native_GMACps`` is the host's build."""
+    kernels = {v: QuantKernel.load(v) for v in variants}
     layer = eng.model.layers[0]
     rows = []
     for name in ("qkv", "o", "gate_up", "down"):
         lin = getattr(layer, name)
+        lins = {v: QuantLinear(lin.parts, k) for v, k in kernels.items()}     # the same packed blocks
         w = torch.cat([p.dequantize() for p in lin.parts]).t().contiguous()     # [in, out], MKL's layout
         x = torch.randn(m, lin.in_features)
         gmac = m * lin.in_features * lin.out_features / 1e9
-        tq, tm = [], []
+        tq: dict[str, list[float]] = {v: [] for v in lins}
+        tm = []
         for _ in range(rounds):                                                  # alternated
-            tq.append(best_of(lambda: lin(x), 2))
+            for v, one in lins.items():
+                tq[v].append(best_of(lambda: one(x), 2))
             tm.append(best_of(lambda: x @ w, 2))
         rows.append({"matrix": name, "m": m, "shape": [lin.out_features, lin.in_features],
-                     "native_GMACps": gmac / min(tq), "mkl_GMACps": gmac / min(tm)})
+                     "native_GMACps": gmac / min(tq[variants[0]]), "mkl_GMACps": gmac / min(tm),
+                     "builds_GMACps": {v: gmac / min(t) for v, t in tq.items()}})
     return rows
 
 
@@ -90,17 +101,22 @@ def attention_row(eng: LLMEngine, t: int, rounds: int) -> dict:
             "speedup": min(old) / min(new), "kernel_max_err_vs_fp64": float(err)}
 
 
-def run(lengths: list[int], rounds: int, random_weights: bool = False) -> dict:
+def run(lengths: list[int], rounds: int, random_weights: bool = False, variants: list[str] | None = None) -> dict:
     load_before = os.getloadavg()
+    variants = variants or [host_variant()]
     engines = {}
-    for name, (weights, blocked) in CONFIGS.items():
+    for name, (weights, blocked, rows) in CONFIGS.items():
         eng = make_engine("float32", random_weights, weights=weights, kv_blocks=max(lengths) // 16 + 64,
                           enable_prefix_caching=False)
         if not blocked:
             eng.model.attention_kernel = None
+        if not rows:
+            eng.model.row_ops = None
         engines[name] = eng
     assert engines["native"].model.attention_kernel is not None, "no prefill attention kernel on this host"
-    out: dict = {"bench": "prefill", "rounds": rounds, "lengths": lengths, "random_weights": random_weights}
+    assert engines["native"].model.row_ops is not None, "no row ops kernel on this host"
+    out: dict = {"bench": "prefill", "rounds": rounds, "lengths": lengths, "random_weights": random_weights,
+                 "variants": variants}
     for n in lengths:
         prompts = random_prompts(engines["native"].tokenizer, rounds + 1, [n] * (rounds + 1), seed=n)
         secs: dict[str, list[float]] = {name: [] for name in engines}
@@ -110,7 +126,7 @@ def run(lengths: list[int], rounds: int, random_weights: bool = False) -> dict:
             for name, eng in engines.items():
                 secs[name].append(prefill_seconds(eng, prompts[r]))
         out[f"prefill_{n}"] = {name: {"best_s": min(s), "rounds_s": s} for name, s in secs.items()}
-        out[f"matmuls_{n}"] = matmul_rows(engines["native"], n, rounds)
+        out[f"matmuls_{n}"] = matmul_rows(engines["native"], n, rounds, variants)
         out[f"attention_{n}"] = attention_row(engines["native"], n, rounds)
     out.update(load_avg_before=load_before, load_avg_after=os.getloadavg())
     return out
@@ -118,18 +134,23 @@ def run(lengths: list[int], rounds: int, random_weights: bool = False) -> dict:
 
 def report(r: dict) -> list[str]:
     cpu = f"{r['machine']['cpu']} ({', '.join(r['machine']['isa'])}), {r['machine']['torch_threads']} threads"
-    rows = ["| CPU | tokens | native + kernel attention | native + SDPA (before) | fp32 MKL + kernel "
-            "attention | fp32 MKL + SDPA | one layer's attention: kernel / SDPA |",
-            "|---|---|---|---|---|---|---|"]
+    rows = ["| CPU | tokens | native + kernel attention + row ops | native + torch row ops | native + SDPA "
+            "| fp32 MKL + kernel attention | fp32 MKL + SDPA | one layer's attention: kernel / SDPA |",
+            "|---|---|---|---|---|---|---|---|"]
     for n in r["lengths"]:
         p, a = r[f"prefill_{n}"], r[f"attention_{n}"]
-        rows.append(f"| {cpu} | {n} | **{p['native']['best_s']:.2f} s** | {p['native-sdpa']['best_s']:.2f} s | "
-                    f"{p['dequantize']['best_s']:.2f} s | {p['dequantize-sdpa']['best_s']:.2f} s | "
-                    f"{a['kernel_ms']:.1f} / {a['sdpa_ms']:.1f} ms ({a['speedup']:.1f}x) |")
-    rows += ["", "| M | matrix [out, in] | native GEMM GMAC/s | MKL fp32 GMAC/s |", "|---|---|---|---|"]
+        rows.append(f"| {cpu} | {n} | **{p['native']['best_s']:.3f} s** | {p['native-torch-rows']['best_s']:.3f} s "
+                    f"| {p['native-sdpa']['best_s']:.3f} s | {p['dequantize']['best_s']:.3f} s "
+                    f"| {p['dequantize-sdpa']['best_s']:.3f} s "
+                    f"| {a['kernel_ms']:.1f} / {a['sdpa_ms']:.1f} ms ({a['speedup']:.1f}x) |")
+    builds = r.get("variants") or ["native"]
+    rows += ["", "| M | matrix [out, in] | " + " | ".join(f"{b} GMAC/s" for b in builds) + " | MKL fp32 GMAC/s |",
+             "|---|---|" + "---|" * (len(builds) + 1)]
     for n in r["lengths"]:
         for m in r[f"matmuls_{n}"]:
-            rows.append(f"| {n} | {m['matrix']} {m['shape']} | {m['native_GMACps']:.1f} | {m['mkl_GMACps']:.1f} |")
+            per = m.get("builds_GMACps") or {builds[0]: m["native_GMACps"]}
+            rows.append(f"| {n} | {m['matrix']} {m['shape']} | " + " | ".join(f"{per[b]:.1f}" for b in builds)
+                        + f" | {m['mkl_GMACps']:.1f} |")
     return rows
 
 
@@ -140,13 +161,17 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--random-weights", action="store_true",
                     help="SmolLM2's shapes and formats with random blocks (no bundled GGUF needed)")
+    ap.add_argument("--variants", choices=("host", "all"), default="host",
+                    help="matmul rows: the host's build, or every serving build this CPU runs")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     info = machine()
     print(json.dumps(info))
-    r = run([int(x) for x in args.lengths.split(",")], args.rounds, args.random_weights)
+    variants = ([host_variant()] if args.variants == "host"
+                else [v for v in SERVING_VARIANTS if runs_here(v)])
+    r = run([int(x) for x in args.lengths.split(",")], args.rounds, args.random_weights, variants)
     r.update(machine=info, time=time.strftime("%Y-%m-%dT%H:%M:%S"))
     print(json.dumps({k: v for k, v in r.items() if k != "machine"}))
     for line in report(r):
