@@ -74,8 +74,8 @@ def matmul_rows(eng: LLMEngine, m: int, rounds: int, variants: list[str]) -> lis
         tm = []
         for _ in range(rounds):                                                  # alternated
             for v, one in lins.items():
-                tq[v].append(best_of(lambda: one(x), 2))
-            tm.append(best_of(lambda: x @ w, 2))
+                tq[v].append(best_of(lambda one=one, x=x: one(x), 2))
+            tm.append(best_of(lambda x=x, w=w: x @ w, 2))
         rows.append({"matrix": name, "m": m, "shape": [lin.out_features, lin.in_features],
                      "native_GMACps": gmac / min(tq[variants[0]]), "mkl_GMACps": gmac / min(tm),
                      "builds_GMACps": {v: gmac / min(t) for v, t in tq.items()}})
@@ -134,8 +134,8 @@ def run(lengths: list[int], rounds: int, random_weights: bool = False, variants:
 
 def report(r: dict) -> list[str]:
     cpu = f"{r['machine']['cpu']} ({', '.join(r['machine']['isa'])}), {r['machine']['torch_threads']} threads"
-    rows = ["| CPU | tokens | native + kernel attention + row ops | native + torch row ops | native + SDPA "
-            "| fp32 MKL + kernel attention | fp32 MKL + SDPA | one layer's attention: kernel / SDPA |",
+    rows = [("| CPU | tokens | native + kernel attention + row ops | native + torch row ops | native + SDPA "
+             "| fp32 MKL + kernel attention | fp32 MKL + SDPA | one layer's attention: kernel / SDPA |"),
             "|---|---|---|---|---|---|---|---|"]
     for n in r["lengths"]:
         p, a = r[f"prefill_{n}"], r[f"attention_{n}"]

@@ -28,9 +28,9 @@ import torch.nn.functional as F
 from engine.model.config import LlamaConfig
 from kernels.attention import AttentionBatch, decode_attention, prefill_attention, write_kv
 from kernels.prefill_attention import PrefillAttention
-from kernels.row_ops import RowOps
 from kernels.quant import QuantTensor
 from kernels.quant_linear import QuantKernel, QuantLinear
+from kernels.row_ops import RowOps
 from kernels.weight_arena import WeightArena
 
 Matrix = torch.Tensor | QuantLinear
