@@ -29,20 +29,20 @@ portable for tests), chosen by ``kernels.quant_linear.host_variant``.
 from __future__ import annotations
 
 import ctypes
-import logging
 
 import torch
 
 from kernels import native
-from kernels.quant_linear import VARIANTS, host_variant
-
-log = logging.getLogger(__name__)
+from kernels.quant_linear import KernelBuild
 
 LIBRARY = "prefill_attention"
 
 
-class PrefillAttention:
+class PrefillAttention(KernelBuild):
     """One loaded build of csrc/prefill_attention.cpp. Construct with :meth:`load` or :meth:`create`."""
+
+    LIBRARY = LIBRARY
+    WHAT = "prefill attention kernel"
 
     def __init__(self, lib: ctypes.CDLL, variant: str) -> None:
         native.require_variant(lib, "kvd_attention_variant", LIBRARY, variant)
@@ -51,23 +51,6 @@ class PrefillAttention:
         self._attend = lib.kvd_prefill_attention
         self._attend.restype = ctypes.c_int
         self._attend.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i32, i32, i32, ctypes.c_float, i32]
-
-    @classmethod
-    def load(cls, variant: str) -> PrefillAttention:
-        """Build (if needed) and load ``variant``. Raises BuildError or OSError."""
-        return cls(native.load(LIBRARY, VARIANTS[variant][1]), variant)
-
-    @classmethod
-    def create(cls) -> PrefillAttention | None:
-        """This host's build, or None (logged) where the CPU has no variant or the build fails."""
-        variant = host_variant()
-        if variant is None:
-            return None
-        try:
-            return cls.load(variant)
-        except (native.BuildError, OSError) as exc:
-            log.warning("prefill attention kernel (%s) unavailable: %s", variant, exc)
-            return None
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor | None:
         """q [T, H, hd], k and v [S, KVH, hd] (S >= T; the queries are the last T

@@ -39,6 +39,7 @@ import ctypes
 import logging
 import os
 from collections.abc import Iterable
+from typing import Self
 
 import torch
 import torch.nn.functional as F
@@ -96,8 +97,42 @@ def host_variant(flags: Iterable[str] | None = None) -> str | None:
     return next((v for v in order if runs_here(v, have)), None)
 
 
-class QuantKernel:
+class KernelBuild:
+    """A library of kernels/csrc built once per variant (``VARIANTS``): a subclass names its
+    ``LIBRARY`` and what it is (``WHAT``, for the log) and is constructed from a loaded
+    library and the variant it was built as."""
+
+    LIBRARY: str
+    WHAT: str
+
+    def __init__(self, lib: ctypes.CDLL, variant: str) -> None:
+        raise NotImplementedError
+
+    @classmethod
+    def load(cls, variant: str) -> Self:
+        """Build (if needed) and load ``variant``. Raises BuildError or OSError."""
+        return cls(native.load(cls.LIBRARY, VARIANTS[variant][1]), variant)
+
+    @classmethod
+    def create(cls) -> Self | None:
+        """This host's serving build (``host_variant``), or None (logged) when the CPU has
+        no variant or the build fails."""
+        variant = host_variant()
+        if variant is None:
+            log.info("no %s for this CPU (needs AVX2, FMA and F16C)", cls.WHAT)
+            return None
+        try:
+            return cls.load(variant)
+        except (native.BuildError, OSError) as exc:
+            log.warning("%s (%s) unavailable: %s", cls.WHAT, variant, exc)
+            return None
+
+
+class QuantKernel(KernelBuild):
     """One loaded build of csrc/quant_matmul.cpp. Construct with :meth:`load` or :meth:`create`."""
+
+    LIBRARY = LIBRARY
+    WHAT = "quantized-weights kernel"
 
     def __init__(self, lib: ctypes.CDLL, variant: str) -> None:
         native.require_variant(lib, "kvd_quant_variant", LIBRARY, variant)
@@ -109,25 +144,6 @@ class QuantKernel:
         self._rows = lib.kvd_quant_rows
         self._rows.restype = ctypes.c_int
         self._rows.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr]
-
-    @classmethod
-    def load(cls, variant: str) -> QuantKernel:
-        """Build (if needed) and load ``variant``. Raises BuildError or OSError."""
-        return cls(native.load(LIBRARY, VARIANTS[variant][1]), variant)
-
-    @classmethod
-    def create(cls) -> QuantKernel | None:
-        """This host's serving build, or None (logged) when the CPU has no variant
-        or the build fails."""
-        variant = host_variant()
-        if variant is None:
-            log.info("no quantized-weights kernel for this CPU (needs AVX2, FMA and F16C)")
-            return None
-        try:
-            return cls.load(variant)
-        except (native.BuildError, OSError) as exc:
-            log.warning("quantized-weights kernel (%s) unavailable: %s", variant, exc)
-            return None
 
     def matmul_into(self, w: QuantTensor, x: torch.Tensor, y: torch.Tensor) -> None:
         """y[:, :N] = x @ w.T: w in the x8 layout (``QuantTensor.pack``); x fp32 [M, K] with

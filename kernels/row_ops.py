@@ -24,14 +24,11 @@ Builds follow kernels/quant_linear.py's variants (``host_variant``).
 from __future__ import annotations
 
 import ctypes
-import logging
 
 import torch
 
 from kernels import native
-from kernels.quant_linear import VARIANTS, host_variant
-
-log = logging.getLogger(__name__)
+from kernels.quant_linear import KernelBuild
 
 LIBRARY = "row_ops"
 
@@ -43,8 +40,11 @@ def _rows(x: torch.Tensor, width: int, what: str) -> torch.Tensor:
     return x if x.stride(1) == 1 and (x.shape[0] <= 1 or x.stride(0) >= width) else x.contiguous()
 
 
-class RowOps:
+class RowOps(KernelBuild):
     """One loaded build of csrc/row_ops.cpp. Construct with :meth:`load` or :meth:`create`."""
+
+    LIBRARY = LIBRARY
+    WHAT = "row ops kernel"
 
     def __init__(self, lib: ctypes.CDLL, variant: str) -> None:
         native.require_variant(lib, "kvd_row_ops_variant", LIBRARY, variant)
@@ -59,23 +59,6 @@ class RowOps:
         self._rope = lib.kvd_rope_rows
         self._rope.restype = None
         self._rope.argtypes = [ptr, i64, i64, i64, i32, ptr, ptr, ptr, i32]
-
-    @classmethod
-    def load(cls, variant: str) -> RowOps:
-        """Build (if needed) and load ``variant``. Raises BuildError or OSError."""
-        return cls(native.load(LIBRARY, VARIANTS[variant][1]), variant)
-
-    @classmethod
-    def create(cls) -> RowOps | None:
-        """This host's build, or None (logged) where the CPU has no variant or the build fails."""
-        variant = host_variant()
-        if variant is None:
-            return None
-        try:
-            return cls.load(variant)
-        except (native.BuildError, OSError) as exc:
-            log.warning("row ops kernel (%s) unavailable: %s", variant, exc)
-            return None
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x fp32 [M, D], weight fp32 [D] -> fp32 [M, D]."""

@@ -317,7 +317,14 @@ def test_disaggregated_prompt_replica_comes_from_the_prefill_node(tmp_path, refe
     c.wait_nodes(sorted(roles))
     try:
         def the_prompts_came_from_p1() -> None:
-            senders = {n: admin(c.node_admin(n), "status")["replication"]["sender"] for n in ("d1", "d2")}
+            # the decode nodes' counters are read over their admin sockets one after the other,
+            # while requests may still be changing hands: poll them to a deadline
+            deadline = time.monotonic() + 10
+            while True:
+                senders = {n: admin(c.node_admin(n), "status")["replication"]["sender"] for n in ("d1", "d2")}
+                if sum(st["adopted"] for st in senders.values()) == 4 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
             assert admin(c.node_admin("p1"), "status")["disaggregation"]["prompt_replicas"] == {"sent": 4}
             assert sum(st["adopted"] for st in senders.values()) == 4, senders
             assert all(st["adopt_fallbacks"] == 0 for st in senders.values())
