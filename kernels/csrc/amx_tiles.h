@@ -1,10 +1,12 @@
-// The six AMX tile instructions quant_gemm.h's tile path uses, behind one small interface,
+// The AMX tile instructions quant_gemm.h's tile path uses, behind one small interface,
 // either as the instructions (a build with -mamx-tile -mamx-int8: the "avx512amx" variant)
 // or emulated in scalar code (a build with -DKVD_AMX_EMULATE: the test-only "amxemu"
 // variant, which lets a host without AMX run the tile path's data layout and bookkeeping
 // bit for bit; far too slow to serve). KVD_AMX is defined when either is compiled in.
 //
 // Semantics (Intel SDM, "Intel AMX instructions"), tile t has rows(t) rows of colsb(t) bytes:
+//   configure(c)         LDTILECFG: every tile's shape from c, every tile zeroed
+//   release()            TILERELEASE: the tiles back to their initial state
 //   load<T>(p, stride)   row r of tile T = colsb(T) bytes at p + r * stride
 //   store<T>(p, stride)  the reverse (at most 16 rows of 64 bytes, stride 64: what the
 //                        compiler is told it writes)

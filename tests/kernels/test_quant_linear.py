@@ -133,6 +133,17 @@ def test_variant_choice_follows_the_cpu_flags():
     assert host_variant(set()) is None
 
 
+def test_the_amx_build_is_offered_only_where_the_tile_state_is_granted():
+    """native.cpu_flags() keeps the AMX flags only when Linux grants this process the tile
+    state (arch_prctl); on a CPU without AMX the request is refused, not a crash."""
+    with open("/proc/cpuinfo") as f:
+        has_amx = "amx_tile" in f.read().split()
+    granted = native.amx_permitted()
+    assert isinstance(granted, bool) and (granted or not ("amx_tile" in native.cpu_flags()))
+    if not has_amx:
+        assert not granted and host_variant() != "avx512amx"
+
+
 def test_the_capability_variable_caps_the_host_build(monkeypatch):
     host = host_variant()
     monkeypatch.setenv("KVD_CPU_CAPABILITY", "avx2")
