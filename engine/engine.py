@@ -131,8 +131,9 @@ class LLMEngine:
         ``dtype``; ``matmul``, the quantized-weights kernel's build ("avx2",
         "avx512vnni", ...) or "torch"; ``decode``, the one-call decoder
         ("plan:<build>" or "fused-bf16") or "torch"; ``prefill_attention``, the
-        blocked kernel's build or "torch" (SDPA). "torch" where a kernel was
-        expected is a fallback: the log at start-up says why."""
+        blocked kernel's build or "torch" (SDPA); ``row_ops``, the build running
+        a prefill's norms, SwiGLU and RoPE, or "torch". "torch" where a kernel
+        was expected is a fallback: the log at start-up says why."""
         model, fused = self.model, self.runner.fused
         decode = ("torch" if fused is None else f"plan:{fused.variant}" if isinstance(fused, PlanDecoder)
                   else "fused-bf16")
@@ -141,7 +142,8 @@ class LLMEngine:
                 "matmul": model.quant_kernel.variant if model.quant_kernel is not None else "torch",
                 "decode": decode,
                 "prefill_attention": (model.attention_kernel.variant if model.attention_kernel is not None
-                                      else "torch")}
+                                      else "torch"),
+                "row_ops": model.row_ops.variant if model.row_ops is not None else "torch"}
 
     @property
     def prefill_chunk_tokens(self) -> int:

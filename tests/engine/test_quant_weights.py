@@ -179,11 +179,12 @@ def test_the_engine_names_the_kernels_of_this_host(tiny_gguf, tokenizer, kernel)
     host = host_variant()
     assert native_engine(tiny_gguf, tokenizer).kernels() == {
         "weights": "native", "dtype": "float32", "matmul": host, "decode": f"plan:{host}",
-        "prefill_attention": host}
+        "prefill_attention": host, "row_ops": host}
     torch_decode = native_engine(tiny_gguf, tokenizer, decode_kernel="torch").kernels()
     assert torch_decode["decode"] == "torch" and torch_decode["matmul"] == host
     floats = native_engine(tiny_gguf, tokenizer, weights="dequantize").kernels()
     assert floats["weights"] == "float" and floats["matmul"] == "torch" and floats["prefill_attention"] == host
+    assert floats["row_ops"] == host
 
 
 def test_auto_dtype_is_float32_for_native_weights(tiny_gguf, kernel, monkeypatch):
