@@ -17,7 +17,7 @@ instead of starting a second runtime whose threads would spin against it.
 runs it): the fused bf16 decode step where the CPU has AVX512-BF16, and the
 quantized-weights matmul, the decode-plan executor, the prefill attention and
 the row ops in their AMX, AVX-512 VNNI, AVX-512 or AVX2 variant (kernels/quant_linear.py,
-kernels/plan_decode.py, kernels/prefill_attention.py).
+kernels/plan_decode.py, kernels/prefill_attention.py, kernels/row_ops.py).
 """
 
 from __future__ import annotations
@@ -116,9 +116,11 @@ _SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA = 158, 0x1023, 18    
 _AMX_FLAGS = frozenset({"amx_tile", "amx_int8", "amx_bf16", "amx_fp16", "amx_complex"})
 
 
-def cpu_flags() -> set[str]:
+@functools.cache
+def cpu_flags() -> frozenset[str]:
     """The feature flags this process can use: /proc/cpuinfo's (empty where it cannot be
-    read), less the AMX ones where Linux does not grant the tile state (amx_permitted)."""
+    read), less the AMX ones where Linux does not grant the tile state (amx_permitted).
+    Read once: every kernel library's build choice asks."""
     flags: set[str] = set()
     try:
         with open("/proc/cpuinfo") as f:
@@ -130,7 +132,7 @@ def cpu_flags() -> set[str]:
         pass
     if flags & _AMX_FLAGS and not amx_permitted():
         flags -= _AMX_FLAGS
-    return flags
+    return frozenset(flags)
 
 
 def load(name: str, flags: tuple[str, ...]) -> ctypes.CDLL:

@@ -66,7 +66,7 @@ VARIANTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "avx2": (("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c", *_COMMON)),
     # scalar integers and fmaf: the arithmetic's definition, far too slow to serve (tests only)
     "portable": ((), _COMMON),
-    # the avx2 build with the AMX tile path, its six tile instructions emulated in scalar code
+    # the avx2 build with the AMX tile path, its tile instructions emulated in scalar code
     # (csrc/amx_tiles.h): tests the tile path's layout on any host; far too slow to serve
     "amxemu": (("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c", "-DKVD_AMX_EMULATE", *_COMMON)),
 }

@@ -292,7 +292,7 @@ class LlamaModel:
                     gate, up = x.chunk(2, dim=-1)
                     y = F.silu(gate) * up
                 elif op == "rope_attention":
-                    y = self._rope_attention(x, cos, sin, batch, kv[i])
+                    y = self._rope_attention(x, cos, sin, batch, kv[i], rows)
                 else:
                     raise ValueError(f"LAYER_STEPS: unknown op {op!r}")
                 acts[step.dst] = y
@@ -304,14 +304,15 @@ class LlamaModel:
         return h
 
     def _rope_attention(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                        batch: AttentionBatch, kv_layer: torch.Tensor) -> torch.Tensor:
+                        batch: AttentionBatch, kv_layer: torch.Tensor, rows: RowOps | None) -> torch.Tensor:
         """qkv [T, q + 2kv] -> attention output [T, q]; writes the new K/V into
-        ``kv_layer`` ([2, N, bs, kvh, hd]). cos, sin: [T, hd] at the tokens' positions."""
+        ``kv_layer`` ([2, N, bs, kvh, hd]). cos, sin: [T, hd] at the tokens' positions;
+        ``rows``: forward's row ops for these activations, or None (torch's RoPE)."""
         cfg = self.config
         T, q_size, kv_size, hd = qkv.shape[0], cfg.q_size, cfg.kv_size, cfg.head_dim
         # RoPE on q and k heads together: [T, H + kvh, hd]
-        if self.row_ops is not None and qkv.dtype == torch.float32:
-            qk = self.row_ops.rope(qkv, cfg.num_heads + cfg.num_kv_heads, hd, cos, sin)
+        if rows is not None:
+            qk = rows.rope(qkv, cfg.num_heads + cfg.num_kv_heads, hd, cos, sin)
         else:
             qk = apply_rope(qkv[:, :q_size + kv_size].view(T, cfg.num_heads + cfg.num_kv_heads, hd),
                             cos.unsqueeze(1), sin.unsqueeze(1))

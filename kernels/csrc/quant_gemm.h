@@ -50,8 +50,10 @@ struct QRowsBuf {
     std::vector<int16_t> q;
     std::vector<float> d, s;
     std::vector<int32_t> qs;
+#if defined(KVD_AMX)
     std::vector<int8_t> hi;
     std::vector<uint8_t> lo;
+#endif
     QRows rows(int64_t M, int64_t K) {
         const int64_t nb = K / QK;
 #if defined(KVD_AMX)
