@@ -361,7 +361,8 @@ def test_bad_input_is_refused(host):
 def test_every_variant_compiles():
     """Builds this CPU cannot run are still compiled here, so a mistake in their
     code path shows up on any machine (they share the arithmetic above); the plan
-    executor includes the same matmul, so its builds are compiled too."""
+    executor includes the same matmul, and the row ops the executor's row functions, so
+    their builds are compiled too."""
     for variant, (_, flags) in VARIANTS.items():
-        for library in ("quant_matmul", "plan_decode"):
+        for library in ("quant_matmul", "plan_decode", "row_ops"):
             assert native.build(library, flags).exists(), (library, variant)
