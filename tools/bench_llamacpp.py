@@ -14,6 +14,9 @@ llama.cpp is not part of kvd and never built by it: build ``llama-bench`` and
   bandwidth measured in this run); rounds alternate between the two, and the
   table gives each side's fastest repetition and the median of the per-round
   ratios;
+- **depth**: decode at long context, ``llama-bench -p 0 -n 128 -d D`` (tg128 after a
+  D-token context, llama.cpp's "tg128 @ dD") against kvd's engine decoding 128 tokens
+  after a D-token prompt (its prefill not timed), for each D of ``--depths``;
 - **HTTP**: ``kvd-loadgen`` against ``llama-server`` and against ``kvd serve``,
   the same dataset and seed: one stream (``--max-concurrency 1``) and 32
   concurrent requests (``llama-server -np 32``); output tok/s, TPOT, TTFT.
@@ -33,6 +36,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -41,6 +45,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from engine.model.registry import bundled_gguf_path  # noqa: E402
+from engine.request import SamplingParams  # noqa: E402
 from tools._twoproc import free_port, stop_processes, wait_healthy, write_results  # noqa: E402
 from tools.bench_engine import decode_rates, make_engine, random_prompts, read_bandwidth  # noqa: E402
 from tools.bench_weights import prefill_seconds  # noqa: E402
@@ -58,6 +63,31 @@ def llama_bench(bin_dir: Path, gguf: Path, threads: int, reps: int) -> dict[str,
                          timeout=1800, check=True).stdout
     rows = json.loads(out)
     return {("pp512" if r["n_prompt"] else "tg128"): max(float(x) for x in r["samples_ts"]) for r in rows}
+
+
+def llama_bench_depth(bin_dir: Path, gguf: Path, threads: int, depth: int, reps: int) -> float:
+    """tg128 (tok/s) after a ``depth``-token context: the fastest of ``reps`` repetitions."""
+    out = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(gguf), "-t", str(threads), "-p", "0",
+                          "-n", "128", "-d", str(depth), "-r", str(reps), "-o", "json"], capture_output=True,
+                         text=True, timeout=3600, check=True).stdout
+    return max(float(x) for r in json.loads(out) for x in r["samples_ts"])
+
+
+def kvd_depth(eng, prompt: list[int], reps: int) -> float:
+    """tg128 (tok/s) of kvd's engine after ``prompt``: the fastest of ``reps`` repetitions,
+    each timed from the first sampled token (prefill done, in as many steps as it takes)
+    to the 128th."""
+    sp = SamplingParams(max_tokens=129, temperature=0.0, ignore_eos=True)
+    best = 0.0
+    for rep in range(reps):
+        eng.add_request(f"depth-{rep}", prompt, sp)
+        while eng.has_unfinished() and not eng.step():
+            pass
+        t, n = time.perf_counter(), 0
+        while eng.has_unfinished():
+            n += len(eng.step())
+        best = max(best, n / (time.perf_counter() - t))
+    return best
 
 
 def kvd_engine(eng, prompts: list[list[int]]) -> dict[str, float]:
@@ -124,7 +154,8 @@ def main() -> None:
     ap.add_argument("--llama-cpp", required=True, type=Path, help="folder with llama-bench and llama-server")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--parts", default="engine,http")
+    ap.add_argument("--parts", default="engine,http", help="comma-separated: engine, depth, http")
+    ap.add_argument("--depths", default="1024,4096", help="context lengths of the depth part")
     ap.add_argument("--gguf", type=Path, default=None,
                     help="the GGUF both engines load (default: the bundled SmolLM2); the tokenizer is its own")
     ap.add_argument("--out", default=str(REPO / "results" / "bench_llamacpp.json"))
@@ -164,6 +195,27 @@ def main() -> None:
         print(f"\nkvd tg128 = {best['kvd']['tg128'] / bound:.2f} of the bandwidth bound ({bound:.0f} tok/s)")
         rows.append({"part": "bound", "bandwidth_gbs": bw / 1e9, "weight_bytes": weight_bytes,
                      "bound_tok_s": bound})
+        del eng
+    if "depth" in parts:
+        eng = make_engine("float32", weights="native", num_threads=args.threads, model=str(gguf))
+        depths = [int(d) for d in args.depths.split(",")]
+        for depth in depths:
+            prompt = random_prompts(eng.tokenizer, 1, [depth], seed=200 + depth)[0]
+            for rnd in range(args.rounds):
+                for side in (("llama.cpp", "kvd") if rnd % 2 == 0 else ("kvd", "llama.cpp")):
+                    rate = (llama_bench_depth(args.llama_cpp, gguf, args.threads, depth, reps=3) if side == "llama.cpp"
+                            else kvd_depth(eng, prompt, reps=3))
+                    rows.append({"part": "depth", "depth": depth, "side": side, "round": rnd, "tg128": rate})
+                    print(f"depth {depth} {side:9s} round {rnd}: tg128 {rate:.1f} tok/s", flush=True)
+        print("\n| CPU | threads | test | llama.cpp (llama-bench) | kvd | kvd / llama.cpp: best, median of rounds |")
+        print("|---|---|---|---|---|---|")
+        for depth in depths:
+            got = {s: [r["tg128"] for r in sorted((r for r in rows if r.get("part") == "depth" and r["depth"] == depth
+                                                  and r["side"] == s), key=lambda r: r["round"])]
+                   for s in ("kvd", "llama.cpp")}
+            ratio = statistics.median(k / c for k, c in zip(got["kvd"], got["llama.cpp"]))
+            print(f"| {cpu} | {args.threads} | tg128 @ d{depth} | {max(got['llama.cpp']):.1f} tok/s "
+                  f"| {max(got['kvd']):.1f} tok/s | **{max(got['kvd']) / max(got['llama.cpp']):.2f}x**, {ratio:.2f}x |")
         del eng
     if "http" in parts:
         rows += http_rows(args.llama_cpp, gguf, args.threads, args.rounds)

@@ -17,11 +17,13 @@
 //
 // then the final norm and the LM head. One OpenMP team runs the whole step:
 // matmuls hand out output rows in chunks (row_claims.h), norms and silu split rows,
-// RoPE splits (sequence, head) pairs, attention splits (sequence, query head)
-// pairs; a barrier separates steps. Every output is computed by one thread in
-// a fixed order that depends on nothing but its own row, so a sequence's
-// logits are the same bit for bit alone or in any batch, with any thread count
-// (the matmul's contract, quant_matmul.cpp, and row-local ops everywhere else).
+// RoPE splits (sequence, head) pairs, attention splits chunks of a sequence's keys
+// (every head at once), then (sequence, head) pairs to combine them; a barrier
+// separates steps. Every output is computed in a fixed order that depends on
+// nothing but its own row (attention: its own keys, chunked by their count
+// alone), so a sequence's logits are the same bit for bit alone or in any batch,
+// with any thread count (the matmul's contract, quant_matmul.cpp, and row-local
+// ops everywhere else).
 // The sums inside norms and attention run in another order than torch's, so
 // this step agrees with LlamaModel.forward to fp32 rounding, not bit for bit.
 
@@ -70,40 +72,109 @@ struct PlanModel {
 
 namespace {
 
+// ------------------------------------------------------------------ decode attention
+// Split over keys. Sequence b's keys 0..ctx-1 are cut into chunks of key_chunk(ctx) keys, a
+// function of ctx alone; a work item is one chunk of one sequence for every query head, so each
+// key's K and V rows (every KV head, side by side in the cache) are read once, in address order,
+// and a single sequence's keys are spread over the whole team. Chunk c of head h leaves
+//     m_c = max_t s_t,  l_c = sum_t e^(s_t - m_c) (exp_sum),  o_c = sum_t e^(s_t - m_c) v_t (key order)
+// with s_t = (q . k_t) * scale; then per (sequence, head), chunks in order:
+//     M = max_c m_c,  a_c = e^(m_c - M),  L = sum_c a_c l_c,  O = sum_c a_c o_c,  out = O * (1 / L).
+// Every step is a fixed sequence of fp32 operations on the sequence's own keys: the output does
+// not depend on the batch, on which thread takes which item, or on the build.
+constexpr int64_t KEY_CHUNK_MIN = 16;            // keys per chunk up to 16 chunks ...
+constexpr int64_t KEY_CHUNK_MAX = 256;           // ... then chunks grow to this, then multiply
+
+inline int64_t key_chunk(int64_t ctx) {
+    const int64_t c = KEY_CHUNK_MIN * ((ctx + 16 * KEY_CHUNK_MIN - 1) / (16 * KEY_CHUNK_MIN));
+    return c < KEY_CHUNK_MAX ? c : KEY_CHUNK_MAX;
+}
+
 inline float dot_head(const float* a, const float* b, int hd) {      // hd % 16 == 0
     V16 acc = vmul(vload(a), vload(b));
     for (int c = 16; c < hd; c += 16) acc = vfma(vload(a + c), vload(b + c), acc);
     return vsum(acc);
 }
 
-// One query head over its sequence's paged keys 0..ctx-1: fp32 scores, softmax, sum of p_t v_t in key order.
-void attend_head(const float* q, const float* kc, const float* vc, const int64_t* table, int64_t ctx,
-                 int block_size, int64_t kvh_stride, int hd, float scale, float* scores, float* out) {
-    float mx = -INFINITY;
-    for (int64_t t0 = 0, blk = 0; t0 < ctx; t0 += block_size, blk++) {
-        const float* k = kc + table[blk] * block_size * kvh_stride;
-        const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
-        for (int64_t i = 0; i < n; i++, k += kvh_stride) {
-            const float s = dot_head(q, k, hd) * scale;
-            scores[t0 + i] = s;
-            mx = s > mx ? s : mx;
-        }
+inline float exp_one(float x) {                 // simd.h's e^x for x <= 0, the same bits on every build
+    alignas(64) float lanes[GEMM_VW];
+    vn_store(lanes, vn_exp(vn_set1(x)));
+    return lanes[0];
+}
+
+constexpr int64_t KV_AHEAD = 4;                 // keys between a K row's prefetch and its use
+
+inline void prefetch_lines(const float* p, int64_t bytes) {      // a hint: changes no result
+#if defined(__AVX2__)
+    for (int64_t at = 0; at < bytes; at += 64) _mm_prefetch((const char*)p + at, _MM_HINT_T0);
+#else
+    (void)p, (void)bytes;
+#endif
+}
+
+// A sequence's attention inputs: its rotated queries [H][hd], its block table and length.
+struct AttnSeq {
+    const float* q;
+    const int64_t* table;
+    int64_t ctx;
+};
+
+// Item [t0, t1) of one sequence, every head: m, l [H] and o [H][hd] as above. kc, vc: the
+// layer's caches; scores: [H][t1 - t0] scratch.
+void attend_chunk(const AttnSeq& seq, int64_t t0, int64_t t1, const float* kc, const float* vc, int block_size,
+                  int64_t kvh_stride, int H, int group, int hd, float scale, float* scores, float* m, float* l,
+                  float* o) {
+    const int64_t n = t1 - t0;
+    int64_t row[KEY_CHUNK_MAX];                  // key t0 + i's offset in the caches
+    for (int64_t i = 0, blk = t0 / block_size, at = t0 % block_size; i < n; i++) {
+        row[i] = (seq.table[blk] * block_size + at) * kvh_stride;
+        if (++at == block_size) at = 0, blk++;
     }
-    // p_t = e^(s_t - max) and their sum (simd.h's exp_sum: the same bits on every build)
-    const float sum = exp_sum(scores, ctx, mx);
-    const float inv = 1.0f / sum;
-    V16 o[16];                                   // hd <= 256
+    const int64_t row_bytes = kvh_stride * (int64_t)sizeof(float);
+    for (int64_t i = 0; i < n; i++) {
+        const float* k = kc + row[i];
+        // the cache is cold (the step's weights streamed through since this layer last ran):
+        // ask for key i + KV_AHEAD's K row and key i's V row (read in the second pass)
+        if (i + KV_AHEAD < n) prefetch_lines(kc + row[i + KV_AHEAD], row_bytes);
+        prefetch_lines(vc + row[i], row_bytes);
+        for (int h = 0; h < H; h++) scores[h * n + i] = dot_head(seq.q + h * hd, k + (h / group) * hd, hd) * scale;
+    }
     const int chunks = hd / 16;
-    for (int c = 0; c < chunks; c++) o[c] = vzero();
-    for (int64_t t0 = 0, blk = 0; t0 < ctx; t0 += block_size, blk++) {
-        const float* v = vc + table[blk] * block_size * kvh_stride;
-        const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
-        for (int64_t i = 0; i < n; i++, v += kvh_stride) {
-            const V16 p = vset1(scores[t0 + i] * inv);
-            for (int c = 0; c < chunks; c++) o[c] = vfma(p, vload(v + 16 * c), o[c]);
+    for (int h = 0; h < H; h++) {
+        float* s = scores + h * n;
+        float mx = s[0];
+        for (int64_t i = 1; i < n; i++) mx = s[i] > mx ? s[i] : mx;
+        m[h] = mx;
+        l[h] = exp_sum(s, n, mx);                // s becomes e^(s - m)
+        V16 acc[16];                             // hd <= 256
+        for (int c = 0; c < chunks; c++) acc[c] = vzero();
+        const float* vg = vc + (h / group) * hd;
+        for (int64_t i = 0; i < n; i++) {
+            const float* v = vg + row[i];
+            const V16 p = vset1(s[i]);
+            for (int c = 0; c < chunks; c++) acc[c] = vfma(p, vload(v + 16 * c), acc[c]);
         }
+        for (int c = 0; c < chunks; c++) vstore(o + h * hd + 16 * c, acc[c]);
     }
-    for (int c = 0; c < chunks; c++) vstore(out + 16 * c, o[c]);
+}
+
+// out [hd] = head h's attention from its sequence's `count` chunk results (m, l: stride H
+// per chunk; o: stride H * hd), chunks in order.
+void combine_chunks(const float* m, const float* l, const float* o, int64_t count, int H, int hd, float* out) {
+    float mx = m[0];
+    for (int64_t c = 1; c < count; c++) mx = m[c * H] > mx ? m[c * H] : mx;
+    const int chunks = hd / 16;
+    V16 acc[16];
+    for (int i = 0; i < chunks; i++) acc[i] = vzero();
+    float sum = 0.0f;
+    for (int64_t c = 0; c < count; c++) {
+        const float a = exp_one(m[c * H] - mx);
+        sum = sum + a * l[c * H];
+        const V16 av = vset1(a);
+        for (int i = 0; i < chunks; i++) acc[i] = vfma(av, vload(o + c * H * hd + 16 * i), acc[i]);
+    }
+    const V16 inv = vset1(1.0f / sum);
+    for (int i = 0; i < chunks; i++) vstore(out + 16 * i, vmul(acc[i], inv));
 }
 
 // Storage for every matmul input of a step quantized, one buffer per slot and the last for
@@ -180,8 +251,15 @@ int kvd_plan_decode(const PlanModel* m, float* kv, int B, const int64_t* ids, co
             if (tables[(size_t)b * max_blocks + j] < 0 || tables[(size_t)b * max_blocks + j] >= m->num_blocks)
                 return -1;
     }
-    int64_t max_ctx = 1;
-    for (int b = 0; b < B; b++) max_ctx = positions[b] + 1 > max_ctx ? positions[b] + 1 : max_ctx;
+    // attention work items: (sequence, first key) of every key chunk, sequences in order
+    std::vector<int64_t> item_seq, item_t0, first_item((size_t)B + 1);
+    for (int b = 0; b < B; b++) {
+        first_item[b] = (int64_t)item_seq.size();
+        const int64_t ctx = positions[b] + 1, chunk = key_chunk(ctx);
+        for (int64_t t0 = 0; t0 < ctx; t0 += chunk) item_seq.push_back(b), item_t0.push_back(t0);
+    }
+    first_item[B] = (int64_t)item_seq.size();
+    const int64_t items = first_item[B];
 
     const int64_t D = m->hidden, q_size = (int64_t)H * hd, kvh_stride = (int64_t)KVH * hd;
     std::vector<std::vector<float>> slots((size_t)m->num_slots);
@@ -191,6 +269,7 @@ int kvd_plan_decode(const PlanModel* m, float* kv, int B, const int64_t* ids, co
         widest = m->slot_width[s] > widest ? m->slot_width[s] : widest;
     }
     std::vector<float> tmp((size_t)B * widest), qrot((size_t)B * q_size), normed((size_t)B * D);
+    std::vector<float> part_m((size_t)items * H), part_l((size_t)items * H), part_o((size_t)items * q_size);
     float* h = slots[0].data();
     gather_rows_any(m->embed.format, (const uint8_t*)m->embed.data, D, ids, B, h);
 
@@ -222,7 +301,7 @@ int kvd_plan_decode(const PlanModel* m, float* kv, int B, const int64_t* ids, co
         const int tid = omp_get_thread_num(), T = omp_get_num_threads();
         int64_t round = 0;                              // the team's matmuls so far (RowClaims::run)
         QuantizedInputs own_qbufs;
-        std::vector<float> scores((size_t)max_ctx);
+        std::vector<float> scores((size_t)H * KEY_CHUNK_MAX);
         std::vector<std::vector<float>> own((size_t)m->num_slots);      // this thread's private slots
         for (int s = 0; s < m->num_slots; s++)
             if (priv_slot[s]) own[s].resize((size_t)B * m->slot_width[s]);
@@ -288,12 +367,20 @@ int kvd_plan_decode(const PlanModel* m, float* kv, int B, const int64_t* ids, co
                             else memcpy(vcache + slot * kvh_stride + (j - H - KVH) * hd, src, hd * sizeof(float));
                         }
                         barrier.wait(T);
+                        split(items, T, tid, &i0, &i1);
+                        for (int64_t i = i0; i < i1; i++) {         // key chunks, every head
+                            const int64_t b = item_seq[i], ctx = positions[b] + 1;
+                            const int64_t t1 = item_t0[i] + key_chunk(ctx) < ctx ? item_t0[i] + key_chunk(ctx) : ctx;
+                            const AttnSeq seq{&qrot[b * q_size], tables + (size_t)b * max_blocks, ctx};
+                            attend_chunk(seq, item_t0[i], t1, kcache, vcache, bs, kvh_stride, H, group, hd, m->scale,
+                                         scores.data(), &part_m[i * H], &part_l[i * H], &part_o[i * q_size]);
+                        }
+                        barrier.wait(T);
                         split((int64_t)B * H, T, tid, &i0, &i1);
-                        for (int64_t i = i0; i < i1; i++) {
-                            const int64_t b = i / H, head = i % H, g = head / group;
-                            attend_head(&qrot[b * q_size + head * hd], kcache + g * hd, vcache + g * hd,
-                                        tables + (size_t)b * max_blocks, positions[b] + 1, bs, kvh_stride, hd,
-                                        m->scale, scores.data(), y + b * out + head * hd);
+                        for (int64_t i = i0; i < i1; i++) {         // the chunks of (sequence, head) combined
+                            const int64_t b = i / H, head = i % H, c0 = first_item[b];
+                            combine_chunks(&part_m[c0 * H + head], &part_l[c0 * H + head], &part_o[c0 * q_size + head * hd],
+                                           first_item[b + 1] - c0, H, hd, y + b * out + head * hd);
                         }
                         break;
                     }

@@ -146,7 +146,8 @@ def test_every_build_computes_the_same_bits(fmt, build, kernel):
     far too slow for the real model): the same logits and K/V bit for bit, so nodes of
     different CPU families agree (a prefill on one, the decode on another)."""
     model = tiny_model(fmt, kernel)
-    kv, ids, pos, tables = prefilled(model, [1, 5, 16, 17, 40, 100, 2, 3, 4, 6, 7, 8, 9, 10, 11, 12, 13], seed=3)
+    kv, ids, pos, tables = prefilled(model, [1, 5, 16, 17, 40, 100, 2, 3, 4, 6, 7, 8, 9, 10, 11, 12, 300],
+                                        seed=3)
     kv_host, kv_port = kv.clone(), kv.clone()
     portable = PlanDecoder.create(model, kv, BS, variant="portable")
     assert portable is not None and portable.variant == "portable"
@@ -197,6 +198,30 @@ def test_thread_count_does_not_change_a_bit(smollm2):
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two)
+
+
+def test_long_contexts_split_over_keys(tiny):
+    """Past 256 keys a sequence's keys are cut into longer chunks (csrc/plan_decode.cpp,
+    key_chunk) that the team shares: against forward to rounding, and bit for bit with
+    1, 2 and 3 threads, and alone against in a batch."""
+    lengths = [255, 257, 700, 1000]
+    kv, ids, pos, tables = prefilled(tiny, lengths, seed=6)
+    ref = torch_decode(tiny, kv.clone(), ids, pos, tables)
+    dec = decoder(tiny, kv)
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append(dec.decode(ids, pos, tables, kv.clone()))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+    assert (outs[0] - ref).abs().max() <= 1e-3 * ref.abs().max()
+    assert torch.equal(outs[0].argmax(-1), ref.argmax(-1))
+    for r, n in enumerate(lengths):
+        row = dec.decode(ids[r:r + 1], pos[r:r + 1], tables[r:r + 1, :n // BS + 1], kv.clone())
+        assert torch.equal(row[0], outs[0][r]), f"row {r} differs alone"
 
 
 def test_another_thread_gets_the_same_bits(tiny):
