@@ -55,6 +55,7 @@ class Heartbeater:
         self.registered = False
         self.registrations = 0
         self.paused = False
+        self.leaving = False               # said Goodbye: no beat or registration from now on
         self.seq = 0
         self.conn: Connection | None = None
         self.joined = asyncio.Event()
@@ -67,7 +68,7 @@ class Heartbeater:
     async def run(self) -> None:
         try:
             while True:
-                if not self.paused:
+                if not (self.paused or self.leaving):
                     await self._once()
                 self._kick.clear()
                 try:
@@ -101,6 +102,8 @@ class Heartbeater:
                 return
             self.seq += 1
             reply = await protocol.call(self.conn, await self._beat(self.seq), timeout=self.beat_timeout)
+            if self.leaving:                # a beat that crossed our Goodbye: the coordinator forgot us
+                return
             if isinstance(reply, protocol.Welcome) and not reply.accepted:
                 log.warning("coordinator does not know this node (%s); registering again", reply.reason)
                 self.registered = False
@@ -117,7 +120,10 @@ class Heartbeater:
 
     async def goodbye(self, reason: str, unfinished: tuple[str, ...] = ()) -> None:
         """Tell the coordinator we leave on purpose (best effort, bounded);
-        ``unfinished``: the request ids we give up."""
+        ``unfinished``: the request ids we give up. From now on this node neither
+        beats nor registers again: the coordinator removes it on receipt, and a
+        beat it refuses then must not make the leaving node routable again."""
+        self.leaving = True
         if self.conn is None or self.conn.closed or not self.registered:
             return
         try:
