@@ -55,22 +55,25 @@ from tools.loadgen.report import cpu_model  # noqa: E402
 HTTP_LOADS = (("1 stream", 1, 8, 32, 128), ("32 concurrent", 32, 64, 300, 128))
 
 
+def llama_bench_rows(bin_dir: Path, gguf: Path, threads: int, reps: int, *tests: str) -> list[dict]:
+    """llama-bench's JSON rows for ``tests`` (its -p / -n / -d arguments), ``reps`` repetitions."""
+    out = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(gguf), "-t", str(threads), *tests,
+                          "-r", str(reps), "-o", "json"], capture_output=True, text=True, timeout=3600,
+                         check=True).stdout
+    return json.loads(out)
+
+
 def llama_bench(bin_dir: Path, gguf: Path, threads: int, reps: int) -> dict[str, float]:
     """{"pp512": tok/s, "tg128": tok/s} from one llama-bench run of ``reps`` repetitions:
     the fastest repetition of each (as for kvd below: a shared host only slows runs down)."""
-    out = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(gguf), "-t", str(threads), "-p", "512",
-                          "-n", "128", "-r", str(reps), "-o", "json"], capture_output=True, text=True,
-                         timeout=1800, check=True).stdout
-    rows = json.loads(out)
+    rows = llama_bench_rows(bin_dir, gguf, threads, reps, "-p", "512", "-n", "128")
     return {("pp512" if r["n_prompt"] else "tg128"): max(float(x) for x in r["samples_ts"]) for r in rows}
 
 
 def llama_bench_depth(bin_dir: Path, gguf: Path, threads: int, depth: int, reps: int) -> float:
     """tg128 (tok/s) after a ``depth``-token context: the fastest of ``reps`` repetitions."""
-    out = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(gguf), "-t", str(threads), "-p", "0",
-                          "-n", "128", "-d", str(depth), "-r", str(reps), "-o", "json"], capture_output=True,
-                         text=True, timeout=3600, check=True).stdout
-    return max(float(x) for r in json.loads(out) for x in r["samples_ts"])
+    rows = llama_bench_rows(bin_dir, gguf, threads, reps, "-p", "0", "-n", "128", "-d", str(depth))
+    return max(float(x) for r in rows for x in r["samples_ts"])
 
 
 def kvd_depth(eng, prompt: list[int], reps: int) -> float:
