@@ -1,9 +1,13 @@
-"""Memory for a model's packed weights, on transparent huge pages where the OS allows.
+"""Memory for what a decode step streams, on transparent huge pages where the OS allows:
+the model's packed weights (``WeightArena``) and the KV cache's CPU tiers
+(``huge_page_zeros``).
 
-A decode step streams every weight byte once (~96 MB for the bundled model). On
-4 KiB pages that is a TLB miss every 4 KiB, and the hardware prefetchers stop at
-each page boundary; on 2 MiB pages neither happens. What it is worth is in
-docs/benchmarks.md (``tools/bench_decode_batch.py --pages both``).
+A decode step streams every weight byte once (~96 MB for the bundled model), and
+every key and value of its sequences (at 4,096 keys, 189 MB for the bundled
+model). On 4 KiB pages that is a TLB miss every 4 KiB, and the hardware
+prefetchers stop at each page boundary; on 2 MiB pages neither happens. What it
+is worth is in docs/benchmarks.md (``tools/bench_decode_batch.py --pages both``
+for the weights, ``tools/bench_llamacpp.py --parts depth`` for the KV cache).
 
 ``WeightArena.take(n)`` hands out uint8 tensors from anonymous mappings of at
 least ``CHUNK`` bytes, each aligned to 2 MiB and advised ``MADV_HUGEPAGE``
@@ -58,6 +62,18 @@ class WeightArena:
             except OSError:                                 # THP off in this kernel: ordinary pages
                 pass
         self._chunk, self._base, self._used, self._size = chunk, base, 0, size
+
+
+def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor of ``shape`` and ``dtype`` in its own 2 MiB-aligned,
+    huge-page-advised mapping (the OS zeroes pages on first touch, so untouched
+    parts cost no memory); raises ``OSError`` when the OS refuses the mapping."""
+    nbytes = dtype.itemsize
+    for n in shape:
+        nbytes *= n
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    return WeightArena().take(nbytes).view(dtype).view(shape)
 
 
 def _address(chunk: mmap.mmap) -> int:

@@ -2,16 +2,19 @@
 kernels/plan_decode.py) on SmolLM2, one ``PlanDecoder.decode`` call per step.
 
 Each batch size runs ``--steps`` steps after a warm-up, every sequence at
-position ``--context`` (its keys random, block tables distinct); the figure is
+position ``--context`` (its keys random, block tables distinct: in order, or with
+``--scatter`` drawn at random from a pool of the default ``kv_blocks``); the figure is
 the fastest step (the host is shared: interference only slows a step down)
 and the median. ``--repos`` compares checkouts side by side (e.g. this tree
 and a ``git worktree`` of an older commit): each is run in a subprocess of
 its own, alternated ``--rounds`` times. ``--variants`` compares the kernel
 builds this CPU runs (``all``: every serving build it has, e.g. AVX2 against
 AVX-512 VNNI), each step of each build alternated in one process.
-``--pages both`` adds, for each build, the same weights cloned into ordinary
-memory (4 KiB pages) beside the model's own (kernels/weight_arena.py: 2 MiB
-pages where the OS allows), steps alternated the same way.
+The weights and the KV cache are on 2 MiB pages where the OS allows
+(kernels/weight_arena.py), as the engine has them. ``--pages both`` adds, for
+each build, the same weights cloned into ordinary memory (4 KiB pages), and
+the same KV cache copied into ordinary memory, each beside the engine's own
+layout, steps alternated the same way.
 
 ``--weights random`` runs SmolLM2-135M's exact shapes and block formats (Q4_1
 layers, Q8_0 tied embedding) filled with random blocks, for a host without the
@@ -22,7 +25,7 @@ is also set against the bandwidth bound: read bandwidth measured in the run
 
     .venv/bin/python tools/bench_decode_batch.py [--threads 1] [--context 256]
         [--batches 1,2,3,4,6,8,12,16,32] [--repos .,/tmp/old] [--rounds 2]
-        [--variants host|all|avx2,avx512vnni] [--weights bundled|random] [--pages huge|both]
+        [--variants host|all|avx2,avx512vnni] [--weights bundled|random] [--pages huge|both] [--scatter]
 
 Prints a table (ms per step; per sequence in brackets) and writes JSON to results/.
 """
@@ -39,6 +42,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+SCATTER_POOL = 2048        # blocks: etc/kvd.toml's kv_blocks, 1.5 GB of KV for SmolLM2
 
 
 def on_plain_pages(model):
@@ -63,16 +69,18 @@ def on_plain_pages(model):
 
 
 def measure(threads: int, context: int, batches: list[int], steps: int, variants: list[str],
-            weights: str, pages: str = "huge") -> dict:
+            weights: str, pages: str = "huge", scatter: bool = False) -> dict:
     """Runs in the checkout under test (its engine and kernels on sys.path).
     Returns {variant: {batch: {min_ms, median_ms}}} plus ``_bound`` (bandwidth bound);
-    with ``pages`` "both", also {"<variant>, 4 KiB pages": ...}."""
+    with ``pages`` "both", also {"<variant>, 4 KiB pages": ...} (the weights on ordinary
+    pages) and {"<variant>, KV on 4 KiB pages": ...}."""
     import torch
 
     from engine.model.llama import LlamaModel
     from engine.model.registry import resolve_model
     from kernels.plan_decode import PlanDecoder
     from kernels.quant_linear import SERVING_VARIANTS, QuantKernel, host_variant
+    from kernels.weight_arena import huge_page_zeros
     from tools.bench_engine import read_bandwidth
 
     torch.set_num_threads(threads)
@@ -89,7 +97,10 @@ def measure(threads: int, context: int, batches: list[int], steps: int, variants
         variants = [v for v in SERVING_VARIANTS if runs_here(v)]
     c, bs = model.config, 16
     per = context // bs + 2
-    kv = torch.randn(c.num_layers, 2, max(batches) * per + 1, bs, c.num_kv_heads, c.head_dim)
+    pool = max(max(batches) * per + 1, SCATTER_POOL if scatter else 0)
+    kv_plain = torch.randn(c.num_layers, 2, pool, bs, c.num_kv_heads, c.head_dim)
+    kv = huge_page_zeros(tuple(kv_plain.shape), kv_plain.dtype)   # as engine/memory/kv_cache.py has it
+    kv.copy_(kv_plain)
     if len(variants) == 1 and variants[0] == host_variant():    # also a checkout from before variant=
         decoders = {variants[0]: PlanDecoder.create(model, kv, bs)}
     else:
@@ -97,6 +108,8 @@ def measure(threads: int, context: int, batches: list[int], steps: int, variants
     if pages == "both":
         plain = on_plain_pages(model)
         decoders.update({f"{v}, 4 KiB pages": PlanDecoder.create(plain, kv, bs, variant=v) for v in variants})
+        decoders.update({f"{v}, KV on 4 KiB pages": PlanDecoder.create(model, kv, bs, variant=v)
+                         for v in variants})
         variants = list(decoders)
     missing = [v for v, d in decoders.items() if d is None]
     if missing:
@@ -105,15 +118,17 @@ def measure(threads: int, context: int, batches: list[int], steps: int, variants
     for b in batches:
         ids = torch.randint(0, c.vocab_size, (b,), generator=torch.Generator().manual_seed(b))
         pos = torch.full((b,), context, dtype=torch.int64)
-        tables = torch.arange(b * per, dtype=torch.int64).reshape(b, per)
+        tables = (torch.randperm(kv.shape[2], generator=torch.Generator().manual_seed(b))[:b * per] if scatter
+                  else torch.arange(b * per, dtype=torch.int64)).reshape(b, per)
         times: dict[str, list[float]] = {v: [] for v in variants}
-        for dec in decoders.values():
+        caches = {v: kv_plain if v.endswith("KV on 4 KiB pages") else kv for v in variants}
+        for v, dec in decoders.items():
             for _ in range(3):
-                dec.decode(ids, pos, tables, kv)
+                dec.decode(ids, pos, tables, caches[v])
         for _ in range(steps):
             for v, dec in decoders.items():          # builds alternate step by step
                 t = time.perf_counter()
-                dec.decode(ids, pos, tables, kv)
+                dec.decode(ids, pos, tables, caches[v])
                 times[v].append((time.perf_counter() - t) * 1e3)
         for v in variants:
             out[v][b] = {"min_ms": min(times[v]), "median_ms": statistics.median(times[v])}
@@ -137,7 +152,9 @@ def main() -> None:
     ap.add_argument("--weights", choices=("bundled", "random"), default="bundled",
                     help="the bundled GGUF, or random blocks in its shapes and formats")
     ap.add_argument("--pages", choices=("huge", "both"), default="huge",
-                    help="both: also the weights cloned onto ordinary 4 KiB pages, alternated")
+                    help="both: also the weights, and the KV cache, on ordinary 4 KiB pages, alternated")
+    ap.add_argument("--scatter", action="store_true",
+                    help="block tables drawn at random from the pool (a long-running server's), not in order")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=str(REPO / "results" / "bench_decode_batch.json"))
     args = ap.parse_args()
@@ -146,7 +163,7 @@ def main() -> None:
     if args.worker:
         sys.path.insert(0, os.getcwd())
         print(json.dumps(measure(args.threads, args.context, batches, args.steps, variants, args.weights,
-                                 args.pages)))
+                                 args.pages, args.scatter)))
         return
     sys.path.insert(0, str(REPO))
     from tools._twoproc import write_results
@@ -159,7 +176,8 @@ def main() -> None:
             proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", "--threads",
                                    str(args.threads), "--context", str(args.context), "--batches", args.batches,
                                    "--steps", str(args.steps), "--variants", args.variants,
-                                   "--weights", args.weights, *(["--pages", "both"] if args.pages == "both" else [])],
+                                   "--weights", args.weights, *(["--pages", "both"] if args.pages == "both" else []),
+                                   *(["--scatter"] if args.scatter else [])],
                                   cwd=repo, capture_output=True, text=True,
                                   timeout=3600)
             if proc.returncode != 0:

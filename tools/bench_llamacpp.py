@@ -23,8 +23,9 @@ llama.cpp is not part of kvd and never built by it: build ``llama-bench`` and
 
 Both load the same GGUF: the bundled SmolLM2, or ``--gguf`` (for example the
 same shapes and formats with random blocks, where the real file cannot be
-copied). Every row names the CPU. Appends to ``results/bench_llamacpp.json`` and prints
-markdown rows for docs/benchmarks.md.
+copied, or a larger model of the family: ``tools/random_gguf.py``). Every row
+names the CPU. Appends to ``results/bench_llamacpp.json`` and prints markdown
+rows for docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ from tools.bench_engine import decode_rates, make_engine, random_prompts, read_b
 from tools.bench_weights import prefill_seconds  # noqa: E402
 from tools.loadgen.report import cpu_model  # noqa: E402
 
+# KV blocks of kvd's engine in the engine and depth parts: the longest run (4,096 + 129 tokens)
+# fits, and so does the KV pool of a larger --gguf (tools/random_gguf.py)
+KV_BLOCKS = 512
 # (name, concurrency, prompts, input tokens, output tokens)
 HTTP_LOADS = (("1 stream", 1, 8, 32, 128), ("32 concurrent", 32, 64, 300, 128))
 
@@ -169,7 +173,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     parts = args.parts.split(",")
     if "engine" in parts:
-        eng = make_engine("float32", weights="native", num_threads=args.threads, model=str(gguf))
+        eng = make_engine("float32", weights="native", num_threads=args.threads, model=str(gguf), kv_blocks=KV_BLOCKS)
         tok = eng.tokenizer
         weight_bytes = eng.model.weight_bytes_per_token()
         bw = read_bandwidth()
@@ -200,7 +204,7 @@ def main() -> None:
                      "bound_tok_s": bound})
         del eng
     if "depth" in parts:
-        eng = make_engine("float32", weights="native", num_threads=args.threads, model=str(gguf))
+        eng = make_engine("float32", weights="native", num_threads=args.threads, model=str(gguf), kv_blocks=KV_BLOCKS)
         depths = [int(d) for d in args.depths.split(",")]
         for depth in depths:
             prompt = random_prompts(eng.tokenizer, 1, [depth], seed=200 + depth)[0]

@@ -35,6 +35,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from kernels.weight_arena import huge_page_zeros
+
 TIERS = ("device", "host")
 
 
@@ -75,7 +77,18 @@ class KVCache:
         shape = (self.num_layers, 2, self._num_blocks[tier], self.block_size,
                  self.num_kv_heads, self.head_dim)
         pin = tier == "host" and self._pin_host and torch.cuda.is_available()
-        return torch.zeros(shape, dtype=self.dtype, device=self._devices[tier], pin_memory=pin)
+        try:
+            if self._devices[tier].type == "cpu" and not pin:
+                # decode attention streams every key and value of a sequence: on 2 MiB pages
+                # (kernels/weight_arena.py) for the reasons the weights are; every page
+                # faulted in now, so the pool is allocated up front (etc/kvd.toml)
+                return huge_page_zeros(shape, self.dtype).zero_()
+            return torch.zeros(shape, dtype=self.dtype, device=self._devices[tier], pin_memory=pin)
+        except (OSError, RuntimeError) as e:            # the OS's (mmap) or torch's refusal
+            need = self._num_blocks[tier] * self.bytes_per_block
+            knob = "kv_blocks" if tier == "device" else "host_kv_blocks"
+            raise MemoryError(f"KV cache, {tier} tier: {self._num_blocks[tier]} blocks of {self.bytes_per_block} "
+                              f"bytes ({need / 2**30:.1f} GiB) cannot be allocated ({e}); lower {knob}") from e
 
     # ----------------------------------------------------------------- access
 

@@ -35,6 +35,19 @@ def test_layout_contract():
         kv.tier("gpu")
 
 
+def test_cpu_tiers_are_zeroed_and_start_on_a_huge_page():
+    kv = KVCache(L, KVH, HD, BS, 6, 4, torch.float32)
+    for tier in ("device", "host"):
+        t = kv.tier(tier)
+        assert t.data_ptr() % (2 << 20) == 0             # kernels/weight_arena.huge_page_zeros
+        assert not t.any()
+
+
+def test_a_pool_the_os_refuses_is_a_clear_error():
+    with pytest.raises(MemoryError, match="device tier: .* lower kv_blocks"):
+        KVCache(1, 1, 1 << 20, 1 << 10, 1 << 20)        # 2^53 bytes: more than any address space
+
+
 def test_copy_blocks_across_and_within_tiers():
     kv = filled()
     dev, host = kv.tier("device"), kv.tier("host")

@@ -1,4 +1,4 @@
-"""kernels/weight_arena.py: packed weights in 2 MiB-aligned, huge-page-advised mappings."""
+"""kernels/weight_arena.py: packed weights and KV tiers in 2 MiB-aligned, huge-page-advised mappings."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import gc
 import pytest
 import torch
 
-from kernels.weight_arena import CHUNK, HUGE_PAGE, WeightArena
+from kernels.weight_arena import CHUNK, HUGE_PAGE, WeightArena, huge_page_zeros
 
 
 def test_tensors_are_aligned_disjoint_zeroed_and_outlive_the_arena():
@@ -70,4 +70,22 @@ def _anon_huge_kib(address: int) -> int:
 def test_the_memory_is_on_huge_pages_where_the_os_allows():
     t = WeightArena().take(4 * HUGE_PAGE)
     t.fill_(1)                                               # fault it in
+    assert _anon_huge_kib(t.data_ptr()) >= 2048
+
+
+def test_huge_page_zeros_is_a_zeroed_tensor_of_the_shape_and_dtype():
+    t = huge_page_zeros((3, 5, 7), torch.bfloat16)
+    assert t.shape == (3, 5, 7) and t.dtype == torch.bfloat16 and t.is_contiguous()
+    assert t.data_ptr() % HUGE_PAGE == 0 and not t.any()
+    t.fill_(2)
+    assert bool((t == 2).all())
+    assert huge_page_zeros((0, 4), torch.float32).shape == (0, 4)        # nothing to map
+
+
+@pytest.mark.skipif(_thp("enabled") not in ("always", "madvise")
+                    or _thp("defrag") not in ("always", "madvise", "defer+madvise"),
+                    reason="transparent huge pages off, or not allocated synchronously, on this host")
+def test_huge_page_zeros_is_on_huge_pages_where_the_os_allows():
+    t = huge_page_zeros((4 * HUGE_PAGE // 4,), torch.float32)
+    t.fill_(1)
     assert _anon_huge_kib(t.data_ptr()) >= 2048

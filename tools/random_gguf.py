@@ -1,0 +1,100 @@
+"""A GGUF of the bundled model's family at another size, its blocks random: for
+benchmarks on a model larger than the bundled one, which this machine cannot download.
+
+    .venv/bin/python tools/random_gguf.py --shape smollm2-1.7b --out /tmp/smollm2-1.7b-random.gguf
+
+The file has the bundled SmolLM2's metadata (tokenizer, chat template, RoPE base)
+with the shape of ``--shape`` (SmolLM2-360M's or SmolLM2-1.7B's published
+configs), and its formats: Q4_1 layers, a Q8_0 tied embedding, fp32 norms. Q4_1
+blocks get scale 2^-7 and minimum -2^-4, Q8_0 blocks scale 2^-11 (as
+tools/bench_engine.random_smollm2), their nibbles and int8s uniform random bytes.
+kvd and llama.cpp both load it; a decode step reads the same bytes and does the
+same arithmetic as on real weights of that shape, so its speed is the real
+model's (its tokens are gibberish). Nothing here is a quantization: the bytes are
+written as they are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+
+# the published configs (config.json of HuggingFaceTB/SmolLM2-*); head_dim 64, vocab 49152
+SHAPES = {
+    "smollm2-135m": {"hidden": 576, "ffn": 1536, "layers": 30, "heads": 9, "kv_heads": 3},
+    "smollm2-360m": {"hidden": 960, "ffn": 2560, "layers": 32, "heads": 15, "kv_heads": 5},
+    "smollm2-1.7b": {"hidden": 2048, "ffn": 8192, "layers": 24, "heads": 32, "kv_heads": 32},
+}
+HEAD_DIM = 64
+SHAPE_KEYS = {"llama.block_count": "layers", "llama.embedding_length": "hidden", "llama.feed_forward_length": "ffn",
+              "llama.attention.head_count": "heads", "llama.attention.head_count_kv": "kv_heads"}
+SCALES = {"Q4_1": (2.0 ** -7, -2.0 ** -4), "Q8_0": (2.0 ** -11,)}
+
+
+def random_blocks(rows: int, cols: int, fmt: str, rng: np.random.Generator) -> np.ndarray:
+    """[rows, cols / 32 * block_bytes] uint8: ``fmt`` blocks with fixed fp16 scales and random quants."""
+    block_bytes = {"Q4_1": 20, "Q8_0": 34}[fmt]
+    blocks = rng.integers(0, 256, size=(rows, cols // 32, block_bytes), dtype=np.uint8)
+    for i, scale in enumerate(SCALES[fmt]):
+        blocks[:, :, 2 * i:2 * i + 2] = np.frombuffer(np.float16(scale).tobytes(), dtype=np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def write(shape: str, out: Path, seed: int = 0) -> None:
+    """Writes the ``shape`` model to ``out`` (see the module docstring)."""
+    import gguf
+
+    from engine.model.registry import bundled_gguf_path
+
+    dims = SHAPES[shape]
+    source = gguf.GGUFReader(str(bundled_gguf_path()))
+    writer = gguf.GGUFWriter(str(out), "llama")
+    for key, field in source.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue                                # the writer's own
+        if key in SHAPE_KEYS:
+            writer.add_uint32(key, dims[SHAPE_KEYS[key]])
+        elif key in ("general.name", "general.size_label"):
+            writer.add_string(key, f"{shape} (random blocks)")
+        elif field.types[0] == gguf.GGUFValueType.ARRAY:
+            writer.add_key_value(key, field.contents(), gguf.GGUFValueType.ARRAY, sub_type=field.types[-1])
+        else:
+            writer.add_key_value(key, field.contents(), field.types[0])
+    vocab = int(source.fields["llama.vocab_size"].contents())
+    rng = np.random.default_rng(seed)
+    hidden, ffn = dims["hidden"], dims["ffn"]
+    q_dim, kv_dim = dims["heads"] * HEAD_DIM, dims["kv_heads"] * HEAD_DIM
+    q41, q80 = gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0
+    writer.add_tensor("token_embd.weight", random_blocks(vocab, hidden, "Q8_0", rng), raw_dtype=q80)
+    writer.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
+    for n in range(dims["layers"]):
+        for name, rows, cols in (("attn_q", q_dim, hidden), ("attn_k", kv_dim, hidden), ("attn_v", kv_dim, hidden),
+                                 ("attn_output", hidden, q_dim), ("ffn_gate", ffn, hidden), ("ffn_up", ffn, hidden),
+                                 ("ffn_down", hidden, ffn)):
+            writer.add_tensor(f"blk.{n}.{name}.weight", random_blocks(rows, cols, "Q4_1", rng), raw_dtype=q41)
+        for name in ("attn_norm", "ffn_norm"):
+            writer.add_tensor(f"blk.{n}.{name}.weight", np.ones(hidden, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-1.7b")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    sys.path.insert(0, str(REPO))
+    write(args.shape, args.out, args.seed)
+    print(f"wrote {args.out} ({args.out.stat().st_size / 1e9:.2f} GB)")
+
+
+if __name__ == "__main__":
+    main()
