@@ -24,8 +24,8 @@ llama.cpp is not part of kvd and never built by it: build ``llama-bench`` and
 Both load the same GGUF: the bundled SmolLM2, or ``--gguf`` (for example the
 same shapes and formats with random blocks, where the real file cannot be
 copied, or a larger model of the family: ``tools/random_gguf.py``). Every row
-names the CPU. Appends to ``results/bench_llamacpp.json`` and prints markdown
-rows for docs/benchmarks.md.
+names the CPU. Writes JSON to ``--out`` (default ``results/bench_llamacpp.json``)
+and prints markdown rows for docs/benchmarks.md.
 """
 
 from __future__ import annotations
