@@ -39,6 +39,8 @@ REPO = Path(__file__).resolve().parent.parent
 AVX512_BF16_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma")
 BASE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-fno-math-errno")
 COMPILER = os.environ.get("CXX", "g++")
+# Flags only GCC takes; dropped (and left out of the cache key) for any other compiler.
+GCC_ONLY_FLAGS = frozenset({"-fschedule-insns", "-fsched-pressure"})
 
 
 class BuildError(RuntimeError):
@@ -59,9 +61,18 @@ def _compiler_version() -> str:
         raise BuildError(f"no C++ compiler ({COMPILER}): {exc}") from None
 
 
+def for_compiler(flags: tuple[str, ...]) -> tuple[str, ...]:
+    """``flags`` less ``GCC_ONLY_FLAGS`` when ``COMPILER`` is not GCC."""
+    version = _compiler_version().lower()
+    if "clang" not in version and ("gcc" in version or "g++" in version):
+        return flags
+    return tuple(f for f in flags if f not in GCC_ONLY_FLAGS)
+
+
 def library_path(name: str, flags: tuple[str, ...]) -> Path:
     """Where ``name``'s library for ``flags`` lives: keyed on source (and every header
     in csrc/, which a source may include), flags and compiler."""
+    flags = for_compiler(flags)
     src = SOURCES / f"{name}.cpp"
     headers = b"".join(h.read_bytes() for h in sorted(SOURCES.glob("*.h")))
     key = hashlib.sha256(src.read_bytes() + headers + " ".join(BASE_FLAGS + flags).encode()
@@ -85,7 +96,7 @@ def build(name: str, flags: tuple[str, ...]) -> Path:
             return out
         fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{name}-", suffix=".so")
         os.close(fd)
-        cmd = [COMPILER, *BASE_FLAGS, *flags, str(SOURCES / f"{name}.cpp"), "-o", tmp]
+        cmd = [COMPILER, *BASE_FLAGS, *for_compiler(flags), str(SOURCES / f"{name}.cpp"), "-o", tmp]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
             if proc.returncode != 0:

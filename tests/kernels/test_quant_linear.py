@@ -366,3 +366,13 @@ def test_every_variant_compiles():
     for variant, (_, flags) in VARIANTS.items():
         for library in ("quant_matmul", "plan_decode", "row_ops"):
             assert native.build(library, flags).exists(), (library, variant)
+
+
+def test_gcc_only_flags_reach_gcc_alone(monkeypatch):
+    flags = ("-mavx2", *sorted(native.GCC_ONLY_FLAGS), "-ffp-contract=off")
+    monkeypatch.setattr(native, "_compiler_version", lambda: "g++ (Debian 12.2.0-14) 12.2.0")
+    assert native.for_compiler(flags) == flags
+    monkeypatch.setattr(native, "_compiler_version", lambda: "Debian clang version 16.0.6 (15~deb12u1)")
+    assert native.for_compiler(flags) == ("-mavx2", "-ffp-contract=off")
+    plain = ("-mavx2", "-ffp-contract=off")
+    assert native.library_path("quant_matmul", flags) == native.library_path("quant_matmul", plain)
