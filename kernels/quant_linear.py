@@ -65,8 +65,8 @@ VARIANTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
                    _VNNI),
     "avx512": (("avx512f", "avx512bw", "fma", "f16c"), ("-mavx512f", "-mavx512bw", "-mfma", "-mf16c", *_COMMON)),
     # GCC's pre-allocation scheduler, register pressure in mind: with 16 vector registers its
-    # default order spills the one-row matmul's accumulators every block (quant_gemm.h);
-    # a decode step 7% faster on Zen 3 (docs/benchmarks.md)
+    # default order spills the one-row matmul's accumulators every block (quant_gemm.h). On
+    # Zen 3 a decode step is 4-7% faster with it, a prefill's matmuls 23% (docs/benchmarks.md)
     "avx2": (("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c", *_PRESSURE, *_COMMON)),
     # scalar integers and fmaf: the arithmetic's definition, far too slow to serve (tests only)
     "portable": ((), _COMMON),

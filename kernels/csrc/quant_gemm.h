@@ -174,10 +174,9 @@ constexpr int quant_word0(int f) { return f == Q4_1 ? 2 : 1; }
 constexpr int64_t PREFETCH_BYTES = 4096;
 
 // A hint for the group-block of BYTES at gb: the ceil(BYTES / 64) lines at gb + PREFETCH_BYTES
-// + 64 i, unrolled (no branch; a per-line loop cost 3-4% of a decode step's matmuls, alternated
-// in one process on Zen 3). A block's lines and the next block's first one cover every line
-// of the block PREFETCH_BYTES ahead (some are asked for twice). No effect on any result; past
-// the matrix's end it is dropped (prefetches do not fault).
+// + 64 i, unrolled (no branch). A block's lines and the next block's first one cover every
+// line of the block PREFETCH_BYTES ahead (some are asked for twice). No effect on any result;
+// past the matrix's end it is dropped (prefetches do not fault).
 template <int64_t BYTES>
 inline void prefetch_ahead(const uint8_t* gb) {
 #if defined(__AVX2__)
