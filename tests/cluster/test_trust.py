@@ -61,8 +61,10 @@ async def _raw_request(endpoint: str, msg: protocol.Message, curve=None, timeout
     try:
         s.connect(endpoint)
         header, frames = protocol.encode(msg)
-        await s.send_multipart([pack_envelope(KIND_REQUEST, 7), header, *frames])
         try:
+            # the send has the deadline too: a DEALER whose handshake the server already
+            # refused has no pipe left, and its send waits for a reconnect
+            await asyncio.wait_for(s.send_multipart([pack_envelope(KIND_REQUEST, 7), header, *frames]), timeout)
             parts = await asyncio.wait_for(s.recv_multipart(), timeout)
         except TimeoutError:
             return None
