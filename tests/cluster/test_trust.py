@@ -191,7 +191,7 @@ async def _raw_bytes(endpoint: str, header: bytes, frames, curve):
     s.curve_publickey, s.curve_secretkey, s.curve_serverkey = curve.public_key, curve.secret_key, curve.server_key
     try:
         s.connect(endpoint)
-        await s.send_multipart([pack_envelope(KIND_REQUEST, 3), header, *frames])
+        await asyncio.wait_for(s.send_multipart([pack_envelope(KIND_REQUEST, 3), header, *frames]), 10)
         parts = await asyncio.wait_for(s.recv_multipart(), 10)
         return protocol.decode(parts[1], parts[2:])
     finally:
