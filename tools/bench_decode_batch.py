@@ -108,8 +108,7 @@ def measure(threads: int, context: int, batches: list[int], steps: int, variants
     if pages == "both":
         plain = on_plain_pages(model)
         decoders.update({f"{v}, 4 KiB pages": PlanDecoder.create(plain, kv, bs, variant=v) for v in variants})
-        decoders.update({f"{v}, KV on 4 KiB pages": PlanDecoder.create(model, kv, bs, variant=v)
-                         for v in variants})
+        decoders.update({f"{v}, KV on 4 KiB pages": decoders[v] for v in variants})    # same build, kv_plain
         variants = list(decoders)
     missing = [v for v, d in decoders.items() if d is None]
     if missing:

@@ -105,21 +105,26 @@ def random_smollm2(seed: int = 0) -> LoadedWeights:
                       num_kv_heads=3, head_dim=64, rope_theta=100000.0, rms_norm_eps=1e-5,
                       max_position_embeddings=8192, tie_word_embeddings=True)
     gen = torch.Generator().manual_seed(seed)
-    half = {v: torch.tensor([v], dtype=torch.float16).view(torch.uint8) for v in (2.0 ** -7, -2.0 ** -4, 2.0 ** -11)}
     tensors = {}
     for name, shape in expected_shapes(cfg).items():
         if len(shape) == 1:
             tensors[name] = torch.ones(shape)
             continue
-        fmt = FORMATS["Q8_0" if "embed" in name else "Q4_1"]
-        rows, nb = shape[0], shape[1] // BLOCK
-        blocks = torch.randint(0, 256, (rows, nb, fmt.block_bytes), dtype=torch.uint8, generator=gen)
-        if fmt.name == "Q4_1":
-            blocks[:, :, 0:2], blocks[:, :, 2:4] = half[2.0 ** -7], half[-2.0 ** -4]
-        else:
-            blocks[:, :, 0:2] = half[2.0 ** -11]
-        tensors[name] = QuantTensor(fmt, shape, blocks.reshape(rows, -1).contiguous())
+        fmt = "Q8_0" if "embed" in name else "Q4_1"
+        tensors[name] = QuantTensor(FORMATS[fmt], shape, random_blocks(shape[0], shape[1], fmt, gen))
     return LoadedWeights(cfg, tensors, f"random-smollm2:seed={seed}")
+
+
+def random_blocks(rows: int, cols: int, fmt: str, gen: torch.Generator) -> torch.Tensor:
+    """[rows, cols / 32 * block_bytes] uint8: ``fmt`` ("Q4_1" or "Q8_0") blocks with
+    random quants and fixed fp16 scales, Q4_1 d = 2^-7 and m = -2^-4, Q8_0 d = 2^-11
+    (the stand-in blocks of ``random_smollm2`` and tools/random_gguf.py)."""
+    fmt_ = FORMATS[fmt]
+    blocks = torch.randint(0, 256, (rows, cols // BLOCK, fmt_.block_bytes), dtype=torch.uint8, generator=gen)
+    scales = (2.0 ** -7, -2.0 ** -4) if fmt == "Q4_1" else (2.0 ** -11,)
+    for i, scale in enumerate(scales):
+        blocks[:, :, 2 * i:2 * i + 2] = torch.tensor([scale], dtype=torch.float16).view(torch.uint8)
+    return blocks.reshape(rows, -1).contiguous()
 
 
 def hf_model(dtype: str):

@@ -6,8 +6,9 @@ benchmarks on a model larger than the bundled one, which this machine cannot dow
 The file has the bundled SmolLM2's metadata (tokenizer, chat template, RoPE base)
 with the shape of ``--shape`` (SmolLM2-360M's or SmolLM2-1.7B's published
 configs), and its formats: Q4_1 layers, a Q8_0 tied embedding, fp32 norms. Q4_1
-blocks get scale 2^-7 and minimum -2^-4, Q8_0 blocks scale 2^-11 (as
-tools/bench_engine.random_smollm2), their nibbles and int8s uniform random bytes.
+blocks get scale 2^-7 and minimum -2^-4, Q8_0 blocks scale 2^-11, their nibbles
+and int8s uniform random bytes (``tools.bench_engine.random_blocks``, as
+``random_smollm2``).
 kvd and llama.cpp both load it; a decode step reads the same bytes and does the
 same arithmetic as on real weights of that shape, so its speed is the real
 model's (its tokens are gibberish). Nothing here is a quantization: the bytes are
@@ -21,6 +22,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -33,23 +35,12 @@ SHAPES = {
 HEAD_DIM = 64
 SHAPE_KEYS = {"llama.block_count": "layers", "llama.embedding_length": "hidden", "llama.feed_forward_length": "ffn",
               "llama.attention.head_count": "heads", "llama.attention.head_count_kv": "kv_heads"}
-SCALES = {"Q4_1": (2.0 ** -7, -2.0 ** -4), "Q8_0": (2.0 ** -11,)}
-
-
-def random_blocks(rows: int, cols: int, fmt: str, rng: np.random.Generator) -> np.ndarray:
-    """[rows, cols / 32 * block_bytes] uint8: ``fmt`` blocks with fixed fp16 scales and random quants."""
-    block_bytes = {"Q4_1": 20, "Q8_0": 34}[fmt]
-    blocks = rng.integers(0, 256, size=(rows, cols // 32, block_bytes), dtype=np.uint8)
-    for i, scale in enumerate(SCALES[fmt]):
-        blocks[:, :, 2 * i:2 * i + 2] = np.frombuffer(np.float16(scale).tobytes(), dtype=np.uint8)
-    return blocks.reshape(rows, -1)
-
-
 def write(shape: str, out: Path, seed: int = 0) -> None:
     """Writes the ``shape`` model to ``out`` (see the module docstring)."""
     import gguf
 
     from engine.model.registry import bundled_gguf_path
+    from tools.bench_engine import random_blocks
 
     dims = SHAPES[shape]
     source = gguf.GGUFReader(str(bundled_gguf_path()))
@@ -66,17 +57,17 @@ def write(shape: str, out: Path, seed: int = 0) -> None:
         else:
             writer.add_key_value(key, field.contents(), field.types[0])
     vocab = int(source.fields["llama.vocab_size"].contents())
-    rng = np.random.default_rng(seed)
+    gen = torch.Generator().manual_seed(seed)
     hidden, ffn = dims["hidden"], dims["ffn"]
     q_dim, kv_dim = dims["heads"] * HEAD_DIM, dims["kv_heads"] * HEAD_DIM
     q41, q80 = gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0
-    writer.add_tensor("token_embd.weight", random_blocks(vocab, hidden, "Q8_0", rng), raw_dtype=q80)
+    writer.add_tensor("token_embd.weight", random_blocks(vocab, hidden, "Q8_0", gen).numpy(), raw_dtype=q80)
     writer.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
     for n in range(dims["layers"]):
         for name, rows, cols in (("attn_q", q_dim, hidden), ("attn_k", kv_dim, hidden), ("attn_v", kv_dim, hidden),
                                  ("attn_output", hidden, q_dim), ("ffn_gate", ffn, hidden), ("ffn_up", ffn, hidden),
                                  ("ffn_down", hidden, ffn)):
-            writer.add_tensor(f"blk.{n}.{name}.weight", random_blocks(rows, cols, "Q4_1", rng), raw_dtype=q41)
+            writer.add_tensor(f"blk.{n}.{name}.weight", random_blocks(rows, cols, "Q4_1", gen).numpy(), raw_dtype=q41)
         for name in ("attn_norm", "ffn_norm"):
             writer.add_tensor(f"blk.{n}.{name}.weight", np.ones(hidden, dtype=np.float32))
     writer.write_header_to_file()

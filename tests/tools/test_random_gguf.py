@@ -1,0 +1,33 @@
+"""``tools/random_gguf.py``: a GGUF of the bundled model's family at another published size,
+random blocks. kvd must load it as that shape, in the bundled file's formats, with the
+bundled tokenizer's metadata, so that a benchmark on it reads the bytes such a model reads."""
+
+from __future__ import annotations
+
+import gguf
+import torch
+
+from engine.model.registry import bundled_gguf_path
+from engine.model.weights import load_gguf
+from kernels.quant import QuantTensor
+from tools.random_gguf import HEAD_DIM, SHAPES, write
+
+
+def test_the_written_file_loads_as_the_shape_in_the_bundled_formats(tmp_path):
+    path = tmp_path / "smollm2-135m.gguf"
+    write("smollm2-135m", path, seed=1)
+    w = load_gguf(path, quantized=True)
+    dims, cfg = SHAPES["smollm2-135m"], w.config
+    assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads,
+            cfg.head_dim) == (dims["hidden"], dims["ffn"], dims["layers"], dims["heads"], dims["kv_heads"], HEAD_DIM)
+    assert cfg.tie_word_embeddings and cfg.vocab_size == 49152
+    embed, down = w.tensors["model.embed_tokens.weight"], w.tensors["model.layers.0.mlp.down_proj.weight"]
+    assert isinstance(embed, QuantTensor) and embed.fmt.name == "Q8_0"
+    assert isinstance(down, QuantTensor) and down.fmt.name == "Q4_1"
+    assert tuple(down.shape) == (dims["hidden"], dims["ffn"])
+    for t in (embed, down):
+        values = t.dequantize()
+        assert torch.isfinite(values).all() and 0.0 < values.abs().max() <= 0.07
+    written, bundled = gguf.GGUFReader(str(path)), gguf.GGUFReader(str(bundled_gguf_path()))
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.chat_template"):
+        assert written.fields[key].contents() == bundled.fields[key].contents(), key
