@@ -2,6 +2,7 @@
 benchmarks on a model larger than the bundled one, which this machine cannot download.
 
     .venv/bin/python tools/random_gguf.py --shape smollm2-1.7b --out /tmp/smollm2-1.7b-random.gguf
+        [--source FILE] [--metadata-only]
 
 The file has the bundled SmolLM2's metadata (tokenizer, chat template, RoPE base)
 with the shape of ``--shape`` (SmolLM2-360M's or SmolLM2-1.7B's published
@@ -13,6 +14,11 @@ kvd and llama.cpp both load it; a decode step reads the same bytes and does the
 same arithmetic as on real weights of that shape, so its speed is the real
 model's (its tokens are gibberish). Nothing here is a quantization: the bytes are
 written as they are.
+
+``--source``: the GGUF whose metadata is copied (default the bundled file); only
+its metadata is read. ``--metadata-only`` writes that metadata alone, no
+tensors (a few MB): a ``--source`` to carry to a host that has no bundled file
+and cannot take its 98 MB (a benchmark machine reached through a size-limited copy).
 """
 
 from __future__ import annotations
@@ -35,15 +41,17 @@ SHAPES = {
 HEAD_DIM = 64
 SHAPE_KEYS = {"llama.block_count": "layers", "llama.embedding_length": "hidden", "llama.feed_forward_length": "ffn",
               "llama.attention.head_count": "heads", "llama.attention.head_count_kv": "kv_heads"}
-def write(shape: str, out: Path, seed: int = 0) -> None:
-    """Writes the ``shape`` model to ``out`` (see the module docstring)."""
+def write(shape: str, out: Path, seed: int = 0, source_path: Path | None = None,
+          metadata_only: bool = False) -> None:
+    """Writes the ``shape`` model to ``out`` (see the module docstring), its metadata
+    from ``source_path`` (default the bundled GGUF); ``metadata_only``: no tensors."""
     import gguf
 
     from engine.model.registry import bundled_gguf_path
     from tools.bench_engine import random_blocks
 
     dims = SHAPES[shape]
-    source = gguf.GGUFReader(str(bundled_gguf_path()))
+    source = gguf.GGUFReader(str(source_path or bundled_gguf_path()))
     writer = gguf.GGUFWriter(str(out), "llama")
     for key, field in source.fields.items():
         if key.startswith("GGUF.") or key == "general.architecture":
@@ -57,6 +65,11 @@ def write(shape: str, out: Path, seed: int = 0) -> None:
         else:
             writer.add_key_value(key, field.contents(), field.types[0])
     vocab = int(source.fields["llama.vocab_size"].contents())
+    if metadata_only:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.close()
+        return
     gen = torch.Generator().manual_seed(seed)
     hidden, ffn = dims["hidden"], dims["ffn"]
     q_dim, kv_dim = dims["heads"] * HEAD_DIM, dims["kv_heads"] * HEAD_DIM
@@ -81,9 +94,11 @@ def main() -> None:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-1.7b")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--source", type=Path, default=None, help="GGUF to copy the metadata of (default: bundled)")
+    ap.add_argument("--metadata-only", action="store_true", help="write the metadata alone, no tensors")
     args = ap.parse_args()
     sys.path.insert(0, str(REPO))
-    write(args.shape, args.out, args.seed)
+    write(args.shape, args.out, args.seed, args.source, args.metadata_only)
     print(f"wrote {args.out} ({args.out.stat().st_size / 1e9:.2f} GB)")
 
 

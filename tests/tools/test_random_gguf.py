@@ -31,3 +31,17 @@ def test_the_written_file_loads_as_the_shape_in_the_bundled_formats(tmp_path):
     written, bundled = gguf.GGUFReader(str(path)), gguf.GGUFReader(str(bundled_gguf_path()))
     for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.chat_template"):
         assert written.fields[key].contents() == bundled.fields[key].contents(), key
+
+
+def test_metadata_carried_in_a_tensorless_file_makes_the_same_model(tmp_path):
+    """``--metadata-only`` then ``--source``: the route to a host without the bundled file
+    gives byte for byte the file written from the bundled one."""
+    meta, via, direct = tmp_path / "meta.gguf", tmp_path / "via.gguf", tmp_path / "direct.gguf"
+    write("smollm2-135m", meta, metadata_only=True)
+    header = gguf.GGUFReader(str(meta))
+    assert len(header.tensors) == 0 and meta.stat().st_size < 4 << 20
+    assert header.fields["tokenizer.ggml.tokens"].contents() == \
+        gguf.GGUFReader(str(bundled_gguf_path())).fields["tokenizer.ggml.tokens"].contents()
+    write("smollm2-135m", via, seed=2, source_path=meta)
+    write("smollm2-135m", direct, seed=2)
+    assert via.read_bytes() == direct.read_bytes()
