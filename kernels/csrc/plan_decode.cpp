@@ -298,7 +298,7 @@ int kvd_plan_decode(const PlanModel* m, float* kv, int B, const int64_t* ids, co
     QuantizedInputs team_qbufs;
     const std::vector<QRows> qx = redundant ? std::vector<QRows>() : quantized_inputs(m, B, team_qbufs);
 
-    SpinBarrier barrier;
+    SpinBarrier barrier(nt);
     RowClaims claims(nt);
 #pragma omp parallel num_threads(nt)
     {
@@ -338,7 +338,7 @@ int kvd_plan_decode(const PlanModel* m, float* kv, int B, const int64_t* ids, co
                     case OP_LINEAR:
                     case OP_LINEAR_ADD: {       // x quantized (rows split, or whole per thread), then this thread's columns
                         quantize_rows(x, in, r0, r1, xq[st.src]);
-                        if (!redundant) barrier.wait(T);
+                        if (!redundant) barrier.wait(T, tid);
                         const PlanWeight& w = lw[st.weight];
                         const bool add = st.op == OP_LINEAR_ADD;
                         claims.run(out, group_bytes(w.format, in), T, tid, round++, [&](int64_t n0, int64_t n1) {
@@ -370,7 +370,7 @@ int kvd_plan_decode(const PlanModel* m, float* kv, int B, const int64_t* ids, co
                             else if (j < H + KVH) rope_head(src, c, sn, hd, kcache + slot * kvh_stride + (j - H) * hd);
                             else memcpy(vcache + slot * kvh_stride + (j - H - KVH) * hd, src, hd * sizeof(float));
                         }
-                        barrier.wait(T);
+                        barrier.wait(T, tid);
                         split(items, T, tid, &i0, &i1);
                         for (int64_t i = i0; i < i1; i++) {         // key chunks, every head
                             const int64_t b = item_seq[i], ctx = positions[b] + 1;
@@ -379,7 +379,7 @@ int kvd_plan_decode(const PlanModel* m, float* kv, int B, const int64_t* ids, co
                             attend_chunk(seq, item_t0[i], t1, kcache, vcache, bs, kvh_stride, H, group, hd, m->scale,
                                          scores.data(), &part_m[i * H], &part_l[i * H], &part_o[i * q_size]);
                         }
-                        barrier.wait(T);
+                        barrier.wait(T, tid);
                         split((int64_t)B * H, T, tid, &i0, &i1);
                         for (int64_t i = i0; i < i1; i++) {         // the chunks of (sequence, head) combined
                             const int64_t b = i / H, head = i % H, c0 = first_item[b];
@@ -391,7 +391,7 @@ int kvd_plan_decode(const PlanModel* m, float* kv, int B, const int64_t* ids, co
                     default:
                         break;                  // ruled out by kvd_plan_check
                 }
-                if (!row_local) barrier.wait(T);
+                if (!row_local) barrier.wait(T, tid);
             }
         }
         // the final norm into `normed` (private rows when redundant: each thread writes its own
@@ -401,7 +401,7 @@ int kvd_plan_decode(const PlanModel* m, float* kv, int B, const int64_t* ids, co
         for (int64_t r = r0; r < r1; r++) rms_norm_row(h + r * D, m->final_norm, D, m->eps, &nrm[r * D]);
         const QRows& qh = xq[m->num_slots];
         quantize_rows(nrm, D, r0, r1, qh);
-        if (!redundant) barrier.wait(T);
+        if (!redundant) barrier.wait(T, tid);
         claims.run(m->vocab, group_bytes(m->head.format, D), T, tid, round++, [&](int64_t n0, int64_t n1) {
             matmul_range(m->head.format, (const uint8_t*)m->head.data, n0, n1, qh, B, logits, m->vocab);
         });

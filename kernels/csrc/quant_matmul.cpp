@@ -51,14 +51,14 @@ void matmul(int format, const uint8_t* w, int64_t N, int64_t K, const float* x, 
             int64_t ldy, int nt) {
     QRowsBuf buf;
     const QRows q = buf.rows(M, K);
-    SpinBarrier barrier;
+    SpinBarrier barrier(nt);
 #pragma omp parallel num_threads(nt)
     {
         const int T = omp_get_num_threads(), tid = omp_get_thread_num();
         int64_t m0, m1, n0, n1;
         split(M, T, tid, &m0, &m1);
         quantize_rows(x, ldx, m0, m1, q);
-        barrier.wait(T);
+        barrier.wait(T, tid);
         split_rows(N, T, tid, &n0, &n1);
         if (n0 < n1) matmul_range(format, w, n0, n1, q, M, y, ldy);
     }
