@@ -24,7 +24,7 @@ from engine.request import FinishReason, InvalidParam, Request, RequestOutput, R
 from engine.config import EngineConfig  # noqa: F401  (re-exported: callers import it from here)
 from engine.runner import ModelRunner
 from engine.sampling import make_generator
-from engine.scheduler import Scheduler
+from engine.scheduler import ScheduledBatch, Scheduler
 from engine.stream import KVSink, LayerStreamer
 from kernels.fused_decode import FusedDecoder
 from kernels.plan_decode import PlanDecoder
@@ -94,6 +94,7 @@ class EngineStats:
     handed_off: int = 0                 # prefilled here, decoded elsewhere (engine.stream)
     finished: dict = field(default_factory=lambda: {r.value: 0 for r in FinishReason})
     steps: int = 0
+    step_seconds: float = 0.0           # wall time of those steps (schedule, model, sampling, outputs)
 
 
 class LLMEngine:
@@ -314,9 +315,16 @@ class LLMEngine:
     # -------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; returns one output per request that got a token."""
+        t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         if batch is None:
             return []
+        try:
+            return self._step(batch)
+        finally:
+            self.stats.step_seconds += time.perf_counter() - t0
+
+    def _step(self, batch: ScheduledBatch) -> list[RequestOutput]:
         self.stats.steps += 1
         self.stats.preemptions += len(batch.preempted)
         self.stats.host_blocks_swapped_in += batch.host_blocks_swapped_in

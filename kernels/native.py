@@ -176,7 +176,7 @@ def main() -> None:
               "(CPU lacks AVX2/FMA/F16C; GGUF weights are dequantized)")
     else:
         for name in (quant_linear.LIBRARY, plan_decode.LIBRARY, prefill_attention.LIBRARY, row_ops.LIBRARY):
-            print(build(name, quant_linear.VARIANTS[variant][1]))
+            print(build(name, quant_linear.library_flags(name, variant)))
 
 
 if __name__ == "__main__":

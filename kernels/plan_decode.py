@@ -40,7 +40,7 @@ from engine.model.llama import LAYER_STEPS, LlamaModel
 from kernels import native
 from kernels.decode_inputs import check_decode_inputs
 from kernels.quant import X8, QuantTensor
-from kernels.quant_linear import VARIANTS, QuantLinear, host_variant, runs_here
+from kernels.quant_linear import VARIANTS, QuantLinear, host_variant, library_flags, runs_here
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +164,7 @@ class PlanDecoder:
             return None
         variant = variant or host_variant()
         try:
-            lib = native.load(LIBRARY, VARIANTS[variant][1])
+            lib = native.load(LIBRARY, library_flags(LIBRARY, variant))
             return cls(model, lib, kv.shape[2], block_size, variant)
         except (native.BuildError, OSError, ValueError) as exc:
             log.warning("plan decode executor unavailable, decoding with torch: %s", exc)

@@ -75,6 +75,16 @@ VARIANTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "amxemu": (("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c", "-DKVD_AMX_EMULATE", *_PRESSURE, *_COMMON)),
 }
 SERVING_VARIANTS = ("avx512amx", "avx512vnni", "avx512", "avx2")
+# The pressure-aware scheduler for these builds' many-row GEMM (this library) alone: on a
+# Cascade Lake Xeon a prefill's matmuls ran 9-15% faster with it (avx512vnni; avx512: 2-8%)
+# and a decode step (plan_decode's one-row path) 1-2% slower (docs/benchmarks.md)
+_GEMM_ONLY: dict[str, tuple[str, ...]] = {"avx512vnni": _PRESSURE, "avx512": _PRESSURE}
+
+
+def library_flags(library: str, variant: str) -> tuple[str, ...]:
+    """The compiler flags of ``library``'s (a kernels/csrc name) ``variant`` build:
+    ``VARIANTS[variant]``'s, plus any this library alone takes."""
+    return VARIANTS[variant][1] + (_GEMM_ONLY.get(variant, ()) if library == LIBRARY else ())
 
 
 def runs_here(variant: str, flags: Iterable[str] | None = None) -> bool:
@@ -115,7 +125,7 @@ class KernelBuild:
     @classmethod
     def load(cls, variant: str) -> Self:
         """Build (if needed) and load ``variant``. Raises BuildError or OSError."""
-        return cls(native.load(cls.LIBRARY, VARIANTS[variant][1]), variant)
+        return cls(native.load(cls.LIBRARY, library_flags(cls.LIBRARY, variant)), variant)
 
     @classmethod
     def create(cls) -> Self | None:

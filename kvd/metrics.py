@@ -73,6 +73,12 @@ class _EngineCollector:
             c = CounterMetricFamily(f"kvd_{key}", help_, labels=names)
             c.add_metric(values, s.get(key, 0))
             yield c
+        # their ratio is the mean step: one stream's TPOT exceeds it by what the serving path adds
+        for key, help_ in (("steps", "Engine steps run"),
+                           ("step_seconds", "Wall time inside engine steps (schedule, model, sampling, outputs)")):
+            c = CounterMetricFamily(f"kvd_engine_{key}", help_, labels=names)
+            c.add_metric(values, s.get(key, 0))
+            yield c
         c = CounterMetricFamily("kvd_requests_finished", "Requests finished by reason",
                                 labels=names + ["finish_reason"])
         for reason, n in s.get("finished", {}).items():

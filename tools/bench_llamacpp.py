@@ -19,7 +19,9 @@ llama.cpp is not part of kvd and never built by it: build ``llama-bench`` and
   after a D-token prompt (its prefill not timed), for each D of ``--depths``;
 - **HTTP**: ``kvd-loadgen`` against ``llama-server`` and against ``kvd serve``,
   the same dataset and seed: one stream (``--max-concurrency 1``) and 32
-  concurrent requests (``llama-server -np 32``); output tok/s, TPOT, TTFT.
+  concurrent requests (``llama-server -np 32``); output tok/s, TPOT, TTFT, and
+  kvd's mean engine step over the run (from its /metrics): one stream's TPOT
+  above it is what kvd's serving path adds.
 
 Both load the same GGUF: the bundled SmolLM2, or ``--gguf`` (for example the
 same shapes and formats with random blocks, where the real file cannot be
@@ -120,6 +122,20 @@ def loadgen(url: str, load: tuple, tmp: str, tag: str, gguf: Path) -> dict:
                                   "completed", "failed", "duration")}
 
 
+def engine_step_counters(url: str) -> tuple[float, float]:
+    """(steps, seconds inside them) from kvd's /metrics (``kvd_engine_steps_total``,
+    ``kvd_engine_step_seconds_total``)."""
+    import urllib.request
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    got = {}
+    for line in text.splitlines():
+        for name in ("kvd_engine_steps_total", "kvd_engine_step_seconds_total"):
+            if line.startswith(name + "{"):
+                got[name] = float(line.rsplit(" ", 1)[1])
+    return got["kvd_engine_steps_total"], got["kvd_engine_step_seconds_total"]
+
+
 def serve(kind: str, bin_dir: Path, gguf: Path, threads: int, conc: int, port: int) -> subprocess.Popen:
     if kind == "llama.cpp":
         cmd = [str(bin_dir / "llama-server"), "-m", str(gguf), "-t", str(threads), "-tb", str(threads),
@@ -146,13 +162,19 @@ def http_rows(bin_dir: Path, gguf: Path, threads: int, rounds: int) -> list[dict
                         why = wait_healthy(url, proc, 180.0)
                         if why:
                             raise SystemExit(f"bench_llamacpp: {kind} server {why}")
+                        before = engine_step_counters(url) if kind == "kvd" else None
                         r = loadgen(url, load, tmp, f"{kind}-{load[1]}-{rnd}", gguf)
+                        if before is not None:
+                            after = engine_step_counters(url)
+                            r["engine_steps"] = after[0] - before[0]
+                            r["engine_step_ms"] = 1e3 * (after[1] - before[1]) / max(after[0] - before[0], 1)
                     finally:
                         stop_processes([proc])
                     rows.append({"part": "http", "load": load[0], "server": kind, "round": rnd, **r})
+                    step = f", engine step mean {r['engine_step_ms']:.1f} ms" if "engine_step_ms" in r else ""
                     print(f"{load[0]:14s} {kind:9s} round {rnd}: {r['output_throughput']:.1f} out tok/s, "
                           f"TPOT p50 {r['median_tpot_ms']:.1f} ms, TTFT p50 {r['median_ttft_ms']:.0f} ms "
-                          f"({r['completed']} done, {r['failed']} failed)", flush=True)
+                          f"({r['completed']} done, {r['failed']} failed){step}", flush=True)
     return rows
 
 
@@ -227,17 +249,19 @@ def main() -> None:
     if "http" in parts:
         rows += http_rows(args.llama_cpp, gguf, args.threads, args.rounds)
         print("\n| CPU | threads | load | llama-server out tok/s | kvd serve out tok/s | ratio "
-              "| TPOT p50 llama / kvd (ms) | TTFT p50 llama / kvd (ms) |")
-        print("|---|---|---|---|---|---|---|---|")
+              "| TPOT p50 llama / kvd (ms) | TTFT p50 llama / kvd (ms) | kvd engine step, mean (ms) |")
+        print("|---|---|---|---|---|---|---|---|---|")
         for name, *_ in HTTP_LOADS:
             med = {s: {k: statistics.median(r[k] for r in rows if r.get("load") == name and r["server"] == s)
                        for k in ("output_throughput", "median_tpot_ms", "median_ttft_ms")}
                    for s in ("llama.cpp", "kvd")}
             lc, kv = med["llama.cpp"], med["kvd"]
+            step = statistics.median(r["engine_step_ms"] for r in rows if r.get("load") == name and r["server"] == "kvd")
             print(f"| {cpu} | {args.threads} | {name} | {lc['output_throughput']:.1f} | {kv['output_throughput']:.1f} "
                   f"| **{kv['output_throughput'] / lc['output_throughput']:.2f}x** "
                   f"| {lc['median_tpot_ms']:.1f} / {kv['median_tpot_ms']:.1f} "
-                  f"| {lc['median_ttft_ms']:.0f} / {kv['median_ttft_ms']:.0f} |")
+                  f"| {lc['median_ttft_ms']:.0f} / {kv['median_ttft_ms']:.0f} "
+                  f"| {step:.1f} |")
     write_results(args.out, rows, cpu=cpu, args={k: str(v) for k, v in vars(args).items()})
 
 

@@ -306,6 +306,8 @@ class EngineDriver:
             "host_blocks_swapped_in": s.host_blocks_swapped_in,
             "host_blocks_recomputed": s.host_blocks_recomputed,
             "handed_off": s.handed_off,
+            "steps": s.steps,
+            "step_seconds": s.step_seconds,
             "finished": dict(s.finished),
         }
 

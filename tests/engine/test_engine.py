@@ -292,3 +292,17 @@ def test_sampling_params_validation(field, value):
     with pytest.raises(InvalidParam) as e:
         SamplingParams(**{field: value})
     assert e.value.param == field
+
+
+def test_step_time_is_counted_per_step(make_tiny):
+    """stats.step_seconds: the wall time of the steps stats.steps counts, no more (an idle
+    step, with nothing scheduled, counts in neither)."""
+    import time
+
+    eng = make_tiny()
+    assert eng.step() == [] and eng.stats.steps == 0 and eng.stats.step_seconds == 0.0
+    t = time.perf_counter()
+    eng.generate(prompts(2, seed=21), SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+    wall = time.perf_counter() - t
+    assert eng.stats.steps >= 5
+    assert 0.0 < eng.stats.step_seconds <= wall

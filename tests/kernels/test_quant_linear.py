@@ -20,7 +20,7 @@ import torch
 
 from kernels import native
 from kernels.quant import FORMATS, QuantTensor
-from kernels.quant_linear import VARIANTS, QuantKernel, QuantLinear, host_variant
+from kernels.quant_linear import VARIANTS, QuantKernel, QuantLinear, host_variant, library_flags
 from kernels.weight_arena import WeightArena
 
 U = 2.0 ** -24                                   # fp32 unit roundoff
@@ -363,9 +363,25 @@ def test_every_variant_compiles():
     code path shows up on any machine (they share the arithmetic above); the plan
     executor includes the same matmul, and the row ops the executor's row functions, so
     their builds are compiled too."""
-    for variant, (_, flags) in VARIANTS.items():
+    for variant in VARIANTS:
         for library in ("quant_matmul", "plan_decode", "row_ops"):
-            assert native.build(library, flags).exists(), (library, variant)
+            assert native.build(library, library_flags(library, variant)).exists(), (library, variant)
+
+
+def test_the_avx512_gemm_alone_is_scheduled_for_register_pressure():
+    """library_flags: the AVX-512 builds' many-row GEMM takes GCC's pressure-aware scheduler,
+    their one-row decode path (the plan executor) does not; the AVX2 builds take it
+    everywhere. What a kernel loads is what ``python -m kernels.native`` (make install) builds."""
+    pressure = {"-fschedule-insns", "-fsched-pressure"}
+    for variant in ("avx512vnni", "avx512"):
+        assert pressure <= set(library_flags("quant_matmul", variant))
+        assert not pressure & set(library_flags("plan_decode", variant))
+    for library in ("quant_matmul", "plan_decode"):
+        assert pressure <= set(library_flags(library, "avx2"))
+        assert library_flags(library, "avx512amx") == VARIANTS["avx512amx"][1]
+    if (variant := host_variant()) is not None:
+        want = native.library_path("quant_matmul", library_flags("quant_matmul", variant))
+        assert want.exists(), "make install built another quant_matmul than the one the kernel loads"
 
 
 def test_gcc_only_flags_reach_gcc_alone(monkeypatch):

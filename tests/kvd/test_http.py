@@ -201,6 +201,9 @@ def test_metrics_after_traffic(server, client):
     assert m["kvd_e2e_request_latency_seconds_count"] >= 1
     assert m['kvd_kv_blocks_total{model_name="tiny",tier="device"}'] == 256
     assert m['kvd_generation_tokens_total{model_name="tiny"}'] >= 3
+    # steps and their time: a step per token at least, each taking some time
+    steps = m['kvd_engine_steps_total{model_name="tiny"}']
+    assert steps >= 3 and 0 < m['kvd_engine_step_seconds_total{model_name="tiny"}'] < 60
 
 
 def test_api_key():
