@@ -10,6 +10,9 @@ from engine.memory.caching_cost import CachingCostModel
 from engine.scheduler import SchedulerConfig
 
 DTYPE_NAMES = ("auto", "float32", "fp32", "bfloat16", "bf16")
+# reserved_cpus applies from this many usable CPUs: below it a reserved CPU costs the
+# compute team too large a share (half of a 2-CPU host's decode speed)
+RESERVE_FROM_CPUS = 8
 DECODE_KERNELS = ("auto", "torch")
 WEIGHTS_MODES = ("native", "dequantize")
 
@@ -27,7 +30,8 @@ class EngineConfig:
     max_model_len: int | None = None    # None: the model's max_position_embeddings
     preemption_mode: str = "swap"
     enable_prefix_caching: bool = True
-    num_threads: int | None = None      # torch intra-op threads; None: torch's default
+    num_threads: int | None = None      # torch intra-op threads; None: torch's default (see compute_threads)
+    reserved_cpus: int = 1              # CPUs left to the serving threads when num_threads is None
     decode_kernel: str = "auto"         # auto: fused C++ bf16 decode step where the CPU has it; torch
     weights: str = "native"             # native: a GGUF's Q4_0/Q4_1/Q8_0 blocks served as they are; dequantize
     # A prefix hit with host-tier blocks: "cost" (swap in or recompute, the
@@ -54,11 +58,27 @@ class EngineConfig:
             raise ValueError(f"weights must be one of {', '.join(WEIGHTS_MODES)}, got {self.weights!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError("num_threads must be >= 1")
+        if self.reserved_cpus < 0:
+            raise ValueError("reserved_cpus must be >= 0")
         for name in ("cost_token_s", "cost_attention_s", "cost_fixed_s", "cost_swap_block_s"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0 (seconds), got {v!r}")
         self.scheduler_config(self.prefill_chunk_tokens)
+
+    def compute_threads(self, default: int, usable_cpus: int) -> int:
+        """The threads the engine computes with: ``num_threads`` where set. Else
+        ``default`` (torch's choice, one per physical core), less ``reserved_cpus``
+        where that would take every one of the ``usable_cpus`` this process may run
+        on and there are at least RESERVE_FROM_CPUS of them: a compute team spins on
+        its CPUs between barriers, so the event loop, the transports and a local
+        client would take a CPU from one of its threads, stalling the whole team
+        (vLLM's CPU backend keeps a core for its serving process likewise)."""
+        if self.num_threads is not None:
+            return self.num_threads
+        if default >= usable_cpus >= RESERVE_FROM_CPUS:
+            return max(1, usable_cpus - self.reserved_cpus)
+        return default
 
     def caching_cost(self) -> CachingCostModel:
         """The cost model of the ``cost_*`` coefficients."""

@@ -8,6 +8,7 @@ drives it from one thread and talks to it through queues.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -169,8 +170,13 @@ class LLMEngine:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "LLMEngine":
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        usable = len(os.sched_getaffinity(0))
+        threads = config.compute_threads(torch.get_num_threads(), usable)
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
+        log.info("computing on %d threads (%d CPUs usable%s)", threads, usable,
+                 f", {usable - threads} left to the serving threads" if config.num_threads is None
+                 and threads < usable else "")
         source = resolve_model(config.model)
         weights = source.load_weights(quantized=config.weights == "native")
         return cls(config, build_model(config, weights), source.load_tokenizer(), source.name)

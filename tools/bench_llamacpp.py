@@ -17,7 +17,9 @@ llama.cpp is not part of kvd and never built by it: build ``llama-bench`` and
 - **depth**: decode at long context, ``llama-bench -p 0 -n 128 -d D`` (tg128 after a
   D-token context, llama.cpp's "tg128 @ dD") against kvd's engine decoding 128 tokens
   after a D-token prompt (its prefill not timed), for each D of ``--depths``;
-- **HTTP**: ``kvd-loadgen`` against ``llama-server`` and against ``kvd serve``,
+- **HTTP**: ``kvd-loadgen`` against ``llama-server`` and against ``kvd serve``
+  (``--threads`` as its ``--num-threads``, or its default where ``--threads`` is
+  every CPU, as ``llama-server -t`` then takes them all),
   the same dataset and seed: one stream (``--max-concurrency 1``) and 32
   concurrent requests (``llama-server -np 32``); output tok/s, TPOT, TTFT, and
   kvd's mean engine step over the run (from its /metrics): one stream's TPOT
@@ -144,7 +146,11 @@ def serve(kind: str, bin_dir: Path, gguf: Path, threads: int, conc: int, port: i
                # connections ("Can not write request body"), which would count as its failures
                "--threads-http", str(2 * conc + 4)]
     else:
-        cmd = [sys.executable, "-m", "kvd.cli", "serve", "--port", str(port), "--num-threads", str(threads),
+        # every CPU: kvd's default (one per core, one left to its serving threads on 8+ CPUs,
+        # EngineConfig.compute_threads), as llama-server's -t takes them all beside its HTTP threads
+        every = threads >= len(os.sched_getaffinity(0))
+        cmd = [sys.executable, "-m", "kvd.cli", "serve", "--port", str(port),
+               *([] if every else ["--num-threads", str(threads)]),
                "--max-num-seqs", str(max(conc, 8)), "--model", str(gguf)]
     return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 

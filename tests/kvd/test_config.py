@@ -152,6 +152,23 @@ def test_bad_flag_value_is_a_config_error():
         load_config(None, {"server": {"port": 70000}})
 
 
+def test_compute_threads():
+    """One per physical core (torch's default) less reserved_cpus, only where that default
+    would take every usable CPU of a host of 8 or more; num_threads as it is, always."""
+    default = EngineConfig()
+    assert default.compute_threads(16, 16) == 15            # every CPU: one left to the serving threads
+    assert default.compute_threads(8, 8) == 7
+    assert default.compute_threads(8, 16) == 8              # SMT siblings left free already
+    assert default.compute_threads(2, 2) == 2               # too few CPUs to give one up
+    assert default.compute_threads(7, 7) == 7
+    assert default.compute_threads(15, 16) == 15            # already below: unchanged (idempotent)
+    assert EngineConfig(reserved_cpus=0).compute_threads(16, 16) == 16
+    assert EngineConfig(reserved_cpus=4).compute_threads(16, 16) == 12
+    assert EngineConfig(reserved_cpus=99).compute_threads(16, 16) == 1
+    assert EngineConfig(num_threads=16).compute_threads(16, 16) == 16
+    assert EngineConfig(num_threads=3).compute_threads(16, 16) == 3
+
+
 # ------------------------------------------------------------ bad files
 
 @pytest.mark.parametrize("text, names", [
@@ -176,6 +193,8 @@ def test_bad_flag_value_is_a_config_error():
     ("[engine]\nkv_blocks = 0\n", ["kv_blocks"]),
     ("[engine]\nmax_model_len = 1\n", ["max_model_len"]),
     ("[engine]\nnum_threads = -2\n", ["num_threads"]),
+    ("[engine]\nreserved_cpus = -1\n", ["reserved_cpus"]),
+    ("[engine]\nreserved_cpus = 1.5\n", ["engine.reserved_cpus", "int"]),
     ("[engine]\nhost_hit_policy = \"never\"\n", ["host_hit_policy", "never"]),
     ("[engine]\ncost_swap_block_s = -1.0\n", ["cost_swap_block_s", ">= 0"]),
     ("[engine]\ncost_token_s = nan\n", ["cost_token_s", "finite"]),
