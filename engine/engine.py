@@ -170,13 +170,13 @@ class LLMEngine:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "LLMEngine":
-        usable = len(os.sched_getaffinity(0))
-        threads = config.compute_threads(torch.get_num_threads(), usable)
-        if threads != torch.get_num_threads():
+        usable, default = len(os.sched_getaffinity(0)), torch.get_num_threads()
+        threads = config.compute_threads(default, usable)
+        if threads != default:
             torch.set_num_threads(threads)
+        reserved = usable - threads if config.num_threads is None and threads < default else 0
         log.info("computing on %d threads (%d CPUs usable%s)", threads, usable,
-                 f", {usable - threads} left to the serving threads" if config.num_threads is None
-                 and threads < usable else "")
+                 f", {reserved} left to the serving threads: reserved_cpus" if reserved else "")
         source = resolve_model(config.model)
         weights = source.load_weights(quantized=config.weights == "native")
         return cls(config, build_model(config, weights), source.load_tokenizer(), source.name)
