@@ -90,18 +90,26 @@ def _nbytes(t: Matrix) -> int:
     return t.nbytes if isinstance(t, QuantLinear) else t.numel() * t.element_size()
 
 
+# bf16 rows go to oneDNN in multiples of this many (see _linear_batch_invariant)
+LINEAR_ROW_MULTIPLE = 4
+
+
 def _linear_batch_invariant(x: torch.Tensor, w_out_in: torch.Tensor) -> torch.Tensor:
     """``F.linear`` whose rows do not depend on how many rows there are.
 
     oneDNN's bf16 gemv (one row) reduces a long K (the MLP's down projection,
-    K = 1536 for SmolLM2) in another order than its gemm (two or more rows,
-    which agree with each other whatever the count): a request decoding
-    alone would then round differently than in a batch and greedy tokens
-    could diverge. One row goes as two (same cost: 46 vs 49 us for SmolLM2's
-    down projection), so every batch size takes the gemm path."""
-    if x.shape[0] != 1:
+    K = 1536 for SmolLM2) in another order than its gemm, and on a CPU without
+    native bf16 (AVX-512 without BF16, e.g. Cascade Lake) its gemm computes the
+    rows past the last multiple of 4 in yet another order: a request would round
+    differently alone, in a batch, or recomputed after a preemption, and greedy
+    tokens could diverge. Rows are padded with zeros to a multiple of
+    LINEAR_ROW_MULTIPLE (one row costs as four: the weights' bytes set the time),
+    so every row takes the gemm's blocked path, whose rows agree with each other
+    whatever the count on the AMX, AVX512-BF16, AVX-512 and AVX2 CPUs measured."""
+    pad = -x.shape[0] % LINEAR_ROW_MULTIPLE
+    if pad == 0:
         return F.linear(x, w_out_in)
-    return F.linear(x.expand(2, -1).contiguous(), w_out_in)[:1]
+    return F.linear(torch.cat((x, x.new_zeros(pad, x.shape[1]))), w_out_in)[:x.shape[0]]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

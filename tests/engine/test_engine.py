@@ -306,3 +306,21 @@ def test_step_time_is_counted_per_step(make_tiny):
     wall = time.perf_counter() - t
     assert eng.stats.steps >= 5
     assert 0.0 < eng.stats.step_seconds <= wall
+
+
+@pytest.mark.parametrize("shape", [(576, 960), (1536, 576), (576, 49152)])
+def test_bf16_linear_rows_do_not_depend_on_the_row_count(shape):
+    """The bf16 model's linear (llama._linear_batch_invariant): a row's result is the same
+    bits alone, in any batch and at any offset in it, on this host's oneDNN kernels (on
+    an AVX-512 CPU without BF16 a plain F.linear differs past the last multiple of 4 rows)."""
+    import torch
+
+    from engine.model.llama import _linear_batch_invariant
+
+    k, n = shape
+    gen = torch.Generator().manual_seed(k + n)
+    w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+    x = torch.randn(70, k, generator=gen).to(torch.bfloat16)
+    full = _linear_batch_invariant(x, w)
+    for a, b in ((0, 1), (0, 2), (0, 3), (5, 6), (0, 17), (3, 66), (64, 70)):
+        assert torch.equal(_linear_batch_invariant(x[a:b], w), full[a:b]), (a, b)
