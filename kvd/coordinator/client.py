@@ -283,14 +283,15 @@ class RemoteEngineClient:
             return dict(self._stats_source(), in_flight=len(self._streams))
         total: dict[str, Any] = {"running": 0, "waiting": 0, "swapped": 0, "prompt_tokens": 0,
                                  "generation_tokens": 0, "prefix_hit_tokens": 0, "preemptions": 0,
-                                 "host_blocks_swapped_in": 0, "host_blocks_recomputed": 0,
-                                 "finished": collections.Counter(), "kv": {}}
+                                 "host_blocks_swapped_in": 0, "host_blocks_recomputed": 0, "steps": 0,
+                                 "step_seconds": 0.0, "finished": collections.Counter(), "kv": {}}
         for node in self.membership.nodes.values():
             s = node.heartbeat.stats if node.heartbeat else {}
             for key in ("running", "waiting", "swapped", "prompt_tokens", "generation_tokens",
                         "prefix_hit_tokens", "preemptions", "host_blocks_swapped_in",
-                        "host_blocks_recomputed"):
+                        "host_blocks_recomputed", "steps"):
                 total[key] += int(s.get(key, 0))
+            total["step_seconds"] += float(s.get("step_seconds", 0.0))
             total["finished"].update(s.get("finished", {}))
             for tier, values in s.get("kv", {}).items():
                 if isinstance(values, dict):

@@ -60,6 +60,14 @@ def test_concurrent_streams_match_the_single_node_engine(cluster, reference_engi
         assert text == tok.decode(r), rid
     spread = routed(cluster)
     assert sum(v > 0 for v in spread.values()) >= 2, spread   # least-load spreads them
+    # the coordinator's /metrics sums the nodes' engine steps from their heartbeats
+    deadline = time.monotonic() + 15
+    while True:
+        m = {k.split("{")[0]: v for k, v in cluster.metrics().items()}
+        if m.get("kvd_engine_steps_total", 0) >= 24 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert m["kvd_engine_steps_total"] >= 24 and m["kvd_engine_step_seconds_total"] > 0, m
 
 
 def test_session_affinity_sends_a_conversation_back(cluster):
