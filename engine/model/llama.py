@@ -19,6 +19,7 @@ object).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.model.config import LlamaConfig
+from kernels import native
 from kernels.attention import AttentionBatch, decode_attention, prefill_attention, write_kv
 from kernels.prefill_attention import PrefillAttention
 from kernels.quant import QuantTensor
@@ -90,26 +92,34 @@ def _nbytes(t: Matrix) -> int:
     return t.nbytes if isinstance(t, QuantLinear) else t.numel() * t.element_size()
 
 
-# bf16 rows go to oneDNN in multiples of this many (see _linear_batch_invariant)
-LINEAR_ROW_MULTIPLE = 4
+@functools.cache
+def linear_row_multiple() -> int:
+    """The multiple of rows bf16 inputs are padded to (_linear_batch_invariant): 4 on a
+    CPU that emulates bf16 with AVX-512 (no AVX512-BF16 or AMX-BF16), else 1."""
+    flags = native.cpu_flags()
+    return 4 if "avx512f" in flags and not flags & {"avx512_bf16", "amx_bf16"} else 1
 
 
 def _linear_batch_invariant(x: torch.Tensor, w_out_in: torch.Tensor) -> torch.Tensor:
     """``F.linear`` whose rows do not depend on how many rows there are.
 
     oneDNN's bf16 gemv (one row) reduces a long K (the MLP's down projection,
-    K = 1536 for SmolLM2) in another order than its gemm, and on a CPU without
-    native bf16 (AVX-512 without BF16, e.g. Cascade Lake) its gemm computes the
-    rows past the last multiple of 4 in yet another order: a request would round
-    differently alone, in a batch, or recomputed after a preemption, and greedy
-    tokens could diverge. Rows are padded with zeros to a multiple of
-    LINEAR_ROW_MULTIPLE (one row costs as four: the weights' bytes set the time),
-    so every row takes the gemm's blocked path, whose rows agree with each other
-    whatever the count on the AMX, AVX512-BF16, AVX-512 and AVX2 CPUs measured."""
-    pad = -x.shape[0] % LINEAR_ROW_MULTIPLE
+    K = 1536 for SmolLM2) in another order than its gemm, whose rows agree with
+    each other whatever the count from two rows up on the AVX2, AVX512-BF16 and
+    AMX CPUs measured; on a CPU that emulates bf16 with AVX-512 (Cascade Lake)
+    the gemm rounds the rows past the last multiple of 4 in yet another order.
+    A request would then round differently alone, in a batch, or recomputed
+    after a preemption, and greedy tokens could diverge. Rows are padded with
+    zeros to two at least and to a multiple of ``linear_row_multiple()``: one row as two costs about
+    the same (46 against 49 us, SmolLM2's down projection, AVX512-BF16); one as
+    four on the emulating CPU 2.2-2.8x two rows' time (bf16 runs there only
+    when asked for: dtype "auto" picks fp32)."""
+    m = x.shape[0]
+    rows = max(m, 2)
+    pad = rows - m + -rows % linear_row_multiple()
     if pad == 0:
         return F.linear(x, w_out_in)
-    return F.linear(torch.cat((x, x.new_zeros(pad, x.shape[1]))), w_out_in)[:x.shape[0]]
+    return F.linear(torch.cat((x, x.new_zeros(pad, x.shape[1]))), w_out_in)[:m]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

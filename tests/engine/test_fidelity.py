@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.engine import EngineConfig, LLMEngine, build_model, cpu_has_native_bf16
+from engine.engine import EngineConfig, LLMEngine, build_model
+from engine.model.llama import linear_row_multiple
 from engine.request import SamplingParams
 from kernels.attention import AttentionBatch, PrefillSeq
 
@@ -137,18 +138,13 @@ def bf16_alone(smollm2_weights, smollm2_source, prompts):
     return [cold.generate([p], PREEMPT_BF16)[0] for p in prompts]
 
 
-def _avx512_without_native_bf16() -> bool:
-    from kernels.native import cpu_flags
-    return "avx512f" in cpu_flags() and not cpu_has_native_bf16()
-
-
 # Recompute rebuilds generated tokens' KV through the prefill's attention (SDPA), not the
 # decode attention that first wrote it: in bf16 the two round differently, so the tokens are
 # equal only while no greedy choice is that close. On a Cascade Lake Xeon (AVX-512, bf16
 # emulated by oneDNN's avx512_core kernels) one of the prompts flips a token; on the AVX2 and
 # AMX hosts measured none does. dtype "auto" never runs bf16 on such a CPU.
 RECOMPUTE_BF16 = pytest.param("recompute", marks=pytest.mark.xfail(
-    _avx512_without_native_bf16(), reason="bf16 recompute is not bit-exact with emulated bf16 (see above)",
+    linear_row_multiple() == 4, reason="bf16 recompute is not bit-exact with emulated bf16 (see above)",
     strict=False))
 
 
