@@ -17,9 +17,13 @@
 //
 // then the final norm and the LM head. One OpenMP team runs the whole step:
 // matmuls hand out output rows in chunks (row_claims.h), norms and silu split rows,
-// RoPE splits (sequence, head) pairs, attention splits chunks of a sequence's keys
-// (every head at once), then (sequence, head) pairs to combine them; a barrier
-// separates steps. Every output is computed in a fixed order that depends on
+// attention splits chunks of a sequence's keys (every head at once; the chunk holding
+// the token's own key applies RoPE to it and stores K and V first), then (sequence,
+// head) pairs to combine them; a barrier separates steps. A batch of at most
+// REDUNDANT_ROWS rows runs its row-local ops (norms, silu, quantizing a matmul's input,
+// and combining attention's chunks when they are few) on every thread instead, which
+// takes their barriers away: five per layer are left, one after each matmul and one
+// after attention's chunks. Every output is computed in a fixed order that depends on
 // nothing but its own row (attention: its own keys, chunked by their count
 // alone), so a sequence's logits are the same bit for bit alone or in any batch,
 // with any thread count (the matmul's contract, quant_matmul.cpp, and row-local
@@ -39,6 +43,8 @@ enum Op { OP_RMS_NORM = 0, OP_LINEAR = 1, OP_ROPE_ATTENTION = 2, OP_LINEAR_ADD =
 
 // Batches of at most this many rows run row-local ops on every thread (kvd_plan_decode).
 constexpr int REDUNDANT_ROWS = 4;
+// ... and combine attention's key chunks on every thread when the batch has at most this many.
+constexpr int64_t REDUNDANT_CHUNKS = 32;
 
 }  // namespace
 
@@ -272,7 +278,7 @@ int kvd_plan_decode(const PlanModel* m, float* kv, int B, const int64_t* ids, co
         slots[s].resize((size_t)B * m->slot_width[s]);
         widest = m->slot_width[s] > widest ? m->slot_width[s] : widest;
     }
-    std::vector<float> tmp((size_t)B * widest), qrot((size_t)B * q_size), normed((size_t)B * D);
+    std::vector<float> tmp((size_t)B * widest), normed((size_t)B * D);
     std::vector<float> part_m((size_t)items * H), part_l((size_t)items * H), part_o((size_t)items * q_size);
     float* h = slots[0].data();
     gather_rows_any(m->embed.format, (const uint8_t*)m->embed.data, D, ids, B, h);
@@ -288,9 +294,13 @@ int kvd_plan_decode(const PlanModel* m, float* kv, int B, const int64_t* ids, co
     // The same operations on the same inputs: the outputs do not change.
     const bool redundant = B <= REDUNDANT_ROWS;
     std::vector<char> priv_slot((size_t)m->num_slots, redundant ? 1 : 0);
+    // Attention's output too, when its chunks are few enough that combining all of them on
+    // every thread costs less than the barrier it saves.
+    const bool own_combine = redundant && items <= REDUNDANT_CHUNKS;
     for (int s = 0; s < m->num_steps; s++) {
         const int op = m->steps[s].op;
-        if (op != OP_RMS_NORM && op != OP_SILU_MUL) priv_slot[m->steps[s].dst] = 0;
+        if (op != OP_RMS_NORM && op != OP_SILU_MUL && !(op == OP_ROPE_ATTENTION && own_combine))
+            priv_slot[m->steps[s].dst] = 0;
     }
     priv_slot[0] = 0;                                   // h: the embedding writes it shared
 
@@ -305,7 +315,7 @@ int kvd_plan_decode(const PlanModel* m, float* kv, int B, const int64_t* ids, co
         const int tid = omp_get_thread_num(), T = omp_get_num_threads();
         int64_t round = 0;                              // the team's matmuls so far (RowClaims::run)
         QuantizedInputs own_qbufs;
-        std::vector<float> scores((size_t)H * KEY_CHUNK_MAX);
+        std::vector<float> scores((size_t)H * KEY_CHUNK_MAX), q_own((size_t)q_size);
         std::vector<std::vector<float>> own((size_t)m->num_slots);      // this thread's private slots
         for (int s = 0; s < m->num_slots; s++)
             if (priv_slot[s]) own[s].resize((size_t)B * m->slot_width[s]);
@@ -357,35 +367,43 @@ int kvd_plan_decode(const PlanModel* m, float* kv, int B, const int64_t* ids, co
                         break;
                     }
                     case OP_ROPE_ATTENTION: {
-                        const int per_seq = H + 2 * KVH;
+                        // key chunks of every sequence, every head; the chunk that holds the
+                        // token's own key first writes its K and V into the cache (no other
+                        // chunk reads that slot), and a thread rotates a sequence's queries
+                        // into its own buffer when it starts a chunk of that sequence
                         int64_t i0, i1;
-                        split((int64_t)B * per_seq, T, tid, &i0, &i1);
-                        for (int64_t i = i0; i < i1; i++) {        // RoPE on q, k; k, v into their slot
-                            const int64_t b = i / per_seq, j = i % per_seq, pos = positions[b];
-                            const int64_t slot = tables[(size_t)b * max_blocks + pos / bs] * bs + pos % bs;
-                            const float* src = x + b * in + j * hd;
+                        split(items, T, tid, &i0, &i1);
+                        int64_t rotated = -1;                       // the sequence q_own holds
+                        for (int64_t i = i0; i < i1; i++) {
+                            const int64_t b = item_seq[i], pos = positions[b], ctx = pos + 1;
+                            const int64_t t1 = item_t0[i] + key_chunk(ctx) < ctx ? item_t0[i] + key_chunk(ctx) : ctx;
+                            const float* src = x + b * in;
                             const float* c = m->cos + pos * hd;
                             const float* sn = m->sin + pos * hd;
-                            if (j < H) rope_head(src, c, sn, hd, &qrot[b * q_size + j * hd]);
-                            else if (j < H + KVH) rope_head(src, c, sn, hd, kcache + slot * kvh_stride + (j - H) * hd);
-                            else memcpy(vcache + slot * kvh_stride + (j - H - KVH) * hd, src, hd * sizeof(float));
-                        }
-                        barrier.wait(T, tid);
-                        split(items, T, tid, &i0, &i1);
-                        for (int64_t i = i0; i < i1; i++) {         // key chunks, every head
-                            const int64_t b = item_seq[i], ctx = positions[b] + 1;
-                            const int64_t t1 = item_t0[i] + key_chunk(ctx) < ctx ? item_t0[i] + key_chunk(ctx) : ctx;
-                            const AttnSeq seq{&qrot[b * q_size], tables + (size_t)b * max_blocks, ctx};
+                            if (b != rotated) {
+                                for (int j = 0; j < H; j++) rope_head(src + j * hd, c, sn, hd, &q_own[j * hd]);
+                                rotated = b;
+                            }
+                            if (t1 == ctx) {
+                                const int64_t at = (tables[(size_t)b * max_blocks + pos / bs] * bs + pos % bs) * kvh_stride;
+                                for (int j = 0; j < KVH; j++) rope_head(src + (H + j) * hd, c, sn, hd, kcache + at + j * hd);
+                                memcpy(vcache + at, src + (H + KVH) * hd, kvh_stride * sizeof(float));
+                            }
+                            const AttnSeq seq{q_own.data(), tables + (size_t)b * max_blocks, ctx};
                             attend_chunk(seq, item_t0[i], t1, kcache, vcache, bs, kvh_stride, H, group, hd, m->scale,
                                          scores.data(), &part_m[i * H], &part_l[i * H], &part_o[i * q_size]);
                         }
                         barrier.wait(T, tid);
-                        split((int64_t)B * H, T, tid, &i0, &i1);
-                        for (int64_t i = i0; i < i1; i++) {         // the chunks of (sequence, head) combined
+                        // the chunks of each (sequence, head) combined: every pair on every
+                        // thread into its private output, or the pairs split
+                        if (priv_slot[st.dst]) i0 = 0, i1 = (int64_t)B * H;
+                        else split((int64_t)B * H, T, tid, &i0, &i1);
+                        for (int64_t i = i0; i < i1; i++) {
                             const int64_t b = i / H, head = i % H, c0 = first_item[b];
                             combine_chunks(&part_m[c0 * H + head], &part_l[c0 * H + head], &part_o[c0 * q_size + head * hd],
                                            first_item[b + 1] - c0, H, hd, y + b * out + head * hd);
                         }
+                        row_local = priv_slot[st.dst];
                         break;
                     }
                     default:
