@@ -284,18 +284,26 @@ inline void load_group(const uint8_t* gb, WGroup* g) {
     group_scales<F>(gb, &g->dw, &g->mw);
 }
 
-template <int F>
-inline void group_block_row(const WGroup& g, const QRows& x, int64_t m, int64_t b, Acc* a) {
-    const int16_t* xq = x.q + m * x.K + b * QK;
-    __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256(), s2 = _mm256_setzero_si256(),
-            s3 = _mm256_setzero_si256();
-    for (int p = 0; p < PAIRS; p += 4) {             // four sums, as block_dots
-        s0 = dot_acc(s0, g.w[p], pair_bcast(xq, p));
-        s1 = dot_acc(s1, g.w[p + 1], pair_bcast(xq, p + 1));
-        s2 = dot_acc(s2, g.w[p + 2], pair_bcast(xq, p + 2));
-        s3 = dot_acc(s3, g.w[p + 3], pair_bcast(xq, p + 3));
+// R rows of x (m, m + 1, ...) against one widened group-block: each weight vector is loaded
+// once for all R rows, and the 2R sums are independent chains. Loads, not multiply-adds,
+// set the pace of this loop: one row at a time took two loads per multiply-add.
+template <int F, int R>
+inline void group_block_rows(const WGroup& g, const QRows& x, int64_t m, int64_t b, Acc* a) {
+    const int16_t* xq[R];
+    __m256i s0[R], s1[R];
+    for (int r = 0; r < R; r++) {
+        xq[r] = x.q + (m + r) * x.K + b * QK;
+        s0[r] = _mm256_setzero_si256();
+        s1[r] = _mm256_setzero_si256();
     }
-    chain<F>(_mm256_add_epi32(_mm256_add_epi32(s0, s1), _mm256_add_epi32(s2, s3)), g.dw, g.mw, x, m * x.nb + b, a);
+    for (int p = 0; p < PAIRS; p += 2) {
+        const __m256i w0 = g.w[p], w1 = g.w[p + 1];
+        for (int r = 0; r < R; r++) {
+            s0[r] = dot_acc(s0[r], w0, pair_bcast(xq[r], p));
+            s1[r] = dot_acc(s1[r], w1, pair_bcast(xq[r], p + 1));
+        }
+    }
+    for (int r = 0; r < R; r++) chain<F>(_mm256_add_epi32(s0[r], s1[r]), g.dw, g.mw, x, (m + r) * x.nb + b, &a[r]);
 }
 
 // One x row against one group, every block, W read straight into registers (the decode
@@ -361,6 +369,11 @@ inline void group_block_row(const WGroup& g, const QRows& x, int64_t m, int64_t 
         a->acc[r] = fmaf(g.dw[r] * x.d[i], (float)isum, a->acc[r]);
         if constexpr (F == Q4_1) a->accm[r] = fmaf(g.mw[r], x.s[i], a->accm[r]);
     }
+}
+
+template <int F, int R>
+inline void group_block_rows(const WGroup& g, const QRows& x, int64_t m, int64_t b, Acc* a) {
+    for (int r = 0; r < R; r++) group_block_row<F>(g, x, m + r, b, &a[r]);
 }
 
 template <int F>
@@ -588,6 +601,15 @@ constexpr int64_t ROW_CHUNK = 32;
 // Up to this many rows of x run the one-row register path each (the group's bytes stay in
 // L1 after the first row).
 constexpr int64_t ONE_ROW_MAX = 2;
+// Rows of x a widened group-block is applied to at once (group_block_rows; the tail switch
+// in matmul_range covers fewer). Four with VNNI: many-row matmuls 25% faster on a Cascade
+// Lake Xeon than one at a time. One with pmaddwd + add, where four were no faster (avx2) or
+// slower (avx512) there (docs/benchmarks.md).
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+constexpr int ROW_TILE = 4;
+#else
+constexpr int ROW_TILE = 1;
+#endif
 
 // y[m, n] for n in [n0, n1), m < M; n0 a multiple of 8. W is format F in the x8 layout,
 // [N, K] with K = x.K and N >= n1.
@@ -619,7 +641,14 @@ void matmul_range(const uint8_t* w, int64_t n0, int64_t n1, const QRows& x, int6
 #endif
             for (int64_t b = 0; b < nb; b++) {
                 load_group<F>(group + b * group_block_bytes(F), &g);
-                for (int64_t m = 0; m < mc; m++) group_block_row<F>(g, x, m0 + m, b, &acc[m]);
+                int64_t m = 0;
+                for (; m + ROW_TILE <= mc; m += ROW_TILE) group_block_rows<F, ROW_TILE>(g, x, m0 + m, b, &acc[m]);
+                switch (mc - m) {
+                    case 3: group_block_rows<F, 3>(g, x, m0 + m, b, &acc[m]); break;
+                    case 2: group_block_rows<F, 2>(g, x, m0 + m, b, &acc[m]); break;
+                    case 1: group_block_rows<F, 1>(g, x, m0 + m, b, &acc[m]); break;
+                    default: break;
+                }
             }
             for (int64_t m = 0; m < mc; m++) store_group<F>(acc[m], y + (m0 + m) * ldy + n, nr);
         }
