@@ -294,8 +294,9 @@ int kvd_plan_decode(const PlanModel* m, float* kv, int B, const int64_t* ids, co
     // The same operations on the same inputs: the outputs do not change.
     const bool redundant = B <= REDUNDANT_ROWS;
     std::vector<char> priv_slot((size_t)m->num_slots, redundant ? 1 : 0);
-    // Attention's output too, when its chunks are few enough that combining all of them on
-    // every thread costs less than the barrier it saves.
+    // Attention's output too, when its chunks are few: every thread then reads every chunk's
+    // partial results (at most REDUNDANT_CHUNKS * H * (hd + 2) floats, 76 KB for SmolLM2)
+    // in place of waiting at a barrier for the combine to be split.
     const bool own_combine = redundant && items <= REDUNDANT_CHUNKS;
     for (int s = 0; s < m->num_steps; s++) {
         const int op = m->steps[s].op;

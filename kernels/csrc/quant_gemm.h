@@ -602,9 +602,9 @@ constexpr int64_t ROW_CHUNK = 32;
 // L1 after the first row).
 constexpr int64_t ONE_ROW_MAX = 2;
 // Rows of x a widened group-block is applied to at once (group_block_rows; the tail switch
-// in matmul_range covers fewer). Four with VNNI: many-row matmuls 25% faster on a Cascade
-// Lake Xeon than one at a time. One with pmaddwd + add, where four were no faster (avx2) or
-// slower (avx512) there (docs/benchmarks.md).
+// in matmul_range covers fewer). Four with VNNI: on a Cascade Lake Xeon a decode step of
+// 4-32 rows took 7-12% less than with one at a time. One with pmaddwd + add, where four were
+// no faster (avx2) or slower (avx512) there (docs/benchmarks.md, 2026-11-27).
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 constexpr int ROW_TILE = 4;
 #else
