@@ -285,8 +285,8 @@ inline void load_group(const uint8_t* gb, WGroup* g) {
 }
 
 // R rows of x (m, m + 1, ...) against one widened group-block: each weight vector is loaded
-// once for all R rows, and the 2R sums are independent chains. Loads, not multiply-adds,
-// set the pace of this loop: one row at a time took two loads per multiply-add.
+// once for all R rows (one row at a time loads one for every multiply-add, beside x's
+// broadcast), and the 2R sums are independent chains.
 template <int F, int R>
 inline void group_block_rows(const WGroup& g, const QRows& x, int64_t m, int64_t b, Acc* a) {
     const int16_t* xq[R];
