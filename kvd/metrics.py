@@ -63,20 +63,20 @@ class _EngineCollector:
             for tier in ("device", "host"):
                 g.add_metric(values + [tier], kv.get(tier, {}).get(key, 0))
             yield g
-        for key, help_ in (("prompt_tokens", "Prompt tokens admitted"),
-                           ("generation_tokens", "Tokens generated"),
-                           ("prefix_hit_tokens", "Prompt tokens served from the prefix cache"),
-                           ("preemptions", "Requests preempted for memory"),
-                           ("host_blocks_swapped_in", "Host-tier prefix blocks swapped in at admission"),
-                           ("host_blocks_recomputed",
-                            "Host-tier prefix blocks recomputed instead (the caching cost model)")):
-            c = CounterMetricFamily(f"kvd_{key}", help_, labels=names)
-            c.add_metric(values, s.get(key, 0))
-            yield c
-        # their ratio is the mean step: one stream's TPOT exceeds it by what the serving path adds
-        for key, help_ in (("steps", "Engine steps run"),
-                           ("step_seconds", "Wall time inside engine steps (schedule, model, sampling, outputs)")):
-            c = CounterMetricFamily(f"kvd_engine_{key}", help_, labels=names)
+        # (series, stats key, help); engine_step_seconds / engine_steps is the mean step: one
+        # stream's TPOT exceeds it by what the serving path adds
+        for name, key, help_ in (
+                ("prompt_tokens", "prompt_tokens", "Prompt tokens admitted"),
+                ("generation_tokens", "generation_tokens", "Tokens generated"),
+                ("prefix_hit_tokens", "prefix_hit_tokens", "Prompt tokens served from the prefix cache"),
+                ("preemptions", "preemptions", "Requests preempted for memory"),
+                ("host_blocks_swapped_in", "host_blocks_swapped_in", "Host-tier prefix blocks swapped in at admission"),
+                ("host_blocks_recomputed", "host_blocks_recomputed",
+                 "Host-tier prefix blocks recomputed instead (the caching cost model)"),
+                ("engine_steps", "steps", "Engine steps run"),
+                ("engine_step_seconds", "step_seconds",
+                 "Wall time inside engine steps (schedule, model, sampling, outputs)")):
+            c = CounterMetricFamily(f"kvd_{name}", help_, labels=names)
             c.add_metric(values, s.get(key, 0))
             yield c
         c = CounterMetricFamily("kvd_requests_finished", "Requests finished by reason",

@@ -128,13 +128,12 @@ def engine_step_counters(url: str) -> tuple[float, float]:
     """(steps, seconds inside them) from kvd's /metrics (``kvd_engine_steps_total``,
     ``kvd_engine_step_seconds_total``)."""
     import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
     with urllib.request.urlopen(f"{url}/metrics", timeout=30) as resp:
         text = resp.read().decode()
-    got = {}
-    for line in text.splitlines():
-        for name in ("kvd_engine_steps_total", "kvd_engine_step_seconds_total"):
-            if line.startswith(name + "{"):
-                got[name] = float(line.rsplit(" ", 1)[1])
+    got = {sample.name: sample.value for family in text_string_to_metric_families(text)
+           for sample in family.samples}
     return got["kvd_engine_steps_total"], got["kvd_engine_step_seconds_total"]
 
 
