@@ -15,7 +15,9 @@ end samples nothing.
 A decode step goes to a one-call C++ decoder when the runner has one: the
 fused bf16 kernel (kernels/fused_decode.py, bf16 on an AVX512-BF16 CPU) or the
 plan executor of a quantized fp32 model (kernels/plan_decode.py); prefill
-always runs the torch model.
+always runs the torch model. The one-call decoder is fed through reused host
+buffers (kernels/decode_inputs.DecodeStaging) and hands back each row's greedy
+token with the logits, so a greedy decode step builds no tensor in Python.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from engine.model.llama import LlamaModel
 from engine.request import Request
 from engine.sampling import apply_min_tokens, sample
 from kernels.attention import AttentionBatch, PrefillSeq, decode_key_mask
+from kernels.decode_inputs import DecodeStaging
 from kernels.fused_decode import FusedDecoder
 from kernels.plan_decode import PlanDecoder
 
@@ -47,6 +50,7 @@ class ModelRunner:
         self.kv = kv                    # [L, 2, N, bs, kvh, hd]
         self.block_size = block_size
         self.fused = fused
+        self._staging: DecodeStaging | None = None       # the fused decoder's buffers, on first use
 
     def build_batch(self, requests: list[Request], is_prefill: bool, num_new: list[int] | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch, list[int]]:
@@ -83,11 +87,9 @@ class ModelRunner:
             tables = [r.block_ids[:max_blocks] + [0] * (max_blocks - len(r.block_ids[:max_blocks]))
                       for r in requests]
             batch.block_tables = torch.tensor(tables, dtype=torch.int64)
-            if self.fused is None:      # the fused kernel reads lengths from positions
-                batch.key_mask = decode_key_mask(lens, max_blocks, bs)
+            batch.key_mask = decode_key_mask(lens, max_blocks, bs)
         return torch.tensor(ids, dtype=torch.int64), pos_t, batch, last_rows
 
-    @torch.inference_mode()
     def execute(self, requests: list[Request], is_prefill: bool, generators: list,
                 banned: list[tuple[int, list[int]]],
                 on_layer: Callable[[int], None] | None = None,
@@ -100,25 +102,58 @@ class ModelRunner:
         ``on_layer``: the prefill's layer hook (engine.stream.LayerStreamer).
         ``num_new``: prefill only, tokens each request computes (default: all it has left).
         """
-        ids, positions, batch, last_rows = self.build_batch(requests, is_prefill, num_new)
-        sampled = [i for i, r in enumerate(requests)
-                   if num_new is None or r.num_computed + num_new[i] == r.num_tokens]
         if not is_prefill and self.fused is not None:
-            logits = self.fused.decode(ids, positions, batch.block_tables, self.kv)  # [B, V]
-        else:
-            hidden = self.model.forward(ids, positions, batch, self.kv, on_layer)   # [T, D]
-            if not sampled:
+            logits, greedy_ids = self._decode_fused(requests)
+            return self._pick(requests, list(range(len(requests))), logits, greedy_ids, generators, banned)
+        with torch.inference_mode():
+            sampled = [i for i, r in enumerate(requests)
+                       if num_new is None or r.num_computed + num_new[i] == r.num_tokens]
+            logits = self._forward(requests, is_prefill, sampled, on_layer, num_new)
+            if logits is None:
                 return [None] * len(requests)
-            rows = [last_rows[i] for i in sampled]
-            if len(rows) != hidden.shape[0]:
-                hidden = hidden[torch.tensor(rows, dtype=torch.int64)]       # [B', D]
-            logits = self.model.compute_logits(hidden)                       # [B', V]
+            return self._pick(requests, sampled, logits, None, generators, banned)
+
+    @staticmethod
+    def _pick(requests: list[Request], sampled: list[int], logits: torch.Tensor, greedy_ids: list[int] | None,
+              generators: list, banned: list[tuple[int, list[int]]]) -> list[int | None]:
+        """Sample row k of ``logits`` for request ``sampled[k]``; None for the others."""
         row_of = {i: row for row, i in enumerate(sampled)}
         if banned := [(row_of[i], ids) for i, ids in banned if i in row_of]:
             apply_min_tokens(logits, banned)
+            greedy_ids = None                       # the masked rows' argmax may have moved
         picked = sample(logits, [requests[i].params for i in sampled], [generators[i] for i in sampled],
-                        [len(requests[i].output_ids) for i in sampled])
+                        [len(requests[i].output_ids) for i in sampled], greedy_ids)
         tokens: list[int | None] = [None] * len(requests)
         for i, tok in zip(sampled, picked):
             tokens[i] = tok
         return tokens
+
+    def _forward(self, requests: list[Request], is_prefill: bool, sampled: list[int],
+                 on_layer: Callable[[int], None] | None, num_new: list[int] | None) -> torch.Tensor | None:
+        """The torch model's call (in inference mode): logits [len(sampled), V], or None
+        when no request samples."""
+        ids, positions, batch, last_rows = self.build_batch(requests, is_prefill, num_new)
+        hidden = self.model.forward(ids, positions, batch, self.kv, on_layer)   # [T, D]
+        if not sampled:
+            return None
+        rows = [last_rows[i] for i in sampled]
+        if len(rows) != hidden.shape[0]:
+            hidden = hidden[torch.tensor(rows, dtype=torch.int64)]       # [B', D]
+        return self.model.compute_logits(hidden)                         # [B', V]
+
+    def _decode_fused(self, requests: list[Request]) -> tuple[torch.Tensor, list[int]]:
+        """A decode step on the one-call decoder, its inputs written into the reused
+        staging buffers: logits [B, V] (valid until the next step) and greedy ids."""
+        st = self._staging
+        if st is None:
+            st = self._staging = self.fused.staging(self.kv)
+        bs = self.block_size
+        st.reserve(len(requests), max(r.num_tokens - 1 for r in requests) // bs + 1)
+        ids, positions, tables = st.ids, st.positions, st.tables
+        for i, r in enumerate(requests):
+            pos = r.num_tokens - 1                  # its one new token: the last sampled (or prompt) id
+            ids[i] = r.output_ids[-1] if r.output_ids else r.prompt_ids[-1]
+            positions[i] = pos
+            n = pos // bs + 1
+            tables[i, :n] = r.block_ids[:n]
+        return st.run(len(requests))

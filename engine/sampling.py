@@ -53,10 +53,13 @@ def greedy(logits: torch.Tensor) -> list[int]:
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None], positions: list[int]) -> list[int]:
+           generators: list[torch.Generator | None], positions: list[int],
+           greedy_ids: list[int] | None = None) -> list[int]:
     """logits: [B, V] fp32 -> one token id per row. ``positions[row]``: the
-    output index of the token drawn for that row (its seeded draw's key)."""
-    out = greedy(logits)
+    output index of the token drawn for that row (its seeded draw's key).
+    ``greedy_ids``: each row's ``greedy`` index when the caller already has it
+    (the decode executor computes it with the logits), else None."""
+    out = list(greedy_ids) if greedy_ids is not None else greedy(logits)
     for row, p in enumerate(params):
         if p.greedy:
             continue

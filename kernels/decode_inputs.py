@@ -1,15 +1,35 @@
-"""The input check shared by the one-call decode executors (fused_decode, plan_decode).
+"""What the one-call decode executors (fused_decode, plan_decode) are given and give back.
 
 Both take one decode step for a batch as raw pointers into C++, so a wrong
-dtype, shape or layout would be read as garbage rather than raise: this is
-where it is refused, before anything is written.
+dtype, shape or layout would be read as garbage rather than raise:
+``check_decode_inputs`` is where it is refused, before anything is written.
+
+``DecodeStaging`` is the engine's door to the same call, step after step: host
+buffers for ids, positions and block tables in, logits and greedy tokens out,
+allocated once and reused, so a step constructs no tensor and allocates nothing
+on the Python side. A step streams the weights through the caches, so whatever
+Python touches between steps is a cache miss: the less it touches, the shorter
+the step (docs/benchmarks.md, 2026-11-27 late).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import numpy as np
 import torch
 
 from engine.model.config import LlamaConfig
+
+
+def check_decode_kv(kv: torch.Tensor, *, config: LlamaConfig, num_blocks: int, block_size: int,
+                    dtype: torch.dtype, what: str) -> None:
+    """Raises ValueError naming ``what`` unless ``kv`` is a contiguous
+    [L, 2, num_blocks, block_size, kvh, hd] tensor of ``dtype``."""
+    if (kv.dtype != dtype or not kv.is_contiguous()
+            or tuple(kv.shape) != (config.num_layers, 2, num_blocks, block_size,
+                                   config.num_kv_heads, config.head_dim)):
+        raise ValueError(f"kv {tuple(kv.shape)} {kv.dtype} does not match the {what}")
 
 
 def check_decode_inputs(ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
@@ -20,10 +40,7 @@ def check_decode_inputs(ids: torch.Tensor, positions: torch.Tensor, block_tables
     [B] int64, block_tables [B, M] int64. Raises ValueError naming ``what``
     (the executor) on anything else. Does not check ids or positions against
     their ranges (the C++ step does, before it writes)."""
-    if (kv.dtype != dtype or not kv.is_contiguous()
-            or tuple(kv.shape) != (config.num_layers, 2, num_blocks, block_size,
-                                   config.num_kv_heads, config.head_dim)):
-        raise ValueError(f"kv {tuple(kv.shape)} {kv.dtype} does not match the {what}")
+    check_decode_kv(kv, config=config, num_blocks=num_blocks, block_size=block_size, dtype=dtype, what=what)
     if ids.dtype != torch.int64 or positions.dtype != torch.int64 or block_tables.dtype != torch.int64:
         raise ValueError("ids, positions and block_tables must be int64")
     B = ids.shape[0]
@@ -31,3 +48,63 @@ def check_decode_inputs(ids: torch.Tensor, positions: torch.Tensor, block_tables
     if ids.dim() != 1 or positions.shape != (B,) or tables.dim() != 2 or tables.shape[0] != B:
         raise ValueError("ids, positions and block_tables disagree on the batch size")
     return ids, positions, tables
+
+
+# launch(B, ids, positions, tables, max_blocks, logits, argmax) -> rc: the executor's step on
+# addresses (argmax 0: not wanted); 0 on success, else the batch was refused (nothing written).
+Launch = Callable[[int, int, int, int, int, int, int], int]
+
+
+class DecodeStaging:
+    """Reusable host buffers of one executor's decode steps over one KV tensor.
+
+    Use: ``reserve(B, M)`` (at least B rows of M block-table entries; growing
+    reallocates, so it comes before filling), fill ``ids[:B]``, ``positions[:B]``
+    and ``tables[:B, :M]`` (int64 numpy views the executor reads), then ``run(B)``.
+    ``run`` returns ``(logits, greedy)``: fp32 logits [B, V], a view valid until
+    the next ``run``, and each row's greedy token (the first index of its largest
+    logit, a NaN counting as the largest: ``torch.argmax``'s indices). Where the
+    executor computes the greedy tokens in the step (``native_argmax``) they cost
+    nothing extra; else numpy's argmax over the logits gives the same indices.
+    ``run`` raises ValueError, naming ``what``, when the executor refuses the
+    batch (an id, position or block out of range: nothing written). The KV tensor
+    was checked when the executor built this staging; the buffers' dtypes and
+    layouts hold by construction."""
+
+    def __init__(self, vocab: int, launch: Launch, *, native_argmax: bool, what: str) -> None:
+        self.vocab = vocab
+        self._launch = launch
+        self._native_argmax = native_argmax
+        self._what = what
+        self._alloc(8, 16)
+
+    def _alloc(self, rows: int, width: int) -> None:
+        self.ids = np.zeros(rows, dtype=np.int64)
+        self.positions = np.zeros(rows, dtype=np.int64)
+        self.tables = np.zeros((rows, width), dtype=np.int64)
+        self.argmax = np.zeros(rows, dtype=np.int64)
+        self.logits = torch.empty(rows, self.vocab, dtype=torch.float32)
+        self._logits_np = self.logits.numpy()
+        self._ptrs = (self.ids.ctypes.data, self.positions.ctypes.data, self.tables.ctypes.data,
+                      self.logits.data_ptr(), self.argmax.ctypes.data if self._native_argmax else 0)
+        self._views: dict[int, tuple[torch.Tensor, np.ndarray]] = {}    # rows -> (logits, greedy source)
+
+    def reserve(self, rows: int, width: int) -> None:
+        """Room for ``rows`` sequences of ``width`` blocks (buffers' contents lost when they grow)."""
+        have_rows, have_width = self.tables.shape
+        if rows > have_rows or width > have_width:
+            self._alloc(max(rows, 2 * have_rows if rows > have_rows else have_rows),
+                        max(width, 2 * have_width if width > have_width else have_width))
+
+    def run(self, rows: int) -> tuple[torch.Tensor, list[int]]:
+        if not 0 < rows <= self.ids.shape[0]:
+            raise ValueError(f"{self._what}: {rows} rows staged, room for {self.ids.shape[0]}")
+        ids, positions, tables, logits, argmax = self._ptrs
+        if self._launch(rows, ids, positions, tables, self.tables.shape[1], logits, argmax) != 0:
+            raise ValueError(f"{self._what}: a token id, position or block id out of range")
+        views = self._views.get(rows)
+        if views is None:                   # a view per batch size, made once: slicing a tensor is not free
+            views = self._views[rows] = (self.logits[:rows], self.argmax[:rows] if self._native_argmax
+                                         else self._logits_np[:rows])
+        logits, greedy = views
+        return logits, greedy.tolist() if self._native_argmax else greedy.argmax(axis=-1).tolist()

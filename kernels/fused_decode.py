@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from engine.model.llama import LlamaModel
 from kernels import native
-from kernels.decode_inputs import check_decode_inputs
+from kernels.decode_inputs import DecodeStaging, check_decode_inputs, check_decode_kv
 
 log = logging.getLogger(__name__)
 
@@ -187,3 +187,20 @@ class FusedDecoder:
         if rc != 0:
             raise ValueError("token id, position or block id out of range")
         return logits
+
+    def staging(self, kv: torch.Tensor) -> DecodeStaging:
+        """Reusable buffers for steps over ``kv`` (checked here, once); the greedy
+        tokens from numpy's argmax over the logits. Raises ValueError when ``kv``
+        does not match the model."""
+        check_decode_kv(kv, config=self.config, num_blocks=self.num_blocks, block_size=self.block_size,
+                        dtype=torch.bfloat16, what="fused decoder")
+        step, desc, kv_ptr = self._step, ctypes.byref(self.desc), kv.data_ptr()
+
+        def launch(B: int, ids: int, positions: int, tables: int, max_blocks: int, logits: int, argmax: int,
+                   _owners: tuple = (self, kv)) -> int:     # what the addresses point into stays alive
+            prof = self.phase_seconds
+            if prof is not None and (prof.dtype != torch.float64 or prof.shape != (len(PHASES),)):
+                raise ValueError(f"phase_seconds must be float64 [{len(PHASES)}]")
+            return step(desc, kv_ptr, B, ids, positions, tables, max_blocks, logits, torch.get_num_threads(),
+                        None if prof is None else prof.data_ptr())
+        return DecodeStaging(self.config.vocab_size, launch, native_argmax=False, what="fused decoder")

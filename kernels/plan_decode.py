@@ -38,7 +38,7 @@ import torch
 
 from engine.model.llama import LAYER_STEPS, LlamaModel
 from kernels import native
-from kernels.decode_inputs import check_decode_inputs
+from kernels.decode_inputs import DecodeStaging, check_decode_inputs, check_decode_kv
 from kernels.quant import X8, QuantTensor
 from kernels.quant_linear import VARIANTS, QuantLinear, host_variant, library_flags, runs_here
 
@@ -145,7 +145,8 @@ class PlanDecoder:
         self._step = lib.kvd_plan_decode
         self._step.restype = ctypes.c_int
         self._step.argtypes = [ctypes.POINTER(_Model), ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
-                               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+                               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                               ctypes.c_int]
 
     @classmethod
     def create(cls, model: LlamaModel, kv: torch.Tensor, block_size: int,
@@ -182,7 +183,21 @@ class PlanDecoder:
                                                      dtype=torch.float32, what="plan decoder")
         logits = torch.empty(B, cfg.vocab_size, dtype=torch.float32)
         rc = self._step(ctypes.byref(self.desc), kv.data_ptr(), B, ids.data_ptr(), positions.data_ptr(),
-                        tables.data_ptr(), tables.shape[1], logits.data_ptr(), torch.get_num_threads())
+                        tables.data_ptr(), tables.shape[1], logits.data_ptr(), None, torch.get_num_threads())
         if rc != 0:
             raise ValueError("empty batch, or a token id, position or block id out of range")
         return logits
+
+    def staging(self, kv: torch.Tensor) -> DecodeStaging:
+        """Reusable buffers for steps over ``kv`` (checked here, once), the greedy
+        tokens computed in the step (the LM head's threads, as it writes the logits).
+        Raises ValueError when ``kv`` does not match the model."""
+        check_decode_kv(kv, config=self.config, num_blocks=self.num_blocks, block_size=self.block_size,
+                        dtype=torch.float32, what="plan decoder")
+        step, desc, kv_ptr = self._step, ctypes.byref(self.desc), kv.data_ptr()
+
+        def launch(B: int, ids: int, positions: int, tables: int, max_blocks: int, logits: int, argmax: int,
+                   _owners: tuple = (self, kv)) -> int:     # what the addresses point into stays alive
+            return step(desc, kv_ptr, B, ids, positions, tables, max_blocks, logits, argmax or None,
+                        torch.get_num_threads())
+        return DecodeStaging(self.config.vocab_size, launch, native_argmax=True, what="plan decoder")

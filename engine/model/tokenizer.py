@@ -22,6 +22,7 @@ by every request and thread in a process.
 
 from __future__ import annotations
 
+import codecs
 import json
 from datetime import datetime
 from functools import cached_property, lru_cache
@@ -143,6 +144,31 @@ class Tokenizer:
                 n = len(token.encode("utf-8", "surrogatepass"))
             longest = max(longest, n)
         return longest * (4 if self._backend.normalizer is not None else 1)
+
+    @cached_property
+    def token_bytes(self) -> tuple[tuple[bytes, ...], frozenset[int]] | None:
+        """(each id's bytes, the special ids) where decoding is joining bytes, else None.
+
+        That is byte-level BPE's decoder (``decoders.ByteLevel``): ``decode(ids)``
+        is the UTF-8 of the ids' bytes joined, each invalid sequence one U+FFFD
+        (Rust's ``from_utf8_lossy``, as Python's ``errors="replace"``), with the
+        special ids left out when ``skip_special_tokens``. A token stands for the
+        bytes its characters spell in the byte alphabet, or, when one of its
+        characters is not in it, for its own UTF-8 (the decoder's rule). Ids the
+        vocabulary lacks stand for no bytes (decode skips them). Built on first
+        use (one pass over the vocabulary)."""
+        if not isinstance(self._backend.decoder, decoders.ByteLevel):
+            return None
+        byte_of = {c: b for b, c in bytes_to_unicode().items()}
+        vocab = self._backend.get_vocab(with_added_tokens=True)
+        table = [b""] * (max(vocab.values(), default=-1) + 1)
+        for token, i in vocab.items():
+            try:
+                table[i] = bytes(byte_of[c] for c in token)
+            except KeyError:
+                table[i] = token.encode("utf-8", "surrogatepass")
+        special = frozenset(i for i, t in self._backend.get_added_tokens_decoder().items() if t.special)
+        return tuple(table), special
 
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
@@ -323,11 +349,15 @@ class IncrementalDetokenizer:
     ""); ``flush()`` returns whatever is left at the end. The concatenation of
     every push and the flush equals ``tokenizer.decode(all_ids)``.
 
-    Technique (vLLM's ``detokenize_incrementally``): decode a short window
+    Where decoding is joining bytes (``Tokenizer.token_bytes``: byte-level BPE),
+    each id's bytes go through an incremental UTF-8 decoder, which holds back a
+    character's first bytes until its last arrives: one table lookup a token.
+
+    Any other decoder (vLLM's ``detokenize_incrementally``): decode a short window
     ``ids[prefix_offset:]`` and compare it with the already-emitted part of that
     window ``ids[prefix_offset:read_offset]``; the difference is new text. Text
-    ending in U+FFFD is held back: in byte-level BPE a character may span
-    several tokens, and half of it decodes to U+FFFD until the rest arrives.
+    ending in U+FFFD is held back: a character may span several tokens, and half
+    of it decodes to U+FFFD until the rest arrives.
 
         ids:   [ ... | prefix_offset ... read_offset | new ids ... ]
                        `--- emitted, kept as context ---'
@@ -344,13 +374,24 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = 0
         self._emitted_chars = 0
+        table = tokenizer.token_bytes
+        self._bytes: tuple[bytes, ...] | None = None
+        if table is not None:
+            self._bytes, special = table
+            self._skipped = special if skip_special_tokens else frozenset()
+            self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
 
     @property
     def token_ids(self) -> tuple[int, ...]:
         return tuple(self._ids)
 
     def push(self, token_id: int) -> str:
-        self._ids.append(int(token_id))
+        token_id = int(token_id)
+        self._ids.append(token_id)
+        if self._bytes is not None:
+            if token_id in self._skipped or not 0 <= token_id < len(self._bytes):
+                return ""
+            return self._utf8.decode(self._bytes[token_id])
         decode = self._tokenizer.decode
         prefix_text = decode(self._ids[self._prefix_offset:self._read_offset], self._skip_special)
         new_text = decode(self._ids[self._prefix_offset:], self._skip_special)
@@ -364,6 +405,8 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """The held-back tail (e.g. a cut character, as U+FFFD). Call once at the end."""
+        if self._bytes is not None:
+            return self._utf8.decode(b"", True)
         full = self._tokenizer.decode(self._ids, self._skip_special)
         tail = full[self._emitted_chars:]
         self._emitted_chars = len(full)

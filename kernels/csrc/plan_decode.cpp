@@ -37,6 +37,8 @@
 #include "spin_barrier.h"
 #include "simd.h"
 
+#include <algorithm>
+
 namespace {
 
 enum Op { OP_RMS_NORM = 0, OP_LINEAR = 1, OP_ROPE_ATTENTION = 2, OP_LINEAR_ADD = 3, OP_SILU_MUL = 4 };
@@ -235,6 +237,43 @@ std::vector<QRows> quantized_inputs(const PlanModel* m, int B, QuantizedInputs& 
     return rows;
 }
 
+// ------------------------------------------------------------------ greedy tokens
+// A row's greedy token: the first index of its largest logit, a NaN counting as larger than any
+// number and the first NaN winning (numpy's and torch's argmax). The LM head's threads each find
+// it over the chunks of rows they computed, while the chunk is in L1, and the team's results are
+// merged after the step: merge() picks the same winner in any order, so which thread computed
+// which chunk does not change the token.
+struct Best {
+    float v;
+    int64_t i;                  // < 0: no candidate yet
+};
+
+inline bool beats(const Best& a, const Best& b) {        // a ahead of b
+    if (b.i < 0) return a.i >= 0;
+    if (a.i < 0) return false;
+    const bool an = a.v != a.v, bn = b.v != b.v;
+    if (an || bn) return an && (!bn || a.i < b.i);
+    return a.v > b.v || (a.v == b.v && a.i < b.i);
+}
+
+inline void merge(Best& into, const Best& b) {
+    if (beats(b, into)) into = b;
+}
+
+// The winner among x[n0..n1), n0 < n1.
+inline Best chunk_best(const float* x, int64_t n0, int64_t n1) {
+    Best best{x[n0], n0};
+    if (best.v != best.v) return best;
+    for (int64_t n = n0 + 1; n < n1; n++) {
+        const float v = x[n];
+        if (!(v <= best.v)) {               // larger, or a NaN (which nothing after it beats)
+            best = {v, n};
+            if (v != v) break;
+        }
+    }
+    return best;
+}
+
 }  // namespace
 
 extern "C" {
@@ -279,10 +318,11 @@ int kvd_plan_check(const PlanModel* m) {
 }
 
 // kv: [num_layers, 2, num_blocks, block_size, kv_heads, head_dim] fp32 (the new K/V written);
-// ids, positions [B]; tables [B, max_blocks]; logits [B, vocab]. Returns 0, or -1 when
-// B < 1 or an id, position or block is out of range (nothing written).
+// ids, positions [B]; tables [B, max_blocks]; logits [B, vocab]; argmax [B] or null: each
+// row's greedy token (Best). Returns 0, or -1 when B < 1 or an id, position or block is out
+// of range (nothing written).
 int kvd_plan_decode(const PlanModel* m, float* kv, int B, const int64_t* ids, const int64_t* positions,
-                    const int64_t* tables, int max_blocks, float* logits, int num_threads) {
+                    const int64_t* tables, int max_blocks, float* logits, int64_t* argmax, int num_threads) {
     const int bs = m->block_size, hd = m->head_dim, H = m->heads, KVH = m->kv_heads;
     if (B < 1) return -1;
     for (int b = 0; b < B; b++) {
@@ -343,6 +383,7 @@ int kvd_plan_decode(const PlanModel* m, float* kv, int B, const int64_t* ids, co
 
     SpinBarrier barrier(nt);
     RowClaims claims(nt);
+    std::vector<Best> team_best(argmax ? (size_t)nt * B : 0, Best{0.0f, -1});    // [thread][row]
 #pragma omp parallel num_threads(nt)
     {
         const int tid = omp_get_thread_num(), T = omp_get_num_threads();
@@ -453,10 +494,20 @@ int kvd_plan_decode(const PlanModel* m, float* kv, int B, const int64_t* ids, co
         const QRows& qh = xq[m->num_slots];
         quantize_rows(nrm, D, r0, r1, qh);
         if (!redundant) barrier.wait(T, tid);
+        std::vector<Best> mine(argmax ? (size_t)B : 0, Best{0.0f, -1});
         claims.run(m->vocab, group_bytes(m->head.format, D), T, tid, round++, [&](int64_t n0, int64_t n1) {
             matmul_range(m->head.format, (const uint8_t*)m->head.data, n0, n1, qh, B, logits, m->vocab);
+            if (argmax)
+                for (int64_t r = 0; r < B; r++) merge(mine[r], chunk_best(logits + r * m->vocab, n0, n1));
         });
+        if (argmax) std::copy(mine.begin(), mine.end(), team_best.begin() + (size_t)tid * B);
     }
+    if (argmax)
+        for (int64_t r = 0; r < B; r++) {
+            Best best{0.0f, -1};
+            for (int t = 0; t < nt; t++) merge(best, team_best[(size_t)t * B + r]);
+            argmax[r] = best.i;
+        }
     return 0;
 }
 

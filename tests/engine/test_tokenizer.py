@@ -199,6 +199,44 @@ def test_incremental_detokenizer_random_ids(tok):
         assert out == tok.decode(ids)
 
 
+def test_byte_table_detokenizer_equals_decode_for_every_id_and_byte_soup(tok):
+    """The byte-level path (Tokenizer.token_bytes, an incremental UTF-8 decoder) against
+    the Rust decode: every id alone, both skip modes, and sequences rich in lone bytes
+    (cut and invalid UTF-8), where U+FFFD placement must match from_utf8_lossy's."""
+    import random
+    table, special = tok.token_bytes
+    assert len(table) == tok.vocab_size and special
+    for i in range(tok.vocab_size):
+        for skip in (True, False):
+            detok = IncrementalDetokenizer(tok, skip_special_tokens=skip)
+            assert detok.push(i) + detok.flush() == tok.decode([i], skip_special_tokens=skip), i
+    short = [i for i, b in enumerate(table) if len(b) <= 2]
+    rng = random.Random(1)
+    for _ in range(400):
+        ids = [rng.choice(short) if rng.random() < 0.8 else rng.randrange(tok.vocab_size)
+               for _ in range(rng.randrange(1, 30))]
+        skip = rng.random() < 0.5
+        detok = IncrementalDetokenizer(tok, skip_special_tokens=skip)
+        out = "".join(detok.push(i) for i in ids) + detok.flush()
+        assert out == tok.decode(ids, skip_special_tokens=skip), ids
+
+
+def test_window_detokenizer_serves_decoders_that_are_not_byte_joins():
+    """A decoder that looks at its neighbours (sentencepiece's Metaspace) has no byte
+    table; the window path streams it and still equals decode."""
+    from tokenizers import decoders as dec
+
+    vocab = {"[UNK]": 0, "▁hello": 1, "▁world": 2, "!": 3, "▁": 4, "é": 5}
+    backend = BackendTokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.decoder = dec.Metaspace()
+    t = Tokenizer(backend, bos_token_id=None, eos_token_ids=(), chat_template=None, special_tokens={})
+    assert t.token_bytes is None
+    ids = [1, 2, 3, 4, 5, 1]
+    detok = IncrementalDetokenizer(t)
+    pieces = [detok.push(i) for i in ids] + [detok.flush()]
+    assert "".join(pieces) == t.decode(ids) == "hello world! é hello"
+
+
 # ------------------------------------------------------------ vs transformers
 @pytest.mark.slow
 def test_encode_matches_transformers(tok, hf_tok):

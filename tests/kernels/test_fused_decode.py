@@ -171,6 +171,25 @@ def test_thread_count_does_not_change_a_bit(smollm2):
 
 
 @needs_cpu
+def test_staged_step_gives_decodes_logits_and_their_argmax(tiny):
+    """The engine's door (DecodeStaging, numpy's argmax here) against decode()."""
+    kv, ids, pos, tables = prefilled(tiny, [1, 17, 40, 100], seed=8)
+    dec = fused(tiny, kv)
+    want_kv = kv.clone()
+    want = dec.decode(ids, pos, tables, want_kv)
+    got_kv = kv.clone()
+    st = dec.staging(got_kv)
+    B, M = tables.shape
+    st.reserve(B, M)
+    st.ids[:B], st.positions[:B], st.tables[:B, :M] = ids.numpy(), pos.numpy(), tables.numpy()
+    logits, greedy = st.run(B)
+    assert torch.equal(logits, want) and torch.equal(got_kv, want_kv)
+    assert greedy == want.argmax(-1).tolist()
+    with pytest.raises(ValueError, match="does not match"):
+        dec.staging(kv.float())
+
+
+@needs_cpu
 def test_bad_input_is_refused_before_writing(tiny):
     kv, ids, pos, tables = prefilled(tiny, [4, 20], seed=4)
     dec = fused(tiny, kv)

@@ -257,6 +257,84 @@ def test_bad_input_is_refused_before_writing(tiny):
     assert torch.equal(kv, before)
 
 
+# ------------------------------------------------------------------ the engine's door
+def staged_step(dec: PlanDecoder, kv: torch.Tensor, ids, pos, tables) -> tuple[torch.Tensor, list[int]]:
+    st = dec.staging(kv)
+    B, M = tables.shape
+    st.reserve(B, M)
+    st.ids[:B], st.positions[:B], st.tables[:B, :M] = ids.numpy(), pos.numpy(), tables.numpy()
+    logits, greedy = st.run(B)
+    return logits.clone(), greedy
+
+
+def test_staged_step_gives_decodes_logits_and_their_argmax(model):
+    """DecodeStaging (reused buffers, greedy tokens found by the LM head's threads) against
+    decode(): the same logits bit for bit and numpy's argmax of them, with 1, 2 and 3 threads
+    (the threads' candidates merged), the same K/V written."""
+    kv, ids, pos, tables = prefilled(model, [1, 17, 40, 100, 3], seed=8)
+    dec = decoder(model, kv)
+    want_kv = kv.clone()
+    want = dec.decode(ids, pos, tables, want_kv)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            got_kv = kv.clone()
+            logits, greedy = staged_step(dec, got_kv, ids, pos, tables)
+            assert torch.equal(logits, want) and torch.equal(got_kv, want_kv), n
+            assert greedy == want.numpy().argmax(axis=-1).tolist() == want.argmax(-1).tolist(), n
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("case", ["ties", "nans"])
+def test_greedy_tokens_take_the_first_of_equal_logits_and_a_nan(kernel, case):
+    """An LM head whose rows are all equal gives every row equal logits: the greedy token is
+    0 whichever thread found which chunk. Rows of NaN weights give NaN logits: the first
+    NaN wins, as in numpy's and torch's argmax."""
+    cfg = tiny_config(vocab_size=4096, tie_word_embeddings=False)
+    w = random_weights(cfg, seed=5, std=0.08)
+    head = w.tensors["lm_head.weight"]
+    if case == "ties":
+        head[:] = head[7]
+    else:
+        head[1000] = head[3000] = float("nan")
+    model = LlamaModel(cfg, quantize(w, "Q8_0"), quant_kernel=kernel)
+    kv, ids, pos, tables = prefilled(model, [5, 30, 2], seed=1)
+    dec = decoder(model, kv)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            logits, greedy = staged_step(dec, kv.clone(), ids, pos, tables)
+            want = [0] * 3 if case == "ties" else [1000] * 3
+            assert greedy == want == logits.argmax(-1).tolist() == logits.numpy().argmax(axis=-1).tolist(), n
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_staging_grows_and_refuses_a_bad_batch_or_kv(tiny):
+    kv, ids, pos, tables = prefilled(tiny, [4, 20, 200], seed=4)
+    dec = decoder(tiny, kv)
+    st = dec.staging(kv)
+    st.reserve(1, 1)
+    st.reserve(3, 40)                           # grows: rows and table width
+    assert st.ids.shape[0] >= 3 and st.tables.shape[1] >= 40
+    st.ids[:3], st.positions[:3] = ids.numpy(), pos.numpy()
+    st.tables[:3, :tables.shape[1]] = tables.numpy()
+    before = kv.clone()
+    st.ids[1] = tiny.config.vocab_size          # a token id out of range: nothing written
+    with pytest.raises(ValueError, match="out of range"):
+        st.run(3)
+    with pytest.raises(ValueError, match="rows staged"):
+        st.run(0)
+    with pytest.raises(ValueError, match="rows staged"):
+        st.run(st.ids.shape[0] + 1)
+    assert torch.equal(kv, before)
+    with pytest.raises(ValueError, match="does not match"):
+        dec.staging(kv.bfloat16())
+
+
 # ------------------------------------------------------------------ which models
 def test_models_it_does_not_run_say_why(tiny, kernel):
     w = random_weights(tiny_config(vocab_size=512), seed=5)
@@ -300,3 +378,10 @@ def test_engine_runs_decode_on_the_executor_by_config(tiny):
     prompts = [[11, 12, 13, 14], [200, 3, 3, 40, 41, 42, 43, 44, 45], list(range(60, 99))]
     assert tiny_engine(tiny, tok, "auto").generate(prompts, params) == \
         tiny_engine(tiny, tok, "torch").generate(prompts, params)
+    # min_tokens masks logits after the step (the step's greedy tokens are then not used),
+    # stop_token_ids end a request, a larger batch grows the staging buffers
+    mixed = [SamplingParams(max_tokens=20, temperature=0.0, min_tokens=12, stop_token_ids=(3, 40, 41)),
+             SamplingParams(max_tokens=16, temperature=0.0, stop_token_ids=(7,)), params] * 4
+    prompts = [p + [i] for i in range(4) for p in prompts]
+    assert tiny_engine(tiny, tok, "auto").generate(prompts, mixed) == \
+        tiny_engine(tiny, tok, "torch").generate(prompts, mixed)
