@@ -16,6 +16,13 @@ each build, the same weights cloned into ordinary memory (4 KiB pages), and
 the same KV cache copied into ordinary memory, each beside the engine's own
 layout, steps alternated the same way.
 
+``--through engine`` times whole ``LLMEngine.step`` calls instead (B greedy
+requests with random ``--context``-token prompts, prefilled first, the host's
+build): the step as a server runs it, scheduling, sampling and detokenizing
+included; the table adds, per step, the part spent outside the executor's call
+(the engine's Python, which a step's streaming of the weights leaves with cold
+caches).
+
 ``--weights random`` runs SmolLM2-135M's exact shapes and block formats (Q4_1
 layers, Q8_0 tied embedding) filled with random blocks, for a host without the
 bundled GGUF: a decode step reads the same bytes and does the same arithmetic,
@@ -26,6 +33,7 @@ is also set against the bandwidth bound: read bandwidth measured in the run
     .venv/bin/python tools/bench_decode_batch.py [--threads 1] [--context 256]
         [--batches 1,2,3,4,6,8,12,16,32] [--repos .,/tmp/old] [--rounds 2]
         [--variants host|all|avx2,avx512vnni] [--weights bundled|random] [--pages huge|both] [--scatter]
+        [--through executor|engine]
 
 Prints a table (ms per step; per sequence in brackets) and writes JSON to results/.
 """
@@ -65,6 +73,64 @@ def on_plain_pages(model):
                                       down=clone(layer.down)) for layer in model.layers]
     out.embed = clone(model.embed)
     out.lm_head = out.embed if model.lm_head is model.embed else clone(model.lm_head)
+    return out
+
+
+def measure_engine(threads: int, context: int, batches: list[int], steps: int, weights: str) -> dict:
+    """``--through engine``: {host build: {batch: {min_ms, median_ms, host_ms}}} plus ``_bound``;
+    host_ms is the median over steps of the step's time outside the executor's call."""
+    import torch
+
+    from engine.engine import EngineConfig, LLMEngine
+    from engine.request import SamplingParams
+    from kernels.quant_linear import host_variant
+    from tools.bench_engine import read_bandwidth
+
+    if weights != "bundled":
+        raise SystemExit("bench_decode_batch: --through engine runs the bundled model")
+    torch.set_num_threads(threads)
+    eng = LLMEngine.from_config(EngineConfig(num_threads=threads))
+    dec = eng.runner.fused
+    if dec is None:
+        raise SystemExit("bench_decode_batch: the engine has no one-call decoder here (see the log)")
+    inside = [0.0]
+    native_step = dec._step
+
+    def timed(*args):                               # the executor's C call, however the engine reaches it
+        t = time.perf_counter()
+        try:
+            return native_step(*args)
+        finally:
+            inside[0] += time.perf_counter() - t
+    dec._step = timed
+    rng = torch.Generator().manual_seed(0)
+    out: dict = {host_variant(): {}}
+    for b in batches:
+        # every request decodes through the timed steps (the first ones prefilled decode meanwhile)
+        params = SamplingParams(max_tokens=steps + 16 + b * context, temperature=0.0, ignore_eos=True)
+        for i in range(b):
+            prompt = torch.randint(0, eng.model.config.vocab_size, (context,), generator=rng).tolist()
+            eng.add_request(f"b{b}-{i}", prompt, params)
+        while any(r.prefilling or r.num_computed < len(r.prompt_ids) for r in eng.requests.values()):
+            eng.step()
+        for _ in range(3):
+            eng.step()
+        walls, hosts = [], []
+        for _ in range(steps):
+            inside[0] = 0.0
+            t = time.perf_counter()
+            eng.step()
+            wall = time.perf_counter() - t
+            walls.append(wall * 1e3)
+            hosts.append((wall - inside[0]) * 1e3)
+        for rid in list(eng.requests):
+            eng.abort_request(rid)
+        out[host_variant()][b] = {"min_ms": min(walls), "median_ms": statistics.median(walls),
+                                  "host_ms": statistics.median(hosts)}
+    bw = read_bandwidth()
+    wbytes = eng.model.weight_bytes_per_token()
+    out["_bound"] = {"read_bandwidth_GBps": bw / 1e9, "weight_bytes_per_token": wbytes,
+                     "bound_ms_per_step": wbytes / bw * 1e3, "weights": weights}
     return out
 
 
@@ -154,6 +220,8 @@ def main() -> None:
                     help="both: also the weights, and the KV cache, on ordinary 4 KiB pages, alternated")
     ap.add_argument("--scatter", action="store_true",
                     help="block tables drawn at random from the pool (a long-running server's), not in order")
+    ap.add_argument("--through", choices=("executor", "engine"), default="executor",
+                    help="engine: time LLMEngine.step (the engine's Python included), host build only")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=str(REPO / "results" / "bench_decode_batch.json"))
     args = ap.parse_args()
@@ -161,8 +229,11 @@ def main() -> None:
     variants = args.variants.split(",")
     if args.worker:
         sys.path.insert(0, os.getcwd())
-        print(json.dumps(measure(args.threads, args.context, batches, args.steps, variants, args.weights,
-                                 args.pages, args.scatter)))
+        if args.through == "engine":
+            print(json.dumps(measure_engine(args.threads, args.context, batches, args.steps, args.weights)))
+        else:
+            print(json.dumps(measure(args.threads, args.context, batches, args.steps, variants, args.weights,
+                                     args.pages, args.scatter)))
         return
     sys.path.insert(0, str(REPO))
     from tools._twoproc import write_results
@@ -176,7 +247,7 @@ def main() -> None:
                                    str(args.threads), "--context", str(args.context), "--batches", args.batches,
                                    "--steps", str(args.steps), "--variants", args.variants,
                                    "--weights", args.weights, *(["--pages", "both"] if args.pages == "both" else []),
-                                   *(["--scatter"] if args.scatter else [])],
+                                   *(["--scatter"] if args.scatter else []), "--through", args.through],
                                   cwd=repo, capture_output=True, text=True,
                                   timeout=3600)
             if proc.returncode != 0:
@@ -191,15 +262,20 @@ def main() -> None:
     label = {col: (col[1] if len(repos) == 1 else f"{col[0]} ({col[1]})") for col in columns}
     bound = min(r["bound"]["bound_ms_per_step"] for r in rows)
     gbs = max(r["bound"]["read_bandwidth_GBps"] for r in rows)
-    print(f"\n{cpu}, {args.threads} thread(s), context {args.context}, {args.weights} weights: fastest step "
-          f"over {args.rounds} rounds, ms (per sequence)\n")
+    through = "LLMEngine.step" if args.through == "engine" else "the executor's decode"
+    print(f"\n{cpu}, {args.threads} thread(s), context {args.context}, {args.weights} weights, {through}: "
+          f"fastest step over {args.rounds} rounds, ms (per sequence)"
+          + ("; [median ms of a step outside the executor's call]" if args.through == "engine" else "") + "\n")
     print("| batch | " + " | ".join(label[c] for c in columns) + " |")
     print("|---" * (len(columns) + 1) + "|")
     for b in batches:
         cells = []
         for col in columns:
-            best = min(r["steps"][b]["min_ms"] for r in rows if (r["repo"], r["variant"]) == col)
-            cells.append(f"{best:.2f} ({best / b:.2f})")
+            mine = [r["steps"][b] for r in rows if (r["repo"], r["variant"]) == col]
+            best = min(m["min_ms"] for m in mine)
+            host = (f" [{statistics.median(m['host_ms'] for m in mine):.3f}]"
+                    if args.through == "engine" else "")
+            cells.append(f"{best:.2f} ({best / b:.2f}){host}")
         print(f"| {b} | " + " | ".join(cells) + " |")
     if 1 in batches:
         print(f"\nbandwidth bound: {rows[0]['bound']['weight_bytes_per_token'] / 1e6:.1f} MB per step "
