@@ -14,6 +14,9 @@ DTYPE_NAMES = ("auto", "float32", "fp32", "bfloat16", "bf16")
 # compute team too large a share (half of a 2-CPU host's decode speed)
 RESERVE_FROM_CPUS = 8
 DECODE_KERNELS = ("auto", "torch")
+# decode_threads = 0 calibrates the small-batch decode team from this many compute threads
+# (below, every thread: the fewer there are, the more each one's share of the weights weighs)
+CALIBRATE_FROM_THREADS = 8
 WEIGHTS_MODES = ("native", "dequantize")
 
 
@@ -32,6 +35,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_threads: int | None = None      # torch intra-op threads; None: torch's default (see compute_threads)
     reserved_cpus: int = 1              # CPUs left to the serving threads when num_threads is None
+    decode_threads: int = 0             # threads of a one-call decode step of <= 4 rows; 0: calibrated
     decode_kernel: str = "auto"         # auto: fused C++ bf16 decode step where the CPU has it; torch
     weights: str = "native"             # native: a GGUF's Q4_0/Q4_1/Q8_0 blocks served as they are; dequantize
     # A prefix hit with host-tier blocks: "cost" (swap in or recompute, the
@@ -60,6 +64,8 @@ class EngineConfig:
             raise ValueError("num_threads must be >= 1")
         if self.reserved_cpus < 0:
             raise ValueError("reserved_cpus must be >= 0")
+        if self.decode_threads < 0:
+            raise ValueError("decode_threads must be >= 0")
         for name in ("cost_token_s", "cost_attention_s", "cost_fixed_s", "cost_swap_block_s"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
@@ -79,6 +85,17 @@ class EngineConfig:
         if default >= usable_cpus >= RESERVE_FROM_CPUS:
             return max(1, usable_cpus - self.reserved_cpus)
         return default
+
+    def decode_team_candidates(self, threads: int) -> list[int]:
+        """The team sizes a one-call decode step of at most 4 rows may run on, given
+        ``threads`` compute threads, largest first: ``decode_threads`` (capped) where set;
+        else, from CALIBRATE_FROM_THREADS threads, every thread, three quarters and half
+        of them (the engine times each at start and keeps the fastest); else every thread."""
+        if self.decode_threads:
+            return [min(self.decode_threads, threads)]
+        if threads < CALIBRATE_FROM_THREADS:
+            return [threads]
+        return sorted({threads, (3 * threads + 3) // 4, (threads + 1) // 2}, reverse=True)
 
     def caching_cost(self) -> CachingCostModel:
         """The cost model of the ``cost_*`` coefficients."""

@@ -23,7 +23,7 @@ from engine.model.weights import LoadedWeights
 from engine.output import OutputProcessor
 from engine.request import FinishReason, InvalidParam, Request, RequestOutput, RequestStatus, SamplingParams
 from engine.config import EngineConfig  # noqa: F401  (re-exported: callers import it from here)
-from engine.runner import ModelRunner
+from engine.runner import SMALL_BATCH, ModelRunner
 from engine.sampling import make_generator
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.stream import KVSink, LayerStreamer
@@ -32,6 +32,9 @@ from kernels.plan_decode import PlanDecoder
 from kernels.quant_linear import QuantKernel
 
 log = logging.getLogger(__name__)
+
+# seconds the engine spends at start timing decode teams (EngineConfig.decode_threads = 0)
+TEAM_TIMING_S = 0.3
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -122,17 +125,40 @@ class LLMEngine:
             make = PlanDecoder.create if model.quantized else FusedDecoder.create
             fused = make(model, device_kv, config.block_size)
         self.runner = ModelRunner(model, device_kv, config.block_size, fused)
+        self.runner.small_batch_threads = self._small_batch_team()
         self.outputs = OutputProcessor(tokenizer, self.max_model_len)
         self.requests: dict[str, Request] = {}
         self._generators: dict[str, torch.Generator | None] = {}
         self.stats = EngineStats()
+
+    def _small_batch_team(self) -> int:
+        """Threads for one-call decode steps of at most runner.SMALL_BATCH rows: the only
+        candidate of ``EngineConfig.decode_team_candidates``, or the fastest of them
+        timed here on a one-row step (a device block borrowed from MemPool and given
+        back), the largest unless another is at least 3% faster."""
+        teams = self.config.decode_team_candidates(torch.get_num_threads())
+        if len(teams) == 1 or self.runner.fused is None:
+            return teams[0]
+        ids = self.pool.alloc_mem(1)
+        if ids is None:
+            return teams[0]
+        try:
+            median = self.runner.time_decode_teams(ids[0], teams, TEAM_TIMING_S)
+        finally:
+            self.pool.free_mem(ids)
+        fastest = min(teams, key=median.__getitem__)
+        team = fastest if median[fastest] <= 0.97 * median[teams[0]] else teams[0]
+        log.info("decode steps of <= %d rows on %d threads (one-row step, median: %s)", SMALL_BATCH, team,
+                 ", ".join(f"{n} threads {median[n] * 1e3:.3f} ms" for n in teams))
+        return team
 
     def kernels(self) -> dict[str, str]:
         """What computes each part of a step on this CPU, for operators (node status,
         the start-up log): ``weights`` ("native" block-quantized or "float") and
         ``dtype``; ``matmul``, the quantized-weights kernel's build ("avx2",
         "avx512vnni", ...) or "torch"; ``decode``, the one-call decoder
-        ("plan:<build>" or "fused-bf16") or "torch"; ``prefill_attention``, the
+        ("plan:<build>" or "fused-bf16") or "torch"; ``decode_threads``, its team for
+        small batches (EngineConfig.decode_threads); ``prefill_attention``, the
         blocked kernel's build or "torch" (SDPA); ``row_ops``, the build running
         a prefill's norms, SwiGLU and RoPE, or "torch". "torch" where a kernel
         was expected is a fallback: the log at start-up says why."""
@@ -143,6 +169,8 @@ class LLMEngine:
                 "dtype": str(model.dtype).removeprefix("torch."),
                 "matmul": model.quant_kernel.variant if model.quant_kernel is not None else "torch",
                 "decode": decode,
+                "decode_threads": (f"{self.runner.small_batch_threads} (batches of <= {SMALL_BATCH} rows)"
+                                   if fused is not None else "torch"),
                 "prefill_attention": (model.attention_kernel.variant if model.attention_kernel is not None
                                       else "torch"),
                 "row_ops": model.row_ops.variant if model.row_ops is not None else "torch"}

@@ -22,6 +22,8 @@ token with the logits, so a greedy decode step builds no tensor in Python.
 
 from __future__ import annotations
 
+import statistics
+import time
 from collections.abc import Callable
 
 import torch
@@ -33,6 +35,11 @@ from kernels.attention import AttentionBatch, PrefillSeq, decode_key_mask
 from kernels.decode_inputs import DecodeStaging
 from kernels.fused_decode import FusedDecoder
 from kernels.plan_decode import PlanDecoder
+
+
+# A decode batch of at most this many rows runs on ModelRunner.small_batch_threads: it reads
+# every weight once for little arithmetic, so fixed costs per phase, not compute, set its pace.
+SMALL_BATCH = 4
 
 
 class ModelRunner:
@@ -51,6 +58,9 @@ class ModelRunner:
         self.block_size = block_size
         self.fused = fused
         self._staging: DecodeStaging | None = None       # the fused decoder's buffers, on first use
+        # threads of a one-call decode step of at most SMALL_BATCH rows (0: torch's count);
+        # the engine sets it (EngineConfig.decode_threads)
+        self.small_batch_threads = 0
 
     def build_batch(self, requests: list[Request], is_prefill: bool, num_new: list[int] | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch, list[int]]:
@@ -156,4 +166,26 @@ class ModelRunner:
             positions[i] = pos
             n = pos // bs + 1
             tables[i, :n] = r.block_ids[:n]
-        return st.run(len(requests))
+        return st.run(len(requests), self.small_batch_threads if len(requests) <= SMALL_BATCH else 0)
+
+    def time_decode_teams(self, block: int, teams: list[int], budget_s: float,
+                          rounds: tuple[int, int] = (5, 40)) -> dict[int, float]:
+        """Median seconds of a one-row decode step on each team size in ``teams``: one
+        unmeasured step of each, then the teams' steps alternated for as many rounds as
+        fit in ``budget_s`` (by the first steps' times), within ``rounds`` (least, most).
+        The steps run at the last position of device block ``block``, which the caller
+        holds: they write its K/V, nothing else."""
+        st = self.fused.staging(self.kv)                # its own buffers: the engine's stay as they are
+        st.reserve(1, 1)
+        st.ids[0], st.positions[0], st.tables[0, 0] = 0, self.block_size - 1, block
+        t = time.perf_counter()
+        for n in teams:
+            st.run(1, n)
+        n_rounds = int(budget_s / max(time.perf_counter() - t, 1e-6))
+        times: dict[int, list[float]] = {n: [] for n in teams}
+        for _ in range(min(max(n_rounds, rounds[0]), rounds[1])):
+            for n in teams:
+                t = time.perf_counter()
+                st.run(1, n)
+                times[n].append(time.perf_counter() - t)
+        return {n: statistics.median(ts) for n, ts in times.items()}

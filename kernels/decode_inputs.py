@@ -50,9 +50,10 @@ def check_decode_inputs(ids: torch.Tensor, positions: torch.Tensor, block_tables
     return ids, positions, tables
 
 
-# launch(B, ids, positions, tables, max_blocks, logits, argmax) -> rc: the executor's step on
-# addresses (argmax 0: not wanted); 0 on success, else the batch was refused (nothing written).
-Launch = Callable[[int, int, int, int, int, int, int], int]
+# launch(B, ids, positions, tables, max_blocks, logits, argmax, threads) -> rc: the executor's
+# step on addresses (argmax 0: not wanted; threads 0: torch's thread count); 0 on success, else
+# the batch was refused (nothing written).
+Launch = Callable[[int, int, int, int, int, int, int, int], int]
 
 
 class DecodeStaging:
@@ -60,7 +61,8 @@ class DecodeStaging:
 
     Use: ``reserve(B, M)`` (at least B rows of M block-table entries; growing
     reallocates, so it comes before filling), fill ``ids[:B]``, ``positions[:B]``
-    and ``tables[:B, :M]`` (int64 numpy views the executor reads), then ``run(B)``.
+    and ``tables[:B, :M]`` (int64 numpy views the executor reads), then ``run(B)``
+    (optionally on a team of its own size, ``run(B, threads)``).
     ``run`` returns ``(logits, greedy)``: fp32 logits [B, V], a view valid until
     the next ``run``, and each row's greedy token (the first index of its largest
     logit, a NaN counting as the largest: ``torch.argmax``'s indices). Where the
@@ -96,11 +98,13 @@ class DecodeStaging:
             self._alloc(max(rows, 2 * have_rows if rows > have_rows else have_rows),
                         max(width, 2 * have_width if width > have_width else have_width))
 
-    def run(self, rows: int) -> tuple[torch.Tensor, list[int]]:
+    def run(self, rows: int, threads: int = 0) -> tuple[torch.Tensor, list[int]]:
+        """The step over the first ``rows`` staged rows on ``threads`` threads (0: torch's
+        thread count; any count gives the same bits)."""
         if not 0 < rows <= self.ids.shape[0]:
             raise ValueError(f"{self._what}: {rows} rows staged, room for {self.ids.shape[0]}")
         ids, positions, tables, logits, argmax = self._ptrs
-        if self._launch(rows, ids, positions, tables, self.tables.shape[1], logits, argmax) != 0:
+        if self._launch(rows, ids, positions, tables, self.tables.shape[1], logits, argmax, threads) != 0:
             raise ValueError(f"{self._what}: a token id, position or block id out of range")
         views = self._views.get(rows)
         if views is None:                   # a view per batch size, made once: slicing a tensor is not free

@@ -197,10 +197,10 @@ class FusedDecoder:
         step, desc, kv_ptr = self._step, ctypes.byref(self.desc), kv.data_ptr()
 
         def launch(B: int, ids: int, positions: int, tables: int, max_blocks: int, logits: int, argmax: int,
-                   _owners: tuple = (self, kv)) -> int:     # what the addresses point into stays alive
+                   threads: int, _owners: tuple = (self, kv)) -> int:   # what the addresses point into stays alive
             prof = self.phase_seconds
             if prof is not None and (prof.dtype != torch.float64 or prof.shape != (len(PHASES),)):
                 raise ValueError(f"phase_seconds must be float64 [{len(PHASES)}]")
-            return step(desc, kv_ptr, B, ids, positions, tables, max_blocks, logits, torch.get_num_threads(),
-                        None if prof is None else prof.data_ptr())
+            return step(desc, kv_ptr, B, ids, positions, tables, max_blocks, logits,
+                        threads or torch.get_num_threads(), None if prof is None else prof.data_ptr())
         return DecodeStaging(self.config.vocab_size, launch, native_argmax=False, what="fused decoder")

@@ -197,7 +197,7 @@ class PlanDecoder:
         step, desc, kv_ptr = self._step, ctypes.byref(self.desc), kv.data_ptr()
 
         def launch(B: int, ids: int, positions: int, tables: int, max_blocks: int, logits: int, argmax: int,
-                   _owners: tuple = (self, kv)) -> int:     # what the addresses point into stays alive
+                   threads: int, _owners: tuple = (self, kv)) -> int:   # what the addresses point into stays alive
             return step(desc, kv_ptr, B, ids, positions, tables, max_blocks, logits, argmax or None,
-                        torch.get_num_threads())
+                        threads or torch.get_num_threads())
         return DecodeStaging(self.config.vocab_size, launch, native_argmax=True, what="plan decoder")

@@ -38,6 +38,8 @@ ENGINE_FLAGS = {
     "--num-threads": ("num_threads", int, "compute threads (default: one per physical core, less --reserved-cpus)"),
     "--reserved-cpus": ("reserved_cpus", int,
                         "CPUs left to the serving threads when --num-threads is not given, on 8+ CPUs (default 1)"),
+    "--decode-threads": ("decode_threads", int,
+                         "threads of a decode step of at most 4 rows (default 0: timed at start on 8+ threads)"),
     "--decode-kernel": ("decode_kernel", str, "auto (fused C++ bf16 decode where the CPU has AVX512-BF16) or torch"),
     "--weights": ("weights", str, "native (serve a GGUF's Q4_0/Q4_1/Q8_0 blocks as they are) or dequantize"),
     "--host-hit-policy": ("host_hit_policy", str,

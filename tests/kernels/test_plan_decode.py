@@ -335,6 +335,36 @@ def test_staging_grows_and_refuses_a_bad_batch_or_kv(tiny):
         dec.staging(kv.bfloat16())
 
 
+def test_small_decode_batches_run_on_the_team_the_engine_timed(tiny, monkeypatch):
+    """decode_threads = 0 on a host of CALIBRATE_FROM_THREADS or more compute threads (faked
+    here from 2): the engine times one-row steps on each candidate team at start, in a device
+    block it borrows from MemPool and gives back, and keeps one; decode_threads = N takes N.
+    Tokens are the torch engine's either way (any team gives the same bits)."""
+    from engine import config as config_module
+
+    tok = resolve_model("tiny").load_tokenizer()
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(config_module, "CALIBRATE_FROM_THREADS", 2)
+    try:
+        torch.set_num_threads(2)
+        assert EngineConfig().decode_team_candidates(2) == [2, 1]
+        assert EngineConfig().decode_team_candidates(16) == [16, 12, 8]
+        assert EngineConfig(decode_threads=3).decode_team_candidates(2) == [2]
+        timed = tiny_engine(tiny, tok, "auto")
+        assert timed.runner.small_batch_threads in (1, 2)
+        fixed = LLMEngine(EngineConfig(model="tiny", dtype="float32", kv_blocks=128, host_kv_blocks=0,
+                                       decode_threads=1), tiny, tok, "tiny")
+        assert fixed.runner.small_batch_threads == 1 and fixed.kernels()["decode_threads"].startswith("1 ")
+        assert timed.pool.stats()["device"] == fixed.pool.stats()["device"]   # the borrowed block is back
+        timed.check_integrity()
+        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        prompts = [[11, 12, 13, 14], [200, 3, 3, 40, 41, 42, 43]]
+        want = tiny_engine(tiny, tok, "torch").generate(prompts, params)
+        assert timed.generate(prompts, params) == fixed.generate(prompts, params) == want
+    finally:
+        torch.set_num_threads(threads)
+
+
 # ------------------------------------------------------------------ which models
 def test_models_it_does_not_run_say_why(tiny, kernel):
     w = random_weights(tiny_config(vocab_size=512), seed=5)

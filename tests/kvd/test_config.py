@@ -194,6 +194,7 @@ def test_compute_threads():
     ("[engine]\nmax_model_len = 1\n", ["max_model_len"]),
     ("[engine]\nnum_threads = -2\n", ["num_threads"]),
     ("[engine]\nreserved_cpus = -1\n", ["reserved_cpus"]),
+    ("[engine]\ndecode_threads = -2\n", ["decode_threads"]),
     ("[engine]\nreserved_cpus = 1.5\n", ["engine.reserved_cpus", "int"]),
     ("[engine]\nhost_hit_policy = \"never\"\n", ["host_hit_policy", "never"]),
     ("[engine]\ncost_swap_block_s = -1.0\n", ["cost_swap_block_s", ">= 0"]),
