@@ -299,7 +299,8 @@ def test_greedy_tokens_take_the_first_of_equal_logits_and_a_nan(kernel, case):
         head[:] = head[7]
     else:
         head[1000] = head[3000] = float("nan")
-    model = LlamaModel(cfg, quantize(w, "Q8_0"), quant_kernel=kernel)
+    with np.errstate(invalid="ignore"):                  # gguf's quantizer casts the NaN rows
+        model = LlamaModel(cfg, quantize(w, "Q8_0"), quant_kernel=kernel)
     kv, ids, pos, tables = prefilled(model, [5, 30, 2], seed=1)
     dec = decoder(model, kv)
     threads = torch.get_num_threads()
