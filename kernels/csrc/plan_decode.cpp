@@ -274,12 +274,53 @@ inline Best chunk_best(const float* x, int64_t n0, int64_t n1) {
     return best;
 }
 
+// merge(best, chunk_best(x, n0, n1)), after a vector pass over the chunk that skips it when
+// none of its values can win: no NaN and its largest below best's (most chunks, once a high
+// logit is found). Same winner: the pass only decides whether to look.
+inline void merge_chunk(Best& best, const float* x, int64_t n0, int64_t n1) {
+#if defined(__AVX2__)
+    if (best.i >= 0 && best.v == best.v) {
+        __m256 top = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
+        int64_t n = n0;
+        for (; n + 8 <= n1; n += 8) {
+            const __m256 v = _mm256_loadu_ps(x + n);
+            top = _mm256_max_ps(top, v);
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        }
+        alignas(32) float lanes[8];
+        _mm256_store_ps(lanes, top);
+        float m = lanes[0];
+        for (int i = 1; i < 8; i++) m = lanes[i] > m ? lanes[i] : m;
+        bool any_nan = _mm256_movemask_ps(nan) != 0;
+        for (; n < n1; n++) {
+            any_nan |= x[n] != x[n];
+            m = x[n] > m ? x[n] : m;
+        }
+        if (!any_nan && m < best.v) return;
+    }
+#endif
+    merge(best, chunk_best(x, n0, n1));
+}
+
 }  // namespace
 
 extern "C" {
 
 // Which build this is (variant.h): a key of kernels/quant_linear.py's VARIANTS.
 const char* kvd_plan_variant() { return KVD_VARIANT; }
+
+// The greedy token of x[0, n) found as the LM head's threads find it: chunk c is
+// [starts[c], starts[c + 1]) (starts[nchunks] = n), visited in the order `order` gives
+// (a permutation of 0..nchunks-1), by one candidate; returns its index (-1 for n = 0). For
+// the tests: the token must not depend on the order.
+int64_t kvd_plan_greedy(const float* x, const int64_t* starts, const int32_t* order, int32_t nchunks) {
+    Best best{0.0f, -1};
+    for (int32_t c = 0; c < nchunks; c++) {
+        const int64_t a = starts[order[c]], b = starts[order[c] + 1];
+        if (a < b) merge_chunk(best, x, a, b);
+    }
+    return best.i;
+}
 
 // 0 when this build can run the plan as described; -2 for an unknown op or format,
 // a slot of the wrong width or a weight that does not fit its step. Called once,
@@ -498,7 +539,7 @@ int kvd_plan_decode(const PlanModel* m, float* kv, int B, const int64_t* ids, co
         claims.run(m->vocab, group_bytes(m->head.format, D), T, tid, round++, [&](int64_t n0, int64_t n1) {
             matmul_range(m->head.format, (const uint8_t*)m->head.data, n0, n1, qh, B, logits, m->vocab);
             if (argmax)
-                for (int64_t r = 0; r < B; r++) merge(mine[r], chunk_best(logits + r * m->vocab, n0, n1));
+                for (int64_t r = 0; r < B; r++) merge_chunk(mine[r], logits + r * m->vocab, n0, n1);
         });
         if (argmax) std::copy(mine.begin(), mine.end(), team_best.begin() + (size_t)tid * B);
     }

@@ -287,31 +287,65 @@ def test_staged_step_gives_decodes_logits_and_their_argmax(model):
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("case", ["ties", "nans"])
+@pytest.mark.parametrize("case", ["ties", "twins", "nans"])
 def test_greedy_tokens_take_the_first_of_equal_logits_and_a_nan(kernel, case):
     """An LM head whose rows are all equal gives every row equal logits: the greedy token is
-    0 whichever thread found which chunk. Rows of NaN weights give NaN logits: the first
-    NaN wins, as in numpy's and torch's argmax."""
+    0 whichever thread found which chunk. Twins: the winning row copied to rows before and
+    after it, in other threads' shares and chunks: the first copy wins (a chunk whose
+    largest only ties the best so far is still searched). Rows of NaN weights give NaN
+    logits: the first NaN wins, as in numpy's and torch's argmax."""
     cfg = tiny_config(vocab_size=4096, tie_word_embeddings=False)
     w = random_weights(cfg, seed=5, std=0.08)
     head = w.tensors["lm_head.weight"]
     if case == "ties":
         head[:] = head[7]
+    elif case == "twins":
+        plain = LlamaModel(cfg, quantize(w, "Q8_0"), quant_kernel=kernel)
+        kv, ids, pos, tables = prefilled(plain, [5], seed=1)
+        win = staged_step(decoder(plain, kv), kv.clone(), ids, pos, tables)[1][0]
+        twins = sorted({win // 3, win // 2 + 1, (win + 4096) // 2, 4095} - {win})
+        for t in twins:
+            head[t] = head[win]
     else:
         head[1000] = head[3000] = float("nan")
     with np.errstate(invalid="ignore"):                  # gguf's quantizer casts the NaN rows
         model = LlamaModel(cfg, quantize(w, "Q8_0"), quant_kernel=kernel)
-    kv, ids, pos, tables = prefilled(model, [5, 30, 2], seed=1)
+    lengths = [5] if case == "twins" else [5, 30, 2]
+    kv, ids, pos, tables = prefilled(model, lengths, seed=1)
     dec = decoder(model, kv)
+    want = {"ties": [0] * 3, "nans": [1000] * 3, "twins": None}[case]
+    if case == "twins":
+        want = [min(twins[0], win)]
     threads = torch.get_num_threads()
     try:
         for n in (1, 2, 3):
             torch.set_num_threads(n)
             logits, greedy = staged_step(dec, kv.clone(), ids, pos, tables)
-            want = [0] * 3 if case == "ties" else [1000] * 3
             assert greedy == want == logits.argmax(-1).tolist() == logits.numpy().argmax(axis=-1).tolist(), n
     finally:
         torch.set_num_threads(threads)
+
+
+def test_greedy_merge_does_not_depend_on_the_chunks_order():
+    """kvd_plan_greedy runs the LM head threads' merge over chunks in a given order: with
+    ties between chunks, NaNs, infinities and -0.0 against 0.0, every order of the chunks
+    gives numpy's argmax (the first index of the largest, a NaN first)."""
+    import ctypes
+
+    from kernels.quant_linear import host_variant, library_flags
+    fn = native.load(plan_decode.LIBRARY, library_flags(plan_decode.LIBRARY, host_variant())).kvd_plan_greedy
+    fn.restype, fn.argtypes = ctypes.c_int64, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32]
+    rng = np.random.default_rng(3)
+    for trial in range(300):
+        n = int(rng.integers(1, 200))
+        x = rng.choice(np.array([-1.0, 0.0, -0.0, 1.0, 2.0, 2.0, np.inf, -np.inf, 3.0], np.float32), n) \
+            if trial % 3 else rng.standard_normal(n).astype(np.float32)
+        if trial % 7 == 0:
+            x[rng.integers(0, n, 2)] = np.nan
+        cuts = np.unique(np.concatenate([[0, n], rng.integers(0, n + 1, int(rng.integers(0, 12)))])).astype(np.int64)
+        order = rng.permutation(len(cuts) - 1).astype(np.int32)
+        got = fn(x.ctypes.data, cuts.ctypes.data, order.ctypes.data, len(order))
+        assert got == int(np.argmax(x)), (trial, x.tolist(), cuts.tolist(), order.tolist())
 
 
 def test_staging_grows_and_refuses_a_bad_batch_or_kv(tiny):
