@@ -9,7 +9,7 @@ buffers for ids, positions and block tables in, logits and greedy tokens out,
 allocated once and reused, so a step constructs no tensor and allocates nothing
 on the Python side. A step streams the weights through the caches, so whatever
 Python touches between steps is a cache miss: the less it touches, the shorter
-the step (docs/benchmarks.md, 2026-11-27 late).
+the step (docs/benchmarks.md, "2026-11-27, later").
 """
 
 from __future__ import annotations
@@ -66,8 +66,8 @@ class DecodeStaging:
     ``run`` returns ``(logits, greedy)``: fp32 logits [B, V], a view valid until
     the next ``run``, and each row's greedy token (the first index of its largest
     logit, a NaN counting as the largest: ``torch.argmax``'s indices). Where the
-    executor computes the greedy tokens in the step (``native_argmax``) they cost
-    nothing extra; else numpy's argmax over the logits gives the same indices.
+    executor computes the greedy tokens in the step (``native_argmax``) they come
+    with it; else numpy's argmax over the logits gives the same indices.
     ``run`` raises ValueError, naming ``what``, when the executor refuses the
     batch (an id, position or block out of range: nothing written). The KV tensor
     was checked when the executor built this staging; the buffers' dtypes and
