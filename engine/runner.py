@@ -57,7 +57,8 @@ class ModelRunner:
         self.kv = kv                    # [L, 2, N, bs, kvh, hd]
         self.block_size = block_size
         self.fused = fused
-        self._staging: DecodeStaging | None = None       # the fused decoder's buffers, on first use
+        # the one-call decoder's reused buffers (checks kv once)
+        self._staging: DecodeStaging | None = fused.staging(kv) if fused is not None else None
         # threads of a one-call decode step of at most SMALL_BATCH rows (0: torch's count);
         # the engine sets it (EngineConfig.decode_threads)
         self.small_batch_threads = 0
@@ -155,8 +156,6 @@ class ModelRunner:
         """A decode step on the one-call decoder, its inputs written into the reused
         staging buffers: logits [B, V] (valid until the next step) and greedy ids."""
         st = self._staging
-        if st is None:
-            st = self._staging = self.fused.staging(self.kv)
         bs = self.block_size
         st.reserve(len(requests), max(r.num_tokens - 1 for r in requests) // bs + 1)
         ids, positions, tables = st.ids, st.positions, st.tables

@@ -178,12 +178,9 @@ class FusedDecoder:
                                                      num_blocks=self.num_blocks, block_size=self.block_size,
                                                      dtype=torch.bfloat16, what="fused decoder")
         logits = torch.empty(B, cfg.vocab_size, dtype=torch.float32)
-        prof = self.phase_seconds
-        if prof is not None and (prof.dtype != torch.float64 or prof.shape != (len(PHASES),)):
-            raise ValueError(f"phase_seconds must be float64 [{len(PHASES)}]")
         rc = self._step(ctypes.byref(self.desc), kv.data_ptr(), B, ids.data_ptr(), positions.data_ptr(),
                         tables.data_ptr(), tables.shape[1], logits.data_ptr(), torch.get_num_threads(),
-                        None if prof is None else prof.data_ptr())
+                        self._phase_seconds_ptr())
         if rc != 0:
             raise ValueError("token id, position or block id out of range")
         return logits
@@ -198,9 +195,15 @@ class FusedDecoder:
 
         def launch(B: int, ids: int, positions: int, tables: int, max_blocks: int, logits: int, argmax: int,
                    threads: int, _owners: tuple = (self, kv)) -> int:   # what the addresses point into stays alive
-            prof = self.phase_seconds
-            if prof is not None and (prof.dtype != torch.float64 or prof.shape != (len(PHASES),)):
-                raise ValueError(f"phase_seconds must be float64 [{len(PHASES)}]")
             return step(desc, kv_ptr, B, ids, positions, tables, max_blocks, logits,
-                        threads or torch.get_num_threads(), None if prof is None else prof.data_ptr())
+                        threads or torch.get_num_threads(), self._phase_seconds_ptr())
         return DecodeStaging(self.config.vocab_size, launch, native_argmax=False, what="fused decoder")
+
+    def _phase_seconds_ptr(self) -> int | None:
+        """phase_seconds' address for the step, or None (off). Raises ValueError for a bad buffer."""
+        prof = self.phase_seconds
+        if prof is None:
+            return None
+        if prof.dtype != torch.float64 or prof.shape != (len(PHASES),):
+            raise ValueError(f"phase_seconds must be float64 [{len(PHASES)}]")
+        return prof.data_ptr()
