@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from engine.engine import EngineConfig, LLMEngine
+from engine.memory.mempool import MemPool
 from engine.model import llama
 from engine.model.config import tiny_config
 from engine.model.llama import LlamaModel, Step
@@ -392,6 +393,9 @@ def test_small_decode_batches_run_on_the_team_the_engine_timed(tiny, monkeypatch
         assert fixed.runner.small_batch_threads == 1 and fixed.kernels()["decode_threads"].startswith("1 ")
         assert timed.pool.stats()["device"] == fixed.pool.stats()["device"]   # the borrowed block is back
         timed.check_integrity()
+        with monkeypatch.context() as full:                 # no block to time in: the full team, untimed
+            full.setattr(MemPool, "alloc_mem", lambda self, n, tier="device": None)
+            assert tiny_engine(tiny, tok, "auto").runner.small_batch_threads == 2
         params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
         prompts = [[11, 12, 13, 14], [200, 3, 3, 40, 41, 42, 43]]
         want = tiny_engine(tiny, tok, "torch").generate(prompts, params)
