@@ -23,7 +23,8 @@ It agrees with the torch path to bf16 rounding (sums inside matmuls and
 attention run in another order), not bit for bit. Prefill stays on the torch
 path. :meth:`FusedDecoder.create` returns None (and says why) where the
 kernel cannot run: not bf16, a CPU without AVX512-BF16, an unsupported
-shape, or a failed build.
+shape, a layer plan (llama.py's ``LAYER_STEPS``) other than the one the
+kernel writes out, or a failed build.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from engine.model.llama import LlamaModel
+from engine.model.llama import LAYER_STEPS, LlamaModel, Step
 from kernels import native
 from kernels.decode_inputs import DecodeStaging, check_decode_inputs, check_decode_kv
 
@@ -45,6 +46,20 @@ TILE = 32                      # output columns per packed tile (TILE in the .cp
 REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512_bf16")
 PHASES = ("setup", "norm", "qkv", "rope_kv", "attention", "o_proj", "post_norm", "gate_up", "down",
           "lm_head")                 # enum PH_* in the .cpp
+# The layer kvd_decode_step writes out in C++ (csrc/fused_decode.cpp), as llama.py's
+# LAYER_STEPS. llama.py is where a model change is made: a LAYER_STEPS that is not this
+# one turns the kernel off (unsupported_reason) and bf16 decode stays on forward, which
+# runs the steps as they are, until the kernel is taught the change.
+KERNEL_LAYER = (
+    Step("rms_norm", "h", "a", "input_norm"),
+    Step("linear", "a", "qkv", "qkv"),
+    Step("rope_attention", "qkv", "o"),
+    Step("linear_add", "o", "h", "o"),
+    Step("rms_norm", "h", "m", "post_norm"),
+    Step("linear", "m", "gu", "gate_up"),
+    Step("silu_mul", "gu", "act"),
+    Step("linear_add", "act", "h", "down"),
+)
 MADV_HUGEPAGE = 14
 HUGE_PAGE = 2 << 20
 
@@ -63,6 +78,8 @@ def unsupported_reason(model: LlamaModel) -> str | None:
         return f"dtype {model.dtype} (the fused decode step is bf16 only)"
     if not (model.is_first and model.is_last):
         return "a pipeline stage (the fused step runs whole models)"
+    if LAYER_STEPS != KERNEL_LAYER:
+        return "llama.py's LAYER_STEPS is not the layer the fused kernel implements (KERNEL_LAYER)"
     cfg = model.config
     if cfg.head_dim % 16 or cfg.head_dim > 256:
         return f"head_dim {cfg.head_dim} (needs a multiple of 16, at most 256)"

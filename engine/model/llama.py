@@ -55,7 +55,8 @@ class Step:
 # kernels/plan_decode.py runs the same steps for a decode step in one C++ call
 # (quantized fp32 models) and declines a plan with an op it does not implement,
 # so a change to the model is made here, in forward's op for it, and, for the
-# fast decode path, in the executor's op.
+# fast decode path, in the executor's op. The fused bf16 kernel
+# (kernels/fused_decode.py) writes this layer out in C++ and declines any other.
 LAYER_STEPS = (
     Step("rms_norm", "h", "a", "input_norm"),
     Step("linear", "a", "qkv", "qkv"),             # [T, q + 2kv]

@@ -10,9 +10,11 @@ import pytest
 import torch
 
 from engine.engine import EngineConfig, LLMEngine
-from engine.model.llama import LlamaModel
+from engine.model import llama
+from engine.model.llama import LlamaModel, Step
 from engine.model.registry import resolve_model
 from engine.request import SamplingParams
+from kernels import fused_decode
 from kernels.attention import AttentionBatch, PrefillSeq, decode_key_mask
 from kernels.fused_decode import (FusedDecoder, cpu_unsupported_reason, interleave_gate_up, pack_tiles,
                                   unsupported_reason)
@@ -112,6 +114,18 @@ def test_fp32_and_unsupported_shapes_keep_the_torch_path():
     assert FusedDecoder.create(fp32, torch.zeros(1), BS) is None
     stage = LlamaModel(w.config, w.tensors, dtype=torch.bfloat16, layer_range=(0, 2))
     assert "pipeline stage" in unsupported_reason(stage)
+
+
+def test_a_model_change_in_llama_py_turns_the_kernel_off(monkeypatch):
+    """The kernel writes the layer out in C++: a LAYER_STEPS it does not implement (here
+    a made-up per-head q/k norm) declines it, by name, and bf16 decode stays on forward."""
+    w = resolve_model("tiny:7").load_weights()
+    bf16 = LlamaModel(w.config, w.tensors, dtype=torch.bfloat16)
+    assert "LAYER_STEPS" not in (unsupported_reason(bf16) or "")
+    steps = llama.LAYER_STEPS[:2] + (Step("qk_norm", "qkv", "qkv", "input_norm"),) + llama.LAYER_STEPS[2:]
+    monkeypatch.setattr(fused_decode, "LAYER_STEPS", steps)
+    assert "LAYER_STEPS" in unsupported_reason(bf16)
+    assert FusedDecoder.create(bf16, torch.zeros(1), BS) is None
 
 
 def test_decode_kernel_option_is_validated():
