@@ -43,6 +43,30 @@ COMPILER = os.environ.get("CXX", "g++")
 GCC_ONLY_FLAGS = frozenset({"-fschedule-insns", "-fsched-pressure"})
 
 
+OMP_PAUSE_SOFT = 1          # omp_pause_resource_t's omp_pause_soft (omp.h)
+
+
+def release_openmp_pool() -> bool:
+    """Free the calling thread's OpenMP worker threads (``omp_pause_resource_all``
+    of the libgomp torch loaded); the next parallel region on this thread starts
+    a new team. True when there was a libgomp to ask and it did.
+
+    libgomp keeps a pool per thread that has run a parallel region (torch ops
+    included). When the pools' threads outnumber the CPUs it throttles every
+    one of them: a worker spins ~100 times after a region, then sleeps on a
+    futex, and each region wakes the team again (a decode step is one region).
+    A thread that loaded a model and then only hands work to another keeps
+    such a pool for nothing: releasing it leaves the stepping thread's team
+    the process's only one, and its workers spin between steps."""
+    try:
+        gomp = ctypes.CDLL("libgomp.so.1", mode=os.RTLD_NOLOAD | os.RTLD_LAZY)   # torch's, never a second
+        pause = gomp.omp_pause_resource_all
+    except (OSError, AttributeError):
+        return False
+    pause.restype, pause.argtypes = ctypes.c_int, [ctypes.c_int]
+    return pause(OMP_PAUSE_SOFT) == 0
+
+
 class BuildError(RuntimeError):
     """The compiler is missing or rejected the source (the message holds its output)."""
 

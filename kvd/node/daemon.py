@@ -53,7 +53,7 @@ from engine.request import InvalidParam, RequestOutput
 from kvd import links, protocol, trust
 from kvd.cluster_config import COORDINATOR_NAME, ClusterConfig
 from kvd.engine_client import EngineDead
-from kvd.node.engine_driver import EngineDriver
+from kvd.node.engine_driver import EngineDriver, load_engine
 from kvd.node.cache_shipper import CacheShipper
 from kvd.node.heartbeat import Heartbeater
 from kvd.node.disagg import DecodeSide, LayerSender
@@ -121,7 +121,7 @@ class NodeDaemon:
         """Load the engine, start its thread, bind the listener and admin socket."""
         t0 = time.perf_counter()
         self.notifier.status(f"node {self.name}: loading {self.engine_config.model}")
-        engine = await asyncio.to_thread(LLMEngine.from_config, self.engine_config)
+        engine = await asyncio.to_thread(load_engine, self.engine_config)
         self.driver = EngineDriver(engine)
         await self.driver.start()
         self.receiver = PrefixReceiver(self.driver)

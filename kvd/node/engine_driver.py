@@ -35,12 +35,24 @@ from typing import Any, TypeVar
 
 import torch
 
-from engine.engine import LLMEngine
+from engine.engine import EngineConfig, LLMEngine
 from engine.request import InvalidParam, RequestOutput, SamplingParams
+from kernels import native
 from kvd.engine_client import EngineDead
 
 log = logging.getLogger("kvd.engine")
 T = TypeVar("T")
+
+
+def load_engine(config: EngineConfig) -> LLMEngine:
+    """``LLMEngine.from_config(config)`` on the calling thread (a loader: run it with
+    ``asyncio.to_thread``), which then lets go of the OpenMP workers that loading
+    started (``kernels.native.release_openmp_pool``): the engine thread's team is
+    then the process's only one, and libgomp lets its workers spin between steps
+    instead of sleeping on a futex after each (docs/architecture.md)."""
+    engine = LLMEngine.from_config(config)
+    native.release_openmp_pool()
+    return engine
 
 
 class EngineDriver:

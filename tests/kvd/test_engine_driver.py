@@ -5,13 +5,17 @@ threads at once."""
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
+import time
 
 import pytest
+import torch
 
 from engine.engine import EngineConfig, LLMEngine
 from engine.request import SamplingParams
-from kvd.node.engine_driver import EngineDriver
+from kernels import native
+from kvd.node.engine_driver import EngineDriver, load_engine
 
 
 def tiny_engine() -> LLMEngine:
@@ -164,3 +168,62 @@ async def test_stats_reflect_an_inline_call_at_once(driver):
     assert driver.inline_calls == 1 and driver.stats()["kv"] != before
     await driver.call(lambda e: e.pool.free_mem(ids))
     assert driver.stats()["kv"] == before
+
+
+# ------------------------------------------------------------------ OpenMP workers
+def threads_settle_at(count: int, timeout: float = 5.0) -> int:
+    """The process's thread count once it is ``count`` (released workers exit on their own
+    time), or whatever it is at the timeout."""
+    deadline = time.monotonic() + timeout
+    while (n := len(os.listdir("/proc/self/task"))) != count and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return n
+
+
+def on_a_thread_kept_alive(fn) -> dict:
+    """Run ``fn(box)`` on a new thread and, while that thread is still alive, count the
+    process's threads into ``box["after"]`` (a finished thread's OpenMP pool goes with it)."""
+    box: dict = {"before": len(os.listdir("/proc/self/task"))}
+
+    def run():
+        fn(box)
+        box["after"] = threads_settle_at(box["before"] + 1)
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(120)
+    return box
+
+
+def test_release_frees_the_calling_threads_openmp_workers():
+    """A thread that ran a torch op on 2 threads holds an OpenMP worker; released, it exits."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        def work(box):
+            torch.ones(1 << 22).add_(1)                 # a parallel region: this thread's team
+            box["with_pool"] = len(os.listdir("/proc/self/task"))
+            box["released"] = native.release_openmp_pool()
+        box = on_a_thread_kept_alive(work)
+    finally:
+        torch.set_num_threads(saved)
+    assert box["released"]
+    assert box["with_pool"] >= box["before"] + 2        # the thread and its worker
+    assert box["after"] == box["before"] + 1            # the thread alone
+
+
+def test_load_engine_leaves_its_loader_thread_without_openmp_workers():
+    """The daemon loads the engine on a loader thread that lives on (asyncio.to_thread's
+    pool): load_engine lets go of that thread's OpenMP workers, so the engine thread's
+    team is the only one and libgomp does not throttle it."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        def load(box):
+            torch.ones(1 << 22).add_(1)                 # whatever team loading left on this thread
+            box["engine"] = load_engine(EngineConfig(model="tiny", dtype="float32", block_size=16, kv_blocks=64,
+                                                     host_kv_blocks=0, max_model_len=512, num_threads=2))
+        box = on_a_thread_kept_alive(load)
+    finally:
+        torch.set_num_threads(saved)
+    assert isinstance(box["engine"], LLMEngine)
+    assert box["after"] == box["before"] + 1
