@@ -207,6 +207,18 @@ def _collect(engine: Any, sent: dict[str, int], skip: set[str],
             "token_ids": tuple(tokens), "frees": frees, "adopt": claims, "tensors": tensors}, buf, lag
 
 
+def first_blocks(kv: Any, k: int) -> Any:
+    """``kv[:, :, :k]`` of a contiguous staged [L, 2, n, ...] tensor, as a contiguous copy
+    made by numpy on the calling thread alone. A torch copy would start an OpenMP team on
+    this executor thread, beside the engine thread's, and libgomp would throttle both
+    (``engine_driver.load_engine``)."""
+    import numpy as np
+    import torch
+
+    raw = kv.view(torch.uint8).numpy()[:, :, :k]          # every dtype as bytes (bf16 has no numpy twin)
+    return torch.from_numpy(np.ascontiguousarray(raw)).view(kv.dtype)
+
+
 async def send_prompt_replica(conn: Connection, *, source: str, owner: str, request_id: str,
                               prompt: list[int], kv: Any, block_size: int, timeout: float) -> tuple[str, str]:
     """Prefill node: send the full blocks of ``prompt`` (their KV: ``kv``,
@@ -218,7 +230,7 @@ async def send_prompt_replica(conn: Connection, *, source: str, owner: str, requ
     k = len(prompt) // block_size
     if k == 0:
         return "empty", ""
-    frame = kv if k == kv.shape[2] else await asyncio.to_thread(lambda: kv[:, :, :k].contiguous())
+    frame = kv if k == kv.shape[2] else await asyncio.to_thread(first_blocks, kv, k)
     msg = protocol.ReplicaData(id=f"rep-{source}-{request_id}", deadline=time.time() + timeout, source=source,
                                owner=owner, block_size=block_size, request_ids=(request_id,), starts=(0,),
                                counts=(k,), token_ids=tuple(prompt[:k * block_size]), tensors=(frame,))

@@ -7,6 +7,8 @@ answer falls back to sending the prompt from the decode node."""
 from __future__ import annotations
 
 import asyncio
+import os
+import threading
 
 import pytest
 import torch
@@ -143,6 +145,32 @@ async def _noop(*_):
 async def _drain(outputs) -> None:
     async for _ in outputs:
         pass
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_first_blocks_of_a_staged_prompt_are_copied_without_an_openmp_team(dtype):
+    """send_prompt_replica copies the full blocks on an executor thread: the same values
+    as torch's slice, and no OpenMP workers left on that thread (they would throttle the
+    engine thread's team)."""
+    from kvd.node.replication import first_blocks
+
+    kv = torch.randn(30, 2, 8, BS, 3, 64).to(dtype)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    box: dict = {"before": len(os.listdir("/proc/self/task"))}
+
+    def copy():
+        box["out"] = first_blocks(kv, 5)
+        box["during"] = len(os.listdir("/proc/self/task"))
+    try:
+        t = threading.Thread(target=copy)
+        t.start()
+        t.join(60)
+    finally:
+        torch.set_num_threads(saved)
+    assert box["out"].is_contiguous() and box["out"].dtype == dtype
+    assert torch.equal(box["out"], kv[:, :, :5])
+    assert box["during"] == box["before"] + 1           # the copying thread alone, no workers
 
 
 async def test_a_prompt_replica_send_reports_sent_empty_refused_and_failed(store):
