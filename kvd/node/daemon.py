@@ -48,7 +48,7 @@ import time
 import uuid
 from typing import Any
 
-from engine.engine import EngineConfig, LLMEngine
+from engine.engine import EngineConfig
 from engine.request import InvalidParam, RequestOutput
 from kvd import links, protocol, trust
 from kvd.cluster_config import COORDINATOR_NAME, ClusterConfig
