@@ -135,9 +135,16 @@ class LLMEngine:
         """Threads for one-call decode steps of at most runner.SMALL_BATCH rows: the only
         candidate of ``EngineConfig.decode_team_candidates``, or the fastest of them
         timed here on a one-row step (a device block borrowed from MemPool and given
-        back), the largest unless another is at least 3% faster."""
-        teams = self.config.decode_team_candidates(torch.get_num_threads())
-        if len(teams) == 1 or self.runner.fused is None:
+        back), the largest unless another is at least 3% faster; torch's count for a
+        decoder that runs every step on its whole team (``SMALL_TEAMS``)."""
+        threads, fused = torch.get_num_threads(), self.runner.fused
+        teams = self.config.decode_team_candidates(threads)
+        if fused is not None and not fused.SMALL_TEAMS:
+            if teams != [threads]:
+                log.info("decode_threads not applied: the fused bf16 decoder runs every step on all %d threads",
+                         threads)
+            return threads
+        if len(teams) == 1 or fused is None:
             return teams[0]
         ids = self.pool.alloc_mem(1)
         if ids is None:

@@ -133,6 +133,10 @@ def _huge_page_buffer(numel: int) -> torch.Tensor:
 class FusedDecoder:
     """Packed weights of one bf16 model plus the loaded kernel. Construct with :meth:`create`."""
 
+    # Every step on torch's whole team: the kernel's OpenMP barriers take the whole region, and a
+    # smaller region would make libgomp end and restart the pool's surplus threads (see PlanDecoder).
+    SMALL_TEAMS = False
+
     def __init__(self, model: LlamaModel, lib: ctypes.CDLL, num_blocks: int, block_size: int) -> None:
         cfg = model.config
         mats: list[torch.Tensor] = []
@@ -212,8 +216,8 @@ class FusedDecoder:
 
         def launch(B: int, ids: int, positions: int, tables: int, max_blocks: int, logits: int, argmax: int,
                    threads: int, _owners: tuple = (self, kv)) -> int:   # what the addresses point into stays alive
-            return step(desc, kv_ptr, B, ids, positions, tables, max_blocks, logits,
-                        threads or torch.get_num_threads(), self._phase_seconds_ptr())
+            return step(desc, kv_ptr, B, ids, positions, tables, max_blocks, logits, torch.get_num_threads(),
+                        self._phase_seconds_ptr())          # threads: ignored (SMALL_TEAMS)
         return DecodeStaging(self.config.vocab_size, launch, native_argmax=False, what="fused decoder")
 
     def _phase_seconds_ptr(self) -> int | None:

@@ -111,6 +111,11 @@ def _weight(t: object) -> _Weight:
 class PlanDecoder:
     """The plan of one quantized fp32 model plus the loaded executor. Construct with :meth:`create`."""
 
+    # A step may run on fewer threads than torch's (DecodeStaging.run's ``threads``), inside an
+    # OpenMP region of torch's size whose other threads idle: libgomp would otherwise end the
+    # pool's surplus threads at each smaller step and start them again at the next torch op.
+    SMALL_TEAMS = True
+
     def __init__(self, model: LlamaModel, lib: ctypes.CDLL, num_blocks: int, block_size: int,
                  variant: str) -> None:
         native.require_variant(lib, "kvd_plan_variant", LIBRARY, variant)
@@ -146,7 +151,7 @@ class PlanDecoder:
         self._step.restype = ctypes.c_int
         self._step.argtypes = [ctypes.POINTER(_Model), ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
                                ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
-                               ctypes.c_int]
+                               ctypes.c_int, ctypes.c_int]
 
     @classmethod
     def create(cls, model: LlamaModel, kv: torch.Tensor, block_size: int,
@@ -183,7 +188,8 @@ class PlanDecoder:
                                                      dtype=torch.float32, what="plan decoder")
         logits = torch.empty(B, cfg.vocab_size, dtype=torch.float32)
         rc = self._step(ctypes.byref(self.desc), kv.data_ptr(), B, ids.data_ptr(), positions.data_ptr(),
-                        tables.data_ptr(), tables.shape[1], logits.data_ptr(), None, torch.get_num_threads())
+                        tables.data_ptr(), tables.shape[1], logits.data_ptr(), None, torch.get_num_threads(),
+                        torch.get_num_threads())
         if rc != 0:
             raise ValueError("empty batch, or a token id, position or block id out of range")
         return logits
@@ -198,6 +204,7 @@ class PlanDecoder:
 
         def launch(B: int, ids: int, positions: int, tables: int, max_blocks: int, logits: int, argmax: int,
                    threads: int, _owners: tuple = (self, kv)) -> int:   # what the addresses point into stays alive
+            team = torch.get_num_threads()          # the region's size whatever works in it (the .cpp)
             return step(desc, kv_ptr, B, ids, positions, tables, max_blocks, logits, argmax or None,
-                        threads or torch.get_num_threads())
+                        threads or team, team)
         return DecodeStaging(self.config.vocab_size, launch, native_argmax=True, what="plan decoder")

@@ -360,10 +360,12 @@ int kvd_plan_check(const PlanModel* m) {
 
 // kv: [num_layers, 2, num_blocks, block_size, kv_heads, head_dim] fp32 (the new K/V written);
 // ids, positions [B]; tables [B, max_blocks]; logits [B, vocab]; argmax [B] or null: each
-// row's greedy token (Best). Returns 0, or -1 when B < 1 or an id, position or block is out
-// of range (nothing written).
+// row's greedy token (Best); num_threads compute it, inside an OpenMP region of at least
+// team_threads. Returns 0, or -1 when B < 1 or an id, position or block is out of range
+// (nothing written).
 int kvd_plan_decode(const PlanModel* m, float* kv, int B, const int64_t* ids, const int64_t* positions,
-                    const int64_t* tables, int max_blocks, float* logits, int64_t* argmax, int num_threads) {
+                    const int64_t* tables, int max_blocks, float* logits, int64_t* argmax, int num_threads,
+                    int team_threads) {
     const int bs = m->block_size, hd = m->head_dim, H = m->heads, KVH = m->kv_heads;
     if (B < 1) return -1;
     for (int b = 0; b < B; b++) {
@@ -425,9 +427,7 @@ int kvd_plan_decode(const PlanModel* m, float* kv, int B, const int64_t* ids, co
     SpinBarrier barrier(nt);
     RowClaims claims(nt);
     std::vector<Best> team_best(argmax ? (size_t)nt * B : 0, Best{0.0f, -1});    // [thread][row]
-#pragma omp parallel num_threads(nt)
-    {
-        const int tid = omp_get_thread_num(), T = omp_get_num_threads();
+    auto work = [&](const int tid, const int T) {
         int64_t round = 0;                              // the team's matmuls so far (RowClaims::run)
         QuantizedInputs own_qbufs;
         std::vector<float> scores((size_t)H * KEY_CHUNK_MAX), q_own((size_t)q_size);
@@ -542,6 +542,15 @@ int kvd_plan_decode(const PlanModel* m, float* kv, int B, const int64_t* ids, co
                 for (int64_t r = 0; r < B; r++) merge_chunk(mine[r], logits + r * m->vocab, n0, n1);
         });
         if (argmax) std::copy(mine.begin(), mine.end(), team_best.begin() + (size_t)tid * B);
+    };
+    // The step runs on nt threads, in a region of the caller's team size (team_threads: torch's
+    // thread count) with the rest idle in it: a region smaller than the thread's pool makes
+    // libgomp end the surplus threads, and the next full-size one (a torch op between two
+    // steps) start new ones.
+#pragma omp parallel num_threads(team_threads > nt ? team_threads : nt)
+    {
+        const int tid = omp_get_thread_num(), T = std::min(nt, omp_get_num_threads());
+        if (tid < T) work(tid, T);
     }
     if (argmax)
         for (int64_t r = 0; r < B; r++) {

@@ -11,6 +11,7 @@ build runs here (AVX2 on the project's machines): nothing is skipped.
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 
 import gguf
@@ -349,6 +350,40 @@ def test_greedy_merge_does_not_depend_on_the_chunks_order():
         assert got == int(np.argmax(x)), (trial, x.tolist(), cuts.tolist(), order.tolist())
 
 
+def test_a_smaller_decode_team_starts_no_threads_beside_torchs(tiny):
+    """A step on fewer threads than torch's (a decode team, EngineConfig.decode_threads)
+    runs in a region of torch's size with the rest idle: libgomp ends a pool's surplus
+    threads when a smaller region starts and starts new ones for the next full-size one,
+    which a torch op between two steps would pay every step. Same bits as the full team."""
+    kv, ids, pos, tables = prefilled(tiny, [5, 30], seed=3)
+    dec = decoder(tiny, kv)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        want = staged_step(dec, kv.clone(), ids, pos, tables)[0]
+        st = dec.staging(kv)
+        B, M = tables.shape
+        st.reserve(B, M)
+        x = torch.ones(1 << 22)
+        box: dict = {}
+
+        def alternate():                            # a thread of its own: a pool of its own
+            for i in range(6):
+                if i == 2:
+                    box["before"] = set(os.listdir("/proc/self/task"))
+                st.ids[:B], st.positions[:B], st.tables[:B, :M] = ids.numpy(), pos.numpy(), tables.numpy()
+                box["logits"] = st.run(B, threads=2)[0].clone()
+                x.add_(1)                           # a torch op on all 3 threads
+            box["after"] = set(os.listdir("/proc/self/task"))
+        worker = threading.Thread(target=alternate)
+        worker.start()
+        worker.join(60)
+    finally:
+        torch.set_num_threads(saved)
+    assert box["after"] == box["before"]
+    assert torch.equal(box["logits"], want)
+
+
 def test_staging_grows_and_refuses_a_bad_batch_or_kv(tiny):
     kv, ids, pos, tables = prefilled(tiny, [4, 20, 200], seed=4)
     dec = decoder(tiny, kv)
@@ -396,6 +431,11 @@ def test_small_decode_batches_run_on_the_team_the_engine_timed(tiny, monkeypatch
         with monkeypatch.context() as full:                 # no block to time in: the full team, untimed
             full.setattr(MemPool, "alloc_mem", lambda self, n, tier="device": None)
             assert tiny_engine(tiny, tok, "auto").runner.small_batch_threads == 2
+        with monkeypatch.context() as whole:                # a decoder without small teams (the fused
+            whole.setattr(PlanDecoder, "SMALL_TEAMS", False)    # bf16 one): torch's team, set or timed
+            assert tiny_engine(tiny, tok, "auto").runner.small_batch_threads == 2
+            assert LLMEngine(EngineConfig(model="tiny", dtype="float32", kv_blocks=128, host_kv_blocks=0,
+                                          decode_threads=1), tiny, tok, "tiny").runner.small_batch_threads == 2
         params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
         prompts = [[11, 12, 13, 14], [200, 3, 3, 40, 41, 42, 43]]
         want = tiny_engine(tiny, tok, "torch").generate(prompts, params)
