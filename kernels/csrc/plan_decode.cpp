@@ -546,7 +546,8 @@ int kvd_plan_decode(const PlanModel* m, float* kv, int B, const int64_t* ids, co
     // The step runs on nt threads, in a region of the caller's team size (team_threads: torch's
     // thread count) with the rest idle in it: a region smaller than the thread's pool makes
     // libgomp end the surplus threads, and the next full-size one (a torch op between two
-    // steps) start new ones.
+    // steps) start new ones. torch's own parallel_for opens its regions the same way
+    // (pytorch/pytorch#32008).
 #pragma omp parallel num_threads(team_threads > nt ? team_threads : nt)
     {
         const int tid = omp_get_thread_num(), T = std::min(nt, omp_get_num_threads());
