@@ -248,6 +248,7 @@ def node(args: argparse.Namespace) -> int:
         print(f"kvd: error: {exc}", file=sys.stderr)
         return 2
     _logging(config.server.log_level)
+    host_nodes = _host_nodes()
     if not _die_with_parent():
         print("kvd: error: the kvd serve process that started this node is gone", file=sys.stderr)
         return 1
@@ -260,12 +261,27 @@ def node(args: argparse.Namespace) -> int:
 
         daemon = NodeDaemon(config.engine, cluster, args.name, address=args.listen,
                             coordinator=args.coordinator, admin_socket=args.admin_socket, role=args.role,
-                            drain_timeout=config.server.drain_timeout, notifier=notifier)
+                            drain_timeout=config.server.drain_timeout, notifier=notifier,
+                            host_nodes=host_nodes)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, daemon.request_stop)
         await supervised(notifier, watchdog, daemon.run())
     return _run(main)
+
+
+def _host_nodes() -> int:
+    """How many kvd nodes share this host: ``$KVD_HOST_NODES`` (``kvd serve --nodes N``
+    sets it for its node processes; taken out of the environment), else 1. A value that
+    is not a positive integer counts as 1, with a warning."""
+    from kvd.cluster_config import HOST_NODES_ENV
+
+    raw = os.environ.pop(HOST_NODES_ENV, "")
+    if raw.isdigit() and int(raw) > 0:
+        return int(raw)
+    if raw:
+        logging.getLogger("kvd").warning("%s=%r ignored: not a positive integer", HOST_NODES_ENV, raw)
+    return 1
 
 
 def _die_with_parent() -> bool:

@@ -39,6 +39,9 @@ class ConfigError(ValueError):
 
 
 COORDINATOR_NAME = "coordinator"   # the coordinator's key name; no node may take it
+# The environment variable in which `kvd serve --nodes N` tells its node processes
+# how many kvd nodes share the host (kvd.node.engine_driver.load_engine).
+HOST_NODES_ENV = "KVD_HOST_NODES"
 ROLES = ("mixed", "prefill", "decode")
 KV_LOAD_FAILURE = ("recompute", "fail")
 RECOVERY_POLICIES = ("replica", "reprefill", "fail")   # kvd/coordinator/recovery.py

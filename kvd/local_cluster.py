@@ -35,7 +35,7 @@ import signal
 import sys
 import tempfile
 
-from kvd.cluster_config import COORDINATOR_NAME, ClusterConfig, with_overrides
+from kvd.cluster_config import COORDINATOR_NAME, HOST_NODES_ENV, ClusterConfig, with_overrides
 from kvd.coordinator.daemon import CoordinatorDaemon
 from kvd.coordinator.settings import CoordinatorSettings, load_tokenizer
 from kvd.sdnotify import Notifier, run_watchdog
@@ -123,7 +123,7 @@ class LocalCluster:
         url = self.coordinator.address
         self.supervisor = NodeSupervisor(
             {f"n{i + 1}": self._command(f"n{i + 1}", url) for i in range(self.num_nodes)},
-            restart=self.cluster.restart_nodes, env={**os.environ, "KVD_PARENT": str(os.getpid())},
+            restart=self.cluster.restart_nodes, env={**os.environ, "KVD_PARENT": str(os.getpid()), HOST_NODES_ENV: str(self.num_nodes)},
             on_exit=self.coordinator.node_exited)
         tg.create_task(self.supervisor.run(), name="node processes")
         self.notifier.status(f"starting {self.num_nodes} node processes")

@@ -75,11 +75,12 @@ class NodeDaemon:
                  address: str | None = None, coordinator: str | None = None,
                  registry: InprocRegistry | None = None, admin_socket: str | None = None,
                  drain_timeout: float = 30.0, notifier: Notifier | None = None,
-                 role: str | None = None) -> None:
+                 role: str | None = None, host_nodes: int = 1) -> None:
         node_cfg = cluster.node(name)
         self.name = name
         self.role = role or node_cfg.role
         self.engine_config = engine_config
+        self.host_nodes = host_nodes       # kvd nodes on this host (load_engine)
         self.cluster = cluster
         self.address = address or node_cfg.address or cluster.default_address(name)
         self.coordinator_url = coordinator or cluster.coordinator
@@ -121,7 +122,7 @@ class NodeDaemon:
         """Load the engine, start its thread, bind the listener and admin socket."""
         t0 = time.perf_counter()
         self.notifier.status(f"node {self.name}: loading {self.engine_config.model}")
-        engine = await asyncio.to_thread(load_engine, self.engine_config)
+        engine = await asyncio.to_thread(load_engine, self.engine_config, self.host_nodes)
         self.driver = EngineDriver(engine)
         await self.driver.start()
         self.receiver = PrefixReceiver(self.driver)

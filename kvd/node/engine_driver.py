@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import threading
 import time
@@ -44,14 +45,25 @@ log = logging.getLogger("kvd.engine")
 T = TypeVar("T")
 
 
-def load_engine(config: EngineConfig) -> LLMEngine:
+def load_engine(config: EngineConfig, host_nodes: int = 1) -> LLMEngine:
     """``LLMEngine.from_config(config)`` on the calling thread (a loader: run it with
     ``asyncio.to_thread``), which then lets go of the OpenMP workers that loading
     started (``kernels.native.release_openmp_pool``): the engine thread's team is
     then the process's only one, and libgomp lets its workers spin between steps
-    instead of sleeping on a futex after each (docs/architecture.md)."""
+    instead of sleeping on a futex after each (docs/architecture.md).
+
+    ``host_nodes``: the kvd nodes on this host (``kvd serve --nodes N`` starts N).
+    Where their teams together outnumber the CPUs, the pool is kept: libgomp then
+    throttles this process's team, whose workers sleep between steps and leave the
+    CPUs to the other nodes' (spinning, two teams on the same CPUs halved `kvd serve
+    --nodes 2`'s output on 2 CPUs)."""
     engine = LLMEngine.from_config(config)
-    native.release_openmp_pool()
+    threads, usable = torch.get_num_threads(), len(os.sched_getaffinity(0))
+    if threads * host_nodes <= usable:
+        native.release_openmp_pool()
+    else:
+        log.info("%d nodes of %d threads on %d CPUs: this node's OpenMP team sleeps between steps",
+                 host_nodes, threads, usable)
     return engine
 
 

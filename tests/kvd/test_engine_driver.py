@@ -15,6 +15,8 @@ import torch
 from engine.engine import EngineConfig, LLMEngine
 from engine.request import SamplingParams
 from kernels import native
+from kvd import cli
+from kvd.cluster_config import HOST_NODES_ENV
 from kvd.node.engine_driver import EngineDriver, load_engine
 
 
@@ -227,3 +229,30 @@ def test_load_engine_leaves_its_loader_thread_without_openmp_workers():
         torch.set_num_threads(saved)
     assert isinstance(box["engine"], LLMEngine)
     assert box["after"] == box["before"] + 1
+
+
+def test_load_engine_keeps_the_pool_where_the_hosts_nodes_would_outnumber_its_cpus():
+    """Nodes that share a host (kvd serve --nodes N) and together have more compute
+    threads than CPUs keep the loader's pool: libgomp then throttles each node's team, whose
+    workers sleep between steps instead of spinning against the other nodes' teams."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        def load(box):
+            torch.ones(1 << 22).add_(1)
+            load_engine(EngineConfig(model="tiny", dtype="float32", block_size=16, kv_blocks=64, host_kv_blocks=0,
+                                     max_model_len=512, num_threads=2), host_nodes=len(os.sched_getaffinity(0)))
+        box = on_a_thread_kept_alive(load)
+    finally:
+        torch.set_num_threads(saved)
+    assert box["after"] >= box["before"] + 2        # the thread and its worker
+
+
+def test_the_host_nodes_come_from_the_environment_kvd_serve_sets(monkeypatch):
+    monkeypatch.setenv(HOST_NODES_ENV, "3")
+    assert cli._host_nodes() == 3 and HOST_NODES_ENV not in os.environ    # taken, not passed on
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv(HOST_NODES_ENV, bad)
+        assert cli._host_nodes() == 1
+    monkeypatch.delenv(HOST_NODES_ENV, raising=False)
+    assert cli._host_nodes() == 1
