@@ -123,7 +123,8 @@ class LocalCluster:
         url = self.coordinator.address
         self.supervisor = NodeSupervisor(
             {f"n{i + 1}": self._command(f"n{i + 1}", url) for i in range(self.num_nodes)},
-            restart=self.cluster.restart_nodes, env={**os.environ, "KVD_PARENT": str(os.getpid()), HOST_NODES_ENV: str(self.num_nodes)},
+            restart=self.cluster.restart_nodes,
+            env={**os.environ, "KVD_PARENT": str(os.getpid()), HOST_NODES_ENV: str(self.num_nodes)},
             on_exit=self.coordinator.node_exited)
         tg.create_task(self.supervisor.run(), name="node processes")
         self.notifier.status(f"starting {self.num_nodes} node processes")
