@@ -47,6 +47,7 @@ from engine.request import SamplingParams  # noqa: E402
 from kernels import native  # noqa: E402
 from kernels.quant_linear import host_variant  # noqa: E402
 from tools._twoproc import write_results  # noqa: E402
+from tools.bench_serve_checkouts import switches  # noqa: E402
 from tools.loadgen.report import cpu_model  # noqa: E402
 
 
@@ -81,14 +82,7 @@ class Worker:
 
 def voluntary_switches() -> int:
     """Voluntary context switches of every thread of this process so far."""
-    total = 0
-    for task in os.listdir("/proc/self/task"):
-        try:
-            status = Path(f"/proc/self/task/{task}/status").read_text()
-        except OSError:
-            continue                    # a thread that just exited
-        total += int(status.split("\nvoluntary_ctxt_switches:")[1].split()[0])
-    return total
+    return sum(v for v, _ in switches(os.getpid()).values())
 
 
 def decode_round(eng: LLMEngine, context: int, steps: int, seed: int) -> dict:

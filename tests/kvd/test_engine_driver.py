@@ -182,69 +182,66 @@ def threads_settle_at(count: int, timeout: float = 5.0) -> int:
     return n
 
 
-def on_a_thread_kept_alive(fn) -> dict:
+def on_a_thread_kept_alive(fn, workers: int = 0) -> dict:
     """Run ``fn(box)`` on a new thread and, while that thread is still alive, count the
-    process's threads into ``box["after"]`` (a finished thread's OpenMP pool goes with it)."""
+    process's threads into ``box["after"]`` once they are the thread and ``workers`` more
+    (or at a timeout: a finished thread's OpenMP pool goes with it)."""
     box: dict = {"before": len(os.listdir("/proc/self/task"))}
 
     def run():
         fn(box)
-        box["after"] = threads_settle_at(box["before"] + 1)
+        box["after"] = threads_settle_at(box["before"] + 1 + workers)
     t = threading.Thread(target=run)
     t.start()
     t.join(120)
     return box
 
 
-def test_release_frees_the_calling_threads_openmp_workers():
-    """A thread that ran a torch op on 2 threads holds an OpenMP worker; released, it exits."""
+@pytest.fixture
+def two_torch_threads():
+    """torch on 2 threads for the test (a team with one OpenMP worker), then as it was."""
     saved = torch.get_num_threads()
     torch.set_num_threads(2)
-    try:
-        def work(box):
-            torch.ones(1 << 22).add_(1)                 # a parallel region: this thread's team
-            box["with_pool"] = len(os.listdir("/proc/self/task"))
-            box["released"] = native.release_openmp_pool()
-        box = on_a_thread_kept_alive(work)
-    finally:
-        torch.set_num_threads(saved)
+    yield
+    torch.set_num_threads(saved)
+
+
+def test_release_frees_the_calling_threads_openmp_workers(two_torch_threads):
+    """A thread that ran a torch op on 2 threads holds an OpenMP worker; released, it exits."""
+    def work(box):
+        torch.ones(1 << 22).add_(1)                     # a parallel region: this thread's team
+        box["with_pool"] = len(os.listdir("/proc/self/task"))
+        box["released"] = native.release_openmp_pool()
+    box = on_a_thread_kept_alive(work)
     assert box["released"]
     assert box["with_pool"] >= box["before"] + 2        # the thread and its worker
     assert box["after"] == box["before"] + 1            # the thread alone
 
 
-def test_load_engine_leaves_its_loader_thread_without_openmp_workers():
+TINY = EngineConfig(model="tiny", dtype="float32", block_size=16, kv_blocks=64, host_kv_blocks=0, max_model_len=512,
+                    num_threads=2)
+
+
+def test_load_engine_leaves_its_loader_thread_without_openmp_workers(two_torch_threads):
     """The daemon loads the engine on a loader thread that lives on (asyncio.to_thread's
     pool): load_engine lets go of that thread's OpenMP workers, so the engine thread's
     team is the only one and libgomp does not throttle it."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        def load(box):
-            torch.ones(1 << 22).add_(1)                 # whatever team loading left on this thread
-            box["engine"] = load_engine(EngineConfig(model="tiny", dtype="float32", block_size=16, kv_blocks=64,
-                                                     host_kv_blocks=0, max_model_len=512, num_threads=2))
-        box = on_a_thread_kept_alive(load)
-    finally:
-        torch.set_num_threads(saved)
+    def load(box):
+        torch.ones(1 << 22).add_(1)                     # whatever team loading left on this thread
+        box["engine"] = load_engine(TINY)
+    box = on_a_thread_kept_alive(load)
     assert isinstance(box["engine"], LLMEngine)
     assert box["after"] == box["before"] + 1
 
 
-def test_load_engine_keeps_the_pool_where_the_hosts_nodes_would_outnumber_its_cpus():
+def test_load_engine_keeps_the_pool_where_the_hosts_nodes_would_outnumber_its_cpus(two_torch_threads):
     """Nodes that share a host (kvd serve --nodes N) and together have more compute
     threads than CPUs keep the loader's pool: libgomp then throttles each node's team, whose
     workers sleep between steps instead of spinning against the other nodes' teams."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        def load(box):
-            torch.ones(1 << 22).add_(1)
-            load_engine(EngineConfig(model="tiny", dtype="float32", block_size=16, kv_blocks=64, host_kv_blocks=0,
-                                     max_model_len=512, num_threads=2), host_nodes=len(os.sched_getaffinity(0)))
-        box = on_a_thread_kept_alive(load)
-    finally:
-        torch.set_num_threads(saved)
+    def load(box):
+        torch.ones(1 << 22).add_(1)
+        load_engine(TINY, host_nodes=len(os.sched_getaffinity(0)))
+    box = on_a_thread_kept_alive(load, workers=1)
     assert box["after"] >= box["before"] + 2        # the thread and its worker
 
 
