@@ -40,6 +40,8 @@ def test_serve_with_two_local_nodes_and_sigterm(tmp_path):
         assert r.usage.completion_tokens == 4
         children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
         assert len(children) == 2
+        for pid in children:            # how many nodes share the host (load_engine sizes its team's waits by it)
+            assert b"KVD_HOST_NODES=2" in open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
         for pid in children:
