@@ -18,6 +18,8 @@ DECODE_KERNELS = ("auto", "torch")
 # (below, every thread: the fewer there are, the more each one's share of the weights weighs)
 CALIBRATE_FROM_THREADS = 8
 WEIGHTS_MODES = ("native", "dequantize")
+# auto: the KV cache in the model's dtype; float16: an fp32 model's K/V stored as IEEE halves
+KV_CACHE_DTYPES = ("auto", "float16")
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,7 @@ class EngineConfig:
     decode_threads: int = 0             # threads of a one-call decode step of <= 4 rows; 0: calibrated
     decode_kernel: str = "auto"         # auto: fused C++ bf16 decode step where the CPU has it; torch
     weights: str = "native"             # native: a GGUF's Q4_0/Q4_1/Q8_0 blocks served as they are; dequantize
+    kv_cache_dtype: str = "auto"        # auto: the model's dtype; float16: half the KV bytes of an fp32 model
     # A prefix hit with host-tier blocks: "cost" (swap in or recompute, the
     # cheaper by the caching cost model below), "swap" (always), "recompute" (always)
     host_hit_policy: str = "cost"
@@ -60,6 +63,9 @@ class EngineConfig:
                              f"got {self.decode_kernel!r}")
         if self.weights not in WEIGHTS_MODES:
             raise ValueError(f"weights must be one of {', '.join(WEIGHTS_MODES)}, got {self.weights!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError("num_threads must be >= 1")
         if self.reserved_cpus < 0:

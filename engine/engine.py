@@ -85,6 +85,19 @@ def build_model(config: EngineConfig, weights: LoadedWeights) -> LlamaModel:
     return LlamaModel(weights.config, weights.tensors, dtype=dtype, quant_kernel=kernel)
 
 
+def kv_cache_dtype(config: EngineConfig, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's dtype: the model's (``auto``), or float16 for an fp32 model's
+    (half its bytes: twice the tokens in the same ``kv_blocks`` bytes' worth, half the
+    bytes a decode step's attention reads and a transfer moves). Raises ValueError for
+    float16 under a model that is not fp32 (a bf16 model's cache is 16-bit already)."""
+    if config.kv_cache_dtype == "auto":
+        return model_dtype
+    if model_dtype != torch.float32:
+        raise ValueError(f"kv_cache_dtype = {config.kv_cache_dtype!r} stores an fp32 model's KV; this model "
+                         f"computes in {str(model_dtype).removeprefix('torch.')} (use kv_cache_dtype = \"auto\")")
+    return torch.float16
+
+
 @dataclass
 class EngineStats:
     """Counters since start, read by /metrics (plain ints: the reader copies them)."""
@@ -114,7 +127,7 @@ class LLMEngine:
         self.kv = KVCache(num_layers=model.num_local_layers, num_kv_heads=mc.num_kv_heads,
                           head_dim=mc.head_dim, block_size=config.block_size,
                           device_blocks=config.kv_blocks, host_blocks=config.host_kv_blocks,
-                          dtype=model.dtype)
+                          dtype=kv_cache_dtype(config, model.dtype))
         self.pool = MemPool(device_blocks=config.kv_blocks, host_blocks=config.host_kv_blocks,
                             block_size=config.block_size, storage=self.kv)
         self.scheduler = Scheduler(config.scheduler_config(self.effective_chunk_tokens(config, model)),
@@ -162,7 +175,7 @@ class LLMEngine:
     def kernels(self) -> dict[str, str]:
         """What computes each part of a step on this CPU, for operators (node status,
         the start-up log): ``weights`` ("native" block-quantized or "float") and
-        ``dtype``; ``matmul``, the quantized-weights kernel's build ("avx2",
+        ``dtype``; ``kv_cache``, the KV cache's dtype (kv_cache_dtype); ``matmul``, the quantized-weights kernel's build ("avx2",
         "avx512vnni", ...) or "torch"; ``decode``, the one-call decoder
         ("plan:<build>" or "fused-bf16") or "torch"; ``decode_threads``, its team for
         small batches (EngineConfig.decode_threads); ``prefill_attention``, the
@@ -174,6 +187,7 @@ class LLMEngine:
                   else "fused-bf16")
         return {"weights": "native" if model.quantized else "float",
                 "dtype": str(model.dtype).removeprefix("torch."),
+                "kv_cache": str(self.kv.dtype).removeprefix("torch."),
                 "matmul": model.quant_kernel.variant if model.quant_kernel is not None else "torch",
                 "decode": decode,
                 "decode_threads": (f"{self.runner.small_batch_threads} (batches of <= {SMALL_BATCH} rows)"

@@ -59,13 +59,30 @@ class AttentionBatch:
     key_mask: torch.Tensor | None = None       # [B, 1, 1, max_blocks*bs] bool (decode)
 
 
+# The largest finite IEEE half: a float16 KV cache stores K and V clamped to it.
+HALF_MAX = 65504.0
+
+
+def store_kv(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` (K or V rows) as a KV cache of ``dtype`` holds it: ``x`` itself in the
+    model's dtype; in a float16 cache of an fp32 model (``kv_cache_dtype``), clamped to
+    +-65504 (a larger value saturates, it does not become inf; NaN stays NaN) and
+    rounded to nearest even, as the plan executor's ``store_half_row`` stores it, bit
+    for bit."""
+    if x.dtype == dtype:
+        return x
+    if dtype == torch.float16:
+        return x.clamp(-HALF_MAX, HALF_MAX).to(dtype)
+    return x.to(dtype)
+
+
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor,
              v: torch.Tensor, batch: AttentionBatch) -> None:
     """Store new tokens' K/V in their slots. Mutates the caches.
 
-    k_cache, v_cache: [N, bs, kvh, hd] (contiguous); k, v: [T, kvh, hd].
-    ``index_copy_`` on the flat view: advanced-index assignment is orders of
-    magnitude slower on CPU for these shapes.
+    k_cache, v_cache: [N, bs, kvh, hd] (contiguous); k, v: [T, kvh, hd], of the
+    caches' dtype (``store_kv``). ``index_copy_`` on the flat view: advanced-index
+    assignment is orders of magnitude slower on CPU for these shapes.
     """
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, batch.slots, k)
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, batch.slots, v)
@@ -112,7 +129,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """Causal attention for each sequence's new tokens, over cached prefix + new.
 
     q: [T, H, hd]; k, v: [T, kvh, hd] (the new tokens, already written to the
-    cache). Returns [T, H, hd]. A sequence with no cached prefix attends to its
+    cache, with the values the cache holds: a 16-bit cache's, widened to q's dtype). Returns [T, H, hd]. A sequence with no cached prefix attends to its
     own k/v directly; one with a prefix gathers its context from the cache.
 
     ``kernel``: the blocked C++ kernel (kernels/prefill_attention.py: position
@@ -133,8 +150,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             if seq.ctx_len == seq.q_len:
                 ks, vs = k[rows], v[rows]
             else:
-                ks = gather_kv(k_cache, seq.block_table, seq.ctx_len)
-                vs = gather_kv(v_cache, seq.block_table, seq.ctx_len)
+                ks = gather_kv(k_cache, seq.block_table, seq.ctx_len).to(q.dtype)
+                vs = gather_kv(v_cache, seq.block_table, seq.ctx_len).to(q.dtype)
             o = kernel.attend(q[rows], ks, vs, scale)     # [q_len, H, hd], or None
             if o is not None:
                 out[rows] = o
@@ -146,8 +163,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
                                                enable_gqa=gqa)
         else:
-            ks = gather_kv(k_cache, seq.block_table, seq.ctx_len).transpose(0, 1)
-            vs = gather_kv(v_cache, seq.block_table, seq.ctx_len).transpose(0, 1)
+            ks = gather_kv(k_cache, seq.block_table, seq.ctx_len).to(q.dtype).transpose(0, 1)
+            vs = gather_kv(v_cache, seq.block_table, seq.ctx_len).to(q.dtype).transpose(0, 1)
             # query i sits at absolute position prefix + i and sees keys <= it.
             prefix = seq.ctx_len - seq.q_len
             qpos = torch.arange(prefix, seq.ctx_len).unsqueeze(1)

@@ -15,7 +15,10 @@ Contract of :meth:`PlanDecoder.decode` (as ``LlamaModel.forward`` +
 
 - one new token per sequence; writes its K/V into ``kv`` at the slot
   ``block_tables[b, pos // bs] * bs + pos % bs`` of every layer and reads the
-  sequence's keys ``0..pos`` through its block table;
+  sequence's keys ``0..pos`` through its block table. ``kv`` is fp32, or fp16
+  (``kv_cache_dtype = "float16"``): then K/V are stored as
+  ``kernels.attention.store_kv`` stores them (clamped to the largest half,
+  rounded to nearest even), and attention reads them widened, exactly;
 - returns fp32 logits [B, V];
 - **batch invariant, bit for bit**: row b depends only on sequence b's token,
   position, block table and cached K/V, not on B, the other rows or the
@@ -47,6 +50,7 @@ log = logging.getLogger(__name__)
 LIBRARY = "plan_decode"
 OPS = {"rms_norm": 0, "linear": 1, "rope_attention": 2, "linear_add": 3, "silu_mul": 4}   # enum Op in the .cpp
 _MATRIX_OPS = ("linear", "linear_add")
+KV_DTYPES = (torch.float32, torch.float16)    # the KV caches the executor reads (PlanModel.kv_half)
 
 
 class _Step(ctypes.Structure):
@@ -64,7 +68,7 @@ class _Model(ctypes.Structure):
 
     _fields_ = [(name, ctypes.c_int32) for name in (
         "num_layers", "num_steps", "num_slots", "num_weights", "hidden", "heads", "kv_heads", "head_dim",
-        "vocab", "block_size", "num_blocks", "max_positions")] + [
+        "vocab", "block_size", "num_blocks", "max_positions", "kv_half")] + [
         ("eps", ctypes.c_float), ("scale", ctypes.c_float),
         ("steps", ctypes.POINTER(_Step)), ("slot_width", ctypes.POINTER(ctypes.c_int64)),
         ("weights", ctypes.POINTER(_Weight)), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p),
@@ -117,7 +121,9 @@ class PlanDecoder:
     SMALL_TEAMS = True
 
     def __init__(self, model: LlamaModel, lib: ctypes.CDLL, num_blocks: int, block_size: int,
-                 variant: str) -> None:
+                 variant: str, kv_dtype: torch.dtype = torch.float32) -> None:
+        if kv_dtype not in KV_DTYPES:
+            raise ValueError(f"a KV cache of {kv_dtype} (the plan executor reads fp32 or fp16 KV)")
         native.require_variant(lib, "kvd_plan_variant", LIBRARY, variant)
         cfg = model.config
         self.variant = variant                      # the build in use (a key of quant_linear.VARIANTS)
@@ -137,11 +143,11 @@ class PlanDecoder:
             _weight(getattr(layer, name)) for layer in model.layers for name in weights])
         self.model = model                          # keeps every buffer the plan points into alive
         self.cos, self.sin = model.cos.contiguous(), model.sin.contiguous()
-        self.config, self.num_blocks, self.block_size = cfg, num_blocks, block_size
+        self.config, self.num_blocks, self.block_size, self.kv_dtype = cfg, num_blocks, block_size, kv_dtype
         self.desc = _Model(
             cfg.num_layers, len(LAYER_STEPS), len(slots), len(weights), cfg.hidden_size, cfg.num_heads,
             cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size, block_size, num_blocks, self.cos.shape[0],
-            cfg.rms_norm_eps, model.scale, self._steps, self._widths, self._weights, self.cos.data_ptr(),
+            int(kv_dtype == torch.float16), cfg.rms_norm_eps, model.scale, self._steps, self._widths, self._weights, self.cos.data_ptr(),
             self.sin.data_ptr(), _weight(model.embed), _weight(model.lm_head), model.norm.data_ptr())
         check = lib.kvd_plan_check
         check.restype, check.argtypes = ctypes.c_int, [ctypes.POINTER(_Model)]
@@ -161,6 +167,8 @@ class PlanDecoder:
         ``quant_linear.VARIANTS``) picks a build other than the host's fastest, for
         benchmarks and tests; one this CPU cannot run gives None."""
         reason = unsupported_reason(model)
+        if reason is None and kv.dtype not in KV_DTYPES:
+            reason = f"a {kv.dtype} KV cache (the executor reads fp32 or fp16 KV)"
         if reason is None and variant is not None and variant not in VARIANTS:
             reason = f"unknown kernel variant {variant!r}"
         if reason is None and variant is not None and not runs_here(variant):
@@ -171,7 +179,7 @@ class PlanDecoder:
         variant = variant or host_variant()
         try:
             lib = native.load(LIBRARY, library_flags(LIBRARY, variant))
-            return cls(model, lib, kv.shape[2], block_size, variant)
+            return cls(model, lib, kv.shape[2], block_size, variant, kv.dtype)
         except (native.BuildError, OSError, ValueError) as exc:
             log.warning("plan decode executor unavailable, decoding with torch: %s", exc)
             return None
@@ -179,13 +187,13 @@ class PlanDecoder:
     def decode(self, ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
                kv: torch.Tensor) -> torch.Tensor:
         """ids, positions [B] int64; block_tables [B, M] int64 covering every
-        position; kv [L, 2, N, bs, kvh, hd] fp32 (mutated: the new K/V).
+        position; kv [L, 2, N, bs, kvh, hd] of the executor's KV dtype (mutated: the new K/V).
         Returns fp32 logits [B, V]. Raises ValueError on bad input (nothing written)."""
         B = ids.shape[0]
         cfg = self.config
         ids, positions, tables = check_decode_inputs(ids, positions, block_tables, kv, config=cfg,
                                                      num_blocks=self.num_blocks, block_size=self.block_size,
-                                                     dtype=torch.float32, what="plan decoder")
+                                                     dtype=self.kv_dtype, what="plan decoder")
         logits = torch.empty(B, cfg.vocab_size, dtype=torch.float32)
         rc = self._step(ctypes.byref(self.desc), kv.data_ptr(), B, ids.data_ptr(), positions.data_ptr(),
                         tables.data_ptr(), tables.shape[1], logits.data_ptr(), None, torch.get_num_threads(),
@@ -199,7 +207,7 @@ class PlanDecoder:
         tokens computed in the step (the LM head's threads, as it writes the logits).
         Raises ValueError when ``kv`` does not match the model."""
         check_decode_kv(kv, config=self.config, num_blocks=self.num_blocks, block_size=self.block_size,
-                        dtype=torch.float32, what="plan decoder")
+                        dtype=self.kv_dtype, what="plan decoder")
         step, desc, kv_ptr = self._step, ctypes.byref(self.desc), kv.data_ptr()
 
         def launch(B: int, ids: int, positions: int, tables: int, max_blocks: int, logits: int, argmax: int,

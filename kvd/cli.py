@@ -42,6 +42,7 @@ ENGINE_FLAGS = {
                          "threads of a decode step of at most 4 rows (default 0: timed at start on 8+ threads)"),
     "--decode-kernel": ("decode_kernel", str, "auto (fused C++ bf16 decode where the CPU has AVX512-BF16) or torch"),
     "--weights": ("weights", str, "native (serve a GGUF's Q4_0/Q4_1/Q8_0 blocks as they are) or dequantize"),
+    "--kv-cache-dtype": ("kv_cache_dtype", str, "auto (the model's dtype) or float16 (an fp32 model's KV in half the bytes)"),
     "--host-hit-policy": ("host_hit_policy", str,
                           "a cached prefix in the host tier: cost (swap in or recompute, the cheaper), swap or recompute"),
     "--cost-token-s": ("cost_token_s", float, "caching cost model: prefill seconds per token"),

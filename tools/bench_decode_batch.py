@@ -16,6 +16,10 @@ each build, the same weights cloned into ordinary memory (4 KiB pages), and
 the same KV cache copied into ordinary memory, each beside the engine's own
 layout, steps alternated the same way.
 
+``--kv-dtypes float32,float16`` adds, for each build, the same steps over a
+float16 KV cache (``kv_cache_dtype = "float16"``: the same random keys rounded
+to halves), alternated step by step with the fp32 cache's.
+
 ``--through engine`` times whole ``LLMEngine.step`` calls instead (B greedy
 requests with random ``--context``-token prompts, prefilled first, the host's
 build): the step as a server runs it, scheduling, sampling and detokenizing
@@ -33,7 +37,7 @@ is also set against the bandwidth bound: read bandwidth measured in the run
     .venv/bin/python tools/bench_decode_batch.py [--threads 1] [--context 256]
         [--batches 1,2,3,4,6,8,12,16,32] [--repos .,/tmp/old] [--rounds 2]
         [--variants host|all|avx2,avx512vnni] [--weights bundled|random] [--pages huge|both] [--scatter]
-        [--through executor|engine]
+        [--through executor|engine] [--kv-dtypes float32,float16]
 
 Prints a table (ms per step; per sequence in brackets) and writes JSON to results/.
 """
@@ -135,11 +139,13 @@ def measure_engine(threads: int, context: int, batches: list[int], steps: int, w
 
 
 def measure(threads: int, context: int, batches: list[int], steps: int, variants: list[str],
-            weights: str, pages: str = "huge", scatter: bool = False) -> dict:
+            weights: str, pages: str = "huge", scatter: bool = False, kv_dtypes: tuple[str, ...] = ("float32",)
+            ) -> dict:
     """Runs in the checkout under test (its engine and kernels on sys.path).
     Returns {variant: {batch: {min_ms, median_ms}}} plus ``_bound`` (bandwidth bound);
     with ``pages`` "both", also {"<variant>, 4 KiB pages": ...} (the weights on ordinary
-    pages) and {"<variant>, KV on 4 KiB pages": ...}."""
+    pages) and {"<variant>, KV on 4 KiB pages": ...}; with "float16" in ``kv_dtypes``, also
+    {"<variant>, KV float16": ...} (the same keys, rounded to halves)."""
     import torch
 
     from engine.model.llama import LlamaModel
@@ -176,6 +182,18 @@ def measure(threads: int, context: int, batches: list[int], steps: int, variants
         decoders.update({f"{v}, 4 KiB pages": PlanDecoder.create(plain, kv, bs, variant=v) for v in variants})
         decoders.update({f"{v}, KV on 4 KiB pages": decoders[v] for v in variants})    # same build, kv_plain
         variants = list(decoders)
+    caches = {v: kv_plain if v.endswith("KV on 4 KiB pages") else kv for v in decoders}
+    if "float16" in kv_dtypes:
+        kv16 = huge_page_zeros(tuple(kv_plain.shape), torch.float16)
+        kv16.copy_(kv_plain)
+        for v in list(decoders):
+            if not v.endswith("4 KiB pages"):
+                decoders[f"{v}, KV float16"] = PlanDecoder.create(model, kv16, bs, variant=v.split(",")[0])
+                caches[f"{v}, KV float16"] = kv16
+        if "float32" not in kv_dtypes:
+            for v in [v for v in decoders if not v.endswith("KV float16")]:
+                del decoders[v]
+        variants = list(decoders)
     missing = [v for v, d in decoders.items() if d is None]
     if missing:
         raise SystemExit(f"bench_decode_batch: the plan executor does not run here for {missing} (see the log)")
@@ -186,7 +204,6 @@ def measure(threads: int, context: int, batches: list[int], steps: int, variants
         tables = (torch.randperm(kv.shape[2], generator=torch.Generator().manual_seed(b))[:b * per] if scatter
                   else torch.arange(b * per, dtype=torch.int64)).reshape(b, per)
         times: dict[str, list[float]] = {v: [] for v in variants}
-        caches = {v: kv_plain if v.endswith("KV on 4 KiB pages") else kv for v in variants}
         for v, dec in decoders.items():
             for _ in range(3):
                 dec.decode(ids, pos, tables, caches[v])
@@ -222,10 +239,14 @@ def main() -> None:
                     help="block tables drawn at random from the pool (a long-running server's), not in order")
     ap.add_argument("--through", choices=("executor", "engine"), default="executor",
                     help="engine: time LLMEngine.step (the engine's Python included), host build only")
+    ap.add_argument("--kv-dtypes", default="float32",
+                    help="KV caches to compare, of float32 and float16 (kv_cache_dtype), e.g. float32,float16")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=str(REPO / "results" / "bench_decode_batch.json"))
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
+    if not args.kv_dtypes or set(args.kv_dtypes.split(",")) - {"float32", "float16"}:
+        raise SystemExit(f"bench_decode_batch: --kv-dtypes takes float32 and/or float16, got {args.kv_dtypes!r}")
     variants = args.variants.split(",")
     if args.worker:
         sys.path.insert(0, os.getcwd())
@@ -233,7 +254,7 @@ def main() -> None:
             print(json.dumps(measure_engine(args.threads, args.context, batches, args.steps, args.weights)))
         else:
             print(json.dumps(measure(args.threads, args.context, batches, args.steps, variants, args.weights,
-                                     args.pages, args.scatter)))
+                                     args.pages, args.scatter, tuple(args.kv_dtypes.split(",")))))
         return
     sys.path.insert(0, str(REPO))
     from tools._twoproc import write_results
@@ -247,7 +268,8 @@ def main() -> None:
                                    str(args.threads), "--context", str(args.context), "--batches", args.batches,
                                    "--steps", str(args.steps), "--variants", args.variants,
                                    "--weights", args.weights, *(["--pages", "both"] if args.pages == "both" else []),
-                                   *(["--scatter"] if args.scatter else []), "--through", args.through],
+                                   *(["--scatter"] if args.scatter else []), "--through", args.through,
+                                   "--kv-dtypes", args.kv_dtypes],
                                   cwd=repo, capture_output=True, text=True,
                                   timeout=3600)
             if proc.returncode != 0:
@@ -264,7 +286,7 @@ def main() -> None:
     gbs = max(r["bound"]["read_bandwidth_GBps"] for r in rows)
     through = "LLMEngine.step" if args.through == "engine" else "the executor's decode"
     print(f"\n{cpu}, {args.threads} thread(s), context {args.context}, {args.weights} weights, {through}: "
-          f"fastest step over {args.rounds} rounds, ms (per sequence)"
+          f"fastest step over {args.rounds} rounds, ms (per sequence); median of the rounds' median steps"
           + ("; [median ms of a step outside the executor's call]" if args.through == "engine" else "") + "\n")
     print("| batch | " + " | ".join(label[c] for c in columns) + " |")
     print("|---" * (len(columns) + 1) + "|")
@@ -275,7 +297,8 @@ def main() -> None:
             best = min(m["min_ms"] for m in mine)
             host = (f" [{statistics.median(m['host_ms'] for m in mine):.3f}]"
                     if args.through == "engine" else "")
-            cells.append(f"{best:.2f} ({best / b:.2f}){host}")
+            med = statistics.median(m["median_ms"] for m in mine)
+            cells.append(f"{best:.2f} ({best / b:.2f}); {med:.2f}{host}")
         print(f"| {b} | " + " | ".join(cells) + " |")
     if 1 in batches:
         print(f"\nbandwidth bound: {rows[0]['bound']['weight_bytes_per_token'] / 1e6:.1f} MB per step "

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from engine.model.config import LlamaConfig
 from kernels import native
-from kernels.attention import AttentionBatch, decode_attention, prefill_attention, write_kv
+from kernels.attention import AttentionBatch, decode_attention, prefill_attention, store_kv, write_kv
 from kernels.prefill_attention import PrefillAttention
 from kernels.quant import QuantTensor
 from kernels.quant_linear import QuantKernel, QuantLinear
@@ -338,7 +338,14 @@ class LlamaModel:
         q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]
         v = qkv[:, q_size + kv_size:].view(T, cfg.num_kv_heads, hd)
         k_cache, v_cache = kv_layer[0], kv_layer[1]       # [N, bs, kvh, hd]
-        write_kv(k_cache, v_cache, k, v, batch)
+        if k_cache.dtype != k.dtype:
+            # a 16-bit cache of an fp32 model (kv_cache_dtype): this step attends to the K/V
+            # the cache holds, as every later step and a chunked or cached prefill does
+            k, v = store_kv(k, k_cache.dtype), store_kv(v, k_cache.dtype)
+            write_kv(k_cache, v_cache, k, v, batch)
+            k, v = k.to(q.dtype), v.to(q.dtype)
+        else:
+            write_kv(k_cache, v_cache, k, v, batch)
         if batch.is_prefill:
             o = prefill_attention(q, k, v, k_cache, v_cache, batch, self.scale, self.attention_kernel)
         else:

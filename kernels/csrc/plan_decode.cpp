@@ -65,6 +65,7 @@ struct PlanWeight {
 struct PlanModel {
     int32_t num_layers, num_steps, num_slots, num_weights;   // num_weights: weight slots per layer
     int32_t hidden, heads, kv_heads, head_dim, vocab, block_size, num_blocks, max_positions;
+    int32_t kv_half;                // the KV cache's elements: 0 fp32, 1 IEEE halves (quant_blocks.h)
     float eps, scale;
     const PlanStep* steps;          // [num_steps], run for every layer
     const int64_t* slot_width;      // [num_slots] floats per row; slot 0 is h, the residual stream
@@ -100,9 +101,19 @@ inline int64_t key_chunk(int64_t ctx) {
     return c < KEY_CHUNK_MAX ? c : KEY_CHUNK_MAX;
 }
 
-inline float dot_head(const float* a, const float* b, int hd) {      // hd % 16 == 0
-    V16 acc = vmul(vload(a), vload(b));
-    for (int c = 16; c < hd; c += 16) acc = vfma(vload(a + c), vload(b + c), acc);
+// 16 of a KV row's elements as fp32: a fp32 cache's as they are, a half cache's widened (exact)
+inline V16 vload_kv(const float* p) { return vload(p); }
+inline V16 vload_kv(const uint16_t* p) { return vload_half(p); }
+
+// A token's K or V row (kvh_stride floats) into the cache as its elements: a half cache rounds
+// it as the torch path's store does (store_half_row), and every later read sees those values.
+inline void store_kv(const float* x, int64_t n, float* out) { memcpy(out, x, (size_t)n * sizeof(float)); }
+inline void store_kv(const float* x, int64_t n, uint16_t* out) { store_half_row(x, n, out); }
+
+template <class KV>
+inline float dot_head(const float* a, const KV* b, int hd) {      // hd % 16 == 0
+    V16 acc = vmul(vload(a), vload_kv(b));
+    for (int c = 16; c < hd; c += 16) acc = vfma(vload(a + c), vload_kv(b + c), acc);
     return vsum(acc);
 }
 
@@ -116,7 +127,7 @@ inline float exp_one(float x) {                 // simd.h's e^x for x <= 0, the 
 // score pass: 10% off a step at 1,000 and 4,000 keys, block table scattered (docs/benchmarks.md).
 constexpr int64_t KV_AHEAD = 4;
 
-inline void prefetch_lines(const float* p, int64_t bytes) {      // a hint: changes no result
+inline void prefetch_lines(const void* p, int64_t bytes) {       // a hint: changes no result
 #if defined(__AVX2__)
     for (int64_t at = 0; at < bytes; at += 64) _mm_prefetch((const char*)p + at, _MM_HINT_T0);
 #else
@@ -132,8 +143,10 @@ struct AttnSeq {
 };
 
 // Item [t0, t1) of one sequence, every head: m, l [H] and o [H][hd] as above. kc, vc: the
-// layer's caches; scores: [H][t1 - t0] scratch.
-void attend_chunk(const AttnSeq& seq, int64_t t0, int64_t t1, const float* kc, const float* vc, int block_size,
+// layer's caches (KV: float, or uint16_t for halves, widened as they are read); scores:
+// [H][t1 - t0] scratch.
+template <class KV>
+void attend_chunk(const AttnSeq& seq, int64_t t0, int64_t t1, const KV* kc, const KV* vc, int block_size,
                   int64_t kvh_stride, int H, int group, int hd, float scale, float* scores, float* m, float* l,
                   float* o) {
     const int64_t n = t1 - t0;
@@ -142,9 +155,9 @@ void attend_chunk(const AttnSeq& seq, int64_t t0, int64_t t1, const float* kc, c
         row[i] = (seq.table[blk] * block_size + at) * kvh_stride;
         if (++at == block_size) at = 0, blk++;
     }
-    const int64_t row_bytes = kvh_stride * (int64_t)sizeof(float);
+    const int64_t row_bytes = kvh_stride * (int64_t)sizeof(KV);
     for (int64_t i = 0; i < n; i++) {
-        const float* k = kc + row[i];
+        const KV* k = kc + row[i];
         // the cache is cold (the step's weights streamed through since this layer last ran):
         // ask for key i + KV_AHEAD's K row and key i's V row (read in the second pass)
         if (i + KV_AHEAD < n) prefetch_lines(kc + row[i + KV_AHEAD], row_bytes);
@@ -169,11 +182,11 @@ void attend_chunk(const AttnSeq& seq, int64_t t0, int64_t t1, const float* kc, c
             V16 acc[4][4];
             for (int j = 0; j < group; j++)
                 for (int c = 0; c < 4; c++) acc[j][c] = vzero();
-            const float* vg = vc + g * hd;
+            const KV* vg = vc + g * hd;
             const float* sg = scores + (int64_t)g * group * n;
             for (int64_t i = 0; i < n; i++) {
-                const float* v = vg + row[i];
-                const V16 v0 = vload(v), v1 = vload(v + 16), v2 = vload(v + 32), v3 = vload(v + 48);
+                const KV* v = vg + row[i];
+                const V16 v0 = vload_kv(v), v1 = vload_kv(v + 16), v2 = vload_kv(v + 32), v3 = vload_kv(v + 48);
                 for (int j = 0; j < group; j++) {
                     const V16 p = vset1(sg[j * n + i]);
                     acc[j][0] = vfma(p, v0, acc[j][0]);
@@ -192,11 +205,11 @@ void attend_chunk(const AttnSeq& seq, int64_t t0, int64_t t1, const float* kc, c
         const float* s = scores + h * n;
         V16 acc[16];                             // hd <= 256
         for (int c = 0; c < chunks; c++) acc[c] = vzero();
-        const float* vg = vc + (h / group) * hd;
+        const KV* vg = vc + (h / group) * hd;
         for (int64_t i = 0; i < n; i++) {
-            const float* v = vg + row[i];
+            const KV* v = vg + row[i];
             const V16 p = vset1(s[i]);
-            for (int c = 0; c < chunks; c++) acc[c] = vfma(p, vload(v + 16 * c), acc[c]);
+            for (int c = 0; c < chunks; c++) acc[c] = vfma(p, vload_kv(v + 16 * c), acc[c]);
         }
         for (int c = 0; c < chunks; c++) vstore(o + h * hd + 16 * c, acc[c]);
     }
@@ -219,6 +232,54 @@ void combine_chunks(const float* m, const float* l, const float* o, int64_t coun
     }
     const V16 inv = vset1(1.0f / sum);
     for (int i = 0; i < chunks; i++) vstore(out + 16 * i, vmul(acc[i], inv));
+}
+
+// A step's attention work items (kvd_plan_decode): item i is sequence seq[i]'s key chunk from t0[i].
+struct AttnItems {
+    const int64_t* seq;
+    const int64_t* t0;
+    const int64_t* positions;
+    const int64_t* tables;          // [B, max_blocks]
+    int max_blocks;
+};
+
+// A thread's buffers for attend_items: scores [H][KEY_CHUNK_MAX], q [H][hd], k [kvh][hd] its own;
+// m, l [items][H] and o [items][H][hd] the team's, each item written by the thread that takes it.
+struct AttnScratch {
+    float *scores, *q, *k, *part_m, *part_l, *part_o;
+};
+
+// Items [i0, i1) of one layer's rope_attention over caches of KV (kcache, and vcache at
+// v_offset elements past it); x: the step's input rows (row stride in). The chunk that holds
+// a token's own key first writes its K and V into the cache (no other chunk reads that slot),
+// and a thread rotates a sequence's queries into its own buffer when it starts a chunk of it.
+template <class KV>
+void attend_items(const PlanModel* m, const AttnItems& it, int64_t i0, int64_t i1, const float* x, int64_t in,
+                  KV* kcache, size_t v_offset, const AttnScratch& ws) {
+    const int bs = m->block_size, hd = m->head_dim, H = m->heads, KVH = m->kv_heads;
+    const int64_t kvh_stride = (int64_t)KVH * hd, q_size = (int64_t)H * hd;
+    KV* vcache = kcache + v_offset;
+    int64_t rotated = -1;                       // the sequence ws.q holds
+    for (int64_t i = i0; i < i1; i++) {
+        const int64_t b = it.seq[i], pos = it.positions[b], ctx = pos + 1;
+        const int64_t t1 = it.t0[i] + key_chunk(ctx) < ctx ? it.t0[i] + key_chunk(ctx) : ctx;
+        const float* src = x + b * in;
+        const float* c = m->cos + pos * hd;
+        const float* sn = m->sin + pos * hd;
+        if (b != rotated) {
+            for (int j = 0; j < H; j++) rope_head(src + j * hd, c, sn, hd, ws.q + j * hd);
+            rotated = b;
+        }
+        if (t1 == ctx) {
+            const int64_t at = (it.tables[(size_t)b * it.max_blocks + pos / bs] * bs + pos % bs) * kvh_stride;
+            for (int j = 0; j < KVH; j++) rope_head(src + (H + j) * hd, c, sn, hd, ws.k + j * hd);
+            store_kv(ws.k, kvh_stride, kcache + at);
+            store_kv(src + (H + KVH) * hd, kvh_stride, vcache + at);
+        }
+        const AttnSeq seq{ws.q, it.tables + (size_t)b * it.max_blocks, ctx};
+        attend_chunk(seq, it.t0[i], t1, kcache, vcache, bs, kvh_stride, H, H / KVH, hd, m->scale, ws.scores,
+                     ws.part_m + i * H, ws.part_l + i * H, ws.part_o + i * q_size);
+    }
 }
 
 // Storage for every matmul input of a step quantized, one buffer per slot and the last for
@@ -322,6 +383,10 @@ int64_t kvd_plan_greedy(const float* x, const int64_t* starts, const int32_t* or
     return best.i;
 }
 
+// out[0, n) = x[0, n) as a half KV cache stores them (store_half_row). For the tests: the
+// torch path's kernels.attention.store_kv must give the same bits.
+void kvd_plan_store_half(const float* x, int64_t n, uint16_t* out) { store_half_row(x, n, out); }
+
 // 0 when this build can run the plan as described; -2 for an unknown op or format,
 // a slot of the wrong width or a weight that does not fit its step. Called once,
 // when the Python side builds the plan: kvd_plan_decode trusts a checked plan.
@@ -363,7 +428,7 @@ int kvd_plan_check(const PlanModel* m) {
 // row's greedy token (Best); num_threads compute it, inside an OpenMP region of at least
 // team_threads. Returns 0, or -1 when B < 1 or an id, position or block is out of range
 // (nothing written).
-int kvd_plan_decode(const PlanModel* m, float* kv, int B, const int64_t* ids, const int64_t* positions,
+int kvd_plan_decode(const PlanModel* m, void* kv, int B, const int64_t* ids, const int64_t* positions,
                     const int64_t* tables, int max_blocks, float* logits, int64_t* argmax, int num_threads,
                     int team_threads) {
     const int bs = m->block_size, hd = m->head_dim, H = m->heads, KVH = m->kv_heads;
@@ -398,8 +463,8 @@ int kvd_plan_decode(const PlanModel* m, float* kv, int B, const int64_t* ids, co
     float* h = slots[0].data();
     gather_rows_any(m->embed.format, (const uint8_t*)m->embed.data, D, ids, B, h);
 
-    const size_t layer_kv = (size_t)2 * m->num_blocks * bs * kvh_stride;
-    const int group = H / KVH;
+    const size_t layer_kv = (size_t)2 * m->num_blocks * bs * kvh_stride;       // elements
+    const AttnItems items_of{item_seq.data(), item_t0.data(), positions, tables, max_blocks};
     const int nt = num_threads < 1 ? 1 : num_threads;
 
     // Few rows: a row-local op (norm, silu, quantizing a matmul's input) on one thread while
@@ -430,7 +495,8 @@ int kvd_plan_decode(const PlanModel* m, float* kv, int B, const int64_t* ids, co
     auto work = [&](const int tid, const int T) {
         int64_t round = 0;                              // the team's matmuls so far (RowClaims::run)
         QuantizedInputs own_qbufs;
-        std::vector<float> scores((size_t)H * KEY_CHUNK_MAX), q_own((size_t)q_size);
+        std::vector<float> scores((size_t)H * KEY_CHUNK_MAX), q_own((size_t)q_size), k_own((size_t)kvh_stride);
+        const AttnScratch ws{scores.data(), q_own.data(), k_own.data(), part_m.data(), part_l.data(), part_o.data()};
         std::vector<std::vector<float>> own((size_t)m->num_slots);      // this thread's private slots
         for (int s = 0; s < m->num_slots; s++)
             if (priv_slot[s]) own[s].resize((size_t)B * m->slot_width[s]);
@@ -441,8 +507,6 @@ int kvd_plan_decode(const PlanModel* m, float* kv, int B, const int64_t* ids, co
         if (redundant) r0 = 0, r1 = B;
         else split(B, T, tid, &r0, &r1);
         for (int l = 0; l < m->num_layers; l++) {
-            float* kcache = kv + l * layer_kv;
-            float* vcache = kcache + layer_kv / 2;
             const PlanWeight* lw = m->weights + (size_t)l * m->num_weights;
             for (int s = 0; s < m->num_steps; s++) {
                 const PlanStep& st = m->steps[s];
@@ -488,26 +552,10 @@ int kvd_plan_decode(const PlanModel* m, float* kv, int B, const int64_t* ids, co
                         // into its own buffer when it starts a chunk of that sequence
                         int64_t i0, i1;
                         split(items, T, tid, &i0, &i1);
-                        int64_t rotated = -1;                       // the sequence q_own holds
-                        for (int64_t i = i0; i < i1; i++) {
-                            const int64_t b = item_seq[i], pos = positions[b], ctx = pos + 1;
-                            const int64_t t1 = item_t0[i] + key_chunk(ctx) < ctx ? item_t0[i] + key_chunk(ctx) : ctx;
-                            const float* src = x + b * in;
-                            const float* c = m->cos + pos * hd;
-                            const float* sn = m->sin + pos * hd;
-                            if (b != rotated) {
-                                for (int j = 0; j < H; j++) rope_head(src + j * hd, c, sn, hd, &q_own[j * hd]);
-                                rotated = b;
-                            }
-                            if (t1 == ctx) {
-                                const int64_t at = (tables[(size_t)b * max_blocks + pos / bs] * bs + pos % bs) * kvh_stride;
-                                for (int j = 0; j < KVH; j++) rope_head(src + (H + j) * hd, c, sn, hd, kcache + at + j * hd);
-                                memcpy(vcache + at, src + (H + KVH) * hd, kvh_stride * sizeof(float));
-                            }
-                            const AttnSeq seq{q_own.data(), tables + (size_t)b * max_blocks, ctx};
-                            attend_chunk(seq, item_t0[i], t1, kcache, vcache, bs, kvh_stride, H, group, hd, m->scale,
-                                         scores.data(), &part_m[i * H], &part_l[i * H], &part_o[i * q_size]);
-                        }
+                        if (m->kv_half)
+                            attend_items(m, items_of, i0, i1, x, in, (uint16_t*)kv + l * layer_kv, layer_kv / 2, ws);
+                        else
+                            attend_items(m, items_of, i0, i1, x, in, (float*)kv + l * layer_kv, layer_kv / 2, ws);
                         barrier.wait(T, tid);
                         // the chunks of each (sequence, head) combined: every pair on every
                         // thread into its private output, or the pairs split

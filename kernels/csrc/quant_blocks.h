@@ -140,6 +140,61 @@ inline void scales(const uint8_t* p, V16* d, V16* m) {
 }
 #endif
 
+// ------------------------------------------------------------------ fp16 KV rows
+// A KV cache of IEEE halves (kv_cache_dtype = "float16", engine/config.py): 16 halves widened
+// to fp32 (exact), and fp32 rows stored as halves the way the torch path stores them
+// (kernels/attention.py, store_kv): clamped to +-65504, the largest finite half (NaN stays
+// NaN), then rounded to nearest even, subnormal halves included. Every build, the same bits.
+constexpr float HALF_MAX = 65504.0f;
+
+inline float half_to_f32(uint16_t h) { return fp16_to_f32((const uint8_t*)&h); }
+
+inline uint16_t f32_to_half(float f) {
+#if defined(__F16C__)
+    const __m128 c = _mm_min_ss(_mm_set_ss(HALF_MAX), _mm_max_ss(_mm_set_ss(-HALF_MAX), _mm_set_ss(f)));
+    return (uint16_t)_mm_extract_epi16(_mm_cvtps_ph(c, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), 0);
+#else
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint16_t sign = (uint16_t)((x >> 16) & 0x8000);
+    const uint32_t ax = x & 0x7fffffffu;
+    if (ax > 0x7f800000u) return (uint16_t)(sign | 0x7e00 | ((ax >> 13) & 0x3ff));     // NaN stays NaN
+    float a;
+    memcpy(&a, &ax, 4);
+    if (a >= HALF_MAX) return (uint16_t)(sign | 0x7bff);                              // clamped
+    if (a < 6.103515625e-05f) {                 // below the smallest normal half: steps of 2^-24
+        const float r = nearbyintf(a * 16777216.0f);                                   // exact scaling
+        return (uint16_t)(sign | (uint16_t)r);  // r <= 1024: 1024 is the smallest normal, as it should be
+    }
+    // normal: drop 13 mantissa bits, rounding to nearest even (a carry into the exponent is right)
+    const uint32_t r = ax + 0xfffu + ((ax >> 13) & 1u);
+    return (uint16_t)(sign | (uint16_t)((r - (112u << 23)) >> 13));
+#endif
+}
+
+#if defined(__AVX512F__)
+inline V16 vload_half(const uint16_t* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p))}; }
+#elif defined(__AVX2__)
+inline V16 vload_half(const uint16_t* p) {
+    return {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 8)))};
+}
+#else
+inline V16 vload_half(const uint16_t* p) { V16 r; for (int i = 0; i < 16; i++) r.f[i] = half_to_f32(p[i]); return r; }
+#endif
+
+// out[0, n) = x[0, n) as halves (f32_to_half's rounding)
+inline void store_half_row(const float* x, int64_t n, uint16_t* out) {
+    int64_t i = 0;
+#if defined(__F16C__) && (defined(__AVX2__) || defined(__AVX512F__))
+    const __m256 hi = _mm256_set1_ps(HALF_MAX), lo = _mm256_set1_ps(-HALF_MAX);
+    for (; i + 8 <= n; i += 8) {
+        const __m256 c = _mm256_min_ps(hi, _mm256_max_ps(lo, _mm256_loadu_ps(x + i)));
+        _mm_storeu_si128((__m128i*)(out + i), _mm256_cvtps_ph(c, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
+#endif
+    for (; i < n; i++) out[i] = f32_to_half(x[i]);
+}
+
 // One block's 32 weights in fp32: lo = elements 0..15, hi = 16..31 (exact, see the header).
 template <int F>
 inline void dequant_block(const uint8_t* blk, V16* lo, V16* hi) {

@@ -156,7 +156,8 @@ def _args(weights):
 
 # ------------------------------------------------------------------ the engine
 def native_engine(tiny_gguf, tokenizer, **overrides) -> LLMEngine:
-    cfg = EngineConfig(model=str(tiny_gguf), dtype="float32", kv_blocks=128, host_kv_blocks=64, **overrides)
+    cfg = EngineConfig(**{"model": str(tiny_gguf), "dtype": "float32", "kv_blocks": 128, "host_kv_blocks": 64,
+                          **overrides})
     weights = load_gguf(tiny_gguf, quantized=cfg.weights == "native")
     return LLMEngine(cfg, build_model(cfg, weights), tokenizer, "tiny-gguf")
 
@@ -180,8 +181,8 @@ def test_the_engine_names_the_kernels_of_this_host(tiny_gguf, tokenizer, kernel)
     team = torch.get_num_threads() if torch.get_num_threads() < 8 else None     # timed at start from 8
     named = native_engine(tiny_gguf, tokenizer).kernels()
     assert named.pop("decode_threads").endswith("(batches of <= 4 rows)")
-    assert named == {"weights": "native", "dtype": "float32", "matmul": host, "decode": f"plan:{host}",
-                     "prefill_attention": host, "row_ops": host}
+    assert named == {"weights": "native", "dtype": "float32", "kv_cache": "float32", "matmul": host,
+                     "decode": f"plan:{host}", "prefill_attention": host, "row_ops": host}
     if team is not None:
         assert native_engine(tiny_gguf, tokenizer).runner.small_batch_threads == team
     torch_decode = native_engine(tiny_gguf, tokenizer, decode_kernel="torch").kernels()

@@ -10,6 +10,7 @@ build runs here (AVX2 on the project's machines): nothing is skipped.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import os
 import threading
@@ -28,7 +29,7 @@ from engine.model.registry import resolve_model
 from engine.model.weights import random_weights
 from engine.request import SamplingParams
 from kernels import native, plan_decode
-from kernels.attention import AttentionBatch, PrefillSeq, decode_key_mask
+from kernels.attention import AttentionBatch, PrefillSeq, decode_key_mask, store_kv
 from kernels.plan_decode import PlanDecoder, unsupported_reason
 from kernels.quant import QuantTensor
 from kernels.quant_linear import VARIANTS, QuantKernel, runs_here
@@ -78,9 +79,9 @@ def model(request, kernel) -> LlamaModel:
     return tiny_model(request.param.split("-")[1], kernel)
 
 
-def empty_kv(model: LlamaModel) -> torch.Tensor:
+def empty_kv(model: LlamaModel, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     c = model.config
-    return torch.zeros(c.num_layers, 2, NUM_BLOCKS, BS, c.num_kv_heads, c.head_dim)
+    return torch.zeros(c.num_layers, 2, NUM_BLOCKS, BS, c.num_kv_heads, c.head_dim, dtype=dtype)
 
 
 def decoder(model: LlamaModel, kv: torch.Tensor) -> PlanDecoder:
@@ -89,11 +90,12 @@ def decoder(model: LlamaModel, kv: torch.Tensor) -> PlanDecoder:
     return dec
 
 
-def prefilled(model: LlamaModel, lengths: list[int], seed: int):
-    """A KV cache holding ``lengths[i]`` random tokens of each sequence in scattered
-    blocks (torch prefill), and each one's next decode inputs: ids, positions, tables."""
+def prefilled(model: LlamaModel, lengths: list[int], seed: int, kv_dtype: torch.dtype = torch.float32):
+    """A KV cache (of ``kv_dtype``: float16 is kv_cache_dtype's) holding ``lengths[i]``
+    random tokens of each sequence in scattered blocks (torch prefill), and each one's
+    next decode inputs: ids, positions, tables."""
     g = torch.Generator().manual_seed(seed)
-    kv = empty_kv(model)
+    kv = empty_kv(model, kv_dtype)
     perm = torch.randperm(NUM_BLOCKS, generator=g).tolist()
     tables, at = [], 0
     for n in lengths:
@@ -120,8 +122,11 @@ def torch_decode(model: LlamaModel, kv, ids, positions, block_tables) -> torch.T
 
 
 # ------------------------------------------------------------------ against forward
-def test_logits_and_kv_match_forward(model):
-    kv, ids, pos, tables = prefilled(model, [1, 5, 16, 17, 40, 100], seed=1)
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_logits_and_kv_match_forward(model, kv_dtype):
+    """Also over a float16 KV cache (kv_cache_dtype): both paths store K/V rounded to
+    halves (kernels.attention.store_kv) and attend to the stored values."""
+    kv, ids, pos, tables = prefilled(model, [1, 5, 16, 17, 40, 100], seed=1, kv_dtype=kv_dtype)
     kv_torch, kv_plan = kv.clone(), kv.clone()
     ref = torch_decode(model, kv_torch, ids, pos, tables)
     out = decoder(model, kv).decode(ids, pos, tables, kv_plan)
@@ -136,20 +141,22 @@ def test_logits_and_kv_match_forward(model):
     flat = lambda t: t.view(t.shape[0], 2, -1, *t.shape[4:])          # noqa: E731  [L, 2, N*bs, kvh, hd]
     changed = (flat(kv_plan) != flat(kv)).flatten(3).any(-1).any(0).any(0)
     assert sorted(changed.nonzero().flatten().tolist()) == sorted(slots)
-    new_p, new_t = flat(kv_plan)[:, :, slots], flat(kv_torch)[:, :, slots]
+    new_p, new_t = flat(kv_plan)[:, :, slots].float(), flat(kv_torch)[:, :, slots].float()
     assert (new_p - new_t).abs().max() <= 1e-3 * new_t.abs().max()
 
 
 @pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0", "Q4_0"])
 @pytest.mark.parametrize("build", ["host", "amxemu"])
-def test_every_build_computes_the_same_bits(fmt, build, kernel):
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_every_build_computes_the_same_bits(fmt, build, kv_dtype, kernel):
     """The host's build, and the AMX tile path with its tile instructions emulated (amxemu:
     a batch of 16 or more takes it), against the portable one (the arithmetic's definition;
     far too slow for the real model): the same logits and K/V bit for bit, so nodes of
-    different CPU families agree (a prefill on one, the decode on another)."""
+    different CPU families agree (a prefill on one, the decode on another). A float16
+    cache's K/V too: F16C's rounding and the portable build's own agree."""
     model = tiny_model(fmt, kernel)
     kv, ids, pos, tables = prefilled(model, [1, 5, 16, 17, 40, 100, 2, 3, 4, 6, 7, 8, 9, 10, 11, 12, 300],
-                                        seed=3)
+                                        seed=3, kv_dtype=kv_dtype)
     kv_host, kv_port = kv.clone(), kv.clone()
     portable = PlanDecoder.create(model, kv, BS, variant="portable")
     assert portable is not None and portable.variant == "portable"
@@ -202,12 +209,13 @@ def test_thread_count_does_not_change_a_bit(smollm2):
     assert torch.equal(one, two)
 
 
-def test_long_contexts_split_over_keys(tiny):
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_long_contexts_split_over_keys(tiny, kv_dtype):
     """Past 256 keys a sequence's keys are cut into longer chunks (csrc/plan_decode.cpp,
     key_chunk) that the team shares: against forward to rounding, and bit for bit with
-    1, 2 and 3 threads, and alone against in a batch."""
+    1, 2 and 3 threads, and alone against in a batch; over a float16 cache too."""
     lengths = [255, 257, 700, 1000]
-    kv, ids, pos, tables = prefilled(tiny, lengths, seed=6)
+    kv, ids, pos, tables = prefilled(tiny, lengths, seed=6, kv_dtype=kv_dtype)
     ref = torch_decode(tiny, kv.clone(), ids, pos, tables)
     dec = decoder(tiny, kv)
     threads = torch.get_num_threads()
@@ -257,6 +265,33 @@ def test_bad_input_is_refused_before_writing(tiny):
     with pytest.raises(ValueError):
         dec.decode(ids.int(), pos, tables, kv)
     assert torch.equal(kv, before)
+    with pytest.raises(ValueError):                                     # an fp32 executor, a half cache
+        dec.decode(ids, pos, tables, kv.half())
+    assert PlanDecoder.create(tiny, kv.bfloat16(), BS) is None          # a cache it does not read
+
+
+@pytest.mark.parametrize("build", ["host", "portable"])
+def test_a_half_cache_stores_what_the_torch_path_stores(tiny, build):
+    """The executor's K/V store into a float16 cache (store_half_row: F16C, or the
+    portable build's own rounding) against kernels.attention.store_kv, bit for bit:
+    ties to even, subnormal halves, values past the largest half (clamped), infinities
+    (clamped too) and NaN (stays NaN)."""
+    g = torch.Generator().manual_seed(9)
+    x = torch.cat([torch.randn(4000, generator=g) * s for s in (1.0, 1e-3, 1e-5, 1e-7, 300.0, 3e4, 1e6)]
+                  + [torch.tensor([65504.0, 65519.0, 65520.0, 1e30, -1e30, float("inf"), float("-inf"), 0.0, -0.0,
+                                   1.0 + 2.0 ** -11, 1.0 + 3 * 2.0 ** -11, 2.0 ** -25, 3 * 2.0 ** -25, 2.0 ** -26,
+                                   5.96e-8, 6.1035e-05, float("nan")])])
+    dec = decoder(tiny, empty_kv(tiny)) if build == "host" else PlanDecoder.create(tiny, empty_kv(tiny), BS,
+                                                                                   variant="portable")
+    lib = native.load(plan_decode.LIBRARY, plan_decode.library_flags(plan_decode.LIBRARY, dec.variant))
+    out = torch.empty(x.shape, dtype=torch.float16)
+    lib.kvd_plan_store_half.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    lib.kvd_plan_store_half(x.data_ptr(), x.numel(), out.data_ptr())
+    want = store_kv(x, torch.float16)
+    nan = want.isnan()
+    assert torch.equal(out.isnan(), nan)
+    assert torch.equal(out[~nan].view(torch.int16), want[~nan].view(torch.int16))
+    assert out[-17:-11].tolist() == [65504.0, 65504.0, 65504.0, 65504.0, -65504.0, 65504.0]
 
 
 # ------------------------------------------------------------------ the engine's door
