@@ -361,16 +361,19 @@ def test_prefill_node_is_the_one_whose_cache_holds_the_prefix(tmp_path, referenc
     ("zmq+ipc", "bfloat16", {"p1": "prefill", "p2": "prefill", "d1": "decode", "d2": "decode"}),
     ("ucx", "float32", {"p1": "prefill", "p2": "prefill", "d1": "decode", "d2": "decode"}),
     ("ucx", "bfloat16", {"p1": "prefill", "d1": "decode"}),
+    ("zmq+tcp", "float32/float16", {"p1": "prefill", "d1": "decode"}),    # model / kv_cache_dtype
 ])
 def test_topologies_transports_and_dtypes(tmp_path, transport, dtype, roles, reference_engine):
     from engine.engine import EngineConfig, LLMEngine
 
-    ref_engine = reference_engine if dtype == "float32" else LLMEngine.from_config(EngineConfig(
+    dtype, _, kv_dtype = dtype.partition("/")
+    ref_engine = reference_engine if dtype == "float32" and not kv_dtype else LLMEngine.from_config(EngineConfig(
         model="tiny", dtype=dtype, block_size=16, kv_blocks=256, host_kv_blocks=32, max_model_len=512,
-        num_threads=1))
+        num_threads=1, kv_cache_dtype=kv_dtype or "auto"))
     if transport == "ucx":
         pytest.importorskip("ucxx")
-    c = start(tmp_path, transport, roles, node_extra=("--dtype", dtype))
+    c = start(tmp_path, transport, roles,
+              node_extra=("--dtype", dtype, *(("--kv-cache-dtype", kv_dtype) if kv_dtype else ())))
     try:
         system = prompt(90, 64)
         prompts = [prompt(i, n) for i, n in enumerate((7, 33, 120))] + [system + prompt(91 + i, 9) for i in range(4)]
