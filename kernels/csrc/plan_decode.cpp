@@ -110,12 +110,6 @@ inline V16 vload_kv(const uint16_t* p) { return vload_half(p); }
 inline void store_kv(const float* x, int64_t n, float* out) { memcpy(out, x, (size_t)n * sizeof(float)); }
 inline void store_kv(const float* x, int64_t n, uint16_t* out) { store_half_row(x, n, out); }
 
-template <class KV>
-inline float dot_head(const float* a, const KV* b, int hd) {      // hd % 16 == 0
-    V16 acc = vmul(vload(a), vload_kv(b));
-    for (int c = 16; c < hd; c += 16) acc = vfma(vload(a + c), vload_kv(b + c), acc);
-    return vsum(acc);
-}
 
 inline float exp_one(float x) {                 // simd.h's e^x for x <= 0, the same bits on every build
     alignas(64) float lanes[GEMM_VW];
@@ -156,15 +150,26 @@ void attend_chunk(const AttnSeq& seq, int64_t t0, int64_t t1, const KV* kc, cons
         if (++at == block_size) at = 0, blk++;
     }
     const int64_t row_bytes = kvh_stride * (int64_t)sizeof(KV);
+    const int chunks = hd / 16;
     for (int64_t i = 0; i < n; i++) {
         const KV* k = kc + row[i];
         // the cache is cold (the step's weights streamed through since this layer last ran):
         // ask for key i + KV_AHEAD's K row and key i's V row (read in the second pass)
         if (i + KV_AHEAD < n) prefetch_lines(kc + row[i + KV_AHEAD], row_bytes);
         prefetch_lines(vc + row[i], row_bytes);
-        for (int h = 0; h < H; h++) scores[h * n + i] = dot_head(seq.q + h * hd, k + (h / group) * hd, hd) * scale;
+        // each KV head's K row loaded (a half cache's widened) once for the query heads that
+        // share it; each score is dot_head's operations in dot_head's order
+        for (int g = 0; g < H / group; g++) {
+            V16 kk[16];                          // hd <= 256
+            for (int c = 0; c < chunks; c++) kk[c] = vload_kv(k + g * hd + 16 * c);
+            for (int j = 0; j < group; j++) {
+                const float* q = seq.q + (int64_t)(g * group + j) * hd;
+                V16 acc = vmul(vload(q), kk[0]);
+                for (int c = 1; c < chunks; c++) acc = vfma(vload(q + 16 * c), kk[c], acc);
+                scores[(g * group + j) * n + i] = vsum(acc) * scale;
+            }
+        }
     }
-    const int chunks = hd / 16;
     for (int h = 0; h < H; h++) {
         float* s = scores + h * n;
         float mx = s[0];
