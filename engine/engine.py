@@ -175,7 +175,8 @@ class LLMEngine:
     def kernels(self) -> dict[str, str]:
         """What computes each part of a step on this CPU, for operators (node status,
         the start-up log): ``weights`` ("native" block-quantized or "float") and
-        ``dtype``; ``kv_cache``, the KV cache's dtype (kv_cache_dtype); ``matmul``, the quantized-weights kernel's build ("avx2",
+        ``dtype``; ``kv_cache``, the KV cache's dtype (kv_cache_dtype); ``matmul``, the
+        quantized-weights kernel's build ("avx2",
         "avx512vnni", ...) or "torch"; ``decode``, the one-call decoder
         ("plan:<build>" or "fused-bf16") or "torch"; ``decode_threads``, its team for
         small batches (EngineConfig.decode_threads); ``prefill_attention``, the

@@ -129,7 +129,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """Causal attention for each sequence's new tokens, over cached prefix + new.
 
     q: [T, H, hd]; k, v: [T, kvh, hd] (the new tokens, already written to the
-    cache, with the values the cache holds: a 16-bit cache's, widened to q's dtype). Returns [T, H, hd]. A sequence with no cached prefix attends to its
+    cache, with the values the cache holds: a 16-bit cache's, widened to q's dtype).
+    Returns [T, H, hd]. A sequence with no cached prefix attends to its
     own k/v directly; one with a prefix gathers its context from the cache.
 
     ``kernel``: the blocked C++ kernel (kernels/prefill_attention.py: position

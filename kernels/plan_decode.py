@@ -147,8 +147,9 @@ class PlanDecoder:
         self.desc = _Model(
             cfg.num_layers, len(LAYER_STEPS), len(slots), len(weights), cfg.hidden_size, cfg.num_heads,
             cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size, block_size, num_blocks, self.cos.shape[0],
-            int(kv_dtype == torch.float16), cfg.rms_norm_eps, model.scale, self._steps, self._widths, self._weights, self.cos.data_ptr(),
-            self.sin.data_ptr(), _weight(model.embed), _weight(model.lm_head), model.norm.data_ptr())
+            int(kv_dtype == torch.float16), cfg.rms_norm_eps, model.scale, self._steps, self._widths,
+            self._weights, self.cos.data_ptr(), self.sin.data_ptr(), _weight(model.embed), _weight(model.lm_head),
+            model.norm.data_ptr())
         check = lib.kvd_plan_check
         check.restype, check.argtypes = ctypes.c_int, [ctypes.POINTER(_Model)]
         if check(ctypes.byref(self.desc)) != 0:

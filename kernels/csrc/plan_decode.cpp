@@ -12,7 +12,8 @@
 //     linear_add      dst = dst + x Wᵀ
 //     silu_mul        dst = silu(x[:, :I]) * x[:, I:]
 //     rope_attention  q, k = RoPE(x's q and k heads) (rotate_half, torch's three roundings);
-//                     k, v into the token's cache slot; dst = softmax(q·kᵀ scale) v over the
+//                     k, v into the token's cache slot (as halves in a float16 cache:
+//                     store_half_row); dst = softmax(q·kᵀ scale) v over the
 //                     sequence's keys 0..pos, GQA (query head h reads kv head h / (H / KVH))
 //
 // then the final norm and the LM head. One OpenMP team runs the whole step:
@@ -110,7 +111,6 @@ inline V16 vload_kv(const uint16_t* p) { return vload_half(p); }
 inline void store_kv(const float* x, int64_t n, float* out) { memcpy(out, x, (size_t)n * sizeof(float)); }
 inline void store_kv(const float* x, int64_t n, uint16_t* out) { store_half_row(x, n, out); }
 
-
 inline float exp_one(float x) {                 // simd.h's e^x for x <= 0, the same bits on every build
     alignas(64) float lanes[GEMM_VW];
     vn_store(lanes, vn_exp(vn_set1(x)));
@@ -158,7 +158,8 @@ void attend_chunk(const AttnSeq& seq, int64_t t0, int64_t t1, const KV* kc, cons
         if (i + KV_AHEAD < n) prefetch_lines(kc + row[i + KV_AHEAD], row_bytes);
         prefetch_lines(vc + row[i], row_bytes);
         // each KV head's K row loaded (a half cache's widened) once for the query heads that
-        // share it; each score is dot_head's operations in dot_head's order
+        // share it; a score is q·k in 16-lane chunks (a product, then FMAs in order), vsum's
+        // fixed tree, then the scale
         for (int g = 0; g < H / group; g++) {
             V16 kk[16];                          // hd <= 256
             for (int c = 0; c < chunks; c++) kk[c] = vload_kv(k + g * hd + 16 * c);
@@ -428,7 +429,8 @@ int kvd_plan_check(const PlanModel* m) {
     return 0;
 }
 
-// kv: [num_layers, 2, num_blocks, block_size, kv_heads, head_dim] fp32 (the new K/V written);
+// kv: [num_layers, 2, num_blocks, block_size, kv_heads, head_dim] of fp32, or of halves when
+// m->kv_half (the new K/V written);
 // ids, positions [B]; tables [B, max_blocks]; logits [B, vocab]; argmax [B] or null: each
 // row's greedy token (Best); num_threads compute it, inside an OpenMP region of at least
 // team_threads. Returns 0, or -1 when B < 1 or an id, position or block is out of range
