@@ -87,8 +87,8 @@ def build_model(config: EngineConfig, weights: LoadedWeights) -> LlamaModel:
 
 def kv_cache_dtype(config: EngineConfig, model_dtype: torch.dtype) -> torch.dtype:
     """The KV cache's dtype: the model's (``auto``), or float16 for an fp32 model's
-    (half its bytes: twice the tokens in the same ``kv_blocks`` bytes' worth, half the
-    bytes a decode step's attention reads and a transfer moves). Raises ValueError for
+    (half the bytes per block: twice the blocks in the same memory, half the bytes a
+    decode step's attention reads and a transfer moves). Raises ValueError for
     float16 under a model that is not fp32 (a bf16 model's cache is 16-bit already)."""
     if config.kv_cache_dtype == "auto":
         return model_dtype
