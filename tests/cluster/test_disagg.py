@@ -389,3 +389,28 @@ def test_topologies_transports_and_dtypes(tmp_path, transport, dtype, roles, ref
         wait_idle(c, roles)
     finally:
         c.stop()
+
+
+def test_a_decode_node_with_another_kv_layout_is_answered_with_a_refusal(tmp_path, reference_engine):
+    """A float16-cache prefill node and an fp32-cache decode node (kv_cache_dtype set on
+    one only, an operator's mistake): the prefill node refuses the decode node's grant
+    (KV layout mismatch), and the request still ends, in time, with the fp32 engine's
+    tokens (the decode node computes the prompt itself) and no block left owned."""
+    c = Cluster(tmp_path, "zmq+tcp", extra=("--prefill-queue-factor", "0"))
+    try:
+        c.start_node("p1", "--role", "prefill", "--prefill-threshold", "0", "--kv-transfer-timeout", "3",
+                     "--kv-cache-dtype", "float16")
+        c.start_node("d1", "--role", "decode", "--prefill-threshold", "0", "--kv-transfer-timeout", "3")
+        c.wait_nodes(["d1", "p1"])
+        ids = prompt(71, 40)
+        want = reference_engine.tokenizer.decode(reference_tokens(reference_engine, [ids], 8)[0])
+        t0 = time.monotonic()
+        text, finish, _ = stream(c.client(timeout=60), ids, 8)
+        assert time.monotonic() - t0 < 30
+        assert (text, finish) == (want, "length")
+        assert node_status(c, "p1")["kernels"]["kv_cache"] == "float16"
+        st = node_status(c, "d1")["disaggregation"]["decode"]
+        assert st["failed"] == 1 and st["remote"] == 0, st          # the refused leg, then its own prefill
+        wait_idle(c, ["d1", "p1"])
+    finally:
+        c.stop()
