@@ -4,7 +4,12 @@ For a serving change that no in-process benchmark sees (threads, the event loop,
 the HTTP path): make a git worktree of the commit before it, then
 
     .venv/bin/python tools/bench_serve_checkouts.py --repos /tmp/base,. [--concurrency 1]
-        [--prompts 4] [--input-len 64] [--output-len 128] [--rounds 3] [-- SERVE FLAGS...]
+        [--prompts 4] [--input-len 64] [--output-len 128] [--rounds 3] [--configs ";FLAGS"]
+        [-- SERVE FLAGS...]
+
+``--configs`` compares settings, not (only) checkouts: ';'-separated sets of extra
+flags, each served from every checkout (``--repos . --configs ";--kv-cache-dtype
+float16"``: the default against a float16 KV cache, the same tree).
 
 Each round starts ``kvd serve`` (this interpreter, default flags plus SERVE FLAGS)
 from every checkout in turn, the order reversed every other round, and runs
@@ -49,9 +54,9 @@ def switches(pid: int) -> dict[str, tuple[int, int]]:
     return out
 
 
-def one_run(repo: Path, args: argparse.Namespace, tmp: str) -> dict:
+def one_run(repo: Path, args: argparse.Namespace, tmp: str, extra: list[str] = ()) -> dict:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "kvd.cli", "serve", "--port", str(port), *args.serve],
+    proc = subprocess.Popen([sys.executable, "-m", "kvd.cli", "serve", "--port", str(port), *args.serve, *extra],
                             cwd=repo, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -87,25 +92,31 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--configs", default="",
+                    help="';'-separated sets of extra kvd serve flags, each served from every checkout")
     ap.add_argument("--out", default=str(REPO / "results" / "bench_serve_checkouts.json"))
     ap.add_argument("serve", nargs="*", help="flags for kvd serve (after --)")
     args = ap.parse_args()
     repos = [Path(r).resolve() for r in args.repos.split(",")]
+    configs = [c.split() for c in args.configs.split(";")] if args.configs else [[]]
+    runs = [(repo, cfg) for repo in repos for cfg in configs]
+    label = {(str(repo), " ".join(cfg)): f"{repo}" + (f" {' '.join(cfg)}" if cfg else "") for repo, cfg in runs}
     rows = []
     with tempfile.TemporaryDirectory(prefix="kvd-serve-ab-") as tmp:
         for rnd in range(args.rounds):
-            for repo in (repos if rnd % 2 == 0 else repos[::-1]):
-                r = one_run(repo, args, tmp)
-                rows.append({"repo": str(repo), "round": rnd, **r})
-                print(f"round {rnd} {repo}: " + ", ".join(f"{k} {r[k]:.3f}" for k in KEYS), flush=True)
+            for repo, cfg in (runs if rnd % 2 == 0 else runs[::-1]):
+                r = one_run(repo, args, tmp, cfg)
+                rows.append({"repo": str(repo), "config": " ".join(cfg), "round": rnd, **r})
+                print(f"round {rnd} {label[str(repo), ' '.join(cfg)]}: "
+                      + ", ".join(f"{k} {r[k]:.3f}" for k in KEYS), flush=True)
     cpu = cpu_model() or "unknown CPU"
     print(f"\n{cpu}, {os.cpu_count()} CPUs; {args.concurrency} concurrent, {args.prompts} x "
           f"({args.input_len} in, {args.output_len} out); medians of {args.rounds} rounds\n")
     print("| checkout | " + " | ".join(KEYS) + " |")
     print("|---|" + "---|" * len(KEYS))
-    for repo in repos:
-        mine = [r for r in rows if r["repo"] == str(repo)]
-        print(f"| {repo} | " + " | ".join(f"{statistics.median(r[k] for r in mine):.3f}" for k in KEYS) + " |")
+    for key, name in label.items():
+        mine = [r for r in rows if (r["repo"], r["config"]) == key]
+        print(f"| {name} | " + " | ".join(f"{statistics.median(r[k] for r in mine):.3f}" for k in KEYS) + " |")
     write_results(args.out, rows, cpu=cpu, workload=vars(args) | {"repos": [str(r) for r in repos]})
 
 
