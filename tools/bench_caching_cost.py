@@ -2,6 +2,7 @@
 
     python -m tools.bench_caching_cost [--model smollm2] [--lengths 128,256,512,768,1024]
                                        [--ratios 0,0.25,0.5,0.75,0.9] [--reps 2] [--threads N]
+                                       [--kv-cache-dtype auto|float16]
 
 On the real engine (``--model``, default dtype, whole-prompt prefill steps),
 rounds best-of ``--reps`` (the host may be shared: another job only ever
@@ -44,13 +45,13 @@ from tools.loadgen.report import cpu_model
 RESULTS = Path("results/bench_caching_cost.json")
 
 
-def make_engine(model: str, max_len: int) -> LLMEngine:
+def make_engine(model: str, max_len: int, kv_cache_dtype: str = "auto") -> LLMEngine:
     """Whole prompts in one step (chunked prefill off: a step is exactly one
     t(n, c)), host hits swapped in unconditionally (what step 3 times)."""
     blocks = 4 * (max_len // 16 + 2)
     return LLMEngine.from_config(EngineConfig(
         model=model, kv_blocks=blocks, host_kv_blocks=blocks, prefill_chunk_tokens=0,
-        max_num_batched_tokens=max(4096, max_len), host_hit_policy="swap"))
+        max_num_batched_tokens=max(4096, max_len), host_hit_policy="swap", kv_cache_dtype=kv_cache_dtype))
 
 
 def cache_prefix(eng: LLMEngine, tokens: list[int]) -> None:
@@ -114,9 +115,9 @@ def fit_swap(points: list[dict]) -> float:
     return float(slope)
 
 
-def run(model: str, lengths: list[int], ratios: list[float], reps: int) -> dict:
+def run(model: str, lengths: list[int], ratios: list[float], reps: int, kv_cache_dtype: str = "auto") -> dict:
     load_before = os.getloadavg()
-    eng = make_engine(model, max(lengths))
+    eng = make_engine(model, max(lengths), kv_cache_dtype)
     bs = eng.config.block_size
     prompts = {p: random_prompts(eng.tokenizer, 1, [p], seed=p)[0] for p in lengths}
     warm = random_prompts(eng.tokenizer, 1, [min(lengths)], seed=1)[0]
@@ -207,13 +208,15 @@ def main() -> None:
     ap.add_argument("--ratios", default="0,0.25,0.5,0.75,0.9")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--kv-cache-dtype", default="auto", help="the engine's kv_cache_dtype (a block's swap-in "
+                    "moves its bytes: float16 halves them)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     info = machine()
     print(f"CPU: {cpu_model()}", json.dumps(info), flush=True)
     lengths = [int(x) for x in args.lengths.split(",")]
-    r = run(args.model, lengths, [float(x) for x in args.ratios.split(",")], args.reps)
+    r = run(args.model, lengths, [float(x) for x in args.ratios.split(",")], args.reps, args.kv_cache_dtype)
     r.update(machine=info, lengths=lengths, time=time.strftime("%Y-%m-%dT%H:%M:%S"))
     for line in report(r):
         print(line)
