@@ -177,6 +177,7 @@ def measure(threads: int, context: int, batches: list[int], steps: int, variants
         decoders = {variants[0]: PlanDecoder.create(model, kv, bs)}
     else:
         decoders = {v: PlanDecoder.create(model, kv, bs, variant=v) for v in variants}
+    builds = list(variants)                                      # before --pages adds its columns
     if pages == "both":
         plain = on_plain_pages(model)
         decoders.update({f"{v}, 4 KiB pages": PlanDecoder.create(plain, kv, bs, variant=v) for v in variants})
@@ -186,13 +187,11 @@ def measure(threads: int, context: int, batches: list[int], steps: int, variants
     if "float16" in kv_dtypes:
         kv16 = huge_page_zeros(tuple(kv_plain.shape), torch.float16)
         kv16.copy_(kv_plain)
-        for v in list(decoders):
-            if not v.endswith("4 KiB pages"):
-                decoders[f"{v}, KV float16"] = PlanDecoder.create(model, kv16, bs, variant=v.split(",")[0])
-                caches[f"{v}, KV float16"] = kv16
+        for v in builds:
+            decoders[f"{v}, KV float16"] = PlanDecoder.create(model, kv16, bs, variant=v)
+            caches[f"{v}, KV float16"] = kv16
         if "float32" not in kv_dtypes:
-            for v in [v for v in decoders if not v.endswith("KV float16")]:
-                del decoders[v]
+            decoders = {v: d for v, d in decoders.items() if v.endswith("KV float16")}
         variants = list(decoders)
     missing = [v for v, d in decoders.items() if d is None]
     if missing:

@@ -338,14 +338,11 @@ class LlamaModel:
         q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]
         v = qkv[:, q_size + kv_size:].view(T, cfg.num_kv_heads, hd)
         k_cache, v_cache = kv_layer[0], kv_layer[1]       # [N, bs, kvh, hd]
-        if k_cache.dtype != k.dtype:
-            # a 16-bit cache of an fp32 model (kv_cache_dtype): this step attends to the K/V
-            # the cache holds, as every later step and a chunked or cached prefill does
-            k, v = store_kv(k, k_cache.dtype), store_kv(v, k_cache.dtype)
-            write_kv(k_cache, v_cache, k, v, batch)
-            k, v = k.to(q.dtype), v.to(q.dtype)
-        else:
-            write_kv(k_cache, v_cache, k, v, batch)
+        # a 16-bit cache of an fp32 model (kv_cache_dtype): this step attends to the K/V as
+        # the cache holds them, as every later step and a chunked or cached prefill does
+        k, v = store_kv(k, k_cache.dtype), store_kv(v, k_cache.dtype)     # themselves when dtypes match
+        write_kv(k_cache, v_cache, k, v, batch)
+        k, v = k.to(q.dtype), v.to(q.dtype)
         if batch.is_prefill:
             o = prefill_attention(q, k, v, k_cache, v_cache, batch, self.scale, self.attention_kernel)
         else:

@@ -281,9 +281,8 @@ def test_a_half_cache_stores_what_the_torch_path_stores(tiny, build):
                   + [torch.tensor([65504.0, 65519.0, 65520.0, 1e30, -1e30, float("inf"), float("-inf"), 0.0, -0.0,
                                    1.0 + 2.0 ** -11, 1.0 + 3 * 2.0 ** -11, 2.0 ** -25, 3 * 2.0 ** -25, 2.0 ** -26,
                                    5.96e-8, 6.1035e-05, float("nan")])])
-    dec = decoder(tiny, empty_kv(tiny)) if build == "host" else PlanDecoder.create(tiny, empty_kv(tiny), BS,
-                                                                                   variant="portable")
-    lib = native.load(plan_decode.LIBRARY, plan_decode.library_flags(plan_decode.LIBRARY, dec.variant))
+    variant = decoder(tiny, empty_kv(tiny)).variant if build == "host" else "portable"
+    lib = native.load(plan_decode.LIBRARY, plan_decode.library_flags(plan_decode.LIBRARY, variant))
     out = torch.empty(x.shape, dtype=torch.float16)
     lib.kvd_plan_store_half.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
     lib.kvd_plan_store_half(x.data_ptr(), x.numel(), out.data_ptr())
