@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from engine.cpus import parse_cpulist
 from engine.memory.caching_cost import CachingCostModel
 from engine.scheduler import SchedulerConfig
 
@@ -41,6 +42,7 @@ class EngineConfig:
     decode_kernel: str = "auto"         # auto: fused C++ bf16 decode step where the CPU has it; torch
     weights: str = "native"             # native: a GGUF's Q4_0/Q4_1/Q8_0 blocks served as they are; dequantize
     kv_cache_dtype: str = "auto"        # auto: the model's dtype; float16: half the KV bytes of an fp32 model
+    cpus: str = ""                      # a Linux CPU list the daemon binds the engine to; "": every CPU it may use
     # A prefix hit with host-tier blocks: "cost" (swap in or recompute, the
     # cheaper by the caching cost model below), "swap" (always), "recompute" (always)
     host_hit_policy: str = "cost"
@@ -68,6 +70,8 @@ class EngineConfig:
                              f"got {self.kv_cache_dtype!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError("num_threads must be >= 1")
+        if self.cpus:
+            parse_cpulist(self.cpus)
         if self.reserved_cpus < 0:
             raise ValueError("reserved_cpus must be >= 0")
         if self.decode_threads < 0:

@@ -23,6 +23,7 @@ from engine.model.weights import LoadedWeights
 from engine.output import OutputProcessor
 from engine.request import FinishReason, InvalidParam, Request, RequestOutput, RequestStatus, SamplingParams
 from engine.config import EngineConfig  # noqa: F401  (re-exported: callers import it from here)
+from engine.cpus import format_cpulist
 from engine.runner import SMALL_BATCH, ModelRunner
 from engine.sampling import make_generator
 from engine.scheduler import ScheduledBatch, Scheduler
@@ -220,12 +221,15 @@ class LLMEngine:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "LLMEngine":
-        usable, default = len(os.sched_getaffinity(0)), torch.get_num_threads()
+        cpus = os.sched_getaffinity(0)
+        # torch sized its team from the CPUs of the moment it loaded: no more than there are now
+        usable = len(cpus)
+        default = min(torch.get_num_threads(), usable)
         threads = config.compute_threads(default, usable)
-        if threads != default:
+        if threads != torch.get_num_threads():
             torch.set_num_threads(threads)
         reserved = usable - threads if config.num_threads is None and threads < default else 0
-        log.info("computing on %d threads (%d CPUs usable%s)", threads, usable,
+        log.info("computing on %d threads (CPUs %s%s)", threads, format_cpulist(cpus),
                  f", {reserved} left to the serving threads: reserved_cpus" if reserved else "")
         source = resolve_model(config.model)
         weights = source.load_weights(quantized=config.weights == "native")

@@ -38,6 +38,8 @@ ENGINE_FLAGS = {
     "--num-threads": ("num_threads", int, "compute threads (default: one per physical core, less --reserved-cpus)"),
     "--reserved-cpus": ("reserved_cpus", int,
                         "CPUs left to the serving threads when --num-threads is not given, on 8+ CPUs (default 1)"),
+    "--cpus": ("cpus", str, "CPUs to compute on, a Linux CPU list such as 0-7,16-23 (default: every CPU "
+               "this process may use; with --nodes N, the CPUs to split among the nodes)"),
     "--decode-threads": ("decode_threads", int,
                          "threads of a decode step of at most 4 rows (default 0: timed at start on 8+ threads)"),
     "--decode-kernel": ("decode_kernel", str, "auto (fused C++ bf16 decode where the CPU has AVX512-BF16) or torch"),
@@ -85,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--restart-nodes", dest="restart_nodes", action=argparse.BooleanOptionalAction,
                        default=None, help="with --nodes: start a node process that exited again "
                        "([cluster].restart_nodes, default on)")
+    serve.add_argument("--split-cpus", dest="split_cpus", action=argparse.BooleanOptionalAction,
+                       default=None, help="with --nodes N: give each node its own share of the CPUs, "
+                       "whole cores, NUMA nodes apart ([cluster].split_cpus, default on)")
     _cluster_flags(serve)
 
     node = sub.add_parser("node", help="run a node daemon (engine, transfers, heartbeats)")
@@ -251,6 +256,12 @@ def node(args: argparse.Namespace) -> int:
         return 2
     _logging(config.server.log_level)
     host_nodes = _host_nodes()
+    if config.engine.cpus:
+        try:
+            _bind(config.engine.cpus)
+        except ValueError as exc:
+            print(f"kvd: error: {exc}", file=sys.stderr)
+            return 2
     if not _die_with_parent():
         print("kvd: error: the kvd serve process that started this node is gone", file=sys.stderr)
         return 1
@@ -270,6 +281,14 @@ def node(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, daemon.request_stop)
         await supervised(notifier, watchdog, daemon.run())
     return _run(main)
+
+
+def _bind(cpus: str) -> None:
+    """Bind this process to the CPU list ``cpus`` (``[engine].cpus``), before torch is
+    imported. Raises ValueError (nothing changed) on CPUs this process may not use."""
+    from engine.cpus import bind, format_cpulist
+
+    logging.getLogger("kvd").info("bound to CPUs %s ([engine].cpus)", format_cpulist(bind(cpus)))
 
 
 def _host_nodes() -> int:
@@ -343,9 +362,15 @@ def serve(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config, {"engine": engine, "server": server})
         cluster = _cluster(args)
-        if args.restart_nodes is not None:
-            from kvd.cluster_config import with_overrides
-            cluster = with_overrides(cluster, restart_nodes=args.restart_nodes)
+        for name in ("restart_nodes", "split_cpus"):
+            if getattr(args, name) is not None:
+                from kvd.cluster_config import with_overrides
+                cluster = with_overrides(cluster, **{name: getattr(args, name)})
+        if args.nodes:
+            from kvd.local_cluster import node_cpu_sets
+            node_cpus = node_cpu_sets(args.nodes, config.engine.cpus, cluster.split_cpus)
+        elif config.engine.cpus:
+            _bind(config.engine.cpus)            # before torch loads: its team is sized to them
     except (ConfigError, ValueError) as exc:
         print(f"kvd: error: {exc}", file=sys.stderr)
         return 2
@@ -364,7 +389,7 @@ def serve(args: argparse.Namespace) -> int:
         node_args = _passthrough(args)
         return _run(lambda: LocalCluster(CoordinatorSettings.from_config(config), cluster, args.nodes,
                                          node_args, notifier=notifier, watchdog=watchdog,
-                                         prefill=args.prefill).run())
+                                         prefill=args.prefill, node_cpus=node_cpus).run())
     from kvd.server import Server  # imports torch: after argument errors are reported
 
     return _run(lambda: Server(config, cluster, notifier=notifier, watchdog=watchdog).run())

@@ -104,6 +104,11 @@ class ClusterConfig:
         progress thread, which takes a core; "polling", "thread-polling").
     restart_nodes: ``kvd serve --nodes N`` starts a node process that exited
         again, with a backoff (kvd/supervisor.py); off: a dead node stays dead.
+    split_cpus: ``kvd serve --nodes N`` binds each node to its own share of
+        the CPUs (``[engine].cpus``, else every CPU it may use), whole cores,
+        in order of NUMA node (engine/cpus.py); where there are fewer cores
+        than nodes, or off, every node runs on all of them and their OpenMP
+        teams sleep between steps.
     prefill_threshold: a decode node computes a prompt itself when fewer
         than this many of its tokens are not in its prefix cache (the rest
         go to a prefill node); 0 sends every prompt to a prefill node.
@@ -170,6 +175,7 @@ class ClusterConfig:
     admin_socket: str = ""
     ucx_progress_mode: str = "blocking"
     restart_nodes: bool = True
+    split_cpus: bool = True
     prefill_threshold: int = 64
     prefill_queue_factor: float = 4.0
     kv_load_failure: str = "recompute"

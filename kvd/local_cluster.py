@@ -20,6 +20,12 @@ survivors, and unless ``[cluster].restart_nodes`` is off
 If this process is killed outright, each node gets SIGTERM from the kernel
 (``$KVD_PARENT``, see ``kvd.cli``) and exits rather than live on orphaned.
 
+Each node computes on its own share of the CPUs (``node_cpu_sets``,
+``[cluster].split_cpus``): ``--cpus`` with whole cores, NUMA nodes apart, and
+``$KVD_HOST_NODES`` = 1, since no other node's team shares them. Where the
+cores are fewer than the nodes, or the split is off, every node runs on all of
+them and ``$KVD_HOST_NODES`` = N lets their teams sleep between steps.
+
 systemd notify: READY=1 once all N nodes registered and HTTP is bound (the
 coordinator's), the watchdog from this loop; the node processes get no
 ``$NOTIFY_SOCKET`` (the CLI removed it from the environment).
@@ -35,6 +41,7 @@ import signal
 import sys
 import tempfile
 
+from engine.cpus import allowed, check_allowed, format_cpulist, host_places, parse_cpulist, split
 from kvd.cluster_config import COORDINATOR_NAME, HOST_NODES_ENV, ClusterConfig, with_overrides
 from kvd.coordinator.daemon import CoordinatorDaemon
 from kvd.coordinator.settings import CoordinatorSettings, load_tokenizer
@@ -46,6 +53,24 @@ log = logging.getLogger("kvd.local")
 # The nodes are stopped after the front door drained (nothing left to finish
 # there): they leave at once, this only bounds a node that hangs.
 NODE_STOP_TIMEOUT_S = 10.0
+
+
+def node_cpu_sets(num_nodes: int, cpus: str, split_cpus: bool) -> list[str] | None:
+    """Each of ``num_nodes`` nodes' CPU list: ``cpus`` (``[engine].cpus``; "" = every CPU
+    this process may use) split into whole cores (engine.cpus.split). None where the
+    nodes share them instead: one node, ``split_cpus`` off, or fewer cores than nodes
+    (logged). Raises ValueError on a bad ``cpus`` or CPUs this process may not use."""
+    pool = parse_cpulist(cpus) if cpus else allowed()
+    if cpus:
+        check_allowed(pool, cpus)
+    if num_nodes < 2 or not split_cpus:
+        return None
+    sets = split(pool, num_nodes, host_places(pool))
+    if sets is None:
+        log.warning("%d nodes on fewer cores (CPUs %s): every node runs on all of them, and their "
+                    "teams sleep between steps", num_nodes, format_cpulist(pool))
+        return None
+    return [format_cpulist(s) for s in sets]
 
 
 def local_cluster(cluster: ClusterConfig, runtime_dir: str) -> ClusterConfig:
@@ -74,7 +99,8 @@ def cluster_keys(cluster: ClusterConfig, runtime_dir: str, node_names: list[str]
 class LocalCluster:
     def __init__(self, settings: CoordinatorSettings, cluster: ClusterConfig, num_nodes: int,
                  node_args: list[str], notifier: Notifier | None = None,
-                 watchdog: float | None = None, prefill: int = 0) -> None:
+                 watchdog: float | None = None, prefill: int = 0,
+                 node_cpus: list[str] | None = None) -> None:
         self.settings = settings
         self.notifier = notifier or Notifier(None)
         self.watchdog = watchdog                 # seconds between WATCHDOG=1; None: off
@@ -84,6 +110,9 @@ class LocalCluster:
         self.num_nodes = num_nodes
         self.prefill = prefill                   # n1..nP prefill nodes, the rest decode nodes
         self.node_args = node_args
+        self.node_cpus = node_cpus               # node i's --cpus (node_cpu_sets); None: all share them
+        if self.node_cpus:
+            log.info("node CPUs: %s", ", ".join(f"n{i + 1} {c}" for i, c in enumerate(self.node_cpus)))
         self.supervisor: NodeSupervisor | None = None
         self.coordinator: CoordinatorDaemon | None = None
 
@@ -95,6 +124,8 @@ class LocalCluster:
                "--listen", listen, *self.node_args]
         if self.prefill:
             cmd += ["--role", "prefill" if int(name[1:]) <= self.prefill else "decode"]
+        if self.node_cpus:
+            cmd += ["--cpus", self.node_cpus[int(name[1:]) - 1]]          # the last flag wins
         if self.cluster.curve_keys_dir:
             cmd += ["--curve-keys-dir", self.cluster.curve_keys_dir]     # the last flag wins
         return cmd
@@ -124,7 +155,8 @@ class LocalCluster:
         self.supervisor = NodeSupervisor(
             {f"n{i + 1}": self._command(f"n{i + 1}", url) for i in range(self.num_nodes)},
             restart=self.cluster.restart_nodes,
-            env={**os.environ, "KVD_PARENT": str(os.getpid()), HOST_NODES_ENV: str(self.num_nodes)},
+            env={**os.environ, "KVD_PARENT": str(os.getpid()),
+                 HOST_NODES_ENV: "1" if self.node_cpus else str(self.num_nodes)},
             on_exit=self.coordinator.node_exited)
         tg.create_task(self.supervisor.run(), name="node processes")
         self.notifier.status(f"starting {self.num_nodes} node processes")

@@ -14,15 +14,26 @@ import httpx
 import openai
 import pytest
 
+from engine.cpus import host_places, parse_cpulist, split
+
 from .conftest import HEARTBEAT, ROOT, TINY, admin, free_port
 
 
-def test_serve_with_two_local_nodes_and_sigterm(tmp_path):
+def cpus_allowed(pid: str) -> frozenset[int]:
+    status = open(f"/proc/{pid}/status").read()
+    return parse_cpulist(re.search(r"^Cpus_allowed_list:\s*(\S+)$", status, re.M).group(1))
+
+
+@pytest.mark.parametrize("split_flag", ["--split-cpus", "--no-split-cpus"])
+def test_serve_with_two_local_nodes_and_sigterm(tmp_path, split_flag):
+    """Also where each node computes: with the split (the default) on CPUs of its own,
+    whole cores (engine.cpus.split of this host's), and told that no other node shares
+    them; without it, on all of them, told that 2 nodes do."""
     port = free_port()
     log = open(tmp_path / "serve.log", "wb")
     proc = subprocess.Popen([sys.executable, "-m", "kvd.cli", "serve", "--nodes", "2", "--port", str(port),
-                             "--transport", "zmq+ipc", *TINY], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+                             "--transport", "zmq+ipc", split_flag, *TINY], cwd=ROOT, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -40,8 +51,13 @@ def test_serve_with_two_local_nodes_and_sigterm(tmp_path):
         assert r.usage.completion_tokens == 4
         children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
         assert len(children) == 2
-        for pid in children:            # how many nodes share the host (load_engine sizes its team's waits by it)
-            assert b"KVD_HOST_NODES=2" in open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        mine = frozenset(os.sched_getaffinity(0))
+        sets = split(mine, 2, host_places(mine)) if split_flag == "--split-cpus" else None
+        bound = sorted(cpus_allowed(pid) for pid in children)
+        assert bound == (sorted(sets) if sets else [mine, mine])
+        for pid in children:            # how many nodes share its CPUs (load_engine sizes its team's waits by it)
+            env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+            assert (b"KVD_HOST_NODES=1" if sets else b"KVD_HOST_NODES=2") in env
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
         for pid in children:

@@ -1,0 +1,147 @@
+"""CPU sets for engines: Linux CPU lists, the host's cores, and splitting them among nodes.
+
+``[engine].cpus`` (``--cpus``) names the CPUs a daemon's engine computes on, in the
+kernel's list syntax (``0-7,16-23``; ``cpuset(7)``). ``bind`` moves every thread of the
+process onto them before torch starts its OpenMP team, so the team is sized to them
+(one thread per core) and each later thread inherits them.
+
+``kvd serve --nodes N`` gives each node its own share (``[cluster].split_cpus``, on by
+default): ``split`` cuts the CPUs into N sets of whole cores (SMT siblings stay
+together), in order of NUMA node, so that nodes on a two-socket host land one per
+socket. Teams that share CPUs spin against each other (docs/benchmarks.md); teams on
+their own CPUs each keep theirs. vLLM's CPU backend binds its workers' OpenMP threads
+likewise (``VLLM_CPU_OMP_THREADS_BIND``).
+
+Torch-free: ``kvd serve --nodes N`` plans the split in a process that loads no model.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+SYS_CPU = Path("/sys/devices/system/cpu")
+SYS_NODE = Path("/sys/devices/system/node")
+_RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
+MAX_CPU = 1 << 16                   # a CPU number past this is a typo, not a CPU
+
+
+def parse_cpulist(text: str) -> frozenset[int]:
+    """The CPUs of a Linux CPU list (``"0-3,8"``). Raises ValueError on bad syntax, a
+    descending range or an empty list."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        m = _RANGE.match(part.strip())
+        if not m:
+            raise ValueError(f"cpus {text!r} is not a CPU list (e.g. \"0-3,8\"): bad part {part.strip()!r}")
+        lo = int(m.group(1))
+        hi = int(m.group(2)) if m.group(2) is not None else lo
+        if hi < lo or hi >= MAX_CPU:
+            raise ValueError(f"cpus {text!r}: bad range {part.strip()!r}")
+        cpus.update(range(lo, hi + 1))
+    return frozenset(cpus)
+
+
+def format_cpulist(cpus: Iterable[int]) -> str:
+    """``cpus`` as a Linux CPU list, runs joined: {0, 1, 2, 3, 8} -> ``"0-3,8"``."""
+    out: list[str] = []
+    run: list[int] = []
+    for c in sorted(set(cpus)):
+        if run and c == run[-1] + 1:
+            run.append(c)
+            continue
+        if run:
+            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+        run = [c]
+    if run:
+        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ",".join(out)
+
+
+@dataclass(frozen=True, order=True)
+class CpuPlace:
+    """Where a CPU sits: its NUMA node, package (socket) and core; CPUs with the same
+    three are SMT siblings of one core. Ordering sorts NUMA nodes apart."""
+
+    numa: int
+    package: int
+    core: int
+
+
+def _read_int(path: Path, default: int) -> int:
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return default
+
+
+def host_places(cpus: Iterable[int]) -> dict[int, CpuPlace]:
+    """Each of ``cpus``' place, from sysfs; a value sysfs does not give is 0 (one NUMA
+    node, one package), and a CPU whose core id is unknown counts as a core of its own."""
+    numa_of: dict[int, int] = {}
+    for node in sorted(SYS_NODE.glob("node[0-9]*")):
+        try:
+            for c in parse_cpulist((node / "cpulist").read_text().strip() or "0-0"):
+                numa_of.setdefault(c, int(node.name[4:]))
+        except (OSError, ValueError):
+            continue
+    places = {}
+    for c in cpus:
+        topo = SYS_CPU / f"cpu{c}" / "topology"
+        core = _read_int(topo / "core_id", -1)
+        places[c] = CpuPlace(numa_of.get(c, 0), _read_int(topo / "physical_package_id", 0),
+                             core if core >= 0 else MAX_CPU + c)
+    return places
+
+
+def split(cpus: Iterable[int], parts: int, places: Mapping[int, CpuPlace]) -> list[frozenset[int]] | None:
+    """``cpus`` cut into ``parts`` disjoint sets of whole cores, as equal in cores as they
+    can be (the first sets take one core more), cores in order of NUMA node, package and
+    core; None where there are fewer cores than parts."""
+    if parts < 1:
+        raise ValueError("parts must be >= 1")
+    cores: dict[CpuPlace, list[int]] = {}
+    for c in sorted(cpus):
+        cores.setdefault(places[c], []).append(c)
+    ordered = [cores[p] for p in sorted(cores, key=lambda p: (p, cores[p][0]))]
+    if len(ordered) < parts:
+        return None
+    base, extra = divmod(len(ordered), parts)
+    out, at = [], 0
+    for i in range(parts):
+        n = base + (1 if i < extra else 0)
+        out.append(frozenset(c for core in ordered[at:at + n] for c in core))
+        at += n
+    return out
+
+
+def allowed() -> frozenset[int]:
+    """The CPUs this process may run on now."""
+    return frozenset(os.sched_getaffinity(0))
+
+
+def check_allowed(cpus: frozenset[int], text: str) -> None:
+    """Raise ValueError unless every CPU of ``cpus`` (parsed from ``text``) is one this
+    process may run on."""
+    have = allowed()
+    if not cpus <= have:
+        raise ValueError(f"cpus {text!r}: CPUs {format_cpulist(cpus - have)} are not among those this "
+                         f"process may use ({format_cpulist(have)})")
+
+
+def bind(text: str) -> frozenset[int]:
+    """Move every thread of this process onto the CPUs of the list ``text``; threads
+    started later inherit them. Call it before torch is imported, whose OpenMP runtime
+    sizes its team from the CPUs it may use when it loads. Returns the CPUs. Raises
+    ValueError (nothing changed) on a bad list or one with CPUs this process may not use."""
+    cpus = parse_cpulist(text)
+    check_allowed(cpus, text)
+    for task in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(task), cpus)
+        except ProcessLookupError:          # a thread that ended meanwhile
+            pass
+    return cpus
