@@ -5,12 +5,13 @@ kernel's list syntax (``0-7,16-23``; ``cpuset(7)``). ``bind`` moves every thread
 process onto them before torch starts its OpenMP team, so the team is sized to them
 (one thread per core) and each later thread inherits them.
 
-``kvd serve --nodes N`` gives each node its own share (``[cluster].split_cpus``, on by
-default): ``split`` cuts the CPUs into N sets of whole cores (SMT siblings stay
-together), in order of NUMA node, so that nodes on a two-socket host land one per
-socket. Teams that share CPUs spin against each other (docs/benchmarks.md); teams on
-their own CPUs each keep theirs. vLLM's CPU backend binds its workers' OpenMP threads
-likewise (``VLLM_CPU_OMP_THREADS_BIND``).
+``kvd serve --nodes N`` gives each node its own share (``[cluster].split_cpus``):
+``split`` cuts the CPUs into N sets of whole NUMA nodes (two nodes on a two-socket
+host: a socket each, its memory local to its threads) or of whole cores (SMT
+siblings together), in order of NUMA node. Teams on CPUs of their own each spin on
+theirs; teams that share CPUs spin against each other (docs/benchmarks.md). vLLM's
+CPU backend binds its workers' OpenMP threads by NUMA node likewise
+(``VLLM_CPU_OMP_THREADS_BIND``).
 
 Torch-free: ``kvd serve --nodes N`` plans the split in a process that loads no model.
 """
@@ -97,23 +98,27 @@ def host_places(cpus: Iterable[int]) -> dict[int, CpuPlace]:
     return places
 
 
-def split(cpus: Iterable[int], parts: int, places: Mapping[int, CpuPlace]) -> list[frozenset[int]] | None:
-    """``cpus`` cut into ``parts`` disjoint sets of whole cores, as equal in cores as they
-    can be (the first sets take one core more), cores in order of NUMA node, package and
-    core; None where there are fewer cores than parts."""
+def split(cpus: Iterable[int], parts: int, places: Mapping[int, CpuPlace],
+          by: str = "core") -> list[frozenset[int]] | None:
+    """``cpus`` cut into ``parts`` disjoint sets of whole units, ``by`` "core" (SMT
+    siblings together) or "numa" (NUMA nodes), as equal in units as they can be (the
+    first sets take one more), in order of NUMA node, package and core; None where
+    there are fewer units than parts."""
     if parts < 1:
         raise ValueError("parts must be >= 1")
-    cores: dict[CpuPlace, list[int]] = {}
-    for c in sorted(cpus):
-        cores.setdefault(places[c], []).append(c)
-    ordered = [cores[p] for p in sorted(cores, key=lambda p: (p, cores[p][0]))]
+    if by not in ("core", "numa"):
+        raise ValueError(f"split by 'core' or 'numa', not {by!r}")
+    units: dict[CpuPlace | int, list[int]] = {}
+    for c in sorted(cpus, key=lambda c: (places[c], c)):
+        units.setdefault(places[c].numa if by == "numa" else places[c], []).append(c)
+    ordered = list(units.values())          # in order of first CPU's place
     if len(ordered) < parts:
         return None
     base, extra = divmod(len(ordered), parts)
     out, at = [], 0
     for i in range(parts):
         n = base + (1 if i < extra else 0)
-        out.append(frozenset(c for core in ordered[at:at + n] for c in core))
+        out.append(frozenset(c for unit in ordered[at:at + n] for c in unit))
         at += n
     return out
 

@@ -87,9 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--restart-nodes", dest="restart_nodes", action=argparse.BooleanOptionalAction,
                        default=None, help="with --nodes: start a node process that exited again "
                        "([cluster].restart_nodes, default on)")
-    serve.add_argument("--split-cpus", dest="split_cpus", action=argparse.BooleanOptionalAction,
-                       default=None, help="with --nodes N: give each node its own share of the CPUs, "
-                       "whole cores, NUMA nodes apart ([cluster].split_cpus, default on)")
+    serve.add_argument("--split-cpus", dest="split_cpus", choices=("numa", "cores", "off"), default=None,
+                       help="with --nodes N: bind each node to NUMA nodes of its own where there are N "
+                       "(numa, the default), to cores of its own (cores), or never (off) ([cluster].split_cpus)")
     _cluster_flags(serve)
 
     node = sub.add_parser("node", help="run a node daemon (engine, transfers, heartbeats)")
@@ -248,6 +248,8 @@ def node(args: argparse.Namespace) -> int:
         from kvd.cluster_config import check_node_name
 
         check_node_name(args.name)
+        if config.engine.cpus:
+            _bind(config.engine.cpus)            # before torch loads: its team is sized to them
         # before the model loads: a port that would run open is refused at once
         links.check_listen(cluster, args.listen or cluster.node(args.name).address
                            or cluster.default_address(args.name))
@@ -256,12 +258,6 @@ def node(args: argparse.Namespace) -> int:
         return 2
     _logging(config.server.log_level)
     host_nodes = _host_nodes()
-    if config.engine.cpus:
-        try:
-            _bind(config.engine.cpus)
-        except ValueError as exc:
-            print(f"kvd: error: {exc}", file=sys.stderr)
-            return 2
     if not _die_with_parent():
         print("kvd: error: the kvd serve process that started this node is gone", file=sys.stderr)
         return 1
@@ -285,10 +281,11 @@ def node(args: argparse.Namespace) -> int:
 
 def _bind(cpus: str) -> None:
     """Bind this process to the CPU list ``cpus`` (``[engine].cpus``), before torch is
-    imported. Raises ValueError (nothing changed) on CPUs this process may not use."""
-    from engine.cpus import bind, format_cpulist
+    imported (the engine logs the CPUs it computes on). Raises ValueError (nothing
+    changed) on CPUs this process may not use."""
+    from engine.cpus import bind
 
-    logging.getLogger("kvd").info("bound to CPUs %s ([engine].cpus)", format_cpulist(bind(cpus)))
+    bind(cpus)
 
 
 def _host_nodes() -> int:

@@ -43,6 +43,7 @@ COORDINATOR_NAME = "coordinator"   # the coordinator's key name; no node may tak
 # how many kvd nodes share the host (kvd.node.engine_driver.load_engine).
 HOST_NODES_ENV = "KVD_HOST_NODES"
 ROLES = ("mixed", "prefill", "decode")
+SPLIT_CPUS = ("numa", "cores", "off")     # kvd serve --nodes N's placement (kvd/local_cluster.py)
 KV_LOAD_FAILURE = ("recompute", "fail")
 RECOVERY_POLICIES = ("replica", "reprefill", "fail")   # kvd/coordinator/recovery.py
 
@@ -104,11 +105,13 @@ class ClusterConfig:
         progress thread, which takes a core; "polling", "thread-polling").
     restart_nodes: ``kvd serve --nodes N`` starts a node process that exited
         again, with a backoff (kvd/supervisor.py); off: a dead node stays dead.
-    split_cpus: ``kvd serve --nodes N`` binds each node to its own share of
-        the CPUs (``[engine].cpus``, else every CPU it may use), whole cores,
-        in order of NUMA node (engine/cpus.py); where there are fewer cores
-        than nodes, or off, every node runs on all of them and their OpenMP
-        teams sleep between steps.
+    split_cpus: how ``kvd serve --nodes N`` places its nodes on the CPUs
+        (``[engine].cpus``, else every CPU it may use; engine/cpus.py):
+        "numa" binds each node to whole NUMA nodes of its own where the CPUs
+        span at least N of them, else lets every node run on all of them;
+        "cores" binds each node to whole cores of its own (SMT siblings
+        together) in any case; "off" never binds. Nodes that share CPUs
+        sleep between steps (``$KVD_HOST_NODES``).
     prefill_threshold: a decode node computes a prompt itself when fewer
         than this many of its tokens are not in its prefix cache (the rest
         go to a prefill node); 0 sends every prompt to a prefill node.
@@ -175,7 +178,7 @@ class ClusterConfig:
     admin_socket: str = ""
     ucx_progress_mode: str = "blocking"
     restart_nodes: bool = True
-    split_cpus: bool = True
+    split_cpus: str = "numa"
     prefill_threshold: int = 64
     prefill_queue_factor: float = 4.0
     kv_load_failure: str = "recompute"
@@ -221,6 +224,8 @@ class ClusterConfig:
         if self.ucx_progress_mode not in UCX_PROGRESS_MODES:
             raise ConfigError(f"cluster.ucx_progress_mode must be one of {UCX_PROGRESS_MODES}, "
                               f"got {self.ucx_progress_mode!r}")
+        if self.split_cpus not in SPLIT_CPUS:
+            raise ConfigError(f"cluster.split_cpus must be one of {SPLIT_CPUS}, got {self.split_cpus!r}")
         if self.prefill_threshold < 0:
             raise ConfigError("cluster.prefill_threshold must be >= 0")
         if not (math.isfinite(self.prefill_queue_factor) and self.prefill_queue_factor >= 0):

@@ -20,11 +20,12 @@ survivors, and unless ``[cluster].restart_nodes`` is off
 If this process is killed outright, each node gets SIGTERM from the kernel
 (``$KVD_PARENT``, see ``kvd.cli``) and exits rather than live on orphaned.
 
-Each node computes on its own share of the CPUs (``node_cpu_sets``,
-``[cluster].split_cpus``): ``--cpus`` with whole cores, NUMA nodes apart, and
-``$KVD_HOST_NODES`` = 1, since no other node's team shares them. Where the
-cores are fewer than the nodes, or the split is off, every node runs on all of
-them and ``$KVD_HOST_NODES`` = N lets their teams sleep between steps.
+Where the CPUs span N NUMA nodes or more (``[cluster].split_cpus = "numa"``,
+the default; "cores" splits by cores on any host), each node computes on its
+own share (``node_cpu_sets``): ``--cpus`` with whole NUMA nodes (or cores) and
+``$KVD_HOST_NODES`` = 1, since no other node's team shares them. Otherwise
+every node runs on all of them and ``$KVD_HOST_NODES`` = N lets their teams
+sleep between steps.
 
 systemd notify: READY=1 once all N nodes registered and HTTP is bound (the
 coordinator's), the watchdog from this loop; the node processes get no
@@ -55,17 +56,25 @@ log = logging.getLogger("kvd.local")
 NODE_STOP_TIMEOUT_S = 10.0
 
 
-def node_cpu_sets(num_nodes: int, cpus: str, split_cpus: bool) -> list[str] | None:
-    """Each of ``num_nodes`` nodes' CPU list: ``cpus`` (``[engine].cpus``; "" = every CPU
-    this process may use) split into whole cores (engine.cpus.split). None where the
-    nodes share them instead: one node, ``split_cpus`` off, or fewer cores than nodes
-    (logged). Raises ValueError on a bad ``cpus`` or CPUs this process may not use."""
+def node_cpu_sets(num_nodes: int, cpus: str, split_cpus: str) -> list[str] | None:
+    """Each of ``num_nodes`` nodes' CPU list, ``cpus`` (``[engine].cpus``; "" = every CPU
+    this process may use) cut by ``split_cpus`` ("numa": into whole NUMA nodes where
+    there are at least ``num_nodes`` of them; "cores": into whole cores; engine.cpus.split).
+    None where the nodes share them instead: one node, "off", or too few NUMA nodes or
+    cores (logged). Raises ValueError on a bad ``cpus`` or CPUs this process may not use."""
     pool = parse_cpulist(cpus) if cpus else allowed()
     if cpus:
         check_allowed(pool, cpus)
-    if num_nodes < 2 or not split_cpus:
+    if num_nodes < 2 or split_cpus == "off":
         return None
-    sets = split(pool, num_nodes, host_places(pool))
+    places = host_places(pool)
+    numa_nodes = len({p.numa for p in places.values()})
+    if split_cpus == "numa" and numa_nodes < num_nodes:
+        log.info("%d nodes on %d NUMA node(s) (CPUs %s): every node runs on all of them and their teams "
+                 "sleep between steps ([cluster].split_cpus = \"cores\" gives each cores of its own)",
+                 num_nodes, numa_nodes, format_cpulist(pool))
+        return None
+    sets = split(pool, num_nodes, places, by="numa" if split_cpus == "numa" else "core")
     if sets is None:
         log.warning("%d nodes on fewer cores (CPUs %s): every node runs on all of them, and their "
                     "teams sleep between steps", num_nodes, format_cpulist(pool))

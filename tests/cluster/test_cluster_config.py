@@ -56,6 +56,8 @@ def test_example_1p1d_file_parses():
     ({"cluster": {"routing_recent_weight": -0.5}}, "routing_"),
     ({"cluster": {"routing_load_decay": float("nan")}}, "routing_"),
     ({"cluster": {"routing_load_decay": float("inf")}}, "routing_"),
+    ({"cluster": {"split_cpus": "sockets"}}, "split_cpus"),
+    ({"cluster": {"split_cpus": True}}, "must be str"),
 ])
 def test_bad_cluster_config_is_an_error(data, message):
     with pytest.raises(ConfigError, match=message):

@@ -14,7 +14,8 @@ import httpx
 import openai
 import pytest
 
-from engine.cpus import host_places, parse_cpulist, split
+from engine.cpus import host_places, parse_cpulist
+from kvd.local_cluster import node_cpu_sets
 
 from .conftest import HEARTBEAT, ROOT, TINY, admin, free_port
 
@@ -24,15 +25,15 @@ def cpus_allowed(pid: str) -> frozenset[int]:
     return parse_cpulist(re.search(r"^Cpus_allowed_list:\s*(\S+)$", status, re.M).group(1))
 
 
-@pytest.mark.parametrize("split_flag", ["--split-cpus", "--no-split-cpus"])
-def test_serve_with_two_local_nodes_and_sigterm(tmp_path, split_flag):
-    """Also where each node computes: with the split (the default) on CPUs of its own,
-    whole cores (engine.cpus.split of this host's), and told that no other node shares
-    them; without it, on all of them, told that 2 nodes do."""
+@pytest.mark.parametrize("split_cpus", ["numa", "cores"])
+def test_serve_with_two_local_nodes_and_sigterm(tmp_path, split_cpus):
+    """Also where each node computes: each on the CPUs node_cpu_sets plans for this host
+    (numa, the default: NUMA nodes of its own where there are 2, else all CPUs; cores:
+    cores of its own), told how many nodes share them (1 where they are its own)."""
     port = free_port()
     log = open(tmp_path / "serve.log", "wb")
     proc = subprocess.Popen([sys.executable, "-m", "kvd.cli", "serve", "--nodes", "2", "--port", str(port),
-                             "--transport", "zmq+ipc", split_flag, *TINY], cwd=ROOT, stdout=log,
+                             "--transport", "zmq+ipc", "--split-cpus", split_cpus, *TINY], cwd=ROOT, stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 120
@@ -52,9 +53,11 @@ def test_serve_with_two_local_nodes_and_sigterm(tmp_path, split_flag):
         children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
         assert len(children) == 2
         mine = frozenset(os.sched_getaffinity(0))
-        sets = split(mine, 2, host_places(mine)) if split_flag == "--split-cpus" else None
+        sets = node_cpu_sets(2, "", split_cpus)
+        if split_cpus == "cores" and len({p.core for p in host_places(mine).values()}) >= 2:
+            assert sets is not None
         bound = sorted(cpus_allowed(pid) for pid in children)
-        assert bound == (sorted(sets) if sets else [mine, mine])
+        assert bound == (sorted(parse_cpulist(c) for c in sets) if sets else [mine, mine])
         for pid in children:            # how many nodes share its CPUs (load_engine sizes its team's waits by it)
             env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
             assert (b"KVD_HOST_NODES=1" if sets else b"KVD_HOST_NODES=2") in env

@@ -71,6 +71,16 @@ def test_fewer_cores_than_nodes_is_no_split():
     assert split(host, 1, host) == [frozenset({0, 1})]
 
 
+def test_numa_splits_give_whole_nodes_or_none():
+    host = places(numa_nodes=3, cores=6, smt=2)                          # 2 cores (4 CPUs) a NUMA node
+    a, b = split(host, 2, host, by="numa")
+    assert {host[c].numa for c in a} == {0, 1} and {host[c].numa for c in b} == {2}
+    assert len(a) == 8 and len(b) == 4
+    assert split(host, 4, host, by="numa") is None
+    with pytest.raises(ValueError):
+        split(host, 2, host, by="socket")
+
+
 def test_a_subset_of_the_cpus_is_split_by_its_own_cores():
     host = places(numa_nodes=2, cores=8, smt=1)
     assert split([1, 2, 5, 6], 2, host) == [frozenset({1, 2}), frozenset({5, 6})]
@@ -82,6 +92,25 @@ def test_this_hosts_places_cover_every_cpu_it_may_use():
     assert set(got) == cpus
     sets = split(cpus, 1, got)
     assert sets == [frozenset(cpus)]
+
+
+def test_the_plan_for_kvd_serve_nodes_on_this_host():
+    from kvd.local_cluster import node_cpu_sets
+
+    mine = frozenset(os.sched_getaffinity(0))
+    here = host_places(mine)
+    assert node_cpu_sets(2, "", "off") is None and node_cpu_sets(1, "", "cores") is None
+    cores = node_cpu_sets(2, "", "cores")
+    if len({(p.numa, p.package, p.core) for p in here.values()}) >= 2:
+        assert cores is not None and len(cores) == 2
+        a, b = (parse_cpulist(c) for c in cores)
+        assert a | b == mine and not a & b
+    numa = node_cpu_sets(2, "", "numa")
+    assert (numa is None) == (len({p.numa for p in here.values()}) < 2)
+    with pytest.raises(ValueError, match="not among those this process may use"):
+        node_cpu_sets(2, f"{max(mine) + 1}", "cores")
+    with pytest.raises(ValueError, match="not a CPU list"):
+        node_cpu_sets(2, "0-", "off")
 
 
 BIND_CHILD = r"""

@@ -7,6 +7,7 @@ defaults in code, so the documentation cannot drift from the dataclasses.
 from __future__ import annotations
 
 import dataclasses
+import os
 import subprocess
 import sys
 import tomllib
@@ -201,6 +202,8 @@ def test_compute_threads():
     ("[engine]\ncost_token_s = nan\n", ["cost_token_s", "finite"]),
     ("[engine]\ncost_attention_s = inf\n", ["cost_attention_s", "finite"]),
     ("[engine]\ncost_fixed_s = \"1ms\"\n", ["engine.cost_fixed_s", "float"]),
+    ("[engine]\ncpus = \"0-\"\n", ["cpus", "not a CPU list"]),
+    ("[engine]\ncpus = 3\n", ["engine.cpus", "str"]),
 ])
 def test_bad_file_names_the_key(tmp_path, text, names):
     path = write(tmp_path, text)
@@ -254,6 +257,21 @@ def test_serve_with_bad_config_exits_2_with_one_line(tmp_path):
     assert lines[0].startswith("kvd: error: ") and "port" in lines[0]
     assert "Traceback" not in proc.stderr
     assert proc.stdout == ""
+
+
+@pytest.mark.parametrize("nodes", [[], ["--nodes", "2"], ["node", "--name", "n1"]])
+def test_cpus_this_process_may_not_use_exit_2_with_one_line(nodes):
+    """kvd serve (and with --nodes, whose nodes would take them), and kvd node: before
+    anything starts or loads."""
+    outside = str(max(os.sched_getaffinity(0)) + 1)
+    argv = ["node", *nodes[1:], "--insecure", "--cpus", outside] if nodes and nodes[0] == "node" \
+        else ["serve", *nodes, "--cpus", outside]
+    proc = subprocess.run([sys.executable, "-m", "kvd.cli", *argv], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvd: error: cpus"), proc.stderr
+    assert f"CPUs {outside} are not among those this process may use" in lines[0]
 
 
 def test_serve_with_missing_config_exits_2(tmp_path):
