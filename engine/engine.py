@@ -179,7 +179,8 @@ class LLMEngine:
         ``dtype``; ``kv_cache``, the KV cache's dtype (kv_cache_dtype); ``matmul``, the
         quantized-weights kernel's build ("avx2",
         "avx512vnni", ...) or "torch"; ``decode``, the one-call decoder
-        ("plan:<build>" or "fused-bf16") or "torch"; ``decode_threads``, its team for
+        ("plan:<build>" or "fused-bf16") or "torch"; ``threads``, the compute team and
+        the CPUs it runs on (EngineConfig.cpus); ``decode_threads``, its team for
         small batches (EngineConfig.decode_threads); ``prefill_attention``, the
         blocked kernel's build or "torch" (SDPA); ``row_ops``, the build running
         a prefill's norms, SwiGLU and RoPE, or "torch". "torch" where a kernel
@@ -192,6 +193,7 @@ class LLMEngine:
                 "kv_cache": str(self.kv.dtype).removeprefix("torch."),
                 "matmul": model.quant_kernel.variant if model.quant_kernel is not None else "torch",
                 "decode": decode,
+                "threads": f"{torch.get_num_threads()} on CPUs {format_cpulist(os.sched_getaffinity(0))}",
                 "decode_threads": (f"{self.runner.small_batch_threads} (batches of <= {SMALL_BATCH} rows)"
                                    if fused is not None else "torch"),
                 "prefill_attention": (model.attention_kernel.variant if model.attention_kernel is not None

@@ -87,9 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--restart-nodes", dest="restart_nodes", action=argparse.BooleanOptionalAction,
                        default=None, help="with --nodes: start a node process that exited again "
                        "([cluster].restart_nodes, default on)")
-    serve.add_argument("--split-cpus", dest="split_cpus", choices=("numa", "cores", "off"), default=None,
-                       help="with --nodes N: bind each node to NUMA nodes of its own where there are N "
-                       "(numa, the default), to cores of its own (cores), or never (off) ([cluster].split_cpus)")
+    serve.add_argument("--split-cpus", dest="split_cpus", choices=("auto", "numa", "cores", "off"), default=None,
+                       help="with --nodes N: bind each node to cores of its own (cores), to NUMA nodes of "
+                       "its own where there are N (numa), or never (off); auto (the default): cores, "
+                       "or numa with --prefill ([cluster].split_cpus)")
     _cluster_flags(serve)
 
     node = sub.add_parser("node", help="run a node daemon (engine, transfers, heartbeats)")
@@ -365,7 +366,8 @@ def serve(args: argparse.Namespace) -> int:
                 cluster = with_overrides(cluster, **{name: getattr(args, name)})
         if args.nodes:
             from kvd.local_cluster import node_cpu_sets
-            node_cpus = node_cpu_sets(args.nodes, config.engine.cpus, cluster.split_cpus)
+            node_cpus = node_cpu_sets(args.nodes, config.engine.cpus, cluster.split_cpus,
+                                      disaggregated=args.prefill > 0)
         elif config.engine.cpus:
             _bind(config.engine.cpus)            # before torch loads: its team is sized to them
     except (ConfigError, ValueError) as exc:

@@ -43,7 +43,7 @@ COORDINATOR_NAME = "coordinator"   # the coordinator's key name; no node may tak
 # how many kvd nodes share the host (kvd.node.engine_driver.load_engine).
 HOST_NODES_ENV = "KVD_HOST_NODES"
 ROLES = ("mixed", "prefill", "decode")
-SPLIT_CPUS = ("numa", "cores", "off")     # kvd serve --nodes N's placement (kvd/local_cluster.py)
+SPLIT_CPUS = ("auto", "numa", "cores", "off")     # kvd serve --nodes N's placement (kvd/local_cluster.py)
 KV_LOAD_FAILURE = ("recompute", "fail")
 RECOVERY_POLICIES = ("replica", "reprefill", "fail")   # kvd/coordinator/recovery.py
 
@@ -107,11 +107,14 @@ class ClusterConfig:
         again, with a backoff (kvd/supervisor.py); off: a dead node stays dead.
     split_cpus: how ``kvd serve --nodes N`` places its nodes on the CPUs
         (``[engine].cpus``, else every CPU it may use; engine/cpus.py):
-        "numa" binds each node to whole NUMA nodes of its own where the CPUs
-        span at least N of them, else lets every node run on all of them;
         "cores" binds each node to whole cores of its own (SMT siblings
-        together) in any case; "off" never binds. Nodes that share CPUs
-        sleep between steps (``$KVD_HOST_NODES``).
+        together, in order of NUMA node); "numa" to whole NUMA nodes of its
+        own where the CPUs span at least N of them, else every node runs on
+        all of them; "off" never binds; "auto" (the default) is "cores" for
+        mixed nodes, whose loads are alike, and "numa" with ``--prefill P``,
+        where a decode node would leave its share idle to a prefill node that
+        waits for prompts (docs/benchmarks.md). Nodes that share CPUs sleep
+        between steps (``$KVD_HOST_NODES``).
     prefill_threshold: a decode node computes a prompt itself when fewer
         than this many of its tokens are not in its prefix cache (the rest
         go to a prefill node); 0 sends every prompt to a prefill node.
@@ -178,7 +181,7 @@ class ClusterConfig:
     admin_socket: str = ""
     ucx_progress_mode: str = "blocking"
     restart_nodes: bool = True
-    split_cpus: str = "numa"
+    split_cpus: str = "auto"
     prefill_threshold: int = 64
     prefill_queue_factor: float = 4.0
     kv_load_failure: str = "recompute"

@@ -20,9 +20,9 @@ survivors, and unless ``[cluster].restart_nodes`` is off
 If this process is killed outright, each node gets SIGTERM from the kernel
 (``$KVD_PARENT``, see ``kvd.cli``) and exits rather than live on orphaned.
 
-Where the CPUs span N NUMA nodes or more (``[cluster].split_cpus = "numa"``,
-the default; "cores" splits by cores on any host), each node computes on its
-own share (``node_cpu_sets``): ``--cpus`` with whole NUMA nodes (or cores) and
+Each node computes on its own share of the CPUs (``node_cpu_sets``,
+``[cluster].split_cpus``): ``--cpus`` with whole cores (mixed nodes) or, for
+prefill and decode nodes, whole NUMA nodes where the CPUs span N of them, and
 ``$KVD_HOST_NODES`` = 1, since no other node's team shares them. Otherwise
 every node runs on all of them and ``$KVD_HOST_NODES`` = N lets their teams
 sleep between steps.
@@ -56,10 +56,11 @@ log = logging.getLogger("kvd.local")
 NODE_STOP_TIMEOUT_S = 10.0
 
 
-def node_cpu_sets(num_nodes: int, cpus: str, split_cpus: str) -> list[str] | None:
+def node_cpu_sets(num_nodes: int, cpus: str, split_cpus: str, disaggregated: bool = False) -> list[str] | None:
     """Each of ``num_nodes`` nodes' CPU list, ``cpus`` (``[engine].cpus``; "" = every CPU
-    this process may use) cut by ``split_cpus`` ("numa": into whole NUMA nodes where
-    there are at least ``num_nodes`` of them; "cores": into whole cores; engine.cpus.split).
+    this process may use) cut by ``split_cpus`` ("cores": into whole cores; "numa": into
+    whole NUMA nodes where there are at least ``num_nodes`` of them; "auto": "numa" for
+    ``disaggregated`` nodes (prefill and decode roles), else "cores"; engine.cpus.split).
     None where the nodes share them instead: one node, "off", or too few NUMA nodes or
     cores (logged). Raises ValueError on a bad ``cpus`` or CPUs this process may not use."""
     pool = parse_cpulist(cpus) if cpus else allowed()
@@ -67,6 +68,8 @@ def node_cpu_sets(num_nodes: int, cpus: str, split_cpus: str) -> list[str] | Non
         check_allowed(pool, cpus)
     if num_nodes < 2 or split_cpus == "off":
         return None
+    if split_cpus == "auto":
+        split_cpus = "numa" if disaggregated else "cores"
     places = host_places(pool)
     numa_nodes = len({p.numa for p in places.values()})
     if split_cpus == "numa" and numa_nodes < num_nodes:

@@ -101,12 +101,14 @@ def test_the_plan_for_kvd_serve_nodes_on_this_host():
     here = host_places(mine)
     assert node_cpu_sets(2, "", "off") is None and node_cpu_sets(1, "", "cores") is None
     cores = node_cpu_sets(2, "", "cores")
-    if len({(p.numa, p.package, p.core) for p in here.values()}) >= 2:
+    if len(set(here.values())) >= 2:
         assert cores is not None and len(cores) == 2
         a, b = (parse_cpulist(c) for c in cores)
         assert a | b == mine and not a & b
     numa = node_cpu_sets(2, "", "numa")
     assert (numa is None) == (len({p.numa for p in here.values()}) < 2)
+    assert node_cpu_sets(2, "", "auto") == cores                          # mixed nodes
+    assert node_cpu_sets(2, "", "auto", disaggregated=True) == numa       # prefill + decode
     with pytest.raises(ValueError, match="not among those this process may use"):
         node_cpu_sets(2, f"{max(mine) + 1}", "cores")
     with pytest.raises(ValueError, match="not a CPU list"):

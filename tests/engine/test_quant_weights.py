@@ -6,6 +6,8 @@ the real SmolLM2 is in test_fidelity.py.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -14,6 +16,7 @@ from engine.model.config import tiny_config
 from engine.model.llama import LlamaModel
 from engine.model.weights import NATIVE_GGUF_TYPES, load_gguf, random_weights
 from engine.request import SamplingParams
+from engine.cpus import format_cpulist
 from kernels import quant_linear
 from kernels.attention import AttentionBatch, PrefillSeq
 from kernels.fused_decode import unsupported_reason
@@ -181,6 +184,8 @@ def test_the_engine_names_the_kernels_of_this_host(tiny_gguf, tokenizer, kernel)
     team = torch.get_num_threads() if torch.get_num_threads() < 8 else None     # timed at start from 8
     named = native_engine(tiny_gguf, tokenizer).kernels()
     assert named.pop("decode_threads").endswith("(batches of <= 4 rows)")
+    assert named.pop("threads") == (f"{torch.get_num_threads()} on CPUs "
+                                    f"{format_cpulist(os.sched_getaffinity(0))}")
     assert named == {"weights": "native", "dtype": "float32", "kv_cache": "float32", "matmul": host,
                      "decode": f"plan:{host}", "prefill_attention": host, "row_ops": host}
     if team is not None:
