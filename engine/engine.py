@@ -139,6 +139,7 @@ class LLMEngine:
             make = PlanDecoder.create if model.quantized else FusedDecoder.create
             fused = make(model, device_kv, config.block_size)
         self.runner = ModelRunner(model, device_kv, config.block_size, fused)
+        self.compute_threads = torch.get_num_threads()      # the team from_config sized (this thread's)
         self.runner.small_batch_threads = self._small_batch_team()
         self.outputs = OutputProcessor(tokenizer, self.max_model_len)
         self.requests: dict[str, Request] = {}
@@ -193,7 +194,7 @@ class LLMEngine:
                 "kv_cache": str(self.kv.dtype).removeprefix("torch."),
                 "matmul": model.quant_kernel.variant if model.quant_kernel is not None else "torch",
                 "decode": decode,
-                "threads": f"{torch.get_num_threads()} on CPUs {format_cpulist(os.sched_getaffinity(0))}",
+                "threads": f"{self.compute_threads} on CPUs {format_cpulist(os.sched_getaffinity(0))}",
                 "decode_threads": (f"{self.runner.small_batch_threads} (batches of <= {SMALL_BATCH} rows)"
                                    if fused is not None else "torch"),
                 "prefill_attention": (model.attention_kernel.variant if model.attention_kernel is not None
