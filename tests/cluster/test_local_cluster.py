@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import re
 import signal
@@ -17,7 +18,7 @@ import pytest
 from engine.cpus import host_places, parse_cpulist
 from kvd.local_cluster import node_cpu_sets
 
-from .conftest import HEARTBEAT, ROOT, TINY, admin, free_port
+from .conftest import HEARTBEAT, ROOT, TINY, admin, free_port, reference_tokens
 
 
 def cpus_allowed(pid: str) -> frozenset[int]:
@@ -26,10 +27,11 @@ def cpus_allowed(pid: str) -> frozenset[int]:
 
 
 @pytest.mark.parametrize("split_cpus", ["auto", "off"])
-def test_serve_with_two_local_nodes_and_sigterm(tmp_path, split_cpus):
+def test_serve_with_two_local_nodes_and_sigterm(tmp_path, split_cpus, reference_engine):
     """Also where each node computes: each on the CPUs node_cpu_sets plans for this host
     (auto, mixed nodes: cores of their own where there are 2; off: all of them), told how
-    many nodes share them (1 where they are its own)."""
+    many nodes share them (1 where they are its own); greedy tokens either way those of
+    the single-node engine."""
     port = free_port()
     log = open(tmp_path / "serve.log", "wb")
     proc = subprocess.Popen([sys.executable, "-m", "kvd.cli", "serve", "--nodes", "2", "--port", str(port),
@@ -50,6 +52,13 @@ def test_serve_with_two_local_nodes_and_sigterm(tmp_path, split_cpus):
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
         r = client.completions.create(model="tiny", prompt="hello", max_tokens=4, temperature=0)
         assert r.usage.completion_tokens == 4
+        prompts = [[(7 * i + 3 * j) % 900 + 1 for j in range(n)] for i, n in enumerate((5, 24, 70, 130))]
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:      # at once, batched on the nodes
+            texts = list(pool.map(lambda ids: client.completions.create(
+                model="tiny", prompt=ids, max_tokens=12, temperature=0,
+                extra_body={"ignore_eos": True}).choices[0].text, prompts))
+        assert texts == [reference_engine.tokenizer.decode(r)
+                         for r in reference_tokens(reference_engine, prompts, 12)]
         children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
         assert len(children) == 2
         mine = frozenset(os.sched_getaffinity(0))
