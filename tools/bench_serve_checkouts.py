@@ -9,7 +9,9 @@ the HTTP path): make a git worktree of the commit before it, then
 
 ``--configs`` compares settings, not (only) checkouts: ';'-separated sets of extra
 flags, each served from every checkout (``--repos . --configs ";--kv-cache-dtype
-float16"``: the default against a float16 KV cache, the same tree).
+float16"``: the default against a float16 KV cache, the same tree). Where the first
+set starts with a flag, join it with '=' (``"--configs=--split-cpus cores;--split-cpus
+off"``), or argparse takes it for an option of its own.
 
 Each round starts ``kvd serve`` (this interpreter, default flags plus SERVE FLAGS)
 from every checkout in turn, the order reversed every other round, and runs
