@@ -224,12 +224,12 @@ class LLMEngine:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "LLMEngine":
-        cpus = os.sched_getaffinity(0)
+        cpus, team = os.sched_getaffinity(0), torch.get_num_threads()
         # torch sized its team from the CPUs of the moment it loaded: no more than there are now
         usable = len(cpus)
-        default = min(torch.get_num_threads(), usable)
+        default = min(team, usable)
         threads = config.compute_threads(default, usable)
-        if threads != torch.get_num_threads():
+        if threads != team:
             torch.set_num_threads(threads)
         reserved = usable - threads if config.num_threads is None and threads < default else 0
         log.info("computing on %d threads (CPUs %s%s)", threads, format_cpulist(cpus),

@@ -168,8 +168,6 @@ class PlanDecoder:
         ``quant_linear.VARIANTS``) picks a build other than the host's fastest, for
         benchmarks and tests; one this CPU cannot run gives None."""
         reason = unsupported_reason(model)
-        if reason is None and kv.dtype not in KV_DTYPES:
-            reason = f"a {kv.dtype} KV cache (the executor reads fp32 or fp16 KV)"
         if reason is None and variant is not None and variant not in VARIANTS:
             reason = f"unknown kernel variant {variant!r}"
         if reason is None and variant is not None and not runs_here(variant):
