@@ -30,7 +30,7 @@ from engine.scheduler import ScheduledBatch, Scheduler
 from engine.stream import KVSink, LayerStreamer
 from kernels.fused_decode import FusedDecoder
 from kernels.plan_decode import PlanDecoder
-from kernels.quant_linear import QuantKernel
+from kernels.quant_linear import QuantKernel, host_variant
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,10 @@ def build_model(config: EngineConfig, weights: LoadedWeights) -> LlamaModel:
     (no AVX2/FMA/F16C, or a failed build: logged) they are dequantized here and
     served as ``weights = "dequantize"`` would serve them. ``dtype = "auto"``
     is float32 for quantized weights on every CPU: their kernels compute in
-    fp32, and only an fp32 model decodes through the plan executor."""
+    fp32, and only an fp32 model decodes through the plan executor. An fp32 float
+    model keeps its matrices in the executor's layout (``float_layout = "rows"``)
+    where its decode steps will run there: ``decode_kernel = "auto"`` on a CPU with a
+    kernel build."""
     kernel = None
     dtype = resolve_dtype(config.dtype)
     if weights.is_quantized:
@@ -83,7 +86,9 @@ def build_model(config: EngineConfig, weights: LoadedWeights) -> LlamaModel:
             log.info("serving %s with its quantized weights (%s kernel)", weights.source, kernel.variant)
             if config.dtype == "auto":
                 dtype = torch.float32
-    return LlamaModel(weights.config, weights.tensors, dtype=dtype, quant_kernel=kernel)
+    rows = kernel is None and dtype == torch.float32 and config.decode_kernel == "auto" and host_variant() is not None
+    return LlamaModel(weights.config, weights.tensors, dtype=dtype, quant_kernel=kernel,
+                      float_layout="rows" if rows else "auto")
 
 
 def kv_cache_dtype(config: EngineConfig, model_dtype: torch.dtype) -> torch.dtype:
@@ -136,7 +141,7 @@ class LLMEngine:
         device_kv = self.kv.tier("device")
         fused = None
         if config.decode_kernel == "auto":   # one C++ call per decode step where one can run it
-            make = PlanDecoder.create if model.quantized else FusedDecoder.create
+            make = PlanDecoder.create if model.quantized or model.dtype == torch.float32 else FusedDecoder.create
             fused = make(model, device_kv, config.block_size)
         self.runner = ModelRunner(model, device_kv, config.block_size, fused)
         self.compute_threads = torch.get_num_threads()      # the team from_config sized (this thread's)

@@ -1,10 +1,11 @@
-"""A whole fp32 decode step of a quantized model in one C++ call, run from llama.py's layer plan.
+"""A whole fp32 decode step in one C++ call, run from llama.py's layer plan.
 
 ``LlamaModel.forward`` runs ``engine.model.llama.LAYER_STEPS`` op by op in
 torch: about 1,700 torch ops per SmolLM2 decode step, whose dispatch costs more
 than reading the quantized weights (docs/architecture.md). ``PlanDecoder``
-hands the same steps, the layers' weights (``QuantLinear`` blocks, norm
-vectors), the embedding and the LM head to kernels/csrc/plan_decode.cpp once,
+hands the same steps, the layers' weights (``QuantLinear`` blocks, or an fp32
+model's float matrices in ``float_layout = "rows"``; norm vectors), the
+embedding and the LM head to kernels/csrc/plan_decode.cpp once,
 and each decode step is then one ctypes call: embed, every layer's steps,
 final norm, LM head. The C++ side implements ops, not a Llama: a plan with an
 op it does not know is declined here (``unsupported_reason``) and decode stays
@@ -22,14 +23,16 @@ Contract of :meth:`PlanDecoder.decode` (as ``LlamaModel.forward`` +
 - returns fp32 logits [B, V];
 - **batch invariant, bit for bit**: row b depends only on sequence b's token,
   position, block table and cached K/V, not on B, the other rows or the
-  thread count (the quantized matmul's fixed order, row-local ops elsewhere);
+  thread count (the matmuls' fixed orders, row-local ops elsewhere);
 - agrees with ``forward`` to fp32 rounding (norm and attention sums run in
-  another order; the matmuls are the same kernel, bit for bit);
+  another order; quantized matmuls are the same kernel, bit for bit, and a
+  float model's run in kernels/csrc/dense_gemm.h's order, not MKL's);
 - deterministic; keeps no per-request state; allocates no KV memory.
 
-:meth:`PlanDecoder.create` returns None (and says why) for a float or bf16
-model, a pipeline stage, a matrix that is not one block-quantized tensor, an
-unsupported shape, a CPU without a quantized-weights build, or a failed build.
+:meth:`PlanDecoder.create` returns None (and says why) for a model that does
+not compute in fp32, a float model whose matrices are not in the rows layout, a
+pipeline stage, a matrix that is neither one block-quantized tensor nor an fp32
+one, an unsupported shape, a CPU without a kernel build, or a failed build.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ log = logging.getLogger(__name__)
 LIBRARY = "plan_decode"
 OPS = {"rms_norm": 0, "linear": 1, "rope_attention": 2, "linear_add": 3, "silu_mul": 4}   # enum Op in the .cpp
 _MATRIX_OPS = ("linear", "linear_add")
+FMT_F32 = 16                   # PlanWeight.format of an fp32 matrix (the .cpp's FMT_F32)
 KV_DTYPES = (torch.float32, torch.float16)    # the KV caches the executor reads (PlanModel.kv_half)
 
 
@@ -81,10 +85,17 @@ def _single_block_tensor(m: object) -> bool:
             and m.parts[0].layout == X8)
 
 
+def _dense_matrix(m: object) -> bool:
+    """An fp32 matrix [out, in] the executor reads as it is (dense_gemm.h)."""
+    return (isinstance(m, torch.Tensor) and m.dtype == torch.float32 and m.dim() == 2 and m.is_contiguous()
+            and m.shape[1] % 16 == 0)
+
+
 def unsupported_reason(model: LlamaModel) -> str | None:
     """Why the plan executor cannot run ``model``'s decode steps here, or None."""
-    if not model.quantized:
-        return "float weights (the plan executor runs block-quantized models)"
+    if not model.quantized and not model.rows_layout:
+        return ("float weights stored [in, out] for MKL's decode (the plan executor reads them [out, in]: "
+                "LlamaModel(float_layout=\"rows\"))")
     if model.dtype != torch.float32:
         return f"dtype {model.dtype} (the plan executor computes in fp32)"
     if not (model.is_first and model.is_last):
@@ -94,12 +105,14 @@ def unsupported_reason(model: LlamaModel) -> str | None:
     unknown = sorted({s.op for s in LAYER_STEPS} - set(OPS))
     if unknown:
         return f"LAYER_STEPS has ops the executor does not implement: {', '.join(unknown)}"
+    matrix = _single_block_tensor if model.quantized else _dense_matrix
+    what = ("one block-quantized tensor (with a kernel)" if model.quantized else
+            "an fp32 matrix [out, in] whose width is a multiple of 16")
     for step in LAYER_STEPS:
-        if step.op in _MATRIX_OPS and not all(_single_block_tensor(getattr(layer, step.weight))
-                                              for layer in model.layers):
-            return f"{step.weight} is not one block-quantized tensor (with a kernel) in every layer"
-    if not (_single_block_tensor(model.embed) and _single_block_tensor(model.lm_head)):
-        return "the embedding or the LM head is not block-quantized (with a kernel)"
+        if step.op in _MATRIX_OPS and not all(matrix(getattr(layer, step.weight)) for layer in model.layers):
+            return f"{step.weight} is not {what} in every layer"
+    if not (matrix(model.embed) and matrix(model.lm_head)):
+        return f"the embedding or the LM head is not {what}"
     if host_variant() is None:
         return "CPU lacks AVX2, FMA or F16C"
     return None
@@ -109,11 +122,13 @@ def _weight(t: object) -> _Weight:
     if isinstance(t, QuantLinear):
         q = t.parts[0]
         return _Weight(q.fmt.code, 0, q.shape[0], q.shape[1], q.data.data_ptr())
+    if t.dim() == 2:
+        return _Weight(FMT_F32, 0, t.shape[0], t.shape[1], t.data_ptr())      # an fp32 matrix [out, in]
     return _Weight(-1, 0, t.numel(), 1, t.data_ptr())             # an fp32 vector (a norm's weight)
 
 
 class PlanDecoder:
-    """The plan of one quantized fp32 model plus the loaded executor. Construct with :meth:`create`."""
+    """The plan of one fp32 model plus the loaded executor. Construct with :meth:`create`."""
 
     # A step may run on fewer threads than torch's (DecodeStaging.run's ``threads``), inside an
     # OpenMP region of torch's size whose other threads idle: libgomp would otherwise end the
@@ -133,7 +148,7 @@ class PlanDecoder:
         width = {"h": cfg.hidden_size}
         for s in LAYER_STEPS:                       # each slot's width from the step that writes it
             w = getattr(model.layers[0], s.weight) if s.weight else None
-            width[s.dst] = (w.out_features if s.op in _MATRIX_OPS else width[s.src] // 2
+            width[s.dst] = ((w.shape[0] if isinstance(w, torch.Tensor) else w.out_features) if s.op in _MATRIX_OPS else width[s.src] // 2
                             if s.op == "silu_mul" else cfg.q_size if s.op == "rope_attention" else width[s.src])
         self._steps = (_Step * len(LAYER_STEPS))(*[
             _Step(OPS[s.op], slots.index(s.src), slots.index(s.dst), weights.index(s.weight) if s.weight else -1)

@@ -178,6 +178,10 @@ class LlamaModel:
     for fp32, MKL runs ``x @ W[in, out]`` on all cores even for one token while
     ``F.linear`` (``W[out, in]``) falls to a single-threaded gemv (~25% slower
     decode); for bf16, oneDNN is the other way round (5x slower transposed).
+    ``float_layout = "rows"`` keeps every float matrix ``[out, in]`` whatever the
+    dtype (``rows_layout``): the layout the plan executor reads (kernels/plan_decode.py),
+    for an fp32 model whose decode steps it runs, torch then running only prefills
+    (``F.linear``, as fast as the transposed layout from a few rows up).
 
     ``tensors`` holding any ``QuantTensor`` make a quantized model
     (``quantized``): its matrices are ``QuantLinear`` objects over
@@ -202,7 +206,9 @@ class LlamaModel:
                  layer_range: tuple[int, int] | None = None,
                  quant_kernel: QuantKernel | None = None,
                  attention_kernel: PrefillAttention | None | str = "auto",
-                 row_ops: RowOps | None | str = "auto") -> None:
+                 row_ops: RowOps | None | str = "auto", float_layout: str = "auto") -> None:
+        if float_layout not in ("auto", "rows"):
+            raise ValueError(f"float_layout {float_layout!r}: use 'auto' or 'rows'")
         self.config = config
         self.dtype = dtype
         start, end = layer_range or (0, config.num_layers)
@@ -224,9 +230,10 @@ class LlamaModel:
 
         self.quantized = any(isinstance(t, QuantTensor) for t in tensors.values())
         self.quant_kernel = quant_kernel if self.quantized else None
-        transposed = dtype == torch.float32 and not self.quantized
-        self._linear = (_quant_linear if self.quantized else
-                        _matmul_in_out if transposed else _linear_batch_invariant)
+        transposed = dtype == torch.float32 and not self.quantized and float_layout == "auto"
+        self.rows_layout = not self.quantized and not transposed      # float matrices [out, in]
+        self._linear = (_quant_linear if self.quantized else _matmul_in_out if transposed else
+                        F.linear if dtype == torch.float32 else _linear_batch_invariant)
 
         # the kernels' packed weights, on huge pages: one stream of ~100 MB a decode step
         arena = WeightArena()

@@ -1,4 +1,4 @@
-// One decode step of a Llama decoder with GGUF block-quantized weights,
+// One decode step of a Llama decoder in fp32, its matrices GGUF block-quantized or fp32,
 // executing the layer plan of engine/model/llama.py (LAYER_STEPS).
 //
 // Called through ctypes from kernels/plan_decode.py, which documents the
@@ -8,7 +8,8 @@
 //
 //     rms_norm        dst = w * (x * (1 / sqrt(mean(x^2) + eps)))       per row
 //     linear          dst = x Wᵀ                                       the quant matmul (quant_gemm.h:
-//                                                                      x quantized to 16 bits first)
+//                                                                      x quantized to 16 bits first), or
+//                                                                      for fp32 W the dense one (dense_gemm.h)
 //     linear_add      dst = dst + x Wᵀ
 //     silu_mul        dst = silu(x[:, :I]) * x[:, I:]
 //     rope_attention  q, k = RoPE(x's q and k heads) (rotate_half, torch's three roundings);
@@ -32,6 +33,7 @@
 // The sums inside norms and attention run in another order than torch's, so
 // this step agrees with LlamaModel.forward to fp32 rounding, not bit for bit.
 
+#include "dense_gemm.h"
 #include "quant_gemm.h"
 #include "row_claims.h"
 #include "row_ops.h"
@@ -43,6 +45,23 @@
 namespace {
 
 enum Op { OP_RMS_NORM = 0, OP_LINEAR = 1, OP_ROPE_ATTENTION = 2, OP_LINEAR_ADD = 3, OP_SILU_MUL = 4 };
+
+// PlanWeight.format of an fp32 matrix [n, k], row-major (dense_gemm.h); 0-2 are quant_blocks.h's
+// Format (the x8 layout), -1 an fp32 vector.
+constexpr int32_t FMT_F32 = 16;
+
+inline bool quantized(int32_t format) { return format >= Q4_0 && format <= Q8_0; }
+
+// A matrix of format `format` fits an input of width k: a whole number of its blocks (16
+// floats for fp32).
+inline bool matrix_fits(int32_t format, int64_t k) {
+    return (quantized(format) && k % QK == 0) || (format == FMT_F32 && k % 16 == 0);
+}
+
+// Bytes of 8 rows of W (the claims' unit: a group of the x8 layout)
+inline int64_t rows8_bytes(int32_t format, int64_t k) {
+    return format == FMT_F32 ? 8 * k * (int64_t)sizeof(float) : group_bytes(format, k);
+}
 
 // Batches of at most this many rows run row-local ops on every thread (kvd_plan_decode).
 constexpr int REDUNDANT_ROWS = 4;
@@ -57,7 +76,8 @@ extern "C" {
 struct PlanStep { int32_t op, src, dst, weight; };
 
 struct PlanWeight {
-    int32_t format;             // 0 Q4_0, 1 Q4_1, 2 Q8_0: a matrix [n, k] in the x8 layout; -1: an fp32 vector [n]
+    int32_t format;             // 0 Q4_0, 1 Q4_1, 2 Q8_0: a matrix [n, k] in the x8 layout; 16 (FMT_F32): an
+                                // fp32 matrix [n, k], row-major; -1: an fp32 vector [n]
     int32_t unused;
     int64_t n, k;
     const void* data;
@@ -73,14 +93,32 @@ struct PlanModel {
     const PlanWeight* weights;      // [num_layers][num_weights]
     const float* cos;               // [max_positions, head_dim]
     const float* sin;               // [max_positions, head_dim], first half negated (rope_tables)
-    PlanWeight embed;               // [vocab, hidden], quantized
-    PlanWeight head;                // [vocab, hidden], quantized (may be the embedding)
+    PlanWeight embed;               // [vocab, hidden], a matrix
+    PlanWeight head;                // [vocab, hidden], a matrix (may be the embedding)
     const float* final_norm;        // [hidden]
 };
 
 }  // extern "C"
 
 namespace {
+
+// y[m, n] (row stride ldy) = x[m] · W[n] for n in [n0, n1), m < M: the dense kernel on x
+// (row stride ldx), or the quantized one on xq (x quantized).
+inline void matrix_range(const PlanWeight& w, const float* x, int64_t ldx, const QRows& xq, int64_t M, int64_t n0,
+                         int64_t n1, float* y, int64_t ldy) {
+    if (w.format == FMT_F32)
+        dense_range((const float*)w.data, w.k, n0, n1, x, ldx, M, y, ldy);
+    else
+        matmul_range(w.format, (const uint8_t*)w.data, n0, n1, xq, M, y, ldy);
+}
+
+// out[t] = row ids[t] of an embedding table (ids checked)
+inline void gather_table_rows(const PlanWeight& w, const int64_t* ids, int64_t T, float* out) {
+    if (w.format == FMT_F32)
+        for (int64_t t = 0; t < T; t++) memcpy(out + t * w.k, (const float*)w.data + ids[t] * w.k, (size_t)w.k * sizeof(float));
+    else
+        gather_rows_any(w.format, (const uint8_t*)w.data, w.k, ids, T, out);
+}
 
 // ------------------------------------------------------------------ decode attention
 // Split over keys. Sequence b's keys 0..ctx-1 are cut into chunks of key_chunk(ctx) keys, a
@@ -292,11 +330,20 @@ void attend_items(const PlanModel* m, const AttnItems& it, int64_t i0, int64_t i
 // the LM head's input (the final norm's rows).
 using QuantizedInputs = std::vector<QRowsBuf>;
 
+// Whether any matrix of m is block-quantized (else no input is ever quantized).
+bool any_quantized(const PlanModel* m) {
+    for (int64_t i = 0; i < (int64_t)m->num_layers * m->num_weights; i++)
+        if (quantized(m->weights[i].format)) return true;
+    return quantized(m->head.format);
+}
+
 // Rows of B for slot s of m at [s] (slots whose width is not a whole number of blocks get
-// none: no matmul reads them, kvd_plan_check saw to it), the LM head's input at [num_slots].
+// none: no matmul reads them, kvd_plan_check saw to it), the LM head's input at [num_slots];
+// none at all for a model without quantized matrices.
 std::vector<QRows> quantized_inputs(const PlanModel* m, int B, QuantizedInputs& bufs) {
     bufs.resize((size_t)m->num_slots + 1);
     std::vector<QRows> rows((size_t)m->num_slots + 1);
+    if (!any_quantized(m)) return rows;
     for (int s = 0; s <= m->num_slots; s++) {
         const int64_t k = s < m->num_slots ? m->slot_width[s] : m->hidden;
         if (k % QK == 0) rows[s] = bufs[s].rows(B, k);
@@ -412,7 +459,7 @@ int kvd_plan_check(const PlanModel* m) {
                     break;
                 case OP_LINEAR:
                 case OP_LINEAR_ADD:
-                    if (!w || w->format < 0 || w->format > 2 || w->k != in || w->n != out || w->k % QK) return -2;
+                    if (!w || !matrix_fits(w->format, in) || w->k != in || w->n != out) return -2;
                     break;
                 case OP_ROPE_ATTENTION:
                     if (in != q_size + 2 * kv_size || out != q_size || m->heads % m->kv_heads) return -2;
@@ -424,8 +471,8 @@ int kvd_plan_check(const PlanModel* m) {
                     return -2;
             }
         }
-    if (m->embed.format < 0 || m->embed.format > 2 || m->embed.k != m->hidden || m->embed.n != m->vocab) return -2;
-    if (m->head.format < 0 || m->head.format > 2 || m->head.k != m->hidden || m->head.n != m->vocab) return -2;
+    if (!matrix_fits(m->embed.format, m->hidden) || m->embed.k != m->hidden || m->embed.n != m->vocab) return -2;
+    if (!matrix_fits(m->head.format, m->hidden) || m->head.k != m->hidden || m->head.n != m->vocab) return -2;
     return 0;
 }
 
@@ -468,7 +515,7 @@ int kvd_plan_decode(const PlanModel* m, void* kv, int B, const int64_t* ids, con
     std::vector<float> tmp((size_t)B * widest), normed((size_t)B * D);
     std::vector<float> part_m((size_t)items * H), part_l((size_t)items * H), part_o((size_t)items * q_size);
     float* h = slots[0].data();
-    gather_rows_any(m->embed.format, (const uint8_t*)m->embed.data, D, ids, B, h);
+    gather_table_rows(m->embed, ids, B, h);
 
     const size_t layer_kv = (size_t)2 * m->num_blocks * bs * kvh_stride;       // elements
     const AttnItems items_of{item_seq.data(), item_t0.data(), positions, tables, max_blocks};
@@ -533,12 +580,14 @@ int kvd_plan_decode(const PlanModel* m, void* kv, int B, const int64_t* ids, con
                     }
                     case OP_LINEAR:
                     case OP_LINEAR_ADD: {       // x quantized (rows split, or whole per thread), then this thread's columns
-                        quantize_rows(x, in, r0, r1, xq[st.src]);
-                        if (!redundant) barrier.wait(T, tid);
                         const PlanWeight& w = lw[st.weight];
+                        if (quantized(w.format)) {
+                            quantize_rows(x, in, r0, r1, xq[st.src]);
+                            if (!redundant) barrier.wait(T, tid);
+                        }
                         const bool add = st.op == OP_LINEAR_ADD;
-                        claims.run(out, group_bytes(w.format, in), T, tid, round++, [&](int64_t n0, int64_t n1) {
-                            matmul_range(w.format, (const uint8_t*)w.data, n0, n1, xq[st.src], B, add ? tmp.data() : y, out);
+                        claims.run(out, rows8_bytes(w.format, in), T, tid, round++, [&](int64_t n0, int64_t n1) {
+                            matrix_range(w, x, in, xq[st.src], B, n0, n1, add ? tmp.data() : y, out);
                             if (add)
                                 for (int64_t r = 0; r < B; r++)
                                     for (int64_t n = n0; n < n1; n++) y[r * out + n] = y[r * out + n] + tmp[r * out + n];
@@ -582,17 +631,17 @@ int kvd_plan_decode(const PlanModel* m, void* kv, int B, const int64_t* ids, con
                 if (!row_local) barrier.wait(T, tid);
             }
         }
-        // the final norm into `normed` (private rows when redundant: each thread writes its own
-        // copy of all rows into its quantized buffer; `normed` itself is only read back here)
+        // the final norm into `normed` (private rows when redundant: each thread computes its
+        // own copy of all rows), read by the LM head (a quantized head reads it quantized)
         std::vector<float> own_normed(redundant ? (size_t)B * D : 0);
         float* nrm = redundant ? own_normed.data() : normed.data();
         for (int64_t r = r0; r < r1; r++) rms_norm_row(h + r * D, m->final_norm, D, m->eps, &nrm[r * D]);
         const QRows& qh = xq[m->num_slots];
-        quantize_rows(nrm, D, r0, r1, qh);
+        if (quantized(m->head.format)) quantize_rows(nrm, D, r0, r1, qh);
         if (!redundant) barrier.wait(T, tid);
         std::vector<Best> mine(argmax ? (size_t)B : 0, Best{0.0f, -1});
-        claims.run(m->vocab, group_bytes(m->head.format, D), T, tid, round++, [&](int64_t n0, int64_t n1) {
-            matmul_range(m->head.format, (const uint8_t*)m->head.data, n0, n1, qh, B, logits, m->vocab);
+        claims.run(m->vocab, rows8_bytes(m->head.format, D), T, tid, round++, [&](int64_t n0, int64_t n1) {
+            matrix_range(m->head, nrm, D, qh, B, n0, n1, logits, m->vocab);
             if (argmax)
                 for (int64_t r = 0; r < B; r++) merge_chunk(mine[r], logits + r * m->vocab, n0, n1);
         });

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.engine import DTYPES, EngineConfig, LLMEngine
-from engine.model.llama import LlamaModel
+from engine.engine import EngineConfig, LLMEngine, build_model
 from engine.model.registry import resolve_model
 
 torch.set_num_threads(2)
@@ -38,12 +37,13 @@ def smollm2_weights(smollm2_source):
 
 
 def build_engine(weights, tokenizer, name="tiny", **overrides) -> LLMEngine:
-    """An engine over already-loaded weights (loading once per session keeps tests fast)."""
+    """An engine over already-loaded weights (loading once per session keeps tests fast),
+    its model built as ``LLMEngine.from_config`` builds it (``build_model``: an fp32 model
+    decodes on the plan executor unless ``decode_kernel = "torch"``)."""
     defaults = dict(model=name, dtype="float32", kv_blocks=256, host_kv_blocks=256, max_num_seqs=32)
     defaults.update(overrides)
     cfg = EngineConfig(**defaults)
-    model = LlamaModel(weights.config, weights.tensors, dtype=DTYPES[cfg.dtype])
-    return LLMEngine(cfg, model, tokenizer, name)
+    return LLMEngine(cfg, build_model(cfg, weights), tokenizer, name)
 
 
 @pytest.fixture

@@ -5,8 +5,8 @@ Exactness is by construction: every step attends to the K/V the cache holds
 prompt's tokens cannot depend on the batch, on chunked prefill, on a cached
 prefix or on swap preemption; recompute preemption rebuilds decode-written
 K/V through prefill, measured here as for the fp32 cache. Both decode paths
-run: the plan executor (native GGUF weights) and the torch model (float
-weights). The real SmolLM2 is in test_fidelity.py.
+run: the plan executor (native GGUF weights, and float weights) and the
+torch model (float weights, decode_kernel = "torch"). The real SmolLM2 is in test_fidelity.py.
 """
 
 from __future__ import annotations
@@ -35,17 +35,21 @@ def q4_1_gguf(tmp_path_factory):
     return path
 
 
-@pytest.fixture(params=["plan", "torch"])
+@pytest.fixture(params=["plan", "plan-float", "torch"])
 def make(request, make_tiny, q4_1_gguf, tokenizer, kernel):  # noqa: F811
     """Engines of one model over a float16 cache: native weights decoding on the plan
-    executor, or float weights decoding through the torch model."""
+    executor, float weights decoding on it, or float weights decoding through the torch
+    model."""
     def build(**overrides):
         overrides.setdefault("kv_cache_dtype", "float16")
         if request.param == "plan":
             eng = native_engine(q4_1_gguf, tokenizer, **overrides)
             assert eng.runner.fused is not None
-        else:
+        elif request.param == "plan-float":
             eng = make_tiny(**overrides)
+            assert eng.runner.fused is not None and not eng.model.quantized
+        else:
+            eng = make_tiny(decode_kernel="torch", **overrides)
             assert eng.runner.fused is None
         return eng
     return build

@@ -1,9 +1,11 @@
-"""The plan executor (kernels/plan_decode.py): a quantized fp32 decode step in one C++ call,
-run from llama.py's LAYER_STEPS, against LlamaModel.forward.
+"""The plan executor (kernels/plan_decode.py): an fp32 decode step in one C++ call, run from
+llama.py's LAYER_STEPS, against LlamaModel.forward, for block-quantized models and float
+ones (fp32 matrices in the rows layout: "F32" below).
 
 Agreement with forward is to rounding (norm and attention sums in another
 order, so a matmul input can differ in its last bit and then round to a
-neighbouring 16-bit step; the matmuls are the same kernel); batch and thread-count
+neighbouring 16-bit step; quantized matmuls are the same kernel, float ones MKL's
+against dense_gemm.h's order); batch and thread-count
 invariance and the KV slots written are checked bit for bit. The host's
 build runs here (AVX2 on the project's machines): nothing is skipped.
 """
@@ -57,7 +59,11 @@ def quantize(weights, fmt: str) -> dict:
 
 
 def tiny_model(fmt: str, kernel: QuantKernel) -> LlamaModel:
+    """The tiny model with its matrices in ``fmt``'s blocks, or ``"F32"``: as they are, fp32
+    in the rows layout (a float model's, as build_model makes it)."""
     w = random_weights(tiny_config(vocab_size=512), seed=5, std=0.08)
+    if fmt == "F32":
+        return LlamaModel(w.config, w.tensors, float_layout="rows")
     return LlamaModel(w.config, quantize(w, fmt), quant_kernel=kernel)
 
 
@@ -72,7 +78,7 @@ def smollm2(kernel) -> LlamaModel:
     return LlamaModel(w.config, w.tensors, quant_kernel=kernel)
 
 
-@pytest.fixture(scope="module", params=["tiny-Q4_1", "tiny-Q8_0", "tiny-Q4_0", "smollm2"])
+@pytest.fixture(scope="module", params=["tiny-Q4_1", "tiny-Q8_0", "tiny-Q4_0", "tiny-F32", "smollm2"])
 def model(request, kernel) -> LlamaModel:
     if request.param == "smollm2":                 # loaded only for its own cases
         return request.getfixturevalue("smollm2")
@@ -145,7 +151,7 @@ def test_logits_and_kv_match_forward(model, kv_dtype):
     assert (new_p - new_t).abs().max() <= 1e-3 * new_t.abs().max()
 
 
-@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0", "Q4_0"])
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0", "Q4_0", "F32"])
 @pytest.mark.parametrize("build", ["host", "amxemu"])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
 def test_every_build_computes_the_same_bits(fmt, build, kv_dtype, kernel):
@@ -481,7 +487,12 @@ def test_small_decode_batches_run_on_the_team_the_engine_timed(tiny, monkeypatch
 # ------------------------------------------------------------------ which models
 def test_models_it_does_not_run_say_why(tiny, kernel):
     w = random_weights(tiny_config(vocab_size=512), seed=5)
-    assert "float weights" in unsupported_reason(LlamaModel(w.config, w.tensors))
+    assert "float weights stored [in, out]" in unsupported_reason(LlamaModel(w.config, w.tensors))
+    assert "dtype" in unsupported_reason(LlamaModel(w.config, w.tensors, dtype=torch.bfloat16, float_layout="rows"))
+    assert unsupported_reason(LlamaModel(w.config, w.tensors, float_layout="rows")) is None
+    odd = random_weights(tiny_config(vocab_size=512, intermediate_size=120), seed=5)
+    assert "an fp32 matrix [out, in] whose width is a multiple of 16" in unsupported_reason(
+        LlamaModel(odd.config, odd.tensors, float_layout="rows"))
     q = quantize(w, "Q8_0")
     assert "dtype" in unsupported_reason(LlamaModel(w.config, q, dtype=torch.bfloat16, quant_kernel=kernel))
     assert "pipeline stage" in unsupported_reason(LlamaModel(w.config, q, layer_range=(0, 2), quant_kernel=kernel))
