@@ -5,8 +5,10 @@
 For the bundled SmolLM2 (Q4_1 layers, Q8_0 embedding / tied LM head), with
 ``weights = "native"`` (blocks kept, kernels/quant_linear.py; decode steps run
 by the plan executor, kernels/plan_decode.py), the same with
-``decode_kernel = "torch"`` (decode through LlamaModel.forward) and
-``weights = "dequantize"`` (fp32, torch/MKL), rounds alternated:
+``decode_kernel = "torch"`` (decode through LlamaModel.forward), and
+``weights = "dequantize"`` (fp32 float matrices: decode steps on the plan
+executor, kernels/csrc/dense_gemm.h, prefill on torch/MKL) with and without
+``decode_kernel = "torch"``, rounds alternated:
 
 - single-stream greedy decode, 128 tokens: tok/s, and the fraction of the
   bandwidth bound (read bandwidth measured in this run ÷ weight bytes a decode
@@ -42,7 +44,7 @@ from tools.bench_engine import (append_result, decode_rates, machine, make_engin
                                 read_bandwidth)
 
 RESULTS = Path("results/bench_weights.json")
-MODES = ("native", "native-torch", "dequantize")   # native-torch: decode_kernel = "torch"
+MODES = ("native", "native-torch", "dequantize", "dequantize-torch")   # -torch: decode_kernel = "torch"
 
 
 def prefill_seconds(eng: LLMEngine, prompt: list[int]) -> float:
@@ -120,8 +122,9 @@ def report(r: dict) -> list[str]:
     rows = []
     for mode in MODES:
         m = r[mode]
-        what = ("dequantized fp32" if mode == "dequantize" else
-                f"native ({m.get('kernel')} kernel, {'plan executor' if m['one_call_decoder'] else 'torch'} decode)")
+        decode = "plan executor" if m["one_call_decoder"] else "torch"
+        what = (f"dequantized fp32 ({decode} decode)" if mode.startswith("dequantize") else
+                f"native ({m.get('kernel')} kernel, {decode} decode)")
         rows.append(f"| {cpu} | {what} | {m['weight_bytes_per_token'] / 1e6:.0f} MB | "
                     f"{m['decode_tokens_per_s']:.1f} tok/s | {m['limit_tokens_per_s']:.0f} tok/s "
                     f"({r['read_bandwidth_GBps']:.1f} GB/s) | **{m['fraction_of_limit']:.2f}** | "

@@ -11,7 +11,9 @@
 // (MKL's), so it agrees with LlamaModel.forward's float matmul to fp32 rounding.
 //
 // Decode reads every weight once: rows of W stream from memory in address order, four
-// at a time (four independent sums per row of x, each x chunk loaded once for the four).
+// at a time (four independent sums per row of x, each x chunk loaded once for the four);
+// a batch runs tiles of rows of x by rows of W (BATCH_X by BATCH_W), each chunk loaded once
+// for the tile's other side.
 #pragma once
 
 #include <stdint.h>
@@ -31,35 +33,67 @@ inline void dense_prefetch(const float* p) {
 #endif
 }
 
-// R rows of W (w, row stride K) against one row of x: out[r] = x · w_r in the contract's order.
-template <int R>
-inline void dense_dots(const float* w, int64_t K, const float* x, float* out) {
-    V16 acc[R];
-    const V16 x0 = vload(x);
-    for (int r = 0; r < R; r++) acc[r] = vmul(x0, vload(w + r * K));
-    for (int64_t k = 16; k < K; k += 16) {
-        const V16 xv = vload(x + k);
-        for (int r = 0; r < R; r++) dense_prefetch(w + r * K + k);     // the line 4 KiB ahead
-        for (int r = 0; r < R; r++) acc[r] = vfma(xv, vload(w + r * K + k), acc[r]);
+// R rows of W (w, row stride K) against X rows of x (row stride ldx): out[i * R + r] = x_i · w_r
+// in the contract's order; each chunk of W loaded once for the X rows.
+template <int R, int X>
+inline void dense_dots(const float* w, int64_t K, const float* x, int64_t ldx, float* out) {
+    V16 acc[X][R];
+    for (int i = 0; i < X; i++) {
+        const V16 x0 = vload(x + i * ldx);
+        for (int r = 0; r < R; r++) acc[i][r] = vmul(x0, vload(w + r * K));
     }
-    for (int r = 0; r < R; r++) out[r] = vsum(acc[r]);
+    for (int64_t k = 16; k < K; k += 16) {
+        for (int r = 0; r < R; r++) dense_prefetch(w + r * K + k);     // the line 4 KiB ahead
+        V16 xv[X];
+        for (int i = 0; i < X; i++) xv[i] = vload(x + i * ldx + k);
+        for (int r = 0; r < R; r++) {
+            const V16 wv = vload(w + r * K + k);
+            for (int i = 0; i < X; i++) acc[i][r] = vfma(xv[i], wv, acc[i][r]);
+        }
+    }
+    for (int i = 0; i < X; i++)
+        for (int r = 0; r < R; r++) out[i * R + r] = vsum(acc[i][r]);
 }
 
-// y[m, n] (row stride ldy) for n in [n0, n1), m < M; x row stride ldx.
+// A batch's register tile: BATCH_X rows of x against BATCH_W rows of W, each chunk of x
+// loaded once for BATCH_W rows and each chunk of W once for BATCH_X rows. AVX-512: 16
+// accumulators of 32 registers; AVX2: 6 (each V16 two of its 16 ymm).
+#if defined(__AVX512F__)
+constexpr int BATCH_X = 4, BATCH_W = 4;
+#else
+constexpr int BATCH_X = 2, BATCH_W = 3;
+#endif
+
+// W rows [n, n + R) against rows [m0, m1) of x: X rows at a time, then fewer.
+template <int R>
+inline void dense_rows(const float* w, int64_t K, int64_t n, const float* x, int64_t ldx, int64_t m0, int64_t m1,
+                       float* y, int64_t ldy) {
+    float out[BATCH_X * R];
+    int64_t m = m0;
+    auto store = [&](int rows) {
+        for (int i = 0; i < rows; i++)
+            for (int r = 0; r < R; r++) y[(m + i) * ldy + n + r] = out[i * R + r];
+    };
+    for (; m + BATCH_X <= m1; m += BATCH_X) {
+        dense_dots<R, BATCH_X>(w + n * K, K, x + m * ldx, ldx, out);
+        store(BATCH_X);
+    }
+    for (; m < m1; m++) {
+        dense_dots<R, 1>(w + n * K, K, x + m * ldx, ldx, out);
+        store(1);
+    }
+}
+
+// y[m, n] (row stride ldy) for n in [n0, n1), m < M; x row stride ldx. One row of x takes
+// DENSE_ROWS rows of W a pass; a batch, tiles of BATCH_X rows of x by BATCH_W rows of W.
 inline void dense_range(const float* w, int64_t K, int64_t n0, int64_t n1, const float* x, int64_t ldx, int64_t M,
                         float* y, int64_t ldy) {
-    float out[DENSE_ROWS];
     int64_t n = n0;
-    for (; n + DENSE_ROWS <= n1; n += DENSE_ROWS)
-        for (int64_t m = 0; m < M; m++) {
-            dense_dots<DENSE_ROWS>(w + n * K, K, x + m * ldx, out);
-            for (int64_t r = 0; r < DENSE_ROWS; r++) y[m * ldy + n + r] = out[r];
-        }
-    for (; n < n1; n++)
-        for (int64_t m = 0; m < M; m++) {
-            dense_dots<1>(w + n * K, K, x + m * ldx, out);
-            y[m * ldy + n] = out[0];
-        }
+    if (M == 1)
+        for (; n + DENSE_ROWS <= n1; n += DENSE_ROWS) dense_rows<DENSE_ROWS>(w, K, n, x, ldx, 0, M, y, ldy);
+    else
+        for (; n + BATCH_W <= n1; n += BATCH_W) dense_rows<BATCH_W>(w, K, n, x, ldx, 0, M, y, ldy);
+    for (; n < n1; n++) dense_rows<1>(w, K, n, x, ldx, 0, M, y, ldy);
 }
 
 }  // namespace
