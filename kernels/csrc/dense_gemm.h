@@ -35,6 +35,40 @@ inline void dense_prefetch(const float* p) {
 
 // R rows of W (w, row stride K) against X rows of x (row stride ldx): out[i * R + r] = x_i · w_r
 // in the contract's order; each chunk of W loaded once for the X rows.
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// AVX2: each V16 sum is two ymm (lanes 0-7 and 8-15, V16's own halves); a chunk's low halves
+// are done for every (x row, W row) pair before its high halves, so that only one ymm of each
+// row of x is live at a time: X * R * 2 accumulators, X of x, one of W. The same operations
+// per lane as vmul and vfma on V16.
+template <int R, int X>
+inline void dense_dots(const float* w, int64_t K, const float* x, int64_t ldx, float* out) {
+    V16 acc[X][R];
+    for (int h = 0; h < 2; h++) {
+        __m256 xv[X];
+        for (int i = 0; i < X; i++) xv[i] = _mm256_loadu_ps(x + i * ldx + 8 * h);
+        for (int r = 0; r < R; r++) {
+            const __m256 wv = _mm256_loadu_ps(w + r * K + 8 * h);
+            for (int i = 0; i < X; i++) (h ? acc[i][r].b : acc[i][r].a) = _mm256_mul_ps(xv[i], wv);
+        }
+    }
+    for (int64_t k = 16; k < K; k += 16) {
+        for (int r = 0; r < R; r++) dense_prefetch(w + r * K + k);     // the line 4 KiB ahead
+        for (int h = 0; h < 2; h++) {
+            __m256 xv[X];
+            for (int i = 0; i < X; i++) xv[i] = _mm256_loadu_ps(x + i * ldx + k + 8 * h);
+            for (int r = 0; r < R; r++) {
+                const __m256 wv = _mm256_loadu_ps(w + r * K + k + 8 * h);
+                for (int i = 0; i < X; i++) {
+                    __m256& a = h ? acc[i][r].b : acc[i][r].a;
+                    a = _mm256_fmadd_ps(xv[i], wv, a);
+                }
+            }
+        }
+    }
+    for (int i = 0; i < X; i++)
+        for (int r = 0; r < R; r++) out[i * R + r] = vsum(acc[i][r]);
+}
+#else
 template <int R, int X>
 inline void dense_dots(const float* w, int64_t K, const float* x, int64_t ldx, float* out) {
     V16 acc[X][R];
@@ -54,6 +88,7 @@ inline void dense_dots(const float* w, int64_t K, const float* x, int64_t ldx, f
     for (int i = 0; i < X; i++)
         for (int r = 0; r < R; r++) out[i * R + r] = vsum(acc[i][r]);
 }
+#endif
 
 // A batch's register tile: BATCH_X rows of x against BATCH_W rows of W, each chunk of x
 // loaded once for BATCH_W rows and each chunk of W once for BATCH_X rows. AVX-512: 16
