@@ -148,8 +148,9 @@ class PlanDecoder:
         width = {"h": cfg.hidden_size}
         for s in LAYER_STEPS:                       # each slot's width from the step that writes it
             w = getattr(model.layers[0], s.weight) if s.weight else None
-            width[s.dst] = ((w.shape[0] if isinstance(w, torch.Tensor) else w.out_features) if s.op in _MATRIX_OPS else width[s.src] // 2
-                            if s.op == "silu_mul" else cfg.q_size if s.op == "rope_attention" else width[s.src])
+            rows = (w.shape[0] if isinstance(w, torch.Tensor) else w.out_features) if s.op in _MATRIX_OPS else None
+            width[s.dst] = (rows if rows is not None else width[s.src] // 2 if s.op == "silu_mul"
+                            else cfg.q_size if s.op == "rope_attention" else width[s.src])
         self._steps = (_Step * len(LAYER_STEPS))(*[
             _Step(OPS[s.op], slots.index(s.src), slots.index(s.dst), weights.index(s.weight) if s.weight else -1)
             for s in LAYER_STEPS])

@@ -53,7 +53,7 @@ class Step:
 # The decoder layer (HF Llama), the one definition of what a layer computes.
 # LlamaModel.forward runs these steps with torch ops, for every kind of step;
 # kernels/plan_decode.py runs the same steps for a decode step in one C++ call
-# (quantized fp32 models) and declines a plan with an op it does not implement,
+# (fp32 models) and declines a plan with an op it does not implement,
 # so a change to the model is made here, in forward's op for it, and, for the
 # fast decode path, in the executor's op. The fused bf16 kernel
 # (kernels/fused_decode.py) writes this layer out in C++ and declines any other.

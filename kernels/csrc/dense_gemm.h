@@ -13,10 +13,13 @@
 // Decode reads every weight once: rows of W stream from memory in address order, four
 // at a time (four independent sums per row of x, each x chunk loaded once for the four);
 // a batch runs tiles of rows of x by rows of W (BATCH_X by BATCH_W), each chunk loaded once
-// for the tile's other side.
+// for the tile's other side, every W row of a call (a claim's 8 or so) against a tile of x
+// before the next.
 #pragma once
 
 #include <stdint.h>
+
+#include <type_traits>
 
 #include "quant_blocks.h"
 
@@ -99,36 +102,36 @@ constexpr int BATCH_X = 4, BATCH_W = 4;
 constexpr int BATCH_X = 2, BATCH_W = 3;
 #endif
 
-// W rows [n, n + R) against rows [m0, m1) of x: X rows at a time, then fewer.
-template <int R>
-inline void dense_rows(const float* w, int64_t K, int64_t n, const float* x, int64_t ldx, int64_t m0, int64_t m1,
-                       float* y, int64_t ldy) {
-    float out[BATCH_X * R];
-    int64_t m = m0;
-    auto store = [&](int rows) {
-        for (int i = 0; i < rows; i++)
-            for (int r = 0; r < R; r++) y[(m + i) * ldy + n + r] = out[i * R + r];
+// Rows [n0, n1) of W, R at a time (then the 1-3 left), against rows [m, m + X) of x.
+template <int R, int X>
+inline void dense_strip(const float* w, int64_t K, int64_t n0, int64_t n1, const float* x, int64_t ldx, int64_t m,
+                        float* y, int64_t ldy) {
+    float out[X * 4];
+    auto tile = [&](auto rows, int64_t n) {
+        constexpr int RR = decltype(rows)::value;
+        dense_dots<RR, X>(w + n * K, K, x + m * ldx, ldx, out);
+        for (int i = 0; i < X; i++)
+            for (int r = 0; r < RR; r++) y[(m + i) * ldy + n + r] = out[i * RR + r];
     };
-    for (; m + BATCH_X <= m1; m += BATCH_X) {
-        dense_dots<R, BATCH_X>(w + n * K, K, x + m * ldx, ldx, out);
-        store(BATCH_X);
-    }
-    for (; m < m1; m++) {
-        dense_dots<R, 1>(w + n * K, K, x + m * ldx, ldx, out);
-        store(1);
+    int64_t n = n0;
+    for (; n + R <= n1; n += R) tile(std::integral_constant<int, R>(), n);
+    switch (n1 - n) {
+        case 3: tile(std::integral_constant<int, 3>(), n); break;
+        case 2: tile(std::integral_constant<int, 2>(), n); break;
+        case 1: tile(std::integral_constant<int, 1>(), n); break;
+        default: break;
     }
 }
 
 // y[m, n] (row stride ldy) for n in [n0, n1), m < M; x row stride ldx. One row of x takes
-// DENSE_ROWS rows of W a pass; a batch, tiles of BATCH_X rows of x by BATCH_W rows of W.
+// DENSE_ROWS rows of W a pass; a batch, tiles of BATCH_X rows of x by BATCH_W rows of W,
+// every tile of W rows (a claim's few: in L1 after the first) for a tile of x before the next.
 inline void dense_range(const float* w, int64_t K, int64_t n0, int64_t n1, const float* x, int64_t ldx, int64_t M,
                         float* y, int64_t ldy) {
-    int64_t n = n0;
-    if (M == 1)
-        for (; n + DENSE_ROWS <= n1; n += DENSE_ROWS) dense_rows<DENSE_ROWS>(w, K, n, x, ldx, 0, M, y, ldy);
-    else
-        for (; n + BATCH_W <= n1; n += BATCH_W) dense_rows<BATCH_W>(w, K, n, x, ldx, 0, M, y, ldy);
-    for (; n < n1; n++) dense_rows<1>(w, K, n, x, ldx, 0, M, y, ldy);
+    int64_t m = 0;
+    if (M > 1)
+        for (; m + BATCH_X <= M; m += BATCH_X) dense_strip<BATCH_W, BATCH_X>(w, K, n0, n1, x, ldx, m, y, ldy);
+    for (; m < M; m++) dense_strip<DENSE_ROWS, 1>(w, K, n0, n1, x, ldx, m, y, ldy);
 }
 
 }  // namespace

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.engine import EngineConfig, LLMEngine
+from engine.engine import EngineConfig, LLMEngine, build_model
 from engine.memory.mempool import MemPool
 from engine.model import llama
 from engine.model.config import tiny_config
@@ -201,18 +201,20 @@ def test_batch_of_16_rows_equal_each_row_alone_bit_for_bit(model):
     assert torch.equal(alone_kv, batch_kv)              # and wrote the same K/V
 
 
-def test_thread_count_does_not_change_a_bit(smollm2):
-    kv, ids, pos, tables = prefilled(smollm2, [7, 33, 80, 2, 50], seed=3)
-    dec = decoder(smollm2, kv)
+@pytest.mark.parametrize("which", ["smollm2", "tiny-F32"])
+def test_thread_count_does_not_change_a_bit(which, request, kernel):
+    model = request.getfixturevalue("smollm2") if which == "smollm2" else tiny_model("F32", kernel)
+    kv, ids, pos, tables = prefilled(model, [7, 33, 80, 2, 50], seed=3)
+    dec = decoder(model, kv)
     threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(1)
-        one = dec.decode(ids, pos, tables, kv.clone())
-        torch.set_num_threads(2)
-        two = dec.decode(ids, pos, tables, kv.clone())
+        outs = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append(dec.decode(ids, pos, tables, kv.clone()))
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(one, two)
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
@@ -522,6 +524,25 @@ def test_the_executor_refuses_a_plan_whose_widths_do_not_fit(tiny, monkeypatch):
 def tiny_engine(model: LlamaModel, tokenizer, kernel: str) -> LLMEngine:
     cfg = EngineConfig(model="tiny", dtype="float32", kv_blocks=128, host_kv_blocks=0, decode_kernel=kernel)
     return LLMEngine(cfg, model, tokenizer, "tiny")
+
+
+def test_a_float_model_decodes_on_the_executor_by_config():
+    """build_model keeps an fp32 float model's matrices [out, in] (one table for the tied
+    embedding and LM head) where decode_kernel = "auto" will run it on the executor, and
+    [in, out] for torch's decode: the same greedy tokens either way."""
+    source = resolve_model("tiny:3")
+    weights, tok = source.load_weights(), source.load_tokenizer()
+
+    def engine(kernel: str) -> LLMEngine:
+        cfg = EngineConfig(model="tiny", dtype="float32", kv_blocks=128, host_kv_blocks=0, decode_kernel=kernel)
+        return LLMEngine(cfg, build_model(cfg, weights), tok, "tiny")
+    plan, torch_path = engine("auto"), engine("torch")
+    assert isinstance(plan.runner.fused, PlanDecoder) and plan.model.rows_layout
+    assert plan.model.lm_head is plan.model.embed and plan.kernels()["decode"].startswith("plan:")
+    assert torch_path.runner.fused is None and not torch_path.model.rows_layout
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompts = [[11, 12, 13, 14], [200, 3, 3, 40, 41, 42, 43, 44, 45], list(range(60, 99))] * 3
+    assert plan.generate(prompts, params) == torch_path.generate(prompts, params)
 
 
 def test_engine_runs_decode_on_the_executor_by_config(tiny):

@@ -104,9 +104,13 @@ async def test_a_claim_the_holder_cannot_answer_falls_back_to_sending_the_prompt
     monkeypatch.setattr(replication, "ADOPT_WAIT_S", 0.3)
     registry = InprocRegistry()
     listener, serving = await holder_serving(store, registry, "inproc://r1")
+    # the requests must still run when the fallback sends their replicas: torch's decode
+    # steps (milliseconds each for the tiny model, where the plan executor's take tenths of
+    # one) and 2,000 tokens keep them running for many seconds; the test ends them once
+    # the replicas are in
     decode = EngineDriver(LLMEngine.from_config(EngineConfig(model="tiny", dtype="float32", block_size=BS,
-                                                             kv_blocks=64, host_kv_blocks=0, max_model_len=512,
-                                                             num_threads=1)))
+                                                             kv_blocks=320, host_kv_blocks=0, max_model_len=2048,
+                                                             num_threads=1, decode_kernel="torch")))
     await decode.start()
     conn = await connect("inproc://r1", registry=registry)
     rep = replication.Replicator("d1", decode, lambda name, addr: _const(conn), _noop, interval=0.02, timeout=5)
@@ -114,7 +118,7 @@ async def test_a_claim_the_holder_cannot_answer_falls_back_to_sending_the_prompt
     rep.expect_prompt("a", writer="p1", holder="r1")        # p1's replica never comes
     rep.expect_prompt("b", writer="p1", holder="r9")        # sent to another node than the peer
     running = asyncio.create_task(rep.run())
-    params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True)
     streams = [asyncio.create_task(_drain(decode.generate(rid, list(range(1, 41)), params))) for rid in "ab"]
     try:
         for _ in range(500):
