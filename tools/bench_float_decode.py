@@ -7,19 +7,23 @@ The bundled SmolLM2 with ``weights = "dequantize"`` (fp32 float matrices, 538 MB
 token), in two engines: ``decode_kernel = "auto"`` (decode steps on the plan
 executor, kernels/csrc/dense_gemm.h; matrices in the rows layout) and ``"torch"``
 (LlamaModel.forward through MKL, matrices [in, out]). For each batch size, B greedy
-requests of ``--context`` prompt tokens are prefilled (whole, in one step), then their
-``--steps`` decode steps of all B rows are timed as whole ``LLMEngine.step`` calls (scheduling, sampling and outputs
-included); the engines alternate, ``--rounds`` times. The figure is the fastest
-round's median step (the host is shared: interference only slows a round down);
-every round is in the JSON. Also the greedy tokens of both engines, which must be
-equal. Names the CPU; appends to ``results/bench_float_decode.json`` and prints
-markdown rows for docs/benchmarks.md.
+requests of ``--context`` prompt tokens are prefilled (whole, in one step), then
+their ``--steps`` decode steps of all B rows are timed as whole ``LLMEngine.step``
+calls (scheduling, sampling and outputs included); the engines alternate,
+``--rounds`` times. The figure is the fastest round's median step (the host is
+shared: interference only slows a round down); every round is in the JSON. Also the
+greedy tokens of both engines, which must be equal. ``KVD_CPU_CAPABILITY`` and
+torch's own caps (``MKL_ENABLE_INSTRUCTIONS``, ``ONEDNN_MAX_CPU_ISA``,
+``ATEN_CPU_CAPABILITY``) set to AVX2 run both sides as an AVX2-only CPU would.
+Names the CPU, the executor's build and any caps; appends to
+``results/bench_float_decode.json`` and prints markdown rows for docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -34,6 +38,9 @@ from tools.bench_engine import append_result, machine, make_engine, read_bandwid
 
 RESULTS = Path("results/bench_float_decode.json")
 KERNELS = ("auto", "torch")
+# caps on the builds either side runs (kvd's; MKL's, oneDNN's and ATen's), recorded with the
+# figures: e.g. all four at AVX2 to measure an AVX2-only host's paths on a newer CPU
+CAPS = ("KVD_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
 
 
 def run_batch(eng, batch: int, context: int, steps: int) -> tuple[float, list[list[int]]]:
@@ -91,11 +98,14 @@ def main() -> None:
     bw = read_bandwidth()
     wbytes = engines["auto"].model.weight_bytes_per_token()
     m = machine()
-    result = {"bench": "float_decode", "machine": m, "context": args.context, "steps": args.steps,
+    build = engines["auto"].kernels()["decode"]
+    caps = {k: os.environ[k] for k in CAPS if k in os.environ}
+    result = {"bench": "float_decode", "machine": m, "decode_build": build, "caps": caps,
+              "context": args.context, "steps": args.steps,
               "rounds": args.rounds, "read_bandwidth_GBps": bw / 1e9, "weight_bytes_per_token": wbytes,
               "batches": rows, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
     append_result(RESULTS, result)
-    cpu = f"{m['cpu']}, {m['torch_threads']} threads"
+    cpu = f"{m['cpu']}, {m['torch_threads']} threads, {build}" + "".join(f", {k}={v}" for k, v in caps.items())
     print(f"\nbandwidth bound: {wbytes / 1e6:.0f} MB per step / {bw / 1e9:.1f} GB/s = {wbytes / bw * 1e3:.1f} ms\n")
     print("| CPU | batch | plan executor: step | torch: step | change | same greedy tokens |")
     print("|---|---|---|---|---|---|")
