@@ -29,8 +29,8 @@ from engine.sampling import make_generator
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.stream import KVSink, LayerStreamer
 from kernels.fused_decode import FusedDecoder
-from kernels.plan_decode import PlanDecoder
-from kernels.quant_linear import QuantKernel, host_variant
+from kernels.plan_decode import PlanDecoder, float_unsupported_reason
+from kernels.quant_linear import QuantKernel
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +73,8 @@ def build_model(config: EngineConfig, weights: LoadedWeights) -> LlamaModel:
     is float32 for quantized weights on every CPU: their kernels compute in
     fp32, and only an fp32 model decodes through the plan executor. An fp32 float
     model keeps its matrices in the executor's layout (``float_layout = "rows"``)
-    where its decode steps will run there: ``decode_kernel = "auto"`` on a CPU with a
-    kernel build."""
+    where its decode steps will run there: ``decode_kernel = "auto"``, shapes the
+    executor takes, a CPU with a kernel build (``float_unsupported_reason``)."""
     kernel = None
     dtype = resolve_dtype(config.dtype)
     if weights.is_quantized:
@@ -86,7 +86,8 @@ def build_model(config: EngineConfig, weights: LoadedWeights) -> LlamaModel:
             log.info("serving %s with its quantized weights (%s kernel)", weights.source, kernel.variant)
             if config.dtype == "auto":
                 dtype = torch.float32
-    rows = kernel is None and dtype == torch.float32 and config.decode_kernel == "auto" and host_variant() is not None
+    rows = (kernel is None and dtype == torch.float32 and config.decode_kernel == "auto"
+            and float_unsupported_reason(weights.config) is None)
     return LlamaModel(weights.config, weights.tensors, dtype=dtype, quant_kernel=kernel,
                       float_layout="rows" if rows else "auto")
 

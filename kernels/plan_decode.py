@@ -42,6 +42,7 @@ import logging
 
 import torch
 
+from engine.model.config import LlamaConfig
 from engine.model.llama import LAYER_STEPS, LlamaModel
 from kernels import native
 from kernels.decode_inputs import DecodeStaging, check_decode_inputs, check_decode_kv
@@ -91,6 +92,28 @@ def _dense_matrix(m: object) -> bool:
             and m.shape[1] % 16 == 0)
 
 
+def _head_dim_reason(config: LlamaConfig) -> str | None:
+    if config.head_dim % 16 or config.head_dim > 256:
+        return f"head_dim {config.head_dim} (needs a multiple of 16, at most 256)"
+    return None
+
+
+def float_unsupported_reason(config: LlamaConfig) -> str | None:
+    """Why the plan executor could not run an fp32 float model of ``config`` here (its
+    shapes, this CPU), or None: what ``build_model`` asks before keeping such a model's
+    matrices in the rows layout, which only the executor wants."""
+    if _head_dim_reason(config):
+        return _head_dim_reason(config)
+    widths = {"hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
+              "q_size": config.q_size}
+    odd = [name for name, n in widths.items() if n % 16]
+    if odd:
+        return f"{', '.join(odd)} not a multiple of 16 (the width of an fp32 matrix's rows)"
+    if host_variant() is None:
+        return "CPU lacks AVX2, FMA or F16C"
+    return None
+
+
 def unsupported_reason(model: LlamaModel) -> str | None:
     """Why the plan executor cannot run ``model``'s decode steps here, or None."""
     if not model.quantized and not model.rows_layout:
@@ -100,8 +123,8 @@ def unsupported_reason(model: LlamaModel) -> str | None:
         return f"dtype {model.dtype} (the plan executor computes in fp32)"
     if not (model.is_first and model.is_last):
         return "a pipeline stage (the plan executor runs whole models)"
-    if model.config.head_dim % 16 or model.config.head_dim > 256:
-        return f"head_dim {model.config.head_dim} (needs a multiple of 16, at most 256)"
+    if _head_dim_reason(model.config):
+        return _head_dim_reason(model.config)
     unknown = sorted({s.op for s in LAYER_STEPS} - set(OPS))
     if unknown:
         return f"LAYER_STEPS has ops the executor does not implement: {', '.join(unknown)}"

@@ -115,7 +115,8 @@ inline void matrix_range(const PlanWeight& w, const float* x, int64_t ldx, const
 // out[t] = row ids[t] of an embedding table (ids checked)
 inline void gather_table_rows(const PlanWeight& w, const int64_t* ids, int64_t T, float* out) {
     if (w.format == FMT_F32)
-        for (int64_t t = 0; t < T; t++) memcpy(out + t * w.k, (const float*)w.data + ids[t] * w.k, (size_t)w.k * sizeof(float));
+        for (int64_t t = 0; t < T; t++)
+            memcpy(out + t * w.k, (const float*)w.data + ids[t] * w.k, (size_t)w.k * sizeof(float));
     else
         gather_rows_any(w.format, (const uint8_t*)w.data, w.k, ids, T, out);
 }
@@ -579,7 +580,7 @@ int kvd_plan_decode(const PlanModel* m, void* kv, int B, const int64_t* ids, con
                         break;
                     }
                     case OP_LINEAR:
-                    case OP_LINEAR_ADD: {       // x quantized (rows split, or whole per thread), then this thread's columns
+                    case OP_LINEAR_ADD: {       // x quantized for a quantized W (rows split, or whole per thread), then this thread's columns
                         const PlanWeight& w = lw[st.weight];
                         if (quantized(w.format)) {
                             quantize_rows(x, in, r0, r1, xq[st.src]);

@@ -495,6 +495,11 @@ def test_models_it_does_not_run_say_why(tiny, kernel):
     odd = random_weights(tiny_config(vocab_size=512, intermediate_size=120), seed=5)
     assert "an fp32 matrix [out, in] whose width is a multiple of 16" in unsupported_reason(
         LlamaModel(odd.config, odd.tensors, float_layout="rows"))
+    # what build_model asks before choosing the rows layout: such a model stays [in, out]
+    assert "intermediate_size not a multiple of 16" in plan_decode.float_unsupported_reason(odd.config)
+    assert plan_decode.float_unsupported_reason(w.config) is None
+    cfg = EngineConfig(model="tiny", dtype="float32")
+    assert not build_model(cfg, odd).rows_layout and build_model(cfg, w).rows_layout
     q = quantize(w, "Q8_0")
     assert "dtype" in unsupported_reason(LlamaModel(w.config, q, dtype=torch.bfloat16, quant_kernel=kernel))
     assert "pipeline stage" in unsupported_reason(LlamaModel(w.config, q, layer_range=(0, 2), quant_kernel=kernel))
