@@ -1,10 +1,13 @@
-"""Greedy sampling's argmax: ``engine.sampling.greedy`` against ``torch.argmax``
-over SmolLM2-sized logits rows (vocabulary 49,152), alternated in one process.
+"""Sampling over SmolLM2-sized logits rows (vocabulary 49,152), alternated in one process:
+
+- greedy: ``engine.sampling.greedy`` against ``torch.argmax``;
+- random (temperature 0.8, seeded): ``engine.sampling.sample`` (one inverse-CDF ``draw``
+  a row) against the same rows through ``torch.multinomial`` (softmax, then one sample),
+  what ``sample`` ran before.
 
     .venv/bin/python -m tools.bench_sampling [--rows 1,8,32,64] [--threads 2]
 
-Prints a markdown row per batch size and appends JSON to
-results/bench_sampling.json.
+Prints a markdown table per kind and appends JSON to results/bench_sampling.json.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from engine.sampling import greedy
+from engine.request import SamplingParams
+from engine.sampling import draw_seed, greedy, sample
 from tools.bench_engine import append_result, machine
 
 VOCAB = 49152
@@ -53,8 +57,31 @@ def main() -> int:
         r, n = statistics.median(ref), statistics.median(new)
         rows_out.append({"rows": b, "torch_argmax_us": r, "greedy_us": n})
         print(f"| {cpu} | {args.threads} | {b} | {r:.1f} | {n:.1f} | {r / n:.1f}× |")
+    print("\n| CPU | threads | rows | torch.multinomial µs | sample (inverse CDF) µs | speed-up |")
+    print("|---|---|---|---|---|---|")
+    random_out = []
+    for b in (int(r) for r in args.rows.split(",")):
+        x = torch.randn(b, VOCAB, generator=torch.Generator().manual_seed(b))
+        params = [SamplingParams(temperature=0.8, seed=i) for i in range(b)]
+        gens = [torch.Generator() for _ in range(b)]
+
+        def multinomial(t: torch.Tensor) -> list[int]:
+            out = []
+            for row, (p, g) in enumerate(zip(params, gens)):
+                g.manual_seed(draw_seed(p.seed, 0))
+                out.append(int(torch.multinomial((t[row] / p.temperature).softmax(-1), 1, generator=g).item()))
+            return out
+
+        calls = max(5, 200 // b)
+        ref, new = [], []
+        for _ in range(args.rounds):                  # alternated
+            ref.append(per_call_us(multinomial, x, calls))
+            new.append(per_call_us(lambda t: sample(t, params, gens, [0] * b), x, calls))
+        r, n = statistics.median(ref), statistics.median(new)
+        random_out.append({"rows": b, "multinomial_us": r, "sample_us": n})
+        print(f"| {cpu} | {args.threads} | {b} | {r:.0f} | {n:.0f} | {r / n:.1f}× |")
     append_result(Path("results/bench_sampling.json"), {"machine": machine(), "threads": args.threads,
-                                                        "results": rows_out})
+                                                        "results": rows_out, "random": random_out})
     return 0
 
 
