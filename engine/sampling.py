@@ -2,8 +2,8 @@
 
 Greedy rows are one vectorised argmax. Random rows are sampled one by one,
 each by inverse CDF (``draw``): one uniform number against the running sum of
-the row's weights, ~0.1 ms a row of SmolLM2's 49,152 where ``torch.multinomial``
-takes ~1.5 ms on a CPU (tools/bench_sampling.py).
+the row's weights, ~0.25 ms a row of SmolLM2's 49,152 where ``torch.multinomial``
+took ~1.7 ms on a Cascade Lake Xeon (tools/bench_sampling.py).
 A seeded request's draw for its output token ``i`` comes from a generator
 seeded with ``draw_seed(seed, i)``: it depends on nothing but the seed and the
 token's position, so the same tokens come out whatever else shares the batch,
