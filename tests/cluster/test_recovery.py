@@ -140,13 +140,17 @@ def wait_baseline(c: Cluster, names, timeout: float = 30.0) -> None:
         time.sleep(0.2)
 
 
-def check_texts(streams: Streams, engine) -> None:
+def check_texts(streams: Streams, engine, seeded_exact: bool = True) -> None:
+    """Every stream ended with its whole length, and the uninterrupted run's text: every
+    greedy stream, and the seeded ones unless ``seeded_exact`` is False (a reprefill:
+    docs/cluster.md, "Exactness")."""
     refs = references(engine, streams.prompts, [params_of(i) for i in range(len(streams.prompts))])
     for i, ref in enumerate(refs):
         kind, text, finish = streams.results[i]
         assert kind == "ok", (i, finish)
         assert finish == "length"
-        assert text == ref, f"stream {i} differs from the uninterrupted run"
+        if seeded_exact or params_of(i).greedy:
+            assert text == ref, f"stream {i} differs from the uninterrupted run"
 
 
 @pytest.fixture(scope="module")
@@ -248,7 +252,9 @@ def test_node_and_holder_killed_at_once_reprefill_elsewhere(ring, reference_engi
     c.nodes[source].kill9()
     c.nodes[holder].kill9()
     s.join()
-    check_texts(s, reference_engine)
+    # the recomputed KV is torch's prefill, not the decode executor's sums: a seeded draw
+    # within rounding of a boundary can move over 500 tokens (measured once in two runs)
+    check_texts(s, reference_engine, seeded_exact=False)
     rec = admin(c.admin_socket, "status")["recoveries"]
     assert rec.get("reprefill/resumed", 0) > before.get("reprefill/resumed", 0)
     third = next(n for n in NODES if n not in (source, holder))
