@@ -140,16 +140,18 @@ def wait_baseline(c: Cluster, names, timeout: float = 30.0) -> None:
         time.sleep(0.2)
 
 
-def check_texts(streams: Streams, engine, seeded_exact: bool = True) -> None:
-    """Every stream ended with its whole length, and the uninterrupted run's text: every
-    greedy stream, and the seeded ones unless ``seeded_exact`` is False (a reprefill:
-    docs/cluster.md, "Exactness")."""
+def check_texts(streams: Streams, engine) -> None:
+    """Every stream ended with its whole length, and every greedy one with the
+    uninterrupted run's text. A seeded one is not held to it: a recovery recomputes some
+    KV (a reprefill all of it, a replica the tail past its last block) through torch's
+    prefill, whose sums are not the decode executor's, and over hundreds of tokens a
+    draw within rounding of a boundary can move (docs/cluster.md, "Exactness")."""
     refs = references(engine, streams.prompts, [params_of(i) for i in range(len(streams.prompts))])
     for i, ref in enumerate(refs):
         kind, text, finish = streams.results[i]
         assert kind == "ok", (i, finish)
         assert finish == "length"
-        if seeded_exact or params_of(i).greedy:
+        if params_of(i).greedy:
             assert text == ref, f"stream {i} differs from the uninterrupted run"
 
 
@@ -252,9 +254,7 @@ def test_node_and_holder_killed_at_once_reprefill_elsewhere(ring, reference_engi
     c.nodes[source].kill9()
     c.nodes[holder].kill9()
     s.join()
-    # the recomputed KV is torch's prefill, not the decode executor's sums: a seeded draw
-    # within rounding of a boundary can move over 500 tokens (measured once in two runs)
-    check_texts(s, reference_engine, seeded_exact=False)
+    check_texts(s, reference_engine)
     rec = admin(c.admin_socket, "status")["recoveries"]
     assert rec.get("reprefill/resumed", 0) > before.get("reprefill/resumed", 0)
     third = next(n for n in NODES if n not in (source, holder))
