@@ -102,8 +102,8 @@ def float_unsupported_reason(config: LlamaConfig) -> str | None:
     """Why the plan executor could not run an fp32 float model of ``config`` here (its
     shapes, this CPU), or None: what ``build_model`` asks before keeping such a model's
     matrices in the rows layout, which only the executor wants."""
-    if _head_dim_reason(config):
-        return _head_dim_reason(config)
+    if reason := _head_dim_reason(config):
+        return reason
     widths = {"hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
               "q_size": config.q_size}
     odd = [name for name, n in widths.items() if n % 16]
@@ -123,8 +123,8 @@ def unsupported_reason(model: LlamaModel) -> str | None:
         return f"dtype {model.dtype} (the plan executor computes in fp32)"
     if not (model.is_first and model.is_last):
         return "a pipeline stage (the plan executor runs whole models)"
-    if _head_dim_reason(model.config):
-        return _head_dim_reason(model.config)
+    if reason := _head_dim_reason(model.config):
+        return reason
     unknown = sorted({s.op for s in LAYER_STEPS} - set(OPS))
     if unknown:
         return f"LAYER_STEPS has ops the executor does not implement: {', '.join(unknown)}"
