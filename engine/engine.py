@@ -30,6 +30,7 @@ from engine.scheduler import ScheduledBatch, Scheduler
 from engine.stream import KVSink, LayerStreamer
 from kernels.fused_decode import FusedDecoder
 from kernels.plan_decode import PlanDecoder, float_unsupported_reason
+from kernels.sampler import RowSampler
 from kernels.quant_linear import QuantKernel
 
 log = logging.getLogger(__name__)
@@ -144,7 +145,7 @@ class LLMEngine:
         if config.decode_kernel == "auto":   # one C++ call per decode step where one can run it
             make = PlanDecoder.create if model.quantized or model.dtype == torch.float32 else FusedDecoder.create
             fused = make(model, device_kv, config.block_size)
-        self.runner = ModelRunner(model, device_kv, config.block_size, fused)
+        self.runner = ModelRunner(model, device_kv, config.block_size, fused, RowSampler.create())
         self.compute_threads = torch.get_num_threads()      # the team from_config sized (this thread's)
         self.runner.small_batch_threads = self._small_batch_team()
         self.outputs = OutputProcessor(tokenizer, self.max_model_len)
@@ -190,7 +191,8 @@ class LLMEngine:
         the CPUs it runs on (EngineConfig.cpus); ``decode_threads``, its team for
         small batches (EngineConfig.decode_threads); ``prefill_attention``, the
         blocked kernel's build or "torch" (SDPA); ``row_ops``, the build running
-        a prefill's norms, SwiGLU and RoPE, or "torch". "torch" where a kernel
+        a prefill's norms, SwiGLU and RoPE, or "torch"; ``sampling``, the build
+        drawing random rows (kernels/sampler.py) or "torch". "torch" where a kernel
         was expected is a fallback: the log at start-up says why."""
         model, fused = self.model, self.runner.fused
         decode = ("torch" if fused is None else f"plan:{fused.variant}" if isinstance(fused, PlanDecoder)
@@ -205,7 +207,8 @@ class LLMEngine:
                                    if fused is not None else "torch"),
                 "prefill_attention": (model.attention_kernel.variant if model.attention_kernel is not None
                                       else "torch"),
-                "row_ops": model.row_ops.variant if model.row_ops is not None else "torch"}
+                "row_ops": model.row_ops.variant if model.row_ops is not None else "torch",
+                "sampling": self.runner.sampler.variant if self.runner.sampler is not None else "torch"}
 
     @property
     def prefill_chunk_tokens(self) -> int:

@@ -35,6 +35,7 @@ from kernels.attention import AttentionBatch, PrefillSeq, decode_key_mask
 from kernels.decode_inputs import DecodeStaging
 from kernels.fused_decode import FusedDecoder
 from kernels.plan_decode import PlanDecoder
+from kernels.sampler import RowSampler
 
 
 # A decode batch of at most this many rows runs on ModelRunner.small_batch_threads: it reads
@@ -47,16 +48,18 @@ class ModelRunner:
 
     ``fused``: a one-call decoder over the same model and ``kv`` (the fused
     bf16 kernel or the plan executor, same ``decode`` contract), or None
-    (every step runs the torch model)."""
+    (every step runs the torch model). ``sampler``: the C++ sampler of a step's
+    random rows, or None (engine.sampling draws them in torch)."""
 
     def __init__(self, model: LlamaModel, kv: torch.Tensor, block_size: int,
-                 fused: FusedDecoder | PlanDecoder | None = None) -> None:
+                 fused: FusedDecoder | PlanDecoder | None = None, sampler: RowSampler | None = None) -> None:
         if not (model.is_first and model.is_last):
             raise ValueError("ModelRunner drives a whole model; pipeline stages use the stage runner")
         self.model = model
         self.kv = kv                    # [L, 2, N, bs, kvh, hd]
         self.block_size = block_size
         self.fused = fused
+        self.sampler = sampler
         # the one-call decoder's reused buffers (checks kv once)
         self._staging: DecodeStaging | None = fused.staging(kv) if fused is not None else None
         # threads of a one-call decode step of at most SMALL_BATCH rows (0: torch's count);
@@ -124,8 +127,7 @@ class ModelRunner:
                 return [None] * len(requests)
             return self._pick(requests, sampled, logits, None, generators, banned)
 
-    @staticmethod
-    def _pick(requests: list[Request], sampled: list[int], logits: torch.Tensor, greedy_ids: list[int] | None,
+    def _pick(self, requests: list[Request], sampled: list[int], logits: torch.Tensor, greedy_ids: list[int] | None,
               generators: list, banned: list[tuple[int, list[int]]]) -> list[int | None]:
         """Sample row k of ``logits`` for request ``sampled[k]``; None for the others."""
         row_of = {i: row for row, i in enumerate(sampled)}
@@ -133,7 +135,7 @@ class ModelRunner:
             apply_min_tokens(logits, banned)
             greedy_ids = None                       # the masked rows' argmax may have moved
         picked = sample(logits, [requests[i].params for i in sampled], [generators[i] for i in sampled],
-                        [len(requests[i].output_ids) for i in sampled], greedy_ids)
+                        [len(requests[i].output_ids) for i in sampled], greedy_ids, self.sampler)
         tokens: list[int | None] = [None] * len(requests)
         for i, tok in zip(sampled, picked):
             tokens[i] = tok

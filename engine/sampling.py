@@ -1,10 +1,26 @@
 """Token sampling: greedy, temperature, top-k, top-p, per-request seeds.
 
-Greedy rows are one vectorised argmax. Random rows are sampled one by one,
-each by inverse CDF (``draw``): one uniform number against the running sum of
-the row's weights, ~0.25 ms a row of SmolLM2's 49,152 where ``torch.multinomial``
-took ~1.7 ms on a Cascade Lake Xeon (tools/bench_sampling.py).
-A seeded request's draw for its output token ``i`` comes from a generator
+Greedy rows are one vectorised argmax. A random row draws one token, defined
+here for every node and every path:
+
+- weights ``w = e^((l - max l) / T)`` over the row's logits ``l`` at
+  temperature ``T`` (a logit of -inf, masked by min_tokens, weighs 0);
+- the kept tokens: with ``top_k`` (0 < k < V), every token whose logit is at
+  least the k-th largest (ties with the k-th stay); with ``top_p`` (< 1), in
+  the order logit descending then index ascending, each (top-k kept) token
+  whose preceding weight is at most ``top_p`` of the top-k kept total: the
+  smallest prefix that reaches top_p;
+- one uniform number ``u`` in [0, 1): the token is the first kept token, in
+  index order, whose running sum of weights (in double) passes ``u`` times the
+  kept total (inverse CDF), so it is drawn with probability softmax over the
+  kept tokens.
+
+The engine draws all random rows of a step in one C++ call
+(kernels/sampler.py: no sort of the vocabulary, rows across threads); a host
+without a kernel build draws them one by one in torch (``draw_row``, the same
+definition with torch's exp).
+
+A seeded request's ``u`` for its output token ``i`` comes from a generator
 seeded with ``draw_seed(seed, i)``: it depends on nothing but the seed and the
 token's position, so the same tokens come out whatever else shares the batch,
 and a request that moves between nodes (a prefill node samples token 0, a
@@ -17,6 +33,7 @@ from __future__ import annotations
 import torch
 
 from engine.request import SamplingParams
+from kernels.sampler import RowSampler
 
 
 _MASK64 = (1 << 64) - 1
@@ -57,51 +74,68 @@ def greedy(logits: torch.Tensor) -> list[int]:
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator | None], positions: list[int],
-           greedy_ids: list[int] | None = None) -> list[int]:
+           greedy_ids: list[int] | None = None, kernel: RowSampler | None = None) -> list[int]:
     """logits: [B, V] fp32 -> one token id per row. ``positions[row]``: the
     output index of the token drawn for that row (its seeded draw's key).
     ``greedy_ids``: each row's ``greedy`` index when the caller already has it
-    (the decode executor computes it with the logits), else None."""
-    out = list(greedy_ids) if greedy_ids is not None else greedy(logits)
-    for row, p in enumerate(params):
-        if p.greedy:
-            continue
+    (the decode executor computes it with the logits), else None. ``kernel``:
+    the C++ sampler that draws the random rows (all in one call), else they are
+    drawn one by one through ``draw_row``. RuntimeError for a random row
+    without a finite weight."""
+    rows = [row for row, p in enumerate(params) if not p.greedy]
+    if len(rows) == len(params):
+        out = [0] * len(params)                  # every row drawn below
+    else:
+        out = list(greedy_ids) if greedy_ids is not None else greedy(logits)
+    if not rows:
+        return out
+    uniform = []
+    for row in rows:
         g = generators[row]
         if g is not None:
-            g.manual_seed(draw_seed(p.seed, positions[row]))
-        out[row] = _sample_row(logits[row], p, g)
+            g.manual_seed(draw_seed(params[row].seed, positions[row]))
+        uniform.append(float(torch.rand((), dtype=torch.float64, generator=g)))
+    if kernel is not None and logits.dtype == torch.float32 and logits.stride(-1) == 1:
+        picked = kernel.sample(logits, rows, [params[r].temperature for r in rows], [params[r].top_k for r in rows],
+                               [params[r].top_p for r in rows], uniform)
+    else:
+        picked = [draw_row(logits[row], params[row], u) for row, u in zip(rows, uniform)]
+    for row, tok in zip(rows, picked):
+        out[row] = tok
     return out
 
 
-def _sample_row(logits: torch.Tensor, p: SamplingParams, g: torch.Generator | None) -> int:
-    x = logits / p.temperature                                     # [V]
-    if p.top_k > 0 and p.top_k < x.shape[0]:
-        kth = torch.topk(x, p.top_k).values[-1]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if p.top_p < 1.0:
-        sorted_x, order = torch.sort(x, descending=True)
-        probs = sorted_x.softmax(-1)
-        # keep the smallest prefix whose mass reaches top_p (always >= 1 token)
-        drop = probs.cumsum(-1) - probs > p.top_p
-        sorted_x = sorted_x.masked_fill(drop, float("-inf"))
-        x = torch.full_like(x, float("-inf")).scatter(0, order, sorted_x)
-    return draw(x, g)
-
-
-def draw(x: torch.Tensor, g: torch.Generator | None) -> int:
-    """One index of the 1-D logits ``x`` drawn with probability softmax(x): the
-    first index whose running sum of weights e^(x - max) (in float64) exceeds u,
-    u uniform in [0, total) from ``g`` (torch's default generator when None). An
-    index of weight 0 (a logit of -inf: masked by top-k, top-p or min_tokens) is
-    never drawn. RuntimeError for a row with no finite weight (NaN, or all -inf),
-    as torch.multinomial raises."""
-    w = (x - x.max()).exp_()
-    cdf = w.cumsum(0, dtype=torch.float64)
+def draw_row(logits: torch.Tensor, p: SamplingParams, u: float) -> int:
+    """The token of the 1-D ``logits`` that a random row with ``p`` and the uniform number
+    ``u`` in [0, 1) draws (the module docstring's definition; kernels/sampler.py computes
+    the same in C++). RuntimeError for a row without a finite weight (a NaN or +inf
+    logit, or every logit -inf)."""
+    x = logits.float()
+    v = x.shape[0]
+    m = float(x.max()) if v else float("-inf")
+    if not bool((x < float("inf")).all()) or m == float("-inf"):
+        raise RuntimeError("cannot sample a row whose logits have no finite weight (a NaN or +inf, or every logit -inf)")
+    w = ((x - m) / p.temperature).exp()                       # torch's exp: the C++ sampler's within rounding
+    tau, last = float("-inf"), v
+    by_k, by_p = 0 < p.top_k < v, p.top_p < 1.0
+    if by_k or by_p:
+        order = torch.sort(x, descending=True, stable=True).indices      # logit descending, index ascending
+        if by_k:
+            tau = float(x[order[p.top_k - 1]])                 # every token tied with the k-th stays
+        if by_p:
+            keep_k = x >= tau
+            total = float(torch.where(keep_k, w, 0.0).double().sum())
+            n_k = int(keep_k.sum())
+            ws = w[order[:n_k]].double()
+            before = torch.cat([ws.new_zeros(1), ws.cumsum(0)[:-1]])
+            kept = int((before <= p.top_p * total).sum())     # before is nondecreasing: a prefix
+            t = int(order[kept - 1])
+            tau, last = float(x[t]), t
+    idx = torch.arange(v)
+    keep = (x > tau) | ((x == tau) & (idx <= last))
+    cdf = torch.where(keep, w, 0.0).double().cumsum(0)
     total = float(cdf[-1])
-    if not total > 0.0 or total == float("inf"):
-        raise RuntimeError(f"cannot sample from logits whose weights sum to {total}")
-    u = torch.rand((), dtype=torch.float64, generator=g) * total
-    i = int(torch.searchsorted(cdf, u, right=True))
-    if i >= x.shape[0]:                         # u rounded up to the total: the last index of weight > 0
-        i = int(torch.nonzero(w).max())
+    i = int(torch.searchsorted(cdf, torch.tensor(u * total, dtype=torch.float64), right=True))
+    if i >= v:                                  # u * total rounded up to the total: the last kept weight
+        i = int(torch.nonzero(keep & (w > 0)).max())
     return i

@@ -15,9 +15,10 @@ instead of starting a second runtime whose threads would spin against it.
 
 ``python -m kernels.native`` builds every kernel this CPU runs (``make install``
 runs it): the fused bf16 decode step where the CPU has AVX512-BF16, and the
-quantized-weights matmul, the decode-plan executor, the prefill attention and
-the row ops in their AMX, AVX-512 VNNI, AVX-512 or AVX2 variant (kernels/quant_linear.py,
-kernels/plan_decode.py, kernels/prefill_attention.py, kernels/row_ops.py).
+quantized-weights matmul, the decode-plan executor, the prefill attention, the
+row ops and the sampler in their AMX, AVX-512 VNNI, AVX-512 or AVX2 variant
+(kernels/quant_linear.py, kernels/plan_decode.py, kernels/prefill_attention.py,
+kernels/row_ops.py, kernels/sampler.py).
 """
 
 from __future__ import annotations
@@ -187,7 +188,7 @@ def require_variant(lib: ctypes.CDLL, symbol: str, library: str, variant: str) -
 
 
 def main() -> None:
-    from kernels import plan_decode, prefill_attention, quant_linear, row_ops
+    from kernels import plan_decode, prefill_attention, quant_linear, row_ops, sampler
     from kernels.fused_decode import LIBRARY, cpu_unsupported_reason
     reason = cpu_unsupported_reason()
     if reason:
@@ -196,10 +197,12 @@ def main() -> None:
         print(build(LIBRARY, AVX512_BF16_FLAGS))
     variant = quant_linear.host_variant()
     if variant is None:
-        print(f"{quant_linear.LIBRARY}, {plan_decode.LIBRARY}, {prefill_attention.LIBRARY}, {row_ops.LIBRARY}: not built "
-              "(CPU lacks AVX2/FMA/F16C; GGUF weights are dequantized)")
+        print(f"{quant_linear.LIBRARY}, {plan_decode.LIBRARY}, {prefill_attention.LIBRARY}, {row_ops.LIBRARY}, "
+              f"{sampler.LIBRARY}: not built (CPU lacks AVX2/FMA/F16C; GGUF weights are dequantized, "
+              "random rows drawn in torch)")
     else:
-        for name in (quant_linear.LIBRARY, plan_decode.LIBRARY, prefill_attention.LIBRARY, row_ops.LIBRARY):
+        for name in (quant_linear.LIBRARY, plan_decode.LIBRARY, prefill_attention.LIBRARY, row_ops.LIBRARY,
+                     sampler.LIBRARY):
             print(build(name, quant_linear.library_flags(name, variant)))
 
 

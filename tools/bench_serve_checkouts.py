@@ -15,7 +15,7 @@ off"``), or argparse takes it for an option of its own.
 
 Each round starts ``kvd serve`` (this interpreter, default flags plus SERVE FLAGS)
 from every checkout in turn, the order reversed every other round, and runs
-``kvd-loadgen`` (random prompts, greedy unless ``--temperature``, ``ignore_eos``) against it: output
+``kvd-loadgen`` (random prompts, greedy unless ``--temperature`` [``--top-p``, ``--top-k``], ``ignore_eos``) against it: output
 tok/s, median TPOT and TTFT, and from the server process (/proc/PID/task) the
 voluntary and involuntary context switches of all its threads per engine step
 (kvd's /metrics ``kvd_engine_steps_total``). Medians over rounds are printed as
@@ -72,7 +72,10 @@ def one_run(repo: Path, args: argparse.Namespace, tmp: str, extra: list[str] = (
                         "--dataset-name", "random", "--random-input-len", str(args.input_len),
                         "--random-output-len", str(args.output_len), "--num-prompts", str(args.prompts),
                         "--max-concurrency", str(args.concurrency), "--request-rate", "inf", "--ignore-eos",
-                        "--seed", "0", "--temperature", str(args.temperature), "--save-result", "--result-dir", tmp,
+                        "--seed", "0", "--temperature", str(args.temperature),
+                        *(["--top-p", str(args.top_p)] if args.top_p is not None else []),
+                        *(["--top-k", str(args.top_k)] if args.top_k is not None else []),
+                        "--save-result", "--result-dir", tmp,
                         "--result-filename", "run.json", "--disable-tqdm"],
                        cwd=REPO, check=True, stdout=subprocess.DEVNULL, timeout=3600)
         steps, sw = engine_step_counters(url)[0] - steps0, switches(proc.pid)
@@ -95,6 +98,8 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--temperature", type=float, default=0.0, help="the requests' temperature (0: greedy)")
+    ap.add_argument("--top-p", type=float, default=None, help="the requests' top_p (default: not sent)")
+    ap.add_argument("--top-k", type=int, default=None, help="the requests' top_k (default: not sent)")
     ap.add_argument("--configs", default="",
                     help="';'-separated sets of extra kvd serve flags, each served from every checkout")
     ap.add_argument("--out", default=str(REPO / "results" / "bench_serve_checkouts.json"))

@@ -187,14 +187,14 @@ def test_the_engine_names_the_kernels_of_this_host(tiny_gguf, tokenizer, kernel)
     assert named.pop("threads") == (f"{torch.get_num_threads()} on CPUs "
                                     f"{format_cpulist(os.sched_getaffinity(0))}")
     assert named == {"weights": "native", "dtype": "float32", "kv_cache": "float32", "matmul": host,
-                     "decode": f"plan:{host}", "prefill_attention": host, "row_ops": host}
+                     "decode": f"plan:{host}", "prefill_attention": host, "row_ops": host, "sampling": host}
     if team is not None:
         assert native_engine(tiny_gguf, tokenizer).runner.small_batch_threads == team
     torch_decode = native_engine(tiny_gguf, tokenizer, decode_kernel="torch").kernels()
     assert torch_decode["decode"] == "torch" and torch_decode["matmul"] == host
     floats = native_engine(tiny_gguf, tokenizer, weights="dequantize").kernels()
     assert floats["weights"] == "float" and floats["matmul"] == "torch" and floats["prefill_attention"] == host
-    assert floats["row_ops"] == host
+    assert floats["row_ops"] == host and floats["sampling"] == host
 
 
 def test_auto_dtype_is_float32_for_native_weights(tiny_gguf, kernel, monkeypatch):

@@ -362,9 +362,9 @@ def test_every_variant_compiles():
     """Builds this CPU cannot run are still compiled here, so a mistake in their
     code path shows up on any machine (they share the arithmetic above); the plan
     executor includes the same matmul, and the row ops the executor's row functions, so
-    their builds are compiled too."""
+    their builds are compiled too; and the sampler's, which shares simd.h's exp."""
     for variant in VARIANTS:
-        for library in ("quant_matmul", "plan_decode", "row_ops"):
+        for library in ("quant_matmul", "plan_decode", "row_ops", "sample_rows"):
             assert native.build(library, library_flags(library, variant)).exists(), (library, variant)
 
 

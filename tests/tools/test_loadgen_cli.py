@@ -268,3 +268,24 @@ def test_compare_outputs_request_by_request(fake, word_tokenizer, tmp_path, caps
                                       f"(session, turn): [{key}]"
     rc, _, err = run_main(capsys, "compare", "--outputs", str(a), str(tmp_path / "c.json"))
     assert rc == 1 and "--save-outputs" in err
+
+
+def test_sampling_flags_reach_every_request_body(word_tokenizer, tmp_path, capsys):
+    """--temperature, --top-p and --top-k are request fields (top_p and top_k only when given),
+    and the result file records them."""
+    bodies: list = []
+    with ServerThread(FakeOptions(ttft_s=0.001, token_s=0.001, bodies=bodies)) as server:
+        common = ("--base-url", server.url, "--dataset-name", "random", "--num-prompts", "3",
+                  "--random-input-len", "4", "--random-output-len", "2", "--disable-tqdm")
+        rc, _, err = run_main(capsys, *common, "--temperature", "0.7", "--top-p", "0.9", "--top-k", "40",
+                              "--save-result", "--result-dir", str(tmp_path), "--result-filename", "r.json")
+        assert rc == 0, err
+        sent = [b for b in bodies if b["path"] == "/v1/completions"]
+        assert len(sent) == 3 and all((b["temperature"], b["top_p"], b["top_k"]) == (0.7, 0.9, 40) for b in sent)
+        config = json.loads((tmp_path / "r.json").read_text())["config"]
+        assert (config["top_p"], config["top_k"]) == (0.9, 40)
+        bodies.clear()
+        assert run_main(capsys, *common)[0] == 0
+        assert not any("top_p" in b or "top_k" in b for b in bodies)
+    for flag in ("--top-p", "--top-k"):
+        assert_one_line_error(run_cli_subprocess(flag, "0"), 2, "must be")

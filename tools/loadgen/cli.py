@@ -126,6 +126,8 @@ def run_parser() -> OneLineParser:
     g.add_argument("--ignore-eos", action="store_true",
                    help="ask the server to generate exactly max_tokens (request field ignore_eos)")
     g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=_positive_float, default=None, help="request field top_p (default: not sent)")
+    g.add_argument("--top-k", type=_positive_int, default=None, help="request field top_k (default: not sent)")
 
     g = p.add_argument_group("dataset")
     g.add_argument("--dataset-name", default="random", choices=DATASETS)
@@ -314,7 +316,8 @@ def cmd_run(argv: Sequence[str]) -> int:
             max_concurrency=args.max_concurrency, ignore_eos=args.ignore_eos, temperature=args.temperature,
             request_timeout_s=args.request_timeout, keepalive=not args.no_keepalive, seed=args.seed,
             progress=not args.disable_tqdm,
-            admin_socket=args.admin_socket, faults=args.faults, think_time_s=args.sessions_think_time)
+            admin_socket=args.admin_socket, faults=args.faults, think_time_s=args.sessions_think_time,
+            extra_body={k: v for k, v in (("top_p", args.top_p), ("top_k", args.top_k)) if v is not None})
         total = sum(len(c.turns) for c in conversations)
         print(f"{PROG}: {total} requests ({args.dataset_name}) -> {cfg.url} model={model} "
               f"rate={args.request_rate:g}/s burstiness={args.burstiness:g} "
