@@ -30,7 +30,6 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
 from kernels import native
@@ -48,10 +47,11 @@ class RowSampler(KernelBuild):
     def __init__(self, lib: ctypes.CDLL, variant: str) -> None:
         native.require_variant(lib, "kvd_sample_rows_variant", LIBRARY, variant)
         self.variant = variant
-        ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+        i64, p64 = ctypes.c_int64, ctypes.POINTER(ctypes.c_int64)
         self._sample = lib.kvd_sample_rows
         self._sample.restype = None
-        self._sample.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ptr, ctypes.c_int]
+        self._sample.argtypes = [ctypes.c_void_p, i64, i64, p64, i64, ctypes.POINTER(ctypes.c_double), p64, p64,
+                                 ctypes.c_int]
 
     def sample(self, logits: torch.Tensor, rows: Sequence[int], temperature: Sequence[float],
                top_k: Sequence[int], top_p: Sequence[float], uniform: Sequence[float],
@@ -71,19 +71,16 @@ class RowSampler(KernelBuild):
                              f"{len(top_p)} top_p, {len(uniform)} uniforms over a vocabulary of {v}")
         if n == 0:
             return []
-        rows_a = np.asarray(rows, dtype=np.int64)
-        k_a = np.asarray(top_k, dtype=np.int64)
-        params = np.empty((n, 3), dtype=np.float64)    # temperature, top_p, u per row
-        params[:, 0], params[:, 1], params[:, 2] = temperature, top_p, uniform
-        t, p, u = params[:, 0], params[:, 1], params[:, 2]
-        if (rows_a.min() < 0 or rows_a.max() >= b or not (t > 0).all() or not ((p > 0) & (p <= 1)).all()
-                or not ((u >= 0) & (u < 1)).all()):
+        if not (all(0 <= r < b for r in rows) and all(t > 0 for t in temperature)
+                and all(0 < p <= 1 for p in top_p) and all(0 <= u < 1 for u in uniform)):
             raise ValueError("sample: a row index outside the logits, a temperature <= 0, a top_p outside "
                              "(0, 1] or a uniform number outside [0, 1)")
-        out = np.empty(n, dtype=np.int64)
-        self._sample(logits.data_ptr(), logits.stride(0), v, rows_a.ctypes.data, n, params.ctypes.data,
-                     k_a.ctypes.data, out.ctypes.data, torch.get_num_threads() if num_threads is None else num_threads)
-        picked = out.tolist()
+        params = (ctypes.c_double * (3 * n))()           # temperature, top_p, u per row
+        params[0::3], params[1::3], params[2::3] = temperature, top_p, uniform
+        out = (ctypes.c_int64 * n)()
+        self._sample(logits.data_ptr(), logits.stride(0), v, (ctypes.c_int64 * n)(*rows), n, params,
+                     (ctypes.c_int64 * n)(*top_k), out, torch.get_num_threads() if num_threads is None else num_threads)
+        picked = list(out)
         if -1 in picked:
             r = picked.index(-1)
             raise RuntimeError(f"cannot sample row {rows[r]}: its logits have no finite weight "
