@@ -184,7 +184,9 @@ class LLMEngine:
     def kernels(self) -> dict[str, str]:
         """What computes each part of a step on this CPU, for operators (node status,
         the start-up log): ``weights`` ("native" block-quantized or "float") and
-        ``dtype``; ``kv_cache``, the KV cache's dtype (kv_cache_dtype); ``matmul``, the
+        ``dtype``; ``matrices``, "quantized" or the float matrices' dtype (a 16-bit
+        checkpoint's kept for an fp32 model: ``weights = "native"``); ``kv_cache``, the
+        KV cache's dtype (kv_cache_dtype); ``matmul``, the
         quantized-weights kernel's build ("avx2",
         "avx512vnni", ...) or "torch"; ``decode``, the one-call decoder
         ("plan:<build>" or "fused-bf16") or "torch"; ``threads``, the compute team and
@@ -199,6 +201,7 @@ class LLMEngine:
                   else "fused-bf16")
         return {"weights": "native" if model.quantized else "float",
                 "dtype": str(model.dtype).removeprefix("torch."),
+                "matrices": "quantized" if model.quantized else str(model.matrix_dtype).removeprefix("torch."),
                 "kv_cache": str(self.kv.dtype).removeprefix("torch."),
                 "matmul": model.quant_kernel.variant if model.quant_kernel is not None else "torch",
                 "decode": decode,

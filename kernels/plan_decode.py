@@ -4,7 +4,8 @@
 torch: about 1,700 torch ops per SmolLM2 decode step, whose dispatch costs more
 than reading the quantized weights (docs/architecture.md). ``PlanDecoder``
 hands the same steps, the layers' weights (``QuantLinear`` blocks, or an fp32
-model's float matrices in ``float_layout = "rows"``; norm vectors), the
+model's float matrices in ``float_layout = "rows"``, fp32 or kept in their
+checkpoint's bf16 or fp16 and widened in registers; norm vectors), the
 embedding and the LM head to kernels/csrc/plan_decode.cpp once,
 and each decode step is then one ctypes call: embed, every layer's steps,
 final norm, LM head. The C++ side implements ops, not a Llama: a plan with an
@@ -31,7 +32,7 @@ Contract of :meth:`PlanDecoder.decode` (as ``LlamaModel.forward`` +
 
 :meth:`PlanDecoder.create` returns None (and says why) for a model that does
 not compute in fp32, a float model whose matrices are not in the rows layout, a
-pipeline stage, a matrix that is neither one block-quantized tensor nor an fp32
+pipeline stage, a matrix that is neither one block-quantized tensor nor a float
 one, an unsupported shape, a CPU without a kernel build, or a failed build.
 """
 
@@ -54,7 +55,9 @@ log = logging.getLogger(__name__)
 LIBRARY = "plan_decode"
 OPS = {"rms_norm": 0, "linear": 1, "rope_attention": 2, "linear_add": 3, "silu_mul": 4}   # enum Op in the .cpp
 _MATRIX_OPS = ("linear", "linear_add")
-FMT_F32 = 16                   # PlanWeight.format of an fp32 matrix (the .cpp's FMT_F32)
+# PlanWeight.format of a float matrix by its dtype (the .cpp's FMT_F32, FMT_BF16, FMT_F16):
+# 16-bit elements are widened to fp32 in registers, exactly
+DENSE_FORMATS = {torch.float32: 16, torch.bfloat16: 17, torch.float16: 18}
 KV_DTYPES = (torch.float32, torch.float16)    # the KV caches the executor reads (PlanModel.kv_half)
 
 
@@ -87,8 +90,8 @@ def _single_block_tensor(m: object) -> bool:
 
 
 def _dense_matrix(m: object) -> bool:
-    """An fp32 matrix [out, in] the executor reads as it is (dense_gemm.h)."""
-    return (isinstance(m, torch.Tensor) and m.dtype == torch.float32 and m.dim() == 2 and m.is_contiguous()
+    """A float matrix [out, in] (fp32, bf16 or fp16) the executor reads as it is (dense_gemm.h)."""
+    return (isinstance(m, torch.Tensor) and m.dtype in DENSE_FORMATS and m.dim() == 2 and m.is_contiguous()
             and m.shape[1] % 16 == 0)
 
 
@@ -130,7 +133,7 @@ def unsupported_reason(model: LlamaModel) -> str | None:
         return f"LAYER_STEPS has ops the executor does not implement: {', '.join(unknown)}"
     matrix = _single_block_tensor if model.quantized else _dense_matrix
     what = ("one block-quantized tensor (with a kernel)" if model.quantized else
-            "an fp32 matrix [out, in] whose width is a multiple of 16")
+            "a float matrix [out, in] (fp32, bf16 or fp16) whose width is a multiple of 16")
     for step in LAYER_STEPS:
         if step.op in _MATRIX_OPS and not all(matrix(getattr(layer, step.weight)) for layer in model.layers):
             return f"{step.weight} is not {what} in every layer"
@@ -146,7 +149,7 @@ def _weight(t: object) -> _Weight:
         q = t.parts[0]
         return _Weight(q.fmt.code, 0, q.shape[0], q.shape[1], q.data.data_ptr())
     if t.dim() == 2:
-        return _Weight(FMT_F32, 0, t.shape[0], t.shape[1], t.data_ptr())      # an fp32 matrix [out, in]
+        return _Weight(DENSE_FORMATS[t.dtype], 0, t.shape[0], t.shape[1], t.data_ptr())   # a float matrix [out, in]
     return _Weight(-1, 0, t.numel(), 1, t.data_ptr())             # an fp32 vector (a norm's weight)
 
 

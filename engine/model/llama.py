@@ -85,6 +85,12 @@ def _matmul_in_out(x: torch.Tensor, w_in_out: torch.Tensor) -> torch.Tensor:
     return torch.matmul(x, w_in_out)
 
 
+def _linear_rows(x: torch.Tensor, w_out_in: torch.Tensor) -> torch.Tensor:
+    """``F.linear`` of fp32 x by a float matrix [out, in], a 16-bit one widened to x's dtype
+    first (exactly: the same product as its fp32 copy's)."""
+    return F.linear(x, w_out_in if w_out_in.dtype == x.dtype else w_out_in.to(x.dtype))
+
+
 def _quant_linear(x: torch.Tensor, w: QuantLinear) -> torch.Tensor:
     return w(x)
 
@@ -222,30 +228,39 @@ class LlamaModel:
             row_ops = RowOps.create() if dtype == torch.float32 else None
         self.row_ops = row_ops
 
-        def w(name: str) -> torch.Tensor | QuantTensor:
-            if name not in tensors:
-                raise ValueError(f"missing tensor {name}")
-            t = tensors[name]
-            return t if isinstance(t, QuantTensor) else t.to(dtype).contiguous()
-
         self.quantized = any(isinstance(t, QuantTensor) for t in tensors.values())
         self.quant_kernel = quant_kernel if self.quantized else None
         transposed = dtype == torch.float32 and not self.quantized and float_layout == "auto"
         self.rows_layout = not self.quantized and not transposed      # float matrices [out, in]
+        # an fp32 model in the rows layout keeps bf16 / fp16 matrices as they came (widened
+        # exactly where used: the plan executor in registers, torch's prefill per call)
+        keep_16bit = dtype == torch.float32 and self.rows_layout
         self._linear = (_quant_linear if self.quantized else _matmul_in_out if transposed else
-                        F.linear if dtype == torch.float32 else _linear_batch_invariant)
+                        _linear_rows if dtype == torch.float32 else _linear_batch_invariant)
+
+        def w(name: str, matrix: bool = False) -> torch.Tensor | QuantTensor:
+            if name not in tensors:
+                raise ValueError(f"missing tensor {name}")
+            t = tensors[name]
+            if isinstance(t, QuantTensor):
+                return t
+            if matrix and keep_16bit and t.dtype in (torch.bfloat16, torch.float16):
+                return t.contiguous()
+            return t.to(dtype).contiguous()
 
         # the kernels' packed weights, on huge pages: one stream of ~100 MB a decode step
         arena = WeightArena()
 
         def mat(*names: str) -> Matrix:    # rows of these [out, in] weights -> what _linear takes
-            parts = [w(n) for n in names]
+            parts = [w(n, matrix=True) for n in names]
             if self.quantized:
                 return QuantLinear(parts, quant_kernel, arena)
+            if len({p.dtype for p in parts}) > 1:          # 16-bit parts of two dtypes: fp32
+                parts = [p.to(dtype) for p in parts]
             t = torch.cat(parts) if len(parts) > 1 else parts[0]
             return t.t().contiguous() if transposed else t.contiguous()
 
-        embed = w("model.embed_tokens.weight") if self.is_first else None
+        embed = w("model.embed_tokens.weight", matrix=True) if self.is_first else None
         # a quantized table is read through its QuantLinear (rows dequantized on lookup)
         self.embed = QuantLinear([embed], quant_kernel, arena) if isinstance(embed, QuantTensor) else embed
         self.layers: list[_Layer] = []
@@ -273,6 +288,14 @@ class LlamaModel:
         self.cos, self.sin = rope_tables(config, dtype)
 
     @property
+    def matrix_dtype(self) -> torch.dtype | None:
+        """The float matrices' dtype (``dtype``, or a 16-bit checkpoint's kept as it is);
+        None for a quantized model."""
+        if self.quantized:
+            return None
+        return self.layers[0].qkv.dtype if self.layers else self.dtype
+
+    @property
     def num_local_layers(self) -> int:
         return self.end - self.start
 
@@ -296,7 +319,7 @@ class LlamaModel:
         elif isinstance(self.embed, QuantLinear):
             h = self.embed.embed(x).to(self.dtype)
         else:
-            h = F.embedding(x, self.embed)
+            h = F.embedding(x, self.embed).to(self.dtype)                 # a 16-bit table's rows widened
         rows = self.row_ops if h.dtype == torch.float32 else None
         cos, sin = self.cos[positions], self.sin[positions]              # [T, hd]
         eps = cfg.rms_norm_eps

@@ -72,14 +72,15 @@ class ModelSource:
     seed: int | None = None          # tiny only
 
     def load_weights(self, quantized: bool = False) -> LoadedWeights:
-        """``quantized``: keep a GGUF's Q4_0 / Q4_1 / Q8_0 matrices in their blocks
-        (``load_gguf``); no effect on other sources, whose weights are float."""
+        """``quantized``: keep the file's own weight formats, a GGUF's Q4_0 / Q4_1 /
+        Q8_0 matrices in their blocks (``load_gguf``), a Hugging Face directory's
+        bf16 and fp16 tensors as they are (``load_hf_dir(keep_16bit=True)``)."""
         from engine.model.weights import load_gguf, load_hf_dir, random_weights
 
         if self.kind == "gguf":
             return load_gguf(self.weights_path, quantized=quantized)
         if self.kind == "hf":
-            return load_hf_dir(self.weights_path)
+            return load_hf_dir(self.weights_path, keep_16bit=quantized)
         return random_weights(tiny_config(), seed=self.seed or 0)
 
     def load_tokenizer(self) -> Tokenizer:

@@ -68,7 +68,8 @@ _IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
 @dataclass(frozen=True)
 class LoadedWeights:
     """A config plus its tensors (HF names, float32, contiguous, CPU; or
-    ``QuantTensor`` for a block-quantized matrix loaded with ``quantized=True``).
+    ``QuantTensor`` for a block-quantized matrix loaded with ``quantized=True``;
+    or bf16 / fp16 as stored, from ``load_hf_dir(keep_16bit=True)``).
 
     ``source`` says where they came from ("gguf:/path", "hf:/dir", "tiny:0").
     The dict is not copied by consumers; treat it as read-only.
@@ -305,10 +306,12 @@ def _gguf_config(reader: Any, path: Path) -> LlamaConfig:
 
 
 # ----------------------------------------------------------- Hugging Face dir
-def load_hf_dir(path: str | Path) -> LoadedWeights:
+def load_hf_dir(path: str | Path, keep_16bit: bool = False) -> LoadedWeights:
     """Read ``config.json`` + ``*.safetensors`` (single file or sharded with an index).
 
-    Tensors of any float dtype are converted to float32. A checkpoint that
+    Tensors of any float dtype are converted to float32, but bf16 and fp16 ones
+    stay as they are with ``keep_16bit`` (LlamaModel keeps such matrices for an
+    fp32 model whose decode steps run on the plan executor). A checkpoint that
     ties embeddings but still stores ``lm_head.weight`` has it dropped.
     Raises ``ValueError`` for a missing directory/config/weights, a non-Llama
     ``model_type``, missing/unexpected tensors or bad shapes.
@@ -344,7 +347,9 @@ def load_hf_dir(path: str | Path) -> LoadedWeights:
             for name in f.keys():
                 if name.endswith(_IGNORED_HF_SUFFIXES):
                     continue
-                tensors[name] = f.get_tensor(name).to(torch.float32).contiguous()
+                t = f.get_tensor(name)
+                keep = keep_16bit and t.dtype in (torch.bfloat16, torch.float16)
+                tensors[name] = (t if keep else t.to(torch.float32)).contiguous()
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
     validate(config, tensors, source)
@@ -432,9 +437,11 @@ def config_to_hf(config: LlamaConfig) -> dict[str, Any]:
 
 
 def save_hf_dir(weights: LoadedWeights, path: str | Path) -> Path:
-    """Write ``config.json`` + ``model.safetensors`` into ``path`` (created if needed).
+    """Write ``config.json`` + ``model.safetensors`` into ``path`` (created if needed):
+    bf16 and fp16 tensors as they are, any other as float32.
 
-    ``load_hf_dir(path)`` gives back equal config and tensors. Validates first,
+    ``load_hf_dir(path)`` gives back equal config and tensors (``keep_16bit=True``:
+    of the same dtypes too). Validates first,
     so a bad ``LoadedWeights`` never reaches disk. Returns ``path``.
     """
     from safetensors.torch import save_file
@@ -444,7 +451,8 @@ def save_hf_dir(weights: LoadedWeights, path: str | Path) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config_to_hf(weights.config), indent=2) + "\n",
                                       encoding="utf-8")
-    tensors = {name: t.detach().to(torch.float32).contiguous() for name, t in weights.tensors.items()}
+    tensors = {name: (t if t.dtype in (torch.bfloat16, torch.float16) else t.to(torch.float32)).detach().contiguous()
+               for name, t in weights.tensors.items()}
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     return path
 

@@ -46,21 +46,23 @@ namespace {
 
 enum Op { OP_RMS_NORM = 0, OP_LINEAR = 1, OP_ROPE_ATTENTION = 2, OP_LINEAR_ADD = 3, OP_SILU_MUL = 4 };
 
-// PlanWeight.format of an fp32 matrix [n, k], row-major (dense_gemm.h); 0-2 are quant_blocks.h's
-// Format (the x8 layout), -1 an fp32 vector.
-constexpr int32_t FMT_F32 = 16;
+// PlanWeight.format of a float matrix [n, k], row-major (dense_gemm.h): fp32, bf16 or IEEE
+// halves; 0-2 are quant_blocks.h's Format (the x8 layout), -1 an fp32 vector.
+constexpr int32_t FMT_F32 = 16, FMT_BF16 = 17, FMT_F16 = 18;
 
 inline bool quantized(int32_t format) { return format >= Q4_0 && format <= Q8_0; }
+inline bool dense(int32_t format) { return format >= FMT_F32 && format <= FMT_F16; }
+inline int64_t dense_elem_bytes(int32_t format) { return format == FMT_F32 ? 4 : 2; }
 
 // A matrix of format `format` fits an input of width k: a whole number of its blocks (16
-// floats for fp32).
+// elements for a float matrix).
 inline bool matrix_fits(int32_t format, int64_t k) {
-    return (quantized(format) && k % QK == 0) || (format == FMT_F32 && k % 16 == 0);
+    return (quantized(format) && k % QK == 0) || (dense(format) && k % 16 == 0);
 }
 
 // Bytes of 8 rows of W (the claims' unit: a group of the x8 layout)
 inline int64_t rows8_bytes(int32_t format, int64_t k) {
-    return format == FMT_F32 ? 8 * k * (int64_t)sizeof(float) : group_bytes(format, k);
+    return dense(format) ? 8 * k * dense_elem_bytes(format) : group_bytes(format, k);
 }
 
 // Batches of at most this many rows run row-local ops on every thread (kvd_plan_decode).
@@ -76,8 +78,9 @@ extern "C" {
 struct PlanStep { int32_t op, src, dst, weight; };
 
 struct PlanWeight {
-    int32_t format;             // 0 Q4_0, 1 Q4_1, 2 Q8_0: a matrix [n, k] in the x8 layout; 16 (FMT_F32): an
-                                // fp32 matrix [n, k], row-major; -1: an fp32 vector [n]
+    int32_t format;             // 0 Q4_0, 1 Q4_1, 2 Q8_0: a matrix [n, k] in the x8 layout; 16, 17, 18
+                                // (FMT_F32, FMT_BF16, FMT_F16): a float matrix [n, k], row-major; -1: an
+                                // fp32 vector [n]
     int32_t unused;
     int64_t n, k;
     const void* data;
@@ -107,7 +110,11 @@ namespace {
 inline void matrix_range(const PlanWeight& w, const float* x, int64_t ldx, const QRows& xq, int64_t M, int64_t n0,
                          int64_t n1, float* y, int64_t ldy) {
     if (w.format == FMT_F32)
-        dense_range((const float*)w.data, w.k, n0, n1, x, ldx, M, y, ldy);
+        dense_range<WF32>((const float*)w.data, w.k, n0, n1, x, ldx, M, y, ldy);
+    else if (w.format == FMT_BF16)
+        dense_range<WBF16>((const uint16_t*)w.data, w.k, n0, n1, x, ldx, M, y, ldy);
+    else if (w.format == FMT_F16)
+        dense_range<WF16>((const uint16_t*)w.data, w.k, n0, n1, x, ldx, M, y, ldy);
     else
         matmul_range(w.format, (const uint8_t*)w.data, n0, n1, xq, M, y, ldy);
 }
@@ -117,6 +124,12 @@ inline void gather_table_rows(const PlanWeight& w, const int64_t* ids, int64_t T
     if (w.format == FMT_F32)
         for (int64_t t = 0; t < T; t++)
             memcpy(out + t * w.k, (const float*)w.data + ids[t] * w.k, (size_t)w.k * sizeof(float));
+    else if (w.format == FMT_BF16 || w.format == FMT_F16)
+        for (int64_t t = 0; t < T; t++) {
+            const uint16_t* row = (const uint16_t*)w.data + ids[t] * w.k;
+            for (int64_t d = 0; d < w.k; d += 16)       // k: a multiple of 16 (matrix_fits)
+                vstore(out + t * w.k + d, w.format == FMT_BF16 ? WBF16::load16(row + d) : WF16::load16(row + d));
+        }
     else
         gather_rows_any(w.format, (const uint8_t*)w.data, w.k, ids, T, out);
 }

@@ -186,7 +186,8 @@ def test_the_engine_names_the_kernels_of_this_host(tiny_gguf, tokenizer, kernel)
     assert named.pop("decode_threads").endswith("(batches of <= 4 rows)")
     assert named.pop("threads") == (f"{torch.get_num_threads()} on CPUs "
                                     f"{format_cpulist(os.sched_getaffinity(0))}")
-    assert named == {"weights": "native", "dtype": "float32", "kv_cache": "float32", "matmul": host,
+    assert named == {"weights": "native", "dtype": "float32", "matrices": "quantized", "kv_cache": "float32",
+                     "matmul": host,
                      "decode": f"plan:{host}", "prefill_attention": host, "row_ops": host, "sampling": host}
     if team is not None:
         assert native_engine(tiny_gguf, tokenizer).runner.small_batch_threads == team

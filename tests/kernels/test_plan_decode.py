@@ -58,12 +58,18 @@ def quantize(weights, fmt: str) -> dict:
     return out
 
 
+FLOAT16 = {"BF16": torch.bfloat16, "F16": torch.float16}
+
+
 def tiny_model(fmt: str, kernel: QuantKernel) -> LlamaModel:
     """The tiny model with its matrices in ``fmt``'s blocks, or ``"F32"``: as they are, fp32
-    in the rows layout (a float model's, as build_model makes it)."""
+    in the rows layout (a float model's, as build_model makes it), or ``"BF16"`` / ``"F16"``:
+    rounded to that dtype and kept in it (an fp32 model of a 16-bit checkpoint)."""
     w = random_weights(tiny_config(vocab_size=512), seed=5, std=0.08)
     if fmt == "F32":
         return LlamaModel(w.config, w.tensors, float_layout="rows")
+    if fmt in FLOAT16:
+        return LlamaModel(w.config, {n: t.to(FLOAT16[fmt]) for n, t in w.tensors.items()}, float_layout="rows")
     return LlamaModel(w.config, quantize(w, fmt), quant_kernel=kernel)
 
 
@@ -151,7 +157,7 @@ def test_logits_and_kv_match_forward(model, kv_dtype):
     assert (new_p - new_t).abs().max() <= 1e-3 * new_t.abs().max()
 
 
-@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0", "Q4_0", "F32"])
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0", "Q4_0", "F32", "BF16", "F16"])
 @pytest.mark.parametrize("build", ["host", "amxemu"])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
 def test_every_build_computes_the_same_bits(fmt, build, kv_dtype, kernel):
@@ -170,6 +176,30 @@ def test_every_build_computes_the_same_bits(fmt, build, kv_dtype, kernel):
     assert dec is not None
     assert torch.equal(dec.decode(ids, pos, tables, kv_host), portable.decode(ids, pos, tables, kv_port))
     assert torch.equal(kv_host, kv_port)
+
+
+@pytest.mark.parametrize("fmt", ["BF16", "F16"])
+def test_16bit_matrices_give_the_bits_of_their_fp32_copies(fmt, kernel):
+    """An fp32 model keeping a 16-bit checkpoint's matrices (the embedding, the tied LM head
+    and every layer's) reads half the bytes and computes what the same values widened to fp32
+    compute, bit for bit: torch's prefill (each matrix widened per call), the executor's decode
+    steps (widened in registers) and the K/V both write."""
+    small = tiny_model(fmt, kernel)
+    wide = LlamaModel(small.config, {n: t.float() for n, t in
+                                     random_weights(tiny_config(vocab_size=512), seed=5, std=0.08).tensors.items()
+                                     for t in [t.to(FLOAT16[fmt])]}, float_layout="rows")
+    assert small.layers[0].qkv.dtype == small.embed.dtype == FLOAT16[fmt] and small.lm_head is small.embed
+    assert wide.layers[0].qkv.dtype == torch.float32
+    vectors = 4 * (small.norm.numel() + sum(x.input_norm.numel() + x.post_norm.numel() for x in small.layers))
+    assert 2 * (small.weight_bytes_per_token() - vectors) == wide.weight_bytes_per_token() - vectors
+    kv_small, ids, pos, tables = prefilled(small, [1, 5, 17, 40], seed=4)
+    kv_wide = prefilled(wide, [1, 5, 17, 40], seed=4)[0]
+    assert torch.equal(kv_small, kv_wide)
+    out_small = decoder(small, kv_small).decode(ids, pos, tables, kv_small)
+    assert torch.equal(out_small, decoder(wide, kv_wide).decode(ids, pos, tables, kv_wide))
+    assert torch.equal(kv_small, kv_wide)
+    ref = torch_decode(small, kv_small.clone(), ids, pos, tables)
+    assert torch.equal(ref, torch_decode(wide, kv_wide.clone(), ids, pos, tables))
 
 
 def test_a_build_is_refused_when_unknown_not_runnable_or_misnamed(kernel):
@@ -548,6 +578,31 @@ def test_a_float_model_decodes_on_the_executor_by_config():
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     prompts = [[11, 12, 13, 14], [200, 3, 3, 40, 41, 42, 43, 44, 45], list(range(60, 99))] * 3
     assert plan.generate(prompts, params) == torch_path.generate(prompts, params)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_16bit_checkpoint_is_served_in_its_own_dtype_by_default(dtype, tmp_path):
+    """A Hugging Face directory of bf16 (fp16) tensors: ``weights = "native"`` (the default)
+    keeps its matrices as they are for an fp32 model that decodes on the executor, half the
+    bytes a step reads; ``"dequantize"`` widens them to fp32 at load. The same tokens,
+    greedy and seeded, either way."""
+    from engine.model.weights import LoadedWeights, save_hf_dir
+    w = resolve_model("tiny:3").load_weights()
+    save_hf_dir(LoadedWeights(w.config, {n: t.to(dtype) for n, t in w.tensors.items()}, "tiny:3"), tmp_path / "m")
+    source, tok = resolve_model(str(tmp_path / "m")), resolve_model("tiny").load_tokenizer()
+
+    def engine(mode: str) -> LLMEngine:
+        cfg = EngineConfig(model="m", dtype="float32", kv_blocks=128, host_kv_blocks=0, weights=mode)
+        return LLMEngine(cfg, build_model(cfg, source.load_weights(quantized=mode == "native")), tok, "m")
+    native_engine, wide = engine("native"), engine("dequantize")
+    assert native_engine.kernels()["matrices"] == str(dtype).removeprefix("torch.")
+    assert wide.kernels()["matrices"] == "float32"
+    assert native_engine.kernels()["decode"].startswith("plan:") and wide.kernels()["decode"].startswith("plan:")
+    assert 1.9 * native_engine.model.weight_bytes_per_token() < wide.model.weight_bytes_per_token()
+    prompts = [[11, 12, 13, 14], [200, 3, 3, 40, 41, 42, 43, 44, 45], list(range(60, 99))] * 2
+    params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True)] * 3
+    assert native_engine.generate(prompts, params) == wide.generate(prompts, params)
 
 
 def test_engine_runs_decode_on_the_executor_by_config(tiny):
