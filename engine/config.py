@@ -40,7 +40,7 @@ class EngineConfig:
     reserved_cpus: int = 1              # CPUs left to the serving threads when num_threads is None
     decode_threads: int = 0             # threads of a one-call decode step of <= 4 rows; 0: calibrated
     decode_kernel: str = "auto"         # auto: fused C++ bf16 decode step where the CPU has it; torch
-    weights: str = "native"             # native: a GGUF's Q4_0/Q4_1/Q8_0 blocks served as they are; dequantize
+    weights: str = "native"             # native: the file's formats (Q4_0/Q4_1/Q8_0 blocks, 16-bit matrices); dequantize
     kv_cache_dtype: str = "auto"        # auto: the model's dtype; float16: half the KV bytes of an fp32 model
     cpus: str = ""                      # a Linux CPU list the daemon binds the engine to; "": every CPU it may use
     # A prefix hit with host-tier blocks: "cost" (swap in or recompute, the

@@ -43,7 +43,8 @@ ENGINE_FLAGS = {
     "--decode-threads": ("decode_threads", int,
                          "threads of a decode step of at most 4 rows (default 0: timed at start on 8+ threads)"),
     "--decode-kernel": ("decode_kernel", str, "auto (fused C++ bf16 decode where the CPU has AVX512-BF16) or torch"),
-    "--weights": ("weights", str, "native (serve a GGUF's Q4_0/Q4_1/Q8_0 blocks as they are) or dequantize"),
+    "--weights": ("weights", str, "native (serve the file's formats as they are: a GGUF's Q4_0/Q4_1/Q8_0 blocks, "
+                                  "a bf16/fp16 checkpoint's matrices) or dequantize"),
     "--kv-cache-dtype": ("kv_cache_dtype", str,
                          "auto (the model's dtype) or float16 (an fp32 model's KV in half the bytes)"),
     "--host-hit-policy": ("host_hit_policy", str,
