@@ -30,8 +30,8 @@ from engine.scheduler import ScheduledBatch, Scheduler
 from engine.stream import KVSink, LayerStreamer
 from kernels.fused_decode import FusedDecoder
 from kernels.plan_decode import PlanDecoder, float_unsupported_reason
-from kernels.sampler import RowSampler
 from kernels.quant_linear import QuantKernel
+from kernels.sampler import RowSampler
 
 log = logging.getLogger(__name__)
 

@@ -187,7 +187,10 @@ class LlamaModel:
     ``float_layout = "rows"`` keeps every float matrix ``[out, in]`` whatever the
     dtype (``rows_layout``): the layout the plan executor reads (kernels/plan_decode.py),
     for an fp32 model whose decode steps it runs, torch then running only prefills
-    (``F.linear``, as fast as the transposed layout from a few rows up).
+    (``F.linear``, as fast as the transposed layout from a few rows up). There an fp32
+    model keeps bf16 / fp16 matrices (the embedding and LM head included) in their
+    dtype (``matrix_dtype``): the executor widens them in registers and ``F.linear``'s
+    input is widened per call, exactly, so the model computes what its fp32 copy does.
 
     ``tensors`` holding any ``QuantTensor`` make a quantized model
     (``quantized``): its matrices are ``QuantLinear`` objects over
