@@ -61,22 +61,25 @@ def previous_row(logits: torch.Tensor, p: SamplingParams, g: torch.Generator | N
 
 
 def model_logits(rows: int) -> torch.Tensor:
-    """SmolLM2's next-token logits at the first ``rows`` positions of PROSE: [rows, V]."""
-    from engine.engine import EngineConfig, LLMEngine
+    """SmolLM2's next-token logits at the first ``rows`` positions of PROSE: [rows, V]. The
+    model runs alone, over a KV buffer of its own (no engine, no MemPool)."""
+    from engine.engine import EngineConfig, build_model
+    from engine.model.registry import resolve_model
     from kernels.attention import AttentionBatch, PrefillSeq
-    from engine.model.registry import bundled_gguf_path
-    eng = LLMEngine.from_config(EngineConfig(model=str(bundled_gguf_path()), kv_blocks=64, host_kv_blocks=0))
-    ids = eng.tokenizer.encode(PROSE)[:rows]
+    source = resolve_model("smollm2")
+    model = build_model(EngineConfig(model="smollm2"), source.load_weights(quantized=True))
+    ids = source.load_tokenizer().encode(PROSE)[:rows]
     if len(ids) < rows:
         raise SystemExit(f"the prose prompt has {len(ids)} tokens, fewer than --rows' {rows}")
-    n, bs = len(ids), eng.config.block_size
-    table = torch.arange(-(-n // bs), dtype=torch.int64)
+    n, bs, c = len(ids), 16, model.config
+    blocks = -(-n // bs)
+    scratch = torch.zeros(c.num_layers, 2, blocks, bs, c.num_kv_heads, c.head_dim, dtype=model.dtype)
+    table = torch.arange(blocks, dtype=torch.int64)
     pos = torch.arange(n)
     batch = AttentionBatch(slots=table[pos // bs] * bs + pos % bs, is_prefill=True,
                            prefill=[PrefillSeq(0, n, n, table)])
     with torch.inference_mode():
-        hidden = eng.model.forward(torch.tensor(ids), pos, batch, eng.kv.tier("device"))
-        return eng.model.compute_logits(hidden).float().contiguous()
+        return model.compute_logits(model.forward(torch.tensor(ids), pos, batch, scratch)).float().contiguous()
 
 
 def per_call_us(fn, calls: int) -> float:

@@ -523,7 +523,7 @@ def test_models_it_does_not_run_say_why(tiny, kernel):
     assert "dtype" in unsupported_reason(LlamaModel(w.config, w.tensors, dtype=torch.bfloat16, float_layout="rows"))
     assert unsupported_reason(LlamaModel(w.config, w.tensors, float_layout="rows")) is None
     odd = random_weights(tiny_config(vocab_size=512, intermediate_size=120), seed=5)
-    assert "an fp32 matrix [out, in] whose width is a multiple of 16" in unsupported_reason(
+    assert "a float matrix [out, in] (fp32, bf16 or fp16) whose width is a multiple of 16" in unsupported_reason(
         LlamaModel(odd.config, odd.tensors, float_layout="rows"))
     # what build_model asks before choosing the rows layout: such a model stays [in, out]
     assert "intermediate_size not a multiple of 16" in plan_decode.float_unsupported_reason(odd.config)
