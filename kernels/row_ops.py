@@ -31,6 +31,7 @@ from kernels import native
 from kernels.quant_linear import KernelBuild
 
 LIBRARY = "row_ops"
+_DENSE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}     # kvd_dense_matmul's fmt
 
 
 def _rows(x: torch.Tensor, width: int, what: str) -> torch.Tensor:
@@ -59,6 +60,9 @@ class RowOps(KernelBuild):
         self._rope = lib.kvd_rope_rows
         self._rope.restype = None
         self._rope.argtypes = [ptr, i64, i64, i64, i32, ptr, ptr, ptr, i32]
+        self._dense = lib.kvd_dense_matmul
+        self._dense.restype = None
+        self._dense.argtypes = [i32, ptr, i64, i64, ptr, i64, i64, ptr, i64, i32]
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x fp32 [M, D], weight fp32 [D] -> fp32 [M, D]."""
@@ -96,4 +100,18 @@ class RowOps(KernelBuild):
         out = torch.empty(t, heads, head_dim, dtype=torch.float32)
         self._rope(x.data_ptr(), x.stride(0) if t > 1 else x.shape[1], t, heads, head_dim, cos.data_ptr(),
                    signed_sin.data_ptr(), out.data_ptr(), torch.get_num_threads())
+        return out
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x fp32 [M, K] @ w.T for a float matrix w [N, K] (fp32, bf16 or fp16, row-major, K a
+        multiple of 16) -> fp32 [M, N]: the plan executor's dense matmul (dense_gemm.h; a
+        16-bit w widened in registers), so each row gets a decode step's bits."""
+        n, k = w.shape
+        x = _rows(x, k, "linear")
+        if w.dtype not in _DENSE or not w.is_contiguous() or k % 16:
+            raise ValueError(f"linear: w must be a contiguous fp32/bf16/fp16 [N, K] with K % 16 == 0, got "
+                             f"{w.dtype} {list(w.shape)}")
+        out = torch.empty(x.shape[0], n, dtype=torch.float32)
+        self._dense(_DENSE[w.dtype], w.data_ptr(), n, k, x.data_ptr(), x.stride(0) if x.shape[0] > 1 else k,
+                    x.shape[0], out.data_ptr(), n, torch.get_num_threads())
         return out

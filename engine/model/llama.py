@@ -85,10 +85,9 @@ def _matmul_in_out(x: torch.Tensor, w_in_out: torch.Tensor) -> torch.Tensor:
     return torch.matmul(x, w_in_out)
 
 
-def _linear_rows(x: torch.Tensor, w_out_in: torch.Tensor) -> torch.Tensor:
-    """``F.linear`` of fp32 x by a float matrix [out, in], a 16-bit one widened to x's dtype
-    first (exactly: the same product as its fp32 copy's)."""
-    return F.linear(x, w_out_in if w_out_in.dtype == x.dtype else w_out_in.to(x.dtype))
+# Rows of x up to which an fp32 model's 16-bit matrices multiply on the executor's dense
+# kernel rather than widened for MKL (LlamaModel._linear_rows; tools/bench_float16_weights.py)
+DENSE_PREFILL_ROWS = 64
 
 
 def _quant_linear(x: torch.Tensor, w: QuantLinear) -> torch.Tensor:
@@ -239,7 +238,7 @@ class LlamaModel:
         # exactly where used: the plan executor in registers, torch's prefill per call)
         keep_16bit = dtype == torch.float32 and self.rows_layout
         self._linear = (_quant_linear if self.quantized else _matmul_in_out if transposed else
-                        _linear_rows if dtype == torch.float32 else _linear_batch_invariant)
+                        self._linear_rows if dtype == torch.float32 else _linear_batch_invariant)
 
         def w(name: str, matrix: bool = False) -> torch.Tensor | QuantTensor:
             if name not in tensors:
@@ -289,6 +288,18 @@ class LlamaModel:
             else:
                 self.lm_head = mat(head)
         self.cos, self.sin = rope_tables(config, dtype)
+
+    def _linear_rows(self, x: torch.Tensor, w_out_in: torch.Tensor) -> torch.Tensor:
+        """fp32 x @ a float matrix [out, in]: ``F.linear``, a 16-bit matrix widened first
+        (exactly: its fp32 copy's product); up to DENSE_PREFILL_ROWS rows of x over a 16-bit
+        matrix, the plan executor's dense matmul instead (``RowOps.linear``: widened in
+        registers, a decode step's bits), where widening a whole matrix in memory for a few
+        rows cost more than the product."""
+        if w_out_in.dtype == x.dtype:
+            return F.linear(x, w_out_in)
+        if self.row_ops is not None and x.shape[0] <= DENSE_PREFILL_ROWS:
+            return self.row_ops.linear(x, w_out_in)
+        return F.linear(x, w_out_in.to(x.dtype))
 
     @property
     def matrix_dtype(self) -> torch.dtype | None:

@@ -85,3 +85,18 @@ def test_bad_input_is_refused(host):
         host.rope(torch.randn(3, 40), 3, 16, torch.ones(3, 16), torch.ones(3, 16))
     with pytest.raises(ValueError, match="cos"):
         host.rope(torch.randn(3, 48), 3, 16, torch.ones(2, 16), torch.ones(3, 16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_linear_is_the_executors_matmul_on_every_build(host, portable, dtype):
+    """RowOps.linear (a prefill's short batches over 16-bit matrices): every build the same
+    bits, each row the same alone, within fp32 rounding of x @ w.T."""
+    w = (torch.randn(100, 576) * 0.1).to(dtype)
+    x = torch.randn(9, 576)
+    got = host.linear(x, w)
+    assert torch.equal(got, portable.linear(x, w))
+    assert torch.equal(host.linear(x[4:5], w)[0], got[4])
+    assert torch.allclose(got, x @ w.float().T, rtol=1e-5, atol=1e-4)
+    for bad_w in (w[:, :570], w.t(), w.double()):
+        with pytest.raises(ValueError):
+            host.linear(x[:, :bad_w.shape[1]] if bad_w.dim() == 2 else x, bad_w)
