@@ -13,7 +13,9 @@ may be shared: interference only slows a round down):
 
 - single-stream greedy decode, 128 tokens: tok/s and the fraction of the bandwidth bound
   (read bandwidth measured here ÷ the weight bytes a step reads);
-- prefill of one 512-token prompt: seconds;
+- prefill of one prompt of 32 and of 512 tokens: seconds (up to
+  engine.model.llama.DENSE_PREFILL_ROWS rows run on the executor's dense matmul over
+  16-bit matrices, more on MKL over each matrix widened per call);
 - decode steps of B rows (``--batches``; 100-token contexts): median ms a step.
 
 ``--bf16-compute`` adds a third engine computing in bf16 over the same checkpoint (the fused
@@ -84,9 +86,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         eng = engines(getattr(torch, args.dtype), Path(tmp), max(batches), args.model, modes)
     tok = eng["native"].tokenizer
-    stream_prompt, long_prompt = random_prompts(tok, 2, [32, 512], seed=1)
+    stream_prompt, short_prompt, long_prompt = random_prompts(tok, 3, [32, 32, 512], seed=1)
     rates: dict[str, list[float]] = {m: [] for m in modes}
     prefill: dict[str, list[float]] = {m: [] for m in modes}
+    prefill_short: dict[str, list[float]] = {m: [] for m in modes}
     steps: dict[str, dict[int, list[float]]] = {m: {b: [] for b in batches} for m in modes}
     tokens: dict[str, list] = {m: [] for m in modes}
     for r in range(args.rounds):
@@ -94,6 +97,7 @@ def main() -> None:
             e = eng[mode]
             rates[mode] += decode_rates(e, stream_prompt, rounds=1)
             prefill[mode].append(prefill_seconds(e, long_prompt))
+            prefill_short[mode].append(prefill_seconds(e, short_prompt))
             for b in batches:
                 t, toks = run_batch(e, b, 100, 12)
                 steps[mode][b].append(t)
@@ -111,6 +115,7 @@ def main() -> None:
                       "weight_bytes_per_token": wbytes,
                       "decode_tokens_per_s": best, "decode_rounds": rates[mode],
                       "fraction_of_bound": best * wbytes / bw, "prefill_512_s": min(prefill[mode]),
+                      "prefill_32_s": min(prefill_short[mode]), "prefill_32_rounds": prefill_short[mode],
                       "prefill_rounds": prefill[mode],
                       "step_ms": {b: min(v) * 1e3 for b, v in steps[mode].items()},
                       "step_rounds_ms": {b: [x * 1e3 for x in v] for b, v in steps[mode].items()}}
@@ -120,13 +125,13 @@ def main() -> None:
                             "modes": rows, "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
     cpu = f"{m['cpu']}, {m['torch_threads']} threads, {build}"
     print(f"\nread bandwidth {bw / 1e9:.1f} GB/s; same greedy tokens: {'yes' if same else 'NO'}\n")
-    print("| CPU | checkpoint | weights | matrices | bytes/token | decode | fraction of bound | prefill 512 | "
-          + " | ".join(f"step of {b}" for b in batches) + " |")
-    print("|---|---|---|---|---|---|---|---|" + "---|" * len(batches))
+    print("| CPU | checkpoint | weights | matrices | bytes/token | decode | fraction of bound | prefill 32 | "
+          "prefill 512 | " + " | ".join(f"step of {b}" for b in batches) + " |")
+    print("|---|---|---|---|---|---|---|---|---|" + "---|" * len(batches))
     for mode, row in rows.items():
         print(f"| {cpu} | {args.dtype} | {mode} ({row['decode']}) | {row['matrices']} | {row['weight_bytes_per_token'] / 1e6:.0f} MB | "
               f"{row['decode_tokens_per_s']:.1f} tok/s | {row['fraction_of_bound']:.2f} | "
-              f"{row['prefill_512_s'] * 1e3:.0f} ms | " + " | ".join(f"{row['step_ms'][b]:.1f} ms" for b in batches)
+              f"{row['prefill_32_s'] * 1e3:.0f} ms | {row['prefill_512_s'] * 1e3:.0f} ms | " + " | ".join(f"{row['step_ms'][b]:.1f} ms" for b in batches)
               + " |")
 
 
