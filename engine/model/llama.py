@@ -188,8 +188,8 @@ class LlamaModel:
     for an fp32 model whose decode steps it runs, torch then running only prefills
     (``F.linear``, as fast as the transposed layout from a few rows up). There an fp32
     model keeps bf16 / fp16 matrices (the embedding and LM head included) in their
-    dtype (``matrix_dtype``): the executor widens them in registers and ``F.linear``'s
-    input is widened per call, exactly, so the model computes what its fp32 copy does.
+    dtype (``matrix_dtype``), widened exactly where used: in registers by the executor (a
+    decode step has its fp32 copy's bits) and by ``_linear_rows`` for a prefill.
 
     ``tensors`` holding any ``QuantTensor`` make a quantized model
     (``quantized``): its matrices are ``QuantLinear`` objects over
