@@ -49,15 +49,13 @@ from kernels import native
 from kernels.decode_inputs import DecodeStaging, check_decode_inputs, check_decode_kv
 from kernels.quant import X8, QuantTensor
 from kernels.quant_linear import VARIANTS, QuantLinear, host_variant, library_flags, runs_here
+from kernels.row_ops import DENSE_FORMATS   # PlanWeight.format of a float matrix (16-bit ones widened in registers)
 
 log = logging.getLogger(__name__)
 
 LIBRARY = "plan_decode"
 OPS = {"rms_norm": 0, "linear": 1, "rope_attention": 2, "linear_add": 3, "silu_mul": 4}   # enum Op in the .cpp
 _MATRIX_OPS = ("linear", "linear_add")
-# PlanWeight.format of a float matrix by its dtype (the .cpp's FMT_F32, FMT_BF16, FMT_F16):
-# 16-bit elements are widened to fp32 in registers, exactly
-DENSE_FORMATS = {torch.float32: 16, torch.bfloat16: 17, torch.float16: 18}
 KV_DTYPES = (torch.float32, torch.float16)    # the KV caches the executor reads (PlanModel.kv_half)
 
 

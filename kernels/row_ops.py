@@ -31,7 +31,9 @@ from kernels import native
 from kernels.quant_linear import KernelBuild
 
 LIBRARY = "row_ops"
-_DENSE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}     # kvd_dense_matmul's fmt
+# A float matrix's element type by dtype, as the C++ names it (dense_gemm.h's FMT_F32, FMT_BF16,
+# FMT_F16): kvd_dense_matmul's fmt and the plan executor's PlanWeight.format
+DENSE_FORMATS = {torch.float32: 16, torch.bfloat16: 17, torch.float16: 18}
 
 
 def _rows(x: torch.Tensor, width: int, what: str) -> torch.Tensor:
@@ -108,10 +110,10 @@ class RowOps(KernelBuild):
         16-bit w widened in registers), so each row gets a decode step's bits."""
         n, k = w.shape
         x = _rows(x, k, "linear")
-        if w.dtype not in _DENSE or not w.is_contiguous() or k % 16:
+        if w.dtype not in DENSE_FORMATS or not w.is_contiguous() or k % 16:
             raise ValueError(f"linear: w must be a contiguous fp32/bf16/fp16 [N, K] with K % 16 == 0, got "
                              f"{w.dtype} {list(w.shape)}")
         out = torch.empty(x.shape[0], n, dtype=torch.float32)
-        self._dense(_DENSE[w.dtype], w.data_ptr(), n, k, x.data_ptr(), x.stride(0) if x.shape[0] > 1 else k,
+        self._dense(DENSE_FORMATS[w.dtype], w.data_ptr(), n, k, x.data_ptr(), x.stride(0) if x.shape[0] > 1 else k,
                     x.shape[0], out.data_ptr(), n, torch.get_num_threads())
         return out

@@ -176,4 +176,22 @@ inline void dense_range(const typename W::elem* w, int64_t K, int64_t n0, int64_
     for (; m < M; m++) dense_strip<W, DENSE_ROWS, 1>(w, K, n0, n1, x, ldx, m, y, ldy);
 }
 
+// A float matrix's element type as the callers name it (plan_decode.cpp's PlanWeight.format,
+// row_ops.cpp's kvd_dense_matmul; kernels/row_ops.py's DENSE_FORMATS): fp32, bf16, IEEE halves.
+constexpr int32_t FMT_F32 = 16, FMT_BF16 = 17, FMT_F16 = 18;
+
+inline bool dense(int32_t format) { return format >= FMT_F32 && format <= FMT_F16; }
+inline int64_t dense_elem_bytes(int32_t format) { return format == FMT_F32 ? 4 : 2; }
+
+// dense_range for a W of element type `format` (dense(format)).
+inline void dense_range_fmt(int32_t format, const void* w, int64_t K, int64_t n0, int64_t n1, const float* x,
+                            int64_t ldx, int64_t M, float* y, int64_t ldy) {
+    if (format == FMT_BF16)
+        dense_range<WBF16>((const uint16_t*)w, K, n0, n1, x, ldx, M, y, ldy);
+    else if (format == FMT_F16)
+        dense_range<WF16>((const uint16_t*)w, K, n0, n1, x, ldx, M, y, ldy);
+    else
+        dense_range<WF32>((const float*)w, K, n0, n1, x, ldx, M, y, ldy);
+}
+
 }  // namespace

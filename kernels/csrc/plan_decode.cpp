@@ -46,13 +46,9 @@ namespace {
 
 enum Op { OP_RMS_NORM = 0, OP_LINEAR = 1, OP_ROPE_ATTENTION = 2, OP_LINEAR_ADD = 3, OP_SILU_MUL = 4 };
 
-// PlanWeight.format of a float matrix [n, k], row-major (dense_gemm.h): fp32, bf16 or IEEE
-// halves; 0-2 are quant_blocks.h's Format (the x8 layout), -1 an fp32 vector.
-constexpr int32_t FMT_F32 = 16, FMT_BF16 = 17, FMT_F16 = 18;
-
+// PlanWeight.format: 0-2 quant_blocks.h's Format (the x8 layout), 16-18 a float matrix [n, k],
+// row-major (dense_gemm.h's FMT_F32, FMT_BF16, FMT_F16), -1 an fp32 vector.
 inline bool quantized(int32_t format) { return format >= Q4_0 && format <= Q8_0; }
-inline bool dense(int32_t format) { return format >= FMT_F32 && format <= FMT_F16; }
-inline int64_t dense_elem_bytes(int32_t format) { return format == FMT_F32 ? 4 : 2; }
 
 // A matrix of format `format` fits an input of width k: a whole number of its blocks (16
 // elements for a float matrix).
@@ -109,12 +105,8 @@ namespace {
 // (row stride ldx), or the quantized one on xq (x quantized).
 inline void matrix_range(const PlanWeight& w, const float* x, int64_t ldx, const QRows& xq, int64_t M, int64_t n0,
                          int64_t n1, float* y, int64_t ldy) {
-    if (w.format == FMT_F32)
-        dense_range<WF32>((const float*)w.data, w.k, n0, n1, x, ldx, M, y, ldy);
-    else if (w.format == FMT_BF16)
-        dense_range<WBF16>((const uint16_t*)w.data, w.k, n0, n1, x, ldx, M, y, ldy);
-    else if (w.format == FMT_F16)
-        dense_range<WF16>((const uint16_t*)w.data, w.k, n0, n1, x, ldx, M, y, ldy);
+    if (dense(w.format))
+        dense_range_fmt(w.format, w.data, w.k, n0, n1, x, ldx, M, y, ldy);
     else
         matmul_range(w.format, (const uint8_t*)w.data, n0, n1, xq, M, y, ldy);
 }

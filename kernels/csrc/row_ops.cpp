@@ -36,22 +36,15 @@ void kvd_rope_rows(const float* x, int64_t ldx, int64_t T, int64_t heads, int hd
     }
 }
 
-// y[m, :N] = x[m, :K] · W[n, :K] for m < M, W [N, K] row-major of element type fmt (0 fp32, 1
-// bf16, 2 IEEE halves), K a multiple of 16: the plan executor's dense matmul (dense_gemm.h), W's
-// rows split between OpenMP threads in blocks of 8; x rows ldx floats apart, y rows ldy.
+// y[m, :N] = x[m, :K] · W[n, :K] for m < M, W [N, K] row-major of element type fmt (dense_gemm.h's
+// FMT_F32, FMT_BF16, FMT_F16), K a multiple of 16: the plan executor's dense matmul, W's rows split
+// between OpenMP threads in blocks of 8; x rows ldx floats apart, y rows ldy.
 void kvd_dense_matmul(int fmt, const void* w, int64_t N, int64_t K, const float* x, int64_t ldx, int64_t M,
                       float* y, int64_t ldy, int num_threads) {
     const int64_t blocks = (N + 7) / 8;
 #pragma omp parallel for schedule(static) num_threads(num_threads < 1 ? 1 : num_threads)
-    for (int64_t b = 0; b < blocks; b++) {
-        const int64_t n0 = 8 * b, n1 = n0 + 8 < N ? n0 + 8 : N;
-        if (fmt == 1)
-            dense_range<WBF16>((const uint16_t*)w, K, n0, n1, x, ldx, M, y, ldy);
-        else if (fmt == 2)
-            dense_range<WF16>((const uint16_t*)w, K, n0, n1, x, ldx, M, y, ldy);
-        else
-            dense_range<WF32>((const float*)w, K, n0, n1, x, ldx, M, y, ldy);
-    }
+    for (int64_t b = 0; b < blocks; b++)
+        dense_range_fmt(fmt, w, K, 8 * b, 8 * b + 8 < N ? 8 * b + 8 : N, x, ldx, M, y, ldy);
 }
 
 }  // extern "C"

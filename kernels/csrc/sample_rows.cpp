@@ -257,14 +257,11 @@ int64_t sample_row(const float* l, int64_t V, float T, int64_t top_k, double top
     float m;
     if (!row_max(l, V, m)) return -1;
     const int64_t k = top_k > 0 && top_k < V ? top_k : 0;
-    s.w.resize(V);
-    if (k == 0 && top_p >= 1.0) {
-        weights(l, V, m, T, s.w.data());
-        return draw_dense(s.w.data(), V, u, s);
-    }
     double total = 0.0;                                 // top_p's base without top-k: every token's weight
-    if (k == 0) {
+    if (k == 0) {                                       // every token's weight (top-k weighs its candidates)
+        s.w.resize(V);
         weights(l, V, m, T, s.w.data());
+        if (top_p >= 1.0) return draw_dense(s.w.data(), V, u, s);
         for (int64_t b = 0; b < V; b += BLOCK) total += sum_weights(s.w.data() + b, std::min(BLOCK, V - b));
     }
     // the first level whose tokens hold k of them, or top_p of the weight, then wider as needed
