@@ -191,15 +191,18 @@ CLUSTER_OVERRIDES = ("transport", "heartbeat_interval", "heartbeat_deadline", "c
 
 
 def _run(main_coro_factory) -> int:
-    """Run the daemon's coroutine on uvloop; a bad model or file is exit status 1
-    with one line per error (they may arrive grouped by a TaskGroup)."""
+    """Run the daemon's coroutine on uvloop; a bad model or file, or an HTTP
+    port it cannot bind, is exit status 1 with one line per error (they may
+    arrive grouped by a TaskGroup)."""
     import uvloop
+
+    from kvd.api.connections import BindError
 
     errors: list[BaseException] = []
     try:
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
             runner.run(main_coro_factory())
-    except* (ValueError, FileNotFoundError) as group:
+    except* (ValueError, FileNotFoundError, BindError) as group:
         errors = _leaves(group)
     for exc in errors:
         print(f"kvd: error: {exc}", file=sys.stderr)

@@ -162,6 +162,7 @@ class LocalCluster:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.coordinator.request_stop)
+        self.coordinator.reserve_http()           # before any node binds a port
         await self.coordinator.start_registration()
         url = self.coordinator.address
         self.supervisor = NodeSupervisor(

@@ -8,7 +8,9 @@ when requests can run); on SIGTERM/SIGINT drain — /health turns 503, new
 generation requests get 503, in-flight ones finish — until none are left or
 ``drain_timeout`` passes; requests still open are then ended (streams with an
 error event and [DONE]), the node is stopped, HTTP closed. A second signal
-skips the wait. The timeline: docs/operations.md ("Shutdown").
+skips the wait. The timeline: docs/operations.md ("Shutdown"). The HTTP port
+is bound before the model loads (``reserve_port``), so a taken port fails at
+once; it listens only once the node registered.
 
 systemd notify: the process's one notifier belongs to the coordinator (READY=1
 once HTTP is bound, which is after the node registered; STATUS=; STOPPING=1);
@@ -21,7 +23,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 
+from kvd.api.connections import reserve_port
 from kvd.cluster_config import ClusterConfig, with_overrides
 from kvd.config import KvdConfig
 from kvd.coordinator.daemon import CoordinatorDaemon
@@ -70,6 +74,15 @@ class Server:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop)
         cfg = self.config
+        sockets = reserve_port(cfg.server.host, cfg.server.port)
+        try:
+            await self._run(sockets)
+        finally:
+            for sock in sockets:                 # the coordinator's cleanup closed them, unless it never ran
+                sock.close()
+
+    async def _run(self, sockets: list[socket.socket]) -> None:
+        cfg = self.config
         async with asyncio.TaskGroup() as tg:
             pinging = tg.create_task(run_watchdog(self.notifier, self.watchdog), name="watchdog")
             self.notifier.status(f"loading {cfg.engine.model}")
@@ -80,7 +93,7 @@ class Server:
             self.coordinator = CoordinatorDaemon(
                 self.cluster, cfg.server, driver.model_name, driver.tokenizer, registry=self.registry,
                 default_max_model_len=driver.max_model_len, stats_source=driver.stats,
-                notifier=self.notifier)
+                notifier=self.notifier, http_sockets=sockets)
             for _ in range(self._stops):
                 self.coordinator.request_stop()
             node_task = tg.create_task(self.node.run(), name="node n0")

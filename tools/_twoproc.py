@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import platform
+import random
 import socket
 import subprocess
 import sys
@@ -61,8 +62,35 @@ async def receiver(script: str, url: str, args: list[str], options: transports.T
         proc.wait(10)
 
 
+FREE_PORT_FLOOR = 20000       # free_port's ports lie between this and the kernel's ephemeral range
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999                   # Linux's default
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (for a daemon to bind)."""
+    """A TCP port on 127.0.0.1 that was free a moment ago, for a daemon to bind
+    later: a random one below the kernel's ephemeral range (the ports it hands
+    to binds on port 0 and to outgoing connections, so no other process's
+    daemon or client takes it meanwhile), or one from that range when none
+    below it is free."""
+    lo, _ = _ephemeral_range()
+    rng = random.Random()                    # not the global one: tests seed it
+    if lo - FREE_PORT_FLOOR >= 1000:
+        for _ in range(64):
+            port = rng.randrange(FREE_PORT_FLOOR, lo)
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import resource
+import socket
 from typing import Any
 
 import orjson
@@ -93,31 +94,75 @@ class _Refused(asyncio.Protocol):
             self.timer.cancel()
 
 
+class BindError(OSError):
+    """The HTTP port cannot be bound (taken, or not an address of this host)."""
+
+
+def reserve_port(host: str, port: int) -> list[socket.socket]:
+    """Sockets bound, not yet listening, to every address ``host`` resolves to
+    (all interfaces for ``""``), at ``port``; port 0 takes one free port for
+    all of them. From here on no port the kernel picks (a node's data port
+    bound to port 0, an outgoing connection's source port) is this one, and a
+    client that connects before ``CappedSite.start`` is refused at once, not
+    queued.
+    BindError (closing what it bound) when the port is taken or the host
+    does not resolve. Like asyncio's ``create_server``: SO_REUSEADDR, and IPv6
+    sockets are IPv6-only."""
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as exc:
+        raise BindError(exc.errno, f"cannot resolve HTTP host {host!r}: {exc.strerror}") from None
+    addresses = list(dict.fromkeys((family, sockaddr) for family, _, _, _, sockaddr in infos))
+    socks: list[socket.socket] = []
+    try:
+        for family, sockaddr in addresses:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            socks.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            if port == 0 and len(socks) > 1:
+                sockaddr = (sockaddr[0], socks[0].getsockname()[1], *sockaddr[2:])
+            try:
+                sock.bind(sockaddr)
+            except OSError as exc:
+                raise BindError(exc.errno, f"cannot bind HTTP port {sockaddr[1]} on {sockaddr[0]}: "
+                                         f"{exc.strerror}") from None
+            sock.setblocking(False)
+    except BaseException:
+        for sock in socks:
+            sock.close()
+        raise
+    return socks
+
+
 class CappedSite(web.BaseSite):
-    """A TCP site serving at most ``max_connections`` connections at once.
+    """A TCP site serving at most ``max_connections`` connections at once, on
+    sockets from ``reserve_port`` (``start`` makes them listen).
 
     Like ``web.TCPSite``, but its protocol factory counts the runner's open
     connections first: at the cap, a new one gets ``_Refused`` instead of a
     request handler. ``refused`` counts them (for /metrics)."""
 
-    def __init__(self, runner: web.BaseRunner, host: str, port: int, *, max_connections: int,
+    def __init__(self, runner: web.BaseRunner, sockets: list[socket.socket], *, max_connections: int,
                  backlog: int = 128) -> None:
         super().__init__(runner, backlog=backlog)
-        self.host, self.requested_port = host, port
+        if not sockets:
+            raise ValueError("CappedSite needs at least one socket")
+        self.sockets = sockets
         self.max_connections = max_connections
         self.refused = 0
         self._answer = _refusal(max_connections)
+        self._servers: list[asyncio.AbstractServer] = []
 
     @property
     def name(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"http://{self.sockets[0].getsockname()[0]}:{self.port}"
 
     @property
     def port(self) -> int:
-        """The bound port once started (``requested_port`` may be 0)."""
-        if self._server is not None and self._server.sockets:
-            return self._server.sockets[0].getsockname()[1]
-        return self.requested_port
+        """The bound port (the same on every socket)."""
+        return self.sockets[0].getsockname()[1]
 
     @property
     def open_connections(self) -> int:
@@ -132,5 +177,12 @@ class CappedSite(web.BaseSite):
                 self.refused += 1
                 return _Refused(self._answer)
             return server()
-        self._server = await asyncio.get_running_loop().create_server(
-            accept, self.host, self.requested_port, backlog=self._backlog, reuse_address=True)
+        loop = asyncio.get_running_loop()
+        for sock in self.sockets:
+            self._servers.append(await loop.create_server(accept, sock=sock, backlog=self._backlog))
+        self._server = self._servers[0]
+
+    async def stop(self) -> None:
+        for server in self._servers[1:]:
+            server.close()
+        await super().stop()                  # closes the first and unregisters the site

@@ -23,13 +23,14 @@ import contextlib
 import dataclasses
 import logging
 import signal
+import socket
 import time
 from typing import Any
 
 from aiohttp import web
 
 from kvd import links, protocol, trust
-from kvd.api.connections import CappedSite, fit_open_files, runner_options
+from kvd.api.connections import CappedSite, fit_open_files, reserve_port, runner_options
 from kvd.api.http import FrontDoor
 from kvd.cluster_config import COORDINATOR_NAME, ClusterConfig
 from kvd.config import ServerConfig
@@ -62,7 +63,8 @@ class CoordinatorDaemon:
     def __init__(self, cluster: ClusterConfig, server: ServerConfig, model_name: str, tokenizer: Any, *,
                  registry: InprocRegistry | None = None, router: Router | None = None,
                  admin_socket: str | None = None, default_max_model_len: int = 2048,
-                 stats_source=None, notifier: Notifier | None = None) -> None:
+                 stats_source=None, notifier: Notifier | None = None,
+                 http_sockets: list[socket.socket] | None = None) -> None:
         self.cluster = cluster
         self.server = server
         self.notifier = notifier or Notifier(None)
@@ -89,6 +91,7 @@ class CoordinatorDaemon:
         self.front: FrontDoor | None = None
         self.runner: web.AppRunner | None = None
         self.site: CappedSite | None = None
+        self.http_sockets: list[socket.socket] = http_sockets or []   # reserve_http's; closed by cleanup
         self.admin = None
         self.commands = CoordinatorAdmin(self)
         self.port: int | None = None
@@ -122,8 +125,16 @@ class CoordinatorDaemon:
             self.listener = await links.listen(self.cluster.coordinator, self.cluster, COORDINATOR_NAME,
                                                registry=self.registry, options=self.options)
 
+    def reserve_http(self) -> None:
+        """Bind the HTTP port now (``reserve_port``), before nodes start and
+        register: a taken port fails here, and no node's data port can take
+        it meanwhile. ``start_http`` opens it. Idempotent."""
+        if not self.http_sockets:
+            self.http_sockets = reserve_port(self.server.host, self.server.port)
+
     async def start_http(self) -> None:
         srv = self.server
+        self.reserve_http()
         self.front = FrontDoor(self.client, api_key=srv.resolved_api_key(),
                                served_model_name=srv.served_model_name,
                                max_body_bytes=srv.max_body_bytes, body_timeout=srv.body_timeout)
@@ -131,7 +142,7 @@ class CoordinatorDaemon:
         self.runner = web.AppRunner(self.front.make_app(), handler_cancellation=True, access_log=None,
                                     shutdown_timeout=HTTP_CLOSE_S, **runner_options(srv.header_timeout))
         await self.runner.setup()
-        self.site = CappedSite(self.runner, srv.host, srv.port,
+        self.site = CappedSite(self.runner, self.http_sockets,
                                max_connections=fit_open_files(srv.max_connections))
         await self.site.start()
         self.port = self.site.port
@@ -153,6 +164,7 @@ class CoordinatorDaemon:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.request_stop)
         try:
+            self.reserve_http()
             await self.start_registration()
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
@@ -234,6 +246,8 @@ class CoordinatorDaemon:
             await self.admin.close()
         if self.runner is not None:
             await self.runner.cleanup()
+        for sock in self.http_sockets:        # reserved but never served, or closed already
+            sock.close()
         await self.client.stop()
         if self.listener is not None:
             await self.listener.close()

@@ -27,6 +27,7 @@ import openai
 import pytest
 
 import transports
+from tools._twoproc import free_port
 from transports.keys import CurveClient, generate_keypair, load_keypair
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,12 +35,6 @@ MODEL = "tiny"
 TINY = ("--model", "tiny", "--dtype", "float32", "--block-size", "16", "--kv-blocks", "512",
         "--host-kv-blocks", "32", "--max-model-len", "2048", "--num-threads", "1")
 HEARTBEAT = ("--heartbeat-interval", "0.5", "--heartbeat-deadline", "3")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def admin(path: str | Path, cmd: str, timeout: float = 15.0, **args) -> dict:

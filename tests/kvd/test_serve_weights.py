@@ -4,7 +4,6 @@ real daemons on loopback, the official ``openai`` client, the same greedy comple
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from kernels.quant_linear import host_variant
+from tools._twoproc import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -21,12 +21,6 @@ openai = pytest.importorskip("openai")
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    "]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def serve(*flags: str):

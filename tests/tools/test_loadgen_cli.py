@@ -6,7 +6,6 @@ to check the exit code and that stderr is one line without a traceback.
 """
 
 import json
-import socket
 import socketserver
 import subprocess
 import sys
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tools._twoproc import free_port
 from tools.loadgen import cli
 from tools.loadgen.fake_server import FakeOptions, ServerThread, WordTokenizer
 
@@ -40,12 +40,6 @@ def fake():
 @pytest.fixture
 def word_tokenizer(monkeypatch):
     monkeypatch.setattr(cli, "load_tokenizer_for", lambda spec, model: (WordTokenizer(), "words"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess, code: int, text: str) -> None:

@@ -10,14 +10,13 @@ tokenizer is parsed once; one more run goes through the installed
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tools._twoproc import wait_healthy
+from tools._twoproc import free_port, wait_healthy
 from tools.loadgen import cli
 
 REPO = Path(__file__).resolve().parents[2]
@@ -26,12 +25,6 @@ ENDPOINTS = ["/v1/completions", "/v1/chat/completions"]
 TEXT = ("The quick brown fox jumps over the lazy dog near the river bank on a sunny day",
         "Explain how a paged KV cache lets a server share prompt prefixes between requests",
         "Write a short poem about the sea and the wind and the stars above the harbour")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

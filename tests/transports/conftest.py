@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import importlib.util
-import socket
 
 import pytest
 
 import transports
+from tools._twoproc import free_port
 from transports import InprocRegistry, TransportOptions
 
 HAVE_UCXX = importlib.util.find_spec("ucxx") is not None
@@ -17,12 +17,6 @@ KINDS = ["inproc", "zmq+tcp", "zmq+ipc",
 
 # Short deadlines keep the unhappy-path tests fast.
 FAST = TransportOptions(send_timeout=2.0, request_timeout=2.0)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def url_for(kind: str, tmp_path) -> str:
