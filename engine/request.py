@@ -6,6 +6,7 @@ the offending parameter, which the HTTP layer turns into an OpenAI-shaped 400.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 import time
@@ -209,3 +210,9 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     handed_off: bool = False            # finished here after its prefill: another instance decodes it
+
+    def merge(self, later: RequestOutput) -> RequestOutput:
+        """One delta for this output and the request's ``later`` one: both
+        deltas' tokens and text, the later one's state and counts."""
+        return dataclasses.replace(later, new_token_ids=self.new_token_ids + later.new_token_ids,
+                                   text=self.text + later.text)

@@ -8,6 +8,10 @@ in-process engine. Contracts:
 - Tokens are deduplicated by index (``TokenChunk.start_index``): a chunk that
   repeats tokens already delivered is trimmed, so a later replay/recovery can
   resend safely.
+- A stream's chunks that queued while its consumer was busy (the event loop
+  behind the nodes) are delivered as one ``RequestOutput``
+  (``RequestOutput.merge``), as the node's ``OutputCollector`` merges the
+  engine's: the loop's work per request stays one output per pass.
 - A node declared dead (``fail_node``) hands each of its streams to
   recovery (kvd/coordinator/recovery.py, ``[cluster].recovery``): the
   request resumes on the holder of its replica, or is re-run with its
@@ -64,6 +68,7 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
@@ -251,10 +256,12 @@ class RemoteEngineClient:
             self.failed_requests += 1
             yield _error_output(request_id, prompt_ids, refusal.message or refusal.code)
             return
-        finished = False
+        finished, pending = False, None
         try:
             while True:
-                item = await stream.queue.get()  # bounded: a dead node's streams are failed by the detector
+                # bounded: a dead node's streams are failed by the detector
+                item = pending if pending is not None else await stream.queue.get()
+                pending = None
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
@@ -263,13 +270,23 @@ class RemoteEngineClient:
                     self.failed_requests += 1
                     yield _error_output(request_id, prompt_ids, item.message or item.code)
                     return
-                for out in self._in_order(stream, item):
-                    if out.finished:
-                        finished = True
-                        self._maybe_return_kv(stream, out)
-                    yield out
-                    if out.finished:
-                        return
+                outs = self._in_order(stream, item)
+                # what queued meanwhile (this loop fell behind the node) goes out as one output
+                while not (outs and outs[-1].finished) and not stream.queue.empty():
+                    item = stream.queue.get_nowait()
+                    if not isinstance(item, protocol.TokenChunk):
+                        pending = item
+                        break
+                    outs += self._in_order(stream, item)
+                if not outs:
+                    continue
+                out = functools.reduce(RequestOutput.merge, outs)
+                if out.finished:
+                    finished = True
+                    self._maybe_return_kv(stream, out)
+                yield out
+                if out.finished:
+                    return
         finally:
             legs = stream.legs()
             self._forget(request_id, node)

@@ -6,6 +6,11 @@ step. The event loop sends commands through a ``queue.SimpleQueue``; the
 engine thread hands each step's outputs back in ONE
 ``loop.call_soon_threadsafe`` call.
 
+A request's outputs wait for its consumer in an ``OutputCollector``: when
+the event loop falls behind the steps (a fast engine, many streams), the
+outputs that queued become one (``RequestOutput.merge``), so the loop's work
+per step stays one output per request, not one per token.
+
 ``call(fn)`` runs ``fn(engine)`` between two steps (MemPool verbs for KV
 transfers, cache flushes) and returns its result to the caller. When the
 engine is idle (the lock is free and every command sent before has been
@@ -67,6 +72,35 @@ def load_engine(config: EngineConfig, host_nodes: int = 1) -> LLMEngine:
     return engine
 
 
+class OutputCollector:
+    """One request's outputs between the engine thread's ``_dispatch`` and its
+    consumer (both on the event loop): ``put`` merges into an output not yet
+    taken, as vLLM's RequestOutputCollector does; an exception replaces it
+    (the stream ends there)."""
+
+    __slots__ = ("_item", "_ready")
+
+    def __init__(self) -> None:
+        self._item: RequestOutput | BaseException | None = None
+        self._ready = asyncio.Event()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        held = self._item
+        if isinstance(item, RequestOutput) and isinstance(held, RequestOutput):
+            self._item = held.merge(item)
+        elif not isinstance(held, BaseException):
+            self._item = item
+        self._ready.set()
+
+    async def get(self) -> RequestOutput | BaseException:
+        """What was put since the last ``get``, waiting for it if nothing was."""
+        while self._item is None:
+            await self._ready.wait()
+        item, self._item = self._item, None
+        self._ready.clear()
+        return item
+
+
 class EngineDriver:
 
     """An LLMEngine in a thread of this process; implements EngineClient."""
@@ -88,7 +122,7 @@ class EngineDriver:
         # the two teams' spinning workers starve the transport threads (KV
         # transfers ran 20x slower with 2 threads on 2 cores).
         self._inline_ok = torch.get_num_threads() == 1
-        self._streams: dict[str, asyncio.Queue] = {}
+        self._streams: dict[str, OutputCollector] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -145,7 +179,7 @@ class EngineDriver:
             raise EngineDead(f"engine stopped: {self._dead}")
         if request_id in self._streams:
             raise InvalidParam("request_id", f"request id {request_id} is already in flight")
-        stream: asyncio.Queue = asyncio.Queue()
+        stream = OutputCollector()
         self._streams[request_id] = stream
         self._submit(cmd)
         finished = False
@@ -308,11 +342,11 @@ class EngineDriver:
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is not None:
-                stream.put_nowait(out)
+                stream.put(out)
 
     def _fail_all(self, exc: BaseException) -> None:
         for stream in self._streams.values():
-            stream.put_nowait(exc)
+            stream.put(exc)
 
     def _take_snapshot(self) -> dict:
         eng = self.engine

@@ -308,3 +308,63 @@ async def test_a_prefill_leg_is_its_nodes_load_from_the_pick_until_the_decode_no
         assert rid not in p1.in_flight
     for listener in listeners.values():
         await listener.close()
+
+
+async def test_chunks_that_queue_while_the_consumer_is_busy_arrive_as_one_output_in_order():
+    """The consumer falls behind the node: the chunks that queued meanwhile
+    (one repeating a token, one past a gap, one filling it) are delivered as
+    one output, tokens in order and once each; an Error queued behind them
+    still ends the stream after them."""
+    listener, membership, info, client = await node_and_client()
+    outputs: list = []
+    gate = asyncio.Event()
+
+    async def run():
+        async for out in client.generate("r", [1, 2, 3], SamplingParams(max_tokens=8, temperature=0)):
+            outputs.append(out)
+            await gate.wait()                  # a slow consumer: the stream's queue fills meanwhile
+    task = asyncio.create_task(run())
+    first = await asyncio.wait_for(listener.recv(), 5)
+    await listener.reply(first, *protocol.encode(protocol.Accepted(id="a", request_id="r")))
+
+    def chunk(start, tokens, text, finish=None):
+        return protocol.encode(protocol.TokenChunk(request_id="r", start_index=start, token_ids=tokens, text=text,
+                                                   finish_reason=finish,
+                                                   usage={"prompt_tokens": 3, "completion_tokens": start + len(tokens),
+                                                          "cached_tokens": 0}))
+    await listener.send(first.peer, *chunk(0, (7,), "a"))
+    while not outputs:
+        await asyncio.sleep(0.01)
+    for start, tokens, text in ((0, (7,), "a"), (3, (10,), "d"), (1, (8, 9), "bc")):
+        await listener.send(first.peer, *chunk(start, tokens, text))
+    await listener.send(first.peer, *chunk(4, (11,), "e", finish="length"))
+    while client._streams["r"].queue.qsize() < 4:
+        await asyncio.sleep(0.01)
+    gate.set()
+    await asyncio.wait_for(task, 5)
+    assert len(outputs) == 2
+    merged = outputs[1]
+    assert merged.new_token_ids == [8, 9, 10, 11] and merged.text == "bcde"
+    assert merged.finished and merged.finish_reason == "length" and merged.num_output_tokens == 5
+    assert client.streams_on("n1") == []
+
+    # an Error behind queued chunks: they are delivered, then the stream ends with it
+    outputs.clear()
+    gate.clear()
+    task = asyncio.create_task(run())
+    first = await asyncio.wait_for(listener.recv(), 5)
+    await listener.reply(first, *protocol.encode(protocol.Accepted(id="b", request_id="r")))
+    await listener.send(first.peer, *chunk(0, (7,), "a"))
+    while not outputs:
+        await asyncio.sleep(0.01)
+    await listener.send(first.peer, *chunk(1, (8,), "b"))
+    await listener.send(first.peer, *chunk(2, (9,), "c"))
+    await listener.send(first.peer, *protocol.encode(protocol.Error(code="engine_error", request_id="r",
+                                                                   message="boom")))
+    while client._streams["r"].queue.qsize() < 3:
+        await asyncio.sleep(0.01)
+    gate.set()
+    await asyncio.wait_for(task, 5)
+    assert [o.new_token_ids for o in outputs] == [[7], [8, 9], []]
+    assert outputs[-1].finish_reason == "error" and outputs[-1].error == "boom"
+    await listener.close()

@@ -173,24 +173,30 @@ async def test_stats_reflect_an_inline_call_at_once(driver):
 
 
 # ------------------------------------------------------------------ OpenMP workers
-def threads_settle_at(count: int, timeout: float = 5.0) -> int:
-    """The process's thread count once it is ``count`` (released workers exit on their own
-    time), or whatever it is at the timeout."""
+def threads() -> set[str]:
+    return set(os.listdir("/proc/self/task"))
+
+
+def new_threads_settle_at(before: set[str], count: int, timeout: float = 5.0) -> int:
+    """How many of the process's threads are not in ``before``, once that is ``count``
+    (released workers exit on their own time), or whatever it is at the timeout. Threads
+    of earlier tests that exit meanwhile do not count."""
     deadline = time.monotonic() + timeout
-    while (n := len(os.listdir("/proc/self/task"))) != count and time.monotonic() < deadline:
+    while (n := len(threads() - before)) != count and time.monotonic() < deadline:
         time.sleep(0.01)
     return n
 
 
 def on_a_thread_kept_alive(fn, workers: int = 0) -> dict:
     """Run ``fn(box)`` on a new thread and, while that thread is still alive, count the
-    process's threads into ``box["after"]`` once they are the thread and ``workers`` more
-    (or at a timeout: a finished thread's OpenMP pool goes with it)."""
-    box: dict = {"before": len(os.listdir("/proc/self/task"))}
+    threads started since into ``box["new"]`` once they are the thread and ``workers``
+    more (or at a timeout: a finished thread's OpenMP pool goes with it)."""
+    before = threads()
+    box: dict = {"before": before}
 
     def run():
         fn(box)
-        box["after"] = threads_settle_at(box["before"] + 1 + workers)
+        box["new"] = new_threads_settle_at(before, 1 + workers)
     t = threading.Thread(target=run)
     t.start()
     t.join(120)
@@ -210,12 +216,12 @@ def test_release_frees_the_calling_threads_openmp_workers(two_torch_threads):
     """A thread that ran a torch op on 2 threads holds an OpenMP worker; released, it exits."""
     def work(box):
         torch.ones(1 << 22).add_(1)                     # a parallel region: this thread's team
-        box["with_pool"] = len(os.listdir("/proc/self/task"))
+        box["with_pool"] = len(threads() - box["before"])
         box["released"] = native.release_openmp_pool()
     box = on_a_thread_kept_alive(work)
     assert box["released"]
-    assert box["with_pool"] >= box["before"] + 2        # the thread and its worker
-    assert box["after"] == box["before"] + 1            # the thread alone
+    assert box["with_pool"] >= 2                        # the thread and its worker
+    assert box["new"] == 1                              # the thread alone
 
 
 TINY = EngineConfig(model="tiny", dtype="float32", block_size=16, kv_blocks=64, host_kv_blocks=0, max_model_len=512,
@@ -231,7 +237,7 @@ def test_load_engine_leaves_its_loader_thread_without_openmp_workers(two_torch_t
         box["engine"] = load_engine(TINY)
     box = on_a_thread_kept_alive(load)
     assert isinstance(box["engine"], LLMEngine)
-    assert box["after"] == box["before"] + 1
+    assert box["new"] == 1
 
 
 def test_load_engine_keeps_the_pool_where_the_hosts_nodes_would_outnumber_its_cpus(two_torch_threads):
@@ -242,7 +248,7 @@ def test_load_engine_keeps_the_pool_where_the_hosts_nodes_would_outnumber_its_cp
         torch.ones(1 << 22).add_(1)
         load_engine(TINY, host_nodes=len(os.sched_getaffinity(0)))
     box = on_a_thread_kept_alive(load, workers=1)
-    assert box["after"] >= box["before"] + 2        # the thread and its worker
+    assert box["new"] >= 2                          # the thread and its worker
 
 
 def test_the_host_nodes_come_from_the_environment_kvd_serve_sets(monkeypatch):
@@ -253,3 +259,41 @@ def test_the_host_nodes_come_from_the_environment_kvd_serve_sets(monkeypatch):
         assert cli._host_nodes() == 1
     monkeypatch.delenv(HOST_NODES_ENV, raising=False)
     assert cli._host_nodes() == 1
+
+
+async def test_outputs_that_queue_while_the_loop_is_stalled_arrive_merged_and_exact(driver):
+    """The event loop stalls while the engine steps on: the outputs that queued
+    come as one, with every token and its text, in order, once."""
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompt = list(range(100, 140))
+    reference = [out async for out in driver.generate("a", prompt, params)]
+    assert len(reference) == 12                       # one output a step when the loop keeps up
+    stream = driver.generate("b", prompt, params)
+    outputs = [await anext(stream)]
+    time.sleep(1.0)                                   # the loop is stalled; the engine thread is not
+    outputs += [out async for out in stream]
+    assert len(outputs) == 2
+    assert [t for o in outputs for t in o.new_token_ids] == [t for o in reference for t in o.new_token_ids]
+    assert "".join(o.text for o in outputs) == "".join(o.text for o in reference)
+    last = outputs[-1]
+    assert last.finished and last.finish_reason == "length" and last.num_output_tokens == 12
+    assert last.num_output_tokens - len(last.new_token_ids) == 1      # what a TokenChunk's start_index says
+
+
+async def test_an_output_collector_keeps_an_error_over_what_it_holds():
+    from engine.request import RequestOutput
+    from kvd.node.engine_driver import OutputCollector
+
+    c = OutputCollector()
+    c.put(RequestOutput("r", [1], "a", False, num_output_tokens=1))
+    c.put(RequestOutput("r", [2], "b", False, num_output_tokens=2))
+    merged = await c.get()
+    assert (merged.new_token_ids, merged.text, merged.num_output_tokens) == ([1, 2], "ab", 2)
+    waiter = asyncio.ensure_future(c.get())
+    await asyncio.sleep(0.01)
+    assert not waiter.done()                          # nothing put since the last get
+    c.put(RequestOutput("r", [3], "c", False))
+    boom = RuntimeError("engine failed")
+    c.put(boom)
+    c.put(RequestOutput("r", [4], "d", False))
+    assert await waiter is boom
