@@ -333,6 +333,73 @@ inline void store_group(const Acc& a, float* y, int nr) {
     _mm256_store_ps(out, F == Q4_1 ? _mm256_add_ps(a.acc, a.accm) : a.acc);
     for (int r = 0; r < nr; r++) y[r] = out[r];
 }
+
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+// Two groups side by side in 16 lanes (VNNI builds): lanes 0-7 = group g's 8 rows, lanes 8-15
+// group g + 1's, each lane the very integers and fp32 chain of the 8-lane path, so the same
+// bits; one vpdpwssd then does the multiply-adds of two, and x's pair is broadcast (folded
+// into the instruction's operand) once for 16 outputs instead of 8.
+#define KVD_TWO_GROUPS 1
+struct WGroup2 {
+    __m512i w[PAIRS];
+    __m512 dw, mw;
+};
+
+inline __m512i join256(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
+inline __m512 join256(__m256 lo, __m256 hi) {
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
+}
+
+template <int F>
+inline void load_group2(const uint8_t* gb0, const uint8_t* gb1, WGroup2* g) {
+    WGroup a, b;
+    load_group<F>(gb0, &a);
+    load_group<F>(gb1, &b);
+    for (int p = 0; p < PAIRS; p++) g->w[p] = join256(a.w[p], b.w[p]);
+    g->dw = join256(a.dw, b.dw);
+    g->mw = join256(a.mw, b.mw);
+}
+
+struct Acc2 { __m512 acc, accm; };
+
+// R rows of x against two widened group-blocks (group_block_rows on 16 lanes)
+template <int F, int R>
+inline void group2_block_rows(const WGroup2& g, const QRows& x, int64_t m, int64_t b, Acc2* a) {
+    const int16_t* xq[R];
+    __m512i s0[R], s1[R];
+    for (int r = 0; r < R; r++) {
+        xq[r] = x.q + (m + r) * x.K + b * QK;
+        s0[r] = _mm512_setzero_si512();
+        s1[r] = _mm512_setzero_si512();
+    }
+    for (int p = 0; p < PAIRS; p += 2) {
+        const __m512i w0 = g.w[p], w1 = g.w[p + 1];
+        for (int r = 0; r < R; r++) {
+            int32_t v0, v1;
+            memcpy(&v0, xq[r] + 2 * p, 4);
+            memcpy(&v1, xq[r] + 2 * p + 2, 4);
+            s0[r] = _mm512_dpwssd_epi32(s0[r], w0, _mm512_set1_epi32(v0));
+            s1[r] = _mm512_dpwssd_epi32(s1[r], w1, _mm512_set1_epi32(v1));
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        const int64_t i = (m + r) * x.nb + b;
+        __m512i isum = _mm512_add_epi32(s0[r], s1[r]);
+        if constexpr (F == Q4_0) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(8 * x.qs[i]));
+        a[r].acc = _mm512_fmadd_ps(_mm512_mul_ps(g.dw, _mm512_set1_ps(x.d[i])), _mm512_cvtepi32_ps(isum), a[r].acc);
+        if constexpr (F == Q4_1) a[r].accm = _mm512_fmadd_ps(g.mw, _mm512_set1_ps(x.s[i]), a[r].accm);
+    }
+}
+
+// Row m's 16 outputs: n's group's first nr0 (up to 8), the next group's first nr1
+template <int F>
+inline void store_group2(const Acc2& a, float* y, int nr0, int nr1) {
+    alignas(64) float out[16];
+    _mm512_store_ps(out, F == Q4_1 ? _mm512_add_ps(a.acc, a.accm) : a.acc);
+    memcpy(y, out, sizeof(float) * (size_t)nr0);
+    memcpy(y + GROUP, out + GROUP, sizeof(float) * (size_t)nr1);
+}
+#endif
 #else
 // The portable build: the group-block unpacked to each row's 32 int16 weights, scalar ints.
 struct WGroup { int16_t w[GROUP][QK]; float dw[GROUP], mw[GROUP]; };
@@ -603,8 +670,10 @@ constexpr int64_t ROW_CHUNK = 32;
 constexpr int64_t ONE_ROW_MAX = 2;
 // Rows of x a widened group-block is applied to at once (group_block_rows; the tail switch
 // in matmul_range covers fewer). Four with VNNI: on a Cascade Lake Xeon a decode step of
-// 4-32 rows took 7-12% less than with one at a time. One with pmaddwd + add, where four were
-// no faster (avx2) or slower (avx512) there (docs/benchmarks.md, 2026-11-27).
+// 4-32 rows took 7-12% less than with one at a time, and on two groups' 16 lanes four beat
+// 2, 3, 5, 6 and 8 (8 to 512 rows; at 6 and 8 the 2R sums and x's operands no longer fit the
+// registers). One with pmaddwd + add, where four were no faster (avx2) or slower (avx512)
+// there (docs/benchmarks.md, 2026-11-27).
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 constexpr int ROW_TILE = 4;
 #else
@@ -629,6 +698,28 @@ void matmul_range(const uint8_t* w, int64_t n0, int64_t n1, const QRows& x, int6
         for (int64_t n = n0; n < n1; n += GROUP) {
             const int nr = n1 - n < GROUP ? (int)(n1 - n) : (int)GROUP;
             const uint8_t* group = w + n / GROUP * gbytes;
+#if defined(KVD_TWO_GROUPS)
+            if (mc > ONE_ROW_MAX && n + GROUP < n1) {       // this group and the next, 16 lanes
+                Acc2 acc2[ROW_CHUNK];
+                WGroup2 g2;
+                const int nr1 = n1 - n - GROUP < GROUP ? (int)(n1 - n - GROUP) : (int)GROUP;
+                for (int64_t m = 0; m < mc; m++) acc2[m].acc = acc2[m].accm = _mm512_setzero_ps();
+                for (int64_t b = 0; b < nb; b++) {
+                    load_group2<F>(group + b * group_block_bytes(F), group + gbytes + b * group_block_bytes(F), &g2);
+                    int64_t m = 0;
+                    for (; m + ROW_TILE <= mc; m += ROW_TILE) group2_block_rows<F, ROW_TILE>(g2, x, m0 + m, b, &acc2[m]);
+                    switch (mc - m) {
+                        case 3: group2_block_rows<F, 3>(g2, x, m0 + m, b, &acc2[m]); break;
+                        case 2: group2_block_rows<F, 2>(g2, x, m0 + m, b, &acc2[m]); break;
+                        case 1: group2_block_rows<F, 1>(g2, x, m0 + m, b, &acc2[m]); break;
+                        default: break;
+                    }
+                }
+                for (int64_t m = 0; m < mc; m++) store_group2<F>(acc2[m], y + (m0 + m) * ldy + n, nr, nr1);
+                n += GROUP;
+                continue;
+            }
+#endif
             for (int64_t m = 0; m < mc; m++) acc[m] = acc_zero();
 #if defined(__AVX2__)
             if (mc <= ONE_ROW_MAX) {
