@@ -334,12 +334,20 @@ inline void store_group(const Acc& a, float* y, int nr) {
     for (int r = 0; r < nr; r++) y[r] = out[r];
 }
 
-#if defined(__AVX512VNNI__) && defined(__AVX512F__)
-// Two groups side by side in 16 lanes (VNNI builds): lanes 0-7 = group g's 8 rows, lanes 8-15
-// group g + 1's, each lane the very integers and fp32 chain of the 8-lane path, so the same
-// bits; one vpdpwssd then does the multiply-adds of two, and x's pair is broadcast (folded
-// into the instruction's operand) once for 16 outputs instead of 8.
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// Two groups side by side in 16 lanes (AVX-512 builds): lanes 0-7 = group g's 8 rows, lanes
+// 8-15 group g + 1's, each lane the very integers and fp32 chain of the 8-lane path, so the
+// same bits; one vpdpwssd (or pmaddwd + add) then does the multiply-adds of two, and x's pair
+// is broadcast (folded into the instruction's operand) once for 16 outputs instead of 8.
 #define KVD_TWO_GROUPS 1
+inline __m512i dot_acc512(__m512i acc, __m512i w, __m512i x) {
+#if defined(__AVX512VNNI__)
+    return _mm512_dpwssd_epi32(acc, w, x);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(w, x));
+#endif
+}
+
 struct WGroup2 {
     __m512i w[PAIRS];
     __m512 dw, mw;
@@ -378,8 +386,8 @@ inline void group2_block_rows(const WGroup2& g, const QRows& x, int64_t m, int64
             int32_t v0, v1;
             memcpy(&v0, xq[r] + 2 * p, 4);
             memcpy(&v1, xq[r] + 2 * p + 2, 4);
-            s0[r] = _mm512_dpwssd_epi32(s0[r], w0, _mm512_set1_epi32(v0));
-            s1[r] = _mm512_dpwssd_epi32(s1[r], w1, _mm512_set1_epi32(v1));
+            s0[r] = dot_acc512(s0[r], w0, _mm512_set1_epi32(v0));
+            s1[r] = dot_acc512(s1[r], w1, _mm512_set1_epi32(v1));
         }
     }
     for (int r = 0; r < R; r++) {
@@ -673,7 +681,8 @@ constexpr int64_t ONE_ROW_MAX = 2;
 // 4-32 rows took 7-12% less than with one at a time, and on two groups' 16 lanes four beat
 // 2, 3, 5, 6 and 8 (8 to 512 rows; at 6 and 8 the 2R sums and x's operands no longer fit the
 // registers). One with pmaddwd + add, where four were no faster (avx2) or slower (avx512)
-// there (docs/benchmarks.md, 2026-11-27).
+// there, on two groups too (avx512: 1.34x against 1.51x the one-group GMAC/s at 4 rows, level
+// from 16) (docs/benchmarks.md, 2026-11-27).
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 constexpr int ROW_TILE = 4;
 #else

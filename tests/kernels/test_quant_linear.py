@@ -20,7 +20,8 @@ import torch
 
 from kernels import native
 from kernels.quant import FORMATS, QuantTensor
-from kernels.quant_linear import VARIANTS, QuantKernel, QuantLinear, host_variant, library_flags
+from kernels.quant_linear import (SERVING_VARIANTS, VARIANTS, QuantKernel, QuantLinear, host_variant,
+                                  library_flags, runs_here)
 from kernels.weight_arena import WeightArena
 
 U = 2.0 ** -24                                   # fp32 unit roundoff
@@ -224,15 +225,22 @@ def test_kernel_matches_the_exact_product_within_its_bound(host, fmt, n, k):
 
 @pytest.mark.parametrize("fmt", FMTS)
 def test_every_build_computes_the_same_bits(host, portable, fmt):
-    """The host's SIMD build against the portable one (scalar integers and fmaf,
-    the arithmetic's definition): bit for bit, on arbitrary block bytes, on the
-    one-row register path, the widened-group path and a partial last group."""
-    qt = random_blocks(45, 192, fmt, seed=5)
-    x = torch.randn(40, 192) * torch.logspace(-3, 3, 192)           # magnitudes that round
-    x[3, 32:64] = 0.0                                                # an all-zero block: d = 0
-    for m in (1, 2, 3, 4, 7, 20, 33, 40):            # one row, groups, past one chunk of 32 rows
-        assert torch.equal(QuantLinear([qt], host)(x[:m]), QuantLinear([qt], portable)(x[:m])), m
-    ids = torch.tensor([0, 44, 12, 40, 7])
+    """The host's SIMD build, and every slower serving build this CPU runs (the AVX-512
+    builds' two groups on 16 lanes, AVX2's one on 8), against the portable one (scalar
+    integers and fmaf, the arithmetic's definition): bit for bit, on arbitrary block bytes,
+    on the one-row register path, the widened-group paths, a pair of groups whose second is
+    partial and a partial last group alone."""
+    # the host's and every slower one (a faster one, the AMX build, needs the tile state granted)
+    builds = {v: QuantKernel.load(v) for v in SERVING_VARIANTS[SERVING_VARIANTS.index(HOST):] if runs_here(v)}
+    for n in (45, 37):                               # 5 groups + 5 rows; 4 groups + 5 rows
+        qt = random_blocks(n, 192, fmt, seed=n)
+        x = torch.randn(40, 192) * torch.logspace(-3, 3, 192)       # magnitudes that round
+        x[3, 32:64] = 0.0                                            # an all-zero block: d = 0
+        for m in (1, 2, 3, 4, 7, 20, 33, 40):        # one row, groups, past one chunk of 32 rows
+            want = QuantLinear([qt], portable)(x[:m])
+            for v, kernel in builds.items():
+                assert torch.equal(QuantLinear([qt], kernel)(x[:m]), want), (v, n, m)
+    ids = torch.tensor([0, 36, 12, 30, 7])
     packed = qt.pack()
     assert torch.equal(host.rows(packed, ids), portable.rows(packed, ids))
     assert torch.equal(host.rows(packed, ids), qt.dequantize()[ids])
