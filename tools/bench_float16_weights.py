@@ -14,8 +14,8 @@ may be shared: interference only slows a round down):
 - single-stream greedy decode, 128 tokens: tok/s and the fraction of the bandwidth bound
   (read bandwidth measured here ÷ the weight bytes a step reads);
 - prefill of one prompt of 32 and of 512 tokens: seconds (up to
-  engine.model.llama.DENSE_PREFILL_ROWS rows run on the executor's dense matmul, more on
-  MKL, 16-bit matrices widened per call);
+  engine.model.llama.DENSE_PREFILL_ROWS rows run on the executor's dense matmul over
+  16-bit matrices, more on MKL over each matrix widened per call);
 - decode steps of B rows (``--batches``; 100-token contexts): median ms a step.
 
 ``--bf16-compute`` adds a third engine computing in bf16 over the same checkpoint (the fused

@@ -7,13 +7,11 @@ For the bundled SmolLM2 (Q4_1 layers), rounds alternated between the
 configurations, best of the rounds (the host may be shared: another job only
 ever slows a round down) and every round in the JSON:
 
-- **engine prefill** of one prompt (no cached prefix), seconds, six ways:
+- **engine prefill** of one prompt (no cached prefix), seconds, five ways:
   native weights with the blocked attention kernel and the row ops kernel
   (the default), native with torch's ops for RMSNorm, SwiGLU and RoPE
   (``row_ops = None``), native with torch's SDPA (``attention_kernel =
-  None``), ``weights = "dequantize"`` (fp32) with each attention, and fp32
-  with MKL's matmul at every length (``dense_rows = 0``; by default up to
-  ``engine.model.llama.DENSE_PREFILL_ROWS`` rows run on the dense kernel);
+  None``), and ``weights = "dequantize"`` (fp32, MKL) with each attention;
 - **matmuls**: a layer's four projections at M = the prompt length, native
   (kernels/quant_linear.py: 16-bit activations; the host's build, or with
   ``--variants all`` every serving build this CPU runs, e.g. avx512amx's tile
@@ -44,11 +42,10 @@ from tools.bench_engine import append_result, machine, make_engine, random_promp
 from tools.bench_weights import prefill_seconds
 
 RESULTS = Path("results/bench_prefill.json")
-CONFIGS = {   # name -> (weights, blocked attention kernel, row ops kernel, dense matmul up to rows)
-    "native": ("native", True, True, None), "native-torch-rows": ("native", True, False, None),
-    "native-sdpa": ("native", False, True, None),
-    "dequantize": ("dequantize", True, True, None), "dequantize-sdpa": ("dequantize", False, True, None),
-    "dequantize-mkl": ("dequantize", True, True, 0)}
+CONFIGS = {   # name -> (weights, blocked attention kernel, row ops kernel)
+    "native": ("native", True, True), "native-torch-rows": ("native", True, False),
+    "native-sdpa": ("native", False, True),
+    "dequantize": ("dequantize", True, True), "dequantize-sdpa": ("dequantize", False, True)}
 
 
 def best_of(fn, rounds: int) -> float:
@@ -108,15 +105,13 @@ def run(lengths: list[int], rounds: int, random_weights: bool = False, variants:
     load_before = os.getloadavg()
     variants = variants or [host_variant()]
     engines = {}
-    for name, (weights, blocked, rows, dense_rows) in CONFIGS.items():
+    for name, (weights, blocked, rows) in CONFIGS.items():
         eng = make_engine("float32", random_weights, weights=weights, kv_blocks=max(lengths) // 16 + 64,
                           enable_prefix_caching=False)
         if not blocked:
             eng.model.attention_kernel = None
         if not rows:
             eng.model.row_ops = None
-        if dense_rows is not None:
-            eng.model.dense_rows = dense_rows
         engines[name] = eng
     assert engines["native"].model.attention_kernel is not None, "no prefill attention kernel on this host"
     assert engines["native"].model.row_ops is not None, "no row ops kernel on this host"
@@ -140,14 +135,13 @@ def run(lengths: list[int], rounds: int, random_weights: bool = False, variants:
 def report(r: dict) -> list[str]:
     cpu = f"{r['machine']['cpu']} ({', '.join(r['machine']['isa'])}), {r['machine']['torch_threads']} threads"
     rows = [("| CPU | tokens | native + kernel attention + row ops | native + torch row ops | native + SDPA "
-             "| fp32 + kernel attention | fp32 + SDPA | fp32, MKL at every length | one layer's attention: "
-             "kernel / SDPA |"),
-            "|---|---|---|---|---|---|---|---|---|"]
+             "| fp32 MKL + kernel attention | fp32 MKL + SDPA | one layer's attention: kernel / SDPA |"),
+            "|---|---|---|---|---|---|---|---|"]
     for n in r["lengths"]:
         p, a = r[f"prefill_{n}"], r[f"attention_{n}"]
         rows.append(f"| {cpu} | {n} | **{p['native']['best_s']:.3f} s** | {p['native-torch-rows']['best_s']:.3f} s "
                     f"| {p['native-sdpa']['best_s']:.3f} s | {p['dequantize']['best_s']:.3f} s "
-                    f"| {p['dequantize-sdpa']['best_s']:.3f} s | {p['dequantize-mkl']['best_s']:.3f} s "
+                    f"| {p['dequantize-sdpa']['best_s']:.3f} s "
                     f"| {a['kernel_ms']:.1f} / {a['sdpa_ms']:.1f} ms ({a['speedup']:.1f}x) |")
     builds = r.get("variants") or ["native"]
     rows += ["", "| M | matrix [out, in] | " + " | ".join(f"{b} GMAC/s" for b in builds) + " | MKL fp32 GMAC/s |",

@@ -85,10 +85,12 @@ def _matmul_in_out(x: torch.Tensor, w_in_out: torch.Tensor) -> torch.Tensor:
     return torch.matmul(x, w_in_out)
 
 
-# Rows of x up to which an fp32 model's float matrices (fp32, bf16, fp16) multiply on the
-# executor's dense kernel rather than through MKL (LlamaModel._linear_rows): below MKL's
-# switch to its blocked GEMM (57-64 rows) the dense kernel took 0.55-0.75x MKL's time on the
-# Cascade Lake Xeon, SmolLM2's four matrices, 4 to 56 rows (docs/benchmarks.md)
+# Rows of x up to which an fp32 model's 16-bit matrices multiply on the executor's dense
+# kernel rather than widened for MKL (LlamaModel._linear_rows): at 57-64 rows MKL over the
+# widened matrix was level or faster on the Cascade Lake Xeon (docs/benchmarks.md). fp32
+# matrices always take MKL: its rows agree whatever their count (a prefix computed in a short
+# chunk on one node and in a long one on another: the same K/V), the dense kernel's would not
+# agree with them.
 DENSE_PREFILL_ROWS = 56
 
 
@@ -231,7 +233,7 @@ class LlamaModel:
         if row_ops == "auto":
             row_ops = RowOps.create() if dtype == torch.float32 else None
         self.row_ops = row_ops
-        self.dense_rows = DENSE_PREFILL_ROWS    # _linear_rows: the dense kernel up to this many rows
+        self.dense_rows = DENSE_PREFILL_ROWS    # _linear_rows: 16-bit matrices on the dense kernel up to here
 
         self.quantized = any(isinstance(t, QuantTensor) for t in tensors.values())
         self.quant_kernel = quant_kernel if self.quantized else None
@@ -293,15 +295,16 @@ class LlamaModel:
         self.cos, self.sin = rope_tables(config, dtype)
 
     def _linear_rows(self, x: torch.Tensor, w_out_in: torch.Tensor) -> torch.Tensor:
-        """fp32 x @ a float matrix [out, in]. Up to ``dense_rows`` rows of x (a short
-        prompt, a prefill chunk's tail, a decode row on the torch path): the plan executor's
-        dense matmul (``RowOps.linear``: a 16-bit matrix widened in registers), so each row
-        has a decode step's bits. More rows: ``F.linear`` (MKL), a 16-bit matrix widened
-        first (exactly: its fp32 copy's product)."""
-        if (self.row_ops is not None and x.shape[0] <= self.dense_rows
-                and w_out_in.shape[1] % 16 == 0 and w_out_in.is_contiguous()):
+        """fp32 x @ a float matrix [out, in]: ``F.linear``, a 16-bit matrix widened first
+        (exactly: its fp32 copy's product); up to ``dense_rows`` rows of x over a 16-bit
+        matrix, the plan executor's dense matmul instead (``RowOps.linear``: widened in
+        registers, a decode step's bits), where widening a whole matrix in memory for a few
+        rows cost more than the product."""
+        if w_out_in.dtype == x.dtype:
+            return F.linear(x, w_out_in)
+        if self.row_ops is not None and x.shape[0] <= self.dense_rows:
             return self.row_ops.linear(x, w_out_in)
-        return F.linear(x, w_out_in if w_out_in.dtype == x.dtype else w_out_in.to(x.dtype))
+        return F.linear(x, w_out_in.to(x.dtype))
 
     @property
     def matrix_dtype(self) -> torch.dtype | None:

@@ -17,6 +17,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include <type_traits>
 #include <vector>
 
 #include "amx_tiles.h"
@@ -689,6 +690,20 @@ constexpr int ROW_TILE = 4;
 constexpr int ROW_TILE = 1;
 #endif
 
+// fn(R, m) for rows [0, mc) of a chunk: tiles of ROW_TILE rows, then the rest as one tile of
+// 3, 2 or 1 (R a std::integral_constant, for group_block_rows' and group2_block_rows' R)
+template <class Fn>
+inline void row_tiles(int64_t mc, Fn&& fn) {
+    int64_t m = 0;
+    for (; m + ROW_TILE <= mc; m += ROW_TILE) fn(std::integral_constant<int, ROW_TILE>{}, m);
+    switch (mc - m) {
+        case 3: fn(std::integral_constant<int, 3>{}, m); break;
+        case 2: fn(std::integral_constant<int, 2>{}, m); break;
+        case 1: fn(std::integral_constant<int, 1>{}, m); break;
+        default: break;
+    }
+}
+
 // y[m, n] for n in [n0, n1), m < M; n0 a multiple of 8. W is format F in the x8 layout,
 // [N, K] with K = x.K and N >= n1.
 template <int F>
@@ -715,14 +730,9 @@ void matmul_range(const uint8_t* w, int64_t n0, int64_t n1, const QRows& x, int6
                 for (int64_t m = 0; m < mc; m++) acc2[m].acc = acc2[m].accm = _mm512_setzero_ps();
                 for (int64_t b = 0; b < nb; b++) {
                     load_group2<F>(group + b * group_block_bytes(F), group + gbytes + b * group_block_bytes(F), &g2);
-                    int64_t m = 0;
-                    for (; m + ROW_TILE <= mc; m += ROW_TILE) group2_block_rows<F, ROW_TILE>(g2, x, m0 + m, b, &acc2[m]);
-                    switch (mc - m) {
-                        case 3: group2_block_rows<F, 3>(g2, x, m0 + m, b, &acc2[m]); break;
-                        case 2: group2_block_rows<F, 2>(g2, x, m0 + m, b, &acc2[m]); break;
-                        case 1: group2_block_rows<F, 1>(g2, x, m0 + m, b, &acc2[m]); break;
-                        default: break;
-                    }
+                    row_tiles(mc, [&](auto r, int64_t m) {
+                        group2_block_rows<F, decltype(r)::value>(g2, x, m0 + m, b, &acc2[m]);
+                    });
                 }
                 for (int64_t m = 0; m < mc; m++) store_group2<F>(acc2[m], y + (m0 + m) * ldy + n, nr, nr1);
                 n += GROUP;
@@ -741,14 +751,7 @@ void matmul_range(const uint8_t* w, int64_t n0, int64_t n1, const QRows& x, int6
 #endif
             for (int64_t b = 0; b < nb; b++) {
                 load_group<F>(group + b * group_block_bytes(F), &g);
-                int64_t m = 0;
-                for (; m + ROW_TILE <= mc; m += ROW_TILE) group_block_rows<F, ROW_TILE>(g, x, m0 + m, b, &acc[m]);
-                switch (mc - m) {
-                    case 3: group_block_rows<F, 3>(g, x, m0 + m, b, &acc[m]); break;
-                    case 2: group_block_rows<F, 2>(g, x, m0 + m, b, &acc[m]); break;
-                    case 1: group_block_rows<F, 1>(g, x, m0 + m, b, &acc[m]); break;
-                    default: break;
-                }
+                row_tiles(mc, [&](auto r, int64_t m) { group_block_rows<F, decltype(r)::value>(g, x, m0 + m, b, &acc[m]); });
             }
             for (int64_t m = 0; m < mc; m++) store_group<F>(acc[m], y + (m0 + m) * ldy + n, nr);
         }
