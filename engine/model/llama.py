@@ -233,7 +233,6 @@ class LlamaModel:
         if row_ops == "auto":
             row_ops = RowOps.create() if dtype == torch.float32 else None
         self.row_ops = row_ops
-        self.dense_rows = DENSE_PREFILL_ROWS    # _linear_rows: 16-bit matrices on the dense kernel up to here
 
         self.quantized = any(isinstance(t, QuantTensor) for t in tensors.values())
         self.quant_kernel = quant_kernel if self.quantized else None
@@ -296,13 +295,13 @@ class LlamaModel:
 
     def _linear_rows(self, x: torch.Tensor, w_out_in: torch.Tensor) -> torch.Tensor:
         """fp32 x @ a float matrix [out, in]: ``F.linear``, a 16-bit matrix widened first
-        (exactly: its fp32 copy's product); up to ``dense_rows`` rows of x over a 16-bit
+        (exactly: its fp32 copy's product); up to DENSE_PREFILL_ROWS rows of x over a 16-bit
         matrix, the plan executor's dense matmul instead (``RowOps.linear``: widened in
         registers, a decode step's bits), where widening a whole matrix in memory for a few
         rows cost more than the product."""
         if w_out_in.dtype == x.dtype:
             return F.linear(x, w_out_in)
-        if self.row_ops is not None and x.shape[0] <= self.dense_rows:
+        if self.row_ops is not None and x.shape[0] <= DENSE_PREFILL_ROWS:
             return self.row_ops.linear(x, w_out_in)
         return F.linear(x, w_out_in.to(x.dtype))
 

@@ -26,7 +26,7 @@ from engine.engine import EngineConfig, LLMEngine, build_model
 from engine.memory.mempool import MemPool
 from engine.model import llama
 from engine.model.config import tiny_config
-from engine.model.llama import LlamaModel, Step
+from engine.model.llama import DENSE_PREFILL_ROWS, LlamaModel, Step
 from engine.model.registry import resolve_model
 from engine.model.weights import random_weights
 from engine.request import SamplingParams
@@ -193,7 +193,7 @@ def test_16bit_matrices_give_the_bits_of_their_fp32_copies(fmt, kernel):
     assert wide.layers[0].qkv.dtype == torch.float32
     vectors = 4 * (small.norm.numel() + sum(x.input_norm.numel() + x.post_norm.numel() for x in small.layers))
     assert 2 * (small.weight_bytes_per_token() - vectors) == wide.weight_bytes_per_token() - vectors
-    assert small.dense_rows == wide.dense_rows == 56
+    assert DENSE_PREFILL_ROWS == 56
     for lengths in ([1, 5, 17, 33], [100, 20]):                    # 56 rows: the dense matmul; 120: MKL
         kv_small, ids, pos, tables = prefilled(small, lengths, seed=4)
         kv_wide = prefilled(wide, lengths, seed=4)[0]
