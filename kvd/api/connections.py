@@ -20,6 +20,7 @@ Three bounds, all ``[server]`` options (docs/operations.md, "Limits"):
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import resource
 import socket
@@ -106,8 +107,9 @@ def reserve_port(host: str, port: int) -> list[socket.socket]:
     client that connects before ``CappedSite.start`` is refused at once, not
     queued.
     BindError (closing what it bound) when the port is taken or the host
-    does not resolve. Like asyncio's ``create_server``: SO_REUSEADDR, and IPv6
-    sockets are IPv6-only."""
+    does not resolve. Like asyncio's ``create_server``: SO_REUSEADDR, IPv6
+    sockets IPv6-only, and an address family this host lacks (IPv6 turned
+    off) skipped."""
     try:
         infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except OSError as exc:
@@ -116,7 +118,10 @@ def reserve_port(host: str, port: int) -> list[socket.socket]:
     socks: list[socket.socket] = []
     try:
         for family, sockaddr in addresses:
-            sock = socket.socket(family, socket.SOCK_STREAM)
+            try:
+                sock = socket.socket(family, socket.SOCK_STREAM)
+            except OSError:
+                continue                       # a family this host lacks (IPv6 off), as asyncio skips it
             socks.append(sock)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             if family == socket.AF_INET6:
@@ -129,6 +134,9 @@ def reserve_port(host: str, port: int) -> list[socket.socket]:
                 raise BindError(exc.errno, f"cannot bind HTTP port {sockaddr[1]} on {sockaddr[0]}: "
                                          f"{exc.strerror}") from None
             sock.setblocking(False)
+        if not socks:
+            raise BindError(errno.EAFNOSUPPORT, f"cannot bind HTTP port {port} on {host!r}: none of its "
+                                                "address families works here")
     except BaseException:
         for sock in socks:
             sock.close()

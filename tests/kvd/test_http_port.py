@@ -5,6 +5,7 @@ a node starts; a reserved port refuses clients until it serves."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import socket
 import subprocess
 import sys
@@ -73,3 +74,27 @@ def test_kvd_serve_on_a_taken_port_exits_at_once_with_one_line(nodes):
     assert errors == [f"kvd: error: [Errno 98] cannot bind HTTP port {port} on 127.0.0.1: Address already in use"]
     assert "Traceback" not in proc.stderr
     assert "loaded in" not in proc.stderr and "joined" not in proc.stderr   # no model loaded, no node started
+
+
+def test_an_address_family_the_host_lacks_is_skipped(monkeypatch):
+    """All interfaces on a host with IPv6 turned off: the IPv4 socket alone, as asyncio's
+    create_server does; no family at all is a BindError naming the host."""
+    real = socket.socket
+
+    def without(*families):
+        def make(family=socket.AF_INET, *args, **kwargs):
+            if family in families:
+                raise OSError(errno.EAFNOSUPPORT, "Address family not supported by protocol")
+            return real(family, *args, **kwargs)
+        return make
+
+    monkeypatch.setattr(socket, "socket", without(socket.AF_INET6))
+    socks = reserve_port("", 0)
+    try:
+        assert [s.family for s in socks] == [socket.AF_INET]
+    finally:
+        for s in socks:
+            s.close()
+    monkeypatch.setattr(socket, "socket", without(socket.AF_INET, socket.AF_INET6))
+    with pytest.raises(BindError, match="none of its address families"):
+        reserve_port("127.0.0.1", 0)
