@@ -53,13 +53,11 @@ def baseline_library(repo: Path, variant: str) -> Path:
 
 
 def point_at(model, kernel: QuantKernel) -> None:
-    """Every QuantLinear of ``model`` calls ``kernel`` (same packed weights)."""
+    """Every layer matrix of ``model`` a QuantLinear over ``kernel`` (the same packed weights:
+    packing packed parts keeps them as they are)."""
     for layer in model.layers:
         for name in MATRICES:
-            lin: QuantLinear = getattr(layer, name)
-            lin.kernel = kernel
-            if lin._fast is not None:
-                lin._fast = (kernel._matmul, *lin._fast[1:])
+            setattr(layer, name, QuantLinear(getattr(layer, name).parts, kernel))
 
 
 def main() -> None:
