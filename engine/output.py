@@ -84,7 +84,7 @@ class OutputProcessor:
             request_id=req.request_id, new_token_ids=[token], text=delta,
             finished=finish is not None, finish_reason=finish.value if finish else None,
             stop_reason=req.stop_reason, num_prompt_tokens=len(req.prompt_ids),
-            num_output_tokens=n_out, num_cached_tokens=req.num_cached_tokens)
+            num_output_tokens=n_out, num_cached_tokens=req.num_cached_tokens, text_ends=[len(delta)])
 
 
 def _find_stop(text: str, new_from: int, stops: tuple[str, ...]) -> tuple[int, str] | None:

@@ -210,9 +210,14 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     handed_off: bool = False            # finished here after its prefill: another instance decodes it
+    # len(text) once each of new_token_ids is in: token i's text is text[ends[i-1]:ends[i]]
+    # (what a receiver that already holds the first tokens keeps of the text)
+    text_ends: list[int] = dataclasses.field(default_factory=list)
 
     def merge(self, later: RequestOutput) -> RequestOutput:
         """One delta for this output and the request's ``later`` one: both
         deltas' tokens and text, the later one's state and counts."""
+        n = len(self.text)
         return dataclasses.replace(later, new_token_ids=self.new_token_ids + later.new_token_ids,
-                                   text=self.text + later.text)
+                                   text=self.text + later.text,
+                                   text_ends=self.text_ends + [n + e for e in later.text_ends])

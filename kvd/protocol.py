@@ -504,12 +504,18 @@ class Accepted(Message):
 @message
 @dataclass(frozen=True, kw_only=True)
 class TokenChunk(Message):
-    """Node -> coordinator: tokens [start_index, start_index + len(token_ids))."""
+    """Node -> coordinator: tokens [start_index, start_index + len(token_ids)).
+
+    ``text_ends[i]`` is ``len(text)`` once token i is in (one per token,
+    non-decreasing, the last ``len(text)``; no tokens, no text): a coordinator
+    that already holds the first k tokens (a recomputed or resumed leg repeats
+    them) keeps ``text[text_ends[k - 1]:]``."""
 
     request_id: str
     start_index: int
     token_ids: tuple[int, ...]
     text: str = ""
+    text_ends: tuple[int, ...] = ()
     finish_reason: str | None = None
     stop_reason: Any = None              # the stop string or token id that ended it
     usage: dict[str, int] | None = None  # prompt_tokens, completion_tokens, cached_tokens
@@ -517,6 +523,10 @@ class TokenChunk(Message):
     def _check(self) -> None:
         _require(self.start_index >= 0, "start_index must be >= 0")
         _require(self.finish_reason in (None, *FINISH_REASONS), f"finish_reason in {FINISH_REASONS}")
+        ends = self.text_ends
+        _require(len(ends) == len(self.token_ids), "text_ends must give one end per token")
+        _require(all(0 <= a <= b for a, b in zip((0, *ends), ends)), "text_ends must be non-decreasing and >= 0")
+        _require((ends[-1] if ends else 0) == len(self.text), "text_ends must end at len(text)")
 
     @property
     def indices(self) -> range:

@@ -504,11 +504,14 @@ class RemoteEngineClient:
         stream.next_index = chunk.start_index + len(chunk.token_ids)
         stream.tokens.extend(tokens)
         usage = chunk.usage or {}
-        return RequestOutput(chunk.request_id, tokens, chunk.text if skip == 0 else "",
+        repeated = min(skip, len(chunk.token_ids))
+        kept = chunk.text_ends[repeated - 1] if repeated > 0 else 0   # their text was delivered too
+        return RequestOutput(chunk.request_id, tokens, chunk.text[kept:],
                              chunk.finish_reason is not None, chunk.finish_reason, chunk.stop_reason,
                              num_prompt_tokens=usage.get("prompt_tokens", stream.prompt_len),
                              num_output_tokens=usage.get("completion_tokens", stream.next_index),
-                             num_cached_tokens=usage.get("cached_tokens", 0))
+                             num_cached_tokens=usage.get("cached_tokens", 0),
+                             text_ends=[e - kept for e in chunk.text_ends[repeated:]])
 
     def dispatch(self, node: str, msg: protocol.Message) -> None:
         """A message a node pushed: route it to its request's stream."""

@@ -378,6 +378,7 @@ class NodeDaemon:
                     await self._send(peer, protocol.TokenChunk(
                         request_id=rid, start_index=out.num_output_tokens - len(out.new_token_ids),
                         token_ids=tuple(out.new_token_ids), text=out.text,
+                        text_ends=tuple(out.text_ends),
                         finish_reason=out.finish_reason if ends else None,
                         stop_reason=out.stop_reason if ends else None,
                         usage={"prompt_tokens": out.num_prompt_tokens,

@@ -76,14 +76,14 @@ async def streaming_on_n1(client: RemoteEngineClient, listeners: dict, max_token
     first = await asyncio.wait_for(listeners["n1"].recv(), 5)          # least load, ties by name
     await listeners["n1"].reply(first, *protocol.encode(protocol.Accepted(id="a", request_id="r")))
     await listeners["n1"].send(first.peer, *protocol.encode(protocol.TokenChunk(
-        request_id="r", start_index=0, token_ids=(7,))))
+        request_id="r", start_index=0, token_ids=(7,), text_ends=(0,))))
     while len(outputs) < 1:
         await asyncio.sleep(0.01)
     return task, outputs
 
 
 def last_chunk(rid: str) -> protocol.TokenChunk:
-    return protocol.TokenChunk(request_id=rid, start_index=0, token_ids=(7, 8), finish_reason="length",
+    return protocol.TokenChunk(request_id=rid, start_index=0, token_ids=(7, 8), text_ends=(0, 0), finish_reason="length",
                                usage={"prompt_tokens": 3, "completion_tokens": 2, "cached_tokens": 0})
 
 
@@ -197,7 +197,7 @@ async def test_a_dead_nodes_request_resumes_elsewhere_after_its_delivered_tokens
     first = await asyncio.wait_for(listeners["n1"].recv(), 5)   # least load, ties by name: n1
     await listeners["n1"].reply(first, *protocol.encode(protocol.Accepted(id="a", request_id="r")))
     await listeners["n1"].send(first.peer, *protocol.encode(protocol.TokenChunk(
-        request_id="r", start_index=0, token_ids=(7, 8))))
+        request_id="r", start_index=0, token_ids=(7, 8), text="ab", text_ends=(1, 2))))
     while len(outputs) < 1:
         await asyncio.sleep(0.01)
     dead = membership.remove("n1")
@@ -207,9 +207,11 @@ async def test_a_dead_nodes_request_resumes_elsewhere_after_its_delivered_tokens
     assert resumed.output_token_ids == (7, 8) and resumed.replica_from == ""
     await listeners["n2"].reply(incoming, *protocol.encode(protocol.Accepted(id="b", request_id="r")))
     await listeners["n2"].send(incoming.peer, *protocol.encode(protocol.TokenChunk(   # one repeated token
-        request_id="r", start_index=1, token_ids=(8, 9, 10, 11), finish_reason="length")))
+        request_id="r", start_index=1, token_ids=(8, 9, 10, 11), text="bcde", text_ends=(1, 2, 3, 4),
+        finish_reason="length")))
     await asyncio.wait_for(task, 5)
     assert [t for o in outputs for t in o.new_token_ids] == [7, 8, 9, 10, 11]
+    assert "".join(o.text for o in outputs) == "abcde"           # the repeated token's text once, the rest kept
     assert client.recovery.outcomes[("reprefill", "resumed")] == 1
     for lst in listeners.values():
         await lst.close()
@@ -239,7 +241,7 @@ async def test_a_recovery_target_declared_dead_after_accepting_is_not_a_resume()
     assert resumed.output_token_ids == (7,)
     await listeners["n3"].reply(third, *protocol.encode(protocol.Accepted(id="c", request_id="r")))
     await listeners["n3"].send(third.peer, *protocol.encode(protocol.TokenChunk(
-        request_id="r", start_index=1, token_ids=(8, 9, 10), finish_reason="length")))
+        request_id="r", start_index=1, token_ids=(8, 9, 10), text_ends=(0, 0, 0), finish_reason="length")))
     await asyncio.wait_for(task, 5)
     assert [t for o in outputs for t in o.new_token_ids] == [7, 8, 9, 10]
     assert client.recovery.outcomes[("reprefill", "resumed")] == 1
@@ -275,7 +277,7 @@ async def test_a_restarted_node_is_a_new_instance_and_a_recovery_target_again():
     assert protocol.decode(third.header, third.frames).output_token_ids == (7,)
     await listeners["n1"].reply(third, *protocol.encode(protocol.Accepted(id="c", request_id="r")))
     await listeners["n1"].send(third.peer, *protocol.encode(protocol.TokenChunk(
-        request_id="r", start_index=1, token_ids=(8, 9), finish_reason="length")))
+        request_id="r", start_index=1, token_ids=(8, 9), text_ends=(0, 0), finish_reason="length")))
     await asyncio.wait_for(task, 5)
     assert [t for o in outputs for t in o.new_token_ids] == [7, 8, 9]
     assert client.recovery.outcomes[("reprefill", "resumed")] == 2
@@ -329,7 +331,7 @@ async def test_chunks_that_queue_while_the_consumer_is_busy_arrive_as_one_output
 
     def chunk(start, tokens, text, finish=None):
         return protocol.encode(protocol.TokenChunk(request_id="r", start_index=start, token_ids=tokens, text=text,
-                                                   finish_reason=finish,
+                                                   text_ends=tuple(range(1, len(tokens) + 1)), finish_reason=finish,
                                                    usage={"prompt_tokens": 3, "completion_tokens": start + len(tokens),
                                                           "cached_tokens": 0}))
     await listener.send(first.peer, *chunk(0, (7,), "a"))

@@ -278,6 +278,9 @@ async def test_outputs_that_queue_while_the_loop_is_stalled_arrive_merged_and_ex
     last = outputs[-1]
     assert last.finished and last.finish_reason == "length" and last.num_output_tokens == 12
     assert last.num_output_tokens - len(last.new_token_ids) == 1      # what a TokenChunk's start_index says
+    # each merged token's own text, where a receiver holding the first k tokens cuts
+    cuts = [0, *last.text_ends]
+    assert [last.text[a:b] for a, b in zip(cuts, cuts[1:])] == [o.text for o in reference[1:]]
 
 
 async def test_an_output_collector_keeps_an_error_over_what_it_holds():

@@ -42,7 +42,7 @@ EXAMPLES = [
     P.ReplicaData(source="n1", block_size=2, request_ids=("r1",), starts=(0,), counts=(1,), token_ids=(5, 6),
                   frees=("r0",), tensors=(RawTensor("int8", (1, 2, 1, 2, 1, 2), memoryview(b"abcdefgh")),)),
     P.ReplicaAck(held={"r1": 2}, refused={"r2": "over the replica budget"}),
-    P.TokenChunk(request_id="r1", start_index=4, token_ids=(9, 10), text="hi",
+    P.TokenChunk(request_id="r1", start_index=4, token_ids=(9, 10), text="hi", text_ends=(1, 2),
                  finish_reason="stop", usage={"prompt_tokens": 3, "completion_tokens": 6}),
     P.Abort(request_id="r1", reason="client left"),
     P.Abort(request_id="r1", reason="prefill leg lost", leg="prefill"),
@@ -316,3 +316,15 @@ def test_roles_and_legs_are_checked():
         P.Hello(node="n", address="a", role="both", blocks_per_tier={}, block_size=16)
     with pytest.raises(ValueError, match="leg"):
         P.Abort(request_id="r", leg="decode")
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(token_ids=(1, 2), text="ab", text_ends=(2,)), "one end per token"),
+    (dict(token_ids=(1, 2), text="ab", text_ends=(2, 1)), "non-decreasing"),
+    (dict(token_ids=(1,), text="ab", text_ends=(-1,)), "non-decreasing"),
+    (dict(token_ids=(1, 2), text="ab", text_ends=(1, 3)), "end at len"),
+    (dict(token_ids=(), text="ab", text_ends=()), "end at len"),
+])
+def test_token_chunk_text_ends_validation(bad, match):
+    with pytest.raises(ValueError, match=match):
+        P.TokenChunk(**(dict(request_id="r", start_index=0) | bad))

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.timeout(60)
 async def handle(msg, incoming):
     if isinstance(msg, GenerateRequest):
         return TokenChunk(id=msg.id, request_id=msg.request_id, start_index=0,
-                          token_ids=msg.prompt_token_ids[:1])
+                          token_ids=msg.prompt_token_ids[:1], text_ends=(0,))
     if isinstance(msg, KVData):
         (kv,) = msg.as_torch()
         return KVAck(id=msg.id, transfer_id=msg.transfer_id, ok=True, inserted_tokens=int(kv.sum()))
