@@ -23,6 +23,7 @@ kernels/row_ops.py, kernels/sampler.py).
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import fcntl
 import functools
@@ -136,6 +137,15 @@ def build(name: str, flags: tuple[str, ...]) -> Path:
     return out
 
 
+def build_many(jobs: list[tuple[str, tuple[str, ...]]]) -> list[Path]:
+    """``build`` for each (name, flags), compilers run side by side (one per CPU; builds of
+    the same library take turns on its lock); the paths in ``jobs``' order. Raises the
+    first BuildError."""
+    workers = max(1, min(len(jobs), len(os.sched_getaffinity(0))))
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(lambda job: build(*job), jobs))
+
+
 @functools.cache
 def amx_permitted() -> bool:
     """Whether Linux grants this process the AMX tile state (arch_prctl
@@ -201,9 +211,10 @@ def main() -> None:
               f"{sampler.LIBRARY}: not built (CPU lacks AVX2/FMA/F16C; GGUF weights are dequantized, "
               "random rows drawn in torch)")
     else:
-        for name in (quant_linear.LIBRARY, plan_decode.LIBRARY, prefill_attention.LIBRARY, row_ops.LIBRARY,
-                     sampler.LIBRARY):
-            print(build(name, quant_linear.library_flags(name, variant)))
+        names = (quant_linear.LIBRARY, plan_decode.LIBRARY, prefill_attention.LIBRARY, row_ops.LIBRARY,
+                 sampler.LIBRARY)
+        for path in build_many([(name, quant_linear.library_flags(name, variant)) for name in names]):
+            print(path)
 
 
 if __name__ == "__main__":
