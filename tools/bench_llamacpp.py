@@ -11,8 +11,8 @@ llama.cpp is not part of kvd and never built by it: build ``llama-bench`` and
   engine in this process: single-stream greedy decode of 128 tokens and the
   prefill of fresh 512-token prompts (no cached prefix), 3 repetitions each,
   with the bandwidth bound for the weight bytes a decode step reads (read
-  bandwidth probed once a round, the highest probe taken) and both engines'
-  tg128 as a fraction of it; rounds alternate between the two, and the
+  bandwidth probed before each kvd round, the highest probe taken) and both engines'
+  tg128 as a fraction of it, and kvd's each round against its own probe; rounds alternate between the two, and the
   table gives each side's fastest repetition and the median of the per-round
   ratios;
 - **depth**: decode at long context, ``llama-bench -p 0 -n 128 -d D`` (tg128 after a
@@ -204,14 +204,15 @@ def main() -> None:
         eng = make_engine("float32", weights="native", num_threads=args.threads, model=str(gguf), kv_blocks=KV_BLOCKS)
         tok = eng.tokenizer
         weight_bytes = eng.model.weight_bytes_per_token()
-        bws = []                                # read bandwidth, probed once a round (the host's minute moves it)
+        bws = []                                # read bandwidth, probed before each kvd round (the host's minute moves it)
         for rnd in range(args.rounds):
-            bws.append(read_bandwidth())
             for side in (("llama.cpp", "kvd") if rnd % 2 == 0 else ("kvd", "llama.cpp")):
                 if side == "llama.cpp":
                     r = llama_bench(args.llama_cpp, gguf, args.threads, reps=3)
                 else:
+                    bws.append(read_bandwidth())
                     r = kvd_engine(eng, random_prompts(tok, 3, [512] * 3, seed=100 + rnd))
+                    r["bandwidth_gbs"] = bws[-1] / 1e9
                 rows.append({"part": "engine", "side": side, "round": rnd, **r})
                 print(f"engine {side:9s} round {rnd}: pp512 {r['pp512']:.1f} tok/s, tg128 {r['tg128']:.1f} tok/s",
                       flush=True)
@@ -232,6 +233,9 @@ def main() -> None:
                   f"| **{best['kvd'][k] / best['llama.cpp'][k]:.2f}x**, {per_round[k]:.2f}x |")
         print(f"\ntg128 of the bandwidth bound ({bound:.0f} tok/s): kvd {best['kvd']['tg128'] / bound:.2f}, "
               f"llama.cpp {best['llama.cpp']['tg128'] / bound:.2f}")
+        paired = [r["tg128"] * weight_bytes / (r["bandwidth_gbs"] * 1e9) for r in rows if r.get("side") == "kvd"]
+        print(f"kvd tg128 of the bound its own round's probe gives: {', '.join(f'{f:.2f}' for f in paired)} "
+              f"(median {statistics.median(paired):.2f})")
         rows.append({"part": "bound", "bandwidth_gbs": bw / 1e9, "bandwidth_gbs_rounds": [b / 1e9 for b in bws],
                      "weight_bytes": weight_bytes, "bound_tok_s": bound})
         del eng
