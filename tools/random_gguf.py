@@ -24,8 +24,10 @@ and cannot take its 98 MB (a benchmark machine reached through a size-limited co
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -41,6 +43,16 @@ SHAPES = {
 HEAD_DIM = 64
 SHAPE_KEYS = {"llama.block_count": "layers", "llama.embedding_length": "hidden", "llama.feed_forward_length": "ffn",
               "llama.attention.head_count": "heads", "llama.attention.head_count_kv": "kv_heads"}
+@functools.lru_cache(maxsize=4)
+def _metadata(path: str, mtime_ns: int, size: int) -> tuple[tuple[str, Any, Any, Any], ...]:
+    """(key, contents, type, array element type) of each metadata field of the GGUF at
+    ``path`` (parsing a tokenizer's fields takes seconds: kept per file version)."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    return tuple((key, field.contents(), field.types[0], field.types[-1]) for key, field in reader.fields.items())
+
+
 def write(shape: str, out: Path, seed: int = 0, source_path: Path | None = None,
           metadata_only: bool = False) -> None:
     """Writes the ``shape`` model to ``out`` (see the module docstring), its metadata
@@ -51,20 +63,22 @@ def write(shape: str, out: Path, seed: int = 0, source_path: Path | None = None,
     from tools.bench_engine import random_blocks
 
     dims = SHAPES[shape]
-    source = gguf.GGUFReader(str(source_path or bundled_gguf_path()))
+    src = Path(source_path or bundled_gguf_path())
+    st = src.stat()
+    fields = _metadata(str(src), st.st_mtime_ns, st.st_size)
     writer = gguf.GGUFWriter(str(out), "llama")
-    for key, field in source.fields.items():
+    for key, value, vtype, subtype in fields:
         if key.startswith("GGUF.") or key == "general.architecture":
             continue                                # the writer's own
         if key in SHAPE_KEYS:
             writer.add_uint32(key, dims[SHAPE_KEYS[key]])
         elif key in ("general.name", "general.size_label"):
             writer.add_string(key, f"{shape} (random blocks)")
-        elif field.types[0] == gguf.GGUFValueType.ARRAY:
-            writer.add_key_value(key, field.contents(), gguf.GGUFValueType.ARRAY, sub_type=field.types[-1])
+        elif vtype == gguf.GGUFValueType.ARRAY:
+            writer.add_key_value(key, value, gguf.GGUFValueType.ARRAY, sub_type=subtype)
         else:
-            writer.add_key_value(key, field.contents(), field.types[0])
-    vocab = int(source.fields["llama.vocab_size"].contents())
+            writer.add_key_value(key, value, vtype)
+    vocab = int(next(value for key, value, _, _ in fields if key == "llama.vocab_size"))
     if metadata_only:
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
