@@ -132,6 +132,7 @@ def measure_engine(threads: int, context: int, batches: list[int], steps: int, w
             eng.abort_request(rid)
         out[host_variant()][b] = {"min_ms": min(walls), "median_ms": statistics.median(walls),
                                   "host_ms": statistics.median(hosts)}
+    DecodeStaging.run = run
     bw = read_bandwidth()
     wbytes = eng.model.weight_bytes_per_token()
     out["_bound"] = {"read_bandwidth_GBps": bw / 1e9, "weight_bytes_per_token": wbytes,
