@@ -85,12 +85,14 @@ DEFAULT_LIMITS = ProtocolLimits()
 
 @dataclass(frozen=True, slots=True)
 class ProtocolError:
-    """A rejected message, as a value. `type`/`id` are filled when readable."""
+    """A rejected message, as a value. `type`/`id`/`request_id` are filled when
+    readable (the request a refused message was about ends with an error)."""
 
     reason: str
     detail: str
     type: str | None = None
     id: str | None = None
+    request_id: str | None = None
 
 
 def dtype_name(dtype: Any) -> str:
@@ -797,10 +799,10 @@ def _decode(header: Any, frames: list[Any], limits: ProtocolLimits) -> Message |
         return ProtocolError("bad_json", str(e))
     if not isinstance(body, dict):
         return ProtocolError("not_object", "header must be a JSON object")
-    name, msg_id = body.get("type"), body.get("id")
+    name, msg_id, rid = body.get("type"), body.get("id"), body.get("request_id")
     err = lambda reason, detail: ProtocolError(  # noqa: E731
         reason, detail, name if isinstance(name, str) else None,
-        msg_id if isinstance(msg_id, str) else None)
+        msg_id if isinstance(msg_id, str) else None, rid if isinstance(rid, str) and rid else None)
     if body.get("v") != PROTOCOL_VERSION or type(body.get("v")) is not int:
         return err("bad_version", f"protocol version {body.get('v')!r}, want {PROTOCOL_VERSION}")
     cls = MESSAGE_TYPES.get(name) if isinstance(name, str) else None

@@ -87,6 +87,11 @@ from transports import Connection, TransportClosed, TransportError
 log = logging.getLogger("kvd.coordinator.client")
 
 
+# Error.code of a request whose node sent a message about it that failed to decode here: the
+# request ends with this error, and its legs are aborted (the node still runs it).
+REFUSED = "refused_message"
+
+
 def _error_output(request_id: str, prompt_ids: list[int], message: str) -> RequestOutput:
     """The one output of a request that ends before it ran (the front door's 400)."""
     return RequestOutput(request_id, [], "", True, "error", num_prompt_tokens=len(prompt_ids), error=message)
@@ -115,6 +120,11 @@ class NodeLink:
                 self._bad[msg.reason] += 1
                 self._warn.warning((self.node, msg.reason), "bad message from node %s: %s",
                                    self.node, msg.reason)
+                if msg.request_id is not None:          # its request ends now, not at a deadline
+                    self._dispatch(self.node, protocol.Error(
+                        code=REFUSED, request_id=msg.request_id,
+                        message=f"node {self.node} sent a {msg.type or 'message'} this coordinator refused "
+                                f"({msg.reason}: {msg.detail})"))
                 continue
             self._dispatch(self.node, msg)
 
@@ -266,7 +276,7 @@ class RemoteEngineClient:
                     finished = True
                     raise item
                 if isinstance(item, protocol.Error):
-                    finished = True
+                    finished = item.code != REFUSED     # a refused chunk's node still runs it: abort below
                     self.failed_requests += 1
                     yield _error_output(request_id, prompt_ids, item.message or item.code)
                     return
@@ -519,6 +529,9 @@ class RemoteEngineClient:
         stream = self._streams.get(rid) if rid else None
         if stream is None or node not in stream.legs():
             return  # finished, aborted or failed over: late chunks are dropped
+        if isinstance(msg, protocol.Error) and msg.code == REFUSED:   # from either leg: the request ends
+            stream.queue.put_nowait(msg)
+            return
         if node != stream.node:            # the prefill leg: token 0; its errors are the decode node's to handle
             if isinstance(msg, protocol.TokenChunk):
                 stream.queue.put_nowait(msg)

@@ -370,3 +370,49 @@ async def test_chunks_that_queue_while_the_consumer_is_busy_arrive_as_one_output
     assert [o.new_token_ids for o in outputs] == [[7], [8, 9], []]
     assert outputs[-1].finish_reason == "error" and outputs[-1].error == "boom"
     await listener.close()
+
+
+async def test_a_chunk_this_coordinator_refuses_ends_its_request_at_once_and_aborts_it():
+    """A node's TokenChunk that fails to decode here (its text_ends do not fit its text) is
+    counted, its request ends with an error at once (not at a deadline), and the node is
+    told to abort it. A refused message naming a request another node serves ends nothing."""
+    import orjson
+
+    registry = InprocRegistry()
+    membership = Membership(deadline=5.0)
+    client = RemoteEngineClient("m", None, membership, LeastLoadRouter())
+    listeners: dict = {}
+    for name in ("n1", "n2"):
+        await join(client, membership, registry, listeners, name)
+    outputs: dict = {"r": [], "q": []}
+
+    async def run(rid: str, prompt: list[int]):
+        async for out in client.generate(rid, prompt, SamplingParams(max_tokens=2, temperature=0)):
+            outputs[rid].append(out)
+    task = asyncio.create_task(run("r", [1, 2, 3]))
+    first = await asyncio.wait_for(listeners["n1"].recv(), 5)           # least load, ties by name
+    await listeners["n1"].reply(first, *protocol.encode(protocol.Accepted(id="a", request_id="r")))
+    other = asyncio.create_task(run("q", [4, 5, 6]))
+    second = await asyncio.wait_for(listeners["n2"].recv(), 5)          # n1 has one in flight
+    await listeners["n2"].reply(second, *protocol.encode(protocol.Accepted(id="b", request_id="q")))
+
+    def chunk_about(rid: str) -> bytes:
+        return orjson.dumps({"type": "TokenChunk", "v": protocol.PROTOCOL_VERSION, "request_id": rid,
+                             "start_index": 0, "token_ids": [7], "text": "a", "text_ends": [5]})
+    await listeners["n2"].send(second.peer, chunk_about("r"), [])      # n2 does not serve "r"
+    await asyncio.sleep(0.2)
+    assert not task.done() and client.bad_messages["invalid_field"] == 1
+    await listeners["n1"].send(first.peer, chunk_about("r"), [])
+    await asyncio.wait_for(task, 5)
+    assert len(outputs["r"]) == 1 and outputs["r"][0].finish_reason == "error"
+    assert "refused" in outputs["r"][0].error and "invalid_field" in outputs["r"][0].error
+    assert client.bad_messages["invalid_field"] == 2
+    abort = await asyncio.wait_for(listeners["n1"].recv(), 5)
+    msg = protocol.decode(abort.header, abort.frames)
+    assert isinstance(msg, protocol.Abort) and msg.request_id == "r"
+    await listeners["n2"].send(second.peer, *protocol.encode(last_chunk("q")))
+    await asyncio.wait_for(other, 5)
+    assert [t for o in outputs["q"] for t in o.new_token_ids] == [7, 8]
+    assert client.requests() == {}
+    for lst in listeners.values():
+        await lst.close()

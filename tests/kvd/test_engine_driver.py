@@ -261,26 +261,37 @@ def test_the_host_nodes_come_from_the_environment_kvd_serve_sets(monkeypatch):
     assert cli._host_nodes() == 1
 
 
+def token_texts(outputs) -> list[str]:
+    """Each token's own text, cut where its output's text_ends say."""
+    texts = []
+    for o in outputs:
+        cuts = [0, *o.text_ends]
+        texts += [o.text[a:b] for a, b in zip(cuts, cuts[1:])]
+    return texts
+
+
 async def test_outputs_that_queue_while_the_loop_is_stalled_arrive_merged_and_exact(driver):
     """The event loop stalls while the engine steps on: the outputs that queued
-    come as one, with every token and its text, in order, once."""
+    come as one, with every token and its text, in order, once; each token's
+    text is where text_ends cut it (what a receiver that holds the first
+    tokens keeps)."""
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     prompt = list(range(100, 140))
     reference = [out async for out in driver.generate("a", prompt, params)]
-    assert len(reference) == 12                       # one output a step when the loop keeps up
+    ref_tokens = [t for o in reference for t in o.new_token_ids]
+    assert len(ref_tokens) == 12 and len(token_texts(reference)) == 12
     stream = driver.generate("b", prompt, params)
     outputs = [await anext(stream)]
     time.sleep(1.0)                                   # the loop is stalled; the engine thread is not
     outputs += [out async for out in stream]
-    assert len(outputs) == 2
-    assert [t for o in outputs for t in o.new_token_ids] == [t for o in reference for t in o.new_token_ids]
-    assert "".join(o.text for o in outputs) == "".join(o.text for o in reference)
     last = outputs[-1]
+    assert len(outputs) < len(ref_tokens) and len(last.new_token_ids) > 1      # what queued came as one
+    assert [t for o in outputs for t in o.new_token_ids] == ref_tokens
+    assert "".join(o.text for o in outputs) == "".join(o.text for o in reference)
+    assert token_texts(outputs) == token_texts(reference)
     assert last.finished and last.finish_reason == "length" and last.num_output_tokens == 12
-    assert last.num_output_tokens - len(last.new_token_ids) == 1      # what a TokenChunk's start_index says
-    # each merged token's own text, where a receiver holding the first k tokens cuts
-    cuts = [0, *last.text_ends]
-    assert [last.text[a:b] for a, b in zip(cuts, cuts[1:])] == [o.text for o in reference[1:]]
+    # what a TokenChunk's start_index says
+    assert last.num_output_tokens - len(last.new_token_ids) == sum(len(o.new_token_ids) for o in outputs[:-1])
 
 
 async def test_an_output_collector_keeps_an_error_over_what_it_holds():
