@@ -11,10 +11,10 @@ llama.cpp is not part of kvd and never built by it: build ``llama-bench`` and
   engine in this process: single-stream greedy decode of 128 tokens and the
   prefill of fresh 512-token prompts (no cached prefix), 3 repetitions each,
   with the bandwidth bound for the weight bytes a decode step reads (read
-  bandwidth probed before each kvd round, the highest probe taken) and both engines'
-  tg128 as a fraction of it, and kvd's each round against its own probe; rounds alternate between the two, and the
-  table gives each side's fastest repetition and the median of the per-round
-  ratios;
+  bandwidth probed before each kvd round, the highest probe taken), both
+  engines' tg128 as a fraction of it, and each kvd round against its own
+  probe; rounds alternate between the two, and the table gives each side's
+  fastest repetition and the median of the per-round ratios;
 - **depth**: decode at long context, ``llama-bench -p 0 -n 128 -d D`` (tg128 after a
   D-token context, llama.cpp's "tg128 @ dD") against kvd's engine decoding 128 tokens
   after a D-token prompt (its prefill not timed), for each D of ``--depths``;
@@ -204,18 +204,18 @@ def main() -> None:
         eng = make_engine("float32", weights="native", num_threads=args.threads, model=str(gguf), kv_blocks=KV_BLOCKS)
         tok = eng.tokenizer
         weight_bytes = eng.model.weight_bytes_per_token()
-        bws = []                                # read bandwidth, probed before each kvd round (the host's minute moves it)
         for rnd in range(args.rounds):
             for side in (("llama.cpp", "kvd") if rnd % 2 == 0 else ("kvd", "llama.cpp")):
                 if side == "llama.cpp":
                     r = llama_bench(args.llama_cpp, gguf, args.threads, reps=3)
                 else:
-                    bws.append(read_bandwidth())
-                    r = kvd_engine(eng, random_prompts(tok, 3, [512] * 3, seed=100 + rnd))
-                    r["bandwidth_gbs"] = bws[-1] / 1e9
+                    bw_gbs = read_bandwidth() / 1e9     # probed each round: the host's minute moves it
+                    r = {**kvd_engine(eng, random_prompts(tok, 3, [512] * 3, seed=100 + rnd)), "bandwidth_gbs": bw_gbs}
                 rows.append({"part": "engine", "side": side, "round": rnd, **r})
                 print(f"engine {side:9s} round {rnd}: pp512 {r['pp512']:.1f} tok/s, tg128 {r['tg128']:.1f} tok/s",
                       flush=True)
+        kvd_rows = [r for r in rows if r.get("side") == "kvd"]
+        bws = [r["bandwidth_gbs"] * 1e9 for r in kvd_rows]
         bw = max(bws)                           # the strictest bound: the most the host gave in the run
         bound = bw / weight_bytes
         print(f"\nbandwidth bound: {bw / 1e9:.1f} GB/s (rounds: {', '.join(f'{b / 1e9:.1f}' for b in bws)}) "
@@ -233,7 +233,7 @@ def main() -> None:
                   f"| **{best['kvd'][k] / best['llama.cpp'][k]:.2f}x**, {per_round[k]:.2f}x |")
         print(f"\ntg128 of the bandwidth bound ({bound:.0f} tok/s): kvd {best['kvd']['tg128'] / bound:.2f}, "
               f"llama.cpp {best['llama.cpp']['tg128'] / bound:.2f}")
-        paired = [r["tg128"] * weight_bytes / (r["bandwidth_gbs"] * 1e9) for r in rows if r.get("side") == "kvd"]
+        paired = [r["tg128"] * weight_bytes / (r["bandwidth_gbs"] * 1e9) for r in kvd_rows]
         print(f"kvd tg128 of the bound its own round's probe gives: {', '.join(f'{f:.2f}' for f in paired)} "
               f"(median {statistics.median(paired):.2f})")
         rows.append({"part": "bound", "bandwidth_gbs": bw / 1e9, "bandwidth_gbs_rounds": [b / 1e9 for b in bws],

@@ -43,14 +43,17 @@ SHAPES = {
 HEAD_DIM = 64
 SHAPE_KEYS = {"llama.block_count": "layers", "llama.embedding_length": "hidden", "llama.feed_forward_length": "ffn",
               "llama.attention.head_count": "heads", "llama.attention.head_count_kv": "kv_heads"}
+
+
 @functools.lru_cache(maxsize=4)
-def _metadata(path: str, mtime_ns: int, size: int) -> tuple[tuple[str, Any, Any, Any], ...]:
-    """(key, contents, type, array element type) of each metadata field of the GGUF at
-    ``path`` (parsing a tokenizer's fields takes seconds: kept per file version)."""
+def _metadata(path: str, mtime_ns: int, size: int) -> dict[str, tuple[Any, Any, Any]]:
+    """key -> (contents, type, array element type) of each metadata field of the GGUF at
+    ``path``, in the file's order (parsing a tokenizer's fields takes seconds: kept per
+    file version)."""
     import gguf
 
     reader = gguf.GGUFReader(path)
-    return tuple((key, field.contents(), field.types[0], field.types[-1]) for key, field in reader.fields.items())
+    return {key: (field.contents(), field.types[0], field.types[-1]) for key, field in reader.fields.items()}
 
 
 def write(shape: str, out: Path, seed: int = 0, source_path: Path | None = None,
@@ -67,7 +70,7 @@ def write(shape: str, out: Path, seed: int = 0, source_path: Path | None = None,
     st = src.stat()
     fields = _metadata(str(src), st.st_mtime_ns, st.st_size)
     writer = gguf.GGUFWriter(str(out), "llama")
-    for key, value, vtype, subtype in fields:
+    for key, (value, vtype, subtype) in fields.items():
         if key.startswith("GGUF.") or key == "general.architecture":
             continue                                # the writer's own
         if key in SHAPE_KEYS:
@@ -78,7 +81,7 @@ def write(shape: str, out: Path, seed: int = 0, source_path: Path | None = None,
             writer.add_key_value(key, value, gguf.GGUFValueType.ARRAY, sub_type=subtype)
         else:
             writer.add_key_value(key, value, vtype)
-    vocab = int(next(value for key, value, _, _ in fields if key == "llama.vocab_size"))
+    vocab = int(fields["llama.vocab_size"][0])
     if metadata_only:
         writer.write_header_to_file()
         writer.write_kv_data_to_file()

@@ -87,8 +87,8 @@ from transports import Connection, TransportClosed, TransportError
 log = logging.getLogger("kvd.coordinator.client")
 
 
-# Error.code of a request whose node sent a message about it that failed to decode here: the
-# request ends with this error, and its legs are aborted (the node still runs it).
+# Error.code of a request whose node sent a message about it that failed to decode here: its
+# legs are aborted (the node still runs it) and the request ends with this error.
 REFUSED = "refused_message"
 
 
@@ -276,7 +276,7 @@ class RemoteEngineClient:
                     finished = True
                     raise item
                 if isinstance(item, protocol.Error):
-                    finished = item.code != REFUSED     # a refused chunk's node still runs it: abort below
+                    finished = True
                     self.failed_requests += 1
                     yield _error_output(request_id, prompt_ids, item.message or item.code)
                     return
@@ -530,6 +530,8 @@ class RemoteEngineClient:
         if stream is None or node not in stream.legs():
             return  # finished, aborted or failed over: late chunks are dropped
         if isinstance(msg, protocol.Error) and msg.code == REFUSED:   # from either leg: the request ends
+            for leg in stream.legs():
+                self._send_abort(leg, rid, reason="a message about it was refused")
             stream.queue.put_nowait(msg)
             return
         if node != stream.node:            # the prefill leg: token 0; its errors are the decode node's to handle
@@ -682,10 +684,10 @@ class RemoteEngineClient:
             await asyncio.sleep(0.01)
         return n + await self.fail_node(node, reason)
 
-    def _send_abort(self, node: str, request_id: str) -> None:
+    def _send_abort(self, node: str, request_id: str, reason: str = "client closed") -> None:
         link = self.links.get(node)
         if link is not None:
-            self._spawn(self._send_quietly(link, protocol.Abort(request_id=request_id, reason="client closed")))
+            self._spawn(self._send_quietly(link, protocol.Abort(request_id=request_id, reason=reason)))
 
     @staticmethod
     async def _send_quietly(link: NodeLink, msg: protocol.Message) -> None:

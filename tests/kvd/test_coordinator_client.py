@@ -83,7 +83,8 @@ async def streaming_on_n1(client: RemoteEngineClient, listeners: dict, max_token
 
 
 def last_chunk(rid: str) -> protocol.TokenChunk:
-    return protocol.TokenChunk(request_id=rid, start_index=0, token_ids=(7, 8), text_ends=(0, 0), finish_reason="length",
+    return protocol.TokenChunk(request_id=rid, start_index=0, token_ids=(7, 8), text_ends=(0, 0),
+                               finish_reason="length",
                                usage={"prompt_tokens": 3, "completion_tokens": 2, "cached_tokens": 0})
 
 
