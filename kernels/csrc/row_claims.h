@@ -45,12 +45,18 @@ class RowClaims {
             const int owner = (tid + k) % T;
             int64_t g0, g1;
             split(groups, T, owner, &g0, &g1);
+            // Another share is looked at with a load before it is claimed from: a spent share
+            // then costs a read of its counter, not a locked add on a line another core holds
+            // (a locked add waits for the line, and every one of them is taken in series),
+            // and the loads of T - 1 spent shares overlap.
+            if (k > 0 && g0 + set[owner].next.load(std::memory_order_relaxed) * chunk >= g1) continue;
             for (;;) {
                 const int64_t i = set[owner].next.fetch_add(1, std::memory_order_relaxed);
                 const int64_t a = g0 + i * chunk;
                 if (a >= g1) break;
                 const int64_t b = a + chunk < g1 ? a + chunk : g1;
                 fn(a * 8, b * 8 < N ? b * 8 : N);
+                if (b == g1) break;             // the share's last chunk: its counter now says spent
             }
         }
         // Nobody claims from the other set until after the next barrier: this round's
