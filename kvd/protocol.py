@@ -2,7 +2,7 @@
 
 A message on the wire (vLLM v1 serial_utils style — nothing is ever pickled)::
 
-    header (orjson) = {"type": "KVData", "v": 1, "id": "t-17", "deadline": 1.7e9,
+    header (orjson) = {"type": "KVData", "v": 2, "id": "t-17", "deadline": 1.7e9,
                        ...the message's own fields...,
                        "frames": [{"dtype": "bfloat16", "shape": [2, 16, 64]}, ...]}
     frames          = [raw bytes of tensor 0, raw bytes of tensor 1, ...]
@@ -44,7 +44,10 @@ log = logging.getLogger(__name__)
 # RawTensor.to_torch views read-only zmq frames on purpose (see its docstring).
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
-PROTOCOL_VERSION = 1
+# Raised whenever a message changes in a way the other side of an older build cannot read
+# (2: TokenChunk.text_ends): a node of another build is then refused at its Hello
+# (`bad_version`), not message by message.
+PROTOCOL_VERSION = 2
 
 # Allow-list of tensor dtypes (name -> bytes per element). Names are torch's.
 DTYPES: dict[str, int] = {
@@ -804,7 +807,8 @@ def _decode(header: Any, frames: list[Any], limits: ProtocolLimits) -> Message |
         reason, detail, name if isinstance(name, str) else None,
         msg_id if isinstance(msg_id, str) else None, rid if isinstance(rid, str) and rid else None)
     if body.get("v") != PROTOCOL_VERSION or type(body.get("v")) is not int:
-        return err("bad_version", f"protocol version {body.get('v')!r}, want {PROTOCOL_VERSION}")
+        return err("bad_version", f"protocol version {body.get('v')!r}, want {PROTOCOL_VERSION}: "
+                                  "a peer of another kvd build (upgrade a cluster whole)")
     cls = MESSAGE_TYPES.get(name) if isinstance(name, str) else None
     if cls is None:
         return err("unknown_type", f"unknown message type {name!r}")

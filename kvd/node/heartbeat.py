@@ -96,6 +96,8 @@ class Heartbeater:
                     if self._on_reply is not None:
                         self._on_reply(reply)
                     log.info("registered with the coordinator (%d)", self.registrations)
+                elif isinstance(reply, protocol.ProtocolError):     # e.g. a coordinator of another build
+                    log.warning("coordinator's reply to registration refused: %s: %s", reply.reason, reply.detail)
                 else:
                     log.warning("coordinator refused registration: %s",
                                 getattr(reply, "reason", None) or getattr(reply, "message", reply))

@@ -64,3 +64,45 @@ async def test_no_beat_or_registration_after_goodbye():
         serving.cancel()
         await asyncio.gather(beating, serving, return_exceptions=True)
         await listener.close()
+
+
+async def test_a_coordinator_of_another_build_never_registers_the_node(caplog):
+    """A Welcome of another protocol version (a coordinator of another kvd build) is not
+    taken for one: the node stays unregistered, retries, and says why."""
+    registry = InprocRegistry()
+    listener = await listen("inproc://coordinator", registry=registry)
+    hellos = 0
+
+    async def other_build() -> None:
+        nonlocal hellos
+        while True:
+            incoming = await listener.recv()
+            msg = protocol.decode(incoming.header, incoming.frames)
+            assert isinstance(msg, protocol.Hello)
+            hellos += 1
+            header, frames = protocol.encode(protocol.Welcome(id=msg.id, node=msg.node, accepted=True))
+            other = header.replace(b'"v":%d' % protocol.PROTOCOL_VERSION, b'"v":%d' % (protocol.PROTOCOL_VERSION + 1))
+            await listener.reply(incoming, other, *frames)
+
+    serving = asyncio.create_task(other_build())
+
+    async def beat(seq: int) -> protocol.Heartbeat:
+        return protocol.Heartbeat(node="n1", seq=seq, load=0.0, running=0, waiting=0, free_blocks={"host": 8})
+
+    hb = Heartbeater("n1", lambda: connect("inproc://coordinator", registry=registry),
+                     lambda: protocol.Hello(node="n1", address="inproc://n1", blocks_per_tier={"host": 8},
+                                            block_size=16),
+                     beat, interval=0.02, timeout=2.0)
+    beating = asyncio.create_task(hb.run())
+    try:
+        with caplog.at_level("WARNING", logger="kvd.node.heartbeat"):
+            while hellos < 3:                                      # it keeps trying ...
+                await asyncio.sleep(0.01)
+        assert not hb.joined.is_set() and hb.registrations == 0   # ... and never counts itself in
+        assert "reply to registration refused: bad_version: protocol version" in caplog.text
+        assert "another kvd build" in caplog.text
+    finally:
+        beating.cancel()
+        serving.cancel()
+        await asyncio.gather(beating, serving, return_exceptions=True)
+        await listener.close()

@@ -132,11 +132,14 @@ def test_generate_request_validation(bad, match):
         P.GenerateRequest(**fields)
 
 
+V = P.PROTOCOL_VERSION
+
+
 def h(**body) -> bytes:
     return orjson.dumps(body)
 
 
-KV = dict(type="KVData", v=1, transfer_id="t")
+KV = dict(type="KVData", v=V, transfer_id="t")
 F32x4 = [{"dtype": "float32", "shape": [4]}]
 
 
@@ -144,14 +147,15 @@ F32x4 = [{"dtype": "float32", "shape": [4]}]
     (b"\x00\x01", [], "bad_json"),
     (b"[]", [], "not_object"),
     (h(type="Abort", request_id="r"), [], "bad_version"),
-    (h(type="Abort", v=2, request_id="r"), [], "bad_version"),
+    (h(type="Abort", v=V - 1, request_id="r"), [], "bad_version"),     # an older build
+    (h(type="Abort", v=V + 1, request_id="r"), [], "bad_version"),
     (h(type="Abort", v=True, request_id="r"), [], "bad_version"),
-    (h(type="Pickle", v=1), [], "unknown_type"),
-    (h(type=["Abort"], v=1), [], "unknown_type"),
-    (h(type="Abort", v=1), [], "missing_field"),
-    (h(type="Abort", v=1, request_id="r", extra=1), [], "unknown_field"),
-    (h(type="Abort", v=1, request_id=5), [], "invalid_field"),
-    (h(type="Abort", v=1, request_id="r"), [b"x"], "unexpected_frames"),
+    (h(type="Pickle", v=V), [], "unknown_type"),
+    (h(type=["Abort"], v=V), [], "unknown_type"),
+    (h(type="Abort", v=V), [], "missing_field"),
+    (h(type="Abort", v=V, request_id="r", extra=1), [], "unknown_field"),
+    (h(type="Abort", v=V, request_id=5), [], "invalid_field"),
+    (h(type="Abort", v=V, request_id="r"), [b"x"], "unexpected_frames"),
     (h(**KV, frames=F32x4), [], "frame_mismatch"),
     (h(**KV, frames="nope"), [b""], "frame_mismatch"),
     (h(**KV, frames=[{"dtype": "float32"}]), [b""], "frame_mismatch"),
@@ -196,7 +200,7 @@ def test_limits_are_configurable():
 
 
 def test_error_keeps_type_and_id_for_the_reply():
-    result = decode(h(type="Abort", v=1, id="q-9"), [])
+    result = decode(h(type="Abort", v=V, id="q-9"), [])
     assert (result.reason, result.type, result.id) == ("missing_field", "Abort", "q-9")
 
 
@@ -270,12 +274,12 @@ def test_floats_on_the_wire_stay_finite():
 def test_tier_names_are_the_engines():
     from engine.memory.mempool import TIERS as ENGINE_TIERS
     assert P.TIERS == ENGINE_TIERS == ("device", "host")
-    hello = dict(type="Hello", v=1, node="n", address="zmq+tcp://127.0.0.1:1", block_size=16)
+    hello = dict(type="Hello", v=V, node="n", address="zmq+tcp://127.0.0.1:1", block_size=16)
     assert isinstance(decode(h(**hello, blocks_per_tier={"device": 4, "host": 8}), []), P.Hello)
     for wire_name in ("gpu", "cpu", "disk"):   # the old wire names are refused, not mapped
         err = decode(h(**hello, blocks_per_tier={wire_name: 4}), [])
         assert isinstance(err, P.ProtocolError) and err.reason == "invalid_field" and "tiers must be in" in err.detail
-        beat = dict(type="Heartbeat", v=1, node="n", seq=1, load=0.0, running=0, waiting=0)
+        beat = dict(type="Heartbeat", v=V, node="n", seq=1, load=0.0, running=0, waiting=0)
         err = decode(h(**beat, free_blocks={wire_name: 1}), [])
         assert isinstance(err, P.ProtocolError) and err.reason == "invalid_field"
 

@@ -51,7 +51,7 @@ def test_a_value_the_engine_refuses_is_refused_at_every_edge_with_its_message(va
     assert http.value.status == 400 and http.value.param == param
     assert http.value.message == str(engine.value) and http.value.code == engine.value.code
 
-    header = orjson.dumps({"type": "GenerateRequest", "v": 1, "id": "g", "request_id": "r",
+    header = orjson.dumps({"type": "GenerateRequest", "v": P.PROTOCOL_VERSION, "id": "g", "request_id": "r",
                            "prompt_token_ids": [1], "sampling": values})
     err = P.decode(header, [])
     assert isinstance(err, P.ProtocolError) and err.reason == "invalid_field"
@@ -63,7 +63,7 @@ def test_a_value_the_engine_refuses_is_refused_at_every_edge_with_its_message(va
 @pytest.mark.parametrize("key", ["min_p", "repetition_penalty", "logprobs", "presence_penalty"])
 def test_the_wire_refuses_parameters_the_engine_does_not_have(key):
     # the old wire took these and the node refused them after the fact
-    header = orjson.dumps({"type": "GenerateRequest", "v": 1, "id": "g", "request_id": "r",
+    header = orjson.dumps({"type": "GenerateRequest", "v": P.PROTOCOL_VERSION, "id": "g", "request_id": "r",
                            "prompt_token_ids": [1], "sampling": {key: 0.5}})
     err = P.decode(header, [])
     assert isinstance(err, P.ProtocolError) and err.reason == "invalid_field"

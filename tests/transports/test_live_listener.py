@@ -49,14 +49,15 @@ async def good_round_trip(conn, n: int) -> None:
 async def test_bad_protocol_messages_get_error_replies_and_are_counted(live):
     listener, conn, rejected = live
     await good_round_trip(conn, 1)
+    v = b'"v":%d' % protocol.PROTOCOL_VERSION
     bad = [
         (b"not json", []),
         (b'{"type":"GenerateRequest","v":99,"id":"x"}', []),
-        (b'{"type":"Pickle","v":1,"id":"y"}', []),
-        (b'{"type":"KVData","v":1,"id":"z","transfer_id":"t",'
-         b'"frames":[{"dtype":"float32","shape":[4]}]}', [b"123"]),
-        (b'{"type":"GenerateRequest","v":1,"id":"w","request_id":"r","prompt_token_ids":[1],'
-         b'"sampling":{"temperature":"hot"}}', []),
+        (b'{"type":"Pickle",%s,"id":"y"}' % v, []),
+        (b'{"type":"KVData",%s,"id":"z","transfer_id":"t",' % v
+         + b'"frames":[{"dtype":"float32","shape":[4]}]}', [b"123"]),
+        (b'{"type":"GenerateRequest",%s,"id":"w","request_id":"r","prompt_token_ids":[1],' % v
+         + b'"sampling":{"temperature":"hot"}}', []),
     ]
     for header, frames in bad:
         reply = await conn.request(header, frames, timeout=5)
@@ -93,7 +94,7 @@ async def test_raw_garbage_on_the_socket_is_dropped_and_counted(live):
 
 async def test_one_way_bad_messages_are_counted_silently(live):
     listener, conn, rejected = live
-    await conn.send(b'{"type":"Heartbeat","v":1}')  # missing fields, nobody waits
+    await conn.send(b'{"type":"Heartbeat","v":%d}' % protocol.PROTOCOL_VERSION)  # missing fields, nobody waits
     hb = Heartbeat(node="n1", seq=1, load=0.5, running=1, waiting=0, free_blocks={"device": 3})
     await conn.send(*protocol.encode(hb))
     await good_round_trip(conn, 4)
