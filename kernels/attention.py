@@ -142,7 +142,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     attention is SDPA too, and the kernel's other summation order flipped a
     bf16 rounding and a token (tests/engine/test_fidelity.py, bf16 recompute).
     """
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype)
     n_heads, n_kv = q.shape[1], k.shape[1]
     gqa = n_heads != n_kv
     for seq in batch.prefill:
@@ -153,9 +153,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             else:
                 ks = gather_kv(k_cache, seq.block_table, seq.ctx_len).to(q.dtype)
                 vs = gather_kv(v_cache, seq.block_table, seq.ctx_len).to(q.dtype)
-            o = kernel.attend(q[rows], ks, vs, scale)     # [q_len, H, hd], or None
-            if o is not None:
-                out[rows] = o
+            if kernel.attend(q[rows], ks, vs, scale, out=out[rows]) is not None:   # q, k, v read in place
                 continue
         qs = q[rows].transpose(0, 1)                      # [H, q_len, hd]
         if seq.ctx_len == seq.q_len:

@@ -351,8 +351,9 @@ class LlamaModel:
                     y = rows.rms_norm(x, w, eps) if rows else rms_norm(x, w, eps)
                 elif op == "linear":
                     y = lin(x, w)
-                elif op == "linear_add":
-                    y = acts[step.dst] + lin(x, w)
+                elif op == "linear_add":       # dst + x Wᵀ, summed into the product's fresh tensor
+                    y = lin(x, w)
+                    y += acts[step.dst]
                 elif op == "silu_mul" and rows:
                     y = rows.silu_mul(x)
                 elif op == "silu_mul":

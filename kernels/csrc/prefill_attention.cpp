@@ -2,11 +2,12 @@
 // softmax (flash-attention style), the query heads of one KV head together (GQA).
 //
 // Called through ctypes from kernels/prefill_attention.py, which documents the
-// contract. Layouts (fp32, contiguous):
+// contract. Layouts (fp32; a token's heads contiguous, tokens ld* floats apart, so that
+// views into wider rows -- q and k of the fused qkv projection -- are read in place):
 //
-//     q    [T, H, hd]     the new tokens' queries, at positions P .. P + T - 1 (P = S - T)
-//     k, v [S, KVH, hd]   the sequence's keys and values, positions 0 .. S - 1
-//     out  [T, H, hd]
+//     q    [T, H, hd]     row stride ldq: the new tokens' queries, at positions P .. P + T - 1 (P = S - T)
+//     k, v [S, KVH, hd]   row strides ldk, ldv: the sequence's keys and values, positions 0 .. S - 1
+//     out  [T, H, hd]     row stride ldo
 //
 // Work unit: (KV head g, a block of QB query positions). Its rows are the QB
 // positions times the G = H / KVH query heads that read KV head g, so one
@@ -49,8 +50,9 @@ struct Scratch {
 };
 
 // One unit: KV head g, query positions [i0, i1). kt: [KVH][hd][s_pad] (keys transposed).
-void unit(const float* q, const float* kt, const float* v, float* out, int64_t T, int64_t S, int64_t s_pad,
-          int H, int KVH, int hd, float scale, int g, int64_t i0, int64_t i1, Scratch& w) {
+void unit(const float* q, int64_t ldq, const float* kt, const float* v, int64_t ldv, float* out, int64_t ldo,
+          int64_t T, int64_t S, int64_t s_pad, int H, int KVH, int hd, float scale, int g, int64_t i0, int64_t i1,
+          Scratch& w) {
     const int G = H / KVH;
     const int64_t prefix = S - T, rows = (i1 - i0) * G;
     const int64_t rows_pad = (rows + GEMM_MR - 1) / GEMM_MR * GEMM_MR;
@@ -58,7 +60,7 @@ void unit(const float* q, const float* kt, const float* v, float* out, int64_t T
     float* s = w.s.data();
     float* acc = w.acc.data();
     for (int64_t r = 0; r < rows_pad; r++) {
-        const float* src = q + ((i0 + r / G) * H + g * G + r % G) * hd;
+        const float* src = q + (i0 + r / G) * ldq + (g * G + r % G) * hd;
         for (int d = 0; d < hd; d++) qs[r * hd + d] = r < rows ? src[d] * scale : 0.0f;
         for (int d = 0; d < hd; d++) acc[r * hd + d] = 0.0f;
         w.m[r] = -INFINITY;
@@ -98,13 +100,13 @@ void unit(const float* q, const float* kt, const float* v, float* out, int64_t T
             }
             w.l[r] += l_blk;
         }
-        const float* vb = v + (j0 * KVH + g) * hd;
+        const float* vb = v + j0 * ldv + (int64_t)g * hd;
         for (int64_t r = 0; r < rows_pad; r += GEMM_MR)
             for (int d = 0; d < hd; d += GEMM_NR)
-                outer_tile<true, false>(s + r * KB, KB, vb + d, (int64_t)KVH * hd, kb, acc + r * hd + d, hd);
+                outer_tile<true, false>(s + r * KB, KB, vb + d, ldv, kb, acc + r * hd + d, hd);
     }
     for (int64_t r = 0; r < rows; r++) {
-        float* dst = out + ((i0 + r / G) * H + g * G + r % G) * hd;
+        float* dst = out + (i0 + r / G) * ldo + (g * G + r % G) * hd;
         const float inv = 1.0f / w.l[r];
         for (int d = 0; d < hd; d++) dst[d] = acc[r * hd + d] * inv;
     }
@@ -117,11 +119,14 @@ extern "C" {
 const char* kvd_attention_variant() { return KVD_VARIANT; }
 
 // out = causal attention of q over k, v (layouts above). Returns 0, or -1 for a shape
-// this kernel does not take (nothing written): T > S, H not a multiple of KVH, or hd
-// not a positive multiple of GEMM_NR.
-int kvd_prefill_attention(const float* q, const float* k, const float* v, float* out, int64_t T, int64_t S,
-                          int H, int KVH, int hd, float scale, int num_threads) {
+// this kernel does not take (nothing written): T > S, H not a multiple of KVH, hd not a
+// positive multiple of GEMM_NR, or a row stride shorter than its row.
+int kvd_prefill_attention(const float* q, int64_t ldq, const float* k, int64_t ldk, const float* v, int64_t ldv,
+                          float* out, int64_t ldo, int64_t T, int64_t S, int H, int KVH, int hd, float scale,
+                          int num_threads) {
     if (T < 0 || S < T || KVH < 1 || H < KVH || H % KVH || hd < 1 || hd % GEMM_NR) return -1;
+    if (ldq < (int64_t)H * hd || ldo < (int64_t)H * hd || ldk < (int64_t)KVH * hd || ldv < (int64_t)KVH * hd)
+        return -1;
     if (T == 0) return 0;
     const int nt = num_threads < 1 ? 1 : num_threads;
     const int64_t s_pad = (S + GEMM_NR - 1) / GEMM_NR * GEMM_NR + KB;   // a block's padded tile stays inside
@@ -132,7 +137,7 @@ int kvd_prefill_attention(const float* q, const float* k, const float* v, float*
 #pragma omp for schedule(static)
         for (int64_t gd = 0; gd < (int64_t)KVH * hd; gd++) {
             const int64_t g = gd / hd, d = gd % hd;
-            for (int64_t j = 0; j < S; j++) kt[gd * s_pad + j] = k[(j * KVH + g) * hd + d];
+            for (int64_t j = 0; j < S; j++) kt[gd * s_pad + j] = k[j * ldk + g * hd + d];
         }
         Scratch w(QB * (H / KVH) + GEMM_MR, hd);
         // the last query blocks see the most keys: hand them out first
@@ -141,7 +146,7 @@ int kvd_prefill_attention(const float* q, const float* k, const float* v, float*
             const int64_t qb = qblocks - 1 - u / KVH;
             const int g = (int)(u % KVH);
             const int64_t i0 = qb * QB, i1 = i0 + QB < T ? i0 + QB : T;
-            unit(q, kt.data(), v, out, T, S, s_pad, H, KVH, hd, scale, g, i0, i1, w);
+            unit(q, ldq, kt.data(), v, ldv, out, ldo, T, S, s_pad, H, KVH, hd, scale, g, i0, i1, w);
         }
     }
     return 0;

@@ -103,6 +103,33 @@ def test_bf16_inputs_are_widened(host):
     assert torch.equal(out, host.attend(q.float(), k.float(), v.float(), HD ** -0.5).bfloat16())
 
 
+def test_views_into_wider_rows_are_read_and_written_in_place(host, portable):
+    """q, k and v as views into one fused row (the qkv projection's), and ``out`` as a
+    column slice of a wider buffer: the same bits as contiguous copies, on the host's
+    build and the portable one; nothing outside the slice is written."""
+    q, k, v = inputs(45, 200, seed=9)
+    t, s = q.shape[0], k.shape[0]
+    fused = torch.full((s, (H + 2 * KVH) * HD), float("nan"))
+    fused[s - t:, :H * HD] = q.reshape(t, -1)
+    fused[:, H * HD:(H + KVH) * HD] = k.reshape(s, -1)
+    fused[:, (H + KVH) * HD:] = v.reshape(s, -1)
+    qv = fused[s - t:, :H * HD].view(t, H, HD)
+    kv = fused[:, H * HD:(H + KVH) * HD].view(s, KVH, HD)
+    vv = fused[:, (H + KVH) * HD:].view(s, KVH, HD)
+    assert not qv.is_contiguous() and not kv.is_contiguous()
+    for kernel in (host, portable):
+        want = kernel.attend(q, k, v, HD ** -0.5)
+        wide = torch.full((t, 2 * H * HD), -1.0)
+        out = wide[:, H * HD:].view(t, H, HD)
+        assert kernel.attend(qv, kv, vv, HD ** -0.5, out=out) is out
+        assert torch.equal(out, want) and torch.equal(kernel.attend(qv, kv, vv, HD ** -0.5), want)
+        assert (wide[:, :H * HD] == -1.0).all()
+    with pytest.raises(ValueError, match="out must be fp32"):
+        host.attend(q, k, v, 1.0, out=torch.empty(t, H, HD, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="out must be fp32"):
+        host.attend(q, k, v, 1.0, out=torch.empty(t, HD, H).transpose(1, 2))
+
+
 def test_shapes_it_does_not_take_are_declined(host):
     q, k, v = inputs(10, 0, seed=8, hd=48)        # head_dim not a multiple of 32
     assert host.attend(q, k, v, 1.0) is None
