@@ -55,6 +55,15 @@ struct QRowsBuf {
     std::vector<int8_t> hi;
     std::vector<uint8_t> lo;
 #endif
+    // Bytes held (what reusing the buffer keeps allocated).
+    size_t bytes() const {
+        size_t n = q.capacity() * sizeof(int16_t) + (d.capacity() + s.capacity()) * sizeof(float)
+                   + qs.capacity() * sizeof(int32_t);
+#if defined(KVD_AMX)
+        n += hi.capacity() + lo.capacity();
+#endif
+        return n;
+    }
     QRows rows(int64_t M, int64_t K) {
         const int64_t nb = K / QK;
 #if defined(KVD_AMX)

@@ -47,9 +47,15 @@
 
 namespace {
 
+// x's quantized rows live in a buffer the calling thread keeps between calls, up to this
+// size (a prefill chunk's calls take inputs of a few shapes): one made per call would be
+// allocated, zeroed and faulted in -- M x K x 2 bytes and more, 0.8 MB for a 256-row chunk
+// of SmolLM2's down projection -- on one thread while the team waits.
+constexpr size_t KEEP_QROWS_BYTES = 32 << 20;
+
 void matmul(int format, const uint8_t* w, int64_t N, int64_t K, const float* x, int64_t M, int64_t ldx, float* y,
             int64_t ldy, int nt) {
-    QRowsBuf buf;
+    thread_local QRowsBuf buf;
     const QRows q = buf.rows(M, K);
     SpinBarrier barrier(nt);
 #pragma omp parallel num_threads(nt)
@@ -62,6 +68,7 @@ void matmul(int format, const uint8_t* w, int64_t N, int64_t K, const float* x, 
         split_rows(N, T, tid, &n0, &n1);
         if (n0 < n1) matmul_range(format, w, n0, n1, q, M, y, ldy);
     }
+    if (buf.bytes() > KEEP_QROWS_BYTES) buf = QRowsBuf();
 }
 
 }  // namespace
