@@ -130,7 +130,12 @@ int kvd_prefill_attention(const float* q, int64_t ldq, const float* k, int64_t l
     if (T == 0) return 0;
     const int nt = num_threads < 1 ? 1 : num_threads;
     const int64_t s_pad = (S + GEMM_NR - 1) / GEMM_NR * GEMM_NR + KB;   // a block's padded tile stays inside
-    std::vector<float> kt((size_t)KVH * hd * s_pad, 0.0f);                // [KVH][hd][s_pad]
+    // [KVH][hd][s_pad]: in a buffer the calling thread keeps between calls (a prompt's layers
+    // ask for the same size; zeroing a new one per call ran on one thread). Columns S and up
+    // hold whatever an earlier call left: their scores are always masked (set, not added).
+    thread_local std::vector<float> kt_buf;
+    if (kt_buf.size() < (size_t)KVH * hd * s_pad) kt_buf.resize((size_t)KVH * hd * s_pad);
+    float* const kt = kt_buf.data();
     const int64_t qblocks = (T + QB - 1) / QB, units = qblocks * KVH;
 #pragma omp parallel num_threads(nt)
     {
@@ -146,7 +151,7 @@ int kvd_prefill_attention(const float* q, int64_t ldq, const float* k, int64_t l
             const int64_t qb = qblocks - 1 - u / KVH;
             const int g = (int)(u % KVH);
             const int64_t i0 = qb * QB, i1 = i0 + QB < T ? i0 + QB : T;
-            unit(q, ldq, kt.data(), v, ldv, out, ldo, T, S, s_pad, H, KVH, hd, scale, g, i0, i1, w);
+            unit(q, ldq, kt, v, ldv, out, ldo, T, S, s_pad, H, KVH, hd, scale, g, i0, i1, w);
         }
     }
     return 0;
