@@ -34,6 +34,18 @@ async def coordinator(listener, seen: list[str], gone: asyncio.Event) -> None:
         await listener.reply(incoming, *protocol.encode(reply))
 
 
+def node_n1(registry: InprocRegistry) -> Heartbeater:
+    """Node n1's Heartbeater towards inproc://coordinator, beating every 20 ms."""
+
+    async def beat(seq: int) -> protocol.Heartbeat:
+        return protocol.Heartbeat(node="n1", seq=seq, load=0.0, running=0, waiting=0, free_blocks={"host": 8})
+
+    return Heartbeater("n1", lambda: connect("inproc://coordinator", registry=registry),
+                       lambda: protocol.Hello(node="n1", address="inproc://n1", blocks_per_tier={"host": 8},
+                                              block_size=16),
+                       beat, interval=0.02, timeout=2.0)
+
+
 async def test_no_beat_or_registration_after_goodbye():
     registry = InprocRegistry()
     listener = await listen("inproc://coordinator", registry=registry)
@@ -41,13 +53,7 @@ async def test_no_beat_or_registration_after_goodbye():
     gone = asyncio.Event()
     serving = asyncio.create_task(coordinator(listener, seen, gone))
 
-    async def beat(seq: int) -> protocol.Heartbeat:
-        return protocol.Heartbeat(node="n1", seq=seq, load=0.0, running=0, waiting=0, free_blocks={"host": 8})
-
-    hb = Heartbeater("n1", lambda: connect("inproc://coordinator", registry=registry),
-                     lambda: protocol.Hello(node="n1", address="inproc://n1", blocks_per_tier={"host": 8},
-                                            block_size=16),
-                     beat, interval=0.02, timeout=2.0)
+    hb = node_n1(registry)
     beating = asyncio.create_task(hb.run())
     try:
         await asyncio.wait_for(hb.joined.wait(), 5)
@@ -86,13 +92,7 @@ async def test_a_coordinator_of_another_build_never_registers_the_node(caplog):
 
     serving = asyncio.create_task(other_build())
 
-    async def beat(seq: int) -> protocol.Heartbeat:
-        return protocol.Heartbeat(node="n1", seq=seq, load=0.0, running=0, waiting=0, free_blocks={"host": 8})
-
-    hb = Heartbeater("n1", lambda: connect("inproc://coordinator", registry=registry),
-                     lambda: protocol.Hello(node="n1", address="inproc://n1", blocks_per_tier={"host": 8},
-                                            block_size=16),
-                     beat, interval=0.02, timeout=2.0)
+    hb = node_n1(registry)
     beating = asyncio.create_task(hb.run())
     try:
         with caplog.at_level("WARNING", logger="kvd.node.heartbeat"):
