@@ -42,6 +42,7 @@ namespace {
 
 constexpr int64_t QB = 32;          // query positions per unit
 constexpr int64_t KB = 128;         // keys per block: s holds QB * G * KB floats, L2-resident
+constexpr size_t KEEP_KT_BYTES = 32 << 20;   // most transposed keys a calling thread keeps between calls
 
 struct Scratch {
     std::vector<float> q, s, acc, m, l;
@@ -131,8 +132,9 @@ int kvd_prefill_attention(const float* q, int64_t ldq, const float* k, int64_t l
     const int nt = num_threads < 1 ? 1 : num_threads;
     const int64_t s_pad = (S + GEMM_NR - 1) / GEMM_NR * GEMM_NR + KB;   // a block's padded tile stays inside
     // [KVH][hd][s_pad]: in a buffer the calling thread keeps between calls (a prompt's layers
-    // ask for the same size; zeroing a new one per call ran on one thread). Columns S and up
-    // hold whatever an earlier call left: their scores are always masked (set, not added).
+    // ask for the same size; zeroing a new one per call would run on one thread), freed after
+    // a call that needed more than KEEP_KT_BYTES. Columns S and up hold whatever an earlier
+    // call left: their scores are always masked (set, not added).
     thread_local std::vector<float> kt_buf;
     if (kt_buf.size() < (size_t)KVH * hd * s_pad) kt_buf.resize((size_t)KVH * hd * s_pad);
     float* const kt = kt_buf.data();
@@ -154,6 +156,7 @@ int kvd_prefill_attention(const float* q, int64_t ldq, const float* k, int64_t l
             unit(q, ldq, kt, v, ldv, out, ldo, T, S, s_pad, H, KVH, hd, scale, g, i0, i1, w);
         }
     }
+    if (kt_buf.size() * sizeof(float) > KEEP_KT_BYTES) std::vector<float>().swap(kt_buf);
     return 0;
 }
 
