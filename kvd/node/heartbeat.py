@@ -29,6 +29,7 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from kvd import protocol
+from kvd.ratelog import RateLimitedLog
 from transports import Connection, TransportError
 
 # The coordinator answers a Goodbye once our last chunks reached it (it waits
@@ -60,6 +61,7 @@ class Heartbeater:
         self.conn: Connection | None = None
         self.joined = asyncio.Event()
         self._kick = asyncio.Event()
+        self._warn = RateLimitedLog(log)   # a refused registration is retried every interval
 
     def kick(self) -> None:
         """Beat now (state changed: draining, undrained)."""
@@ -97,10 +99,11 @@ class Heartbeater:
                         self._on_reply(reply)
                     log.info("registered with the coordinator (%d)", self.registrations)
                 elif isinstance(reply, protocol.ProtocolError):     # e.g. a coordinator of another build
-                    log.warning("coordinator's reply to registration refused: %s: %s", reply.reason, reply.detail)
+                    self._warn.warning("registration", "coordinator's reply to registration refused: %s: %s",
+                                       reply.reason, reply.detail)
                 else:
-                    log.warning("coordinator refused registration: %s",
-                                getattr(reply, "reason", None) or getattr(reply, "message", reply))
+                    self._warn.warning("registration", "coordinator refused registration: %s",
+                                       getattr(reply, "reason", None) or getattr(reply, "message", reply))
                 return
             self.seq += 1
             reply = await protocol.call(self.conn, await self._beat(self.seq), timeout=self.beat_timeout)
