@@ -147,8 +147,8 @@ def test_client_that_leaves_aborts_both_legs(pd):
     next(iter(it))
     it.response.close()
     wait_idle(pd, ROLES)
-    deadline = time.monotonic() + 10
-    while node_status(pd, "d1")["in_flight"] and time.monotonic() < deadline:
+    deadline = time.monotonic() + 10      # the prefill leg may still be committing to d1 when d1 is done
+    while (node_status(pd, "d1")["in_flight"] or node_status(pd, "p1")["in_flight"]) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert node_status(pd, "d1")["in_flight"] == 0 == node_status(pd, "p1")["in_flight"]
 
