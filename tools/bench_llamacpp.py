@@ -210,15 +210,16 @@ def main() -> None:
                     r = llama_bench(args.llama_cpp, gguf, args.threads, reps=3)
                 else:
                     bw_gbs = read_bandwidth() / 1e9     # probed each round: the host's minute moves it
-                    r = {**kvd_engine(eng, random_prompts(tok, 3, [512] * 3, seed=100 + rnd)), "bandwidth_gbs": bw_gbs}
+                    r = kvd_engine(eng, random_prompts(tok, 3, [512] * 3, seed=100 + rnd))
+                    r["bandwidth_gbs"] = bw_gbs
                 rows.append({"part": "engine", "side": side, "round": rnd, **r})
                 print(f"engine {side:9s} round {rnd}: pp512 {r['pp512']:.1f} tok/s, tg128 {r['tg128']:.1f} tok/s",
                       flush=True)
         kvd_rows = [r for r in rows if r.get("side") == "kvd"]
-        bws = [r["bandwidth_gbs"] * 1e9 for r in kvd_rows]
-        bw = max(bws)                           # the strictest bound: the most the host gave in the run
-        bound = bw / weight_bytes
-        print(f"\nbandwidth bound: {bw / 1e9:.1f} GB/s (rounds: {', '.join(f'{b / 1e9:.1f}' for b in bws)}) "
+        bws = [r["bandwidth_gbs"] for r in kvd_rows]
+        bw = max(bws)                           # GB/s, the strictest bound: the most the host gave in the run
+        bound = bw * 1e9 / weight_bytes
+        print(f"\nbandwidth bound: {bw:.1f} GB/s (rounds: {', '.join(f'{b:.1f}' for b in bws)}) "
               f"/ {weight_bytes / 1e6:.0f} MB per token = {bound:.0f} tok/s")
         best = {s: {k: max(r[k] for r in rows if r.get("side") == s) for k in ("pp512", "tg128")}
                 for s in ("kvd", "llama.cpp")}
@@ -236,7 +237,7 @@ def main() -> None:
         paired = [r["tg128"] * weight_bytes / (r["bandwidth_gbs"] * 1e9) for r in kvd_rows]
         print(f"kvd tg128 of the bound its own round's probe gives: {', '.join(f'{f:.2f}' for f in paired)} "
               f"(median {statistics.median(paired):.2f})")
-        rows.append({"part": "bound", "bandwidth_gbs": bw / 1e9, "bandwidth_gbs_rounds": [b / 1e9 for b in bws],
+        rows.append({"part": "bound", "bandwidth_gbs": bw, "bandwidth_gbs_rounds": bws,
                      "weight_bytes": weight_bytes, "bound_tok_s": bound})
         del eng
     if "depth" in parts:
@@ -270,7 +271,8 @@ def main() -> None:
                        for k in ("output_throughput", "median_tpot_ms", "median_ttft_ms")}
                    for s in ("llama.cpp", "kvd")}
             lc, kv = med["llama.cpp"], med["kvd"]
-            step = statistics.median(r["engine_step_ms"] for r in rows if r.get("load") == name and r["server"] == "kvd")
+            step = statistics.median(r["engine_step_ms"] for r in rows
+                                     if r.get("load") == name and r["server"] == "kvd")
             print(f"| {cpu} | {args.threads} | {name} | {lc['output_throughput']:.1f} | {kv['output_throughput']:.1f} "
                   f"| **{kv['output_throughput'] / lc['output_throughput']:.2f}x** "
                   f"| {lc['median_tpot_ms']:.1f} / {kv['median_tpot_ms']:.1f} "
