@@ -107,12 +107,27 @@ def _apply_options(sock: zmq.Socket, options: TransportOptions) -> None:
 # ─── listener ────────────────────────────────────────────────────────────────
 
 
+BLOCKED_RETRY_MIN_S = 0.001    # a full peer is retried after this, doubling ...
+BLOCKED_RETRY_MAX_S = 0.02     # ... up to this: how late a send may notice the peer's room
+
+
+class _BlockedPeer:
+    """The sends waiting for one peer's room: the first retries, the rest wait their turn."""
+
+    __slots__ = ("turn", "waiters")
+
+    def __init__(self) -> None:
+        self.turn = asyncio.Lock()        # FIFO: sends leave in the order they began waiting
+        self.waiters = 0
+
+
 class ZmqListener(Listener):
     """A bound ROUTER socket. Owns its context (and ZAP authenticator, if any)."""
 
     def __init__(self, url: str, options: TransportOptions, curve: CurveServer | None) -> None:
         self.options = options
         self.stats = TransportStats()
+        self._blocked: dict[PeerId, _BlockedPeer] = {}   # peers whose queue is full, while sends wait
         self._ctx = zmq.asyncio.Context()
         self._auth: AsyncioAuthenticator | None = None
         self._closed = False
@@ -166,6 +181,10 @@ class ZmqListener(Listener):
 
     async def send(self, peer: PeerId, header: bytes | Mapping[str, Any],
                    frames: Sequence[Frame] = (), *, request_id: int = 0) -> None:
+        """Push one message to ``peer``. A peer that reads slower than we send
+        (its queue at the high-water mark: a stalled process) makes this wait,
+        up to ``send_timeout`` (RequestTimeout), never fail at once; messages
+        to one peer leave in the order their sends began."""
         if self._closed:
             raise TransportClosed(self.url)
         kind = KIND_REPLY if request_id else 0
@@ -173,14 +192,50 @@ class ZmqListener(Listener):
                  *(as_buffer(f) for f in frames)]
         try:
             async with asyncio.timeout(self.options.send_timeout):
-                await self._sock.send_multipart(parts, copy=False)
+                await self._send_in_turn(peer, parts)
         except TimeoutError:
-            raise RequestTimeout(f"send to peer {peer.hex()} blocked") from None
+            raise RequestTimeout(f"send to peer {peer.hex()} blocked for "
+                                 f"{self.options.send_timeout:.3g}s (it does not read)") from None
         except zmq.ZMQError as e:
+            if self._closed:
+                raise TransportClosed(self.url) from None
             if e.errno == zmq.EHOSTUNREACH:
                 raise PeerGone(f"peer {peer.hex()} is not connected to {self.url}") from None
             raise PeerGone(str(e)) from e
         self.stats.sent += 1
+
+    async def _send_in_turn(self, peer: PeerId, parts: list) -> None:
+        """Hand ``parts`` to libzmq, waiting while ``peer``'s queue is full.
+
+        A ROUTER cannot wait for one peer's room: with ROUTER_MANDATORY a full
+        peer answers EAGAIN, and the socket's POLLOUT means "some peer has
+        room" (pyzmq's awaitable send fails with EAGAIN as soon as any other
+        peer can take a message). So a sender that meets a full peer retries
+        with a backoff (at most BLOCKED_RETRY_MAX_S late), and while one does,
+        the other sends to that peer queue behind it (a FIFO lock): one task
+        polls per blocked peer, and the order of the sends is kept."""
+        blocked = self._blocked.get(peer)
+        if blocked is None:
+            try:
+                await self._sock.send_multipart(parts, flags=zmq.DONTWAIT, copy=False)
+                return
+            except zmq.Again:
+                blocked = self._blocked[peer] = _BlockedPeer()
+        blocked.waiters += 1
+        try:
+            async with blocked.turn:
+                delay = BLOCKED_RETRY_MIN_S
+                while True:
+                    try:
+                        await self._sock.send_multipart(parts, flags=zmq.DONTWAIT, copy=False)
+                        return
+                    except zmq.Again:
+                        await asyncio.sleep(delay)
+                        delay = min(2 * delay, BLOCKED_RETRY_MAX_S)
+        finally:
+            blocked.waiters -= 1
+            if not blocked.waiters and self._blocked.get(peer) is blocked:
+                del self._blocked[peer]
 
     async def close(self) -> None:
         if self._closed:
