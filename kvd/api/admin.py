@@ -17,6 +17,14 @@ overruns its deadline) is answered with an error line; the connection and
 the server keep working. Only an oversized line costs the rest of that line:
 it is discarded up to the next newline.
 
+No client can hold the server (the HTTP edge's bounds, kvd/api/connections.py):
+a connection must complete a request line within `line_timeout` seconds of
+opening and of each reply, and read its replies within as long, else it gets
+an error line if it can take one and is closed; at most `max_connections`
+are served at once, and one beyond gets a single error line and is closed
+(`RefusedConnection`). Connections are served concurrently, so one slow
+command delays only its own connection's later replies.
+
 Security: the socket file is mode 0600 (only the daemon's user may connect)
 and a missing parent directory is created 0700. There is no other
 authentication: whoever can open the socket is an operator.
@@ -52,10 +60,15 @@ from typing import Any
 
 import orjson
 
+from kvd.api.connections import RefusedConnection
+from kvd.ratelog import RateLimitedLog
+
 log = logging.getLogger("kvd.admin")
 
 MAX_LINE = 64 * 1024
 DEFAULT_COMMAND_TIMEOUT = 10.0
+DEFAULT_LINE_TIMEOUT = 10.0      # seconds to send a complete request line (and to read a reply)
+DEFAULT_MAX_CONNECTIONS = 64     # admin connections served at once; more are refused
 # Linux sun_path is 108 bytes including the trailing NUL.
 MAX_SOCKET_PATH = 107
 
@@ -65,6 +78,8 @@ ArgsSchema = Mapping[str, tuple[type | tuple[type, ...], bool]]
 
 _RESERVED_KEYS = frozenset({"cmd", "sub"})
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+# The packages whose loggers `log-level` may set (kvd's own code).
+KVD_LOGGER_PACKAGES = ("kvd", "engine", "kernels", "transports", "tools")
 _KEY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 
@@ -134,6 +149,15 @@ def validate_args(command: Command, args: Mapping[str, Any]) -> dict[str, Any]:
     return dict(args)
 
 
+def kvd_loggers() -> list[str]:
+    """The names of the loggers kvd's modules have made (sorted), and their
+    parent names (``kvd`` for ``kvd.admin``): the names `log-level` accepts.
+    A name from this list never creates a logger beyond these (logging's
+    manager already holds each, at least as a placeholder)."""
+    return sorted(name for name in list(logging.Logger.manager.loggerDict)
+                  if name.partition(".")[0] in KVD_LOGGER_PACKAGES)
+
+
 def parse_request(line: bytes) -> tuple[str, dict[str, Any]]:
     """(command name, arguments) from one request line; raises AdminError."""
     try:
@@ -158,18 +182,35 @@ class AdminServer:
     (also an async context manager). Each connection is a task owned by the
     server and cancelled by `close()`; requests on one connection run one at
     a time, connections run concurrently. Every handler runs under a deadline
-    (`command_timeout` seconds).
+    (`command_timeout` seconds). A connection that sends no complete request
+    line (or reads no reply) for `line_timeout` seconds is closed; beyond
+    `max_connections` open ones a new one is refused. `refused` and
+    `timed_out` count both (and `ping` reports them).
     """
 
     def __init__(self, path: str | os.PathLike[str], *, name: str = "kvd",
-                 command_timeout: float = DEFAULT_COMMAND_TIMEOUT) -> None:
+                 command_timeout: float = DEFAULT_COMMAND_TIMEOUT,
+                 line_timeout: float = DEFAULT_LINE_TIMEOUT,
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS) -> None:
         if command_timeout <= 0:
             raise ValueError("command_timeout must be > 0")
+        if line_timeout <= 0:
+            raise ValueError("line_timeout must be > 0")
+        if max_connections < 1:
+            raise ValueError("max_connections must be >= 1")
         self.path = Path(path)
         if len(os.fsencode(self.path)) > MAX_SOCKET_PATH:
             raise ValueError(f"admin socket path is longer than {MAX_SOCKET_PATH} bytes: {self.path}")
         self.name = name
         self.command_timeout = command_timeout
+        self.line_timeout = line_timeout
+        self.max_connections = max_connections
+        self.refused = 0                   # connections turned away at max_connections
+        self.timed_out = 0                 # connections closed by line_timeout
+        self._open = 0                     # connections admitted and not yet finished
+        self._refusal = orjson.dumps({"ok": False, "error": f"too many admin connections (limit "
+                                      f"{max_connections}); closing, retry later"}) + b"\n"
+        self._warn = RateLimitedLog(log)   # a flood of refusals or timeouts: one line per 10 s
         self._commands: dict[str, Command] = {}
         self._server: asyncio.AbstractServer | None = None
         self._connections: set[asyncio.Task[None]] = set()
@@ -178,7 +219,8 @@ class AdminServer:
         self.register("help", self._help, help="list commands, their help and arguments")
         self.register("ping", self._ping, help="liveness check: name, pid, uptime")
         self.register("log-level", self._log_level,
-                      help="set a logger's level (default: the root logger)",
+                      help="set a logger's level: the root logger (default) or one of kvd's "
+                           "(an unknown name lists them)",
                       args_schema={"level": (str, True), "logger": (str, False)})
         self.register("keys", self._keys,
                       help="generate a CURVE keypair: DIR/NAME.key and DIR/NAME.key_secret (0600)",
@@ -235,13 +277,20 @@ class AdminServer:
 
     async def _ping(self, args: dict[str, Any]) -> dict[str, Any]:
         return {"pong": True, "name": self.name, "pid": os.getpid(),
-                "uptime_s": round(time.monotonic() - self._started, 3)}
+                "uptime_s": round(time.monotonic() - self._started, 3),
+                "connections": {"open": self._open, "max": self.max_connections,
+                                "refused": self.refused, "timed_out": self.timed_out}}
 
     async def _log_level(self, args: dict[str, Any]) -> dict[str, Any]:
         level = args["level"].upper()
         if level not in _LOG_LEVELS:
             raise AdminError(f"log-level: level must be one of {', '.join(l.lower() for l in _LOG_LEVELS)}")
         name = args.get("logger", "")
+        if name not in ("", "root") and name not in kvd_loggers():
+            shown = name if len(name) <= 64 else name[:64] + "..."
+            raise AdminError(f"log-level: unknown logger {shown!r}; kvd's loggers: root, "
+                             + ", ".join(kvd_loggers()))
+        name = "" if name == "root" else name
         logger = logging.getLogger(name or None)
         previous = logging.getLevelName(logger.level)
         logger.setLevel(level)
@@ -281,8 +330,7 @@ class AdminServer:
             os.chmod(self.path, 0o600)
             st = os.stat(self.path)
             self._inode = (st.st_dev, st.st_ino)
-            self._server = await asyncio.start_unix_server(self._serve_connection, sock=sock,
-                                                           limit=MAX_LINE + 1)
+            self._server = await asyncio.get_running_loop().create_unix_server(self._accept, sock=sock)
         except BaseException:
             sock.close()
             self._unlink_own_socket()
@@ -351,25 +399,65 @@ class AdminServer:
 
     # -- connections ------------------------------------------------------
 
+    def _accept(self) -> asyncio.BaseProtocol:
+        """The protocol of a new connection: served (it holds one of the
+        `max_connections` slots until `_serve_connection` ends), or, at the
+        cap, answered one error line and closed.
+
+        Counted here, when the connection is accepted, not when its task
+        first runs: a burst of connects is accepted in one go, before any of
+        their tasks has run."""
+        if self._open >= self.max_connections:
+            self.refused += 1
+            self._warn.warning("refused", "admin connection refused: %d open, the limit (%d refused so far)",
+                               self._open, self.refused)
+            return RefusedConnection(self._refusal)
+        self._open += 1
+        return asyncio.StreamReaderProtocol(asyncio.StreamReader(limit=MAX_LINE + 1), self._serve_connection)
+
     async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
         self._connections.add(task)
+        lines = _read_lines(reader, self.line_timeout)
         try:
-            async for line in _read_lines(reader):
+            while True:
+                try:
+                    line = await anext(lines)
+                except StopAsyncIteration:
+                    break
+                except TimeoutError:
+                    self.timed_out += 1
+                    self._warn.log(logging.INFO, "timeout", "admin connection closed: no complete request "
+                                   "line within %g s (%d so far)", self.line_timeout, self.timed_out)
+                    await self._reply(writer, {"ok": False, "error": f"no complete request line within "
+                                               f"{self.line_timeout:g} s; closing the connection"})
+                    break
                 reply = await self.dispatch(line) if line is not None else {
                     "ok": False, "error": f"request line longer than {MAX_LINE} bytes"}
-                writer.write(_encode_reply(reply))
-                await writer.drain()
-        except (ConnectionError, asyncio.IncompleteReadError):
+                await self._reply(writer, reply)
+        except (ConnectionError, asyncio.IncompleteReadError, TimeoutError):
+            pass                      # gone, or not reading its replies
+        except asyncio.CancelledError:
+            # close(): end quietly (3.11's StreamReaderProtocol logs a
+            # connection task that ends cancelled as an error)
             pass
         finally:
+            self._open -= 1
             self._connections.discard(task)
+            await lines.aclose()
             writer.close()
             try:
                 await asyncio.wait_for(writer.wait_closed(), 1.0)
             except (ConnectionError, TimeoutError, asyncio.CancelledError):
                 pass
+
+    async def _reply(self, writer: asyncio.StreamWriter, reply: dict[str, Any]) -> None:
+        """Write one reply line; TimeoutError when the client has not read it
+        (and what was queued before it) within `line_timeout` seconds."""
+        writer.write(_encode_reply(reply))
+        async with asyncio.timeout(self.line_timeout):
+            await writer.drain()
 
 
 def _encode_reply(reply: dict[str, Any]) -> bytes:
@@ -380,34 +468,44 @@ def _encode_reply(reply: dict[str, Any]) -> bytes:
         return orjson.dumps({"ok": False, "error": f"internal error: reply not serializable: {e}"}) + b"\n"
 
 
-async def _read_lines(reader: asyncio.StreamReader):
+async def _read_lines(reader: asyncio.StreamReader, line_timeout: float):
     """Yield each request line (without the newline), or None for an oversized one.
 
     An oversized line is reported once and skipped up to its newline, so the
     connection stays in step with the client. Blank lines are ignored.
+    Raises TimeoutError when the next line (a blank one does not count) is
+    not complete `line_timeout` seconds after the start or after the
+    consumer resumed this generator (it has answered the previous line).
     """
+    loop = asyncio.get_running_loop()
     buf = bytearray()
     discarding = False
+    deadline = loop.time() + line_timeout
     while True:
-        chunk = await reader.read(MAX_LINE)
-        if not chunk:
-            return  # EOF; a partial last line without newline is dropped
-        buf += chunk
-        while True:
-            nl = buf.find(b"\n")
-            if nl < 0:
-                if len(buf) > MAX_LINE and not discarding:
-                    discarding = True
-                    yield None
-                if discarding:
-                    buf.clear()
-                break
-            line = bytes(buf[:nl])
-            del buf[:nl + 1]
-            if discarding:
-                discarding = False
-                continue
-            if len(line) > MAX_LINE:
+        nl = buf.find(b"\n")
+        if nl < 0:
+            if len(buf) > MAX_LINE and not discarding:
+                discarding = True
+                buf.clear()
                 yield None
-            elif line.strip():
-                yield line
+                deadline = loop.time() + line_timeout
+            elif discarding:
+                buf.clear()
+            async with asyncio.timeout_at(deadline):
+                chunk = await reader.read(MAX_LINE)
+            if not chunk:
+                return  # EOF; a partial last line without newline is dropped
+            buf += chunk
+            continue
+        line = bytes(buf[:nl])
+        del buf[:nl + 1]
+        if discarding:
+            discarding = False
+            continue
+        if len(line) > MAX_LINE:
+            yield None
+        elif line.strip():
+            yield line
+        else:
+            continue
+        deadline = loop.time() + line_timeout

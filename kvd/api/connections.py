@@ -1,5 +1,8 @@
 """Connection limits of the HTTP server: no client can hold it open.
 
+``RefusedConnection`` (answer once, then close) also turns away admin-socket
+connections beyond that socket's cap (kvd/api/admin.py).
+
 Three bounds, all ``[server]`` options (docs/operations.md, "Limits"):
 
 - ``header_timeout``: a connection must deliver a complete request head
@@ -69,10 +72,11 @@ def _refusal(max_connections: int) -> bytes:
             b"Content-Length: %d\r\nConnection: close\r\nRetry-After: 1\r\n\r\n" % len(body)) + body
 
 
-class _Refused(asyncio.Protocol):
-    """A connection over the cap: answered 503 at once; what it sends is read
-    and dropped for REFUSED_LINGER_S (closing with unread data would reset the
-    connection, and the client might never see the 503), then it is closed."""
+class RefusedConnection(asyncio.Protocol):
+    """A connection over a cap: sent ``answer`` (an HTTP 503, an admin error
+    line) at once; what it sends is read and dropped for REFUSED_LINGER_S
+    (closing with unread data would reset the connection, and the client
+    might never see the answer), then it is closed."""
 
     def __init__(self, answer: bytes) -> None:
         self.answer = answer
@@ -149,8 +153,8 @@ class CappedSite(web.BaseSite):
     sockets from ``reserve_port`` (``start`` makes them listen).
 
     Like ``web.TCPSite``, but its protocol factory counts the runner's open
-    connections first: at the cap, a new one gets ``_Refused`` instead of a
-    request handler. ``refused`` counts them (for /metrics)."""
+    connections first: at the cap, a new one gets ``RefusedConnection``
+    instead of a request handler. ``refused`` counts them (for /metrics)."""
 
     def __init__(self, runner: web.BaseRunner, sockets: list[socket.socket], *, max_connections: int,
                  backlog: int = 128) -> None:
@@ -183,7 +187,7 @@ class CappedSite(web.BaseSite):
         def accept() -> asyncio.BaseProtocol:
             if len(server.connections) >= self.max_connections:
                 self.refused += 1
-                return _Refused(self._answer)
+                return RefusedConnection(self._answer)
             return server()
         loop = asyncio.get_running_loop()
         for sock in self.sockets:
