@@ -5,6 +5,9 @@ Served on the coordinator's 0600 admin Unix socket. Commands naming a node
 are forwarded to it as an ``AdminCommand`` (which a node accepts from the
 coordinator's key only, kvd/trust.py); ``cache`` commands without a node go
 to every node at once, each with its own deadline (``FANOUT_TIMEOUT_S``).
+``fail`` also reaches a node that is no longer registered (declared dead,
+e.g. after ``fail stop``) over a one-off link to its last address, so that
+``fail resume`` through the coordinator brings it back.
 
 Imports no torch.
 """
@@ -16,7 +19,8 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from kvd import protocol
+from kvd import links, protocol
+from kvd.cluster_config import COORDINATOR_NAME
 from kvd.coordinator.cache_router import ROUTING_WEIGHTS
 from kvd.coordinator.membership import NodeInfo
 from transports import TransportError
@@ -67,9 +71,34 @@ class CoordinatorAdmin:
         link = self.d.client.links.get(self._node({"node": node}).name)
         if link is None:
             raise ValueError(f"node {node} has no link")
-        reply = await protocol.call(link.conn, protocol.AdminCommand(
-            id=f"admin-{time.monotonic_ns()}", command=command, args=args or {}),
-            timeout=timeout or self.d.cluster.request_timeout)
+        return await self._call(link.conn, node, command, args, timeout or self.d.cluster.request_timeout)
+
+    async def forward_departed(self, node: str, command: str, args: dict | None = None) -> dict:
+        """``forward`` to a node that is not registered (declared dead, left),
+        over a link opened to its last address for this one command and closed
+        after; ValueError for a node never registered, for an error reply, and
+        for a node that does not answer within FANOUT_TIMEOUT_S."""
+        address = self.d.membership.departed.get(node)
+        if address is None:
+            raise ValueError(f"unknown node {node!r}; nodes: {sorted(self.d.membership.nodes)}")
+        timeout = min(self.d.cluster.request_timeout, FANOUT_TIMEOUT_S)
+        conn = None
+        try:
+            async with asyncio.timeout(timeout):
+                conn = await links.connect(address, self.d.cluster, COORDINATOR_NAME, node,
+                                           registry=self.d.registry, options=self.d.options)
+                return await self._call(conn, node, command, args, timeout)
+        except (TransportError, TimeoutError) as exc:
+            raise ValueError(f"node {node} is not registered and did not answer at its last address "
+                             f"{address} within {timeout:g} s: {str(exc) or type(exc).__name__}") from None
+        finally:
+            if conn is not None:
+                await conn.close()
+
+    @staticmethod
+    async def _call(conn, node: str, command: str, args: dict | None, timeout: float) -> dict:
+        reply = await protocol.call(conn, protocol.AdminCommand(
+            id=f"admin-{time.monotonic_ns()}", command=command, args=args or {}), timeout=timeout)
         if not isinstance(reply, protocol.AdminReply):
             raise ValueError(f"node {node}: {getattr(reply, 'message', reply)}")
         if not reply.ok:
@@ -130,7 +159,10 @@ class CoordinatorAdmin:
             return {"stalled_s": seconds}
         if args["mode"] not in FAIL_MODES:
             raise ValueError(f"fail mode must be one of {', '.join(FAIL_MODES)}, got {args['mode']!r}")
-        return {"node": args["node"], **await self.forward(args["node"], "fail", {"mode": args["mode"]})}
+        node, fail = args["node"], {"mode": args["mode"]}
+        if node in self.d.membership.nodes:
+            return {"node": node, "registered": True, **await self.forward(node, "fail", fail)}
+        return {"node": node, "registered": False, **await self.forward_departed(node, "fail", fail)}
 
     async def cmd_cache_stats(self, args: dict) -> dict:
         """Per node MemPool stats and their sums (blocks per tier, hit/miss tokens)."""
@@ -200,8 +232,9 @@ class CoordinatorAdmin:
                         "session | least-load; prompt-tree weights (" + ", ".join(ROUTING_WEIGHTS)
                         + ") override the config's", {"policy": (str, False),
                                                       **{k: (t, False) for k, t in ROUTING_WEIGHTS.items()}}),
-            "fail": (self.cmd_fail, "fault injection on a node: mode exit | stop | resume | drop-transfers; "
-                     "without a node, mode stall blocks this coordinator's event loop for `seconds` (5)",
+            "fail": (self.cmd_fail, "fault injection on a node (registered, or declared dead: reached at its "
+                     "last address): mode exit | stop | resume | drop-transfers; without a node, mode stall "
+                     "blocks this coordinator's event loop for `seconds` (5)",
                      {"node": (str, False), "mode": (str, True), "seconds": (float, False)}),
         }
 
