@@ -1,4 +1,5 @@
-"""`fail` through the coordinator reaches a node it has declared dead.
+"""Operator commands on real daemons: `fail` through the coordinator reaches
+a node it has declared dead; `log-level` sets the daemons' own loggers only.
 
 A coordinator and one ``kvd node`` over zmq+tcp: ``fail n1 stop`` stops
 n1's heartbeats, the coordinator declares it dead (and forgets its link);
@@ -38,3 +39,13 @@ def test_resume_through_the_coordinator_brings_back_a_node_declared_dead(cluster
 def test_a_name_never_registered_is_still_unknown(cluster):
     reply = admin(cluster.admin_socket, "fail", node="n9", mode="resume")
     assert reply["ok"] is False and "unknown node 'n9'" in reply["error"]
+
+
+def test_log_level_on_the_daemons_sets_their_own_loggers_only(cluster):
+    for sock, own in ((cluster.admin_socket, "kvd.coordinator"), (cluster.node_admin("n1"), "kvd.heartbeat")):
+        for name in ("x" * 60_000, "kvd.node\x00", "kvd.flood1", "asyncio.x"):
+            reply = admin(sock, "log-level", level="debug", logger=name)
+            assert reply["ok"] is False and reply["error"].startswith("log-level: unknown logger "), reply
+            assert own in reply["error"]                    # the daemon's loggers are listed
+        assert admin(sock, "log-level", level="debug", logger=own)["ok"]
+        assert admin(sock, "log-level", level="info", logger=own)["previous"] == "debug"
