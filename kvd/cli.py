@@ -193,20 +193,28 @@ CLUSTER_OVERRIDES = ("transport", "heartbeat_interval", "heartbeat_deadline", "c
 def _run(main_coro_factory) -> int:
     """Run the daemon's coroutine on uvloop; a bad model or file, or an HTTP
     port it cannot bind, is exit status 1 with one line per error (they may
-    arrive grouped by a TaskGroup)."""
+    arrive grouped by a TaskGroup); an engine that died (EngineDead) is exit
+    status ENGINE_DEAD_EXIT, for systemd or the supervisor to restart it."""
     import uvloop
 
     from kvd.api.connections import BindError
+    from kvd.engine_client import EngineDead
+    from kvd.supervisor import ENGINE_DEAD_EXIT
 
     errors: list[BaseException] = []
+    status = 0
     try:
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
             runner.run(main_coro_factory())
     except* (ValueError, FileNotFoundError, BindError) as group:
-        errors = _leaves(group)
+        errors += _leaves(group)
+        status = 1
+    except* EngineDead as group:
+        errors += _leaves(group)
+        status = status or ENGINE_DEAD_EXIT
     for exc in errors:
         print(f"kvd: error: {exc}", file=sys.stderr)
-    return 1 if errors else 0
+    return status
 
 
 def _leaves(exc: BaseException) -> list[BaseException]:
@@ -281,6 +289,9 @@ def node(args: argparse.Namespace) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, daemon.request_stop)
         await supervised(notifier, watchdog, daemon.run())
+        if daemon.engine_failure:
+            from kvd.engine_client import EngineDead
+            raise EngineDead(f"node {args.name}: the engine died: {daemon.engine_failure}")
     return _run(main)
 
 

@@ -6,7 +6,7 @@
     kvctl drain [NODE]          kvctl undrain [NODE]
     kvctl cache stats           kvctl cache flush
     kvctl log-level LEVEL [--logger NAME]
-    kvctl fail [NODE] --mode exit|stop|resume|drop-transfers
+    kvctl fail [NODE] --mode exit|stop|resume|drop-transfers|engine
     kvctl fail --mode stall [--seconds S]   (the coordinator blocks its own loop)
     kvctl keys --dir DIR --name NAME        (local: no daemon needed)
     kvctl call CMD [KEY=VALUE ...]          (any registered command)
@@ -35,7 +35,7 @@ CONNECT_TIMEOUT = 2.0
 # command is reported by the server's own timeout error rather than ours.
 REPLY_TIMEOUT = 15.0
 MAX_REPLY = 64 * 1024 * 1024
-FAIL_MODES = ("exit", "stop", "resume", "drop-transfers", "stall")
+FAIL_MODES = ("exit", "stop", "resume", "drop-transfers", "engine", "stall")
 
 
 class AdminUnavailable(Exception):
@@ -160,7 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     ll.add_argument("level", choices=("debug", "info", "warning", "error", "critical"),
                     type=str.lower)
     ll.add_argument("--logger", help="logger name (default: root)")
-    fail = sub.add_parser("fail", help="fault injection (tests): exit, stop heartbeats, resume, drop transfers")
+    fail = sub.add_parser("fail", help="fault injection (tests): exit, stop heartbeats, resume, drop transfers, "
+                                       "engine (its thread raises)")
     fail.add_argument("node", nargs="?", help="node name (required by the coordinator)")
     fail.add_argument("--mode", required=True, choices=FAIL_MODES)
     fail.add_argument("--seconds", type=float, help="stall: how long the coordinator blocks its loop")

@@ -12,6 +12,13 @@ skips the wait. The timeline: docs/operations.md ("Shutdown"). The HTTP port
 is bound before the model loads (``reserve_port``), so a taken port fails at
 once; it listens only once the node registered.
 
+If the node's engine thread dies (a bug; ``kvctl fail n0 --mode engine``),
+nothing can run in this process any more: /health and new requests answer
+503 ``engine_dead`` naming the cause at once, the open requests end with it
+(the node's Goodbye names them lost), the server drains and stops as on
+SIGTERM, and ``run`` raises EngineDead: ``kvd serve`` exits with status 3
+(``ENGINE_DEAD_EXIT``) for systemd to restart it (docs/operations.md).
+
 systemd notify: the process's one notifier belongs to the coordinator (READY=1
 once HTTP is bound, which is after the node registered; STATUS=; STOPPING=1);
 the embedded node stays silent. The watchdog task starts before the model
@@ -29,6 +36,7 @@ from kvd.api.connections import reserve_port
 from kvd.cluster_config import ClusterConfig, with_overrides
 from kvd.config import KvdConfig
 from kvd.coordinator.daemon import CoordinatorDaemon
+from kvd.engine_client import EngineDead
 from kvd.node.daemon import NodeDaemon
 from kvd.sdnotify import Notifier, run_watchdog
 from transports import InprocRegistry
@@ -44,7 +52,8 @@ def embedded_cluster(cluster: ClusterConfig | None = None) -> ClusterConfig:
 
 
 class Server:
-    """Setup and cleanup mirror each other; ``run`` returns when drained."""
+    """Setup and cleanup mirror each other; ``run`` returns when drained, or
+    raises EngineDead after draining when the engine died."""
 
     def __init__(self, config: KvdConfig, cluster: ClusterConfig | None = None,
                  notifier: Notifier | None = None, watchdog: float | None = None) -> None:
@@ -96,6 +105,9 @@ class Server:
                 notifier=self.notifier, http_sockets=sockets)
             for _ in range(self._stops):
                 self.coordinator.request_stop()
+            self.node.on_engine_dead = self._engine_died
+            if self.node.engine_failure:         # it died before the hook was set
+                self._engine_died(self.node.engine_failure)
             node_task = tg.create_task(self.node.run(), name="node n0")
 
             async def stop_node() -> None:
@@ -105,3 +117,15 @@ class Server:
 
             await self.coordinator.run(expect_nodes=1, after_drain=stop_node)
             pinging.cancel()
+        if self.node.engine_failure:
+            raise EngineDead(f"the engine died: {self.node.engine_failure}")
+
+    def _engine_died(self, cause: str) -> None:
+        """The node's engine thread died (``NodeDaemon.on_engine_dead``, before
+        its streams end): the front door answers 503 ``engine_dead`` from now
+        on, and the server stops (a drain: what is open ends at once, since
+        nothing runs)."""
+        log.error("the engine died (%s): stopping, for a supervisor to restart kvd serve", cause)
+        if self.coordinator.front is not None:
+            self.coordinator.front.engine_died(cause)
+        self.coordinator.request_stop()

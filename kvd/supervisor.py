@@ -8,7 +8,9 @@ cluster runs is started again with the same command (name, keys, flags) after
 a backoff: RESTART_BACKOFF_S, doubled for each further exit within
 STABLE_RUN_S of its start, up to RESTART_BACKOFF_MAX_S. The new process
 registers with the coordinator as a new incarnation, as a node restarted by
-systemd would (docs/cluster.md). ``stop`` ends them all and restarts none.
+systemd would (docs/cluster.md). A node whose engine died exits with
+ENGINE_DEAD_EXIT (after its Goodbye named the cause and its lost requests)
+and is restarted the same way. ``stop`` ends them all and restarts none.
 
 Contracts: ``run`` returns once every watcher ended (after ``stop``, or, with
 restart off, once every node exited); ``stop`` returns once every process was
@@ -30,15 +32,19 @@ RESTART_BACKOFF_S = 1.0
 RESTART_BACKOFF_MAX_S = 30.0
 STABLE_RUN_S = 60.0        # a node that ran this long starts over at the first backoff
 KILL_WAIT_S = 5.0          # after SIGKILL: how long stop waits for the kernel to reap
+ENGINE_DEAD_EXIT = 3       # the exit status of a kvd process whose engine died (kvd.cli)
 
 
 def describe_exit(returncode: int) -> str:
-    """"exited with code 1", "killed by SIGKILL" (asyncio's negative returncode)."""
+    """"exited with code 1", "killed by SIGKILL" (asyncio's negative returncode),
+    "exited with code 3 (its engine died)"."""
     if returncode < 0:
         try:
             return f"killed by {signal.Signals(-returncode).name}"
         except ValueError:
             return f"killed by signal {-returncode}"
+    if returncode == ENGINE_DEAD_EXIT:
+        return f"exited with code {returncode} (its engine died)"
     return f"exited with code {returncode}"
 
 

@@ -11,8 +11,13 @@ Contracts:
   not received within ``body_timeout`` 408 (both close the connection); a
   prompt is refused by its bytes before it is tokenized, and a big body is
   parsed and tokenized off the event loop (``prompt.py``).
-- /health is 200 only when a request could run: 503 while draining, and 503
-  with the reason when no node can serve.
+- /health is 200 only when a request could run: 503 while draining, 503
+  with the reason when no node can serve, and 503 ``engine_dead`` naming the
+  cause once ``engine_died`` was called (the embedded ``kvd serve``, whose
+  engine thread died: it then stops).
+- A dead engine is never the client's fault: open and new requests get 503
+  ``engine_dead`` (``service_unavailable``), a stream under way a final
+  error event with it and ``data: [DONE]``.
 - A client that disconnects cancels its handler (``handler_cancellation``);
   closing the engine stream aborts the request, which frees its blocks.
 - While draining (SIGTERM), new generation requests get 503; open ones finish.
@@ -65,6 +70,7 @@ class FrontDoor:
         self.draining = False
         self.in_flight = 0
         self.ending: ApiError | None = None           # set by end_requests: what open requests answer
+        self.engine_dead: ApiError | None = None      # set by engine_died: what /health and requests answer
         self._handlers: set[asyncio.Task] = set()     # generation handlers, from body to last byte
 
     # ------------------------------------------------------------- app
@@ -125,7 +131,10 @@ class FrontDoor:
 
     async def health(self, request: web.Request) -> web.Response:
         """200 ``{"status": "ok"}`` when a request could run now; else 503 with
-        ``status`` "draining" or "unavailable", and the reason as an OpenAI error."""
+        ``status`` "engine_dead", "draining" or "unavailable", and the reason as
+        an OpenAI error."""
+        if self.engine_dead is not None:
+            return json_response({"status": "engine_dead", **self.engine_dead.body()}, status=503)
         if self.draining:
             error = ApiError(503, "server is draining; retry on another replica",
                              type="service_unavailable", code="draining")
@@ -145,6 +154,14 @@ class FrontDoor:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._endable("chat", self._generate(request, chat=True))
+
+    def engine_died(self, cause: str) -> None:
+        """The engine behind this front door died and will not come back in this
+        process (``cause``: the exception). From now on /health and every new
+        generation request answer 503 ``engine_dead`` naming it; a request open
+        now gets it when it reaches the engine (a stream: as its last event).
+        The caller stops the server: a supervisor restarts it."""
+        self.engine_dead = engine_dead_error(f"the engine died ({cause}); retry the request")
 
     @property
     def open_requests(self) -> int:
@@ -187,6 +204,9 @@ class FrontDoor:
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         endpoint = "chat" if chat else "completions"
+        if self.engine_dead is not None:
+            self.metrics.requests.labels(endpoint, "503").inc()
+            raise self.engine_dead
         if self.draining:
             self.metrics.requests.labels(endpoint, "503").inc()
             raise ApiError(503, "server is draining; retry on another replica",
@@ -329,7 +349,7 @@ class FrontDoor:
                     raise bad(None, out.error)
                 yield out
         except EngineDead as exc:
-            raise ApiError(503, str(exc), type="service_unavailable", code="engine_dead") from None
+            raise self.engine_dead or engine_dead_error(str(exc)) from None
 
     def _observe(self, endpoint: str, t0: float, first_at: float | None, last: RequestOutput | None) -> None:
         now = time.perf_counter()
@@ -339,6 +359,12 @@ class FrontDoor:
             self.metrics.ttft.observe(first_at - t0)
             if last is not None and last.num_output_tokens > 1:
                 self.metrics.tpot.observe((now - first_at) / (last.num_output_tokens - 1))
+
+
+def engine_dead_error(message: str) -> ApiError:
+    """The error of a request the engine cannot run because it (or the node
+    running it) is gone: 503, not the client's fault."""
+    return ApiError(503, message, type="service_unavailable", code="engine_dead")
 
 
 def usage(out: RequestOutput | None) -> dict:

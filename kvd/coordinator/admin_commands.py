@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvd.coordinator")
 
-FAIL_MODES = ("exit", "stop", "resume", "drop-transfers")   # served by the node (kvd.node.daemon)
+FAIL_MODES = ("exit", "stop", "resume", "drop-transfers", "engine")   # served by the node (kvd.node.daemon)
 FANOUT_TIMEOUT_S = 5.0     # per node, for commands sent to every node: under the admin deadline
 MAX_STALL_S = 60.0         # the longest stall `fail mode=stall` injects
 
@@ -55,7 +55,9 @@ class CoordinatorAdmin:
                 "kv_returns": dict(self.d.client.kv_returns),
                 "prefill_queue_bypassed": self.d.client.prefill_queue_bypassed,
                 "bad_messages": dict(self.d.bad_messages + self.d.client.bad_messages),
-                "malformed_frames": self.d.listener.stats.malformed if self.d.listener else 0}
+                "malformed_frames": self.d.listener.stats.malformed if self.d.listener else 0,
+                # the embedded kvd serve's engine: {"state", "error"} (None: the nodes' engines, `nodes`)
+                "engine": self.d.client.stats().get("engine")}
 
     def _node(self, args: dict) -> NodeInfo:
         name = args.get("node")
@@ -233,7 +235,7 @@ class CoordinatorAdmin:
                         + ") override the config's", {"policy": (str, False),
                                                       **{k: (t, False) for k, t in ROUTING_WEIGHTS.items()}}),
             "fail": (self.cmd_fail, "fault injection on a node (registered, or declared dead: reached at its "
-                     "last address): mode exit | stop | resume | drop-transfers; without a node, mode stall "
+                     "last address): mode exit | stop | resume | drop-transfers | engine; without a node, mode stall "
                      "blocks this coordinator's event loop for `seconds` (5)",
                      {"node": (str, False), "mode": (str, True), "seconds": (float, False)}),
         }

@@ -34,7 +34,13 @@ SIGTERM drains: STOPPING=1 to systemd, the node says so in its heartbeat
 
 Fault injection (admin ``fail``): ``exit`` crashes, ``stop`` pauses the
 heartbeats, ``drop-transfers`` sets ``drop_transfers`` so that this node
-refuses KV transfers both ways, ``resume`` clears both faults.
+refuses KV transfers both ways, ``resume`` clears both faults, ``engine``
+makes the engine thread raise (``_engine_died`` follows).
+
+When the engine thread dies, the node leaves at once: no new request, a
+Goodbye naming the cause and every request in flight as lost (the
+coordinator recovers or ends them), then ``run`` returns with
+``engine_failure`` set, and ``kvd node`` exits with status 3.
 """
 
 from __future__ import annotations
@@ -53,7 +59,7 @@ from engine.request import InvalidParam, RequestOutput
 from kvd import links, protocol, trust
 from kvd.cluster_config import COORDINATOR_NAME, ClusterConfig
 from kvd.engine_client import EngineDead
-from kvd.node.engine_driver import EngineDriver, load_engine
+from kvd.node.engine_driver import EngineDriver, describe_failure, load_engine
 from kvd.node.cache_shipper import CacheShipper
 from kvd.node.heartbeat import Heartbeater
 from kvd.node.disagg import DecodeSide, LayerSender
@@ -66,7 +72,7 @@ from transports import InprocRegistry, Listener, TransportError, TransportOption
 
 log = logging.getLogger("kvd.node")
 
-FAIL_MODES = ("exit", "stop", "resume", "drop-transfers")
+FAIL_MODES = ("exit", "stop", "resume", "drop-transfers", "engine")
 STATUS_INTERVAL_S = 1.0                          # STATUS= is sent only when the line changed
 
 
@@ -116,6 +122,9 @@ class NodeDaemon:
         self._stop = asyncio.Event()
         self._force = asyncio.Event()                  # end the drain now
         self._ready = asyncio.Event()
+        self.engine_failure: str | None = None          # what killed the engine thread: the node left
+        self.on_engine_dead = None                      # called with engine_failure (the embedded server)
+        self._lost: tuple[str, ...] = ()                # the requests in flight when the engine died
 
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -124,6 +133,7 @@ class NodeDaemon:
         self.notifier.status(f"node {self.name}: loading {self.engine_config.model}")
         engine = await asyncio.to_thread(load_engine, self.engine_config, self.host_nodes)
         self.driver = EngineDriver(engine)
+        self.driver.on_dead = self._engine_died
         await self.driver.start()
         self.receiver = PrefixReceiver(self.driver)
         self.listener = await links.listen(self.address, self.cluster, self.name,
@@ -166,7 +176,8 @@ class NodeDaemon:
                 await self._stop.wait()
                 notifying.cancel()
                 await self._drain()
-                await self.heartbeat.goodbye("shutdown", tuple(self.streams))
+                reason = f"engine dead: {self.engine_failure}" if self.engine_failure else "shutdown"
+                await self.heartbeat.goodbye(reason, tuple(dict.fromkeys(self._lost + tuple(self.streams))))
                 for task in (serving, beating, shipping, reaping, replicating, *self.streams.values()):
                     if task is not None:
                         task.cancel()
@@ -181,6 +192,20 @@ class NodeDaemon:
         if force or self._stop.is_set():
             self._force.set()
         self._stop.set()
+
+    def _engine_died(self, exc: BaseException) -> None:
+        """The engine thread died (``EngineDriver.on_dead``, before the open
+        streams end): nothing can run here any more. Take no new request,
+        note the requests in flight (the Goodbye names them lost) and stop at
+        once (module docstring)."""
+        self.engine_failure = describe_failure(exc)
+        self._lost = tuple(self.streams)
+        self.draining = True
+        log.critical("node %s: the engine died (%s); leaving, %d request(s) in flight lost",
+                     self.name, self.engine_failure, len(self._lost))
+        if self.on_engine_dead is not None:
+            self.on_engine_dead(self.engine_failure)
+        self.request_stop(force=True)
 
     async def wait_ready(self, timeout: float = 300.0) -> None:
         async with asyncio.timeout(timeout):
@@ -287,8 +312,9 @@ class NodeDaemon:
     async def _handle(self, msg: protocol.Message, incoming) -> protocol.Message | None:
         if isinstance(msg, protocol.GenerateRequest):
             if self.draining:
+                why = f"its engine died: {self.engine_failure}" if self.engine_failure else "is draining"
                 return protocol.Error(id=msg.id, code="draining", request_id=msg.request_id,
-                                      message=f"node {self.name} is draining")
+                                      message=f"node {self.name} {why}")
             if msg.request_id in self.streams:
                 return protocol.Error(id=msg.id, code="duplicate", request_id=msg.request_id,
                                       message="request id already in flight")
@@ -386,6 +412,8 @@ class NodeDaemon:
                                "cached_tokens": out.num_cached_tokens}))
         except TransportError as exc:
             log.info("request %s: coordinator unreachable (%s); aborted", rid, exc)
+        except EngineDead:
+            pass                  # the engine died: the node's Goodbye names this request lost
         except Exception as exc:  # noqa: BLE001 -- one request's failure stays its own
             log.exception("request %s failed", rid)
             with contextlib.suppress(TransportError):
@@ -642,7 +670,8 @@ class NodeDaemon:
             "drain": (self.cmd_drain, "finish in-flight requests, accept no new ones", None),
             "undrain": (self.cmd_undrain, "accept new requests again", None),
             "fail": (self.cmd_fail, "fault injection: mode exit | stop (heartbeats) | drop-transfers"
-                                    " | resume (heartbeats and transfers again)", {"mode": (str, True)}),
+                                    " | resume (heartbeats and transfers again) | engine (the engine "
+                                    "thread raises: the node leaves)", {"mode": (str, True)}),
             "cache stats": (self.cmd_cache_stats, "MemPool blocks per tier", None),
             "cache flush": (self.cmd_cache_flush, "drop every unlocked cached prefix block", None),
             "cache blocks": (self.cmd_cache_blocks, "this node's cached blocks [hash, parent] and "
@@ -688,6 +717,7 @@ class NodeDaemon:
                 "malformed_frames": lst.malformed if lst else 0,
                 "refused_peers": lst.refused if lst else 0,
                 "drop_transfers": self.drop_transfers,
+                "engine": self.driver.state() if self.driver else {"state": "stopped", "error": None},
                 "cache_events": self.cache_shipper.stats() if self.cache_shipper else {},
                 "transfers": {"sent": self.transfers_sent, "dropped": self.transfers_dropped,
                               "received": self.receiver.completed if self.receiver else 0,
@@ -726,6 +756,14 @@ class NodeDaemon:
             self.heartbeat.paused = True
         elif mode == "drop-transfers":
             self.drop_transfers = True
+        elif mode == "engine":
+            log.warning("fault injection: engine")
+            try:
+                state = await self.driver.inject_failure("fault injection (admin fail --mode engine)",
+                                                         timeout=self.cluster.request_timeout)
+            except EngineDead as exc:
+                raise ValueError(str(exc)) from None
+            return {"mode": mode, "engine": state}
         else:  # resume
             self.heartbeat.paused = False
             self.drop_transfers = False

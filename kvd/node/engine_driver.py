@@ -24,6 +24,13 @@ or ``abort`` sent earlier. ``try_call(fn)`` is the inline half alone: it
 runs ``fn`` only if it could run right now. Either way ``fn`` must be
 short: it blocks the loop or the step.
 
+If the engine thread dies (a step raised: a bug, or ``fail`` injecting one),
+the driver is dead for good: ``on_dead`` is called on the event loop first,
+then every open stream ends with EngineDead, every ``call`` waiting in the
+queue fails with it, and so does every later request; ``state()`` names the
+exception. Nothing restarts the engine in this process: its owner leaves
+(kvd/node/daemon.py) and its supervisor starts a new one.
+
 Used by the node daemon (one per node process, and the embedded node of
 ``kvd serve``); it satisfies :class:`~kvd.engine_client.EngineClient`.
 """
@@ -101,6 +108,11 @@ class OutputCollector:
         return item
 
 
+class InjectedFault(RuntimeError):
+    """An operator's fault injection (admin ``fail --mode engine``): the engine
+    thread raises it at its next turn, as a step that raised would."""
+
+
 class EngineDriver:
 
     """An LLMEngine in a thread of this process; implements EngineClient."""
@@ -130,6 +142,10 @@ class EngineDriver:
         self._snapshot_stale = False       # an inline call changed the engine since
         self._running = False              # the engine thread is up (cheaper than is_alive())
         self._dead: BaseException | None = None
+        self._died = asyncio.Event()       # set on the event loop once the thread died
+        # called on the event loop when the engine thread died, before the open
+        # streams end (its owner may still see them): on_dead(the exception)
+        self.on_dead: Callable[[BaseException], None] | None = None
 
     # ----------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -176,7 +192,7 @@ class EngineDriver:
 
     async def _run_stream(self, request_id: str, cmd: tuple) -> AsyncIterator[RequestOutput]:
         if self._dead is not None:
-            raise EngineDead(f"engine stopped: {self._dead}")
+            raise EngineDead(f"engine died: {describe_failure(self._dead)}")
         if request_id in self._streams:
             raise InvalidParam("request_id", f"request id {request_id} is already in flight")
         stream = OutputCollector()
@@ -203,8 +219,27 @@ class EngineDriver:
 
     def unavailable(self) -> str | None:
         if self._dead is not None:
-            return f"engine stopped: {self._dead}"
+            return f"engine died: {describe_failure(self._dead)}"
         return None if self._running else "engine is not running"
+
+    def state(self) -> dict[str, str | None]:
+        """``{"state": "running" | "stopped" | "dead", "error": the exception
+        that killed the engine thread ("RuntimeError: ...") or None}``."""
+        if self._dead is not None:
+            return {"state": "dead", "error": describe_failure(self._dead)}
+        return {"state": "running" if self._running else "stopped", "error": None}
+
+    async def inject_failure(self, message: str, timeout: float) -> dict[str, str | None]:
+        """Fault injection: the engine thread raises ``InjectedFault(message)``
+        at its next turn (after the step under way) and dies, as if a step
+        had raised. Returns ``state()`` once it died; TimeoutError past
+        ``timeout``, EngineDead if it was not running."""
+        if self._dead is not None or not self._running:
+            raise EngineDead(self.unavailable() or "engine is not running")
+        self._submit(("fail", message))
+        async with asyncio.timeout(timeout):
+            await self._died.wait()
+        return self.state()
 
     def _submit(self, cmd: tuple) -> None:
         """Queue a command for the engine thread (event loop thread only)."""
@@ -253,7 +288,7 @@ class EngineDriver:
                 self._snapshot = self._take_snapshot()
             finally:
                 self._lock.release()
-        return dict(self._snapshot, in_flight=len(self._streams))
+        return dict(self._snapshot, in_flight=len(self._streams), engine=self.state())
 
     def num_in_flight(self) -> int:
         return len(self._streams)
@@ -286,9 +321,10 @@ class EngineDriver:
                     if out is not None:
                         self._deliver([out])
         except BaseException as exc:  # the engine hit a bug: fail every stream, loudly
-            log.exception("engine thread died")
+            log.critical("engine thread died: %s", describe_failure(exc), exc_info=exc)
             self._dead = exc
-            self._deliver_error(EngineDead(f"engine failed: {exc!r}"))
+            if self._loop is not None and not self._loop.is_closed():
+                self._loop.call_soon_threadsafe(self._on_thread_death, exc)
         finally:
             self._running = False
 
@@ -321,6 +357,8 @@ class EngineDriver:
             out = self.engine.abort_request(cmd[1])
             if out is not None:
                 self._deliver([out])
+        elif cmd[0] == "fail":
+            raise InjectedFault(cmd[1])
         elif cmd[0] == "call":
             _, fn, fut = cmd
             try:
@@ -334,19 +372,32 @@ class EngineDriver:
         if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._dispatch, outputs)
 
-    def _deliver_error(self, exc: BaseException) -> None:
-        if self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._fail_all, exc)
-
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is not None:
                 stream.put(out)
 
-    def _fail_all(self, exc: BaseException) -> None:
+    def _on_thread_death(self, exc: BaseException) -> None:
+        """On the event loop, once the engine thread died: ``on_dead`` first,
+        then every open stream and every queued ``call`` ends with EngineDead
+        (later ones are refused: ``_dead`` is set)."""
+        self._died.set()
+        if self.on_dead is not None:
+            try:
+                self.on_dead(exc)
+            except Exception:  # noqa: BLE001 -- the streams must still end
+                log.exception("on_dead failed")
+        error = EngineDead(f"engine died: {describe_failure(exc)}")
         for stream in self._streams.values():
-            stream.put(exc)
+            stream.put(error)
+        while True:                        # nothing will apply these any more
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if cmd[0] == "call":
+                _resolve(cmd[2], None, error)
 
     def _take_snapshot(self) -> dict:
         eng = self.engine
@@ -368,6 +419,11 @@ class EngineDriver:
             "step_seconds": s.step_seconds,
             "finished": dict(s.finished),
         }
+
+
+def describe_failure(exc: BaseException) -> str:
+    """"RuntimeError: cannot sample row 0 ...": what killed an engine thread."""
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _resolve(fut: asyncio.Future, result: Any, error: BaseException | None) -> None:
