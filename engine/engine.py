@@ -321,7 +321,7 @@ class LLMEngine:
         ``output_ids`` (the tokens the client has) are replayed into the stop
         conditions and text state, not emitted, and the request is queued to
         compute prompt and outputs (every cached prefix of them reused: a
-        replica held with ``MemPool.extend_hold`` is one) and go on from the
+        replica committed with ``MemPool.commit_hold`` is one) and go on from the
         next token. With greedy or seeded sampling the tokens are those of a
         run that never stopped. Returns the replayed output when the tokens
         already end the request (then nothing runs), else None. Raises

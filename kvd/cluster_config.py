@@ -130,7 +130,13 @@ class ClusterConfig:
         arrive (prefill node dead, transfer past its deadline, refused):
         "recompute" the prompt itself (the request completes), or "fail" it.
     kv_transfer_timeout: seconds from a decode node's reservation to the
-        prefill node's commit (prefill and transfer, queueing included).
+        prefill node's commit (prefill and transfer, queueing included); also
+        the longest a node keeps blocks granted to a peer's KV transfer
+        waiting for their data, whatever deadline the peer asked for.
+    kv_grant_share: the fraction of a node's device KV blocks that one peer
+        (one node key) may hold at once in grants for KV transfers it asked
+        for (prefix transfers, the KV a decode node returns); a request past
+        it is refused, so no peer can take a node's memory.
     kv_stream: how a prefill node sends a prompt's KV: "layers" (each layer
         as soon as it is computed, overlapped with the next layer's compute),
         or "request" (all layers once the prefill ends: the baseline of
@@ -186,6 +192,7 @@ class ClusterConfig:
     prefill_queue_factor: float = 4.0
     kv_load_failure: str = "recompute"
     kv_transfer_timeout: float = 60.0
+    kv_grant_share: float = 0.25
     kv_stream: str = "layers"
     kv_return: bool = True
     routing: str = "prompt-tree"
@@ -240,6 +247,8 @@ class ClusterConfig:
             raise ConfigError(f"cluster.kv_stream must be 'layers' or 'request', got {self.kv_stream!r}")
         if not self.kv_transfer_timeout > 0:
             raise ConfigError("cluster.kv_transfer_timeout must be > 0")
+        if not 0 < self.kv_grant_share <= 1:
+            raise ConfigError(f"cluster.kv_grant_share must be in (0, 1], got {self.kv_grant_share}")
         if self.replicas not in (0, 1):
             raise ConfigError(f"cluster.replicas must be 0 or 1, got {self.replicas}")
         if self.recovery not in RECOVERY_POLICIES:

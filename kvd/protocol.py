@@ -45,9 +45,9 @@ log = logging.getLogger(__name__)
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
 # Raised whenever a message changes in a way the other side of an older build cannot read
-# (2: TokenChunk.text_ends): a node of another build is then refused at its Hello
-# (`bad_version`), not message by message.
-PROTOCOL_VERSION = 2
+# (2: TokenChunk.text_ends; 3: Heartbeat.incarnation, replica tickets and keys): a node of
+# another build is then refused at its Hello (`bad_version`), not message by message.
+PROTOCOL_VERSION = 3
 
 # Allow-list of tensor dtypes (name -> bytes per element). Names are torch's.
 DTYPES: dict[str, int] = {
@@ -274,6 +274,10 @@ def _require(ok: bool, what: str) -> None:
         raise ValueError(what)
 
 
+def _hex(s: str) -> bool:
+    return len(s) % 2 == 0 and all(c in "0123456789abcdef" for c in s)
+
+
 def _tiers_ok(blocks: dict[str, int]) -> bool:
     return all(t in TIERS and n >= 0 for t, n in blocks.items())
 
@@ -312,19 +316,26 @@ class Welcome(Message):
     replica_peer: str = ""             # the node to stream this node's KV to ("" = none: replicate nothing)
     replica_address: str = ""          # its transport URL
     drop_replicas: tuple[str, ...] = ()   # replicas held here whose requests are not in flight: free them
+    replica_key: str = ""              # registration only: this node's key for the tickets of replicas it holds (hex)
+    replica_tickets: dict[str, str] = field(default_factory=dict)  # request id -> ticket at replica_peer (kvd/trust.py)
 
     def _check(self) -> None:
         _require(self.heartbeat_interval > 0, "heartbeat_interval must be > 0")
         _require(bool(self.replica_peer) == bool(self.replica_address),
                  "replica_peer and replica_address are set together")
+        _require(not self.replica_tickets or bool(self.replica_peer), "replica_tickets need a replica_peer")
+        _require(_hex(self.replica_key), "replica_key must be hex")
 
 
 @message
 @dataclass(frozen=True, kw_only=True)
 class Heartbeat(Message):
-    """Node -> coordinator, every interval; a missed deadline declares the node dead."""
+    """Node -> coordinator, every interval; a missed deadline declares the node dead.
+    ``incarnation`` is the registered process's (Hello); ``seq`` counts the
+    beats since that process registered, from 1 (kvd/coordinator/membership.py)."""
 
     node: str
+    incarnation: str = ""
     seq: int
     load: float                        # 0..1, fraction of decode capacity in use
     running: int
@@ -422,6 +433,12 @@ class GenerateRequest(Message):
       ``ReplicaData`` owned by the decode node, which adopts it
       (kvd/node/replication.py), so the decode node never sends the prompt.
 
+    ``replica_to``/``replica_address``/``replica_ticket`` (with replication):
+    where this request's replica is written and the coordinator's ticket
+    for it (kvd/trust.py). On a request to the node that runs it: that
+    node's ring peer, for its own replication rounds; on a prefill leg: the
+    decode node's peer, and the ticket of the decode node's request.
+
     A recovered request (docs/cluster.md, "Failure semantics") carries the
     tokens the client already has (``output_token_ids``): the node resumes
     after them, its first chunk at ``start_index = len(output_token_ids)``;
@@ -444,6 +461,7 @@ class GenerateRequest(Message):
     kv_dtype: str = ""
     replica_to: str = ""
     replica_address: str = ""
+    replica_ticket: str = ""
 
     def _check(self) -> None:
         _require(bool(self.request_id), "request_id must be set")
@@ -458,9 +476,11 @@ class GenerateRequest(Message):
             _check_grant(self.kv_transfer_id, self.kv_block_ids, self.kv_have_blocks, self.kv_num_layers,
                          self.kv_dtype, len(self.prompt_token_ids))
             _require(bool(self.kv_to_address), "kv_to_address must be set with kv_to_node")
-        _require(not self.replica_to or (self.kv_to_node and self.replica_address and self.kv_have_blocks == 0
-                                         and self.replica_to != self.kv_to_node),
-                 "replica_to needs a prefill leg from block 0 to another node, and replica_address")
+        _require(not self.replica_to or bool(self.replica_address and self.replica_ticket),
+                 "replica_to needs replica_address and replica_ticket")
+        _require(not (self.replica_to and self.kv_to_node)
+                 or (self.kv_have_blocks == 0 and self.replica_to != self.kv_to_node),
+                 "a prefill leg's replica_to needs a grant from block 0, to another node than the decode node")
 
     @property
     def is_prefill_leg(self) -> bool:
@@ -699,7 +719,10 @@ class ReplicaData(Message):
     next ``counts[i]`` blocks of the one frame [L, 2, sum(counts), bs, kvh,
     hd]. ``frees``: replicas to drop (their requests ended here). The holder
     keys every replica by the sender's authenticated name, so a node can
-    touch its own replicas only."""
+    touch its own replicas only. ``tickets``: request id -> the
+    coordinator's ticket for that replica at this holder, owned by ``owner``
+    or else ``source`` (kvd/trust.py); an entry without a valid one is
+    refused."""
 
     FRAMES_FIELD: ClassVar[str | None] = "tensors"
 
@@ -712,10 +735,12 @@ class ReplicaData(Message):
     frees: tuple[str, ...] = ()
     owner: str = ""
     adopt: dict[str, str] = field(default_factory=dict)
+    tickets: dict[str, str] = field(default_factory=dict)
     tensors: tuple[Any, ...] = ()
 
     def _check(self) -> None:
         n = len(self.request_ids)
+        _require(set(self.tickets) <= set(self.request_ids), "tickets are for the message's request ids")
         _require(bool(self.source) and self.block_size > 0, "source and block_size must be set")
         _require(self.owner != self.source, "owner is another node than source (or empty)")
         _require(all(k and v and v != self.source for k, v in self.adopt.items()),

@@ -14,20 +14,46 @@ What each port accepts, from whom (docs/operations.md, "Trust model")::
                                                               KVData/KVCommit only for a grant this
                                                               node made to that very link, or for
                                                               a prefill leg to the node the
-                                                              coordinator named (transfer.py)
-    coordinator port   Hello, Heartbeat, Goodbye, CacheEvents a node, about itself (node = its name)
+                                                              coordinator named (transfer.py); a
+                                                              grant bounded per peer in blocks and
+                                                              seconds by this node's own config;
+                                                              ReplicaData only with a replica
+                                                              ticket (below)
+    coordinator port   Hello, Heartbeat, Goodbye, CacheEvents a node, about itself (node = its name);
+                                                              a new incarnation only from the
+                                                              registered address or once the old
+                                                              one is dead, heartbeats of the
+                                                              registered incarnation only
+                                                              (membership.py)
 
 A listener without keys (``[cluster].insecure``) names nobody: everything is
 accepted from anyone who reaches the port, which is what insecure means.
 The daemons pass these functions to ``protocol.serve`` as its gate: a
 refusal is an ``Error(code="forbidden")`` to the sender, counted by reason
 and logged rate-limited, and the message reaches no handler.
+
+Replica tickets. A replica holder accepts KV for request R owned by node S
+only with a ticket the coordinator issued for exactly (holder, S, R):
+``replica_ticket(key, S, R)``, an HMAC under a key the coordinator derived
+for this holder's incarnation (``holder_key``) and gave to the holder alone,
+in the Welcome that registered it. The coordinator gives the ticket to S
+with the request (``GenerateRequest.replica_ticket``; to S's prefill node
+too, which writes the prompt's replica for S) and again in S's heartbeat
+replies for the peer S has then. So a node's key writes replicas only of
+the requests the coordinator runs on it, to the peer the coordinator gave
+it; and a replica is private to its holder until a recovery resumes from
+it (kvd/node/replication.py).
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+
 from kvd import protocol
 from kvd.cluster_config import COORDINATOR_NAME
+
+TICKET_BYTES = 16            # an HMAC-SHA256 truncated to 128 bits, hex on the wire
 
 FROM_COORDINATOR = (protocol.GenerateRequest, protocol.Abort, protocol.AdminCommand)
 FROM_NODES = (protocol.KVTransferRequest, protocol.KVData, protocol.KVCommit, protocol.ReplicaData)
@@ -70,3 +96,23 @@ def coordinator_refusal(msg: protocol.Message, identity: str | None, authenticat
         return f"{msg.TYPE} for node {msg.node!r} from key {identity!r}: a node speaks for itself only"
     return None
 
+
+
+def holder_key(secret: bytes, holder: str, incarnation: str) -> str:
+    """The replica key of node ``holder``'s process ``incarnation`` (hex),
+    derived from the coordinator's own ``secret``: a restarted holder gets
+    a new key, and the tickets made for its predecessor are void."""
+    return hmac.new(secret, f"replica-key\0{holder}\0{incarnation}".encode(), hashlib.sha256).hexdigest()
+
+
+def replica_ticket(key: str, owner: str, request_id: str) -> str:
+    """The ticket to write the replica of ``request_id``, run by ``owner``,
+    at the holder whose key is ``key`` (hex)."""
+    mac = hmac.new(bytes.fromhex(key), f"{owner}\0{request_id}".encode(), hashlib.sha256)
+    return mac.digest()[:TICKET_BYTES].hex()
+
+
+def valid_ticket(key: str, owner: str, request_id: str, ticket: str) -> bool:
+    """Whether ``ticket`` is the ticket for (this holder's ``key``, ``owner``,
+    ``request_id``); compared in constant time."""
+    return ticket.isascii() and hmac.compare_digest(replica_ticket(key, owner, request_id), ticket)

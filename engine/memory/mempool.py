@@ -27,14 +27,15 @@ MemPool is the only door to KV memory: code outside engine/ (the node's
 transfers, its admin commands, the benchmarks) uses the verbs of the "KV
 movement" section -- ``flush``, ``lock_prefix``/``unlock``, ``kv_layout``,
 ``gather``/``pieces``, ``grant``/``import_kv``/``import_pieces``/
-``insert_granted``/``abandon``, ``write_blocks`` -- never ``tree``, ``pools``
-or the storage itself (tests/kvd/test_kv_door.py).
+``insert_granted``/``abandon``, ``hold_kv``/``commit_hold``/``drop_hold``,
+``write_blocks`` -- never ``tree``, ``pools`` or the storage itself
+(tests/kvd/test_kv_door.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from engine.memory.blocks import BlockPool
@@ -90,6 +91,20 @@ class Grant:
     @property
     def have_blocks(self) -> int:
         return len(self.lock.blocks)
+
+
+@dataclass
+class Hold:
+    """Private KV blocks (``MemPool.hold_kv``): ``block_ids`` of ``tier``, in
+    token order, request-owned, in no index; end with ``commit_hold`` or
+    ``drop_hold``."""
+
+    tier: str
+    block_ids: list[int] = field(default_factory=list)
+
+    @property
+    def blocks(self) -> int:
+        return len(self.block_ids)
 
 
 @dataclass
@@ -513,39 +528,54 @@ class MemPool:
         self.free_mem(grant.block_ids, grant.tier)
         self.unlock(grant.lock)
 
-    def extend_hold(self, lock: PrefixLock | None, tokens: Sequence[int], payload: object,
-                    tier: str = "host") -> PrefixLock | None:
-        """Cache the full blocks of ``tokens`` in ``tier`` and keep them locked:
-        a replica of a request another instance runs (DéjaVu §4.2.3).
-
-        ``lock`` (from an earlier call, or None) holds the first
-        ``lock.num_tokens`` tokens; ``payload`` [L, 2, n, bs, kvh, hd] is the
-        KV of the ``n`` blocks after them, up to ``len(tokens) // bs``.
-        Blocks this pool already caches are not written again. Returns a
-        lock on every full block of ``tokens``, ``lock`` released; or None
-        when ``tier`` is short of memory, and then nothing changed and
-        ``lock`` still holds. Release the result with ``unlock``."""
-        bs = self.block_size
-        nfull = len(tokens) // bs
-        first = lock.num_tokens // bs if lock is not None else 0
-        if lock is not None and lock.num_tokens != first * bs or not first <= nfull:
-            raise ValueError(f"extend_hold: a lock of {lock.num_tokens if lock else 0} tokens "
-                             f"cannot grow to {len(tokens)}")
-        grant = self.grant(tokens[:nfull * bs], nfull, tier)
-        if grant is None:
+    def hold_kv(self, hold: Hold | None, payload: object, tier: str = "host") -> Hold | None:
+        """Keep KV private: a replica of a request another instance runs
+        (DejaVu §4.2.3). ``payload`` [L, 2, n, bs, kvh, hd] is written into
+        ``n`` fresh blocks of ``tier`` appended to ``hold`` (a new one when
+        None). Held blocks are request-owned: in no index, so no lookup
+        ever matches them and no eviction takes them, until ``commit_hold``
+        indexes them or ``drop_hold`` frees them. Returns the hold; None
+        when ``tier`` is short of memory, and then nothing changed."""
+        if hold is not None and hold.tier != tier:
+            raise ValueError(f"hold_kv: a hold of {hold.tier} blocks cannot grow in {tier}")
+        n = payload.shape[2]
+        ids = self.alloc_mem(n, tier) if n else []
+        if ids is None:
             return None
-        have = len(grant.lock.blocks)
-        if have < first:                     # the locked prefix is in the index: cannot happen
-            self.abandon(grant)
-            raise ValueError(f"extend_hold: {first} blocks locked, {have} cached")
-        if grant.block_ids:
-            layers = (0, self._storage().num_layers)
-            self.import_kv(grant, payload, layers, skip=have - first)
-        self.insert_granted(grant)
-        held = self.lock_prefix(tokens[:nfull * bs])
-        if lock is not None:
-            self.unlock(lock)
-        return held
+        if ids:
+            try:
+                self._storage().import_blocks(tier, ids, payload)
+            except BaseException:
+                self.free_mem(ids, tier)
+                raise
+        hold = hold if hold is not None else Hold(tier)
+        hold.block_ids.extend(ids)
+        return hold
+
+    def commit_hold(self, hold: Hold, tokens: Sequence[int]) -> PrefixLock:
+        """Index a hold as the KV of ``tokens``, as a request's own KV is at
+        its end (``insert``): its first ``len(tokens) // block_size`` blocks
+        hold those tokens' full blocks; blocks past them are freed; blocks
+        the index already has are duplicates, freed. The hold is empty
+        afterwards. Returns a lock on the indexed prefix (``unlock`` it).
+        Raises ValueError when the hold is shorter than ``tokens``."""
+        nfull = len(tokens) // self.block_size
+        if nfull > len(hold.block_ids):
+            raise ValueError(f"commit_hold: {nfull} full blocks, the hold has {len(hold.block_ids)}")
+        ids, rest = hold.block_ids[:nfull], hold.block_ids[nfull:]
+        hold.block_ids = []
+        if rest:
+            self.free_mem(rest, hold.tier)
+        prefix = tokens[:nfull * self.block_size]
+        if ids:
+            self.insert(prefix, ids, hold.tier)
+        return self.lock_prefix(prefix)
+
+    def drop_hold(self, hold: Hold) -> None:
+        """Free a hold's blocks (nothing of it was indexed)."""
+        ids, hold.block_ids = hold.block_ids, []
+        if ids:
+            self.free_mem(ids, hold.tier)
 
     def cached_tokens(self, tokens: Sequence[int]) -> int:
         """How many leading tokens of ``tokens`` this pool caches (full

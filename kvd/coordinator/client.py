@@ -349,8 +349,12 @@ class RemoteEngineClient:
         if node is None:
             raise EngineDead("no node is available to serve the request; retry later")
         prefill = self._pick_prefill(candidates, prompt_ids, request_id) if node.role == "decode" else None
+        # with replication, the node's ticket to replicate the request at its ring peer (kvd/trust.py)
+        replica = self.recovery.replica_fields(node.name, request_id, self.membership.nodes.values())
+        if prefill is not None or replica:
+            header, _ = protocol.encode(dataclasses.replace(
+                request, prefill_node=prefill.name if prefill is not None else "", **replica))
         if prefill is not None:
-            header, _ = protocol.encode(dataclasses.replace(request, prefill_node=prefill.name))
             # the leg is the prefill node's load from the pick (the router follows it there), not
             # from the decode node's grant; dropped again when the decode node prefills itself
             prefill.in_flight.add(request_id)
@@ -428,7 +432,7 @@ class RemoteEngineClient:
             request, id=f"{rid}.prefill", kv_to_node=decode.name, kv_to_address=decode.address,
             kv_transfer_id=grant.kv_transfer_id, kv_block_ids=grant.kv_block_ids,
             kv_have_blocks=grant.kv_have_blocks, kv_num_layers=grant.kv_num_layers, kv_dtype=grant.kv_dtype,
-            replica_to=holder.name if holder else "", replica_address=holder.address if holder else "")
+            **self.recovery.replica_fields(decode.name, rid, nodes, holder) if holder else {})
 
         async def send() -> None:
             why = None

@@ -39,10 +39,11 @@ from kvd.coordinator.cache_router import CostWeights, make_router
 from kvd.coordinator.cache_sync import CacheSync
 from kvd.coordinator.client import RemoteEngineClient
 from kvd.coordinator.collector import ClusterCollector
-from kvd.coordinator.membership import Membership, NodeInfo
+from kvd.coordinator.membership import Membership, NodeInfo, Refused
 from kvd.coordinator.prompt_tree import PromptTrees
 from kvd.coordinator.recovery import RecoveryPolicy
 from kvd.coordinator.router import Router
+from kvd.ratelog import RateLimitedLog
 from kvd.sdnotify import Notifier
 from transports import InprocRegistry, Listener, TransportError, TransportOptions
 
@@ -70,7 +71,7 @@ class CoordinatorDaemon:
         self.notifier = notifier or Notifier(None)
         self.registry = registry
         self.admin_socket = admin_socket if admin_socket is not None else cluster.admin_socket
-        self.membership = Membership(cluster.heartbeat_deadline)
+        self.membership = Membership(cluster.heartbeat_deadline, cluster.heartbeat_interval)
         self.trees = PromptTrees(pending_ttl=cluster.routing_pending_ttl)   # global prompt trees
         self.cache_sync = CacheSync(self.trees)
         self.client = RemoteEngineClient(model_name, tokenizer, self.membership,
@@ -87,6 +88,7 @@ class CoordinatorDaemon:
                                         send_timeout=cluster.request_timeout,
                                         ucx_progress_mode=cluster.ucx_progress_mode)
         self.bad_messages: collections.Counter[str] = collections.Counter()
+        self._warn = RateLimitedLog(log)    # refused registrations and beats: one line per node per 10 s
         self.listener: Listener | None = None
         self.front: FrontDoor | None = None
         self.runner: web.AppRunner | None = None
@@ -260,7 +262,13 @@ class CoordinatorDaemon:
 
     async def _handle(self, msg: protocol.Message, incoming) -> protocol.Message | None:
         if isinstance(msg, protocol.Heartbeat):
-            if self.membership.beat(msg) is None:
+            try:
+                known = self.membership.beat(msg)
+            except Refused as exc:        # another incarnation's, or a seq out of step: register again
+                self.bad_messages["refused_heartbeat"] += 1
+                self._warn.warning(("heartbeat", msg.node), "heartbeat of %s refused: %s", msg.node, exc)
+                return protocol.Welcome(id=msg.id, node=msg.node, accepted=False, reason=str(exc))
+            if known is None:
                 return protocol.Welcome(id=msg.id, node=msg.node, accepted=False, reason="unknown node")
             return self._assignments(msg)
         if isinstance(msg, protocol.CacheEvents):
@@ -289,7 +297,9 @@ class CoordinatorDaemon:
         return protocol.Welcome(id=hb.id, node=hb.node, accepted=True,
                                 heartbeat_interval=self.cluster.heartbeat_interval,
                                 replica_peer=peer.name if peer else "", replica_address=peer.address if peer else "",
-                                drop_replicas=stale)
+                                drop_replicas=stale,
+                                replica_tickets=self.client.recovery.tickets(peer, hb.node,
+                                                                             self.client.streams_on(hb.node)))
 
     async def _farewell(self, info: NodeInfo, bye: protocol.Goodbye, incoming) -> None:
         """Answer a Goodbye once the node's finished streams have delivered their
@@ -309,7 +319,13 @@ class CoordinatorDaemon:
         if hello.model_name and hello.model_name != self.client.model_name:
             return protocol.Welcome(id=hello.id, node=hello.node, accepted=False,
                                     reason=f"model {hello.model_name!r} != {self.client.model_name!r}")
-        info, replaced = self.membership.register(hello)
+        try:
+            info, replaced = self.membership.register(hello)
+        except Refused as exc:            # a live registration is not taken over from elsewhere
+            self.bad_messages["refused_hello"] += 1
+            self._warn.warning(("hello", hello.node), "registration of %s from %s refused: %s",
+                               hello.node, hello.address, exc)
+            return protocol.Welcome(id=hello.id, node=hello.node, accepted=False, reason=str(exc))
         if replaced is not None:
             n = await self.client.fail_node(replaced, "restarted")
             log.warning("node %s re-registered as a new process; %d request(s) lost", hello.node, n)
@@ -328,7 +344,8 @@ class CoordinatorDaemon:
             log.info("node %s joined at %s", hello.node, hello.address)
         self.cache_sync.registered(hello.node, hello.block_size, hello.role)   # its snapshot follows
         return protocol.Welcome(id=hello.id, node=hello.node, accepted=True,
-                                heartbeat_interval=self.cluster.heartbeat_interval)
+                                heartbeat_interval=self.cluster.heartbeat_interval,
+                                replica_key=self.client.recovery.holder_key(info))
 
     async def _detect_failures(self) -> None:
         """Every half interval, declare dead the nodes silent past the deadline.

@@ -6,6 +6,12 @@ dead node's request resumes. Pure: no I/O, no asyncio, no torch.
   draining) streams its requests' KV to the next one by name, cyclically;
   a node alone has no peer. Assignments travel in the heartbeat replies, so
   a ring change reaches every node within one heartbeat interval.
+- Replica tickets (kvd/trust.py): a holder takes a replica of request R
+  run by S only with this coordinator's ticket for (holder, S, R). The
+  holder's key derives from ``secret`` (random per coordinator process)
+  and the holder's incarnation; ``replica_fields`` gives S (and its
+  prefill node) the ticket with R, ``tickets`` repeats them for S's
+  current peer in each heartbeat reply.
 - ``ReplicaTable``: what each holder reported in its last heartbeat, sender
   -> {request id -> tokens held} (DéjàVu's ``(x, j, t)``).
 - ``RecoveryPolicy``: ``replica`` resumes on the live holder with the most
@@ -23,9 +29,11 @@ dead node's request resumes. Pure: no I/O, no asyncio, no torch.
 from __future__ import annotations
 
 import collections
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from kvd import trust
 from kvd.coordinator.membership import NodeInfo
 
 
@@ -73,6 +81,31 @@ class RecoveryPolicy:
     replicas: int = 0                        # [cluster].replicas: 1 = every decoding node has a ring peer
     table: ReplicaTable = field(default_factory=ReplicaTable)
     outcomes: collections.Counter = field(default_factory=collections.Counter)   # (how, outcome) -> n
+    secret: bytes = field(default_factory=lambda: os.urandom(32), repr=False)     # the holders' keys derive from it
+
+    def holder_key(self, holder: NodeInfo) -> str:
+        """The replica key of ``holder``'s process: its registration Welcome's ``replica_key``."""
+        return trust.holder_key(self.secret, holder.name, holder.incarnation)
+
+    def tickets(self, holder: NodeInfo | None, owner: str, request_ids: Iterable[str]) -> dict[str, str]:
+        """request id -> the ticket to write its replica, run by ``owner``, at
+        ``holder`` ({} without a holder)."""
+        if holder is None:
+            return {}
+        key = self.holder_key(holder)
+        return {rid: trust.replica_ticket(key, owner, rid) for rid in request_ids}
+
+    def replica_fields(self, owner: str, request_id: str, nodes: Iterable[NodeInfo],
+                       holder: NodeInfo | None = None) -> dict[str, str]:
+        """The GenerateRequest fields that let ``request_id``, run by
+        ``owner``, be replicated at ``holder`` (default: ``owner``'s ring
+        peer): ``replica_to``, ``replica_address``, ``replica_ticket``; {}
+        when there is none (or ``replicas = 0``)."""
+        holder = holder or self.peer_of(owner, nodes)
+        if holder is None:
+            return {}
+        return {"replica_to": holder.name, "replica_address": holder.address,
+                "replica_ticket": self.tickets(holder, owner, (request_id,))[request_id]}
 
     def peer_of(self, name: str, nodes: Iterable[NodeInfo]) -> NodeInfo | None:
         """The node ``name`` replicates to (``ring_peers``), None with

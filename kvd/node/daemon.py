@@ -65,7 +65,7 @@ from kvd.node.heartbeat import Heartbeater
 from kvd.node.disagg import DecodeSide, LayerSender
 from kvd.node.kvmove import FINAL, KVReceiver, TransferState, new_transfer_id
 from kvd.node.replication import Replicator, ReplicaStore, send_prompt_replica
-from kvd.node.transfer import PrefixReceiver, send_prefix
+from kvd.node.transfer import PrefixReceiver, grant_seconds, send_prefix
 from kvd.ratelog import RateLimitedLog
 from kvd.sdnotify import Notifier
 from transports import InprocRegistry, Listener, TransportError, TransportOptions
@@ -135,7 +135,8 @@ class NodeDaemon:
         self.driver = EngineDriver(engine)
         self.driver.on_dead = self._engine_died
         await self.driver.start()
-        self.receiver = PrefixReceiver(self.driver)
+        self.receiver = PrefixReceiver(self.driver, max_peer_blocks=max(
+            1, int(self.cluster.kv_grant_share * engine.config.kv_blocks)))
         self.listener = await links.listen(self.address, self.cluster, self.name,
                                            registry=self.registry, options=self.options)
         self.address = self.listener.url
@@ -282,7 +283,7 @@ class NodeDaemon:
         max_seqs = self.driver.engine.config.max_num_seqs
         return protocol.Heartbeat(
             id=f"hb-{self.name}-{seq}", deadline=time.time() + self.cluster.request_timeout,
-            node=self.name, seq=seq, load=(snap["running"] + snap["waiting"]) / max_seqs,
+            node=self.name, incarnation=self.incarnation, seq=seq, load=(snap["running"] + snap["waiting"]) / max_seqs,
             running=snap["running"], waiting=snap["waiting"],
             free_blocks={t: kv.get(t, {}).get("free", 0) for t in protocol.TIERS},
             draining=self.draining,
@@ -291,10 +292,13 @@ class NodeDaemon:
             stats=dict(snap, replication=self.replicator.stats() if self.replicator else {}))
 
     def _assigned(self, welcome: protocol.Welcome) -> None:
-        """The coordinator's reply to a beat: this node's replica peer, and the
-        replicas held here whose requests are no longer in flight."""
+        """The coordinator's reply to a beat: this node's replica peer and its
+        tickets there, and the replicas held here whose requests are no
+        longer in flight; to a registration: this node's replica key."""
+        if welcome.replica_key:
+            self.replica_store.key = welcome.replica_key
         if self.replicator is not None:
-            self.replicator.set_peer(welcome.replica_peer, welcome.replica_address)
+            self.replicator.set_peer(welcome.replica_peer, welcome.replica_address, welcome.replica_tickets)
         if welcome.drop_replicas and self._tg is not None:
             self._tg.create_task(self._drop_replicas(welcome.drop_replicas), name="drop replicas")
 
@@ -332,6 +336,8 @@ class NodeDaemon:
                                  self.driver.generate(msg.request_id, list(msg.prompt_token_ids), msg.sampling))
             self.streams[msg.request_id] = self._tg.create_task(self._leg(msg.request_id, leg),
                                                                 name=f"req {msg.request_id}")
+            if msg.replica_to and not msg.is_prefill_leg and self.replicator is not None:
+                self.replicator.grant(msg.request_id, msg.replica_to, msg.replica_ticket)
             return None if msg.prefill_node else protocol.Accepted(id=msg.id, request_id=msg.request_id,
                                                                    resumed_tokens=resumed)
         if isinstance(msg, protocol.Abort):
@@ -428,15 +434,14 @@ class NodeDaemon:
         holds the blocks from then on) or ended."""
         rid, outputs = msg.request_id, list(msg.output_token_ids)
         rep = self.replica_store.take(msg.replica_from, rid) if msg.replica_from else None
-        usable = 0
-        if rep is not None:
-            known = list(msg.prompt_token_ids) + outputs
-            usable = next((i for i, (a, b) in enumerate(zip(rep.tokens, known[:-1])) if a != b),
-                          min(len(rep.tokens), len(known) - 1))
+        known = list(msg.prompt_token_ids) + outputs
+        usable = rep.usable(known) if rep is not None else 0
         store = self.replica_store
 
         async def resumed():
             try:
+                if rep is not None:          # its agreeing blocks become this request's cached KV
+                    await store.commit(rep, known)
                 async for out in self.driver.generate_resumed(rid, list(msg.prompt_token_ids), outputs,
                                                               msg.sampling):
                     if rep is not None:
@@ -533,7 +538,7 @@ class NodeDaemon:
             except TransportError as exc:
                 return "failed", str(exc)
             outcome, why = await send_prompt_replica(
-                conn, source=self.name, owner=msg.kv_to_node, request_id=msg.request_id,
+                conn, source=self.name, owner=msg.kv_to_node, request_id=msg.request_id, ticket=msg.replica_ticket,
                 prompt=list(msg.prompt_token_ids), kv=kv, block_size=self.driver.engine.config.block_size,
                 timeout=self.cluster.request_timeout)
             if outcome == "failed":
@@ -634,9 +639,10 @@ class NodeDaemon:
                 log.info("reply to %s not delivered: %s", reply.TYPE, exc)
 
     def _grant_timeout(self, msg: protocol.KVTransferRequest) -> float:
-        """Seconds a grant waits for its data: the sender's deadline (>= 1 s)."""
-        timeout = (msg.deadline - time.time()) if msg.deadline else self.cluster.request_timeout
-        return max(timeout, 1.0)
+        """Seconds a grant waits for its data: the sender's deadline, within
+        this node's ``kv_transfer_timeout`` (transfer.grant_seconds)."""
+        return grant_seconds(msg.deadline or time.time() + self.cluster.request_timeout,
+                             self.cluster.kv_transfer_timeout)
 
     async def _reply_later(self, msg: protocol.Message, incoming) -> None:
         try:

@@ -92,6 +92,7 @@ class Heartbeater:
                 if isinstance(reply, protocol.Welcome) and reply.accepted:
                     self.registered = True
                     self.registrations += 1
+                    self.seq = 0            # beats count from 1 in each registration (membership.py)
                     self.joined.set()
                     if reply.heartbeat_interval > 0:
                         self.interval = reply.heartbeat_interval

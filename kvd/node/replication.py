@@ -12,17 +12,26 @@ tokens once it is full. A request that ended here is named in ``frees``.
 The round waits for the peer's ``ReplicaAck`` (deadline: the cluster's
 request timeout) before the next one, so at most one message is in flight.
 
-Holder (``ReplicaStore``): a replica is the request's full blocks, cached in
-the host tier and locked (``MemPool.extend_hold``), keyed by (sender,
-request id): a node can touch only its own replicas, whatever it sends.
-The blocks held for all senders together stay within ``replica_kv_blocks``;
-a replica past that (or past the host tier) is refused in the ack, counted
-and logged, never dropped silently. The holder reports what it holds in
-each heartbeat (DéjàVu's ``(x, j, t)``); the coordinator tells it in the
-reply which replicas to drop (their requests ended). On recovery the
+Holder (``ReplicaStore``): a replica is the request's full blocks, held in
+the host tier as private blocks (``MemPool.hold_kv``: in no index, so no
+prefix lookup of any request ever matches them, and no eviction takes
+them), keyed by (sender, request id): a node can touch only its own
+replicas, whatever it sends. A replica of request R run by node S is
+written only with the coordinator's ticket for (this holder, S, R)
+(kvd/trust.py): the coordinator hands it to S with R (and to R's prefill
+node, which writes the prompt's replica for S), and repeats the tickets of
+S's requests for S's current peer in S's heartbeat replies; an entry
+without a valid ticket is refused in the ack (``no_ticket``). The blocks
+held for all senders together stay within ``replica_kv_blocks``; a replica
+past that (or past the host tier) is refused in the ack, counted and
+logged, never dropped silently. The holder reports what it holds in each
+heartbeat (DéjàVu's ``(x, j, t)``); the coordinator tells it in the reply
+which replicas to drop (their requests ended). On recovery the
 coordinator asks the holder to resume a request (``replica_from``): the
-replica is taken out of the store; its lock is released once the resumed
-request's prefix match has taken its blocks.
+replica is taken out of the store, and the owner's commit indexes the
+blocks where it agrees with the tokens the coordinator knows, as that
+request's own KV (``commit``); that lock is released once the resumed
+request's prefix match has taken them.
 
 What a replica misses is recomputed: the tokens past its last full block
 (at most ``block_size - 1``) plus those generated since the last round.
@@ -49,9 +58,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.memory.mempool import PrefixLock
+from engine.memory.mempool import Hold, PrefixLock
 from engine.stream import STAGING
-from kvd import protocol
+from kvd import protocol, trust
 from kvd.node.engine_driver import EngineDriver
 from kvd.ratelog import RateLimitedLog
 from transports import Connection, TransportError
@@ -60,6 +69,7 @@ log = logging.getLogger("kvd.replication")
 
 REFUSED_RETRY_S = 1.0          # a request the holder refused is offered again after this
 ADOPT_WAIT_S = 2.0             # how long a decode node claims a prompt replica its prefill node sent
+TICKET_GRACE_S = 10.0          # a ticket from a request is kept this long without a heartbeat repeating it
 
 
 class Replicator:
@@ -74,6 +84,7 @@ class Replicator:
         self.interval = interval
         self.timeout = timeout
         self.peer: tuple[str, str] | None = None  # (name, address), from the coordinator
+        self.tickets: dict[str, tuple[str, str, float]] = {}  # request id -> (holder, ticket, when given)
         self.sent: dict[str, int] = {}            # request id -> blocks the peer holds
         self.retry_at: dict[str, float] = {}      # request id -> when to offer it again (refused)
         self.adopting: dict[str, tuple[str, str, float]] = {}  # request id -> (writer, holder, give up at)
@@ -83,9 +94,13 @@ class Replicator:
         self._warn = RateLimitedLog(log)
         self._epoch = 0                           # bumped on every peer change
 
-    def set_peer(self, name: str, address: str) -> None:
-        """The coordinator's assignment ("" = none). A new peer starts from
-        nothing: every request is replicated to it whole."""
+    def set_peer(self, name: str, address: str, tickets: dict[str, str] | None = None) -> None:
+        """The coordinator's assignment ("" = none) and its tickets there for
+        the requests it runs here (a heartbeat reply). A new peer starts
+        from nothing: every request is replicated to it whole. Tickets the
+        reply does not repeat are forgotten once ``TICKET_GRACE_S`` old (a
+        request routed here after the coordinator built the reply has its
+        ticket from its GenerateRequest)."""
         new = (name, address) if name else None
         if new != self.peer:
             log.info("replica peer: %s", name or "none")
@@ -93,6 +108,17 @@ class Replicator:
             self.sent = {}
             self.retry_at.clear()
             self._epoch += 1
+        now = time.monotonic()
+        tickets = tickets or {}
+        self.tickets = {rid: t for rid, t in self.tickets.items() if rid in tickets or now - t[2] < TICKET_GRACE_S}
+        for rid, ticket in tickets.items():
+            self.tickets[rid] = (name, ticket, now)
+
+    def grant(self, request_id: str, holder: str, ticket: str) -> None:
+        """The coordinator's ticket to replicate ``request_id`` at ``holder``
+        (a GenerateRequest's ``replica_to``/``replica_ticket``). A request
+        is replicated only to a peer it has a ticket for."""
+        self.tickets[request_id] = (holder, ticket, time.monotonic())
 
     def expect_prompt(self, request_id: str, writer: str, holder: str) -> None:
         """``writer`` (the prefill node) is sending the prompt replica of
@@ -127,7 +153,9 @@ class Replicator:
                                rid, peer[0], holder)
         adopt = {rid: writer for rid, (writer, _, _) in self.adopting.items()}
         retry = {rid for rid, t in self.retry_at.items() if t > now}
-        batch = await self.driver.call(lambda engine: _collect(engine, sent, retry, adopt), timeout=self.timeout)
+        tickets = {rid: ticket for rid, (holder, ticket, _) in self.tickets.items() if holder == peer[0]}
+        batch = await self.driver.call(lambda engine: _collect(engine, sent, retry, adopt, tickets),
+                                       timeout=self.timeout)
         msg, buf, lag = batch
         self.lag_tokens = lag
         self.counts["rounds"] += 1
@@ -154,6 +182,7 @@ class Replicator:
             sent.pop(rid, None)
             self.retry_at.pop(rid, None)
             self.adopting.pop(rid, None)
+            self.tickets.pop(rid, None)
         for rid, n in ack.held.items():
             if rid in msg.request_ids:
                 sent[rid] = n // bs
@@ -172,12 +201,14 @@ class Replicator:
                 "lag_tokens": self.lag_tokens, **self.counts}
 
 
-def _collect(engine: Any, sent: dict[str, int], skip: set[str],
-             adopt: dict[str, str]) -> tuple[dict | None, Any, int]:
+def _collect(engine: Any, sent: dict[str, int], skip: set[str], adopt: dict[str, str],
+             tickets: dict[str, str]) -> tuple[dict | None, Any, int]:
     """Engine thread: the ReplicaData fields of one round (None: nothing to
     send), the staging buffer holding its KV, and the lag in tokens.
     ``skip``: requests not to send now; ``adopt``: requests not to send
-    but to claim (request id -> writer) while they are still here."""
+    but to claim (request id -> writer) while they are still here;
+    ``tickets``: the coordinator's tickets at the peer (a request without
+    one is not sent: the holder would refuse it)."""
     bs = engine.config.block_size
     ids, rids, starts, counts, tokens = [], [], [], [], []
     lag = 0
@@ -186,7 +217,7 @@ def _collect(engine: Any, sent: dict[str, int], skip: set[str],
         live.add(rid)
         have = sent.get(rid, 0)
         lag += max(0, computed - have * bs)
-        if len(blocks) <= have or rid in skip or rid in adopt:
+        if len(blocks) <= have or rid in skip or rid in adopt or rid not in tickets:
             continue
         rids.append(rid)
         starts.append(have * bs)
@@ -204,7 +235,8 @@ def _collect(engine: Any, sent: dict[str, int], skip: set[str],
         engine.pool.gather_blocks(ids, view, (0, layout.num_layers))
         tensors = (view,)
     return {"block_size": bs, "request_ids": tuple(rids), "starts": tuple(starts), "counts": tuple(counts),
-            "token_ids": tuple(tokens), "frees": frees, "adopt": claims, "tensors": tensors}, buf, lag
+            "token_ids": tuple(tokens), "frees": frees, "adopt": claims, "tensors": tensors,
+            "tickets": {rid: tickets[rid] for rid in rids}}, buf, lag
 
 
 def first_blocks(kv: Any, k: int) -> Any:
@@ -219,11 +251,12 @@ def first_blocks(kv: Any, k: int) -> Any:
     return torch.from_numpy(np.ascontiguousarray(raw)).view(kv.dtype)
 
 
-async def send_prompt_replica(conn: Connection, *, source: str, owner: str, request_id: str,
+async def send_prompt_replica(conn: Connection, *, source: str, owner: str, request_id: str, ticket: str,
                               prompt: list[int], kv: Any, block_size: int, timeout: float) -> tuple[str, str]:
     """Prefill node: send the full blocks of ``prompt`` (their KV: ``kv``,
     the staged [L, 2, n, bs, kvh, hd] of every prompt block) to ``owner``'s
-    replica peer over ``conn``, as a replica ``owner`` adopts. Returns
+    replica peer over ``conn``, as a replica ``owner`` adopts, with the
+    coordinator's ``ticket`` for it there. Returns
     (outcome, why): ``sent``, ``empty`` (no full block), ``refused`` (the
     holder's answer) or ``failed`` (transport, deadline). Never raises
     TransportError; ``kv`` is read until it returns."""
@@ -233,7 +266,8 @@ async def send_prompt_replica(conn: Connection, *, source: str, owner: str, requ
     frame = kv if k == kv.shape[2] else await asyncio.to_thread(first_blocks, kv, k)
     msg = protocol.ReplicaData(id=f"rep-{source}-{request_id}", deadline=time.time() + timeout, source=source,
                                owner=owner, block_size=block_size, request_ids=(request_id,), starts=(0,),
-                               counts=(k,), token_ids=tuple(prompt[:k * block_size]), tensors=(frame,))
+                               counts=(k,), token_ids=tuple(prompt[:k * block_size]), tensors=(frame,),
+                               tickets={request_id: ticket})
     try:
         ack = await protocol.call(conn, msg, timeout=timeout)
     except (TransportError, TimeoutError) as exc:
@@ -258,23 +292,36 @@ def _why(msg: Any) -> str:
 class Replica:
     source: str                          # who may extend it (its key's sender)
     tokens: list[int] = field(default_factory=list)
-    lock: PrefixLock | None = None
+    hold: Hold | None = None             # its KV: private blocks, in no index (MemPool.hold_kv)
     owner: str = ""                      # a prefill node's write: the decode node that may adopt it
+    lock: PrefixLock | None = None       # once a recovery committed it: the indexed prefix, until admitted
 
     @property
     def blocks(self) -> int:
-        return len(self.lock.blocks) if self.lock is not None else 0
+        return self.hold.blocks if self.hold is not None else 0
+
+    def usable(self, known: list[int]) -> int:
+        """How many leading tokens of ``known`` (a request's prompt and the
+        tokens its client has) this replica's KV is: where they agree,
+        short of the last known token (its KV is the resumed step's)."""
+        n = min(len(self.tokens), len(known) - 1)
+        return next((i for i, (a, b) in enumerate(zip(self.tokens[:n], known)) if a != b), max(n, 0))
 
 
 class ReplicaStore:
-    """The replicas this node holds for its peers (module docstring)."""
+    """The replicas this node holds for its peers (module docstring).
+
+    ``key``: this node's replica key, from the coordinator's Welcome
+    (kvd/trust.py); until it comes, every replica is refused."""
 
     def __init__(self, driver: EngineDriver, budget_blocks: int, timeout: float) -> None:
         self.driver = driver
         self.budget = budget_blocks
         self.timeout = timeout
+        self.key: str | None = None
         self.replicas: dict[tuple[str, str], Replica] = {}
-        self.counts = {"received_blocks": 0, "refused": 0, "dropped": 0, "resumed": 0, "adopted": 0}
+        self.counts = {"received_blocks": 0, "refused": 0, "no_ticket": 0, "dropped": 0, "resumed": 0,
+                       "adopted": 0}
 
     @property
     def blocks(self) -> int:
@@ -286,6 +333,16 @@ class ReplicaStore:
         for (source, rid), rep in self.replicas.items():
             out.setdefault(source, {})[rid] = len(rep.tokens)
         return out
+
+    def ticket_refusal(self, msg: protocol.ReplicaData, request_id: str) -> str | None:
+        """Why ``msg`` may not write the replica of ``request_id`` here (no
+        valid coordinator ticket for it at this node), or None."""
+        owner = msg.owner or msg.source
+        if self.key is None:
+            return "this node has no replica key yet (not registered with the coordinator)"
+        if not trust.valid_ticket(self.key, owner, request_id, msg.tickets.get(request_id, "")):
+            return f"no valid coordinator ticket for a replica of {request_id} run by {owner} at this node"
+        return None
 
     async def on_data(self, msg: protocol.ReplicaData) -> protocol.ReplicaAck:
         """Apply one round from ``msg.source`` (already authenticated as it)."""
@@ -309,6 +366,16 @@ class ReplicaStore:
                 held[rid] = len(self.replicas[key].tokens)
         if not msg.request_ids:
             return protocol.ReplicaAck(id=msg.id, held=held, refused=refused)
+        for rid in msg.request_ids:
+            if why := self.ticket_refusal(msg, rid):
+                refused[rid] = why
+        if refused:
+            # a message with an entry it may not write changes nothing (its frame is one for all)
+            self.counts["no_ticket"] += len(refused)
+            self.counts["refused"] += len(msg.request_ids)
+            why = "another entry of this message has no valid ticket"
+            return protocol.ReplicaAck(id=msg.id, held=held,
+                                       refused={rid: refused.get(rid, why) for rid in msg.request_ids})
         layout = pool.kv_layout()
         frame = msg.tensors[0]
         want = (layout.num_layers, 2, sum(msg.counts), *layout.block_shape[2:])
@@ -334,14 +401,14 @@ class ReplicaStore:
             if total + count > self.budget:
                 refused[rid] = f"over the replica budget of {self.budget} blocks (replica_kv_blocks)"
                 continue
-            rep = rep or Replica(msg.source, owner=msg.owner)
-            lock = pool.extend_hold(rep.lock, rep.tokens + list(new_tokens), payload)
-            if lock is None:
+            hold = pool.hold_kv(rep.hold if rep is not None else None, payload)
+            if hold is None:
                 refused[rid] = "the host tier is full"
                 continue
-            total += len(lock.blocks) - rep.blocks
-            rep.lock = lock
+            rep = rep or Replica(msg.source, owner=msg.owner)
+            rep.hold = hold
             rep.tokens.extend(new_tokens)
+            total += count
             self.replicas[key] = rep
             held[rid] = len(rep.tokens)
             self.counts["received_blocks"] += count
@@ -352,8 +419,8 @@ class ReplicaStore:
         rep = self.replicas.pop(key, None)
         if rep is None:
             return False
-        if rep.lock is not None:
-            pool.unlock(rep.lock)
+        if rep.hold is not None:
+            pool.drop_hold(rep.hold)
         self.counts["dropped"] += 1
         return True
 
@@ -367,17 +434,45 @@ class ReplicaStore:
         return await self.driver.call(run, timeout=self.timeout)
 
     def take(self, source: str, request_id: str) -> Replica | None:
-        """Take a replica out of the store for recovery; release its lock
-        (``release``) once the resumed request was admitted."""
+        """Take a replica out of the store for recovery: ``commit`` what the
+        resumed request may use of it, then ``release`` it once that request
+        was admitted (or did not run)."""
         rep = self.replicas.pop((source, request_id), None)
         if rep is not None:
             self.counts["resumed"] += 1
         return rep
 
+    async def commit(self, rep: Replica, known: list[int]) -> None:
+        """The owner's commit of a taken replica, for the request whose
+        prompt and client-held tokens are ``known`` (the coordinator's): the
+        whole blocks of its ``usable`` part become the cached KV of those
+        tokens, locked until ``release``, so the resumed request's prefix
+        lookup finds them; the rest of the replica is freed. Nothing of a
+        replica that disagrees with ``known`` is ever indexed under them."""
+        hold = rep.hold
+        if hold is None:
+            return
+        rep.hold = None
+        prefix = list(known[:rep.usable(known)])
+        try:
+            rep.lock = await self.driver.call(lambda engine: engine.pool.commit_hold(hold, prefix),
+                                              timeout=self.timeout)
+        except BaseException:
+            rep.hold = hold if hold.block_ids else None     # not committed: ``release`` frees it
+            raise
+
     async def release(self, rep: Replica) -> None:
-        if rep.lock is not None:
-            lock, rep.lock = rep.lock, None
-            await self.driver.call(lambda engine: engine.pool.unlock(lock), timeout=self.timeout)
+        """Give a taken replica back: its lock (committed) or its blocks (not)."""
+        lock, hold = rep.lock, rep.hold
+        rep.lock = rep.hold = None
+
+        def run(engine: Any) -> None:
+            if lock is not None:
+                engine.pool.unlock(lock)
+            if hold is not None:
+                engine.pool.drop_hold(hold)
+        if lock is not None or hold is not None:
+            await self.driver.call(run, timeout=self.timeout)
 
     def stats(self) -> dict[str, Any]:
         return {"replicas": len(self.replicas), "blocks": self.blocks, "budget_blocks": self.budget,

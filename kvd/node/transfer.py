@@ -111,6 +111,15 @@ def _piece_tensors(layout: KVLayout, lengths: list[int], views: list[memoryview]
     return tuple(protocol.RawTensor(dtype, shapes[i % R], v) for i, v in enumerate(views))
 
 
+def grant_seconds(deadline: float | None, limit: float, now: float | None = None) -> float:
+    """How long a grant waits for its data: until the sender's wall-clock
+    ``deadline`` (None: ``limit``), never longer than ``limit`` (this node's
+    ``kv_transfer_timeout``), never shorter than a second."""
+    now = time.time() if now is None else now
+    want = limit if deadline is None else deadline - now
+    return min(max(want, 1.0), limit)
+
+
 def _layer_chunks(num_layers: int, nbytes: int, chunk_bytes: int,
                   max_layers: int | None = None) -> list[tuple[int, int]]:
     """Split [0, num_layers) into <= num_layers contiguous ranges of
@@ -136,16 +145,25 @@ class PrefixReceiver:
     is refused with Error("no_grant") and changes nothing (counted in
     ``refused``). Every call that touches a receiver runs on the engine
     thread (``EngineDriver``), so imports, completion and the reaper never
-    race."""
+    race.
 
-    def __init__(self, driver: EngineDriver, tier: str = "device") -> None:
+    What one peer may hold is this node's to bound, not the sender's: its
+    open grants together cover at most ``max_peer_blocks`` blocks (a peer
+    is its authenticated key, or its link when the listener names nobody;
+    a request past that is refused, ``peer_refused``), and each grant
+    lives for the ``timeout`` the caller chose from this node's config, at
+    most (``grant_seconds``); the reaper (``expire``) then frees it."""
+
+    def __init__(self, driver: EngineDriver, tier: str = "device", max_peer_blocks: int | None = None) -> None:
         self.driver = driver
         self.tier = tier
+        self.max_peer_blocks = max_peer_blocks   # None: no bound per peer
         self.receivers: dict[str, KVReceiver] = {}   # open transfers, by transfer id
         self.received_bytes = 0
         self.completed = 0
         self.failed = 0
         self.refused = 0           # KVData for no grant of this sender (forged, late or stray)
+        self.peer_refused = 0      # KVTransferRequests past the sender's share of this node's blocks
 
     @staticmethod
     def _layout_error(engine: Any, num_layers: int, dtype: str) -> str | None:
@@ -188,6 +206,12 @@ class PrefixReceiver:
                 return refuse(reason)
             if msg.transfer_id in self.receivers:
                 return self._duplicate(msg)
+            if self.max_peer_blocks is not None:
+                held = self.peer_blocks(*sender)
+                if held + msg.num_blocks > self.max_peer_blocks:
+                    self.peer_refused += 1
+                    return refuse(f"over this sender's share of KV grants: it holds {held} blocks, asked for "
+                                  f"{msg.num_blocks}, at most {self.max_peer_blocks} (kv_grant_share)")
             grant = pool.grant(tokens, msg.num_blocks, self.tier)
             if grant is None:
                 return refuse("out of KV blocks")
@@ -199,6 +223,12 @@ class PrefixReceiver:
             return protocol.KVAllocReply(id=msg.id, transfer_id=msg.transfer_id, ok=True,
                                          block_ids=tuple(grant.block_ids), have_blocks=grant.have_blocks)
         return allocate
+
+    def peer_blocks(self, link: bytes, identity: str | None) -> int:
+        """Blocks the open grants of this peer cover (its key's, or its
+        link's when it has no name)."""
+        return sum(rx.region.have_blocks + len(rx.region.block_ids) for rx in self.receivers.values()
+                   if rx.sender_node == identity and (identity is not None or rx.link == link))
 
     async def on_data(self, msg: protocol.KVData, sender: tuple[bytes, str | None]) -> protocol.Message:
         return await self.driver.call(lambda engine: self._import_chunk(engine, msg, sender))

@@ -1,9 +1,11 @@
 """Recovery inside one process: an engine runs a request part way, its full
-blocks are replicated into a second engine's host tier (``MemPool.extend_hold``,
-what kvd/node/replication.py does over the wire), and the second engine
-resumes the request from the tokens the client already has
-(``LLMEngine.resume_request``). Greedy and seeded tokens and text equal an
-uninterrupted run; pools return to their baselines."""
+blocks are replicated into a second engine's host tier as private blocks
+(``MemPool.hold_kv``, what kvd/node/replication.py does over the wire: no
+lookup matches them), the recovery commits them as the request's own KV
+(``MemPool.commit_hold``), and the second engine resumes the request from
+the tokens the client already has (``LLMEngine.resume_request``). Greedy and
+seeded tokens and text equal an uninterrupted run; pools return to their
+baselines."""
 
 from __future__ import annotations
 
@@ -25,16 +27,16 @@ def run(engine, rid, prompt, params, steps=None):
     return tokens, text
 
 
-def replicate(src, dst, rid, lock, upto_blocks, sent_blocks):
+def replicate(src, dst, rid, hold, upto_blocks, sent_blocks):
     """Copy blocks [sent_blocks, upto_blocks) of ``rid`` from ``src`` to a hold in ``dst``."""
     req = src.requests[rid]
     layout = src.pool.kv_layout()
     n = upto_blocks - sent_blocks
     out = torch.empty((layout.num_layers, 2, n, *layout.block_shape[2:]), dtype=layout.dtype)
     src.pool.gather_blocks(req.block_ids[sent_blocks:upto_blocks], out, (0, layout.num_layers))
-    tokens = req.all_ids[:upto_blocks * src.config.block_size]
-    held = dst.pool.extend_hold(lock, tokens, out)
-    assert held is not None and held.num_tokens == len(tokens)
+    held = dst.pool.hold_kv(hold, out)
+    assert held is not None and held.blocks == upto_blocks
+    assert dst.pool.cached_tokens(req.all_ids) == 0          # private: no lookup matches it
     return held
 
 
@@ -63,16 +65,18 @@ def test_resume_from_a_replica_equals_an_uninterrupted_run(make_tiny, dtype, par
     # the source runs 30 steps; its full blocks go to dst in three rounds
     src.add_request("r", prompt, params)
     tokens, text = [], ""
-    lock, sent = None, 0
+    hold, sent = None, 0
     for step in range(30):
         for out in src.step():
             tokens += out.new_token_ids
             text += out.text
         full = src.requests["r"].num_computed // bs
         if step in (0, 20, 29) and full > sent:
-            lock, sent = replicate(src, dst, "r", lock, full, sent), full
+            hold, sent = replicate(src, dst, "r", hold, full, sent), full
     assert tokens == ref_tokens[:30] and sent >= 4
-    # src dies here; dst resumes from the client's tokens
+    # src dies here; the recovery commits the hold as the request's KV, dst resumes
+    lock = dst.pool.commit_hold(hold, (prompt + tokens)[:sent * bs])
+    assert lock.num_tokens == sent * bs and not hold.block_ids
     assert dst.resume_request("r", prompt, tokens, params) is None
     hit_before = dst.pool.hit_tokens
     more, more_text = [], ""
@@ -126,7 +130,7 @@ def test_resume_refuses_bad_tokens_and_changes_nothing(make_tiny, outputs):
     assert not engine.requests and not engine.has_unfinished()
 
 
-def test_extend_hold_short_of_memory_changes_nothing(make_tiny):
+def test_hold_kv_short_of_memory_changes_nothing(make_tiny):
     src, dst = make_tiny(), make_tiny(host_kv_blocks=2)
     params = PARAMS[0]
     prompt = list(range(1, 70))
@@ -136,6 +140,33 @@ def test_extend_hold_short_of_memory_changes_nothing(make_tiny):
     layout = src.pool.kv_layout()
     out = torch.empty((layout.num_layers, 2, 4, *layout.block_shape[2:]), dtype=layout.dtype)
     src.pool.gather_blocks(src.requests["r"].block_ids[:4], out, (0, layout.num_layers))
-    assert dst.pool.extend_hold(None, prompt[:64], out) is None
+    assert dst.pool.hold_kv(None, out) is None
+    assert dst.pool.stats() == before
+    dst.check_integrity()
+
+
+def test_a_hold_is_private_until_committed_and_commits_only_what_it_is_told(make_tiny):
+    """Held blocks are request-owned: no lookup matches them, a flush keeps
+    them; a commit of fewer tokens than held indexes those only and frees
+    the rest; a dropped hold leaves the pool as it was."""
+    src, dst = make_tiny(), make_tiny(host_kv_blocks=16)
+    prompt = list(range(1, 70))                            # 4 full blocks
+    src.add_request("r", prompt, PARAMS[0])
+    src.step()
+    layout = src.pool.kv_layout()
+    out = torch.empty((layout.num_layers, 2, 4, *layout.block_shape[2:]), dtype=layout.dtype)
+    src.pool.gather_blocks(src.requests["r"].block_ids[:4], out, (0, layout.num_layers))
+    before = dst.pool.stats()
+    hold = dst.pool.hold_kv(None, out)
+    assert hold.blocks == 4 and dst.pool.stats()["host"]["request_owned"] == 4
+    dst.pool.flush()
+    assert dst.pool.cached_tokens(prompt) == 0 and hold.blocks == 4
+    lock = dst.pool.commit_hold(hold, prompt[:40])         # 2 whole blocks of the 2.5 given
+    assert lock.num_tokens == 32 and dst.pool.cached_tokens(prompt) == 32
+    assert dst.pool.stats()["host"]["request_owned"] == 0 and dst.pool.stats()["host"]["cached"] == 2
+    dst.pool.unlock(lock)
+    dst.pool.flush()
+    again = dst.pool.hold_kv(None, out)
+    dst.pool.drop_hold(again)
     assert dst.pool.stats() == before
     dst.check_integrity()

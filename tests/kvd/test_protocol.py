@@ -117,14 +117,14 @@ def test_empty_tensor_frame():
     (dict(kv_to_node="d1", kv_to_address="a", kv_transfer_id="t", kv_num_layers=2, kv_dtype="float32",
           kv_block_ids=(1, 2), kv_have_blocks=5), "more blocks"),
     (dict(kv_to_node="d1", kv_transfer_id="t", kv_num_layers=2, kv_dtype="float32"), "kv_to_address"),
-    (dict(replica_to="d2", replica_address="a"), "replica_to needs a prefill leg"),
+    (dict(replica_to="d2", replica_address="a"), "replica_to needs replica_address and replica_ticket"),
     (dict(kv_to_node="d1", kv_to_address="a", kv_transfer_id="t", kv_num_layers=2, kv_dtype="float32",
-          kv_block_ids=(1,), replica_to="d2"), "replica_address"),
+          kv_block_ids=(1,), replica_to="d2", replica_ticket="ab"), "replica_address"),
     (dict(prompt_token_ids=tuple(range(32)), kv_to_node="d1", kv_to_address="a", kv_transfer_id="t",
           kv_num_layers=2, kv_dtype="float32", kv_block_ids=(1,), kv_have_blocks=1, replica_to="d2",
-          replica_address="b"), "from block 0"),
+          replica_address="b", replica_ticket="ab"), "from block 0"),
     (dict(kv_to_node="d1", kv_to_address="a", kv_transfer_id="t", kv_num_layers=2, kv_dtype="float32",
-          kv_block_ids=(1,), replica_to="d1", replica_address="a"), "to another node"),
+          kv_block_ids=(1,), replica_to="d1", replica_address="a", replica_ticket="ab"), "to another node"),
 ])
 def test_generate_request_validation(bad, match):
     fields = dict(request_id="r", prompt_token_ids=(1,)) | bad

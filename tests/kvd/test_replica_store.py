@@ -1,8 +1,11 @@
 """ReplicaStore on a real engine: a prefill node's prompt replica written for
 its decode node is the writer's until that node adopts it; only the named
 owner can adopt; the adopted replica is extended by the owner's rounds and
-given back whole on recovery. The decode side: a claim the holder cannot
-answer falls back to sending the prompt from the decode node."""
+given back whole on recovery. Every write needs the coordinator's ticket
+for (this holder, owner, request); a replica is private (no lookup matches
+it) until a recovery commits the part that agrees with the request's
+tokens. The decode side: a claim the holder cannot answer falls back to
+sending the prompt from the decode node."""
 
 from __future__ import annotations
 
@@ -14,11 +17,12 @@ import pytest
 import torch
 
 from engine.engine import EngineConfig, LLMEngine
-from kvd import protocol
+from kvd import protocol, trust
 from kvd.node.engine_driver import EngineDriver
 from kvd.node.replication import ReplicaStore
 
 BS = 16
+KEY = trust.holder_key(b"coordinator secret", "r1", "inc-1")     # the holder's, from its Welcome
 
 
 @pytest.fixture
@@ -27,7 +31,9 @@ async def store():
                                                 host_kv_blocks=64, max_model_len=512, num_threads=1))
     driver = EngineDriver(engine)
     await driver.start()
-    yield ReplicaStore(driver, budget_blocks=32, timeout=10)
+    store = ReplicaStore(driver, budget_blocks=32, timeout=10)
+    store.key = KEY
+    yield store
     await driver.stop()
 
 
@@ -36,10 +42,13 @@ def kv_of(store: ReplicaStore, blocks: int, fill: float) -> torch.Tensor:
     return torch.full((layout.num_layers, 2, blocks, *layout.block_shape[2:]), fill, dtype=layout.dtype)
 
 
-def write(store, source: str, rid: str, start: int, blocks: int, owner: str = "") -> protocol.ReplicaData:
+def write(store, source: str, rid: str, start: int, blocks: int, owner: str = "",
+          ticket: str | None = None) -> protocol.ReplicaData:
+    """A write of ``blocks`` blocks from ``start``, with the coordinator's ticket (or ``ticket``)."""
+    ticket = trust.replica_ticket(KEY, owner or source, rid) if ticket is None else ticket
     return protocol.ReplicaData(source=source, owner=owner, block_size=BS, request_ids=(rid,), starts=(start,),
                                 counts=(blocks,), token_ids=tuple(range(start + 1, start + 1 + blocks * BS)),
-                                tensors=(kv_of(store, blocks, 1.0 + start),))
+                                tensors=(kv_of(store, blocks, 1.0 + start),), tickets={rid: ticket} if ticket else {})
 
 
 async def test_only_the_named_owner_adopts_a_prompt_replica_and_then_extends_it(store):
@@ -69,6 +78,53 @@ async def test_only_the_named_owner_adopts_a_prompt_replica_and_then_extends_it(
     assert rep is not None and rep.tokens == list(range(1, 1 + 3 * BS))
     await store.release(rep)
     assert store.blocks == 0 and store.stats()["adopted"] == 1
+    assert store.driver.engine.pool.stats()["host"]["request_owned"] == 0
+
+
+async def test_a_replica_without_the_coordinators_ticket_is_refused_and_changes_nothing(store):
+    pool = store.driver.engine.pool
+    before = pool.stats()
+    bad = {"none": "", "forged": "00" * trust.TICKET_BYTES,
+           "another owner's": trust.replica_ticket(KEY, "n2", "r"),          # r runs on n2, not n1
+           "another holder's": trust.replica_ticket(trust.holder_key(b"coordinator secret", "r9", "i"), "n1", "r")}
+    for what, ticket in bad.items():
+        ack = await store.on_data(write(store, "n1", "r", 0, 2, ticket=ticket))
+        assert "ticket" in ack.refused.get("r", ""), (what, ack)
+        assert not ack.held
+    # a prefill node's write for its decode node needs the decode node's ticket, not its own
+    ack = await store.on_data(write(store, "p1", "r", 0, 2, owner="d1", ticket=trust.replica_ticket(KEY, "p1", "r")))
+    assert "ticket" in ack.refused["r"]
+    # one entry without a ticket refuses the whole message (one frame for all)
+    both = protocol.ReplicaData(source="n1", block_size=BS, request_ids=("a", "b"), starts=(0, 0), counts=(1, 1),
+                                token_ids=tuple(range(1, 1 + 2 * BS)), tensors=(kv_of(store, 2, 1.0),),
+                                tickets={"a": trust.replica_ticket(KEY, "n1", "a")})
+    ack = await store.on_data(both)
+    assert set(ack.refused) == {"a", "b"} and not ack.held
+    assert store.report() == {} and pool.stats() == before
+    assert store.stats()["no_ticket"] == len(bad) + 2
+    store.key = None                                   # not registered yet: nothing is taken
+    ack = await store.on_data(write(store, "n1", "r", 0, 1, ticket=trust.replica_ticket(KEY, "n1", "r")))
+    assert "replica key" in ack.refused["r"]
+
+
+async def test_a_replica_is_private_until_its_recovery_commits_what_agrees_with_the_request(store):
+    """The held KV is in no index: a request for the same tokens does not
+    hit it, a flush keeps it. A recovery commits only the whole blocks that
+    agree with the request's tokens as the coordinator knows them."""
+    pool = store.driver.engine.pool
+    ack = await store.on_data(write(store, "n1", "r", 0, 3))
+    assert ack.held == {"r": 3 * BS}
+    tokens = list(range(1, 1 + 3 * BS))
+    assert pool.cached_tokens(tokens) == 0
+    await store.driver.call(lambda engine: engine.pool.flush())
+    assert store.blocks == 3
+    rep = store.take("n1", "r")
+    known = tokens[:BS + 5] + [99999] + tokens[BS + 6:] + [7]       # differs in block 1
+    assert rep.usable(known) == BS + 5
+    await store.commit(rep, known)
+    assert pool.cached_tokens(tokens) == BS and rep.lock is not None and rep.hold is None
+    await store.release(rep)
+    assert pool.stats()["host"]["request_owned"] == 0 and pool.stats()["host"]["cached"] == 1
 
 
 async def test_an_unadopted_prompt_replica_counts_against_the_budget_and_is_dropped_by_request(store):
@@ -114,7 +170,7 @@ async def test_a_claim_the_holder_cannot_answer_falls_back_to_sending_the_prompt
     await decode.start()
     conn = await connect("inproc://r1", registry=registry)
     rep = replication.Replicator("d1", decode, lambda name, addr: _const(conn), _noop, interval=0.02, timeout=5)
-    rep.set_peer("r1", "inproc://r1")
+    rep.set_peer("r1", "inproc://r1", {rid: trust.replica_ticket(KEY, "d1", rid) for rid in "ab"})
     rep.expect_prompt("a", writer="p1", holder="r1")        # p1's replica never comes
     rep.expect_prompt("b", writer="p1", holder="r9")        # sent to another node than the peer
     running = asyncio.create_task(rep.run())
@@ -192,7 +248,7 @@ async def test_a_prompt_replica_send_reports_sent_empty_refused_and_failed(store
 
     def send(c, rid: str, n_tokens: int, timeout: float = 5):
         return send_prompt_replica(c, source="p1", owner="d1", request_id=rid, prompt=list(range(1, n_tokens + 1)),
-                                   kv=kv, block_size=BS, timeout=timeout)
+                                   kv=kv, block_size=BS, timeout=timeout, ticket=trust.replica_ticket(KEY, "d1", rid))
     try:
         assert await send(conn, "short", BS - 1) == ("empty", "")
         assert await send(conn, "a", 2 * BS + 5) == ("sent", "")        # 2 full blocks of the 3 staged
