@@ -25,7 +25,7 @@ from engine.request import FinishReason, InvalidParam, Request, RequestOutput, R
 from engine.config import EngineConfig  # noqa: F401  (re-exported: callers import it from here)
 from engine.cpus import format_cpulist
 from engine.runner import SMALL_BATCH, ModelRunner
-from engine.sampling import make_generator
+from engine.sampling import UNSAMPLED, make_generator
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.stream import KVSink, LayerStreamer
 from kernels.fused_decode import FusedDecoder
@@ -268,6 +268,7 @@ class LLMEngine:
         if -(-total // self.config.block_size) > self.config.kv_blocks:
             raise InvalidParam("max_tokens", f"{total} tokens would need more KV blocks than the "
                                f"{self.config.kv_blocks} this node has")
+        params.check_vocab(self.model.config.vocab_size)
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     kv_out: KVSink | None = None) -> None:
@@ -433,12 +434,21 @@ class LLMEngine:
                 req.num_computed += num_new[i]
                 self.scheduler.cache_computed(req)
                 continue
+            if tok == UNSAMPLED:
+                outs.append(self._fail(req, "its logits have no finite weight (a NaN or +inf, or every "
+                                            "logit -inf): no token could be sampled"))
+                continue
             if is_prefill and req.num_preemptions == 0:
                 self.stats.prompt_tokens += len(req.prompt_ids)
                 self.stats.prefix_hit_tokens += req.num_cached_tokens
             req.num_computed = req.num_tokens
             req.prefilling = False
-            out = self.outputs.append(req, tok)
+            try:
+                out = self.outputs.append(req, tok)
+            except Exception as exc:  # noqa: BLE001 -- a stop condition or the detokenizer: this request's alone
+                log.exception("request %s failed at its token %d", req.request_id, len(req.output_ids))
+                outs.append(self._fail(req, f"{type(exc).__name__}: {exc}"))
+                continue
             self.stats.generation_tokens += 1
             if req.kv_out is not None and not out.finished:
                 out.finished = out.handed_off = True      # its decode runs where its KV went
@@ -450,6 +460,20 @@ class LLMEngine:
                 self.scheduler.cache_computed(req)        # its prompt, for requests arriving meanwhile
             outs.append(out)
         return outs
+
+    def _fail(self, req: Request, why: str) -> RequestOutput:
+        """End ``req`` in the step that failed it, alone: the rest of the
+        batch goes on. Its blocks are returned (none of its KV cached: what
+        failed may have been computed from it); the output names it and says
+        why."""
+        log.error("request %s failed: %s", req.request_id, why)
+        self.scheduler.remove(req)
+        req.finish_reason = FinishReason.ERROR
+        self._retire(req, cache=False)
+        return RequestOutput(req.request_id, [], "", True, FinishReason.ERROR.value,
+                             num_prompt_tokens=len(req.prompt_ids), num_output_tokens=len(req.output_ids),
+                             num_cached_tokens=req.num_cached_tokens,
+                             error=f"request {req.request_id} failed in the engine: {why}")
 
     def _prompt_blocks(self, req: Request) -> list[int]:
         return req.block_ids[:-(-len(req.prompt_ids) // self.config.block_size)]

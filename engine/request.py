@@ -33,10 +33,25 @@ MAX_STOP = 4
 MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 64
 
+# A temperature below this is greedy (vLLM's _SAMPLING_EPS): dividing logits
+# by a smaller one is not sampling any more, and below ~1e-45 the C++
+# sampler's float temperature is 0 (0/0 for the maximum's own weight).
+GREEDY_TEMPERATURE = 1e-5
+# top_k's bound: an int32 (what vLLM's sampler tensors hold); a k at or above
+# the vocabulary keeps every token.
+MAX_TOP_K = 2**31 - 1
+# logit_bias, as OpenAI bounds it: at most this many tokens, each biased by a
+# number in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS].
+MAX_LOGIT_BIAS_TOKENS = 300
+MAX_LOGIT_BIAS = 100.0
+MAX_TOKEN_ID = 2**31 - 1                # before the vocabulary is known (check_vocab)
+MAX_REPETITION_PENALTY = 2.0
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens and when to stop. ``temperature == 0`` is greedy.
+    """How to pick tokens and when to stop. A temperature below
+    ``GREEDY_TEMPERATURE`` (0 among them) is greedy.
 
     The one definition of the sampling parameters, end to end: the HTTP schema
     (kvd/api/schema.py) builds one with ``from_dict``, the wire carries it
@@ -55,6 +70,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     min_tokens: int = 0
+    # logit adjustments (engine/sampling.py applies them, in vLLM's order)
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias), ids ascending; JSON: {"id": bias}
+    repetition_penalty: float = 1.0                  # 1: off
+    min_p: float = 0.0                               # 0: off
 
     def __post_init__(self) -> None:
         def check(param: str, typed: bool, in_range: bool, message: str) -> None:
@@ -73,8 +92,9 @@ class SamplingParams:
               f"temperature must be a number in [0, 2], got {self.temperature!r}")
         check("top_p", _number(self.top_p), _finite(self.top_p) and 0.0 < self.top_p <= 1.0,
               f"top_p must be a number in (0, 1], got {self.top_p!r}")
-        check("top_k", integer(self.top_k), integer(self.top_k) and self.top_k >= -1,
-              f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
+        check("top_k", integer(self.top_k), integer(self.top_k) and -1 <= self.top_k <= MAX_TOP_K,
+              f"top_k must be -1, 0 (disabled) or an integer in [1, {MAX_TOP_K}] (at or above the "
+              f"vocabulary size: every token), got {self.top_k!r}")
         check("seed", self.seed is None or integer(self.seed),
               self.seed is None or (integer(self.seed) and 0 <= self.seed < 2**63),
               f"seed must be a non-negative integer below 2**63, got {self.seed!r}")
@@ -91,6 +111,44 @@ class SamplingParams:
         check("min_tokens", integer(self.min_tokens),
               integer(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
               f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+        check("repetition_penalty", _number(self.repetition_penalty),
+              _finite(self.repetition_penalty) and 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY,
+              f"repetition_penalty must be a number in (0, {MAX_REPETITION_PENALTY:g}] (1: off), "
+              f"got {self.repetition_penalty!r}")
+        check("min_p", _number(self.min_p), _finite(self.min_p) and 0.0 <= self.min_p <= 1.0,
+              f"min_p must be a number in [0, 1] (0: off), got {self.min_p!r}")
+        self._check_logit_bias()
+
+    def _check_logit_bias(self) -> None:
+        """``logit_bias``: a tuple of (token id, bias) pairs, ids unique in [0, MAX_TOKEN_ID],
+        biases numbers in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS]; stored sorted by id (so that equal
+        maps make equal params)."""
+        pairs = self.logit_bias
+        shape = (f"logit_bias must map token ids to numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}] "
+                 f"(a JSON object such as {{\"50256\": -100}})")
+        if not (isinstance(pairs, tuple) and all(isinstance(e, tuple) and len(e) == 2 and type(e[0]) is int
+                                                 and _number(e[1]) for e in pairs)):
+            raise InvalidParam("logit_bias", shape, code="invalid_type")
+        if len(pairs) > MAX_LOGIT_BIAS_TOKENS:
+            raise InvalidParam("logit_bias", f"logit_bias may bias at most {MAX_LOGIT_BIAS_TOKENS} tokens, "
+                               f"got {len(pairs)}")
+        for token, bias in pairs:
+            if not 0 <= token <= MAX_TOKEN_ID:
+                raise InvalidParam("logit_bias", f"logit_bias: {token} is not a token id")
+            if not (_finite(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
+                raise InvalidParam("logit_bias", f"{shape}; got {bias!r} for token {token}")
+        ordered = tuple(sorted((t, float(b)) for t, b in pairs))
+        if len({t for t, _ in ordered}) != len(ordered):
+            raise InvalidParam("logit_bias", "logit_bias names a token id twice")
+        object.__setattr__(self, "logit_bias", ordered)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise InvalidParam if a token id this request names is outside a
+        vocabulary of ``vocab_size`` (only the model knows it: the engine's
+        check_request and the HTTP front door call this). Changes nothing."""
+        for token, _ in self.logit_bias:
+            if token >= vocab_size:
+                raise InvalidParam("logit_bias", f"logit_bias token ids must be in [0, {vocab_size}), got {token}")
 
     @classmethod
     def from_dict(cls, values: object) -> "SamplingParams":
@@ -111,23 +169,50 @@ class SamplingParams:
         for name in ("stop", "stop_token_ids"):
             if isinstance(kwargs.get(name), list):
                 kwargs[name] = tuple(kwargs[name])
-        for name in ("temperature", "top_p"):
+        for name in ("temperature", "top_p", "repetition_penalty", "min_p"):
             if type(kwargs.get(name)) is int:
                 kwargs[name] = float(kwargs[name])
+        if "logit_bias" in kwargs:
+            kwargs["logit_bias"] = _logit_bias_pairs(kwargs["logit_bias"])
         return cls(**kwargs)
 
     def to_dict(self) -> dict:
         """The JSON object ``from_dict`` reads back to an equal SamplingParams."""
-        return {name: list(v) if isinstance(v, tuple) else v
-                for name in _FIELD_ORDER for v in (getattr(self, name),)}
+        out = {name: list(v) if isinstance(v, tuple) else v
+               for name in _FIELD_ORDER for v in (getattr(self, name),)}
+        out["logit_bias"] = {str(t): b for t, b in self.logit_bias}
+        return out
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Pick each row's most likely token: the temperature is below GREEDY_TEMPERATURE."""
+        return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """A logit_bias or a repetition penalty changes this request's logits (every
+        row, greedy or not; min_p only filters a random row's draw)."""
+        return bool(self.logit_bias) or self.repetition_penalty != 1.0
 
 
 _FIELD_ORDER = tuple(f.name for f in fields(SamplingParams))
 _FIELDS = frozenset(_FIELD_ORDER)
+
+
+def _logit_bias_pairs(value: object) -> object:
+    """OpenAI's ``logit_bias`` JSON object (token ids as decimal strings, or ints
+    from a Python caller) as SamplingParams holds it: (id, bias) pairs. A value
+    of another shape is handed on as it is, for the constructor to refuse."""
+    if not isinstance(value, dict):
+        return value
+    pairs = []
+    for key, bias in value.items():
+        if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10:
+            key = int(key)
+        elif type(key) is not int:
+            raise InvalidParam("logit_bias", f"logit_bias keys must be token ids, got {str(key)[:40]!r}")
+        pairs.append((key, float(bias) if type(bias) is int else bias))
+    return tuple(pairs)
 
 
 def _number(x: object) -> bool:
@@ -149,6 +234,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
+    ERROR = "error"            # this request failed inside a step (RequestOutput.error says why)
 
 
 @dataclass

@@ -109,8 +109,9 @@ class ModelRunner:
                 on_layer: Callable[[int], None] | None = None,
                 num_new: list[int] | None = None) -> list[int | None]:
         """Run one call; writes KV for every computed token and returns, per
-        request, its sampled id, or None for a prefill chunk that stops short of
-        the request's last token (nothing sampled).
+        request, its sampled id (``engine.sampling.UNSAMPLED`` when its row could
+        not be drawn), or None for a prefill chunk that stops short of the
+        request's last token (nothing sampled).
 
         ``banned``: (request index, token ids) masked for requests below their min_tokens.
         ``on_layer``: the prefill's layer hook (engine.stream.LayerStreamer).
@@ -129,13 +130,15 @@ class ModelRunner:
 
     def _pick(self, requests: list[Request], sampled: list[int], logits: torch.Tensor, greedy_ids: list[int] | None,
               generators: list, banned: list[tuple[int, list[int]]]) -> list[int | None]:
-        """Sample row k of ``logits`` for request ``sampled[k]``; None for the others."""
+        """Sample row k of ``logits`` for request ``sampled[k]``; None for the others;
+        ``engine.sampling.UNSAMPLED`` for a row that could not be drawn."""
         row_of = {i: row for row, i in enumerate(sampled)}
         if banned := [(row_of[i], ids) for i, ids in banned if i in row_of]:
             apply_min_tokens(logits, banned)
             greedy_ids = None                       # the masked rows' argmax may have moved
         picked = sample(logits, [requests[i].params for i in sampled], [generators[i] for i in sampled],
-                        [len(requests[i].output_ids) for i in sampled], greedy_ids, self.sampler)
+                        [len(requests[i].output_ids) for i in sampled], greedy_ids, self.sampler,
+                        [(requests[i].prompt_ids, requests[i].output_ids) for i in sampled])
         tokens: list[int | None] = [None] * len(requests)
         for i, tok in zip(sampled, picked):
             tokens[i] = tok

@@ -1,10 +1,26 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds.
+"""Token sampling: logit adjustments, greedy, temperature, min-p, top-k,
+top-p, per-request seeds.
 
-Greedy rows are one vectorised argmax. A random row draws one token, defined
-here for every node and every path:
+A row's logits are adjusted first, in vLLM's order, on every row that asks
+for it (greedy or not), before the step's tokens are picked:
 
+1. ``logit_bias``: each listed token's bias is added to its logit (min_tokens
+   masks stop ids to -inf before this, which is the same: -inf stays -inf);
+2. ``repetition_penalty`` ``r`` (1: off), vLLM's: every distinct token of the
+   prompt and the output so far has its logit divided by ``r`` when positive,
+   multiplied by ``r`` otherwise; a result beyond fp32's range is fp32's
+   largest finite value.
+
+Greedy rows then take their row's first maximum: one vectorised argmax, or
+the ids the decode executor computed with the logits, except on the rows
+adjusted here, whose argmax is taken again. A random row draws one token,
+defined here for every node and every path:
+
+- ``min_p`` (0: off): the tokens whose probability after temperature is
+  below ``min_p`` times the most likely token's are masked to -inf first
+  (in fp32: ``(l - max l) / T < ln(min_p)``); the most likely token always stays;
 - weights ``w = e^((l - max l) / T)`` over the row's logits ``l`` at
-  temperature ``T`` (a logit of -inf, masked by min_tokens, weighs 0);
+  temperature ``T`` (a logit of -inf, masked by min_tokens or min_p, weighs 0);
 - the kept tokens: with ``top_k`` (0 < k < V), every token whose logit is at
   least the k-th largest (ties with the k-th stay); with ``top_p`` (< 1), in
   the order logit descending then index ascending, each (top-k kept) token
@@ -20,6 +36,10 @@ The engine draws all random rows of a step in one C++ call
 without a kernel build draws them one by one in torch (``draw_row``, the same
 definition with torch's exp).
 
+A row that cannot be drawn (no finite weight: a NaN or +inf logit, or every
+logit -inf) is ``UNSAMPLED`` in ``sample``'s result, never an exception: the
+engine fails that request alone.
+
 A seeded request's ``u`` for its output token ``i`` comes from a generator
 seeded with ``draw_seed(seed, i)``: it depends on nothing but the seed and the
 token's position, so the same tokens come out whatever else shares the batch,
@@ -30,13 +50,16 @@ state carried with it.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+
 import torch
 
 from engine.request import SamplingParams
-from kernels.sampler import RowSampler
-
+from kernels.sampler import UNSAMPLED, RowSampler
 
 _MASK64 = (1 << 64) - 1
+_FP32_MAX = torch.finfo(torch.float32).max
 
 
 def draw_seed(seed: int, position: int) -> int:
@@ -72,28 +95,71 @@ def greedy(logits: torch.Tensor) -> list[int]:
     return logits.argmax(dim=-1).tolist()
 
 
+def adjust_row(logits: torch.Tensor, p: SamplingParams, prompt_ids: Sequence[int] = (),
+               output_ids: Sequence[int] = ()) -> None:
+    """Apply ``p``'s logit_bias, then its repetition penalty over the distinct
+    tokens of ``prompt_ids`` and ``output_ids``, to one fp32 row of logits [V]
+    (the module docstring's definition). Mutates ``logits``. The token ids are
+    within the row (SamplingParams.check_vocab, and the engine's own ids)."""
+    if p.logit_bias:
+        ids = torch.tensor([t for t, _ in p.logit_bias], dtype=torch.int64)
+        logits[ids] += torch.tensor([b for _, b in p.logit_bias], dtype=logits.dtype)
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(prompt_ids).union(output_ids)), dtype=torch.int64)
+        x = logits[seen]
+        x = torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty)
+        logits[seen] = x.clamp_(max=_FP32_MAX)        # a penalty near 0 divides past fp32's range
+
+
+def apply_min_p(logits: torch.Tensor, p: SamplingParams) -> None:
+    """Mask to -inf the tokens of one fp32 row [V] that ``p``'s min_p drops at
+    its temperature (the module docstring's definition); the row's maximum
+    stays. Mutates ``logits``; a row without a finite maximum is left as it is
+    (the draw reports it)."""
+    m = float(logits.max())
+    if math.isfinite(m):
+        logits.masked_fill_((logits - m) / p.temperature < math.log(p.min_p), float("-inf"))
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator | None], positions: list[int],
-           greedy_ids: list[int] | None = None, kernel: RowSampler | None = None) -> list[int]:
+           greedy_ids: list[int] | None = None, kernel: RowSampler | None = None,
+           history: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None) -> list[int]:
     """logits: [B, V] fp32 -> one token id per row. ``positions[row]``: the
     output index of the token drawn for that row (its seeded draw's key).
     ``greedy_ids``: each row's ``greedy`` index when the caller already has it
     (the decode executor computes it with the logits), else None. ``kernel``:
     the C++ sampler that draws the random rows (all in one call), else they are
-    drawn one by one through ``draw_row``. RuntimeError for a random row
-    without a finite weight."""
+    drawn one by one through ``draw_row``. ``history[row]``: that row's
+    (prompt ids, output ids so far), read by a repetition penalty (needed
+    when a row has one). Mutates the rows whose parameters adjust or filter
+    their logits (``adjust_row``, ``apply_min_p``); the others are read only.
+    A random row without a finite weight gets ``UNSAMPLED``; this raises
+    nothing for a row's values."""
+    adjusted = [row for row, p in enumerate(params) if p.adjusts_logits]
+    for row in adjusted:
+        p = params[row]
+        adjust_row(logits[row], p, *(history[row] if p.repetition_penalty != 1.0 else ((), ())))
     rows = [row for row, p in enumerate(params) if not p.greedy]
     if len(rows) == len(params):
         out = [0] * len(params)                  # every row drawn below
+    elif greedy_ids is None:
+        out = greedy(logits)
     else:
-        out = list(greedy_ids) if greedy_ids is not None else greedy(logits)
+        out = list(greedy_ids)
+        for row in adjusted:                     # the executor's argmax was of the unadjusted row
+            if params[row].greedy:
+                out[row] = greedy(logits[row:row + 1])[0]
     if not rows:
         return out
     uniform = []
     for row in rows:
+        p = params[row]
+        if p.min_p > 0.0:
+            apply_min_p(logits[row], p)
         g = generators[row]
         if g is not None:
-            g.manual_seed(draw_seed(params[row].seed, positions[row]))
+            g.manual_seed(draw_seed(p.seed, positions[row]))
         uniform.append(float(torch.rand((), dtype=torch.float64, generator=g)))
     if kernel is not None and logits.dtype == torch.float32 and logits.stride(-1) == 1:
         picked = kernel.sample(logits, rows, [params[r].temperature for r in rows], [params[r].top_k for r in rows],
@@ -107,14 +173,14 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
 
 def draw_row(logits: torch.Tensor, p: SamplingParams, u: float) -> int:
     """The token of the 1-D ``logits`` that a random row with ``p`` and the uniform number
-    ``u`` in [0, 1) draws (the module docstring's definition; kernels/sampler.py computes
-    the same in C++). RuntimeError for a row without a finite weight (a NaN or +inf
-    logit, or every logit -inf)."""
+    ``u`` in [0, 1) draws (the module docstring's definition, min_p aside: ``sample``
+    applies it; kernels/sampler.py computes the same in C++). ``UNSAMPLED`` for a row
+    without a finite weight (a NaN or +inf logit, or every logit -inf)."""
     x = logits.float()
     v = x.shape[0]
     m = float(x.max()) if v else float("-inf")
     if not bool((x < float("inf")).all()) or m == float("-inf"):
-        raise RuntimeError("cannot sample a row whose logits have no finite weight (a NaN or +inf, or every logit -inf)")
+        return UNSAMPLED
     w = ((x - m) / p.temperature).exp()                       # torch's exp: the C++ sampler's within rounding
     tau, last = float("-inf"), v
     by_k, by_p = 0 < p.top_k < v, p.top_p < 1.0

@@ -19,8 +19,9 @@ Contract, per row:
 - **row invariant, bit for bit**: a row's token depends on its logits,
   parameters and uniform number alone, not on the other rows or the thread
   count; the same token on every build (AVX-512, AVX2, portable);
-- ``-1`` for a row without a finite weight (a NaN or +inf logit, or every
-  logit -inf); ``sample`` raises RuntimeError for it, as the fallback does.
+- ``UNSAMPLED`` (-1) for a row without a finite weight (a NaN or +inf logit,
+  or every logit -inf), as the fallback answers: the caller fails that row's
+  request alone.
 
 Builds follow kernels/quant_linear.py's variants (``host_variant``).
 """
@@ -36,6 +37,7 @@ from kernels import native
 from kernels.quant_linear import KernelBuild
 
 LIBRARY = "sample_rows"
+UNSAMPLED = -1          # a row without a finite weight: no token
 
 
 class RowSampler(KernelBuild):
@@ -57,10 +59,10 @@ class RowSampler(KernelBuild):
                top_k: Sequence[int], top_p: Sequence[float], uniform: Sequence[float],
                num_threads: int | None = None) -> list[int]:
         """One token for each ``rows[r]`` of ``logits`` (fp32 [B, V], unit column stride),
-        drawn with ``temperature[r]`` (> 0), ``top_k[r]`` (<= 0 or >= V: off), ``top_p[r]``
-        (in (0, 1]; 1: off) and ``uniform[r]`` in [0, 1). Threads: torch's by default.
-        ValueError for arguments that do not fit; RuntimeError naming the first row without
-        a finite weight."""
+        drawn with ``temperature[r]`` (> 0 as a float32: the kernel divides by that), ``top_k[r]``
+        (an int64; <= 0 or >= V: off), ``top_p[r]`` (in (0, 1]; 1: off) and ``uniform[r]`` in
+        [0, 1). Threads: torch's by default. ValueError for arguments that do not fit;
+        ``UNSAMPLED`` for a row without a finite weight."""
         n = len(rows)
         if logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1:
             raise ValueError(f"sample: logits must be fp32 [B, V] with unit column stride, got "
@@ -71,18 +73,14 @@ class RowSampler(KernelBuild):
                              f"{len(top_p)} top_p, {len(uniform)} uniforms over a vocabulary of {v}")
         if n == 0:
             return []
-        if not (all(0 <= r < b for r in rows) and all(t > 0 for t in temperature)
+        if not (all(0 <= r < b for r in rows) and all(ctypes.c_float(t).value > 0 for t in temperature)
+                and all(-2**63 <= k < 2**63 for k in top_k)
                 and all(0 < p <= 1 for p in top_p) and all(0 <= u < 1 for u in uniform)):
-            raise ValueError("sample: a row index outside the logits, a temperature <= 0, a top_p outside "
-                             "(0, 1] or a uniform number outside [0, 1)")
+            raise ValueError("sample: a row index outside the logits, a temperature <= 0 (as a float32), a "
+                             "top_k outside int64, a top_p outside (0, 1] or a uniform number outside [0, 1)")
         params = (ctypes.c_double * (3 * n))()           # temperature, top_p, u per row
         params[0::3], params[1::3], params[2::3] = temperature, top_p, uniform
         out = (ctypes.c_int64 * n)()
         self._sample(logits.data_ptr(), logits.stride(0), v, (ctypes.c_int64 * n)(*rows), n, params,
                      (ctypes.c_int64 * n)(*top_k), out, torch.get_num_threads() if num_threads is None else num_threads)
-        picked = list(out)
-        if -1 in picked:
-            r = picked.index(-1)
-            raise RuntimeError(f"cannot sample row {rows[r]}: its logits have no finite weight "
-                               "(a NaN or +inf, or every logit -inf)")
-        return picked
+        return list(out)                                # -1 (UNSAMPLED) where a row has no finite weight

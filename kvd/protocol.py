@@ -801,6 +801,8 @@ def encode(msg: Message) -> tuple[bytes, list[memoryview]]:
         if name == msg.FRAMES_FIELD:
             body["frames"] = [{"dtype": t.dtype, "shape": t.shape} for t in value]
             frames = [t.data for t in value]
+        elif isinstance(value, SamplingParams):
+            body[name] = value.to_dict()        # its JSON form (logit_bias an object), not orjson's dataclass
         elif value is not None or name in msg._REQUIRED:
             body[name] = value
     return orjson.dumps(body), frames

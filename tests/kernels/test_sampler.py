@@ -11,7 +11,7 @@ import torch
 from engine.request import SamplingParams
 from engine.sampling import draw_row
 from kernels.quant_linear import host_variant, runs_here
-from kernels.sampler import RowSampler
+from kernels.sampler import UNSAMPLED, RowSampler
 
 V = 49152
 
@@ -131,15 +131,14 @@ def test_rows_the_near_candidates_cannot_decide_widen_them(builds):
             assert len(set(got.values())) == 1 and got[builds[0].variant] == draw_row(x, p, u), (p, u, got)
 
 
-def test_a_row_without_a_finite_weight_is_an_error_and_bad_arguments_are_refused(host):
+def test_a_row_without_a_finite_weight_is_unsampled_and_bad_arguments_are_refused(host):
     ok = torch.randn(3, 10)
     for bad in (torch.full((10,), float("-inf")), torch.tensor([0.0, float("nan")] + [1.0] * 8),
                 torch.tensor([float("inf")] + [1.0] * 9)):
         x = torch.cat([ok, bad[None]])
-        with pytest.raises(RuntimeError, match="cannot sample row 3"):
-            host.sample(x, [0, 3], [1.0, 1.0], [0, 0], [1.0, 0.9], [0.5, 0.5])
-        with pytest.raises(RuntimeError, match="cannot sample"):
-            draw_row(bad, SamplingParams(), 0.5)
+        got = host.sample(x, [0, 3], [1.0, 1.0], [0, 0], [1.0, 0.9], [0.5, 0.5])
+        assert got[1] == UNSAMPLED and 0 <= got[0] < 10
+        assert draw_row(bad, SamplingParams(), 0.5) == UNSAMPLED
     assert len(host.sample(ok, [0, 1, 2], [1.0] * 3, [0] * 3, [1.0] * 3, [0.0] * 3)) == 3
     args = ([0], [1.0], [0], [1.0], [0.5])
     for logits, bad_args, what in (
@@ -148,6 +147,8 @@ def test_a_row_without_a_finite_weight_is_an_error_and_bad_arguments_are_refused
             (ok, ([3], [1.0], [0], [1.0], [0.5]), "row index"), (ok, ([-1], [1.0], [0], [1.0], [0.5]), "row index"),
             (ok, ([0], [0.0], [0], [1.0], [0.5]), "temperature"), (ok, ([0], [float("nan")], [0], [1.0], [0.5]),
                                                                     "temperature"),
+            (ok, ([0], [1e-46], [0], [1.0], [0.5]), "temperature"),          # 0 as the kernel's float
+            (ok, ([0], [1.0], [2**63], [1.0], [0.5]), "top_k"),
             (ok, ([0], [1.0], [0], [0.0], [0.5]), "top_p"), (ok, ([0], [1.0], [0], [1.0], [1.0]), "uniform")):
         with pytest.raises(ValueError, match=what):
             host.sample(logits, *bad_args)

@@ -37,6 +37,26 @@ REFUSED = [
     ({"stop_token_ids": [-1]}, "stop_token_ids", "invalid_value"),
     ({"stop_token_ids": "12"}, "stop_token_ids", "invalid_type"),
     ({"ignore_eos": "yes"}, "ignore_eos", "invalid_type"),
+    # bounds the engine can represent: top_k is an int32, 2**63 was accepted and wrapped in the kernel
+    ({"top_k": 2**63}, "top_k", "invalid_value"),
+    ({"top_k": 2**31}, "top_k", "invalid_value"),
+    ({"repetition_penalty": 0}, "repetition_penalty", "invalid_value"),
+    ({"repetition_penalty": 2.5}, "repetition_penalty", "invalid_value"),
+    ({"repetition_penalty": "x"}, "repetition_penalty", "invalid_type"),
+    ({"min_p": -0.1}, "min_p", "invalid_value"),
+    ({"min_p": 1.01}, "min_p", "invalid_value"),
+    ({"min_p": True}, "min_p", "invalid_type"),
+    ({"logit_bias": "x"}, "logit_bias", "invalid_type"),
+    ({"logit_bias": [[1, 2]]}, "logit_bias", "invalid_type"),
+    ({"logit_bias": {"1": "5"}}, "logit_bias", "invalid_type"),
+    ({"logit_bias": {"1": None}}, "logit_bias", "invalid_type"),
+    ({"logit_bias": {"1": 100.5}}, "logit_bias", "invalid_value"),
+    ({"logit_bias": {"1": -101}}, "logit_bias", "invalid_value"),
+    ({"logit_bias": {"abc": 1}}, "logit_bias", "invalid_value"),
+    ({"logit_bias": {"-1": 1}}, "logit_bias", "invalid_value"),
+    ({"logit_bias": {"1" * 11: 1}}, "logit_bias", "invalid_value"),
+    ({"logit_bias": {"1": 1, "01": 2}}, "logit_bias", "invalid_value"),
+    ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias", "invalid_value"),
 ]
 
 
@@ -60,7 +80,7 @@ def test_a_value_the_engine_refuses_is_refused_at_every_edge_with_its_message(va
         P.GenerateRequest(request_id="r", prompt_token_ids=(1,), sampling=values)
 
 
-@pytest.mark.parametrize("key", ["min_p", "repetition_penalty", "logprobs", "presence_penalty"])
+@pytest.mark.parametrize("key", ["logprobs", "presence_penalty", "frequency_penalty"])
 def test_the_wire_refuses_parameters_the_engine_does_not_have(key):
     # the old wire took these and the node refused them after the fact
     header = orjson.dumps({"type": "GenerateRequest", "v": P.PROTOCOL_VERSION, "id": "g", "request_id": "r",
@@ -72,9 +92,11 @@ def test_the_wire_refuses_parameters_the_engine_does_not_have(key):
 
 # a non-default value for every field, as an OpenAI body spells it
 BODY = {"max_tokens": 7, "temperature": 0.7, "top_p": 0.9, "top_k": 5, "seed": 1234,
-        "stop": ["foo", "bar"], "stop_token_ids": [3, 4], "ignore_eos": True, "min_tokens": 2}
+        "stop": ["foo", "bar"], "stop_token_ids": [3, 4], "ignore_eos": True, "min_tokens": 2,
+        "logit_bias": {"7": -100.0, "50": 2.5}, "repetition_penalty": 1.3, "min_p": 0.05}
 EXPECTED = dict(max_tokens=7, temperature=0.7, top_p=0.9, top_k=5, seed=1234, stop=("foo", "bar"),
-                stop_token_ids=(3, 4), ignore_eos=True, min_tokens=2)
+                stop_token_ids=(3, 4), ignore_eos=True, min_tokens=2, logit_bias=((7, -100.0), (50, 2.5)),
+                repetition_penalty=1.3, min_p=0.05)
 
 
 def test_every_field_round_trips_http_wire_engine():
