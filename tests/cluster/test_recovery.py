@@ -264,8 +264,9 @@ def test_node_and_holder_killed_at_once_reprefill_elsewhere(ring, reference_engi
 
 def test_a_forged_replica_from_another_nodes_key_is_refused(ring):
     """A node's key may only write its own replicas: ReplicaData naming
-    another source is forbidden at the gate; one naming its own is kept
-    apart from every other node's (keyed by the sender)."""
+    another source is forbidden at the gate; one naming its own needs the
+    coordinator's ticket for that request at that holder (the attacker's
+    view: tests/cluster/test_trust_node_key.py)."""
     c = ring
     restart_all(c)
 
@@ -280,7 +281,7 @@ def test_a_forged_replica_from_another_nodes_key_is_refused(ring):
             own = protocol.ReplicaData(id="y", source="n1", block_size=16, request_ids=("r",), starts=(0,),
                                        counts=(1,), token_ids=tuple(range(16)), tensors=(kv,))
             reply = await protocol.call(conn, own, timeout=10)
-            assert isinstance(reply, protocol.ReplicaAck) and "layout mismatch" in reply.refused["r"], reply
+            assert isinstance(reply, protocol.ReplicaAck) and "ticket" in reply.refused["r"], reply
         finally:
             await conn.close()
     asyncio.run(forge())
