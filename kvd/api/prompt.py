@@ -30,6 +30,7 @@ from typing import Any
 
 import orjson
 
+from engine.request import InvalidParam
 from kvd.api.schema import ApiError, ApiRequest, bad, parse_chat, parse_completion
 
 INLINE_BODY_BYTES = 2048       # at most ~1k tokens: about 2 ms of tokenizing on the loop
@@ -82,6 +83,10 @@ class PromptBuilder:
                            f"'{self.model_name}'", param="model", type="not_found_error",
                            code="model_not_found")
         tok = self.tokenizer
+        try:
+            req.params.check_vocab(tok.vocab_size)          # logit_bias's token ids
+        except InvalidParam as exc:
+            raise bad(exc.param, str(exc), exc.code) from None
         if req.prompt_ids is not None:
             ids = list(req.prompt_ids)
             if len(ids) >= max_model_len:      # before the per-id check, which is O(n) in Python

@@ -3,7 +3,9 @@
 Every rule raises :class:`ApiError` carrying OpenAI's error shape
 (``{"error": {"message", "type", "param", "code"}}``) and an HTTP status, so a
 bad body never reaches the engine. Unknown fields are ignored, as vLLM does;
-known fields with the wrong type or range are rejected.
+known fields with the wrong type or range are rejected, and so is a known
+field that would change the answer but is not implemented (``UNSUPPORTED``,
+``_refuse_unsupported``): a client is never answered as if it had been.
 """
 
 from __future__ import annotations
@@ -71,6 +73,45 @@ def _tname(types: type | tuple) -> str:
 
 SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
 
+# Fields that change what the answer must be and are not implemented: refused
+# whenever they are given (not null). Structured output, fill-in-the-middle.
+UNSUPPORTED = {
+    "suffix": "'suffix' (fill-in-the-middle) is not supported",
+    "guided_json": "'guided_json' (structured output) is not supported",
+    "guided_regex": "'guided_regex' (structured output) is not supported",
+    "guided_choice": "'guided_choice' (structured output) is not supported",
+    "guided_grammar": "'guided_grammar' (structured output) is not supported",
+    "structured_outputs": "'structured_outputs' is not supported",
+}
+# tool_choice / function_call values under which the model may answer in text:
+# the tools are then accepted and not shown to the model (no tool calls).
+TEXT_TOOL_CHOICES = (None, "none", "auto")
+
+
+def _refuse_unsupported(body: dict) -> None:
+    """Refuse what would change the answer's contract and is not implemented:
+    structured output (``response_format`` other than text, vLLM's
+    ``guided_*``), a forced tool call (``tool_choice`` "required" or a named
+    function, the legacy ``function_call`` alike), fill-in-the-middle. Malformed
+    ``tools``/``functions`` are refused by type."""
+    for name, message in UNSUPPORTED.items():
+        if body.get(name) is not None:
+            raise bad(name, message)
+    fmt = _get(body, "response_format", dict, None)
+    if fmt is not None and fmt.get("type") != "text":
+        kind = fmt.get("type")
+        raise bad("response_format", f"response_format of type {str(kind)[:40]!r} is not supported "
+                  "(structured output); only {\"type\": \"text\"}")
+    for tools, choice in (("tools", "tool_choice"), ("functions", "function_call")):
+        given = _get(body, tools, list, None)
+        if given is not None and not all(isinstance(t, dict) for t in given):
+            raise bad(tools, f"'{tools}' must be an array of objects", "invalid_type")
+        value = body.get(choice)
+        if value not in TEXT_TOOL_CHOICES:
+            what = "a named function" if isinstance(value, dict) else repr(value)
+            raise bad(choice, f"'{choice}' {what[:60]} is not supported: this server never calls a tool; "
+                      "only \"none\" or \"auto\" (the model answers in text)")
+
 
 def _sampling(body: dict, default_max_tokens: int | None) -> tuple[SamplingParams, bool]:
     n = _get(body, "n", int, 1)
@@ -85,6 +126,7 @@ def _sampling(body: dict, default_max_tokens: int | None) -> tuple[SamplingParam
         raise bad("logprobs", "logprobs are not supported yet")
     if _get(body, "echo", bool, False):
         raise bad("echo", "echo is not supported")
+    _refuse_unsupported(body)
     # Every SamplingParams field is read by SamplingParams itself (from_dict):
     # one definition of names, types and ranges for HTTP, the wire and the
     # engine. Here only OpenAI's spelling: null means absent, stop may be one
