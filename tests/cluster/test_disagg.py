@@ -92,6 +92,30 @@ def test_1p1d_tokens_equal_the_single_node_engine(pd, reference_engine):
     wait_idle(pd, ROLES)
 
 
+def test_seeded_and_adjusted_sampling_across_the_split_equals_the_single_node_engine(pd, reference_engine):
+    """Token 0 is drawn on the prefill node, the rest on the decode node: with a seed and
+    logit_bias, repetition_penalty and min_p (carried on the wire), the same tokens as
+    one engine, greedy and seeded."""
+    from engine.request import SamplingParams
+
+    cases = [dict(temperature=0.0, repetition_penalty=1.8, logit_bias={"321": 4.0}),
+             dict(temperature=0.1, seed=11, min_p=0.3, repetition_penalty=1.4),
+             dict(temperature=1.0, seed=12, top_p=0.9, logit_bias={"77": 100.0})]
+    prompts = [prompt(60 + i, n) for i, n in enumerate((20, 40, 70))]
+    client = pd.client(timeout=60)
+    tok = reference_engine.tokenizer
+    for p, kw in zip(prompts, cases):
+        sampling = {**kw, "logit_bias": tuple((int(t), b) for t, b in kw.get("logit_bias", {}).items())}
+        ref = reference_engine.generate([p], SamplingParams(max_tokens=12, ignore_eos=True, **sampling))[0]
+        extra = {k: kw[k] for k in ("repetition_penalty", "min_p") if k in kw}
+        out = client.completions.create(model=MODEL, prompt=p, max_tokens=12, temperature=kw["temperature"],
+                                        seed=kw.get("seed"), top_p=kw.get("top_p"),
+                                        logit_bias=kw.get("logit_bias"), extra_body={"ignore_eos": True, **extra})
+        assert out.choices[0].text == tok.decode(ref), kw
+    assert tok.decode(ref) == tok.decode([77] * 12)          # the +100 bias held on both sides
+    wait_idle(pd, ROLES)
+
+
 def test_prefix_hits_on_either_side_keep_the_tokens(pd, reference_engine):
     client = pd.client(timeout=60)
     system = prompt(77, 96)
