@@ -45,8 +45,9 @@ log = logging.getLogger(__name__)
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
 # Raised whenever a message changes in a way the other side of an older build cannot read
-# (2: TokenChunk.text_ends; 3: Heartbeat.incarnation, replica tickets and keys): a node of
-# another build is then refused at its Hello (`bad_version`), not message by message.
+# (2: TokenChunk.text_ends; 3: Heartbeat.incarnation and lost, replica tickets and keys,
+# GenerateRequest.kv_to_incarnation): a node of another build is then refused at its Hello
+# (`bad_version`), not message by message.
 PROTOCOL_VERSION = 3
 
 # Allow-list of tensor dtypes (name -> bytes per element). Names are torch's.
@@ -346,8 +347,10 @@ class Heartbeat(Message):
     cache_events: int = 0              # MemPool stored/removed events shipped (CacheEvents) since the last beat
     replicas: dict[str, dict[str, int]] = field(default_factory=dict)  # sender -> {request id -> tokens held here}: DejaVu's (x, j, t)
     stats: dict[str, Any] = field(default_factory=dict)  # engine snapshot (metrics)
+    lost: tuple[str, ...] = ()         # requests it gave up, their output undeliverable (until a beat is answered)
 
     def _check(self) -> None:
+        _require(all(self.lost), "lost request ids must be set")
         _require(self.cached_blocks >= 0 and self.cache_events >= 0, "counts must be >= 0")
         _require(all(n >= 0 for held in self.replicas.values() for n in held.values()),
                  "replicated tokens must be >= 0")
@@ -422,7 +425,8 @@ class GenerateRequest(Message):
     - to the decode node, ``prefill_node`` names a prefill node the decode
       node may have the prompt computed on; its ``Accepted`` then carries the
       grant (``kv_*``) when it chose to, none when it prefills itself;
-    - to that prefill node, ``kv_to_node``/``kv_to_address`` and the grant
+    - to that prefill node, ``kv_to_node``/``kv_to_address``/``kv_to_incarnation``
+      (the decode node process, which keys the prefill node's link to it) and the grant
       (``kv_transfer_id``, ``kv_block_ids``, ``kv_have_blocks``, ``kv_num_layers``,
       ``kv_dtype``): it computes the prompt, streams the KV of blocks
       ``[kv_have_blocks, ...)`` into ``kv_block_ids`` layer by layer, sends the
@@ -454,6 +458,7 @@ class GenerateRequest(Message):
     replica_from: str = ""
     kv_to_node: str = ""
     kv_to_address: str = ""
+    kv_to_incarnation: str = ""
     kv_transfer_id: str = ""
     kv_block_ids: tuple[int, ...] = ()
     kv_have_blocks: int = 0

@@ -77,6 +77,7 @@ from typing import Any
 from engine.model.tokenizer import Tokenizer
 from engine.request import InvalidParam, RequestOutput, SamplingParams
 from kvd import protocol
+from kvd.coordinator.load import LoadBook
 from kvd.coordinator.membership import Membership, NodeInfo
 from kvd.coordinator.recovery import RecoveryPolicy
 from kvd.coordinator.router import LeastLoadRouter, Router
@@ -86,6 +87,8 @@ from transports import Connection, TransportClosed, TransportError
 
 log = logging.getLogger("kvd.coordinator.client")
 
+
+MAX_ORPHANS = 4096         # (node, request) pairs remembered as aborted orphans (_abort_orphan)
 
 # Error.code of a request whose node sent a message about it that failed to decode here: its
 # legs are aborted (the node still runs it) and the request ends with this error.
@@ -192,6 +195,9 @@ class RemoteEngineClient:
         self.bad_messages: collections.Counter[str] = collections.Counter()
         self._warn = RateLimitedLog(log)       # one line per (node, reason) per interval
         self._streams: dict[str, _Stream] = {}
+        self.load = LoadBook()                 # the one writer of every NodeInfo.in_flight
+        self._orphans: dict[tuple[str, str], None] = {}   # (node, request id) aborted as orphans, oldest first
+        self.orphans_aborted = 0               # chunks of requests not in flight on their node: Abort sent
         self._stats_source = stats_source
         self._tasks: set[asyncio.Task] = set()
         self.failed_requests = 0
@@ -299,7 +305,7 @@ class RemoteEngineClient:
                     return
         finally:
             legs = stream.legs()
-            self._forget(request_id, node)
+            self._forget(request_id)
             if not finished:
                 for leg in legs:
                     self._send_abort(leg, request_id)
@@ -357,10 +363,10 @@ class RemoteEngineClient:
         if prefill is not None:
             # the leg is the prefill node's load from the pick (the router follows it there), not
             # from the decode node's grant; dropped again when the decode node prefills itself
-            prefill.in_flight.add(request_id)
+            self.load.count(request_id, prefill)
         stream = _Stream(node.name, request, node.incarnation)
         self._streams[request_id] = stream
-        node.in_flight.add(request_id)
+        self.load.count(request_id, node)
         node.routed += 1
         accepted = False
         try:
@@ -370,7 +376,7 @@ class RemoteEngineClient:
                 if prefill is not None and reply.kv_transfer_id:
                     self._start_prefill_leg(request, stream, node, prefill, reply)
                 elif prefill is not None:
-                    prefill.in_flight.discard(request_id)
+                    self.load.uncount(request_id, prefill.name)
                 return stream, node, None
             if isinstance(reply, protocol.Error):
                 return stream, node, reply
@@ -388,9 +394,7 @@ class RemoteEngineClient:
             raise
         finally:
             if not accepted:
-                self._forget(request_id, node)
-                if prefill is not None:
-                    prefill.in_flight.discard(request_id)
+                self._forget(request_id)
 
     def _pick_prefill(self, candidates: list[NodeInfo], prompt_ids: Sequence[int],
                       request_id: str) -> NodeInfo | None:
@@ -430,6 +434,7 @@ class RemoteEngineClient:
         holder = None if grant.kv_have_blocks else self.recovery.peer_of(decode.name, nodes)
         leg = dataclasses.replace(
             request, id=f"{rid}.prefill", kv_to_node=decode.name, kv_to_address=decode.address,
+            kv_to_incarnation=decode.incarnation,
             kv_transfer_id=grant.kv_transfer_id, kv_block_ids=grant.kv_block_ids,
             kv_have_blocks=grant.kv_have_blocks, kv_num_layers=grant.kv_num_layers, kv_dtype=grant.kv_dtype,
             **self.recovery.replica_fields(decode.name, rid, nodes, holder) if holder else {})
@@ -453,9 +458,7 @@ class RemoteEngineClient:
         if stream.prefill != prefill:
             return
         stream.prefill = stream.prefilled_by = None
-        node = self.membership.nodes.get(prefill)
-        if node is not None:
-            node.in_flight.discard(rid)
+        self.load.uncount(rid, prefill)
         link = self.links.get(stream.node)
         if link is not None and self._streams.get(rid) is stream:
             self._spawn(self._send_quietly(link, protocol.Abort(request_id=rid, reason="prefill leg lost",
@@ -489,11 +492,10 @@ class RemoteEngineClient:
         self._warn.warning(("kv-return", link.node), "returning KV from %s to %s failed: %s", link.node,
                            prefill.name, getattr(reply, "error", None) or getattr(reply, "message", None) or reply)
 
-    def _forget(self, request_id: str, node: NodeInfo) -> None:
-        stream = self._streams.pop(request_id, None)
-        node.in_flight.discard(request_id)
-        if stream is not None and stream.prefill and (p := self.membership.nodes.get(stream.prefill)):
-            p.in_flight.discard(request_id)
+    def _forget(self, request_id: str) -> None:
+        """``request_id`` ended: no stream, counted on no node."""
+        self._streams.pop(request_id, None)
+        self.load.release(request_id)
 
     def _in_order(self, stream: _Stream, chunk: protocol.TokenChunk) -> list[RequestOutput]:
         """The outputs ``chunk`` makes deliverable, in token order: a chunk
@@ -532,7 +534,11 @@ class RemoteEngineClient:
         rid = getattr(msg, "request_id", None)
         stream = self._streams.get(rid) if rid else None
         if stream is None or node not in stream.legs():
-            return  # finished, aborted or failed over: late chunks are dropped
+            # finished, aborted or failed over: late chunks are dropped, and a node still
+            # running a request that is not its own any more is told to stop (an Abort lost)
+            if isinstance(msg, protocol.TokenChunk) and msg.finish_reason is None:
+                self._abort_orphan(node, rid)
+            return
         if isinstance(msg, protocol.Error) and msg.code == REFUSED:   # from either leg: the request ends
             for leg in stream.legs():
                 self._send_abort(leg, rid, reason="a message about it was refused")
@@ -541,8 +547,7 @@ class RemoteEngineClient:
         if node != stream.node:            # the prefill leg: token 0; its errors are the decode node's to handle
             if isinstance(msg, protocol.TokenChunk):
                 stream.queue.put_nowait(msg)
-                if (p := self.membership.nodes.get(node)) is not None:
-                    p.in_flight.discard(rid)
+                self.load.uncount(rid, node)
             return
         if isinstance(msg, (protocol.TokenChunk, protocol.Error)):
             stream.queue.put_nowait(msg)
@@ -610,10 +615,10 @@ class RemoteEngineClient:
             stream.recovering = False
 
     async def _recover_once(self, rid: str, stream: _Stream, dead: str, reason: str) -> None:
+        self.load.uncount(rid, dead)                # it moves off (a node that lost it may live on)
         if stream.prefill:                          # a prefill leg for the dead decode node: stop it
             self._send_abort(stream.prefill, rid)
-            if (p := self.membership.nodes.get(stream.prefill)) is not None:
-                p.in_flight.discard(rid)
+            self.load.uncount(rid, stream.prefill)
             stream.prefill = None
         how = "reprefill"
         while stream.recoveries < self.recovery.max_recoveries and self._streams.get(rid) is stream:
@@ -629,7 +634,7 @@ class RemoteEngineClient:
             msg = dataclasses.replace(stream.request, id=f"{rid}.r{stream.recoveries}", output_token_ids=outputs,
                                       replica_from=dead if replicated and outputs else "")
             stream.node, stream.incarnation = node.name, node.incarnation
-            node.in_flight.add(rid)
+            self.load.count(rid, node)
             node.routed += 1
             try:
                 reply = await self.links[node.name].call(protocol.encode(msg)[0])
@@ -642,7 +647,7 @@ class RemoteEngineClient:
                 log.warning("request %s: node %s failed (%s); resumed on %s after %d token(s), %d from "
                             "its replica", rid, dead, reason, node.name, len(outputs), reply.resumed_tokens)
                 return
-            node.in_flight.discard(rid)
+            self.load.uncount(rid, node.name)
             stream.failed.add((node.name, node.incarnation))
             log.warning("request %s: recovery on %s failed: %s", rid, node.name,
                         getattr(reply, "message", None) or getattr(reply, "reason", None) or reply)
@@ -687,6 +692,46 @@ class RemoteEngineClient:
         while self.streams_on(node.name) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         return n + await self.fail_node(node, reason)
+
+    def _abort_orphan(self, node: str, request_id: str) -> None:
+        """``node`` streams ``request_id``, which is not in flight there any
+        more: Abort it there, once (a bounded memory of the orphans aborted)."""
+        key = (node, request_id)
+        if key in self._orphans:
+            return
+        self._orphans[key] = None
+        while len(self._orphans) > MAX_ORPHANS:
+            del self._orphans[next(iter(self._orphans))]
+        self.orphans_aborted += 1
+        self._send_abort(node, request_id, reason="not in flight there")
+
+    def lost_by_node(self, node: str, request_ids: Iterable[str]) -> int:
+        """``node`` gave these requests up, their output undeliverable (its
+        heartbeat's ``lost``: this coordinator stalled past the node's send
+        timeout). Each whose stream ``node`` serves is recovered or ended
+        (``lose_requests``); each whose prefill leg ran there without
+        delivering its first token ends with EngineDead (its decode node
+        may already decode from that token) and its decode leg is aborted.
+        Requests ``node`` does not serve (ended, moved) are ignored. Returns
+        how many ended at once."""
+        own, prefill_legs = [], 0
+        for rid in request_ids:
+            stream = self._streams.get(rid)
+            if stream is None:
+                continue
+            if stream.node == node:
+                own.append(rid)
+            elif stream.prefill == node and stream.next_index == 0:
+                for leg in stream.legs():
+                    self._send_abort(leg, rid, reason="its prefill leg was lost")
+                stream.queue.put_nowait(EngineDead(f"node {node} could not deliver the first token of "
+                                                   f"request {rid} (the coordinator stalled); retry it"))
+                self.failed_requests += 1
+                prefill_legs += 1
+        if own or prefill_legs:
+            log.warning("node %s gave up %d request(s) it could not deliver (this coordinator stalled "
+                        "past its send timeout)", node, len(own) + prefill_legs)
+        return prefill_legs + self.lose_requests(node, own, "its output could not reach the coordinator")
 
     def _send_abort(self, node: str, request_id: str, reason: str = "client closed") -> None:
         link = self.links.get(node)

@@ -270,6 +270,8 @@ class CoordinatorDaemon:
                 return protocol.Welcome(id=msg.id, node=msg.node, accepted=False, reason=str(exc))
             if known is None:
                 return protocol.Welcome(id=msg.id, node=msg.node, accepted=False, reason="unknown node")
+            if msg.lost:                  # requests it gave up, undeliverable: ended or recovered now
+                self.client.lost_by_node(msg.node, msg.lost)
             return self._assignments(msg)
         if isinstance(msg, protocol.CacheEvents):
             return self.cache_sync.handle(msg)

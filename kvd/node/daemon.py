@@ -64,6 +64,7 @@ from kvd.node.cache_shipper import CacheShipper
 from kvd.node.heartbeat import Heartbeater
 from kvd.node.disagg import DecodeSide, LayerSender
 from kvd.node.kvmove import FINAL, KVReceiver, TransferState, new_transfer_id
+from kvd.node.peers import PeerLinks
 from kvd.node.replication import Replicator, ReplicaStore, send_prompt_replica
 from kvd.node.transfer import PrefixReceiver, grant_seconds, send_prefix
 from kvd.ratelog import RateLimitedLog
@@ -116,8 +117,8 @@ class NodeDaemon:
         self.prefill_legs = collections.Counter()      # outcomes of the prefill legs run here
         self.prompt_replicas = collections.Counter()   # prefill legs' prompt replicas: sent | empty | refused | failed
         self._warn = RateLimitedLog(log)
-        self._peers: dict[str, Any] = {}               # node name -> Connection (prefill legs' KV)
-        self._peer_locks: dict[str, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
+        self.peer_links = PeerLinks(lambda node, address: links.connect(   # to other nodes: KV, replicas
+            address, cluster, name, node, registry=registry, options=self.options))
         self._tg: asyncio.TaskGroup | None = None
         self._stop = asyncio.Event()
         self._force = asyncio.Event()                  # end the drain now
@@ -251,10 +252,7 @@ class NodeDaemon:
         return line
 
     async def cleanup(self) -> None:
-        for conn in self._peers.values():
-            with contextlib.suppress(Exception):
-                await conn.close()
-        self._peers.clear()
+        await self.peer_links.close()
         if self.admin is not None:
             await self.admin.close()
         if self.listener is not None:
@@ -386,9 +384,13 @@ class NodeDaemon:
         await self.listener.send(peer, *protocol.encode(msg))
 
     async def _leg(self, rid: str, leg) -> None:
-        """Run one request's leg (a coroutine); forget the request at its end."""
+        """Run one request's leg (a coroutine); forget the request at its end.
+        One whose message to the coordinator could not be sent is reported lost."""
         try:
             await leg
+        except TransportError as exc:
+            log.info("request %s: coordinator unreachable (%s); aborted", rid, exc)
+            self.heartbeat.report_lost(rid)
         finally:
             self.streams.pop(rid, None)
 
@@ -418,12 +420,15 @@ class NodeDaemon:
                                "cached_tokens": out.num_cached_tokens}))
         except TransportError as exc:
             log.info("request %s: coordinator unreachable (%s); aborted", rid, exc)
+            self.heartbeat.report_lost(rid)          # the coordinator ends or recovers it (heartbeat.py)
         except EngineDead:
             pass                  # the engine died: the node's Goodbye names this request lost
         except Exception as exc:  # noqa: BLE001 -- one request's failure stays its own
             log.exception("request %s failed", rid)
-            with contextlib.suppress(TransportError):
+            try:
                 await self._send(peer, protocol.Error(code="engine_error", request_id=rid, message=str(exc)))
+            except TransportError:
+                self.heartbeat.report_lost(rid)
         return last
 
     # ----------------------------------------------------------- recovery
@@ -467,21 +472,12 @@ class NodeDaemon:
             return f"the grant covers {msg.kv_have_blocks + len(msg.kv_block_ids)} blocks, the prompt {blocks}"
         return None
 
-    async def _peer(self, node: str, address: str):
-        """The link this node's prefill legs use to reach ``node`` (one per peer)."""
-        async with self._peer_locks[node]:
-            conn = self._peers.get(node)
-            if conn is None:
-                conn = await links.connect(address, self.cluster, self.name, node,
-                                           registry=self.registry, options=self.options)
-                self._peers[node] = conn
-            return conn
+    async def _peer(self, node: str, address: str, incarnation: str = ""):
+        """The link to ``node`` at ``address`` (kvd/node/peers.py: one per peer process)."""
+        return await self.peer_links.get(node, address, incarnation)
 
     async def _drop_peer(self, node: str) -> None:
-        conn = self._peers.pop(node, None)
-        if conn is not None:
-            with contextlib.suppress(Exception):
-                await conn.close()
+        await self.peer_links.drop(node)
 
     async def _prefill_leg(self, msg: protocol.GenerateRequest, peer: bytes) -> None:
         """Compute the prompt here, stream its KV into the decode node's grant
@@ -492,7 +488,7 @@ class NodeDaemon:
         deadline = msg.deadline or time.time() + self.cluster.kv_transfer_timeout
         sender = None
         try:
-            conn = await self._peer(msg.kv_to_node, msg.kv_to_address)
+            conn = await self._peer(msg.kv_to_node, msg.kv_to_address, msg.kv_to_incarnation)
             sender = LayerSender(transfer_id=msg.kv_transfer_id, request_id=rid, conn=conn,
                                  block_ids=msg.kv_block_ids, have_blocks=msg.kv_have_blocks,
                                  num_layers=msg.kv_num_layers, deadline=deadline, loop=loop,

@@ -14,6 +14,13 @@ that is down, slow or restarted:
 ``paused`` (fault injection, admin ``fail stop``) stops the beats without
 stopping anything else, so the coordinator's failure detector fires.
 
+``report_lost(request_id)``: the node gave a request up because its output
+could not reach the coordinator (the data link's send timed out: the
+coordinator stalled longer than ``send_timeout``). Every beat names such
+requests (``Heartbeat.lost``, at most ``MAX_LOST_PER_BEAT``) until a beat
+that named them is accepted, so the coordinator ends or recovers them
+however many beats a stall costs; a Goodbye names them as unfinished.
+
 ``joined`` is set at the first accepted registration (the node daemon's
 READY=1) and stays set. ``timeout`` bounds a Hello (the coordinator connects
 back to us before it answers), ``beat_timeout`` a Heartbeat: the node passes
@@ -25,6 +32,8 @@ registration with its successor for longer.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import itertools
 import logging
 from collections.abc import Awaitable, Callable
 
@@ -35,6 +44,7 @@ from transports import Connection, TransportError
 # The coordinator answers a Goodbye once our last chunks reached it (it waits
 # up to 1.5 s for them), so this is longer than that wait.
 GOODBYE_TIMEOUT_S = 3.0
+MAX_LOST_PER_BEAT = 512        # lost request ids one beat names (the rest: the next beats)
 
 log = logging.getLogger("kvd.heartbeat")
 
@@ -58,6 +68,7 @@ class Heartbeater:
         self.paused = False
         self.leaving = False               # said Goodbye: no beat or registration from now on
         self.seq = 0
+        self.lost: dict[str, None] = {}   # request ids given up and not yet answered for, oldest first
         self.conn: Connection | None = None
         self.joined = asyncio.Event()
         self._kick = asyncio.Event()
@@ -65,6 +76,12 @@ class Heartbeater:
 
     def kick(self) -> None:
         """Beat now (state changed: draining, undrained)."""
+        self._kick.set()
+
+    def report_lost(self, request_id: str) -> None:
+        """``request_id`` was given up without its last message reaching the
+        coordinator: name it in the next beats (module docstring), and beat now."""
+        self.lost[request_id] = None
         self._kick.set()
 
     async def run(self) -> None:
@@ -107,7 +124,14 @@ class Heartbeater:
                                        getattr(reply, "reason", None) or getattr(reply, "message", reply))
                 return
             self.seq += 1
-            reply = await protocol.call(self.conn, await self._beat(self.seq), timeout=self.beat_timeout)
+            beat = await self._beat(self.seq)
+            told = tuple(itertools.islice(self.lost, MAX_LOST_PER_BEAT))
+            if told:
+                beat = dataclasses.replace(beat, lost=told)
+            reply = await protocol.call(self.conn, beat, timeout=self.beat_timeout)
+            if isinstance(reply, protocol.Welcome) and reply.accepted:    # the coordinator has them
+                for rid in told:
+                    self.lost.pop(rid, None)
             if self.leaving:                # a beat that crossed our Goodbye: the coordinator forgot us
                 return
             if isinstance(reply, protocol.Welcome) and not reply.accepted:
@@ -132,6 +156,7 @@ class Heartbeater:
         self.leaving = True
         if self.conn is None or self.conn.closed or not self.registered:
             return
+        unfinished = tuple(dict.fromkeys((*unfinished, *self.lost)))
         try:
             await protocol.call(self.conn, protocol.Goodbye(node=self.name, reason=reason, unfinished=unfinished),
                                 timeout=GOODBYE_TIMEOUT_S)
