@@ -24,6 +24,14 @@ in-process engine. Contracts:
 - A node that leaves on purpose (``node_left``) loses only the requests it
   says it gave up; the others end normally, their last chunks arriving after
   its Goodbye.
+- A node that gave requests up because their output could not be delivered
+  (its heartbeat's ``lost``: this coordinator stalled past the node's send
+  timeout) has each recovered, away from it, or ended with EngineDead at once
+  (``lost_by_node``). A node that streams a request it does not serve any
+  more (failed over, aborted) is sent an ``Abort`` at its first such chunk.
+- Per-node load (``NodeInfo.in_flight``, what routers balance) is changed
+  only through ``LoadBook`` (kvd/coordinator/load.py): a request is counted
+  where its legs run and released everywhere when it ends.
 - Closing a stream early sends ``Abort`` to the node (an owned task).
 - Every request ends, and at once when a node will not serve it: a
   ``GenerateRequest`` is a transport request that the node answers with
