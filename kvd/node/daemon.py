@@ -65,7 +65,8 @@ from kvd.node.heartbeat import Heartbeater
 from kvd.node.disagg import DecodeSide, LayerSender
 from kvd.node.kvmove import FINAL, KVReceiver, TransferState, new_transfer_id
 from kvd.node.peers import PeerLinks
-from kvd.node.replication import Replicator, ReplicaStore, send_prompt_replica
+from kvd.node.replica_store import ReplicaStore
+from kvd.node.replication import Replicator, send_prompt_replica
 from kvd.node.transfer import PrefixReceiver, grant_seconds, send_prefix
 from kvd.ratelog import RateLimitedLog
 from kvd.sdnotify import Notifier
@@ -724,7 +725,8 @@ class NodeDaemon:
                 "transfers": {"sent": self.transfers_sent, "dropped": self.transfers_dropped,
                               "received": self.receiver.completed if self.receiver else 0,
                               "failed": self.receiver.failed if self.receiver else 0,
-                              "refused": self.receiver.refused if self.receiver else 0},
+                              "refused": self.receiver.refused if self.receiver else 0,
+                              "peer_refused": self.receiver.peer_refused if self.receiver else 0},
                 "disaggregation": {"decode": self.decode_side.stats() if self.decode_side else {},
                                    "prefill": dict(self.prefill_legs),
                                    "prompt_replicas": dict(self.prompt_replicas)},

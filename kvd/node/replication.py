@@ -12,26 +12,9 @@ tokens once it is full. A request that ended here is named in ``frees``.
 The round waits for the peer's ``ReplicaAck`` (deadline: the cluster's
 request timeout) before the next one, so at most one message is in flight.
 
-Holder (``ReplicaStore``): a replica is the request's full blocks, held in
-the host tier as private blocks (``MemPool.hold_kv``: in no index, so no
-prefix lookup of any request ever matches them, and no eviction takes
-them), keyed by (sender, request id): a node can touch only its own
-replicas, whatever it sends. A replica of request R run by node S is
-written only with the coordinator's ticket for (this holder, S, R)
-(kvd/trust.py): the coordinator hands it to S with R (and to R's prefill
-node, which writes the prompt's replica for S), and repeats the tickets of
-S's requests for S's current peer in S's heartbeat replies; an entry
-without a valid ticket is refused in the ack (``no_ticket``). The blocks
-held for all senders together stay within ``replica_kv_blocks``; a replica
-past that (or past the host tier) is refused in the ack, counted and
-logged, never dropped silently. The holder reports what it holds in each
-heartbeat (DéjàVu's ``(x, j, t)``); the coordinator tells it in the reply
-which replicas to drop (their requests ended). On recovery the
-coordinator asks the holder to resume a request (``replica_from``): the
-replica is taken out of the store, and the owner's commit indexes the
-blocks where it agrees with the tokens the coordinator knows, as that
-request's own KV (``commit``); that lock is released once the resumed
-request's prefix match has taken them.
+Holder: ``ReplicaStore`` (kvd/node/replica_store.py) keeps what the peers
+send, each write checked against the coordinator's ticket (kvd/trust.py);
+a request the sender has no ticket for at its peer is not sent.
 
 What a replica misses is recomputed: the tokens past its last full block
 (at most ``block_size - 1``) plus those generated since the last round.
@@ -55,12 +38,10 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
-from engine.memory.mempool import Hold, PrefixLock
 from engine.stream import STAGING
-from kvd import protocol, trust
+from kvd import protocol
 from kvd.node.engine_driver import EngineDriver
 from kvd.ratelog import RateLimitedLog
 from transports import Connection, TransportError
@@ -283,197 +264,3 @@ async def send_prompt_replica(conn: Connection, *, source: str, owner: str, requ
 
 def _why(msg: Any) -> str:
     return getattr(msg, "message", None) or getattr(msg, "reason", None) or getattr(msg, "TYPE", repr(msg))
-
-
-# ─── holder side ─────────────────────────────────────────────────────────────
-
-
-@dataclass
-class Replica:
-    source: str                          # who may extend it (its key's sender)
-    tokens: list[int] = field(default_factory=list)
-    hold: Hold | None = None             # its KV: private blocks, in no index (MemPool.hold_kv)
-    owner: str = ""                      # a prefill node's write: the decode node that may adopt it
-    lock: PrefixLock | None = None       # once a recovery committed it: the indexed prefix, until admitted
-
-    @property
-    def blocks(self) -> int:
-        return self.hold.blocks if self.hold is not None else 0
-
-    def usable(self, known: list[int]) -> int:
-        """How many leading tokens of ``known`` (a request's prompt and the
-        tokens its client has) this replica's KV is: where they agree,
-        short of the last known token (its KV is the resumed step's)."""
-        n = min(len(self.tokens), len(known) - 1)
-        return next((i for i, (a, b) in enumerate(zip(self.tokens[:n], known)) if a != b), max(n, 0))
-
-
-class ReplicaStore:
-    """The replicas this node holds for its peers (module docstring).
-
-    ``key``: this node's replica key, from the coordinator's Welcome
-    (kvd/trust.py); until it comes, every replica is refused."""
-
-    def __init__(self, driver: EngineDriver, budget_blocks: int, timeout: float) -> None:
-        self.driver = driver
-        self.budget = budget_blocks
-        self.timeout = timeout
-        self.key: str | None = None
-        self.replicas: dict[tuple[str, str], Replica] = {}
-        self.counts = {"received_blocks": 0, "refused": 0, "no_ticket": 0, "dropped": 0, "resumed": 0,
-                       "adopted": 0}
-
-    @property
-    def blocks(self) -> int:
-        return sum(r.blocks for r in self.replicas.values())
-
-    def report(self) -> dict[str, dict[str, int]]:
-        """sender -> {request id -> tokens held}: the heartbeat's ``replicas``."""
-        out: dict[str, dict[str, int]] = {}
-        for (source, rid), rep in self.replicas.items():
-            out.setdefault(source, {})[rid] = len(rep.tokens)
-        return out
-
-    def ticket_refusal(self, msg: protocol.ReplicaData, request_id: str) -> str | None:
-        """Why ``msg`` may not write the replica of ``request_id`` here (no
-        valid coordinator ticket for it at this node), or None."""
-        owner = msg.owner or msg.source
-        if self.key is None:
-            return "this node has no replica key yet (not registered with the coordinator)"
-        if not trust.valid_ticket(self.key, owner, request_id, msg.tickets.get(request_id, "")):
-            return f"no valid coordinator ticket for a replica of {request_id} run by {owner} at this node"
-        return None
-
-    async def on_data(self, msg: protocol.ReplicaData) -> protocol.ReplicaAck:
-        """Apply one round from ``msg.source`` (already authenticated as it)."""
-        return await self.driver.call(lambda engine: self._apply(engine, msg), timeout=self.timeout)
-
-    def _apply(self, engine: Any, msg: protocol.ReplicaData) -> protocol.ReplicaAck:
-        pool = engine.pool
-        bs = pool.block_size
-        for rid in msg.frees:
-            self._drop_now(pool, (msg.source, rid))
-        held, refused = {}, {}
-        for rid, writer in msg.adopt.items():
-            key = (msg.source, rid)
-            rep = self.replicas.get((writer, rid))
-            if key not in self.replicas and rep is not None and rep.owner == msg.source:
-                del self.replicas[(writer, rid)]
-                rep.source, rep.owner = msg.source, ""
-                self.replicas[key] = rep
-                self.counts["adopted"] += 1
-            if key in self.replicas:
-                held[rid] = len(self.replicas[key].tokens)
-        if not msg.request_ids:
-            return protocol.ReplicaAck(id=msg.id, held=held, refused=refused)
-        for rid in msg.request_ids:
-            if why := self.ticket_refusal(msg, rid):
-                refused[rid] = why
-        if refused:
-            # a message with an entry it may not write changes nothing (its frame is one for all)
-            self.counts["no_ticket"] += len(refused)
-            self.counts["refused"] += len(msg.request_ids)
-            why = "another entry of this message has no valid ticket"
-            return protocol.ReplicaAck(id=msg.id, held=held,
-                                       refused={rid: refused.get(rid, why) for rid in msg.request_ids})
-        layout = pool.kv_layout()
-        frame = msg.tensors[0]
-        want = (layout.num_layers, 2, sum(msg.counts), *layout.block_shape[2:])
-        if msg.block_size != bs or tuple(frame.shape) != want or frame.dtype != protocol.dtype_name(layout.dtype):
-            why = (f"layout mismatch: this node holds [{', '.join(map(str, want))}] {protocol.dtype_name(layout.dtype)} "
-                   f"in blocks of {bs}, got [{', '.join(map(str, frame.shape))}] {frame.dtype} in blocks of "
-                   f"{msg.block_size}")
-            self.counts["refused"] += len(msg.request_ids)
-            return protocol.ReplicaAck(id=msg.id, refused={rid: why for rid in msg.request_ids})
-        kv = frame.to_torch()
-        total = self.blocks
-        off = 0
-        for rid, start, count in zip(msg.request_ids, msg.starts, msg.counts):
-            payload = kv[:, :, off:off + count]
-            new_tokens = msg.token_ids[off * bs:(off + count) * bs]
-            off += count
-            key = (msg.source, rid)
-            rep = self.replicas.get(key)
-            have = len(rep.tokens) if rep is not None else 0
-            if start != have:            # a gap or a resend: the sender restarts from what is held
-                held[rid] = have
-                continue
-            if total + count > self.budget:
-                refused[rid] = f"over the replica budget of {self.budget} blocks (replica_kv_blocks)"
-                continue
-            hold = pool.hold_kv(rep.hold if rep is not None else None, payload)
-            if hold is None:
-                refused[rid] = "the host tier is full"
-                continue
-            rep = rep or Replica(msg.source, owner=msg.owner)
-            rep.hold = hold
-            rep.tokens.extend(new_tokens)
-            total += count
-            self.replicas[key] = rep
-            held[rid] = len(rep.tokens)
-            self.counts["received_blocks"] += count
-        self.counts["refused"] += len(refused)
-        return protocol.ReplicaAck(id=msg.id, held=held, refused=refused)
-
-    def _drop_now(self, pool: Any, key: tuple[str, str]) -> bool:
-        rep = self.replicas.pop(key, None)
-        if rep is None:
-            return False
-        if rep.hold is not None:
-            pool.drop_hold(rep.hold)
-        self.counts["dropped"] += 1
-        return True
-
-    async def drop(self, request_ids: tuple[str, ...] | list[str], source: str | None = None) -> int:
-        """Drop the replicas of ``request_ids`` (from ``source``, or any). Returns how many."""
-        def run(engine: Any) -> int:
-            keys = [k for k in self.replicas if k[1] in request_ids and (source is None or k[0] == source)]
-            return sum(self._drop_now(engine.pool, k) for k in keys)
-        if not any(k[1] in request_ids for k in self.replicas):
-            return 0
-        return await self.driver.call(run, timeout=self.timeout)
-
-    def take(self, source: str, request_id: str) -> Replica | None:
-        """Take a replica out of the store for recovery: ``commit`` what the
-        resumed request may use of it, then ``release`` it once that request
-        was admitted (or did not run)."""
-        rep = self.replicas.pop((source, request_id), None)
-        if rep is not None:
-            self.counts["resumed"] += 1
-        return rep
-
-    async def commit(self, rep: Replica, known: list[int]) -> None:
-        """The owner's commit of a taken replica, for the request whose
-        prompt and client-held tokens are ``known`` (the coordinator's): the
-        whole blocks of its ``usable`` part become the cached KV of those
-        tokens, locked until ``release``, so the resumed request's prefix
-        lookup finds them; the rest of the replica is freed. Nothing of a
-        replica that disagrees with ``known`` is ever indexed under them."""
-        hold = rep.hold
-        if hold is None:
-            return
-        rep.hold = None
-        prefix = list(known[:rep.usable(known)])
-        try:
-            rep.lock = await self.driver.call(lambda engine: engine.pool.commit_hold(hold, prefix),
-                                              timeout=self.timeout)
-        except BaseException:
-            rep.hold = hold if hold.block_ids else None     # not committed: ``release`` frees it
-            raise
-
-    async def release(self, rep: Replica) -> None:
-        """Give a taken replica back: its lock (committed) or its blocks (not)."""
-        lock, hold = rep.lock, rep.hold
-        rep.lock = rep.hold = None
-
-        def run(engine: Any) -> None:
-            if lock is not None:
-                engine.pool.unlock(lock)
-            if hold is not None:
-                engine.pool.drop_hold(hold)
-        if lock is not None or hold is not None:
-            await self.driver.call(run, timeout=self.timeout)
-
-    def stats(self) -> dict[str, Any]:
-        return {"replicas": len(self.replicas), "blocks": self.blocks, "budget_blocks": self.budget,
-                **self.counts}

@@ -19,7 +19,7 @@ import torch
 from engine.engine import EngineConfig, LLMEngine
 from kvd import protocol, trust
 from kvd.node.engine_driver import EngineDriver
-from kvd.node.replication import ReplicaStore
+from kvd.node.replica_store import ReplicaStore
 
 BS = 16
 KEY = trust.holder_key(b"coordinator secret", "r1", "inc-1")     # the holder's, from its Welcome
