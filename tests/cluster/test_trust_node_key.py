@@ -185,7 +185,8 @@ def test_a_peer_gets_a_bounded_share_of_a_nodes_blocks_for_a_bounded_time(ring, 
     while free() != base:
         assert time.monotonic() - t0 < TRANSFER_TIMEOUT + 5, (free(), base)
         time.sleep(0.2)
-    assert admin(c.node_admin(target), "status")["transfers"]["failed"] >= 1
+    transfers = admin(c.node_admin(target), "status")["transfers"]
+    assert transfers["peer_refused"] == 2 and transfers["failed"] >= 1
     ids = victim_prompt()[:20]
     ref = reference_engine.tokenizer.decode(reference_tokens(reference_engine, [ids], 6)[0])
     for _ in range(3):
