@@ -5,24 +5,45 @@ of one engine step: a prefill part (requests computing a run of their
 uncomputed tokens) and a decode part (one token for every other running
 request).
 
-The policy:
+The policy (vLLM's, with one rule that keeps it live: a request off the
+device holds no device block):
 
 0. Prefilled requests (their prompt's KV computed by another instance and
    imported into reserved blocks, ``add_prefilled``) join the running set
    while sequence slots last; they decode in the next decode step.
-1. Swapped requests come back first (FCFS), if their blocks fit on device.
-   While any request is swapped out, nothing is admitted.
-2. Admission: waiting requests FCFS while blocks, sequence slots and the
-   token budget last: ``MemPool.match`` finds the cached prefix (locked for the
-   request), ``alloc_mem`` gets the blocks of the whole sequence. A prefix
-   with blocks in the host tier is swapped in, or cut before them and
-   recomputed, as ``host_hit_policy`` says (MemServe's caching cost model,
-   engine/memory/caching_cost.py).
-3. Decode: every running request whose prefill is done. A request crossing a
-   block boundary needs one new block; when the pool is dry, the most recently
-   arrived running request (decoding or prefilling) is preempted — swapped to
-   the host tier, or, when the host tier is full or swapping is off, reset for
-   recompute — until the rest fit.
+1. Swapped requests come back first, oldest arrival first, each when its
+   blocks fit on device together with the blocks the running requests'
+   next decode step needs (``_next_blocks``): a request brought back is not
+   the next step's victim. While any request is swapped out, nothing is
+   admitted.
+2. Admission: waiting requests FCFS while sequence slots, the token budget
+   and blocks last, the blocks counted as for 1.: ``MemPool.match`` finds the
+   cached prefix (locked for the request), ``alloc_mem`` gets the blocks of
+   the whole sequence. A prefix with blocks in the host tier is swapped in,
+   or cut before them and recomputed, as ``host_hit_policy`` says
+   (MemServe's caching cost model, engine/memory/caching_cost.py).
+3. Decode: every running request whose prefill is done, oldest first. A
+   request crossing a block boundary needs one new block; when the pool is
+   dry, the most recently arrived running request (decoding or prefilling)
+   is preempted, then the next, until the older ones fit, and the request
+   itself when none is left. Preempted by swap, a request's whole block
+   table goes to the host tier (``MemPool.swap_out_request``: its cached
+   prefix blocks are copied, their lock released); by recompute (or when
+   the host tier is full) its blocks are freed and it waits first in line
+   to prefill prompt and outputs again.
+
+Why this always makes progress: a request that is swapped out or waiting
+pins no device block (were a swapped request to keep its prefix locked,
+many of them, each pinning a block or two, could leave no room for any one
+of them to come back, and every step would swap one in and out again).
+The oldest running request can take every block of its juniors, and a
+request never needs more than the device tier holds (``add`` refuses one
+whose prompt + max_tokens would, as ``LLMEngine.check_request`` does
+first); so, short of blocks pinned outside the scheduler (a transfer's
+grant, a reservation), the oldest running request always gets its next
+block, and with no request running, the oldest swapped or waiting one
+always fits. A victim comes back only when its blocks and the next step's
+fit, so it is not preempted again by the step that brought it back.
 
 **Chunked prefill** (``prefill_chunk_tokens > 0``, the default): every step
 decodes (3.) and then gives at most ``prefill_chunk_tokens`` prompt tokens to
@@ -121,6 +142,14 @@ class Scheduler:
 
     # ------------------------------------------------------------------ queues
     def add(self, req: Request) -> None:
+        """Queue a new request last. Raises ValueError (nothing queued) when its
+        prompt + max_tokens need more blocks than the device tier has: it could
+        never run, and at the head of the queue it would stop every later one
+        (``LLMEngine.check_request`` refuses it before, as a bad parameter)."""
+        need = blocks_needed(len(req.prompt_ids) + req.params.max_tokens, self.config.block_size)
+        if need > self.pool.capacity():
+            raise ValueError(f"request {req.request_id} needs {need} KV blocks; the device tier has "
+                             f"{self.pool.capacity()}")
         self.waiting.append(req)
 
     def add_prefilled(self, req: Request) -> None:
@@ -188,15 +217,22 @@ class Scheduler:
         return batch
 
     def _swap_in_ready(self) -> bool:
-        """Bring swapped requests back while their blocks fit. True if any did."""
+        """Bring swapped requests back, oldest first, while each one's blocks
+        fit with what the running requests' next decode step needs (its own
+        next block included): one brought back is not that step's victim.
+        True if any came back."""
         moved = False
         while self.swapped and len(self.running) < self.config.max_num_seqs:
             req = self.swapped[0]
+            table = len(req.host_block_ids)
+            need = table + self._next_blocks(self.running) + self._grows(req, table)
+            if self.pool.available() < need:
+                break
             ids = self.pool.swap_in_private(req.host_block_ids)
             if ids is None:
                 break
             self.swapped.popleft()
-            req.block_ids = req.block_ids + ids
+            req.block_ids = ids                          # all private: the prefix lock went at swap-out
             req.host_block_ids = []
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -233,7 +269,12 @@ class Scheduler:
                 if hit is not None:
                     self.pool.release(hit)
                 break
-            fresh = self.pool.alloc_mem(blocks_needed(len(tokens), bs) - len(cached_ids))
+            num_fresh = blocks_needed(len(tokens), bs) - len(cached_ids)
+            # room for the running requests' next decode step too (this one's and the
+            # others admitted with it included): a request admitted into the last free
+            # blocks would be that step's victim, its prefill wasted
+            headroom = self._next_blocks(self.running, ahead=int(chunked)) + int(len(tokens) % bs == 0)
+            fresh = self.pool.alloc_mem(num_fresh) if self.pool.available() >= num_fresh + headroom else None
             if fresh is None:
                 if hit is not None:
                     self.pool.release(hit)
@@ -284,6 +325,20 @@ class Scheduler:
             moved = iter(new_ids)
         return [ref.block_id if ref.tier == "device" else next(moved) for ref in hit.blocks]
 
+    def _grows(self, req: Request, table: int, ahead: int = 0) -> int:
+        """1 if ``req``'s next decode step, ``ahead`` steps from now, needs a
+        block past its ``table`` blocks, else 0. A prefilling request's next
+        decode computes the token its prefill samples, at position
+        ``num_tokens``; a decoding one's computes position ``num_computed``."""
+        pos = req.num_tokens if req.prefilling else req.num_computed + ahead
+        return int(pos >= table * self.config.block_size)
+
+    def _next_blocks(self, reqs: list[Request], ahead: int = 0) -> int:
+        """Blocks the next decode step of ``reqs`` (running: their tables on
+        device) takes, ``ahead`` steps from now: ``ahead`` 1 once this step's
+        decode has its blocks (``_decode_batch``), as chunked admission runs."""
+        return sum(self._grows(r, len(r.block_ids), ahead) for r in reqs)
+
     def _decode_batch(self) -> ScheduledBatch:
         bs = self.config.block_size
         preempted: list[Request] = []
@@ -312,21 +367,35 @@ class Scheduler:
         return ScheduledBatch(decode=batch, preempted=preempted)
 
     def _preempt(self, req: Request) -> None:
-        """Release ``req``'s device memory: swap its private KV out, or drop it for recompute."""
+        """Give back every device block ``req`` holds: swap its whole block
+        table to the host tier (its prefix lock released: a swapped request
+        pins nothing on device, so it can always come back), or, in recompute
+        mode or when the host tier is short, drop its KV for recompute. It
+        queues by arrival: swapped requests come back, and preempted ones are
+        readmitted, oldest first."""
         req.num_preemptions += 1
-        private = req.block_ids[req.num_prefix_blocks:]
-        if self.config.preemption_mode == "swap" and private:
-            host = self.pool.swap_out_private(private)
+        if self.config.preemption_mode == "swap" and req.block_ids:
+            host = self.pool.swap_out_request(req.block_ids, req.prefix)
             if host is not None:
-                req.block_ids = req.block_ids[:req.num_prefix_blocks]
+                req.block_ids = []
+                req.prefix = None                        # released by swap_out_request
                 req.host_block_ids = host
                 req.status = RequestStatus.SWAPPED
-                self.swapped.append(req)
+                self._queue_by_arrival(self.swapped, req)
                 return
         self.release_memory(req)
         req.num_computed = 0
         req.status = RequestStatus.WAITING
-        self.waiting.appendleft(req)
+        self._queue_by_arrival(self.waiting, req)
+
+    @staticmethod
+    def _queue_by_arrival(queue: deque[Request], req: Request) -> None:
+        """Insert ``req`` before the first request of ``queue`` that arrived after it."""
+        for i, other in enumerate(queue):
+            if other.arrival > req.arrival:
+                queue.insert(i, req)
+                return
+        queue.append(req)
 
     # ------------------------------------------------------------ caching
     def cache_computed(self, req: Request) -> None:

@@ -374,8 +374,52 @@ class MemPool:
         return self._move_private(device_ids, "device", "host")
 
     def swap_in_private(self, host_ids: Sequence[int]) -> list[int] | None:
-        """Inverse of ``swap_out_private``. None if device is short."""
+        """Inverse of ``swap_out_private`` (and of ``swap_out_request``). None if device is short."""
         return self._move_private(host_ids, "host", "device")
+
+    def swap_out_request(self, device_ids: Sequence[int], prefix: PrefixLock | None) -> list[int] | None:
+        """Preemption by swap: copy a request's whole device block table
+        ``device_ids`` to fresh host blocks (one copy call) and give back every
+        device block the request holds, so that a swapped request pins no
+        device memory. The first ``len(prefix.blocks)`` ids are the cached
+        blocks of its lookup ``prefix`` (``match``, ``reserve`` or
+        ``cache_running``): they are copied, stay in the index, and the lookup
+        is released (they become evictable unless another lock holds them);
+        the rest are request-owned and freed. ``prefix`` None: all are
+        request-owned (``swap_out_private``).
+
+        Returns the host ids in table order, request-owned host blocks that
+        ``swap_in_private`` brings back as private device blocks; None when the
+        host tier is short, and then nothing changed (``prefix`` still holds).
+        Raises ValueError when the table does not match that description."""
+        ids = list(device_ids)
+        n = len(prefix.blocks) if prefix is not None else 0
+        if prefix is not None and prefix.released or n > len(ids):
+            raise ValueError(f"swap_out_request: {prefix!r} is not a live lookup of a {len(ids)}-block table")
+        cached = make_refs("device", ids[:n], self.node_id)
+        if not all(map(self.tree.holds, cached)):
+            raise ValueError(f"swap_out_request: the table's first {n} blocks are not its cached prefix")
+        private = ids[n:]
+        device = self.pools["device"]
+        if not device.all_used(private) or self.tree.holds_any(make_refs("device", private, self.node_id)):
+            raise ValueError(f"swap_out_request: not request-owned device blocks: {private[:8]}")
+        host_ids = self.alloc_mem(len(ids), "host")
+        if host_ids is None:
+            return None
+        self._copy("device", ids, "host", host_ids)
+        device.free(private)
+        if prefix is not None:
+            self.release(prefix)
+        return host_ids
+
+    def available(self, tier: str = "device") -> int:
+        """Blocks of ``tier`` that ``alloc_mem`` could hand out now: the free
+        ones and the unlocked cached ones (evictable). A peek: nothing changes."""
+        return self._pool(tier).num_free + self.tree.evictable(tier)
+
+    def capacity(self, tier: str = "device") -> int:
+        """All blocks of ``tier``."""
+        return self._pool(tier).num_blocks
 
     def _move_private(self, ids: Sequence[int], src: str, dst: str) -> list[int] | None:
         ids = list(ids)

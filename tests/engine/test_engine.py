@@ -106,16 +106,16 @@ def test_swap_falls_back_to_recompute_when_host_is_full(make_tiny):
     ref = alone(make_tiny(enable_prefix_caching=False), ps, params)
     # a host tier of 4 blocks takes some victims (2-6 blocks each) and refuses others
     eng = make_tiny(kv_blocks=30, host_kv_blocks=4, enable_prefix_caching=False)
-    # the real swap_out_private, observed: (blocks asked, host blocks free then, result)
+    # the real swap_out_request, observed: (blocks asked, host blocks free then, result)
     swaps = []
-    swap_out = eng.pool.swap_out_private
+    swap_out = eng.pool.swap_out_request
 
-    def observed_swap_out(ids):
+    def observed_swap_out(ids, prefix):
         free = eng.pool.stats()["host"]["free"]
-        result = swap_out(ids)
+        result = swap_out(ids, prefix)
         swaps.append((len(ids), free, result))
         return result
-    eng.pool.swap_out_private = observed_swap_out
+    eng.pool.swap_out_request = observed_swap_out
     ids = [f"r{i}" for i in range(len(ps))]
     for rid, p in zip(ids, ps):
         eng.add_request(rid, p, params)
