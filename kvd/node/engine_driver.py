@@ -118,6 +118,10 @@ class EngineDriver:
     """An LLMEngine in a thread of this process; implements EngineClient."""
 
     IDLE_WAIT_S = 0.5
+    # A step that scheduled nothing while requests wait (their blocks are held outside the
+    # scheduler: a transfer grant, a reservation) waits this long for a command before it
+    # tries again, instead of spinning a core until the blocks come back.
+    STALLED_WAIT_S = 0.005
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
@@ -295,13 +299,13 @@ class EngineDriver:
 
     # --------------------------------------------------------- engine thread
     def _run(self) -> None:
-        busy = False
+        busy = stalled = False
         try:
             while not self._stopping.is_set():
                 cmd = None
-                if not busy:                   # idle: sleep until a command comes
+                if not busy or stalled:        # idle or stalled: sleep until a command comes
                     try:
-                        cmd = self._commands.get(timeout=self.IDLE_WAIT_S)
+                        cmd = self._commands.get(timeout=self.STALLED_WAIT_S if busy else self.IDLE_WAIT_S)
                     except queue.Empty:
                         pass
                 with self._lock:
@@ -310,8 +314,10 @@ class EngineDriver:
                     self._apply_queued()
                     if self._stopping.is_set():
                         break
+                    steps = self.engine.stats.steps
                     outputs = self.engine.step() if self.engine.has_unfinished() else []
                     busy = self.engine.has_unfinished()
+                    stalled = self.engine.stats.steps == steps
                     self._snapshot = self._take_snapshot()
                 if outputs:
                     self._deliver(outputs)

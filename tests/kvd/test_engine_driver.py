@@ -311,3 +311,33 @@ async def test_an_output_collector_keeps_an_error_over_what_it_holds():
     c.put(boom)
     c.put(RequestOutput("r", [4], "d", False))
     assert await waiter is boom
+
+
+async def test_a_step_that_cannot_schedule_waits_instead_of_spinning(driver):
+    """Blocks held outside the scheduler (as a transfer grant holds them) leave a
+    waiting request unschedulable: the engine thread waits between tries (about
+    STALLED_WAIT_S) instead of spinning a core, and runs the request once the
+    blocks come back."""
+    held = await driver.call(lambda e: e.pool.alloc_mem(60))
+    assert held is not None
+    calls = 0
+    step = driver.engine.step
+
+    def counting_step():
+        nonlocal calls
+        calls += 1
+        return step()
+    driver.engine.step = counting_step
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    stream = driver.generate("r", list(range(100, 200)), params)      # 7 blocks: only 4 are free
+    first = asyncio.ensure_future(anext(stream))
+    await asyncio.sleep(0.5)
+    assert not first.done()
+    # spinning would be tens of thousands of tries in 0.5 s; waiting, about 100
+    assert 0 < calls < 0.5 / driver.STALLED_WAIT_S * 3, calls
+    await driver.call(lambda e: e.pool.free_mem(held))
+    out = await asyncio.wait_for(first, 30)
+    tokens = list(out.new_token_ids)
+    async for o in stream:
+        tokens += o.new_token_ids
+    assert len(tokens) == 4
