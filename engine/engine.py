@@ -21,7 +21,8 @@ from engine.model.registry import resolve_model
 from engine.model.tokenizer import Tokenizer
 from engine.model.weights import LoadedWeights
 from engine.output import OutputProcessor
-from engine.request import FinishReason, InvalidParam, Request, RequestOutput, RequestStatus, SamplingParams
+from engine.request import (ENGINE_ERROR, FinishReason, InvalidParam, Request, RequestOutput, RequestStatus,
+                            SamplingParams)
 from engine.config import EngineConfig  # noqa: F401  (re-exported: callers import it from here)
 from engine.cpus import format_cpulist
 from engine.runner import SMALL_BATCH, ModelRunner
@@ -473,7 +474,7 @@ class LLMEngine:
         return RequestOutput(req.request_id, [], "", True, FinishReason.ERROR.value,
                              num_prompt_tokens=len(req.prompt_ids), num_output_tokens=len(req.output_ids),
                              num_cached_tokens=req.num_cached_tokens,
-                             error=f"request {req.request_id} failed in the engine: {why}")
+                             error=f"request {req.request_id} failed in the engine: {why}", error_code=ENGINE_ERROR)
 
     def _prompt_blocks(self, req: Request) -> list[int]:
         return req.block_ids[:-(-len(req.prompt_ids) // self.config.block_size)]

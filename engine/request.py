@@ -223,6 +223,11 @@ def _finite(x: object) -> bool:
     return _number(x) and math.isfinite(x)
 
 
+# RequestOutput.error_code (also kvd.protocol.Error.code on the wire)
+INVALID_REQUEST = "invalid_request"     # refused before it ran: bad parameters, too long, no room
+ENGINE_ERROR = "engine_error"           # failed inside a step: the server's fault, not the client's
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"        # not admitted yet (or preempted by recompute)
     RUNNING = "running"        # holds device blocks for all computed tokens
@@ -295,6 +300,9 @@ class RequestOutput:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    # whose fault ``error`` is: INVALID_REQUEST (the request was refused: the client's, HTTP
+    # 400) or a server-side code such as ENGINE_ERROR (it failed while running: HTTP 500)
+    error_code: str | None = None
     handed_off: bool = False            # finished here after its prefill: another instance decodes it
     # len(text) once each of new_token_ids is in: token i's text is text[ends[i-1]:ends[i]]
     # (what a receiver that already holds the first tokens keeps of the text)

@@ -40,7 +40,7 @@ from dataclasses import replace
 import orjson
 from aiohttp import web
 
-from engine.request import InvalidParam, RequestOutput, SamplingParams
+from engine.request import INVALID_REQUEST, InvalidParam, RequestOutput, SamplingParams
 from kvd.api.prompt import PromptBuilder
 from kvd.api.schema import ApiError, ApiRequest, bad
 from kvd.config import ServerConfig
@@ -346,7 +346,7 @@ class FrontDoor:
         try:
             async for out in self.client.generate(rid, prompt_ids, req.params):
                 if out.error is not None:
-                    raise bad(None, out.error)
+                    raise request_error(out)
                 yield out
         except EngineDead as exc:
             raise self.engine_dead or engine_dead_error(str(exc)) from None
@@ -359,6 +359,17 @@ class FrontDoor:
             self.metrics.ttft.observe(first_at - t0)
             if last is not None and last.num_output_tokens > 1:
                 self.metrics.tpot.observe((now - first_at) / (last.num_output_tokens - 1))
+
+
+def request_error(out: RequestOutput) -> ApiError:
+    """The error of a request that ended with ``out.error``: a 400 when the request
+    was refused (the client's fault), a 503 when a draining node refused it, else a
+    500 naming the server-side code (it failed while running)."""
+    if out.error_code in (None, INVALID_REQUEST):
+        return bad(None, out.error)
+    if out.error_code == "draining":
+        return ApiError(503, out.error, type="service_unavailable", code="draining")
+    return ApiError(500, out.error, type="server_error", code=out.error_code)
 
 
 def engine_dead_error(message: str) -> ApiError:

@@ -83,7 +83,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any
 
 from engine.model.tokenizer import Tokenizer
-from engine.request import InvalidParam, RequestOutput, SamplingParams
+from engine.request import INVALID_REQUEST, InvalidParam, RequestOutput, SamplingParams
 from kvd import protocol
 from kvd.coordinator.load import LoadBook
 from kvd.coordinator.membership import Membership, NodeInfo
@@ -103,9 +103,11 @@ MAX_ORPHANS = 4096         # (node, request) pairs remembered as aborted orphans
 REFUSED = "refused_message"
 
 
-def _error_output(request_id: str, prompt_ids: list[int], message: str) -> RequestOutput:
-    """The one output of a request that ends before it ran (the front door's 400)."""
-    return RequestOutput(request_id, [], "", True, "error", num_prompt_tokens=len(prompt_ids), error=message)
+def _error_output(request_id: str, prompt_ids: list[int], message: str, code: str = INVALID_REQUEST) -> RequestOutput:
+    """The one output of a request that ends with an error (``code``: whose fault, as
+    ``RequestOutput.error_code``; a node's ``Error.code``)."""
+    return RequestOutput(request_id, [], "", True, "error", num_prompt_tokens=len(prompt_ids), error=message,
+                         error_code=code)
 
 
 class NodeLink:
@@ -278,7 +280,7 @@ class RemoteEngineClient:
             stream, node, refusal = await self._submit(request, header, exclude=(node.name,))
         if refusal is not None:
             self.failed_requests += 1
-            yield _error_output(request_id, prompt_ids, refusal.message or refusal.code)
+            yield _error_output(request_id, prompt_ids, refusal.message or refusal.code, refusal.code)
             return
         finished, pending = False, None
         try:
@@ -292,7 +294,7 @@ class RemoteEngineClient:
                 if isinstance(item, protocol.Error):
                     finished = True
                     self.failed_requests += 1
-                    yield _error_output(request_id, prompt_ids, item.message or item.code)
+                    yield _error_output(request_id, prompt_ids, item.message or item.code, item.code)
                     return
                 outs = self._in_order(stream, item)
                 # what queued meanwhile (this loop fell behind the node) goes out as one output

@@ -55,7 +55,7 @@ import uuid
 from typing import Any
 
 from engine.engine import EngineConfig
-from engine.request import InvalidParam, RequestOutput
+from engine.request import INVALID_REQUEST, InvalidParam, RequestOutput
 from kvd import links, protocol, trust
 from kvd.cluster_config import COORDINATOR_NAME, ClusterConfig
 from kvd.engine_client import EngineDead
@@ -405,8 +405,8 @@ class NodeDaemon:
             async with contextlib.aclosing(outputs):
                 async for out in outputs:
                     if out.error is not None:
-                        await self._send(peer, protocol.Error(code="invalid_request", request_id=rid,
-                                                              message=out.error))
+                        await self._send(peer, protocol.Error(code=out.error_code or INVALID_REQUEST,
+                                                              request_id=rid, message=out.error))
                         return None
                     last = out
                     ends = out.finished and not out.handed_off

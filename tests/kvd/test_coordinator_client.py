@@ -370,6 +370,7 @@ async def test_chunks_that_queue_while_the_consumer_is_busy_arrive_as_one_output
     await asyncio.wait_for(task, 5)
     assert [o.new_token_ids for o in outputs] == [[7], [8, 9], []]
     assert outputs[-1].finish_reason == "error" and outputs[-1].error == "boom"
+    assert outputs[-1].error_code == "engine_error"          # the server's fault: HTTP 500, not 400
     await listener.close()
 
 
