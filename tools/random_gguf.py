@@ -8,7 +8,7 @@ The file has the bundled SmolLM2's metadata (tokenizer, chat template, RoPE base
 with the shape of ``--shape`` (SmolLM2-360M's or SmolLM2-1.7B's published
 configs), and its formats: Q4_1 layers, a Q8_0 tied embedding, fp32 norms. Q4_1
 blocks get scale 2^-7 and minimum -2^-4, Q8_0 blocks scale 2^-11, their nibbles
-and int8s uniform random bytes (``tools.bench_engine.random_blocks``, as
+and int8s uniform random bytes (``tools.bench.engine.bench_engine.random_blocks``, as
 ``random_smollm2``).
 kvd and llama.cpp both load it; a decode step reads the same bytes and does the
 same arithmetic as on real weights of that shape, so its speed is the real
@@ -63,7 +63,7 @@ def write(shape: str, out: Path, seed: int = 0, source_path: Path | None = None,
     import gguf
 
     from engine.model.registry import bundled_gguf_path
-    from tools.bench_engine import random_blocks
+    from tools.bench.engine.bench_engine import random_blocks
 
     dims = SHAPES[shape]
     src = Path(source_path or bundled_gguf_path())

@@ -1,4 +1,4 @@
-"""``tools.bench_engine.random_smollm2``: the stand-in for the bundled GGUF on hosts the file
+"""``tools.bench.engine.bench_engine.random_smollm2``: the stand-in for the bundled GGUF on hosts the file
 cannot reach (benchmarks only). Its timings stand for the real model's only if it has the
 same config, the same tensors in the same block formats and shapes, and so the same bytes
 per decode step; its values must be finite."""
@@ -9,7 +9,7 @@ import torch
 
 from engine.model.registry import resolve_model
 from kernels.quant import QuantTensor
-from tools.bench_engine import random_smollm2
+from tools.bench.engine.bench_engine import random_smollm2
 
 
 def test_same_config_formats_shapes_and_bytes_as_the_bundled_model():
