@@ -19,6 +19,7 @@ Example (see etc/kvd.example-cluster.toml, every option commented)::
 
 from __future__ import annotations
 
+import enum
 import math
 import os
 import re
@@ -42,7 +43,19 @@ COORDINATOR_NAME = "coordinator"   # the coordinator's key name; no node may tak
 # The environment variable in which `kvd serve --nodes N` tells its node processes
 # how many kvd nodes share the host (kvd.node.engine_driver.load_engine).
 HOST_NODES_ENV = "KVD_HOST_NODES"
-ROLES = ("mixed", "prefill", "decode")
+
+
+class Role(str, enum.Enum):
+    """What a node computes: whole requests, prompts only (the prefill leg of a
+    disaggregated request), or decodes (asking a prefill node for the prompt).
+    A str: it compares equal to, and travels as, its value."""
+
+    MIXED = "mixed"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+ROLES = tuple(r.value for r in Role)
 SPLIT_CPUS = ("auto", "numa", "cores", "off")     # kvd serve --nodes N's placement (kvd/local_cluster.py)
 KV_LOAD_FAILURE = ("recompute", "fail")
 RECOVERY_POLICIES = ("replica", "reprefill", "fail")   # kvd/coordinator/recovery.py
@@ -68,7 +81,7 @@ class NodeConfig:
     name: str
     address: str = ""                 # transport URL; "" = transport on 127.0.0.1, any port
     admin_socket: str = ""            # Unix socket path; "" = no admin socket
-    role: str = "mixed"               # ROLES: whole requests, prompts only, or decodes
+    role: str = Role.MIXED.value      # ROLES: whole requests, prompts only, or decodes
 
     def __post_init__(self) -> None:
         check_node_name(self.name)

@@ -13,7 +13,7 @@ import zmq.asyncio
 
 import transports
 from kvd import protocol
-from kvd.coordinator.client import NodeLink
+from kvd.coordinator.links import NodeLink
 from kvd.ratelog import RateLimitedLog
 from transports.base import KIND_MSG, KIND_REQUEST, pack_envelope
 
