@@ -49,9 +49,9 @@ import asyncio
 import collections
 import contextlib
 import logging
-import os
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from engine.engine import EngineConfig
@@ -59,6 +59,7 @@ from engine.request import INVALID_REQUEST, InvalidParam, RequestOutput
 from kvd import links, protocol, trust
 from kvd.cluster_config import COORDINATOR_NAME, ClusterConfig
 from kvd.engine_client import EngineDead
+from kvd.node.admin_commands import NodeAdmin, serve_admin_socket
 from kvd.node.engine_driver import EngineDriver, describe_failure, load_engine
 from kvd.node.cache_shipper import CacheShipper
 from kvd.node.heartbeat import Heartbeater
@@ -67,14 +68,15 @@ from kvd.node.kvmove import FINAL, KVReceiver, TransferState, new_transfer_id
 from kvd.node.peers import PeerLinks
 from kvd.node.replica_store import ReplicaStore
 from kvd.node.replication import Replicator, send_prompt_replica
-from kvd.node.transfer import PrefixReceiver, grant_seconds, send_prefix
+from kvd.node.transfer import PrefixReceiver, grant_seconds
 from kvd.ratelog import RateLimitedLog
 from kvd.sdnotify import Notifier
 from transports import InprocRegistry, Listener, TransportError, TransportOptions
 
 log = logging.getLogger("kvd.node")
 
-FAIL_MODES = ("exit", "stop", "resume", "drop-transfers", "engine")
+# the messages a node refuses while it drops KV transfers (fault injection)
+KV_MESSAGES = frozenset({protocol.KVTransferRequest, protocol.KVData, protocol.KVCommit, protocol.ReplicaData})
 STATUS_INTERVAL_S = 1.0                          # STATUS= is sent only when the line changed
 
 
@@ -104,7 +106,8 @@ class NodeDaemon:
         self.receiver: PrefixReceiver | None = None
         self.heartbeat: Heartbeater | None = None
         self.cache_shipper: CacheShipper | None = None   # cache events -> the global prompt tree
-        self.admin = None
+        self.admin = None                              # the admin Unix socket's server
+        self.commands: NodeAdmin | None = None         # the admin commands (socket and AdminCommand)
         self.bad_messages: collections.Counter[str] = collections.Counter()
         self.notifier = notifier or Notifier(None)     # disabled: the embedded node of `kvd serve`
         self.draining = False
@@ -127,6 +130,7 @@ class NodeDaemon:
         self.engine_failure: str | None = None          # what killed the engine thread: the node left
         self.on_engine_dead = None                      # called with engine_failure (the embedded server)
         self._lost: tuple[str, ...] = ()                # the requests in flight when the engine died
+        self._dispatch = self._handlers()
 
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -152,6 +156,8 @@ class NodeDaemon:
                                      beat_timeout=self.cluster.heartbeat_deadline, on_reply=self._assigned)
         self.cache_shipper = CacheShipper(self.name, self.driver, self.heartbeat, engine.config.block_size,
                                           self.cluster.cache_events_interval, self.cluster.heartbeat_deadline)
+        self.commands = NodeAdmin(self, self.driver, self.heartbeat, self.cache_shipper,
+                                  self._connect_node, self.cluster.request_timeout)
         if self.admin_socket:
             await self._start_admin()
         log.info("node %s: %s loaded in %.1fs, listening on %s; kernels: %s", self.name, engine.model_name,
@@ -312,74 +318,104 @@ class NodeDaemon:
             return f"transfer addressed to {msg.dst_node!r}, this is node {self.name!r}"
         return trust.node_refusal(msg, incoming.identity, self.listener.authenticated)
 
+    def _handlers(self) -> dict[type[protocol.Message], Any]:
+        """Message type -> its handler ``(msg, incoming) -> the reply, or None``
+        (a handler that answers later does so from a task it starts)."""
+        return {
+            protocol.GenerateRequest: self._on_generate,
+            protocol.Abort: self._on_abort,
+            protocol.KVCommit: self._on_kv_commit,
+            protocol.KVData: self._on_kv_data,
+            protocol.KVTransferRequest: self._on_kv_transfer_request,
+            protocol.ReplicaData: self._on_replica_data,
+            protocol.AdminCommand: self._on_admin_command,
+        }
+
     async def _handle(self, msg: protocol.Message, incoming) -> protocol.Message | None:
-        if isinstance(msg, protocol.GenerateRequest):
-            if self.draining:
-                why = f"its engine died: {self.engine_failure}" if self.engine_failure else "is draining"
-                return protocol.Error(id=msg.id, code="draining", request_id=msg.request_id,
-                                      message=f"node {self.name} {why}")
-            if msg.request_id in self.streams:
-                return protocol.Error(id=msg.id, code="duplicate", request_id=msg.request_id,
-                                      message="request id already in flight")
-            if msg.is_prefill_leg and (why := self._prefill_leg_refusal(msg)):
-                return protocol.Error(id=msg.id, code="bad_grant", request_id=msg.request_id, message=why)
-            resumed = 0
-            if msg.prefill_node:     # the reply (with or without a grant) comes from the task
-                leg = self._decode_leg(msg, incoming)
-            elif msg.output_token_ids:
-                leg, resumed = self._resume_leg(msg, incoming.peer)
-            elif msg.is_prefill_leg:
-                leg = self._prefill_leg(msg, incoming.peer)
-            else:
-                leg = self._pipe(msg.request_id, incoming.peer,
-                                 self.driver.generate(msg.request_id, list(msg.prompt_token_ids), msg.sampling))
-            self.streams[msg.request_id] = self._tg.create_task(self._leg(msg.request_id, leg),
-                                                                name=f"req {msg.request_id}")
-            if msg.replica_to and not msg.is_prefill_leg and self.replicator is not None:
-                self.replicator.grant(msg.request_id, msg.replica_to, msg.replica_ticket)
-            return None if msg.prefill_node else protocol.Accepted(id=msg.id, request_id=msg.request_id,
-                                                                   resumed_tokens=resumed)
-        if isinstance(msg, protocol.Abort):
-            if msg.leg == "prefill":
-                self._abort_prefill_wait(msg.request_id)
-                return None
-            task = self.streams.get(msg.request_id)
-            if task is not None:
-                task.cancel()
-            return None
-        if isinstance(msg, (protocol.KVTransferRequest, protocol.KVData, protocol.KVCommit,
-                            protocol.ReplicaData)) and self.drop_transfers:
+        handler = self._dispatch.get(type(msg))
+        if handler is None:
+            self.bad_messages["unexpected_type"] += 1
+            return protocol.Error(id=msg.id, code="unexpected_type", message=f"a node does not serve {msg.TYPE}")
+        if type(msg) in KV_MESSAGES and self.drop_transfers:
             # Refused with an answer rather than ignored: the sender learns at once
             # instead of holding its prefix lock for a whole request_timeout. An
             # allocation made before the fault is released by the reaper.
             self.transfers_dropped += 1
             return protocol.Error(id=msg.id, code="transfer_refused",
                                   message=f"node {self.name} drops KV transfers (fault injection)")
-        if isinstance(msg, protocol.KVCommit):
-            if not self.decode_side.owns(msg.transfer_id):
-                self.decode_side.counts["refused"] += 1
-                return protocol.Error(id=msg.id, code="no_grant", message=f"no reservation {msg.transfer_id!r}")
-            return self.decode_side.on_commit(msg, incoming.peer, incoming.identity)
-        if isinstance(msg, protocol.KVData) and self.decode_side.owns(msg.transfer_id):
-            self._tg.create_task(self._reply_later(msg, incoming), name=f"KVData {msg.id}")
+        return handler(msg, incoming)
+
+    def _on_generate(self, msg: protocol.GenerateRequest, incoming) -> protocol.Message | None:
+        if self.draining:
+            why = f"its engine died: {self.engine_failure}" if self.engine_failure else "is draining"
+            return protocol.Error(id=msg.id, code="draining", request_id=msg.request_id,
+                                  message=f"node {self.name} {why}")
+        if msg.request_id in self.streams:
+            return protocol.Error(id=msg.id, code="duplicate", request_id=msg.request_id,
+                                  message="request id already in flight")
+        if msg.is_prefill_leg and (why := self._prefill_leg_refusal(msg)):
+            return protocol.Error(id=msg.id, code="bad_grant", request_id=msg.request_id, message=why)
+        resumed = 0
+        if msg.prefill_node:     # the reply (with or without a grant) comes from the task
+            leg = self._decode_leg(msg, incoming)
+        elif msg.output_token_ids:
+            leg, resumed = self._resume_leg(msg, incoming.peer)
+        elif msg.is_prefill_leg:
+            leg = self._prefill_leg(msg, incoming.peer)
+        else:
+            leg = self._pipe(msg.request_id, incoming.peer,
+                             self.driver.generate(msg.request_id, list(msg.prompt_token_ids), msg.sampling))
+        self.streams[msg.request_id] = self._tg.create_task(self._leg(msg.request_id, leg),
+                                                            name=f"req {msg.request_id}")
+        if msg.replica_to and not msg.is_prefill_leg and self.replicator is not None:
+            self.replicator.grant(msg.request_id, msg.replica_to, msg.replica_ticket)
+        return None if msg.prefill_node else protocol.Accepted(id=msg.id, request_id=msg.request_id,
+                                                               resumed_tokens=resumed)
+
+    def _on_abort(self, msg: protocol.Abort, incoming) -> None:
+        if msg.leg == "prefill":
+            self._abort_prefill_wait(msg.request_id)
             return None
-        if isinstance(msg, (protocol.KVTransferRequest, protocol.KVData)):
-            # an idle engine allocates / imports right here: the reply goes back without a task
-            try:
-                if isinstance(msg, protocol.KVData):
-                    ack = self.receiver.try_data(msg, _sender(incoming))
-                else:
-                    ack = self.receiver.try_request(msg, self._grant_timeout(msg), _sender(incoming))
-                if ack is not None:
-                    return ack
-            except Exception as exc:  # noqa: BLE001 -- answered as _reply_later answers a failure
-                return _internal_error(msg, exc)
-        if isinstance(msg, (protocol.KVTransferRequest, protocol.KVData, protocol.AdminCommand,
-                            protocol.ReplicaData)):
-            self._tg.create_task(self._reply_later(msg, incoming), name=f"{msg.TYPE} {msg.id}")
-            return None
-        self.bad_messages["unexpected_type"] += 1
-        return protocol.Error(id=msg.id, code="unexpected_type", message=f"a node does not serve {msg.TYPE}")
+        task = self.streams.get(msg.request_id)
+        if task is not None:
+            task.cancel()
+        return None
+
+    def _on_kv_commit(self, msg: protocol.KVCommit, incoming) -> protocol.Message | None:
+        if not self.decode_side.owns(msg.transfer_id):
+            self.decode_side.counts["refused"] += 1
+            return protocol.Error(id=msg.id, code="no_grant", message=f"no reservation {msg.transfer_id!r}")
+        return self.decode_side.on_commit(msg, incoming.peer, incoming.identity)
+
+    def _on_kv_data(self, msg: protocol.KVData, incoming) -> protocol.Message | None:
+        if self.decode_side.owns(msg.transfer_id):
+            return self._reply_later(msg, incoming, lambda: self.decode_side.on_data(
+                msg, incoming.peer, incoming.identity))
+        # an idle engine imports right here: the reply goes back without a task
+        try:
+            ack = self.receiver.try_data(msg, _sender(incoming))
+            if ack is not None:
+                return ack
+        except Exception as exc:  # noqa: BLE001 -- answered as _reply_later answers a failure
+            return _internal_error(msg, exc)
+        return self._reply_later(msg, incoming, lambda: self.receiver.on_data(msg, _sender(incoming)))
+
+    def _on_kv_transfer_request(self, msg: protocol.KVTransferRequest, incoming) -> protocol.Message | None:
+        # an idle engine allocates right here: the reply goes back without a task
+        try:
+            ack = self.receiver.try_request(msg, self._grant_timeout(msg), _sender(incoming))
+            if ack is not None:
+                return ack
+        except Exception as exc:  # noqa: BLE001 -- answered as _reply_later answers a failure
+            return _internal_error(msg, exc)
+        return self._reply_later(msg, incoming, lambda: self.receiver.on_request(
+            msg, self._grant_timeout(msg), _sender(incoming)))
+
+    def _on_replica_data(self, msg: protocol.ReplicaData, incoming) -> None:
+        return self._reply_later(msg, incoming, lambda: self.replica_store.on_data(msg))
+
+    def _on_admin_command(self, msg: protocol.AdminCommand, incoming) -> None:
+        return self._reply_later(msg, incoming, lambda: self.commands.answer(msg))
 
     async def _send(self, peer: bytes, msg: protocol.Message) -> None:
         await self.listener.send(peer, *protocol.encode(msg))
@@ -472,6 +508,11 @@ class NodeDaemon:
         if msg.kv_have_blocks + len(msg.kv_block_ids) != blocks:
             return f"the grant covers {msg.kv_have_blocks + len(msg.kv_block_ids)} blocks, the prompt {blocks}"
         return None
+
+    async def _connect_node(self, node: str, address: str):
+        """A one-off link to ``node`` at ``address`` (the caller closes it)."""
+        return await links.connect(address, self.cluster, self.name, node,
+                                   registry=self.registry, options=self.options)
 
     async def _peer(self, node: str, address: str, incarnation: str = ""):
         """The link to ``node`` at ``address`` (kvd/node/peers.py: one per peer process)."""
@@ -641,21 +682,18 @@ class NodeDaemon:
         return grant_seconds(msg.deadline or time.time() + self.cluster.request_timeout,
                              self.cluster.kv_transfer_timeout)
 
-    async def _reply_later(self, msg: protocol.Message, incoming) -> None:
-        try:
-            if isinstance(msg, protocol.KVTransferRequest):
-                reply = await self.receiver.on_request(msg, self._grant_timeout(msg), _sender(incoming))
-            elif isinstance(msg, protocol.KVData) and self.decode_side.owns(msg.transfer_id):
-                reply = await self.decode_side.on_data(msg, incoming.peer, incoming.identity)
-            elif isinstance(msg, protocol.KVData):
-                reply = await self.receiver.on_data(msg, _sender(incoming))
-            elif isinstance(msg, protocol.ReplicaData):
-                reply = await self.replica_store.on_data(msg)
-            else:
-                reply = await self._admin_command(msg)
-        except Exception as exc:  # noqa: BLE001
-            reply = _internal_error(msg, exc)
-        await self._answer(incoming, reply)
+    def _reply_later(self, msg: protocol.Message, incoming,
+                     answer: Callable[[], Awaitable[protocol.Message]]) -> None:
+        """Answer ``msg`` from a task: ``answer()``'s reply, or an ``internal``
+        Error when it raised. Returns None (no reply now)."""
+        async def reply() -> None:
+            try:
+                reply = await answer()
+            except Exception as exc:  # noqa: BLE001
+                reply = _internal_error(msg, exc)
+            await self._answer(incoming, reply)
+        self._tg.create_task(reply(), name=f"{msg.TYPE} {msg.id}")
+        return None
 
     async def _reap(self) -> None:
         while True:
@@ -665,48 +703,9 @@ class NodeDaemon:
                     log.warning("released %d KV allocation(s) whose transfer never completed", n)
 
     # ---------------------------------------------------------------- admin
-    def admin_handlers(self) -> dict[str, tuple[Any, str, dict | None]]:
-        """name -> (async handler(args) -> dict, help, args schema)."""
-        return {
-            "status": (self.cmd_status, "node status: load, KV, registration, bad-message counters", None),
-            "requests": (self.cmd_requests, "request ids in flight", None),
-            "drain": (self.cmd_drain, "finish in-flight requests, accept no new ones", None),
-            "undrain": (self.cmd_undrain, "accept new requests again", None),
-            "fail": (self.cmd_fail, "fault injection: mode exit | stop (heartbeats) | drop-transfers"
-                                    " | resume (heartbeats and transfers again) | engine (the engine "
-                                    "thread raises: the node leaves)", {"mode": (str, True)}),
-            "cache stats": (self.cmd_cache_stats, "MemPool blocks per tier", None),
-            "cache flush": (self.cmd_cache_flush, "drop every unlocked cached prefix block", None),
-            "cache blocks": (self.cmd_cache_blocks, "this node's cached blocks [hash, parent] and "
-                             "its cache-event seq (the prompt tree's check)", None),
-            "transfer": (self.cmd_transfer, "move the cached KV of token_ids to node `to` at `address`",
-                         {"to": (str, True), "address": (str, True), "token_ids": (list, True)}),
-        }
-
     async def _start_admin(self) -> None:
-        from kvd.api.admin import AdminError, AdminServer
-
-        def as_admin_errors(handler):
-            async def wrapped(args: dict) -> dict:
-                try:
-                    return await handler(args)
-                except (ValueError, TypeError, TransportError, TimeoutError) as exc:
-                    raise AdminError(f"{type(exc).__name__}: {exc}") from None
-            return wrapped
-
-        self.admin = AdminServer(self.admin_socket, name=f"kvd-node-{self.name}")
-        for name, (handler, help_, schema) in self.admin_handlers().items():
-            self.admin.register(name, as_admin_errors(handler), help=help_, args_schema=schema)
-        await self.admin.start()
-
-    async def _admin_command(self, msg: protocol.AdminCommand) -> protocol.AdminReply:
-        entry = self.admin_handlers().get(msg.command)
-        if entry is None:
-            return protocol.AdminReply(id=msg.id, ok=False, error=f"unknown command {msg.command!r}")
-        try:
-            return protocol.AdminReply(id=msg.id, ok=True, result=await entry[0](dict(msg.args)))
-        except (ValueError, KeyError, TypeError, TransportError, TimeoutError) as exc:
-            return protocol.AdminReply(id=msg.id, ok=False, error=f"{type(exc).__name__}: {exc}")
+        self.admin = await serve_admin_socket(self.admin_socket, f"kvd-node-{self.name}",
+                                              self.commands.handlers())
 
     def status(self) -> dict[str, Any]:
         snap = self.driver.stats() if self.driver else {}
@@ -732,84 +731,6 @@ class NodeDaemon:
                                    "prompt_replicas": dict(self.prompt_replicas)},
                 "replication": {"sender": self.replicator.stats() if self.replicator else {},
                                 "holder": self.replica_store.stats() if self.replica_store else {}}}
-
-    async def cmd_status(self, args: dict) -> dict:
-        return self.status()
-
-    async def cmd_requests(self, args: dict) -> dict:
-        return {"requests": sorted(self.streams)}
-
-    async def cmd_drain(self, args: dict) -> dict:
-        self.draining = True
-        self.heartbeat.kick()
-        return {"draining": True, "in_flight": len(self.streams)}
-
-    async def cmd_undrain(self, args: dict) -> dict:
-        self.draining = False
-        self.heartbeat.kick()
-        return {"draining": False}
-
-    async def cmd_fail(self, args: dict) -> dict:
-        mode = args["mode"]
-        if mode not in FAIL_MODES:
-            raise ValueError(f"fail mode must be one of {', '.join(FAIL_MODES)}, got {mode!r}")
-        if mode == "exit":
-            # after the reply is on its way: a crash, not a shutdown (no drain, no goodbye)
-            asyncio.get_running_loop().call_later(0.1, os._exit, 1)
-        elif mode == "stop":
-            self.heartbeat.paused = True
-        elif mode == "drop-transfers":
-            self.drop_transfers = True
-        elif mode == "engine":
-            log.warning("fault injection: engine")
-            try:
-                state = await self.driver.inject_failure("fault injection (admin fail --mode engine)",
-                                                         timeout=self.cluster.request_timeout)
-            except EngineDead as exc:
-                raise ValueError(str(exc)) from None
-            return {"mode": mode, "engine": state}
-        else:  # resume
-            self.heartbeat.paused = False
-            self.drop_transfers = False
-            self.heartbeat.kick()
-        log.warning("fault injection: %s", mode)
-        return {"mode": mode}
-
-    async def cmd_cache_stats(self, args: dict) -> dict:
-        return {"kv": self.driver.stats().get("kv", {})}
-
-    async def cmd_cache_flush(self, args: dict) -> dict:
-        """Drop every unlocked cached block (on the engine thread, between steps);
-        blocks of running requests and locked prefixes stay."""
-        freed = await self.driver.call(lambda engine: engine.pool.flush(), timeout=self.cluster.request_timeout)
-        self.heartbeat.kick()       # the coordinator's view of cached blocks
-        log.info("cache flush: freed %s", freed)
-        return {"freed": freed, "kv": self.driver.stats().get("kv", {})}
-
-    async def cmd_cache_blocks(self, args: dict) -> dict:
-        """This node's own cached blocks, ``[block hash, parent hash]`` each
-        (what the coordinator's prompt tree must hold for it), and the number
-        of the next cache event it will send."""
-        blocks = await self.driver.call(lambda engine: engine.pool.cache_snapshot(),
-                                        timeout=self.cluster.request_timeout)
-        return {"blocks": [[b.block_hash, b.parent_hash] for b in blocks],
-                "seq": self.cache_shipper.seq, "need_snapshot": self.cache_shipper.need_snapshot}
-
-    async def cmd_transfer(self, args: dict) -> dict:
-        if self.drop_transfers:
-            raise ValueError(f"node {self.name} drops KV transfers (fault injection; fail resume)")
-        tokens = args["token_ids"]
-        if not all(type(t) is int and t >= 0 for t in tokens):
-            raise ValueError("token_ids must be non-negative integers")
-        conn = await links.connect(args["address"], self.cluster, self.name, args["to"],
-                                   registry=self.registry, options=self.options)
-        try:
-            result = await send_prefix(self.driver, conn, tokens, src_node=self.name,
-                                       dst_node=args["to"], timeout=self.cluster.request_timeout)
-        finally:
-            await conn.close()
-        self.transfers_sent += result["transferred"]
-        return result
 
 
 def _sender(incoming) -> tuple[bytes, str | None]:

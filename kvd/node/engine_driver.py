@@ -245,6 +245,42 @@ class EngineDriver:
             await self._died.wait()
         return self.state()
 
+    # ------------------------------------------------- KV memory (MemPool verbs)
+    @property
+    def config(self) -> EngineConfig:
+        """The engine's configuration (block size, pool sizes, batch size): fixed once loaded."""
+        return self.engine.config
+
+    def kernels(self) -> dict[str, str]:
+        """The kernel implementation chosen per op (``LLMEngine.kernels``)."""
+        return self.engine.kernels()
+
+    def kv_layout(self):
+        """The KV pool's layout (``MemPool.kv_layout``): fixed once loaded, read on any thread."""
+        return self.engine.pool.kv_layout()
+
+    async def reserve_prompt(self, prompt: list[int], params: SamplingParams, min_uncached: int,
+                             timeout: float) -> tuple[Any, str]:
+        """Check the request as the engine would (raises InvalidParam), then
+        reserve blocks for the prompt's KV (``MemPool.reserve``) when at least
+        ``min_uncached`` of its tokens are not cached here: ``(the
+        reservation, "")``, or ``(None, "below_threshold" | "no_blocks")``."""
+        def reserve(engine: LLMEngine) -> tuple[Any, str]:
+            engine.check_request(len(prompt), params)
+            if len(prompt) - engine.pool.cached_tokens(prompt[:-1]) < min_uncached:
+                return None, "below_threshold"
+            res = engine.pool.reserve(prompt)
+            return res, "" if res is not None else "no_blocks"
+        return await self.call(reserve, timeout=timeout)
+
+    async def flush_cache(self, timeout: float) -> Any:
+        """Drop every unlocked cached block (``MemPool.flush``), between steps; what was freed."""
+        return await self.call(lambda engine: engine.pool.flush(), timeout=timeout)
+
+    async def cache_snapshot(self, timeout: float) -> list:
+        """This node's cached blocks (``MemPool.cache_snapshot``), between steps."""
+        return await self.call(lambda engine: engine.pool.cache_snapshot(), timeout=timeout)
+
     def _submit(self, cmd: tuple) -> None:
         """Queue a command for the engine thread (event loop thread only)."""
         self._submitted += 1

@@ -1,0 +1,184 @@
+"""The node's admin commands (``kvctl``): status, requests, drain, undrain,
+fail, cache stats/flush/blocks, transfer.
+
+Served twice by the same handlers: on the node's own 0600 admin Unix socket
+(``serve_admin_socket``) and as ``AdminCommand`` messages on its listener
+(``NodeAdmin.answer``), which a node takes from the coordinator's key only
+(kvd/trust.py).
+
+Fault injection (``fail``): ``exit`` crashes, ``stop`` pauses the heartbeats,
+``drop-transfers`` makes the node refuse KV transfers both ways, ``resume``
+clears both faults, ``engine`` makes the engine thread raise (the node
+leaves: kvd/node/daemon.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+from kvd import protocol
+from kvd.engine_client import EngineDead
+from kvd.node.cache_shipper import CacheShipper
+from kvd.node.engine_driver import EngineDriver
+from kvd.node.heartbeat import Heartbeater
+from kvd.node.transfer import send_prefix
+from transports import Connection, TransportError
+
+if TYPE_CHECKING:
+    from kvd.api.admin import AdminServer
+    from kvd.node.daemon import NodeDaemon
+
+log = logging.getLogger("kvd.node")
+
+FAIL_MODES = ("exit", "stop", "resume", "drop-transfers", "engine")
+Handler = Callable[[dict], Awaitable[dict]]
+
+
+class NodeAdmin:
+    """The command handlers; each ``cmd_*(args) -> dict`` raises ValueError,
+    TypeError, TransportError or TimeoutError for a command that cannot be
+    done. ``node`` is read and written through its own attributes only
+    (``status()``, ``streams``, ``draining``, ``drop_transfers``,
+    ``transfers_sent``); the engine, heartbeat and cache events are reached
+    through the objects given here."""
+
+    def __init__(self, node: NodeDaemon, driver: EngineDriver, heartbeat: Heartbeater,
+                 cache_shipper: CacheShipper, connect: Callable[[str, str], Awaitable[Connection]],
+                 timeout: float) -> None:
+        self.node = node
+        self.driver = driver
+        self.heartbeat = heartbeat
+        self.cache_shipper = cache_shipper
+        self.connect = connect              # (node, address) -> a one-off link (closed by the caller)
+        self.timeout = timeout              # [cluster].request_timeout
+
+    def handlers(self) -> dict[str, tuple[Handler, str, dict | None]]:
+        """name -> (async handler(args) -> dict, help, args schema)."""
+        return {
+            "status": (self.cmd_status, "node status: load, KV, registration, bad-message counters", None),
+            "requests": (self.cmd_requests, "request ids in flight", None),
+            "drain": (self.cmd_drain, "finish in-flight requests, accept no new ones", None),
+            "undrain": (self.cmd_undrain, "accept new requests again", None),
+            "fail": (self.cmd_fail, "fault injection: mode exit | stop (heartbeats) | drop-transfers"
+                                    " | resume (heartbeats and transfers again) | engine (the engine "
+                                    "thread raises: the node leaves)", {"mode": (str, True)}),
+            "cache stats": (self.cmd_cache_stats, "MemPool blocks per tier", None),
+            "cache flush": (self.cmd_cache_flush, "drop every unlocked cached prefix block", None),
+            "cache blocks": (self.cmd_cache_blocks, "this node's cached blocks [hash, parent] and "
+                             "its cache-event seq (the prompt tree's check)", None),
+            "transfer": (self.cmd_transfer, "move the cached KV of token_ids to node `to` at `address`",
+                         {"to": (str, True), "address": (str, True), "token_ids": (list, True)}),
+        }
+
+    async def answer(self, msg: protocol.AdminCommand) -> protocol.AdminReply:
+        """The reply to an ``AdminCommand`` from the coordinator: the result,
+        or the command's failure as ``ok=False``."""
+        entry = self.handlers().get(msg.command)
+        if entry is None:
+            return protocol.AdminReply(id=msg.id, ok=False, error=f"unknown command {msg.command!r}")
+        try:
+            return protocol.AdminReply(id=msg.id, ok=True, result=await entry[0](dict(msg.args)))
+        except (ValueError, KeyError, TypeError, TransportError, TimeoutError) as exc:
+            return protocol.AdminReply(id=msg.id, ok=False, error=f"{type(exc).__name__}: {exc}")
+
+    async def cmd_status(self, args: dict) -> dict:
+        return self.node.status()
+
+    async def cmd_requests(self, args: dict) -> dict:
+        return {"requests": sorted(self.node.streams)}
+
+    async def cmd_drain(self, args: dict) -> dict:
+        self.node.draining = True
+        self.heartbeat.kick()
+        return {"draining": True, "in_flight": len(self.node.streams)}
+
+    async def cmd_undrain(self, args: dict) -> dict:
+        self.node.draining = False
+        self.heartbeat.kick()
+        return {"draining": False}
+
+    async def cmd_fail(self, args: dict) -> dict:
+        mode = args["mode"]
+        if mode not in FAIL_MODES:
+            raise ValueError(f"fail mode must be one of {', '.join(FAIL_MODES)}, got {mode!r}")
+        if mode == "exit":
+            # after the reply is on its way: a crash, not a shutdown (no drain, no goodbye)
+            asyncio.get_running_loop().call_later(0.1, os._exit, 1)
+        elif mode == "stop":
+            self.heartbeat.paused = True
+        elif mode == "drop-transfers":
+            self.node.drop_transfers = True
+        elif mode == "engine":
+            log.warning("fault injection: engine")
+            try:
+                state = await self.driver.inject_failure("fault injection (admin fail --mode engine)",
+                                                         timeout=self.timeout)
+            except EngineDead as exc:
+                raise ValueError(str(exc)) from None
+            return {"mode": mode, "engine": state}
+        else:  # resume
+            self.heartbeat.paused = False
+            self.node.drop_transfers = False
+            self.heartbeat.kick()
+        log.warning("fault injection: %s", mode)
+        return {"mode": mode}
+
+    async def cmd_cache_stats(self, args: dict) -> dict:
+        return {"kv": self.driver.stats().get("kv", {})}
+
+    async def cmd_cache_flush(self, args: dict) -> dict:
+        """Drop every unlocked cached block (on the engine thread, between steps);
+        blocks of running requests and locked prefixes stay."""
+        freed = await self.driver.flush_cache(timeout=self.timeout)
+        self.heartbeat.kick()       # the coordinator's view of cached blocks
+        log.info("cache flush: freed %s", freed)
+        return {"freed": freed, "kv": self.driver.stats().get("kv", {})}
+
+    async def cmd_cache_blocks(self, args: dict) -> dict:
+        """This node's own cached blocks, ``[block hash, parent hash]`` each
+        (what the coordinator's prompt tree must hold for it), and the number
+        of the next cache event it will send."""
+        blocks = await self.driver.cache_snapshot(timeout=self.timeout)
+        return {"blocks": [[b.block_hash, b.parent_hash] for b in blocks],
+                "seq": self.cache_shipper.seq, "need_snapshot": self.cache_shipper.need_snapshot}
+
+    async def cmd_transfer(self, args: dict) -> dict:
+        if self.node.drop_transfers:
+            raise ValueError(f"node {self.node.name} drops KV transfers (fault injection; fail resume)")
+        tokens = args["token_ids"]
+        if not all(type(t) is int and t >= 0 for t in tokens):
+            raise ValueError("token_ids must be non-negative integers")
+        conn = await self.connect(args["to"], args["address"])
+        try:
+            result = await send_prefix(self.driver, conn, tokens, src_node=self.node.name,
+                                       dst_node=args["to"], timeout=self.timeout)
+        finally:
+            await conn.close()
+        self.node.transfers_sent += result["transferred"]
+        return result
+
+
+async def serve_admin_socket(path: str, name: str, handlers: dict[str, tuple[Handler, str, dict | None]]
+                             ) -> AdminServer:
+    """Start the admin Unix socket at ``path`` serving ``handlers``
+    (``NodeAdmin.handlers``); a handler's ValueError, TypeError,
+    TransportError or TimeoutError is the command's error."""
+    from kvd.api.admin import AdminError, AdminServer
+
+    def as_admin_errors(handler: Handler) -> Handler:
+        async def wrapped(args: dict) -> dict:
+            try:
+                return await handler(args)
+            except (ValueError, TypeError, TransportError, TimeoutError) as exc:
+                raise AdminError(f"{type(exc).__name__}: {exc}") from None
+        return wrapped
+
+    server = AdminServer(path, name=name)
+    for command, (handler, help_, schema) in handlers.items():
+        server.register(command, as_admin_errors(handler), help=help_, args_schema=schema)
+    await server.start()
+    return server
