@@ -54,7 +54,7 @@ class ModelRunner:
     def __init__(self, model: LlamaModel, kv: torch.Tensor, block_size: int,
                  fused: FusedDecoder | PlanDecoder | None = None, sampler: RowSampler | None = None) -> None:
         if not (model.is_first and model.is_last):
-            raise ValueError("ModelRunner drives a whole model; pipeline stages use the stage runner")
+            raise ValueError("ModelRunner drives a whole model, not a pipeline stage (layer_range)")
         self.model = model
         self.kv = kv                    # [L, 2, N, bs, kvh, hd]
         self.block_size = block_size

@@ -149,7 +149,7 @@ def _cluster_flags(p: argparse.ArgumentParser) -> None:
                    help="prefill nodes send KV per layer as computed, or per request ([cluster].kv_stream)")
     p.add_argument("--kv-return", dest="kv_return", choices=("on", "off"), default=None,
                    help="decode nodes return a finished disaggregated sequence's KV to its prefill node "
-                        "(PD-Caching-3; [cluster].kv_return)")
+                        "([cluster].kv_return)")
     p.add_argument("--kv-transfer-timeout", dest="kv_transfer_timeout", type=float, default=None,
                    help="seconds a decode node waits for a prompt's KV ([cluster].kv_transfer_timeout)")
     p.add_argument("--replicas", dest="replicas", type=int, choices=(0, 1), default=None,

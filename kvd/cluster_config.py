@@ -154,11 +154,12 @@ class ClusterConfig:
         as soon as it is computed, overlapped with the next layer's compute),
         or "request" (all layers once the prefill ends: the baseline of
         tools/bench_disagg.py).
-    kv_return: MemServe's PD-Caching-3: when a disaggregated request
+    kv_return: when a disaggregated request
         finishes, its decode node pushes the KV of the whole sequence (prompt
         and output) to the prefill node that computed the prompt, off the
         request's path, so the conversation's next turn prefills only its new
-        tokens there. Off: prefill nodes cache prompts only (PD-Caching-2).
+        tokens there (MemServe's PD-Caching-3). Off: prefill nodes cache
+        prompts only (PD-Caching-2).
     routing: the coordinator's policy, "prompt-tree" (cache-aware, on the
         global prompt trees), "session" (least load + session affinity) or
         "least-load"; ``kvctl routing POLICY`` switches at run time.

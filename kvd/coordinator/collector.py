@@ -72,7 +72,7 @@ class ClusterCollector:
                        "prefill node's queue was longer than [cluster].prefill_queue_factor allows",
                        d.client.prefill_queue_bypassed)
         c = CounterMetricFamily("kvd_kv_returns", "Finished disaggregated sequences whose KV a decode node "
-                                "was asked to return to their prefill node (PD-Caching-3), by outcome "
+                                "was asked to return to their prefill node ([cluster].kv_return), by outcome "
                                 "(done, nothing: none of it cached, failed)", labels=["outcome"])
         for outcome, n in sorted(d.client.kv_returns.items()):
             c.add_metric([outcome], n)

@@ -1,7 +1,8 @@
 """Global prompt trees (MemServe §6): which kvd nodes cache which prompt blocks.
 
 Pure Python (no torch, no I/O). One ``GlobalPromptTree`` per node role
-(``PromptTrees``, keyed by a role string; every node is "mixed" today). The
+(``PromptTrees``, keyed by the node's ``Role`` from its Hello: mixed, prefill
+or decode, so a prefill node's cache is scored apart from a decode's). The
 tree is fed by the nodes' own MemPool cache events (engine/memory/radix.py:
 ``BlockStored`` / ``BlockRemoved``, chained block hashes from ``ROOT_HASH``)
 and is EXACT: after the events of every node are applied in order, the set
@@ -44,9 +45,10 @@ from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 from engine.memory.radix import ROOT_HASH
+from kvd.cluster_config import Role
 
 STORED, REMOVED = 1, 0
-DEFAULT_ROLE = "mixed"
+DEFAULT_ROLE = Role.MIXED.value
 
 
 class InvalidEvents(ValueError):
