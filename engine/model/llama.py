@@ -86,8 +86,8 @@ def _matmul_in_out(x: torch.Tensor, w_in_out: torch.Tensor) -> torch.Tensor:
 
 
 # Rows of x up to which an fp32 model's 16-bit matrices multiply on the executor's dense
-# kernel rather than widened for MKL (LlamaModel._linear_rows): at 57-64 rows MKL over the
-# widened matrix was level or faster on the Cascade Lake Xeon (docs/benchmarks.md). fp32
+# kernel rather than widened for MKL (LlamaModel._linear_rows): from 57 rows MKL over the
+# widened matrix was measured level or faster (docs/benchmarks.md, design measurements). fp32
 # matrices always take MKL: its rows agree whatever their count (a prefix computed in a short
 # chunk on one node and in a long one on another: the same K/V), the dense kernel's would not
 # agree with them.
@@ -121,9 +121,8 @@ def _linear_batch_invariant(x: torch.Tensor, w_out_in: torch.Tensor) -> torch.Te
     A request would then round differently alone, in a batch, or recomputed
     after a preemption, and greedy tokens could diverge. Rows are padded with
     zeros to two at least and to a multiple of ``linear_row_multiple()``: one row as two costs about
-    the same (46 against 49 us, SmolLM2's down projection, AVX512-BF16); one as
-    four on the emulating CPU 2.2-2.8x two rows' time (bf16 runs there only
-    when asked for: dtype "auto" picks fp32)."""
+    the same as one; one as four costs more on the emulating CPU, where bf16 runs only
+    when asked for (dtype "auto" picks fp32; docs/benchmarks.md, design measurements)."""
     m = x.shape[0]
     rows = max(m, 2)
     pad = rows - m + -rows % linear_row_multiple()
@@ -135,8 +134,9 @@ def _linear_batch_invariant(x: torch.Tensor, w_out_in: torch.Tensor) -> torch.Te
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF LlamaRMSNorm: normalise in fp32, cast back, then scale.
 
-    Spelled out rather than ``F.rms_norm``: the fused CPU op costs ~40 us per
-    call on a decode-sized row (parallel-region overhead), these ops ~10 us."""
+    Spelled out rather than ``F.rms_norm``: on a decode-sized row the fused CPU op's
+    parallel-region overhead costs more than these ops (docs/benchmarks.md, design
+    measurements)."""
     xf = x if x.dtype == torch.float32 else x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * (xf if x.dtype == torch.float32 else xf.to(x.dtype))
@@ -183,10 +183,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
 class LlamaModel:
     """Layers ``[start, end)`` of a Llama decoder; inference only.
 
-    Weight layout is chosen per dtype by measurement (tools/bench_engine.py):
-    for fp32, MKL runs ``x @ W[in, out]`` on all cores even for one token while
-    ``F.linear`` (``W[out, in]``) falls to a single-threaded gemv (~25% slower
-    decode); for bf16, oneDNN is the other way round (5x slower transposed).
+    Weight layout is chosen per dtype by measurement (docs/benchmarks.md, design
+    measurements): for fp32, MKL runs ``x @ W[in, out]`` on all cores even for one
+    token while ``F.linear`` (``W[out, in]``) falls to a single-threaded gemv (slower
+    decode); for bf16, oneDNN is the other way round (slower transposed).
     ``float_layout = "rows"`` keeps every float matrix ``[out, in]`` whatever the
     dtype (``rows_layout``): the layout the plan executor reads (kernels/plan_decode.py),
     for an fp32 model whose decode steps it runs, torch then running only prefills
