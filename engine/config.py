@@ -47,7 +47,7 @@ class EngineConfig:
     # cheaper by the caching cost model below), "swap" (always), "recompute" (always)
     host_hit_policy: str = "cost"
     # the caching cost model's coefficients (engine/memory/caching_cost.py), seconds,
-    # fitted by tools/bench_caching_cost.py on the project's AVX2 host: see etc/kvd.toml
+    # fitted by tools/bench/engine/bench_caching_cost.py (docs/benchmarks.md): see etc/kvd.toml
     cost_token_s: float = 3.32e-3
     cost_attention_s: float = 1.6e-6
     cost_fixed_s: float = 0.0509
