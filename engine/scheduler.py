@@ -51,7 +51,7 @@ the unfinished prefills, oldest first, and to newly admitted requests (2.,
 skipped in a step that preempted), so a long prompt is computed over several
 steps while every running request still gets one token per step: a 4K-token
 prompt delays each stream's next token by one chunk's compute instead of the
-whole prompt's (tools/bench_chunked_prefill.py). Decode tokens do not count
+whole prompt's (tools/bench/engine/bench_chunked_prefill.py). Decode tokens do not count
 against the chunk: the decode part runs in its own call (the one-call decoder
 where there is one), so the chunk bounds what the prefill adds to a step. A
 request keeps the blocks it was admitted with while its prompt is computed
