@@ -63,7 +63,7 @@ class BlockRef(NamedTuple):
 
     Immutable and hashable like a frozen dataclass, but a NamedTuple: it is
     built and hashed in C, and ``insert`` of a 4,096-token prompt makes 256 of
-    them (see tools/bench_radix.py).
+    them (see tools/bench/engine/bench_radix.py).
     """
 
     tier: str
