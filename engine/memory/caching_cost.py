@@ -4,7 +4,7 @@ Pure Python (no torch). A prefix hit (``MemPool.match``) may hold blocks in
 the host tier; before a prefill can read them they are copied to the device
 tier (``MemPool.swap_in``). Recomputing those tokens instead costs prefill
 time. The model prices both from coefficients fitted on the machine that
-serves (``tools/bench_caching_cost.py``; the defaults in ``etc/kvd.toml``
+serves (``tools/bench/engine/bench_caching_cost.py``; the defaults in ``etc/kvd.toml``
 name the run that gave them).
 
 Prefill of ``n`` new tokens after ``c`` cached tokens of the same sequence::
@@ -33,7 +33,7 @@ because "batch size effectively translates to prompt length" on a GPU, where
 a small prefill leaves the device idle; in ``t`` above the batch's other
 requests add the same time to both options (weights' cost is per token,
 attention per sequence), so they cannot change the answer. The fit's
-residuals (tools/bench_caching_cost.py) are the check that ``t`` is that
+residuals (tools/bench/engine/bench_caching_cost.py) are the check that ``t`` is that
 linear on the serving machine.
 """
 
