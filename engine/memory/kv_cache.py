@@ -20,10 +20,9 @@ Block ids are the ids of ``BlockPool``; this module does no bookkeeping.
 Copies go run by run: ids that follow each other (``BlockPool`` hands out
 ascending runs) are one strided slice ``kv[l0:l1, :, a:a+n]`` and one
 ``copy_``, so a request's KV moves in as many copies as its ids have runs
-(one per block only when no two ids follow each other). Measured on CPU
-(``index_copy_`` on the block axis is a generic scatter): 1 MiB 74 vs 25 us,
-16 MiB 1.23 vs 0.66 ms, and even one slice per block beats it (0.96 ms for
-16 scattered blocks). On a CPU "device" and "host" are both host memory,
+(one per block only when no two ids follow each other). On CPU ``index_copy_``
+on the block axis is a generic scatter, slower than copies by runs and even
+than one slice per block (docs/benchmarks.md, design measurements). On a CPU "device" and "host" are both host memory,
 kept as separate tensors so that the two budgets stay separate.
 """
 
