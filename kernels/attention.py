@@ -111,8 +111,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     # takes milliseconds on CPU where index_select takes microseconds.
     # [B*M, bs, kvh, hd] -> [B, M*bs, kvh, hd] (free) -> [B, kvh, S, hd] (view)
     # A 16-bit cache is widened to fp32 after the gather: for one query row the
-    # CPU's bf16 SDPA is 2-4.5x slower than widening + fp32 SDPA, and less
-    # exact (tools/bench_attention.py).
+    # CPU's bf16 SDPA is slower than widening + fp32 SDPA, and less exact
+    # (docs/benchmarks.md, Kernels: tools/bench/kernels/bench_attention.py).
     flat = tables.flatten()
     k = k_cache.index_select(0, flat).float().view(B, -1, n_kv, hd).transpose(1, 2)
     v = v_cache.index_select(0, flat).float().view(B, -1, n_kv, hd).transpose(1, 2)
@@ -134,8 +134,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     own k/v directly; one with a prefix gathers its context from the cache.
 
     ``kernel``: the blocked C++ kernel (kernels/prefill_attention.py: position
-    invariant; 4.1x torch's SDPA for a layer at 512 tokens, 5.8x at 1,024,
-    tools/bench_prefill.py) for fp32 q/k/v. None, a shape it refuses, or a
+    invariant, faster than torch's SDPA: docs/benchmarks.md, prefill) for fp32
+    q/k/v. None, a shape it refuses, or a
     16-bit model: torch's SDPA. A bf16 model keeps SDPA because its greedy
     tokens under recompute preemption rely on a re-prefilled token rounding to
     the same bf16 values as the decode step that first computed it; decode
