@@ -65,8 +65,8 @@ VARIANTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
                    _VNNI),
     "avx512": (("avx512f", "avx512bw", "fma", "f16c"), ("-mavx512f", "-mavx512bw", "-mfma", "-mf16c", *_COMMON)),
     # GCC's pre-allocation scheduler, register pressure in mind: with 16 vector registers its
-    # default order spills the one-row matmul's accumulators every block (quant_gemm.h). On
-    # Zen 3 a decode step is 4-7% faster with it, a prefill's matmuls 23% (docs/benchmarks.md)
+    # default order spills the one-row matmul's accumulators every block (quant_gemm.h); decode
+    # steps and prefills measured faster with it on Zen 3 (docs/benchmarks.md, design measurements)
     "avx2": (("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c", *_PRESSURE, *_COMMON)),
     # scalar integers and fmaf: the arithmetic's definition, far too slow to serve (tests only)
     "portable": ((), _COMMON),
@@ -76,8 +76,8 @@ VARIANTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 }
 SERVING_VARIANTS = ("avx512amx", "avx512vnni", "avx512", "avx2")
 # The pressure-aware scheduler for these builds' many-row GEMM (this library) alone: on a
-# Cascade Lake Xeon a prefill's matmuls ran 9-15% faster with it (avx512vnni; avx512: 2-8%)
-# and a decode step (plan_decode's one-row path) 1-2% slower (docs/benchmarks.md)
+# Cascade Lake Xeon it made a prefill's matmuls faster and a decode step (plan_decode's
+# one-row path) slower (docs/benchmarks.md, design measurements)
 _GEMM_ONLY: dict[str, tuple[str, ...]] = {"avx512vnni": _PRESSURE, "avx512": _PRESSURE}
 
 
@@ -250,8 +250,8 @@ class QuantLinear:
             x = x.contiguous()
         y = torch.empty(m, self.out_features, dtype=torch.float32)
         if self._fast is not None:
-            # ~4 us of Python per call on a slow host, ~30 layers x 4 calls a token: no more checks
-            # than the ones above (matmul_into's are implied by them)
+            # called ~4 times a layer a token, so no more checks than the ones above
+            # (matmul_into's are implied by them)
             fn, code, w, n, k = self._fast
             if fn(code, w, n, k, x.data_ptr(), m, x.stride(0) if m > 1 else k, y.data_ptr(), n,
                   torch.get_num_threads()) != 0:
