@@ -6,7 +6,7 @@ the query heads of one KV head together (GQA), keys in blocks of 128 with a
 running max and sum (flash attention's online softmax), so no ``[H, T, S]``
 score matrix is ever made. Where torch's CPU SDPA takes its math path (it does
 for ``enable_gqa``), that matrix and its softmax cost more than the matmuls at
-1,024 tokens (tools/bench_prefill.py).
+1,024 tokens (tools/bench/engine/bench_prefill.py, docs/benchmarks.md).
 
 Contract, for q fp32 [T, H, hd] and k, v fp32 [S, KVH, hd]:
 
