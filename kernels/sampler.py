@@ -4,9 +4,9 @@
 draw (temperature, top-k, top-p, inverse CDF over the kept tokens in index
 order) for many rows in one call, without sorting the vocabulary: the tokens
 near the row's maximum are counted into bins of 1/8 nat of weight and only
-the bins the filters end in are sorted. Through torch a top-p row of
-SmolLM2's 49,152 logits took ~5 ms (a full ``torch.sort``) and a plain one
-~0.23 ms; tools/bench_sampling.py measures both.
+the bins the filters end in are sorted. Through torch a top-p row needs a
+full ``torch.sort`` of the vocabulary; tools/bench/kernels/bench_sampling.py measures
+both ways (docs/benchmarks.md, Kernels).
 
 Contract, per row:
 
