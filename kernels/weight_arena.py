@@ -6,8 +6,8 @@ A decode step streams every weight byte once (~96 MB for the bundled model), and
 every key and value of its sequences (at 4,096 keys, 189 MB for the bundled
 model). On 4 KiB pages that is a TLB miss every 4 KiB, and the hardware
 prefetchers stop at each page boundary; on 2 MiB pages neither happens. What it
-is worth is in docs/benchmarks.md (``tools/bench_decode_batch.py --pages both``,
-with ``--scatter`` for the KV cache).
+is worth is in docs/benchmarks-history.md (``tools/bench/engine/bench_decode_batch.py
+--pages both``, with ``--scatter`` for the KV cache).
 
 ``WeightArena.take(n)`` hands out uint8 tensors from anonymous mappings of at
 least ``CHUNK`` bytes, each aligned to 2 MiB and advised ``MADV_HUGEPAGE``
