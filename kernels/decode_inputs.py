@@ -9,7 +9,7 @@ buffers for ids, positions and block tables in, logits and greedy tokens out,
 allocated once and reused, so a step constructs no tensor and allocates nothing
 on the Python side. A step streams the weights through the caches, so whatever
 Python touches between steps is a cache miss: the less it touches, the shorter
-the step (docs/benchmarks.md, "2026-11-27, later").
+the step (docs/benchmarks-history.md, "2026-11-27, later").
 """
 
 from __future__ import annotations
