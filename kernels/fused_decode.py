@@ -159,7 +159,7 @@ class FusedDecoder:
         self.embed, self.cos, self.sin = model.embed, model.cos.contiguous(), model.sin.contiguous()
         self.config, self.num_blocks, self.block_size = cfg, num_blocks, block_size
         # When set (float64 [len(PHASES)]), every decode adds each phase's
-        # seconds to it (tools/bench_engine.py's profile); None costs nothing.
+        # seconds to it (tools/bench/engine/bench_engine.py's profile); None costs nothing.
         self.phase_seconds: torch.Tensor | None = None
         self.desc = _KvdModel(
             cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
