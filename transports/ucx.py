@@ -57,9 +57,9 @@ def _import_ucxx(progress_mode: str) -> Any:
 
     Why "blocking" is the default: ucxx's own default, "thread", runs a
     progress thread that polls. On a node whose cores run the engine, or
-    on a small host, that thread takes a core from everything else: with
-    two processes on 2 cores, plain UCX bytes moved at 0.24 GB/s (1 MiB)
-    against ~1.1 GB/s blocking (tools/bench_kv_transfer.py, docs/cluster.md).
+    on a small host, that thread takes a core from everything else, and plain UCX
+    bytes move several times slower than in blocking mode (docs/benchmarks.md,
+    design measurements; tools/bench/transfer/bench_kv_transfer.py).
     """
     try:
         os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
