@@ -15,7 +15,7 @@ per step stays one output per request, not one per token.
 transfers, cache flushes) and returns its result to the caller. When the
 engine is idle (the lock is free and every command sent before has been
 applied) and torch runs single-threaded, ``fn`` runs right there on the
-event loop thread: two thread hand-offs (~0.1 ms each after idle) would
+event loop thread: two thread hand-offs would
 otherwise be a large part of a small KV transfer. With more torch threads
 it always goes to the engine thread (see ``_inline_ok``). When the engine
 is busy, ``fn`` queues behind the commands sent before it and runs on the
@@ -136,7 +136,7 @@ class EngineDriver:
         # Inline only with single-threaded torch: a torch op on this thread
         # would start a second OpenMP team next to the engine thread's, and
         # the two teams' spinning workers starve the transport threads (KV
-        # transfers ran 20x slower with 2 threads on 2 cores).
+        # transfers: docs/benchmarks.md, design measurements).
         self._inline_ok = torch.get_num_threads() == 1
         self._streams: dict[str, OutputCollector] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
