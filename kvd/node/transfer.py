@@ -33,7 +33,7 @@ At most ``num_layers`` KVData per transfer (chunks of >= ``CHUNK_BYTES``,
 whole layers), never one per block: sends = 1 + chunks. A payload up to
 ``WHOLE_MAX_BYTES`` goes as ONE chunk of every layer: splitting it to
 overlap the receiver's import with the wire measured no better on a 2-core
-host (tools/bench_kv_transfer.py), and each message costs a round of Python
+host (tools/bench/transfer/bench_kv_transfer.py), and each message costs a round of Python
 on both sides.
 
 Frames come one of two ways (``KVData.pieces``):
@@ -46,7 +46,7 @@ Frames come one of two ways (``KVData.pieces``):
   (the receiver refuses them on arrival after it), so the transport never
   reads a block that was reused. Slices under ``ZERO_COPY_MIN_BYTES`` are
   not worth a frame each (pyzmq copies them anyway, and per-frame costs
-  dominate: 1 MiB as 32 frames of 32 KiB measured half as fast).
+  dominate: docs/benchmarks.md, design measurements).
 - **staged**: gathered (a copy per run) into the sender's staging buffers
   (``KVSender.stage``: reused, no page faults per transfer; given back only
   when every frame from them was answered), and the prefix is unlocked once
