@@ -58,7 +58,7 @@ class InvalidEvents(ValueError):
 class Op(NamedTuple):
     """One cache event on the coordinator's side: ``kind`` STORED (with
     ``parent`` and ``tokens``) or REMOVED (``parent`` 0, ``tokens`` ()).
-    A NamedTuple: a snapshot makes thousands (tools/bench_prompt_tree.py)."""
+    A NamedTuple: a snapshot makes thousands (tools/bench/cluster/bench_prompt_tree.py)."""
 
     kind: int
     parent: int
