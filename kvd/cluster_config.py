@@ -131,7 +131,7 @@ class ClusterConfig:
     prefill_threshold: a decode node computes a prompt itself when fewer
         than this many of its tokens are not in its prefix cache (the rest
         go to a prefill node); 0 sends every prompt to a prefill node.
-        The default, 64, is measured (tools/bench_disagg.py, docs/benchmarks.md).
+        The default, 64, is measured (tools/bench/cluster/bench_disagg.py, docs/benchmarks.md).
     prefill_queue_factor: the coordinator sends a prompt of n tokens to a
         prefill node only while that node's queue (the prompt tokens of the
         prefill legs in flight there) holds at most ``factor * n`` tokens;
@@ -153,7 +153,7 @@ class ClusterConfig:
     kv_stream: how a prefill node sends a prompt's KV: "layers" (each layer
         as soon as it is computed, overlapped with the next layer's compute),
         or "request" (all layers once the prefill ends: the baseline of
-        tools/bench_disagg.py).
+        tools/bench/cluster/bench_disagg.py).
     kv_return: when a disaggregated request
         finishes, its decode node pushes the KV of the whole sequence (prompt
         and output) to the prefill node that computed the prompt, off the
