@@ -3,7 +3,7 @@
 On a CPU, single-stream decode of a small model is bound by reading the
 weights once per token. The torch path pays ~900 op dispatches per step and
 oneDNN's bf16 gemv streams weights at about half the memory bandwidth
-(docs/benchmarks.md); this kernel (kernels/csrc/fused_decode.cpp) streams
+(docs/benchmarks-history.md); this kernel (kernels/csrc/fused_decode.cpp) streams
 pre-packed weight tiles with ``_mm512_dpbf16_ps`` on all torch threads and
 runs norms, RoPE, the KV write, paged attention and SwiGLU in between.
 
