@@ -21,6 +21,8 @@ import logging
 import os
 import sys
 
+from kvd.cluster_config import KV_LOAD_FAILURE, KV_STREAMS, RECOVERY_POLICIES, ROLES, SPLIT_CPUS
+
 
 ENGINE_FLAGS = {
     # flag: (dest in EngineConfig, type, help)
@@ -88,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--restart-nodes", dest="restart_nodes", action=argparse.BooleanOptionalAction,
                        default=None, help="with --nodes: start a node process that exited again "
                        "([cluster].restart_nodes, default on)")
-    serve.add_argument("--split-cpus", dest="split_cpus", choices=("auto", "numa", "cores", "off"), default=None,
+    serve.add_argument("--split-cpus", dest="split_cpus", choices=SPLIT_CPUS, default=None,
                        help="with --nodes N: bind each node to cores of its own (cores), to NUMA nodes of "
                        "its own where there are N (numa), or never (off); auto (the default): cores, "
                        "or numa with --prefill ([cluster].split_cpus)")
@@ -100,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     node.add_argument("--listen", help="transport URL to listen on (default: [nodes.NAME].address)")
     node.add_argument("--coordinator", help="coordinator URL (default: [cluster].coordinator)")
     node.add_argument("--admin-socket", help="admin Unix socket path (default: [nodes.NAME].admin_socket)")
-    node.add_argument("--role", choices=("mixed", "prefill", "decode"), default=None,
+    node.add_argument("--role", choices=ROLES, default=None,
                       help="what this node computes (default: [nodes.NAME].role, else mixed)")
     for flag, (dest, typ, help_) in ENGINE_FLAGS.items():
         node.add_argument(flag, dest=dest, type=typ, default=None, help=help_)
@@ -142,10 +144,10 @@ def _cluster_flags(p: argparse.ArgumentParser) -> None:
                    help="the coordinator sends a prompt of n tokens to a prefill node only while that "
                         "node's queue holds at most factor*n prompt tokens; else its decode node computes "
                         "it; 0: no limit ([cluster].prefill_queue_factor)")
-    p.add_argument("--kv-load-failure", dest="kv_load_failure", choices=("recompute", "fail"), default=None,
+    p.add_argument("--kv-load-failure", dest="kv_load_failure", choices=KV_LOAD_FAILURE, default=None,
                    help="a decode node whose prompt KV does not arrive: recompute or fail "
                         "([cluster].kv_load_failure)")
-    p.add_argument("--kv-stream", dest="kv_stream", choices=("layers", "request"), default=None,
+    p.add_argument("--kv-stream", dest="kv_stream", choices=KV_STREAMS, default=None,
                    help="prefill nodes send KV per layer as computed, or per request ([cluster].kv_stream)")
     p.add_argument("--kv-return", dest="kv_return", choices=("on", "off"), default=None,
                    help="decode nodes return a finished disaggregated sequence's KV to its prefill node "
@@ -154,7 +156,7 @@ def _cluster_flags(p: argparse.ArgumentParser) -> None:
                    help="seconds a decode node waits for a prompt's KV ([cluster].kv_transfer_timeout)")
     p.add_argument("--replicas", dest="replicas", type=int, choices=(0, 1), default=None,
                    help="1: stream each request's KV to a peer node ([cluster].replicas)")
-    p.add_argument("--recovery", dest="recovery", choices=("replica", "reprefill", "fail"), default=None,
+    p.add_argument("--recovery", dest="recovery", choices=RECOVERY_POLICIES, default=None,
                    help="what a dead node's requests do ([cluster].recovery)")
     p.add_argument("--max-recoveries", dest="max_recoveries", type=int, default=None,
                    help="recoveries one request may go through ([cluster].max_recoveries)")

@@ -58,6 +58,7 @@ class Role(str, enum.Enum):
 ROLES = tuple(r.value for r in Role)
 SPLIT_CPUS = ("auto", "numa", "cores", "off")     # kvd serve --nodes N's placement (kvd/local_cluster.py)
 KV_LOAD_FAILURE = ("recompute", "fail")
+KV_STREAMS = ("layers", "request")     # how a prefill node sends a prompt's KV (kv_stream)
 RECOVERY_POLICIES = ("replica", "reprefill", "fail")   # kvd/coordinator/recovery.py
 
 
@@ -257,7 +258,7 @@ class ClusterConfig:
         if self.kv_load_failure not in KV_LOAD_FAILURE:
             raise ConfigError(f"cluster.kv_load_failure must be one of {KV_LOAD_FAILURE}, "
                               f"got {self.kv_load_failure!r}")
-        if self.kv_stream not in ("layers", "request"):
+        if self.kv_stream not in KV_STREAMS:
             raise ConfigError(f"cluster.kv_stream must be 'layers' or 'request', got {self.kv_stream!r}")
         if not self.kv_transfer_timeout > 0:
             raise ConfigError("cluster.kv_transfer_timeout must be > 0")

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvd import protocol
+from kvd.cluster_config import Role
 
 MAX_DEPARTED = 1024        # departed nodes whose last address is kept (the oldest forgotten first)
 SEQ_SLACK = 16             # beats a heartbeat's seq may run ahead of the time since the last one counted
@@ -65,7 +66,7 @@ class NodeInfo:
     excused: float = 0.0                   # seconds of coordinator stall since last_seen, not counted
     in_flight: set[str] = field(default_factory=set)   # request ids routed here (either leg)
     routed: int = 0                        # requests routed here since it joined
-    role: str = "mixed"                    # protocol.ROLES, from its Hello
+    role: str = Role.MIXED.value           # protocol.ROLES, from its Hello
     seq: int = 0                           # the last heartbeat seq counted (0: none since registering)
     seq_at: float = 0.0                    # time.monotonic() it was counted (or the registration)
 

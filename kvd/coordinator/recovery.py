@@ -34,12 +34,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kvd import trust
+from kvd.cluster_config import Role
 from kvd.coordinator.membership import NodeInfo
 
 
 def ring_peers(nodes: list[NodeInfo]) -> dict[str, NodeInfo]:
     """node name -> the node it replicates to (absent: none)."""
-    ring = sorted((n for n in nodes if n.role != "prefill" and not n.draining), key=lambda n: n.name)
+    ring = sorted((n for n in nodes if n.role != Role.PREFILL and not n.draining), key=lambda n: n.name)
     if len(ring) < 2:
         return {}
     return {n.name: ring[(i + 1) % len(ring)] for i, n in enumerate(ring)}
@@ -118,7 +119,7 @@ class RecoveryPolicy:
         its replica holds; 0 = none, recompute) or None (no node is left).
         ``exclude``: (name, incarnation) of the node processes that failed
         it. ``pick(nodes)`` chooses among equals (the router)."""
-        usable = [n for n in candidates if (n.name, n.incarnation) not in exclude and n.role != "prefill"]
+        usable = [n for n in candidates if (n.name, n.incarnation) not in exclude and n.role != Role.PREFILL]
         if self.policy == "replica":
             best = self.table.best(dead, request_id, {n.name for n in usable})
             if best is not None:
