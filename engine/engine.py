@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, field
 
 import torch
 
@@ -23,6 +22,7 @@ from engine.model.weights import LoadedWeights
 from engine.output import OutputProcessor
 from engine.request import (ENGINE_ERROR, FinishReason, InvalidParam, Request, RequestOutput, RequestStatus,
                             SamplingParams)
+from engine.stats import EngineStats
 from engine.config import EngineConfig  # noqa: F401  (re-exported: callers import it from here)
 from engine.cpus import format_cpulist
 from engine.runner import SMALL_BATCH, ModelRunner
@@ -105,22 +105,6 @@ def kv_cache_dtype(config: EngineConfig, model_dtype: torch.dtype) -> torch.dtyp
         raise ValueError(f"kv_cache_dtype = {config.kv_cache_dtype!r} stores an fp32 model's KV; this model "
                          f"computes in {str(model_dtype).removeprefix('torch.')} (use kv_cache_dtype = \"auto\")")
     return torch.float16
-
-
-@dataclass
-class EngineStats:
-    """Counters since start, read by /metrics (plain ints: the reader copies them)."""
-
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    prefix_hit_tokens: int = 0
-    preemptions: int = 0
-    host_blocks_swapped_in: int = 0     # host-tier blocks of prefix hits: swapped in at admission,
-    host_blocks_recomputed: int = 0     # or recomputed (host_hit_policy, the caching cost model)
-    handed_off: int = 0                 # prefilled here, decoded elsewhere (engine.stream)
-    finished: dict = field(default_factory=lambda: {r.value: 0 for r in FinishReason})
-    steps: int = 0
-    step_seconds: float = 0.0           # wall time of those steps (schedule, model, sampling, outputs)
 
 
 class LLMEngine:

@@ -14,6 +14,8 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from engine.memory.mempool import TIERS
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                    7.5, 10.0, 20.0, 40.0, 80.0)
 
@@ -60,7 +62,7 @@ class _EngineCollector:
                            ("request_owned", "KV blocks held by running or swapped requests"),
                            ("total", "KV blocks in the pool")):
             g = GaugeMetricFamily(f"kvd_kv_blocks_{key}", help_, labels=names + ["tier"])
-            for tier in ("device", "host"):
+            for tier in TIERS:
                 g.add_metric(values + [tier], kv.get(tier, {}).get(key, 0))
             yield g
         # (series, stats key, help); engine_step_seconds / engine_steps is the mean step: one

@@ -67,6 +67,7 @@ from typing import Any
 
 from engine.model.tokenizer import Tokenizer
 from engine.request import InvalidParam, RequestOutput, SamplingParams
+from engine.stats import COUNTERS, QUEUES
 from kvd import protocol
 from kvd.coordinator.failover import Failover
 from kvd.coordinator.legs import LegSender
@@ -242,18 +243,16 @@ class RemoteEngineClient:
                     self.node_links.send_abort(leg, request_id)
 
     def stats(self) -> dict:
-        """Engine-shaped stats for /metrics: the nodes' last heartbeats, summed."""
+        """Engine-shaped stats for /metrics (engine/stats.py's keys): the
+        nodes' last heartbeats, summed."""
         if self._stats_source is not None:
             return dict(self._stats_source(), in_flight=len(self._streams))
-        total: dict[str, Any] = {"running": 0, "waiting": 0, "swapped": 0, "prompt_tokens": 0,
-                                 "generation_tokens": 0, "prefix_hit_tokens": 0, "preemptions": 0,
-                                 "host_blocks_swapped_in": 0, "host_blocks_recomputed": 0, "steps": 0,
-                                 "step_seconds": 0.0, "finished": collections.Counter(), "kv": {}}
+        summed = (*QUEUES, *COUNTERS)
+        total: dict[str, Any] = dict.fromkeys(summed, 0)
+        total.update(step_seconds=0.0, finished=collections.Counter(), kv={})
         for node in self.membership.nodes.values():
             s = node.heartbeat.stats if node.heartbeat else {}
-            for key in ("running", "waiting", "swapped", "prompt_tokens", "generation_tokens",
-                        "prefix_hit_tokens", "preemptions", "host_blocks_swapped_in",
-                        "host_blocks_recomputed", "steps"):
+            for key in summed:
                 total[key] += int(s.get(key, 0))
             total["step_seconds"] += float(s.get("step_seconds", 0.0))
             total["finished"].update(s.get("finished", {}))
@@ -264,7 +263,6 @@ class RemoteEngineClient:
         total["finished"] = dict(total["finished"])
         total["in_flight"] = len(self._streams)
         return total
-
 
     def _forget(self, request_id: str) -> None:
         forget(self._streams, self.load, request_id)

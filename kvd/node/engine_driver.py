@@ -443,23 +443,13 @@ class EngineDriver:
 
     def _take_snapshot(self) -> dict:
         eng = self.engine
-        s = eng.stats
         return {
             "time": time.time(),
             "running": len(eng.scheduler.running),
             "waiting": len(eng.scheduler.waiting),
             "swapped": len(eng.scheduler.swapped),
             "kv": eng.kv_usage(),
-            "prompt_tokens": s.prompt_tokens,
-            "generation_tokens": s.generation_tokens,
-            "prefix_hit_tokens": s.prefix_hit_tokens,
-            "preemptions": s.preemptions,
-            "host_blocks_swapped_in": s.host_blocks_swapped_in,
-            "host_blocks_recomputed": s.host_blocks_recomputed,
-            "handed_off": s.handed_off,
-            "steps": s.steps,
-            "step_seconds": s.step_seconds,
-            "finished": dict(s.finished),
+            **eng.stats.snapshot(),
         }
 
 
