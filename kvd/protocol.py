@@ -35,7 +35,7 @@ from typing import Any, ClassVar
 import orjson
 
 from engine.memory.mempool import TIERS as MEMPOOL_TIERS
-from engine.request import SamplingParams
+from engine.request import FinishReason, SamplingParams
 from kvd.cluster_config import ROLES as CONFIG_ROLES
 from kvd.ratelog import LOG_EVERY_S, RateLimitedLog
 from transports.base import Connection, Incoming, Listener, TransportClosed, TransportError, as_buffer
@@ -267,7 +267,7 @@ def message(cls: type[Message]) -> type[Message]:
 
 
 TIERS = MEMPOOL_TIERS  # the engine's memory tiers ("device", "host"), fastest first: one set of names
-FINISH_REASONS = ("stop", "length", "abort", "error")
+FINISH_REASONS = tuple(r.value for r in FinishReason)   # engine/request.py
 ROLES = CONFIG_ROLES                      # what a node computes: whole requests, prompts, or decodes
 COMMIT_STATUSES = ("done", "finished", "failed")
 def _require(ok: bool, what: str) -> None:

@@ -57,7 +57,7 @@ from typing import Any
 from engine.engine import EngineConfig
 from engine.request import INVALID_REQUEST, InvalidParam, RequestOutput
 from kvd import links, protocol, trust
-from kvd.cluster_config import COORDINATOR_NAME, ClusterConfig
+from kvd.cluster_config import COORDINATOR_NAME, ClusterConfig, Role
 from kvd.engine_client import EngineDead
 from kvd.node.admin_commands import NodeAdmin, serve_admin_socket
 from kvd.node.engine_driver import EngineDriver, describe_failure, load_engine
@@ -148,7 +148,7 @@ class NodeDaemon:
         self.address = self.listener.url
         self.decode_side = DecodeSide(self.driver, self.listener.authenticated)
         self.replica_store = ReplicaStore(self.driver, self.cluster.replica_kv_blocks, self.cluster.request_timeout)
-        if self.cluster.replicas and self.role != "prefill":
+        if self.cluster.replicas and self.role != Role.PREFILL:
             self.replicator = Replicator(self.name, self.driver, self._peer, self._drop_peer,
                                          self.cluster.replication_interval, self.cluster.request_timeout)
         self.heartbeat = Heartbeater(self.name, self._connect_coordinator, self._hello, self._beat,
