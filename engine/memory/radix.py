@@ -36,8 +36,8 @@ are removed too and returned, so the caller frees them in their own tier.
 Hence ``evictable(tier)`` is exactly the number of unlocked ``tier`` blocks.
 
 Events: every block stored or removed appends a ``BlockStored`` /
-``BlockRemoved`` event (block hash = ``hash((parent_hash, block_tokens))``,
-chained from ``ROOT_HASH``; int-tuple hashes are the same in every process).
+``BlockRemoved`` event (``block_hash(parent_hash, block_tokens)``, chained
+from ``ROOT_HASH``; int-tuple hashes are the same in every process).
 ``take_events()`` drains them. The buffer is capped: the oldest are dropped
 and counted in ``events_dropped``. Tier moves (``relocate``) emit nothing: the
 global tree tracks which instance holds a block, not in which tier.
@@ -56,6 +56,14 @@ from typing import NamedTuple, Union
 
 ROOT_HASH = 0
 """Parent hash of a prompt's first block (an int, so hashes agree across processes)."""
+
+
+def block_hash(parent_hash: int, tokens: tuple[int, ...]) -> int:
+    """The hash of the block of ``tokens`` that follows the block hashed
+    ``parent_hash`` (``ROOT_HASH`` for a prompt's first): the one rule that
+    the nodes' radix trees and the coordinator's prompt trees share. A tuple
+    of ints hashes the same in every process."""
+    return hash((parent_hash, tokens))
 
 
 class BlockRef(NamedTuple):
@@ -287,7 +295,7 @@ class RadixTree:
                 parents = [ph]
                 hashes = []
                 for blk in blks:
-                    ph = hash((ph, blk))
+                    ph = block_hash(ph, blk)
                     hashes.append(ph)
                 parents += hashes[:-1]
                 self._emit(list(map(_new_stored, zip(
@@ -602,7 +610,7 @@ class RadixTree:
             if self.enable_events:
                 assert node.hashes is not None and len(node.hashes) == n
                 for j in range(n):
-                    h = hash((ph, node.key[j * bs:(j + 1) * bs]))
+                    h = block_hash(ph, node.key[j * bs:(j + 1) * bs])
                     assert node.hashes[j] == h, "broken hash chain"
                     ph = h
             for r in node.refs:

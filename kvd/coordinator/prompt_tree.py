@@ -22,7 +22,7 @@ stored after its parent and removed after its children). A block that no node
 holds is gone.
 
 Validation: ``apply`` checks a whole batch against the current state first
-(token count, the hash really is ``hash((parent, tokens))``, the parent is
+(token count, the hash really is ``block_hash(parent, tokens)``, the parent is
 held, a removed block is held and has no held children, no double store) and
 changes nothing when any op is invalid (``InvalidEvents``). A real hash
 collision (two different blocks, one hash) is reported the same way.
@@ -44,7 +44,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
-from engine.memory.radix import ROOT_HASH
+from engine.memory.radix import ROOT_HASH, block_hash
 from kvd.cluster_config import Role
 
 STORED, REMOVED = 1, 0
@@ -83,7 +83,7 @@ def block_hashes(tokens: Sequence[int], block_size: int) -> list[int]:
     ph = ROOT_HASH
     t = tokens if type(tokens) is tuple else tuple(tokens)
     for p in range(0, len(t) - block_size + 1, block_size):
-        ph = hash((ph, t[p:p + block_size]))
+        ph = block_hash(ph, t[p:p + block_size])
         out.append(ph)
     return out
 
@@ -130,7 +130,7 @@ class GlobalPromptTree:
         ph = ROOT_HASH
         for i, p in enumerate(range(0, len(t) - bs + 1, bs)):
             blk = t[p:p + bs]
-            ph = hash((ph, blk))
+            ph = block_hash(ph, blk)
             b = self._blocks.get(ph)
             here = set(b.holders) if b is not None and b.tokens == blk else set()
             pend = self._pending.get(ph)
@@ -203,8 +203,8 @@ class GlobalPromptTree:
             if op.kind == STORED:
                 if len(op.tokens) != bs:
                     raise InvalidEvents(f"op {i}: {len(op.tokens)} tokens, blocks have {bs}")
-                if hash((op.parent, op.tokens)) != h:
-                    raise InvalidEvents(f"op {i}: the hash is not hash((parent, tokens))")
+                if block_hash(op.parent, op.tokens) != h:
+                    raise InvalidEvents(f"op {i}: the hash is not block_hash(parent, tokens)")
                 if holds(h):
                     raise InvalidEvents(f"op {i}: block stored twice")
                 if op.parent != ROOT_HASH and not holds(op.parent):
