@@ -14,7 +14,8 @@ import time
 import torch
 
 from engine.memory.kv_cache import KVCache
-from engine.memory.mempool import MemPool, Reservation
+from engine.memory.mempool import MemPool
+from engine.memory.region import Region
 from engine.model.llama import LlamaModel
 from engine.model.registry import resolve_model
 from engine.model.tokenizer import Tokenizer
@@ -269,10 +270,10 @@ class LLMEngine:
         self.scheduler.add(req)
 
     def add_prefilled(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                      reservation: Reservation, first_token: int, cached_tokens: int = 0
+                      reservation: Region, first_token: int, cached_tokens: int = 0
                       ) -> RequestOutput | None:
         """Run a request whose prompt KV another instance computed into
-        ``reservation`` (``MemPool.reserve`` of ``prompt_ids``, every layer
+        ``reservation`` (a PROMPT ``MemPool.reserve_region`` of ``prompt_ids``, every layer
         imported) and whose first token it sampled: the request decodes from
         there. The first token's output was the prefill instance's to send:
         it is replayed into the stop conditions and text state, not emitted.
@@ -288,9 +289,9 @@ class LLMEngine:
                 raise InvalidParam("first_token", "first token id out of the vocabulary")
             req = self._new_request(request_id, prompt_ids, params)
         except Exception:
-            self.pool.cancel(reservation)
+            reservation.cancel()
             raise
-        req.prefix = reservation.prefix
+        req.prefix = reservation.commit()
         req.block_ids = reservation.all_ids
         req.num_computed = len(prompt_ids)
         req.num_cached_tokens = cached_tokens
@@ -307,7 +308,7 @@ class LLMEngine:
         ``output_ids`` (the tokens the client has) are replayed into the stop
         conditions and text state, not emitted, and the request is queued to
         compute prompt and outputs (every cached prefix of them reused: a
-        replica committed with ``MemPool.commit_hold`` is one) and go on from the
+        replica region's ``commit`` is one) and go on from the
         next token. With greedy or seeded sampling the tokens are those of a
         run that never stopped. Returns the replayed output when the tokens
         already end the request (then nothing runs), else None. Raises

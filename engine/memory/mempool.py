@@ -26,20 +26,20 @@ cached block, releasing twice) raises.
 MemPool is the only door to KV memory: code outside engine/ (the node's
 transfers, its admin commands, the benchmarks) uses the verbs of the "KV
 movement" section -- ``flush``, ``lock_prefix``/``unlock``, ``kv_layout``,
-``gather``/``pieces``, ``grant``/``import_kv``/``import_pieces``/
-``insert_granted``/``abandon``, ``hold_kv``/``commit_hold``/``drop_hold``,
-``write_blocks`` -- never ``tree``, ``pools`` or the storage itself
-(tests/kvd/test_kv_door.py).
+``gather``/``pieces``, ``reserve_region`` (a ``Region``: ``fill``/
+``append``, then ``commit`` or ``cancel``), ``write_blocks`` -- never
+``tree``, ``pools`` or ``storage`` (tests/kvd/test_kv_door.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 from engine.memory.blocks import BlockPool
 from engine.memory.radix import BlockRef, BlockStored, CacheEvent, RadixTree, make_refs
+from engine.memory.region import Purpose, Region
 
 TIERS = ("device", "host")
 
@@ -75,62 +75,6 @@ class PrefixLock:
 
     def __repr__(self) -> str:
         return f"PrefixLock(num_tokens={self.num_tokens}, blocks={len(self.blocks)})"
-
-
-@dataclass
-class Grant:
-    """Blocks allocated to receive a transfer (``MemPool.grant``): ``lock``
-    holds the prefix the pool already had (``len(lock.blocks)`` blocks, not
-    sent), ``block_ids`` of ``tier`` take the rest, in token order."""
-
-    tokens: tuple[int, ...]
-    lock: PrefixLock
-    block_ids: list[int]
-    tier: str
-
-    @property
-    def have_blocks(self) -> int:
-        return len(self.lock.blocks)
-
-
-@dataclass
-class Hold:
-    """Private KV blocks (``MemPool.hold_kv``): ``block_ids`` of ``tier``, in
-    token order, request-owned, in no index; end with ``commit_hold`` or
-    ``drop_hold``."""
-
-    tier: str
-    block_ids: list[int] = field(default_factory=list)
-
-    @property
-    def blocks(self) -> int:
-        return len(self.block_ids)
-
-
-@dataclass
-class Reservation:
-    """Device blocks reserved for a request whose prompt KV another instance
-    computes (disaggregated prefill, ``MemPool.reserve``): ``prefix`` is this
-    pool's cached prefix of the prompt, locked as a request's lookup
-    (``match``), its blocks on device at ``prefix_ids``; ``block_ids`` take
-    the rest of the prompt, blocks ``[have_blocks, ceil(len(tokens)/bs))``,
-    the last one possibly partial. The KV arrives through ``import_kv``; the
-    engine then runs the request from these blocks (``LLMEngine.add_prefilled``),
-    or ``cancel`` returns them."""
-
-    tokens: tuple[int, ...]
-    prefix: PrefixLock
-    prefix_ids: list[int]
-    block_ids: list[int]
-    tier: str = "device"
-
-    @property
-    def have_blocks(self) -> int:
-        return len(self.prefix_ids)
-
-    @property
-    def all_ids(self) -> list[int]:
-        return self.prefix_ids + self.block_ids
 
 
 @dataclass(frozen=True)
@@ -306,13 +250,6 @@ class MemPool:
         self.miss_tokens += dropped
         return PrefixLock(m.num_tokens, m.blocks, m.last_node)
 
-    def delete(self, tokens: Sequence[int]) -> int:
-        """Drop the cached blocks that only this prompt uses (see
-        ``RadixTree.delete``); returns the number of blocks freed."""
-        refs = self.tree.delete(tokens)
-        self._free_refs(refs)
-        return len(refs)
-
     # ------------------------------------------------------------------ swapping
 
     def _copy(self, src_tier: str, src: list[int], dst_tier: str, dst: list[int]) -> None:
@@ -382,7 +319,7 @@ class MemPool:
         ``device_ids`` to fresh host blocks (one copy call) and give back every
         device block the request holds, so that a swapped request pins no
         device memory. The first ``len(prefix.blocks)`` ids are the cached
-        blocks of its lookup ``prefix`` (``match``, ``reserve`` or
+        blocks of its lookup ``prefix`` (``match``, a prompt's ``reserve_region`` or
         ``cache_running``): they are copied, stay in the index, and the lookup
         is released (they become evictable unless another lock holds them);
         the rest are request-owned and freed. ``prefix`` None: all are
@@ -433,80 +370,6 @@ class MemPool:
         pool.free(ids)
         return new
 
-    # ------------------------------------------------------------------ transfer
-
-    def transfer(self, dst: MemPool, block_ids: Sequence[int], tier: str = "device",
-                 dst_ids: Sequence[int] | None = None,
-                 dst_tier: str | None = None) -> list[int] | None:
-        """Copy blocks to another instance's pool (MemServe §4.3).
-
-        1. allocation: the receiver allocates ``len(block_ids)`` blocks of
-           ``dst_tier`` (default: ``tier``) unless ``dst_ids`` is given;
-        2. transmission: one ``export_blocks`` payload, one ``import_blocks``.
-        The blocks stay owned by the sender; the receiver's blocks are
-        request-owned there. Returns the receiver's ids, None when the
-        receiver is short (nothing changed).
-        """
-        dst_tier = dst_tier or tier
-        block_ids = list(block_ids)
-        src_pool = self._pool(tier)
-        if not src_pool.all_used(block_ids):
-            raise ValueError("transfer: source blocks are not allocated")
-        if (self.storage is None) != (dst.storage is None):
-            raise ValueError("transfer: both pools need a storage, or neither")
-        if dst_ids is None:
-            ids = dst.alloc_mem(len(block_ids), dst_tier)
-            if ids is None:
-                return None
-        else:
-            ids = list(dst_ids)
-            if len(ids) != len(block_ids):
-                raise ValueError("transfer: dst_ids and block_ids differ in length")
-            if not dst._pool(dst_tier).all_used(ids):
-                raise ValueError("transfer: dst_ids are not allocated at the receiver")
-        if self.storage is not None and block_ids:
-            payload = self.storage.export_blocks(tier, block_ids)
-            dst.storage.import_blocks(dst_tier, ids, payload)  # type: ignore[union-attr]
-        return ids
-
-    def transfer_with_insert(self, dst: MemPool, tokens: Sequence[int],
-                             block_ids: Sequence[int], tier: str = "device",
-                             dst_tier: str | None = None) -> int | None:
-        """Transfer the full blocks of ``tokens`` and insert them into the
-        receiver's index (allocation, transmission, insertion).
-
-        Blocks the receiver already caches are not sent. Returns the number of
-        blocks newly cached at the receiver, or None when it is short of
-        memory (nothing changed). The sender's blocks are untouched.
-        """
-        dst_tier = dst_tier or tier
-        bs = self.block_size
-        if dst.block_size != bs:
-            raise ValueError("transfer_with_insert: block sizes differ")
-        nfull = len(tokens) // bs
-        if len(block_ids) < nfull:
-            raise ValueError(f"transfer_with_insert: {nfull} full blocks, {len(block_ids)} ids")
-        tokens = tokens[:nfull * bs]
-        # Lock what the receiver already has, so its allocation cannot evict it
-        # (tree-level: this is not a lookup to count in the receiver's stats).
-        m = dst.tree.match(tokens)
-        dst.tree.lock(m.last_node)
-        try:
-            have = len(m.blocks)
-            sent = self.transfer(dst, block_ids[have:nfull], tier, dst_tier=dst_tier)
-            if sent is None:
-                return None
-            # The receiver's own refs for the prefix it had (any tier), then the
-            # new blocks; insert never replaces, so nothing already there moves.
-            refs = m.blocks + [dst._ref(dst_tier, i) for i in sent]
-            present = dst.tree.insert(tokens, refs)
-            dups = [r.block_id for r in refs[have:present]]   # none while single-threaded
-            if dups:
-                dst.pools[dst_tier].free(dups)
-            return nfull - present
-        finally:
-            dst.tree.unlock(m.last_node)
-
     # ------------------------------------------------- KV movement (kvd's door)
     # What a transfer needs, as verbs: kvd/ never reaches the radix tree, the
     # block pools or the KV tensors (tests/kvd/test_kv_door.py keeps it so).
@@ -539,99 +402,46 @@ class MemPool:
         self.tree.unlock(lock._handle)
         lock._released = True
 
-    def grant(self, tokens: Sequence[int], num_blocks: int, tier: str = "device") -> Grant | None:
-        """Receive side of a transfer of the ``num_blocks`` full blocks of
-        ``tokens``: lock the prefix this pool already caches and allocate
-        blocks of ``tier`` for the rest. None when short of memory (nothing
-        changed). End it with ``insert_granted`` once its KV is written
-        (``import_kv``), or ``abandon`` it."""
+    def cached_tokens(self, tokens: Sequence[int]) -> int:
+        """How many leading tokens of ``tokens`` this pool caches (full
+        blocks, any tier). A peek: nothing is locked or counted."""
+        return self.tree.match(tokens).num_tokens
+
+    def reserve_region(self, tokens: Sequence[int], num_blocks: int = 0, tier: str = "device",
+                       purpose: Purpose = Purpose.PREFIX, deadline: float | None = None) -> Region | None:
+        """Set blocks aside for KV another instance sends (engine/memory/region.py):
+
+        - ``PREFIX``: the ``num_blocks`` full blocks of ``tokens``: the prefix
+          this pool caches is locked (not a lookup for the statistics),
+          blocks of ``tier`` are allocated for the rest;
+        - ``PROMPT``: every token of a prompt whose KV another instance
+          computes: the cached prefix of ``tokens[:-1]`` as ``match`` finds
+          it (counted as a lookup, host blocks swapped in), fresh device
+          blocks for the rest (``num_blocks`` and ``tier`` unused);
+        - ``REPLICA``: private blocks of ``tier`` that ``Region.append``
+          adds: none yet, in no index, so no lookup matches them and no
+          eviction takes them (``tokens`` and ``num_blocks`` unused).
+
+        ``deadline`` (monotonic) rides on the region for its holder. None
+        when short of memory (nothing changed). End it with ``commit`` or
+        ``cancel``."""
+        if purpose is Purpose.REPLICA:
+            self._pool(tier)
+            return Region(self, purpose, (), tier, [], deadline=deadline)
+        if purpose is Purpose.PROMPT:
+            return self._reserve_prompt(tuple(tokens), deadline)
         tokens = tuple(tokens[:num_blocks * self.block_size])
         if len(tokens) != num_blocks * self.block_size:
-            raise ValueError(f"grant: {len(tokens)} tokens for {num_blocks} blocks")
+            raise ValueError(f"reserve_region: {len(tokens)} tokens for {num_blocks} blocks")
         lock = self.lock_prefix(tokens)
         have = len(lock.blocks)
         ids = self.alloc_mem(num_blocks - have, tier) if have < num_blocks else []
         if ids is None:
             self.unlock(lock)
             return None
-        return Grant(tokens, lock, ids, tier)
+        return Region(self, purpose, tokens, tier, ids, prefix=lock, deadline=deadline)
 
-    def insert_granted(self, grant: Grant) -> int:
-        """Index a grant's blocks under its tokens (blocks cached meanwhile
-        by someone else are duplicates: freed), unlock. Returns its tokens."""
-        refs = grant.lock.blocks + make_refs(grant.tier, grant.block_ids, self.node_id)
-        present = self.tree.insert(grant.tokens, refs)
-        dups = [r.block_id for r in refs[len(grant.lock.blocks):present]]
-        if dups:
-            self._pool(grant.tier).free(dups)
-        self.unlock(grant.lock)
-        return len(grant.tokens)
-
-    def abandon(self, grant: Grant) -> None:
-        """Free a grant's blocks and unlock its prefix: nothing was indexed."""
-        self.free_mem(grant.block_ids, grant.tier)
-        self.unlock(grant.lock)
-
-    def hold_kv(self, hold: Hold | None, payload: object, tier: str = "host") -> Hold | None:
-        """Keep KV private: a replica of a request another instance runs
-        (DejaVu §4.2.3). ``payload`` [L, 2, n, bs, kvh, hd] is written into
-        ``n`` fresh blocks of ``tier`` appended to ``hold`` (a new one when
-        None). Held blocks are request-owned: in no index, so no lookup
-        ever matches them and no eviction takes them, until ``commit_hold``
-        indexes them or ``drop_hold`` frees them. Returns the hold; None
-        when ``tier`` is short of memory, and then nothing changed."""
-        if hold is not None and hold.tier != tier:
-            raise ValueError(f"hold_kv: a hold of {hold.tier} blocks cannot grow in {tier}")
-        n = payload.shape[2]
-        ids = self.alloc_mem(n, tier) if n else []
-        if ids is None:
-            return None
-        if ids:
-            try:
-                self._storage().import_blocks(tier, ids, payload)
-            except BaseException:
-                self.free_mem(ids, tier)
-                raise
-        hold = hold if hold is not None else Hold(tier)
-        hold.block_ids.extend(ids)
-        return hold
-
-    def commit_hold(self, hold: Hold, tokens: Sequence[int]) -> PrefixLock:
-        """Index a hold as the KV of ``tokens``, as a request's own KV is at
-        its end (``insert``): its first ``len(tokens) // block_size`` blocks
-        hold those tokens' full blocks; blocks past them are freed; blocks
-        the index already has are duplicates, freed. The hold is empty
-        afterwards. Returns a lock on the indexed prefix (``unlock`` it).
-        Raises ValueError when the hold is shorter than ``tokens``."""
-        nfull = len(tokens) // self.block_size
-        if nfull > len(hold.block_ids):
-            raise ValueError(f"commit_hold: {nfull} full blocks, the hold has {len(hold.block_ids)}")
-        ids, rest = hold.block_ids[:nfull], hold.block_ids[nfull:]
-        hold.block_ids = []
-        if rest:
-            self.free_mem(rest, hold.tier)
-        prefix = tokens[:nfull * self.block_size]
-        if ids:
-            self.insert(prefix, ids, hold.tier)
-        return self.lock_prefix(prefix)
-
-    def drop_hold(self, hold: Hold) -> None:
-        """Free a hold's blocks (nothing of it was indexed)."""
-        ids, hold.block_ids = hold.block_ids, []
-        if ids:
-            self.free_mem(ids, hold.tier)
-
-    def cached_tokens(self, tokens: Sequence[int]) -> int:
-        """How many leading tokens of ``tokens`` this pool caches (full
-        blocks, any tier). A peek: nothing is locked or counted."""
-        return self.tree.match(tokens).num_tokens
-
-    def reserve(self, tokens: Sequence[int]) -> Reservation | None:
-        """Reserve device blocks for every token of a prompt whose KV another
-        instance computes: the cached prefix of ``tokens[:-1]`` (as
-        ``match`` finds it: counted as a lookup, host blocks swapped in) plus
-        fresh blocks for the rest. None when device memory is short (nothing
-        changed). End it with ``LLMEngine.add_prefilled`` or ``cancel``."""
+    def _reserve_prompt(self, tokens: tuple[int, ...], deadline: float | None) -> Region | None:
         bs = self.block_size
         hit = self.lock_prefix(tokens[:-1])
         host = [r for r in hit.blocks if r.tier != "device"]
@@ -650,14 +460,19 @@ class MemPool:
         self.hit_tokens += hit.num_tokens                 # from here on it is a request's lookup
         self.miss_tokens += len(tokens) - 1 - hit.num_tokens
         self.live_hits += 1
-        return Reservation(tuple(tokens), hit, prefix_ids, fresh)
+        return Region(self, Purpose.PROMPT, tokens, "device", fresh, prefix=hit, prefix_ids=prefix_ids,
+                      deadline=deadline)
 
-    def cancel(self, res: Reservation) -> None:
-        """Return a reservation that will not run: its fresh blocks are freed
-        and its prefix released (raises ValueError when done twice)."""
-        self.free_mem(res.block_ids, res.tier)
-        res.block_ids = []
-        self.release(res.prefix)
+    def _index_region(self, region: Region) -> None:
+        """Index a PREFIX region's blocks under its tokens: its prefix's refs
+        (any tier), then its fresh blocks; blocks cached meanwhile by someone
+        else are duplicates, freed (``Region.commit``)."""
+        have = region.have_blocks
+        refs = region.prefix.blocks + make_refs(region.tier, region.block_ids, self.node_id)
+        present = self.tree.insert(region.tokens, refs)
+        dups = [r.block_id for r in refs[have:present]]
+        if dups:
+            self._pool(region.tier).free(dups)
 
     def gather_blocks(self, ids: Sequence[int], out: object, layers: tuple[int, int],
                       tier: str = "device") -> None:
@@ -690,20 +505,6 @@ class MemPool:
         CPU tier, one per (layer, K|V, run): ``KVCache.pieces``. They alias
         the pool: the blocks must stay locked while the views are read."""
         return self._storage().pieces(tier, ids, layers)
-
-    def import_kv(self, grant: Grant | Reservation, payload: object, layers: tuple[int, int],
-                  skip: int = 0) -> None:
-        """Write layers ``[l0, l1)`` of a granted transfer (or a reservation's
-        KV) into its fresh blocks:
-        ``payload`` [l1-l0, 2, skip + n, bs, kvh, hd] (its first ``skip``
-        blocks dropped), one copy per run of the grant's ids."""
-        if grant.block_ids:
-            self._storage().scatter(grant.tier, grant.block_ids, payload[:, :, skip:], layers=layers)
-
-    def import_pieces(self, grant: Grant, pieces: Sequence[object], lengths: Sequence[int],
-                      layers: tuple[int, int], skip: int = 0) -> None:
-        """``import_kv`` for KV that arrives as pieces (``KVCache.scatter_pieces``)."""
-        self._storage().scatter_pieces(grant.tier, grant.block_ids, pieces, lengths, layers, skip)
 
     def write_blocks(self, ids: Sequence[int], payload: object, tier: str = "device") -> None:
         """Overwrite whole blocks ``ids`` of ``tier`` with ``payload`` [L, 2, n, bs, kvh, hd]

@@ -12,7 +12,7 @@ contiguous buffers, by layer, with few large copies.
 - ``KVSink``: what a layer streamer hands layers to (kvd's ``LayerSender``
   sends them to a decode node).
 
-Every copy goes through MemPool's verbs (``gather_blocks``, ``import_kv``):
+Every copy goes through MemPool's verbs (``gather_blocks``, ``Region.fill``):
 this package never holds a KV tensor of its own beyond the staging buffers.
 """
 

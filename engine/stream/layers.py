@@ -9,7 +9,7 @@ path; the engine never waits for it.
 
 Layouts: a source region is (block ids, layer range) of the sender's pool;
 on the wire it is one contiguous [l1-l0, 2, n, bs, kvh, hd] buffer; the
-destination region is the receiver's reservation (``MemPool.reserve``),
+destination region is the receiver's reservation (a ``Region``, ``MemPool.reserve_region``),
 whose first ``skip_blocks`` blocks it already holds and are never sent.
 """
 
@@ -44,9 +44,9 @@ def stream_out(pool, block_ids: Sequence[int], layers: tuple[int, int], out: tor
 
 def stream_in(pool, region, payload: torch.Tensor, layers: tuple[int, int], skip: int = 0) -> None:
     """Write layers ``[l0, l1)`` of ``payload`` [l1-l0, 2, skip + n, ...] into
-    the fresh blocks of ``region`` (a Reservation or a Grant), dropping its
+    the fresh blocks of ``region`` (a ``Region``), dropping its
     first ``skip`` blocks: one copy per run of the region's ids."""
-    pool.import_kv(region, payload, layers, skip)
+    region.fill(payload, layers, skip)
 
 
 class LayerStreamer:

@@ -55,6 +55,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from engine.engine import EngineConfig
+from engine.memory.region import Purpose
 from engine.request import INVALID_REQUEST, InvalidParam, RequestOutput
 from kvd import links, protocol, trust
 from kvd.cluster_config import COORDINATOR_NAME, ClusterConfig, Role
@@ -611,7 +612,7 @@ class NodeDaemon:
             engine.check_request(len(prompt), params)
             if len(prompt) - engine.pool.cached_tokens(prompt[:-1]) < threshold:
                 return None, "below_threshold"
-            res = engine.pool.reserve(prompt)
+            res = engine.pool.reserve_region(prompt, purpose=Purpose.PROMPT)
             return res, "" if res is not None else "no_blocks"
         try:
             res, why_local = await self.driver.call(reserve, timeout=self.cluster.request_timeout)

@@ -161,7 +161,7 @@ class DecodeSide:
                TransferState.FINISHED: "remote"}.get(rx.state, "failed")
         self.counts[key] += 1
         if not handed_to_engine:
-            await self.driver.call(lambda engine: engine.pool.cancel(rx.region))
+            await self.driver.call(lambda engine: rx.region.cancel())
 
     def stats(self) -> dict[str, Any]:
         """Outcome counts, and each open reservation: request, transfer id,

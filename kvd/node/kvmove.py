@@ -92,7 +92,7 @@ def import_layers(pool: Any, region: Any, l0: int, l1: int, msg: protocol.KVData
             if t.dtype != dtype or t.shape != (msg.pieces[i % R], bs, kvh, hd):
                 raise ValueError(f"piece {i} is {t.dtype}{list(t.shape)}, want "
                                  f"{dtype}[{msg.pieces[i % R]}, {bs}, {kvh}, {hd}]")
-        pool.import_pieces(region, [t.data for t in msg.tensors], msg.pieces, (l0, l1), skip)
+        region.fill_pieces([t.data for t in msg.tensors], msg.pieces, (l0, l1), skip)
         return
     if len(msg.tensors) != 1:
         raise ValueError(f"packed KVData carries one frame, got {len(msg.tensors)}")

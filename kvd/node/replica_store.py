@@ -2,7 +2,7 @@
 and the protocol: kvd/node/replication.py).
 
 A replica is the request's full blocks, held in the host tier as private
-blocks (``MemPool.hold_kv``: in no index, so no prefix lookup of any
+blocks (a REPLICA ``Region``: in no index, so no prefix lookup of any
 request ever matches them, and no eviction takes them), keyed by (sender,
 request id): a node can touch only its own replicas, whatever it sends. A replica of request R run by node S is
 written only with the coordinator's ticket for (this holder, S, R)
@@ -27,7 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.memory.mempool import Hold, PrefixLock
+from engine.memory.mempool import PrefixLock
+from engine.memory.region import Purpose, Region, RegionState
 from kvd import protocol, trust
 from kvd.node.engine_driver import EngineDriver
 
@@ -36,13 +37,13 @@ from kvd.node.engine_driver import EngineDriver
 class Replica:
     source: str                          # who may extend it (its key's sender)
     tokens: list[int] = field(default_factory=list)
-    hold: Hold | None = None             # its KV: private blocks, in no index (MemPool.hold_kv)
+    region: Region | None = None         # its KV: private blocks, in no index (a REPLICA region)
     owner: str = ""                      # a prefill node's write: the decode node that may adopt it
     lock: PrefixLock | None = None       # once a recovery committed it: the indexed prefix, until admitted
 
     @property
     def blocks(self) -> int:
-        return self.hold.blocks if self.hold is not None else 0
+        return self.region.blocks if self.region is not None else 0
 
     def usable(self, known: list[int]) -> int:
         """How many leading tokens of ``known`` (a request's prompt and the
@@ -145,12 +146,14 @@ class ReplicaStore:
             if total + count > self.budget:
                 refused[rid] = f"over the replica budget of {self.budget} blocks (replica_kv_blocks)"
                 continue
-            hold = pool.hold_kv(rep.hold if rep is not None else None, payload)
-            if hold is None:
+            region = rep.region if rep is not None else None
+            if region is None:
+                region = pool.reserve_region((), tier="host", purpose=Purpose.REPLICA)
+            if not region.append(payload):
                 refused[rid] = "the host tier is full"
                 continue
             rep = rep or Replica(msg.source, owner=msg.owner)
-            rep.hold = hold
+            rep.region = region
             rep.tokens.extend(new_tokens)
             total += count
             self.replicas[key] = rep
@@ -163,8 +166,8 @@ class ReplicaStore:
         rep = self.replicas.pop(key, None)
         if rep is None:
             return False
-        if rep.hold is not None:
-            pool.drop_hold(rep.hold)
+        if rep.region is not None:
+            rep.region.cancel()
         self.counts["dropped"] += 1
         return True
 
@@ -193,29 +196,28 @@ class ReplicaStore:
         tokens, locked until ``release``, so the resumed request's prefix
         lookup finds them; the rest of the replica is freed. Nothing of a
         replica that disagrees with ``known`` is ever indexed under them."""
-        hold = rep.hold
-        if hold is None:
+        region = rep.region
+        if region is None:
             return
-        rep.hold = None
+        rep.region = None
         prefix = list(known[:rep.usable(known)])
         try:
-            rep.lock = await self.driver.call(lambda engine: engine.pool.commit_hold(hold, prefix),
-                                              timeout=self.timeout)
+            rep.lock = await self.driver.call(lambda engine: region.commit(prefix), timeout=self.timeout)
         except BaseException:
-            rep.hold = hold if hold.block_ids else None     # not committed: ``release`` frees it
+            rep.region = region if region.state is RegionState.RESERVED else None   # ``release`` frees it
             raise
 
     async def release(self, rep: Replica) -> None:
         """Give a taken replica back: its lock (committed) or its blocks (not)."""
-        lock, hold = rep.lock, rep.hold
-        rep.lock = rep.hold = None
+        lock, region = rep.lock, rep.region
+        rep.lock = rep.region = None
 
         def run(engine: Any) -> None:
             if lock is not None:
                 engine.pool.unlock(lock)
-            if hold is not None:
-                engine.pool.drop_hold(hold)
-        if lock is not None or hold is not None:
+            if region is not None:
+                region.cancel()
+        if lock is not None or region is not None:
             await self.driver.call(run, timeout=self.timeout)
 
     def stats(self) -> dict[str, Any]:

@@ -71,6 +71,7 @@ from typing import Any
 
 from engine.memory.kv_cache import block_runs
 from engine.memory.mempool import KVLayout, PrefixLock
+from engine.memory.region import Purpose
 from kvd import protocol
 from kvd.node.engine_driver import EngineDriver
 from kvd.node.kvmove import FINAL, KVReceiver, KVSender, TransferState, new_transfer_id, reply_reason
@@ -212,14 +213,14 @@ class PrefixReceiver:
                     self.peer_refused += 1
                     return refuse(f"over this sender's share of KV grants: it holds {held} blocks, asked for "
                                   f"{msg.num_blocks}, at most {self.max_peer_blocks} (kv_grant_share)")
-            grant = pool.grant(tokens, msg.num_blocks, self.tier)
+            grant = pool.reserve_region(tokens, msg.num_blocks, self.tier, Purpose.PREFIX)
             if grant is None:
                 return refuse("out of KV blocks")
             peer, identity = sender
             self.receivers[msg.transfer_id] = KVReceiver(
                 transfer_id=msg.transfer_id, region=grant, num_layers=msg.num_layers,
                 deadline=time.monotonic() + timeout, sender_node=identity, link=peer,
-                on_complete=lambda engine: engine.pool.insert_granted(grant))
+                on_complete=lambda engine: grant.commit() or len(grant.tokens))
             return protocol.KVAllocReply(id=msg.id, transfer_id=msg.transfer_id, ok=True,
                                          block_ids=tuple(grant.block_ids), have_blocks=grant.have_blocks)
         return allocate
@@ -267,7 +268,7 @@ class PrefixReceiver:
             self.completed += 1
             self.received_bytes += rx.bytes
         else:
-            engine.pool.abandon(rx.region)
+            rx.region.cancel()
             self.failed += 1
 
     async def expire(self) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from engine.memory.region import Purpose
 from engine.request import SamplingParams
 from engine.stream import STAGING, stream_in
 
@@ -32,7 +33,7 @@ class ListSink:
 def run_disaggregated(prefill, decode, rid, prompt, params):
     """Prefill on ``prefill``, decode on ``decode``; the tokens and text a
     client would see (token 0 from the prefill side, the rest from decode)."""
-    res = decode.pool.reserve(prompt)
+    res = decode.pool.reserve_region(prompt, purpose=Purpose.PROMPT)
     assert res is not None
     sink = ListSink(res.have_blocks)
     prefill.add_request(rid, prompt, params, kv_out=sink)
@@ -42,7 +43,7 @@ def run_disaggregated(prefill, decode, rid, prompt, params):
     (first,) = outs
     tokens, text = list(first.new_token_ids), first.text
     if not first.handed_off:
-        decode.pool.cancel(res)
+        res.cancel()
         return tokens, text, first
     L = prefill.pool.kv_layout().num_layers
     assert sink.ready == [(i, i + 1) for i in range(L)]          # one hand-off per layer, in order
@@ -98,9 +99,9 @@ def test_decode_side_prefix_hit_sends_only_the_rest(make_tiny):
     params = SamplingParams(max_tokens=8, temperature=0.0)
     reference(d, system + [7, 8, 9], params)                 # d caches the system prompt
     prompt = system + [11, 12, 13, 14, 15]
-    res = d.pool.reserve(prompt)
+    res = d.pool.reserve_region(prompt, purpose=Purpose.PROMPT)
     assert res.have_blocks == 4 and len(res.block_ids) == 1
-    d.pool.cancel(res)
+    res.cancel()
     want = reference(ref_engine, prompt, params)
     got = run_disaggregated(p, d, "hit", prompt, params)
     assert got[0] == want[0] and got[1] == want[1]
@@ -133,9 +134,9 @@ def test_stop_strings_span_the_hand_off(make_tiny, tokenizer):
 def test_reservation_short_of_memory_changes_nothing(make_tiny):
     d = make_tiny(kv_blocks=4, host_kv_blocks=0)
     before = d.pool.stats()
-    assert d.pool.reserve(list(range(100))) is None            # 7 blocks > 4
+    assert d.pool.reserve_region(list(range(100)), purpose=Purpose.PROMPT) is None            # 7 blocks > 4
     assert d.pool.stats() == before
-    res = d.pool.reserve(list(range(40)))
+    res = d.pool.reserve_region(list(range(40)), purpose=Purpose.PROMPT)
     with pytest.raises(ValueError):
         d.add_prefilled("x", list(range(41)), SamplingParams(), res, 1)   # another prompt: cancelled
     assert d.pool.stats()["device"]["used"] == 0

@@ -7,6 +7,7 @@ from hypothesis import given, settings, strategies as st
 from engine.memory.kv_cache import KVCache
 from engine.memory.mempool import MemPool
 from engine.memory.radix import BlockRef, BlockStored
+from engine.memory.region import Purpose
 
 BS = 4
 
@@ -166,14 +167,14 @@ def test_cache_running_changes_nothing_when_another_request_indexed_them_first()
     pool.check_integrity()
 
 
-def test_match_counts_and_delete():
+def test_match_counts_and_flush():
     pool = MemPool(8, 0, BS)
     pool.insert(toks(1, 2), pool.alloc_mem(2))
     hit = pool.match(toks(1, 2, 3))
     assert hit.num_tokens == 2 * BS
     pool.release(hit)
     assert pool.stats()["hit_tokens"] == 2 * BS and pool.stats()["miss_tokens"] == BS
-    assert pool.delete(toks(1, 2)) == 2
+    assert pool.flush() == {"device": 2, "host": 0}
     assert pool.stats()["device"]["free"] == 8
     pool.check_integrity()
 
@@ -312,43 +313,52 @@ def test_private_swap_round_trip():
 
 # ------------------------------------------------------------------ transfer
 
-def test_transfer_lands_exact_bytes_in_one_payload():
-    a, a_kv, b, b_kv = two_pools()
-    ids = a.alloc_mem(3)
-    stamp(a_kv, "device", ids, [5.0, 6.0, 7.0])
-    got = a.transfer(b, ids)
-    assert a_kv.calls["export"] == 1 and b_kv.calls["import"] == 1
-    assert values(b_kv, "device", got) == [5.0, 6.0, 7.0]
-    assert b.stats()["device"]["request_owned"] == 3
-    # explicit destination ids skip the allocation step; host tier at the receiver
-    dst = b.alloc_mem(2, "host")
-    assert a.transfer(b, ids[:2], dst_ids=dst, dst_tier="host") == dst
-    assert values(b_kv, "host", dst) == [5.0, 6.0]
-    b.alloc_mem(3)                                           # receiver: 2 left
-    assert a.transfer(b, a.alloc_mem(4)) is None            # receiver short
-    with pytest.raises(ValueError):
-        a.transfer(MemPool(4, 0, BS), ids)                   # storage mismatch
-    a.check_integrity()
-    b.check_integrity()
+def move_prefix(src: MemPool, dst: MemPool, tokens: list[int]) -> int | None:
+    """Transfer with insert between two pools with the verbs the node uses
+    across a transport (kvd/node/transfer.py): the sender locks its cached
+    prefix, the receiver reserves a PREFIX region (its own prefix locked,
+    blocks for the rest), the KV lands with one ``fill``, ``commit`` indexes
+    it. Returns the blocks newly cached at ``dst``; None when it is short."""
+    lock = src.lock_prefix(tokens)
+    try:
+        region = dst.reserve_region(tokens, len(lock.blocks), purpose=Purpose.PREFIX)
+        if region is None:
+            return None
+        layout = src.kv_layout()
+        L = layout.num_layers
+        out = torch.empty(L, 2, len(lock.blocks), *layout.block_shape[2:], dtype=layout.dtype)
+        src.gather(lock.blocks, out, (0, L))
+        region.fill(out, (0, L), skip=region.have_blocks)
+        before = dst.stats()["device"]["cached"]
+        region.commit()
+        return dst.stats()["device"]["cached"] - before
+    finally:
+        src.unlock(lock)
 
 
-def test_transfer_with_insert_makes_receiver_hit():
+def test_prefix_region_makes_receiver_hit():
     a, a_kv, b, b_kv = two_pools()
     ids = a.alloc_mem(4)
     stamp(a_kv, "device", ids, [1.0, 2.0, 3.0, 4.0])
     prompt = toks(1, 2, 3) + [9, 9]               # 3 full blocks + a partial tail
-    assert a.transfer_with_insert(b, prompt, ids) == 3
+    a.insert(prompt, ids)
+    a.free_mem(ids[3:])
+    assert move_prefix(a, b, prompt) == 3
     hit = b.match(toks(1, 2, 3))
     assert hit.num_tokens == 3 * BS and all(r.node_id == "b" for r in hit.blocks)
     assert values(b_kv, "device", [r.block_id for r in hit.blocks]) == [1.0, 2.0, 3.0]
     b.release(hit)
     assert [type(e) for e in b.take_events()] == [BlockStored] * 3
-    # the receiver already has the prefix: only the new block travels
-    before = b_kv.calls["import"]
-    ids2 = a.alloc_mem(4)
-    stamp(a_kv, "device", ids2, [1.0, 2.0, 3.0, 8.0])
-    assert a.transfer_with_insert(b, toks(1, 2, 3, 8), ids2) == 1
-    assert b_kv.calls["import"] == before + 1
+    # the receiver already has the prefix: only the new block is reserved and written
+    ids2 = a.alloc_mem(1)
+    stamp(a_kv, "device", ids2, [8.0])
+    have = a.lock_prefix(toks(1, 2, 3))
+    a.insert(toks(1, 2, 3, 8), [r.block_id for r in have.blocks] + ids2)
+    a.unlock(have)
+    region = b.reserve_region(toks(1, 2, 3, 8), 4, purpose=Purpose.PREFIX)
+    assert region.have_blocks == 3 and len(region.block_ids) == 1
+    region.cancel()
+    assert move_prefix(a, b, toks(1, 2, 3, 8)) == 1
     hit = b.match(toks(1, 2, 3, 8))
     assert values(b_kv, "device", [r.block_id for r in hit.blocks]) == [1.0, 2.0, 3.0, 8.0]
     b.release(hit)
@@ -358,15 +368,19 @@ def test_transfer_with_insert_makes_receiver_hit():
     b.check_integrity()
 
 
-def test_transfer_with_insert_short_receiver_changes_nothing():
-    a = MemPool(8, 0, BS, node_id="a")
+def test_prefix_region_short_receiver_changes_nothing():
     b = MemPool(2, 0, BS, node_id="b")
     b.insert(toks(1), b.alloc_mem(1))
     held = b.alloc_mem(1)
-    assert a.transfer_with_insert(b, toks(1, 2, 3), a.alloc_mem(3)) is None
+    assert b.reserve_region(toks(1, 2, 3), 3, purpose=Purpose.PREFIX) is None
     assert b.stats()["device"]["cached"] == 1     # its prefix was locked, not evicted
     b.free_mem(held)
-    assert a.transfer_with_insert(b, toks(1, 2), a.alloc_mem(2)) == 1
+    region = b.reserve_region(toks(1, 2), 2, purpose=Purpose.PREFIX)
+    assert region.have_blocks == 1 and len(region.block_ids) == 1
+    region.commit()
+    assert b.stats()["device"]["cached"] == 2
+    with pytest.raises(ValueError, match="committed"):
+        region.cancel()
     b.check_integrity()
 
 
@@ -380,7 +394,7 @@ op = st.one_of(
     st.tuples(st.just("release"), st.integers(0, 9)),
     st.tuples(st.just("alloc"), st.integers(0, 6), st.sampled_from(["device", "host"])),
     st.tuples(st.just("free"), st.integers(0, 9)),
-    st.tuples(st.just("delete"), prompt),
+    st.tuples(st.just("flush"), prompt),
     st.tuples(st.just("swap_out"), st.integers(0, 5)),
     st.tuples(st.just("swap_in"), st.integers(0, 9)),
     st.tuples(st.just("private"), st.integers(0, 9)),
@@ -439,8 +453,8 @@ def test_random_ops_keep_integrity_and_data(ops):
         elif kind == "free" and owned:
             tier, ids = owned.pop(o[1] % len(owned))
             pool.free_mem(ids, tier)
-        elif kind == "delete":
-            pool.delete(o[1])
+        elif kind == "flush":
+            pool.flush()
         elif kind == "swap_out":
             pool.swap_out(o[1])
         elif kind == "swap_in":
@@ -510,7 +524,7 @@ def test_lock_prefix_keeps_blocks_from_eviction_until_unlocked_once():
     pool.check_integrity()
 
 
-def test_grant_import_and_insert_granted_move_exact_bytes():
+def test_prefix_region_fill_and_commit_move_exact_bytes():
     a, a_kv, b, b_kv = two_pools()
     ids = a.alloc_mem(3)
     stamp(a_kv, "device", ids, [5.0, 6.0, 7.0])
@@ -519,15 +533,15 @@ def test_grant_import_and_insert_granted_move_exact_bytes():
     stamp(b_kv, "device", b_first, [5.0])
     b.insert(toks(1), b_first)                           # the receiver has the first block
     lock = a.lock_prefix(toks(1, 2, 3))
-    grant = b.grant(toks(1, 2, 3), 3)
+    grant = b.reserve_region(toks(1, 2, 3), 3, purpose=Purpose.PREFIX)
     assert grant.have_blocks == 1 and len(grant.block_ids) == 2
     layout = a.kv_layout()
     L = layout.num_layers
     out = torch.empty(L, 2, 3, *layout.block_shape[2:], dtype=layout.dtype)
     a.gather(lock.blocks, out, (0, L))
-    b.import_kv(grant, out, (0, L), skip=grant.have_blocks)
+    grant.fill(out, (0, L), skip=grant.have_blocks)
     a.unlock(lock)
-    assert b.insert_granted(grant) == 3 * BS
+    assert grant.commit() is None and b.cached_tokens(toks(1, 2, 3)) == 3 * BS
     hit = b.match(toks(1, 2, 3))
     assert hit.num_tokens == 3 * BS
     assert values(b_kv, "device", [r.block_id for r in hit.blocks]) == [5.0, 6.0, 7.0]
@@ -536,17 +550,17 @@ def test_grant_import_and_insert_granted_move_exact_bytes():
     b.check_integrity()
 
 
-def test_insert_granted_frees_blocks_cached_meanwhile_and_abandon_frees_all():
+def test_prefix_commit_frees_blocks_cached_meanwhile_and_cancel_frees_all():
     pool = MemPool(8, 0, BS, storage=storage(8, 0))
-    grant = pool.grant(toks(1, 2), 2)
+    grant = pool.reserve_region(toks(1, 2), 2, purpose=Purpose.PREFIX)
     other = pool.alloc_mem(2)
     pool.insert(toks(1, 2), other)                       # the same prefix cached meanwhile
-    assert pool.insert_granted(grant) == 2 * BS
+    grant.commit()
     assert pool.stats()["device"]["cached"] == 2 and pool.stats()["device"]["request_owned"] == 0
     pool.check_integrity()
-    grant = pool.grant(toks(5, 6), 2)
-    pool.abandon(grant)
+    grant = pool.reserve_region(toks(5, 6), 2, purpose=Purpose.PREFIX)
+    grant.cancel()
     assert pool.stats()["device"]["free"] == 6
-    assert pool.grant(toks(1, 2, 3, 4, 5, 6, 7, 8, 9), 9) is None   # short: nothing changed
+    assert pool.reserve_region(toks(1, 2, 3, 4, 5, 6, 7, 8, 9), 9, purpose=Purpose.PREFIX) is None
     assert pool.stats()["device"]["free"] == 6 and pool.stats()["device"]["cached"] == 2
     pool.check_integrity()

@@ -1,8 +1,8 @@
 """Recovery inside one process: an engine runs a request part way, its full
 blocks are replicated into a second engine's host tier as private blocks
-(``MemPool.hold_kv``, what kvd/node/replication.py does over the wire: no
+(a REPLICA ``Region``, what kvd/node/replication.py does over the wire: no
 lookup matches them), the recovery commits them as the request's own KV
-(``MemPool.commit_hold``), and the second engine resumes the request from
+(``Region.commit``), and the second engine resumes the request from
 the tokens the client already has (``LLMEngine.resume_request``). Greedy and
 seeded tokens and text equal an uninterrupted run; pools return to their
 baselines."""
@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.memory.region import Purpose
 from engine.request import InvalidParam, SamplingParams
 
 
@@ -34,8 +35,8 @@ def replicate(src, dst, rid, hold, upto_blocks, sent_blocks):
     n = upto_blocks - sent_blocks
     out = torch.empty((layout.num_layers, 2, n, *layout.block_shape[2:]), dtype=layout.dtype)
     src.pool.gather_blocks(req.block_ids[sent_blocks:upto_blocks], out, (0, layout.num_layers))
-    held = dst.pool.hold_kv(hold, out)
-    assert held is not None and held.blocks == upto_blocks
+    held = hold or dst.pool.reserve_region((), tier="host", purpose=Purpose.REPLICA)
+    assert held.append(out) and held.blocks == upto_blocks
     assert dst.pool.cached_tokens(req.all_ids) == 0          # private: no lookup matches it
     return held
 
@@ -75,7 +76,7 @@ def test_resume_from_a_replica_equals_an_uninterrupted_run(make_tiny, dtype, par
             hold, sent = replicate(src, dst, "r", hold, full, sent), full
     assert tokens == ref_tokens[:30] and sent >= 4
     # src dies here; the recovery commits the hold as the request's KV, dst resumes
-    lock = dst.pool.commit_hold(hold, (prompt + tokens)[:sent * bs])
+    lock = hold.commit((prompt + tokens)[:sent * bs])
     assert lock.num_tokens == sent * bs and not hold.block_ids
     assert dst.resume_request("r", prompt, tokens, params) is None
     hit_before = dst.pool.hit_tokens
@@ -130,7 +131,7 @@ def test_resume_refuses_bad_tokens_and_changes_nothing(make_tiny, outputs):
     assert not engine.requests and not engine.has_unfinished()
 
 
-def test_hold_kv_short_of_memory_changes_nothing(make_tiny):
+def test_a_replica_short_of_memory_changes_nothing(make_tiny):
     src, dst = make_tiny(), make_tiny(host_kv_blocks=2)
     params = PARAMS[0]
     prompt = list(range(1, 70))
@@ -140,7 +141,7 @@ def test_hold_kv_short_of_memory_changes_nothing(make_tiny):
     layout = src.pool.kv_layout()
     out = torch.empty((layout.num_layers, 2, 4, *layout.block_shape[2:]), dtype=layout.dtype)
     src.pool.gather_blocks(src.requests["r"].block_ids[:4], out, (0, layout.num_layers))
-    assert dst.pool.hold_kv(None, out) is None
+    assert not dst.pool.reserve_region((), tier="host", purpose=Purpose.REPLICA).append(out)
     assert dst.pool.stats() == before
     dst.check_integrity()
 
@@ -157,16 +158,18 @@ def test_a_hold_is_private_until_committed_and_commits_only_what_it_is_told(make
     out = torch.empty((layout.num_layers, 2, 4, *layout.block_shape[2:]), dtype=layout.dtype)
     src.pool.gather_blocks(src.requests["r"].block_ids[:4], out, (0, layout.num_layers))
     before = dst.pool.stats()
-    hold = dst.pool.hold_kv(None, out)
+    hold = dst.pool.reserve_region((), tier="host", purpose=Purpose.REPLICA)
+    assert hold.append(out)
     assert hold.blocks == 4 and dst.pool.stats()["host"]["request_owned"] == 4
     dst.pool.flush()
     assert dst.pool.cached_tokens(prompt) == 0 and hold.blocks == 4
-    lock = dst.pool.commit_hold(hold, prompt[:40])         # 2 whole blocks of the 2.5 given
+    lock = hold.commit(prompt[:40])         # 2 whole blocks of the 2.5 given
     assert lock.num_tokens == 32 and dst.pool.cached_tokens(prompt) == 32
     assert dst.pool.stats()["host"]["request_owned"] == 0 and dst.pool.stats()["host"]["cached"] == 2
     dst.pool.unlock(lock)
     dst.pool.flush()
-    again = dst.pool.hold_kv(None, out)
-    dst.pool.drop_hold(again)
+    again = dst.pool.reserve_region((), tier="host", purpose=Purpose.REPLICA)
+    assert again.append(out)
+    again.cancel()
     assert dst.pool.stats() == before
     dst.check_integrity()

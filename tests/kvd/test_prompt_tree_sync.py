@@ -1,6 +1,6 @@
 """The global prompt trees stay EXACT: after random workloads on real MemPools
 (inserts, lookups, evictions under memory pressure, flushes, swaps between
-tiers, deletes, event-buffer overflows), lost messages and replies, node
+tiers, event-buffer overflows), lost messages and replies, node
 deaths and restarts and coordinator restarts, the coordinator's trees equal
 the union of the nodes' own trees.
 
@@ -75,8 +75,6 @@ class Node:
             ids = pool.alloc_mem(rng.randrange(1, 20))
             if ids is not None:
                 pool.free_mem(ids)
-        elif op < 0.8:
-            pool.delete(tokens)
         elif op < 0.85:
             pool.flush()
         else:

@@ -122,7 +122,7 @@ async def test_a_replica_is_private_until_its_recovery_commits_what_agrees_with_
     known = tokens[:BS + 5] + [99999] + tokens[BS + 6:] + [7]       # differs in block 1
     assert rep.usable(known) == BS + 5
     await store.commit(rep, known)
-    assert pool.cached_tokens(tokens) == BS and rep.lock is not None and rep.hold is None
+    assert pool.cached_tokens(tokens) == BS and rep.lock is not None and rep.region is None
     await store.release(rep)
     assert pool.stats()["host"]["request_owned"] == 0 and pool.stats()["host"]["cached"] == 1
 

@@ -35,6 +35,7 @@ sys.path.insert(0, str(REPO))
 
 from engine.memory.kv_cache import KVCache  # noqa: E402
 from engine.memory.mempool import MemPool  # noqa: E402
+from engine.memory.region import Purpose, Region  # noqa: E402
 from engine.stream import STAGING, stream_in, stream_out  # noqa: E402
 from tools._twoproc import write_results  # noqa: E402
 from tools.loadgen.report import machine_info  # noqa: E402
@@ -59,23 +60,24 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     L, kvh, hd, bs, total = 30, 3, 64, 16, 1024
     n = args.tokens // bs
-    pools = []
+    pools, kvs = [], []
     for _ in range(2):
         kv = KVCache(L, kvh, hd, bs, device_blocks=total, dtype=dtype)
         kv.tier("device").normal_()
+        kvs.append(kv)
         pools.append(MemPool(total, 0, bs, storage=kv))
     src, dst = pools
     rng = random.Random(0)
     src_ids, dst_ids = scattered(n, total, args.run, rng), scattered(n, total, args.run, rng)
-    skv, dkv = src.storage.tier("device"), dst.storage.tier("device")
-
-    class Region:                       # what stream_in writes into (a Reservation's shape)
-        block_ids, tier = dst_ids, "device"
+    skv, dkv = kvs[0].tier("device"), kvs[1].tier("device")
+    # what stream_in writes into: a region over chosen scattered ids (not
+    # reserved: the benchmark picks the layout the copies meet)
+    region = Region(dst, Purpose.PROMPT, (), "device", dst_ids)
 
     def staged() -> None:
         buf, view = STAGING.acquire((L, 2, n, bs, kvh, hd), dtype)
         stream_out(src, src_ids, (0, L), view)
-        stream_in(dst, Region, view, (0, L))
+        stream_in(dst, region, view, (0, L))
         STAGING.release(buf)
 
     def per_block() -> None:
@@ -99,7 +101,7 @@ def main() -> None:
     staged()
     assert torch.equal(dkv[:, :, dst_ids], skv[:, :, src_ids])
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-    mib = n * src.storage.bytes_per_block / 2**20
+    mib = n * src.kv_layout().bytes_per_block / 2**20
     row = {"tokens": args.tokens, "blocks": n, "run": args.run, "dtype": args.dtype, "mib": round(mib, 2),
            "threads": args.threads, **{f"{k}_ms": round(v, 3) for k, v in med.items()},
            "per_block_over_staged": round(med["per_block"] / med["staged"], 2),
