@@ -62,6 +62,7 @@ import orjson
 
 from kvd.api.connections import RefusedConnection
 from kvd.ratelog import RateLimitedLog
+from transports import TransportError
 
 log = logging.getLogger("kvd.admin")
 
@@ -85,6 +86,24 @@ _KEY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 class AdminError(Exception):
     """An error whose message is sent to the operator as is."""
+
+
+# what a command handler raises for bad input or an unreachable or slow peer: the
+# command's error, not a bug (``as_admin_errors``)
+ADMIN_ERRORS = (ValueError, TypeError, TransportError, TimeoutError)
+
+
+def as_admin_errors(handler: Callable[[dict], Awaitable[dict]], *,
+                    name_type: bool = False) -> Callable[[dict], Awaitable[dict]]:
+    """``handler`` with an ``ADMIN_ERRORS`` exception turned into an
+    ``AdminError`` (the command's error reply, its message as is, or
+    prefixed with the exception's type name when ``name_type``)."""
+    async def wrapped(args: dict) -> dict:
+        try:
+            return await handler(args)
+        except ADMIN_ERRORS as exc:
+            raise AdminError(f"{type(exc).__name__}: {exc}" if name_type else str(exc)) from None
+    return wrapped
 
 
 class AdminSocketInUse(RuntimeError):

@@ -253,15 +253,6 @@ def verify_holdings(held: dict[int, tuple[int, tuple]], node_reply: dict) -> dic
             "extra": len(extra), "node_seq": node_reply.get("seq")}
 
 
-def as_admin_errors(handler, admin_error):
-    async def wrapped(args: dict) -> dict:
-        try:
-            return await handler(args)
-        except (ValueError, TransportError, TimeoutError) as exc:
-            raise admin_error(str(exc)) from None
-    return wrapped
-
-
 def sum_counters(dicts) -> dict:
     """Sum the integer fields of dicts (one level of nesting: per-tier tables);
     ``block_size`` and strings are not counters and are left out."""

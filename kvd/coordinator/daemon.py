@@ -34,7 +34,7 @@ from kvd.api.connections import CappedSite, fit_open_files, reserve_port, runner
 from kvd.api.http import FrontDoor
 from kvd.cluster_config import COORDINATOR_NAME, ClusterConfig
 from kvd.config import ServerConfig
-from kvd.coordinator.admin_commands import CoordinatorAdmin, as_admin_errors
+from kvd.coordinator.admin_commands import CoordinatorAdmin
 from kvd.coordinator.cache_router import CostWeights, make_router
 from kvd.coordinator.cache_sync import CacheSync
 from kvd.coordinator.client import RemoteEngineClient
@@ -388,11 +388,11 @@ class CoordinatorDaemon:
         return self.commands.status()
 
     async def _start_admin(self) -> None:
-        from kvd.api.admin import AdminError, AdminServer
+        from kvd.api.admin import AdminServer, as_admin_errors
 
         self.admin = AdminServer(self.admin_socket, name="kvd-coordinator")
         for name, (handler, help_, schema) in self.commands.handlers().items():
-            self.admin.register(name, as_admin_errors(handler, AdminError), help=help_, args_schema=schema)
+            self.admin.register(name, as_admin_errors(handler), help=help_, args_schema=schema)
         await self.admin.start()
 
 

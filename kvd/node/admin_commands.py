@@ -165,20 +165,12 @@ class NodeAdmin:
 async def serve_admin_socket(path: str, name: str, handlers: dict[str, tuple[Handler, str, dict | None]]
                              ) -> AdminServer:
     """Start the admin Unix socket at ``path`` serving ``handlers``
-    (``NodeAdmin.handlers``); a handler's ValueError, TypeError,
-    TransportError or TimeoutError is the command's error."""
-    from kvd.api.admin import AdminError, AdminServer
-
-    def as_admin_errors(handler: Handler) -> Handler:
-        async def wrapped(args: dict) -> dict:
-            try:
-                return await handler(args)
-            except (ValueError, TypeError, TransportError, TimeoutError) as exc:
-                raise AdminError(f"{type(exc).__name__}: {exc}") from None
-        return wrapped
+    (``NodeAdmin.handlers``); a handler's ADMIN_ERRORS exception is the
+    command's error, named by its type."""
+    from kvd.api.admin import AdminServer, as_admin_errors
 
     server = AdminServer(path, name=name)
     for command, (handler, help_, schema) in handlers.items():
-        server.register(command, as_admin_errors(handler), help=help_, args_schema=schema)
+        server.register(command, as_admin_errors(handler, name_type=True), help=help_, args_schema=schema)
     await server.start()
     return server
