@@ -46,9 +46,10 @@ warnings.filterwarnings("ignore", message="The given buffer is not writable", ca
 
 # Raised whenever a message changes in a way the other side of an older build cannot read
 # (2: TokenChunk.text_ends; 3: Heartbeat.incarnation and lost, replica tickets and keys,
-# GenerateRequest.kv_to_incarnation): a node of another build is then refused at its Hello
-# (`bad_version`), not message by message.
-PROTOCOL_VERSION = 3
+# GenerateRequest.kv_to_incarnation; 4: the legs of a request are their own messages,
+# GenerateRequest | DecodeLeg | PrefillLeg | ResumeRequest): a node of another build is
+# then refused at its Hello (`bad_version`), not message by message.
+PROTOCOL_VERSION = 4
 
 # Allow-list of tensor dtypes (name -> bytes per element). Names are torch's.
 DTYPES: dict[str, int] = {
@@ -409,61 +410,31 @@ class CacheAck(Message):
     reason: str = ""
 
 
-@message
 @dataclass(frozen=True, kw_only=True)
-class GenerateRequest(Message):
-    """Coordinator -> node: generate for this prompt.
+class LegRequest(Message):
+    """Coordinator -> node: run one leg of a request. Not a message itself:
+    the base of the four that are, one per kind of leg (docs/cluster.md,
+    "Wire and tasks"), each with only its own fields::
+
+        GenerateRequest  the whole request on this node
+        DecodeLeg        the decode half; the prompt may be computed on ``prefill_node``
+        PrefillLeg       the prompt half, its KV streamed into the decode node's grant
+        ResumeRequest    a recovered request, resumed after the tokens the client has
 
     ``sampling`` is the engine's own ``SamplingParams``: on the wire a JSON
     object of its fields (absent ones take their defaults), decoded by
     ``SamplingParams.from_dict``, so a value the engine would refuse is an
     ``invalid_field`` here, with the engine's message.
 
-    Disaggregated requests (docs/cluster.md, "Disaggregated prefill") take two
-    of these, one per leg:
-
-    - to the decode node, ``prefill_node`` names a prefill node the decode
-      node may have the prompt computed on; its ``Accepted`` then carries the
-      grant (``kv_*``) when it chose to, none when it prefills itself;
-    - to that prefill node, ``kv_to_node``/``kv_to_address``/``kv_to_incarnation``
-      (the decode node process, which keys the prefill node's link to it) and the grant
-      (``kv_transfer_id``, ``kv_block_ids``, ``kv_have_blocks``, ``kv_num_layers``,
-      ``kv_dtype``): it computes the prompt, streams the KV of blocks
-      ``[kv_have_blocks, ...)`` into ``kv_block_ids`` layer by layer, sends the
-      first token to the coordinator (TokenChunk 0) and to the decode node
-      (``KVCommit``), and is done. With ``replica_to``/``replica_address``
-      (``[cluster].replicas = 1``, a grant from block 0) it also sends the
-      prompt's full blocks to the decode node's replica peer as a
-      ``ReplicaData`` owned by the decode node, which adopts it
-      (kvd/node/replication.py), so the decode node never sends the prompt.
-
     ``replica_to``/``replica_address``/``replica_ticket`` (with replication):
     where this request's replica is written and the coordinator's ticket
-    for it (kvd/trust.py). On a request to the node that runs it: that
+    for it (kvd/trust.py). On a leg that runs the request's decode: that
     node's ring peer, for its own replication rounds; on a prefill leg: the
-    decode node's peer, and the ticket of the decode node's request.
-
-    A recovered request (docs/cluster.md, "Failure semantics") carries the
-    tokens the client already has (``output_token_ids``): the node resumes
-    after them, its first chunk at ``start_index = len(output_token_ids)``;
-    ``replica_from`` names the dead node whose replica of this request the
-    node holds (its KV up to the replicated position is used, the rest
-    recomputed), "" re-runs prompt and tokens from the prefix cache."""
+    decode node's peer, and the ticket of the decode node's request."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    prefill_node: str = ""
-    output_token_ids: tuple[int, ...] = ()
-    replica_from: str = ""
-    kv_to_node: str = ""
-    kv_to_address: str = ""
-    kv_to_incarnation: str = ""
-    kv_transfer_id: str = ""
-    kv_block_ids: tuple[int, ...] = ()
-    kv_have_blocks: int = 0
-    kv_num_layers: int = 0
-    kv_dtype: str = ""
     replica_to: str = ""
     replica_address: str = ""
     replica_ticket: str = ""
@@ -472,24 +443,91 @@ class GenerateRequest(Message):
         _require(bool(self.request_id), "request_id must be set")
         _require(len(self.prompt_token_ids) > 0, "prompt must not be empty")
         _require(all(t >= 0 for t in self.prompt_token_ids), "token ids must be >= 0")
-        _require(not (self.prefill_node and self.kv_to_node), "a request has one leg: prefill_node or kv_to_node")
-        _require(all(t >= 0 for t in self.output_token_ids), "token ids must be >= 0")
-        _require(not (self.output_token_ids or self.replica_from) or not (self.prefill_node or self.kv_to_node),
-                 "a resumed request is not disaggregated")
-        _require(not self.replica_from or bool(self.output_token_ids), "replica_from needs output_token_ids")
-        if self.kv_to_node:
-            _check_grant(self.kv_transfer_id, self.kv_block_ids, self.kv_have_blocks, self.kv_num_layers,
-                         self.kv_dtype, len(self.prompt_token_ids))
-            _require(bool(self.kv_to_address), "kv_to_address must be set with kv_to_node")
         _require(not self.replica_to or bool(self.replica_address and self.replica_ticket),
                  "replica_to needs replica_address and replica_ticket")
-        _require(not (self.replica_to and self.kv_to_node)
-                 or (self.kv_have_blocks == 0 and self.replica_to != self.kv_to_node),
+
+    @classmethod
+    def of(cls, leg: LegRequest, **values: Any) -> LegRequest:
+        """A ``cls`` for the request ``leg`` is for: its id, deadline, request,
+        prompt, sampling and replica fields, with ``values`` set over them."""
+        return cls(**({f.name: getattr(leg, f.name) for f in fields(LegRequest)} | values))
+
+
+@message
+@dataclass(frozen=True, kw_only=True)
+class GenerateRequest(LegRequest):
+    """Coordinator -> node: generate for this prompt, the whole request here."""
+
+
+@message
+@dataclass(frozen=True, kw_only=True)
+class DecodeLeg(LegRequest):
+    """Coordinator -> decode node, the first of a disaggregated request's two
+    legs (docs/cluster.md, "Disaggregated prefill"): ``prefill_node`` may
+    compute the prompt. The node's ``Accepted`` carries the grant (``kv_*``)
+    when it chose to have it computed there, none when it prefills itself."""
+
+    prefill_node: str
+
+    def _check(self) -> None:
+        LegRequest._check(self)
+        _require(bool(self.prefill_node), "prefill_node must be set")
+
+
+@message
+@dataclass(frozen=True, kw_only=True)
+class PrefillLeg(LegRequest):
+    """Coordinator -> prefill node, the second leg: compute the prompt,
+    stream the KV of blocks ``[kv_have_blocks, ...)`` into the decode node's
+    grant (``kv_transfer_id``, ``kv_block_ids``, ``kv_have_blocks``,
+    ``kv_num_layers``, ``kv_dtype``) layer by layer, send the first token
+    to the coordinator (TokenChunk 0) and to the decode node (``KVCommit``),
+    and be done. ``kv_to_node``/``kv_to_address``/``kv_to_incarnation``: the
+    decode node process (it keys the prefill node's link to it).
+
+    With ``replica_to``/``replica_address`` (``[cluster].replicas = 1``, a
+    grant from block 0) it also sends the prompt's full blocks to the decode
+    node's replica peer as a ``ReplicaData`` owned by the decode node, which
+    adopts it (kvd/node/replication.py), so the decode node never sends the
+    prompt."""
+
+    kv_to_node: str
+    kv_to_address: str
+    kv_to_incarnation: str = ""
+    kv_transfer_id: str
+    kv_block_ids: tuple[int, ...]
+    kv_have_blocks: int = 0
+    kv_num_layers: int
+    kv_dtype: str
+
+    def _check(self) -> None:
+        LegRequest._check(self)
+        _require(bool(self.kv_to_node), "kv_to_node must be set")
+        _check_grant(self.kv_transfer_id, self.kv_block_ids, self.kv_have_blocks, self.kv_num_layers,
+                     self.kv_dtype, len(self.prompt_token_ids))
+        _require(bool(self.kv_to_address), "kv_to_address must be set with kv_to_node")
+        _require(not self.replica_to or (self.kv_have_blocks == 0 and self.replica_to != self.kv_to_node),
                  "a prefill leg's replica_to needs a grant from block 0, to another node than the decode node")
 
-    @property
-    def is_prefill_leg(self) -> bool:
-        return bool(self.kv_to_node)
+
+@message
+@dataclass(frozen=True, kw_only=True)
+class ResumeRequest(LegRequest):
+    """Coordinator -> node: a request recovered from a dead node (docs/cluster.md,
+    "Failure semantics"), with the tokens the client already has
+    (``output_token_ids``): the node resumes after them, its first chunk at
+    ``start_index = len(output_token_ids)``. ``replica_from`` names the dead
+    node whose replica of this request the node holds (its KV up to the
+    replicated position is used, the rest recomputed); "" re-runs prompt and
+    tokens from the prefix cache."""
+
+    output_token_ids: tuple[int, ...]
+    replica_from: str = ""
+
+    def _check(self) -> None:
+        LegRequest._check(self)
+        _require(len(self.output_token_ids) > 0, "a resumed request has output_token_ids")
+        _require(all(t >= 0 for t in self.output_token_ids), "token ids must be >= 0")
 
 
 def _check_grant(transfer_id: str, block_ids: tuple[int, ...], have_blocks: int, num_layers: int,
@@ -507,14 +545,14 @@ def _check_grant(transfer_id: str, block_ids: tuple[int, ...], have_blocks: int,
 @message
 @dataclass(frozen=True, kw_only=True)
 class Accepted(Message):
-    """Node -> coordinator, the reply to a GenerateRequest: the node took the
-    request and its TokenChunks follow. A refusal is an Error reply instead
+    """Node -> coordinator, the reply to a ``LegRequest``: the node took the
+    leg and its TokenChunks follow. A refusal is an Error reply instead
     (draining, duplicate, or a message the node could not decode), so every
-    GenerateRequest is answered or times out: none waits forever.
+    leg is answered or times out: none waits forever.
 
-    A decode node asked with ``prefill_node`` answers its grant for the
-    prefill leg here (``kv_transfer_id`` set: blocks reserved, see
-    GenerateRequest), or no grant: it computes the prompt itself."""
+    A decode node asked with a ``DecodeLeg`` answers its grant for the
+    ``PrefillLeg`` here (``kv_transfer_id`` set: blocks reserved), or no
+    grant: it computes the prompt itself."""
 
     request_id: str
     kv_transfer_id: str = ""
@@ -697,7 +735,7 @@ class KVCommit(Message):
     no KV will come (``reason``): the decode node computes the prompt itself
     or fails the request (``[cluster].kv_load_failure``). ``replica_to``:
     the node the prefill node is sending the prompt's replica to, on the
-    decode node's behalf (it adopts it there; GenerateRequest)."""
+    decode node's behalf (it adopts it there; PrefillLeg)."""
 
     transfer_id: str
     request_id: str

@@ -8,7 +8,7 @@ the name of its key file, see kvd/links.py). The names that matter:
 
 What each port accepts, from whom (docs/operations.md, "Trust model")::
 
-    node port          GenerateRequest, Abort, AdminCommand   the coordinator only
+    node port          LegRequest, Abort, AdminCommand        the coordinator only
                        KVTransferRequest, KVData, KVCommit,   a node (src_node / source = its own
                        ReplicaData                            name);
                                                               KVData/KVCommit only for a grant this
@@ -55,7 +55,7 @@ from kvd.cluster_config import COORDINATOR_NAME
 
 TICKET_BYTES = 16            # an HMAC-SHA256 truncated to 128 bits, hex on the wire
 
-FROM_COORDINATOR = (protocol.GenerateRequest, protocol.Abort, protocol.AdminCommand)
+FROM_COORDINATOR = (protocol.LegRequest, protocol.Abort, protocol.AdminCommand)
 FROM_NODES = (protocol.KVTransferRequest, protocol.KVData, protocol.KVCommit, protocol.ReplicaData)
 NODE_ABOUT_ITSELF = (protocol.Hello, protocol.Heartbeat, protocol.Goodbye, protocol.CacheEvents)
 

@@ -144,8 +144,10 @@ class Failover:
         """Send ``rid`` with its tokens so far to ``node``; True when it took
         it, else ``node`` is excluded from the request's next tries."""
         outputs = tuple(stream.tokens)
-        msg = dataclasses.replace(stream.request, id=f"{rid}.r{stream.recoveries}", output_token_ids=outputs,
-                                  replica_from=dead if replicated and outputs else "")
+        msg_id = f"{rid}.r{stream.recoveries}"        # no token yet: the request runs again from its prompt
+        msg = (protocol.ResumeRequest.of(stream.request, id=msg_id, output_token_ids=outputs,
+                                         replica_from=dead if replicated else "")
+               if outputs else dataclasses.replace(stream.request, id=msg_id))
         stream.node, stream.incarnation = node.name, node.incarnation
         self.load.count(rid, node)
         node.routed += 1

@@ -96,8 +96,8 @@ class LegSender:
         # with replication, the node's ticket to replicate the request at its ring peer (kvd/trust.py)
         replica = self.recovery.replica_fields(node.name, request_id, self.membership.nodes.values())
         if prefill is not None or replica:
-            header, _ = protocol.encode(dataclasses.replace(
-                request, prefill_node=prefill.name if prefill is not None else "", **replica))
+            header, _ = protocol.encode(protocol.DecodeLeg.of(request, prefill_node=prefill.name, **replica)
+                                        if prefill is not None else dataclasses.replace(request, **replica))
         if prefill is not None:
             # the leg is the prefill node's load from the pick (the router follows it there), not
             # from the decode node's grant; dropped again when the decode node prefills itself
@@ -177,7 +177,7 @@ class LegSender:
         # node's peer (from block 0 only: it stages no KV of blocks the decode node had)
         nodes = self.membership.nodes.values()
         holder = None if grant.kv_have_blocks else self.recovery.peer_of(decode.name, nodes)
-        leg = dataclasses.replace(
+        leg = protocol.PrefillLeg.of(
             request, id=f"{rid}.prefill", kv_to_node=decode.name, kv_to_address=decode.address,
             kv_to_incarnation=decode.incarnation,
             kv_transfer_id=grant.kv_transfer_id, kv_block_ids=grant.kv_block_ids,

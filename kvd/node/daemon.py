@@ -6,21 +6,23 @@ Tasks, all owned by one TaskGroup in ``run``::
     heartbeat  register with the coordinator, beat every interval
     reaper     release KV allocations whose transfer never completed
     notify     READY=1 once registered, then STATUS= lines when they change
-    one task per request   GenerateRequest -> TokenChunk stream to that peer
+    one task per request   a leg (kvd/node/legs.py) -> TokenChunk stream to that peer
     one task per transfer/admin command (they reply when done)
 
-Messages served on the listener:
+Messages served on the listener, each by its own handler (``_handlers``:
+message type -> handler):
 
-- ``GenerateRequest`` (a transport request) -> the reply ``Accepted``, or an
+- a leg of a request (``GenerateRequest``, ``DecodeLeg``, ``PrefillLeg``,
+  ``ResumeRequest``; a transport request) -> the reply ``Accepted``, or an
   ``Error`` (draining, duplicate, undecodable), then a stream of ``TokenChunk``
   pushed to the sender (every chunk carries ``start_index``, the index of its
   first token), ending with a chunk whose ``finish_reason`` is set, or one
-  ``Error`` with the request id.
+  ``Error`` with the request id. The legs themselves: kvd/node/legs.py.
 - ``Abort`` -> the request stops and frees its blocks.
-- ``KVTransferRequest`` / ``KVData`` -> the receiver half of a KV transfer.
-- ``AdminCommand`` -> ``AdminReply`` (status, requests, drain, undrain, fail,
-  cache stats, cache flush, transfer); the same handlers serve the admin Unix
-  socket.
+- ``KVTransferRequest`` / ``KVData`` / ``KVCommit`` / ``ReplicaData`` -> the
+  receiving half of a KV transfer, a disaggregated prompt or a replica.
+- ``AdminCommand`` -> ``AdminReply`` (kvd/node/admin_commands.py); the same
+  handlers serve the admin Unix socket.
 
 Who may send what is checked before any handler runs (kvd/trust.py, the
 gate of ``protocol.serve``): requests, aborts and admin commands from the
@@ -32,10 +34,10 @@ SIGTERM drains: STOPPING=1 to systemd, the node says so in its heartbeat
 (nothing new is routed here), finishes its requests (up to
 ``drain_timeout``), says Goodbye and exits.
 
-Fault injection (admin ``fail``): ``exit`` crashes, ``stop`` pauses the
-heartbeats, ``drop-transfers`` sets ``drop_transfers`` so that this node
-refuses KV transfers both ways, ``resume`` clears both faults, ``engine``
-makes the engine thread raise (``_engine_died`` follows).
+Fault injection (admin ``fail``, kvd/node/admin_commands.py): ``exit``,
+``stop`` (heartbeats), ``drop-transfers`` (sets ``drop_transfers``: this
+node refuses KV transfers both ways), ``resume``, ``engine`` (the engine
+thread raises; ``_engine_died`` follows).
 
 When the engine thread dies, the node leaves at once: no new request, a
 Goodbye naming the cause and every request in flight as lost (the
@@ -51,26 +53,23 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from engine.engine import EngineConfig
-from engine.memory.region import Purpose
-from engine.request import INVALID_REQUEST, InvalidParam, RequestOutput
 from kvd import links, protocol, trust
-from kvd.cluster_config import COORDINATOR_NAME, ClusterConfig, Role
+from kvd.cluster_config import COORDINATOR_NAME, ClusterConfig
 from kvd.engine_client import EngineDead
 from kvd.node.admin_commands import NodeAdmin, serve_admin_socket
 from kvd.node.engine_driver import EngineDriver, describe_failure, load_engine
 from kvd.node.cache_shipper import CacheShipper
 from kvd.node.heartbeat import Heartbeater
-from kvd.node.disagg import DecodeSide, LayerSender
-from kvd.node.kvmove import FINAL, KVReceiver, TransferState, new_transfer_id
+from kvd.node.disagg import DecodeSide
 from kvd.node.peers import PeerLinks
 from kvd.node.replica_store import ReplicaStore
-from kvd.node.replication import Replicator, send_prompt_replica
+from kvd.node.legs import Legs, internal_error
+from kvd.node.replication import Replicator
 from kvd.node.transfer import PrefixReceiver, grant_seconds
-from kvd.ratelog import RateLimitedLog
 from kvd.sdnotify import Notifier
 from transports import InprocRegistry, Listener, TransportError, TransportOptions
 
@@ -119,9 +118,7 @@ class NodeDaemon:
         self.decode_side: DecodeSide | None = None
         self.replicator: Replicator | None = None      # this node's KV -> its replica peer
         self.replica_store: ReplicaStore | None = None  # its peers' replicas, held here
-        self.prefill_legs = collections.Counter()      # outcomes of the prefill legs run here
-        self.prompt_replicas = collections.Counter()   # prefill legs' prompt replicas: sent | empty | refused | failed
-        self._warn = RateLimitedLog(log)
+        self.legs: Legs | None = None                  # the legs of requests run here
         self.peer_links = PeerLinks(lambda node, address: links.connect(   # to other nodes: KV, replicas
             address, cluster, name, node, registry=registry, options=self.options))
         self._tg: asyncio.TaskGroup | None = None
@@ -149,7 +146,7 @@ class NodeDaemon:
         self.address = self.listener.url
         self.decode_side = DecodeSide(self.driver, self.listener.authenticated)
         self.replica_store = ReplicaStore(self.driver, self.cluster.replica_kv_blocks, self.cluster.request_timeout)
-        if self.cluster.replicas and self.role != Role.PREFILL:
+        if self.cluster.replicas and self.role != "prefill":
             self.replicator = Replicator(self.name, self.driver, self._peer, self._drop_peer,
                                          self.cluster.replication_interval, self.cluster.request_timeout)
         self.heartbeat = Heartbeater(self.name, self._connect_coordinator, self._hello, self._beat,
@@ -157,6 +154,9 @@ class NodeDaemon:
                                      beat_timeout=self.cluster.heartbeat_deadline, on_reply=self._assigned)
         self.cache_shipper = CacheShipper(self.name, self.driver, self.heartbeat, engine.config.block_size,
                                           self.cluster.cache_events_interval, self.cluster.heartbeat_deadline)
+        self.legs = Legs(self.name, self.cluster, self.driver, send=self._send, answer=self._answer,
+                         report_lost=self.heartbeat.report_lost, peers=self.peer_links,
+                         decode_side=self.decode_side, replica_store=self.replica_store, replicator=self.replicator)
         self.commands = NodeAdmin(self, self.driver, self.heartbeat, self.cache_shipper,
                                   self._connect_node, self.cluster.request_timeout)
         if self.admin_socket:
@@ -324,6 +324,9 @@ class NodeDaemon:
         (a handler that answers later does so from a task it starts)."""
         return {
             protocol.GenerateRequest: self._on_generate,
+            protocol.DecodeLeg: self._on_decode_leg,
+            protocol.PrefillLeg: self._on_prefill_leg,
+            protocol.ResumeRequest: self._on_resume,
             protocol.Abort: self._on_abort,
             protocol.KVCommit: self._on_kv_commit,
             protocol.KVData: self._on_kv_data,
@@ -346,7 +349,9 @@ class NodeDaemon:
                                   message=f"node {self.name} drops KV transfers (fault injection)")
         return handler(msg, incoming)
 
-    def _on_generate(self, msg: protocol.GenerateRequest, incoming) -> protocol.Message | None:
+    def _refusal(self, msg: protocol.LegRequest) -> protocol.Error | None:
+        """Why this node takes no new leg of ``msg``'s request now (draining,
+        or the request already runs here), or None."""
         if self.draining:
             why = f"its engine died: {self.engine_failure}" if self.engine_failure else "is draining"
             return protocol.Error(id=msg.id, code="draining", request_id=msg.request_id,
@@ -354,28 +359,46 @@ class NodeDaemon:
         if msg.request_id in self.streams:
             return protocol.Error(id=msg.id, code="duplicate", request_id=msg.request_id,
                                   message="request id already in flight")
-        if msg.is_prefill_leg and (why := self._prefill_leg_refusal(msg)):
-            return protocol.Error(id=msg.id, code="bad_grant", request_id=msg.request_id, message=why)
-        resumed = 0
-        if msg.prefill_node:     # the reply (with or without a grant) comes from the task
-            leg = self._decode_leg(msg, incoming)
-        elif msg.output_token_ids:
-            leg, resumed = self._resume_leg(msg, incoming.peer)
-        elif msg.is_prefill_leg:
-            leg = self._prefill_leg(msg, incoming.peer)
-        else:
-            leg = self._pipe(msg.request_id, incoming.peer,
-                             self.driver.generate(msg.request_id, list(msg.prompt_token_ids), msg.sampling))
+        return None
+
+    def _start(self, msg: protocol.LegRequest, leg: Coroutine[Any, Any, Any], replicate: bool = True) -> None:
+        """Run ``leg`` as the request's task; with ``replicate``, the request's
+        KV is replicated to ``msg.replica_to`` (when this node replicates)."""
         self.streams[msg.request_id] = self._tg.create_task(self._leg(msg.request_id, leg),
                                                             name=f"req {msg.request_id}")
-        if msg.replica_to and not msg.is_prefill_leg and self.replicator is not None:
+        if replicate and msg.replica_to and self.replicator is not None:
             self.replicator.grant(msg.request_id, msg.replica_to, msg.replica_ticket)
-        return None if msg.prefill_node else protocol.Accepted(id=msg.id, request_id=msg.request_id,
-                                                               resumed_tokens=resumed)
+
+    def _on_generate(self, msg: protocol.GenerateRequest, incoming) -> protocol.Message:
+        if refusal := self._refusal(msg):
+            return refusal
+        self._start(msg, self.legs.whole(msg, incoming.peer))
+        return protocol.Accepted(id=msg.id, request_id=msg.request_id)
+
+    def _on_decode_leg(self, msg: protocol.DecodeLeg, incoming) -> protocol.Message | None:
+        if refusal := self._refusal(msg):
+            return refusal
+        self._start(msg, self.legs.decode(msg, incoming))
+        return None               # the reply (with or without a grant) comes from the leg
+
+    def _on_prefill_leg(self, msg: protocol.PrefillLeg, incoming) -> protocol.Message:
+        if refusal := self._refusal(msg):
+            return refusal
+        if why := self.legs.prefill_refusal(msg):
+            return protocol.Error(id=msg.id, code="bad_grant", request_id=msg.request_id, message=why)
+        self._start(msg, self.legs.prefill(msg, incoming.peer), replicate=False)   # replica_to: the decode node's
+        return protocol.Accepted(id=msg.id, request_id=msg.request_id)
+
+    def _on_resume(self, msg: protocol.ResumeRequest, incoming) -> protocol.Message:
+        if refusal := self._refusal(msg):
+            return refusal
+        leg, resumed = self.legs.resume(msg, incoming.peer)
+        self._start(msg, leg)
+        return protocol.Accepted(id=msg.id, request_id=msg.request_id, resumed_tokens=resumed)
 
     def _on_abort(self, msg: protocol.Abort, incoming) -> None:
         if msg.leg == "prefill":
-            self._abort_prefill_wait(msg.request_id)
+            self.legs.abort_prefill_wait(msg.request_id)
             return None
         task = self.streams.get(msg.request_id)
         if task is not None:
@@ -398,7 +421,7 @@ class NodeDaemon:
             if ack is not None:
                 return ack
         except Exception as exc:  # noqa: BLE001 -- answered as _reply_later answers a failure
-            return _internal_error(msg, exc)
+            return internal_error(msg, exc)
         return self._reply_later(msg, incoming, lambda: self.receiver.on_data(msg, _sender(incoming)))
 
     def _on_kv_transfer_request(self, msg: protocol.KVTransferRequest, incoming) -> protocol.Message | None:
@@ -408,7 +431,7 @@ class NodeDaemon:
             if ack is not None:
                 return ack
         except Exception as exc:  # noqa: BLE001 -- answered as _reply_later answers a failure
-            return _internal_error(msg, exc)
+            return internal_error(msg, exc)
         return self._reply_later(msg, incoming, lambda: self.receiver.on_request(
             msg, self._grant_timeout(msg), _sender(incoming)))
 
@@ -432,84 +455,6 @@ class NodeDaemon:
         finally:
             self.streams.pop(rid, None)
 
-    async def _pipe(self, rid: str, peer: bytes, outputs) -> RequestOutput | None:
-        """Send ``outputs`` (an engine stream) to the coordinator as TokenChunks;
-        an engine error as one Error. Returns the last output (None when the
-        stream failed). Closing early (cancel) aborts the request in the engine."""
-        last = None
-        try:
-            # the sampling parameters were validated by the engine's own SamplingParams on decode
-            async with contextlib.aclosing(outputs):
-                async for out in outputs:
-                    if out.error is not None:
-                        await self._send(peer, protocol.Error(code=out.error_code or INVALID_REQUEST,
-                                                              request_id=rid, message=out.error))
-                        return None
-                    last = out
-                    ends = out.finished and not out.handed_off
-                    await self._send(peer, protocol.TokenChunk(
-                        request_id=rid, start_index=out.num_output_tokens - len(out.new_token_ids),
-                        token_ids=tuple(out.new_token_ids), text=out.text,
-                        text_ends=tuple(out.text_ends),
-                        finish_reason=out.finish_reason if ends else None,
-                        stop_reason=out.stop_reason if ends else None,
-                        usage={"prompt_tokens": out.num_prompt_tokens,
-                               "completion_tokens": out.num_output_tokens,
-                               "cached_tokens": out.num_cached_tokens}))
-        except TransportError as exc:
-            log.info("request %s: coordinator unreachable (%s); aborted", rid, exc)
-            self.heartbeat.report_lost(rid)          # the coordinator ends or recovers it (heartbeat.py)
-        except EngineDead:
-            pass                  # the engine died: the node's Goodbye names this request lost
-        except Exception as exc:  # noqa: BLE001 -- one request's failure stays its own
-            log.exception("request %s failed", rid)
-            try:
-                await self._send(peer, protocol.Error(code="engine_error", request_id=rid, message=str(exc)))
-            except TransportError:
-                self.heartbeat.report_lost(rid)
-        return last
-
-    # ----------------------------------------------------------- recovery
-    def _resume_leg(self, msg: protocol.GenerateRequest, peer: bytes):
-        """A request recovered from a dead node: (its leg, the tokens whose KV
-        the replica held here gives). The replica's lock is released once
-        the resumed request produced its first output (its prefix match
-        holds the blocks from then on) or ended."""
-        rid, outputs = msg.request_id, list(msg.output_token_ids)
-        rep = self.replica_store.take(msg.replica_from, rid) if msg.replica_from else None
-        known = list(msg.prompt_token_ids) + outputs
-        usable = rep.usable(known) if rep is not None else 0
-        store = self.replica_store
-
-        async def resumed():
-            try:
-                if rep is not None:          # its agreeing blocks become this request's cached KV
-                    await store.commit(rep, known)
-                async for out in self.driver.generate_resumed(rid, list(msg.prompt_token_ids), outputs,
-                                                              msg.sampling):
-                    if rep is not None:
-                        await store.release(rep)
-                    yield out
-            finally:
-                if rep is not None:
-                    await asyncio.shield(store.release(rep))
-        log.info("request %s: resuming after %d token(s), %d from the replica of %s", rid, len(outputs),
-                 usable, msg.replica_from or "-")
-        return self._pipe(rid, peer, resumed()), usable
-
-    # ------------------------------------------------- disaggregated prefill
-    def _prefill_leg_refusal(self, msg: protocol.GenerateRequest) -> str | None:
-        """Why this node cannot fill the decode node's grant (layout, block
-        count), or None."""
-        layout = self.driver.engine.pool.kv_layout()
-        if msg.kv_num_layers != layout.num_layers or msg.kv_dtype != protocol.dtype_name(layout.dtype):
-            return (f"KV layout mismatch: the decode node has {msg.kv_num_layers} layers of {msg.kv_dtype}, "
-                    f"this node {layout.num_layers} of {protocol.dtype_name(layout.dtype)}")
-        blocks = -(-len(msg.prompt_token_ids) // layout.block_shape[2])
-        if msg.kv_have_blocks + len(msg.kv_block_ids) != blocks:
-            return f"the grant covers {msg.kv_have_blocks + len(msg.kv_block_ids)} blocks, the prompt {blocks}"
-        return None
-
     async def _connect_node(self, node: str, address: str):
         """A one-off link to ``node`` at ``address`` (the caller closes it)."""
         return await links.connect(address, self.cluster, self.name, node,
@@ -521,153 +466,6 @@ class NodeDaemon:
 
     async def _drop_peer(self, node: str) -> None:
         await self.peer_links.drop(node)
-
-    async def _prefill_leg(self, msg: protocol.GenerateRequest, peer: bytes) -> None:
-        """Compute the prompt here, stream its KV into the decode node's grant
-        layer by layer, send token 0 to the coordinator and the commit to the
-        decode node. Every path ends the decode node's wait: a commit (done,
-        finished or failed) or, when it is unreachable, its deadline."""
-        rid, loop = msg.request_id, asyncio.get_running_loop()
-        deadline = msg.deadline or time.time() + self.cluster.kv_transfer_timeout
-        sender = None
-        try:
-            conn = await self._peer(msg.kv_to_node, msg.kv_to_address, msg.kv_to_incarnation)
-            sender = LayerSender(transfer_id=msg.kv_transfer_id, request_id=rid, conn=conn,
-                                 block_ids=msg.kv_block_ids, have_blocks=msg.kv_have_blocks,
-                                 num_layers=msg.kv_num_layers, deadline=deadline, loop=loop,
-                                 by_request=self.cluster.kv_stream == "request")
-            out = await self._pipe(rid, peer, self.driver.generate(
-                rid, list(msg.prompt_token_ids), msg.sampling, kv_out=sender))
-            if out is not None and out.handed_off:
-                replica = self._prompt_replica(msg, sender)
-                try:
-                    state = await sender.commit("done", out.new_token_ids[0], out.num_cached_tokens,
-                                                replica_to=msg.replica_to if replica else "",
-                                                keep_staging=replica is not None)
-                finally:
-                    if replica is not None:
-                        await asyncio.shield(self._end_prompt_replica(msg, replica, sender))
-            elif out is not None and out.finished:
-                state = await sender.commit("finished")
-            else:
-                state = await sender.commit("failed", reason="the prefill node could not run the prompt")
-        except asyncio.CancelledError:
-            if sender is not None:          # aborted: the decode node stops waiting (its own abort may trail)
-                await asyncio.shield(sender.commit("failed", reason="prefill leg aborted"))
-            raise
-        except TransportError as exc:
-            await self._drop_peer(msg.kv_to_node)
-            log.warning("request %s: decode node %s unreachable: %s", rid, msg.kv_to_node, exc)
-            state = TransferState.FAILED
-        if state in (TransferState.FAILED, TransferState.TIMED_OUT) and sender is not None:
-            log.warning("request %s: KV to %s %s: %s", rid, msg.kv_to_node, state.value, sender.reason)
-        self.prefill_legs[state.value] += 1
-
-    def _prompt_replica(self, msg: protocol.GenerateRequest, sender: LayerSender) -> asyncio.Task | None:
-        """Start sending the prompt's replica to the decode node's replica peer
-        (``msg.replica_to``), reading the KV staged for the decode node; None
-        when there is none to send."""
-        kv = sender.staged
-        if not msg.replica_to or kv is None:
-            return None
-
-        async def run() -> tuple[str, str]:
-            try:
-                conn = await self._peer(msg.replica_to, msg.replica_address)
-            except TransportError as exc:
-                return "failed", str(exc)
-            outcome, why = await send_prompt_replica(
-                conn, source=self.name, owner=msg.kv_to_node, request_id=msg.request_id, ticket=msg.replica_ticket,
-                prompt=list(msg.prompt_token_ids), kv=kv, block_size=self.driver.engine.config.block_size,
-                timeout=self.cluster.request_timeout)
-            if outcome == "failed":
-                await self._drop_peer(msg.replica_to)
-            return outcome, why
-        return asyncio.get_running_loop().create_task(run(), name=f"prompt replica {msg.request_id}")
-
-    async def _end_prompt_replica(self, msg: protocol.GenerateRequest, replica: asyncio.Task,
-                                  sender: LayerSender) -> None:
-        """Wait for the prompt replica's send (its own deadline) and give the
-        staging buffers back once nothing reads them."""
-        try:
-            outcome, why = await replica
-        except Exception as exc:  # noqa: BLE001 -- the replica is best effort: the decode node sends it then
-            outcome, why = "failed", str(exc)
-        self.prompt_replicas[outcome] += 1
-        if outcome in ("failed", "refused"):
-            self._warn.warning(("prompt replica", outcome), "request %s: the prompt replica to %s %s: %s",
-                               msg.request_id, msg.replica_to, outcome, why)
-        sender.release_staging(reusable=outcome != "failed")   # a failed send may still sit in a queue
-
-    async def _decode_leg(self, msg: protocol.GenerateRequest, incoming) -> None:
-        """Reserve blocks for the prompt and answer the coordinator with the
-        grant (or none: the prompt is computed here); wait for the KV; then
-        decode from token 1, or compute the prompt here when the KV does not
-        come (``[cluster].kv_load_failure = "recompute"``), or fail."""
-        rid, prompt, params = msg.request_id, list(msg.prompt_token_ids), msg.sampling
-        threshold, peer = self.cluster.prefill_threshold, incoming.peer
-
-        def reserve(engine) -> tuple[Any, str]:
-            """(the reservation, "") or (None, why the prompt is computed here)."""
-            engine.check_request(len(prompt), params)
-            if len(prompt) - engine.pool.cached_tokens(prompt[:-1]) < threshold:
-                return None, "below_threshold"
-            res = engine.pool.reserve_region(prompt, purpose=Purpose.PROMPT)
-            return res, "" if res is not None else "no_blocks"
-        try:
-            res, why_local = await self.driver.call(reserve, timeout=self.cluster.request_timeout)
-        except InvalidParam as exc:
-            await self._answer(incoming, protocol.Error(id=msg.id, code="invalid_request", request_id=rid,
-                                                        message=str(exc)))
-            return
-        except Exception as exc:  # noqa: BLE001 -- answered; the coordinator ends the request
-            await self._answer(incoming, _internal_error(msg, exc))
-            return
-        if res is None:           # no transfer: the prefill leg's node is told by Accepted without a grant
-            self.decode_side.counts["local"] += 1
-            self.decode_side.counts[why_local] += 1
-            await self._answer(incoming, protocol.Accepted(id=msg.id, request_id=rid))
-            await self._pipe(rid, peer, self.driver.generate(rid, prompt, params))
-            return
-        layout = self.driver.engine.pool.kv_layout()
-        rx = KVReceiver(transfer_id=new_transfer_id(), request_id=rid, region=res,
-                        sender_node=msg.prefill_node, num_layers=layout.num_layers,
-                        deadline=time.monotonic() + self.cluster.kv_transfer_timeout)
-        self.decode_side.receivers[rx.transfer_id] = rx
-        handed = False
-        try:
-            await self._answer(incoming, protocol.Accepted(
-                id=msg.id, request_id=rid, kv_transfer_id=rx.transfer_id, kv_block_ids=tuple(res.block_ids),
-                kv_have_blocks=res.have_blocks, kv_num_layers=layout.num_layers,
-                kv_dtype=protocol.dtype_name(layout.dtype)))
-            state = await rx.wait()
-            if state is TransferState.DONE:
-                handed = True
-                if rx.replica_to and self.replicator is not None:
-                    self.replicator.expect_prompt(rid, writer=msg.prefill_node, holder=rx.replica_to)
-                await self._pipe(rid, peer, self.driver.generate_prefilled(
-                    rid, prompt, params, res, rx.first_token, rx.cached_tokens))
-                return
-            if state is TransferState.FINISHED:
-                return                      # token 0 ended it; the coordinator has it from the prefill node
-            log.warning("request %s: prompt KV from %s %s (%s); %s", rid, msg.prefill_node, state.value,
-                        rx.reason, self.cluster.kv_load_failure)
-            await self.decode_side.release(rx, handed_to_engine=False)
-            if self.cluster.kv_load_failure == "fail":
-                await self._send(peer, protocol.Error(code="kv_load_failed", request_id=rid,
-                                                      message=f"the prompt's KV did not arrive: {rx.reason}"))
-                return
-            await self._pipe(rid, peer, self.driver.generate(rid, prompt, params))
-        finally:
-            if rx.state not in FINAL:
-                rx.end(TransferState.CANCELLED, "request aborted")
-            if rx.transfer_id in self.decode_side.receivers:
-                await asyncio.shield(self.decode_side.release(rx, handed_to_engine=handed))
-
-    def _abort_prefill_wait(self, rid: str) -> None:
-        for rx in list(self.decode_side.receivers.values()):
-            if rx.request_id == rid:
-                rx.end(TransferState.FAILED, "the coordinator could not start the prefill leg")
 
     async def _answer(self, incoming, reply: protocol.Message) -> None:
         """The reply to a transport request, from a task."""
@@ -691,7 +489,7 @@ class NodeDaemon:
             try:
                 reply = await answer()
             except Exception as exc:  # noqa: BLE001
-                reply = _internal_error(msg, exc)
+                reply = internal_error(msg, exc)
             await self._answer(incoming, reply)
         self._tg.create_task(reply(), name=f"{msg.TYPE} {msg.id}")
         return None
@@ -728,8 +526,8 @@ class NodeDaemon:
                               "refused": self.receiver.refused if self.receiver else 0,
                               "peer_refused": self.receiver.peer_refused if self.receiver else 0},
                 "disaggregation": {"decode": self.decode_side.stats() if self.decode_side else {},
-                                   "prefill": dict(self.prefill_legs),
-                                   "prompt_replicas": dict(self.prompt_replicas)},
+                                   "prefill": dict(self.legs.prefill_legs) if self.legs else {},
+                                   "prompt_replicas": dict(self.legs.prompt_replicas) if self.legs else {}},
                 "replication": {"sender": self.replicator.stats() if self.replicator else {},
                                 "holder": self.replica_store.stats() if self.replica_store else {}}}
 
@@ -739,8 +537,3 @@ def _sender(incoming) -> tuple[bytes, str | None]:
     authenticated identity (PrefixReceiver accepts KVData from it only)."""
     return incoming.peer, incoming.identity
 
-
-def _internal_error(msg: protocol.Message, exc: Exception) -> protocol.Error:
-    """The reply to a message whose handling failed (logged with its traceback)."""
-    log.exception("%s %s failed", msg.TYPE, msg.id)
-    return protocol.Error(id=msg.id, code="internal", message=f"{type(exc).__name__}: {exc}")

@@ -32,10 +32,11 @@ EXAMPLES = [
                       sampling={"temperature": 0.0, "max_tokens": 8, "stop_token_ids": [2],
                                 "ignore_eos": False, "seed": 3}),
     P.Accepted(id="g", request_id="r1"),
-    P.GenerateRequest(id="g2", request_id="r2", prompt_token_ids=tuple(range(40)), prefill_node="p1"),
-    P.GenerateRequest(id="g3", request_id="r2", prompt_token_ids=tuple(range(40)), kv_to_node="d1",
-                      kv_to_address="zmq+tcp://127.0.0.1:5562", kv_transfer_id="pd-1", kv_block_ids=(7, 8),
-                      kv_have_blocks=1, kv_num_layers=30, kv_dtype="float32"),
+    P.DecodeLeg(id="g2", request_id="r2", prompt_token_ids=tuple(range(40)), prefill_node="p1"),
+    P.PrefillLeg(id="g3", request_id="r2", prompt_token_ids=tuple(range(40)), kv_to_node="d1",
+                 kv_to_address="zmq+tcp://127.0.0.1:5562", kv_transfer_id="pd-1", kv_block_ids=(7, 8),
+                 kv_have_blocks=1, kv_num_layers=30, kv_dtype="float32"),
+    P.ResumeRequest(id="g4", request_id="r3", prompt_token_ids=(1, 2), output_token_ids=(5, 6), replica_from="n2"),
     P.Accepted(id="g2", request_id="r2", kv_transfer_id="pd-1", kv_block_ids=(7, 8), kv_have_blocks=1,
                kv_num_layers=30, kv_dtype="float32"),
     P.KVCommit(transfer_id="pd-1", request_id="r2", status="done", first_token=42, cached_tokens=16),
@@ -101,35 +102,59 @@ def test_empty_tensor_frame():
     assert msg.as_torch()[0].shape == (0, 4)
 
 
-@pytest.mark.parametrize("bad, match", [
-    (dict(sampling={"temperature": -1.0}), r"temperature must be a number in \[0, 2\]"),
-    (dict(sampling={"beam_width": 4}), "unknown sampling"),
-    (dict(sampling={"max_tokens": True}), "int"),
-    (dict(prompt_token_ids=()), "empty"),
-    (dict(prompt_token_ids=(1, -2)), ">= 0"),
-    (dict(prompt_token_ids=(1, 2.0)), "int"),
-    (dict(request_id=""), "request_id"),
-    (dict(deadline=float("nan")), "finite"),
-    (dict(prefill_node="p1", kv_to_node="d1"), "one leg"),
-    (dict(kv_to_node="d1", kv_to_address="zmq+tcp://x:1", kv_transfer_id=""), "kv_transfer_id"),
-    (dict(kv_to_node="d1", kv_to_address="a", kv_transfer_id="t", kv_num_layers=2, kv_dtype="float32",
-          kv_block_ids=(1, 1)), "distinct"),
-    (dict(kv_to_node="d1", kv_to_address="a", kv_transfer_id="t", kv_num_layers=2, kv_dtype="float32",
-          kv_block_ids=(1, 2), kv_have_blocks=5), "more blocks"),
-    (dict(kv_to_node="d1", kv_transfer_id="t", kv_num_layers=2, kv_dtype="float32"), "kv_to_address"),
-    (dict(replica_to="d2", replica_address="a"), "replica_to needs replica_address and replica_ticket"),
-    (dict(kv_to_node="d1", kv_to_address="a", kv_transfer_id="t", kv_num_layers=2, kv_dtype="float32",
-          kv_block_ids=(1,), replica_to="d2", replica_ticket="ab"), "replica_address"),
-    (dict(prompt_token_ids=tuple(range(32)), kv_to_node="d1", kv_to_address="a", kv_transfer_id="t",
-          kv_num_layers=2, kv_dtype="float32", kv_block_ids=(1,), kv_have_blocks=1, replica_to="d2",
-          replica_address="b", replica_ticket="ab"), "from block 0"),
-    (dict(kv_to_node="d1", kv_to_address="a", kv_transfer_id="t", kv_num_layers=2, kv_dtype="float32",
-          kv_block_ids=(1,), replica_to="d1", replica_address="a", replica_ticket="ab"), "to another node"),
+GRANT = dict(kv_to_node="d1", kv_to_address="a", kv_transfer_id="t", kv_num_layers=2, kv_dtype="float32",
+             kv_block_ids=(1,))
+
+
+@pytest.mark.parametrize("cls, bad, match", [
+    (P.GenerateRequest, dict(sampling={"temperature": -1.0}), r"temperature must be a number in \[0, 2\]"),
+    (P.GenerateRequest, dict(sampling={"beam_width": 4}), "unknown sampling"),
+    (P.GenerateRequest, dict(sampling={"max_tokens": True}), "int"),
+    (P.GenerateRequest, dict(prompt_token_ids=()), "empty"),
+    (P.GenerateRequest, dict(prompt_token_ids=(1, -2)), ">= 0"),
+    (P.GenerateRequest, dict(prompt_token_ids=(1, 2.0)), "int"),
+    (P.GenerateRequest, dict(request_id=""), "request_id"),
+    (P.GenerateRequest, dict(deadline=float("nan")), "finite"),
+    (P.GenerateRequest, dict(replica_to="d2", replica_address="a"),
+     "replica_to needs replica_address and replica_ticket"),
+    (P.DecodeLeg, dict(prefill_node=""), "prefill_node"),
+    (P.DecodeLeg, dict(prefill_node="p1", prompt_token_ids=()), "empty"),
+    (P.PrefillLeg, GRANT | dict(kv_to_node=""), "kv_to_node"),
+    (P.PrefillLeg, GRANT | dict(kv_transfer_id=""), "kv_transfer_id"),
+    (P.PrefillLeg, GRANT | dict(kv_block_ids=(1, 1)), "distinct"),
+    (P.PrefillLeg, GRANT | dict(kv_block_ids=(1, 2), kv_have_blocks=5), "more blocks"),
+    (P.PrefillLeg, GRANT | dict(kv_to_address=""), "kv_to_address"),
+    (P.PrefillLeg, GRANT | dict(replica_to="d2", replica_ticket="ab"), "replica_address"),
+    (P.PrefillLeg, GRANT | dict(prompt_token_ids=tuple(range(32)), kv_have_blocks=1, replica_to="d2",
+                                replica_address="b", replica_ticket="ab"), "from block 0"),
+    (P.PrefillLeg, GRANT | dict(replica_to="d1", replica_address="a", replica_ticket="ab"), "to another node"),
+    (P.ResumeRequest, dict(output_token_ids=()), "output_token_ids"),
+    (P.ResumeRequest, dict(output_token_ids=(3, -1)), ">= 0"),
 ])
-def test_generate_request_validation(bad, match):
+def test_leg_request_validation(cls, bad, match):
     fields = dict(request_id="r", prompt_token_ids=(1,)) | bad
     with pytest.raises(ValueError, match=match):
-        P.GenerateRequest(**fields)
+        cls(**fields)
+
+
+@pytest.mark.parametrize("type_, field_", [
+    ("GenerateRequest", "prefill_node"), ("GenerateRequest", "kv_to_node"), ("GenerateRequest", "output_token_ids"),
+    ("DecodeLeg", "kv_to_node"), ("PrefillLeg", "prefill_node"), ("ResumeRequest", "kv_transfer_id"),
+])
+def test_a_leg_carries_only_its_own_fields(type_, field_):
+    body = dict(type=type_, v=P.PROTOCOL_VERSION, request_id="r", prompt_token_ids=[1]) | {field_: "x"}
+    err = decode(orjson.dumps(body), [])
+    assert isinstance(err, P.ProtocolError) and err.reason == "unknown_field", err
+
+
+def test_a_leg_of_a_request_keeps_its_common_fields():
+    plain = P.GenerateRequest(id="r", request_id="r", prompt_token_ids=(1, 2), deadline=2e9,
+                              sampling={"max_tokens": 3}, replica_to="n2", replica_address="a", replica_ticket="ab")
+    leg = P.ResumeRequest.of(plain, id="r.r1", output_token_ids=(7,))
+    assert isinstance(leg, P.LegRequest) and (leg.id, leg.output_token_ids) == ("r.r1", (7,))
+    assert (leg.request_id, leg.prompt_token_ids, leg.deadline, leg.sampling, leg.replica_to) == \
+        (plain.request_id, plain.prompt_token_ids, plain.deadline, plain.sampling, plain.replica_to)
+    assert "LegRequest" not in MESSAGE_TYPES          # a base, not a message of its own
 
 
 V = P.PROTOCOL_VERSION
