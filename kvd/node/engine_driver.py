@@ -49,6 +49,7 @@ from typing import Any, TypeVar
 import torch
 
 from engine.engine import EngineConfig, LLMEngine
+from engine.memory.region import Purpose
 from engine.request import INVALID_REQUEST, InvalidParam, RequestOutput, SamplingParams
 from kernels import native
 from kvd.engine_client import EngineDead
@@ -269,7 +270,7 @@ class EngineDriver:
             engine.check_request(len(prompt), params)
             if len(prompt) - engine.pool.cached_tokens(prompt[:-1]) < min_uncached:
                 return None, "below_threshold"
-            res = engine.pool.reserve(prompt)
+            res = engine.pool.reserve_region(prompt, purpose=Purpose.PROMPT)
             return res, "" if res is not None else "no_blocks"
         return await self.call(reserve, timeout=timeout)
 
