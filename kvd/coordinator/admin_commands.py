@@ -17,16 +17,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from kvd import links, protocol
-from kvd.cluster_config import COORDINATOR_NAME
+from kvd import protocol
+from kvd.cluster_config import ClusterConfig
 from kvd.coordinator.cache_router import ROUTING_WEIGHTS
-from kvd.coordinator.membership import NodeInfo
-from transports import TransportError
+from kvd.coordinator.cache_sync import CacheSync
+from kvd.coordinator.membership import Membership, NodeInfo
+from kvd.coordinator.prompt_tree import PromptTrees
+from kvd.coordinator.router import Router
+from transports import Connection, TransportError
 
 if TYPE_CHECKING:
-    from kvd.coordinator.daemon import CoordinatorDaemon
+    from kvd.coordinator.client import RemoteEngineClient
 
 log = logging.getLogger("kvd.coordinator")
 
@@ -37,58 +41,56 @@ MAX_STALL_S = 60.0         # the longest stall `fail mode=stall` injects
 
 class CoordinatorAdmin:
     """The command handlers; each ``cmd_*(args) -> dict`` raises ValueError,
-    TransportError or TimeoutError for a command that cannot be done."""
+    TransportError or TimeoutError for a command that cannot be done.
 
-    def __init__(self, daemon: CoordinatorDaemon) -> None:
-        self.d = daemon
+    Given what the commands read and change, not the daemon: ``status``
+    (the daemon's status dict), ``set_draining`` (the front door's cluster
+    drain), ``connect`` (a new link to a node by address and name, for a
+    node no longer registered) and ``make_router`` (a router for a policy)."""
 
-    def status(self) -> dict[str, Any]:
-        return {"role": "coordinator", "address": self.d.address, "http_port": self.d.port,
-                "model": self.d.client.model_name, "nodes": sorted(self.d.membership.nodes),
-                "in_flight": self.d.front.in_flight if self.d.front else 0,
-                "draining": bool(self.d.front and self.d.front.draining),
-                "node_failures": self.d.membership.failures, "joins": self.d.membership.joins,
-                "loop_stalls": self.d.membership.stalls,
-                "failed_requests": self.d.client.failed_requests,
-                "recoveries": {f"{how}/{outcome}": n
-                               for (how, outcome), n in sorted(self.d.client.recovery.outcomes.items())},
-                "kv_returns": dict(self.d.client.kv_returns),
-                "prefill_queue_bypassed": self.d.client.prefill_queue_bypassed,
-                "bad_messages": dict(self.d.bad_messages + self.d.client.bad_messages),
-                "malformed_frames": self.d.listener.stats.malformed if self.d.listener else 0,
-                # the embedded kvd serve's engine: {"state", "error"} (None: the nodes' engines, `nodes`)
-                "engine": self.d.client.stats().get("engine")}
+    def __init__(self, client: RemoteEngineClient, membership: Membership, cluster: ClusterConfig,
+                 trees: PromptTrees, cache_sync: CacheSync, *, status: Callable[[], dict[str, Any]],
+                 set_draining: Callable[[bool], None], connect: Callable[[str, str], Awaitable[Connection]],
+                 make_router: Callable[..., Router]) -> None:
+        self.client = client
+        self.membership = membership
+        self.cluster = cluster
+        self.trees = trees
+        self.cache_sync = cache_sync
+        self.status = status
+        self.set_draining = set_draining
+        self.connect = connect
+        self.make_router = make_router
 
     def _node(self, args: dict) -> NodeInfo:
         name = args.get("node")
-        info = self.d.membership.nodes.get(name) if name else None
+        info = self.membership.nodes.get(name) if name else None
         if info is None:
-            raise ValueError(f"unknown node {name!r}; nodes: {sorted(self.d.membership.nodes)}")
+            raise ValueError(f"unknown node {name!r}; nodes: {sorted(self.membership.nodes)}")
         return info
 
     async def forward(self, node: str, command: str, args: dict | None = None,
                       timeout: float | None = None) -> dict:
         """Send an AdminCommand to ``node`` and return its result (raises ValueError,
         TransportError, TimeoutError)."""
-        link = self.d.client.links.get(self._node({"node": node}).name)
+        link = self.client.links.get(self._node({"node": node}).name)
         if link is None:
             raise ValueError(f"node {node} has no link")
-        return await self._call(link.conn, node, command, args, timeout or self.d.cluster.request_timeout)
+        return await self._call(link.conn, node, command, args, timeout or self.cluster.request_timeout)
 
     async def forward_departed(self, node: str, command: str, args: dict | None = None) -> dict:
         """``forward`` to a node that is not registered (declared dead, left),
         over a link opened to its last address for this one command and closed
         after; ValueError for a node never registered, for an error reply, and
         for a node that does not answer within FANOUT_TIMEOUT_S."""
-        address = self.d.membership.departed.get(node)
+        address = self.membership.departed.get(node)
         if address is None:
-            raise ValueError(f"unknown node {node!r}; nodes: {sorted(self.d.membership.nodes)}")
-        timeout = min(self.d.cluster.request_timeout, FANOUT_TIMEOUT_S)
+            raise ValueError(f"unknown node {node!r}; nodes: {sorted(self.membership.nodes)}")
+        timeout = min(self.cluster.request_timeout, FANOUT_TIMEOUT_S)
         conn = None
         try:
             async with asyncio.timeout(timeout):
-                conn = await links.connect(address, self.d.cluster, COORDINATOR_NAME, node,
-                                           registry=self.d.registry, options=self.d.options)
+                conn = await self.connect(address, node)
                 return await self._call(conn, node, command, args, timeout)
         except (TransportError, TimeoutError) as exc:
             raise ValueError(f"node {node} is not registered and did not answer at its last address "
@@ -111,15 +113,15 @@ class CoordinatorAdmin:
         return self.status()
 
     async def cmd_nodes(self, args: dict) -> dict:
-        return {"nodes": [dict(n.describe(), prefill_queue_tokens=self.d.client.prefill_queue(n))
-                          for n in self.d.membership.nodes.values()]}
+        return {"nodes": [dict(n.describe(), prefill_queue_tokens=self.client.prefill_queue(n))
+                          for n in self.membership.nodes.values()]}
 
     async def cmd_requests(self, args: dict) -> dict:
-        return {"requests": self.d.client.requests()}
+        return {"requests": self.client.requests()}
 
     async def cmd_drain(self, args: dict) -> dict:
         if not args.get("node"):
-            self.d.front.draining = True
+            self.set_draining(True)
             return {"draining": "cluster"}
         info = self._node(args)
         info.admin_drained = True            # routing stops now, before the node's next beat
@@ -128,7 +130,7 @@ class CoordinatorAdmin:
 
     async def cmd_undrain(self, args: dict) -> dict:
         if not args.get("node"):
-            self.d.front.draining = False
+            self.set_draining(False)
             return {"draining": False}
         info = self._node(args)
         result = await self.forward(info.name, "undrain")
@@ -141,12 +143,12 @@ class CoordinatorAdmin:
         async def one(name: str) -> dict:
             try:
                 return await self.forward(name, command, args,
-                                          timeout=min(self.d.cluster.request_timeout, FANOUT_TIMEOUT_S))
+                                          timeout=min(self.cluster.request_timeout, FANOUT_TIMEOUT_S))
             except (ValueError, TransportError, TimeoutError) as exc:
                 return {"error": str(exc) or type(exc).__name__}
 
         async with asyncio.TaskGroup() as tg:
-            tasks = {name: tg.create_task(one(name)) for name in sorted(self.d.membership.nodes)}
+            tasks = {name: tg.create_task(one(name)) for name in sorted(self.membership.nodes)}
         return {name: task.result() for name, task in tasks.items()}
 
     async def cmd_fail(self, args: dict) -> dict:
@@ -162,7 +164,7 @@ class CoordinatorAdmin:
         if args["mode"] not in FAIL_MODES:
             raise ValueError(f"fail mode must be one of {', '.join(FAIL_MODES)}, got {args['mode']!r}")
         node, fail = args["node"], {"mode": args["mode"]}
-        if node in self.d.membership.nodes:
+        if node in self.membership.nodes:
             return {"node": node, "registered": True, **await self.forward(node, "fail", fail)}
         return {"node": node, "registered": False, **await self.forward_departed(node, "fail", fail)}
 
@@ -187,11 +189,10 @@ class CoordinatorAdmin:
         and the longest shared prefixes; the event sync state. With ``verify``,
         each node's own cached blocks are fetched and compared with what the
         tree holds for it (``equal``, and the blocks ``missing`` / ``extra``)."""
-        d = self.d
-        out = {"roles": d.trees.describe(), "sync": d.cache_sync.stats()}
+        out = {"roles": self.trees.describe(), "sync": self.cache_sync.stats()}
         if args.get("verify"):
             nodes = await self.forward_all("cache blocks")
-            out["verify"] = {name: verify_holdings(d.trees.for_node(name).held(name), result)
+            out["verify"] = {name: verify_holdings(self.trees.for_node(name).held(name), result)
                              for name, result in nodes.items()}
         return out
 
@@ -202,14 +203,14 @@ class CoordinatorAdmin:
         router only: the next switch without them is back to the config."""
         from kvd.coordinator.cache_router import POLICIES, policy_name
 
-        client = self.d.client
+        client = self.client
         weights = {k: args[k] for k in ROUTING_WEIGHTS if k in args}
         if args.get("policy") or weights:
             policy = args.get("policy") or policy_name(client.router)
             if weights and policy != "prompt-tree":
                 raise ValueError(f"cost weights apply to prompt-tree routing, not {policy}")
-            router = self.d.make_router(policy, **weights)        # ValueError: unknown policy, bad weight
-            client.router, client.prefill_router = router, self.d.make_router(policy, **weights)
+            router = self.make_router(policy, **weights)        # ValueError: unknown policy, bad weight
+            client.router, client.prefill_router = router, self.make_router(policy, **weights)
             log.warning("routing policy switched to %s %s", policy, weights or "")
         describe = getattr(client.router, "describe", None)
         return {"policy": policy_name(client.router), "policies": list(POLICIES),

@@ -134,6 +134,11 @@ class RemoteEngineClient:
         return self._ended_with_error + self.failover.failed_requests
 
     @property
+    def recoveries(self) -> collections.Counter[tuple[str, str]]:
+        """(how, outcome) -> requests (``RecoveryPolicy.outcomes``)."""
+        return self.recovery.outcomes
+
+    @property
     def kv_returns(self) -> collections.Counter[str]:
         return self.legs.kv_returns
 

@@ -5,46 +5,64 @@ Imports no torch.
 
 from __future__ import annotations
 
+import collections
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from kvd.coordinator.cache_sync import CacheSync
+from kvd.coordinator.membership import Membership
+from kvd.coordinator.prompt_tree import PromptTrees
+
 if TYPE_CHECKING:
-    from kvd.coordinator.daemon import CoordinatorDaemon
+    from kvd.api.connections import CappedSite
+    from kvd.coordinator.client import RemoteEngineClient
 
 
 class ClusterCollector:
-    """Cluster gauges and counters for /metrics, read at scrape time."""
+    """Cluster gauges and counters for /metrics, read at scrape time from what
+    it is given: ``bad_messages`` (the registration listener's refusals),
+    ``http_site`` (the front door's site, None before it opens) and
+    ``malformed_frames`` (the listener's count)."""
 
-    def __init__(self, daemon: CoordinatorDaemon) -> None:
-        self.d = daemon
+    def __init__(self, client: RemoteEngineClient, membership: Membership, trees: PromptTrees,
+                 cache_sync: CacheSync, bad_messages: collections.Counter[str], *,
+                 http_site: Callable[[], CappedSite | None], malformed_frames: Callable[[], int]) -> None:
+        self.client = client
+        self.membership = membership
+        self.trees = trees
+        self.cache_sync = cache_sync
+        self.bad_messages = bad_messages
+        self.http_site = http_site
+        self.malformed_frames = malformed_frames
 
     def describe(self):
         return []
 
     def collect(self):
-        d = self.d
         g = GaugeMetricFamily("kvd_cluster_nodes", "Registered nodes by state", labels=["state"])
-        nodes = list(d.membership.nodes.values())
+        nodes = list(self.membership.nodes.values())
         g.add_metric(["routable"], sum(not n.draining for n in nodes))
         g.add_metric(["draining"], sum(n.draining for n in nodes))
         yield g
         c = CounterMetricFamily("kvd_cluster_node_failures", "Nodes declared dead by heartbeat deadline")
-        c.add_metric([], d.membership.failures)
+        c.add_metric([], self.membership.failures)
         yield c
         c = CounterMetricFamily("kvd_coordinator_loop_stalls", "Event loop stalls excused to the nodes")
-        c.add_metric([], d.membership.stalls)
+        c.add_metric([], self.membership.stalls)
         yield c
         c = CounterMetricFamily("kvd_coordinator_loop_stalled_seconds", "Time the event loop was stalled")
-        c.add_metric([], d.membership.stalled_s)
+        c.add_metric([], self.membership.stalled_s)
         yield c
-        if d.site is not None:
+        site = self.http_site()
+        if site is not None:
             g = GaugeMetricFamily("kvd_http_connections", "Open HTTP connections")
-            g.add_metric([], d.site.open_connections)
+            g.add_metric([], site.open_connections)
             yield g
             c = CounterMetricFamily("kvd_http_connections_refused",
                                     "HTTP connections refused at max_connections")
-            c.add_metric([], d.site.refused)
+            c.add_metric([], site.refused)
             yield c
         c = CounterMetricFamily("kvd_node_prefix_cache_hit_tokens",
                                 "Prompt tokens served from a node's prefix cache (its last heartbeat)",
@@ -55,26 +73,26 @@ class ClusterCollector:
         yield c
         g = GaugeMetricFamily("kvd_prompt_tree_blocks", "Blocks a node caches, per the global prompt tree",
                               labels=["role", "node"])
-        for role, tree in sorted(d.trees.trees.items()):
+        for role, tree in sorted(self.trees.trees.items()):
             for name in tree.nodes():
                 g.add_metric([role, name], tree.num_blocks(name))
         yield g
         yield _counter("kvd_prompt_tree_events", "Node cache events applied to the prompt trees",
-                       d.cache_sync.applied_events)
+                       self.cache_sync.applied_events)
         yield _counter("kvd_prompt_tree_snapshots", "Node cache snapshots applied (resyncs)",
-                       d.cache_sync.snapshots)
+                       self.cache_sync.snapshots)
         c = CounterMetricFamily("kvd_recoveries", "Requests moved off a failed node, by how (replica or "
                                 "reprefill) and outcome (resumed or failed)", labels=["policy", "outcome"])
-        for (how, outcome), n in sorted(d.client.recovery.outcomes.items()):
+        for (how, outcome), n in sorted(self.client.recoveries.items()):
             c.add_metric([how, outcome], n)
         yield c
         yield _counter("kvd_prefill_queue_bypassed", "Prompts their decode node computed because every "
                        "prefill node's queue was longer than [cluster].prefill_queue_factor allows",
-                       d.client.prefill_queue_bypassed)
+                       self.client.prefill_queue_bypassed)
         c = CounterMetricFamily("kvd_kv_returns", "Finished disaggregated sequences whose KV a decode node "
                                 "was asked to return to their prefill node ([cluster].kv_return), by outcome "
                                 "(done, nothing: none of it cached, failed)", labels=["outcome"])
-        for outcome, n in sorted(d.client.kv_returns.items()):
+        for outcome, n in sorted(self.client.kv_returns.items()):
             c.add_metric([outcome], n)
         yield c
         c = CounterMetricFamily("kvd_replication_bytes", "KV bytes a node sent to its replica peer "
@@ -89,15 +107,15 @@ class ClusterCollector:
         yield c
         yield g
         c = CounterMetricFamily("kvd_cluster_failed_requests", "Requests ended by a node failure or error")
-        c.add_metric([], d.client.failed_requests)
+        c.add_metric([], self.client.failed_requests)
         yield c
         c = CounterMetricFamily("kvd_protocol_rejected", "Malformed or unexpected wire messages by reason",
                                 labels=["reason"])
-        for reason, n in sorted((d.bad_messages + d.client.bad_messages).items()):
+        for reason, n in sorted((self.bad_messages + self.client.bad_messages).items()):
             c.add_metric([reason], n)
         yield c
         c = CounterMetricFamily("kvd_transport_malformed_frames", "Frames with a bad envelope, dropped")
-        c.add_metric([], d.listener.stats.malformed if d.listener else 0)
+        c.add_metric([], self.malformed_frames())
         yield c
 
 

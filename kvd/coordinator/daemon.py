@@ -25,6 +25,7 @@ import logging
 import signal
 import socket
 import time
+from collections.abc import Awaitable
 from typing import Any
 
 from aiohttp import web
@@ -45,7 +46,7 @@ from kvd.coordinator.recovery import RecoveryPolicy
 from kvd.coordinator.router import Router
 from kvd.ratelog import RateLimitedLog
 from kvd.sdnotify import Notifier
-from transports import InprocRegistry, Listener, TransportError, TransportOptions
+from transports import Connection, InprocRegistry, Listener, TransportError, TransportOptions
 
 log = logging.getLogger("kvd.coordinator")
 
@@ -95,7 +96,9 @@ class CoordinatorDaemon:
         self.site: CappedSite | None = None
         self.http_sockets: list[socket.socket] = http_sockets or []   # reserve_http's; closed by cleanup
         self.admin = None
-        self.commands = CoordinatorAdmin(self)
+        self.commands = CoordinatorAdmin(self.client, self.membership, cluster, self.trees, self.cache_sync,
+                                         status=self.status, set_draining=self._set_draining,
+                                         connect=self.connect_node, make_router=self.make_router)
         self.port: int | None = None
         self._stop = asyncio.Event()
         self._force = asyncio.Event()
@@ -140,7 +143,10 @@ class CoordinatorDaemon:
         self.front = FrontDoor(self.client, api_key=srv.resolved_api_key(),
                                served_model_name=srv.served_model_name,
                                max_body_bytes=srv.max_body_bytes, body_timeout=srv.body_timeout)
-        self.front.metrics.registry.register(ClusterCollector(self))
+        self.front.metrics.registry.register(ClusterCollector(
+            self.client, self.membership, self.trees, self.cache_sync, self.bad_messages,
+            http_site=lambda: self.site,
+            malformed_frames=lambda: self.listener.stats.malformed if self.listener else 0))
         self.runner = web.AppRunner(self.front.make_app(), handler_cancellation=True, access_log=None,
                                     shutdown_timeout=HTTP_CLOSE_S, **runner_options(srv.header_timeout))
         await self.runner.setup()
@@ -333,10 +339,8 @@ class CoordinatorDaemon:
             log.warning("node %s re-registered as a new process; %d request(s) lost", hello.node, n)
         if info.name not in self.client.links:
             try:
-                conn = await asyncio.wait_for(
-                    links.connect(hello.address, self.cluster, COORDINATOR_NAME, hello.node,
-                                  registry=self.registry, options=self.options),
-                    self.cluster.request_timeout)
+                conn = await asyncio.wait_for(self.connect_node(hello.address, hello.node),
+                                              self.cluster.request_timeout)
             except (TransportError, TimeoutError, OSError) as exc:
                 self.membership.remove(hello.node)
                 self.cache_sync.gone(hello.node)
@@ -384,8 +388,30 @@ class CoordinatorDaemon:
         n = await self.client.fail_node(info, f"its process {how}")
         log.error("node %s declared dead: its process %s; %d request(s) failed", name, how, n)
 
+    def connect_node(self, address: str, node: str) -> Awaitable[Connection]:
+        """A new link to ``node`` at ``address``, on this cluster's transport and keys."""
+        return links.connect(address, self.cluster, COORDINATOR_NAME, node,
+                             registry=self.registry, options=self.options)
+
+    def _set_draining(self, draining: bool) -> None:
+        self.front.draining = draining
+
     def status(self) -> dict[str, Any]:
-        return self.commands.status()
+        """The coordinator's state and counters (``kvctl status``)."""
+        client, members = self.client, self.membership
+        return {"role": "coordinator", "address": self.address, "http_port": self.port,
+                "model": client.model_name, "nodes": sorted(members.nodes),
+                "in_flight": self.front.in_flight if self.front else 0,
+                "draining": bool(self.front and self.front.draining),
+                "node_failures": members.failures, "joins": members.joins, "loop_stalls": members.stalls,
+                "failed_requests": client.failed_requests,
+                "recoveries": {f"{how}/{outcome}": n for (how, outcome), n in sorted(client.recoveries.items())},
+                "kv_returns": dict(client.kv_returns),
+                "prefill_queue_bypassed": client.prefill_queue_bypassed,
+                "bad_messages": dict(self.bad_messages + client.bad_messages),
+                "malformed_frames": self.listener.stats.malformed if self.listener else 0,
+                # the embedded kvd serve's engine: {"state", "error"} (None: the nodes' engines, `nodes`)
+                "engine": client.stats().get("engine")}
 
     async def _start_admin(self) -> None:
         from kvd.api.admin import AdminServer, as_admin_errors
