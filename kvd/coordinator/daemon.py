@@ -75,13 +75,14 @@ class CoordinatorDaemon:
         self.membership = Membership(cluster.heartbeat_deadline, cluster.heartbeat_interval)
         self.trees = PromptTrees(pending_ttl=cluster.routing_pending_ttl)   # global prompt trees
         self.cache_sync = CacheSync(self.trees)
+        # where lost requests go, and the replica table behind it (kvd/coordinator/recovery.py)
+        self.recovery = RecoveryPolicy(cluster.recovery, cluster.max_recoveries, replicas=cluster.replicas)
         self.client = RemoteEngineClient(model_name, tokenizer, self.membership,
                                          router or self.make_router(cluster.routing),
                                          prefill_router=self.make_router(cluster.routing),
                                          default_max_model_len=default_max_model_len,
                                          stats_source=stats_source,
-                                         recovery=RecoveryPolicy(cluster.recovery, cluster.max_recoveries,
-                                                                  replicas=cluster.replicas),
+                                         recovery=self.recovery,
                                          kv_return=cluster.kv_return,
                                          kv_return_timeout=2 * cluster.request_timeout,
                                          prefill_queue_factor=cluster.prefill_queue_factor)
@@ -298,16 +299,15 @@ class CoordinatorDaemon:
         """The reply to a beat: the node's replica peer (the ring of
         kvd/coordinator/recovery.py; none with ``replicas = 0``) and the
         replicas it holds that may go (their requests ended)."""
-        table = self.client.recovery.table
+        table = self.recovery.table
         table.update(hb.node, hb.replicas)
-        peer = self.client.recovery.peer_of(hb.node, self.membership.nodes.values())
+        peer = self.recovery.peer_of(hb.node, self.membership.nodes.values())
         stale = table.stale(hb.node, self.client.in_flight())
         return protocol.Welcome(id=hb.id, node=hb.node, accepted=True,
                                 heartbeat_interval=self.cluster.heartbeat_interval,
                                 replica_peer=peer.name if peer else "", replica_address=peer.address if peer else "",
                                 drop_replicas=stale,
-                                replica_tickets=self.client.recovery.tickets(peer, hb.node,
-                                                                             self.client.streams_on(hb.node)))
+                                replica_tickets=self.recovery.tickets(peer, hb.node, self.client.streams_on(hb.node)))
 
     async def _farewell(self, info: NodeInfo, bye: protocol.Goodbye, incoming) -> None:
         """Answer a Goodbye once the node's finished streams have delivered their
@@ -351,7 +351,7 @@ class CoordinatorDaemon:
         self.cache_sync.registered(hello.node, hello.block_size, hello.role)   # its snapshot follows
         return protocol.Welcome(id=hello.id, node=hello.node, accepted=True,
                                 heartbeat_interval=self.cluster.heartbeat_interval,
-                                replica_key=self.client.recovery.holder_key(info))
+                                replica_key=self.recovery.holder_key(info))
 
     async def _detect_failures(self) -> None:
         """Every half interval, declare dead the nodes silent past the deadline.
