@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvd.coordinator.cache_sync import CacheSync
-from kvd.coordinator.membership import Membership
+from kvd.coordinator.membership import Membership, NodeInfo
 from kvd.coordinator.prompt_tree import PromptTrees
 
 if TYPE_CHECKING:
@@ -41,8 +41,14 @@ class ClusterCollector:
         return []
 
     def collect(self):
-        g = GaugeMetricFamily("kvd_cluster_nodes", "Registered nodes by state", labels=["state"])
         nodes = list(self.membership.nodes.values())
+        yield from self._membership(nodes)
+        yield from self._caches(nodes)
+        yield from self._requests(nodes)
+
+    def _membership(self, nodes: list[NodeInfo]):
+        """Nodes by state, failures, this loop's stalls, HTTP connections."""
+        g = GaugeMetricFamily("kvd_cluster_nodes", "Registered nodes by state", labels=["state"])
         g.add_metric(["routable"], sum(not n.draining for n in nodes))
         g.add_metric(["draining"], sum(n.draining for n in nodes))
         yield g
@@ -64,6 +70,9 @@ class ClusterCollector:
                                     "HTTP connections refused at max_connections")
             c.add_metric([], site.refused)
             yield c
+
+    def _caches(self, nodes: list[NodeInfo]):
+        """The nodes' prefix-cache hits and the global prompt trees."""
         c = CounterMetricFamily("kvd_node_prefix_cache_hit_tokens",
                                 "Prompt tokens served from a node's prefix cache (its last heartbeat)",
                                 labels=["node"])
@@ -81,6 +90,9 @@ class ClusterCollector:
                        self.cache_sync.applied_events)
         yield _counter("kvd_prompt_tree_snapshots", "Node cache snapshots applied (resyncs)",
                        self.cache_sync.snapshots)
+
+    def _requests(self, nodes: list[NodeInfo]):
+        """Recoveries, KV returns, replication, failed requests, refused messages."""
         c = CounterMetricFamily("kvd_recoveries", "Requests moved off a failed node, by how (replica or "
                                 "reprefill) and outcome (resumed or failed)", labels=["policy", "outcome"])
         for (how, outcome), n in sorted(self.client.recoveries.items()):
