@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 from engine.memory.mempool import TIERS as MEMPOOL_TIERS
 from engine.request import FinishReason, SamplingParams
 from kvd.cluster_config import ROLES as CONFIG_ROLES
+from kvd.transfer_state import COMMIT_STATUSES
 from kvd.wire import (  # noqa: F401 -- re-exported: the format and the messages are one vocabulary
     DEFAULT_LIMITS,
     DTYPES,
@@ -42,7 +43,6 @@ from kvd.wire import (  # noqa: F401 -- re-exported: the format and the messages
 TIERS = MEMPOOL_TIERS  # the engine's memory tiers ("device", "host"), fastest first: one set of names
 FINISH_REASONS = tuple(r.value for r in FinishReason)   # engine/request.py
 ROLES = CONFIG_ROLES                      # what a node computes: whole requests, prompts, or decodes
-COMMIT_STATUSES = ("done", "finished", "failed")
 
 
 def _require(ok: bool, what: str) -> None:

@@ -27,7 +27,7 @@ message type -> handler):
 Who may send what is checked before any handler runs (kvd/trust.py, the
 gate of ``protocol.serve``): requests, aborts and admin commands from the
 coordinator's key only, KV transfer messages from a node's key only, and a
-``KVData`` is taken only into a grant made to its own link (transfer.py).
+``KVData`` is taken only into a region reserved for its own link (inbox.py).
 Malformed and refused messages are answered with ``Error``, counted by
 reason (``bad_messages``), logged rate-limited, and never stop the loop.
 SIGTERM drains: STOPPING=1 to systemd, the node says so in its heartbeat
@@ -64,19 +64,17 @@ from kvd.node.admin_commands import NodeAdmin, serve_admin_socket
 from kvd.node.engine_driver import EngineDriver, describe_failure, load_engine
 from kvd.node.cache_shipper import CacheShipper
 from kvd.node.heartbeat import Heartbeater
-from kvd.node.disagg import DecodeSide
+from kvd.node.inbox import MESSAGES as INBOX_MESSAGES, KVInbox
 from kvd.node.peers import PeerLinks
-from kvd.node.replica_store import ReplicaStore
 from kvd.node.legs import Legs, internal_error
 from kvd.node.replication import Replicator
-from kvd.node.transfer import PrefixReceiver, grant_seconds
 from kvd.sdnotify import Notifier
 from transports import InprocRegistry, Listener, TransportError, TransportOptions
 
 log = logging.getLogger("kvd.node")
 
 # the messages a node refuses while it drops KV transfers (fault injection)
-KV_MESSAGES = frozenset({protocol.KVTransferRequest, protocol.KVData, protocol.KVCommit, protocol.ReplicaData})
+KV_MESSAGES = frozenset(INBOX_MESSAGES)
 STATUS_INTERVAL_S = 1.0                          # STATUS= is sent only when the line changed
 
 
@@ -103,7 +101,6 @@ class NodeDaemon:
                                         ucx_progress_mode=cluster.ucx_progress_mode)
         self.driver: EngineDriver | None = None
         self.listener: Listener | None = None
-        self.receiver: PrefixReceiver | None = None
         self.heartbeat: Heartbeater | None = None
         self.cache_shipper: CacheShipper | None = None   # cache events -> the global prompt tree
         self.admin = None                              # the admin Unix socket's server
@@ -115,9 +112,8 @@ class NodeDaemon:
         self.transfers_dropped = 0
         self.streams: dict[str, asyncio.Task] = {}
         self.transfers_sent = 0
-        self.decode_side: DecodeSide | None = None
+        self.inbox: KVInbox | None = None              # every way KV arrives here (kvd/node/inbox.py)
         self.replicator: Replicator | None = None      # this node's KV -> its replica peer
-        self.replica_store: ReplicaStore | None = None  # its peers' replicas, held here
         self.legs: Legs | None = None                  # the legs of requests run here
         self.peer_links = PeerLinks(lambda node, address: links.connect(   # to other nodes: KV, replicas
             address, cluster, name, node, registry=registry, options=self.options))
@@ -139,13 +135,14 @@ class NodeDaemon:
         self.driver = EngineDriver(engine)
         self.driver.on_dead = self._engine_died
         await self.driver.start()
-        self.receiver = PrefixReceiver(self.driver, max_peer_blocks=max(
-            1, int(self.cluster.kv_grant_share * engine.config.kv_blocks)))
         self.listener = await links.listen(self.address, self.cluster, self.name,
                                            registry=self.registry, options=self.options)
         self.address = self.listener.url
-        self.decode_side = DecodeSide(self.driver, self.listener.authenticated)
-        self.replica_store = ReplicaStore(self.driver, self.cluster.replica_kv_blocks, self.cluster.request_timeout)
+        self.inbox = KVInbox(self.driver, authenticated=self.listener.authenticated,
+                             max_peer_blocks=max(1, int(self.cluster.kv_grant_share * engine.config.kv_blocks)),
+                             transfer_timeout=self.cluster.kv_transfer_timeout,
+                             request_timeout=self.cluster.request_timeout,
+                             replica_blocks=self.cluster.replica_kv_blocks)
         if self.cluster.replicas and self.role != "prefill":
             self.replicator = Replicator(self.name, self.driver, self._peer, self._drop_peer,
                                          self.cluster.replication_interval, self.cluster.request_timeout)
@@ -156,7 +153,7 @@ class NodeDaemon:
                                           self.cluster.cache_events_interval, self.cluster.heartbeat_deadline)
         self.legs = Legs(self.name, self.cluster, self.driver, send=self._send, answer=self._answer,
                          report_lost=self.heartbeat.report_lost, peers=self.peer_links,
-                         decode_side=self.decode_side, replica_store=self.replica_store, replicator=self.replicator)
+                         inbox=self.inbox, replicator=self.replicator)
         self.commands = NodeAdmin(self, self.driver, self.heartbeat, self.cache_shipper,
                                   self._connect_node, self.cluster.request_timeout)
         if self.admin_socket:
@@ -294,7 +291,7 @@ class NodeDaemon:
             free_blocks={t: kv.get(t, {}).get("free", 0) for t in protocol.TIERS},
             draining=self.draining,
             cached_blocks=sum(kv.get(t, {}).get("cached", 0) for t in protocol.TIERS),
-            cache_events=events, replicas=self.replica_store.report(),
+            cache_events=events, replicas=self.inbox.replicas.report(),
             stats=dict(snap, replication=self.replicator.stats() if self.replicator else {}))
 
     def _assigned(self, welcome: protocol.Welcome) -> None:
@@ -302,7 +299,7 @@ class NodeDaemon:
         tickets there, and the replicas held here whose requests are no
         longer in flight; to a registration: this node's replica key."""
         if welcome.replica_key:
-            self.replica_store.key = welcome.replica_key
+            self.inbox.replicas.key = welcome.replica_key
         if self.replicator is not None:
             self.replicator.set_peer(welcome.replica_peer, welcome.replica_address, welcome.replica_tickets)
         if welcome.drop_replicas and self._tg is not None:
@@ -310,7 +307,7 @@ class NodeDaemon:
 
     async def _drop_replicas(self, request_ids: tuple[str, ...]) -> None:
         with contextlib.suppress(TimeoutError, EngineDead):
-            await self.replica_store.drop(request_ids)
+            await self.inbox.replicas.drop(request_ids)
 
     # ------------------------------------------------------------- messages
     def _gate(self, msg: protocol.Message, incoming) -> str | None:
@@ -328,10 +325,7 @@ class NodeDaemon:
             protocol.PrefillLeg: self._on_prefill_leg,
             protocol.ResumeRequest: self._on_resume,
             protocol.Abort: self._on_abort,
-            protocol.KVCommit: self._on_kv_commit,
-            protocol.KVData: self._on_kv_data,
-            protocol.KVTransferRequest: self._on_kv_transfer_request,
-            protocol.ReplicaData: self._on_replica_data,
+            **dict.fromkeys(INBOX_MESSAGES, self._on_kv),
             protocol.AdminCommand: self._on_admin_command,
         }
 
@@ -405,38 +399,16 @@ class NodeDaemon:
             task.cancel()
         return None
 
-    def _on_kv_commit(self, msg: protocol.KVCommit, incoming) -> protocol.Message | None:
-        if not self.decode_side.owns(msg.transfer_id):
-            self.decode_side.counts["refused"] += 1
-            return protocol.Error(id=msg.id, code="no_grant", message=f"no reservation {msg.transfer_id!r}")
-        return self.decode_side.on_commit(msg, incoming.peer, incoming.identity)
-
-    def _on_kv_data(self, msg: protocol.KVData, incoming) -> protocol.Message | None:
-        if self.decode_side.owns(msg.transfer_id):
-            return self._reply_later(msg, incoming, lambda: self.decode_side.on_data(
-                msg, incoming.peer, incoming.identity))
-        # an idle engine imports right here: the reply goes back without a task
+    def _on_kv(self, msg: protocol.Message, incoming) -> protocol.Message | None:
+        """Every KV message goes to the inbox: answered right here when it
+        needs no task (a commit, a refusal, an idle engine), else from one."""
         try:
-            ack = self.receiver.try_data(msg, _sender(incoming))
-            if ack is not None:
-                return ack
+            reply = self.inbox.answer_now(msg, incoming)
         except Exception as exc:  # noqa: BLE001 -- answered as _reply_later answers a failure
             return internal_error(msg, exc)
-        return self._reply_later(msg, incoming, lambda: self.receiver.on_data(msg, _sender(incoming)))
-
-    def _on_kv_transfer_request(self, msg: protocol.KVTransferRequest, incoming) -> protocol.Message | None:
-        # an idle engine allocates right here: the reply goes back without a task
-        try:
-            ack = self.receiver.try_request(msg, self._grant_timeout(msg), _sender(incoming))
-            if ack is not None:
-                return ack
-        except Exception as exc:  # noqa: BLE001 -- answered as _reply_later answers a failure
-            return internal_error(msg, exc)
-        return self._reply_later(msg, incoming, lambda: self.receiver.on_request(
-            msg, self._grant_timeout(msg), _sender(incoming)))
-
-    def _on_replica_data(self, msg: protocol.ReplicaData, incoming) -> None:
-        return self._reply_later(msg, incoming, lambda: self.replica_store.on_data(msg))
+        if reply is not None:
+            return reply
+        return self._reply_later(msg, incoming, lambda: self.inbox.answer(msg, incoming))
 
     def _on_admin_command(self, msg: protocol.AdminCommand, incoming) -> None:
         return self._reply_later(msg, incoming, lambda: self.commands.answer(msg))
@@ -475,12 +447,6 @@ class NodeDaemon:
             except TransportError as exc:
                 log.info("reply to %s not delivered: %s", reply.TYPE, exc)
 
-    def _grant_timeout(self, msg: protocol.KVTransferRequest) -> float:
-        """Seconds a grant waits for its data: the sender's deadline, within
-        this node's ``kv_transfer_timeout`` (transfer.grant_seconds)."""
-        return grant_seconds(msg.deadline or time.time() + self.cluster.request_timeout,
-                             self.cluster.kv_transfer_timeout)
-
     def _reply_later(self, msg: protocol.Message, incoming,
                      answer: Callable[[], Awaitable[protocol.Message]]) -> None:
         """Answer ``msg`` from a task: ``answer()``'s reply, or an ``internal``
@@ -498,7 +464,7 @@ class NodeDaemon:
         while True:
             await asyncio.sleep(1.0)
             with contextlib.suppress(Exception):
-                if n := await self.receiver.expire():
+                if n := await self.inbox.expire():
                     log.warning("released %d KV allocation(s) whose transfer never completed", n)
 
     # ---------------------------------------------------------------- admin
@@ -521,19 +487,11 @@ class NodeDaemon:
                 "engine": self.driver.state() if self.driver else {"state": "stopped", "error": None},
                 "cache_events": self.cache_shipper.stats() if self.cache_shipper else {},
                 "transfers": {"sent": self.transfers_sent, "dropped": self.transfers_dropped,
-                              "received": self.receiver.completed if self.receiver else 0,
-                              "failed": self.receiver.failed if self.receiver else 0,
-                              "refused": self.receiver.refused if self.receiver else 0,
-                              "peer_refused": self.receiver.peer_refused if self.receiver else 0},
-                "disaggregation": {"decode": self.decode_side.stats() if self.decode_side else {},
+                              **(self.inbox.prefix_counts if self.inbox else
+                                 dict.fromkeys(("received", "failed", "refused", "peer_refused"), 0))},
+                "disaggregation": {"decode": self.inbox.prompt_stats() if self.inbox else {},
                                    "prefill": dict(self.legs.prefill_legs) if self.legs else {},
                                    "prompt_replicas": dict(self.legs.prompt_replicas) if self.legs else {}},
                 "replication": {"sender": self.replicator.stats() if self.replicator else {},
-                                "holder": self.replica_store.stats() if self.replica_store else {}}}
-
-
-def _sender(incoming) -> tuple[bytes, str | None]:
-    """Who a KV grant is bound to: the link it was asked on and that link's
-    authenticated identity (PrefixReceiver accepts KVData from it only)."""
-    return incoming.peer, incoming.identity
+                                "holder": self.inbox.replicas.stats() if self.inbox else {}}}
 

@@ -1,11 +1,11 @@
 """Disaggregated prefill between node processes, on the KV-movement layer
-(``kvmove.py``): the prefill leg's ``LayerSender`` and the decode node's
-``DecodeSide`` (its reservations, each a ``KVReceiver``).
+(``kvmove.py``): the prefill leg's ``LayerSender``; the decode node
+receives into a PROMPT region of its KV inbox (``inbox.py``).
 
 One request, two legs (docs/cluster.md, "Disaggregated prefill")::
 
     coordinator ── GenerateRequest(prefill_node=P) ──▶ decode node D
-                                                        reserve blocks for the prompt
+                                                        reserve_region(PROMPT), inbox.open_prompt
                 ◀── Accepted(kv grant) ──────────────   (KVReceiver: pending)
     coordinator ── GenerateRequest(kv_to_node=D, grant) ──▶ prefill node P
                                                         engine prefill; after each layer the
@@ -20,14 +20,14 @@ One request, two legs (docs/cluster.md, "Disaggregated prefill")::
 
 ``LayerSender`` (prefill side, a ``KVSender``) is the ``engine.stream.KVSink``
 of one request: ``pending → sending → done | finished | failed |
-timed_out``. A ``KVReceiver`` (decode side) holds the reservation:
+timed_out``. A ``KVReceiver`` (decode side) holds the region:
 ``pending → receiving → done | finished | failed | timed_out | cancelled``. Each has one deadline (the
 request's transfer deadline, ``[cluster].kv_transfer_timeout`` from the
-reservation), and every state but ``done`` returns the reservation's blocks
-(on the decode side) at once; ``done`` hands them to the engine.
+region), and every state but ``done`` cancels the region
+(on the decode side) at once; ``done`` hands it to the engine.
 
 Only the node the coordinator named as the prefill leg may fill a
-reservation: with authentication, a KVData or KVCommit from any other key is
+region: with authentication, a KVData or KVCommit from any other key is
 refused (``no_grant``) and changes nothing; the first accepted message binds
 the link, later ones must come over the same one.
 """
@@ -40,9 +40,7 @@ from typing import Any
 
 import torch
 
-from kvd import protocol
-from kvd.node.engine_driver import EngineDriver
-from kvd.node.kvmove import KVReceiver, KVSender, TransferState
+from kvd.node.kvmove import KVSender, TransferState
 
 log = logging.getLogger("kvd.disagg")
 
@@ -106,67 +104,3 @@ class LayerSender(KVSender):
         if status == "done" and self.block_ids and self._next < self.num_layers:
             status, reason = "failed", f"only {self._next} of {self.num_layers} layers were staged"
         return await super().commit(status, first_token, cached_tokens, reason, replica_to, keep_staging)
-
-
-# ─── decode side ─────────────────────────────────────────────────────────────
-
-
-class DecodeSide:
-    """A node's open KVReceivers, by transfer id, and how it answers the
-    prefill nodes' KVData and KVCommit for them."""
-
-    def __init__(self, driver: EngineDriver, authenticated: bool) -> None:
-        self.driver = driver
-        self.authenticated = authenticated
-        self.receivers: dict[str, KVReceiver] = {}
-        # local = below_threshold + no_blocks: requests whose prompt this node computed itself
-        self.counts = {"remote": 0, "local": 0, "below_threshold": 0, "no_blocks": 0, "failed": 0,
-                       "timed_out": 0, "refused": 0}
-
-    def owns(self, transfer_id: str) -> bool:
-        return transfer_id in self.receivers
-
-    def _refuse(self, msg: protocol.Message, why: str) -> protocol.Error:
-        self.counts["refused"] += 1
-        return protocol.Error(id=msg.id, code="no_grant", message=why)
-
-    async def on_data(self, msg: protocol.KVData, peer: bytes, identity: str | None) -> protocol.Message:
-        rx = self.receivers[msg.transfer_id]
-        if why := rx.refusal(peer, identity, self.authenticated):
-            return self._refuse(msg, why)
-        try:
-            return await self.driver.call(rx.import_fn(msg))
-        except (TypeError, ValueError, IndexError) as exc:
-            rx.end(TransferState.FAILED, f"bad KV from the prefill node: {exc}")
-            return protocol.KVAck(id=msg.id, transfer_id=msg.transfer_id, ok=False, reason=str(exc))
-
-    def on_commit(self, msg: protocol.KVCommit, peer: bytes, identity: str | None) -> protocol.Message:
-        rx = self.receivers[msg.transfer_id]
-        if msg.request_id != rx.request_id:
-            return self._refuse(msg, "the commit names another request")
-        if why := rx.refusal(peer, identity, self.authenticated):
-            return self._refuse(msg, why)
-        if msg.status == "done" and not rx.complete:
-            rx.end(TransferState.FAILED, f"commit after {len(rx.layers_done)} of {rx.num_layers} layers")
-            return protocol.KVAck(id=msg.id, transfer_id=msg.transfer_id, ok=False, reason=rx.reason)
-        rx.first_token, rx.cached_tokens, rx.replica_to = msg.first_token, msg.cached_tokens, msg.replica_to
-        rx.end(TransferState(msg.status), msg.reason)
-        return protocol.KVAck(id=msg.id, transfer_id=msg.transfer_id, ok=True)
-
-    async def release(self, rx: KVReceiver, handed_to_engine: bool) -> None:
-        """Forget ``rx``; unless the engine took its reservation, return the
-        blocks (engine thread). Counts its outcome."""
-        self.receivers.pop(rx.transfer_id, None)
-        key = {TransferState.DONE: "remote", TransferState.TIMED_OUT: "timed_out",
-               TransferState.FINISHED: "remote"}.get(rx.state, "failed")
-        self.counts[key] += 1
-        if not handed_to_engine:
-            await self.driver.call(lambda engine: rx.region.cancel())
-
-    def stats(self) -> dict[str, Any]:
-        """Outcome counts, and each open reservation: request, transfer id,
-        prefill node, state, layers landed."""
-        return {**self.counts, "open": [
-            {"request_id": rx.request_id, "transfer_id": tid, "prefill_node": rx.sender_node,
-             "state": rx.state.value, "layers": len(rx.layers_done), "blocks": len(rx.region.block_ids)}
-            for tid, rx in self.receivers.items()]}

@@ -2,10 +2,10 @@
 an object on each side.
 
 A transfer moves layers of KV from blocks of the sender's pool into blocks
-the receiver set aside for it (a ``Grant`` for a cached prefix, a
-``Reservation`` for a prompt another node computes). Two users build on it:
-the prefix transfer (``transfer.py``, MemServe §4.3) and disaggregated
-prefill (``disagg.py``)::
+the receiver set aside for it (a MemPool ``Region``: PREFIX for a cached
+prefix, PROMPT for a prompt another node computes), kept by the node's KV
+inbox (``inbox.py``). Two senders build on it: the prefix transfer
+(``transfer.py``, MemServe §4.3) and disaggregated prefill (``disagg.py``)::
 
     KVSender (sender's event loop)             KVReceiver (receiver's table)
     ─────────────────────────────              ─────────────────────────────
@@ -19,11 +19,10 @@ prefill (``disagg.py``)::
 
 Each side has ONE deadline: the sender's is wall clock (it travels on every
 message, so the receiver refuses a late one on arrival); the receiver's is
-monotonic (its table's reaper, or ``wait``). A final state is reached once;
-later transitions are ignored. The receiver's region is given back by the
-table that owns the receiver (``abandon`` / ``cancel``) unless the state is
-``done``, which hands the blocks to the radix tree (prefix) or the engine
-(disagg).
+monotonic (its region's: the inbox's reaper, or ``wait``). A final state is
+reached once; later transitions are ignored. The inbox cancels the region
+unless the state is ``done``, which commits it: into the radix tree (prefix)
+or to the engine (prompt).
 
 Frames are one packed tensor [l1-l0, 2, n, bs, kvh, hd] (usually a view of a
 staging buffer, ``stage``) or pool pieces (``KVData.pieces``). A staging
@@ -35,7 +34,6 @@ in the transport's queue, so its buffer is dropped instead of reused.
 from __future__ import annotations
 
 import asyncio
-import enum
 import itertools
 import os
 import threading
@@ -47,6 +45,7 @@ import torch
 
 from engine.stream import STAGING, stream_in
 from kvd import protocol
+from kvd.transfer_state import FINAL, TransferState
 from transports import Connection, TransportError
 
 # transfer ids: unique per sender process (random prefix) and per transfer
@@ -63,24 +62,9 @@ def reply_reason(reply: Any) -> str:
     return getattr(reply, "reason", None) or getattr(reply, "message", None) or repr(reply)
 
 
-class TransferState(str, enum.Enum):
-    PENDING = "pending"
-    SENDING = "sending"
-    RECEIVING = "receiving"
-    DONE = "done"
-    FINISHED = "finished"          # token 0 ended the request on the prefill node (disagg)
-    FAILED = "failed"
-    TIMED_OUT = "timed_out"
-    CANCELLED = "cancelled"        # the request was aborted
-
-
-FINAL = frozenset((TransferState.DONE, TransferState.FINISHED, TransferState.FAILED,
-                   TransferState.TIMED_OUT, TransferState.CANCELLED))
-
-
 def import_layers(pool: Any, region: Any, l0: int, l1: int, msg: protocol.KVData, skip: int = 0) -> None:
     """Write layers [l0, l1) of a KVData's KV into ``region``'s fresh blocks
-    (a Grant or a Reservation: ``block_ids`` of ``tier``), dropping its
+    (a ``Region``: ``block_ids`` of ``tier``), dropping its
     first ``skip`` blocks (the receiver had them): one copy per overlap of a
     received frame with a run of the region's ids, read from the frames in
     place (engine thread). Raises ValueError on frames that do not fit."""
@@ -259,8 +243,9 @@ class KVSender:
 
 
 class KVReceiver:
-    """The receiving side of one transfer: ``region`` (a Grant or a
-    Reservation) waiting for layers from ``sender_node``.
+    """The receiving side of one transfer: ``region`` (a MemPool ``Region``,
+    whose purpose and deadline it has) waiting for layers from
+    ``sender_node``; the node's KV inbox (inbox.py) keeps them.
 
     ``import_fn(msg)`` is the engine-thread half of a KVData; it checks the
     state there, so no import lands after the transfer ended. With
@@ -268,14 +253,13 @@ class KVReceiver:
     the last layer ends the transfer ``done``; without it a KVCommit does
     (the owner calls ``end``). ``end`` may be called from any thread."""
 
-    def __init__(self, *, transfer_id: str, region: Any, num_layers: int, deadline: float,
+    def __init__(self, *, transfer_id: str, region: Any, num_layers: int,
                  sender_node: str | None, link: bytes | None = None, request_id: str = "",
                  on_complete: Callable[[Any], int] | None = None) -> None:
         self.transfer_id = transfer_id
         self.request_id = request_id
         self.region = region
         self.num_layers = num_layers
-        self.deadline = deadline                  # monotonic
         self.sender_node = sender_node            # the identity allowed to fill the region
         self.link = link                          # the transport peer bound to it (first message)
         self.on_complete = on_complete
@@ -335,8 +319,17 @@ class KVReceiver:
         return not self.region.block_ids or len(self.layers_done) == self.num_layers
 
     @property
+    def purpose(self) -> Any:
+        return self.region.purpose
+
+    @property
+    def deadline(self) -> float:
+        """Monotonic: the region's."""
+        return self.region.deadline
+
+    @property
     def expired(self) -> bool:
-        return time.monotonic() > self.deadline
+        return self.region.expired()
 
     def end(self, state: TransferState, reason: str = "") -> bool:
         """Move to a final state, once (any thread); False when it had one."""

@@ -29,11 +29,11 @@ from engine.request import INVALID_REQUEST, InvalidParam, RequestOutput
 from kvd import protocol
 from kvd.cluster_config import ClusterConfig
 from kvd.engine_client import EngineDead
-from kvd.node.disagg import DecodeSide, LayerSender
+from kvd.node.disagg import LayerSender
 from kvd.node.engine_driver import EngineDriver
-from kvd.node.kvmove import FINAL, KVReceiver, TransferState, new_transfer_id
+from kvd.node.inbox import KVInbox
+from kvd.node.kvmove import FINAL, TransferState
 from kvd.node.peers import PeerLinks
-from kvd.node.replica_store import ReplicaStore
 from kvd.node.replication import Replicator, send_prompt_replica
 from kvd.ratelog import RateLimitedLog
 from transports import Incoming, TransportError
@@ -53,8 +53,8 @@ class Legs:
     (the heartbeat tells the coordinator)."""
 
     def __init__(self, name: str, cluster: ClusterConfig, driver: EngineDriver, *, send: Send, answer: Answer,
-                 report_lost: Callable[[str], None], peers: PeerLinks, decode_side: DecodeSide,
-                 replica_store: ReplicaStore, replicator: Replicator | None) -> None:
+                 report_lost: Callable[[str], None], peers: PeerLinks, inbox: KVInbox,
+                 replicator: Replicator | None) -> None:
         self.name = name
         self.cluster = cluster
         self.driver = driver
@@ -62,8 +62,7 @@ class Legs:
         self.answer = answer
         self.report_lost = report_lost
         self.peers = peers                  # links to other nodes (one per peer process)
-        self.decode_side = decode_side      # the decode legs' KV reservations
-        self.replica_store = replica_store  # its peers' replicas, held here
+        self.inbox = inbox                  # the decode legs' PROMPT regions; its peers' replicas
         self.replicator = replicator        # this node's KV -> its replica peer (None: not replicating)
         self.prefill_legs: collections.Counter[str] = collections.Counter()     # outcomes of the prefill legs
         self.prompt_replicas: collections.Counter[str] = collections.Counter()  # sent | empty | refused | failed
@@ -109,10 +108,10 @@ class Legs:
         the resumed request produced its first output (its prefix match
         holds the blocks from then on) or ended."""
         rid, outputs = msg.request_id, list(msg.output_token_ids)
-        rep = self.replica_store.take(msg.replica_from, rid) if msg.replica_from else None
+        rep = self.inbox.replicas.take(msg.replica_from, rid) if msg.replica_from else None
         known = list(msg.prompt_token_ids) + outputs
         usable = rep.usable(known) if rep is not None else 0
-        store, driver = self.replica_store, self.driver
+        store, driver = self.inbox.replicas, self.driver
 
         async def resumed():
             try:
@@ -237,8 +236,7 @@ class Legs:
             await self.answer(incoming, internal_error(msg, exc))
             return
         if res is None:           # no transfer: the prefill leg's node is told by Accepted without a grant
-            self.decode_side.counts["local"] += 1
-            self.decode_side.counts[why_local] += 1
+            self.inbox.count_local(why_local)
             await self.answer(incoming, protocol.Accepted(id=msg.id, request_id=rid))
             await self.pipe(rid, incoming.peer, self.driver.generate(rid, prompt, params))
             return
@@ -247,14 +245,11 @@ class Legs:
     async def _decode_prefilled(self, msg: protocol.DecodeLeg, incoming: Incoming, res: Any) -> None:
         """The decode leg once blocks are reserved (``res``): answer the grant,
         wait for the prompt's KV, then decode from token 1 (or recompute, or
-        fail). The reservation is released on every path the engine did not
+        fail). The region is cancelled on every path the engine did not
         take it over."""
         rid, prompt, params, peer = msg.request_id, list(msg.prompt_token_ids), msg.sampling, incoming.peer
         layout = self.driver.kv_layout()
-        rx = KVReceiver(transfer_id=new_transfer_id(), request_id=rid, region=res,
-                        sender_node=msg.prefill_node, num_layers=layout.num_layers,
-                        deadline=time.monotonic() + self.cluster.kv_transfer_timeout)
-        self.decode_side.receivers[rx.transfer_id] = rx
+        rx = self.inbox.open_prompt(rid, res, msg.prefill_node, layout.num_layers)
         handed = False
         try:
             await self.answer(incoming, protocol.Accepted(
@@ -273,7 +268,7 @@ class Legs:
                 return                      # token 0 ended it; the coordinator has it from the prefill node
             log.warning("request %s: prompt KV from %s %s (%s); %s", rid, msg.prefill_node, state.value,
                         rx.reason, self.cluster.kv_load_failure)
-            await self.decode_side.release(rx, handed_to_engine=False)
+            await self.inbox.release(rx, handed_to_engine=False)
             if self.cluster.kv_load_failure == "fail":
                 await self.send(peer, protocol.Error(code="kv_load_failed", request_id=rid,
                                                      message=f"the prompt's KV did not arrive: {rx.reason}"))
@@ -282,15 +277,13 @@ class Legs:
         finally:
             if rx.state not in FINAL:
                 rx.end(TransferState.CANCELLED, "request aborted")
-            if rx.transfer_id in self.decode_side.receivers:
-                await asyncio.shield(self.decode_side.release(rx, handed_to_engine=handed))
+            if rx.transfer_id in self.inbox.receivers:
+                await asyncio.shield(self.inbox.release(rx, handed_to_engine=handed))
 
     def abort_prefill_wait(self, rid: str) -> None:
         """The coordinator could not start ``rid``'s prefill leg: its decode
         leg stops waiting for the KV (``Abort(leg="prefill")``)."""
-        for rx in list(self.decode_side.receivers.values()):
-            if rx.request_id == rid:
-                rx.end(TransferState.FAILED, "the coordinator could not start the prefill leg")
+        self.inbox.abort_prompt(rid, "the coordinator could not start the prefill leg")
 
 
 def _chunk(rid: str, out: RequestOutput) -> protocol.TokenChunk:

@@ -1,27 +1,27 @@
 """MemServe distributed transfer (§4.3) of a cached prefix between two node
-processes, on the KV-movement layer (``kvmove.py``: a ``KVSender`` here, a
-``KVReceiver`` per grant on the other side, each with its states and one
-deadline).
+processes, on the KV-movement layer (``kvmove.py``: a ``KVSender`` here; on the other
+side a PREFIX region of that node's KV inbox, ``inbox.py``, each with its
+states and one deadline).
 
-``MemPool.transfer_with_insert`` moves KV between two pools of one process;
-here the same three steps cross a transport. MemServe's allocation step
+MemServe's transfer with insert (allocation, transmission, insertion)
+across a transport. The allocation step
 always comes first (so nothing the receiver has is sent, and the receiver
 takes KV only into blocks it granted), then layer chunks stream, DéjàVu
 §4.1 style::
 
     KVSender: pending
-    match + lock             ── KVTransferRequest ──▶  match + lock, alloc_mem(the rest):
-    gather chunk 0 (overlaps ◀──── KVAllocReply ────   a grant, bound to the asking link
+    match + lock             ── KVTransferRequest ──▶  reserve_region(PREFIX): its prefix locked,
+    gather chunk 0 (overlaps ◀──── KVAllocReply ────   blocks for the rest, bound to the asking link
       the round trip)                                   (KVReceiver: pending)
     KVSender: sending
     for each chunk c:        ─── KVData(c) ─────────▶  the KVReceiver of this transfer id,
       send c, gather c+1          [l1-l0, 2, n, ...]    from this very link? else
       (no wait for acks)                                Error(no_grant), nothing changes;
-                                                        import chunk c (receiving)
-                             ◀────── KVAck(c) ──────   the last one inserts: done
+                                                        fill chunk c (receiving)
+                             ◀────── KVAck(c) ──────   the last one commits: done
     drain (every ack, by the deadline): done | failed | timed_out; unlock
 
-Grants (receiver): a KVData is taken only into an allocation this node made
+Regions (receiver): a KVData is taken only into a region this node reserved
 for a KVTransferRequest *from the same link* (its transport peer id and its
 authenticated identity, kvd/trust.py); anything else is refused before it
 touches the grant, the pool or the tree. There is no path that allocates on
@@ -55,11 +55,11 @@ Frames come one of two ways (``KVData.pieces``):
 The receiver copies each frame into its blocks, one copy per overlap of a
 frame with a run of its block ids. KV memory is reached only through MemPool's
 verbs (``lock_prefix``/``unlock``, ``kv_layout``, ``gather``/``pieces`` on the
-sender; ``grant``, ``import_kv``/``import_pieces``, ``insert_granted``/``abandon``
-on the receiver), each inside ``EngineDriver.call`` (inline when the engine is idle); the
-receiver serialises chunk imports there, so the reaper (``expire``) never
-races an import. A grant that never sees all its data is released at its
-deadline (``timed_out``).
+sender; ``reserve_region``, then the region's ``fill``/``fill_pieces`` and
+``commit``/``cancel`` on the receiver), each inside ``EngineDriver.call``
+(inline when the engine is idle); the receiver serialises chunk imports
+there, so the reaper (``KVInbox.expire``) never races an import. A region
+that never sees all its data is cancelled at its deadline (``timed_out``).
 """
 
 from __future__ import annotations
@@ -71,10 +71,9 @@ from typing import Any
 
 from engine.memory.kv_cache import block_runs
 from engine.memory.mempool import KVLayout, PrefixLock
-from engine.memory.region import Purpose
 from kvd import protocol
 from kvd.node.engine_driver import EngineDriver
-from kvd.node.kvmove import FINAL, KVReceiver, KVSender, TransferState, new_transfer_id, reply_reason
+from kvd.node.kvmove import KVSender, TransferState, new_transfer_id, reply_reason
 from transports import Connection
 
 log = logging.getLogger("kvd.transfer")
@@ -112,15 +111,6 @@ def _piece_tensors(layout: KVLayout, lengths: list[int], views: list[memoryview]
     return tuple(protocol.RawTensor(dtype, shapes[i % R], v) for i, v in enumerate(views))
 
 
-def grant_seconds(deadline: float | None, limit: float, now: float | None = None) -> float:
-    """How long a grant waits for its data: until the sender's wall-clock
-    ``deadline`` (None: ``limit``), never longer than ``limit`` (this node's
-    ``kv_transfer_timeout``), never shorter than a second."""
-    now = time.time() if now is None else now
-    want = limit if deadline is None else deadline - now
-    return min(max(want, 1.0), limit)
-
-
 def _layer_chunks(num_layers: int, nbytes: int, chunk_bytes: int,
                   max_layers: int | None = None) -> list[tuple[int, int]]:
     """Split [0, num_layers) into <= num_layers contiguous ranges of
@@ -130,159 +120,6 @@ def _layer_chunks(num_layers: int, nbytes: int, chunk_bytes: int,
         n = max(n, -(-num_layers // max(1, max_layers)))
     bounds = [round(i * num_layers / n) for i in range(n + 1)]
     return [(bounds[i], bounds[i + 1]) for i in range(n)]
-
-
-# ─── receiver ────────────────────────────────────────────────────────────────
-
-
-class PrefixReceiver:
-    """Receiver half: a grant (allocation) on KVTransferRequest, held by a
-    ``KVReceiver`` bound to the link that asked; import per KVData chunk
-    of that grant, from that link only; the last chunk inserts into the
-    radix tree (``done``).
-
-    ``sender``, in every call: who the message came from, as (transport peer
-    id, authenticated identity); a KVData whose sender is not its grant's
-    is refused with Error("no_grant") and changes nothing (counted in
-    ``refused``). Every call that touches a receiver runs on the engine
-    thread (``EngineDriver``), so imports, completion and the reaper never
-    race.
-
-    What one peer may hold is this node's to bound, not the sender's: its
-    open grants together cover at most ``max_peer_blocks`` blocks (a peer
-    is its authenticated key, or its link when the listener names nobody;
-    a request past that is refused, ``peer_refused``), and each grant
-    lives for the ``timeout`` the caller chose from this node's config, at
-    most (``grant_seconds``); the reaper (``expire``) then frees it."""
-
-    def __init__(self, driver: EngineDriver, tier: str = "device", max_peer_blocks: int | None = None) -> None:
-        self.driver = driver
-        self.tier = tier
-        self.max_peer_blocks = max_peer_blocks   # None: no bound per peer
-        self.receivers: dict[str, KVReceiver] = {}   # open transfers, by transfer id
-        self.received_bytes = 0
-        self.completed = 0
-        self.failed = 0
-        self.refused = 0           # KVData for no grant of this sender (forged, late or stray)
-        self.peer_refused = 0      # KVTransferRequests past the sender's share of this node's blocks
-
-    @staticmethod
-    def _layout_error(engine: Any, num_layers: int, dtype: str) -> str | None:
-        layout = engine.pool.kv_layout()
-        if num_layers != layout.num_layers or dtype != protocol.dtype_name(layout.dtype):
-            return "layout mismatch (layers or dtype)"
-        return None
-
-    async def on_request(self, msg: protocol.KVTransferRequest, timeout: float,
-                         sender: tuple[bytes, str | None]) -> protocol.KVAllocReply:
-        """Step 1: allocate (a grant to ``sender``, released at ``timeout``
-        seconds unless its data completes) and answer the block ids."""
-        if msg.transfer_id in self.receivers:
-            return self._duplicate(msg)
-        return await self.driver.call(self._allocate_fn(msg, timeout, sender))
-
-    def try_request(self, msg: protocol.KVTransferRequest, timeout: float,
-                    sender: tuple[bytes, str | None]) -> protocol.KVAllocReply | None:
-        """``on_request`` at once, without a task, when the engine is idle (the
-        reply); None when it is busy: then await ``on_request``."""
-        if msg.transfer_id in self.receivers:
-            return self._duplicate(msg)
-        done, reply = self.driver.try_call(self._allocate_fn(msg, timeout, sender))
-        return reply if done else None
-
-    @staticmethod
-    def _duplicate(msg: protocol.KVTransferRequest) -> protocol.KVAllocReply:
-        return protocol.KVAllocReply(id=msg.id, transfer_id=msg.transfer_id, ok=False,
-                                     reason="duplicate transfer id")
-
-    def _allocate_fn(self, msg: protocol.KVTransferRequest, timeout: float, sender: tuple[bytes, str | None]):
-        def allocate(engine) -> protocol.KVAllocReply:
-            def refuse(reason: str) -> protocol.KVAllocReply:
-                return protocol.KVAllocReply(id=msg.id, transfer_id=msg.transfer_id, ok=False, reason=reason)
-            pool = engine.pool
-            tokens = tuple(msg.token_ids[:msg.num_blocks * pool.block_size])
-            if len(tokens) != msg.num_blocks * pool.block_size:
-                return refuse("token_ids shorter than num_blocks")
-            if reason := self._layout_error(engine, msg.num_layers, msg.dtype):
-                return refuse(reason)
-            if msg.transfer_id in self.receivers:
-                return self._duplicate(msg)
-            if self.max_peer_blocks is not None:
-                held = self.peer_blocks(*sender)
-                if held + msg.num_blocks > self.max_peer_blocks:
-                    self.peer_refused += 1
-                    return refuse(f"over this sender's share of KV grants: it holds {held} blocks, asked for "
-                                  f"{msg.num_blocks}, at most {self.max_peer_blocks} (kv_grant_share)")
-            grant = pool.reserve_region(tokens, msg.num_blocks, self.tier, Purpose.PREFIX)
-            if grant is None:
-                return refuse("out of KV blocks")
-            peer, identity = sender
-            self.receivers[msg.transfer_id] = KVReceiver(
-                transfer_id=msg.transfer_id, region=grant, num_layers=msg.num_layers,
-                deadline=time.monotonic() + timeout, sender_node=identity, link=peer,
-                on_complete=lambda engine: grant.commit() or len(grant.tokens))
-            return protocol.KVAllocReply(id=msg.id, transfer_id=msg.transfer_id, ok=True,
-                                         block_ids=tuple(grant.block_ids), have_blocks=grant.have_blocks)
-        return allocate
-
-    def peer_blocks(self, link: bytes, identity: str | None) -> int:
-        """Blocks the open grants of this peer cover (its key's, or its
-        link's when it has no name)."""
-        return sum(rx.region.have_blocks + len(rx.region.block_ids) for rx in self.receivers.values()
-                   if rx.sender_node == identity and (identity is not None or rx.link == link))
-
-    async def on_data(self, msg: protocol.KVData, sender: tuple[bytes, str | None]) -> protocol.Message:
-        return await self.driver.call(lambda engine: self._import_chunk(engine, msg, sender))
-
-    def try_data(self, msg: protocol.KVData, sender: tuple[bytes, str | None]) -> protocol.Message | None:
-        """``on_data`` at once, without a task, when the engine is idle (the
-        ack); None when it is busy: then await ``on_data``."""
-        done, ack = self.driver.try_call(lambda engine: self._import_chunk(engine, msg, sender))
-        return ack if done else None
-
-    def _import_chunk(self, engine: Any, msg: protocol.KVData,
-                      sender: tuple[bytes, str | None]) -> protocol.Message:
-        """One chunk of layers of a granted transfer; the last one inserts.
-        A KVData that is not for a grant of this sender changes nothing."""
-        rx = self.receivers.get(msg.transfer_id)
-        # both the link and the identity were bound when the grant was made: both must match
-        if rx is None or rx.refusal(*sender, authenticated=True):
-            self.refused += 1
-            return protocol.Error(id=msg.id, code="no_grant",
-                                  message=f"transfer {msg.transfer_id!r}: no KV allocation of this node "
-                                          "for this sender (unknown, expired, or granted to another link)")
-        try:
-            ack = rx.import_fn(msg)(engine)
-        except (TypeError, ValueError, IndexError) as exc:
-            rx.end(TransferState.FAILED, str(exc))
-            ack = protocol.KVAck(id=msg.id, transfer_id=msg.transfer_id, ok=False, reason=str(exc))
-        if rx.state in FINAL:
-            self._close(engine, rx)
-        return ack
-
-    def _close(self, engine: Any, rx: KVReceiver) -> None:
-        """Forget a transfer that ended; unless ``done`` (inserted), free its
-        grant's blocks and unlock its prefix (engine thread)."""
-        del self.receivers[rx.transfer_id]
-        if rx.state is TransferState.DONE:
-            self.completed += 1
-            self.received_bytes += rx.bytes
-        else:
-            rx.region.cancel()
-            self.failed += 1
-
-    async def expire(self) -> int:
-        """End (``timed_out``) and release the grants whose data did not all
-        come by their deadline. Returns how many."""
-        def reap(engine) -> int:
-            dead = [rx for rx in self.receivers.values() if rx.expired]
-            for rx in dead:
-                rx.end(TransferState.TIMED_OUT, "no KV before the deadline")
-                self._close(engine, rx)
-            return len(dead)
-        if not self.receivers:
-            return 0
-        return await self.driver.call(reap)
 
 
 # ─── sender ──────────────────────────────────────────────────────────────────

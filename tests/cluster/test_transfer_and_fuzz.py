@@ -87,7 +87,8 @@ def test_streamed_transfer_is_exact_and_skips_what_the_receiver_has(reference_en
     from engine.engine import EngineConfig, LLMEngine
     from engine.request import SamplingParams
     from kvd.node.engine_driver import EngineDriver
-    from kvd.node.transfer import PrefixReceiver, send_prefix
+    from kvd.node.inbox import KVInbox
+    from kvd.node.transfer import send_prefix
 
     def engine():
         return LLMEngine.from_config(EngineConfig(model="tiny", dtype="float32", block_size=16, kv_blocks=64,
@@ -102,13 +103,11 @@ def test_streamed_transfer_is_exact_and_skips_what_the_receiver_has(reference_en
         a, b = EngineDriver(engine()), EngineDriver(engine())
         await a.start()
         await b.start()
-        receiver = PrefixReceiver(b)
+        inbox = KVInbox(b)
         listener = await transports.listen(f"zmq+ipc://{tmp_path}/b.sock", options=transports.TransportOptions())
 
         async def reply(inc, msg):
-            sender = (inc.peer, inc.identity)
-            r = await (receiver.on_request(msg, 30.0, sender) if isinstance(msg, protocol.KVTransferRequest)
-                       else receiver.on_data(msg, sender))
+            r = await inbox.answer(msg, inc)
             await listener.reply(inc, *protocol.encode(r))
 
         async def serve():
@@ -136,7 +135,7 @@ def test_streamed_transfer_is_exact_and_skips_what_the_receiver_has(reference_en
             assert res.get("zero_copy", False) == (layout == "pieces")
             assert res["new_blocks"] == res["sent_blocks"] == 4 and res["chunks"] == L
             assert res["sends"] == 1 + L                # allocation + one chunk per layer, never per block
-            assert receiver.completed == 1 and not receiver.receivers
+            assert inbox.prefix_counts["received"] == 1 and not inbox.receivers
 
             def kv_of(toks):
                 def run(engine):
@@ -159,7 +158,7 @@ def test_streamed_transfer_is_exact_and_skips_what_the_receiver_has(reference_en
             assert torch.equal(await a.call(kv_of(ids2)), await b.call(kv_of(ids2)))
             outs = [o async for o in b.generate("r-b2", ids2, params)]
             assert [t for o in outs for t in o.new_token_ids] == ref2 and outs[-1].num_cached_tokens == 80
-            assert receiver.completed == 3 and not receiver.receivers
+            assert inbox.prefix_counts["received"] == 3 and not inbox.receivers
         finally:
             server.cancel()
             await conn.close()

@@ -67,7 +67,8 @@ from engine.model.registry import resolve_model  # noqa: E402
 from engine.model.weights import random_weights  # noqa: E402
 from kvd import protocol  # noqa: E402
 from kvd.node.engine_driver import EngineDriver  # noqa: E402
-from kvd.node.transfer import PrefixReceiver, send_prefix  # noqa: E402
+from kvd.node.inbox import KVInbox  # noqa: E402
+from kvd.node.transfer import send_prefix  # noqa: E402
 from transports import TransportOptions  # noqa: E402
 
 MiB = 1 << 20
@@ -115,7 +116,7 @@ async def serve(url: str, num_blocks: int, keys: str | None = None) -> None:
     engine.pool.free_mem(ids)
     driver = EngineDriver(engine)
     await driver.start()
-    receiver = PrefixReceiver(driver)
+    inbox = KVInbox(driver, transfer_timeout=60.0, request_timeout=60.0)
     listener = await transports.listen(url, options=OPTIONS, curve=_server_keys(keys) if keys else None)
     print(listener.url, flush=True)
     tasks: set[asyncio.Task] = set()
@@ -123,13 +124,9 @@ async def serve(url: str, num_blocks: int, keys: str | None = None) -> None:
     async def reply_later(incoming, msg) -> None:
         # as the node daemon does (_reply_later): a task per transfer message the
         # engine cannot take at once, so later chunks are received meanwhile
-        sender = (incoming.peer, incoming.identity)      # the grant's link, as in the node daemon
-        if isinstance(msg, protocol.KVTransferRequest):
-            reply = await receiver.on_request(msg, 60.0, sender)
-        elif isinstance(msg, protocol.KVData):
-            reply = await receiver.on_data(msg, sender)
-        else:
+        if not isinstance(msg, (protocol.KVTransferRequest, protocol.KVData)):
             raise SystemExit(f"bench receiver: unexpected {msg}")
+        reply = await inbox.answer(msg, incoming)       # the region's link: the asking one
         await listener.reply(incoming, *protocol.encode(reply))
 
     while True:
@@ -142,14 +139,8 @@ async def serve(url: str, num_blocks: int, keys: str | None = None) -> None:
             await listener.reply(incoming, b'{"dropped":%d}' % n)
             continue
         msg = protocol.decode(incoming.header, incoming.frames)
-        sender = (incoming.peer, incoming.identity)
         # as the node daemon: an idle engine answers right here, no task
-        if isinstance(msg, protocol.KVData):
-            ack = receiver.try_data(msg, sender)
-        elif isinstance(msg, protocol.KVTransferRequest):
-            ack = receiver.try_request(msg, 60.0, sender)
-        else:
-            ack = None
+        ack = inbox.answer_now(msg, incoming) if isinstance(msg, (protocol.KVData, protocol.KVTransferRequest)) else None
         if ack is not None:
             await listener.reply(incoming, *protocol.encode(ack))
             continue
