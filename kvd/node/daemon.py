@@ -271,19 +271,19 @@ class NodeDaemon:
                                    registry=self.registry, options=self.options)
 
     def _hello(self) -> protocol.Hello:
-        eng = self.driver.engine
+        config = self.driver.config
         return protocol.Hello(
             id=f"hello-{self.name}", deadline=time.time() + self.cluster.request_timeout,
             node=self.name, address=self.address, role=self.role,
-            blocks_per_tier={"device": eng.config.kv_blocks, "host": eng.config.host_kv_blocks},
-            block_size=eng.config.block_size, model_name=eng.model_name,
-            max_model_len=eng.max_model_len, incarnation=self.incarnation)
+            blocks_per_tier={"device": config.kv_blocks, "host": config.host_kv_blocks},
+            block_size=config.block_size, model_name=self.driver.model_name,
+            max_model_len=self.driver.max_model_len, incarnation=self.incarnation)
 
     async def _beat(self, seq: int) -> protocol.Heartbeat:
         events = self.cache_shipper.events_since_beat()   # the events themselves: CacheShipper
         snap = self.driver.stats()
         kv = snap.get("kv", {})
-        max_seqs = self.driver.engine.config.max_num_seqs
+        max_seqs = self.driver.config.max_num_seqs
         return protocol.Heartbeat(
             id=f"hb-{self.name}-{seq}", deadline=time.time() + self.cluster.request_timeout,
             node=self.name, incarnation=self.incarnation, seq=seq, load=(snap["running"] + snap["waiting"]) / max_seqs,
@@ -478,7 +478,7 @@ class NodeDaemon:
         return {"node": self.name, "role": self.role, "address": self.address, "incarnation": self.incarnation,
                 "draining": self.draining, "registered": bool(self.heartbeat and self.heartbeat.registered),
                 "heartbeats_paused": bool(self.heartbeat and self.heartbeat.paused),
-                "kernels": self.driver.engine.kernels() if self.driver else {}, "in_flight": len(self.streams),
+                "kernels": self.driver.kernels() if self.driver else {}, "in_flight": len(self.streams),
                 "running": snap.get("running", 0), "waiting": snap.get("waiting", 0),
                 "bad_messages": dict(self.bad_messages),
                 "malformed_frames": lst.malformed if lst else 0,
