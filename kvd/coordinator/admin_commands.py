@@ -15,6 +15,7 @@ Imports no torch.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -39,6 +40,7 @@ FANOUT_TIMEOUT_S = 5.0     # per node, for commands sent to every node: under th
 MAX_STALL_S = 60.0         # the longest stall `fail mode=stall` injects
 
 
+@dataclasses.dataclass(eq=False)
 class CoordinatorAdmin:
     """The command handlers; each ``cmd_*(args) -> dict`` raises ValueError,
     TransportError or TimeoutError for a command that cannot be done.
@@ -48,19 +50,16 @@ class CoordinatorAdmin:
     drain), ``connect`` (a new link to a node by address and name, for a
     node no longer registered) and ``make_router`` (a router for a policy)."""
 
-    def __init__(self, client: RemoteEngineClient, membership: Membership, cluster: ClusterConfig,
-                 trees: PromptTrees, cache_sync: CacheSync, *, status: Callable[[], dict[str, Any]],
-                 set_draining: Callable[[bool], None], connect: Callable[[str, str], Awaitable[Connection]],
-                 make_router: Callable[..., Router]) -> None:
-        self.client = client
-        self.membership = membership
-        self.cluster = cluster
-        self.trees = trees
-        self.cache_sync = cache_sync
-        self.status = status
-        self.set_draining = set_draining
-        self.connect = connect
-        self.make_router = make_router
+    client: RemoteEngineClient
+    membership: Membership
+    cluster: ClusterConfig
+    trees: PromptTrees
+    cache_sync: CacheSync
+    _: dataclasses.KW_ONLY
+    status: Callable[[], dict[str, Any]]
+    set_draining: Callable[[bool], None]
+    connect: Callable[[str, str], Awaitable[Connection]]
+    make_router: Callable[..., Router]
 
     def _node(self, args: dict) -> NodeInfo:
         name = args.get("node")
@@ -210,7 +209,7 @@ class CoordinatorAdmin:
             if weights and policy != "prompt-tree":
                 raise ValueError(f"cost weights apply to prompt-tree routing, not {policy}")
             router = self.make_router(policy, **weights)        # ValueError: unknown policy, bad weight
-            client.router, client.prefill_router = router, self.make_router(policy, **weights)
+            client.set_routers(router, self.make_router(policy, **weights))
             log.warning("routing policy switched to %s %s", policy, weights or "")
         describe = getattr(client.router, "describe", None)
         return {"policy": policy_name(client.router), "policies": list(POLICIES),

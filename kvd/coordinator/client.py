@@ -117,17 +117,10 @@ class RemoteEngineClient:
     def router(self) -> Router:
         return self.legs.router
 
-    @router.setter
-    def router(self, router: Router) -> None:
-        self.legs.router = router
-
-    @property
-    def prefill_router(self) -> Router:
-        return self.legs.prefill_router
-
-    @prefill_router.setter
-    def prefill_router(self, router: Router) -> None:
-        self.legs.prefill_router = router
+    def set_routers(self, router: Router, prefill_router: Router) -> None:
+        """Route from the next request on with ``router`` (whole requests and
+        decode legs) and ``prefill_router`` (prefill legs)."""
+        self.legs.router, self.legs.prefill_router = router, prefill_router
 
     @property
     def failed_requests(self) -> int:

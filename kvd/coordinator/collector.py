@@ -6,6 +6,7 @@ Imports no torch.
 from __future__ import annotations
 
 import collections
+import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -20,22 +21,21 @@ if TYPE_CHECKING:
     from kvd.coordinator.client import RemoteEngineClient
 
 
+@dataclasses.dataclass(eq=False)
 class ClusterCollector:
     """Cluster gauges and counters for /metrics, read at scrape time from what
     it is given: ``bad_messages`` (the registration listener's refusals),
     ``http_site`` (the front door's site, None before it opens) and
     ``malformed_frames`` (the listener's count)."""
 
-    def __init__(self, client: RemoteEngineClient, membership: Membership, trees: PromptTrees,
-                 cache_sync: CacheSync, bad_messages: collections.Counter[str], *,
-                 http_site: Callable[[], CappedSite | None], malformed_frames: Callable[[], int]) -> None:
-        self.client = client
-        self.membership = membership
-        self.trees = trees
-        self.cache_sync = cache_sync
-        self.bad_messages = bad_messages
-        self.http_site = http_site
-        self.malformed_frames = malformed_frames
+    client: RemoteEngineClient
+    membership: Membership
+    trees: PromptTrees
+    cache_sync: CacheSync
+    bad_messages: collections.Counter[str]
+    _: dataclasses.KW_ONLY
+    http_site: Callable[[], CappedSite | None]
+    malformed_frames: Callable[[], int]
 
     def describe(self):
         return []

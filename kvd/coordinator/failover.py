@@ -33,16 +33,15 @@ log = logging.getLogger("kvd.coordinator.client")
 Pick = Callable[[list[NodeInfo], Sequence[int], str], "NodeInfo | None"]
 
 
+@dataclasses.dataclass(eq=False)
 class Failover:
-    def __init__(self, membership: Membership, links: NodeLinks, load: LoadBook, streams: dict[str, Stream],
-                 recovery: RecoveryPolicy, pick: Pick) -> None:
-        self.membership = membership
-        self.links = links
-        self.load = load
-        self.streams = streams                  # shared with the client: request id -> its stream
-        self.recovery = recovery
-        self.pick = pick
-        self.failed_requests = 0                # ended with EngineDead here
+    membership: Membership
+    links: NodeLinks
+    load: LoadBook
+    streams: dict[str, Stream]                  # shared with the client: request id -> its stream
+    recovery: RecoveryPolicy
+    pick: Pick
+    failed_requests: int = 0                    # ended with EngineDead here
 
     def fail_requests(self, node: str, request_ids: Iterable[str], reason: str) -> int:
         """End the named streams on ``node`` with EngineDead. Returns how many."""
