@@ -13,13 +13,14 @@ Imports no torch.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 
 from engine.request import INVALID_REQUEST, FinishReason, RequestOutput
 from kvd import protocol
 from kvd.coordinator.load import LoadBook
 
 
-def error_output(request_id: str, prompt_ids, message: str, code: str = INVALID_REQUEST) -> RequestOutput:
+def error_output(request_id: str, prompt_ids: Sequence[int], message: str, code: str = INVALID_REQUEST) -> RequestOutput:
     """The one output of a request that ends with an error (``code``: whose fault, as
     ``RequestOutput.error_code``; a node's ``Error.code``)."""
     return RequestOutput(request_id, [], "", True, FinishReason.ERROR.value, num_prompt_tokens=len(prompt_ids),
