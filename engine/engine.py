@@ -16,6 +16,7 @@ import torch
 from engine.memory.kv_cache import KVCache
 from engine.memory.mempool import MemPool
 from engine.memory.region import Region
+from engine.model.decode_kernels import float_unsupported_reason, fused_decoder, plan_decoder
 from engine.model.llama import LlamaModel
 from engine.model.registry import resolve_model
 from engine.model.tokenizer import Tokenizer
@@ -30,8 +31,7 @@ from engine.runner import SMALL_BATCH, ModelRunner
 from engine.sampling import UNSAMPLED, make_generator
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.stream import KVSink, LayerStreamer
-from kernels.fused_decode import FusedDecoder
-from kernels.plan_decode import PlanDecoder, float_unsupported_reason
+from kernels.plan_decode import PlanDecoder
 from kernels.quant_linear import QuantKernel
 from kernels.sampler import RowSampler
 
@@ -129,7 +129,7 @@ class LLMEngine:
         device_kv = self.kv.tier("device")
         fused = None
         if config.decode_kernel == "auto":   # one C++ call per decode step where one can run it
-            make = PlanDecoder.create if model.quantized or model.dtype == torch.float32 else FusedDecoder.create
+            make = plan_decoder if model.quantized or model.dtype == torch.float32 else fused_decoder
             fused = make(model, device_kv, config.block_size)
         self.runner = ModelRunner(model, device_kv, config.block_size, fused, RowSampler.create())
         self.compute_threads = torch.get_num_threads()      # the team from_config sized (this thread's)

@@ -14,10 +14,11 @@ end samples nothing.
 
 A decode step goes to a one-call C++ decoder when the runner has one: the
 fused bf16 kernel (kernels/fused_decode.py, bf16 on an AVX512-BF16 CPU) or the
-plan executor of an fp32 model (kernels/plan_decode.py); prefill
-always runs the torch model. The one-call decoder is fed through reused host
-buffers (kernels/decode_inputs.DecodeStaging) and hands back each row's greedy
-token with the logits, so a greedy decode step builds no tensor in Python.
+plan executor of an fp32 model (kernels/plan_decode.py), made from the
+model by engine/model/decode_kernels.py; prefill always runs the torch model.
+The one-call decoder is fed through reused host buffers
+(kernels/decode_inputs.DecodeStaging) and hands back each row's greedy token
+with the logits, so a greedy decode step builds no tensor in Python.
 """
 
 from __future__ import annotations

@@ -15,32 +15,54 @@ the step (docs/benchmarks-history.md, "2026-11-27, later").
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from engine.model.config import LlamaConfig
+
+@dataclass(frozen=True)
+class DecoderDims:
+    """The shape of the decoder an executor runs, in the executors' own terms: what
+    their C++ model descriptions hold besides weights (the engine fills it from its
+    model's config)."""
+
+    num_layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    eps: float                      # the RMS norms' epsilon
+    scale: float                    # attention's softmax scale
+
+    @property
+    def q_size(self) -> int:
+        return self.heads * self.head_dim
+
+    def kv_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """The KV tensor's shape: [L, 2, num_blocks, block_size, kvh, hd]."""
+        return (self.num_layers, 2, num_blocks, block_size, self.kv_heads, self.head_dim)
 
 
-def check_decode_kv(kv: torch.Tensor, *, config: LlamaConfig, num_blocks: int, block_size: int,
+def check_decode_kv(kv: torch.Tensor, *, dims: DecoderDims, num_blocks: int, block_size: int,
                     dtype: torch.dtype, what: str) -> None:
     """Raises ValueError naming ``what`` unless ``kv`` is a contiguous
     [L, 2, num_blocks, block_size, kvh, hd] tensor of ``dtype``."""
-    if (kv.dtype != dtype or not kv.is_contiguous()
-            or tuple(kv.shape) != (config.num_layers, 2, num_blocks, block_size,
-                                   config.num_kv_heads, config.head_dim)):
+    if kv.dtype != dtype or not kv.is_contiguous() or tuple(kv.shape) != dims.kv_shape(num_blocks, block_size):
         raise ValueError(f"kv {tuple(kv.shape)} {kv.dtype} does not match the {what}")
 
 
 def check_decode_inputs(ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
-                        kv: torch.Tensor, *, config: LlamaConfig, num_blocks: int, block_size: int,
+                        kv: torch.Tensor, *, dims: DecoderDims, num_blocks: int, block_size: int,
                         dtype: torch.dtype, what: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(ids, positions, block_tables), contiguous, for a step over ``kv``
     [L, 2, num_blocks, block_size, kvh, hd] of ``dtype``; ids and positions
     [B] int64, block_tables [B, M] int64. Raises ValueError naming ``what``
     (the executor) on anything else. Does not check ids or positions against
     their ranges (the C++ step does, before it writes)."""
-    check_decode_kv(kv, config=config, num_blocks=num_blocks, block_size=block_size, dtype=dtype, what=what)
+    check_decode_kv(kv, dims=dims, num_blocks=num_blocks, block_size=block_size, dtype=dtype, what=what)
     if ids.dtype != torch.int64 or positions.dtype != torch.int64 or block_tables.dtype != torch.int64:
         raise ValueError("ids, positions and block_tables must be int64")
     B = ids.shape[0]

@@ -21,23 +21,24 @@ Contract of :meth:`FusedDecoder.decode` (same as ``LlamaModel.forward`` +
 
 It agrees with the torch path to bf16 rounding (sums inside matmuls and
 attention run in another order), not bit for bit. Prefill stays on the torch
-path. :meth:`FusedDecoder.create` returns None (and says why) where the
-kernel cannot run: not bf16, a CPU without AVX512-BF16, an unsupported
-shape, a layer plan (llama.py's ``LAYER_STEPS``) other than the one the
-kernel writes out, or a failed build.
+path. The kernel writes one layer out in C++ (``LAYER``) and knows nothing of
+the model it serves: engine/model/decode_kernels.py hands it a model whose
+layer plan is that one, as ``FusedWeights``. :meth:`FusedDecoder.create`
+returns None (and says why) where the kernel cannot run: a CPU without
+AVX512-BF16, an unsupported shape, or a failed build.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from engine.model.llama import LAYER_STEPS, LlamaModel, Step
 from kernels import native
-from kernels.decode_inputs import DecodeStaging, check_decode_inputs, check_decode_kv
+from kernels.decode_inputs import DecodeStaging, DecoderDims, check_decode_inputs, check_decode_kv
 
 log = logging.getLogger(__name__)
 
@@ -46,19 +47,18 @@ TILE = 32                      # output columns per packed tile (TILE in the .cp
 REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512_bf16")
 PHASES = ("setup", "norm", "qkv", "rope_kv", "attention", "o_proj", "post_norm", "gate_up", "down",
           "lm_head")                 # enum PH_* in the .cpp
-# The layer kvd_decode_step writes out in C++ (csrc/fused_decode.cpp), as llama.py's
-# LAYER_STEPS. llama.py is where a model change is made: a LAYER_STEPS that is not this
-# one turns the kernel off (unsupported_reason) and bf16 decode stays on forward, which
-# runs the steps as they are, until the kernel is taught the change.
-KERNEL_LAYER = (
-    Step("rms_norm", "h", "a", "input_norm"),
-    Step("linear", "a", "qkv", "qkv"),
-    Step("rope_attention", "qkv", "o"),
-    Step("linear_add", "o", "h", "o"),
-    Step("rms_norm", "h", "m", "post_norm"),
-    Step("linear", "m", "gu", "gate_up"),
-    Step("silu_mul", "gu", "act"),
-    Step("linear_add", "act", "h", "down"),
+# The layer kvd_decode_step writes out in C++ (csrc/fused_decode.cpp), as the steps
+# (op, src, dst, weight) of a layer plan (kernels/plan_decode.PlanStep): a model whose
+# layer is another is not given to this kernel, until the kernel is taught the change.
+LAYER = (
+    ("rms_norm", "h", "a", "input_norm"),
+    ("linear", "a", "qkv", "qkv"),
+    ("rope_attention", "qkv", "o", None),
+    ("linear_add", "o", "h", "o"),
+    ("rms_norm", "h", "m", "post_norm"),
+    ("linear", "m", "gu", "gate_up"),
+    ("silu_mul", "gu", "act", None),
+    ("linear_add", "act", "h", "down"),
 )
 MADV_HUGEPAGE = 14
 HUGE_PAGE = 2 << 20
@@ -70,19 +70,35 @@ def cpu_unsupported_reason() -> str | None:
     return f"CPU lacks {', '.join(missing)}" if missing else None
 
 
-def unsupported_reason(model: LlamaModel) -> str | None:
-    """Why ``model`` cannot use the fused decode step here, or None if it can."""
-    if model.quantized:
-        return "quantized weights (the fused step packs bf16 matrices; weights = \"native\" has its own kernel)"
-    if model.dtype != torch.bfloat16:
-        return f"dtype {model.dtype} (the fused decode step is bf16 only)"
-    if not (model.is_first and model.is_last):
-        return "a pipeline stage (the fused step runs whole models)"
-    if LAYER_STEPS != KERNEL_LAYER:
-        return "llama.py's LAYER_STEPS is not the layer the fused kernel implements (KERNEL_LAYER)"
-    cfg = model.config
-    if cfg.head_dim % 16 or cfg.head_dim > 256:
-        return f"head_dim {cfg.head_dim} (needs a multiple of 16, at most 256)"
+@dataclass(frozen=True)
+class LayerWeights:
+    """One layer's bf16 weights, the matrices [out, in] (``LAYER``'s weight names)."""
+
+    input_norm: torch.Tensor      # [D]
+    qkv: torch.Tensor             # [q + 2*kv, D]
+    o: torch.Tensor               # [D, q]
+    post_norm: torch.Tensor       # [D]
+    gate_up: torch.Tensor         # [2*I, D]
+    down: torch.Tensor            # [D, I]
+
+
+@dataclass(frozen=True)
+class FusedWeights:
+    """A bf16 decoder of ``LAYER``s as the kernel packs it."""
+
+    dims: DecoderDims
+    layers: tuple[LayerWeights, ...]
+    embed: torch.Tensor           # [V, D]
+    final_norm: torch.Tensor      # [D]
+    lm_head: torch.Tensor         # [V, D]
+    cos: torch.Tensor             # RoPE tables [max_positions, head_dim]
+    sin: torch.Tensor
+
+
+def unsupported_reason(dims: DecoderDims) -> str | None:
+    """Why a decoder of ``dims`` cannot use the fused decode step here, or None if it can."""
+    if dims.head_dim % 16 or dims.head_dim > 256:
+        return f"head_dim {dims.head_dim} (needs a multiple of 16, at most 256)"
     return cpu_unsupported_reason()
 
 
@@ -131,21 +147,20 @@ def _huge_page_buffer(numel: int) -> torch.Tensor:
 
 
 class FusedDecoder:
-    """Packed weights of one bf16 model plus the loaded kernel. Construct with :meth:`create`."""
+    """Packed weights of one bf16 decoder plus the loaded kernel. Construct with :meth:`create`."""
 
     # Every step on torch's whole team: the kernel's OpenMP barriers take the whole region, and a
     # smaller region would make libgomp end and restart the pool's surplus threads (see PlanDecoder).
     SMALL_TEAMS = False
 
-    def __init__(self, model: LlamaModel, lib: ctypes.CDLL, num_blocks: int, block_size: int) -> None:
-        cfg = model.config
+    def __init__(self, weights: FusedWeights, lib: ctypes.CDLL, num_blocks: int, block_size: int) -> None:
+        dims = weights.dims
         mats: list[torch.Tensor] = []
-        for layer in model.layers:                      # bf16 matrices are [out, in]
+        for layer in weights.layers:                    # bf16 matrices are [out, in]
             mats += [pack_tiles(layer.qkv), pack_tiles(layer.o),
-                     pack_tiles(interleave_gate_up(layer.gate_up, cfg.intermediate_size)),
-                     pack_tiles(F.pad(layer.down, (0, -(-cfg.intermediate_size // 16) * 16
-                                                   - cfg.intermediate_size)))]
-        mats.append(pack_tiles(model.lm_head))
+                     pack_tiles(interleave_gate_up(layer.gate_up, dims.intermediate)),
+                     pack_tiles(F.pad(layer.down, (0, -(-dims.intermediate // 16) * 16 - dims.intermediate)))]
+        mats.append(pack_tiles(weights.lm_head))
         # one buffer in the order a step reads it: the prefetchers see one long stream
         self.packed = _huge_page_buffer(sum(m.numel() for m in mats))
         starts, at = [], 0
@@ -154,17 +169,17 @@ class FusedDecoder:
             starts.append(at)
             at += m.numel()
         self.offsets = torch.tensor(starts[:-1], dtype=torch.int64)        # [L*4]
-        self.norms = torch.stack([n for layer in model.layers for n in (layer.input_norm, layer.post_norm)]
-                                 + [model.norm]).contiguous()              # [2L+1, D]
-        self.embed, self.cos, self.sin = model.embed, model.cos.contiguous(), model.sin.contiguous()
-        self.config, self.num_blocks, self.block_size = cfg, num_blocks, block_size
+        self.norms = torch.stack([n for layer in weights.layers for n in (layer.input_norm, layer.post_norm)]
+                                 + [weights.final_norm]).contiguous()      # [2L+1, D]
+        self.embed, self.cos, self.sin = weights.embed, weights.cos.contiguous(), weights.sin.contiguous()
+        self.dims, self.num_blocks, self.block_size = dims, num_blocks, block_size
         # When set (float64 [len(PHASES)]), every decode adds each phase's
         # seconds to it (tools/bench/engine/bench_engine.py's profile); None costs nothing.
         self.phase_seconds: torch.Tensor | None = None
         self.desc = _KvdModel(
-            cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
-            cfg.head_dim, cfg.vocab_size, block_size, num_blocks, self.cos.shape[0],
-            cfg.rms_norm_eps, model.scale, self.embed.data_ptr(), self.norms.data_ptr(),
+            dims.num_layers, dims.hidden, dims.intermediate, dims.heads, dims.kv_heads,
+            dims.head_dim, dims.vocab, block_size, num_blocks, self.cos.shape[0],
+            dims.eps, dims.scale, self.embed.data_ptr(), self.norms.data_ptr(),
             self.cos.data_ptr(), self.sin.data_ptr(), self.packed.data_ptr(), self.offsets.data_ptr(),
             starts[-1])
         self._step = lib.kvd_decode_step
@@ -174,17 +189,17 @@ class FusedDecoder:
                                ctypes.c_void_p]
 
     @classmethod
-    def create(cls, model: LlamaModel, kv: torch.Tensor, block_size: int) -> FusedDecoder | None:
-        """The fused decoder for ``model`` over the KV tensor ``kv``
+    def create(cls, weights: FusedWeights, kv: torch.Tensor, block_size: int) -> FusedDecoder | None:
+        """The fused decoder for ``weights`` over the KV tensor ``kv``
         ([L, 2, N, bs, kvh, hd]), or None (logged) where it cannot run."""
-        reason = unsupported_reason(model)
+        reason = unsupported_reason(weights.dims)
         if reason is None:
             try:
                 lib = native.load(LIBRARY, native.AVX512_BF16_FLAGS)
             except (native.BuildError, OSError) as exc:
                 log.warning("fused decode kernel unavailable, decoding with torch: %s", exc)
                 return None
-            return cls(model, lib, kv.shape[2], block_size)
+            return cls(weights, lib, kv.shape[2], block_size)
         log.info("fused decode off: %s", reason)
         return None
 
@@ -194,11 +209,10 @@ class FusedDecoder:
         position; kv [L, 2, N, bs, kvh, hd] bf16 (mutated: the new K/V).
         Returns fp32 logits [B, V]. Raises ValueError on bad input (nothing written)."""
         B = ids.shape[0]
-        cfg = self.config
-        ids, positions, tables = check_decode_inputs(ids, positions, block_tables, kv, config=cfg,
+        ids, positions, tables = check_decode_inputs(ids, positions, block_tables, kv, dims=self.dims,
                                                      num_blocks=self.num_blocks, block_size=self.block_size,
                                                      dtype=torch.bfloat16, what="fused decoder")
-        logits = torch.empty(B, cfg.vocab_size, dtype=torch.float32)
+        logits = torch.empty(B, self.dims.vocab, dtype=torch.float32)
         rc = self._step(ctypes.byref(self.desc), kv.data_ptr(), B, ids.data_ptr(), positions.data_ptr(),
                         tables.data_ptr(), tables.shape[1], logits.data_ptr(), torch.get_num_threads(),
                         self._phase_seconds_ptr())
@@ -209,8 +223,8 @@ class FusedDecoder:
     def staging(self, kv: torch.Tensor) -> DecodeStaging:
         """Reusable buffers for steps over ``kv`` (checked here, once); the greedy
         tokens from numpy's argmax over the logits. Raises ValueError when ``kv``
-        does not match the model."""
-        check_decode_kv(kv, config=self.config, num_blocks=self.num_blocks, block_size=self.block_size,
+        does not match the decoder."""
+        check_decode_kv(kv, dims=self.dims, num_blocks=self.num_blocks, block_size=self.block_size,
                         dtype=torch.bfloat16, what="fused decoder")
         step, desc, kv_ptr = self._step, ctypes.byref(self.desc), kv.data_ptr()
 
@@ -218,7 +232,7 @@ class FusedDecoder:
                    threads: int, _owners: tuple = (self, kv)) -> int:   # what the addresses point into stays alive
             return step(desc, kv_ptr, B, ids, positions, tables, max_blocks, logits, torch.get_num_threads(),
                         self._phase_seconds_ptr())          # threads: ignored (SMALL_TEAMS)
-        return DecodeStaging(self.config.vocab_size, launch, native_argmax=False, what="fused decoder")
+        return DecodeStaging(self.dims.vocab, launch, native_argmax=False, what="fused decoder")
 
     def _phase_seconds_ptr(self) -> int | None:
         """phase_seconds' address for the step, or None (off). Raises ValueError for a bad buffer."""

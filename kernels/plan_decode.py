@@ -1,16 +1,15 @@
-"""A whole fp32 decode step in one C++ call, run from llama.py's layer plan.
+"""A whole fp32 decode step in one C++ call: the executor of a layer plan.
 
-``LlamaModel.forward`` runs ``engine.model.llama.LAYER_STEPS`` op by op in
-torch: about 1,700 torch ops per SmolLM2 decode step, whose dispatch costs more
-than reading the quantized weights (docs/architecture.md). ``PlanDecoder``
-hands the same steps, the layers' weights (``QuantLinear`` blocks, or an fp32
-model's float matrices in ``float_layout = "rows"``, fp32 or kept in their
-checkpoint's bf16 or fp16 and widened in registers; norm vectors), the
-embedding and the LM head to kernels/csrc/plan_decode.cpp once,
-and each decode step is then one ctypes call: embed, every layer's steps,
-final norm, LM head. The C++ side implements ops, not a Llama: a plan with an
-op it does not know is declined here (``unsupported_reason``) and decode stays
-on ``forward``.
+kernels/csrc/plan_decode.cpp runs a decoder given to it as data (a ``Plan``):
+the steps of one layer (an op, the activation slot it reads, the slot it
+writes, the weight it uses), each layer's weights (``QuantLinear`` blocks, or
+float matrices [out, in], fp32 or 16-bit widened in registers; norm vectors),
+the embedding, the final norm and the LM head. Each decode step is then one
+ctypes call: embed, every layer's steps, final norm, LM head. The executor
+implements ops (``OPS``), not a model: a plan with an op it does not know is
+declined (``unsupported_reason``). It knows nothing of where a plan comes
+from: engine/model/decode_kernels.py turns the model's ``LAYER_STEPS`` into
+one.
 
 Contract of :meth:`PlanDecoder.decode` (as ``LlamaModel.forward`` +
 ``compute_logits`` for a decode batch, like ``kernels.fused_decode``):
@@ -30,23 +29,24 @@ Contract of :meth:`PlanDecoder.decode` (as ``LlamaModel.forward`` +
   float model's run in kernels/csrc/dense_gemm.h's order, not MKL's);
 - deterministic; keeps no per-request state; allocates no KV memory.
 
-:meth:`PlanDecoder.create` returns None (and says why) for a model that does
-not compute in fp32, a float model whose matrices are not in the rows layout, a
-pipeline stage, a matrix that is neither one block-quantized tensor nor a float
-one, an unsupported shape, a CPU without a kernel build, or a failed build.
+:meth:`PlanDecoder.create` returns None (and says why) for a plan with an op
+the executor lacks, a matrix that is neither one block-quantized tensor nor a
+float one, an unsupported shape, a CPU without a kernel build, or a failed
+build.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from engine.model.config import LlamaConfig
-from engine.model.llama import LAYER_STEPS, LlamaModel
 from kernels import native
-from kernels.decode_inputs import DecodeStaging, check_decode_inputs, check_decode_kv
+from kernels.decode_inputs import DecodeStaging, DecoderDims, check_decode_inputs, check_decode_kv
 from kernels.quant import X8, QuantTensor
 from kernels.quant_linear import VARIANTS, QuantLinear, host_variant, library_flags, runs_here
 from kernels.row_ops import DENSE_FORMATS   # PlanWeight.format of a float matrix (16-bit ones widened in registers)
@@ -55,8 +55,38 @@ log = logging.getLogger(__name__)
 
 LIBRARY = "plan_decode"
 OPS = {"rms_norm": 0, "linear": 1, "rope_attention": 2, "linear_add": 3, "silu_mul": 4}   # enum Op in the .cpp
-_MATRIX_OPS = ("linear", "linear_add")
+MATRIX_OPS = ("linear", "linear_add")
 KV_DTYPES = (torch.float32, torch.float16)    # the KV caches the executor reads (PlanModel.kv_half)
+STREAM = "h"                                  # the residual stream's slot: embed writes it, the LM head reads it
+
+
+class PlanStep(Protocol):
+    """One step of a layer: ``dst = op(src, weight)`` over named activation slots."""
+
+    op: str
+    src: str
+    dst: str
+    weight: str | None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A decoder as the executor runs it. ``steps`` run in order in every layer over
+    named slots (``STREAM`` is the residual stream: each layer's input and output);
+    ``layers[i]`` maps each step's weight name to layer i's matrix or norm vector (fp32
+    [hidden]). ``quantized``: every matrix is one block-quantized tensor (a
+    ``QuantLinear``), else each is a float matrix [out, in]. The executor reads the
+    tensors in place: they must outlive it (it keeps the plan)."""
+
+    dims: DecoderDims
+    steps: tuple[PlanStep, ...]
+    layers: tuple[Mapping[str, object], ...]
+    embed: object                       # [vocab, hidden] matrix
+    head: object                        # [vocab, hidden] matrix (the LM head)
+    final_norm: torch.Tensor            # fp32 [hidden]
+    cos: torch.Tensor                   # RoPE tables [max_positions, head_dim]
+    sin: torch.Tensor
+    quantized: bool
 
 
 class _Step(ctypes.Structure):
@@ -93,20 +123,18 @@ def _dense_matrix(m: object) -> bool:
             and m.shape[1] % 16 == 0)
 
 
-def _head_dim_reason(config: LlamaConfig) -> str | None:
-    if config.head_dim % 16 or config.head_dim > 256:
-        return f"head_dim {config.head_dim} (needs a multiple of 16, at most 256)"
+def head_dim_reason(head_dim: int) -> str | None:
+    """Why the executor's attention cannot take heads of ``head_dim``, or None."""
+    if head_dim % 16 or head_dim > 256:
+        return f"head_dim {head_dim} (needs a multiple of 16, at most 256)"
     return None
 
 
-def float_unsupported_reason(config: LlamaConfig) -> str | None:
-    """Why the plan executor could not run an fp32 float model of ``config`` here (its
-    shapes, this CPU), or None: what ``build_model`` asks before keeping such a model's
-    matrices in the rows layout, which only the executor wants."""
-    if reason := _head_dim_reason(config):
+def float_unsupported_reason(head_dim: int, widths: Mapping[str, int]) -> str | None:
+    """Why the executor could not run float matrices of these shapes here (``widths``:
+    each matrix width by the name a message should give it; this CPU), or None."""
+    if reason := head_dim_reason(head_dim):
         return reason
-    widths = {"hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
-              "q_size": config.q_size}
     odd = [name for name, n in widths.items() if n % 16]
     if odd:
         return f"{', '.join(odd)} not a multiple of 16 (the width of an fp32 matrix's rows)"
@@ -115,27 +143,20 @@ def float_unsupported_reason(config: LlamaConfig) -> str | None:
     return None
 
 
-def unsupported_reason(model: LlamaModel) -> str | None:
-    """Why the plan executor cannot run ``model``'s decode steps here, or None."""
-    if not model.quantized and not model.rows_layout:
-        return ("float weights stored [in, out] for MKL's decode (the plan executor reads them [out, in]: "
-                "LlamaModel(float_layout=\"rows\"))")
-    if model.dtype != torch.float32:
-        return f"dtype {model.dtype} (the plan executor computes in fp32)"
-    if not (model.is_first and model.is_last):
-        return "a pipeline stage (the plan executor runs whole models)"
-    if reason := _head_dim_reason(model.config):
+def unsupported_reason(plan: Plan) -> str | None:
+    """Why the executor cannot run ``plan`` here, or None."""
+    if reason := head_dim_reason(plan.dims.head_dim):
         return reason
-    unknown = sorted({s.op for s in LAYER_STEPS} - set(OPS))
+    unknown = sorted({s.op for s in plan.steps} - set(OPS))
     if unknown:
-        return f"LAYER_STEPS has ops the executor does not implement: {', '.join(unknown)}"
-    matrix = _single_block_tensor if model.quantized else _dense_matrix
-    what = ("one block-quantized tensor (with a kernel)" if model.quantized else
+        return f"the layer plan has ops the executor does not implement: {', '.join(unknown)}"
+    matrix = _single_block_tensor if plan.quantized else _dense_matrix
+    what = ("one block-quantized tensor (with a kernel)" if plan.quantized else
             "a float matrix [out, in] (fp32, bf16 or fp16) whose width is a multiple of 16")
-    for step in LAYER_STEPS:
-        if step.op in _MATRIX_OPS and not all(matrix(getattr(layer, step.weight)) for layer in model.layers):
+    for step in plan.steps:
+        if step.op in MATRIX_OPS and not all(matrix(layer[step.weight]) for layer in plan.layers):
             return f"{step.weight} is not {what} in every layer"
-    if not (matrix(model.embed) and matrix(model.lm_head)):
+    if not (matrix(plan.embed) and matrix(plan.head)):
         return f"the embedding or the LM head is not {what}"
     if host_variant() is None:
         return "CPU lacks AVX2, FMA or F16C"
@@ -152,44 +173,44 @@ def _weight(t: object) -> _Weight:
 
 
 class PlanDecoder:
-    """The plan of one fp32 model plus the loaded executor. Construct with :meth:`create`."""
+    """A plan plus the loaded executor. Construct with :meth:`create`."""
 
     # A step may run on fewer threads than torch's (DecodeStaging.run's ``threads``), inside an
     # OpenMP region of torch's size whose other threads idle: libgomp would otherwise end the
     # pool's surplus threads at each smaller step and start them again at the next torch op.
     SMALL_TEAMS = True
 
-    def __init__(self, model: LlamaModel, lib: ctypes.CDLL, num_blocks: int, block_size: int,
+    def __init__(self, plan: Plan, lib: ctypes.CDLL, num_blocks: int, block_size: int,
                  variant: str, kv_dtype: torch.dtype = torch.float32) -> None:
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"a KV cache of {kv_dtype} (the plan executor reads fp32 or fp16 KV)")
         native.require_variant(lib, "kvd_plan_variant", LIBRARY, variant)
-        cfg = model.config
+        dims, steps = plan.dims, plan.steps
         self.variant = variant                      # the build in use (a key of quant_linear.VARIANTS)
-        slots = ["h"] + [s.dst for s in LAYER_STEPS if s.dst != "h"]
+        slots = [STREAM] + [s.dst for s in steps if s.dst != STREAM]
         slots = list(dict.fromkeys(slots))
-        weights = list(dict.fromkeys(s.weight for s in LAYER_STEPS if s.weight))
-        width = {"h": cfg.hidden_size}
-        for s in LAYER_STEPS:                       # each slot's width from the step that writes it
-            w = getattr(model.layers[0], s.weight) if s.weight else None
-            rows = (w.shape[0] if isinstance(w, torch.Tensor) else w.out_features) if s.op in _MATRIX_OPS else None
+        weights = list(dict.fromkeys(s.weight for s in steps if s.weight))
+        width = {STREAM: dims.hidden}
+        for s in steps:                             # each slot's width from the step that writes it
+            w = plan.layers[0][s.weight] if s.weight else None
+            rows = (w.shape[0] if isinstance(w, torch.Tensor) else w.out_features) if s.op in MATRIX_OPS else None
             width[s.dst] = (rows if rows is not None else width[s.src] // 2 if s.op == "silu_mul"
-                            else cfg.q_size if s.op == "rope_attention" else width[s.src])
-        self._steps = (_Step * len(LAYER_STEPS))(*[
+                            else dims.q_size if s.op == "rope_attention" else width[s.src])
+        self._steps = (_Step * len(steps))(*[
             _Step(OPS[s.op], slots.index(s.src), slots.index(s.dst), weights.index(s.weight) if s.weight else -1)
-            for s in LAYER_STEPS])
+            for s in steps])
         self._widths = (ctypes.c_int64 * len(slots))(*[width[s] for s in slots])
-        self._weights = (_Weight * (len(model.layers) * len(weights)))(*[
-            _weight(getattr(layer, name)) for layer in model.layers for name in weights])
-        self.model = model                          # keeps every buffer the plan points into alive
-        self.cos, self.sin = model.cos.contiguous(), model.sin.contiguous()
-        self.config, self.num_blocks, self.block_size, self.kv_dtype = cfg, num_blocks, block_size, kv_dtype
+        self._weights = (_Weight * (len(plan.layers) * len(weights)))(*[
+            _weight(layer[name]) for layer in plan.layers for name in weights])
+        self.plan = plan                            # keeps every buffer the plan points into alive
+        self.cos, self.sin = plan.cos.contiguous(), plan.sin.contiguous()
+        self.dims, self.num_blocks, self.block_size, self.kv_dtype = dims, num_blocks, block_size, kv_dtype
         self.desc = _Model(
-            cfg.num_layers, len(LAYER_STEPS), len(slots), len(weights), cfg.hidden_size, cfg.num_heads,
-            cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size, block_size, num_blocks, self.cos.shape[0],
-            int(kv_dtype == torch.float16), cfg.rms_norm_eps, model.scale, self._steps, self._widths,
-            self._weights, self.cos.data_ptr(), self.sin.data_ptr(), _weight(model.embed), _weight(model.lm_head),
-            model.norm.data_ptr())
+            dims.num_layers, len(steps), len(slots), len(weights), dims.hidden, dims.heads,
+            dims.kv_heads, dims.head_dim, dims.vocab, block_size, num_blocks, self.cos.shape[0],
+            int(kv_dtype == torch.float16), dims.eps, dims.scale, self._steps, self._widths,
+            self._weights, self.cos.data_ptr(), self.sin.data_ptr(), _weight(plan.embed), _weight(plan.head),
+            plan.final_norm.data_ptr())
         check = lib.kvd_plan_check
         check.restype, check.argtypes = ctypes.c_int, [ctypes.POINTER(_Model)]
         if check(ctypes.byref(self.desc)) != 0:
@@ -201,13 +222,13 @@ class PlanDecoder:
                                ctypes.c_int, ctypes.c_int]
 
     @classmethod
-    def create(cls, model: LlamaModel, kv: torch.Tensor, block_size: int,
+    def create(cls, plan: Plan, kv: torch.Tensor, block_size: int,
                variant: str | None = None) -> PlanDecoder | None:
-        """The executor for ``model`` over the KV tensor ``kv`` ([L, 2, N, bs, kvh, hd]),
+        """The executor for ``plan`` over the KV tensor ``kv`` ([L, 2, N, bs, kvh, hd]),
         or None (logged) where it cannot run. ``variant`` (a key of
         ``quant_linear.VARIANTS``) picks a build other than the host's fastest, for
         benchmarks and tests; one this CPU cannot run gives None."""
-        reason = unsupported_reason(model)
+        reason = unsupported_reason(plan)
         if reason is None and variant is not None and variant not in VARIANTS:
             reason = f"unknown kernel variant {variant!r}"
         if reason is None and variant is not None and not runs_here(variant):
@@ -218,7 +239,7 @@ class PlanDecoder:
         variant = variant or host_variant()
         try:
             lib = native.load(LIBRARY, library_flags(LIBRARY, variant))
-            return cls(model, lib, kv.shape[2], block_size, variant, kv.dtype)
+            return cls(plan, lib, kv.shape[2], block_size, variant, kv.dtype)
         except (native.BuildError, OSError, ValueError) as exc:
             log.warning("plan decode executor unavailable, decoding with torch: %s", exc)
             return None
@@ -229,11 +250,10 @@ class PlanDecoder:
         position; kv [L, 2, N, bs, kvh, hd] of the executor's KV dtype (mutated: the new K/V).
         Returns fp32 logits [B, V]. Raises ValueError on bad input (nothing written)."""
         B = ids.shape[0]
-        cfg = self.config
-        ids, positions, tables = check_decode_inputs(ids, positions, block_tables, kv, config=cfg,
+        ids, positions, tables = check_decode_inputs(ids, positions, block_tables, kv, dims=self.dims,
                                                      num_blocks=self.num_blocks, block_size=self.block_size,
                                                      dtype=self.kv_dtype, what="plan decoder")
-        logits = torch.empty(B, cfg.vocab_size, dtype=torch.float32)
+        logits = torch.empty(B, self.dims.vocab, dtype=torch.float32)
         rc = self._step(ctypes.byref(self.desc), kv.data_ptr(), B, ids.data_ptr(), positions.data_ptr(),
                         tables.data_ptr(), tables.shape[1], logits.data_ptr(), None, torch.get_num_threads(),
                         torch.get_num_threads())
@@ -244,8 +264,8 @@ class PlanDecoder:
     def staging(self, kv: torch.Tensor) -> DecodeStaging:
         """Reusable buffers for steps over ``kv`` (checked here, once), the greedy
         tokens computed in the step (the LM head's threads, as it writes the logits).
-        Raises ValueError when ``kv`` does not match the model."""
-        check_decode_kv(kv, config=self.config, num_blocks=self.num_blocks, block_size=self.block_size,
+        Raises ValueError when ``kv`` does not match the plan."""
+        check_decode_kv(kv, dims=self.dims, num_blocks=self.num_blocks, block_size=self.block_size,
                         dtype=self.kv_dtype, what="plan decoder")
         step, desc, kv_ptr = self._step, ctypes.byref(self.desc), kv.data_ptr()
 
@@ -254,4 +274,4 @@ class PlanDecoder:
             team = torch.get_num_threads()          # the region's size whatever works in it (the .cpp)
             return step(desc, kv_ptr, B, ids, positions, tables, max_blocks, logits, argmax or None,
                         threads or team, team)
-        return DecodeStaging(self.config.vocab_size, launch, native_argmax=True, what="plan decoder")
+        return DecodeStaging(self.dims.vocab, launch, native_argmax=True, what="plan decoder")

@@ -53,10 +53,11 @@ class Step:
 # The decoder layer (HF Llama), the one definition of what a layer computes.
 # LlamaModel.forward runs these steps with torch ops, for every kind of step;
 # kernels/plan_decode.py runs the same steps for a decode step in one C++ call
-# (fp32 models) and declines a plan with an op it does not implement,
-# so a change to the model is made here, in forward's op for it, and, for the
-# fast decode path, in the executor's op. The fused bf16 kernel
-# (kernels/fused_decode.py) writes this layer out in C++ and declines any other.
+# (fp32 models, handed over by engine/model/decode_kernels.py) and declines a plan
+# with an op it does not implement, so a change to the model is made here, in
+# forward's op for it, and, for the fast decode path, in the executor's op. The
+# fused bf16 kernel (kernels/fused_decode.py) writes this layer out in C++ and is
+# not given a model whose layer is another.
 LAYER_STEPS = (
     Step("rms_norm", "h", "a", "input_norm"),
     Step("linear", "a", "qkv", "qkv"),             # [T, q + 2kv]

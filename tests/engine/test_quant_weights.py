@@ -13,13 +13,13 @@ import torch
 
 from engine.engine import EngineConfig, LLMEngine, build_model
 from engine.model.config import tiny_config
+from engine.model.decode_kernels import fused_unsupported_reason
 from engine.model.llama import LlamaModel
 from engine.model.weights import NATIVE_GGUF_TYPES, load_gguf, random_weights
 from engine.request import SamplingParams
 from engine.cpus import format_cpulist
 from kernels import quant_linear
 from kernels.attention import AttentionBatch, PrefillSeq
-from kernels.fused_decode import unsupported_reason
 from kernels.quant import QuantTensor
 from kernels.quant_linear import QuantKernel, QuantLinear, host_variant
 
@@ -147,7 +147,7 @@ def test_the_reference_path_without_a_kernel(tiny_gguf, kernel):
 
 def test_the_fused_bf16_step_declines_quantized_models(tiny_gguf, kernel):
     model = LlamaModel(*_args(load_gguf(tiny_gguf, quantized=True)), dtype=torch.bfloat16, quant_kernel=kernel)
-    assert "quantized" in unsupported_reason(model)
+    assert "quantized" in fused_unsupported_reason(model)
     # bf16 activations over quantized weights: fp32 inside each matmul, rounded once
     logits = prefill_logits(model, [[3, 4, 5]])[0]
     assert logits.dtype == torch.float32 and torch.isfinite(logits).all()

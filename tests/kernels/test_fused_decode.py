@@ -10,14 +10,13 @@ import pytest
 import torch
 
 from engine.engine import EngineConfig, LLMEngine
-from engine.model import llama
+from engine.model import decode_kernels, llama
+from engine.model.decode_kernels import fused_decoder, fused_unsupported_reason
 from engine.model.llama import LlamaModel, Step
 from engine.model.registry import resolve_model
 from engine.request import SamplingParams
-from kernels import fused_decode
 from kernels.attention import AttentionBatch, PrefillSeq, decode_key_mask
-from kernels.fused_decode import (FusedDecoder, cpu_unsupported_reason, interleave_gate_up, pack_tiles,
-                                  unsupported_reason)
+from kernels.fused_decode import FusedDecoder, cpu_unsupported_reason, interleave_gate_up, pack_tiles
 
 BS, NUM_BLOCKS = 16, 160
 CPU_REASON = cpu_unsupported_reason()
@@ -47,7 +46,7 @@ def empty_kv(model: LlamaModel) -> torch.Tensor:
 
 
 def fused(model: LlamaModel, kv: torch.Tensor) -> FusedDecoder:
-    dec = FusedDecoder.create(model, kv, BS)
+    dec = fused_decoder(model, kv, BS)
     assert dec is not None, "the CPU supports the kernel but it did not build or load (see the log)"
     return dec
 
@@ -110,10 +109,10 @@ def test_interleave_gate_up_groups_of_16():
 def test_fp32_and_unsupported_shapes_keep_the_torch_path():
     w = resolve_model("tiny:7").load_weights()
     fp32 = LlamaModel(w.config, w.tensors, dtype=torch.float32)
-    assert "dtype" in unsupported_reason(fp32)
-    assert FusedDecoder.create(fp32, torch.zeros(1), BS) is None
+    assert "dtype" in fused_unsupported_reason(fp32)
+    assert fused_decoder(fp32, torch.zeros(1), BS) is None
     stage = LlamaModel(w.config, w.tensors, dtype=torch.bfloat16, layer_range=(0, 2))
-    assert "pipeline stage" in unsupported_reason(stage)
+    assert "pipeline stage" in fused_unsupported_reason(stage)
 
 
 def test_a_model_change_in_llama_py_turns_the_kernel_off(monkeypatch):
@@ -121,11 +120,11 @@ def test_a_model_change_in_llama_py_turns_the_kernel_off(monkeypatch):
     a made-up per-head q/k norm) declines it, by name, and bf16 decode stays on forward."""
     w = resolve_model("tiny:7").load_weights()
     bf16 = LlamaModel(w.config, w.tensors, dtype=torch.bfloat16)
-    assert "LAYER_STEPS" not in (unsupported_reason(bf16) or "")
+    assert "LAYER_STEPS" not in (fused_unsupported_reason(bf16) or "")
     steps = llama.LAYER_STEPS[:2] + (Step("qk_norm", "qkv", "qkv", "input_norm"),) + llama.LAYER_STEPS[2:]
-    monkeypatch.setattr(fused_decode, "LAYER_STEPS", steps)
-    assert "LAYER_STEPS" in unsupported_reason(bf16)
-    assert FusedDecoder.create(bf16, torch.zeros(1), BS) is None
+    monkeypatch.setattr(decode_kernels, "LAYER_STEPS", steps)
+    assert "LAYER_STEPS" in fused_unsupported_reason(bf16)
+    assert fused_decoder(bf16, torch.zeros(1), BS) is None
 
 
 def test_decode_kernel_option_is_validated():

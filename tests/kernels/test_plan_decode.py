@@ -24,15 +24,16 @@ import torch
 
 from engine.engine import EngineConfig, LLMEngine, build_model
 from engine.memory.mempool import MemPool
-from engine.model import llama
+from engine.model import decode_kernels, llama
 from engine.model.config import tiny_config
+from engine.model.decode_kernels import model_plan, plan_decoder, plan_unsupported_reason
 from engine.model.llama import DENSE_PREFILL_ROWS, LlamaModel, Step
 from engine.model.registry import resolve_model
 from engine.model.weights import random_weights
 from engine.request import SamplingParams
 from kernels import native, plan_decode
 from kernels.attention import AttentionBatch, PrefillSeq, decode_key_mask, store_kv
-from kernels.plan_decode import PlanDecoder, unsupported_reason
+from kernels.plan_decode import PlanDecoder
 from kernels.quant import QuantTensor
 from kernels.quant_linear import VARIANTS, QuantKernel, runs_here
 
@@ -97,7 +98,7 @@ def empty_kv(model: LlamaModel, dtype: torch.dtype = torch.float32) -> torch.Ten
 
 
 def decoder(model: LlamaModel, kv: torch.Tensor) -> PlanDecoder:
-    dec = PlanDecoder.create(model, kv, BS)
+    dec = plan_decoder(model, kv, BS)
     assert dec is not None, "the executor did not build or load (see the log)"
     return dec
 
@@ -170,9 +171,9 @@ def test_every_build_computes_the_same_bits(fmt, build, kv_dtype, kernel):
     kv, ids, pos, tables = prefilled(model, [1, 5, 16, 17, 40, 100, 2, 3, 4, 6, 7, 8, 9, 10, 11, 12, 300],
                                         seed=3, kv_dtype=kv_dtype)
     kv_host, kv_port = kv.clone(), kv.clone()
-    portable = PlanDecoder.create(model, kv, BS, variant="portable")
+    portable = plan_decoder(model, kv, BS, variant="portable")
     assert portable is not None and portable.variant == "portable"
-    dec = decoder(model, kv) if build == "host" else PlanDecoder.create(model, kv, BS, variant=build)
+    dec = decoder(model, kv) if build == "host" else plan_decoder(model, kv, BS, variant=build)
     assert dec is not None
     assert torch.equal(dec.decode(ids, pos, tables, kv_host), portable.decode(ids, pos, tables, kv_port))
     assert torch.equal(kv_host, kv_port)
@@ -209,17 +210,17 @@ def test_16bit_matrices_give_the_bits_of_their_fp32_copies(fmt, kernel):
 
 
 def test_a_build_is_refused_when_unknown_not_runnable_or_misnamed(kernel):
-    """PlanDecoder.create(variant=) gives None, and builds nothing, for a name it does not
+    """plan_decoder(variant=) gives None, and builds nothing, for a name it does not
     know or a build this CPU cannot run; a library whose reported build differs from the
     one asked for is refused (native.require_variant), whichever kernel it is."""
     model = tiny_model("Q4_1", kernel)
     kv = empty_kv(model)
-    assert PlanDecoder.create(model, kv, BS, variant="avx9000") is None
+    assert plan_decoder(model, kv, BS, variant="avx9000") is None
     for variant in [v for v in VARIANTS if not runs_here(v)]:     # none on a CPU that runs every build
-        assert PlanDecoder.create(model, kv, BS, variant=variant) is None
+        assert plan_decoder(model, kv, BS, variant=variant) is None
     lib = native.load(plan_decode.LIBRARY, VARIANTS["portable"][1])
     with pytest.raises(native.BuildError, match="reports portable"):
-        PlanDecoder(model, lib, kv.shape[2], BS, "avx2")
+        PlanDecoder(model_plan(model), lib, kv.shape[2], BS, "avx2")
     with pytest.raises(native.BuildError, match="reports portable"):
         QuantKernel(native.load("quant_matmul", VARIANTS["portable"][1]), "avx2")
 
@@ -311,7 +312,7 @@ def test_bad_input_is_refused_before_writing(tiny):
     assert torch.equal(kv, before)
     with pytest.raises(ValueError):                                     # an fp32 executor, a half cache
         dec.decode(ids, pos, tables, kv.half())
-    assert PlanDecoder.create(tiny, kv.bfloat16(), BS) is None          # a cache it does not read
+    assert plan_decoder(tiny, kv.bfloat16(), BS) is None          # a cache it does not read
 
 
 @pytest.mark.parametrize("build", ["host", "portable"])
@@ -525,40 +526,40 @@ def test_small_decode_batches_run_on_the_team_the_engine_timed(tiny, monkeypatch
 # ------------------------------------------------------------------ which models
 def test_models_it_does_not_run_say_why(tiny, kernel):
     w = random_weights(tiny_config(vocab_size=512), seed=5)
-    assert "float weights stored [in, out]" in unsupported_reason(LlamaModel(w.config, w.tensors))
-    assert "dtype" in unsupported_reason(LlamaModel(w.config, w.tensors, dtype=torch.bfloat16, float_layout="rows"))
-    assert unsupported_reason(LlamaModel(w.config, w.tensors, float_layout="rows")) is None
+    assert "float weights stored [in, out]" in plan_unsupported_reason(LlamaModel(w.config, w.tensors))
+    assert "dtype" in plan_unsupported_reason(LlamaModel(w.config, w.tensors, dtype=torch.bfloat16, float_layout="rows"))
+    assert plan_unsupported_reason(LlamaModel(w.config, w.tensors, float_layout="rows")) is None
     odd = random_weights(tiny_config(vocab_size=512, intermediate_size=120), seed=5)
-    assert "a float matrix [out, in] (fp32, bf16 or fp16) whose width is a multiple of 16" in unsupported_reason(
+    assert "a float matrix [out, in] (fp32, bf16 or fp16) whose width is a multiple of 16" in plan_unsupported_reason(
         LlamaModel(odd.config, odd.tensors, float_layout="rows"))
     # what build_model asks before choosing the rows layout: such a model stays [in, out]
-    assert "intermediate_size not a multiple of 16" in plan_decode.float_unsupported_reason(odd.config)
-    assert plan_decode.float_unsupported_reason(w.config) is None
+    assert "intermediate_size not a multiple of 16" in decode_kernels.float_unsupported_reason(odd.config)
+    assert decode_kernels.float_unsupported_reason(w.config) is None
     cfg = EngineConfig(model="tiny", dtype="float32")
     assert not build_model(cfg, odd).rows_layout and build_model(cfg, w).rows_layout
     q = quantize(w, "Q8_0")
-    assert "dtype" in unsupported_reason(LlamaModel(w.config, q, dtype=torch.bfloat16, quant_kernel=kernel))
-    assert "pipeline stage" in unsupported_reason(LlamaModel(w.config, q, layer_range=(0, 2), quant_kernel=kernel))
+    assert "dtype" in plan_unsupported_reason(LlamaModel(w.config, q, dtype=torch.bfloat16, quant_kernel=kernel))
+    assert "pipeline stage" in plan_unsupported_reason(LlamaModel(w.config, q, layer_range=(0, 2), quant_kernel=kernel))
     mixed = dict(q, **{"model.layers.1.mlp.down_proj.weight": w.tensors["model.layers.1.mlp.down_proj.weight"]})
-    assert "down is not one block-quantized tensor" in unsupported_reason(
+    assert "down is not one block-quantized tensor" in plan_unsupported_reason(
         LlamaModel(w.config, mixed, quant_kernel=kernel))
-    assert unsupported_reason(tiny) is None
+    assert plan_unsupported_reason(tiny) is None
 
 
 def test_a_plan_with_an_op_it_lacks_is_declined(tiny, monkeypatch):
     """A model change the executor does not implement yet (here a made-up per-head
     q/k norm) turns it off, by name, and decode stays on forward."""
     steps = llama.LAYER_STEPS[:2] + (Step("qk_norm", "qkv", "qkv", "input_norm"),) + llama.LAYER_STEPS[2:]
-    monkeypatch.setattr(plan_decode, "LAYER_STEPS", steps)
-    assert "qk_norm" in unsupported_reason(tiny)
-    assert PlanDecoder.create(tiny, empty_kv(tiny), BS) is None
+    monkeypatch.setattr(decode_kernels, "LAYER_STEPS", steps)
+    assert "qk_norm" in plan_unsupported_reason(tiny)
+    assert plan_decoder(tiny, empty_kv(tiny), BS) is None
 
 
 def test_the_executor_refuses_a_plan_whose_widths_do_not_fit(tiny, monkeypatch):
     """kvd_plan_check: a step whose weight does not fit its slots is refused at construction."""
     steps = tuple(dataclasses.replace(s, weight="gate_up") if s.weight == "down" else s for s in llama.LAYER_STEPS)
-    monkeypatch.setattr(plan_decode, "LAYER_STEPS", steps)
-    assert PlanDecoder.create(tiny, empty_kv(tiny), BS) is None
+    monkeypatch.setattr(decode_kernels, "LAYER_STEPS", steps)
+    assert plan_decoder(tiny, empty_kv(tiny), BS) is None
 
 
 # ------------------------------------------------------------------ in the engine
