@@ -23,7 +23,7 @@ install: $(STAMP) kernels
 # (a no-op when the cached build matches the source; a failed build only means
 # the torch path serves, so it does not stop make).
 kernels: $(STAMP)
-	-$(BIN)/python -m kernels.native
+	-$(BIN)/python -m kernels
 
 serve: install
 	$(BIN)/kvd serve $(ARGS)

@@ -13,12 +13,9 @@ already loaded its own bundled ``libgomp.so.1``; the dynamic loader resolves
 the same soname to that copy, so the kernels share torch's thread pool
 instead of starting a second runtime whose threads would spin against it.
 
-``python -m kernels.native`` builds every kernel this CPU runs (``make install``
-runs it): the fused bf16 decode step where the CPU has AVX512-BF16, and the
-quantized-weights matmul, the decode-plan executor, the prefill attention, the
-row ops and the sampler in their AMX, AVX-512 VNNI, AVX-512 or AVX2 variant
-(kernels/quant_linear.py, kernels/plan_decode.py, kernels/prefill_attention.py,
-kernels/row_ops.py, kernels/sampler.py).
+This module knows no kernel: each kernel module names its library and flags,
+and ``python -m kernels`` (kernels/__main__.py, ``make install``) builds every
+one this CPU runs.
 """
 
 from __future__ import annotations
@@ -196,26 +193,3 @@ def require_variant(lib: ctypes.CDLL, symbol: str, library: str, variant: str) -
     if built != variant:
         raise BuildError(f"{library} built for {variant} reports {built}")
 
-
-def main() -> None:
-    from kernels import plan_decode, prefill_attention, quant_linear, row_ops, sampler
-    from kernels.fused_decode import LIBRARY, cpu_unsupported_reason
-    reason = cpu_unsupported_reason()
-    if reason:
-        print(f"{LIBRARY}: not built ({reason}; decode uses torch)")
-    else:
-        print(build(LIBRARY, AVX512_BF16_FLAGS))
-    variant = quant_linear.host_variant()
-    if variant is None:
-        print(f"{quant_linear.LIBRARY}, {plan_decode.LIBRARY}, {prefill_attention.LIBRARY}, {row_ops.LIBRARY}, "
-              f"{sampler.LIBRARY}: not built (CPU lacks AVX2/FMA/F16C; GGUF weights are dequantized, "
-              "random rows drawn in torch)")
-    else:
-        names = (quant_linear.LIBRARY, plan_decode.LIBRARY, prefill_attention.LIBRARY, row_ops.LIBRARY,
-                 sampler.LIBRARY)
-        for path in build_many([(name, quant_linear.library_flags(name, variant)) for name in names]):
-            print(path)
-
-
-if __name__ == "__main__":
-    main()

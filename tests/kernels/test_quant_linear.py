@@ -380,7 +380,7 @@ def test_every_variant_compiles():
 def test_the_avx512_gemm_alone_is_scheduled_for_register_pressure():
     """library_flags: the AVX-512 builds' many-row GEMM takes GCC's pressure-aware scheduler,
     their one-row decode path (the plan executor) does not; the AVX2 builds take it
-    everywhere. What a kernel loads is what ``python -m kernels.native`` (make install) builds."""
+    everywhere. What a kernel loads is what ``python -m kernels`` (make install) builds."""
     pressure = {"-fschedule-insns", "-fsched-pressure"}
     for variant in ("avx512vnni", "avx512"):
         assert pressure <= set(library_flags("quant_matmul", variant))
