@@ -17,8 +17,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from kvd import protocol
 from kvd.engine_client import EngineDead
@@ -30,7 +31,6 @@ from transports import Connection, TransportError
 
 if TYPE_CHECKING:
     from kvd.api.admin import AdminServer
-    from kvd.node.daemon import NodeDaemon
 
 log = logging.getLogger("kvd.node")
 
@@ -38,23 +38,39 @@ FAIL_MODES = ("exit", "stop", "resume", "drop-transfers", "engine")
 Handler = Callable[[dict], Awaitable[dict]]
 
 
+@dataclass
+class TransferFaults:
+    """The node's KV-transfer fault switch and counts: ``drop`` (admin ``fail
+    drop-transfers``, until ``fail resume``) makes the node refuse KV
+    transfers both ways, ``dropped`` counts the messages refused so, ``sent``
+    the blocks admin ``transfer`` moved."""
+
+    drop: bool = False
+    dropped: int = 0
+    sent: int = 0
+
+
 class NodeAdmin:
     """The command handlers; each ``cmd_*(args) -> dict`` raises ValueError,
     TypeError, TransportError or TimeoutError for a command that cannot be
-    done. ``node`` is read and written through its own attributes only
-    (``status()``, ``streams``, ``draining``, ``drop_transfers``,
-    ``transfers_sent``); the engine, heartbeat and cache events are reached
-    through the objects given here."""
+    done. They reach the node through what is given here only: ``status()``,
+    the requests in flight (``streams``, by id), ``set_draining(bool)`` and
+    the transfer faults."""
 
-    def __init__(self, node: NodeDaemon, driver: EngineDriver, heartbeat: Heartbeater,
-                 cache_shipper: CacheShipper, connect: Callable[[str, str], Awaitable[Connection]],
-                 timeout: float) -> None:
-        self.node = node
+    def __init__(self, name: str, driver: EngineDriver, heartbeat: Heartbeater, cache_shipper: CacheShipper,
+                 connect: Callable[[str, str], Awaitable[Connection]], timeout: float, *,
+                 status: Callable[[], dict], streams: Mapping[str, Any], set_draining: Callable[[bool], None],
+                 transfers: TransferFaults) -> None:
+        self.name = name
         self.driver = driver
         self.heartbeat = heartbeat
         self.cache_shipper = cache_shipper
         self.connect = connect              # (node, address) -> a one-off link (closed by the caller)
         self.timeout = timeout              # [cluster].request_timeout
+        self.status = status
+        self.streams = streams
+        self.set_draining = set_draining
+        self.transfers = transfers
 
     def handlers(self) -> dict[str, tuple[Handler, str, dict | None]]:
         """name -> (async handler(args) -> dict, help, args schema)."""
@@ -86,19 +102,17 @@ class NodeAdmin:
             return protocol.AdminReply(id=msg.id, ok=False, error=f"{type(exc).__name__}: {exc}")
 
     async def cmd_status(self, args: dict) -> dict:
-        return self.node.status()
+        return self.status()
 
     async def cmd_requests(self, args: dict) -> dict:
-        return {"requests": sorted(self.node.streams)}
+        return {"requests": sorted(self.streams)}
 
     async def cmd_drain(self, args: dict) -> dict:
-        self.node.draining = True
-        self.heartbeat.kick()
-        return {"draining": True, "in_flight": len(self.node.streams)}
+        self.set_draining(True)
+        return {"draining": True, "in_flight": len(self.streams)}
 
     async def cmd_undrain(self, args: dict) -> dict:
-        self.node.draining = False
-        self.heartbeat.kick()
+        self.set_draining(False)
         return {"draining": False}
 
     async def cmd_fail(self, args: dict) -> dict:
@@ -111,7 +125,7 @@ class NodeAdmin:
         elif mode == "stop":
             self.heartbeat.paused = True
         elif mode == "drop-transfers":
-            self.node.drop_transfers = True
+            self.transfers.drop = True
         elif mode == "engine":
             log.warning("fault injection: engine")
             try:
@@ -122,7 +136,7 @@ class NodeAdmin:
             return {"mode": mode, "engine": state}
         else:  # resume
             self.heartbeat.paused = False
-            self.node.drop_transfers = False
+            self.transfers.drop = False
             self.heartbeat.kick()
         log.warning("fault injection: %s", mode)
         return {"mode": mode}
@@ -147,18 +161,18 @@ class NodeAdmin:
                 "seq": self.cache_shipper.seq, "need_snapshot": self.cache_shipper.need_snapshot}
 
     async def cmd_transfer(self, args: dict) -> dict:
-        if self.node.drop_transfers:
-            raise ValueError(f"node {self.node.name} drops KV transfers (fault injection; fail resume)")
+        if self.transfers.drop:
+            raise ValueError(f"node {self.name} drops KV transfers (fault injection; fail resume)")
         tokens = args["token_ids"]
         if not all(type(t) is int and t >= 0 for t in tokens):
             raise ValueError("token_ids must be non-negative integers")
         conn = await self.connect(args["to"], args["address"])
         try:
-            result = await send_prefix(self.driver, conn, tokens, src_node=self.node.name,
+            result = await send_prefix(self.driver, conn, tokens, src_node=self.name,
                                        dst_node=args["to"], timeout=self.timeout)
         finally:
             await conn.close()
-        self.node.transfers_sent += result["transferred"]
+        self.transfers.sent += result["transferred"]
         return result
 
 

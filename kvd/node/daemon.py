@@ -35,7 +35,7 @@ SIGTERM drains: STOPPING=1 to systemd, the node says so in its heartbeat
 ``drain_timeout``), says Goodbye and exits.
 
 Fault injection (admin ``fail``, kvd/node/admin_commands.py): ``exit``,
-``stop`` (heartbeats), ``drop-transfers`` (sets ``drop_transfers``: this
+``stop`` (heartbeats), ``drop-transfers`` (sets ``transfers.drop``: this
 node refuses KV transfers both ways), ``resume``, ``engine`` (the engine
 thread raises; ``_engine_died`` follows).
 
@@ -60,7 +60,7 @@ from engine.engine import EngineConfig
 from kvd import links, protocol, trust
 from kvd.cluster_config import COORDINATOR_NAME, ClusterConfig
 from kvd.engine_client import EngineDead
-from kvd.node.admin_commands import NodeAdmin, serve_admin_socket
+from kvd.node.admin_commands import NodeAdmin, TransferFaults, serve_admin_socket
 from kvd.node.engine_driver import EngineDriver, describe_failure, load_engine
 from kvd.node.cache_shipper import CacheShipper
 from kvd.node.heartbeat import Heartbeater
@@ -108,10 +108,8 @@ class NodeDaemon:
         self.bad_messages: collections.Counter[str] = collections.Counter()
         self.notifier = notifier or Notifier(None)     # disabled: the embedded node of `kvd serve`
         self.draining = False
-        self.drop_transfers = False                    # fault injection: refuse KV transfers
-        self.transfers_dropped = 0
+        self.transfers = TransferFaults()              # fault injection: refuse KV transfers; counts
         self.streams: dict[str, asyncio.Task] = {}
-        self.transfers_sent = 0
         self.inbox: KVInbox | None = None              # every way KV arrives here (kvd/node/inbox.py)
         self.replicator: Replicator | None = None      # this node's KV -> its replica peer
         self.legs: Legs | None = None                  # the legs of requests run here
@@ -154,8 +152,9 @@ class NodeDaemon:
         self.legs = Legs(self.name, self.cluster, self.driver, send=self._send, answer=self._answer,
                          report_lost=self.heartbeat.report_lost, peers=self.peer_links,
                          inbox=self.inbox, replicator=self.replicator)
-        self.commands = NodeAdmin(self, self.driver, self.heartbeat, self.cache_shipper,
-                                  self._connect_node, self.cluster.request_timeout)
+        self.commands = NodeAdmin(self.name, self.driver, self.heartbeat, self.cache_shipper, self._connect_node,
+                                  self.cluster.request_timeout, status=self.status, streams=self.streams,
+                                  set_draining=self.set_draining, transfers=self.transfers)
         if self.admin_socket:
             await self._start_admin()
         log.info("node %s: %s loaded in %.1fs, listening on %s; kernels: %s", self.name, engine.model_name,
@@ -192,6 +191,12 @@ class NodeDaemon:
         finally:
             self._tg = None
             await self.cleanup()
+
+    def set_draining(self, draining: bool) -> None:
+        """Take no new request (True), or take them again; the coordinator
+        hears it from the next heartbeat, sent at once."""
+        self.draining = draining
+        self.heartbeat.kick()
 
     def request_stop(self, force: bool = False) -> None:
         """First call (SIGTERM): drain, up to ``drain_timeout``. A second call, or
@@ -334,11 +339,11 @@ class NodeDaemon:
         if handler is None:
             self.bad_messages["unexpected_type"] += 1
             return protocol.Error(id=msg.id, code="unexpected_type", message=f"a node does not serve {msg.TYPE}")
-        if type(msg) in KV_MESSAGES and self.drop_transfers:
+        if type(msg) in KV_MESSAGES and self.transfers.drop:
             # Refused with an answer rather than ignored: the sender learns at once
             # instead of holding its prefix lock for a whole request_timeout. An
             # allocation made before the fault is released by the reaper.
-            self.transfers_dropped += 1
+            self.transfers.dropped += 1
             return protocol.Error(id=msg.id, code="transfer_refused",
                                   message=f"node {self.name} drops KV transfers (fault injection)")
         return handler(msg, incoming)
@@ -483,10 +488,10 @@ class NodeDaemon:
                 "bad_messages": dict(self.bad_messages),
                 "malformed_frames": lst.malformed if lst else 0,
                 "refused_peers": lst.refused if lst else 0,
-                "drop_transfers": self.drop_transfers,
+                "drop_transfers": self.transfers.drop,
                 "engine": self.driver.state() if self.driver else {"state": "stopped", "error": None},
                 "cache_events": self.cache_shipper.stats() if self.cache_shipper else {},
-                "transfers": {"sent": self.transfers_sent, "dropped": self.transfers_dropped,
+                "transfers": {"sent": self.transfers.sent, "dropped": self.transfers.dropped,
                               **(self.inbox.prefix_counts if self.inbox else
                                  dict.fromkeys(("received", "failed", "refused", "peer_refused"), 0))},
                 "disaggregation": {"decode": self.inbox.prompt_stats() if self.inbox else {},
