@@ -31,6 +31,7 @@ from engine.runner import SMALL_BATCH, ModelRunner
 from engine.sampling import UNSAMPLED, make_generator
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.stream import KVSink, LayerStreamer
+from kernels.native import cpu_has_native_bf16
 from kernels.plan_decode import PlanDecoder
 from kernels.quant_linear import QuantKernel
 from kernels.sampler import RowSampler
@@ -42,19 +43,6 @@ TEAM_TIMING_S = 0.3
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-
-
-def cpu_has_native_bf16() -> bool:
-    """True when the CPU computes bf16 in hardware (AVX512-BF16 or AMX-BF16)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return bool(flags & {"avx512_bf16", "amx_bf16"})
-    except OSError:
-        pass
-    return False
 
 
 def resolve_dtype(name: str) -> torch.dtype:

@@ -178,6 +178,14 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(flags)
 
 
+NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+
+
+def cpu_has_native_bf16() -> bool:
+    """True when this CPU computes bf16 in hardware (AVX512-BF16 or AMX-BF16, of cpu_flags)."""
+    return bool(cpu_flags() & NATIVE_BF16_FLAGS)
+
+
 def load(name: str, flags: tuple[str, ...]) -> ctypes.CDLL:
     """Build if needed and load. Raises BuildError or OSError (a library that will not load)."""
     import torch  # noqa: F401  (load torch's libgomp first, see the module docstring)

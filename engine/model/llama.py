@@ -107,8 +107,7 @@ def _nbytes(t: Matrix) -> int:
 def linear_row_multiple() -> int:
     """The multiple of rows bf16 inputs are padded to (_linear_batch_invariant): 4 on a
     CPU that emulates bf16 with AVX-512 (no AVX512-BF16 or AMX-BF16), else 1."""
-    flags = native.cpu_flags()
-    return 4 if "avx512f" in flags and not flags & {"avx512_bf16", "amx_bf16"} else 1
+    return 4 if "avx512f" in native.cpu_flags() and not native.cpu_has_native_bf16() else 1
 
 
 def _linear_batch_invariant(x: torch.Tensor, w_out_in: torch.Tensor) -> torch.Tensor:

@@ -150,9 +150,9 @@ def measure(threads: int, context: int, batches: list[int], steps: int, variants
     {"<variant>, KV float16": ...} (the same keys, rounded to halves)."""
     import torch
 
+    from engine.model.decode_kernels import plan_decoder
     from engine.model.llama import LlamaModel
     from engine.model.registry import resolve_model
-    from kernels.plan_decode import PlanDecoder
     from kernels.quant_linear import SERVING_VARIANTS, QuantKernel, host_variant
     from kernels.weight_arena import huge_page_zeros
     from tools.bench.engine.bench_engine import read_bandwidth
@@ -176,13 +176,13 @@ def measure(threads: int, context: int, batches: list[int], steps: int, variants
     kv = huge_page_zeros(tuple(kv_plain.shape), kv_plain.dtype)   # as engine/memory/kv_cache.py has it
     kv.copy_(kv_plain)
     if len(variants) == 1 and variants[0] == host_variant():    # also a checkout from before variant=
-        decoders = {variants[0]: PlanDecoder.create(model, kv, bs)}
+        decoders = {variants[0]: plan_decoder(model, kv, bs)}
     else:
-        decoders = {v: PlanDecoder.create(model, kv, bs, variant=v) for v in variants}
+        decoders = {v: plan_decoder(model, kv, bs, variant=v) for v in variants}
     builds = list(variants)                                      # before --pages adds its columns
     if pages == "both":
         plain = on_plain_pages(model)
-        decoders.update({f"{v}, 4 KiB pages": PlanDecoder.create(plain, kv, bs, variant=v) for v in variants})
+        decoders.update({f"{v}, 4 KiB pages": plan_decoder(plain, kv, bs, variant=v) for v in variants})
         decoders.update({f"{v}, KV on 4 KiB pages": decoders[v] for v in variants})    # same build, kv_plain
         variants = list(decoders)
     caches = {v: kv_plain if v.endswith("KV on 4 KiB pages") else kv for v in decoders}
@@ -190,7 +190,7 @@ def measure(threads: int, context: int, batches: list[int], steps: int, variants
         kv16 = huge_page_zeros(tuple(kv_plain.shape), torch.float16)
         kv16.copy_(kv_plain)
         for v in builds:
-            decoders[f"{v}, KV float16"] = PlanDecoder.create(model, kv16, bs, variant=v)
+            decoders[f"{v}, KV float16"] = plan_decoder(model, kv16, bs, variant=v)
             caches[f"{v}, KV float16"] = kv16
         if "float32" not in kv_dtypes:
             decoders = {v: d for v, d in decoders.items() if v.endswith("KV float16")}

@@ -30,20 +30,14 @@ from engine.model.config import LlamaConfig
 from engine.model.registry import resolve_model
 from engine.model.weights import LoadedWeights, expected_shapes
 from engine.request import SamplingParams
+from kernels import native
 from kernels.quant import BLOCK, FORMATS, QuantTensor
 
 RESULTS = Path("results/bench_engine.json")
 
 
 def machine() -> dict:
-    flags = set()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
+    flags = native.cpu_flags()
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
                platform.processor())
     return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),

@@ -7,7 +7,7 @@ decode steps run): make a git worktree of the commit before it, then
         [--prefill 128,512] [--rounds 5] [--threads 2] [--variant avx512vnni]
 
 The baseline's ``quant_matmul`` library (``--variant``, default the host's build) is built
-in its own tree (``python -m kernels.native`` there) and loaded beside this tree's, into
+in its own tree (``kernels.native.build`` there) and loaded beside this tree's, into
 one process over the same packed weights (the bundled SmolLM2's):
 
 - **matmuls**: layer 0's four projections at M = each ``--rows``, the two libraries
