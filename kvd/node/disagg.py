@@ -4,10 +4,10 @@ receives into a PROMPT region of its KV inbox (``inbox.py``).
 
 One request, two legs (docs/cluster.md, "Disaggregated prefill")::
 
-    coordinator ── GenerateRequest(prefill_node=P) ──▶ decode node D
+    coordinator ── DecodeLeg(prefill_node=P) ──▶ decode node D
                                                         reserve_region(PROMPT), inbox.open_prompt
                 ◀── Accepted(kv grant) ──────────────   (KVReceiver: pending)
-    coordinator ── GenerateRequest(kv_to_node=D, grant) ──▶ prefill node P
+    coordinator ── PrefillLeg(kv_to_node=D, grant) ──▶ prefill node P
                                                         engine prefill; after each layer the
                                                         LayerStreamer stages it and the LayerSender
                                                         sends it (event loop, off the compute path)

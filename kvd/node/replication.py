@@ -81,7 +81,7 @@ class Replicator:
         from nothing: every request is replicated to it whole. Tickets the
         reply does not repeat are forgotten once ``TICKET_GRACE_S`` old (a
         request routed here after the coordinator built the reply has its
-        ticket from its GenerateRequest)."""
+        ticket from its leg message, kvd/protocol.py LegRequest)."""
         new = (name, address) if name else None
         if new != self.peer:
             log.info("replica peer: %s", name or "none")
@@ -97,7 +97,7 @@ class Replicator:
 
     def grant(self, request_id: str, holder: str, ticket: str) -> None:
         """The coordinator's ticket to replicate ``request_id`` at ``holder``
-        (a GenerateRequest's ``replica_to``/``replica_ticket``). A request
+        (a leg message's ``replica_to``/``replica_ticket``). A request
         is replicated only to a peer it has a ticket for."""
         self.tickets[request_id] = (holder, ticket, time.monotonic())
 
