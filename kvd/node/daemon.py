@@ -20,7 +20,8 @@ message type -> handler):
   ``Error`` with the request id. The legs themselves: kvd/node/legs.py.
 - ``Abort`` -> the request stops and frees its blocks.
 - ``KVTransferRequest`` / ``KVData`` / ``KVCommit`` / ``ReplicaData`` -> the
-  receiving half of a KV transfer, a disaggregated prompt or a replica.
+  node's one KV inbox (kvd/node/inbox.py), the receiving half of a KV
+  transfer, a disaggregated prompt or a replica.
 - ``AdminCommand`` -> ``AdminReply`` (kvd/node/admin_commands.py); the same
   handlers serve the admin Unix socket.
 
