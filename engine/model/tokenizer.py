@@ -227,25 +227,7 @@ class Tokenizer:
         if not tokens or not merges:
             raise ValueError(f"{path}: byte-level BPE needs tokenizer.ggml.tokens and .merges")
 
-        # Tokens are stored in GPT-2's byte alphabet; one that uses other
-        # characters (a mislabelled added token) is respelled byte by byte.
-        # Later duplicates win, exactly like transformers' dict comprehension.
-        spelling = bytes_to_unicode()
-        alphabet = set(spelling.values())
-        vocab = {tok if set(tok) <= alphabet else "".join(spelling[b] for b in tok.encode("utf-8")): i
-                 for i, tok in enumerate(tokens)}
-        bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ")) for m in merges],
-                         dropout=None, unk_token=None, continuing_subword_prefix="",
-                         end_of_word_suffix="", fuse_unk=False, byte_fallback=False)
-        backend = BackendTokenizer(bpe)
-        split = _PRE_TOKENIZER_SPLITS.get(field("tokenizer.ggml.pre"))
-        if split is None:
-            backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        else:
-            backend.pre_tokenizer = pre_tokenizers.Sequence([
-                pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-        backend.decoder = decoders.ByteLevel()
+        vocab, alphabet, backend = _byte_level_bpe(tokens, merges, field("tokenizer.ggml.pre"))
 
         def token_at(key: str) -> tuple[int | None, str | None]:
             idx = field(key)
@@ -258,20 +240,7 @@ class Tokenizer:
         _, unk = token_at("tokenizer.ggml.unknown_token_id")
         _, pad = token_at("tokenizer.ggml.padding_token_id")
 
-        # Control tokens (<|im_start|>...) become special added tokens so text
-        # containing them is matched whole; user-defined ones plain added tokens.
-        control = [AddedToken(tok, normalized=False, special=True)
-                   for tok, kind in zip(tokens, token_types)
-                   if kind == _TOKEN_TYPE_CONTROL and set(tok) <= alphabet]
-        named = [AddedToken(t, normalized=False, special=True) for t in (bos, eos, unk, pad)
-                 if t is not None and t in vocab]
-        if control or named:
-            backend.add_special_tokens(control + named)
-        user_defined = [AddedToken(tok, normalized=False, special=False)
-                        for tok, kind in zip(tokens, token_types)
-                        if kind == _TOKEN_TYPE_USER_DEFINED and tok in vocab]
-        if user_defined:
-            backend.add_tokens(user_defined)
+        _add_gguf_tokens(backend, tokens, token_types, vocab, alphabet, (bos, eos, unk, pad))
 
         add_bos = bool(field("tokenizer.ggml.add_bos_token", False))
         if add_bos and bos is not None:
@@ -470,6 +439,53 @@ def _token_content(value: Any) -> str | None:
     if isinstance(value, dict):
         return value.get("content")
     return value if isinstance(value, str) else None
+
+
+
+def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str | None
+                    ) -> tuple[dict[str, int], set[str], BackendTokenizer]:
+    """The byte-level BPE of a GGUF vocabulary: (its vocab, GPT-2's byte alphabet,
+    the backend with ``pre``'s pre-tokenizer and the byte-level decoder)."""
+    # Tokens are stored in GPT-2's byte alphabet; one that uses other
+    # characters (a mislabelled added token) is respelled byte by byte.
+    # Later duplicates win, exactly like transformers' dict comprehension.
+    spelling = bytes_to_unicode()
+    alphabet = set(spelling.values())
+    vocab = {tok if set(tok) <= alphabet else "".join(spelling[b] for b in tok.encode("utf-8")): i
+             for i, tok in enumerate(tokens)}
+    bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ")) for m in merges],
+                     dropout=None, unk_token=None, continuing_subword_prefix="",
+                     end_of_word_suffix="", fuse_unk=False, byte_fallback=False)
+    backend = BackendTokenizer(bpe)
+    split = _PRE_TOKENIZER_SPLITS.get(pre)
+    if split is None:
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    else:
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    backend.decoder = decoders.ByteLevel()
+    return vocab, alphabet, backend
+
+
+def _add_gguf_tokens(backend: BackendTokenizer, tokens: list[str], token_types: list[int],
+                     vocab: dict[str, int], alphabet: set[str], named_tokens: tuple[str | None, ...]) -> None:
+    """Add a GGUF vocabulary's control, named (bos/eos/unk/pad) and user-defined
+    tokens to ``backend``. Mutates ``backend``."""
+    # Control tokens (<|im_start|>...) become special added tokens so text
+    # containing them is matched whole; user-defined ones plain added tokens.
+    control = [AddedToken(tok, normalized=False, special=True)
+               for tok, kind in zip(tokens, token_types)
+               if kind == _TOKEN_TYPE_CONTROL and set(tok) <= alphabet]
+    named = [AddedToken(t, normalized=False, special=True) for t in named_tokens
+             if t is not None and t in vocab]
+    if control or named:
+        backend.add_special_tokens(control + named)
+    user_defined = [AddedToken(tok, normalized=False, special=False)
+                    for tok, kind in zip(tokens, token_types)
+                    if kind == _TOKEN_TYPE_USER_DEFINED and tok in vocab]
+    if user_defined:
+        backend.add_tokens(user_defined)
 
 
 def _int_or_none(value: Any) -> int | None:
