@@ -147,18 +147,8 @@ async def send_prefix(driver: EngineDriver, conn: Connection, token_ids: list[in
                               "bytes": 0, "sends": 0, "chunks": 0, "inserted_tokens": 0, "reason": "",
                               "zero_copy": False}
 
-    def lock_prefix(engine):
-        """Match + lock; pick the chunk size and the frame layout (pool pieces or staged)."""
-        layout = engine.pool.kv_layout()
-        L = layout.num_layers
-        m = engine.pool.lock_prefix(token_ids)
-        payload = len(m.blocks) * layout.bytes_per_block
-        chunk = max(chunk_bytes, payload) if payload <= whole_max else chunk_bytes
-        per_message = max(l1 - l0 for l0, l1 in _layer_chunks(L, payload, chunk))
-        zc_tier = _zero_copy_tier(layout, m.blocks, per_message) if m.blocks else None
-        return m, layout, zc_tier, chunk
-
-    m, layout, zc_tier, chunk_bytes = await driver.call(lock_prefix)
+    m, layout, zc_tier, chunk_bytes = await driver.call(
+        lambda engine: _lock_for_send(engine, token_ids, chunk_bytes, whole_max))
     sender = KVSender(transfer_id=new_transfer_id(), conn=conn, num_layers=layout.num_layers,
                       deadline=time.time() + timeout)
     result.update(blocks=len(m.blocks), transfer_id=sender.transfer_id)
@@ -195,6 +185,19 @@ async def send_prefix(driver: EngineDriver, conn: Connection, token_ids: list[in
             _unlock_after(driver, m, sender.deadline)
         await sender.close()         # staging back to the pool unless a send was cut in flight
         result.update(state=sender.state.value, seconds=time.perf_counter() - t0)
+
+
+def _lock_for_send(engine, token_ids: list[int], chunk_bytes: int, whole_max: int):
+    """Match and lock ``token_ids``' cached prefix; pick the chunk size and the frame
+    layout (pool pieces or staged). Engine thread. Returns (lock, layout, zero-copy
+    tier or None, chunk bytes)."""
+    layout = engine.pool.kv_layout()
+    m = engine.pool.lock_prefix(token_ids)
+    payload = len(m.blocks) * layout.bytes_per_block
+    chunk = max(chunk_bytes, payload) if payload <= whole_max else chunk_bytes
+    per_message = max(l1 - l0 for l0, l1 in _layer_chunks(layout.num_layers, payload, chunk))
+    zc_tier = _zero_copy_tier(layout, m.blocks, per_message) if m.blocks else None
+    return m, layout, zc_tier, chunk
 
 
 _LATE_UNLOCKS: set[asyncio.Task] = set()
