@@ -98,17 +98,7 @@ class ReplicaStore:
         bs = pool.block_size
         for rid in msg.frees:
             self._drop_now(pool, (msg.source, rid))
-        held, refused = {}, {}
-        for rid, writer in msg.adopt.items():
-            key = (msg.source, rid)
-            rep = self.replicas.get((writer, rid))
-            if key not in self.replicas and rep is not None and rep.owner == msg.source:
-                del self.replicas[(writer, rid)]
-                rep.source, rep.owner = msg.source, ""
-                self.replicas[key] = rep
-                self.counts["adopted"] += 1
-            if key in self.replicas:
-                held[rid] = len(self.replicas[key].tokens)
+        held, refused = self._adopt(msg), {}
         if not msg.request_ids:
             return protocol.ReplicaAck(id=msg.id, held=held, refused=refused)
         for rid in msg.request_ids:
@@ -121,16 +111,10 @@ class ReplicaStore:
             why = "another entry of this message has no valid ticket"
             return protocol.ReplicaAck(id=msg.id, held=held,
                                        refused={rid: refused.get(rid, why) for rid in msg.request_ids})
-        layout = pool.kv_layout()
-        frame = msg.tensors[0]
-        want = (layout.num_layers, 2, sum(msg.counts), *layout.block_shape[2:])
-        if msg.block_size != bs or tuple(frame.shape) != want or frame.dtype != protocol.dtype_name(layout.dtype):
-            why = (f"layout mismatch: this node holds [{', '.join(map(str, want))}] {protocol.dtype_name(layout.dtype)} "
-                   f"in blocks of {bs}, got [{', '.join(map(str, frame.shape))}] {frame.dtype} in blocks of "
-                   f"{msg.block_size}")
+        if why := _layout_refusal(pool.kv_layout(), msg):
             self.counts["refused"] += len(msg.request_ids)
             return protocol.ReplicaAck(id=msg.id, refused={rid: why for rid in msg.request_ids})
-        kv = frame.to_torch()
+        kv = msg.tensors[0].to_torch()
         total = self.blocks
         off = 0
         for rid, start, count in zip(msg.request_ids, msg.starts, msg.counts):
@@ -161,6 +145,23 @@ class ReplicaStore:
             self.counts["received_blocks"] += count
         self.counts["refused"] += len(refused)
         return protocol.ReplicaAck(id=msg.id, held=held, refused=refused)
+
+    def _adopt(self, msg: protocol.ReplicaData) -> dict[str, int]:
+        """Take over the replicas ``msg.adopt`` names (request -> the node that wrote
+        them) for ``msg.source``, when that source is their owner. Returns what is
+        held now for each named request, by request id. Mutates the store."""
+        held = {}
+        for rid, writer in msg.adopt.items():
+            key = (msg.source, rid)
+            rep = self.replicas.get((writer, rid))
+            if key not in self.replicas and rep is not None and rep.owner == msg.source:
+                del self.replicas[(writer, rid)]
+                rep.source, rep.owner = msg.source, ""
+                self.replicas[key] = rep
+                self.counts["adopted"] += 1
+            if key in self.replicas:
+                held[rid] = len(self.replicas[key].tokens)
+        return held
 
     def _drop_now(self, pool: Any, key: tuple[str, str]) -> bool:
         rep = self.replicas.pop(key, None)
@@ -223,3 +224,14 @@ class ReplicaStore:
     def stats(self) -> dict[str, Any]:
         return {"replicas": len(self.replicas), "blocks": self.blocks, "budget_blocks": self.budget,
                 **self.counts}
+
+
+def _layout_refusal(layout: Any, msg: protocol.ReplicaData) -> str | None:
+    """Why ``msg``'s frame does not fit this node's KV layout, or None when it does."""
+    frame, bs = msg.tensors[0], layout.block_shape[2]
+    want = (layout.num_layers, 2, sum(msg.counts), *layout.block_shape[2:])
+    if msg.block_size == bs and tuple(frame.shape) == want and frame.dtype == protocol.dtype_name(layout.dtype):
+        return None
+    return (f"layout mismatch: this node holds [{', '.join(map(str, want))}] {protocol.dtype_name(layout.dtype)} "
+            f"in blocks of {bs}, got [{', '.join(map(str, frame.shape))}] {frame.dtype} in blocks of "
+            f"{msg.block_size}")
