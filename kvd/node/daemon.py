@@ -59,7 +59,7 @@ from typing import Any
 
 from engine.engine import EngineConfig
 from kvd import links, protocol, trust
-from kvd.cluster_config import COORDINATOR_NAME, ClusterConfig
+from kvd.cluster_config import COORDINATOR_NAME, ClusterConfig, Role
 from kvd.engine_client import EngineDead
 from kvd.node.admin_commands import NodeAdmin, TransferFaults, serve_admin_socket
 from kvd.node.engine_driver import EngineDriver, describe_failure, load_engine
@@ -142,7 +142,7 @@ class NodeDaemon:
                              transfer_timeout=self.cluster.kv_transfer_timeout,
                              request_timeout=self.cluster.request_timeout,
                              replica_blocks=self.cluster.replica_kv_blocks)
-        if self.cluster.replicas and self.role != "prefill":
+        if self.cluster.replicas and self.role != Role.PREFILL:
             self.replicator = Replicator(self.name, self.driver, self._peer, self._drop_peer,
                                          self.cluster.replication_interval, self.cluster.request_timeout)
         self.heartbeat = Heartbeater(self.name, self._connect_coordinator, self._hello, self._beat,
@@ -500,4 +500,3 @@ class NodeDaemon:
                                    "prompt_replicas": dict(self.legs.prompt_replicas) if self.legs else {}},
                 "replication": {"sender": self.replicator.stats() if self.replicator else {},
                                 "holder": self.inbox.replicas.stats() if self.inbox else {}}}
-

@@ -50,7 +50,7 @@ import torch
 
 from engine.engine import EngineConfig, LLMEngine
 from engine.memory.region import Purpose
-from engine.request import INVALID_REQUEST, InvalidParam, RequestOutput, SamplingParams
+from engine.request import INVALID_REQUEST, FinishReason, InvalidParam, RequestOutput, SamplingParams
 from kernels import native
 from kvd.engine_client import EngineDead
 
@@ -386,14 +386,16 @@ class EngineDriver:
             try:
                 self.engine.add_request(rid, ids, params, kv_out=kv_out)
             except (InvalidParam, ValueError) as exc:
-                self._deliver([RequestOutput(rid, [], "", True, "error", error=str(exc), error_code=INVALID_REQUEST)])
+                self._deliver([RequestOutput(rid, [], "", True, FinishReason.ERROR.value, error=str(exc),
+                                             error_code=INVALID_REQUEST)])
         elif cmd[0] in ("add_prefilled", "resume"):
             rid = cmd[1]
             add = self.engine.add_prefilled if cmd[0] == "add_prefilled" else self.engine.resume_request
             try:
                 out = add(*cmd[1:])
             except (InvalidParam, ValueError) as exc:       # the reservation was cancelled
-                out = RequestOutput(rid, [], "", True, "error", error=str(exc), error_code=INVALID_REQUEST)
+                out = RequestOutput(rid, [], "", True, FinishReason.ERROR.value, error=str(exc),
+                                    error_code=INVALID_REQUEST)
             if out is not None:
                 self._deliver([out])
         elif cmd[0] == "abort":
@@ -444,23 +446,13 @@ class EngineDriver:
 
     def _take_snapshot(self) -> dict:
         eng = self.engine
-        s = eng.stats
         return {
             "time": time.time(),
             "running": len(eng.scheduler.running),
             "waiting": len(eng.scheduler.waiting),
             "swapped": len(eng.scheduler.swapped),
             "kv": eng.kv_usage(),
-            "prompt_tokens": s.prompt_tokens,
-            "generation_tokens": s.generation_tokens,
-            "prefix_hit_tokens": s.prefix_hit_tokens,
-            "preemptions": s.preemptions,
-            "host_blocks_swapped_in": s.host_blocks_swapped_in,
-            "host_blocks_recomputed": s.host_blocks_recomputed,
-            "handed_off": s.handed_off,
-            "steps": s.steps,
-            "step_seconds": s.step_seconds,
-            "finished": dict(s.finished),
+            **eng.stats.snapshot(),
         }
 
 
