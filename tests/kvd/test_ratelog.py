@@ -64,7 +64,7 @@ async def test_a_flood_of_bad_messages_is_counted_each_and_logged_per_reason(cap
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(listener.url.replace("zmq+tcp://", "tcp://"))
     try:
-        with caplog.at_level(logging.WARNING, logger="kvd.protocol"):
+        with caplog.at_level(logging.WARNING, logger="kvd.wire"):
             for i in range(900):
                 await sock.send_multipart([pack_envelope(KIND_REQUEST, i + 1), bad[i % 3]])
             await sock.send_multipart([pack_envelope(KIND_MSG, 0), good])
@@ -75,7 +75,7 @@ async def test_a_flood_of_bad_messages_is_counted_each_and_logged_per_reason(cap
         assert rejected == {"bad_json": 300, "bad_version": 300, "unknown_type": 300}
         assert all(protocol.decode(r[1], r[2:]).code in rejected for r in replies)
         assert isinstance(handled[0], protocol.Abort)         # the good one still got through
-        warnings = [r for r in caplog.records if r.name == "kvd.protocol" and r.levelno == logging.WARNING]
+        warnings = [r for r in caplog.records if r.name == "kvd.wire" and r.levelno == logging.WARNING]
         assert len(warnings) == 3, [r.getMessage() for r in warnings]
     finally:
         sock.close(0)
