@@ -219,6 +219,11 @@ class LlamaModel:
                  quant_kernel: QuantKernel | None = None,
                  attention_kernel: PrefillAttention | None | str = "auto",
                  row_ops: RowOps | None | str = "auto", float_layout: str = "auto") -> None:
+        """Pick the weight layout (quantized, transposed fp32, rows) and load every
+        layer's weights in it. Raises ValueError for a missing tensor or a bad range.
+        Over 60 lines on purpose: the layout choices and the two loaders that follow
+        from them (``w``, ``mat``) read as one decision; split, each part would take
+        all of them as arguments."""
         if float_layout not in ("auto", "rows"):
             raise ValueError(f"float_layout {float_layout!r}: use 'auto' or 'rows'")
         self.config = config
