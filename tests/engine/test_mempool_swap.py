@@ -7,19 +7,20 @@ from engine.memory.mempool import MemPool
 from .test_mempool import BS, stamp, storage, toks, values
 
 
-def request_with_prefix(pool: MemPool, kv):
-    """A request whose table is a 2-block cached prefix (its lookup) plus 2 private blocks."""
+def pool_with_request(device_blocks: int, host_blocks: int):
+    """A pool over fresh storage and, on it, a request whose table is a 2-block
+    cached prefix (its lookup) plus 2 private blocks: (storage, pool, lookup, table)."""
+    kv = storage(device_blocks, host_blocks)
+    pool = MemPool(device_blocks, host_blocks, BS, storage=kv)
     pool.insert(toks(1, 2), pool.alloc_mem(2))
     hit = pool.match(toks(1, 2, 3))
     table = [r.block_id for r in hit.blocks] + pool.alloc_mem(2)
     stamp(kv, "device", table, [1.0, 2.0, 3.0, 4.0])
-    return hit, table
+    return kv, pool, hit, table
 
 
 def test_the_whole_table_goes_to_host_and_the_prefix_lock_is_released():
-    kv = storage(4, 8)
-    pool = MemPool(4, 8, BS, storage=kv)
-    hit, table = request_with_prefix(pool, kv)
+    kv, pool, hit, table = pool_with_request(4, 8)
     assert pool.available() == 0
     host = pool.swap_out_request(table, hit)
     assert kv.calls["copy"] == 1 and values(kv, "host", host) == [1.0, 2.0, 3.0, 4.0]
@@ -35,9 +36,7 @@ def test_the_whole_table_goes_to_host_and_the_prefix_lock_is_released():
 
 
 def test_a_short_host_tier_changes_nothing():
-    kv = storage(4, 3)
-    pool = MemPool(4, 3, BS, storage=kv)
-    hit, table = request_with_prefix(pool, kv)
+    kv, pool, hit, table = pool_with_request(4, 3)
     before = pool.stats()
     assert pool.swap_out_request(table, hit) is None
     assert not hit.released and pool.stats() == before and kv.calls["copy"] == 0
@@ -47,9 +46,7 @@ def test_a_short_host_tier_changes_nothing():
 
 
 def test_a_table_that_is_not_prefix_then_private_is_refused():
-    kv = storage(8, 8)
-    pool = MemPool(8, 8, BS, storage=kv)
-    hit, table = request_with_prefix(pool, kv)
+    kv, pool, hit, table = pool_with_request(8, 8)
     before = pool.stats()
     for ids, lock in ((table[2:] + table[:2], hit),          # cached blocks not first
                       (table, None),                          # cached blocks claimed private
