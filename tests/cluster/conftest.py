@@ -13,16 +13,13 @@ one of those keys, the way the daemons themselves do.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 
@@ -30,26 +27,13 @@ import transports
 from tools._twoproc import free_port
 from transports.keys import CurveClient, generate_keypair, load_keypair
 
+from ..probes import admin, kvd_metrics
+
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "tiny"
 TINY = ("--model", "tiny", "--dtype", "float32", "--block-size", "16", "--kv-blocks", "512",
         "--host-kv-blocks", "32", "--max-model-len", "2048", "--num-threads", "1")
 HEARTBEAT = ("--heartbeat-interval", "0.5", "--heartbeat-deadline", "3")
-
-
-def admin(path: str | Path, cmd: str, timeout: float = 15.0, **args) -> dict:
-    """One line-delimited JSON request on an admin Unix socket."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(timeout)
-        s.connect(str(path))
-        s.sendall(json.dumps({"cmd": cmd, **args}).encode() + b"\n")
-        buf = b""
-        while not buf.endswith(b"\n"):
-            chunk = s.recv(65536)
-            if not chunk:
-                break
-            buf += chunk
-    return json.loads(buf)
 
 
 class Proc:
@@ -185,12 +169,7 @@ class Cluster:
         return openai.OpenAI(base_url=self.base + "/v1", api_key="x", max_retries=0, **kw)
 
     def metrics(self) -> dict[str, float]:
-        out = {}
-        for line in httpx.get(self.base + "/metrics", timeout=5).text.splitlines():
-            if line.startswith("kvd_") and " " in line:
-                key, value = line.rsplit(" ", 1)
-                out[key] = float(value)
-        return out
+        return kvd_metrics(self.base)
 
     def stop(self) -> None:
         for p in self.nodes.values():

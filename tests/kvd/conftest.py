@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
 from tools._twoproc import free_port
+
+from ..probes import kvd_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -39,12 +43,7 @@ class ServeProcess:
         raise TimeoutError("kvd serve did not become healthy")
 
     def metrics(self) -> dict[str, float]:
-        out = {}
-        for line in httpx.get(self.base + "/metrics", timeout=5).text.splitlines():
-            if line.startswith("kvd_") and " " in line:
-                key, value = line.rsplit(" ", 1)
-                out[key] = float(value)
-        return out
+        return kvd_metrics(self.base)
 
     def stop(self) -> int:
         if self.proc.poll() is None:
@@ -63,8 +62,17 @@ TINY_ARGS = ("--model", "tiny", "--dtype", "float32", "--kv-blocks", "256", "--h
              "--max-model-len", "512", "--num-threads", "1")
 
 
+@contextlib.contextmanager
+def running_serve(*args: str) -> Iterator[ServeProcess]:
+    """A healthy ``kvd serve`` with ``args``, stopped on exit (for module fixtures)."""
+    s = ServeProcess(*args)
+    try:
+        yield s.wait_ready()
+    finally:
+        s.stop()
+
+
 @pytest.fixture(scope="module")
 def server():
-    s = ServeProcess(*TINY_ARGS).wait_ready()
-    yield s
-    s.stop()
+    with running_serve(*TINY_ARGS) as s:
+        yield s

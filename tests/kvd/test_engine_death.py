@@ -21,6 +21,7 @@ from kvd.engine_client import EngineDead
 from kvd.supervisor import ENGINE_DEAD_EXIT
 from tools._twoproc import free_port
 
+from ..probes import admin
 from .conftest import ROOT
 from .test_engine_driver import driver, hold_steps, start_request  # noqa: F401  (fixture)
 
@@ -62,20 +63,6 @@ TINY = ("--model", "tiny", "--dtype", "float32", "--kv-blocks", "256", "--host-k
 LONG = 1900          # tokens of a stream that is still running when the fault is injected
 
 
-def admin(path, cmd: str, **args) -> dict:
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(30)
-        s.connect(str(path))
-        s.sendall(json.dumps({"cmd": cmd, **args}).encode() + b"\n")
-        buf = b""
-        while not buf.endswith(b"\n"):
-            chunk = s.recv(65536)
-            if not chunk:
-                break
-            buf += chunk
-    return json.loads(buf)
-
-
 def test_kvd_serve_with_a_dead_engine_answers_503_engine_dead_and_exits_3(tmp_path):
     """The issue: after the engine thread died, every request answered 400
     ``invalid_request_error`` "engine stopped" while /health said 200, and
@@ -113,7 +100,7 @@ def test_kvd_serve_with_a_dead_engine_answers_503_engine_dead_and_exits_3(tmp_pa
             assert r.status_code == 200
             lines = r.iter_lines()
             assert next(line for line in lines if line.startswith("data: ")) != "data: [DONE]"
-            reply = admin(sock, "fail", node="n0", mode="engine")
+            reply = admin(sock, "fail", timeout=30, node="n0", mode="engine")
             events = [line[6:] for line in lines if line.startswith("data: ")]
         assert reply["ok"] and reply["engine"] == {
             "state": "dead", "error": "InjectedFault: fault injection (admin fail --mode engine)"}, reply
@@ -132,7 +119,7 @@ def test_kvd_serve_with_a_dead_engine_answers_503_engine_dead_and_exits_3(tmp_pa
                          timeout=10)
         assert new.status_code == 503, new.text
         assert (new.json()["error"]["code"], new.json()["error"]["type"]) == ("engine_dead", "service_unavailable")
-        status = admin(sock, "status")
+        status = admin(sock, "status", timeout=30)
         assert status["engine"] == reply["engine"], status
         assert proc.poll() is None                       # the held request holds the drain open
 

@@ -13,7 +13,7 @@ import concurrent.futures
 import openai
 import pytest
 
-from .conftest import ServeProcess
+from .conftest import running_serve
 
 MODEL = "tiny"
 STREAMS = 16
@@ -24,9 +24,8 @@ ARGS = ("--model", "tiny", "--dtype", "float32", "--kv-blocks", "6", "--host-kv-
 
 @pytest.fixture(scope="module")
 def small_server():
-    s = ServeProcess(*ARGS).wait_ready()
-    yield s
-    s.stop()
+    with running_serve(*ARGS) as s:
+        yield s
 
 
 def prompt(i: int) -> str:
