@@ -13,24 +13,20 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.engine import EngineConfig, LLMEngine
 from engine.memory.region import Purpose
 from kvd import protocol, trust
-from kvd.node.engine_driver import EngineDriver
 from kvd.node.inbox import KVInbox, grant_seconds
 from kvd.transfer_state import COMMIT_STATUSES, TransferState
+
+from .tiny_driver import running_driver
 
 BS = 16
 
 
 @pytest.fixture
 async def inbox():
-    engine = LLMEngine.from_config(EngineConfig(model="tiny", dtype="float32", block_size=BS, kv_blocks=16,
-                                                host_kv_blocks=16, max_model_len=512, num_threads=1))
-    driver = EngineDriver(engine)
-    await driver.start()
-    yield KVInbox(driver, authenticated=True, max_peer_blocks=6, transfer_timeout=5.0, replica_blocks=8)
-    await driver.stop()
+    async with running_driver(block_size=BS, kv_blocks=16, host_kv_blocks=16) as driver:
+        yield KVInbox(driver, authenticated=True, max_peer_blocks=6, transfer_timeout=5.0, replica_blocks=8)
 
 
 def link(peer: bytes, identity: str | None) -> SimpleNamespace:

@@ -21,20 +21,18 @@ from kvd import protocol, trust
 from kvd.node.engine_driver import EngineDriver
 from kvd.node.replica_store import ReplicaStore
 
+from .tiny_driver import running_driver
+
 BS = 16
 KEY = trust.holder_key(b"coordinator secret", "r1", "inc-1")     # the holder's, from its Welcome
 
 
 @pytest.fixture
 async def store():
-    engine = LLMEngine.from_config(EngineConfig(model="tiny", dtype="float32", block_size=BS, kv_blocks=64,
-                                                host_kv_blocks=64, max_model_len=512, num_threads=1))
-    driver = EngineDriver(engine)
-    await driver.start()
-    store = ReplicaStore(driver, budget_blocks=32, timeout=10)
-    store.key = KEY
-    yield store
-    await driver.stop()
+    async with running_driver(block_size=BS, kv_blocks=64, host_kv_blocks=64) as driver:
+        store = ReplicaStore(driver, budget_blocks=32, timeout=10)
+        store.key = KEY
+        yield store
 
 
 def kv_of(store: ReplicaStore, blocks: int, fill: float) -> torch.Tensor:
