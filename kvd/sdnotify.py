@@ -25,11 +25,13 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 log = logging.getLogger("kvd.sdnotify")
 
 _ENV_KEYS = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
+
+STATUS_INTERVAL_S = 1.0    # how often report_status looks; STATUS= is sent only when the line changed
 
 
 class Notifier:
@@ -154,3 +156,20 @@ async def run_watchdog(notifier: Notifier, interval: float | None = None) -> Non
     while True:
         notifier.watchdog()
         await asyncio.sleep(interval)
+
+
+async def report_status(notifier: Notifier, status_line: Callable[[], str],
+                        interval: float = STATUS_INTERVAL_S) -> None:
+    """Send READY=1 with `status_line()` now, then a STATUS= line whenever it
+    changes (looked at every `interval` seconds), until cancelled.
+
+    The caller awaits whatever "ready" means for its daemon before calling; run
+    it as an owned task like `run_watchdog`.
+    """
+    line = status_line()
+    notifier.ready(line)
+    while True:
+        await asyncio.sleep(interval)
+        if (new := status_line()) != line:
+            line = new
+            notifier.status(line)

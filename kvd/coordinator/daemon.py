@@ -45,12 +45,11 @@ from kvd.coordinator.prompt_tree import PromptTrees
 from kvd.coordinator.recovery import RecoveryPolicy
 from kvd.coordinator.router import Router
 from kvd.ratelog import RateLimitedLog
-from kvd.sdnotify import Notifier
+from kvd.sdnotify import Notifier, report_status
 from transports import Connection, InprocRegistry, Listener, TransportError, TransportOptions
 
 log = logging.getLogger("kvd.coordinator")
 
-STATUS_INTERVAL_S = 1.0    # STATUS= is sent only when the line changed
 GOODBYE_GRACE_S = 1.5      # how long a leaving node's last chunks may trail its Goodbye
 STALL_MIN_S = 0.1          # a failure-detector wake-up this late is a stall of this loop: excused
 STALL_WARN_S = 1.0         # ... and logged as a warning from this long
@@ -234,13 +233,7 @@ class CoordinatorDaemon:
 
     async def _notify(self) -> None:
         """READY=1 (HTTP and admin are bound), then a STATUS= line when it changes."""
-        line = self.status_line()
-        self.notifier.ready(line)
-        while True:
-            await asyncio.sleep(STATUS_INTERVAL_S)
-            if (new := self.status_line()) != line:
-                line = new
-                self.notifier.status(line)
+        await report_status(self.notifier, self.status_line)
 
     def status_line(self) -> str:
         """One line for ``systemctl status``."""

@@ -69,14 +69,13 @@ from kvd.node.inbox import MESSAGES as INBOX_MESSAGES, KVInbox
 from kvd.node.peers import PeerLinks
 from kvd.node.legs import Legs, internal_error
 from kvd.node.replication import Replicator
-from kvd.sdnotify import Notifier
+from kvd.sdnotify import Notifier, report_status
 from transports import InprocRegistry, Listener, TransportError, TransportOptions
 
 log = logging.getLogger("kvd.node")
 
 # the messages a node refuses while it drops KV transfers (fault injection)
 KV_MESSAGES = frozenset(INBOX_MESSAGES)
-STATUS_INTERVAL_S = 1.0                          # STATUS= is sent only when the line changed
 
 
 class NodeDaemon:
@@ -242,13 +241,7 @@ class NodeDaemon:
         can arrive), then a STATUS= line whenever it changes."""
         self.notifier.status(f"node {self.name}: registering with {self.coordinator_url}")
         await self.heartbeat.joined.wait()
-        line = self.status_line()
-        self.notifier.ready(line)
-        while True:
-            await asyncio.sleep(STATUS_INTERVAL_S)
-            if (new := self.status_line()) != line:
-                line = new
-                self.notifier.status(line)
+        await report_status(self.notifier, self.status_line)
 
     def status_line(self) -> str:
         """One line for ``systemctl status``."""
