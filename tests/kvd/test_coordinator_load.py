@@ -45,6 +45,16 @@ async def recv(listener) -> tuple[protocol.Message, object]:
     return protocol.decode(incoming.header, incoming.frames), incoming
 
 
+async def finish_on_n2(listeners: dict, incoming, task: asyncio.Task, outputs: list) -> None:
+    """n2 accepts request "r", recovered to it as ``incoming``, and ends it
+    with tokens 8 and 9; asserts the request then ended with 7, 8, 9."""
+    await listeners["n2"].reply(incoming, *protocol.encode(protocol.Accepted(id="b", request_id="r")))
+    await listeners["n2"].send(incoming.peer, *protocol.encode(protocol.TokenChunk(
+        request_id="r", start_index=1, token_ids=(8, 9), text_ends=(0, 0), finish_reason="length")))
+    await asyncio.wait_for(task, 5)
+    assert [t for o in outputs for t in o.new_token_ids] == [7, 8, 9]
+
+
 async def test_a_request_recovered_to_another_node_is_uncounted_there_when_it_ends():
     client, membership, listeners = await cluster(("n1", "n2", "n3"), "reprefill")
     task, outputs = await streaming_on_n1(client, listeners, 3)
@@ -52,11 +62,7 @@ async def test_a_request_recovered_to_another_node_is_uncounted_there_when_it_en
     assert await client.fail_node(membership.remove("n1"), "no heartbeat") == 0
     msg, incoming = await recv(listeners["n2"])
     assert msg.output_token_ids == (7,)
-    await listeners["n2"].reply(incoming, *protocol.encode(protocol.Accepted(id="b", request_id="r")))
-    await listeners["n2"].send(incoming.peer, *protocol.encode(protocol.TokenChunk(
-        request_id="r", start_index=1, token_ids=(8, 9), text_ends=(0, 0), finish_reason="length")))
-    await asyncio.wait_for(task, 5)
-    assert [t for o in outputs for t in o.new_token_ids] == [7, 8, 9]
+    await finish_on_n2(listeners, incoming, task, outputs)
     assert loads(membership) == {"n2": set(), "n3": set()}
     assert len(client.load) == 0 and client.requests() == {}
     await close(listeners)
@@ -80,11 +86,7 @@ async def test_a_request_its_live_node_lost_resumes_elsewhere_and_leaves_no_coun
     msg, incoming = await recv(listeners["n2"])
     assert msg.output_token_ids == (7,)
     assert loads(membership) == {"n1": set(), "n2": {"r"}}   # n1 lives on, without the request
-    await listeners["n2"].reply(incoming, *protocol.encode(protocol.Accepted(id="b", request_id="r")))
-    await listeners["n2"].send(incoming.peer, *protocol.encode(protocol.TokenChunk(
-        request_id="r", start_index=1, token_ids=(8, 9), text_ends=(0, 0), finish_reason="length")))
-    await asyncio.wait_for(task, 5)
-    assert [t for o in outputs for t in o.new_token_ids] == [7, 8, 9]
+    await finish_on_n2(listeners, incoming, task, outputs)
     assert loads(membership) == {"n1": set(), "n2": set()}
     await close(listeners)
 
