@@ -54,20 +54,14 @@ class EngineConfig:
     cost_swap_block_s: float = 1.1e-4
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPE_NAMES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}")
+        _check_one_of("dtype", self.dtype, DTYPE_NAMES)
         if self.block_size < 1 or self.kv_blocks < 1 or self.host_kv_blocks < 0:
             raise ValueError("block_size and kv_blocks must be >= 1, host_kv_blocks >= 0")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
-        if self.decode_kernel not in DECODE_KERNELS:
-            raise ValueError(f"decode_kernel must be one of {', '.join(DECODE_KERNELS)}, "
-                             f"got {self.decode_kernel!r}")
-        if self.weights not in WEIGHTS_MODES:
-            raise ValueError(f"weights must be one of {', '.join(WEIGHTS_MODES)}, got {self.weights!r}")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
-                             f"got {self.kv_cache_dtype!r}")
+        _check_one_of("decode_kernel", self.decode_kernel, DECODE_KERNELS)
+        _check_one_of("weights", self.weights, WEIGHTS_MODES)
+        _check_one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError("num_threads must be >= 1")
         if self.cpus:
@@ -121,3 +115,9 @@ class EngineConfig:
             enable_prefix_caching=self.enable_prefix_caching, prefill_chunk_tokens=prefill_chunk_tokens,
             host_hit_policy=self.host_hit_policy,
             caching_cost=self.caching_cost() if self.host_hit_policy == "cost" else None)
+
+
+def _check_one_of(name: str, value: str, choices: tuple[str, ...]) -> None:
+    """Raise ValueError naming ``name`` unless ``value`` is one of ``choices``."""
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")

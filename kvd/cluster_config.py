@@ -63,8 +63,13 @@ RECOVERY_POLICIES = ("replica", "reprefill", "fail")   # kvd/coordinator/recover
 
 
 def check_role(where: str, role: str) -> None:
-    if role not in ROLES:
-        raise ConfigError(f"{where} must be one of {ROLES}, got {role!r}")
+    _check_one_of(where, role, ROLES)
+
+
+def _check_one_of(where: str, value: str, choices: tuple[str, ...]) -> None:
+    """Raise ConfigError naming ``where`` unless ``value`` is one of ``choices``."""
+    if value not in choices:
+        raise ConfigError(f"{where} must be one of {choices}, got {value!r}")
 
 
 def check_node_name(name: str) -> None:
@@ -226,8 +231,7 @@ class ClusterConfig:
     nodes: dict[str, NodeConfig] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.transport not in TRANSPORTS:
-            raise ConfigError(f"cluster.transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        _check_one_of("cluster.transport", self.transport, TRANSPORTS)
         _check_url("cluster.coordinator", self.coordinator)
         if not self.heartbeat_interval > 0:
             raise ConfigError("cluster.heartbeat_interval must be > 0")
@@ -237,8 +241,7 @@ class ClusterConfig:
             raise ConfigError("cluster.request_timeout must be > 0")
         if self.affinity_tokens < 0:
             raise ConfigError("cluster.affinity_tokens must be >= 0")
-        if self.routing not in ROUTING_POLICIES:
-            raise ConfigError(f"cluster.routing must be one of {ROUTING_POLICIES}, got {self.routing!r}")
+        _check_one_of("cluster.routing", self.routing, ROUTING_POLICIES)
         routing = (self.routing_overlap_weight, self.routing_load_weight, self.routing_max_imbalance,
                    self.routing_pending_ttl, self.routing_recent_weight, self.routing_load_decay)
         if not all(math.isfinite(v) and v >= 0 for v in routing):
@@ -246,18 +249,13 @@ class ClusterConfig:
                               "must be finite and >= 0")
         if not self.cache_events_interval > 0:
             raise ConfigError("cluster.cache_events_interval must be > 0")
-        if self.ucx_progress_mode not in UCX_PROGRESS_MODES:
-            raise ConfigError(f"cluster.ucx_progress_mode must be one of {UCX_PROGRESS_MODES}, "
-                              f"got {self.ucx_progress_mode!r}")
-        if self.split_cpus not in SPLIT_CPUS:
-            raise ConfigError(f"cluster.split_cpus must be one of {SPLIT_CPUS}, got {self.split_cpus!r}")
+        _check_one_of("cluster.ucx_progress_mode", self.ucx_progress_mode, UCX_PROGRESS_MODES)
+        _check_one_of("cluster.split_cpus", self.split_cpus, SPLIT_CPUS)
         if self.prefill_threshold < 0:
             raise ConfigError("cluster.prefill_threshold must be >= 0")
         if not (math.isfinite(self.prefill_queue_factor) and self.prefill_queue_factor >= 0):
             raise ConfigError("cluster.prefill_queue_factor must be a finite number >= 0")
-        if self.kv_load_failure not in KV_LOAD_FAILURE:
-            raise ConfigError(f"cluster.kv_load_failure must be one of {KV_LOAD_FAILURE}, "
-                              f"got {self.kv_load_failure!r}")
+        _check_one_of("cluster.kv_load_failure", self.kv_load_failure, KV_LOAD_FAILURE)
         if self.kv_stream not in KV_STREAMS:
             raise ConfigError(f"cluster.kv_stream must be 'layers' or 'request', got {self.kv_stream!r}")
         if not self.kv_transfer_timeout > 0:
@@ -266,8 +264,7 @@ class ClusterConfig:
             raise ConfigError(f"cluster.kv_grant_share must be in (0, 1], got {self.kv_grant_share}")
         if self.replicas not in (0, 1):
             raise ConfigError(f"cluster.replicas must be 0 or 1, got {self.replicas}")
-        if self.recovery not in RECOVERY_POLICIES:
-            raise ConfigError(f"cluster.recovery must be one of {RECOVERY_POLICIES}, got {self.recovery!r}")
+        _check_one_of("cluster.recovery", self.recovery, RECOVERY_POLICIES)
         if self.max_recoveries < 0 or self.replica_kv_blocks < 0:
             raise ConfigError("cluster.max_recoveries and cluster.replica_kv_blocks must be >= 0")
         if not self.replication_interval > 0:
