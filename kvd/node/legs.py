@@ -23,6 +23,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 from engine.request import INVALID_REQUEST, InvalidParam, RequestOutput
@@ -44,6 +45,9 @@ Send = Callable[[bytes, protocol.Message], Awaitable[None]]        # a message t
 Answer = Callable[[Incoming, protocol.Message], Awaitable[None]]   # the reply to a transport request
 
 
+# eq=False: a Legs is one node's, compared and hashed by identity; repr=False: its
+# collaborators (the driver, the links) are not a value to print.
+@dataclass(eq=False, repr=False)
 class Legs:
     """Runs the legs of requests on one node. Each ``whole``/``decode``/
     ``prefill``/``resume`` returns the leg's coroutine (the daemon owns its
@@ -52,21 +56,20 @@ class Legs:
     ``report_lost`` names a request whose chunks could not be delivered
     (the heartbeat tells the coordinator)."""
 
-    def __init__(self, name: str, cluster: ClusterConfig, driver: EngineDriver, *, send: Send, answer: Answer,
-                 report_lost: Callable[[str], None], peers: PeerLinks, inbox: KVInbox,
-                 replicator: Replicator | None) -> None:
-        self.name = name
-        self.cluster = cluster
-        self.driver = driver
-        self.send = send
-        self.answer = answer
-        self.report_lost = report_lost
-        self.peers = peers                  # links to other nodes (one per peer process)
-        self.inbox = inbox                  # the decode legs' PROMPT regions; its peers' replicas
-        self.replicator = replicator        # this node's KV -> its replica peer (None: not replicating)
-        self.prefill_legs: collections.Counter[str] = collections.Counter()     # outcomes of the prefill legs
-        self.prompt_replicas: collections.Counter[str] = collections.Counter()  # sent | empty | refused | failed
-        self._warn = RateLimitedLog(log)
+    name: str
+    cluster: ClusterConfig
+    driver: EngineDriver
+    _: KW_ONLY
+    send: Send
+    answer: Answer
+    report_lost: Callable[[str], None]
+    peers: PeerLinks                    # links to other nodes (one per peer process)
+    inbox: KVInbox                      # the decode legs' PROMPT regions; its peers' replicas
+    replicator: Replicator | None       # this node's KV -> its replica peer (None: not replicating)
+    # outcomes of the prefill legs, and of the prompt replicas (sent | empty | refused | failed)
+    prefill_legs: collections.Counter[str] = field(default_factory=collections.Counter, init=False)
+    prompt_replicas: collections.Counter[str] = field(default_factory=collections.Counter, init=False)
+    _warn: RateLimitedLog = field(default_factory=lambda: RateLimitedLog(log), init=False)
 
     # ------------------------------------------------------------------ whole
     def whole(self, msg: protocol.GenerateRequest, peer: bytes) -> Coroutine[Any, Any, Any]:
