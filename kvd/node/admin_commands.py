@@ -157,8 +157,9 @@ class NodeAdmin:
         (what the coordinator's prompt tree must hold for it), and the number
         of the next cache event it will send."""
         blocks = await self.driver.cache_snapshot(timeout=self.timeout)
+        box = self.cache_shipper.outbox
         return {"blocks": [[b.block_hash, b.parent_hash] for b in blocks],
-                "seq": self.cache_shipper.seq, "need_snapshot": self.cache_shipper.need_snapshot}
+                "seq": box.seq, "need_snapshot": box.need_snapshot}
 
     async def cmd_transfer(self, args: dict) -> dict:
         if self.transfers.drop:

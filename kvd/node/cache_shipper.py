@@ -120,14 +120,6 @@ class CacheShipper:
         self.outbox = CacheOutbox(name, block_size)
         self.messages = 0
 
-    @property
-    def seq(self) -> int:
-        return self.outbox.seq
-
-    @property
-    def need_snapshot(self) -> bool:
-        return self.outbox.need_snapshot
-
     async def run(self) -> None:
         """Ship every ``interval`` until cancelled; never raises for a coordinator that is away."""
         while True:
