@@ -78,6 +78,19 @@ def check_decode_inputs(ids: torch.Tensor, positions: torch.Tensor, block_tables
 Launch = Callable[[int, int, int, int, int, int, int, int], int]
 
 
+def decode_step(launch: Launch, ids: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor, *,
+                vocab: int, refused: str) -> torch.Tensor:
+    """fp32 logits [B, vocab] of one ``launch`` over checked inputs (``check_decode_inputs``'
+    results), on torch's thread count, no greedy tokens. Raises ValueError(``refused``) when
+    the executor refuses the batch (nothing written)."""
+    B = ids.shape[0]
+    logits = torch.empty(B, vocab, dtype=torch.float32)
+    if launch(B, ids.data_ptr(), positions.data_ptr(), tables.data_ptr(), tables.shape[1], logits.data_ptr(),
+              0, 0) != 0:
+        raise ValueError(refused)
+    return logits
+
+
 class DecodeStaging:
     """Reusable host buffers of one executor's decode steps over one KV tensor.
 

@@ -38,7 +38,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels import native
-from kernels.decode_inputs import DecodeStaging, DecoderDims, check_decode_inputs, check_decode_kv
+from kernels.decode_inputs import (DecodeStaging, DecoderDims, Launch, check_decode_inputs, check_decode_kv,
+                                    decode_step)
 
 log = logging.getLogger(__name__)
 
@@ -208,17 +209,11 @@ class FusedDecoder:
         """ids, positions [B] int64; block_tables [B, M] int64 covering every
         position; kv [L, 2, N, bs, kvh, hd] bf16 (mutated: the new K/V).
         Returns fp32 logits [B, V]. Raises ValueError on bad input (nothing written)."""
-        B = ids.shape[0]
         ids, positions, tables = check_decode_inputs(ids, positions, block_tables, kv, dims=self.dims,
                                                      num_blocks=self.num_blocks, block_size=self.block_size,
                                                      dtype=torch.bfloat16, what="fused decoder")
-        logits = torch.empty(B, self.dims.vocab, dtype=torch.float32)
-        rc = self._step(ctypes.byref(self.desc), kv.data_ptr(), B, ids.data_ptr(), positions.data_ptr(),
-                        tables.data_ptr(), tables.shape[1], logits.data_ptr(), torch.get_num_threads(),
-                        self._phase_seconds_ptr())
-        if rc != 0:
-            raise ValueError("token id, position or block id out of range")
-        return logits
+        return decode_step(self._launcher(kv), ids, positions, tables, vocab=self.dims.vocab,
+                           refused="token id, position or block id out of range")
 
     def staging(self, kv: torch.Tensor) -> DecodeStaging:
         """Reusable buffers for steps over ``kv`` (checked here, once); the greedy
@@ -226,13 +221,17 @@ class FusedDecoder:
         does not match the decoder."""
         check_decode_kv(kv, dims=self.dims, num_blocks=self.num_blocks, block_size=self.block_size,
                         dtype=torch.bfloat16, what="fused decoder")
+        return DecodeStaging(self.dims.vocab, self._launcher(kv), native_argmax=False, what="fused decoder")
+
+    def _launcher(self, kv: torch.Tensor) -> Launch:
+        """The step over ``kv`` (already checked) on addresses; no greedy tokens (argmax ignored)."""
         step, desc, kv_ptr = self._step, ctypes.byref(self.desc), kv.data_ptr()
 
         def launch(B: int, ids: int, positions: int, tables: int, max_blocks: int, logits: int, argmax: int,
                    threads: int, _owners: tuple = (self, kv)) -> int:   # what the addresses point into stays alive
             return step(desc, kv_ptr, B, ids, positions, tables, max_blocks, logits, torch.get_num_threads(),
                         self._phase_seconds_ptr())          # threads: ignored (SMALL_TEAMS)
-        return DecodeStaging(self.dims.vocab, launch, native_argmax=False, what="fused decoder")
+        return launch
 
     def _phase_seconds_ptr(self) -> int | None:
         """phase_seconds' address for the step, or None (off). Raises ValueError for a bad buffer."""

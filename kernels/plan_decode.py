@@ -46,7 +46,8 @@ from typing import Protocol
 import torch
 
 from kernels import native
-from kernels.decode_inputs import DecodeStaging, DecoderDims, check_decode_inputs, check_decode_kv
+from kernels.decode_inputs import (DecodeStaging, DecoderDims, Launch, check_decode_inputs, check_decode_kv,
+                                    decode_step)
 from kernels.quant import X8, QuantTensor
 from kernels.quant_linear import VARIANTS, QuantLinear, host_variant, library_flags, runs_here
 from kernels.row_ops import DENSE_FORMATS   # PlanWeight.format of a float matrix (16-bit ones widened in registers)
@@ -249,17 +250,11 @@ class PlanDecoder:
         """ids, positions [B] int64; block_tables [B, M] int64 covering every
         position; kv [L, 2, N, bs, kvh, hd] of the executor's KV dtype (mutated: the new K/V).
         Returns fp32 logits [B, V]. Raises ValueError on bad input (nothing written)."""
-        B = ids.shape[0]
         ids, positions, tables = check_decode_inputs(ids, positions, block_tables, kv, dims=self.dims,
                                                      num_blocks=self.num_blocks, block_size=self.block_size,
                                                      dtype=self.kv_dtype, what="plan decoder")
-        logits = torch.empty(B, self.dims.vocab, dtype=torch.float32)
-        rc = self._step(ctypes.byref(self.desc), kv.data_ptr(), B, ids.data_ptr(), positions.data_ptr(),
-                        tables.data_ptr(), tables.shape[1], logits.data_ptr(), None, torch.get_num_threads(),
-                        torch.get_num_threads())
-        if rc != 0:
-            raise ValueError("empty batch, or a token id, position or block id out of range")
-        return logits
+        return decode_step(self._launcher(kv), ids, positions, tables, vocab=self.dims.vocab,
+                           refused="empty batch, or a token id, position or block id out of range")
 
     def staging(self, kv: torch.Tensor) -> DecodeStaging:
         """Reusable buffers for steps over ``kv`` (checked here, once), the greedy
@@ -267,6 +262,10 @@ class PlanDecoder:
         Raises ValueError when ``kv`` does not match the plan."""
         check_decode_kv(kv, dims=self.dims, num_blocks=self.num_blocks, block_size=self.block_size,
                         dtype=self.kv_dtype, what="plan decoder")
+        return DecodeStaging(self.dims.vocab, self._launcher(kv), native_argmax=True, what="plan decoder")
+
+    def _launcher(self, kv: torch.Tensor) -> Launch:
+        """The step over ``kv`` (already checked) on addresses (argmax 0: none; threads 0: torch's count)."""
         step, desc, kv_ptr = self._step, ctypes.byref(self.desc), kv.data_ptr()
 
         def launch(B: int, ids: int, positions: int, tables: int, max_blocks: int, logits: int, argmax: int,
@@ -274,4 +273,4 @@ class PlanDecoder:
             team = torch.get_num_threads()          # the region's size whatever works in it (the .cpp)
             return step(desc, kv_ptr, B, ids, positions, tables, max_blocks, logits, argmax or None,
                         threads or team, team)
-        return DecodeStaging(self.dims.vocab, launch, native_argmax=True, what="plan decoder")
+        return launch
