@@ -147,3 +147,40 @@ class DecodeStaging:
                                          else self._logits_np[:rows])
         logits, greedy = views
         return logits, greedy.tolist() if self._native_argmax else greedy.argmax(axis=-1).tolist()
+
+
+class DecodeExecutor:
+    """A one-call decode executor's entry points over its ``_launcher``.
+
+    A subclass sets ``dims``, ``num_blocks``, ``block_size`` and ``kv_dtype``,
+    names itself in ``WHAT`` (error messages), says in ``REFUSED`` what its step
+    refuses, whether its step computes the greedy tokens (``NATIVE_ARGMAX``), and
+    implements ``_launcher(kv)``: the step over an already checked ``kv``."""
+
+    WHAT: str = "decoder"
+    REFUSED: str = "token id, position or block id out of range"
+    NATIVE_ARGMAX: bool = False
+    dims: DecoderDims
+    num_blocks: int
+    block_size: int
+    kv_dtype: torch.dtype
+
+    def decode(self, ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
+               kv: torch.Tensor) -> torch.Tensor:
+        """ids, positions [B] int64; block_tables [B, M] int64 covering every
+        position; kv [L, 2, N, bs, kvh, hd] of ``kv_dtype`` (mutated: the new K/V).
+        Returns fp32 logits [B, V]. Raises ValueError on bad input (nothing written)."""
+        ids, positions, tables = check_decode_inputs(ids, positions, block_tables, kv, dims=self.dims,
+                                                     num_blocks=self.num_blocks, block_size=self.block_size,
+                                                     dtype=self.kv_dtype, what=self.WHAT)
+        return decode_step(self._launcher(kv), ids, positions, tables, vocab=self.dims.vocab, refused=self.REFUSED)
+
+    def staging(self, kv: torch.Tensor) -> DecodeStaging:
+        """Reusable buffers for steps over ``kv`` (checked here, once). Raises
+        ValueError when ``kv`` does not match the executor."""
+        check_decode_kv(kv, dims=self.dims, num_blocks=self.num_blocks, block_size=self.block_size,
+                        dtype=self.kv_dtype, what=self.WHAT)
+        return DecodeStaging(self.dims.vocab, self._launcher(kv), native_argmax=self.NATIVE_ARGMAX, what=self.WHAT)
+
+    def _launcher(self, kv: torch.Tensor) -> Launch:
+        raise NotImplementedError

@@ -38,8 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import native
-from kernels.decode_inputs import (DecodeStaging, DecoderDims, Launch, check_decode_inputs, check_decode_kv,
-                                    decode_step)
+from kernels.decode_inputs import DecodeExecutor, DecoderDims, Launch
 
 log = logging.getLogger(__name__)
 
@@ -147,8 +146,13 @@ def _huge_page_buffer(numel: int) -> torch.Tensor:
     return buf
 
 
-class FusedDecoder:
-    """Packed weights of one bf16 decoder plus the loaded kernel. Construct with :meth:`create`."""
+class FusedDecoder(DecodeExecutor):
+    """Packed weights of one bf16 decoder plus the loaded kernel. Construct with :meth:`create`.
+    ``decode``/``staging``: DecodeExecutor's, on bf16 KV; the greedy tokens from numpy's
+    argmax over the logits."""
+
+    WHAT = "fused decoder"
+    kv_dtype = torch.bfloat16
 
     # Every step on torch's whole team: the kernel's OpenMP barriers take the whole region, and a
     # smaller region would make libgomp end and restart the pool's surplus threads (see PlanDecoder).
@@ -203,25 +207,6 @@ class FusedDecoder:
             return cls(weights, lib, kv.shape[2], block_size)
         log.info("fused decode off: %s", reason)
         return None
-
-    def decode(self, ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
-               kv: torch.Tensor) -> torch.Tensor:
-        """ids, positions [B] int64; block_tables [B, M] int64 covering every
-        position; kv [L, 2, N, bs, kvh, hd] bf16 (mutated: the new K/V).
-        Returns fp32 logits [B, V]. Raises ValueError on bad input (nothing written)."""
-        ids, positions, tables = check_decode_inputs(ids, positions, block_tables, kv, dims=self.dims,
-                                                     num_blocks=self.num_blocks, block_size=self.block_size,
-                                                     dtype=torch.bfloat16, what="fused decoder")
-        return decode_step(self._launcher(kv), ids, positions, tables, vocab=self.dims.vocab,
-                           refused="token id, position or block id out of range")
-
-    def staging(self, kv: torch.Tensor) -> DecodeStaging:
-        """Reusable buffers for steps over ``kv`` (checked here, once); the greedy
-        tokens from numpy's argmax over the logits. Raises ValueError when ``kv``
-        does not match the decoder."""
-        check_decode_kv(kv, dims=self.dims, num_blocks=self.num_blocks, block_size=self.block_size,
-                        dtype=torch.bfloat16, what="fused decoder")
-        return DecodeStaging(self.dims.vocab, self._launcher(kv), native_argmax=False, what="fused decoder")
 
     def _launcher(self, kv: torch.Tensor) -> Launch:
         """The step over ``kv`` (already checked) on addresses; no greedy tokens (argmax ignored)."""

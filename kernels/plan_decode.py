@@ -46,8 +46,7 @@ from typing import Protocol
 import torch
 
 from kernels import native
-from kernels.decode_inputs import (DecodeStaging, DecoderDims, Launch, check_decode_inputs, check_decode_kv,
-                                    decode_step)
+from kernels.decode_inputs import DecodeExecutor, DecoderDims, Launch
 from kernels.quant import X8, QuantTensor
 from kernels.quant_linear import VARIANTS, QuantLinear, host_variant, library_flags, runs_here
 from kernels.row_ops import DENSE_FORMATS   # PlanWeight.format of a float matrix (16-bit ones widened in registers)
@@ -173,8 +172,14 @@ def _weight(t: object) -> _Weight:
     return _Weight(-1, 0, t.numel(), 1, t.data_ptr())             # an fp32 vector (a norm's weight)
 
 
-class PlanDecoder:
-    """A plan plus the loaded executor. Construct with :meth:`create`."""
+class PlanDecoder(DecodeExecutor):
+    """A plan plus the loaded executor. Construct with :meth:`create`. ``decode``/``staging``:
+    DecodeExecutor's, on KV of ``kv_dtype``; the greedy tokens computed in the step (the LM
+    head's threads, as it writes the logits)."""
+
+    WHAT = "plan decoder"
+    REFUSED = "empty batch, or a token id, position or block id out of range"
+    NATIVE_ARGMAX = True
 
     # A step may run on fewer threads than torch's (DecodeStaging.run's ``threads``), inside an
     # OpenMP region of torch's size whose other threads idle: libgomp would otherwise end the
@@ -244,25 +249,6 @@ class PlanDecoder:
         except (native.BuildError, OSError, ValueError) as exc:
             log.warning("plan decode executor unavailable, decoding with torch: %s", exc)
             return None
-
-    def decode(self, ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
-               kv: torch.Tensor) -> torch.Tensor:
-        """ids, positions [B] int64; block_tables [B, M] int64 covering every
-        position; kv [L, 2, N, bs, kvh, hd] of the executor's KV dtype (mutated: the new K/V).
-        Returns fp32 logits [B, V]. Raises ValueError on bad input (nothing written)."""
-        ids, positions, tables = check_decode_inputs(ids, positions, block_tables, kv, dims=self.dims,
-                                                     num_blocks=self.num_blocks, block_size=self.block_size,
-                                                     dtype=self.kv_dtype, what="plan decoder")
-        return decode_step(self._launcher(kv), ids, positions, tables, vocab=self.dims.vocab,
-                           refused="empty batch, or a token id, position or block id out of range")
-
-    def staging(self, kv: torch.Tensor) -> DecodeStaging:
-        """Reusable buffers for steps over ``kv`` (checked here, once), the greedy
-        tokens computed in the step (the LM head's threads, as it writes the logits).
-        Raises ValueError when ``kv`` does not match the plan."""
-        check_decode_kv(kv, dims=self.dims, num_blocks=self.num_blocks, block_size=self.block_size,
-                        dtype=self.kv_dtype, what="plan decoder")
-        return DecodeStaging(self.dims.vocab, self._launcher(kv), native_argmax=True, what="plan decoder")
 
     def _launcher(self, kv: torch.Tensor) -> Launch:
         """The step over ``kv`` (already checked) on addresses (argmax 0: none; threads 0: torch's count)."""
