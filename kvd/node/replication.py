@@ -35,6 +35,7 @@ coordinator's ``drop_replicas``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -74,6 +75,7 @@ class Replicator:
                        "adopted": 0, "adopt_fallbacks": 0}
         self._warn = RateLimitedLog(log)
         self._epoch = 0                           # bumped on every peer change
+        self._peer_changed = asyncio.Event()      # set by a peer change: the round in flight ends
 
     def set_peer(self, name: str, address: str, tickets: dict[str, str] | None = None) -> None:
         """The coordinator's assignment ("" = none) and its tickets there for
@@ -89,6 +91,7 @@ class Replicator:
             self.sent = {}
             self.retry_at.clear()
             self._epoch += 1
+            self._peer_changed.set()
         now = time.monotonic()
         tickets = tickets or {}
         self.tickets = {rid: t for rid, t in self.tickets.items() if rid in tickets or now - t[2] < TICKET_GRACE_S}
@@ -126,6 +129,7 @@ class Replicator:
     async def round(self) -> None:
         """One round: gather what is new, send it, apply the ack."""
         peer, epoch, sent = self.peer, self._epoch, self.sent
+        self._peer_changed.clear()
         now = time.monotonic()
         for rid in [rid for rid, (_, holder, until) in self.adopting.items() if until <= now or holder != peer[0]]:
             _, holder, _ = self.adopting.pop(rid)  # never arrived, was refused, or sits elsewhere: send it from here
@@ -146,14 +150,14 @@ class Replicator:
             msg = protocol.ReplicaData(id=f"rep-{self.name}-{self.counts['rounds']}",
                                        deadline=time.time() + self.timeout, source=self.name, **msg)
             conn = await self._connect(*peer)
-            ack = await protocol.call(conn, msg, timeout=self.timeout)
+            ack = await self._call_unless_peer_changes(conn, msg)
         finally:
             if buf is not None:
                 STAGING.release(buf)
+        if ack is None or epoch != self._epoch:
+            return                                # the peer changed meanwhile: this round no longer matters
         if not isinstance(ack, protocol.ReplicaAck):
             raise RuntimeError(f"peer {peer[0]} answered {_why(ack)}")
-        if epoch != self._epoch:
-            return                                # the peer changed meanwhile: this ack is stale
         self.counts["messages"] += 1
         if msg.tensors:
             self.counts["blocks"] += sum(msg.counts)
@@ -176,6 +180,23 @@ class Replicator:
                 self.retry_at[rid] = time.monotonic() + REFUSED_RETRY_S
                 self._warn.warning(("refused", why[:40]), "peer %s refused the replica of %s: %s",
                                    peer[0], rid, why)
+
+    async def _call_unless_peer_changes(self, conn: Connection, msg: protocol.ReplicaData) -> protocol.Message | None:
+        """``msg``'s answer from the peer (deadline: the cluster's request
+        timeout), or None as soon as the peer changes: a round waiting on a
+        peer that died must not hold up replication to the next one."""
+        call = asyncio.ensure_future(protocol.call(conn, msg, timeout=self.timeout))
+        changed = asyncio.ensure_future(self._peer_changed.wait())
+        try:
+            await asyncio.wait({call, changed}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            changed.cancel()
+        if not call.done():
+            call.cancel()
+            with contextlib.suppress(asyncio.CancelledError, TransportError, TimeoutError):
+                await call
+            return None
+        return call.result()
 
     def stats(self) -> dict[str, Any]:
         return {"peer": self.peer[0] if self.peer else "", "requests": len(self.sent),
