@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
-from engine.request import INVALID_REQUEST, InvalidParam, RequestOutput
+from engine.request import ENGINE_ERROR, INVALID_REQUEST, InvalidParam, RequestOutput
 from kvd import protocol
 from kvd.cluster_config import ClusterConfig
 from kvd.engine_client import EngineDead
@@ -99,7 +99,7 @@ class Legs:
         except Exception as exc:  # noqa: BLE001 -- one request's failure stays its own
             log.exception("request %s failed", rid)
             try:
-                await self.send(peer, protocol.Error(code="engine_error", request_id=rid, message=str(exc)))
+                await self.send(peer, protocol.Error(code=ENGINE_ERROR, request_id=rid, message=str(exc)))
             except TransportError:
                 self.report_lost(rid)
         return last
@@ -232,7 +232,7 @@ class Legs:
             res, why_local = await self.driver.reserve_prompt(prompt, params, self.cluster.prefill_threshold,
                                                               timeout=self.cluster.request_timeout)
         except InvalidParam as exc:
-            await self.answer(incoming, protocol.Error(id=msg.id, code="invalid_request", request_id=rid,
+            await self.answer(incoming, protocol.Error(id=msg.id, code=INVALID_REQUEST, request_id=rid,
                                                        message=str(exc)))
             return
         except Exception as exc:  # noqa: BLE001 -- answered; the coordinator ends the request
