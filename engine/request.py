@@ -12,6 +12,8 @@ import math
 import time
 from dataclasses import dataclass, field, fields
 
+from engine.structured.spec import StructuredOutput, StructuredOutputError
+
 
 class InvalidParam(ValueError):
     """A request parameter is refused; ``param`` names it and ``code`` says
@@ -46,6 +48,7 @@ MAX_LOGIT_BIAS_TOKENS = 300
 MAX_LOGIT_BIAS = 100.0
 MAX_TOKEN_ID = 2**31 - 1                # before the vocabulary is known (check_vocab)
 MAX_REPETITION_PENALTY = 2.0
+MAX_LOGPROBS = 20       # top logprobs per token a request may ask (vLLM's default max_logprobs)
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,13 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias), ids ascending; JSON: {"id": bias}
     repetition_penalty: float = 1.0                  # 1: off
     min_p: float = 0.0                               # 0: off
+    # log probabilities (engine/logprobs.py): None: none computed; k in [0, MAX_LOGPROBS]:
+    # each token's own logprob and the k most likely at its position
+    logprobs: int | None = None                      # every output token
+    prompt_logprobs: int | None = None               # every prompt token but the first
+    # structured output (engine/structured/): the grammar every output token must keep to; JSON:
+    # {"kind", "value"} (StructuredOutput.to_dict), None: unconstrained
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         def check(param: str, typed: bool, in_range: bool, message: str) -> None:
@@ -117,6 +127,12 @@ class SamplingParams:
               f"got {self.repetition_penalty!r}")
         check("min_p", _number(self.min_p), _finite(self.min_p) and 0.0 <= self.min_p <= 1.0,
               f"min_p must be a number in [0, 1] (0: off), got {self.min_p!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            check(name, k is None or integer(k), k is None or (integer(k) and 0 <= k <= MAX_LOGPROBS),
+                  f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {k!r}")
+        check("structured", self.structured is None or isinstance(self.structured, StructuredOutput), True,
+              f"structured must be a StructuredOutput, got {type(self.structured).__name__}")
         self._check_logit_bias()
 
     def _check_logit_bias(self) -> None:
@@ -174,6 +190,11 @@ class SamplingParams:
                 kwargs[name] = float(kwargs[name])
         if "logit_bias" in kwargs:
             kwargs["logit_bias"] = _logit_bias_pairs(kwargs["logit_bias"])
+        if kwargs.get("structured") is not None:
+            try:
+                kwargs["structured"] = StructuredOutput.from_dict(kwargs["structured"])
+            except StructuredOutputError as exc:
+                raise InvalidParam(exc.param, str(exc), exc.code) from None
         return cls(**kwargs)
 
     def to_dict(self) -> dict:
@@ -181,6 +202,7 @@ class SamplingParams:
         out = {name: list(v) if isinstance(v, tuple) else v
                for name in _FIELD_ORDER for v in (getattr(self, name),)}
         out["logit_bias"] = {str(t): b for t, b in self.logit_bias}
+        out["structured"] = self.structured.to_dict() if self.structured is not None else None
         return out
 
     @property
@@ -268,6 +290,15 @@ class Request:
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
+    grammar: object | None = None       # engine.structured.GrammarState: params.structured's matcher, at output_ids
+    # params.prompt_logprobs: prompt token i's TokenLogprobs at [i - 1], filled as prefill chunks compute them
+    prompt_logprobs: list = field(default_factory=list)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """It asks for prompt logprobs and a prefill has not computed them all yet (the
+        scheduler then computes its whole prompt: a cached prefix yields no logits)."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids) - 1
 
     @property
     def all_ids(self) -> list[int]:
@@ -307,11 +338,18 @@ class RequestOutput:
     # len(text) once each of new_token_ids is in: token i's text is text[ends[i-1]:ends[i]]
     # (what a receiver that already holds the first tokens keeps of the text)
     text_ends: list[int] = dataclasses.field(default_factory=list)
+    # engine.logprobs.TokenLogprobs: one per new token (params.logprobs set), else None;
+    # prompt_logprobs (params.prompt_logprobs set) on the request's first output: prompt tokens 1..
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None
 
     def merge(self, later: RequestOutput) -> RequestOutput:
         """One delta for this output and the request's ``later`` one: both
         deltas' tokens and text, the later one's state and counts."""
         n = len(self.text)
+        logprobs = None if self.logprobs is None and later.logprobs is None else \
+            (self.logprobs or []) + (later.logprobs or [])
         return dataclasses.replace(later, new_token_ids=self.new_token_ids + later.new_token_ids,
                                    text=self.text + later.text,
-                                   text_ends=self.text_ends + [n + e for e in later.text_ends])
+                                   text_ends=self.text_ends + [n + e for e in later.text_ends],
+                                   logprobs=logprobs, prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs)
