@@ -7,6 +7,7 @@ drives it from one thread and talks to it through queues.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -302,6 +303,8 @@ class LLMEngine:
         already end the request (then nothing runs), else None. Raises
         InvalidParam or ValueError (nothing queued)."""
         vocab = self.model.config.vocab_size
+        # the prompt logprobs went out with token 0, which the client has: not computed again
+        params = dataclasses.replace(params, prompt_logprobs=None)
         if not output_ids or any(not 0 <= t < vocab for t in output_ids):
             raise InvalidParam("output_token_ids", f"a resumed request needs its tokens, in [0, {vocab})")
         if len(output_ids) >= params.max_tokens:
@@ -400,8 +403,8 @@ class LLMEngine:
                     if is_prefill else [])
         on_layer = LayerStreamer(self.pool, [(self._prompt_blocks(r)[r.kv_out.skip_blocks:], r.kv_out)
                                              for r in streamed]) if streamed else None
-        tokens = self.runner.execute(reqs, is_prefill, [self._generators[r.request_id] for r in reqs],
-                                     banned, on_layer, num_new)
+        tokens, logprobs = self.runner.execute(reqs, is_prefill, [self._generators[r.request_id] for r in reqs],
+                                               banned, on_layer, num_new)
         outs = []
         for i, (req, tok) in enumerate(zip(reqs, tokens)):
             if tok is None:                               # a prefill chunk short of the prompt's end
@@ -424,6 +427,10 @@ class LLMEngine:
                 outs.append(self._fail(req, f"{type(exc).__name__}: {exc}"))
                 continue
             self.stats.generation_tokens += 1
+            if logprobs[i] is not None:
+                out.logprobs = [logprobs[i]]
+            if req.params.prompt_logprobs is not None and len(req.output_ids) == 1:
+                out.prompt_logprobs = list(req.prompt_logprobs)     # with the first token, once
             if req.kv_out is not None and not out.finished:
                 out.finished = out.handed_off = True      # its decode runs where its KV went
                 req.finish_reason = None

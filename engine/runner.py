@@ -30,6 +30,7 @@ from collections.abc import Callable
 import torch
 
 from engine.model.llama import LlamaModel
+from engine.logprobs import TokenLogprobs, log_probs, prompt_logprobs, token_logprobs
 from engine.request import Request
 from engine.sampling import apply_min_tokens, sample
 from kernels.attention import AttentionBatch, PrefillSeq, decode_key_mask
@@ -108,11 +109,14 @@ class ModelRunner:
     def execute(self, requests: list[Request], is_prefill: bool, generators: list,
                 banned: list[tuple[int, list[int]]],
                 on_layer: Callable[[int], None] | None = None,
-                num_new: list[int] | None = None) -> list[int | None]:
+                num_new: list[int] | None = None) -> tuple[list[int | None], list[TokenLogprobs | None]]:
         """Run one call; writes KV for every computed token and returns, per
         request, its sampled id (``engine.sampling.UNSAMPLED`` when its row could
         not be drawn), or None for a prefill chunk that stops short of the
-        request's last token (nothing sampled).
+        request's last token (nothing sampled); and per request the sampled
+        token's logprobs when it asks for them (``params.logprobs``), else None.
+        A prefill appends to ``req.prompt_logprobs`` the prompt logprobs its rows
+        give (``Request.needs_prompt_logprobs``).
 
         ``banned``: (request index, token ids) masked for requests below their min_tokens.
         ``on_layer``: the prefill's layer hook (engine.stream.LayerStreamer).
@@ -126,13 +130,18 @@ class ModelRunner:
                        if num_new is None or r.num_computed + num_new[i] == r.num_tokens]
             logits = self._forward(requests, is_prefill, sampled, on_layer, num_new)
             if logits is None:
-                return [None] * len(requests)
+                return [None] * len(requests), [None] * len(requests)
             return self._pick(requests, sampled, logits, None, generators, banned)
 
     def _pick(self, requests: list[Request], sampled: list[int], logits: torch.Tensor, greedy_ids: list[int] | None,
-              generators: list, banned: list[tuple[int, list[int]]]) -> list[int | None]:
+              generators: list, banned: list[tuple[int, list[int]]]
+              ) -> tuple[list[int | None], list[TokenLogprobs | None]]:
         """Sample row k of ``logits`` for request ``sampled[k]``; None for the others;
-        ``engine.sampling.UNSAMPLED`` for a row that could not be drawn."""
+        ``engine.sampling.UNSAMPLED`` for a row that could not be drawn. With each
+        token, its logprobs where its request asks (engine/logprobs.py)."""
+        asking = [k for k, i in enumerate(sampled) if requests[i].params.logprobs is not None]
+        # the model's raw logits: before the min_tokens mask and the sampler's adjustments change rows
+        logprobs = log_probs(logits[asking]) if asking else None
         row_of = {i: row for row, i in enumerate(sampled)}
         if banned := [(row_of[i], ids) for i, ids in banned if i in row_of]:
             apply_min_tokens(logits, banned)
@@ -143,7 +152,13 @@ class ModelRunner:
         tokens: list[int | None] = [None] * len(requests)
         for i, tok in zip(sampled, picked):
             tokens[i] = tok
-        return tokens
+        answers: list[TokenLogprobs | None] = [None] * len(requests)
+        if asking:
+            entries = token_logprobs(logprobs, [max(picked[k], 0) for k in asking],   # UNSAMPLED fails anyway
+                                     [requests[sampled[k]].params.logprobs for k in asking])
+            for k, entry in zip(asking, entries):
+                answers[sampled[k]] = entry
+        return tokens, answers
 
     def _forward(self, requests: list[Request], is_prefill: bool, sampled: list[int],
                  on_layer: Callable[[int], None] | None, num_new: list[int] | None) -> torch.Tensor | None:
@@ -151,12 +166,30 @@ class ModelRunner:
         when no request samples."""
         ids, positions, batch, last_rows = self.build_batch(requests, is_prefill, num_new)
         hidden = self.model.forward(ids, positions, batch, self.kv, on_layer)   # [T, D]
+        if is_prefill:
+            self._prompt_logprobs(requests, hidden, batch)
         if not sampled:
             return None
         rows = [last_rows[i] for i in sampled]
         if len(rows) != hidden.shape[0]:
             hidden = hidden[torch.tensor(rows, dtype=torch.int64)]       # [B', D]
         return self.model.compute_logits(hidden)                         # [B', V]
+
+    def _prompt_logprobs(self, requests: list[Request], hidden: torch.Tensor, batch: AttentionBatch) -> None:
+        """Append to each prefilling request that needs them the prompt logprobs of
+        this step's rows: the row of position p answers prompt token p + 1. The
+        scheduler gave such a request no cached prefix, so its rows start where its
+        logprobs stopped (or, recomputed after a preemption, before)."""
+        for req, seq in zip(requests, batch.prefill):
+            if not req.needs_prompt_logprobs:
+                continue
+            start, first = req.num_computed, len(req.prompt_logprobs)
+            stop = min(start + seq.q_len, len(req.prompt_ids) - 1)      # positions [first, stop) answer
+            if first < start or first >= stop:
+                continue
+            rows = hidden[seq.q_start + first - start:seq.q_start + stop - start]
+            req.prompt_logprobs += prompt_logprobs(rows, self.model.compute_logits,
+                                                   req.prompt_ids[first + 1:stop + 1], req.params.prompt_logprobs)
 
     def _decode_fused(self, requests: list[Request]) -> tuple[torch.Tensor, list[int]]:
         """A decode step on the one-call decoder, its inputs written into the reused

@@ -21,7 +21,9 @@ device holds no device block):
    cached prefix (locked for the request), ``alloc_mem`` gets the blocks of
    the whole sequence. A prefix with blocks in the host tier is swapped in,
    or cut before them and recomputed, as ``host_hit_policy`` says
-   (MemServe's caching cost model, engine/memory/caching_cost.py).
+   (MemServe's caching cost model, engine/memory/caching_cost.py). A
+   request that needs prompt logprobs matches nothing (as in vLLM): every
+   prompt position's logits must be computed.
 3. Decode: every running request whose prefill is done, oldest first. A
    request crossing a block boundary needs one new block; when the pool is
    dry, the most recently arrived running request (decoding or prefilling)
@@ -254,7 +256,8 @@ class Scheduler:
             tokens = req.all_ids
             hit = None
             swapped = recomputed = 0
-            if cfg.enable_prefix_caching:
+            # a request that needs prompt logprobs computes its whole prompt: a cached prefix has no logits
+            if cfg.enable_prefix_caching and not req.needs_prompt_logprobs:
                 # leave at least one token to compute: it yields the next logits
                 hit = self.pool.match(tokens[:-1])
                 hit, recomputed = self._reusable_part(hit, tokens)
