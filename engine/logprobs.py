@@ -15,55 +15,20 @@ as vLLM's server does: JSON has no -inf.
 Only rows whose request asks pay anything: a step where none does computes
 no ``log_softmax``.
 
-``TokenLogprobs`` is also a wire value (``kvd.protocol.TokenChunk``): orjson
-writes it as the object of its fields and ``from_json`` validates one back.
+The answers are ``engine.request.TokenLogprobs`` (torch-free: the wire and
+the coordinator carry them).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
-from engine.request import MAX_LOGPROBS
+from engine.request import LOGPROB_FLOOR, TokenLogprobs
 
-LOGPROB_FLOOR = -9999.0      # what -inf (and anything below) is reported as
 # prompt rows turned into log probabilities per matmul: [rows, V] fp32 at a time (~25 MB at V = 49K)
 PROMPT_ROWS_PER_SLICE = 128
-
-
-@dataclass(frozen=True)
-class TokenLogprobs:
-    """One position's answer: the logprob of ``token_id`` (the sampled or
-    prompt token there) and the ``top`` most likely tokens as (id, logprob),
-    most likely first, as many as the request asked."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
-
-    @classmethod
-    def from_json(cls, value: object) -> "TokenLogprobs":
-        """Validate the JSON object orjson writes for one (a wire field): raises
-        ValueError for anything else."""
-        if isinstance(value, TokenLogprobs):
-            return value
-        if not (isinstance(value, dict) and value.keys() == {"token_id", "logprob", "top"}):
-            raise ValueError("a token's logprobs must be an object of token_id, logprob and top")
-        token, logprob, top = value["token_id"], value["logprob"], value["top"]
-        if not (type(token) is int and token >= 0 and _logprob(logprob)):
-            raise ValueError("a token's logprobs need a token id >= 0 and a logprob in [floor, 0]")
-        if not (isinstance(top, list) and len(top) <= MAX_LOGPROBS
-                and all(isinstance(e, list) and len(e) == 2 and type(e[0]) is int and e[0] >= 0
-                        and _logprob(e[1]) for e in top)):
-            raise ValueError(f"top logprobs must be at most {MAX_LOGPROBS} [token id, logprob] pairs")
-        return cls(token, float(logprob), tuple((t, float(lp)) for t, lp in top))
-
-
-def _logprob(x: object) -> bool:
-    return type(x) in (int, float) and math.isfinite(x) and LOGPROB_FLOOR <= x <= 0.0
 
 
 def log_probs(logits: torch.Tensor) -> torch.Tensor:

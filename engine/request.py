@@ -245,6 +245,41 @@ def _finite(x: object) -> bool:
     return _number(x) and math.isfinite(x)
 
 
+LOGPROB_FLOOR = -9999.0      # a logprob below it (-inf among them) is reported as it: JSON has no -inf
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One position's log probabilities (engine/logprobs.py computes them): the logprob of ``token_id`` (the sampled or
+    prompt token there) and the ``top`` most likely tokens as (id, logprob),
+    most likely first, as many as the request asked."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+    @classmethod
+    def from_json(cls, value: object) -> "TokenLogprobs":
+        """Validate the JSON object orjson writes for one (``kvd.protocol.TokenChunk``
+        carries them): raises ValueError for anything else."""
+        if isinstance(value, TokenLogprobs):
+            return value
+        if not (isinstance(value, dict) and value.keys() == {"token_id", "logprob", "top"}):
+            raise ValueError("a token's logprobs must be an object of token_id, logprob and top")
+        token, logprob, top = value["token_id"], value["logprob"], value["top"]
+        if not (type(token) is int and token >= 0 and _logprob(logprob)):
+            raise ValueError("a token's logprobs need a token id >= 0 and a logprob in [floor, 0]")
+        if not (isinstance(top, list) and len(top) <= MAX_LOGPROBS
+                and all(isinstance(e, list) and len(e) == 2 and type(e[0]) is int and e[0] >= 0
+                        and _logprob(e[1]) for e in top)):
+            raise ValueError(f"top logprobs must be at most {MAX_LOGPROBS} [token id, logprob] pairs")
+        return cls(token, float(logprob), tuple((t, float(lp)) for t, lp in top))
+
+
+def _logprob(x: object) -> bool:
+    return type(x) in (int, float) and math.isfinite(x) and LOGPROB_FLOOR <= x <= 0.0
+
+
 # RequestOutput.error_code (also kvd.protocol.Error.code on the wire)
 INVALID_REQUEST = "invalid_request"     # refused before it ran: bad parameters, too long, no room
 ENGINE_ERROR = "engine_error"           # failed inside a step: the server's fault, not the client's
@@ -292,7 +327,7 @@ class Request:
     stop_reason: str | int | None = None
     grammar: object | None = None       # engine.structured.GrammarState: params.structured's matcher, at output_ids
     # params.prompt_logprobs: prompt token i's TokenLogprobs at [i - 1], filled as prefill chunks compute them
-    prompt_logprobs: list = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     @property
     def needs_prompt_logprobs(self) -> bool:
@@ -338,10 +373,10 @@ class RequestOutput:
     # len(text) once each of new_token_ids is in: token i's text is text[ends[i-1]:ends[i]]
     # (what a receiver that already holds the first tokens keeps of the text)
     text_ends: list[int] = dataclasses.field(default_factory=list)
-    # engine.logprobs.TokenLogprobs: one per new token (params.logprobs set), else None;
-    # prompt_logprobs (params.prompt_logprobs set) on the request's first output: prompt tokens 1..
-    logprobs: list | None = None
-    prompt_logprobs: list | None = None
+    # one per new token (params.logprobs set), else None; prompt_logprobs (params.prompt_logprobs
+    # set) on the request's first output: prompt tokens 1.. (engine/logprobs.py)
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
     def merge(self, later: RequestOutput) -> RequestOutput:
         """One delta for this output and the request's ``later`` one: both

@@ -30,9 +30,10 @@ from collections.abc import Callable
 import torch
 
 from engine.model.llama import LlamaModel
-from engine.logprobs import TokenLogprobs, log_probs, prompt_logprobs, token_logprobs
-from engine.request import Request
-from engine.sampling import apply_min_tokens, sample
+from engine.logprobs import log_probs, prompt_logprobs, token_logprobs
+from engine.request import Request, TokenLogprobs
+from engine.sampling import UNSAMPLED, apply_min_tokens, greedy, sample
+from engine.structured.masks import MaskComputer, PendingMasks
 from kernels.attention import AttentionBatch, PrefillSeq, decode_key_mask
 from kernels.decode_inputs import DecodeStaging
 from kernels.fused_decode import FusedDecoder
@@ -67,6 +68,8 @@ class ModelRunner:
         # threads of a one-call decode step of at most SMALL_BATCH rows (0: torch's count);
         # the engine sets it (EngineConfig.decode_threads)
         self.small_batch_threads = 0
+        # structured output: the grammar masks of a step's rows, computed while its model runs
+        self.masks = MaskComputer(model.config.vocab_size)
 
     def build_batch(self, requests: list[Request], is_prefill: bool, num_new: list[int] | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch, list[int]]:
@@ -123,18 +126,20 @@ class ModelRunner:
         ``num_new``: prefill only, tokens each request computes (default: all it has left).
         """
         if not is_prefill and self.fused is not None:
+            pending = self.masks.start([r.grammar for r in requests])
             logits, greedy_ids = self._decode_fused(requests)
-            return self._pick(requests, list(range(len(requests))), logits, greedy_ids, generators, banned)
+            return self._pick(requests, list(range(len(requests))), logits, greedy_ids, generators, banned, pending)
         with torch.inference_mode():
             sampled = [i for i, r in enumerate(requests)
                        if num_new is None or r.num_computed + num_new[i] == r.num_tokens]
+            pending = self.masks.start([requests[i].grammar for i in sampled])
             logits = self._forward(requests, is_prefill, sampled, on_layer, num_new)
             if logits is None:
                 return [None] * len(requests), [None] * len(requests)
-            return self._pick(requests, sampled, logits, None, generators, banned)
+            return self._pick(requests, sampled, logits, None, generators, banned, pending)
 
     def _pick(self, requests: list[Request], sampled: list[int], logits: torch.Tensor, greedy_ids: list[int] | None,
-              generators: list, banned: list[tuple[int, list[int]]]
+              generators: list, banned: list[tuple[int, list[int]]], pending: PendingMasks | None = None
               ) -> tuple[list[int | None], list[TokenLogprobs | None]]:
         """Sample row k of ``logits`` for request ``sampled[k]``; None for the others;
         ``engine.sampling.UNSAMPLED`` for a row that could not be drawn. With each
@@ -146,9 +151,17 @@ class ModelRunner:
         if banned := [(row_of[i], ids) for i, ids in banned if i in row_of]:
             apply_min_tokens(logits, banned)
             greedy_ids = None                       # the masked rows' argmax may have moved
+        # structured output: a guided row keeps only the tokens its grammar allows (its argmax moves)
+        unallowed = pending.apply(logits) if pending is not None else []
+        if pending is not None and greedy_ids is not None:
+            greedy_ids = list(greedy_ids)
+            for row, tok in zip(pending.rows, greedy(logits[pending.rows])):
+                greedy_ids[row] = tok
         picked = sample(logits, [requests[i].params for i in sampled], [generators[i] for i in sampled],
                         [len(requests[i].output_ids) for i in sampled], greedy_ids, self.sampler,
                         [(requests[i].prompt_ids, requests[i].output_ids) for i in sampled])
+        for row in unallowed:                       # its grammar allows no token: nothing to draw
+            picked[row] = UNSAMPLED
         tokens: list[int | None] = [None] * len(requests)
         for i, tok in zip(sampled, picked):
             tokens[i] = tok

@@ -8,8 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.logprobs import TokenLogprobs
-from engine.request import InvalidParam, SamplingParams
+from engine.request import InvalidParam, SamplingParams, TokenLogprobs
 
 from .test_logit_adjustments import next_logits, prompts
 from .test_sampling_extremes import engine_on, run
