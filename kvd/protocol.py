@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 from engine.memory.mempool import TIERS as MEMPOOL_TIERS
-from engine.request import FinishReason, SamplingParams
+from engine.request import FinishReason, SamplingParams, TokenLogprobs
 from kvd.cluster_config import ROLES as CONFIG_ROLES
 from kvd.transfer_state import COMMIT_STATUSES
 from kvd.wire import (  # noqa: F401 -- re-exported: the format and the messages are one vocabulary
@@ -351,7 +351,12 @@ class TokenChunk(Message):
     ``text_ends[i]`` is ``len(text)`` once token i is in (one per token,
     non-decreasing, the last ``len(text)``; no tokens, no text): a coordinator
     that already holds the first k tokens (a recomputed or resumed leg repeats
-    them) keeps ``text[text_ends[k - 1]:]``."""
+    them) keeps ``text[text_ends[k - 1]:]``.
+
+    ``logprobs`` (the request asks, ``SamplingParams.logprobs``): one per
+    token, computed by the node that sampled it; ``prompt_logprobs``
+    (``SamplingParams.prompt_logprobs``): prompt tokens 1.., on the chunk of
+    token 0, from the node that computed the prompt."""
 
     request_id: str
     start_index: int
@@ -361,6 +366,8 @@ class TokenChunk(Message):
     finish_reason: str | None = None
     stop_reason: Any = None              # the stop string or token id that ended it
     usage: dict[str, int] | None = None  # prompt_tokens, completion_tokens, cached_tokens
+    logprobs: tuple[TokenLogprobs, ...] | None = None
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
 
     def _check(self) -> None:
         _require(self.start_index >= 0, "start_index must be >= 0")
@@ -369,6 +376,9 @@ class TokenChunk(Message):
         _require(len(ends) == len(self.token_ids), "text_ends must give one end per token")
         _require(all(0 <= a <= b for a, b in zip((0, *ends), ends)), "text_ends must be non-decreasing and >= 0")
         _require((ends[-1] if ends else 0) == len(self.text), "text_ends must end at len(text)")
+        _require(self.logprobs is None or [e.token_id for e in self.logprobs] == list(self.token_ids),
+                 "logprobs must give one entry per token, for that token")
+        _require(self.prompt_logprobs is None or self.start_index == 0, "prompt_logprobs come with token 0")
 
     @property
     def indices(self) -> range:

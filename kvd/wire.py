@@ -37,7 +37,7 @@ from typing import Any, ClassVar
 
 import orjson
 
-from engine.request import SamplingParams
+from engine.request import SamplingParams, TokenLogprobs
 from kvd.ratelog import LOG_EVERY_S, RateLimitedLog
 from transports.base import Connection, Incoming, Listener, TransportClosed, TransportError, as_buffer
 
@@ -48,9 +48,10 @@ warnings.filterwarnings("ignore", message="The given buffer is not writable", ca
 # Raised whenever a message changes in a way the other side of an older build cannot read
 # (2: TokenChunk.text_ends; 3: Heartbeat.incarnation and lost, replica tickets and keys,
 # GenerateRequest.kv_to_incarnation; 4: the legs of a request are their own messages,
-# GenerateRequest | DecodeLeg | PrefillLeg | ResumeRequest): a node of another build is
-# then refused at its Hello (`bad_version`), not message by message.
-PROTOCOL_VERSION = 4
+# GenerateRequest | DecodeLeg | PrefillLeg | ResumeRequest; 5: TokenChunk.logprobs and
+# prompt_logprobs): a node of another build is then refused at its Hello (`bad_version`),
+# not message by message.
+PROTOCOL_VERSION = 5
 
 # Allow-list of tensor dtypes (name -> bytes per element). Names are torch's.
 DTYPES: dict[str, int] = {
@@ -181,7 +182,8 @@ def _check_sampling(v: Any) -> SamplingParams:
 
 
 _SCALARS: dict[Any, Checker] = {int: _check_int, float: _check_float, str: _check_str,
-                                bool: _check_bool, Any: _json_value, SamplingParams: _check_sampling}
+                                bool: _check_bool, Any: _json_value, SamplingParams: _check_sampling,
+                                TokenLogprobs: TokenLogprobs.from_json}
 
 
 _INT_ONLY = frozenset((int,))

@@ -83,7 +83,10 @@ class Stream:
                              num_prompt_tokens=usage.get("prompt_tokens", self.prompt_len),
                              num_output_tokens=usage.get("completion_tokens", self.next_index),
                              num_cached_tokens=usage.get("cached_tokens", 0),
-                             text_ends=[e - kept for e in chunk.text_ends[repeated:]])
+                             text_ends=[e - kept for e in chunk.text_ends[repeated:]],
+                             logprobs=list(chunk.logprobs[repeated:]) if chunk.logprobs is not None else None,
+                             prompt_logprobs=(list(chunk.prompt_logprobs)
+                                              if chunk.prompt_logprobs is not None and skip == 0 else None))
 
 
 def forget(streams: dict[str, Stream], load: LoadBook, request_id: str) -> None:

@@ -297,7 +297,9 @@ def _chunk(rid: str, out: RequestOutput) -> protocol.TokenChunk:
         token_ids=tuple(out.new_token_ids), text=out.text, text_ends=tuple(out.text_ends),
         finish_reason=out.finish_reason if ends else None, stop_reason=out.stop_reason if ends else None,
         usage={"prompt_tokens": out.num_prompt_tokens, "completion_tokens": out.num_output_tokens,
-               "cached_tokens": out.num_cached_tokens})
+               "cached_tokens": out.num_cached_tokens},
+        logprobs=tuple(out.logprobs) if out.logprobs is not None else None,
+        prompt_logprobs=tuple(out.prompt_logprobs) if out.prompt_logprobs is not None else None)
 
 
 def internal_error(msg: protocol.Message, exc: Exception) -> protocol.Error:
