@@ -26,6 +26,8 @@ from engine.output import OutputProcessor
 from engine.request import (ENGINE_ERROR, FinishReason, InvalidParam, Request, RequestOutput, RequestStatus,
                             SamplingParams)
 from engine.stats import EngineStats
+from engine.structured.grammar import GrammarCompiler
+from engine.structured.spec import StructuredOutputError
 from engine.config import EngineConfig  # noqa: F401  (re-exported: callers import it from here)
 from engine.cpus import format_cpulist
 from engine.runner import SMALL_BATCH, ModelRunner
@@ -124,6 +126,8 @@ class LLMEngine:
         self.compute_threads = torch.get_num_threads()      # the team from_config sized (this thread's)
         self.runner.small_batch_threads = self._small_batch_team()
         self.outputs = OutputProcessor(tokenizer, self.max_model_len)
+        # structured output's compiled grammars (thread-safe: the node compiles off the step)
+        self.grammars = GrammarCompiler(tokenizer, model.config.vocab_size)
         self.requests: dict[str, Request] = {}
         self._generators: dict[str, torch.Generator | None] = {}
         self.stats = EngineStats()
@@ -276,7 +280,7 @@ class LLMEngine:
                 raise ValueError("add_prefilled: the reservation is for another prompt")
             if not 0 <= first_token < self.model.config.vocab_size:
                 raise InvalidParam("first_token", "first token id out of the vocabulary")
-            req = self._new_request(request_id, prompt_ids, params)
+            req = self._new_request(request_id, prompt_ids, params, replayed=[first_token])
         except Exception:
             reservation.cancel()
             raise
@@ -309,7 +313,7 @@ class LLMEngine:
             raise InvalidParam("output_token_ids", f"a resumed request needs its tokens, in [0, {vocab})")
         if len(output_ids) >= params.max_tokens:
             raise InvalidParam("output_token_ids", "the request already has max_tokens tokens")
-        req = self._new_request(request_id, prompt_ids, params)
+        req = self._new_request(request_id, prompt_ids, params, replayed=output_ids)
         out = None
         for tok in output_ids:
             out = self.outputs.append(req, tok)
@@ -319,7 +323,11 @@ class LLMEngine:
         self.scheduler.add(req)
         return None
 
-    def _new_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Request:
+    def _new_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                     replayed: list[int] = ()) -> Request:
+        """A checked, registered request. ``replayed``: output tokens another instance
+        generated (a prefill node's first token, a recovered request's tokens), over
+        which its grammar state is advanced. Raises InvalidParam (nothing registered)."""
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id}")
         vocab = self.model.config.vocab_size
@@ -327,10 +335,24 @@ class LLMEngine:
             raise InvalidParam("prompt", f"token ids must be in [0, {vocab})")
         self.check_request(len(prompt_ids), params)
         req = Request(request_id=request_id, prompt_ids=list(prompt_ids), params=params)
+        if params.structured is not None:
+            req.grammar = self._start_grammar(params, replayed)
         self.requests[request_id] = req
         self._generators[request_id] = make_generator(params)
         self.outputs.add(req)
         return req
+
+    def _start_grammar(self, params: SamplingParams, replayed: list[int]):
+        """``params.structured``'s grammar state, advanced over ``replayed`` (compiled
+        here unless the compiler has it cached). Raises InvalidParam naming what failed."""
+        try:
+            state = self.grammars.start(params.structured)
+        except StructuredOutputError as exc:
+            raise InvalidParam(exc.param, str(exc), exc.code) from None
+        if not state.replay(list(replayed)):
+            raise InvalidParam("output_token_ids", f"the tokens so far do not keep to the request's grammar: "
+                               f"{state.error}"[:500])
+        return state
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Finish ``request_id`` now, returning its blocks. None if unknown or done."""
@@ -413,7 +435,10 @@ class LLMEngine:
                 continue
             if tok == UNSAMPLED:
                 outs.append(self._fail(req, "its logits have no finite weight (a NaN or +inf, or every "
-                                            "logit -inf): no token could be sampled"))
+                                            "logit -inf, or no token its grammar allows): no token could be sampled"))
+                continue
+            if req.grammar is not None and not req.grammar.accept(tok):
+                outs.append(self._fail(req, f"its grammar refused token {tok}: {req.grammar.error}"))
                 continue
             if is_prefill and req.num_preemptions == 0:
                 self.stats.prompt_tokens += len(req.prompt_ids)
