@@ -190,7 +190,7 @@ class SamplingParams:
                 kwargs[name] = float(kwargs[name])
         if "logit_bias" in kwargs:
             kwargs["logit_bias"] = _logit_bias_pairs(kwargs["logit_bias"])
-        if kwargs.get("structured") is not None:
+        if isinstance(kwargs.get("structured"), dict):     # the wire's JSON form
             try:
                 kwargs["structured"] = StructuredOutput.from_dict(kwargs["structured"])
             except StructuredOutputError as exc:
@@ -387,4 +387,5 @@ class RequestOutput:
         return dataclasses.replace(later, new_token_ids=self.new_token_ids + later.new_token_ids,
                                    text=self.text + later.text,
                                    text_ends=self.text_ends + [n + e for e in later.text_ends],
-                                   logprobs=logprobs, prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs)
+                                   logprobs=logprobs, prompt_logprobs=(self.prompt_logprobs if self.prompt_logprobs is not None
+                                                                    else later.prompt_logprobs))

@@ -41,6 +41,11 @@ import orjson
 from aiohttp import web
 
 from engine.request import INVALID_REQUEST, InvalidParam, RequestOutput, SamplingParams
+from kvd.api.choices import Choice, usage_output
+from kvd.api.copies import generate_copies
+from kvd.api.logprobs import TokenText
+from engine.structured.grammar import GrammarCompiler
+from engine.structured.spec import StructuredOutputError
 from kvd.api.prompt import PromptBuilder
 from kvd.api.schema import ApiError, ApiRequest, bad
 from kvd.config import ServerConfig
@@ -50,6 +55,7 @@ from kvd.metrics import ServerMetrics
 log = logging.getLogger("kvd.http")
 
 _DEFAULTS = ServerConfig()
+GRAMMAR_CHECK_TIMEOUT_S = 30.0   # a structured-output spec compiles within this, or is refused
 END_WRITE_TIMEOUT_S = 1.0   # a stream's final error event: a client that does not read cannot hold it
 
 
@@ -66,6 +72,8 @@ class FrontDoor:
         self.max_body_bytes = max_body_bytes
         self.body_timeout = body_timeout
         self.prompts = PromptBuilder(client.tokenizer, self.model_name)
+        self.grammars = GrammarCompiler(client.tokenizer)     # structured output: specs checked here
+        self.token_text = TokenText(client.tokenizer)
         self.metrics = ServerMetrics(client.stats, self.model_name)
         self.draining = False
         self.in_flight = 0
@@ -215,6 +223,7 @@ class FrontDoor:
             raw = await read_body(request, self.max_body_bytes, self.body_timeout)
             max_model_len = self.client.max_model_len      # on the loop: membership is its own
             req, prompt_ids = await self.prompts.build(raw, chat, max_model_len)
+            await self._check_structured(req)
             req = replace(req, params=self._final_params(req, prompt_ids, chat, max_model_len))
         except ApiError as exc:
             self.metrics.requests.labels(endpoint, str(exc.status)).inc()
@@ -226,6 +235,22 @@ class FrontDoor:
             return await self._complete(req, prompt_ids, chat, endpoint)
         finally:
             self.in_flight -= 1
+
+    async def _check_structured(self, req: ApiRequest) -> None:
+        """Refuse with a 400 naming the body field a structured-output spec that does not
+        compile (or not within GRAMMAR_CHECK_TIMEOUT_S). It compiles on a worker thread,
+        off the event loop; the compiler caches it, so a spec seen before costs nothing."""
+        spec = req.params.structured
+        if spec is None:
+            return
+        try:
+            async with asyncio.timeout(GRAMMAR_CHECK_TIMEOUT_S):
+                await asyncio.to_thread(self.grammars.check, spec)
+        except StructuredOutputError as exc:
+            raise bad(req.structured_field, str(exc), exc.code) from None
+        except TimeoutError:
+            raise bad(req.structured_field, f"the structured output spec did not compile within "
+                      f"{GRAMMAR_CHECK_TIMEOUT_S:g}s") from None
 
     def _final_params(self, req: ApiRequest, ids: list[int], chat: bool,
                       max_model_len: int) -> SamplingParams:
@@ -245,30 +270,25 @@ class FrontDoor:
                         endpoint: str) -> web.Response:
         rid = new_id("chatcmpl" if chat else "cmpl")
         t0 = time.perf_counter()
-        text, last, first_at = [], None, None
+        first_at = None
+        choices = self._choices(req, prompt_ids, chat)
         outputs = self._outputs(rid, prompt_ids, req)
         try:
-            async for out in outputs:
+            async for index, out in outputs:
                 if first_at is None and out.new_token_ids:
                     first_at = time.perf_counter()
-                text.append(out.text)
-                last = out
+                choices[index].add(out)
         finally:
             await outputs.aclose()            # on cancellation: aborts the request now
+        last = usage_output(choices)
         self._observe(endpoint, t0, first_at, last)
-        body = "".join(text)
         created = int(time.time())
-        if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": body},
-                      "logprobs": None, "finish_reason": last.finish_reason,
-                      "stop_reason": last.stop_reason}
-            obj = "chat.completion"
-        else:
-            choice = {"index": 0, "text": body, "logprobs": None,
-                      "finish_reason": last.finish_reason, "stop_reason": last.stop_reason}
-            obj = "text_completion"
+        obj = "chat.completion" if chat else "text_completion"
         return json_response({"id": rid, "object": obj, "created": created, "model": self.model_name,
-                              "choices": [choice], "usage": usage(last)})
+                              "choices": [c.body() for c in choices], "usage": usage(last)})
+
+    def _choices(self, req: ApiRequest, prompt_ids: list[int], chat: bool) -> list[Choice]:
+        return [Choice(i, req, prompt_ids, chat, self.token_text, req.prompt_text) for i in range(req.n)]
 
     async def _stream(self, request: web.Request, req: ApiRequest, prompt_ids: list[int],
                       chat: bool, endpoint: str) -> web.StreamResponse:
@@ -276,11 +296,12 @@ class FrontDoor:
         t0 = time.perf_counter()
         outputs = self._outputs(rid, prompt_ids, req)
         try:
-            return await self._write_stream(request, req, outputs, rid, chat, endpoint, t0)
+            return await self._write_stream(request, req, outputs, rid, chat, endpoint, t0,
+                                            self._choices(req, prompt_ids, chat))
         finally:
             await outputs.aclose()            # on disconnect: aborts the request now
 
-    async def _write_stream(self, request, req, outputs, rid, chat, endpoint, t0):
+    async def _write_stream(self, request, req, outputs, rid, chat, endpoint, t0, choices):
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
         # pull the first output before committing to a 200: an engine-side
@@ -289,14 +310,15 @@ class FrontDoor:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
 
-        def chunk(delta_text: str | None, finish: str | None, stop_reason=None, role: bool = False) -> bytes:
+        def chunk(index: int, delta_text: str | None, finish: str | None, stop_reason=None, role: bool = False,
+                  logprobs: dict | None = None) -> bytes:
             if chat:
                 delta = {"role": "assistant", "content": ""} if role else {"content": delta_text}
                 if finish is not None and delta_text == "":
                     delta = {}
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+                choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             else:
-                choice = {"index": 0, "text": delta_text, "logprobs": None, "finish_reason": finish}
+                choice = {"index": index, "text": delta_text, "logprobs": logprobs, "finish_reason": finish}
             if finish is not None:
                 choice["stop_reason"] = stop_reason
             return sse({"id": rid, "object": obj, "created": created, "model": self.model_name,
@@ -306,16 +328,19 @@ class FrontDoor:
         try:
             await resp.prepare(request)
             if chat:
-                await resp.write(chunk(None, None, role=True))
-            out = first
-            while out is not None:
+                for c in choices:
+                    await resp.write(chunk(c.index, None, None, role=True))
+            item = first
+            while item is not None:
+                index, out = item
                 if first_at is None and out.new_token_ids:
                     first_at = time.perf_counter()
-                last = out
-                if out.text or out.finished:
-                    await resp.write(chunk(out.text, out.finish_reason if out.finished else None,
-                                           out.stop_reason))
-                out = await anext(outputs, None)
+                text, logprobs = choices[index].add(out)
+                if text or out.finished or logprobs is not None:
+                    await resp.write(chunk(index, text, out.finish_reason if out.finished else None,
+                                           out.stop_reason, logprobs=logprobs))
+                item = await anext(outputs, None)
+            last = usage_output(choices)
             if req.include_usage:
                 await resp.write(sse({"id": rid, "object": obj, "created": created,
                                       "model": self.model_name, "choices": [], "usage": usage(last)}))
@@ -342,14 +367,18 @@ class FrontDoor:
         return resp
 
     async def _outputs(self, rid: str, prompt_ids: list[int], req: ApiRequest):
-        """Engine outputs for one request; engine-side rejections become ApiErrors."""
+        """(choice index, engine output) for the request's ``n`` copies
+        (kvd/api/copies.py); engine-side rejections become ApiErrors."""
+        copies = generate_copies(self.client, rid, prompt_ids, req.params, req.n)
         try:
-            async for out in self.client.generate(rid, prompt_ids, req.params):
+            async for index, out in copies:
                 if out.error is not None:
                     raise request_error(out)
-                yield out
+                yield index, out
         except EngineDead as exc:
             raise self.engine_dead or engine_dead_error(str(exc)) from None
+        finally:
+            await copies.aclose()             # aborts the copies still running
 
     def _observe(self, endpoint: str, t0: float, first_at: float | None, last: RequestOutput | None) -> None:
         now = time.perf_counter()

@@ -13,7 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from engine.request import InvalidParam, SamplingParams
+from engine.request import MAX_LOGPROBS, InvalidParam, SamplingParams
+from engine.structured.spec import StructuredOutputError
+from kvd.api.structured import parse_structured, structured_field
 
 
 class ApiError(Exception):
@@ -51,6 +53,10 @@ class ApiRequest:
     prompt_text: str | None = None
     prompt_ids: tuple[int, ...] | None = None
     messages: tuple[ChatMessage, ...] | None = None
+    structured_field: str | None = None     # the body field params.structured came from (kvd/api/structured.py)
+    n: int = 1                   # choices to generate (kvd/api/copies.py)
+    echo: bool = False           # completions: the prompt comes first in each choice's text (and logprobs)
+    echo_only: bool = False      # echo with max_tokens 0: the one token params ask is not shown
 
 
 def _get(body: dict, name: str, types: type | tuple, default: Any = None, nullable: bool = True) -> Any:
@@ -72,16 +78,17 @@ def _tname(types: type | tuple) -> str:
 
 
 SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
+# SamplingParams fields a body spells OpenAI's way (_logprob_fields), never passed through
+OPENAI_SPELLED = frozenset({"logprobs", "prompt_logprobs"})
+MAX_N = 64                   # choices one request may ask (n)
 
 # Fields that change what the answer must be and are not implemented: refused
 # whenever they are given (not null). Structured output, fill-in-the-middle.
 UNSUPPORTED = {
     "suffix": "'suffix' (fill-in-the-middle) is not supported",
-    "guided_json": "'guided_json' (structured output) is not supported",
-    "guided_regex": "'guided_regex' (structured output) is not supported",
-    "guided_choice": "'guided_choice' (structured output) is not supported",
-    "guided_grammar": "'guided_grammar' (structured output) is not supported",
-    "structured_outputs": "'structured_outputs' is not supported",
+    "guided_grammar": "'guided_grammar' (a context-free grammar) is not supported; structured output takes "
+                      "response_format, guided_json, guided_regex or guided_choice",
+    "guided_whitespace_pattern": "'guided_whitespace_pattern' is not supported: JSON output has no free whitespace",
 }
 # tool_choice / function_call values under which the model may answer in text:
 # the tools are then accepted and not shown to the model (no tool calls).
@@ -90,18 +97,12 @@ TEXT_TOOL_CHOICES = (None, "none", "auto")
 
 def _refuse_unsupported(body: dict) -> None:
     """Refuse what would change the answer's contract and is not implemented:
-    structured output (``response_format`` other than text, vLLM's
-    ``guided_*``), a forced tool call (``tool_choice`` "required" or a named
+    a context-free grammar (``guided_grammar``), a forced tool call (``tool_choice`` "required" or a named
     function, the legacy ``function_call`` alike), fill-in-the-middle. Malformed
     ``tools``/``functions`` are refused by type."""
     for name, message in UNSUPPORTED.items():
         if body.get(name) is not None:
             raise bad(name, message)
-    fmt = _get(body, "response_format", dict, None)
-    if fmt is not None and fmt.get("type") != "text":
-        kind = fmt.get("type")
-        raise bad("response_format", f"response_format of type {str(kind)[:40]!r} is not supported "
-                  "(structured output); only {\"type\": \"text\"}")
     for tools, choice in (("tools", "tool_choice"), ("functions", "function_call")):
         given = _get(body, tools, list, None)
         if given is not None and not all(isinstance(t, dict) for t in given):
@@ -113,25 +114,74 @@ def _refuse_unsupported(body: dict) -> None:
                       "only \"none\" or \"auto\" (the model answers in text)")
 
 
-def _sampling(body: dict, default_max_tokens: int | None) -> tuple[SamplingParams, bool]:
+def _copies(body: dict) -> int:
+    """``n``, in [1, MAX_N]; ``best_of``, where given, must equal it (as vLLM's V1
+    engine takes it: no hidden candidates ranked away)."""
     n = _get(body, "n", int, 1)
-    if n != 1:
-        raise bad("n", "only n=1 is supported")
-    if _get(body, "best_of", int, 1) != 1:
-        raise bad("best_of", "only best_of=1 is supported")
+    if not 1 <= n <= MAX_N:
+        raise bad("n", f"n must be an integer in [1, {MAX_N}], got {n}")
+    best_of = _get(body, "best_of", int, None)
+    if best_of is not None and best_of != n:
+        raise bad("best_of", f"best_of must equal n ({n}) or be left out: candidates ranked away "
+                  f"(best_of > n) are not supported, got {best_of}")
+    return n
+
+
+def _echo(body: dict, chat: bool) -> tuple[bool, bool]:
+    """(echo, echo with max_tokens 0). Chat has no echo."""
+    echo = _get(body, "echo", bool, False)
+    if echo and chat:
+        raise bad("echo", "echo is not supported for chat completions")
+    return echo, echo and body.get("max_tokens") == 0
+
+
+def _logprob_fields(body: dict, chat: bool, echo: bool) -> dict:
+    """SamplingParams' ``logprobs`` (and, with echo, ``prompt_logprobs``) from
+    OpenAI's spelling: completions' ``logprobs`` is the top count (an integer,
+    SamplingParams bounds it); chat's is a boolean with the count in
+    ``top_logprobs``. vLLM's own ``prompt_logprobs`` field is refused (echo asks
+    for the prompt's logprobs here)."""
+    if body.get("prompt_logprobs") is not None:
+        raise bad("prompt_logprobs", "'prompt_logprobs' is not supported; use echo with logprobs "
+                  "(completions) for the prompt's logprobs")
+    if chat:
+        top = _get(body, "top_logprobs", int, None)
+        if not _get(body, "logprobs", bool, False):
+            if top is not None:
+                raise bad("top_logprobs", "top_logprobs needs logprobs: true")
+            return {}
+        if top is not None and not 0 <= top <= MAX_LOGPROBS:
+            raise bad("top_logprobs", f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {top}")
+        return {"logprobs": top or 0}
+    k = _get(body, "logprobs", (bool, int), None)
+    if k is None or k is False:
+        return {}
+    if k is True:
+        raise bad("logprobs", "'logprobs' must be of type integer (how many top logprobs), got a boolean",
+                  "invalid_type")
+    return {"logprobs": k, "prompt_logprobs": k} if echo else {"logprobs": k}
+
+
+def _sampling(body: dict, default_max_tokens: int | None, chat: bool = False) -> tuple[SamplingParams, bool]:
+    _copies(body)
     for name in ("presence_penalty", "frequency_penalty"):
         if _get(body, name, (int, float), 0) != 0:
             raise bad(name, f"'{name}' is not supported; leave it at 0")
-    if _get(body, "logprobs", (bool, int), None) not in (None, False, 0):
-        raise bad("logprobs", "logprobs are not supported yet")
-    if _get(body, "echo", bool, False):
-        raise bad("echo", "echo is not supported")
+    echo, echo_only = _echo(body, chat)
     _refuse_unsupported(body)
     # Every SamplingParams field is read by SamplingParams itself (from_dict):
     # one definition of names, types and ranges for HTTP, the wire and the
     # engine. Here only OpenAI's spelling: null means absent, stop may be one
     # string, max_completion_tokens is max_tokens.
-    values = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None}
+    values = {name: body[name] for name in SAMPLING_FIELDS
+              if body.get(name) is not None and name not in OPENAI_SPELLED}
+    values |= _logprob_fields(body, chat, echo)
+    try:
+        values["structured"] = parse_structured(body)   # never the body's own "structured"
+    except StructuredOutputError as exc:
+        raise bad(exc.param, str(exc), exc.code) from None
+    if echo_only:
+        values["max_tokens"] = 1         # the engine samples one token (not shown): the prompt's logprobs
     if "max_tokens" not in values and body.get("max_completion_tokens") is not None:
         values["max_tokens"] = body["max_completion_tokens"]
     if isinstance(values.get("stop"), str):
@@ -194,8 +244,11 @@ def parse_completion(body: Any) -> ApiRequest:
         raise bad("prompt", "prompt must be a string or a list of token ids", "invalid_type")
     params, given = _sampling(body, default_max_tokens=16)
     stream, include_usage = _stream(body)
+    echo, echo_only = _echo(body, chat=False)
     return ApiRequest(model=model, params=params, max_tokens_given=given, stream=stream,
-                           include_usage=include_usage, prompt_text=text, prompt_ids=ids)
+                           include_usage=include_usage, prompt_text=text, prompt_ids=ids,
+                           n=_copies(body), echo=echo, echo_only=echo_only,
+                           structured_field=structured_field(body))
 
 
 ROLES = ("system", "user", "assistant", "developer", "tool")
@@ -221,10 +274,11 @@ def parse_chat(body: Any) -> ApiRequest:
             raise bad(f"{where}.role", f"{where}.role must be one of {', '.join(ROLES)}")
         messages.append(ChatMessage(role="system" if role == "developer" else role,
                                     content=_content(m.get("content"), f"{where}.content")))
-    params, given = _sampling(body, default_max_tokens=None)
+    params, given = _sampling(body, default_max_tokens=None, chat=True)
     stream, include_usage = _stream(body)
     return ApiRequest(model=model, params=params, max_tokens_given=given, stream=stream,
-                           include_usage=include_usage, messages=tuple(messages))
+                           include_usage=include_usage, messages=tuple(messages), n=_copies(body),
+                           structured_field=structured_field(body))
 
 
 def _content(content: Any, where: str) -> str:

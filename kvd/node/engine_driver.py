@@ -51,10 +51,14 @@ import torch
 from engine.engine import EngineConfig, LLMEngine
 from engine.memory.region import Purpose
 from engine.request import INVALID_REQUEST, FinishReason, InvalidParam, RequestOutput, SamplingParams
+from engine.structured.spec import StructuredOutputError
 from kernels import native
 from kvd.engine_client import EngineDead
 
 log = logging.getLogger("kvd.engine")
+# the longest a request waits for its grammar to compile before the engine is asked to
+# (past it, the engine compiles it in its step, or finds it cached by then)
+GRAMMAR_COMPILE_TIMEOUT_S = 30.0
 T = TypeVar("T")
 
 
@@ -174,6 +178,7 @@ class EngineDriver:
                        kv_out: Any = None) -> AsyncIterator[RequestOutput]:
         """The request's outputs, as the engine produces them. ``kv_out``: a
         prefill leg (``LLMEngine.add_request``'s KV sink)."""
+        await self._compile_grammar(params)
         async for out in self._run_stream(request_id, ("add", request_id, prompt_ids, params, kv_out)):
             yield out
 
@@ -183,6 +188,7 @@ class EngineDriver:
         """A decode leg: ``LLMEngine.add_prefilled``, then its outputs (from
         token 1; token 0's output only when it already ends the request).
         The reservation is the engine's from here on."""
+        await self._compile_grammar(params)
         cmd = ("add_prefilled", request_id, prompt_ids, params, reservation, first_token, cached_tokens)
         async for out in self._run_stream(request_id, cmd):
             yield out
@@ -192,8 +198,22 @@ class EngineDriver:
         """A recovered request: ``LLMEngine.resume_request``, then its outputs
         (from token ``len(output_ids)``; the replayed output only when the
         tokens already end the request)."""
+        await self._compile_grammar(params)
         async for out in self._run_stream(request_id, ("resume", request_id, prompt_ids, output_ids, params)):
             yield out
+
+    async def _compile_grammar(self, params: SamplingParams) -> None:
+        """Compile the request's structured-output grammar on a worker thread, off the
+        event loop and off the engine's step, into the engine's cache (where its add
+        finds it), waiting at most GRAMMAR_COMPILE_TIMEOUT_S. A spec that does not
+        compile is the engine's to refuse (the cache holds the refusal)."""
+        if params.structured is None:
+            return
+        try:
+            async with asyncio.timeout(GRAMMAR_COMPILE_TIMEOUT_S):
+                await asyncio.to_thread(self.engine.grammars.check, params.structured)
+        except (StructuredOutputError, TimeoutError):
+            pass
 
     async def _run_stream(self, request_id: str, cmd: tuple) -> AsyncIterator[RequestOutput]:
         if self._dead is not None:

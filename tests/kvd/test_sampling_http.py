@@ -101,16 +101,11 @@ def test_values_the_engine_cannot_represent_are_refused(server, body, param):
 REFUSED = [
     ("/v1/completions", {"suffix": "the end"}, "suffix"),
     ("/v1/completions", {"suffix": ""}, "suffix"),
-    ("/v1/completions", {"guided_json": {"type": "object"}}, "guided_json"),
-    ("/v1/completions", {"guided_regex": "a+"}, "guided_regex"),
-    ("/v1/completions", {"response_format": {"type": "json_object"}}, "response_format"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
-     "response_format"),
-    ("/v1/chat/completions", {"response_format": {"type": "yaml"}}, "response_format"),
-    ("/v1/chat/completions", {"response_format": {}}, "response_format"),
+    ("/v1/completions", {"guided_grammar": "start: /a+/"}, "guided_grammar"),
+    ("/v1/chat/completions", {"guided_whitespace_pattern": " *"}, "guided_whitespace_pattern"),
+    ("/v1/chat/completions", {"response_format": {"type": "yaml"}}, "response_format.type"),
+    ("/v1/chat/completions", {"response_format": {}}, "response_format.type"),
     ("/v1/chat/completions", {"response_format": "json_object"}, "response_format"),
-    ("/v1/chat/completions", {"guided_json": {"type": "object"}}, "guided_json"),
     ("/v1/chat/completions", {"tools": "x"}, "tools"),
     ("/v1/chat/completions", {"tools": ["x"]}, "tools"),
     ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}],
@@ -138,15 +133,15 @@ def test_the_openai_client_gets_a_bad_request_for_each_refused_field(client):
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
     calls = [
         ("suffix", lambda: client.completions.create(model=MODEL, prompt="x", max_tokens=2, suffix="!")),
-        ("response_format", lambda: client.chat.completions.create(
-            model=MODEL, messages=msgs, max_tokens=2, response_format={"type": "json_object"})),
+        ("guided_grammar", lambda: client.chat.completions.create(
+            model=MODEL, messages=msgs, max_tokens=2, extra_body={"guided_grammar": "start: /a+/"})),
         ("tool_choice", lambda: client.chat.completions.create(
             model=MODEL, messages=msgs, max_tokens=2, tools=[tool], tool_choice="required")),
         ("tool_choice", lambda: client.chat.completions.create(
             model=MODEL, messages=msgs, max_tokens=2, tools=[tool],
             tool_choice={"type": "function", "function": {"name": "f"}})),
-        ("guided_json", lambda: client.chat.completions.create(
-            model=MODEL, messages=msgs, max_tokens=2, extra_body={"guided_json": {"type": "object"}})),
+        ("response_format.type", lambda: client.chat.completions.create(
+            model=MODEL, messages=msgs, max_tokens=2, response_format={"type": "yaml"})),
         ("logit_bias", lambda: client.completions.create(model=MODEL, prompt="x", max_tokens=2,
                                                          logit_bias={"5": 200})),
     ]
