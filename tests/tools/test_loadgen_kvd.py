@@ -9,14 +9,12 @@ tokenizer is parsed once; one more run goes through the installed
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tools._twoproc import free_port, wait_healthy
 from tools.loadgen import cli
 
 REPO = Path(__file__).resolve().parents[2]
@@ -28,27 +26,6 @@ TEXT = ("The quick brown fox jumps over the lazy dog near the river bank on a su
 
 
 @pytest.fixture(scope="module")
-def kvd_server():
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "kvd.cli", "serve", "--model", "tiny",
-                             "--host", "127.0.0.1", "--port", str(port)],
-                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        why = wait_healthy(url, proc, 120.0)
-        if why:
-            pytest.fail(f"kvd serve {why}: {proc.stderr.read()[-2000:] if proc.poll() is not None else ''}")
-        yield url
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-@pytest.fixture(scope="module")
 def data_files(tmp_path_factory):
     d = tmp_path_factory.mktemp("loadgen-data")
     (d / "prompts.txt").write_text("\n".join(TEXT) + "\n")
@@ -56,6 +33,7 @@ def data_files(tmp_path_factory):
                                                   {"from": "gpt", "value": t + " indeed"}]}
                 for i, t in enumerate(TEXT)]
     (d / "sharegpt.json").write_text(json.dumps(sharegpt))
+    (d / "custom.jsonl").write_text("".join(json.dumps({"prompt": t}) + "\n" for t in TEXT))
     return d
 
 
@@ -69,8 +47,12 @@ DATASET_ARGS = {
                  "--sessions-output-len", str(OUT_LEN), "--sessions-shared-prefix-len", "16"],
     "sharegpt": ["--num-prompts", "6", "--sharegpt-output-len", str(OUT_LEN)],
     "file": ["--num-prompts", "6", "--file-output-len", str(OUT_LEN)],
+    "custom": ["--num-prompts", "4", "--custom-output-len", str(OUT_LEN)],
+    "sonnet": ["--num-prompts", "3", "--sonnet-input-len", "200", "--sonnet-prefix-len", "80",
+               "--sonnet-output-len", str(OUT_LEN)],
 }
-EXPECTED_REQUESTS = {"random": 6, "prefix-repetition": 6, "sessions": 9, "sharegpt": 6, "file": 6}
+EXPECTED_REQUESTS = {"random": 6, "prefix-repetition": 6, "sessions": 9, "sharegpt": 6, "file": 6,
+                     "custom": 4, "sonnet": 3}
 
 
 def check_result(doc: dict, dataset: str, endpoint: str) -> None:
@@ -88,7 +70,8 @@ def check_result(doc: dict, dataset: str, endpoint: str) -> None:
         assert 1 <= r["chunks"] <= r["output_tokens"]
         assert len(r["itl"]) == r["chunks"] - 1
         assert r["prompt_tokens"] >= r["prompt_len"]
-        if endpoint == "/v1/completions" and dataset in ("random", "prefix-repetition", "file"):
+        if endpoint == "/v1/completions" and dataset in ("random", "prefix-repetition", "file", "custom",
+                                                         "sonnet"):
             # the prompt is measured in the model's tokens: the server counts the same
             assert r["prompt_tokens"] == r["prompt_len"]
     assert m["total_output_tokens"] == sum(r["output_tokens"] for r in recs)
@@ -114,6 +97,8 @@ def test_every_dataset_and_endpoint(kvd_server, data_files, tmp_path, capsys, da
         args += ["--dataset-path", str(data_files / "sharegpt.json")]
     if dataset == "file":
         args += ["--dataset-path", str(data_files / "prompts.txt")]
+    if dataset == "custom":
+        args += ["--dataset-path", str(data_files / "custom.jsonl")]
     rc = cli.main(args)
     out = capsys.readouterr()
     assert rc == 0, out.err

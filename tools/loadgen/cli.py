@@ -5,7 +5,9 @@
     kvd-loadgen compare A.json B.json
     kvd-loadgen table RESULT.json...          (markdown rows for docs/benchmarks.md)
 
-Flag names are vLLM ``bench serve``'s where one exists.  A user error (bad
+Flag names are vLLM ``bench serve``'s where one exists, and a ``vllm bench
+serve`` command line runs unchanged apart from the model and URL; a vLLM flag
+kvd-loadgen lacks is refused by name (``vllm_flags.py``).  A user error (bad
 flag, missing file, unreachable server, no admin socket) prints one line
 ``kvd-loadgen: error: ...`` and exits 2 (arguments) or 1 (anything found at
 run time); tracebacks are for bugs only.
@@ -31,6 +33,10 @@ class UserError(Exception):
 
 class OneLineParser(argparse.ArgumentParser):
     """argparse that reports an error as one line instead of usage + error."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        # No abbreviations: a vLLM flag kvd-loadgen lacks must not match one of ours by prefix.
+        super().__init__(*args, allow_abbrev=False, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{PROG}: error: {message} (see {self.prog} --help)\n")
@@ -88,8 +94,38 @@ def _nonneg_int(text: str) -> int:
     return value
 
 
+def _dataset_name(text: str) -> str:
+    from tools.loadgen.datasets import DATASETS
+    from tools.loadgen.vllm_flags import dataset_refusal
+
+    if text in DATASETS:
+        return text
+    raise argparse.ArgumentTypeError(dataset_refusal(text) or
+                                     f"invalid choice: {text!r} (choose from {', '.join(DATASETS)})")
+
+
+def _key_value(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
+    return key.strip(), value.strip()
+
+
+def _json_object(text: str) -> dict:
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
 def run_parser() -> OneLineParser:
     from tools.loadgen.datasets import DATASETS
+    from tools.loadgen.vllm_flags import BACKENDS
 
     p = OneLineParser(
         prog=PROG, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -100,8 +136,14 @@ def run_parser() -> OneLineParser:
     g.add_argument("--base-url", help="server URL, e.g. http://127.0.0.1:8000 (overrides --host/--port)")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--endpoint", default="/v1/completions",
-                   choices=["/v1/completions", "/v1/chat/completions"])
+    g.add_argument("--backend", choices=BACKENDS, default=None,
+                   help="request shape: openai and vllm send completions, openai-chat chat completions "
+                        "(default: from --endpoint, else openai)")
+    g.add_argument("--endpoint", default=None,
+                   help="API path (default: /v1/chat/completions for --backend openai-chat, "
+                        "else /v1/completions)")
+    g.add_argument("--header", nargs="*", type=_key_value, default=[], metavar="KEY=VALUE",
+                   help="HTTP headers sent with every request")
     g.add_argument("--model", help="model name to request (default: the first of GET /v1/models)")
     g.add_argument("--tokenizer", help="tokenizer spec for load_tokenizer (default: --model, then smollm2)")
     g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
@@ -124,18 +166,35 @@ def run_parser() -> OneLineParser:
                    help="most requests in flight at once (default: unlimited)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--ignore-eos", action="store_true",
-                   help="ask the server to generate exactly max_tokens (request field ignore_eos)")
+                   help="ask the server to generate exactly max_tokens (request field ignore_eos); "
+                        "always on for --dataset-name random, as in vLLM")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=_positive_float, default=None, help="request field top_p (default: not sent)")
     g.add_argument("--top-k", type=_positive_int, default=None, help="request field top_k (default: not sent)")
+    for flag in ("--min-p", "--frequency-penalty", "--presence-penalty", "--repetition-penalty"):
+        g.add_argument(flag, type=float, default=None,
+                       help=f"request field {flag[2:].replace('-', '_')} (default: not sent)")
+    g.add_argument("--logprobs", type=_nonneg_int, default=None,
+                   help="ask for this many top logprobs per token (completions: logprobs=N; "
+                        "chat: logprobs=true, top_logprobs=N; default: not sent)")
+    g.add_argument("--extra-body", type=_json_object, default=None, metavar="JSON",
+                   help="a JSON object merged into every request body")
 
     g = p.add_argument_group("dataset")
-    g.add_argument("--dataset-name", default="random", choices=DATASETS)
-    g.add_argument("--dataset-path", help="input file of --dataset-name sharegpt or file")
+    g.add_argument("--dataset-name", default="random", type=_dataset_name, metavar="{" + ",".join(DATASETS) + "}")
+    g.add_argument("--dataset-path", help="input file of --dataset-name sharegpt, custom (JSONL), sonnet "
+                                          "(default: the bundled sonnets) or file")
+    g.add_argument("--input-len", type=_positive_int, default=None,
+                   help="sets --random-input-len (vLLM's general spelling)")
+    g.add_argument("--output-len", type=_positive_int, default=None,
+                   help="sets the output length of every dataset (vLLM's general spelling)")
     g.add_argument("--random-input-len", type=_positive_int, default=1024)
     g.add_argument("--random-output-len", type=_positive_int, default=128)
     g.add_argument("--random-range-ratio", type=float, default=0.0,
-                   help="lengths are drawn uniformly from [len*(1-r), len*(1+r)]")
+                   help="lengths are drawn uniformly from [floor(len*(1-r)), ceil(len*(1+r))]")
+    g.add_argument("--random-prefix-len", type=_nonneg_int, default=0,
+                   help="tokens of one random prefix opening every random prompt (before the "
+                        "--random-input-len part)")
     g.add_argument("--prefix-repetition-num-prefixes", type=_positive_int, default=10)
     g.add_argument("--prefix-repetition-prefix-len", type=_nonneg_int, default=256)
     g.add_argument("--prefix-repetition-suffix-len", type=_nonneg_int, default=256)
@@ -151,8 +210,19 @@ def run_parser() -> OneLineParser:
     g.add_argument("--sharegpt-output-len", type=_positive_int, default=None,
                    help="fixed max_tokens (default: the length of the dataset's answer)")
     g.add_argument("--file-output-len", type=_positive_int, default=128, help="max_tokens for --dataset-name file")
+    g.add_argument("--custom-output-len", type=_positive_int, default=256,
+                   help="max_tokens for --dataset-name custom")
+    g.add_argument("--sonnet-input-len", type=_positive_int, default=550)
+    g.add_argument("--sonnet-output-len", type=_positive_int, default=150)
+    g.add_argument("--sonnet-prefix-len", type=_nonneg_int, default=200)
+    g.add_argument("--skip-chat-template", action="store_true",
+                   help="custom: send the prompts as they are (they already hold the chat template)")
+    g.add_argument("--disable-shuffle", action="store_true",
+                   help="sharegpt, custom: keep the file's order instead of shuffling by --seed")
 
     g = p.add_argument_group("metrics and output")
+    g.add_argument("--label", default=None,
+                   help="the result's label and file name prefix (default: kvd-loadgen)")
     g.add_argument("--percentile-metrics", default="ttft,tpot,itl",
                    help="comma-separated subset of ttft,tpot,itl,e2el to print")
     g.add_argument("--metric-percentiles", default="99", help="comma-separated percentiles, e.g. 50,90,99")
@@ -178,12 +248,29 @@ def run_parser() -> OneLineParser:
 
 def _parse_run_args(argv: Sequence[str]):
     """Parse and cross-validate; every problem exits 2 through parser.error."""
+    from tools.loadgen import vllm_flags
     from tools.loadgen.datasets import DatasetError, DatasetOptions
     from tools.loadgen.faults import FaultSpec
     from tools.loadgen.metrics import LATENCIES, Slo
 
     parser = run_parser()
+    argv = vllm_flags.normalize_argv(argv)
+    refused = vllm_flags.refusal(argv)
+    if refused:
+        parser.error(refused)
     args = parser.parse_args(argv)
+    try:
+        args.backend, args.endpoint = vllm_flags.resolve_backend(args.backend, args.endpoint)
+    except ValueError as exc:
+        parser.error(str(exc))
+    args.chat = args.backend == "openai-chat"
+    if args.input_len is not None:
+        args.random_input_len = args.input_len
+    if args.output_len is not None:
+        for name in ("random", "prefix_repetition", "sharegpt", "custom", "sonnet", "sessions", "file"):
+            setattr(args, f"{name}_output_len", args.output_len)
+    if args.dataset_name == "random":
+        args.ignore_eos = True      # vLLM's rule: random prompts run to the length asked for
     args.selected = [m.strip() for m in args.percentile_metrics.split(",") if m.strip()]
     for m in args.selected:
         if m not in LATENCIES:
@@ -205,7 +292,7 @@ def _parse_run_args(argv: Sequence[str]):
         args.dataset = DatasetOptions(
             name=args.dataset_name, num_prompts=args.num_prompts, seed=args.seed,
             random_input_len=args.random_input_len, random_output_len=args.random_output_len,
-            random_range_ratio=args.random_range_ratio,
+            random_range_ratio=args.random_range_ratio, random_prefix_len=args.random_prefix_len,
             prefix_repetition_num_prefixes=args.prefix_repetition_num_prefixes,
             prefix_repetition_prefix_len=args.prefix_repetition_prefix_len,
             prefix_repetition_suffix_len=args.prefix_repetition_suffix_len,
@@ -214,7 +301,10 @@ def _parse_run_args(argv: Sequence[str]):
             sessions_output_len=args.sessions_output_len,
             sessions_shared_prefix_len=args.sessions_shared_prefix_len,
             dataset_path=args.dataset_path, sharegpt_output_len=args.sharegpt_output_len,
-            file_output_len=args.file_output_len)
+            file_output_len=args.file_output_len, custom_output_len=args.custom_output_len,
+            sonnet_input_len=args.sonnet_input_len, sonnet_output_len=args.sonnet_output_len,
+            sonnet_prefix_len=args.sonnet_prefix_len, chat=args.chat,
+            skip_chat_template=args.skip_chat_template, shuffle=not args.disable_shuffle)
     except DatasetError as exc:
         parser.error(str(exc))
     args.base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
@@ -280,7 +370,7 @@ def _config(args, model: str, tokenizer_spec: str) -> dict:
     """The run's options as saved in the result file (inf as the string "inf")."""
     from tools.loadgen.report import rate_to_json
 
-    skip = {"dataset", "slo", "faults", "fail", "selected", "percentiles", "api_key"}
+    skip = {"dataset", "slo", "faults", "fail", "selected", "percentiles", "api_key", "header"}
     config = {k: v for k, v in vars(args).items() if k not in skip}
     config.update(model=model, tokenizer=tokenizer_spec, url=args.base_url + args.endpoint,
                   metric_percentiles=args.percentiles, percentile_metrics=args.selected,
@@ -288,6 +378,19 @@ def _config(args, model: str, tokenizer_spec: str) -> dict:
                   fail=[vars(f) for f in args.faults],
                   request_rate=rate_to_json(args.request_rate))
     return config
+
+
+def request_fields(args) -> dict:
+    """Body fields every request carries beyond the prompt and max_tokens: the
+    sampling flags that were given, logprobs, then --extra-body (which wins)."""
+    fields = {name: getattr(args, name) for name in
+              ("top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty")
+              if getattr(args, name) is not None}
+    if args.logprobs is not None:
+        fields.update({"logprobs": True, "top_logprobs": args.logprobs} if args.chat
+                      else {"logprobs": args.logprobs})
+    fields.update(args.extra_body or {})
+    return fields
 
 
 def cmd_run(argv: Sequence[str]) -> int:
@@ -311,13 +414,13 @@ def cmd_run(argv: Sequence[str]) -> int:
         except datasets.DatasetError as exc:
             raise UserError(str(exc)) from None
         cfg = runner.RunConfig(
-            url=args.base_url + args.endpoint, model=model, chat=args.endpoint.endswith("/chat/completions"),
+            url=args.base_url + args.endpoint, model=model, chat=args.chat, headers=dict(args.header),
             api_key=args.api_key, request_rate=args.request_rate, burstiness=args.burstiness,
             max_concurrency=args.max_concurrency, ignore_eos=args.ignore_eos, temperature=args.temperature,
             request_timeout_s=args.request_timeout, keepalive=not args.no_keepalive, seed=args.seed,
             progress=not args.disable_tqdm,
             admin_socket=args.admin_socket, faults=args.faults, think_time_s=args.sessions_think_time,
-            extra_body={k: v for k, v in (("top_p", args.top_p), ("top_k", args.top_k)) if v is not None})
+            extra_body=request_fields(args))
         total = sum(len(c.turns) for c in conversations)
         print(f"{PROG}: {total} requests ({args.dataset_name}) -> {cfg.url} model={model} "
               f"rate={args.request_rate:g}/s burstiness={args.burstiness:g} "

@@ -168,14 +168,16 @@ def rate_from_json(value) -> float:
 
 
 def default_filename(config: dict, started_at: float) -> str:
-    """``kvd-loadgen-random-10qps-c8-tiny-20250101-120000.json`` (vLLM's naming, adapted).
+    """``kvd-loadgen-random-10qps-c8-tiny-20250101-120000.json`` (vLLM's naming, adapted;
+    ``--label`` replaces the leading ``kvd-loadgen``).
     ``config`` is the saved config (``request_rate`` as ``rate_to_json`` writes it)."""
     rate = rate_from_json(config.get("request_rate"))
     rate_s = "inf" if math.isinf(rate) else f"{rate:g}"
     conc = config.get("max_concurrency")
     model = re.sub(r"[^A-Za-z0-9._-]+", "_", str(config.get("model") or "model"))[-40:]
     stamp = _dt.datetime.fromtimestamp(started_at).strftime("%Y%m%d-%H%M%S")
-    parts = ["kvd-loadgen", str(config.get("dataset_name")), f"{rate_s}qps"]
+    label = re.sub(r"[^A-Za-z0-9._-]+", "_", str(config.get("label") or "kvd-loadgen"))
+    parts = [label, str(config.get("dataset_name")), f"{rate_s}qps"]
     if conc:
         parts.append(f"c{conc}")
     parts += [model, stamp]

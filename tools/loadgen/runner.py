@@ -41,6 +41,7 @@ class RunConfig:
     model: str
     chat: bool
     api_key: str | None = None
+    headers: dict[str, str] = field(default_factory=dict)   # sent with every request (--header)
     request_rate: float = math.inf
     burstiness: float = 1.0
     max_concurrency: int | None = None
@@ -152,6 +153,7 @@ def _headers(cfg: RunConfig) -> dict:
     headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
     if cfg.api_key:
         headers["Authorization"] = f"Bearer {cfg.api_key}"
+    headers.update(cfg.headers)
     return headers
 
 
