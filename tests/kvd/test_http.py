@@ -129,7 +129,7 @@ def test_prefix_cache_reports_cached_tokens(client):
     ({"model": MODEL, "prompt": "x", "max_tokens": 10_000}, "max_tokens", 400),
     ({"model": MODEL, "prompt": "x", "temperature": -0.5}, "temperature", 400),
     ({"model": MODEL, "prompt": "x", "top_p": 1.5}, "top_p", 400),
-    ({"model": MODEL, "prompt": "x", "n": 2}, "n", 400),
+    ({"model": MODEL, "prompt": "x", "n": 0}, "n", 400),
     ({"model": MODEL, "prompt": ""}, "prompt", 400),
     ({"model": MODEL, "prompt": "word " * 600}, "prompt", 400),
     ({"model": MODEL}, "prompt", 400),

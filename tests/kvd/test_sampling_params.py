@@ -80,7 +80,7 @@ def test_a_value_the_engine_refuses_is_refused_at_every_edge_with_its_message(va
         P.GenerateRequest(request_id="r", prompt_token_ids=(1,), sampling=values)
 
 
-@pytest.mark.parametrize("key", ["logprobs", "presence_penalty", "frequency_penalty"])
+@pytest.mark.parametrize("key", ["best_of", "presence_penalty", "frequency_penalty"])
 def test_the_wire_refuses_parameters_the_engine_does_not_have(key):
     # the old wire took these and the node refused them after the fact
     header = orjson.dumps({"type": "GenerateRequest", "v": P.PROTOCOL_VERSION, "id": "g", "request_id": "r",
