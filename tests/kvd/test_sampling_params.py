@@ -93,10 +93,13 @@ def test_the_wire_refuses_parameters_the_engine_does_not_have(key):
 # a non-default value for every field, as an OpenAI body spells it
 BODY = {"max_tokens": 7, "temperature": 0.7, "top_p": 0.9, "top_k": 5, "seed": 1234,
         "stop": ["foo", "bar"], "stop_token_ids": [3, 4], "ignore_eos": True, "min_tokens": 2,
-        "logit_bias": {"7": -100.0, "50": 2.5}, "repetition_penalty": 1.3, "min_p": 0.05}
+        "logit_bias": {"7": -100.0, "50": 2.5}, "repetition_penalty": 1.3, "min_p": 0.05,
+        "logprobs": 3, "prompt_logprobs": 3}
+# OpenAI's spelling of the fields it names otherwise: echo asks for the prompt's logprobs
+HTTP_BODY = {k: v for k, v in BODY.items() if k != "prompt_logprobs"} | {"echo": True}
 EXPECTED = dict(max_tokens=7, temperature=0.7, top_p=0.9, top_k=5, seed=1234, stop=("foo", "bar"),
                 stop_token_ids=(3, 4), ignore_eos=True, min_tokens=2, logit_bias=((7, -100.0), (50, 2.5)),
-                repetition_penalty=1.3, min_p=0.05)
+                repetition_penalty=1.3, min_p=0.05, logprobs=3, prompt_logprobs=3)
 
 
 def test_every_field_round_trips_http_wire_engine():
@@ -105,7 +108,7 @@ def test_every_field_round_trips_http_wire_engine():
     defaults = SamplingParams()
     assert all(getattr(defaults, k) != v for k, v in EXPECTED.items()), "each value must differ from its default"
 
-    params = parse_completion({"model": "m", "prompt": "x", **BODY}).params        # HTTP
+    params = parse_completion({"model": "m", "prompt": "x", **HTTP_BODY}).params   # HTTP
     assert params == SamplingParams(**EXPECTED)
     header, frames = P.encode(P.GenerateRequest(id="g", request_id="r", prompt_token_ids=(1, 2),
                                                 sampling=params))                  # the coordinator
