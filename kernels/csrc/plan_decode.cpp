@@ -19,9 +19,9 @@
 //
 // then the final norm and the LM head. One OpenMP team runs the whole step:
 // matmuls hand out output rows in chunks (row_claims.h), norms and silu split rows,
-// attention splits chunks of a sequence's keys (every head at once; the chunk holding
+// attention hands out chunks of a sequence's keys (every head at once; the chunk holding
 // the token's own key applies RoPE to it and stores K and V first), then (sequence,
-// head) pairs to combine them; a barrier separates steps. A batch of at most
+// head) pairs to combine them, the same way; a barrier separates steps. A batch of at most
 // REDUNDANT_ROWS rows runs its row-local ops (norms, silu, quantizing a matmul's input,
 // and combining attention's chunks when they are few) on every thread instead, which
 // takes their barriers away: five per layer are left, one after each matmul and one
@@ -65,6 +65,10 @@ inline int64_t rows8_bytes(int32_t format, int64_t k) {
 constexpr int REDUNDANT_ROWS = 4;
 // ... and combine attention's key chunks on every thread when the batch has at most this many.
 constexpr int64_t REDUNDANT_CHUNKS = 32;
+// Attention's work items a claim covers, and (sequence, head) pairs of its combine: a claim
+// (an atomic add) is small beside either.
+constexpr int64_t ATTN_CLAIM_ITEMS = 1;
+constexpr int64_t COMBINE_CLAIM_PAIRS = 8;
 
 }  // namespace
 
@@ -442,6 +446,43 @@ int64_t kvd_plan_greedy(const float* x, const int64_t* starts, const int32_t* or
     return best.i;
 }
 
+// The team machinery of a step (RowClaims between SpinBarriers) on its own, for the tests:
+// `rounds` claimed phases of `units` units each on `threads` threads (chunks of one unit),
+// a barrier after each; thread `stall_tid` sleeps `stall_ns` before its first phase, and a
+// unit's work is a spin of `unit_ns`. owner[r * units + u] = the thread that computed
+// unit u in round r, claims[r * units + u] = how many times it was computed. Returns the
+// team's size.
+int kvd_plan_team_check(int64_t units, int threads, int rounds, int stall_tid, int64_t stall_ns, int64_t unit_ns,
+                        int32_t* owner, int32_t* claims) {
+    const int nt = threads < 1 ? 1 : threads;
+    SpinBarrier barrier(nt);
+    RowClaims team(nt);
+    std::vector<std::atomic<int32_t>> count((size_t)(units * rounds));
+    int size = 1;
+#pragma omp parallel num_threads(nt)
+    {
+        const int tid = omp_get_thread_num(), T = omp_get_num_threads();
+        if (tid == 0) size = T;
+        if (tid == stall_tid) {
+            const timespec pause{(time_t)(stall_ns / 1000000000), (long)(stall_ns % 1000000000)};
+            nanosleep(&pause, nullptr);
+        }
+        for (int r = 0; r < rounds; r++) {
+            team.run_units(units, 1, T, tid, r, [&](int64_t u0, int64_t u1) {
+                for (int64_t u = u0; u < u1; u++) {
+                    const int64_t until = now_ns() + unit_ns;
+                    while (now_ns() < until) cpu_relax();
+                    owner[r * units + u] = tid;
+                    count[(size_t)(r * units + u)].fetch_add(1, std::memory_order_relaxed);
+                }
+            });
+            barrier.wait(T, tid);
+        }
+    }
+    for (int64_t i = 0; i < units * rounds; i++) claims[i] = count[(size_t)i].load();
+    return size;
+}
+
 // out[0, n) = x[0, n) as a half KV cache stores them (store_half_row). For the tests: the
 // torch path's kernels.attention.store_kv must give the same bits.
 void kvd_plan_store_half(const float* x, int64_t n, uint16_t* out) { store_half_row(x, n, out); }
@@ -553,7 +594,7 @@ int kvd_plan_decode(const PlanModel* m, void* kv, int B, const int64_t* ids, con
     RowClaims claims(nt);
     std::vector<Best> team_best(argmax ? (size_t)nt * B : 0, Best{0.0f, -1});    // [thread][row]
     auto work = [&](const int tid, const int T) {
-        int64_t round = 0;                              // the team's matmuls so far (RowClaims::run)
+        int64_t round = 0;                              // the team's claimed phases so far (RowClaims)
         QuantizedInputs own_qbufs;
         std::vector<float> scores((size_t)H * KEY_CHUNK_MAX), q_own((size_t)q_size), k_own((size_t)kvh_stride);
         const AttnScratch ws{scores.data(), q_own.data(), k_own.data(), part_m.data(), part_l.data(), part_o.data()};
@@ -612,22 +653,27 @@ int kvd_plan_decode(const PlanModel* m, void* kv, int B, const int64_t* ids, con
                         // token's own key first writes its K and V into the cache (no other
                         // chunk reads that slot), and a thread rotates a sequence's queries
                         // into its own buffer when it starts a chunk of that sequence
-                        int64_t i0, i1;
-                        split(items, T, tid, &i0, &i1);
-                        if (m->kv_half)
-                            attend_items(m, items_of, i0, i1, x, in, (uint16_t*)kv + l * layer_kv, layer_kv / 2, ws);
-                        else
-                            attend_items(m, items_of, i0, i1, x, in, (float*)kv + l * layer_kv, layer_kv / 2, ws);
+                        // (items claimed in ATTN_CLAIM_ITEMS: a thread that loses its CPU
+                        // leaves what it has not started to the others)
+                        claims.run_units(items, ATTN_CLAIM_ITEMS, T, tid, round++, [&](int64_t i0, int64_t i1) {
+                            if (m->kv_half)
+                                attend_items(m, items_of, i0, i1, x, in, (uint16_t*)kv + l * layer_kv, layer_kv / 2, ws);
+                            else
+                                attend_items(m, items_of, i0, i1, x, in, (float*)kv + l * layer_kv, layer_kv / 2, ws);
+                        });
                         barrier.wait(T, tid);
                         // the chunks of each (sequence, head) combined: every pair on every
-                        // thread into its private output, or the pairs split
-                        if (priv_slot[st.dst]) i0 = 0, i1 = (int64_t)B * H;
-                        else split((int64_t)B * H, T, tid, &i0, &i1);
-                        for (int64_t i = i0; i < i1; i++) {
-                            const int64_t b = i / H, head = i % H, c0 = first_item[b];
-                            combine_chunks(&part_m[c0 * H + head], &part_l[c0 * H + head], &part_o[c0 * q_size + head * hd],
-                                           first_item[b + 1] - c0, H, hd, y + b * out + head * hd);
-                        }
+                        // thread into its private output, or the pairs claimed
+                        auto combine = [&](int64_t i0, int64_t i1) {
+                            for (int64_t i = i0; i < i1; i++) {
+                                const int64_t b = i / H, head = i % H, c0 = first_item[b];
+                                combine_chunks(&part_m[c0 * H + head], &part_l[c0 * H + head],
+                                               &part_o[c0 * q_size + head * hd], first_item[b + 1] - c0, H, hd,
+                                               y + b * out + head * hd);
+                            }
+                        };
+                        if (priv_slot[st.dst]) combine(0, (int64_t)B * H);
+                        else claims.run_units((int64_t)B * H, COMBINE_CLAIM_PAIRS, T, tid, round++, combine);
                         row_local = priv_slot[st.dst];
                         break;
                     }

@@ -778,14 +778,6 @@ inline bool matmul_range(int format, const uint8_t* w, int64_t n0, int64_t n1, c
     }
 }
 
-// This thread's share of N output rows: whole groups of 8, so no group straddles two threads.
-inline void split_rows(int64_t N, int parts, int part, int64_t* n0, int64_t* n1) {
-    int64_t g0, g1;
-    split((N + 7) / 8, parts, part, &g0, &g1);
-    *n0 = g0 * 8 < N ? g0 * 8 : N;
-    *n1 = g1 * 8 < N ? g1 * 8 : N;
-}
-
 // ------------------------------------------------------------------ embedding rows
 // out[t, :] = row ids[t] of W (format F, [N, K], x8 layout) dequantized exactly; ids
 // already checked. Each block is gathered back into its GGUF bytes, then dequantized.

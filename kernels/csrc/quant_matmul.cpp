@@ -40,9 +40,12 @@
 //
 // The kernels read W in the x8 layout (kernels/quant.py's QuantTensor.pack; quant_gemm.h
 // gives the bytes): the same blocks, 8 rows' blocks interleaved by 2-byte word. Work is
-// split between threads by whole groups of 8 output rows of W (n), never by k.
+// handed to threads in chunks of whole groups of 8 output rows of W (n), never split by k
+// (row_claims.h: each thread takes its own share first, then what the others have not
+// started, so a thread that loses its CPU does not hold up the call).
 
 #include "quant_gemm.h"
+#include "row_claims.h"
 #include "spin_barrier.h"
 
 namespace {
@@ -53,20 +56,30 @@ namespace {
 // of SmolLM2's down projection -- on one thread while the team waits.
 constexpr size_t KEEP_QROWS_BYTES = 32 << 20;
 
+// Groups of 8 output rows a thread claims at a time (row_claims.h): about CLAIM_BYTES of W,
+// and a multiple of 4 groups, so that the AMX build's passes of 32 rows stay whole.
+inline int64_t claim_groups(int64_t group_bytes) {
+    const int64_t g = CLAIM_BYTES / (group_bytes > 0 ? group_bytes : 1);
+    return g <= 4 ? 4 : (g + 3) / 4 * 4;
+}
+
 void matmul(int format, const uint8_t* w, int64_t N, int64_t K, const float* x, int64_t M, int64_t ldx, float* y,
             int64_t ldy, int nt) {
     thread_local QRowsBuf buf;
     const QRows q = buf.rows(M, K);
     SpinBarrier barrier(nt);
+    RowClaims claims(nt);
+    const int64_t chunk = claim_groups(group_bytes(format, K));
 #pragma omp parallel num_threads(nt)
     {
         const int T = omp_get_num_threads(), tid = omp_get_thread_num();
-        int64_t m0, m1, n0, n1;
+        int64_t m0, m1;
         split(M, T, tid, &m0, &m1);
         quantize_rows(x, ldx, m0, m1, q);
         barrier.wait(T, tid);
-        split_rows(N, T, tid, &n0, &n1);
-        if (n0 < n1) matmul_range(format, w, n0, n1, q, M, y, ldy);
+        claims.run_units((N + 7) / 8, chunk, T, tid, 0, [&](int64_t g0, int64_t g1) {
+            matmul_range(format, w, g0 * 8, g1 * 8 < N ? g1 * 8 : N, q, M, y, ldy);
+        });
     }
     if (buf.bytes() > KEEP_QROWS_BYTES) buf = QRowsBuf();
 }
