@@ -20,6 +20,8 @@ import pytest
 
 from tools.eval.tokenizer import export
 
+pytestmark = pytest.mark.slow       # lm-eval loads transformers; each run takes half a minute
+
 REPO = Path(__file__).resolve().parents[2]
 TASKS = REPO / "tools" / "eval" / "tasks"
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
