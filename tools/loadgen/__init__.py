@@ -6,7 +6,9 @@ summary table) so numbers taken against kvd and against vLLM read the same.
 Modules, in the order a run touches them:
 
 - ``cli``      argparse; subcommands ``run`` (the default), ``plot``, ``compare``
+- ``vllm_flags`` ``vllm bench serve`` spellings: backends, endpoints, flags refused by name
 - ``datasets`` prompts measured in the served model's tokens
+- ``sonnet``   vLLM's sonnet dataset over the bundled ``data/sonnets.txt``
 - ``faults``   admin-socket client for ``--fail NODE@SECONDS``
 - ``runner``   arrival process, concurrency limit, sessions, progress bar
 - ``client``   one streamed request: SSE parsing and timestamps
