@@ -146,7 +146,7 @@ class ModelRunner:
         token, its logprobs where its request asks (engine/logprobs.py)."""
         asking = [k for k, i in enumerate(sampled) if requests[i].params.logprobs is not None]
         # the model's raw logits: before the min_tokens mask and the sampler's adjustments change rows
-        logprobs = log_probs(logits[asking]) if asking else None
+        logprobs = log_probs(logits if len(asking) == len(logits) else logits[asking]) if asking else None
         row_of = {i: row for row, i in enumerate(sampled)}
         if banned := [(row_of[i], ids) for i, ids in banned if i in row_of]:
             apply_min_tokens(logits, banned)
@@ -155,7 +155,8 @@ class ModelRunner:
         unallowed = pending.apply(logits) if pending is not None else []
         if pending is not None and greedy_ids is not None:
             greedy_ids = list(greedy_ids)
-            for row, tok in zip(pending.rows, greedy(logits[pending.rows])):
+            guided = logits if len(pending.rows) == logits.shape[0] else logits[pending.rows]
+            for row, tok in zip(pending.rows, greedy(guided)):
                 greedy_ids[row] = tok
         picked = sample(logits, [requests[i].params for i in sampled], [generators[i] for i in sampled],
                         [len(requests[i].output_ids) for i in sampled], greedy_ids, self.sampler,
