@@ -13,26 +13,14 @@ import httpx
 import openai
 import pytest
 
-from engine.engine import EngineConfig, LLMEngine
 from engine.request import SamplingParams
 
 from ..probes import kvd_metrics
+from .test_sampling_http import client, engine  # noqa: F401 -- the openai client and the reference engine
 
 MODEL = "tiny"
 N = 6
 TOL = 1e-4          # another process, another thread count: the engine test holds the 1e-5 contract
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def engine():
-    """The plain single-node engine, in this process: the reference."""
-    return LLMEngine.from_config(EngineConfig(model="tiny", dtype="float32", kv_blocks=256,
-                                              host_kv_blocks=0, max_model_len=512, enable_prefix_caching=False))
 
 
 def ids(seed: int, n: int | None = None) -> list[int]:
