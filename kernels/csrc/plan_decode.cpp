@@ -18,7 +18,7 @@
 //                     sequence's keys 0..pos, GQA (query head h reads kv head h / (H / KVH))
 //
 // then the final norm and the LM head. One OpenMP team runs the whole step:
-// matmuls hand out output rows in chunks (row_claims.h), norms and silu split rows,
+// matmuls hand out output rows in chunks (row_claims.h), norms and silu rows,
 // attention hands out chunks of a sequence's keys (every head at once; the chunk holding
 // the token's own key applies RoPE to it and stores K and V first), then (sequence,
 // head) pairs to combine them, the same way; a barrier separates steps. A batch of at most
@@ -69,6 +69,8 @@ constexpr int64_t REDUNDANT_CHUNKS = 32;
 // (an atomic add) is small beside either.
 constexpr int64_t ATTN_CLAIM_ITEMS = 1;
 constexpr int64_t COMBINE_CLAIM_PAIRS = 8;
+// Rows a claim of a row-local op (norm, silu, quantizing a matmul's input) covers.
+constexpr int64_t ROW_CLAIM_ROWS = 2;
 
 }  // namespace
 
@@ -604,9 +606,12 @@ int kvd_plan_decode(const PlanModel* m, void* kv, int B, const int64_t* ids, con
         auto slot = [&](int s) { return priv_slot[s] ? own[s].data() : slots[s].data(); };
         // matmul inputs quantized: this thread's own buffers, or the team's (rows split)
         const std::vector<QRows> xq = redundant ? quantized_inputs(m, B, own_qbufs) : qx;
-        int64_t r0, r1;                                 // this thread's rows for row-local ops
-        if (redundant) r0 = 0, r1 = B;
-        else split(B, T, tid, &r0, &r1);
+        // a row-local op over rows [r0, r1): every row on this thread (shared false: its own
+        // copy), or the rows handed out in chunks to the team (a claimed round)
+        auto each_rows = [&](bool shared, auto&& fn) {
+            if (shared) claims.run_units(B, ROW_CLAIM_ROWS, T, tid, round++, fn);
+            else fn(int64_t(0), int64_t(B));
+        };
         for (int l = 0; l < m->num_layers; l++) {
             const PlanWeight* lw = m->weights + (size_t)l * m->num_weights;
             for (int s = 0; s < m->num_steps; s++) {
@@ -617,11 +622,11 @@ int kvd_plan_decode(const PlanModel* m, void* kv, int B, const int64_t* ids, con
                 bool row_local = false;
                 switch (st.op) {
                     case OP_RMS_NORM: {
-                        // private output: every thread has all rows; shared: this thread's rows
-                        int64_t a = r0, z = r1;
-                        if (redundant && !priv_slot[st.dst]) split(B, T, tid, &a, &z);
-                        for (int64_t r = a; r < z; r++)
-                            rms_norm_row(x + r * in, (const float*)lw[st.weight].data, in, m->eps, y + r * out);
+                        // private output: every thread has all rows; shared: the rows claimed
+                        each_rows(!priv_slot[st.dst], [&](int64_t a, int64_t z) {
+                            for (int64_t r = a; r < z; r++)
+                                rms_norm_row(x + r * in, (const float*)lw[st.weight].data, in, m->eps, y + r * out);
+                        });
                         row_local = priv_slot[st.dst];
                         break;
                     }
@@ -629,7 +634,7 @@ int kvd_plan_decode(const PlanModel* m, void* kv, int B, const int64_t* ids, con
                     case OP_LINEAR_ADD: {       // x quantized for a quantized W (rows split, or whole per thread), then this thread's columns
                         const PlanWeight& w = lw[st.weight];
                         if (quantized(w.format)) {
-                            quantize_rows(x, in, r0, r1, xq[st.src]);
+                            each_rows(!redundant, [&](int64_t a, int64_t z) { quantize_rows(x, in, a, z, xq[st.src]); });
                             if (!redundant) barrier.wait(T, tid);
                         }
                         const bool add = st.op == OP_LINEAR_ADD;
@@ -642,9 +647,9 @@ int kvd_plan_decode(const PlanModel* m, void* kv, int B, const int64_t* ids, con
                         break;
                     }
                     case OP_SILU_MUL: {
-                        int64_t a = r0, z = r1;
-                        if (redundant && !priv_slot[st.dst]) split(B, T, tid, &a, &z);
-                        for (int64_t r = a; r < z; r++) silu_mul_row(x + r * in, x + r * in + out, out, y + r * out);
+                        each_rows(!priv_slot[st.dst], [&](int64_t a, int64_t z) {
+                            for (int64_t r = a; r < z; r++) silu_mul_row(x + r * in, x + r * in + out, out, y + r * out);
+                        });
                         row_local = priv_slot[st.dst];
                         break;
                     }
@@ -687,9 +692,11 @@ int kvd_plan_decode(const PlanModel* m, void* kv, int B, const int64_t* ids, con
         // own copy of all rows), read by the LM head (a quantized head reads it quantized)
         std::vector<float> own_normed(redundant ? (size_t)B * D : 0);
         float* nrm = redundant ? own_normed.data() : normed.data();
-        for (int64_t r = r0; r < r1; r++) rms_norm_row(h + r * D, m->final_norm, D, m->eps, &nrm[r * D]);
         const QRows& qh = xq[m->num_slots];
-        if (quantized(m->head.format)) quantize_rows(nrm, D, r0, r1, qh);
+        each_rows(!redundant, [&](int64_t a, int64_t z) {
+            for (int64_t r = a; r < z; r++) rms_norm_row(h + r * D, m->final_norm, D, m->eps, &nrm[r * D]);
+            if (quantized(m->head.format)) quantize_rows(nrm, D, a, z, qh);
+        });
         if (!redundant) barrier.wait(T, tid);
         std::vector<Best> mine(argmax ? (size_t)B : 0, Best{0.0f, -1});
         claims.run(m->vocab, rows8_bytes(m->head.format, D), T, tid, round++, [&](int64_t n0, int64_t n1) {
