@@ -2,11 +2,16 @@
 while the model runs and applied to the logits before sampling.
 
 A row's mask depends only on its request's grammar state, which is final once
-the previous step's token was accepted: so ``MaskComputer.start`` hands the
-step's states to one worker thread before the step's model call, llguidance's
-``LLExecutor`` fills one bitmask row per state (in parallel, without the GIL)
-while the model computes, and ``PendingMasks.apply`` waits for it (bounded by
-``MASK_TIMEOUT_S``) and sets every disallowed logit of those rows to -inf.
+the previous step's token was accepted. Where the host has a CPU the compute
+team does not use (``overlap``), ``MaskComputer.start`` hands the step's states
+to one worker thread before the step's model call, llguidance's ``LLExecutor``
+fills one bitmask row per state (without the GIL) while the model computes,
+and ``PendingMasks.apply`` waits for it (bounded by ``MASK_TIMEOUT_S``).
+Where the team has every CPU, a thread beside it would take a core from a
+team that waits on its slowest thread (the decode executor's barrier): the
+masks are then computed in ``apply``, on the engine thread, one matcher after
+the other (tens of microseconds each). Either way ``apply`` sets every
+disallowed logit of those rows to -inf.
 
 Bitmask layout (llguidance's): row ``r`` is ``ceil(V / 32)`` int32 words, bit
 ``i`` of word ``j`` (little-endian) allows token ``32 j + i``::
@@ -21,6 +26,7 @@ alone, and the step returns only after the masks were applied.
 from __future__ import annotations
 
 import concurrent.futures
+import os
 
 import llguidance
 import numpy as np
@@ -36,41 +42,52 @@ MASK_TIMEOUT_S = 30.0
 class PendingMasks:
     """The masks of one step's guided rows, being computed (``MaskComputer.start``)."""
 
-    def __init__(self, rows: list[int], bitmask: np.ndarray, done: concurrent.futures.Future) -> None:
+    def __init__(self, rows: list[int], bitmask: np.ndarray, done: concurrent.futures.Future | None,
+                 matchers: list[llguidance.LLMatcher]) -> None:
         self.rows = rows                    # indices into the step's logits rows
         self._bitmask = bitmask             # [len(rows), ceil(V/32)] int32
-        self._done = done
+        self._done = done                   # the worker's computation, or None: computed in apply
+        self._matchers = matchers
 
     def apply(self, logits: torch.Tensor) -> list[int]:
         """Wait for the masks, then mask ``logits`` ([B, V] fp32, the step's rows): each
         guided row's disallowed tokens become -inf. Mutates ``logits``. Returns the
         rows left without an allowed token (a grammar in an error state, or masks
         not computed within MASK_TIMEOUT_S): the caller fails their requests."""
-        try:
-            self._done.result(timeout=MASK_TIMEOUT_S)
-        except concurrent.futures.TimeoutError:    # the worker may still write the bitmask: not read
-            for row in self.rows:
-                logits[row].fill_(float("-inf"))
-            return list(self.rows)
+        if self._done is None:
+            row_bytes = self._bitmask.shape[1] * 4
+            for k, matcher in enumerate(self._matchers):
+                matcher.unsafe_compute_mask_ptr(self._bitmask.ctypes.data + k * row_bytes, row_bytes)
+        else:
+            try:
+                self._done.result(timeout=MASK_TIMEOUT_S)
+            except concurrent.futures.TimeoutError:    # the worker may still write the bitmask: not read
+                for row in self.rows:
+                    logits[row].fill_(float("-inf"))
+                return list(self.rows)
         v = logits.shape[1]
-        allowed = np.unpackbits(self._bitmask.view(np.uint8), axis=1, bitorder="little")[:, :v]  # [n, V]
+        words = self._bitmask.view(np.uint8)
+        allowed = np.unpackbits(words, axis=1, count=min(v, words.shape[1] * 8), bitorder="little")  # [n, V]
         if allowed.shape[1] < v:            # ids past the grammar's vocabulary: never allowed
             allowed = np.pad(allowed, ((0, 0), (0, v - allowed.shape[1])))
-        refused = torch.from_numpy(allowed == 0)
-        empty = []
-        for k, row in enumerate(self.rows):
-            logits[row].masked_fill_(refused[k], float("-inf"))
-            if bool(refused[k].all()):
-                empty.append(row)
-        return empty
+        refused = torch.from_numpy(allowed) == 0
+        if len(self.rows) == logits.shape[0]:          # every row guided (rows are ascending)
+            logits.masked_fill_(refused, float("-inf"))
+        else:
+            index = torch.tensor(self.rows, dtype=torch.int64)
+            logits[index] = logits[index].masked_fill_(refused, float("-inf"))
+        return [self.rows[k] for k in np.flatnonzero(~self._bitmask.any(axis=1))]
 
 
 class MaskComputer:
-    """Computes the masks of a step's guided rows on its own worker thread (module
-    docstring). ``vocab_size``: the grammar vocabulary's size (GrammarCompiler's)."""
+    """Computes the masks of a step's guided rows (module docstring). ``vocab_size``:
+    the grammar vocabulary's size (GrammarCompiler's). ``overlap``: on a worker thread
+    while the model runs; default: where this process may run on more CPUs than
+    torch's compute team uses."""
 
-    def __init__(self, vocab_size: int) -> None:
+    def __init__(self, vocab_size: int, overlap: bool | None = None) -> None:
         self.words = (vocab_size + 31) // 32
+        self.overlap = (len(os.sched_getaffinity(0)) > torch.get_num_threads()) if overlap is None else overlap
         self._executor: llguidance.LLExecutor | None = None
         self._worker: concurrent.futures.ThreadPoolExecutor | None = None
 
@@ -81,14 +98,16 @@ class MaskComputer:
         rows = [k for k, s in enumerate(states) if s is not None]
         if not rows:
             return None
+        bitmask = np.zeros((len(rows), self.words), dtype=np.int32)
+        if not self.overlap:
+            return PendingMasks(rows, bitmask, None, [states[row].matcher for row in rows])
         if self._worker is None:            # the first guided step: nothing is paid before
             self._executor = llguidance.LLExecutor()
             self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvd-grammar-masks")
-        bitmask = np.zeros((len(rows), self.words), dtype=np.int32)
         matchers = [(states[row].matcher, k) for k, row in enumerate(rows)]
         done = self._worker.submit(self._executor.unsafe_compute_mask_ptr, matchers, bitmask.ctypes.data,
                                    self.words * 4, len(rows))
-        return PendingMasks(rows, bitmask, done)
+        return PendingMasks(rows, bitmask, done, [])
 
     def close(self) -> None:
         """Stop the worker thread (after the masks it is computing)."""

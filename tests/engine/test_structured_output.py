@@ -146,3 +146,30 @@ def test_compiled_grammars_are_cached_by_spec(tokenizer):
     with pytest.raises(ValueError):
         compiler.check(StructuredOutput("regex", "(("))
     assert compiler.compiled == 2
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_masks_on_a_worker_thread_or_the_engine_thread_are_the_same(tokenizer, overlap):
+    """Rows without a grammar are untouched; a guided row keeps exactly its allowed tokens."""
+    from engine.structured.masks import MaskComputer
+
+    compiler = GrammarCompiler(tokenizer, 49152)
+    spec = SPECS["json_schema"]
+    states = [None, compiler.start(spec), None, compiler.start(spec)]
+    done = []
+    for _ in range(3):                     # row 3 some tokens in: its last allowed token each time
+        done.append(int(allowed(compiler, spec, done, 49152).nonzero()[-1]))
+    assert states[3].replay(done)
+    logits = torch.randn(4, 49152)
+    before = logits.clone()
+    masks = MaskComputer(49152, overlap=overlap)
+    try:
+        assert masks.start([None, None]) is None
+        assert masks.start(states).apply(logits) == []
+    finally:
+        masks.close()
+    assert torch.equal(logits[0], before[0]) and torch.equal(logits[2], before[2])
+    for row, done in ((1, []), (3, done)):
+        keep = allowed(compiler, spec, done, 49152)
+        assert torch.equal(logits[row][keep], before[row][keep])
+        assert bool((logits[row][~keep] == float("-inf")).all()) and 0 < int(keep.sum()) < 49152
