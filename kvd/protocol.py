@@ -343,6 +343,20 @@ class Accepted(Message):
                          self.kv_dtype)
 
 
+# Bytes of one prompt token's TokenLogprobs in a TokenChunk's JSON header, at most: its object
+# with a 6-digit id and a 20-character logprob, and each of its top (id, logprob) pairs.
+PROMPT_LOGPROB_BYTES = 64
+TOP_LOGPROB_BYTES = 30
+
+
+def prompt_logprobs_fit(num_prompt_tokens: int, top: int) -> bool:
+    """Whether the prompt logprobs of a ``num_prompt_tokens``-token prompt with
+    ``top`` top logprobs each fit the one TokenChunk that carries them (three
+    quarters of the header limit: the rest is the chunk's other fields)."""
+    size = (num_prompt_tokens - 1) * (PROMPT_LOGPROB_BYTES + TOP_LOGPROB_BYTES * top)
+    return size <= DEFAULT_LIMITS.max_header_bytes * 3 // 4
+
+
 @message
 @dataclass(frozen=True, kw_only=True)
 class TokenChunk(Message):

@@ -51,6 +51,7 @@ from kvd.api.schema import ApiError, ApiRequest, bad
 from kvd.config import ServerConfig
 from kvd.engine_client import EngineClient, EngineDead
 from kvd.metrics import ServerMetrics
+from kvd.protocol import prompt_logprobs_fit
 
 log = logging.getLogger("kvd.http")
 
@@ -264,6 +265,11 @@ class FrontDoor:
             self.client.check_request(len(ids), params)
         except InvalidParam as exc:
             raise bad(exc.param, str(exc), code="context_length_exceeded") from None
+        k = params.prompt_logprobs
+        if k is not None and not prompt_logprobs_fit(len(ids), k):
+            raise bad("logprobs", f"echo with logprobs={k} over a prompt of {len(ids)} tokens is more prompt "
+                      "logprobs than one answer carries between nodes; ask fewer top logprobs or send a "
+                      "shorter prompt")
         return params
 
     async def _complete(self, req: ApiRequest, prompt_ids: list[int], chat: bool,

@@ -13,9 +13,11 @@ import httpx
 import openai
 import pytest
 
-from engine.request import SamplingParams
+from engine.request import SamplingParams, TokenLogprobs
+from kvd import protocol
 
 from ..probes import kvd_metrics
+from .conftest import TINY_ARGS, running_serve
 from .test_sampling_http import client, engine  # noqa: F401 -- the openai client and the reference engine
 
 MODEL = "tiny"
@@ -205,3 +207,24 @@ def test_the_openai_client_gets_a_bad_request(client):
         client.completions.create(model=MODEL, prompt="x", logprobs=30)
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], top_logprobs=3)
+
+
+def test_prompt_logprobs_that_one_answer_cannot_carry_are_a_400_not_a_stall():
+    """The largest prompt logprobs allowed encode within the wire's header limit; more are refused."""
+    for k in (0, 1, 5, 20):
+        n = next(n for n in range(2, 100_000) if not protocol.prompt_logprobs_fit(n + 1, k))
+        worst = TokenLogprobs(999_999, -0.00012345678901234567, ((999_999, -0.00012345678901234567),) * k)
+        chunk = protocol.TokenChunk(request_id="r" * 40, start_index=0, token_ids=(999_999,), text="x" * 64,
+                                    text_ends=(64,), prompt_logprobs=(worst,) * (n - 1), logprobs=(worst,))
+        header, _ = protocol.encode(chunk)
+        assert len(header) <= protocol.DEFAULT_LIMITS.max_header_bytes, (k, n, len(header))
+    args = list(TINY_ARGS)
+    args[args.index("--max-model-len") + 1] = "2048"
+    with running_serve(*args) as s:
+        prompt = ids(40, 1500)
+        r = httpx.post(s.base + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 0,
+                                                        "echo": True, "logprobs": 20}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
+        r = httpx.post(s.base + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 0,
+                                                        "echo": True, "logprobs": 1}, timeout=120)
+        assert r.status_code == 200 and len(r.json()["choices"][0]["logprobs"]["token_logprobs"]) == 1500
