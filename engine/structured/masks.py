@@ -70,12 +70,19 @@ class PendingMasks:
         allowed = np.unpackbits(words, axis=1, count=min(v, words.shape[1] * 8), bitorder="little")  # [n, V]
         if allowed.shape[1] < v:            # ids past the grammar's vocabulary: never allowed
             allowed = np.pad(allowed, ((0, 0), (0, v - allowed.shape[1])))
-        refused = torch.from_numpy(allowed) == 0
-        if len(self.rows) == logits.shape[0]:          # every row guided (rows are ascending)
-            logits.masked_fill_(refused, float("-inf"))
+        refused = allowed == 0
+        if logits.dtype == torch.float32:
+            # in numpy, on this thread: a torch op would wake torch's thread team, whose spinning
+            # after it takes CPU from the decode executor's team (a greedy step builds no tensor)
+            out = logits.detach().numpy()
+            if len(self.rows) == out.shape[0]:        # every row guided (rows are ascending)
+                np.copyto(out, -np.inf, where=refused)
+            else:
+                for k, row in enumerate(self.rows):
+                    np.copyto(out[row], -np.inf, where=refused[k])
         else:
             index = torch.tensor(self.rows, dtype=torch.int64)
-            logits[index] = logits[index].masked_fill_(refused, float("-inf"))
+            logits[index] = logits[index].masked_fill_(torch.from_numpy(refused), float("-inf"))
         return [self.rows[k] for k in np.flatnonzero(~self._bitmask.any(axis=1))]
 
 

@@ -7,8 +7,13 @@ and under a JSON schema (greedy; an array of at least ``--min-items`` records,
 so the grammar goes on past ``--tokens`` and every step masks), alternated
 ``--rounds`` times. TPOT is a run's median decode step (every request
 decoding), in ms; the ratio is structured / plain, per round, and its median.
-The structured run's masks are computed while the step's model runs
-(engine/structured/masks.py): the ratio shows what is left over.
+The structured run's masks are computed while the step's model runs where a
+CPU is left beside the compute team, else on the engine thread
+(engine/structured/masks.py). ``mask CPU`` is the engine thread's CPU time
+(``time.thread_time``: a busy host's preemptions left out) of one step's
+structured-output work alone, over B rows in the schema's grammar: computing
+the masks, masking the logits, the guided rows' argmax and accepting the
+tokens, the median of ``--tokens`` steps.
 
     .venv/bin/python -m tools.bench.engine.bench_structured [--batches 1,32] [--threads N]
         [--tokens 48] [--prompt-len 64] [--rounds 3]
@@ -27,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from engine.sampling import greedy
 from engine.engine import EngineConfig, LLMEngine
 from engine.request import SamplingParams
 from engine.structured.spec import StructuredOutput
@@ -61,6 +67,24 @@ def decode_steps(engine: LLMEngine, prompts: list[list[int]], params: SamplingPa
     return times
 
 
+def mask_cpu_ms(engine: LLMEngine, spec: StructuredOutput, batch: int, steps: int) -> float:
+    """The median thread CPU ms of one step's structured-output work over ``batch`` rows
+    (random logits: each row's state follows its own argmax through the grammar)."""
+    v = engine.model.config.vocab_size
+    states = [engine.grammars.start(spec) for _ in range(batch)]
+    gen = torch.Generator().manual_seed(0)
+    times = []
+    for _ in range(steps):
+        logits = torch.randn(batch, v, generator=gen)
+        t = time.thread_time()
+        pending = engine.runner.masks.start(states)
+        pending.apply(logits)
+        for state, tok in zip(states, greedy(logits)):
+            state.accept(tok)
+        times.append(time.thread_time() - t)
+    return statistics.median(times) * 1e3
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", default="1,32")
@@ -88,11 +112,13 @@ def main() -> None:
                 tpot[name].append(statistics.median(decode_steps(engine, prompts, params)) * 1e3)
         ratios = [s / p for s, p in zip(tpot["json_schema"], tpot["plain"])]
         row = {"batch": b, "tpot_plain_ms": tpot["plain"], "tpot_json_schema_ms": tpot["json_schema"],
-               "ratio_median": statistics.median(ratios)}
+               "ratio_median": statistics.median(ratios), "mask_cpu_ms": mask_cpu_ms(engine, spec, b, args.tokens),
+               "mask_overlap": engine.runner.masks.overlap}
         rows.append(row)
         print(f"batch {b:3d}: TPOT plain {statistics.median(tpot['plain']):8.2f} ms, json_schema "
               f"{statistics.median(tpot['json_schema']):8.2f} ms, ratio {row['ratio_median']:.3f} "
-              f"(rounds {', '.join(f'{r:.3f}' for r in ratios)})")
+              f"(rounds {', '.join(f'{r:.3f}' for r in ratios)}); mask CPU {row['mask_cpu_ms']:.3f} ms/step "
+              f"({'overlapped' if row['mask_overlap'] else 'on the engine thread'})")
     append_result(RESULTS, {"bench": "structured", "machine": info, "args": vars(args),
                             "decode": engine.kernels()["decode"], "rows": rows,
                             "time": time.strftime("%Y-%m-%d %H:%M:%S")})
