@@ -11,6 +11,7 @@ import orjson
 import pytest
 
 from engine.request import InvalidParam, SamplingParams
+from engine.structured.spec import StructuredOutput
 from kvd import protocol as P
 from kvd.api.schema import ApiError, parse_completion
 
@@ -94,12 +95,15 @@ def test_the_wire_refuses_parameters_the_engine_does_not_have(key):
 BODY = {"max_tokens": 7, "temperature": 0.7, "top_p": 0.9, "top_k": 5, "seed": 1234,
         "stop": ["foo", "bar"], "stop_token_ids": [3, 4], "ignore_eos": True, "min_tokens": 2,
         "logit_bias": {"7": -100.0, "50": 2.5}, "repetition_penalty": 1.3, "min_p": 0.05,
-        "logprobs": 3, "prompt_logprobs": 3}
-# OpenAI's spelling of the fields it names otherwise: echo asks for the prompt's logprobs
-HTTP_BODY = {k: v for k, v in BODY.items() if k != "prompt_logprobs"} | {"echo": True}
+        "logprobs": 3, "prompt_logprobs": 3, "structured": {"kind": "regex", "value": "[a-z]+"}}
+# OpenAI's spelling of the fields it names otherwise: echo asks for the prompt's logprobs,
+# guided_regex (one of the structured-output fields) for a grammar
+HTTP_BODY = ({k: v for k, v in BODY.items() if k not in ("prompt_logprobs", "structured")}
+             | {"echo": True, "guided_regex": "[a-z]+"})
 EXPECTED = dict(max_tokens=7, temperature=0.7, top_p=0.9, top_k=5, seed=1234, stop=("foo", "bar"),
                 stop_token_ids=(3, 4), ignore_eos=True, min_tokens=2, logit_bias=((7, -100.0), (50, 2.5)),
-                repetition_penalty=1.3, min_p=0.05, logprobs=3, prompt_logprobs=3)
+                repetition_penalty=1.3, min_p=0.05, logprobs=3, prompt_logprobs=3,
+                structured=StructuredOutput("regex", "[a-z]+"))
 
 
 def test_every_field_round_trips_http_wire_engine():
@@ -125,3 +129,20 @@ def test_integers_where_numbers_are_due_and_absent_keys():
     assert SamplingParams.from_dict(SamplingParams(seed=5).to_dict()) == SamplingParams(seed=5)
     with pytest.raises(InvalidParam, match="must be an object"):
         SamplingParams.from_dict([1, 2])
+
+
+def test_a_structured_output_spec_is_validated_on_the_wire():
+    def decode(spec):
+        header = orjson.dumps({"type": "GenerateRequest", "v": P.PROTOCOL_VERSION, "id": "g", "request_id": "r",
+                               "prompt_token_ids": [1], "sampling": {"structured": spec}})
+        return P.decode(header, [])
+
+    ok = decode({"kind": "json_schema", "value": '{"type": "object"}'})
+    assert ok.sampling.structured == StructuredOutput.json_schema({"type": "object"})
+    for bad in ({"kind": "grammar", "value": "x"}, {"kind": "regex"}, {"kind": "choice", "value": []},
+                {"kind": "json_schema", "value": "[1"}, "regex", {"kind": "regex", "value": "a", "x": 1}):
+        err = decode(bad)
+        assert isinstance(err, P.ProtocolError) and err.reason == "invalid_field", bad
+    # the body's own "structured" is not a way in: only the OpenAI and vLLM fields are
+    assert parse_completion({"model": "m", "prompt": "x", "structured": {"kind": "regex", "value": "a"}}
+                            ).params.structured is None
