@@ -420,7 +420,10 @@ class LLMEngine:
         last chunk: after each layer of that step, the layer's KV of every
         prompt block (the earlier chunks' blocks hold theirs already) goes to
         the sink, so every layer streams once, in order, as unchunked."""
-        banned = [(i, ids) for i, r in enumerate(reqs) if (ids := self.outputs.banned_ids(r))]
+        # min_tokens bans EOS and the stop ids, except where a request's grammar is complete (EOS is
+        # all it allows: the grammar decides where a structured output ends)
+        banned = [(i, ids) for i, r in enumerate(reqs)
+                  if (ids := self.outputs.banned_ids(r)) and not (r.grammar is not None and r.grammar.complete)]
         streamed = ([r for r, n in zip(reqs, num_new) if r.kv_out is not None and r.num_computed + n == r.num_tokens]
                     if is_prefill else [])
         on_layer = LayerStreamer(self.pool, [(self._prompt_blocks(r)[r.kv_out.skip_blocks:], r.kv_out)

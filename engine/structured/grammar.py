@@ -80,6 +80,11 @@ class GrammarState:
         return self.matcher.consume_tokens(tokens) if tokens else True
 
     @property
+    def complete(self) -> bool:
+        """The grammar is complete and takes nothing more: EOS is the one token it allows."""
+        return self.matcher.is_stopped()
+
+    @property
     def error(self) -> str:
         """Why the grammar refused a token ("" if it did not)."""
         return self.matcher.get_error()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import numpy as np
 import pytest
@@ -173,3 +174,22 @@ def test_masks_on_a_worker_thread_or_the_engine_thread_are_the_same(tokenizer, o
         keep = allowed(compiler, spec, done, 49152)
         assert torch.equal(logits[row][keep], before[row][keep])
         assert bool((logits[row][~keep] == float("-inf")).all()) and 0 < int(keep.sum()) < 49152
+
+
+def test_with_ignore_eos_the_tokens_past_the_grammars_end_are_eos(make_tiny, tokenizer):
+    eng = make_tiny()
+    p = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, structured=SPECS["choice"])
+    out = eng.generate([prompt(8)], p)[0]
+    assert len(out) == 12 and tokenizer.decode(out) in SPECS["choice"].value
+    end = out.index(tokenizer.eos_token_ids[0])
+    assert set(out[end:]) == {tokenizer.eos_token_ids[0]}
+
+
+def test_min_tokens_holds_while_the_grammar_goes_on_and_not_past_its_end(make_tiny, tokenizer):
+    eng = make_tiny()
+    choice = eng.generate([prompt(9)], SamplingParams(max_tokens=12, temperature=0.0, min_tokens=10,
+                                                      structured=SPECS["choice"]))[0]
+    assert tokenizer.decode(choice) in SPECS["choice"].value and choice[-1] in tokenizer.eos_token_ids
+    letters = eng.generate([prompt(9)], SamplingParams(max_tokens=12, temperature=0.0, min_tokens=6,
+                                                       structured=StructuredOutput("regex", "[a-z]+")))[0]
+    assert len(letters) >= 6 and re.fullmatch("[a-z]+", tokenizer.decode(letters))
