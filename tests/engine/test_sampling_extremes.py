@@ -162,11 +162,11 @@ def poison_row(eng, request_id: str, after_tokens: int) -> None:
     runner = eng.runner
     pick = runner._pick
 
-    def poisoned(requests, sampled, logits, greedy_ids, generators, banned):
+    def poisoned(requests, sampled, logits, *rest):
         for row, i in enumerate(sampled):
             if requests[i].request_id == request_id and len(requests[i].output_ids) >= after_tokens:
                 logits[row] = float("nan")
-        return pick(requests, sampled, logits, greedy_ids, generators, banned)
+        return pick(requests, sampled, logits, *rest)
 
     runner._pick = poisoned
 
