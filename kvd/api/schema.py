@@ -132,7 +132,7 @@ def _echo(body: dict, chat: bool) -> tuple[bool, bool]:
     echo = _get(body, "echo", bool, False)
     if echo and chat:
         raise bad("echo", "echo is not supported for chat completions")
-    return echo, echo and body.get("max_tokens") == 0
+    return echo, echo and type(body.get("max_tokens")) is int and body["max_tokens"] == 0
 
 
 def _logprob_fields(body: dict, chat: bool, echo: bool) -> dict:
@@ -163,7 +163,6 @@ def _logprob_fields(body: dict, chat: bool, echo: bool) -> dict:
 
 
 def _sampling(body: dict, default_max_tokens: int | None, chat: bool = False) -> tuple[SamplingParams, bool]:
-    _copies(body)
     for name in ("presence_penalty", "frequency_penalty"):
         if _get(body, name, (int, float), 0) != 0:
             raise bad(name, f"'{name}' is not supported; leave it at 0")
