@@ -16,7 +16,7 @@ from engine.request import SamplingParams
 from .conftest import MODEL, admin
 from .test_disagg import ROLES, node_status, prompt, wait_idle
 from .test_disagg import start as start_pd
-from .test_recovery import busiest, requests, wait_replicated
+from .test_recovery import MAX_TOKENS, busiest, reference_engine, requests, wait_replicated  # noqa: F401
 from .test_recovery import start as start_ring
 
 TOL = 1e-4
@@ -71,7 +71,7 @@ def test_a_recovered_request_keeps_one_logprob_per_token(tmp_path, reference_eng
     c = start_ring(tmp_path, "zmq+tcp")
     try:
         client = c.client(timeout=120)
-        ids, n = prompt(5, 40), 300
+        ids, n = prompt(5, 40), MAX_TOKENS          # long enough to outlive the kill and the recovery
         result: dict[str, object] = {}
 
         def run() -> None:
@@ -85,7 +85,7 @@ def test_a_recovered_request_keeps_one_logprob_per_token(tmp_path, reference_eng
         while not requests(c) and time.monotonic() < deadline:
             time.sleep(0.02)
         victim = busiest(c)
-        wait_replicated(c, victim, 48)
+        wait_replicated(c, victim, 32)
         before = admin(c.admin_socket, "status")["recoveries"].get("replica/resumed", 0)
         c.nodes[victim].kill9()
         thread.join(180)
