@@ -85,7 +85,11 @@ def test_a_recovered_request_keeps_one_logprob_per_token(tmp_path, reference_eng
         while not requests(c) and time.monotonic() < deadline:
             time.sleep(0.02)
         victim = busiest(c)
-        wait_replicated(c, victim, 32)
+        try:
+            wait_replicated(c, victim, 32)
+        except AssertionError as exc:
+            thread.join(30)
+            raise AssertionError(f"{exc}; the request: {result}") from None
         before = admin(c.admin_socket, "status")["recoveries"].get("replica/resumed", 0)
         c.nodes[victim].kill9()
         thread.join(180)
