@@ -28,6 +28,7 @@ from engine.request import (ENGINE_ERROR, FinishReason, InvalidParam, Request, R
 from engine.stats import EngineStats
 from engine.structured.grammar import GrammarCompiler
 from engine.structured.spec import StructuredOutputError
+from engine.team import TeamSizer
 from engine.config import EngineConfig  # noqa: F401  (re-exported: callers import it from here)
 from engine.cpus import format_cpulist
 from engine.runner import SMALL_BATCH, ModelRunner
@@ -125,12 +126,24 @@ class LLMEngine:
         self.runner = ModelRunner(model, device_kv, config.block_size, fused, RowSampler.create())
         self.compute_threads = torch.get_num_threads()      # the team from_config sized (this thread's)
         self.runner.small_batch_threads = self._small_batch_team()
+        self.runner.team = self._adaptive_team()
         self.outputs = OutputProcessor(tokenizer, self.max_model_len)
         # structured output's compiled grammars (thread-safe: the node compiles off the step)
         self.grammars = GrammarCompiler(tokenizer, model.config.vocab_size)
         self.requests: dict[str, Request] = {}
         self._generators: dict[str, torch.Generator | None] = {}
         self.stats = EngineStats()
+
+    def _adaptive_team(self) -> TeamSizer | None:
+        """The sizer of each decode step's team (engine/team.py) where the team is not
+        fixed: ``decode_threads`` = 0 and a one-call decoder that runs a step on fewer
+        threads than torch's (``SMALL_TEAMS``). Candidates: the whole team (first: the
+        default before anything is measured), one thread fewer (a neighbour holding one
+        CPU), half of it, and the small-batch team calibrated at start."""
+        threads, fused = self.compute_threads, self.runner.fused
+        if self.config.decode_threads or fused is None or not fused.SMALL_TEAMS or threads < 2:
+            return None
+        return TeamSizer([threads, threads - 1, max(1, threads // 2), self.runner.small_batch_threads])
 
     def _small_batch_team(self) -> int:
         """Threads for one-call decode steps of at most runner.SMALL_BATCH rows: the only
@@ -185,7 +198,9 @@ class LLMEngine:
                 "matmul": model.quant_kernel.variant if model.quant_kernel is not None else "torch",
                 "decode": decode,
                 "threads": f"{self.compute_threads} on CPUs {format_cpulist(os.sched_getaffinity(0))}",
-                "decode_threads": (f"{self.runner.small_batch_threads} (batches of <= {SMALL_BATCH} rows)"
+                "decode_threads": (f"adaptive: {', '.join(map(str, self.runner.team.sizes))} by measured step time"
+                                   if self.runner.team is not None
+                                   else f"{self.runner.small_batch_threads} (batches of <= {SMALL_BATCH} rows)"
                                    if fused is not None else "torch"),
                 "prefill_attention": (model.attention_kernel.variant if model.attention_kernel is not None
                                       else "torch"),

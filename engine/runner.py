@@ -34,6 +34,7 @@ from engine.logprobs import log_probs, prompt_logprobs, token_logprobs
 from engine.request import Request, TokenLogprobs
 from engine.sampling import UNSAMPLED, apply_min_tokens, greedy, sample
 from engine.structured.masks import MaskComputer, PendingMasks
+from engine.team import TeamSizer
 from kernels.attention import AttentionBatch, PrefillSeq, decode_key_mask
 from kernels.decode_inputs import DecodeStaging
 from kernels.fused_decode import FusedDecoder
@@ -68,6 +69,10 @@ class ModelRunner:
         # threads of a one-call decode step of at most SMALL_BATCH rows (0: torch's count);
         # the engine sets it (EngineConfig.decode_threads)
         self.small_batch_threads = 0
+        # or, where set, each one-call decode step's threads chosen from measured step
+        # times (the engine sets it: EngineConfig.decode_threads = 0 on a decoder that
+        # runs a step on fewer threads than the team, SMALL_TEAMS)
+        self.team: TeamSizer | None = None
         # structured output: the grammar masks of a step's rows, computed while its model runs
         self.masks = MaskComputer(model.config.vocab_size)
 
@@ -218,7 +223,14 @@ class ModelRunner:
             positions[i] = pos
             n = pos // bs + 1
             tables[i, :n] = r.block_ids[:n]
-        return st.run(len(requests), self.small_batch_threads if len(requests) <= SMALL_BATCH else 0)
+        rows = len(requests)
+        if self.team is None:
+            return st.run(rows, self.small_batch_threads if rows <= SMALL_BATCH else 0)
+        size = self.team.pick(rows)
+        t = time.perf_counter()
+        out = st.run(rows, size)
+        self.team.record(rows, size, time.perf_counter() - t)
+        return out
 
     def time_decode_teams(self, block: int, teams: list[int], budget_s: float,
                           rounds: tuple[int, int] = (5, 40)) -> dict[int, float]:
