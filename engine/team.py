@@ -9,7 +9,8 @@ but every barrier still waits for it to arrive). Which team size is fastest
 therefore changes with the host's load, and only measuring tells.
 
 ``TeamSizer`` keeps, per batch-size class, a moving average of the seconds per
-step of each candidate size, uses the fastest, and now and then runs one step on
+step of each candidate size, uses the fastest (the first candidate, the whole
+team, unless another is ``MARGIN`` faster: a near tie is noise), and now and then runs one step on
 another candidate to see whether the host changed (an exploring step costs at
 most the difference between two sizes, once every ``explore_every`` steps). A
 candidate never measured is measured first. The outputs do not depend on the
@@ -27,6 +28,7 @@ from collections.abc import Sequence
 EXPLORE_EVERY = 64           # steps of a class between two exploring steps
 SMOOTHING = 0.3              # weight of a new step time in a candidate's moving average
 CLASS_ROWS = (1, 4, 16)      # batch-size classes: rows <= 1, <= 4, <= 16, more
+MARGIN = 0.1                 # another size replaces the default only when this much faster
 
 
 class TeamSizer:
@@ -59,7 +61,11 @@ class TeamSizer:
         measured = [s for s in self.sizes if (c, s) in self._seconds]
         if not measured:
             return self.sizes[0]
-        return min(measured, key=lambda s: self._seconds[(c, s)])
+        fastest = min(measured, key=lambda s: self._seconds[(c, s)])
+        default = self._seconds.get((c, self.sizes[0]))
+        if default is not None and self._seconds[(c, fastest)] > (1 - MARGIN) * default:
+            return self.sizes[0]            # near-equal: noise must not move steps off the default
+        return fastest
 
     def pick(self, rows: int) -> int:
         """The size for the next step of ``rows`` rows: a candidate never measured in its

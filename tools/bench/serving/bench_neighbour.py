@@ -2,7 +2,7 @@
 
     .venv/bin/python -m tools.bench.serving.bench_neighbour --llama-cpp /path/to/llama.cpp/build/bin
         [--threads 2] [--rounds 2] [--loads 1,32] [--backgrounds quiet,nice19,normal]
-        [--kvd-nodes 1] [--neighbour-session same|own] [--gguf FILE] [--out FILE]
+        [--kvd-nodes 1] [--fixed-team] [--neighbour-session same|own] [--gguf FILE] [--out FILE]
 
 For each background load, each server and each HTTP load (``bench_llamacpp``'s: one
 stream of 8 × (32 in, 128 out), and 32 concurrent of 64 × (300 in, 128 out), greedy,
@@ -24,7 +24,9 @@ job started from another login does).
 The table gives each server's output tok/s per background (fastest round), the
 fraction of its quiet throughput it keeps, and kvd's fraction over llama.cpp's (the
 ratio of ratios). ``--kvd-nodes 2`` serves kvd as ``kvd serve --nodes 2`` (its nodes on
-CPUs of their own). Without ``--llama-cpp`` only kvd runs. Writes JSON to ``--out``
+CPUs of their own). ``--fixed-team`` adds a third server, kvd with its decode team fixed
+(``--decode-threads`` = the threads: every step on the whole team, engine/team.py's
+adaptation off), for the feature on against off. Without ``--llama-cpp`` only kvd runs. Writes JSON to ``--out``
 (default ``results/bench_neighbour.json``) and prints markdown rows for
 docs/benchmarks.md.
 """
@@ -48,6 +50,7 @@ from tools.loadgen.report import cpu_model  # noqa: E402
 
 BUSY = (sys.executable, "-c", "while True: pass")
 BACKGROUNDS = ("quiet", "nice19", "normal")
+FIXED = "kvd fixed team"
 
 
 def start_background(kind: str, cpus: int, own_session: bool) -> list[subprocess.Popen]:
@@ -66,10 +69,19 @@ def serve_kvd_nodes(gguf: Path, threads: int, conc: int, port: int, nodes: int) 
     return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+def serve_kvd_fixed(gguf: Path, threads: int, conc: int, port: int) -> subprocess.Popen:
+    """``kvd serve`` with every decode step on ``threads`` threads (no adaptive team)."""
+    cmd = [sys.executable, "-m", "kvd.cli", "serve", "--port", str(port), "--decode-threads", str(threads),
+           "--max-num-seqs", str(max(conc, 8)), "--model", str(gguf)]
+    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 def run_one(kind: str, background: str, load: tuple, args: argparse.Namespace, tmp: str, tag: str) -> dict:
     port = free_port()
     if kind == "kvd" and args.kvd_nodes > 1:
         proc = serve_kvd_nodes(args.gguf, args.threads, load[1], port, args.kvd_nodes)
+    elif kind == FIXED:
+        proc = serve_kvd_fixed(args.gguf, args.threads, load[1], port)
     else:
         proc = serve(kind, args.llama_cpp, args.gguf, args.threads, load[1], port)
     busy: list[subprocess.Popen] = []
@@ -95,6 +107,7 @@ def main() -> None:
     ap.add_argument("--loads", default="1,32", help="HTTP loads by concurrency: 1, 32")
     ap.add_argument("--backgrounds", default=",".join(BACKGROUNDS))
     ap.add_argument("--kvd-nodes", type=int, default=1)
+    ap.add_argument("--fixed-team", action="store_true", help="also kvd with its decode team fixed")
     ap.add_argument("--neighbour-session", choices=("same", "own"), default="same")
     ap.add_argument("--gguf", type=Path, default=None)
     ap.add_argument("--out", default=str(REPO / "results" / "bench_neighbour.json"))
@@ -104,7 +117,7 @@ def main() -> None:
     if "quiet" not in backgrounds or any(b not in BACKGROUNDS for b in backgrounds):
         raise SystemExit(f"bench_neighbour: --backgrounds takes {', '.join(BACKGROUNDS)} and must include quiet")
     loads = [load for load in HTTP_LOADS if str(load[1]) in args.loads.split(",")]
-    servers = ["kvd"] + (["llama.cpp"] if args.llama_cpp else [])
+    servers = ["kvd"] + ([FIXED] if args.fixed_team else []) + (["llama.cpp"] if args.llama_cpp else [])
     rows = []
     with tempfile.TemporaryDirectory(prefix="kvd-neighbour-") as tmp:
         for load in loads:
@@ -123,15 +136,16 @@ def main() -> None:
     cpu = cpu_model()
     kvd_name = "kvd" if args.kvd_nodes == 1 else f"kvd --nodes {args.kvd_nodes}"
     print(f"\nCPU: {cpu}, {args.threads} threads, neighbours in the {args.neighbour_session} session\n")
+    llama = "llama.cpp" in servers
     print("| load | background | " + " | ".join(f"{s} out tok/s (kept)" for s in servers)
-          + (" | kvd kept ÷ llama.cpp kept |" if len(servers) == 2 else " |"))
-    print("|---|---|" + "---|" * (len(servers) + (1 if len(servers) == 2 else 0)))
+          + (" | kvd kept ÷ llama.cpp kept |" if llama else " |"))
+    print("|---|---|" + "---|" * (len(servers) + (1 if llama else 0)))
     summary = []
     for load in loads:
         for background in backgrounds:
             kept = {s: best[(load[0], s, background)] / best[(load[0], s, "quiet")] for s in servers}
             cells = [f"{best[(load[0], s, background)]:.1f} ({kept[s]:.2f})" for s in servers]
-            ror = kept["kvd"] / kept["llama.cpp"] if len(servers) == 2 else None
+            ror = kept["kvd"] / kept["llama.cpp"] if llama else None
             summary.append({"load": load[0], "background": background, "kept": kept, "ratio_of_ratios": ror,
                             "tok_s": {s: best[(load[0], s, background)] for s in servers}})
             print(f"| {load[0]} | {background} | " + " | ".join(cells) + (f" | {ror:.2f} |" if ror else " |"))
