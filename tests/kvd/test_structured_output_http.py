@@ -13,11 +13,10 @@ import re
 import openai
 import pytest
 
-from engine.engine import EngineConfig, LLMEngine
 from engine.request import SamplingParams
 from engine.structured.spec import StructuredOutput
 
-from .test_sampling_http import ids
+from .test_sampling_http import client, engine, ids  # noqa: F401  (fixtures: the openai client, the reference engine)
 
 MODEL = "tiny"
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
@@ -34,17 +33,6 @@ def keeps_schema(text: str) -> bool:
     return (set(value) == {"name", "age", "tags"} and isinstance(value["name"], str) and len(value["name"]) <= 6
             and type(value["age"]) is int and 0 <= value["age"] <= 120
             and len(value["tags"]) <= 2 and set(value["tags"]) <= {"a", "b", "c"})
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def engine():
-    return LLMEngine.from_config(EngineConfig(model="tiny", dtype="float32", kv_blocks=256,
-                                              host_kv_blocks=0, max_model_len=512))
 
 
 FORMATS = {
