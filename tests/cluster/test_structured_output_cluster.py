@@ -19,6 +19,7 @@ from engine.structured.spec import StructuredOutput
 from . import test_disagg as disagg
 from . import test_recovery as recovery
 from .conftest import MODEL, admin
+from .test_recovery import reference_engine, ring  # noqa: F401  (fixtures: the ring cluster, its reference engine)
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["id", "tags"],
           "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 9999},
@@ -63,23 +64,7 @@ def test_a_disaggregated_request_keeps_its_grammar_across_the_hand_over(pd, refe
     disagg.wait_idle(pd, disagg.ROLES)
 
 
-@pytest.fixture(scope="module")
-def long_engine():
-    """The plain single-node engine with the ring's context length (test_recovery's)."""
-    from engine.engine import EngineConfig, LLMEngine
-
-    return LLMEngine.from_config(EngineConfig(model="tiny", dtype="float32", block_size=16, kv_blocks=512,
-                                              host_kv_blocks=0, max_model_len=2048, num_threads=1))
-
-
-@pytest.fixture(scope="module")
-def ring(tmp_path_factory):
-    c = recovery.start(tmp_path_factory.mktemp("ring"), "zmq+tcp")
-    yield c
-    c.stop()
-
-
-def test_a_recovered_request_replays_its_grammar_and_answers_the_uninterrupted_text(ring, long_engine):
+def test_a_recovered_request_replays_its_grammar_and_answers_the_uninterrupted_text(ring, reference_engine):
     c = ring
     client = c.client(timeout=120)
     samplings = [{"temperature": 0.0}, {"temperature": 0.8, "seed": 21}, {"temperature": 0.0}]
@@ -112,7 +97,7 @@ def test_a_recovered_request_replays_its_grammar_and_answers_the_uninterrupted_t
     rec = admin(c.admin_socket, "status")["recoveries"]
     assert rec.get("replica/resumed", 0) - before.get("replica/resumed", 0) == len(on_victim) >= 1
     spec = StructuredOutput("regex", LONG_REGEX)
-    refs = recovery.references(long_engine, prompts, [SamplingParams(max_tokens=recovery.MAX_TOKENS,
+    refs = recovery.references(reference_engine, prompts, [SamplingParams(max_tokens=recovery.MAX_TOKENS,
                                                                           structured=spec, **s) for s in samplings])
     for i, s in enumerate(samplings):
         text, finish = results[i]
