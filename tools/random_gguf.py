@@ -106,6 +106,72 @@ def write(shape: str, out: Path, seed: int = 0, source_path: Path | None = None,
     writer.close()
 
 
+# Random blocks of kernels/gguf_blocks.py's formats: the fp16 fields (d, and dmin / m)
+# drawn around these values (x U[0.5, 1.5)), chosen so the largest weight is ~0.1;
+# every other byte (quants, packed sub-block scales) uniform random: valid blocks.
+BLOCK_SCALES = {
+    "Q5_0": (6e-3,), "Q5_1": (3e-3, -5e-2), "IQ4_NL": (1e-3,), "Q2_K": (2e-3, 3e-3), "Q3_K": (8e-4,),
+    "Q4_K": (1e-4, 1e-4), "Q5_K": (5e-5, 5e-5), "Q6_K": (2.5e-5,), "IQ4_XS": (2.5e-5,),
+}
+
+
+def random_type_blocks(fmt: str, rows: int, cols: int, gen: torch.Generator) -> np.ndarray:
+    """uint8 ``[rows, row bytes]``: a ``[rows, cols]`` matrix of random valid ``fmt`` blocks,
+    a kernels/gguf_blocks.py format or one of kernels/quant.py's (``random_blocks``'s)."""
+    from kernels import gguf_blocks
+    from tools.bench.engine.bench_engine import random_blocks
+
+    if fmt not in gguf_blocks.BLOCKS:
+        return random_blocks(rows, cols, fmt, gen).numpy()
+    per, nbytes = gguf_blocks.BLOCKS[fmt]
+    nb = rows * cols // per
+    blocks = torch.randint(0, 256, (nb, nbytes), dtype=torch.uint8, generator=gen)
+    for at, scale in zip(gguf_blocks.HALF_FIELDS[fmt], BLOCK_SCALES[fmt]):
+        values = scale * (0.5 + torch.rand(nb, generator=gen))
+        blocks[:, at:at + 2] = values.to(torch.float16).view(torch.uint8).view(nb, 2)
+    return blocks.reshape(rows, -1).numpy()
+
+
+def write_llama(path: Path, config: Any, fmt: str, seed: int = 0) -> None:
+    """A llama GGUF of ``config`` (engine/model/config.py's LlamaConfig): every matrix
+    random valid ``fmt`` blocks (``random_type_blocks``), norms ones, no tokenizer (tests
+    use the tiny one); the row length of every matrix must be a whole number of blocks."""
+    import gguf
+
+    c = config
+    gen = torch.Generator().manual_seed(seed)
+    qtype = gguf.GGMLQuantizationType[fmt]
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for key, value in (("block_count", c.num_layers), ("context_length", c.max_position_embeddings),
+                       ("embedding_length", c.hidden_size), ("feed_forward_length", c.intermediate_size),
+                       ("attention.head_count", c.num_heads), ("attention.head_count_kv", c.num_kv_heads),
+                       ("rope.dimension_count", c.head_dim), ("vocab_size", c.vocab_size)):
+        writer.add_uint32(f"llama.{key}", value)
+    writer.add_float32("llama.rope.freq_base", c.rope_theta)
+    writer.add_float32("llama.attention.layer_norm_rms_epsilon", c.rms_norm_eps)
+
+    def matrix(name: str, rows: int, cols: int) -> None:
+        writer.add_tensor(name, random_type_blocks(fmt, rows, cols, gen), raw_dtype=qtype)
+
+    matrix("token_embd.weight", c.vocab_size, c.hidden_size)
+    writer.add_tensor("output_norm.weight", np.ones(c.hidden_size, dtype=np.float32))
+    if not c.tie_word_embeddings:
+        matrix("output.weight", c.vocab_size, c.hidden_size)
+    for n in range(c.num_layers):
+        for name, rows, cols in (("attn_q", c.q_size, c.hidden_size), ("attn_k", c.kv_size, c.hidden_size),
+                                 ("attn_v", c.kv_size, c.hidden_size), ("attn_output", c.hidden_size, c.q_size),
+                                 ("ffn_gate", c.intermediate_size, c.hidden_size),
+                                 ("ffn_up", c.intermediate_size, c.hidden_size),
+                                 ("ffn_down", c.hidden_size, c.intermediate_size)):
+            matrix(f"blk.{n}.{name}.weight", rows, cols)
+        for name in ("attn_norm", "ffn_norm"):
+            writer.add_tensor(f"blk.{n}.{name}.weight", np.ones(c.hidden_size, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-1.7b")

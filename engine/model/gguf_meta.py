@@ -41,7 +41,10 @@ _U64 = struct.Struct("<Q")
 
 # ggml type id -> (weights per block, bytes per block), for the types kvd loads
 # (ggml.h's enum ggml_type; gguf-py's GGML_QUANT_SIZES)
-_TYPE_SIZES = {0: (1, 4), 1: (1, 2), 30: (1, 2), 2: (32, 18), 3: (32, 20), 8: (32, 34)}
+_TYPE_SIZES = {0: (1, 4), 1: (1, 2), 30: (1, 2), 2: (32, 18), 3: (32, 20), 8: (32, 34),
+               6: (32, 22), 7: (32, 24), 20: (32, 18),                        # Q5_0 Q5_1 IQ4_NL
+               10: (256, 84), 11: (256, 110), 12: (256, 144), 13: (256, 176),  # Q2_K .. Q5_K
+               14: (256, 210), 23: (256, 136)}                                 # Q6_K IQ4_XS
 
 
 class _Truncated(Exception):

@@ -36,11 +36,12 @@ import torch
 
 from engine.model.config import LlamaConfig
 from engine.model.gguf_meta import read_tensor_infos
+from kernels import gguf_blocks
 from kernels.quant import FORMATS, QuantTensor
 
-# GGUF tensor types we dequantize. Others (K-quants, IQ...) are rejected by
-# name rather than risk an untested path.
-SUPPORTED_GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+# GGUF tensor types we load: gguf-py dequantizes the first six, kernels/gguf_blocks.py
+# the rest (each checked bit for bit against gguf-py). Others are refused by name.
+SUPPORTED_GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", *gguf_blocks.BLOCKS)
 # Of those, the block formats load_gguf(quantized=True) keeps as they are.
 NATIVE_GGUF_TYPES = tuple(FORMATS)
 
@@ -168,6 +169,9 @@ def load_gguf(path: str | Path, quantized: bool = False) -> LoadedWeights:
         qtype = gguf.GGMLQuantizationType(tensor.tensor_type)     # a supported type: _check_tensor_table
         if quantized and qtype.name in NATIVE_GGUF_TYPES and len(tensor.shape) == 2:
             weight = _gguf_blocks(tensor, qtype.name, path)
+        elif qtype.name in gguf_blocks.BLOCKS:
+            weight = _gguf_decoded(tensor, qtype.name, path).dequantize()
+            weight = weight.view(*reversed([int(n) for n in tensor.shape]))
         else:
             # dequantize returns the logical shape in numpy order: [out, in] for a Linear.
             array = gguf.quants.dequantize(tensor.data, qtype)
@@ -198,7 +202,7 @@ def _check_tensor_table(path: Path) -> None:
             raise ValueError(f"{path}: tensor {info.name} has unknown GGUF type {info.ggml_type}") from None
         if type_name not in SUPPORTED_GGUF_TYPES:
             raise ValueError(f"{path}: tensor {info.name} has GGUF type {type_name}, "
-                             f"which kvd does not dequantize (supported: {', '.join(SUPPORTED_GGUF_TYPES)})")
+                             f"which kvd does not load (supported: {', '.join(SUPPORTED_GGUF_TYPES)})")
         if info.offset + info.nbytes > size:
             raise ValueError(f"{path}: truncated: tensor {info.name} ({type_name} {list(info.shape)}) needs "
                              f"bytes up to {info.offset + info.nbytes}, the file has {size}")
@@ -214,6 +218,19 @@ def _gguf_blocks(tensor: Any, fmt: str, path: Path) -> QuantTensor:
                                                                          copy=True)))
     except ValueError as exc:
         raise ValueError(f"{path}: tensor {tensor.name}: {exc}") from None
+
+
+def _gguf_decoded(tensor: Any, fmt: str, path: Path) -> gguf_blocks.SubBlocks:
+    """A tensor of a kernels/gguf_blocks.py format, decoded as [rows, cols] (a vector as
+    one row); ValueError naming the tensor when its bytes do not fit."""
+    cols = int(tensor.shape[0])                           # GGUF lists ne0 (the row length) first
+    rows = int(np.prod([int(n) for n in tensor.shape[1:]], dtype=np.int64))
+    data = torch.from_numpy(np.array(tensor.data, dtype=np.uint8, order="C", copy=True).reshape(rows, -1))
+    try:
+        sub = gguf_blocks.decode(fmt, data, cols)
+    except ValueError as exc:
+        raise ValueError(f"{path}: tensor {tensor.name}: {exc}") from None
+    return sub
 
 
 def reverse_permute_qk(weight: torch.Tensor | QuantTensor, n_heads: int) -> torch.Tensor | QuantTensor:

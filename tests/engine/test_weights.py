@@ -107,7 +107,7 @@ def test_reverse_permute_undoes_llama_cpp_permute():
 
 
 # -------------------------------------------------------------- GGUF quant types
-@pytest.mark.parametrize("qtype", SUPPORTED_GGUF_TYPES)
+@pytest.mark.parametrize("qtype", ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"))
 @pytest.mark.parametrize("tied", [True, False])
 def test_gguf_quant_types_roundtrip(tmp_path, qtype, tied):
     weights = random_weights(small_config(tie_word_embeddings=tied), seed=3)
@@ -118,7 +118,8 @@ def test_gguf_quant_types_roundtrip(tmp_path, qtype, tied):
     assert loaded.source == f"gguf:{path}"
     assert set(loaded.tensors) == set(weights.tensors)
     # Relative error budget per type (std-0.02 normals; Q4 has 16 levels per block).
-    tolerance = {"F32": 0, "F16": 1e-3, "BF16": 1e-2, "Q8_0": 1e-2, "Q4_0": 0.2, "Q4_1": 0.15}[qtype]
+    tolerance = {"F32": 0, "F16": 1e-3, "BF16": 1e-2, "Q8_0": 1e-2, "Q4_0": 0.2, "Q4_1": 0.15,
+                 "Q5_0": 0.1, "Q5_1": 0.08}[qtype]
     for name, tensor in loaded.tensors.items():
         assert tensor.dtype == torch.float32 and tensor.is_contiguous()
         assert torch.equal(tensor, torch.from_numpy(np.ascontiguousarray(expected[name]))), name
@@ -128,9 +129,9 @@ def test_gguf_quant_types_roundtrip(tmp_path, qtype, tied):
 
 
 def test_gguf_unsupported_type_is_named(tmp_path):
-    path = tmp_path / "q5.gguf"
-    write_gguf(path, random_weights(small_config(), seed=0), "Q5_0")
-    with pytest.raises(ValueError, match="Q5_0"):
+    path = tmp_path / "mxfp4.gguf"
+    write_gguf(path, random_weights(small_config(), seed=0), "MXFP4")
+    with pytest.raises(ValueError, match=r"tensor token_embd.weight has GGUF type MXFP4, .*supported: .*Q4_K"):
         load_gguf(path)
 
 
