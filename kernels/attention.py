@@ -97,12 +97,37 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> to
     return blocks.flatten(0, 1)[:length]                 # [n*bs, kvh, hd] -> [length, ...]
 
 
+def window_mask(qpos: torch.Tensor, kpos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Causal (and sliding-window) visibility, bool [..., Q, K]: query at position p
+    sees key k when k <= p and, with ``window``, p - window < k (its ``window`` last
+    keys, its own included). qpos [..., Q, 1], kpos [..., 1, K]."""
+    seen = kpos <= qpos
+    return seen if window is None else seen & (kpos > qpos - window)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+            softcap: float | None, gqa: bool) -> torch.Tensor:
+    """SDPA over [.., H, Q, hd] x [.., kvh, K, hd] with a bool mask; with ``softcap``, the
+    scores capped (c * tanh(s / c)) before the mask and softmax, spelled out (SDPA has no cap)."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    if gqa:
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+        v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
+    scores = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * scale / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), v)
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     batch: AttentionBatch, scale: float) -> torch.Tensor:
+                     batch: AttentionBatch, scale: float, window: int | None = None,
+                     positions: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
     """One query token per sequence against its paged context.
 
     q: [B, H, hd] -> out [B, H, hd]. Keys beyond a sequence's length are masked
     (``key_mask``), so padding to the longest table contributes exactly zero.
+    ``window`` (needs ``positions`` [B], the queries' positions): keys at or before
+    position - window are masked too. ``softcap``: scores capped (``_attend``).
     """
     tables = batch.block_tables                           # [B, M]
     B, M = tables.shape
@@ -116,16 +141,19 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     flat = tables.flatten()
     k = k_cache.index_select(0, flat).float().view(B, -1, n_kv, hd).transpose(1, 2)
     v = v_cache.index_select(0, flat).float().view(B, -1, n_kv, hd).transpose(1, 2)
-    out = F.scaled_dot_product_attention(
-        q.float().unsqueeze(2), k, v, attn_mask=batch.key_mask, scale=scale,
-        enable_gqa=q.shape[1] != n_kv)                    # [B, H, 1, hd]
+    mask = batch.key_mask
+    if window is not None:
+        kpos = torch.arange(mask.shape[-1]).view(1, 1, 1, -1)
+        mask = mask & (kpos > positions.view(-1, 1, 1, 1) - window)
+    out = _attend(q.float().unsqueeze(2), k, v, mask, scale, softcap, q.shape[1] != n_kv)   # [B, H, 1, hd]
     return out.squeeze(2).to(q.dtype)
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       k_cache: torch.Tensor, v_cache: torch.Tensor,
                       batch: AttentionBatch, scale: float,
-                      kernel: PrefillAttention | None = None) -> torch.Tensor:
+                      kernel: PrefillAttention | None = None, window: int | None = None,
+                      softcap: float | None = None) -> torch.Tensor:
     """Causal attention for each sequence's new tokens, over cached prefix + new.
 
     q: [T, H, hd]; k, v: [T, kvh, hd] (the new tokens, already written to the
@@ -141,13 +169,17 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     the same bf16 values as the decode step that first computed it; decode
     attention is SDPA too, and the kernel's other summation order flipped a
     bf16 rounding and a token (tests/engine/test_fidelity.py, bf16 recompute).
+
+    ``window`` (a sliding layer: ``window_mask``) and ``softcap`` (``_attend``) run on
+    torch with an explicit mask, the kernel knowing neither.
     """
     out = torch.empty(q.shape, dtype=q.dtype)
     n_heads, n_kv = q.shape[1], k.shape[1]
     gqa = n_heads != n_kv
+    plain = window is None and softcap is None
     for seq in batch.prefill:
         rows = slice(seq.q_start, seq.q_start + seq.q_len)
-        if kernel is not None and q.dtype == torch.float32:
+        if kernel is not None and q.dtype == torch.float32 and plain:
             if seq.ctx_len == seq.q_len:
                 ks, vs = k[rows], v[rows]
             else:
@@ -159,17 +191,17 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         if seq.ctx_len == seq.q_len:
             ks = k[rows].transpose(0, 1)                  # [kvh, q_len, hd]
             vs = v[rows].transpose(0, 1)
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
-                                               enable_gqa=gqa)
         else:
             ks = gather_kv(k_cache, seq.block_table, seq.ctx_len).to(q.dtype).transpose(0, 1)
             vs = gather_kv(v_cache, seq.block_table, seq.ctx_len).to(q.dtype).transpose(0, 1)
-            # query i sits at absolute position prefix + i and sees keys <= it.
+        if seq.ctx_len == seq.q_len and plain:
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
+        else:
+            # query i sits at absolute position prefix + i and sees keys <= it (in its window).
             prefix = seq.ctx_len - seq.q_len
             qpos = torch.arange(prefix, seq.ctx_len).unsqueeze(1)
             kpos = torch.arange(seq.ctx_len).unsqueeze(0)
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=kpos <= qpos,
-                                               scale=scale, enable_gqa=gqa)
+            o = _attend(qs, ks, vs, window_mask(qpos, kpos, window), scale, softcap, gqa)
         out[rows] = o.transpose(0, 1)
     return out
 

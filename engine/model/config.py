@@ -1,14 +1,26 @@
-"""Model configuration: the shape of a Llama-family decoder.
+"""Model configuration: the shape of a Llama-family decoder, and what sets an
+architecture of that family apart.
 
 One frozen dataclass shared by the loaders (GGUF, Hugging Face directory), the
 decoder and the KV memory (which sizes its blocks from ``num_kv_heads`` and
 ``head_dim``). Field names follow Hugging Face's ``LlamaConfig`` so a
 ``config.json`` maps onto it with a rename table, not code.
+
+The architectures kvd serves (``ARCHITECTURES``: llama, qwen2, qwen3, gemma3,
+phi3) are one decoder; the fields after ``rope_scaling`` are what differs
+between them, as data: llama.py turns them into the layer plan
+(``layer_steps``) and the per-layer attention (window, RoPE base). Their
+defaults are Llama's. Norm weights are always the multiplier itself: a
+checkpoint storing Gemma's ``w`` for ``(1 + w)`` has 1 added at load.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+# general.architecture values (GGUF) the one decoder serves
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "phi3")
+ACTIVATIONS = ("silu", "gelu_tanh")       # the gate's activation: SwiGLU or GeGLU (tanh GELU)
 
 
 @dataclass(frozen=True)
@@ -28,6 +40,21 @@ class LlamaConfig:
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     # Llama-3 style RoPE scaling: {"rope_type": "llama3", "factor": ..., ...} or None.
     rope_scaling: tuple[tuple[str, float | str], ...] | None = None
+    # ---- what an architecture changes (defaults: Llama's)
+    architecture: str = "llama"
+    qkv_bias: bool = False                # biases on q, k, v (qwen2)
+    qk_norm: bool = False                 # RMSNorm over each q and k head before RoPE (qwen3, gemma3)
+    sandwich_norms: bool = False          # RMSNorm on the attention and MLP outputs before the residual (gemma3)
+    activation: str = "silu"              # ACTIVATIONS
+    embed_scale: float = 1.0              # embeddings times this (gemma3: sqrt(hidden_size))
+    # keys a query at position p sees on a sliding layer: p - sliding_window < k <= p
+    sliding_window: int | None = None
+    # None: every layer slides (when sliding_window is set); n: every n-th layer is global (gemma3: 6)
+    global_layer_every: int | None = None
+    rope_local_theta: float | None = None     # RoPE base of sliding layers (None: rope_theta)
+    query_pre_attn_scalar: float | None = None    # attention scale is this ** -0.5 (None: head_dim)
+    attn_logit_softcap: float | None = None   # scores become c * tanh(scores / c)
+    final_logit_softcap: float | None = None  # logits become c * tanh(logits / c)
 
     def __post_init__(self) -> None:
         positive = ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -43,6 +70,39 @@ class LlamaConfig:
             raise ValueError("head_dim must be even for RoPE")
         if self.rope_theta <= 0 or self.rms_norm_eps <= 0:
             raise ValueError("rope_theta and rms_norm_eps must be positive")
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"architecture {self.architecture!r} is not supported "
+                             f"(supported: {', '.join(ARCHITECTURES)})")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation {self.activation!r}: use one of {', '.join(ACTIVATIONS)}")
+        for name in ("sliding_window", "global_layer_every"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value <= 0):
+                raise ValueError(f"LlamaConfig.{name} must be a positive int or None, got {value!r}")
+        for name in ("embed_scale", "rope_local_theta", "query_pre_attn_scalar", "attn_logit_softcap",
+                     "final_logit_softcap"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"LlamaConfig.{name} must be positive, got {value!r}")
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer ``layer`` (keys it attends to, the query's own
+        included), or None for a global layer."""
+        if self.sliding_window is None:
+            return None
+        if self.global_layer_every is not None and (layer + 1) % self.global_layer_every == 0:
+            return None
+        return self.sliding_window
+
+    def layer_rope_theta(self, layer: int) -> float:
+        """The RoPE base of layer ``layer`` (sliding layers may have their own)."""
+        if self.layer_window(layer) is not None and self.rope_local_theta is not None:
+            return self.rope_local_theta
+        return self.rope_theta
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
     def q_size(self) -> int:
@@ -58,7 +118,9 @@ class LlamaConfig:
             self.hidden_size * (self.q_size + 2 * self.kv_size)   # qkv
             + self.q_size * self.hidden_size                      # o
             + 3 * self.hidden_size * self.intermediate_size       # gate, up, down
-            + 2 * self.hidden_size                                # two norms
+            + (4 if self.sandwich_norms else 2) * self.hidden_size    # norms
+            + (self.q_size + 2 * self.kv_size if self.qkv_bias else 0)
+            + (2 * self.head_dim if self.qk_norm else 0)
         )
         emb = self.vocab_size * self.hidden_size
         head = 0 if self.tie_word_embeddings else emb

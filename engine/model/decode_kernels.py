@@ -5,11 +5,14 @@ ops it is given; kernels/fused_decode.py writes one layer out in C++). Here the
 model is turned into what they take:
 
 - ``plan_decoder``: an fp32 model (quantized, or float matrices in the rows
-  layout) as a ``Plan``: llama.py's ``LAYER_STEPS`` as they are, each layer's
-  weights by the steps' names, the embedding, final norm and LM head. A
-  ``LAYER_STEPS`` with an op the executor lacks is declined by the executor.
+  layout) as a ``Plan``: its layer plan (llama.py's ``layer_steps``) as it is,
+  each layer's weights by the steps' names, the embedding, final norm and LM
+  head. A plan with an op the executor lacks is declined by the executor; what
+  an architecture changes outside the steps (``attention_features``: sliding
+  windows, a second RoPE base, embedding scale, query scale, softcaps) is
+  declined here, by name.
 - ``fused_decoder``: a bf16 float model as ``FusedWeights``, where its
-  ``LAYER_STEPS`` are the layer the fused kernel writes out (``fused_decode.LAYER``).
+  layer plan is the layer the fused kernel writes out (``fused_decode.LAYER``).
 
 Each returns None (logged, and for the model's reasons said by
 ``plan_unsupported_reason`` / ``fused_unsupported_reason``) where the model
@@ -23,7 +26,7 @@ import logging
 import torch
 
 from engine.model.config import LlamaConfig
-from engine.model.llama import LAYER_STEPS, LlamaModel
+from engine.model.llama import LlamaModel
 from kernels import fused_decode, plan_decode
 from kernels.decode_inputs import DecoderDims
 from kernels.fused_decode import FusedDecoder, FusedWeights, LayerWeights
@@ -40,6 +43,30 @@ def decoder_dims(model: LlamaModel) -> DecoderDims:
                        vocab=cfg.vocab_size, eps=cfg.rms_norm_eps, scale=model.scale)
 
 
+def attention_features(config: LlamaConfig) -> list[str]:
+    """What ``config`` asks of a decode step beyond its layer plan's ops (neither
+    executor implements these: a model with any decodes on ``LlamaModel.forward``)."""
+    features = []
+    if config.sliding_window is not None:
+        features.append(f"sliding-window attention ({config.sliding_window} keys)")
+    if config.rope_local_theta is not None and config.rope_local_theta != config.rope_theta:
+        features.append("a RoPE base per layer kind")
+    if config.embed_scale != 1.0:
+        features.append("embedding scaling")
+    if config.query_pre_attn_scalar is not None and config.query_pre_attn_scalar != config.head_dim:
+        features.append("query_pre_attn_scalar")
+    if config.attn_logit_softcap is not None:
+        features.append("attention logit softcapping")
+    if config.final_logit_softcap is not None:
+        features.append("final logit softcapping")
+    return features
+
+
+def _features_reason(model: LlamaModel) -> str | None:
+    features = attention_features(model.config)
+    return f"{model.config.architecture}: {', '.join(features)}" if features else None
+
+
 # ------------------------------------------------------------------ the plan executor (fp32)
 def float_unsupported_reason(config: LlamaConfig) -> str | None:
     """Why the plan executor could not run an fp32 float model of ``config`` here (its
@@ -51,9 +78,9 @@ def float_unsupported_reason(config: LlamaConfig) -> str | None:
 
 
 def model_plan(model: LlamaModel) -> Plan:
-    """``model`` as the plan executor runs it (``LAYER_STEPS``, its weights in place)."""
-    names = list(dict.fromkeys(s.weight for s in LAYER_STEPS if s.weight))
-    return Plan(dims=decoder_dims(model), steps=tuple(LAYER_STEPS),
+    """``model`` as the plan executor runs it (its layer plan, its weights in place)."""
+    names = list(dict.fromkeys(s.weight for s in model.steps if s.weight))
+    return Plan(dims=decoder_dims(model), steps=model.steps,
                 layers=tuple({name: getattr(layer, name) for name in names} for layer in model.layers),
                 embed=model.embed, head=model.lm_head, final_norm=model.norm, cos=model.cos, sin=model.sin,
                 quantized=model.quantized)
@@ -68,7 +95,7 @@ def _plan_model_reason(model: LlamaModel) -> str | None:
         return f"dtype {model.dtype} (the plan executor computes in fp32)"
     if not (model.is_first and model.is_last):
         return "a pipeline stage (the plan executor runs whole models)"
-    return None
+    return _features_reason(model)
 
 
 def plan_unsupported_reason(model: LlamaModel) -> str | None:
@@ -96,9 +123,10 @@ def _fused_model_reason(model: LlamaModel) -> str | None:
         return f"dtype {model.dtype} (the fused decode step is bf16 only)"
     if not (model.is_first and model.is_last):
         return "a pipeline stage (the fused step runs whole models)"
-    if tuple((s.op, s.src, s.dst, s.weight) for s in LAYER_STEPS) != fused_decode.LAYER:
-        return "llama.py's LAYER_STEPS is not the layer the fused kernel implements (fused_decode.LAYER)"
-    return None
+    if tuple((s.op, s.src, s.dst, s.weight) for s in model.steps) != fused_decode.LAYER:
+        return (f"{model.config.architecture}'s layer plan is not the layer the fused kernel implements "
+                "(fused_decode.LAYER)")
+    return _features_reason(model)
 
 
 def fused_unsupported_reason(model: LlamaModel) -> str | None:

@@ -50,7 +50,8 @@ class Step:
     weight: str | None = None
 
 
-# The decoder layer (HF Llama), the one definition of what a layer computes.
+# The decoder layer, the one definition of what a layer computes: ``layer_steps(config)``
+# (Llama's is LAYER_STEPS; an architecture adds or swaps steps, as data).
 # LlamaModel.forward runs these steps with torch ops, for every kind of step;
 # kernels/plan_decode.py runs the same steps for a decode step in one C++ call
 # (fp32 models, handed over by engine/model/decode_kernels.py) and declines a plan
@@ -70,6 +71,37 @@ LAYER_STEPS = (
 )
 
 
+def layer_steps(config: LlamaConfig) -> tuple[Step, ...]:
+    """The layer plan of ``config``'s architecture: LAYER_STEPS with
+
+    - ``add_bias`` after the qkv matmul (``qkv_bias``: qwen2);
+    - ``qk_norm`` (RMSNorm of each q and k head) before RoPE (``qk_norm``: qwen3, gemma3);
+    - ``sandwich_norms`` (gemma3): the attention and MLP outputs normed
+      (``post_attn_norm``, ``post_ffw_norm``) before ``add`` puts them on the residual;
+    - ``gelu_mul`` for ``silu_mul`` (``activation = "gelu_tanh"``: gemma3).
+    """
+    steps = [LAYER_STEPS[0], LAYER_STEPS[1]]
+    if config.qkv_bias:
+        steps.append(Step("add_bias", "qkv", "qkv", "qkv_bias"))
+    if config.qk_norm:
+        steps.append(Step("qk_norm", "qkv", "qkv", "qk_norm"))
+    steps.append(LAYER_STEPS[2])
+    if config.sandwich_norms:
+        steps += [Step("linear", "o", "ao", "o"), Step("rms_norm", "ao", "ao", "post_attn_norm"),
+                  Step("add", "ao", "h")]
+    else:
+        steps.append(LAYER_STEPS[3])
+    steps += [LAYER_STEPS[4], LAYER_STEPS[5]]
+    gate = "gelu_mul" if config.activation == "gelu_tanh" else "silu_mul"
+    steps.append(Step(gate, "gu", "act"))
+    if config.sandwich_norms:
+        steps += [Step("linear", "act", "f", "down"), Step("rms_norm", "f", "f", "post_ffw_norm"),
+                  Step("add", "f", "h")]
+    else:
+        steps.append(LAYER_STEPS[7])
+    return tuple(steps)
+
+
 @dataclass
 class _Layer:
     # matrices are stored [out, in] (F.linear) or [in, out] (matmul), or are a
@@ -80,6 +112,12 @@ class _Layer:
     post_norm: torch.Tensor       # [D]
     gate_up: Matrix               # [2*I, D]
     down: Matrix                  # [D, I]
+    window: int | None = None     # sliding window (LlamaConfig.layer_window), None: global
+    rope: int = 0                 # index of the layer's RoPE tables in LlamaModel.ropes
+    qkv_bias: torch.Tensor | None = None         # [q + 2*kv] (qkv_bias)
+    qk_norm: torch.Tensor | None = None          # [2, hd]: q's, k's (qk_norm)
+    post_attn_norm: torch.Tensor | None = None   # [D] (sandwich_norms)
+    post_ffw_norm: torch.Tensor | None = None    # [D] (sandwich_norms)
 
 
 def _matmul_in_out(x: torch.Tensor, w_in_out: torch.Tensor) -> torch.Tensor:
@@ -142,12 +180,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (xf if x.dtype == torch.float32 else xf.to(x.dtype))
 
 
-def rope_tables(config: LlamaConfig, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(config: LlamaConfig, dtype: torch.dtype,
+                theta: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, signed sin: [max_positions, head_dim] in the half-rotation (rotate_half)
-    layout; the first half of sin is negated so rotate_half is a plain swap of halves."""
+    layout; the first half of sin is negated so rotate_half is a plain swap of halves.
+    ``theta``: the RoPE base (default ``config.rope_theta``, the only one scaled by
+    ``rope_scaling``; a sliding layer's own base is not, as in transformers)."""
     hd = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
-    if config.rope_scaling:
+    base = config.rope_theta if theta is None else theta
+    inv_freq = 1.0 / (base ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
+    if config.rope_scaling and theta is None:
         inv_freq = _scale_inv_freq(inv_freq, dict(config.rope_scaling))
     pos = torch.arange(config.max_position_embeddings, dtype=torch.int64).float()
     freqs = torch.outer(pos, inv_freq)                    # [P, hd/2]
@@ -233,7 +275,8 @@ class LlamaModel:
             raise ValueError(f"layer_range {layer_range} outside 0..{config.num_layers}")
         self.start, self.end = start, end
         self.is_first, self.is_last = start == 0, end == config.num_layers
-        self.scale = config.head_dim ** -0.5
+        self.scale = config.attention_scale
+        self.steps = layer_steps(config)
         self.attention_kernel = PrefillAttention.create() if attention_kernel == "auto" else attention_kernel
         if row_ops == "auto":
             row_ops = RowOps.create() if dtype == torch.float32 else None
@@ -274,10 +317,22 @@ class LlamaModel:
         embed = w("model.embed_tokens.weight", matrix=True) if self.is_first else None
         # a quantized table is read through its QuantLinear (rows dequantized on lookup)
         self.embed = QuantLinear([embed], quant_kernel, arena) if isinstance(embed, QuantTensor) else embed
+        # one pair of RoPE tables per base: the global layers', and the sliding layers' own
+        thetas = list(dict.fromkeys(config.layer_rope_theta(i) for i in range(start, end)))
+        self.ropes = [rope_tables(config, dtype, None if t == config.rope_theta else t) for t in thetas]
         self.layers: list[_Layer] = []
         for i in range(start, end):
             p = f"model.layers.{i}."
+            extra = {}
+            if config.qkv_bias:
+                extra["qkv_bias"] = torch.cat([w(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
+            if config.qk_norm:
+                extra["qk_norm"] = torch.stack([w(p + "self_attn.q_norm.weight"), w(p + "self_attn.k_norm.weight")])
+            if config.sandwich_norms:
+                extra["post_attn_norm"] = w(p + "post_attention_norm.weight")
+                extra["post_ffw_norm"] = w(p + "post_feedforward_norm.weight")
             self.layers.append(_Layer(
+                window=config.layer_window(i), rope=thetas.index(config.layer_rope_theta(i)), **extra,
                 input_norm=w(p + "input_layernorm.weight"),
                 qkv=mat(p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight"),
                 o=mat(p + "self_attn.o_proj.weight"),
@@ -296,7 +351,7 @@ class LlamaModel:
                 self.lm_head = self.embed.t().contiguous() if transposed else self.embed
             else:
                 self.lm_head = mat(head)
-        self.cos, self.sin = rope_tables(config, dtype)
+        self.cos, self.sin = rope_tables(config, dtype)       # the global layers' (the plan executor's)
 
     def _linear_rows(self, x: torch.Tensor, w_out_in: torch.Tensor) -> torch.Tensor:
         """fp32 x @ a float matrix [out, in]: ``F.linear``, a 16-bit matrix widened first
@@ -324,7 +379,8 @@ class LlamaModel:
 
     def weight_bytes_per_token(self) -> int:
         """Bytes of weights a single-token decode step must read (the bandwidth bound)."""
-        n = sum(_nbytes(t) for layer in self.layers for t in vars(layer).values())
+        n = sum(_nbytes(t) for layer in self.layers for t in vars(layer).values()
+                if isinstance(t, (torch.Tensor, QuantLinear)))
         if self.is_last:
             n += _nbytes(self.lm_head) + _nbytes(self.norm)
         return n
@@ -343,12 +399,14 @@ class LlamaModel:
             h = self.embed.embed(x).to(self.dtype)
         else:
             h = F.embedding(x, self.embed).to(self.dtype)                 # a 16-bit table's rows widened
+        if self.is_first and cfg.embed_scale != 1.0:
+            h = h * torch.tensor(cfg.embed_scale, dtype=h.dtype)          # rounded to h's dtype, as HF's Gemma
         rows = self.row_ops if h.dtype == torch.float32 else None
-        cos, sin = self.cos[positions], self.sin[positions]              # [T, hd]
+        ropes = [(cos[positions], sin[positions]) for cos, sin in self.ropes]      # [T, hd] per base
         eps = cfg.rms_norm_eps
         for i, layer in enumerate(self.layers):
             acts = {"h": h}
-            for step in LAYER_STEPS:
+            for step in self.steps:
                 x = acts[step.src]
                 w = getattr(layer, step.weight) if step.weight else None
                 op = step.op
@@ -364,8 +422,18 @@ class LlamaModel:
                 elif op == "silu_mul":
                     gate, up = x.chunk(2, dim=-1)
                     y = F.silu(gate) * up
+                elif op == "gelu_mul":
+                    gate, up = x.chunk(2, dim=-1)
+                    y = F.gelu(gate, approximate="tanh") * up
+                elif op == "add_bias":
+                    y = x + w
+                elif op == "qk_norm":
+                    y = self._qk_norm(x, w)
+                elif op == "add":
+                    y = acts[step.dst] + x
                 elif op == "rope_attention":
-                    y = self._rope_attention(x, cos, sin, batch, kv[i], rows)
+                    cos, sin = ropes[layer.rope]
+                    y = self._rope_attention(x, cos, sin, positions, batch, kv[i], rows, layer.window)
                 else:
                     raise ValueError(f"LAYER_STEPS: unknown op {op!r}")
                 acts[step.dst] = y
@@ -376,11 +444,22 @@ class LlamaModel:
             h = rows.rms_norm(h, self.norm, eps) if rows else rms_norm(h, self.norm, eps)
         return h
 
-    def _rope_attention(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                        batch: AttentionBatch, kv_layer: torch.Tensor, rows: RowOps | None) -> torch.Tensor:
+    def _qk_norm(self, qkv: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """qkv [T, q + 2kv] with each q head normed by ``w[0]`` and each k head by
+        ``w[1]`` (RMSNorm over head_dim); v as it is."""
+        cfg = self.config
+        T, q_size, kv_size, hd = qkv.shape[0], cfg.q_size, cfg.kv_size, cfg.head_dim
+        q = rms_norm(qkv[:, :q_size].reshape(T, cfg.num_heads, hd), w[0], cfg.rms_norm_eps)
+        k = rms_norm(qkv[:, q_size:q_size + kv_size].reshape(T, cfg.num_kv_heads, hd), w[1], cfg.rms_norm_eps)
+        return torch.cat((q.reshape(T, q_size), k.reshape(T, kv_size), qkv[:, q_size + kv_size:]), dim=1)
+
+    def _rope_attention(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                        batch: AttentionBatch, kv_layer: torch.Tensor, rows: RowOps | None,
+                        window: int | None) -> torch.Tensor:
         """qkv [T, q + 2kv] -> attention output [T, q]; writes the new K/V into
-        ``kv_layer`` ([2, N, bs, kvh, hd]). cos, sin: [T, hd] at the tokens' positions;
-        ``rows``: forward's row ops for these activations, or None (torch's RoPE)."""
+        ``kv_layer`` ([2, N, bs, kvh, hd]). cos, sin: [T, hd] at the tokens' positions
+        [T]; ``rows``: forward's row ops for these activations, or None (torch's RoPE);
+        ``window``: the layer's sliding window (keys outside it are masked), or None."""
         cfg = self.config
         T, q_size, kv_size, hd = qkv.shape[0], cfg.q_size, cfg.kv_size, cfg.head_dim
         # RoPE on q and k heads together: [T, H + kvh, hd]
@@ -398,12 +477,16 @@ class LlamaModel:
         write_kv(k_cache, v_cache, k, v, batch)
         k, v = k.to(q.dtype), v.to(q.dtype)
         if batch.is_prefill:
-            o = prefill_attention(q, k, v, k_cache, v_cache, batch, self.scale, self.attention_kernel)
+            o = prefill_attention(q, k, v, k_cache, v_cache, batch, self.scale, self.attention_kernel,
+                                  window=window, softcap=cfg.attn_logit_softcap)
         else:
-            o = decode_attention(q, k_cache, v_cache, batch, self.scale)
+            o = decode_attention(q, k_cache, v_cache, batch, self.scale, window=window,
+                                 positions=positions, softcap=cfg.attn_logit_softcap)
         return o.reshape(T, q_size)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, D] (final-normed) -> logits [n, V] in fp32."""
-        return self._linear(hidden, self.lm_head).float()
+        logits = self._linear(hidden, self.lm_head).float()
+        cap = self.config.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap

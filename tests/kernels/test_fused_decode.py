@@ -116,14 +116,14 @@ def test_fp32_and_unsupported_shapes_keep_the_torch_path():
 
 
 def test_a_model_change_in_llama_py_turns_the_kernel_off(monkeypatch):
-    """The kernel writes the layer out in C++: a LAYER_STEPS it does not implement (here
+    """The kernel writes the layer out in C++: a layer plan it does not implement (here
     a made-up per-head q/k norm) declines it, by name, and bf16 decode stays on forward."""
     w = resolve_model("tiny:7").load_weights()
     bf16 = LlamaModel(w.config, w.tensors, dtype=torch.bfloat16)
-    assert "LAYER_STEPS" not in (fused_unsupported_reason(bf16) or "")
+    assert "layer plan" not in (fused_unsupported_reason(bf16) or "")
     steps = llama.LAYER_STEPS[:2] + (Step("qk_norm", "qkv", "qkv", "input_norm"),) + llama.LAYER_STEPS[2:]
-    monkeypatch.setattr(decode_kernels, "LAYER_STEPS", steps)
-    assert "LAYER_STEPS" in fused_unsupported_reason(bf16)
+    monkeypatch.setattr(bf16, "steps", steps)
+    assert "layer plan" in fused_unsupported_reason(bf16)
     assert fused_decoder(bf16, torch.zeros(1), BS) is None
 
 

@@ -550,7 +550,7 @@ def test_a_plan_with_an_op_it_lacks_is_declined(tiny, monkeypatch):
     """A model change the executor does not implement yet (here a made-up per-head
     q/k norm) turns it off, by name, and decode stays on forward."""
     steps = llama.LAYER_STEPS[:2] + (Step("qk_norm", "qkv", "qkv", "input_norm"),) + llama.LAYER_STEPS[2:]
-    monkeypatch.setattr(decode_kernels, "LAYER_STEPS", steps)
+    monkeypatch.setattr(tiny, "steps", steps)
     assert "qk_norm" in plan_unsupported_reason(tiny)
     assert plan_decoder(tiny, empty_kv(tiny), BS) is None
 
@@ -558,7 +558,7 @@ def test_a_plan_with_an_op_it_lacks_is_declined(tiny, monkeypatch):
 def test_the_executor_refuses_a_plan_whose_widths_do_not_fit(tiny, monkeypatch):
     """kvd_plan_check: a step whose weight does not fit its slots is refused at construction."""
     steps = tuple(dataclasses.replace(s, weight="gate_up") if s.weight == "down" else s for s in llama.LAYER_STEPS)
-    monkeypatch.setattr(decode_kernels, "LAYER_STEPS", steps)
+    monkeypatch.setattr(tiny, "steps", steps)
     assert plan_decoder(tiny, empty_kv(tiny), BS) is None
 
 
