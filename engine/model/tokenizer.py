@@ -7,11 +7,10 @@ out one token at a time.
 
 Two builders:
 
-- ``Tokenizer.from_gguf(path)`` rebuilds a byte-level BPE from a GGUF file's
-  metadata (``tokenizer.ggml.*``). It follows transformers' GGUF converter
-  (``transformers/integrations/gguf/gguf_tokenizer_mapping.py``:
-  ``byte_level_tokenizer``, ``add_gguf_special_tokens``, ``set_split_regex``),
-  so the ids equal those of ``AutoTokenizer.from_pretrained(dir, gguf_file=...)``.
+- ``Tokenizer.from_gguf(path)`` rebuilds the tokenizer a GGUF file's metadata
+  describes (``engine.model.gguf_tokenizer``: byte-level BPE or
+  SentencePiece-style, as transformers' GGUF converter builds it), so the ids
+  equal those of ``AutoTokenizer.from_pretrained(dir, gguf_file=...)``.
 - ``Tokenizer.from_hf_dir(path)`` loads ``tokenizer.json`` plus
   ``tokenizer_config.json`` (and ``chat_template.jinja`` / ``generation_config.json``
   when present).
@@ -24,6 +23,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import logging
 from datetime import datetime
 from functools import cached_property, lru_cache
 from pathlib import Path
@@ -32,31 +32,10 @@ from typing import Any
 import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import decoders
 from tokenizers import Tokenizer as BackendTokenizer
 
-# GGUF token types (llama.cpp ``llama_token_type``).
-_TOKEN_TYPE_CONTROL = 3
-_TOKEN_TYPE_USER_DEFINED = 4
-
-# Split regexes for llama.cpp pre-tokenizer names whose merges were learned on
-# something other than GPT-2's regex. Same table as transformers' converter
-# (a subset: the Llama-family names). Names not listed (``smollm``, ``gpt2``,
-# ``default``...) use ByteLevel's built-in GPT-2 regex, as transformers does.
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_PRE_TOKENIZER_SPLITS = {
-    "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT,
-    "falcon3": _LLAMA3_SPLIT, "dbrx": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT,
-    "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT,
-}
-
+log = logging.getLogger(__name__)
 
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character table used by byte-level BPE vocabularies."""
@@ -202,57 +181,27 @@ class Tokenizer:
     # ---------------------------------------------------------------- builders
     @classmethod
     def from_gguf(cls, path: str | Path) -> "Tokenizer":
-        """Build the byte-level BPE a GGUF file describes (``tokenizer.ggml.model == "gpt2"``).
+        """Build the tokenizer a GGUF file describes (``engine.model.gguf_tokenizer``:
+        byte-level BPE or SentencePiece-style, as transformers builds it).
 
-        Raises ``ValueError`` for a missing file, a file without tokenizer
-        metadata, or a sentencepiece/unigram vocabulary (not supported yet).
+        The chat template is the file's own, else its architecture's standard
+        turn format (``engine.model.chat_formats``), else none. Raises
+        ``ValueError`` for a missing file, a file without tokenizer metadata,
+        or a tokenizer kind kvd does not build.
         """
-        from engine.model.gguf_meta import read_metadata  # noqa: PLC0415 -- only the GGUF path needs it
+        from engine.model import chat_formats, gguf_tokenizer  # noqa: PLC0415 -- only the GGUF path needs them
+        from engine.model.gguf_meta import read_metadata  # noqa: PLC0415
 
         path = Path(path)
         meta = read_metadata(path)      # ValueError for a missing or malformed file
-
-        def field(key: str, default: Any = None) -> Any:
-            return meta.get(key, default)
-
-        model_type = field("tokenizer.ggml.model")
-        if model_type is None:
-            raise ValueError(f"{path}: no tokenizer metadata (tokenizer.ggml.model)")
-        if model_type != "gpt2":
-            raise ValueError(f"{path}: tokenizer.ggml.model={model_type!r} is not supported; "
-                             "only byte-level BPE ('gpt2') is")
-        tokens: list[str] = field("tokenizer.ggml.tokens")
-        merges: list[str] | None = field("tokenizer.ggml.merges")
-        token_types: list[int] = field("tokenizer.ggml.token_type") or []
-        if not tokens or not merges:
-            raise ValueError(f"{path}: byte-level BPE needs tokenizer.ggml.tokens and .merges")
-
-        vocab, alphabet, backend = _byte_level_bpe(tokens, merges, field("tokenizer.ggml.pre"))
-
-        def token_at(key: str) -> tuple[int | None, str | None]:
-            idx = field(key)
-            if idx is None or not 0 <= int(idx) < len(tokens):
-                return None, None
-            return int(idx), tokens[int(idx)]
-
-        bos_id, bos = token_at("tokenizer.ggml.bos_token_id")
-        eos_id, eos = token_at("tokenizer.ggml.eos_token_id")
-        _, unk = token_at("tokenizer.ggml.unknown_token_id")
-        _, pad = token_at("tokenizer.ggml.padding_token_id")
-
-        _add_gguf_tokens(backend, tokens, token_types, vocab, alphabet, (bos, eos, unk, pad))
-
-        add_bos = bool(field("tokenizer.ggml.add_bos_token", False))
-        if add_bos and bos is not None:
-            backend.post_processor = processors.TemplateProcessing(
-                single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)])
-
-        eos_ids = tuple(i for i in (eos_id, _int_or_none(field("tokenizer.ggml.eot_token_id")))
-                        if i is not None)
-        return cls(backend, bos_token_id=bos_id, eos_token_ids=tuple(dict.fromkeys(eos_ids)),
-                   chat_template=field("tokenizer.chat_template"),
-                   special_tokens={"bos_token": bos, "eos_token": eos,
-                                   "unk_token": unk, "pad_token": pad})
+        built = gguf_tokenizer.build(path, meta)
+        template = built.chat_template
+        if template is None:
+            template = chat_formats.standard_template(built.architecture, built.backend)
+            log.info("%s has no chat template; using the %s turn format%s", path.name, built.architecture,
+                     "" if template else ": none known, chat requests are refused")
+        return cls(built.backend, bos_token_id=built.bos_token_id, eos_token_ids=built.eos_token_ids,
+                   chat_template=template, special_tokens=built.special_tokens)
 
     @classmethod
     def from_hf_dir(cls, path: str | Path) -> "Tokenizer":
@@ -441,52 +390,3 @@ def _token_content(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-
-def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str | None
-                    ) -> tuple[dict[str, int], set[str], BackendTokenizer]:
-    """The byte-level BPE of a GGUF vocabulary: (its vocab, GPT-2's byte alphabet,
-    the backend with ``pre``'s pre-tokenizer and the byte-level decoder)."""
-    # Tokens are stored in GPT-2's byte alphabet; one that uses other
-    # characters (a mislabelled added token) is respelled byte by byte.
-    # Later duplicates win, exactly like transformers' dict comprehension.
-    spelling = bytes_to_unicode()
-    alphabet = set(spelling.values())
-    vocab = {tok if set(tok) <= alphabet else "".join(spelling[b] for b in tok.encode("utf-8")): i
-             for i, tok in enumerate(tokens)}
-    bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ")) for m in merges],
-                     dropout=None, unk_token=None, continuing_subword_prefix="",
-                     end_of_word_suffix="", fuse_unk=False, byte_fallback=False)
-    backend = BackendTokenizer(bpe)
-    split = _PRE_TOKENIZER_SPLITS.get(pre)
-    if split is None:
-        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    else:
-        backend.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(split), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    backend.decoder = decoders.ByteLevel()
-    return vocab, alphabet, backend
-
-
-def _add_gguf_tokens(backend: BackendTokenizer, tokens: list[str], token_types: list[int],
-                     vocab: dict[str, int], alphabet: set[str], named_tokens: tuple[str | None, ...]) -> None:
-    """Add a GGUF vocabulary's control, named (bos/eos/unk/pad) and user-defined
-    tokens to ``backend``. Mutates ``backend``."""
-    # Control tokens (<|im_start|>...) become special added tokens so text
-    # containing them is matched whole; user-defined ones plain added tokens.
-    control = [AddedToken(tok, normalized=False, special=True)
-               for tok, kind in zip(tokens, token_types)
-               if kind == _TOKEN_TYPE_CONTROL and set(tok) <= alphabet]
-    named = [AddedToken(t, normalized=False, special=True) for t in named_tokens
-             if t is not None and t in vocab]
-    if control or named:
-        backend.add_special_tokens(control + named)
-    user_defined = [AddedToken(tok, normalized=False, special=False)
-                    for tok, kind in zip(tokens, token_types)
-                    if kind == _TOKEN_TYPE_USER_DEFINED and tok in vocab]
-    if user_defined:
-        backend.add_tokens(user_defined)
-
-
-def _int_or_none(value: Any) -> int | None:
-    return None if value is None else int(value)
