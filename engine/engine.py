@@ -38,6 +38,7 @@ from engine.stream import KVSink, LayerStreamer
 from kernels.native import cpu_has_native_bf16
 from kernels.plan_decode import PlanDecoder
 from kernels.quant_linear import QuantKernel
+from kernels.logprob_rows import LogprobKernel
 from kernels.sampler import RowSampler
 
 log = logging.getLogger(__name__)
@@ -123,7 +124,8 @@ class LLMEngine:
         if config.decode_kernel == "auto":   # one C++ call per decode step where one can run it
             make = plan_decoder if model.quantized or model.dtype == torch.float32 else fused_decoder
             fused = make(model, device_kv, config.block_size)
-        self.runner = ModelRunner(model, device_kv, config.block_size, fused, RowSampler.create())
+        self.runner = ModelRunner(model, device_kv, config.block_size, fused, RowSampler.create(),
+                                  LogprobKernel.create())
         self.compute_threads = torch.get_num_threads()      # the team from_config sized (this thread's)
         self.runner.small_batch_threads = self._small_batch_team()
         self.runner.team = self._adaptive_team()

@@ -13,7 +13,12 @@ A logprob below ``LOGPROB_FLOOR`` (-inf among them) is reported as the floor,
 as vLLM's server does: JSON has no -inf.
 
 Only rows whose request asks pay anything: a step where none does computes
-no ``log_softmax``.
+nothing. A row costs two passes over its logits and writes no [R, V]
+``log_softmax``: its log-sum-exp and top ``k`` are taken before anything
+changes the logits (``summarize``), and the sampled token's logprob is read
+once it is drawn (``PendingLogprobs.answer``). The C++ kernel
+(kernels/logprob_rows.py) does the passes where the CPU has one; torch's
+``logsumexp`` and ``topk`` otherwise, and for a row the kernel declines.
 
 The answers are ``engine.request.TokenLogprobs`` (torch-free: the wire and
 the coordinator carry them).
@@ -22,24 +27,24 @@ the coordinator carry them).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 from collections.abc import Iterator, Sequence
 
 import torch
 
 from engine.request import LOGPROB_FLOOR, TokenLogprobs
+from kernels.logprob_rows import LogprobKernel, RowSummary
 
 # prompt rows turned into log probabilities per matmul: [rows, V] fp32 at a time (~25 MB at V = 49K)
 PROMPT_ROWS_PER_SLICE = 128
-TOP_K_BLOCK = 256            # columns per block of top_k's first pass
 
 
 @contextlib.contextmanager
 def one_thread() -> Iterator[None]:
-    """Run torch's ops on this thread alone, then give back the team. A step's
-    logprobs are a few memory-bound passes over [R, V] (~1 ms each): on a
-    host whose cores are busy, every op torch splits across its team waits at
-    a barrier for a descheduled thread and costs several times the op
-    (tools/bench/engine/bench_logprobs.py)."""
+    """Run torch's ops on this thread alone, then give back the team. A row's
+    summary is a few memory-bound passes over [V]: on a host whose cores are
+    busy, every op torch splits across its team waits at a barrier for a
+    descheduled thread and costs several times the op."""
     team = torch.get_num_threads()
     if team == 1:
         yield
@@ -51,67 +56,65 @@ def one_thread() -> Iterator[None]:
         torch.set_num_threads(team)
 
 
-def log_probs(logits: torch.Tensor) -> torch.Tensor:
-    """logits [R, V] -> their float32 log_softmax [R, V] (a new tensor: the
-    logits are not changed). Computed on one thread (``one_thread``)."""
+def _float32(x: float) -> float:
+    """``x`` rounded to float32, floored at ``LOGPROB_FLOOR`` (-inf and NaN among the floored)."""
+    v = ctypes.c_float(x).value
+    return v if v > LOGPROB_FLOOR else LOGPROB_FLOOR
+
+
+def _torch_summary(row: torch.Tensor, k: int) -> RowSummary:
+    """``RowSummary`` of one fp32 row [V] by torch (any values: NaN, +-inf)."""
+    lse = float(torch.logsumexp(row.double(), dim=-1))
+    if k == 0:
+        return RowSummary(lse, ())
+    values, ids = torch.topk(row, k)
+    return RowSummary(lse, tuple((int(i), float(v) - lse) for i, v in zip(ids.tolist(), values.tolist())))
+
+
+class PendingLogprobs:
+    """A step's logprob summaries, taken from the raw logits (``summarize``);
+    ``answer`` completes them once the tokens are drawn."""
+
+    def __init__(self, rows: Sequence[int], tops: Sequence[int], summaries: Sequence[RowSummary],
+                 raw: dict[int, torch.Tensor]) -> None:
+        self.rows, self.tops, self.summaries, self.raw = list(rows), list(tops), list(summaries), raw
+
+    def answer(self, logits: torch.Tensor, token_ids: Sequence[int]) -> list[TokenLogprobs]:
+        """Row ``rows[j]``'s answer for ``token_ids[j]`` with its ``tops[j]`` most
+        likely tokens. ``logits`` is the tensor ``summarize`` read: the drawn token's
+        logit is read from it (a masked token is never drawn, so masks leave it
+        as it was), or from the copy taken of a row its sampling changes in place."""
+        out = []
+        for j, (row, tok) in enumerate(zip(self.rows, token_ids)):
+            s = self.summaries[j]
+            x = self.raw[row][tok] if row in self.raw else logits[row, tok]
+            top = tuple((i, _float32(v)) for i, v in s.top[:self.tops[j]])
+            out.append(TokenLogprobs(tok, _float32(float(x) - s.lse), top))
+        return out
+
+
+def summarize(logits: torch.Tensor, rows: Sequence[int], tops: Sequence[int],
+              kernel: LogprobKernel | None, changed: Sequence[int] = ()) -> PendingLogprobs:
+    """Take what ``rows`` of ``logits`` (fp32 [B, V]) need for their logprobs, each
+    with its ``tops[j]`` most likely tokens, before anything changes the logits;
+    ``changed``: rows among them that sampling will change in place (a copy of each
+    is kept). Torch's ops run on one thread (``one_thread``)."""
+    k = max(tops, default=0)
+    summaries: list[RowSummary | None]
+    if kernel is not None and logits.dtype == torch.float32 and logits.stride(-1) == 1 and k <= kernel.max_top:
+        summaries = kernel.summarize(logits, rows, k)
+    else:
+        summaries = [None] * len(rows)
     with one_thread():
-        return torch.log_softmax(logits.float(), dim=-1)
+        for j, s in enumerate(summaries):
+            if s is None:
+                summaries[j] = _torch_summary(logits[rows[j]].float(), min(k, logits.shape[-1]))
+        raw = {row: logits[row].clone() for row in changed}
+    return PendingLogprobs(rows, tops, summaries, raw)
 
 
-def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``k`` largest values of each row of ``x`` [R, V] and their columns, largest
-    first: ``torch.topk``'s answer, found in blocks::
-
-        row:    [ b0 | b1 | b2 | ... | b(C-1) | tail ]    C blocks of TOP_K_BLOCK columns
-        step 1: each block's maximum                      one pass over the row
-        step 2: the k blocks with the largest maxima      hold every one of the k largest
-        step 3: topk over those k blocks and the tail     k * TOP_K_BLOCK + tail columns
-
-    (a value among the k largest is at most its block's maximum, so at most k
-    blocks have a maximum that large.) torch's CPU topk over a whole [32, 49K]
-    row set costs several times a pass over it; this is one pass and a small topk."""
-    r, v = x.shape
-    full = v - v % TOP_K_BLOCK
-    if full < k * TOP_K_BLOCK * 2:
-        return torch.topk(x, k, dim=-1)
-    blocks = x[:, :full].reshape(r, full // TOP_K_BLOCK, TOP_K_BLOCK)           # a view of contiguous rows
-    chosen = torch.topk(blocks.amax(dim=-1), k, dim=-1).indices                 # [R, k]
-    values = blocks.gather(1, chosen[:, :, None].expand(r, k, TOP_K_BLOCK)).reshape(r, k * TOP_K_BLOCK)
-    columns = (chosen[:, :, None] * TOP_K_BLOCK + torch.arange(TOP_K_BLOCK)).reshape(r, k * TOP_K_BLOCK)
-    if full < v:
-        values = torch.cat([values, x[:, full:]], dim=1)
-        columns = torch.cat([columns, torch.arange(full, v).expand(r, v - full)], dim=1)
-    best, at = torch.topk(values, k, dim=-1)
-    return best, columns.gather(1, at)
-
-
-def token_logprobs(logprobs: torch.Tensor, token_ids: Sequence[int], top: Sequence[int]) -> list[TokenLogprobs]:
-    """Row r of ``logprobs`` [R, V] (``log_probs``) answered for token
-    ``token_ids[r]`` with its ``top[r]`` most likely tokens. Computed on one
-    thread (``one_thread``)."""
-    with one_thread():
-        return _token_logprobs(logprobs, token_ids, top)
-
-
-def _token_logprobs(logprobs: torch.Tensor, token_ids: Sequence[int], top: Sequence[int]) -> list[TokenLogprobs]:
-    n = len(token_ids)
-    if n == 0:
-        return []
-    ids = torch.tensor(token_ids, dtype=torch.int64)
-    chosen = logprobs.gather(1, ids[:, None])[:, 0].clamp_(min=LOGPROB_FLOOR).tolist()
-    k = max(top)
-    if k:
-        values, indices = top_k(logprobs, k)
-        values = values.clamp_(min=LOGPROB_FLOOR).tolist()
-        indices = indices.tolist()
-    out = []
-    for r in range(n):
-        best = tuple(zip(indices[r][:top[r]], values[r][:top[r]])) if top[r] else ()
-        out.append(TokenLogprobs(token_ids[r], chosen[r], best))
-    return out
-
-
-def prompt_logprobs(hidden: torch.Tensor, compute_logits, targets: Sequence[int], top: int) -> list[TokenLogprobs]:
+def prompt_logprobs(hidden: torch.Tensor, compute_logits, targets: Sequence[int], top: int,
+                    kernel: LogprobKernel | None) -> list[TokenLogprobs]:
     """The logprobs of ``targets[j]`` at the position whose hidden state is
     ``hidden[j]`` ([n, D], one row per target), with ``top`` most likely each:
     the LM head runs on ``PROMPT_ROWS_PER_SLICE`` rows at a time, so a long
@@ -119,6 +122,7 @@ def prompt_logprobs(hidden: torch.Tensor, compute_logits, targets: Sequence[int]
     out: list[TokenLogprobs] = []
     for a in range(0, len(targets), PROMPT_ROWS_PER_SLICE):
         b = min(a + PROMPT_ROWS_PER_SLICE, len(targets))
-        logprobs = log_probs(compute_logits(hidden[a:b]))
-        out += token_logprobs(logprobs, targets[a:b], [top] * (b - a))
+        logits = compute_logits(hidden[a:b]).float()
+        rows = range(b - a)
+        out += summarize(logits, rows, [top] * (b - a), kernel).answer(logits, targets[a:b])
     return out

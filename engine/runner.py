@@ -30,7 +30,7 @@ from collections.abc import Callable
 import torch
 
 from engine.model.llama import LlamaModel
-from engine.logprobs import log_probs, prompt_logprobs, token_logprobs
+from engine.logprobs import prompt_logprobs, summarize
 from engine.request import Request, TokenLogprobs
 from engine.sampling import UNSAMPLED, apply_min_tokens, greedy, sample
 from engine.structured.masks import MaskComputer, PendingMasks
@@ -39,6 +39,7 @@ from kernels.attention import AttentionBatch, PrefillSeq, decode_key_mask
 from kernels.decode_inputs import DecodeStaging
 from kernels.fused_decode import FusedDecoder
 from kernels.plan_decode import PlanDecoder
+from kernels.logprob_rows import LogprobKernel
 from kernels.sampler import RowSampler
 
 
@@ -56,7 +57,8 @@ class ModelRunner:
     random rows, or None (engine.sampling draws them in torch)."""
 
     def __init__(self, model: LlamaModel, kv: torch.Tensor, block_size: int,
-                 fused: FusedDecoder | PlanDecoder | None = None, sampler: RowSampler | None = None) -> None:
+                 fused: FusedDecoder | PlanDecoder | None = None, sampler: RowSampler | None = None,
+                 logprob_kernel: LogprobKernel | None = None) -> None:
         if not (model.is_first and model.is_last):
             raise ValueError("ModelRunner drives a whole model, not a pipeline stage (layer_range)")
         self.model = model
@@ -64,6 +66,7 @@ class ModelRunner:
         self.block_size = block_size
         self.fused = fused
         self.sampler = sampler
+        self.logprob_kernel = logprob_kernel
         # the one-call decoder's reused buffers (checks kv once)
         self._staging: DecodeStaging | None = fused.staging(kv) if fused is not None else None
         # threads of a one-call decode step of at most SMALL_BATCH rows (0: torch's count);
@@ -151,7 +154,9 @@ class ModelRunner:
         token, its logprobs where its request asks (engine/logprobs.py)."""
         asking = [k for k, i in enumerate(sampled) if requests[i].params.logprobs is not None]
         # the model's raw logits: before the min_tokens mask and the sampler's adjustments change rows
-        logprobs = log_probs(logits if len(asking) == len(logits) else logits[asking]) if asking else None
+        pending_logprobs = summarize(
+            logits, asking, [requests[sampled[k]].params.logprobs for k in asking], self.logprob_kernel,
+            [k for k in asking if requests[sampled[k]].params.adjusts_logits]) if asking else None
         row_of = {i: row for row, i in enumerate(sampled)}
         if banned := [(row_of[i], ids) for i, ids in banned if i in row_of]:
             apply_min_tokens(logits, banned)
@@ -172,9 +177,8 @@ class ModelRunner:
         for i, tok in zip(sampled, picked):
             tokens[i] = tok
         answers: list[TokenLogprobs | None] = [None] * len(requests)
-        if asking:
-            entries = token_logprobs(logprobs, [max(picked[k], 0) for k in asking],   # UNSAMPLED fails anyway
-                                     [requests[sampled[k]].params.logprobs for k in asking])
+        if pending_logprobs is not None:
+            entries = pending_logprobs.answer(logits, [max(picked[k], 0) for k in asking])   # UNSAMPLED fails anyway
             for k, entry in zip(asking, entries):
                 answers[sampled[k]] = entry
         return tokens, answers
@@ -208,7 +212,8 @@ class ModelRunner:
                 continue
             rows = hidden[seq.q_start + first - start:seq.q_start + stop - start]
             req.prompt_logprobs += prompt_logprobs(rows, self.model.compute_logits,
-                                                   req.prompt_ids[first + 1:stop + 1], req.params.prompt_logprobs)
+                                                   req.prompt_ids[first + 1:stop + 1], req.params.prompt_logprobs,
+                                                   self.logprob_kernel)
 
     def _decode_fused(self, requests: list[Request]) -> tuple[torch.Tensor, list[int]]:
         """A decode step on the one-call decoder, its inputs written into the reused

@@ -5,11 +5,11 @@ B greedy requests asking ``logprobs = --top`` against the same requests
 asking none, alternated ``--rounds`` times; the ratio is with / without.
 Beside it, measured inside the same steps (so that a busy host slows both
 alike), the share of a step the logprob computation takes (engine/logprobs.py's
-``log_probs`` and ``token_logprobs``, timed around their calls).
+``summarize`` and ``PendingLogprobs.answer``, timed around their calls).
 
 ``prompt``: a ``--prompt-len``-token prompt's prefill when it asks for
 prompt logprobs (echo): the whole prompt is computed and every position
-goes through the LM head and a log_softmax (engine/logprobs.py), cached
+goes through the LM head and a logprob summary (engine/logprobs.py), cached
 prefix or not; beside it the same prompt served from the prefix cache
 without them (what a plain repeat costs) and computed without a cache (a
 plain prefill). Each is the time of one request with max_tokens 1.
@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+import engine.logprobs
 import engine.runner
 from engine.engine import EngineConfig, LLMEngine
 from engine.request import SamplingParams
@@ -64,22 +65,23 @@ def one_request_seconds(engine: LLMEngine, prompt: list[int], params: SamplingPa
 
 
 class Timed:
-    """Wraps engine.runner's logprob functions, adding up the seconds spent in them."""
+    """Wraps the step's logprob work (engine.runner's ``summarize`` and
+    ``PendingLogprobs.answer``), adding up the seconds spent in it."""
 
-    NAMES = ("log_probs", "token_logprobs")
+    TARGETS = ((engine.runner, "summarize"), (engine.logprobs.PendingLogprobs, "answer"))
 
     def __init__(self) -> None:
         self.seconds = 0.0
-        self._originals = {name: getattr(engine.runner, name) for name in self.NAMES}
+        self._originals = [(owner, name, getattr(owner, name)) for owner, name in self.TARGETS]
 
     def __enter__(self) -> "Timed":
-        for name, fn in self._originals.items():
-            setattr(engine.runner, name, self._timed(fn))
+        for owner, name, fn in self._originals:
+            setattr(owner, name, self._timed(fn))
         return self
 
     def __exit__(self, *exc) -> None:
-        for name, fn in self._originals.items():
-            setattr(engine.runner, name, fn)
+        for owner, name, fn in self._originals:
+            setattr(owner, name, fn)
 
     def _timed(self, fn):
         def call(*args, **kwargs):
