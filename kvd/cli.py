@@ -247,6 +247,18 @@ async def supervised(notifier, interval: float | None, main) -> None:
             watchdog.cancel()
 
 
+def _check_model(spec: str) -> None:
+    """Refuse a model spec that names nothing on this machine before any port
+    opens: ``ValueError`` (one line: the known names, or the missing package's
+    install command). Reads metadata only; imports no torch."""
+    from engine.model.registry import resolve_model
+
+    try:
+        resolve_model(spec)
+    except FileNotFoundError as exc:
+        raise ValueError(str(exc)) from None
+
+
 def _logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
@@ -258,6 +270,7 @@ def node(args: argparse.Namespace) -> int:
     server = {"drain_timeout": args.drain_timeout, "log_level": args.log_level}
     try:
         config = load_config(args.config, {"engine": engine, "server": server})
+        _check_model(config.engine.model)
         cluster = _cluster(args)
         from kvd import links
         from kvd.cluster_config import check_node_name
@@ -345,6 +358,7 @@ def coordinator(args: argparse.Namespace) -> int:
     overrides.update(model=args.model, max_model_len=args.max_model_len)
     try:
         settings = load_settings(args.config, overrides)   # same checks as kvd serve / kvd node
+        _check_model(settings.model)
         cluster = _cluster(args)
         if args.listen:
             from kvd.cluster_config import with_overrides
@@ -362,9 +376,10 @@ def coordinator(args: argparse.Namespace) -> int:
     notifier, watchdog = _systemd()
 
     async def start_and_run() -> None:
-        name, tokenizer = await asyncio.to_thread(load_tokenizer, settings.model)
+        name, tokenizer, context_length = await asyncio.to_thread(load_tokenizer, settings.model)
         daemon = CoordinatorDaemon(cluster, settings.server, name, tokenizer, admin_socket=args.admin_socket,
-                                   default_max_model_len=settings.max_model_len or 2048, notifier=notifier)
+                                   default_max_model_len=settings.assumed_max_model_len(context_length),
+                                   notifier=notifier)
         await daemon.run(install_signals=True)
     return _run(lambda: supervised(notifier, watchdog, start_and_run()))
 
@@ -376,6 +391,7 @@ def serve(args: argparse.Namespace) -> int:
     server = {d: getattr(args, d) for d, _, _ in SERVER_FLAGS.values()}
     try:
         config = load_config(args.config, {"engine": engine, "server": server})
+        _check_model(config.engine.model)
         cluster = _cluster(args)
         for name in ("restart_nodes", "split_cpus"):
             if getattr(args, name) is not None:

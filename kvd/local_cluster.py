@@ -155,9 +155,10 @@ class LocalCluster:
             shutil.rmtree(self.runtime_dir, ignore_errors=True)
 
     async def _run(self, tg: asyncio.TaskGroup) -> None:
-        model_name, tokenizer = await asyncio.to_thread(load_tokenizer, self.settings.model)
+        model_name, tokenizer, context_length = await asyncio.to_thread(load_tokenizer, self.settings.model)
         self.coordinator = CoordinatorDaemon(self.cluster, self.settings.server, model_name, tokenizer,
-                                             default_max_model_len=self.settings.max_model_len or 2048,
+                                             default_max_model_len=self.settings.assumed_max_model_len(
+                                                 context_length),
                                              notifier=self.notifier)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

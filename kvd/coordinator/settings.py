@@ -31,6 +31,12 @@ class CoordinatorSettings:
     def from_config(cls, config: KvdConfig) -> "CoordinatorSettings":
         return cls(config.server, config.engine.model, config.engine.max_model_len)
 
+    def assumed_max_model_len(self, context_length: int | None) -> int:
+        """The context length to assume until nodes report theirs: the model
+        file's (``context_length``, None if unknown) capped by ``max_model_len``."""
+        limits = [n for n in (self.max_model_len, context_length) if n]
+        return min(limits) if limits else 2048
+
 
 def load_settings(path: str | os.PathLike | None, overrides: dict[str, Any] | None = None
                   ) -> CoordinatorSettings:
@@ -44,8 +50,9 @@ def load_settings(path: str | os.PathLike | None, overrides: dict[str, Any] | No
 
 
 def load_tokenizer(spec: str):
-    """(served model name, tokenizer) of a model spec; reads no weights, imports no torch."""
+    """(served model name, tokenizer, the file's context length or None) of a
+    model spec; reads no weights, imports no torch."""
     from engine.model.registry import resolve_model
 
     source = resolve_model(spec)
-    return source.name, source.load_tokenizer()
+    return source.name, source.load_tokenizer(), source.context_length
