@@ -15,6 +15,13 @@ same arithmetic as on real weights of that shape, so its speed is the real
 model's (its tokens are gibberish). Nothing here is a quantization: the bytes are
 written as they are.
 
+``--arch``: a small random model of that architecture instead
+(``write_architecture``: llama, qwen2, qwen3, gemma3 or phi3, its tensors
+``--tensor-type`` F32 or Q8_0, the norms and biases F32), for the architecture
+tests against transformers::
+
+    .venv/bin/python tools/random_gguf.py --arch gemma3 --tensor-type Q8_0 --out /tmp/gemma3-tiny.gguf
+
 ``--source``: the GGUF whose metadata is copied (default the bundled file); only
 its metadata is read. ``--metadata-only`` writes that metadata alone, no
 tensors (a few MB): a ``--source`` to carry to a host that has no bundled file
@@ -172,6 +179,95 @@ def write_llama(path: Path, config: Any, fmt: str, seed: int = 0) -> None:
     writer.close()
 
 
+# the small shape of write_architecture: 7 layers, so a gemma3 has a global layer (the 6th)
+ARCH_SHAPE = {"hidden": 64, "ffn": 128, "layers": 7, "heads": 4, "kv_heads": 2, "head_dim": 16}
+ARCH_SLIDING_WINDOW = 8          # a gemma3's window: shorter than the tests' prompts
+MATRIX_TYPES = ("F32", "Q8_0")
+
+
+def write_architecture(arch: str, out: Path, tensor_type: str = "F32", seed: int = 0,
+                       source_path: Path | None = None, sliding_window: int = ARCH_SLIDING_WINDOW) -> None:
+    """A small random ``arch`` model (``ARCH_SHAPE``) at ``out``: the ``{arch}.*`` keys
+    llama.cpp writes for it, the tokenizer of ``source_path`` (default the bundled GGUF;
+    its vocabulary sizes the embedding), matrices of ``tensor_type`` (normal, std 0.05,
+    quantized by gguf-py), norms near 1 and biases F32, with the tensors the architecture
+    has (``ARCH_TENSORS``). Deterministic per ``(arch, tensor_type, seed)``."""
+    import gguf
+
+    from engine.model.registry import bundled_gguf_path
+
+    if tensor_type not in MATRIX_TYPES:
+        raise ValueError(f"tensor type {tensor_type!r}: use one of {', '.join(MATRIX_TYPES)}")
+    src = Path(source_path or bundled_gguf_path())
+    st = src.stat()
+    fields = _metadata(str(src), st.st_mtime_ns, st.st_size)
+    d = ARCH_SHAPE
+    hidden, ffn, hd = d["hidden"], d["ffn"], d["head_dim"]
+    q_dim, kv_dim = d["heads"] * hd, d["kv_heads"] * hd
+    vocab = len(fields["tokenizer.ggml.tokens"][0])
+    writer = gguf.GGUFWriter(str(out), arch)
+    writer.add_name(f"random {arch}")
+    for key, (value, vtype, subtype) in fields.items():
+        if key.startswith("tokenizer."):
+            writer.add_key_value(key, value, vtype, sub_type=subtype if vtype == gguf.GGUFValueType.ARRAY else None)
+    for key, value in (("context_length", 2048), ("embedding_length", hidden), ("block_count", d["layers"]),
+                       ("feed_forward_length", ffn), ("attention.head_count", d["heads"]),
+                       ("attention.head_count_kv", d["kv_heads"]), ("attention.key_length", hd),
+                       ("attention.value_length", hd), ("vocab_size", vocab)):
+        writer.add_uint32(f"{arch}.{key}", value)
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)
+    writer.add_float32(f"{arch}.rope.freq_base", 1e6 if arch in ("gemma3", "qwen3") else 10000.0)
+    if arch == "gemma3":
+        writer.add_uint32(f"{arch}.attention.sliding_window", sliding_window)
+    gen = torch.Generator().manual_seed(seed)
+
+    def matrix(name: str, rows: int, cols: int) -> None:
+        w = torch.empty(rows, cols).normal_(0.0, 0.05, generator=gen).numpy()
+        if tensor_type == "F32":
+            writer.add_tensor(name, w)
+        else:
+            qtype = gguf.GGMLQuantizationType[tensor_type]
+            writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+
+    def vector(name: str, n: int, mean: float) -> None:
+        writer.add_tensor(name, (mean + 0.1 * torch.randn(n, generator=gen)).numpy())
+
+    matrix("token_embd.weight", vocab, hidden)
+    vector("output_norm.weight", hidden, 1.0)
+    if arch in ("qwen2", "phi3"):                # separate LM heads (the others tie it)
+        matrix("output.weight", vocab, hidden)
+    for n in range(d["layers"]):
+        p = f"blk.{n}."
+        shapes = {"attn_q": q_dim, "attn_k": kv_dim, "attn_v": kv_dim}
+        if arch == "phi3":
+            matrix(p + "attn_qkv.weight", q_dim + 2 * kv_dim, hidden)
+        else:
+            for name, rows in shapes.items():
+                matrix(p + name + ".weight", rows, hidden)
+        if arch == "qwen2":
+            for name, rows in shapes.items():
+                vector(p + name + ".bias", rows, 0.0)
+        if arch in ("qwen3", "gemma3"):
+            vector(p + "attn_q_norm.weight", hd, 1.0)
+            vector(p + "attn_k_norm.weight", hd, 1.0)
+        matrix(p + "attn_output.weight", hidden, q_dim)
+        vector(p + "attn_norm.weight", hidden, 1.0)
+        vector(p + "ffn_norm.weight", hidden, 1.0)
+        if arch == "gemma3":
+            vector(p + "post_attention_norm.weight", hidden, 1.0)
+            vector(p + "post_ffw_norm.weight", hidden, 1.0)
+        if arch == "phi3":
+            matrix(p + "ffn_up.weight", 2 * ffn, hidden)          # gate and up, fused
+        else:
+            matrix(p + "ffn_gate.weight", ffn, hidden)
+            matrix(p + "ffn_up.weight", ffn, hidden)
+        matrix(p + "ffn_down.weight", hidden, ffn)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-1.7b")
@@ -179,9 +275,15 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--source", type=Path, default=None, help="GGUF to copy the metadata of (default: bundled)")
     ap.add_argument("--metadata-only", action="store_true", help="write the metadata alone, no tensors")
+    ap.add_argument("--arch", choices=("llama", "qwen2", "qwen3", "gemma3", "phi3"), default=None,
+                    help="a small random model of this architecture instead of --shape")
+    ap.add_argument("--tensor-type", choices=MATRIX_TYPES, default="F32", help="its matrices' type (with --arch)")
     args = ap.parse_args()
     sys.path.insert(0, str(REPO))
-    write(args.shape, args.out, args.seed, args.source, args.metadata_only)
+    if args.arch:
+        write_architecture(args.arch, args.out, args.tensor_type, args.seed, args.source)
+    else:
+        write(args.shape, args.out, args.seed, args.source, args.metadata_only)
     print(f"wrote {args.out} ({args.out.stat().st_size / 1e9:.2f} GB)")
 
 

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine.model import gguf_arch
 from engine.model.config import LlamaConfig
 from engine.model.gguf_meta import read_tensor_infos
 from kernels import gguf_blocks
@@ -45,23 +46,6 @@ SUPPORTED_GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", *gguf_bloc
 # Of those, the block formats load_gguf(quantized=True) keeps as they are.
 NATIVE_GGUF_TYPES = tuple(FORMATS)
 
-# GGUF (llama.cpp) per-layer tensor name -> HF name suffix.
-_GGUF_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_GGUF_GLOBAL_NAMES = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
 # Tensors some HF checkpoints carry that the decoder recomputes.
 _IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -110,6 +94,15 @@ def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
         shapes[p + "mlp.gate_proj.weight"] = (f, d)
         shapes[p + "mlp.up_proj.weight"] = (f, d)
         shapes[p + "mlp.down_proj.weight"] = (d, f)
+        if config.qkv_bias:
+            for name, rows in (("q", q), ("k", kv), ("v", kv)):
+                shapes[p + f"self_attn.{name}_proj.bias"] = (rows,)
+        if config.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (config.head_dim,)
+            shapes[p + "self_attn.k_norm.weight"] = (config.head_dim,)
+        if config.sandwich_norms:
+            shapes[p + "post_attention_norm.weight"] = (d,)
+            shapes[p + "post_feedforward_norm.weight"] = (d,)
     shapes["model.norm.weight"] = (d,)
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (v, d)
@@ -138,12 +131,13 @@ def _short_list(names: list[str], limit: int = 8) -> str:
 
 # ----------------------------------------------------------------------- GGUF
 def load_gguf(path: str | Path, quantized: bool = False) -> LoadedWeights:
-    """Read a llama-architecture GGUF file, dequantize every tensor to float32
+    """Read a GGUF file of an architecture kvd serves, dequantize every tensor to float32
     — or, with ``quantized``, keep Q4_0 / Q4_1 / Q8_0 matrices as ``QuantTensor``
-    (their bytes copied out of the file as they are; q/k rows un-permuted).
+    (their bytes copied out of the file as they are; a llama's q/k rows un-permuted;
+    fused matrices split: engine/model/gguf_arch.py).
 
-    Config comes from the ``llama.*`` metadata keys; embeddings are tied when
-    the file has no ``output.weight``. Raises ``ValueError`` for a missing
+    Config comes from the ``{arch}.*`` metadata keys (gguf_arch.config_from_gguf);
+    embeddings are tied when the file has no ``output.weight``. Raises ``ValueError`` for a missing
     file, another architecture, an unsupported tensor type (named), a tensor
     whose bytes do not fit its shape (a truncated file), missing tensors or
     shapes that disagree with the metadata.
@@ -163,7 +157,7 @@ def load_gguf(path: str | Path, quantized: bool = False) -> LoadedWeights:
 
     tensors: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
-        name = _gguf_to_hf_name(tensor.name, path)
+        name = gguf_arch.hf_name(tensor.name, path)
         if name is None:
             continue
         qtype = gguf.GGMLQuantizationType(tensor.tensor_type)     # a supported type: _check_tensor_table
@@ -177,12 +171,13 @@ def load_gguf(path: str | Path, quantized: bool = False) -> LoadedWeights:
             array = gguf.quants.dequantize(tensor.data, qtype)
             # Copy: F32/F16 come back as views of the read-only memory map.
             weight = torch.from_numpy(np.array(array, dtype=np.float32, order="C", copy=True))
-        if name.endswith("self_attn.q_proj.weight"):
+        if config.architecture == "llama" and name.endswith("self_attn.q_proj.weight"):
             weight = reverse_permute_qk(weight, config.num_heads)
-        elif name.endswith("self_attn.k_proj.weight"):
+        elif config.architecture == "llama" and name.endswith("self_attn.k_proj.weight"):
             weight = reverse_permute_qk(weight, config.num_kv_heads)
         tensors[name] = weight if isinstance(weight, QuantTensor) else weight.contiguous()
 
+    gguf_arch.split_fused(tensors, config, path)
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
     validate(config, tensors, source)
@@ -250,76 +245,15 @@ def reverse_permute_qk(weight: torch.Tensor | QuantTensor, n_heads: int) -> torc
             .transpose(1, 2).reshape(weight.shape).contiguous())
 
 
-def _gguf_to_hf_name(gguf_name: str, path: Path) -> str | None:
-    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``."""
-    base, _, suffix = gguf_name.rpartition(".")
-    if suffix != "weight":
-        raise ValueError(f"{path}: unexpected tensor {gguf_name} (biases are not Llama)")
-    if base == "rope_freqs":
-        # Llama-3.1 style frequency factors: the decoder would need them and
-        # GGUF does not carry the rope_scaling parameters to rebuild them.
-        raise ValueError(f"{path}: rope_freqs (Llama-3 RoPE scaling) is not supported")
-    if base in _GGUF_GLOBAL_NAMES:
-        return _GGUF_GLOBAL_NAMES[base] + ".weight"
-    parts = base.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _GGUF_LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.weight"
-    raise ValueError(f"{path}: unexpected tensor {gguf_name}")
-
-
 def _gguf_config(reader: Any, path: Path) -> LlamaConfig:
-    def field(key: str, default: Any = None) -> Any:
-        f = reader.fields.get(key)
-        return default if f is None else f.contents()
-
-    arch = field("general.architecture")
-    if arch != "llama":
-        raise ValueError(f"{path}: architecture {arch!r} is not supported (need 'llama')")
-
-    def required(key: str) -> Any:
-        value = field(key)
-        if value is None:
-            raise ValueError(f"{path}: GGUF metadata key {key} is missing")
-        return value
-
-    hidden = int(required("llama.embedding_length"))
-    heads = int(required("llama.attention.head_count"))
-    tensor_names = {t.name for t in reader.tensors}
-    embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    """``gguf_arch.config_from_gguf`` over a reader's fields (the tokenizer's arrays
+    counted, not read)."""
+    meta = {key: f.contents() for key, f in reader.fields.items()
+            if not key.startswith("tokenizer.") or key.endswith("_token_id")}
     tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab = field("llama.vocab_size")
-    if vocab is None:
-        vocab = len(tokens.data) if tokens is not None else (int(embed.shape[1]) if embed is not None else None)
-    if vocab is None:
-        raise ValueError(f"{path}: cannot tell the vocabulary size")
-
-    head_dim = field("llama.attention.key_length") or field("llama.rope.dimension_count") or hidden // heads
-    rope_scaling = None
-    scaling_type = field("llama.rope.scaling.type")
-    if scaling_type not in (None, "none"):
-        rope_scaling = (("rope_type", str(scaling_type)),
-                        ("factor", float(required("llama.rope.scaling.factor"))))
-    bos = field("tokenizer.ggml.bos_token_id")
-    eos_ids = [field("tokenizer.ggml.eos_token_id"), field("tokenizer.ggml.eot_token_id")]
-    try:
-        return LlamaConfig(
-            vocab_size=int(vocab),
-            hidden_size=hidden,
-            intermediate_size=int(required("llama.feed_forward_length")),
-            num_layers=int(required("llama.block_count")),
-            num_heads=heads,
-            num_kv_heads=int(field("llama.attention.head_count_kv", heads)),
-            head_dim=int(head_dim),
-            rope_theta=float(field("llama.rope.freq_base", 10000.0)),
-            rms_norm_eps=float(field("llama.attention.layer_norm_rms_epsilon", 1e-5)),
-            max_position_embeddings=int(field("llama.context_length", 2048)),
-            tie_word_embeddings="output.weight" not in tensor_names,
-            bos_token_id=None if bos is None else int(bos),
-            eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos_ids if e is not None)),
-            rope_scaling=rope_scaling,
-        )
-    except ValueError as exc:
-        raise ValueError(f"{path}: bad model metadata: {exc}") from exc
+    embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    vocab_rows = len(tokens.data) if tokens is not None else (int(embed.shape[1]) if embed is not None else None)
+    return gguf_arch.config_from_gguf(meta, {t.name for t in reader.tensors}, vocab_rows, path)
 
 
 # ----------------------------------------------------------- Hugging Face dir
