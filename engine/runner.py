@@ -41,6 +41,7 @@ from kernels.fused_decode import FusedDecoder
 from kernels.plan_decode import PlanDecoder
 from kernels.logprob_rows import LogprobKernel
 from kernels.sampler import RowSampler
+from kernels.token_masks import MaskKernel
 
 
 # A decode batch of at most this many rows runs on ModelRunner.small_batch_threads: it reads
@@ -77,7 +78,7 @@ class ModelRunner:
         # runs a step on fewer threads than the team, SMALL_TEAMS)
         self.team: TeamSizer | None = None
         # structured output: the grammar masks of a step's rows, computed while its model runs
-        self.masks = MaskComputer(model.config.vocab_size)
+        self.masks = MaskComputer(model.config.vocab_size, kernel=MaskKernel.create())
 
     def build_batch(self, requests: list[Request], is_prefill: bool, num_new: list[int] | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch, list[int]]:

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from engine.structured.grammar import GrammarState
+from kernels.token_masks import MaskKernel
 
 # the longest a step waits for its masks (llguidance bounds a mask's work by its lexer fuel
 # and Earley item limits: this deadline is a guard, not a budget)
@@ -43,11 +44,12 @@ class PendingMasks:
     """The masks of one step's guided rows, being computed (``MaskComputer.start``)."""
 
     def __init__(self, rows: list[int], bitmask: np.ndarray, done: concurrent.futures.Future | None,
-                 matchers: list[llguidance.LLMatcher]) -> None:
+                 matchers: list[llguidance.LLMatcher], kernel: MaskKernel | None = None) -> None:
         self.rows = rows                    # indices into the step's logits rows
         self._bitmask = bitmask             # [len(rows), ceil(V/32)] int32
         self._done = done                   # the worker's computation, or None: computed in apply
         self._matchers = matchers
+        self._kernel = kernel               # applies the bitmask (else torch)
 
     def apply(self, logits: torch.Tensor) -> list[int]:
         """Wait for the masks, then mask ``logits`` ([B, V] fp32, the step's rows): each
@@ -65,35 +67,29 @@ class PendingMasks:
                 for row in self.rows:
                     logits[row].fill_(float("-inf"))
                 return list(self.rows)
+        if self._kernel is not None and logits.dtype == torch.float32 and logits.stride(-1) == 1:
+            allowed = self._kernel.apply(logits, self.rows, self._bitmask)
+            return [row for row, ok in zip(self.rows, allowed) if not ok]
         v = logits.shape[1]
         words = self._bitmask.view(np.uint8)
         allowed = np.unpackbits(words, axis=1, count=min(v, words.shape[1] * 8), bitorder="little")  # [n, V]
         if allowed.shape[1] < v:            # ids past the grammar's vocabulary: never allowed
             allowed = np.pad(allowed, ((0, 0), (0, v - allowed.shape[1])))
         refused = allowed == 0
-        if logits.dtype == torch.float32:
-            # in numpy, on this thread: a torch op would wake torch's thread team, whose spinning
-            # after it takes CPU from the decode executor's team (a greedy step builds no tensor)
-            out = logits.detach().numpy()
-            if len(self.rows) == out.shape[0]:        # every row guided (rows are ascending)
-                np.copyto(out, -np.inf, where=refused)
-            else:
-                for k, row in enumerate(self.rows):
-                    np.copyto(out[row], -np.inf, where=refused[k])
-        else:
-            index = torch.tensor(self.rows, dtype=torch.int64)
-            logits[index] = logits[index].masked_fill_(torch.from_numpy(refused), float("-inf"))
-        return [self.rows[k] for k in np.flatnonzero(~self._bitmask.any(axis=1))]
+        index = torch.tensor(self.rows, dtype=torch.int64)
+        logits[index] = logits[index].masked_fill_(torch.from_numpy(refused), float("-inf"))
+        return [self.rows[k] for k in np.flatnonzero(~allowed.any(axis=1))]
 
 
 class MaskComputer:
     """Computes the masks of a step's guided rows (module docstring). ``vocab_size``:
     the grammar vocabulary's size (GrammarCompiler's). ``overlap``: on a worker thread
     while the model runs; default: where this process may run on more CPUs than
-    torch's compute team uses."""
+    torch's compute team uses. ``kernel``: applies the masks to the logits (else torch)."""
 
-    def __init__(self, vocab_size: int, overlap: bool | None = None) -> None:
+    def __init__(self, vocab_size: int, overlap: bool | None = None, kernel: MaskKernel | None = None) -> None:
         self.words = (vocab_size + 31) // 32
+        self.kernel = kernel
         self.overlap = (len(os.sched_getaffinity(0)) > torch.get_num_threads()) if overlap is None else overlap
         self._executor: llguidance.LLExecutor | None = None
         self._worker: concurrent.futures.ThreadPoolExecutor | None = None
@@ -107,14 +103,14 @@ class MaskComputer:
             return None
         bitmask = np.zeros((len(rows), self.words), dtype=np.int32)
         if not self.overlap:
-            return PendingMasks(rows, bitmask, None, [states[row].matcher for row in rows])
+            return PendingMasks(rows, bitmask, None, [states[row].matcher for row in rows], self.kernel)
         if self._worker is None:            # the first guided step: nothing is paid before
             self._executor = llguidance.LLExecutor()
             self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvd-grammar-masks")
         matchers = [(states[row].matcher, k) for k, row in enumerate(rows)]
         done = self._worker.submit(self._executor.unsafe_compute_mask_ptr, matchers, bitmask.ctypes.data,
                                    self.words * 4, len(rows))
-        return PendingMasks(rows, bitmask, done, [])
+        return PendingMasks(rows, bitmask, done, [], self.kernel)
 
     def close(self) -> None:
         """Stop the worker thread (after the masks it is computing)."""
