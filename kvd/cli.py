@@ -248,13 +248,15 @@ async def supervised(notifier, interval: float | None, main) -> None:
 
 
 def _check_model(spec: str) -> None:
-    """Refuse a model spec that names nothing on this machine before any port
-    opens: ``ValueError`` (one line: the known names, or the missing package's
-    install command). Reads metadata only; imports no torch."""
+    """Refuse a model spec that names nothing on this machine, or whose
+    tokenizer cannot be built, before any port opens: ``ValueError`` (one line:
+    the known names, the missing package's install command, or the file's
+    problem). Reads metadata only and imports no torch; the tokenizer stays
+    cached for this process."""
     from engine.model.registry import resolve_model
 
     try:
-        resolve_model(spec)
+        resolve_model(spec).load_tokenizer()
     except FileNotFoundError as exc:
         raise ValueError(str(exc)) from None
 

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 
+import gguf
 import openai
 import pytest
 
@@ -47,6 +48,24 @@ def test_a_missing_gguf_path_is_refused_the_same_way(tmp_path):
     result = run_cli("serve", "--model", str(tmp_path / "nope.gguf"), "--port", str(free_port()))
     assert result.returncode == 2
     assert "unknown model" in result.stderr and "gemma3-270m" in result.stderr
+
+
+def test_a_tokenizer_kvd_does_not_build_is_refused_before_any_port(tmp_path):
+    path = tmp_path / "unigram.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model("t5")
+    writer.add_token_list(["<pad>", "</s>", "a"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    port = free_port()
+    result = run_cli("serve", "--model", str(path), "--port", str(port))
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"kvd: error: {path}: tokenizer.ggml.model='t5' is not supported; "
+        "kvd builds 'gpt2' (byte-level BPE) and 'llama' (SentencePiece-style BPE)"]
+    assert port_is_free(port)
 
 
 @pytest.fixture(scope="module")
