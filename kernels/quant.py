@@ -1,14 +1,18 @@
-"""GGUF block-quantized matrices kept as the file stores them (Q4_0, Q4_1, Q8_0).
+"""Block-quantized matrices: GGUF's Q4_0, Q4_1, Q8_0 as the file stores them, and
+kvd's KQ4, KQ5, KQ6 that the K-quants are repacked into at load (kernels/kquant_repack.py).
 
 A ``QuantTensor`` is a matrix ``[rows, cols]`` whose every row is
-``cols / 32`` blocks of 32 weights in one of ggml's block formats::
+``cols / 32`` blocks of 32 weights in one of these block formats::
 
     Q4_0  18 B / 32 weights  fp16 d, 16 B nibbles      w = d * (q - 8)
     Q4_1  20 B / 32 weights  fp16 d, fp16 m, 16 B      w = d * q + m
     Q8_0  34 B / 32 weights  fp16 d, 32 x int8         w = d * q
+    KQ4   24 B / 32 weights  fp32 d, fp32 m, 16 B      w = d * q + m
+    KQ5   28 B / 32 weights  fp32 d, fp32 m, u32 hbits, 16 B     w = d * (q + 16 h) + m
+    KQ6   40 B / 32 weights  fp32 d0, fp32 d1, 32 x int8         w = d0 * q, d1 * q (second 16)
 
-(in a Q4 block, byte j holds weight j in its low nibble and weight j + 16 in
-its high nibble). The bytes are held in a ``uint8`` tensor in one of two
+(in a 4- or 5-bit block, byte j holds weight j in its low nibble and weight j + 16 in
+its high nibble; KQ5's hbits order is kernels/csrc/quant_blocks.h's). The bytes are held in a ``uint8`` tensor in one of two
 layouts:
 
 - ``rows`` (the file's): ``[rows, row_bytes]``, so a row permutation or a
@@ -16,12 +20,12 @@ layouts:
 - ``x8`` (the kernels', ``pack()``): rows in groups of 8, the last padded with
   zero blocks, ``[ceil(rows / 8), 8 * row_bytes]``; for each group and block the
   8 rows' blocks transposed as 2-byte words (word i of rows 0..7, then word
-  i + 1). The same bytes, reordered so that one vector load holds a word of 8
+  i + 1), a KQ block's leading ``wide_bytes`` (fp32 scales, hbits) as 4-byte words. The same bytes, reordered so that one vector load holds a word of 8
   rows (kernels/csrc/quant_gemm.h says what the kernels make of it).
 
 ``dequantize`` is the torch reference: it gives bit for bit what gguf-py's
-``gguf.quants.dequantize`` gives (every ``d * q`` is exact in fp32, so the
-only rounding is Q4_1's ``+ m``). The kernels (kernels/quant_linear.py)
+``gguf.quants.dequantize`` gives for the file's tensor (every ``d * q`` is exact in
+fp32, so the only rounding is the ``+ m``). The kernels (kernels/quant_linear.py)
 compute with exactly these weight values.
 """
 
@@ -43,15 +47,19 @@ class BlockFormat:
     """One ggml block format: its name, the kernel's code for it, bytes per block."""
 
     name: str
-    code: int                   # enum Format in kernels/csrc/quant_matmul.cpp
+    code: int                   # enum Format in kernels/csrc/quant_blocks.h
     block_bytes: int
+    wide_bytes: int = 0         # leading bytes that are 4-byte words (fp32 scales)
 
     def bits_per_weight(self) -> float:
         return self.block_bytes * 8 / BLOCK
 
 
 FORMATS = {f.name: f for f in (BlockFormat("Q4_0", 0, 18), BlockFormat("Q4_1", 1, 20),
-                                BlockFormat("Q8_0", 2, 34))}
+                                BlockFormat("Q8_0", 2, 34), BlockFormat("KQ4", 3, 24, 8),
+                                BlockFormat("KQ5", 4, 28, 12), BlockFormat("KQ6", 5, 40, 8))}
+# the formats a GGUF file stores (the others are kvd's, made at load)
+GGUF_FORMATS = ("Q4_0", "Q4_1", "Q8_0")
 
 
 class QuantTensor:
@@ -95,27 +103,41 @@ class QuantTensor:
         if self.layout == X8:
             return self
         rows, cols = self.shape
-        groups, words = -(-rows // GROUP), self.fmt.block_bytes // 2
+        groups, nb = -(-rows // GROUP), cols // BLOCK
         data = self.data
         if groups * GROUP != rows:
             data = torch.cat([data, data.new_zeros(groups * GROUP - rows, data.shape[1])])
-        w = data.view(torch.int16).view(groups, GROUP, cols // BLOCK, words).permute(0, 2, 3, 1)
-        if arena is None:
-            packed = w.contiguous()
-        else:
-            packed = arena.take(w.numel() * 2).view(torch.int16).view(w.shape)
-            packed.copy_(w)
-        return QuantTensor(self.fmt, self.shape, packed.view(torch.uint8).view(groups, -1), X8)
+        blocks = data.view(groups, GROUP, nb, self.fmt.block_bytes)
+        packed = (torch.empty(groups * GROUP * data.shape[1], dtype=torch.uint8) if arena is None
+                  else arena.take(groups * GROUP * data.shape[1])).view(groups, nb, GROUP * self.fmt.block_bytes)
+        at = 0
+        for width, nbytes in self._word_runs():       # [g, 8, nb, bytes] -> [g, nb, words, 8, width]
+            words = blocks[..., at:at + nbytes].reshape(groups, GROUP, nb, nbytes // width, width)
+            packed[..., GROUP * at:GROUP * (at + nbytes)].view(groups, nb, nbytes // width, GROUP, width).copy_(
+                words.permute(0, 2, 3, 1, 4))
+            at += nbytes
+        return QuantTensor(self.fmt, self.shape, packed.view(groups, -1), X8)
+
+    def _word_runs(self) -> list[tuple[int, int]]:
+        """(word width, bytes) of a block's runs of words: 4-byte words first, if any."""
+        wide = self.fmt.wide_bytes
+        return [(4, wide), (2, self.fmt.block_bytes - wide)] if wide else [(2, self.fmt.block_bytes)]
 
     def unpack(self) -> QuantTensor:
         """This matrix in the rows layout (itself when it is): ``pack``'s inverse."""
         if self.layout == ROWS:
             return self
         rows, cols = self.shape
-        groups, words = self.data.shape[0], self.fmt.block_bytes // 2
-        w = self.data.view(torch.int16).view(groups, cols // BLOCK, words, GROUP).permute(0, 3, 1, 2)
-        data = w.contiguous().view(torch.uint8).view(groups * GROUP, -1)[:rows]
-        return QuantTensor(self.fmt, self.shape, data)
+        groups, nb, bb = self.data.shape[0], cols // BLOCK, self.fmt.block_bytes
+        packed = self.data.view(groups, nb, GROUP * bb)
+        blocks = torch.empty(groups, GROUP, nb, bb, dtype=torch.uint8)
+        at = 0
+        for width, nbytes in self._word_runs():
+            words = packed[..., GROUP * at:GROUP * (at + nbytes)].reshape(groups, nb, nbytes // width, GROUP, width)
+            blocks[..., at:at + nbytes].view(groups, GROUP, nb, nbytes // width, width).copy_(
+                words.permute(0, 3, 1, 2, 4))
+            at += nbytes
+        return QuantTensor(self.fmt, self.shape, blocks.view(groups * GROUP, -1)[:rows])
 
     @property
     def nbytes(self) -> int:
@@ -153,6 +175,8 @@ def _dequantize(fmt: BlockFormat, data: torch.Tensor, cols: int) -> torch.Tensor
     def half(at: int) -> torch.Tensor:                                 # fp16 field -> fp32 [R, nb, 1]
         return blocks[..., at:at + 2].contiguous().view(torch.float16).float()
 
+    if fmt.name in ("KQ4", "KQ5", "KQ6"):
+        return _dequantize_kq(fmt.name, blocks).reshape(rows, cols)
     d = half(0)
     if fmt.name == "Q8_0":
         q = blocks[..., 2:].contiguous().view(torch.int8).float()      # [R, nb, 32]
@@ -162,3 +186,21 @@ def _dequantize(fmt: BlockFormat, data: torch.Tensor, cols: int) -> torch.Tensor
         q = torch.cat([qs & 15, qs >> 4], dim=-1).float()              # weights 0..15, then 16..31
         w = d * q + half(2) if fmt.name == "Q4_1" else d * (q - 8)
     return w.reshape(rows, cols)
+
+
+def _dequantize_kq(name: str, blocks: torch.Tensor) -> torch.Tensor:
+    """[R, nb, block_bytes] of a KQ format -> fp32 [R, nb, 32] (the module docstring's w)."""
+    d = blocks[..., 0:4].contiguous().view(torch.float32)              # [R, nb, 1]
+    m = blocks[..., 4:8].contiguous().view(torch.float32)
+    if name == "KQ6":
+        q = blocks[..., 8:].contiguous().view(torch.int8).float()
+        return torch.cat([d * q[..., :16], m * q[..., 16:]], dim=-1)
+    qs = blocks[..., 8 + (name == "KQ5") * 4:]
+    q = torch.cat([qs & 15, qs >> 4], dim=-1).float()
+    if name == "KQ5":
+        h = blocks[..., 8:12].contiguous().view(torch.int32)            # [R, nb, 1]
+        bit = torch.arange(32, dtype=torch.int32)                       # hbits bit of weight i:
+        j = torch.where(bit < 16, bit, bit - 16)                        # i < 16: t = i // 2, odd i: +16
+        at = (j // 2) + 16 * (j % 2) + 8 * (bit >= 16)
+        q = q + 16 * ((h >> at) & 1).float()
+    return d * q + m

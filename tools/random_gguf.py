@@ -114,11 +114,12 @@ def write(shape: str, out: Path, seed: int = 0, source_path: Path | None = None,
 
 
 # Random blocks of kernels/gguf_blocks.py's formats: the fp16 fields (d, and dmin / m)
-# drawn around these values (x U[0.5, 1.5)), chosen so the largest weight is ~0.1;
-# every other byte (quants, packed sub-block scales) uniform random: valid blocks.
+# drawn around these values (x U[0.5, 1.5)), chosen so the largest weight is ~0.1 and,
+# where there is a min, the mean weight about 0 (dmin = d * mean q); every other byte
+# (quants, packed sub-block scales) uniform random: valid blocks.
 BLOCK_SCALES = {
-    "Q5_0": (6e-3,), "Q5_1": (3e-3, -5e-2), "IQ4_NL": (1e-3,), "Q2_K": (2e-3, 3e-3), "Q3_K": (8e-4,),
-    "Q4_K": (1e-4, 1e-4), "Q5_K": (5e-5, 5e-5), "Q6_K": (2.5e-5,), "IQ4_XS": (2.5e-5,),
+    "Q5_0": (6e-3,), "Q5_1": (3e-3, -4.65e-2), "IQ4_NL": (1e-3,), "Q2_K": (2e-3, 3e-3), "Q3_K": (8e-4,),
+    "Q4_K": (1e-4, 7.5e-4), "Q5_K": (5e-5, 7.75e-4), "Q6_K": (2.5e-5,), "IQ4_XS": (2.5e-5,),
 }
 
 

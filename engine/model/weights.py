@@ -27,6 +27,7 @@ No pickle anywhere: safetensors and GGUF only.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,14 +38,19 @@ import torch
 from engine.model import gguf_arch
 from engine.model.config import LlamaConfig
 from engine.model.gguf_meta import read_tensor_infos
-from kernels import gguf_blocks
-from kernels.quant import FORMATS, QuantTensor
+from kernels import gguf_blocks, kquant_repack
+from kernels.quant import GGUF_FORMATS, QuantTensor
+
+log = logging.getLogger(__name__)
 
 # GGUF tensor types we load: gguf-py dequantizes the first six, kernels/gguf_blocks.py
 # the rest (each checked bit for bit against gguf-py). Others are refused by name.
 SUPPORTED_GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", *gguf_blocks.BLOCKS)
-# Of those, the block formats load_gguf(quantized=True) keeps as they are.
-NATIVE_GGUF_TYPES = tuple(FORMATS)
+# Of those, the block formats load_gguf(quantized=True) keeps as they are, and the ones it
+# repacks into kvd's blocks (kernels/kquant_repack.py: NATIVE every weight kept; CONVERTED
+# logged with what it costs).
+NATIVE_GGUF_TYPES = GGUF_FORMATS
+REPACKED_GGUF_TYPES = tuple(kquant_repack.TARGET)
 
 # Tensors some HF checkpoints carry that the decoder recomputes.
 _IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -134,7 +140,9 @@ def load_gguf(path: str | Path, quantized: bool = False) -> LoadedWeights:
     """Read a GGUF file of an architecture kvd serves, dequantize every tensor to float32
     — or, with ``quantized``, keep Q4_0 / Q4_1 / Q8_0 matrices as ``QuantTensor``
     (their bytes copied out of the file as they are; a llama's q/k rows un-permuted;
-    fused matrices split: engine/model/gguf_arch.py).
+    fused matrices split: engine/model/gguf_arch.py), and repack the K-quant, Q5 and
+    IQ4 ones into kvd's blocks (kernels/kquant_repack.py; a converted type is logged
+    once with its cost).
 
     Config comes from the ``{arch}.*`` metadata keys (gguf_arch.config_from_gguf);
     embeddings are tied when the file has no ``output.weight``. Raises ``ValueError`` for a missing
@@ -156,6 +164,7 @@ def load_gguf(path: str | Path, quantized: bool = False) -> LoadedWeights:
     config = _gguf_config(reader, path)
 
     tensors: dict[str, torch.Tensor] = {}
+    converted: dict[str, list[tuple[int, int, float]]] = {}      # type -> (file bytes, served, error)
     for tensor in reader.tensors:
         name = gguf_arch.hf_name(tensor.name, path)
         if name is None:
@@ -163,6 +172,13 @@ def load_gguf(path: str | Path, quantized: bool = False) -> LoadedWeights:
         qtype = gguf.GGMLQuantizationType(tensor.tensor_type)     # a supported type: _check_tensor_table
         if quantized and qtype.name in NATIVE_GGUF_TYPES and len(tensor.shape) == 2:
             weight = _gguf_blocks(tensor, qtype.name, path)
+        elif quantized and qtype.name in REPACKED_GGUF_TYPES and len(tensor.shape) == 2:
+            sub = _gguf_decoded(tensor, qtype.name, path)
+            weight = kquant_repack.repack(qtype.name, sub)
+            if qtype.name in kquant_repack.CONVERTED:
+                error = (float((weight.dequantize() - sub.dequantize()).abs().max())
+                         if qtype.name in kquant_repack.LOSSY else 0.0)
+                converted.setdefault(qtype.name, []).append((int(tensor.n_bytes), weight.nbytes, error))
         elif qtype.name in gguf_blocks.BLOCKS:
             weight = _gguf_decoded(tensor, qtype.name, path).dequantize()
             weight = weight.view(*reversed([int(n) for n in tensor.shape]))
@@ -178,6 +194,9 @@ def load_gguf(path: str | Path, quantized: bool = False) -> LoadedWeights:
         tensors[name] = weight if isinstance(weight, QuantTensor) else weight.contiguous()
 
     gguf_arch.split_fused(tensors, config, path)
+    for fmt, costs in converted.items():
+        log.info("%s: %s", path.name, kquant_repack.conversion_note(
+            fmt, len(costs), sum(c[0] for c in costs), sum(c[1] for c in costs), max(c[2] for c in costs)))
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
     validate(config, tensors, source)

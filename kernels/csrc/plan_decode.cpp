@@ -46,9 +46,9 @@ namespace {
 
 enum Op { OP_RMS_NORM = 0, OP_LINEAR = 1, OP_ROPE_ATTENTION = 2, OP_LINEAR_ADD = 3, OP_SILU_MUL = 4 };
 
-// PlanWeight.format: 0-2 quant_blocks.h's Format (the x8 layout), 16-18 a float matrix [n, k],
+// PlanWeight.format: 0-5 quant_blocks.h's Format (the x8 layout), 16-18 a float matrix [n, k],
 // row-major (dense_gemm.h's FMT_F32, FMT_BF16, FMT_F16), -1 an fp32 vector.
-inline bool quantized(int32_t format) { return format >= Q4_0 && format <= Q8_0; }
+inline bool quantized(int32_t format) { return format >= Q4_0 && format <= KQ6; }
 
 // A matrix of format `format` fits an input of width k: a whole number of its blocks (16
 // elements for a float matrix).
@@ -80,7 +80,7 @@ extern "C" {
 struct PlanStep { int32_t op, src, dst, weight; };
 
 struct PlanWeight {
-    int32_t format;             // 0 Q4_0, 1 Q4_1, 2 Q8_0: a matrix [n, k] in the x8 layout; 16, 17, 18
+    int32_t format;             // 0 Q4_0, 1 Q4_1, 2 Q8_0, 3-5 KQ4-KQ6: a matrix [n, k] in the x8 layout; 16, 17, 18
                                 // (FMT_F32, FMT_BF16, FMT_F16): a float matrix [n, k], row-major; -1: an
                                 // fp32 vector [n]
     int32_t unused;

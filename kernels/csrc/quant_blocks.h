@@ -15,10 +15,30 @@
 
 namespace {
 
-enum Format { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 };
+// Q4_0, Q4_1, Q8_0: ggml's blocks as the file has them. KQ4, KQ5, KQ6: kvd's own, what
+// kernels/kquant_repack.py makes of the K-quants (and Q5_0 / Q5_1 / Q3_K / IQ4_XS) at load,
+// every weight's value kept: per 32 weights, fp32 scales (exact products of the file's fp16
+// super-block scale and 6- or 8-bit sub-block scale) ahead of the quants:
+//
+//     KQ4  24 B  fp32 d, fp32 m, 16 B nibbles                 w = d * q + m        (Q4_1's)
+//     KQ5  28 B  fp32 d, fp32 m, u32 hbits, 16 B nibbles      w = d * (q + 16 h) + m
+//     KQ6  40 B  fp32 d0, fp32 d1, 32 x int8                  w = d0 * q (0..15), d1 * q (16..31)
+//
+// KQ5's hbits: bit t (t < 8) = high bit of weight 2t, bit 8 + t: of 2t + 16, bit 16 + t: of
+// 2t + 1, bit 24 + t: of 2t + 17 (so that, transposed as 32-bit words in the x8 layout, the
+// 16-bit lane 2r + j holds every high bit row r's quant word t needs at its lane: bit t, 8 + t).
+enum Format { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, KQ4 = 3, KQ5 = 4, KQ6 = 5 };
 constexpr int QK = 32;                          // weights per block
 
-constexpr int64_t block_bytes(int f) { return f == Q4_0 ? 18 : f == Q4_1 ? 20 : 34; }
+constexpr int64_t block_bytes(int f) {
+    return f == Q4_0 ? 18 : f == Q4_1 ? 20 : f == Q8_0 ? 34 : f == KQ4 ? 24 : f == KQ5 ? 28 : 40;
+}
+// bytes at a block's start that are 32-bit words (fp32 scales, KQ5's hbits); the rest are
+// 16-bit words (the x8 layout transposes each kind by its own width)
+constexpr int64_t wide_bytes(int f) { return f == KQ4 || f == KQ6 ? 8 : f == KQ5 ? 12 : 0; }
+constexpr bool has_min(int f) { return f == Q4_1 || f == KQ4 || f == KQ5; }      // w = d q + m
+constexpr bool int8_quants(int f) { return f == Q8_0 || f == KQ6; }              // else nibbles
+constexpr bool fp32_scales(int f) { return f >= KQ4; }
 
 inline float fp16_to_f32(const uint8_t* p) {
     uint16_t h;
@@ -44,6 +64,7 @@ inline void vstore(float* p, V16 a) { _mm512_storeu_ps(p, a.v); }
 inline V16 vset1(float f) { return {_mm512_set1_ps(f)}; }
 inline V16 vmul(V16 a, V16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
 inline V16 vsub(V16 a, V16 b) { return {_mm512_sub_ps(a.v, b.v)}; }
+inline V16 vadd(V16 a, V16 b) { return {_mm512_add_ps(a.v, b.v)}; }
 inline V16 vfma(V16 a, V16 b, V16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
 inline __m256 fold16(V16 a) {      // lanes j + j+8
     __m256 lo = _mm512_castps512_ps256(a.v);
@@ -75,6 +96,7 @@ inline void vstore(float* p, V16 a) { _mm256_storeu_ps(p, a.a); _mm256_storeu_ps
 inline V16 vset1(float f) { __m256 v = _mm256_set1_ps(f); return {v, v}; }
 inline V16 vmul(V16 x, V16 y) { return {_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.b, y.b)}; }
 inline V16 vsub(V16 x, V16 y) { return {_mm256_sub_ps(x.a, y.a), _mm256_sub_ps(x.b, y.b)}; }
+inline V16 vadd(V16 x, V16 y) { return {_mm256_add_ps(x.a, y.a), _mm256_add_ps(x.b, y.b)}; }
 inline V16 vfma(V16 x, V16 y, V16 z) { return {_mm256_fmadd_ps(x.a, y.a, z.a), _mm256_fmadd_ps(x.b, y.b, z.b)}; }
 inline __m256 fold16(V16 x) { return _mm256_add_ps(x.a, x.b); }
 inline V16 i8_to_v16(const uint8_t* p) {
@@ -107,6 +129,7 @@ inline void vstore(float* p, V16 a) { memcpy(p, a.f, sizeof a.f); }
 inline V16 vset1(float v) { V16 r; for (int i = 0; i < 16; i++) r.f[i] = v; return r; }
 inline V16 vmul(V16 x, V16 y) { V16 r; for (int i = 0; i < 16; i++) r.f[i] = x.f[i] * y.f[i]; return r; }
 inline V16 vsub(V16 x, V16 y) { V16 r; for (int i = 0; i < 16; i++) r.f[i] = x.f[i] - y.f[i]; return r; }
+inline V16 vadd(V16 x, V16 y) { V16 r; for (int i = 0; i < 16; i++) r.f[i] = x.f[i] + y.f[i]; return r; }
 inline V16 vfma(V16 x, V16 y, V16 z) { V16 r; for (int i = 0; i < 16; i++) r.f[i] = fmaf(x.f[i], y.f[i], z.f[i]); return r; }
 #endif
 
@@ -198,7 +221,35 @@ inline void store_half_row(const float* x, int64_t n, uint16_t* out) {
 // One block's 32 weights in fp32: lo = elements 0..15, hi = 16..31 (exact, see the header).
 template <int F>
 inline void dequant_block(const uint8_t* blk, V16* lo, V16* hi) {
-    if constexpr (F == Q8_0) {
+    if constexpr (fp32_scales(F)) {
+        float d, m;
+        memcpy(&d, blk, 4);
+        memcpy(&m, blk + 4, 4);
+        if constexpr (F == KQ6) {
+            *lo = vmul(vset1(d), i8_to_v16(blk + 8));
+            *hi = vmul(vset1(m), i8_to_v16(blk + 24));
+            return;
+        }
+        V16 ql, qh;
+        nibbles(blk + wide_bytes(F), &ql, &qh);
+        if constexpr (F == KQ5) {
+            uint32_t h;
+            memcpy(&h, blk + 8, 4);
+            float hl[16], hh[16];
+            for (int t = 0; t < 8; t++) {
+                hl[2 * t] = (float)(16 * ((h >> t) & 1));
+                hl[2 * t + 1] = (float)(16 * ((h >> (16 + t)) & 1));
+                hh[2 * t] = (float)(16 * ((h >> (8 + t)) & 1));
+                hh[2 * t + 1] = (float)(16 * ((h >> (24 + t)) & 1));
+            }
+            ql = vadd(ql, vload(hl));   // exact: small integers
+            qh = vadd(qh, vload(hh));
+        }
+        // d q rounded, then + m: gguf-py's order (d q is exact for a repacked file, whose d
+        // has at most 17 significant bits, and then the same as an fma; not for any bytes)
+        *lo = vadd(vmul(vset1(d), ql), vset1(m));
+        *hi = vadd(vmul(vset1(d), qh), vset1(m));
+    } else if constexpr (F == Q8_0) {
         const V16 d = vset1(fp16_to_f32(blk));
         *lo = vmul(d, i8_to_v16(blk + 2));
         *hi = vmul(d, i8_to_v16(blk + 18));

@@ -162,6 +162,11 @@ inline void quantize_rows(const float* x, int64_t ldx, int64_t m0, int64_t m1, c
 //     bytes [16, 32)     word 1: the 8 rows' fp16 m (Q4_1; Q4_0 and Q8_0 start their quants here)
 //     then quant word t: 16 bytes, row r's block bytes (2t, 2t + 1) at (2r, 2r + 1)
 //
+// kvd's KQ4 / KQ5 / KQ6 blocks start with 32-bit words (wide_bytes: fp32 scales, KQ5's
+// hbits), transposed as 32-bit words: wide word i is 32 bytes, row r's block bytes
+// [4i, 4i + 4) at [4r, 4r + 4), so 8 rows' fp32 d load as one vector; their 16-bit words
+// (the quants) follow as above.
+//
 // A Q4 block's byte j holds weight j in its low nibble and j + 16 in its high, so quant
 // word t (t < 8) carries every row's weight pair (2t, 2t + 1) in its low nibbles and pair
 // (2t + 16, 2t + 17) in its high ones; a Q8_0 word t (t < 16) carries pair (2t, 2t + 1).
@@ -176,7 +181,9 @@ constexpr int PAIRS = QK / 2;                       // x's 32 values as 16 int16
 constexpr int64_t group_block_bytes(int f) { return GROUP * block_bytes(f); }
 // bytes of one group (8 rows, every block) of a [N, K] matrix in format f
 constexpr int64_t group_bytes(int f, int64_t K) { return K / QK * group_block_bytes(f); }
-constexpr int quant_word0(int f) { return f == Q4_1 ? 2 : 1; }
+// where a group-block's quant words start, in 16-byte units: after the 8 rows' scales (and
+// KQ5's hbits; quant_blocks.h gives the formats)
+constexpr int quant_word0(int f) { return f == Q4_1 ? 2 : f == KQ4 || f == KQ6 ? 4 : f == KQ5 ? 6 : 1; }
 
 // Prefetch distance for the one-row path, which streams each thread's groups in address
 // order. Every matmul of a SmolLM2 decode step on Zen 3, 2 threads, 4 KiB pages: 5.0-5.2 ms
@@ -216,26 +223,48 @@ inline __m256i dot_acc(__m256i acc, __m256i w, __m256i x) {
 // Quant word t of a group-block (gb) widened to int16, lanes 2r, 2r + 1 = row r's weights of
 // one pair (Q4: the nibble values 0..15): Q4 word t gives pair t in *lo and pair t + 8 in
 // *hi; a Q8_0 word t gives pair t in *lo (and leaves *hi alone).
+// KQ5: the high bits come from the group-block's hbits (32 bytes after the scales): 16-bit
+// lane 2r + j holds at bit t the high bit of row r's weight 2t + j, at bit 8 + t of 2t + 16 + j.
 template <int F>
 inline void widen_word(const uint8_t* gb, int t, __m256i* lo, __m256i* hi) {
     const __m128i word = _mm_loadu_si128((const __m128i*)(gb + 16 * (quant_word0(F) + t)));
-    if constexpr (F == Q8_0) {
+    if constexpr (int8_quants(F)) {
         *lo = _mm256_cvtepi8_epi16(word);
     } else {
         const __m256i bytes = _mm256_cvtepu8_epi16(word);
         *lo = _mm256_and_si256(bytes, _mm256_set1_epi16(15));
         *hi = _mm256_srli_epi16(bytes, 4);
+        if constexpr (F == KQ5) {
+            const __m256i h = _mm256_srl_epi16(_mm256_loadu_si256((const __m256i*)(gb + 64)), _mm_cvtsi32_si128(t));
+            const __m256i bit4 = _mm256_set1_epi16(16);
+            *lo = _mm256_or_si256(*lo, _mm256_and_si256(_mm256_slli_epi16(h, 4), bit4));
+            *hi = _mm256_or_si256(*hi, _mm256_and_si256(_mm256_srli_epi16(h, 4), bit4));
+        }
     }
 }
 
 // lane r = row r's exact integer dot of block gb with x's quantized block xq. Four
 // independent sums: with VNNI each multiply-add also adds into its sum (5 cycles of latency
 // on Intel), and two chains of eight made the one-row path wait on them, not on memory.
+// KQ6: *second = the dot of weights 16..31 (its own scale), the result that of 0..15.
 template <int F>
-inline __m256i block_dots(const uint8_t* gb, const int16_t* xq) {
+inline __m256i block_dots(const uint8_t* gb, const int16_t* xq, __m256i* second = nullptr) {
     __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256(), s2 = _mm256_setzero_si256(),
             s3 = _mm256_setzero_si256(), lo, hi;
-    if constexpr (F == Q8_0) {
+    if constexpr (F == KQ6) {
+        for (int t = 0; t < PAIRS / 2; t += 2) {
+            widen_word<F>(gb, t, &lo, &hi);
+            s0 = dot_acc(s0, lo, pair_bcast(xq, t));
+            widen_word<F>(gb, t + 8, &lo, &hi);
+            s1 = dot_acc(s1, lo, pair_bcast(xq, t + 8));
+            widen_word<F>(gb, t + 1, &lo, &hi);
+            s2 = dot_acc(s2, lo, pair_bcast(xq, t + 1));
+            widen_word<F>(gb, t + 9, &lo, &hi);
+            s3 = dot_acc(s3, lo, pair_bcast(xq, t + 9));
+        }
+        *second = _mm256_add_epi32(s1, s3);
+        return _mm256_add_epi32(s0, s2);
+    } else if constexpr (F == Q8_0) {
         for (int t = 0; t < PAIRS; t += 4) {
             widen_word<F>(gb, t, &lo, &hi);
             s0 = dot_acc(s0, lo, pair_bcast(xq, t));
@@ -259,9 +288,14 @@ inline __m256i block_dots(const uint8_t* gb, const int16_t* xq) {
     return _mm256_add_epi32(_mm256_add_epi32(s0, s1), _mm256_add_epi32(s2, s3));
 }
 
-// the group-block's 8 d (and Q4_1's 8 m) as fp32 lanes
+// the group-block's 8 d (and the 8 m of a format with one; KQ6: the 8 d1) as fp32 lanes
 template <int F>
 inline void group_scales(const uint8_t* gb, __m256* dw, __m256* mw) {
+    if constexpr (fp32_scales(F)) {
+        *dw = _mm256_loadu_ps((const float*)gb);
+        *mw = _mm256_loadu_ps((const float*)(gb + 32));
+        return;
+    }
     *dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)gb));
     *mw = F == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(gb + 16))) : _mm256_setzero_ps();
 }
@@ -269,11 +303,15 @@ inline void group_scales(const uint8_t* gb, __m256* dw, __m256* mw) {
 struct Acc { __m256 acc, accm; };
 
 // The fp32 chain of 8 outputs for one block: lane r's isum with row r's scales, x row i's.
+// KQ6: isum1 is weights 16..31's dot, chained after isum's with its own scale (mw = d1).
 template <int F>
-inline void chain(__m256i isum, __m256 dw, __m256 mw, const QRows& x, int64_t i, Acc* a) {
+inline void chain(__m256i isum, __m256 dw, __m256 mw, const QRows& x, int64_t i, Acc* a,
+                  __m256i isum1 = _mm256_setzero_si256()) {
     if constexpr (F == Q4_0) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(8 * x.qs[i]));
-    a->acc = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(x.d[i])), _mm256_cvtepi32_ps(isum), a->acc);
-    if constexpr (F == Q4_1) a->accm = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.s[i]), a->accm);
+    const __m256 dx = _mm256_set1_ps(x.d[i]);
+    a->acc = _mm256_fmadd_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(isum), a->acc);
+    if constexpr (F == KQ6) a->acc = _mm256_fmadd_ps(_mm256_mul_ps(mw, dx), _mm256_cvtepi32_ps(isum1), a->acc);
+    if constexpr (has_min(F)) a->accm = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.s[i]), a->accm);
 }
 
 // A group-block widened once for many rows of x (L1-resident, 512 B): w[p] = every row's
@@ -285,7 +323,7 @@ struct WGroup {
 
 template <int F>
 inline void load_group(const uint8_t* gb, WGroup* g) {
-    if constexpr (F == Q8_0) {
+    if constexpr (int8_quants(F)) {
         __m256i unused;
         for (int t = 0; t < PAIRS; t++) widen_word<F>(gb, t, &g->w[t], &unused);
     } else {
@@ -306,14 +344,19 @@ inline void group_block_rows(const WGroup& g, const QRows& x, int64_t m, int64_t
         s0[r] = _mm256_setzero_si256();
         s1[r] = _mm256_setzero_si256();
     }
-    for (int p = 0; p < PAIRS; p += 2) {
-        const __m256i w0 = g.w[p], w1 = g.w[p + 1];
+    // pairs p and p + 1 (KQ6: p and p + 8, the block's halves, whose dots it keeps apart)
+    constexpr int STEP = F == KQ6 ? 1 : 2, OTHER = F == KQ6 ? PAIRS / 2 : 1;
+    for (int p = 0; p < (F == KQ6 ? PAIRS / 2 : PAIRS); p += STEP) {
+        const __m256i w0 = g.w[p], w1 = g.w[p + OTHER];
         for (int r = 0; r < R; r++) {
             s0[r] = dot_acc(s0[r], w0, pair_bcast(xq[r], p));
-            s1[r] = dot_acc(s1[r], w1, pair_bcast(xq[r], p + 1));
+            s1[r] = dot_acc(s1[r], w1, pair_bcast(xq[r], p + OTHER));
         }
     }
-    for (int r = 0; r < R; r++) chain<F>(_mm256_add_epi32(s0[r], s1[r]), g.dw, g.mw, x, (m + r) * x.nb + b, &a[r]);
+    for (int r = 0; r < R; r++) {
+        if constexpr (F == KQ6) chain<F>(s0[r], g.dw, g.mw, x, (m + r) * x.nb + b, &a[r], s1[r]);
+        else chain<F>(_mm256_add_epi32(s0[r], s1[r]), g.dw, g.mw, x, (m + r) * x.nb + b, &a[r]);
+    }
 }
 
 // One x row against one group, every block, W read straight into registers (the decode
@@ -328,7 +371,9 @@ inline void group_one_row(const uint8_t* group, const QRows& x, int64_t m, Acc* 
         prefetch_ahead<GB>(gb);
         __m256 dw, mw;
         group_scales<F>(gb, &dw, &mw);
-        chain<F>(block_dots<F>(gb, xq + b * QK), dw, mw, x, m * x.nb + b, &acc);
+        __m256i second;
+        const __m256i first = block_dots<F>(gb, xq + b * QK, &second);
+        chain<F>(first, dw, mw, x, m * x.nb + b, &acc, second);
     }
     *a = acc;
 }
@@ -336,11 +381,11 @@ inline void group_one_row(const uint8_t* group, const QRows& x, int64_t m, Acc* 
 template <int F>
 inline void store_group(const Acc& a, float* y, int nr) {
     if (nr == 8) {
-        _mm256_storeu_ps(y, F == Q4_1 ? _mm256_add_ps(a.acc, a.accm) : a.acc);
+        _mm256_storeu_ps(y, has_min(F) ? _mm256_add_ps(a.acc, a.accm) : a.acc);
         return;
     }
     alignas(32) float out[8];
-    _mm256_store_ps(out, F == Q4_1 ? _mm256_add_ps(a.acc, a.accm) : a.acc);
+    _mm256_store_ps(out, has_min(F) ? _mm256_add_ps(a.acc, a.accm) : a.acc);
     for (int r = 0; r < nr; r++) y[r] = out[r];
 }
 
@@ -390,22 +435,26 @@ inline void group2_block_rows(const WGroup2& g, const QRows& x, int64_t m, int64
         s0[r] = _mm512_setzero_si512();
         s1[r] = _mm512_setzero_si512();
     }
-    for (int p = 0; p < PAIRS; p += 2) {
-        const __m512i w0 = g.w[p], w1 = g.w[p + 1];
+    // as group_block_rows: pairs p and p + 1, or KQ6's p and p + 8 (its halves, kept apart)
+    constexpr int STEP = F == KQ6 ? 1 : 2, OTHER = F == KQ6 ? PAIRS / 2 : 1;
+    for (int p = 0; p < (F == KQ6 ? PAIRS / 2 : PAIRS); p += STEP) {
+        const __m512i w0 = g.w[p], w1 = g.w[p + OTHER];
         for (int r = 0; r < R; r++) {
             int32_t v0, v1;
             memcpy(&v0, xq[r] + 2 * p, 4);
-            memcpy(&v1, xq[r] + 2 * p + 2, 4);
+            memcpy(&v1, xq[r] + 2 * (p + OTHER), 4);
             s0[r] = dot_acc512(s0[r], w0, _mm512_set1_epi32(v0));
             s1[r] = dot_acc512(s1[r], w1, _mm512_set1_epi32(v1));
         }
     }
     for (int r = 0; r < R; r++) {
         const int64_t i = (m + r) * x.nb + b;
-        __m512i isum = _mm512_add_epi32(s0[r], s1[r]);
+        const __m512 dx = _mm512_set1_ps(x.d[i]);
+        __m512i isum = F == KQ6 ? s0[r] : _mm512_add_epi32(s0[r], s1[r]);
         if constexpr (F == Q4_0) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(8 * x.qs[i]));
-        a[r].acc = _mm512_fmadd_ps(_mm512_mul_ps(g.dw, _mm512_set1_ps(x.d[i])), _mm512_cvtepi32_ps(isum), a[r].acc);
-        if constexpr (F == Q4_1) a[r].accm = _mm512_fmadd_ps(g.mw, _mm512_set1_ps(x.s[i]), a[r].accm);
+        a[r].acc = _mm512_fmadd_ps(_mm512_mul_ps(g.dw, dx), _mm512_cvtepi32_ps(isum), a[r].acc);
+        if constexpr (F == KQ6) a[r].acc = _mm512_fmadd_ps(_mm512_mul_ps(g.mw, dx), _mm512_cvtepi32_ps(s1[r]), a[r].acc);
+        if constexpr (has_min(F)) a[r].accm = _mm512_fmadd_ps(g.mw, _mm512_set1_ps(x.s[i]), a[r].accm);
     }
 }
 
@@ -413,7 +462,7 @@ inline void group2_block_rows(const WGroup2& g, const QRows& x, int64_t m, int64
 template <int F>
 inline void store_group2(const Acc2& a, float* y, int nr0, int nr1) {
     alignas(64) float out[16];
-    _mm512_store_ps(out, F == Q4_1 ? _mm512_add_ps(a.acc, a.accm) : a.acc);
+    _mm512_store_ps(out, has_min(F) ? _mm512_add_ps(a.acc, a.accm) : a.acc);
     memcpy(y, out, sizeof(float) * (size_t)nr0);
     memcpy(y + GROUP, out + GROUP, sizeof(float) * (size_t)nr1);
 }
@@ -426,16 +475,23 @@ template <int F>
 inline void load_group(const uint8_t* gb, WGroup* g) {
     const uint8_t* q = gb + 16 * quant_word0(F);
     for (int r = 0; r < GROUP; r++) {
-        g->dw[r] = fp16_to_f32(gb + 2 * r);
-        g->mw[r] = F == Q4_1 ? fp16_to_f32(gb + 16 + 2 * r) : 0.0f;
-        for (int t = 0; t < (F == Q8_0 ? PAIRS : 8); t++)
+        if constexpr (fp32_scales(F)) {
+            memcpy(&g->dw[r], gb + 4 * r, 4);
+            memcpy(&g->mw[r], gb + 32 + 4 * r, 4);
+        } else {
+            g->dw[r] = fp16_to_f32(gb + 2 * r);
+            g->mw[r] = F == Q4_1 ? fp16_to_f32(gb + 16 + 2 * r) : 0.0f;
+        }
+        uint16_t h[2] = {0, 0};                 // KQ5: row r's hbits lanes (widen_word's)
+        if constexpr (F == KQ5) memcpy(h, gb + 64 + 4 * r, 4);
+        for (int t = 0; t < (int8_quants(F) ? PAIRS : 8); t++)
             for (int j = 0; j < 2; j++) {
                 const uint8_t v = q[16 * t + 2 * r + j];
-                if constexpr (F == Q8_0) {
+                if constexpr (int8_quants(F)) {
                     g->w[r][2 * t + j] = (int8_t)v;
                 } else {
-                    g->w[r][2 * t + j] = v & 15;
-                    g->w[r][2 * t + 16 + j] = v >> 4;
+                    g->w[r][2 * t + j] = (int16_t)((v & 15) | (((h[j] >> t) & 1) << 4));
+                    g->w[r][2 * t + 16 + j] = (int16_t)((v >> 4) | (((h[j] >> (8 + t)) & 1) << 4));
                 }
             }
     }
@@ -448,11 +504,15 @@ inline void group_block_row(const WGroup& g, const QRows& x, int64_t m, int64_t 
     const int16_t* xq = x.q + m * x.K + b * QK;
     const int64_t i = m * x.nb + b;
     for (int r = 0; r < GROUP; r++) {
-        int32_t isum = 0;
-        for (int k = 0; k < QK; k++) isum += (int32_t)g.w[r][k] * xq[k];
+        int32_t isum = 0, isum1 = 0;            // KQ6: weights 0..15, 16..31 apart
+        for (int k = 0; k < QK; k++) {
+            if (F == KQ6 && k >= QK / 2) isum1 += (int32_t)g.w[r][k] * xq[k];
+            else isum += (int32_t)g.w[r][k] * xq[k];
+        }
         if constexpr (F == Q4_0) isum -= 8 * x.qs[i];
         a->acc[r] = fmaf(g.dw[r] * x.d[i], (float)isum, a->acc[r]);
-        if constexpr (F == Q4_1) a->accm[r] = fmaf(g.mw[r], x.s[i], a->accm[r]);
+        if constexpr (F == KQ6) a->acc[r] = fmaf(g.mw[r] * x.d[i], (float)isum1, a->acc[r]);
+        if constexpr (has_min(F)) a->accm[r] = fmaf(g.mw[r], x.s[i], a->accm[r]);
     }
 }
 
@@ -463,7 +523,7 @@ inline void group_block_rows(const WGroup& g, const QRows& x, int64_t m, int64_t
 
 template <int F>
 inline void store_group(const Acc& a, float* y, int nr) {
-    for (int r = 0; r < nr; r++) y[r] = F == Q4_1 ? a.acc[r] + a.accm[r] : a.acc[r];
+    for (int r = 0; r < nr; r++) y[r] = has_min(F) ? a.acc[r] + a.accm[r] : a.acc[r];
 }
 #endif
 
@@ -718,9 +778,12 @@ inline void row_tiles(int64_t mc, Fn&& fn) {
 template <int F>
 void matmul_range(const uint8_t* w, int64_t n0, int64_t n1, const QRows& x, int64_t M, float* y, int64_t ldy) {
 #if defined(KVD_AMX)
-    if (M >= TILE_MIN_ROWS) {
-        matmul_range_tiles<F>(w, n0, n1, x, M, y, ldy);
-        return;
+    // the tile path knows the ggml formats; kvd's KQ* blocks take the register paths
+    if constexpr (F <= Q8_0) {
+        if (M >= TILE_MIN_ROWS) {
+            matmul_range_tiles<F>(w, n0, n1, x, M, y, ldy);
+            return;
+        }
     }
 #endif
     const int64_t nb = x.nb, gbytes = group_bytes(F, x.K);
@@ -774,6 +837,9 @@ inline bool matmul_range(int format, const uint8_t* w, int64_t n0, int64_t n1, c
         case Q4_0: matmul_range<Q4_0>(w, n0, n1, x, M, y, ldy); return true;
         case Q4_1: matmul_range<Q4_1>(w, n0, n1, x, M, y, ldy); return true;
         case Q8_0: matmul_range<Q8_0>(w, n0, n1, x, M, y, ldy); return true;
+        case KQ4: matmul_range<KQ4>(w, n0, n1, x, M, y, ldy); return true;
+        case KQ5: matmul_range<KQ5>(w, n0, n1, x, M, y, ldy); return true;
+        case KQ6: matmul_range<KQ6>(w, n0, n1, x, M, y, ldy); return true;
         default: return false;
     }
 }
@@ -790,7 +856,11 @@ void gather_rows(const uint8_t* w, int64_t K, const int64_t* ids, int64_t T, flo
         const uint8_t* group = w + ids[t] / GROUP * group_bytes(F, K);
         const int64_t r = ids[t] % GROUP;
         for (int64_t b = 0; b < nb; b++) {
-            for (int64_t i = 0; i < BB / 2; i++) memcpy(blk + 2 * i, group + b * GB + 16 * i + 2 * r, 2);
+            // the 32-bit words (x8: 32 bytes each), then the 16-bit ones (16 bytes each)
+            constexpr int64_t WB = wide_bytes(F);
+            for (int64_t i = 0; i < WB / 4; i++) memcpy(blk + 4 * i, group + b * GB + 32 * i + 4 * r, 4);
+            for (int64_t i = 0; i < (BB - WB) / 2; i++)
+                memcpy(blk + WB + 2 * i, group + b * GB + 8 * WB + 16 * i + 2 * r, 2);
             V16 lo, hi;
             dequant_block<F>(blk, &lo, &hi);
             vstore(out + t * K + b * QK, lo);
@@ -804,6 +874,9 @@ inline bool gather_rows_any(int format, const uint8_t* w, int64_t K, const int64
         case Q4_0: gather_rows<Q4_0>(w, K, ids, T, out); return true;
         case Q4_1: gather_rows<Q4_1>(w, K, ids, T, out); return true;
         case Q8_0: gather_rows<Q8_0>(w, K, ids, T, out); return true;
+        case KQ4: gather_rows<KQ4>(w, K, ids, T, out); return true;
+        case KQ5: gather_rows<KQ5>(w, K, ids, T, out); return true;
+        case KQ6: gather_rows<KQ6>(w, K, ids, T, out); return true;
         default: return false;
     }
 }

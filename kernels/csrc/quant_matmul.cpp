@@ -1,4 +1,5 @@
-// y = x · Wᵀ with W kept in a GGUF block format (Q4_0, Q4_1, Q8_0), activations quantized
+// y = x · Wᵀ with W kept in a GGUF block format (Q4_0, Q4_1, Q8_0) or one of kvd's KQ4 / KQ5 /
+// KQ6 (quant_blocks.h: K-quants repacked at load, fp32 sub-block scales), activations quantized
 // to 16 bits per 32-block.
 //
 // Called through ctypes from kernels/quant_linear.py, which documents the
@@ -28,9 +29,10 @@
 //
 //     isum = sum_i q_w[i] * q_x[i]                    exact int32 (Q4_0: minus 8 * sum_i q_x[i])
 //     acc  = fma(d_w * d_x, (float)isum, acc)
-//     accm = fma(m_w, s_x, accm)                      Q4_1 only
+//     accm = fma(m_w, s_x, accm)                      Q4_1, KQ4, KQ5 only
 //
-// and y = acc + accm (Q4_1) or acc. Nothing in that sequence depends on M, on the
+// (KQ6, two scales a block: isum over weights 0..15 with d0, then acc = fma(d1 * d_x,
+// (float)isum1, acc) over 16..31) and y = acc + accm (Q4_1, KQ4, KQ5) or acc. Nothing in that sequence depends on M, on the
 // other rows, on the thread count or on the path: the integer dot is exact in any
 // order, and every path and build runs the same fp32 chain per output, so a row's
 // result is the same bit for bit alone or in any batch, in a prefill or a decode
@@ -100,7 +102,7 @@ int kvd_quant_matmul(int format, const uint8_t* w, int64_t N, int64_t K, const f
     if (K <= 0 || K % QK || N < 0 || M < 0 || ldx < K || ldy < N) return -1;
     const int nt = num_threads < 1 ? 1 : num_threads;
     if (M == 0 || N == 0) return 0;
-    if (format < Q4_0 || format > Q8_0) return -1;
+    if (format < Q4_0 || format > KQ6) return -1;
     matmul(format, w, N, K, x, M, ldx, y, ldy, nt);
     return 0;
 }

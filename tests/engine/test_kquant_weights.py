@@ -3,16 +3,24 @@ blocks), loaded end to end: the fp32 loader against gguf-py, the native loader, 
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import gguf
 import pytest
 import torch
 
+from engine.engine import EngineConfig, LLMEngine, build_model
 from engine.model.config import tiny_config
+from engine.model.llama import LlamaModel
 from engine.model.weights import load_gguf, reverse_permute_qk
-from kernels import gguf_blocks
+from engine.request import SamplingParams
+from kernels import gguf_blocks, kquant_repack
+from kernels.quant import QuantTensor
+from kernels.quant_linear import QuantKernel
 from tools.random_gguf import write_llama
+
+from .test_quant_weights import prefill_logits
 
 FORMATS = tuple(gguf_blocks.BLOCKS)
 
@@ -48,3 +56,72 @@ def test_the_fp32_loader_gives_gguf_py_values(kquant_gguf):
         if heads:
             want = reverse_permute_qk(want, heads)
         assert torch.equal(loaded.tensors[name], want), name
+
+
+# ------------------------------------------------------------------ native: repacked blocks
+@pytest.fixture(scope="module")
+def kernel() -> QuantKernel:
+    k = QuantKernel.create()
+    assert k is not None, "no quantized-weights kernel on this host (see tests/kernels/test_quant_linear.py)"
+    return k
+
+
+def test_the_native_loader_repacks_every_matrix_keeping_its_weights(kquant_gguf):
+    fmt, path = kquant_gguf
+    native, fp32 = load_gguf(path, quantized=True), load_gguf(path)
+    assert native.config == fp32.config and set(native.tensors) == set(fp32.tensors)
+    for name, t in native.tensors.items():
+        want = fp32.tensors[name]
+        if want.dim() == 1:
+            continue
+        assert isinstance(t, QuantTensor) and t.fmt.name == kquant_repack.TARGET[fmt], name
+        if fmt in kquant_repack.LOSSY:          # 8 bits per 16 weights: within half a step
+            step = want.view(want.shape[0], -1, 16).abs().amax(-1, keepdim=True) / 127
+            err = (t.dequantize() - want).view(step.shape[0], -1, 16).abs()
+            assert (err <= step * (0.5 + 1e-3)).all(), name           # (+ the fp32 rounding of a tie)
+        else:
+            assert torch.equal(t.dequantize(), want), name
+
+
+def test_a_converted_type_is_logged_once_with_its_cost(kquant_gguf, caplog):
+    fmt, path = kquant_gguf
+    with caplog.at_level(logging.INFO, logger="engine.model.weights"):
+        load_gguf(path, quantized=True)
+    notes = [r.getMessage() for r in caplog.records if "converted at load" in r.getMessage()]
+    if fmt in kquant_repack.CONVERTED:
+        assert len(notes) == 1 and f"{fmt} tensors converted at load to {kquant_repack.TARGET[fmt]}" in notes[0]
+        assert "bits per weight" in notes[0]
+        assert ("requantized" if fmt in kquant_repack.LOSSY else "every weight kept") in notes[0]
+    else:
+        assert fmt in kquant_repack.NATIVE and not notes
+
+
+def test_the_native_model_matches_the_dequantized_model(kquant_gguf, kernel):
+    """The kernels round each matmul's input to 16 bits per 32-block: the same tolerance
+    as tests/engine/test_quant_weights.py's, against the weights they compute with."""
+    fmt, path = kquant_gguf
+    weights = load_gguf(path, quantized=True)
+    native = LlamaModel(weights.config, weights.tensors, quant_kernel=kernel)
+    exact = LlamaModel(weights.config, weights.dequantized().tensors)
+    prompts = [[5, 17, 300, 2, 9, 44, 101], list(range(40, 75))]
+    for a, b in zip(prefill_logits(native, prompts), prefill_logits(exact, prompts)):
+        assert (a - b).abs().max() <= 1e-3 * b.abs().max()
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+def test_a_batch_of_16_gives_each_row_its_tokens_alone(kquant_gguf, kernel, tokenizer, sampling):
+    fmt, path = kquant_gguf
+    cfg = EngineConfig(model=str(path), dtype="float32", kv_blocks=256, host_kv_blocks=64, max_num_seqs=32)
+    engine = LLMEngine(cfg, build_model(cfg, load_gguf(path, quantized=True)), tokenizer, "kq")
+    assert engine.kernels()["decode"] == f"plan:{kernel.variant}"      # the plan executor, not torch
+    prompts = [[3 + i, 40 + 7 * i, 9, 100 + i] + list(range(i)) for i in range(16)]
+
+    def params(i: int) -> SamplingParams:
+        if sampling == "greedy":
+            return SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        return SamplingParams(max_tokens=8, temperature=0.9, top_p=0.95, seed=1000 + i, ignore_eos=True)
+
+    together = engine.generate(prompts, [params(i) for i in range(16)])
+    for i, p in enumerate(prompts):
+        assert engine.generate([p], params(i))[0] == together[i], (fmt, i)
+    assert len({tuple(t) for t in together}) > 1                         # not one answer for all

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from kernels import native
-from kernels.quant import FORMATS, QuantTensor
+from kernels.kquant_repack import requantize_int8_16
+from kernels.quant import FORMATS, GGUF_FORMATS, QuantTensor
 from kernels.quant_linear import (SERVING_VARIANTS, VARIANTS, QuantKernel, QuantLinear, host_variant,
                                   library_flags, runs_here)
 from kernels.weight_arena import WeightArena
@@ -42,10 +43,29 @@ def portable() -> QuantKernel:
     return QuantKernel.load("portable")
 
 
+# kvd's block formats (the K-quants repacked at load) -> the GGUF type a test quantizes
+# with gguf-py and repacks (any row length; KQ6 from an 8-bit requantization per 16)
+KQ_SOURCE = {"KQ4": "Q4_1", "KQ5": "Q5_1", "KQ6": None}
+
+
 def quantized(n: int, k: int, fmt: str, seed: int, scale: float = 0.05) -> QuantTensor:
-    """A random [n, k] matrix quantized by gguf-py (llama.cpp's reference quantizer)."""
+    """A random [n, k] matrix quantized by gguf-py (llama.cpp's reference quantizer);
+    a KQ format's through its ``KQ_SOURCE`` and kernels/kquant_repack.py."""
+    from kernels import gguf_blocks, kquant_repack
+
     g = torch.Generator().manual_seed(seed)
     w = (torch.randn(n, k, generator=g) * scale).numpy()
+    if fmt in KQ_SOURCE:
+        src = KQ_SOURCE[fmt]
+        if src is None:
+            return kquant_repack.repack("Q6_K", requantize_int8_16(torch.from_numpy(w)))
+        data = torch.from_numpy(np.ascontiguousarray(gguf.quants.quantize(w, gguf.GGMLQuantizationType[src])))
+        if src == "Q4_1":           # Q4_1's fp16 d, m as a Q4_K sub-block's fp32 d, -min
+            b = data.view(n, k // 32, 20)
+            d, m = (b[..., i:i + 2].contiguous().view(torch.float16).float().squeeze(-1) for i in (0, 2))
+            q = torch.cat([b[..., 4:] & 15, b[..., 4:] >> 4], dim=-1).to(torch.int8).view(n, k)
+            return kquant_repack.repack("Q4_K", gguf_blocks.SubBlocks(32, d, q, -m))
+        return kquant_repack.repack(src, gguf_blocks.decode(src, data, k))
     blocks = gguf.quants.quantize(w, gguf.GGMLQuantizationType[fmt])
     return QuantTensor(fmt, (n, k), torch.from_numpy(np.ascontiguousarray(blocks)))
 
@@ -56,6 +76,11 @@ def random_blocks(n: int, k: int, fmt: str, seed: int) -> QuantTensor:
     f = FORMATS[fmt]
     g = torch.Generator().manual_seed(seed)
     data = torch.randint(0, 256, (n, k // 32, f.block_bytes), generator=g, dtype=torch.uint8)
+    if fmt in KQ_SOURCE:                          # fp32 d, m (KQ6: d0, d1)
+        single = data[..., :8].clone().view(torch.int32)
+        single &= ~0x40000000                     # exponent < 128: finite, |v| < 2 (no inf/nan)
+        data[..., :8] = single.view(torch.uint8)
+        return QuantTensor(fmt, (n, k), data.reshape(n, -1))
     scales = 4 if fmt == "Q4_1" else 2
     half = data[..., :scales].clone().view(torch.int16)
     half &= ~0x4000                               # exponent < 16: finite, |v| < 2 (no inf/nan)
@@ -64,8 +89,13 @@ def random_blocks(n: int, k: int, fmt: str, seed: int) -> QuantTensor:
 
 
 def block_mins(qt: QuantTensor) -> torch.Tensor:
-    """fp32 [rows, cols]: each weight's block m (Q4_1's offset; 0 for the other formats)."""
+    """fp32 [rows, cols]: each weight's block m (Q4_1's, KQ4's and KQ5's offset; 0 for the
+    other formats)."""
     rows, cols = qt.shape
+    bb = qt.fmt.block_bytes
+    if qt.fmt.name in ("KQ4", "KQ5"):
+        m = qt.data.view(rows, cols // 32, bb)[..., 4:8].contiguous().view(torch.float32)
+        return m.expand(rows, cols // 32, 32).reshape(rows, cols)
     if qt.fmt.name != "Q4_1":
         return torch.zeros(rows, cols)
     m = qt.data.view(rows, cols // 32, 20)[..., 2:4].contiguous().view(torch.float16).float()
@@ -94,7 +124,7 @@ def error_bound(x: torch.Tensor, qt: QuantTensor) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------ formats (any CPU)
-@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("fmt", GGUF_FORMATS)        # KQ*: tests/engine/test_kquant_weights.py
 def test_dequantize_is_gguf_py_bit_for_bit(fmt):
     for qt in (quantized(40, 96, fmt, seed=1), random_blocks(40, 96, fmt, seed=2)):
         ref = gguf.quants.dequantize(qt.data.numpy(), gguf.GGMLQuantizationType[fmt])
@@ -175,12 +205,17 @@ def test_the_x8_layout_is_the_same_bytes_reordered(fmt):
     qt = random_blocks(13, 96, fmt, seed=3)
     packed = qt.pack()
     assert packed.layout == "x8" and packed.shape == qt.shape and packed.pack() is packed
-    bb, nb = FORMATS[fmt].block_bytes, 3
+    bb, nb, wide = FORMATS[fmt].block_bytes, 3, FORMATS[fmt].wide_bytes
     assert tuple(packed.data.shape) == (2, 8 * nb * bb)
-    # group 1, block 2, word 1 of row 12 (row 4 of its group): bytes 2..3 of that GGUF block
-    at = 2 * 8 * bb + 16 * 1 + 2 * 4
-    assert packed.data[1, at:at + 2].tolist() == qt.data[12, 2 * bb + 2:2 * bb + 4].tolist()
-    assert not packed.data[1, 16 * 0 + 2 * 5:16 * 0 + 2 * 8].any()      # rows 13..15: padding
+    # group 1, block 2, 2-byte word 1 of row 12 (row 4 of its group): bytes 2..3 of its block
+    # after the 4-byte words (a KQ block's scales), which come first, 32 bytes a word
+    at = 2 * 8 * bb + 8 * wide + 16 * 1 + 2 * 4
+    assert packed.data[1, at:at + 2].tolist() == qt.data[12, 2 * bb + wide + 2:2 * bb + wide + 4].tolist()
+    if wide:                                  # 4-byte word 1 of row 12: bytes 4..7 of its block
+        at = 2 * 8 * bb + 32 * 1 + 4 * 4
+        assert packed.data[1, at:at + 4].tolist() == qt.data[12, 2 * bb + 4:2 * bb + 8].tolist()
+    width = 4 if wide else 2
+    assert not packed.data[1, width * 5:width * 8].any()                 # rows 13..15: padding
     assert torch.equal(packed.unpack().data, qt.data)
     in_arena = qt.pack(WeightArena())                                     # the model's way: huge pages
     assert in_arena.layout == "x8" and torch.equal(in_arena.data, packed.data)
@@ -265,9 +300,9 @@ def test_the_tile_path_computes_the_same_bits(portable, fmt):
     # the largest dots: every weight at its format's top (nibble 15, int8 127) against blocks
     # of x that quantize to +-32767 throughout
     qt = random_blocks(24, 64, fmt, seed=1)
-    off = 4 if fmt == "Q4_1" else 2
+    off = FORMATS[fmt].wide_bytes or (4 if fmt == "Q4_1" else 2)
     blocks = qt.data.view(24, 2, -1).clone()
-    blocks[..., off:] = 0x7F if fmt == "Q8_0" else 0xFF
+    blocks[..., off:] = 0x7F if fmt in ("Q8_0", "KQ6") else 0xFF
     qt = QuantTensor(fmt, (24, 64), blocks.view(24, -1))
     x = torch.ones(20, 64)
     x[1::2] = -1.0

@@ -1,0 +1,101 @@
+"""The K-quants and their kin, repacked at load into block formats the kernels serve.
+
+A GGUF tensor of a kernels/gguf_blocks.py format, decoded to ``SubBlocks``
+(``w = scale * q - min`` per sub-block of 16 or 32), becomes a ``QuantTensor``
+(kernels/quant.py) in one of::
+
+    Q4_K          -> KQ4   fp32 d, m per 32, nibbles        every weight kept
+    Q5_K Q5_1 Q5_0 -> KQ5  fp32 d, m per 32, 5-bit quants   every weight kept
+    Q6_K Q3_K IQ4_XS -> KQ6  fp32 d0, d1 per 16, int8       every weight kept
+    IQ4_NL        -> Q8_0  fp16 d per 32, int8               every weight kept
+    Q2_K          -> KQ6   requantized: 8 bits per 16 weights (the one lossy conversion)
+
+"Kept" means the kernel computes with the file's weights: a sub-block's scale and
+min are exact fp32 products of the file's fp16 and integer scales, the quants
+are the file's integers (Q5_0's ``q - 16`` as ``q`` with ``m = -16 d``), so
+``QuantTensor.dequantize`` is gguf-py's dequantization bit for bit (Q6_K and
+the other KQ6 sources: gguf-py rounds ``(d * sc) * q`` to fp32, which the kernel's
+integer dot never forms; its weights are the exact products).
+
+``NATIVE`` are the types the issue asks kernels for; ``CONVERTED`` the rest,
+whose load logs what the conversion costs (``conversion_note``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.gguf_blocks import BLOCKS, SubBlocks
+from kernels.quant import BLOCK, FORMATS, QuantTensor
+
+# GGUF type -> the served format it is repacked into
+TARGET = {"Q4_K": "KQ4", "Q5_K": "KQ5", "Q5_1": "KQ5", "Q5_0": "KQ5", "Q6_K": "KQ6",
+          "Q3_K": "KQ6", "IQ4_XS": "KQ6", "IQ4_NL": "Q8_0", "Q2_K": "KQ6"}
+NATIVE = ("Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1")
+CONVERTED = ("Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS")
+LOSSY = ("Q2_K",)
+
+
+def repack(fmt: str, sub: SubBlocks) -> QuantTensor:
+    """``sub`` (decoded from a ``fmt`` tensor ``[rows, cols]``) as a ``QuantTensor`` in the
+    rows layout of ``TARGET[fmt]``."""
+    rows, cols = sub.q.shape
+    nb = cols // BLOCK
+    target = TARGET[fmt]
+    if fmt in LOSSY:
+        sub = requantize_int8_16(sub.dequantize())
+    if target == "Q8_0":                                        # IQ4_NL: d is the file's fp16
+        d = sub.scale.to(torch.float16).view(rows, nb, 1).view(torch.uint8)
+        body = [d.view(rows, nb, 2), sub.q.view(rows, nb, 32).view(torch.uint8)]
+    elif target == "KQ6":
+        # per 16: d0, d1 (a format with one scale per 32 gives it twice)
+        scales = sub.scale.view(rows, nb, 2) if sub.size == 16 else sub.scale.view(rows, nb, 1).expand(rows, nb, 2)
+        body = [_f32(scales), sub.q.view(rows, nb, 32).view(torch.uint8)]
+    else:                                                       # KQ4 / KQ5: w = d q + m
+        q = sub.q.view(rows, nb, 32).to(torch.int16)
+        d = sub.scale.view(rows, nb, 1)
+        m = -sub.min.view(rows, nb, 1) if sub.min is not None else torch.zeros_like(d)
+        if fmt == "Q5_0":                                       # d (q - 16) = d q + (-16 d), exact
+            q, m = q + 16, -16 * d
+        q = q.to(torch.uint8)
+        body = [_f32(torch.cat([d, m], dim=-1))]
+        if target == "KQ5":
+            body.append(_hbits(q >> 4))
+        lo = q & 15
+        body.append(lo[..., :16] | (lo[..., 16:] << 4))
+    data = torch.cat(body, dim=-1).reshape(rows, nb * FORMATS[target].block_bytes)
+    return QuantTensor(target, (rows, cols), data.contiguous())
+
+
+def requantize_int8_16(w: torch.Tensor) -> SubBlocks:
+    """fp32 ``[rows, cols]`` as int8 per 16 weights, scale = amax / 127 (0 for a zero
+    sub-block); each weight within scale / 2 of ``w``."""
+    rows, cols = w.shape
+    g = w.view(rows, cols // 16, 16)
+    scale = g.abs().amax(dim=-1) / 127
+    q = torch.where(scale.unsqueeze(-1) > 0, g / scale.clamp_min(1e-30).unsqueeze(-1), 0).round()
+    return SubBlocks(16, scale, q.clamp(-127, 127).to(torch.int8).view(rows, cols), None)
+
+
+def conversion_note(fmt: str, tensors: int, file_bytes: int, served_bytes: int, max_error: float) -> str:
+    """The log line of a load that converted ``tensors`` tensors of a ``CONVERTED`` type."""
+    per = BLOCKS[fmt][0]
+    bits = lambda n: 8 * n / (file_bytes / BLOCKS[fmt][1] * per)          # noqa: E731
+    what = (f"requantized to 8 bits per 16 weights (largest change {max_error:.3g})" if fmt in LOSSY
+            else "every weight kept")
+    return (f"{tensors} {fmt} tensors converted at load to {TARGET[fmt]}: {what}; "
+            f"{bits(file_bytes):.2f} -> {bits(served_bytes):.2f} bits per weight read per token")
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    """fp32 [..., n] -> its bytes [..., 4 n] (little-endian, as the kernels read them)."""
+    return t.contiguous().to(torch.float32).view(torch.uint8)
+
+
+def _hbits(h: torch.Tensor) -> torch.Tensor:
+    """[rows, nb, 32] high bits (0/1) -> KQ5's u32 hbits [rows, nb, 4] (quant_blocks.h's
+    order: weight 2t at bit t, 2t + 16 at 8 + t, 2t + 1 at 16 + t, 2t + 17 at 24 + t)."""
+    t = torch.arange(8)
+    order = torch.cat([2 * t, 2 * t + 16, 2 * t + 1, 2 * t + 17])      # bit b holds weight order[b]
+    bits = h[..., order].to(torch.int64) << torch.arange(32)
+    return bits.sum(dim=-1, keepdim=True).view(torch.uint8)[..., :4]       # the low 4 bytes
