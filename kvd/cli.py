@@ -247,18 +247,26 @@ async def supervised(notifier, interval: float | None, main) -> None:
             watchdog.cancel()
 
 
-def _check_model(spec: str) -> None:
-    """Refuse a model spec that names nothing on this machine, or whose
-    tokenizer cannot be built, before any port opens: ``ValueError`` (one line:
-    the known names, the missing package's install command, or the file's
-    problem). Reads metadata only and imports no torch; the tokenizer stays
-    cached for this process."""
+def _refuse_model(spec: str) -> bool:
+    """Print one line and return True when ``spec`` names nothing on this
+    machine or its tokenizer cannot be built (the known names, the missing
+    package's install command, or the file's problem). Called after logging is
+    set up (building the tokenizer logs a fallback chat template) and before
+    any port opens. Reads metadata only and imports no torch; the tokenizer
+    stays cached for this process. A GGUF's tensor table is checked too: a
+    tensor of a type kvd does not load, or cut off by a truncated file."""
+    from engine.model.gguf_meta import check_tensor_table
     from engine.model.registry import resolve_model
 
     try:
-        resolve_model(spec).load_tokenizer()
-    except FileNotFoundError as exc:
-        raise ValueError(str(exc)) from None
+        source = resolve_model(spec)
+        source.load_tokenizer()
+        if source.kind == "gguf":
+            check_tensor_table(source.weights_path)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"kvd: error: {exc}", file=sys.stderr)
+        return True
+    return False
 
 
 def _logging(level: str) -> None:
@@ -272,7 +280,6 @@ def node(args: argparse.Namespace) -> int:
     server = {"drain_timeout": args.drain_timeout, "log_level": args.log_level}
     try:
         config = load_config(args.config, {"engine": engine, "server": server})
-        _check_model(config.engine.model)
         cluster = _cluster(args)
         from kvd import links
         from kvd.cluster_config import check_node_name
@@ -287,6 +294,8 @@ def node(args: argparse.Namespace) -> int:
         print(f"kvd: error: {exc}", file=sys.stderr)
         return 2
     _logging(config.server.log_level)
+    if _refuse_model(config.engine.model):
+        return 2
     host_nodes = _host_nodes()
     if not _die_with_parent():
         print("kvd: error: the kvd serve process that started this node is gone", file=sys.stderr)
@@ -360,7 +369,6 @@ def coordinator(args: argparse.Namespace) -> int:
     overrides.update(model=args.model, max_model_len=args.max_model_len)
     try:
         settings = load_settings(args.config, overrides)   # same checks as kvd serve / kvd node
-        _check_model(settings.model)
         cluster = _cluster(args)
         if args.listen:
             from kvd.cluster_config import with_overrides
@@ -372,6 +380,8 @@ def coordinator(args: argparse.Namespace) -> int:
         print(f"kvd: error: {exc}", file=sys.stderr)
         return 2
     _logging(settings.server.log_level)
+    if _refuse_model(settings.model):
+        return 2
     from kvd.coordinator.daemon import CoordinatorDaemon
     from kvd.coordinator.settings import load_tokenizer
 
@@ -393,7 +403,6 @@ def serve(args: argparse.Namespace) -> int:
     server = {d: getattr(args, d) for d, _, _ in SERVER_FLAGS.values()}
     try:
         config = load_config(args.config, {"engine": engine, "server": server})
-        _check_model(config.engine.model)
         cluster = _cluster(args)
         for name in ("restart_nodes", "split_cpus"):
             if getattr(args, name) is not None:
@@ -415,6 +424,8 @@ def serve(args: argparse.Namespace) -> int:
         print("kvd: error: --prefill P needs --nodes N with 0 < P < N (N-P decode nodes)", file=sys.stderr)
         return 2
     _logging(config.server.log_level)
+    if _refuse_model(config.engine.model):
+        return 2
     notifier, watchdog = _systemd()
     if args.nodes:
         from kvd.coordinator.settings import CoordinatorSettings

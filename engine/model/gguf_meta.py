@@ -45,6 +45,9 @@ _TYPE_SIZES = {0: (1, 4), 1: (1, 2), 30: (1, 2), 2: (32, 18), 3: (32, 20), 8: (3
                6: (32, 22), 7: (32, 24), 20: (32, 18),                        # Q5_0 Q5_1 IQ4_NL
                10: (256, 84), 11: (256, 110), 12: (256, 144), 13: (256, 176),  # Q2_K .. Q5_K
                14: (256, 210), 23: (256, 136)}                                 # Q6_K IQ4_XS
+# their names, in the order an error message lists them
+TYPE_NAMES = {0: "F32", 1: "F16", 30: "BF16", 8: "Q8_0", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1",
+              20: "IQ4_NL", 10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 23: "IQ4_XS"}
 
 
 class _Truncated(Exception):
@@ -74,6 +77,26 @@ def read_tensor_infos(path: str | os.PathLike[str]) -> list[TensorInfo]:
     Does not check that the bytes are there (compare ``offset + nbytes`` with
     the file's size)."""
     return _read(path, _parse_tensors)
+
+
+def check_tensor_table(path: str | os.PathLike[str]) -> None:
+    """Refuse, before anything is mapped, a tensor of a type kvd does not load (one
+    line naming the tensor, its type and the supported ones) or one whose bytes run
+    past the end of the file (a truncated file): ``ValueError``. Imports no torch."""
+    size = os.path.getsize(path)
+    for info in read_tensor_infos(path):
+        if info.ggml_type not in TYPE_NAMES:
+            import gguf                             # only to name the type
+
+            try:
+                type_name = gguf.GGMLQuantizationType(info.ggml_type).name
+            except ValueError:
+                raise ValueError(f"{path}: tensor {info.name} has unknown GGUF type {info.ggml_type}") from None
+            raise ValueError(f"{path}: tensor {info.name} has GGUF type {type_name}, "
+                             f"which kvd does not load (supported: {', '.join(TYPE_NAMES.values())})")
+        if info.offset + info.nbytes > size:
+            raise ValueError(f"{path}: truncated: tensor {info.name} ({TYPE_NAMES[info.ggml_type]} "
+                             f"{list(info.shape)}) needs bytes up to {info.offset + info.nbytes}, the file has {size}")
 
 
 def _read(path: str | os.PathLike[str], parse: Any) -> Any:

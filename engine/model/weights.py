@@ -37,15 +37,16 @@ import torch
 
 from engine.model import gguf_arch
 from engine.model.config import LlamaConfig
-from engine.model.gguf_meta import read_tensor_infos
+from engine.model.gguf_meta import TYPE_NAMES, check_tensor_table
 from kernels import gguf_blocks, kquant_repack
 from kernels.quant import GGUF_FORMATS, QuantTensor
 
 log = logging.getLogger(__name__)
 
-# GGUF tensor types we load: gguf-py dequantizes the first six, kernels/gguf_blocks.py
-# the rest (each checked bit for bit against gguf-py). Others are refused by name.
-SUPPORTED_GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", *gguf_blocks.BLOCKS)
+# GGUF tensor types we load (gguf_meta.TYPE_NAMES; others are refused by name, before
+# anything is read): gguf-py dequantizes F32 ... Q4_1, kernels/gguf_blocks.py the rest
+# (each checked bit for bit against gguf-py).
+SUPPORTED_GGUF_TYPES = tuple(TYPE_NAMES.values())
 # Of those, the block formats load_gguf(quantized=True) keeps as they are, and the ones it
 # repacks into kvd's blocks (kernels/kquant_repack.py: NATIVE every weight kept; CONVERTED
 # logged with what it costs).
@@ -156,7 +157,7 @@ def load_gguf(path: str | Path, quantized: bool = False) -> LoadedWeights:
     if not path.is_file():
         raise ValueError(f"GGUF file not found: {path}")
     source = f"gguf:{path}"
-    _check_tensor_table(path)
+    check_tensor_table(path)
     try:
         reader = gguf.GGUFReader(path)
     except Exception as exc:  # gguf raises ValueError/struct.error on garbage
@@ -169,7 +170,7 @@ def load_gguf(path: str | Path, quantized: bool = False) -> LoadedWeights:
         name = gguf_arch.hf_name(tensor.name, path)
         if name is None:
             continue
-        qtype = gguf.GGMLQuantizationType(tensor.tensor_type)     # a supported type: _check_tensor_table
+        qtype = gguf.GGMLQuantizationType(tensor.tensor_type)     # a supported type: check_tensor_table
         if quantized and qtype.name in NATIVE_GGUF_TYPES and len(tensor.shape) == 2:
             weight = _gguf_blocks(tensor, qtype.name, path)
         elif quantized and qtype.name in REPACKED_GGUF_TYPES and len(tensor.shape) == 2:
@@ -201,25 +202,6 @@ def load_gguf(path: str | Path, quantized: bool = False) -> LoadedWeights:
         tensors.pop("lm_head.weight", None)
     validate(config, tensors, source)
     return LoadedWeights(config=config, tensors=tensors, source=source)
-
-
-def _check_tensor_table(path: Path) -> None:
-    """Refuse, before mapping anything, a tensor of a type kvd does not load
-    (named) or one whose bytes run past the end of the file (a truncated file)."""
-    import gguf
-
-    size = path.stat().st_size
-    for info in read_tensor_infos(path):
-        try:
-            type_name = gguf.GGMLQuantizationType(info.ggml_type).name
-        except ValueError:
-            raise ValueError(f"{path}: tensor {info.name} has unknown GGUF type {info.ggml_type}") from None
-        if type_name not in SUPPORTED_GGUF_TYPES:
-            raise ValueError(f"{path}: tensor {info.name} has GGUF type {type_name}, "
-                             f"which kvd does not load (supported: {', '.join(SUPPORTED_GGUF_TYPES)})")
-        if info.offset + info.nbytes > size:
-            raise ValueError(f"{path}: truncated: tensor {info.name} ({type_name} {list(info.shape)}) needs "
-                             f"bytes up to {info.offset + info.nbytes}, the file has {size}")
 
 
 def _gguf_blocks(tensor: Any, fmt: str, path: Path) -> QuantTensor:
