@@ -19,6 +19,7 @@ from engine.request import FinishReason, SamplingParams, TokenLogprobs
 from kvd.cluster_config import ROLES as CONFIG_ROLES
 from kvd.transfer_state import COMMIT_STATUSES
 from kvd.wire import (  # noqa: F401 -- re-exported: the format and the messages are one vocabulary
+    CODE_TOO_LARGE,
     DEFAULT_LIMITS,
     DTYPES,
     Error,
@@ -28,6 +29,7 @@ from kvd.wire import (  # noqa: F401 -- re-exported: the format and the messages
     Gate,
     Handler,
     Message,
+    MessageTooLarge,
     ProtocolError,
     ProtocolLimits,
     RawTensor,
@@ -35,6 +37,7 @@ from kvd.wire import (  # noqa: F401 -- re-exported: the format and the messages
     decode,
     dtype_name,
     encode,
+    encode_reply,
     message,
     serve,
 )

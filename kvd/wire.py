@@ -280,8 +280,18 @@ class Error(Message):
     request_id: str | None = None
 
 
-def encode(msg: Message) -> tuple[bytes, list[memoryview]]:
-    """(header bytes, frames) for `msg`; frames are views, not copies."""
+class MessageTooLarge(ValueError):
+    """A message over the wire's limits: its peer's `decode` would refuse it
+    (and could not tell whom it was about), so `encode` refuses it first and
+    the sender ends what it was about with an error (`CODE_TOO_LARGE`)."""
+
+
+CODE_TOO_LARGE = "message_too_large"      # the Error code of a request whose message was too large
+
+
+def encode(msg: Message, limits: ProtocolLimits = DEFAULT_LIMITS) -> tuple[bytes, list[memoryview]]:
+    """(header bytes, frames) for `msg`; frames are views, not copies. Raises
+    MessageTooLarge for a message `decode` with `limits` would refuse for its size."""
     body: dict[str, Any] = {"type": msg.TYPE, "v": PROTOCOL_VERSION}
     frames: list[memoryview] = []
     for name in msg._FIELDS:
@@ -293,7 +303,28 @@ def encode(msg: Message) -> tuple[bytes, list[memoryview]]:
             body[name] = value.to_dict()        # its JSON form (logit_bias an object), not orjson's dataclass
         elif value is not None or name in msg._REQUIRED:
             body[name] = value
-    return orjson.dumps(body), frames
+    header = orjson.dumps(body)
+    total = sum(f.nbytes for f in frames)
+    if len(header) > limits.max_header_bytes:
+        raise MessageTooLarge(f"{msg.TYPE}: its header takes {len(header)} bytes, over the wire's "
+                              f"{limits.max_header_bytes}-byte limit")
+    if (len(frames) > limits.max_frames or total > limits.max_total_frame_bytes
+            or any(f.nbytes > limits.max_frame_bytes for f in frames)):
+        raise MessageTooLarge(f"{msg.TYPE}: {len(frames)} frames of {total} bytes, over the wire's limits "
+                              f"({limits.max_frames} frames, {limits.max_frame_bytes} bytes each, "
+                              f"{limits.max_total_frame_bytes} in all)")
+    return header, frames
+
+
+def encode_reply(reply: Message, limits: ProtocolLimits = DEFAULT_LIMITS) -> tuple[bytes, list[memoryview]]:
+    """`encode(reply)`, or, for a reply too large to send, an Error (`CODE_TOO_LARGE`)
+    that answers the same request instead."""
+    try:
+        return encode(reply, limits)
+    except MessageTooLarge as exc:
+        log.warning("reply %s not sent: %s", reply.TYPE, exc)
+        return encode(Error(id=reply.id, code=CODE_TOO_LARGE, message=str(exc),
+                            request_id=getattr(reply, "request_id", None)), limits)
 
 
 def decode(header: bytes, frames: list[Any], limits: ProtocolLimits = DEFAULT_LIMITS
@@ -483,6 +514,6 @@ async def serve(listener: Listener, handle: Handler, *, limits: ProtocolLimits =
             reply = await handle(msg, incoming)
         if reply is not None and incoming.request_id:
             try:
-                await listener.reply(incoming, *encode(reply))
+                await listener.reply(incoming, *encode_reply(reply))
             except TransportError as e:
                 log.info("reply to peer %s not delivered: %s", incoming.peer.hex(), e)

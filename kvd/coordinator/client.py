@@ -188,16 +188,16 @@ class RemoteEngineClient:
             raise InvalidParam("request_id", f"request id {request_id} is already in flight")
         request = protocol.GenerateRequest(id=request_id, request_id=request_id,
                                            prompt_token_ids=tuple(prompt_ids), sampling=params)
-        header, _ = protocol.encode(request)
-        if len(header) > self.limits.max_header_bytes:
-            yield error_output(request_id, prompt_ids, (
-                f"the request takes {len(header)} bytes on the cluster wire, over the "
-                f"{self.limits.max_header_bytes}-byte limit; shorten the prompt or the stop conditions"))
+        try:
+            header, _ = protocol.encode(request, self.limits)
+            stream, node, refusal = await self.legs.submit(request, header, exclude=())
+            if refusal is not None and refusal.code == "draining":
+                # it began draining before its heartbeat said so: another node, once
+                stream, node, refusal = await self.legs.submit(request, header, exclude=(node.name,))
+        except protocol.MessageTooLarge as exc:         # nothing was sent, nothing is held
+            yield error_output(request_id, prompt_ids, f"the request does not fit the cluster wire ({exc}); "
+                                                       "shorten the prompt or the stop conditions")
             return
-        stream, node, refusal = await self.legs.submit(request, header, exclude=())
-        if refusal is not None and refusal.code == "draining":
-            # it began draining before its heartbeat said so: another node, once
-            stream, node, refusal = await self.legs.submit(request, header, exclude=(node.name,))
         if refusal is not None:
             self._ended_with_error += 1
             yield error_output(request_id, prompt_ids, refusal.message or refusal.code, refusal.code)

@@ -312,7 +312,7 @@ class CoordinatorDaemon:
         if incoming.request_id:
             reply = protocol.Welcome(id=bye.id, node=bye.node, accepted=False, reason="goodbye")
             try:
-                await self.listener.reply(incoming, *protocol.encode(reply))
+                await self.listener.reply(incoming, *protocol.encode_reply(reply))
             except TransportError as exc:
                 log.info("goodbye reply to %s not delivered: %s", bye.node, exc)
 

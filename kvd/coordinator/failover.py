@@ -152,7 +152,7 @@ class Failover:
         node.routed += 1
         try:
             reply = await self.links.by_node[node.name].call(protocol.encode(msg)[0])
-        except (TransportError, KeyError) as exc:
+        except (TransportError, KeyError, protocol.MessageTooLarge) as exc:
             reply = exc
         if isinstance(reply, protocol.Accepted) and (node.name, node.incarnation) in stream.failed:
             reply = f"{node.name} failed after accepting it"     # lose_requests skipped it: ours to move

@@ -192,6 +192,8 @@ class LegSender:
                     why = getattr(reply, "message", None) or getattr(reply, "reason", None) or repr(reply)
             except (TransportError, KeyError) as exc:
                 why = f"unreachable: {exc}"
+            except protocol.MessageTooLarge as exc:
+                why = str(exc)
             if why is not None:
                 log.warning("request %s: prefill node %s did not take the prompt (%s); %s computes it",
                             rid, prefill.name, why, decode.name)

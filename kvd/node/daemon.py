@@ -442,7 +442,7 @@ class NodeDaemon:
         """The reply to a transport request, from a task."""
         if incoming.request_id:
             try:
-                await self.listener.reply(incoming, *protocol.encode(reply))
+                await self.listener.reply(incoming, *protocol.encode_reply(reply))
             except TransportError as exc:
                 log.info("reply to %s not delivered: %s", reply.TYPE, exc)
 

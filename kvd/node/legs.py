@@ -94,6 +94,12 @@ class Legs:
         except TransportError as exc:
             log.info("request %s: coordinator unreachable (%s); aborted", rid, exc)
             self.report_lost(rid)          # the coordinator ends or recovers it (heartbeat.py)
+        except protocol.MessageTooLarge as exc:      # its next chunk cannot travel: the request ends now
+            log.warning("request %s: %s", rid, exc)
+            try:
+                await self.send(peer, protocol.Error(code=protocol.CODE_TOO_LARGE, request_id=rid, message=str(exc)))
+            except TransportError:
+                self.report_lost(rid)
         except EngineDead:
             pass                  # the engine died: the node's Goodbye names this request lost
         except Exception as exc:  # noqa: BLE001 -- one request's failure stays its own

@@ -357,3 +357,48 @@ def test_roles_and_legs_are_checked():
 def test_token_chunk_text_ends_validation(bad, match):
     with pytest.raises(ValueError, match=match):
         P.TokenChunk(**(dict(request_id="r", start_index=0) | bad))
+
+
+def test_a_message_over_the_limits_is_refused_by_its_sender_and_a_reply_becomes_an_error():
+    """What ``decode`` would drop unread (so that nobody could tell whose request it
+    was) never leaves: ``encode`` raises, and a reply too large to send answers its
+    request with an Error instead."""
+    from kvd.wire import CODE_TOO_LARGE, MessageTooLarge, encode, encode_reply
+    chunk = P.TokenChunk(request_id="r", start_index=0, token_ids=(1,), text="x" * 200, text_ends=(200,))
+    limits = ProtocolLimits(max_header_bytes=250)
+    with pytest.raises(MessageTooLarge, match="250-byte limit"):
+        encode(chunk, limits)
+    header, _ = encode_reply(chunk, limits)
+    err = decode(header, [])
+    assert isinstance(err, P.Error) and err.code == CODE_TOO_LARGE and err.request_id == "r"
+    kv = decode(h(**KV, frames=[{"dtype": "uint8", "shape": [9]}]), [b"a" * 9])
+    for small in (ProtocolLimits(max_frame_bytes=8), ProtocolLimits(max_total_frame_bytes=8)):
+        with pytest.raises(MessageTooLarge, match="frames"):
+            encode(kv, small)
+    assert decode(*encode(kv)) == kv                  # within the default limits: sent as it is
+
+
+async def test_a_chunk_too_large_for_the_wire_ends_its_request_with_an_error_at_once():
+    """A node whose next TokenChunk cannot travel (its peer would drop it unread and
+    the request would wait for ever) sends an Error for the request instead."""
+    from engine.request import RequestOutput, TokenLogprobs
+    from kvd.cluster_config import ClusterConfig
+    from kvd.node.legs import Legs
+
+    sent = []
+
+    async def send(peer, msg):
+        sent.append(decode(*P.encode(msg)))       # the real encoding, as the node's link does
+
+    async def outputs():
+        huge = [TokenLogprobs(7, -1.0, ((7, -1.0),) * 20)] * 6000           # ~1.8 MB of JSON
+        yield RequestOutput("r", [5], "a", False, num_prompt_tokens=6001, num_output_tokens=1, text_ends=[1],
+                            prompt_logprobs=huge)
+        raise AssertionError("the stream goes on after a chunk that could not be sent")
+
+    lost = []
+    legs = Legs("n1", ClusterConfig(), None, send=send, answer=None, report_lost=lost.append, peers=None, inbox=None,
+                replicator=None)
+    await legs.pipe("r", b"peer", outputs())
+    assert [type(m).__name__ for m in sent] == ["Error"] and not lost
+    assert sent[0].request_id == "r" and sent[0].code == P.CODE_TOO_LARGE and "limit" in sent[0].message
