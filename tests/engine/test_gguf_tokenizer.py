@@ -332,6 +332,14 @@ def test_gemma3_turn_format_is_llama_cpps(gemma):
     assert ours.encode(prompt)[:2] == [2, 105]         # one BOS, written by the template
 
 
+def test_a_fallback_template_is_logged_once_per_build(files, caplog):
+    caplog.set_level("INFO", logger="engine.model.tokenizer")
+    Tokenizer.from_gguf(files["sentencepiece-gemma3"])
+    Tokenizer.from_gguf(files["qwen2"])                     # has its own: nothing said
+    assert [r.getMessage() for r in caplog.records] == [
+        "sp-gemma3.gguf has no chat template; using the gemma3 turn format"]
+
+
 @pytest.mark.parametrize("arch, vocabulary_token, expected", [
     ("qwen3", None, chat_formats.CHATML), ("phi3", None, chat_formats.PHI3),
     ("llama", "<|start_header_id|>", chat_formats.LLAMA3), ("llama", "<|im_start|>", chat_formats.CHATML),
