@@ -243,47 +243,37 @@ inline void widen_word(const uint8_t* gb, int t, __m256i* lo, __m256i* hi) {
     }
 }
 
+// Pairs t and t + 8 of every row (t < 8): a Q4 word t holds both, an int8 format's words t
+// and t + 8 one each.
+template <int F>
+inline void widen_pairs(const uint8_t* gb, int t, __m256i* lo, __m256i* hi) {
+    widen_word<F>(gb, t, lo, hi);
+    if constexpr (int8_quants(F)) {
+        __m256i unused;
+        widen_word<F>(gb, t + 8, hi, &unused);
+    }
+}
+
 // lane r = row r's exact integer dot of block gb with x's quantized block xq. Four
 // independent sums: with VNNI each multiply-add also adds into its sum (5 cycles of latency
 // on Intel), and two chains of eight made the one-row path wait on them, not on memory.
-// KQ6: *second = the dot of weights 16..31 (its own scale), the result that of 0..15.
+// s1 and s3 take pairs 8..15 (weights 16..31), so KQ6 has its halves' dots apart:
+// *second = the dot of weights 16..31 (its own scale), the result that of 0..15.
 template <int F>
 inline __m256i block_dots(const uint8_t* gb, const int16_t* xq, __m256i* second = nullptr) {
     __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256(), s2 = _mm256_setzero_si256(),
             s3 = _mm256_setzero_si256(), lo, hi;
+    for (int t = 0; t < 8; t += 2) {
+        widen_pairs<F>(gb, t, &lo, &hi);
+        s0 = dot_acc(s0, lo, pair_bcast(xq, t));
+        s1 = dot_acc(s1, hi, pair_bcast(xq, t + 8));
+        widen_pairs<F>(gb, t + 1, &lo, &hi);
+        s2 = dot_acc(s2, lo, pair_bcast(xq, t + 1));
+        s3 = dot_acc(s3, hi, pair_bcast(xq, t + 9));
+    }
     if constexpr (F == KQ6) {
-        for (int t = 0; t < PAIRS / 2; t += 2) {
-            widen_word<F>(gb, t, &lo, &hi);
-            s0 = dot_acc(s0, lo, pair_bcast(xq, t));
-            widen_word<F>(gb, t + 8, &lo, &hi);
-            s1 = dot_acc(s1, lo, pair_bcast(xq, t + 8));
-            widen_word<F>(gb, t + 1, &lo, &hi);
-            s2 = dot_acc(s2, lo, pair_bcast(xq, t + 1));
-            widen_word<F>(gb, t + 9, &lo, &hi);
-            s3 = dot_acc(s3, lo, pair_bcast(xq, t + 9));
-        }
         *second = _mm256_add_epi32(s1, s3);
         return _mm256_add_epi32(s0, s2);
-    } else if constexpr (F == Q8_0) {
-        for (int t = 0; t < PAIRS; t += 4) {
-            widen_word<F>(gb, t, &lo, &hi);
-            s0 = dot_acc(s0, lo, pair_bcast(xq, t));
-            widen_word<F>(gb, t + 1, &lo, &hi);
-            s1 = dot_acc(s1, lo, pair_bcast(xq, t + 1));
-            widen_word<F>(gb, t + 2, &lo, &hi);
-            s2 = dot_acc(s2, lo, pair_bcast(xq, t + 2));
-            widen_word<F>(gb, t + 3, &lo, &hi);
-            s3 = dot_acc(s3, lo, pair_bcast(xq, t + 3));
-        }
-    } else {
-        for (int t = 0; t < 8; t += 2) {
-            widen_word<F>(gb, t, &lo, &hi);
-            s0 = dot_acc(s0, lo, pair_bcast(xq, t));
-            s1 = dot_acc(s1, hi, pair_bcast(xq, t + 8));
-            widen_word<F>(gb, t + 1, &lo, &hi);
-            s2 = dot_acc(s2, lo, pair_bcast(xq, t + 1));
-            s3 = dot_acc(s3, hi, pair_bcast(xq, t + 9));
-        }
     }
     return _mm256_add_epi32(_mm256_add_epi32(s0, s1), _mm256_add_epi32(s2, s3));
 }
