@@ -339,8 +339,9 @@ def test_many_rows_give_each_row_its_bits_alone(host, portable, fmt):
             assert torch.equal(lin(x[r:r + 1])[0], full[r]), (n, k, r)
 
 
-def test_thread_count_does_not_change_a_bit(host):
-    qt = quantized(300, 576, "Q4_1", seed=7)
+@pytest.mark.parametrize("fmt", ["Q4_1", "KQ4", "KQ5", "KQ6"])
+def test_thread_count_does_not_change_a_bit(host, fmt):
+    qt = quantized(300, 576, fmt, seed=7)
     lin = QuantLinear([qt], host)
     for m in (1, 16):
         x = torch.randn(m, 576)
