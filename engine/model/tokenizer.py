@@ -51,6 +51,12 @@ def bytes_to_unicode() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(printable, chars)}
 
 
+# Gemma's SentencePiece decoder (engine/model/gguf_tokenizer.py), as tokenizers serializes it:
+# decoding is joining each token's bytes (``Tokenizer.token_bytes``)
+_SENTENCEPIECE_JOINING = {"type": "Sequence", "decoders": [
+    {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "}, {"type": "ByteFallback"}, {"type": "Fuse"}]}
+
+
 class Tokenizer:
     """A model's tokenizer: encode, decode, chat template.
 
@@ -134,18 +140,35 @@ class Tokenizer:
         special ids left out when ``skip_special_tokens``. A token stands for the
         bytes its characters spell in the byte alphabet, or, when one of its
         characters is not in it, for its own UTF-8 (the decoder's rule). Ids the
-        vocabulary lacks stand for no bytes (decode skips them). Built on first
-        use (one pass over the vocabulary)."""
-        if not isinstance(self._backend.decoder, decoders.ByteLevel):
+        vocabulary lacks stand for no bytes (decode skips them). And it is
+        Gemma's SentencePiece decoder (``▁`` -> space, byte fallback, fuse: no
+        leading space dropped): a ``<0xNN>`` token stands for byte NN, any other
+        for its UTF-8 with ``▁`` spelled as a space. A SentencePiece decoder that
+        drops the text's first space (Llama 2's) is not joining bytes: None.
+        Built on first use (one pass over the vocabulary)."""
+        decoder = self._backend.decoder
+        if isinstance(decoder, decoders.ByteLevel):
+            byte_of = {c: b for b, c in bytes_to_unicode().items()}
+
+            def spell(token: str) -> bytes:
+                try:
+                    return bytes(byte_of[c] for c in token)
+                except KeyError:
+                    return token.encode("utf-8", "surrogatepass")
+        elif decoder is not None and json.loads(decoder.__getstate__()) == _SENTENCEPIECE_JOINING:
+            def spell(token: str) -> bytes:
+                if len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
+                    try:
+                        return bytes([int(token[3:5], 16)])
+                    except ValueError:
+                        pass
+                return token.replace("\u2581", " ").encode("utf-8", "surrogatepass")
+        else:
             return None
-        byte_of = {c: b for b, c in bytes_to_unicode().items()}
         vocab = self._backend.get_vocab(with_added_tokens=True)
         table = [b""] * (max(vocab.values(), default=-1) + 1)
         for token, i in vocab.items():
-            try:
-                table[i] = bytes(byte_of[c] for c in token)
-            except KeyError:
-                table[i] = token.encode("utf-8", "surrogatepass")
+            table[i] = spell(token)
         special = frozenset(i for i, t in self._backend.get_added_tokens_decoder().items() if t.special)
         return tuple(table), special
 

@@ -231,7 +231,7 @@ def test_gemma3_special_tokens_bos_and_end_of_turn(gemma):
     assert ours.eos_token_ids == (1, ours.token_to_id("<end_of_turn>")) == (1, 106)
     assert ours.encode("hi", add_special_tokens=True) == [2] + ours.encode("hi")     # add_bos_token
     assert ours.encode("<start_of_turn>") == [105]                                   # matched whole
-    assert ours.token_bytes is None            # SentencePiece decoding is not a byte join
+    assert ours.token_bytes[0][105] == b"<start_of_turn>" and 105 in ours.token_bytes[1]   # a special id, skipped
 
 
 def test_pre_tokenizer_regexes_split_as_named(pairs):
@@ -361,3 +361,41 @@ def test_standard_templates_render_as_transformers(pairs, template):
         want = hf.apply_chat_template(messages, chat_template=template, tokenize=False,
                                       add_generation_prompt=True)
         assert fallback.apply_chat_template(messages) == want
+
+
+def test_gemma_decodes_by_joining_bytes_so_structured_output_runs_on_its_vocabulary(gemma):
+    """Gemma's SentencePiece decoder (▁ -> space, byte fallback, fuse) is joining each
+    token's bytes: the streaming detokenizer takes the byte path, and a JSON schema
+    compiles over the vocabulary and accepts the tokens of a document it allows."""
+    import torch
+
+    from engine.structured.grammar import GrammarCompiler
+    from engine.structured.masks import MaskComputer
+    from engine.structured.spec import StructuredOutput
+
+    ours, _ = gemma
+    table, special = ours.token_bytes
+    assert table[ours.token_to_id("<0x41>")] == b"A" and table[ours.token_to_id("\u2581the")] == b" the"
+    assert ours.bos_token_id in special
+    text = '{"name": "Åsa 日本", "tags": ["a b", "c"], "score": -12.5}'
+    ids = ours.encode(text)
+    detok = IncrementalDetokenizer(ours)
+    assert "".join(detok.push(i) for i in ids) + detok.flush() == ours.decode(ids) == text
+    schema = {"type": "object", "required": ["name", "tags", "score"],
+              "properties": {"name": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}},
+                             "score": {"type": "number"}}}
+    compiler = GrammarCompiler(ours)
+    state = compiler.start(StructuredOutput.json_schema(schema))
+    masks = MaskComputer(compiler.vocab_size, overlap=False)
+    # spell a compact document through the masks: each step the longest allowed token that
+    # continues it (the grammar picks the tokenization of the text it forces)
+    rest = '{"name":"Åsa 日本","score":-12.5,"tags":["a b","c"]}'.encode()     # llguidance's key order
+    while rest:
+        logits = torch.zeros(1, compiler.vocab_size)
+        assert masks.start([state]).apply(logits) == []
+        allowed = torch.nonzero(logits[0] == 0.0)[:, 0].tolist()
+        tok = max((t for t in allowed if t < len(table) and table[t] and rest.startswith(table[t])),
+                  key=lambda t: len(table[t]))
+        assert state.accept(tok)
+        rest = rest[len(table[tok]):]
+    assert state.complete
