@@ -54,7 +54,8 @@ from kernels.row_ops import DENSE_FORMATS   # PlanWeight.format of a float matri
 log = logging.getLogger(__name__)
 
 LIBRARY = "plan_decode"
-OPS = {"rms_norm": 0, "linear": 1, "rope_attention": 2, "linear_add": 3, "silu_mul": 4}   # enum Op in the .cpp
+OPS = {"rms_norm": 0, "linear": 1, "rope_attention": 2, "linear_add": 3, "silu_mul": 4,   # enum Op in the .cpp
+       "add_bias": 5, "qk_norm": 6}
 MATRIX_OPS = ("linear", "linear_add")
 KV_DTYPES = (torch.float32, torch.float16)    # the KV caches the executor reads (PlanModel.kv_half)
 STREAM = "h"                                  # the residual stream's slot: embed writes it, the LM head reads it

@@ -115,7 +115,7 @@ class _Layer:
     window: int | None = None     # sliding window (LlamaConfig.layer_window), None: global
     rope: int = 0                 # index of the layer's RoPE tables in LlamaModel.ropes
     qkv_bias: torch.Tensor | None = None         # [q + 2*kv] (qkv_bias)
-    qk_norm: torch.Tensor | None = None          # [2, hd]: q's, k's (qk_norm)
+    qk_norm: torch.Tensor | None = None          # [2 * hd]: q's, then k's (qk_norm)
     post_attn_norm: torch.Tensor | None = None   # [D] (sandwich_norms)
     post_ffw_norm: torch.Tensor | None = None    # [D] (sandwich_norms)
 
@@ -327,7 +327,7 @@ class LlamaModel:
             if config.qkv_bias:
                 extra["qkv_bias"] = torch.cat([w(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
             if config.qk_norm:
-                extra["qk_norm"] = torch.stack([w(p + "self_attn.q_norm.weight"), w(p + "self_attn.k_norm.weight")])
+                extra["qk_norm"] = torch.cat([w(p + "self_attn.q_norm.weight"), w(p + "self_attn.k_norm.weight")])
             if config.sandwich_norms:
                 extra["post_attn_norm"] = w(p + "post_attention_norm.weight")
                 extra["post_ffw_norm"] = w(p + "post_feedforward_norm.weight")
@@ -428,7 +428,7 @@ class LlamaModel:
                 elif op == "add_bias":
                     y = x + w
                 elif op == "qk_norm":
-                    y = self._qk_norm(x, w)
+                    y = self._qk_norm(x, w, rows)
                 elif op == "add":
                     y = acts[step.dst] + x
                 elif op == "rope_attention":
@@ -444,14 +444,20 @@ class LlamaModel:
             h = rows.rms_norm(h, self.norm, eps) if rows else rms_norm(h, self.norm, eps)
         return h
 
-    def _qk_norm(self, qkv: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """qkv [T, q + 2kv] with each q head normed by ``w[0]`` and each k head by
-        ``w[1]`` (RMSNorm over head_dim); v as it is."""
+    def _qk_norm(self, qkv: torch.Tensor, w: torch.Tensor, rows: RowOps | None) -> torch.Tensor:
+        """qkv [T, q + 2kv] with each q head normed by ``w[:hd]`` and each k head by
+        ``w[hd:]`` (RMSNorm over head_dim); v as it is. ``rows``: the row ops (the plan
+        executor's norm, bit for bit), or None (torch's)."""
         cfg = self.config
         T, q_size, kv_size, hd = qkv.shape[0], cfg.q_size, cfg.kv_size, cfg.head_dim
-        q = rms_norm(qkv[:, :q_size].reshape(T, cfg.num_heads, hd), w[0], cfg.rms_norm_eps)
-        k = rms_norm(qkv[:, q_size:q_size + kv_size].reshape(T, cfg.num_kv_heads, hd), w[1], cfg.rms_norm_eps)
-        return torch.cat((q.reshape(T, q_size), k.reshape(T, kv_size), qkv[:, q_size + kv_size:]), dim=1)
+        eps = cfg.rms_norm_eps
+
+        def norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:    # x [T, n * hd]
+            heads = x.reshape(-1, hd)
+            return (rows.rms_norm(heads, weight.contiguous(), eps) if rows else rms_norm(heads, weight, eps)).reshape(T, -1)
+
+        return torch.cat((norm(qkv[:, :q_size], w[:hd]), norm(qkv[:, q_size:q_size + kv_size], w[hd:]),
+                          qkv[:, q_size + kv_size:]), dim=1)
 
     def _rope_attention(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                         batch: AttentionBatch, kv_layer: torch.Tensor, rows: RowOps | None,

@@ -1,5 +1,5 @@
 // One decode step of a Llama decoder in fp32, its matrices GGUF block-quantized or fp32,
-// executing the layer plan of engine/model/llama.py (LAYER_STEPS).
+// executing the layer plan of engine/model/llama.py (layer_steps).
 //
 // Called through ctypes from kernels/plan_decode.py, which documents the
 // contract. This file does not know what a Llama layer is: it runs, for every
@@ -12,6 +12,9 @@
 //                                                                      for fp32 W the dense one (dense_gemm.h)
 //     linear_add      dst = dst + x Wᵀ
 //     silu_mul        dst = silu(x[:, :I]) * x[:, I:]
+//     add_bias        dst = x + w                                      per row (w: fp32 [width])
+//     qk_norm         dst = x, each q head rms_norm'd by w[:hd], each k  per row (w: fp32 [2 hd])
+//                     head by w[hd:], v as it is
 //     rope_attention  q, k = RoPE(x's q and k heads) (rotate_half, torch's three roundings);
 //                     k, v into the token's cache slot (as halves in a float16 cache:
 //                     store_half_row); dst = softmax(q·kᵀ scale) v over the
@@ -44,7 +47,8 @@
 
 namespace {
 
-enum Op { OP_RMS_NORM = 0, OP_LINEAR = 1, OP_ROPE_ATTENTION = 2, OP_LINEAR_ADD = 3, OP_SILU_MUL = 4 };
+enum Op { OP_RMS_NORM = 0, OP_LINEAR = 1, OP_ROPE_ATTENTION = 2, OP_LINEAR_ADD = 3, OP_SILU_MUL = 4,
+          OP_ADD_BIAS = 5, OP_QK_NORM = 6 };
 
 // PlanWeight.format: 0-5 quant_blocks.h's Format (the x8 layout), 16-18 a float matrix [n, k],
 // row-major (dense_gemm.h's FMT_F32, FMT_BF16, FMT_F16), -1 an fp32 vector.
@@ -516,6 +520,13 @@ int kvd_plan_check(const PlanModel* m) {
                 case OP_SILU_MUL:
                     if (in != 2 * out) return -2;
                     break;
+                case OP_ADD_BIAS:
+                    if (!w || w->format != -1 || w->n != in || out != in) return -2;
+                    break;
+                case OP_QK_NORM:
+                    if (!w || w->format != -1 || w->n != 2 * m->head_dim || in != q_size + 2 * kv_size || out != in)
+                        return -2;
+                    break;
                 default:
                     return -2;
             }
@@ -649,6 +660,28 @@ int kvd_plan_decode(const PlanModel* m, void* kv, int B, const int64_t* ids, con
                     case OP_SILU_MUL: {
                         each_rows(!priv_slot[st.dst], [&](int64_t a, int64_t z) {
                             for (int64_t r = a; r < z; r++) silu_mul_row(x + r * in, x + r * in + out, out, y + r * out);
+                        });
+                        row_local = priv_slot[st.dst];
+                        break;
+                    }
+                    case OP_ADD_BIAS: {         // a matmul's output slot (shared): the rows claimed, in place
+                        const float* bias = (const float*)lw[st.weight].data;
+                        each_rows(!priv_slot[st.dst], [&](int64_t a, int64_t z) {
+                            for (int64_t r = a; r < z; r++)
+                                for (int64_t i = 0; i < in; i++) y[r * out + i] = x[r * in + i] + bias[i];
+                        });
+                        row_local = priv_slot[st.dst];
+                        break;
+                    }
+                    case OP_QK_NORM: {          // each q and k head of a row normed (in place: row_ops.h reads first)
+                        const float* wn = (const float*)lw[st.weight].data;
+                        each_rows(!priv_slot[st.dst], [&](int64_t a, int64_t z) {
+                            for (int64_t r = a; r < z; r++) {
+                                for (int64_t i = 0; i < in; i++) y[r * out + i] = x[r * in + i];
+                                for (int head = 0; head < H + KVH; head++)
+                                    rms_norm_row(y + r * out + (int64_t)head * hd, head < H ? wn : wn + hd, hd, m->eps,
+                                                 y + r * out + (int64_t)head * hd);
+                            }
                         });
                         row_local = priv_slot[st.dst];
                         break;

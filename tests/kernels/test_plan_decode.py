@@ -62,11 +62,21 @@ def quantize(weights, fmt: str) -> dict:
 FLOAT16 = {"BF16": torch.bfloat16, "F16": torch.float16}
 
 
-def tiny_model(fmt: str, kernel: QuantKernel) -> LlamaModel:
+# the architectures whose layer plans add ops the executor runs (qkv biases, q/k head norms)
+ARCH_CONFIGS = {"llama": {}, "qwen2": {"architecture": "qwen2", "qkv_bias": True},
+                "qwen3": {"architecture": "qwen3", "qk_norm": True}}
+
+
+def tiny_model(fmt: str, kernel: QuantKernel, arch: str = "llama") -> LlamaModel:
     """The tiny model with its matrices in ``fmt``'s blocks, or ``"F32"``: as they are, fp32
     in the rows layout (a float model's, as build_model makes it), or ``"BF16"`` / ``"F16"``:
-    rounded to that dtype and kept in it (an fp32 model of a 16-bit checkpoint)."""
-    w = random_weights(tiny_config(vocab_size=512), seed=5, std=0.08)
+    rounded to that dtype and kept in it (an fp32 model of a 16-bit checkpoint). ``arch``:
+    a key of ARCH_CONFIGS, its vectors (norms, biases) random around 1."""
+    w = random_weights(tiny_config(vocab_size=512, **ARCH_CONFIGS[arch]), seed=5, std=0.08)
+    if arch != "llama":
+        g = torch.Generator().manual_seed(6)
+        w = dataclasses.replace(w, tensors={n: t if t.dim() == 2 else 1 + 0.1 * torch.randn(t.shape, generator=g)
+                                            for n, t in w.tensors.items()})
     if fmt == "F32":
         return LlamaModel(w.config, w.tensors, float_layout="rows")
     if fmt in FLOAT16:
@@ -85,11 +95,13 @@ def smollm2(kernel) -> LlamaModel:
     return LlamaModel(w.config, w.tensors, quant_kernel=kernel)
 
 
-@pytest.fixture(scope="module", params=["tiny-Q4_1", "tiny-Q8_0", "tiny-Q4_0", "tiny-F32", "smollm2"])
+@pytest.fixture(scope="module", params=["tiny-Q4_1", "tiny-Q8_0", "tiny-Q4_0", "tiny-F32", "smollm2",
+                                        "qwen2-Q8_0", "qwen3-Q4_1", "qwen3-F32"])
 def model(request, kernel) -> LlamaModel:
     if request.param == "smollm2":                 # loaded only for its own cases
         return request.getfixturevalue("smollm2")
-    return tiny_model(request.param.split("-")[1], kernel)
+    arch, fmt = request.param.split("-")
+    return tiny_model(fmt, kernel, "llama" if arch == "tiny" else arch)
 
 
 def empty_kv(model: LlamaModel, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -547,11 +559,11 @@ def test_models_it_does_not_run_say_why(tiny, kernel):
 
 
 def test_a_plan_with_an_op_it_lacks_is_declined(tiny, monkeypatch):
-    """A model change the executor does not implement yet (here a made-up per-head
-    q/k norm) turns it off, by name, and decode stays on forward."""
-    steps = llama.LAYER_STEPS[:2] + (Step("qk_norm", "qkv", "qkv", "input_norm"),) + llama.LAYER_STEPS[2:]
+    """A model change the executor does not implement (here gemma3's GeGLU gate in a
+    Llama) turns it off, by name, and decode stays on forward."""
+    steps = tuple(dataclasses.replace(s, op="gelu_mul") if s.op == "silu_mul" else s for s in llama.LAYER_STEPS)
     monkeypatch.setattr(tiny, "steps", steps)
-    assert "qk_norm" in plan_unsupported_reason(tiny)
+    assert "gelu_mul" in plan_unsupported_reason(tiny)
     assert plan_decoder(tiny, empty_kv(tiny), BS) is None
 
 
