@@ -12,7 +12,9 @@ Kinds and values:
 ===============  ======================================================
 ``json_object``  any JSON object; ``value`` is None
 ``json_schema``  ``value``: the schema, a JSON object as canonical JSON text
-                 (sorted keys, compact), so equal schemas are equal specs
+                 (compact, keys sorted but a ``properties`` object's: their
+                 order is the order the output's keys are written in), so
+                 equal schemas are equal specs
 ``regex``        ``value``: the pattern (Rust regex syntax, as llguidance reads it)
 ``choice``       ``value``: a tuple of the strings allowed, one of which is the output
 ===============  ======================================================
@@ -103,11 +105,23 @@ class StructuredOutput:
         return {"kind": self.kind, "value": list(self.value) if isinstance(self.value, tuple) else self.value}
 
 
+def _ordered(value: object, keep_order: bool = False) -> object:
+    """``value`` with every object's keys sorted but a ``properties`` object's."""
+    if isinstance(value, dict):
+        items = value.items() if keep_order else sorted(value.items(), key=lambda kv: str(kv[0]))
+        return {k: _ordered(v, k == "properties" and isinstance(v, dict)) for k, v in items}
+    if isinstance(value, list):
+        return [_ordered(v) for v in value]
+    return value
+
+
 def canonical_json(value: object) -> str:
-    """``value`` as JSON text with sorted keys and no spaces (one text per value).
+    """``value`` as JSON text with no spaces and its keys sorted, but those of a
+    ``properties`` object, which keep their order: that order is the order the
+    output's keys are written in (one text per schema).
     Raises StructuredOutputError when it is deeper or larger than a spec may be."""
     try:
-        text = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+        text = json.dumps(_ordered(value), separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     except (ValueError, TypeError, RecursionError) as exc:
         raise StructuredOutputError(f"a JSON schema must be plain JSON: {exc}"[:200]) from None
     if len(text) > MAX_SPEC_CHARS:

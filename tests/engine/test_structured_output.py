@@ -149,6 +149,21 @@ def test_compiled_grammars_are_cached_by_spec(tokenizer):
     assert compiler.compiled == 2
 
 
+def test_keys_are_written_in_the_schemas_properties_order(tokenizer):
+    """``properties`` order is the output's key order (OpenAI's structured outputs): two
+    schemas that differ in it alone are two specs, each allowing only its own order."""
+    props = [("zeta", {"type": "integer"}), ("alpha", {"type": "integer"})]
+    specs = [StructuredOutput.json_schema({"type": "object", "required": ["zeta", "alpha"],
+                                           "properties": dict(order)}) for order in (props, props[::-1])]
+    assert specs[0] != specs[1]
+    compiler = GrammarCompiler(tokenizer)
+    for spec, text in zip(specs, ('{"zeta":1,"alpha":2}', '{"alpha":2,"zeta":1}')):
+        state = compiler.start(spec)
+        assert state.replay(tokenizer.encode(text)) and state.complete, (spec.value, text)
+        other = '{"alpha":2,"zeta":1}' if text.startswith('{"z') else '{"zeta":1,"alpha":2}'
+        assert not compiler.start(spec).replay(tokenizer.encode(other))
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_masks_on_a_worker_thread_or_the_engine_thread_are_the_same(tokenizer, overlap):
     """Rows without a grammar are untouched; a guided row keeps exactly its allowed tokens."""
