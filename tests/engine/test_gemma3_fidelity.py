@@ -41,9 +41,10 @@ def hf_model(source):
 
 
 @pytest.fixture(scope="module")
-def prompts(source):
-    tok = source.load_tokenizer()
-    ids = [tok.encode(t) for t in TEXTS]
+def prompts(source, engine):
+    """The texts after the file's BOS (Gemma is trained with it), and 600 tokens."""
+    tok, bos = source.load_tokenizer(), engine.model.config.bos_token_id
+    ids = [t if t[:1] == [bos] else [bos] + t for t in (tok.encode(t) for t in TEXTS)]
     gen = torch.Generator().manual_seed(0)        # and one past the window: 600 tokens of the vocabulary
     ids.append(ids[0][:1] + torch.randint(1000, 200000, (599,), generator=gen).tolist())
     return ids
