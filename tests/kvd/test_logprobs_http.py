@@ -175,8 +175,10 @@ def test_n_chat_copies_with_logprobs(client):
     for c, seed in zip(r.choices, (4, 5)):
         single = client.chat.completions.create(seed=seed, **kw).choices[0]
         assert c.message.content == single.message.content
-        assert [t.logprob for t in c.logprobs.content] == [t.logprob for t in single.logprobs.content]
-        assert len(c.logprobs.content) == 4
+        # within TOL, not bit for bit: a copy's decode may share a step with the other copy's
+        # prefill, and a mixed step runs the torch path, whose sums round apart from the executor's
+        assert len(c.logprobs.content) == len(single.logprobs.content) == 4
+        assert all(abs(a.logprob - b.logprob) <= TOL for a, b in zip(c.logprobs.content, single.logprobs.content))
 
 
 @pytest.mark.parametrize("path,body,param", [
