@@ -96,8 +96,11 @@ class _Step(ctypes.Structure):
 
 
 class _Weight(ctypes.Structure):
-    _fields_ = [("format", ctypes.c_int32), ("unused", ctypes.c_int32), ("n", ctypes.c_int64),
+    _fields_ = [("format", ctypes.c_int32), ("parts", ctypes.c_int32), ("n", ctypes.c_int64),
                 ("k", ctypes.c_int64), ("data", ctypes.c_void_p)]
+
+
+FMT_PARTS = 32          # csrc/plan_decode.cpp: a _Weight whose data is an array of quantized parts
 
 
 class _Model(ctypes.Structure):
@@ -116,6 +119,13 @@ def _single_block_tensor(m: object) -> bool:
     """One block-quantized tensor in the kernels' x8 layout (a QuantLinear with a kernel)."""
     return (isinstance(m, QuantLinear) and len(m.parts) == 1 and isinstance(m.parts[0], QuantTensor)
             and m.parts[0].layout == X8)
+
+
+def _block_tensors(m: object) -> bool:
+    """Block-quantized tensors in the x8 layout stacked by rows, of any formats (a _K_M file's
+    q/k beside its v in another type), every one but the last a whole number of groups of 8."""
+    return (isinstance(m, QuantLinear) and all(isinstance(p, QuantTensor) and p.layout == X8 for p in m.parts)
+            and all(p.shape[0] % 8 == 0 for p in m.parts[:-1]))
 
 
 def _dense_matrix(m: object) -> bool:
@@ -151,20 +161,28 @@ def unsupported_reason(plan: Plan) -> str | None:
     unknown = sorted({s.op for s in plan.steps} - set(OPS))
     if unknown:
         return f"the layer plan has ops the executor does not implement: {', '.join(unknown)}"
-    matrix = _single_block_tensor if plan.quantized else _dense_matrix
-    what = ("one block-quantized tensor (with a kernel)" if plan.quantized else
+    matrix = _block_tensors if plan.quantized else _dense_matrix
+    what = ("block-quantized tensors (with a kernel)" if plan.quantized else
             "a float matrix [out, in] (fp32, bf16 or fp16) whose width is a multiple of 16")
     for step in plan.steps:
         if step.op in MATRIX_OPS and not all(matrix(layer[step.weight]) for layer in plan.layers):
             return f"{step.weight} is not {what} in every layer"
-    if not (matrix(plan.embed) and matrix(plan.head)):
-        return f"the embedding or the LM head is not {what}"
+    table = _single_block_tensor if plan.quantized else _dense_matrix
+    if not (table(plan.embed) and table(plan.head)):
+        return f"the embedding or the LM head is not {'one ' if plan.quantized else ''}{what}"
     if host_variant() is None:
         return "CPU lacks AVX2, FMA or F16C"
     return None
 
 
-def _weight(t: object) -> _Weight:
+def _weight(t: object, keep: list) -> _Weight:
+    """``t`` as the executor reads it; arrays it points into are appended to ``keep``
+    (the caller holds them as long as the plan)."""
+    if isinstance(t, QuantLinear) and len(t.parts) > 1:
+        parts = (_Weight * len(t.parts))(*[_Weight(q.fmt.code, 0, q.shape[0], q.shape[1], q.data.data_ptr())
+                                           for q in t.parts])
+        keep.append(parts)
+        return _Weight(FMT_PARTS, len(t.parts), t.out_features, t.in_features, ctypes.addressof(parts))
     if isinstance(t, QuantLinear):
         q = t.parts[0]
         return _Weight(q.fmt.code, 0, q.shape[0], q.shape[1], q.data.data_ptr())
@@ -207,8 +225,9 @@ class PlanDecoder(DecodeExecutor):
             _Step(OPS[s.op], slots.index(s.src), slots.index(s.dst), weights.index(s.weight) if s.weight else -1)
             for s in steps])
         self._widths = (ctypes.c_int64 * len(slots))(*[width[s] for s in slots])
+        self._parts: list = []                      # FMT_PARTS weights' arrays of parts
         self._weights = (_Weight * (len(plan.layers) * len(weights)))(*[
-            _weight(layer[name]) for layer in plan.layers for name in weights])
+            _weight(layer[name], self._parts) for layer in plan.layers for name in weights])
         self.plan = plan                            # keeps every buffer the plan points into alive
         self.cos, self.sin = plan.cos.contiguous(), plan.sin.contiguous()
         self.dims, self.num_blocks, self.block_size, self.kv_dtype = dims, num_blocks, block_size, kv_dtype
@@ -216,7 +235,8 @@ class PlanDecoder(DecodeExecutor):
             dims.num_layers, len(steps), len(slots), len(weights), dims.hidden, dims.heads,
             dims.kv_heads, dims.head_dim, dims.vocab, block_size, num_blocks, self.cos.shape[0],
             int(kv_dtype == torch.float16), dims.eps, dims.scale, self._steps, self._widths,
-            self._weights, self.cos.data_ptr(), self.sin.data_ptr(), _weight(plan.embed), _weight(plan.head),
+            self._weights, self.cos.data_ptr(), self.sin.data_ptr(), _weight(plan.embed, self._parts),
+            _weight(plan.head, self._parts),
             plan.final_norm.data_ptr())
         check = lib.kvd_plan_check
         check.restype, check.argtypes = ctypes.c_int, [ctypes.POINTER(_Model)]

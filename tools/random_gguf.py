@@ -140,15 +140,15 @@ def random_type_blocks(fmt: str, rows: int, cols: int, gen: torch.Generator) -> 
     return blocks.reshape(rows, -1).numpy()
 
 
-def write_llama(path: Path, config: Any, fmt: str, seed: int = 0) -> None:
+def write_llama(path: Path, config: Any, fmt: str, seed: int = 0, types: dict[str, str] | None = None) -> None:
     """A llama GGUF of ``config`` (engine/model/config.py's LlamaConfig): every matrix
-    random valid ``fmt`` blocks (``random_type_blocks``), norms ones, no tokenizer (tests
-    use the tiny one); the row length of every matrix must be a whole number of blocks."""
+    random valid ``fmt`` blocks (``random_type_blocks``), or ``types[kind]``'s for a kind
+    (``attn_v``, ``ffn_down``, ``token_embd``, ...: a _K_M file's mix), norms ones, no
+    tokenizer (tests use the tiny one); every matrix's row length a whole number of blocks."""
     import gguf
 
     c = config
     gen = torch.Generator().manual_seed(seed)
-    qtype = gguf.GGMLQuantizationType[fmt]
     writer = gguf.GGUFWriter(str(path), "llama")
     for key, value in (("block_count", c.num_layers), ("context_length", c.max_position_embeddings),
                        ("embedding_length", c.hidden_size), ("feed_forward_length", c.intermediate_size),
@@ -159,7 +159,9 @@ def write_llama(path: Path, config: Any, fmt: str, seed: int = 0) -> None:
     writer.add_float32("llama.attention.layer_norm_rms_epsilon", c.rms_norm_eps)
 
     def matrix(name: str, rows: int, cols: int) -> None:
-        writer.add_tensor(name, random_type_blocks(fmt, rows, cols, gen), raw_dtype=qtype)
+        kind = name.split(".")[-2]
+        t = (types or {}).get(kind, fmt)
+        writer.add_tensor(name, random_type_blocks(t, rows, cols, gen), raw_dtype=gguf.GGMLQuantizationType[t])
 
     matrix("token_embd.weight", c.vocab_size, c.hidden_size)
     writer.add_tensor("output_norm.weight", np.ones(c.hidden_size, dtype=np.float32))

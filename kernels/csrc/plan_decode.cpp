@@ -51,8 +51,10 @@ enum Op { OP_RMS_NORM = 0, OP_LINEAR = 1, OP_ROPE_ATTENTION = 2, OP_LINEAR_ADD =
           OP_ADD_BIAS = 5, OP_QK_NORM = 6 };
 
 // PlanWeight.format: 0-5 quant_blocks.h's Format (the x8 layout), 16-18 a float matrix [n, k],
-// row-major (dense_gemm.h's FMT_F32, FMT_BF16, FMT_F16), -1 an fp32 vector.
-inline bool quantized(int32_t format) { return format >= Q4_0 && format <= KQ6; }
+// row-major (dense_gemm.h's FMT_F32, FMT_BF16, FMT_F16), FMT_PARTS block-quantized row blocks
+// of several formats (a _K_M file's q/k in Q4_K beside its v in Q6_K), -1 an fp32 vector.
+constexpr int32_t FMT_PARTS = 32;
+inline bool quantized(int32_t format) { return (format >= Q4_0 && format <= KQ6) || format == FMT_PARTS; }
 
 // A matrix of format `format` fits an input of width k: a whole number of its blocks (16
 // elements for a float matrix).
@@ -60,9 +62,10 @@ inline bool matrix_fits(int32_t format, int64_t k) {
     return (quantized(format) && k % QK == 0) || (dense(format) && k % 16 == 0);
 }
 
+
 // Bytes of 8 rows of W (the claims' unit: a group of the x8 layout)
 inline int64_t rows8_bytes(int32_t format, int64_t k) {
-    return dense(format) ? 8 * k * dense_elem_bytes(format) : group_bytes(format, k);
+    return dense(format) ? 8 * k * dense_elem_bytes(format) : group_bytes(format == FMT_PARTS ? KQ6 : format, k);
 }
 
 // Batches of at most this many rows run row-local ops on every thread (kvd_plan_decode).
@@ -86,8 +89,9 @@ struct PlanStep { int32_t op, src, dst, weight; };
 struct PlanWeight {
     int32_t format;             // 0 Q4_0, 1 Q4_1, 2 Q8_0, 3-5 KQ4-KQ6: a matrix [n, k] in the x8 layout; 16, 17, 18
                                 // (FMT_F32, FMT_BF16, FMT_F16): a float matrix [n, k], row-major; -1: an
-                                // fp32 vector [n]
-    int32_t unused;
+                                // fp32 vector [n]; FMT_PARTS: data is PlanWeight[parts], quantized
+                                // matrices [n_i, k] stacked by rows (every n_i but the last a multiple of 8)
+    int32_t parts;
     int64_t n, k;
     const void* data;
 };
@@ -111,11 +115,31 @@ struct PlanModel {
 
 namespace {
 
+// A FMT_PARTS weight's parts: at least one, each a single quantized matrix [n_i, k], every n_i
+// but the last a multiple of 8 (a part starts on a group of the x8 layout), n the sum.
+inline bool parts_fit(const PlanWeight& w) {
+    const PlanWeight* part = (const PlanWeight*)w.data;
+    int64_t n = 0;
+    for (int i = 0; i < w.parts; i++) {
+        if (part[i].format == FMT_PARTS || !quantized(part[i].format) || part[i].k != w.k || part[i].n < 1
+            || (i + 1 < w.parts && part[i].n % 8))
+            return false;
+        n += part[i].n;
+    }
+    return w.parts >= 1 && n == w.n;
+}
+
 // y[m, n] (row stride ldy) = x[m] · W[n] for n in [n0, n1), m < M: the dense kernel on x
 // (row stride ldx), or the quantized one on xq (x quantized).
 inline void matrix_range(const PlanWeight& w, const float* x, int64_t ldx, const QRows& xq, int64_t M, int64_t n0,
                          int64_t n1, float* y, int64_t ldy) {
-    if (dense(w.format))
+    if (w.format == FMT_PARTS) {        // each part's rows of [n0, n1), at the part's own row 0
+        const PlanWeight* part = (const PlanWeight*)w.data;
+        for (int64_t i = 0, at = 0; i < w.parts; at += part[i].n, i++) {
+            const int64_t a = n0 > at ? n0 : at, z = n1 < at + part[i].n ? n1 : at + part[i].n;
+            if (a < z) matmul_range(part[i].format, (const uint8_t*)part[i].data, a - at, z - at, xq, M, y + at, ldy);
+        }
+    } else if (dense(w.format))
         dense_range_fmt(w.format, w.data, w.k, n0, n1, x, ldx, M, y, ldy);
     else
         matmul_range(w.format, (const uint8_t*)w.data, n0, n1, xq, M, y, ldy);
@@ -513,6 +537,7 @@ int kvd_plan_check(const PlanModel* m) {
                 case OP_LINEAR:
                 case OP_LINEAR_ADD:
                     if (!w || !matrix_fits(w->format, in) || w->k != in || w->n != out) return -2;
+                    if (w->format == FMT_PARTS && !parts_fit(*w)) return -2;
                     break;
                 case OP_ROPE_ATTENTION:
                     if (in != q_size + 2 * kv_size || out != q_size || m->heads % m->kv_heads) return -2;
@@ -531,6 +556,7 @@ int kvd_plan_check(const PlanModel* m) {
                     return -2;
             }
         }
+    if (m->embed.format == FMT_PARTS || m->head.format == FMT_PARTS) return -2;      // one table each
     if (!matrix_fits(m->embed.format, m->hidden) || m->embed.k != m->hidden || m->embed.n != m->vocab) return -2;
     if (!matrix_fits(m->head.format, m->hidden) || m->head.k != m->hidden || m->head.n != m->vocab) return -2;
     return 0;

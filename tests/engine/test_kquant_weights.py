@@ -125,3 +125,27 @@ def test_a_batch_of_16_gives_each_row_its_tokens_alone(kquant_gguf, kernel, toke
     for i, p in enumerate(prompts):
         assert engine.generate([p], params(i))[0] == together[i], (fmt, i)
     assert len({tuple(t) for t in together}) > 1                         # not one answer for all
+
+
+def test_a_k_m_mix_of_types_decodes_on_the_plan_executor(tmp_path, kernel, tokenizer):
+    """A _K_M file's mix: q/k in Q4_K beside v in Q6_K (one qkv matrix of two formats), gate
+    in Q5_0 beside up in Q4_K, down in Q6_K, a Q8_0 embedding. The executor runs the mixed
+    matrices part by part: the torch path's tokens, and a batch of 16 gives each row's alone."""
+    path = tmp_path / "k_m.gguf"
+    write_llama(path, kquant_config(), "Q4_K", seed=9,
+                types={"attn_v": "Q6_K", "ffn_gate": "Q5_0", "ffn_down": "Q6_K", "token_embd": "Q8_0"})
+    weights = load_gguf(path, quantized=True)
+    engines = {}
+    for decode in ("auto", "torch"):
+        cfg = EngineConfig(model=str(path), dtype="float32", kv_blocks=256, host_kv_blocks=64, max_num_seqs=32,
+                           decode_kernel=decode)
+        engines[decode] = LLMEngine(cfg, build_model(cfg, weights), tokenizer, "k_m")
+    assert engines["auto"].kernels()["decode"] == f"plan:{kernel.variant}"
+    assert {p.fmt.name for p in engines["auto"].model.layers[0].qkv.parts} == {"KQ4", "KQ6"}
+    prompts = [[3 + i, 40 + 7 * i, 9, 100 + i] + list(range(i)) for i in range(16)]
+    for sp in (SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+               SamplingParams(max_tokens=8, temperature=0.9, seed=5, ignore_eos=True)):
+        together = engines["auto"].generate(prompts, sp)
+        assert together == engines["torch"].generate(prompts, sp)
+        for i in (0, 7, 15):
+            assert engines["auto"].generate([prompts[i]], sp)[0] == together[i]

@@ -553,7 +553,7 @@ def test_models_it_does_not_run_say_why(tiny, kernel):
     assert "dtype" in plan_unsupported_reason(LlamaModel(w.config, q, dtype=torch.bfloat16, quant_kernel=kernel))
     assert "pipeline stage" in plan_unsupported_reason(LlamaModel(w.config, q, layer_range=(0, 2), quant_kernel=kernel))
     mixed = dict(q, **{"model.layers.1.mlp.down_proj.weight": w.tensors["model.layers.1.mlp.down_proj.weight"]})
-    assert "down is not one block-quantized tensor" in plan_unsupported_reason(
+    assert "down is not block-quantized tensors" in plan_unsupported_reason(
         LlamaModel(w.config, mixed, quant_kernel=kernel))
     assert plan_unsupported_reason(tiny) is None
 
