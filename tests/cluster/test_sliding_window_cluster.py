@@ -1,10 +1,13 @@
 """A sliding-window architecture over real daemons: a random gemma3 GGUF (window
 of 8 keys on 6 of its 7 layers) served 1P1D, the prompt's KV streamed layer by
-layer from the prefill node to the decode node. Greedy and seeded tokens equal
-the plain single-node engine's on the same file, for prompts and outputs that
-run far past the window."""
+layer from the prefill node to the decode node, and on a replicating ring whose
+busiest node is killed mid-stream. Greedy and seeded tokens equal the plain
+single-node engine's on the same file (after a recovery: the greedy ones, as
+test_recovery holds them), for prompts and outputs that run far past the window."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 
@@ -12,8 +15,10 @@ from engine.engine import EngineConfig, LLMEngine
 from engine.request import SamplingParams
 from tools.random_gguf import write_architecture
 
-from .conftest import Cluster
+from . import test_recovery
+from .conftest import Cluster, admin
 from .test_disagg import ROLES, node_status, prompt, wait_idle
+from .test_recovery import NODES, ON, Streams, busiest, check_texts, start, wait_baseline, wait_replicated
 
 MAX_TOKENS = 24
 
@@ -57,3 +62,30 @@ def test_1p1d_sliding_window_tokens_equal_the_single_node_engine(pd, reference, 
         assert out.choices[0].text == reference.tokenizer.decode(want), (n, seed)
     assert node_status(pd, "d1")["disaggregation"]["decode"]["remote"] >= 3      # decoded on d1, not p1
     wait_idle(pd, ROLES)
+
+
+@pytest.fixture(scope="module")
+def ring(tmp_path_factory, gemma3_file):
+    c = start(tmp_path_factory.mktemp("ring-gemma3"), "zmq+tcp", extra=(*ON, "--model", str(gemma3_file)))
+    yield c
+    c.stop()
+
+
+def test_kill9_mid_stream_resumes_past_the_window_with_the_uninterrupted_text(ring, gemma3_file, monkeypatch):
+    reference = LLMEngine.from_config(EngineConfig(model=str(gemma3_file), dtype="float32", block_size=16,
+                                                   kv_blocks=512, host_kv_blocks=0, max_model_len=2048,
+                                                   num_threads=1))
+    monkeypatch.setattr(test_recovery, "MODEL", ring.client().models.list().data[0].id)   # Streams' model
+    s = Streams(ring, 4, seed0=0)
+    deadline = time.monotonic() + 120
+    while sum(1 for k in s.counts if k >= 5) < 4:
+        assert time.monotonic() < deadline and not any(r[0] == "error" for r in s.results.values()), s.results
+        time.sleep(0.05)
+    victim = busiest(ring)
+    on_victim = wait_replicated(ring, victim, 64)
+    ring.nodes[victim].kill9()
+    s.join()
+    check_texts(s, reference)
+    rec = admin(ring.admin_socket, "status")["recoveries"]
+    assert rec.get("replica/resumed", 0) == len(on_victim)
+    wait_baseline(ring, [n for n in NODES if n != victim])

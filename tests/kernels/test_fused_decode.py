@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine.engine import EngineConfig, LLMEngine
-from engine.model import decode_kernels, llama
+from engine.model import llama
 from engine.model.decode_kernels import fused_decoder, fused_unsupported_reason
 from engine.model.llama import LlamaModel, Step
 from engine.model.registry import resolve_model
