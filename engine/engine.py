@@ -8,6 +8,7 @@ drives it from one thread and talks to it through queues.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -31,11 +32,12 @@ from engine.structured.spec import StructuredOutputError
 from engine.team import TeamSizer
 from engine.config import EngineConfig  # noqa: F401  (re-exported: callers import it from here)
 from engine.cpus import format_cpulist
+from engine.fingerprint import engine_parts, fingerprint
 from engine.runner import SMALL_BATCH, ModelRunner
 from engine.sampling import UNSAMPLED, make_generator
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.stream import KVSink, LayerStreamer
-from kernels.native import cpu_has_native_bf16
+from kernels.native import compiler_version, cpu_has_native_bf16
 from kernels.plan_decode import PlanDecoder
 from kernels.quant_linear import QuantKernel
 from kernels.logprob_rows import LogprobKernel
@@ -208,6 +210,18 @@ class LLMEngine:
                                       else "torch"),
                 "row_ops": model.row_ops.variant if model.row_ops is not None else "torch",
                 "sampling": self.runner.sampler.variant if self.runner.sampler is not None else "torch"}
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """The build fingerprint (engine/fingerprint.py): source, torch and compiler
+        versions, the model and its file's size, and the kernels that compute a step."""
+        try:
+            source = resolve_model(self.config.model)
+            size = source.weights_path.stat().st_size if source.weights_path is not None else None
+            model = f"{source.name}:{source.seed}" if source.kind == "tiny" else source.name
+        except (OSError, ValueError):
+            model, size = self.model_name, None
+        return fingerprint(engine_parts(self.kernels(), model, size, torch.__version__, compiler_version()))
 
     @property
     def prefill_chunk_tokens(self) -> int:

@@ -84,6 +84,15 @@ def _compiler_version() -> str:
         raise BuildError(f"no C++ compiler ({COMPILER}): {exc}") from None
 
 
+def compiler_version() -> str:
+    """The first line of the C++ compiler's ``--version`` (what built the kernels), or
+    "none" where there is no compiler."""
+    try:
+        return _compiler_version()
+    except BuildError:
+        return "none"
+
+
 def for_compiler(flags: tuple[str, ...]) -> tuple[str, ...]:
     """``flags`` less ``GCC_ONLY_FLAGS`` when ``COMPILER`` is not GCC."""
     version = _compiler_version().lower()

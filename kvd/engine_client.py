@@ -25,6 +25,7 @@ class EngineClient(Protocol):
     model_name: str
     tokenizer: Tokenizer
     max_model_len: int
+    fingerprint: str          # the build fingerprint of what computes the tokens (engine/fingerprint.py); "": none yet
 
     def check_request(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """Raise InvalidParam if the request can never run. No side effects."""

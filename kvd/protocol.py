@@ -74,6 +74,7 @@ class Hello(Message):
     model_name: str = ""               # the served model (all nodes of a cluster agree)
     max_model_len: int = 0             # context length; 0: unknown
     incarnation: str = ""              # changes on every node process start
+    fingerprint: str = ""              # the node's build fingerprint (engine/fingerprint.py)
 
     def _check(self) -> None:
         _require(bool(self.node) and bool(self.address), "node and address must be set")

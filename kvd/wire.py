@@ -49,9 +49,9 @@ warnings.filterwarnings("ignore", message="The given buffer is not writable", ca
 # (2: TokenChunk.text_ends; 3: Heartbeat.incarnation and lost, replica tickets and keys,
 # GenerateRequest.kv_to_incarnation; 4: the legs of a request are their own messages,
 # GenerateRequest | DecodeLeg | PrefillLeg | ResumeRequest; 5: TokenChunk.logprobs and
-# prompt_logprobs): a node of another build is then refused at its Hello (`bad_version`),
-# not message by message.
-PROTOCOL_VERSION = 5
+# prompt_logprobs; 6: Hello.fingerprint): a node of another build is then refused at its
+# Hello (`bad_version`), not message by message.
+PROTOCOL_VERSION = 6
 
 # Allow-list of tensor dtypes (name -> bytes per element). Names are torch's.
 DTYPES: dict[str, int] = {

@@ -290,8 +290,14 @@ class FrontDoor:
         self._observe(endpoint, t0, first_at, last)
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
-        return json_response({"id": rid, "object": obj, "created": created, "model": self.model_name,
-                              "choices": [c.body() for c in choices], "usage": usage(last)})
+        return json_response({**self._head(rid, obj, created), "choices": [c.body() for c in choices],
+                              "usage": usage(last)})
+
+    def _head(self, rid: str, obj: str, created: int) -> dict:
+        """The fields every response body and stream chunk starts with; ``system_fingerprint``
+        names the build that computed it (engine/fingerprint.py), None while no node serves."""
+        return {"id": rid, "object": obj, "created": created, "model": self.model_name,
+                "system_fingerprint": self.client.fingerprint or None}
 
     def _choices(self, req: ApiRequest, prompt_ids: list[int], chat: bool) -> list[Choice]:
         return [Choice(i, req, prompt_ids, chat, self.token_text, req.prompt_text) for i in range(req.n)]
@@ -327,8 +333,7 @@ class FrontDoor:
                 choice = {"index": index, "text": delta_text, "logprobs": logprobs, "finish_reason": finish}
             if finish is not None:
                 choice["stop_reason"] = stop_reason
-            return sse({"id": rid, "object": obj, "created": created, "model": self.model_name,
-                        "choices": [choice]})
+            return sse({**self._head(rid, obj, created), "choices": [choice]})
 
         first_at, last, done = None, None, False
         try:
@@ -348,8 +353,7 @@ class FrontDoor:
                 item = await anext(outputs, None)
             last = usage_output(choices)
             if req.include_usage:
-                await resp.write(sse({"id": rid, "object": obj, "created": created,
-                                      "model": self.model_name, "choices": [], "usage": usage(last)}))
+                await resp.write(sse({**self._head(rid, obj, created), "choices": [], "usage": usage(last)}))
             done = True
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()

@@ -65,6 +65,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
+from engine.fingerprint import combine
 from engine.model.tokenizer import Tokenizer
 from engine.request import InvalidParam, RequestOutput, SamplingParams
 from engine.stats import COUNTERS, QUEUES
@@ -147,6 +148,13 @@ class RemoteEngineClient:
     def max_model_len(self) -> int:
         lens = [n.max_model_len for n in self.membership.nodes.values() if n.max_model_len]
         return min(lens) if lens else self.default_max_model_len
+
+    @property
+    def fingerprint(self) -> str:
+        """The build fingerprint of the nodes serving now (engine/fingerprint.py's
+        ``combine``: the nodes' own when they agree); "" while none is registered."""
+        prints = [n.fingerprint for n in self.membership.nodes.values() if n.fingerprint]
+        return combine(prints) if prints else ""
 
     def check_request(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         if num_prompt_tokens < 1:

@@ -393,7 +393,7 @@ class CoordinatorDaemon:
         """The coordinator's state and counters (``kvctl status``)."""
         client, members = self.client, self.membership
         return {"role": "coordinator", "address": self.address, "http_port": self.port,
-                "model": client.model_name, "nodes": sorted(members.nodes),
+                "model": client.model_name, "fingerprint": client.fingerprint, "nodes": sorted(members.nodes),
                 "in_flight": self.front.in_flight if self.front else 0,
                 "draining": bool(self.front and self.front.draining),
                 "node_failures": members.failures, "joins": members.joins, "loop_stalls": members.stalls,

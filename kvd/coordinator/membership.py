@@ -68,6 +68,7 @@ class NodeInfo:
     routed: int = 0                        # requests routed here since it joined
     role: str = Role.MIXED.value           # protocol.ROLES, from its Hello
     seq: int = 0                           # the last heartbeat seq counted (0: none since registering)
+    fingerprint: str = ""                  # its build fingerprint, from its Hello (engine/fingerprint.py)
     seq_at: float = 0.0                    # time.monotonic() it was counted (or the registration)
 
     @property
@@ -137,7 +138,7 @@ class Membership:
                           f"the old one is declared dead ({self.deadline:g}s without a heartbeat)")
         info = NodeInfo(hello.node, hello.address, hello.incarnation, hello.model_name,
                         hello.max_model_len, hello.block_size, dict(hello.blocks_per_tier), now,
-                        role=hello.role, seq_at=now)
+                        role=hello.role, seq_at=now, fingerprint=hello.fingerprint)
         self.nodes[hello.node] = info
         self.departed.pop(hello.node, None)
         self.joins += 1

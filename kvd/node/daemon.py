@@ -276,7 +276,8 @@ class NodeDaemon:
             node=self.name, address=self.address, role=self.role,
             blocks_per_tier={"device": config.kv_blocks, "host": config.host_kv_blocks},
             block_size=config.block_size, model_name=self.driver.model_name,
-            max_model_len=self.driver.max_model_len, incarnation=self.incarnation)
+            max_model_len=self.driver.max_model_len, incarnation=self.incarnation,
+            fingerprint=self.driver.fingerprint)
 
     async def _beat(self, seq: int) -> protocol.Heartbeat:
         events = self.cache_shipper.events_since_beat()   # the events themselves: CacheShipper
@@ -477,7 +478,8 @@ class NodeDaemon:
         return {"node": self.name, "role": self.role, "address": self.address, "incarnation": self.incarnation,
                 "draining": self.draining, "registered": bool(self.heartbeat and self.heartbeat.registered),
                 "heartbeats_paused": bool(self.heartbeat and self.heartbeat.paused),
-                "kernels": self.driver.kernels() if self.driver else {}, "in_flight": len(self.streams),
+                "kernels": self.driver.kernels() if self.driver else {},
+                "fingerprint": self.driver.fingerprint if self.driver else "", "in_flight": len(self.streams),
                 "running": snap.get("running", 0), "waiting": snap.get("waiting", 0),
                 "bad_messages": dict(self.bad_messages),
                 "malformed_frames": lst.malformed if lst else 0,

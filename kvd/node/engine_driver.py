@@ -133,6 +133,7 @@ class EngineDriver:
         self.model_name = engine.model_name
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
+        self.fingerprint = engine.fingerprint
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()      # held by whoever touches the engine
         self._submitted = 0                # commands put (event loop thread only)

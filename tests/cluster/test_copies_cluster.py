@@ -61,3 +61,12 @@ def test_copies_share_one_prefill_on_one_node_and_equal_the_engine(cluster, refe
     while hits(cluster) < hits_before + (n - 1) * 20 * BS and time.monotonic() < deadline:
         time.sleep(0.2)
     assert hits(cluster) >= hits_before + (n - 1) * 20 * BS
+
+
+def test_the_cluster_names_its_nodes_build_in_every_response(cluster):
+    """Nodes of one build: the coordinator's fingerprint is theirs, and every response carries it."""
+    prints = {n: admin(cluster.node_admin(n), "status")["fingerprint"] for n in NODES}
+    (build,) = set(prints.values())
+    assert admin(cluster.admin_socket, "status")["fingerprint"] == build
+    out = cluster.client(timeout=60).completions.create(model=MODEL, prompt=[7, 8, 9], max_tokens=2, temperature=0)
+    assert out.system_fingerprint == build
