@@ -97,10 +97,15 @@ class Streams:
         assert len(self.results) == len(self.threads), self.results
 
 
-def decoding(c: Cluster, n: int, seed0: int, tokens: int = 5) -> Streams:
-    """``n`` streams started, once each has delivered ``tokens`` tokens."""
+def decoding(c: Cluster, n: int, seed0: int, tokens: int = 5, timeout: float = 120) -> Streams:
+    """``n`` streams started, once each has delivered ``tokens`` tokens; fails, with each
+    stream's result so far, when one ends before or ``timeout`` seconds pass first."""
     s = Streams(c, n, seed0=seed0)
+    deadline = time.monotonic() + timeout
     while sum(1 for k in s.counts if k >= tokens) < n:
+        if s.results.keys() - {i for i, k in enumerate(s.counts) if k >= tokens} or time.monotonic() > deadline:
+            raise AssertionError(f"streams did not all reach {tokens} tokens: counts {s.counts}, "
+                                 f"ended {s.results}")
         time.sleep(0.02)
     return s
 
