@@ -7,8 +7,6 @@ test_recovery holds them), for prompts and outputs that run far past the window.
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from engine.engine import EngineConfig, LLMEngine
@@ -18,7 +16,7 @@ from tools.random_gguf import write_architecture
 from . import test_recovery
 from .conftest import Cluster, admin
 from .test_disagg import ROLES, node_status, prompt, wait_idle
-from .test_recovery import NODES, ON, Streams, busiest, check_texts, start, wait_baseline, wait_replicated
+from .test_recovery import NODES, ON, busiest, check_texts, decoding, start, wait_baseline, wait_replicated
 
 MAX_TOKENS = 24
 
@@ -76,11 +74,7 @@ def test_kill9_mid_stream_resumes_past_the_window_with_the_uninterrupted_text(ri
                                                    kv_blocks=512, host_kv_blocks=0, max_model_len=2048,
                                                    num_threads=1))
     monkeypatch.setattr(test_recovery, "MODEL", ring.client().models.list().data[0].id)   # Streams' model
-    s = Streams(ring, 4, seed0=0)
-    deadline = time.monotonic() + 120
-    while sum(1 for k in s.counts if k >= 5) < 4:
-        assert time.monotonic() < deadline and not any(r[0] == "error" for r in s.results.values()), s.results
-        time.sleep(0.05)
+    s = decoding(ring, 4, seed0=0)
     victim = busiest(ring)
     on_victim = wait_replicated(ring, victim, 64)
     ring.nodes[victim].kill9()
