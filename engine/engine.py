@@ -20,7 +20,7 @@ from engine.memory.mempool import MemPool
 from engine.memory.region import Region
 from engine.model.decode_kernels import float_unsupported_reason, fused_decoder, plan_decoder
 from engine.model.llama import LlamaModel
-from engine.model.registry import resolve_model
+from engine.model.registry import ModelSource, resolve_model
 from engine.model.tokenizer import Tokenizer
 from engine.model.weights import LoadedWeights
 from engine.output import OutputProcessor
@@ -105,11 +105,12 @@ def kv_cache_dtype(config: EngineConfig, model_dtype: torch.dtype) -> torch.dtyp
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, model: LlamaModel, tokenizer: Tokenizer,
-                 model_name: str) -> None:
+                 model_name: str, source: ModelSource | None = None) -> None:
         self.config = config
         self.model = model
         self.tokenizer = tokenizer
         self.model_name = model_name
+        self.source = source            # where the weights came from (from_config), for the fingerprint
         mc = model.config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
                                  mc.max_position_embeddings)
@@ -215,12 +216,10 @@ class LLMEngine:
     def fingerprint(self) -> str:
         """The build fingerprint (engine/fingerprint.py): source, torch and compiler
         versions, the model and its file's size, and the kernels that compute a step."""
-        try:
-            source = resolve_model(self.config.model)
-            size = source.weights_path.stat().st_size if source.weights_path is not None else None
+        source, model, size = self.source, self.model_name, None
+        if source is not None:
             model = f"{source.name}:{source.seed}" if source.kind == "tiny" else source.name
-        except (OSError, ValueError):
-            model, size = self.model_name, None
+            size = source.weights_path.stat().st_size if source.weights_path is not None else None
         return fingerprint(engine_parts(self.kernels(), model, size, torch.__version__, compiler_version()))
 
     @property
@@ -258,7 +257,7 @@ class LLMEngine:
                  f", {reserved} left to the serving threads: reserved_cpus" if reserved else "")
         source = resolve_model(config.model)
         weights = source.load_weights(quantized=config.weights == "native")
-        return cls(config, build_model(config, weights), source.load_tokenizer(), source.name)
+        return cls(config, build_model(config, weights), source.load_tokenizer(), source.name, source)
 
     # ------------------------------------------------------------------ intake
     def max_blocks_per_request(self) -> int:
