@@ -84,12 +84,13 @@ class PendingLogprobs:
         likely tokens. ``logits`` is the tensor ``summarize`` read: the drawn token's
         logit is read from it (a masked token is never drawn, so masks leave it
         as it was), or from the copy taken of a row its sampling changes in place."""
+        picked = logits[self.rows, list(token_ids)].tolist() if self.rows else []    # one gather
         out = []
         for j, (row, tok) in enumerate(zip(self.rows, token_ids)):
             s = self.summaries[j]
-            x = self.raw[row][tok] if row in self.raw else logits[row, tok]
+            x = float(self.raw[row][tok]) if row in self.raw else picked[j]
             top = tuple((i, _float32(v)) for i, v in s.top[:self.tops[j]])
-            out.append(TokenLogprobs(tok, _float32(float(x) - s.lse), top))
+            out.append(TokenLogprobs(tok, _float32(x - s.lse), top))
         return out
 
 
