@@ -14,9 +14,9 @@ from engine.request import SamplingParams
 from tools.random_gguf import write_architecture
 
 from . import test_recovery
-from .conftest import Cluster, admin
+from .conftest import Cluster
 from .test_disagg import ROLES, node_status, prompt, wait_idle
-from .test_recovery import NODES, ON, busiest, check_texts, decoding, start, wait_baseline, wait_replicated
+from .test_recovery import NODES, ON, decoding, kill_the_busiest_and_resume, start
 
 MAX_TOKENS = 24
 
@@ -74,12 +74,4 @@ def test_kill9_mid_stream_resumes_past_the_window_with_the_uninterrupted_text(ri
                                                    kv_blocks=512, host_kv_blocks=0, max_model_len=2048,
                                                    num_threads=1))
     monkeypatch.setattr(test_recovery, "MODEL", ring.client().models.list().data[0].id)   # Streams' model
-    s = decoding(ring, 4, seed0=0)
-    victim = busiest(ring)
-    on_victim = wait_replicated(ring, victim, 64)
-    ring.nodes[victim].kill9()
-    s.join()
-    check_texts(s, reference)
-    rec = admin(ring.admin_socket, "status")["recoveries"]
-    assert rec.get("replica/resumed", 0) == len(on_victim)
-    wait_baseline(ring, [n for n in NODES if n != victim])
+    kill_the_busiest_and_resume(ring, decoding(ring, 4, seed0=0), reference, NODES, 64)
