@@ -316,6 +316,7 @@ class FrontDoor:
     async def _write_stream(self, request, req, outputs, rid, chat, endpoint, t0, choices):
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
+        head = self._head(rid, obj, created)      # every chunk's first fields: one fingerprint per stream
         # pull the first output before committing to a 200: an engine-side
         # rejection can then still become a proper error status
         first = await anext(outputs)
@@ -333,7 +334,7 @@ class FrontDoor:
                 choice = {"index": index, "text": delta_text, "logprobs": logprobs, "finish_reason": finish}
             if finish is not None:
                 choice["stop_reason"] = stop_reason
-            return sse({**self._head(rid, obj, created), "choices": [choice]})
+            return sse({**head, "choices": [choice]})
 
         first_at, last, done = None, None, False
         try:
@@ -353,7 +354,7 @@ class FrontDoor:
                 item = await anext(outputs, None)
             last = usage_output(choices)
             if req.include_usage:
-                await resp.write(sse({**self._head(rid, obj, created), "choices": [], "usage": usage(last)}))
+                await resp.write(sse({**head, "choices": [], "usage": usage(last)}))
             done = True
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
