@@ -57,6 +57,27 @@ class AttentionBatch:
     prefill: list[PrefillSeq] | None = None
     block_tables: torch.Tensor | None = None   # [B, max_blocks] int64 (decode)
     key_mask: torch.Tensor | None = None       # [B, 1, 1, max_blocks*bs] bool (decode)
+    # the step's rows as kernels.paged_attention takes them, made once per step (paged_rows)
+    paged: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def paged_rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(seqs int64 [S, 3]: each sequence's first row, rows and context length; tables
+        int64 [S, max_blocks]) for ``PagedAttention.attend``: a prefill's sequences, or a
+        decode's one row each at ``positions`` [B]. Made on the first call, kept for every
+        layer of the step."""
+        if self.paged is None:
+            if self.is_prefill:
+                seqs = torch.tensor([(s.q_start, s.q_len, s.ctx_len) for s in self.prefill], dtype=torch.int64)
+                width = max(len(s.block_table) for s in self.prefill)
+                tables = torch.zeros(len(self.prefill), width, dtype=torch.int64)
+                for i, s in enumerate(self.prefill):
+                    tables[i, :len(s.block_table)] = s.block_table
+            else:
+                B = self.block_tables.shape[0]
+                seqs = torch.stack((torch.arange(B), torch.ones(B, dtype=torch.int64), positions + 1), dim=1)
+                tables = self.block_tables
+            self.paged = (seqs, tables)
+        return self.paged
 
 
 # The largest finite IEEE half: a float16 KV cache stores K and V clamped to it.

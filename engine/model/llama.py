@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from engine.model.config import LlamaConfig
 from kernels import native
 from kernels.attention import AttentionBatch, decode_attention, prefill_attention, store_kv, write_kv
+from kernels.paged_attention import PagedAttention
 from kernels.prefill_attention import PrefillAttention
 from kernels.quant import QuantTensor
 from kernels.quant_linear import QuantKernel, QuantLinear
@@ -260,7 +261,8 @@ class LlamaModel:
                  layer_range: tuple[int, int] | None = None,
                  quant_kernel: QuantKernel | None = None,
                  attention_kernel: PrefillAttention | None | str = "auto",
-                 row_ops: RowOps | None | str = "auto", float_layout: str = "auto") -> None:
+                 row_ops: RowOps | None | str = "auto", float_layout: str = "auto",
+                 paged_attention: PagedAttention | None | str = "auto") -> None:
         """Pick the weight layout (quantized, transposed fp32, rows) and load every
         layer's weights in it. Raises ValueError for a missing tensor or a bad range.
         Over 60 lines on purpose: the layout choices and the two loaders that follow
@@ -281,6 +283,9 @@ class LlamaModel:
         if row_ops == "auto":
             row_ops = RowOps.create() if dtype == torch.float32 else None
         self.row_ops = row_ops
+        if paged_attention == "auto":
+            paged_attention = PagedAttention.create() if dtype == torch.float32 else None
+        self.paged_attention = paged_attention
 
         self.quantized = any(isinstance(t, QuantTensor) for t in tensors.values())
         self.quant_kernel = quant_kernel if self.quantized else None
@@ -481,6 +486,11 @@ class LlamaModel:
         # the cache holds them, as every later step and a chunked or cached prefill does
         k, v = store_kv(k, k_cache.dtype), store_kv(v, k_cache.dtype)     # themselves when dtypes match
         write_kv(k_cache, v_cache, k, v, batch)
+        if (self.paged_attention is not None and q.dtype == torch.float32 and window is None
+                and cfg.attn_logit_softcap is None):
+            o = self.paged_attention.attend(q, k_cache, v_cache, *batch.paged_rows(positions), self.scale)
+            if o is not None:
+                return o.reshape(T, q_size)
         k, v = k.to(q.dtype), v.to(q.dtype)
         if batch.is_prefill:
             o = prefill_attention(q, k, v, k_cache, v_cache, batch, self.scale, self.attention_kernel,

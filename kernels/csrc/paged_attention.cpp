@@ -1,0 +1,118 @@
+// Attention of a step's query rows over their sequences' paged KV, for the torch path of an
+// fp32 model: a prefill's rows (any chunk of a prompt, any cached prefix) and a decode
+// batch's rows alike. Each row is computed by attention_rows.h's functions, in the order the
+// plan executor's decode step uses for it: a token's attention output is the same bits here
+// and there, whatever the chunk, the batch, the thread count or the build.
+//
+// Called through ctypes from kernels/paged_attention.py, which documents the contract.
+// Layouts:
+//
+//     q      [T, H, hd]                  row stride ldq: rotated queries, a row's heads contiguous
+//     kc, vc [N, bs, KVH, hd]            the layer's K and V caches, fp32 or IEEE halves (kv_half);
+//                                        every key a row reads is written already
+//     out    [T, H, hd]                  row stride ldo
+//
+// Sequence s owns rows q_start[s] .. q_start[s] + q_len[s] - 1, at positions ctx_len[s] -
+// q_len[s] .. ctx_len[s] - 1, and its block table is tables[s * max_blocks ...]. Row r at
+// position p attends to keys 0..p (causal).
+//
+// Work: rows are taken ROWS_PER_PASS at a time; a pass hands out (row, key chunk) items to
+// the team (attend_chunk), then (row, head) pairs to combine them (combine_chunks). Which
+// thread takes what changes nothing in any row.
+
+#include <omp.h>
+
+#include <vector>
+
+#include "attention_rows.h"
+
+namespace {
+
+// Rows per pass: bounds the items' partial results (m, l, o per chunk: at most 16 chunks a
+// row up to 4,096 keys, H * (hd + 2) floats each).
+constexpr int64_t ROWS_PER_PASS = 64;
+
+struct RowRef {
+    const float* q;                     // its rotated queries [H][hd]
+    const int64_t* table;
+    int64_t ctx;                        // its position + 1
+    float* out;
+};
+
+template <class KV>
+void run(const std::vector<RowRef>& rows, const KV* kc, const KV* vc, int H, int KVH, int hd, int bs,
+         float scale, int nt) {
+    const int64_t kvh_stride = (int64_t)KVH * hd, q_size = (int64_t)H * hd;
+    std::vector<int64_t> item_row, item_t0, first_item;
+    std::vector<float> part_m, part_l, part_o;
+    for (size_t a = 0; a < rows.size(); a += ROWS_PER_PASS) {
+        const size_t b = a + ROWS_PER_PASS < rows.size() ? a + ROWS_PER_PASS : rows.size();
+        item_row.clear(), item_t0.clear(), first_item.clear();
+        for (size_t r = a; r < b; r++) {
+            first_item.push_back((int64_t)item_row.size());
+            const int64_t ctx = rows[r].ctx, chunk = key_chunk(ctx);
+            for (int64_t t0 = 0; t0 < ctx; t0 += chunk) item_row.push_back((int64_t)r), item_t0.push_back(t0);
+        }
+        first_item.push_back((int64_t)item_row.size());
+        const int64_t items = (int64_t)item_row.size(), pairs = (int64_t)(b - a) * H;
+        part_m.resize((size_t)items * H), part_l.resize((size_t)items * H), part_o.resize((size_t)items * q_size);
+#pragma omp parallel num_threads(nt)
+        {
+            std::vector<float> scores((size_t)H * KEY_CHUNK_MAX);
+#pragma omp for schedule(dynamic, 4)
+            for (int64_t i = 0; i < items; i++) {
+                const RowRef& row = rows[(size_t)item_row[i]];
+                const int64_t t0 = item_t0[i], end = t0 + key_chunk(row.ctx);
+                const AttnSeq seq{row.q, row.table, row.ctx};
+                attend_chunk(seq, t0, end < row.ctx ? end : row.ctx, kc, vc, bs, kvh_stride, H, H / KVH, hd, scale,
+                             scores.data(), &part_m[(size_t)i * H], &part_l[(size_t)i * H],
+                             &part_o[(size_t)i * q_size]);
+            }
+#pragma omp for schedule(static)
+            for (int64_t p = 0; p < pairs; p++) {
+                const int64_t r = p / H, head = p % H, c0 = first_item[r];
+                combine_chunks(&part_m[(size_t)c0 * H + head], &part_l[(size_t)c0 * H + head],
+                               &part_o[(size_t)c0 * q_size + head * hd], first_item[r + 1] - c0, H, hd,
+                               rows[a + r].out + head * hd);
+            }
+        }
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+const char* kvd_paged_attention_variant() { return KVD_VARIANT; }
+
+// out = each row's attention (layouts above). Returns 0, or -1 (nothing written) for a shape
+// the functions do not take (H not a multiple of KVH, hd not a multiple of 16 or above 256, a
+// row stride shorter than a row), a sequence whose rows do not fit its context or the
+// step's T rows, or a block id out of [0, num_blocks) among those its keys use.
+int kvd_paged_attention(const float* q, int64_t ldq, const void* kc, const void* vc, int kv_half,
+                        int64_t num_blocks, int S, const int64_t* q_start, const int64_t* q_len,
+                        const int64_t* ctx_len, const int64_t* tables, int max_blocks, int64_t T, int H, int KVH,
+                        int hd, int bs, float scale, float* out, int64_t ldo, int num_threads) {
+    if (S < 0 || KVH < 1 || H < KVH || H % KVH || hd < 16 || hd % 16 || hd > 256 || bs < 1) return -1;
+    if (ldq < (int64_t)H * hd || ldo < (int64_t)H * hd) return -1;
+    std::vector<RowRef> rows;
+    for (int s = 0; s < S; s++) {
+        if (q_len[s] < 0 || ctx_len[s] < q_len[s] || q_start[s] < 0 || q_start[s] + q_len[s] > T) return -1;
+        if ((ctx_len[s] + bs - 1) / bs > max_blocks) return -1;
+        const int64_t* table = tables + (size_t)s * max_blocks;
+        for (int64_t j = 0; j < (ctx_len[s] + bs - 1) / bs; j++)
+            if (table[j] < 0 || table[j] >= num_blocks) return -1;
+        for (int64_t i = 0; i < q_len[s]; i++) {
+            const int64_t row = q_start[s] + i;
+            rows.push_back({q + row * ldq, table, ctx_len[s] - q_len[s] + i + 1, out + row * ldo});
+        }
+    }
+    const int nt = num_threads < 1 ? 1 : num_threads;
+    if (kv_half)
+        run(rows, (const uint16_t*)kc, (const uint16_t*)vc, H, KVH, hd, bs, scale, nt);
+    else
+        run(rows, (const float*)kc, (const float*)vc, H, KVH, hd, bs, scale, nt);
+    return 0;
+}
+
+}  // extern "C"
