@@ -52,6 +52,9 @@ class EngineConfig:
     cost_attention_s: float = 1.6e-6
     cost_fixed_s: float = 0.0509
     cost_swap_block_s: float = 1.1e-4
+    # a `kvd profile` JSON file of this model and CPU whose measured costs replace the cost_* defaults
+    # above (kvd/config.py applies it; a cost_* set explicitly still wins); "": none
+    profile: str = ""
 
     def __post_init__(self) -> None:
         _check_one_of("dtype", self.dtype, DTYPE_NAMES)

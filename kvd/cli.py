@@ -123,6 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, (dest, typ, help_) in SERVER_FLAGS.items():
         coord.add_argument(flag, dest=dest, type=typ, default=None, help=help_)
     _cluster_flags(coord)
+    from kvd.sim.cli_args import add_sim_parsers   # kvd profile / simulate / plan
+    add_sim_parsers(sub)
     return parser
 
 
@@ -174,6 +176,9 @@ def main(argv: list[str] | None = None) -> int:
         return node(args)
     if args.command == "coordinator":
         return coordinator(args)
+    if args.command in ("profile", "simulate", "plan"):
+        from kvd.sim.cli_args import run_sim_command
+        return run_sim_command(args)
     return 2
 
 

@@ -125,6 +125,8 @@ def load_config(path: str | os.PathLike | None = None, overrides: dict[str, dict
                 parts[target][name] = (f"--{name.replace('_', '-')}", value)
     try:
         engine = _build(EngineConfig, parts["engine"])
+        if engine.profile:
+            engine = _with_profile(engine, explicit=parts["engine"].keys())
         server = _build(ServerConfig, parts["server"])
     except ConfigError:
         raise
@@ -132,6 +134,18 @@ def load_config(path: str | os.PathLike | None = None, overrides: dict[str, dict
         where = f"{path} (or a flag)" if path is not None else "command-line flags"
         raise ConfigError(f"{where}: {exc}") from None
     return KvdConfig(engine=engine, server=server)
+
+
+def _with_profile(engine: EngineConfig, explicit) -> EngineConfig:
+    """``engine`` with the cost_* coefficients its ``profile`` measured (those not
+    set explicitly). A profile of another model or CPU, or a bad file: ConfigError."""
+    from kvd.sim.profile_file import ProfileError, load_profile
+
+    try:
+        costs = load_profile(engine.profile, model=engine.model).engine_costs()
+    except ProfileError as exc:
+        raise ConfigError(f"engine.profile: {exc}") from None
+    return replace(engine, **{k: v for k, v in costs.items() if k not in explicit})
 
 
 def _build(cls, values: dict[str, tuple[str, Any]]):

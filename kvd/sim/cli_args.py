@@ -1,0 +1,34 @@
+"""The ``kvd profile``, ``kvd simulate`` and ``kvd plan`` subcommands of kvd/cli.py.
+
+``simulate`` and ``plan`` take kvd-loadgen's workload flags after their own,
+so their arguments are parsed by their modules (kvd/sim/run.py, kvd/plan.py)
+from the rest of the command line; every bad flag is one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_sim_parsers(sub) -> None:
+    """Add the three subcommands to ``kvd``'s subparsers."""
+    prof = sub.add_parser("profile", help="measure this machine with the served model; write a JSON profile")
+    prof.add_argument("-c", "--config", help="TOML config (the [engine] to profile; see etc/kvd.toml)")
+    prof.add_argument("--model", default=None, help="model spec (default: [engine].model, else smollm2)")
+    prof.add_argument("--output", required=True, metavar="PROFILE.json", help="where to write the profile")
+    prof.add_argument("--quick", action="store_true", help="small grids: seconds instead of minutes")
+    for name, what in (("simulate", "simulate a kvd cluster on a profile with kvd-loadgen's workload flags"),
+                       ("plan", "search cluster shapes in the simulator for the best goodput per node")):
+        p = sub.add_parser(name, help=what, add_help=False, prefix_chars="\0")
+        p.add_argument("rest", nargs=argparse.REMAINDER)
+
+
+def run_sim_command(args: argparse.Namespace) -> int:
+    if args.command == "profile":
+        from kvd.profile import main
+        return main(args)
+    if args.command == "simulate":
+        from kvd.sim.run import main
+        return main(args.rest)
+    from kvd.plan import main
+    return main(args.rest)

@@ -1,0 +1,116 @@
+"""A machine profile on disk (``kvd profile`` writes it; ``kvd simulate``,
+``kvd plan`` and ``[engine].profile`` read it). JSON, never pickled::
+
+    {"kind": "kvd-profile", "version": 1,
+     "model": "smollm2", "cpu": "<model name of /proc/cpuinfo>", "threads": 2,
+     "fingerprint": "fp_...", "block_size": 16, "kv_bytes_per_token": 9216,
+     "num_layers": 30, "created": "<ISO time>",
+     "costs": {StepCosts fields},            # kvd/sim/costs.py
+     "samples": {"prefill": [[n, c, s]...], "decode": [[batch, context, s]...],
+                 "swap": [[blocks, s]...], "transfer": [[bytes, s]...]},
+     "fit": {"prefill_median_error": 0.03, ...}}
+
+A profile describes one model on one CPU: ``load_profile`` refuses one made
+for another model or another CPU when asked to check them (one-line
+``ProfileError``). Torch-free: the coordinator and the config loader read it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvd.sim.costs import StepCosts
+
+KIND = "kvd-profile"
+VERSION = 1
+MAX_BYTES = 16 << 20
+
+
+class ProfileError(ValueError):
+    """A profile that cannot be used here (the reason, one line)."""
+
+
+@dataclass(frozen=True)
+class Profile:
+    model: str
+    cpu: str
+    threads: int
+    fingerprint: str
+    block_size: int
+    kv_bytes_per_token: int
+    num_layers: int
+    costs: StepCosts
+    doc: dict                                  # the whole document, as read
+
+    def engine_costs(self) -> dict[str, float]:
+        """The engine's caching cost coefficients (``[engine].cost_*_s``) this profile measured."""
+        c = self.costs
+        return {"cost_token_s": c.prefill_token_s, "cost_attention_s": c.prefill_attention_s,
+                "cost_fixed_s": c.prefill_fixed_s, "cost_swap_block_s": c.swap_block_s}
+
+
+def this_cpu() -> str:
+    """The CPU's model name, as profiles and kvd-loadgen results record it."""
+    from tools.loadgen.report import cpu_model
+
+    return cpu_model() or "unknown"
+
+
+def parse_profile(doc: object, where: str = "profile") -> Profile:
+    """Validate a decoded profile document; raises ProfileError naming what is wrong."""
+    if not isinstance(doc, dict) or doc.get("kind") != KIND:
+        raise ProfileError(f"{where}: not a kvd profile (no \"kind\": \"{KIND}\")")
+    if doc.get("version") != VERSION:
+        raise ProfileError(f"{where}: profile version {doc.get('version')!r}, this kvd reads {VERSION}")
+    try:
+        costs = StepCosts.from_dict(doc.get("costs"))
+    except (ValueError, TypeError) as exc:
+        raise ProfileError(f"{where}: {exc}") from None
+    for key, typ in (("model", str), ("cpu", str), ("fingerprint", str)):
+        if not isinstance(doc.get(key), typ) or not doc[key]:
+            raise ProfileError(f"{where}: \"{key}\" must be a non-empty string")
+    for key in ("threads", "block_size", "kv_bytes_per_token", "num_layers"):
+        v = doc.get(key)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ProfileError(f"{where}: \"{key}\" must be an integer >= 1, got {v!r}")
+    return Profile(model=doc["model"], cpu=doc["cpu"], threads=doc["threads"], fingerprint=doc["fingerprint"],
+                   block_size=doc["block_size"], kv_bytes_per_token=doc["kv_bytes_per_token"],
+                   num_layers=doc["num_layers"], costs=costs, doc=doc)
+
+
+def load_profile(path: str | Path, *, model: str | None = None, check_cpu: bool = True) -> Profile:
+    """Read and validate the profile at ``path``. ``model``: refuse a profile of
+    another model; ``check_cpu``: refuse one measured on another CPU. Raises ProfileError."""
+    p = Path(path)
+    try:
+        if p.stat().st_size > MAX_BYTES:
+            raise ProfileError(f"profile {path}: larger than {MAX_BYTES >> 20} MiB")
+        doc = json.loads(p.read_text(), parse_constant=_no_constant)
+    except FileNotFoundError:
+        raise ProfileError(f"profile {path} not found") from None
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        if isinstance(exc, ProfileError):
+            raise
+        raise ProfileError(f"profile {path}: not JSON ({exc})") from None
+    prof = parse_profile(doc, f"profile {path}")
+    if model is not None and prof.model != model:
+        raise ProfileError(f"profile {path} was measured with model {prof.model!r}, not {model!r}")
+    if check_cpu and prof.cpu != this_cpu():
+        raise ProfileError(f"profile {path} was measured on {prof.cpu!r}, this machine is {this_cpu()!r}")
+    return prof
+
+
+def write_profile(doc: dict, path: str | Path) -> Path:
+    """Write ``doc`` (checked with parse_profile first) as indented JSON."""
+    parse_profile(doc)
+    p = Path(path)
+    if p.parent != Path(""):
+        p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(doc, indent=1) + "\n")
+    return p
+
+
+def _no_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a number a profile may hold")
