@@ -149,13 +149,14 @@ class PromptTreeRouter:
         self.recent = RecentWork(self.weights.load_decay)
         self.cache_routed = 0                # picks that had cached blocks on the chosen node
         self.guarded = 0                     # picks where the guard excluded a better-cached node
+        self.clock = time.monotonic          # the decay and pending TTL's clock (a simulator's, kvd/sim/)
 
     def pick(self, nodes: Sequence[NodeInfo], prompt_ids: Sequence[int],
              request_id: str | None = None) -> NodeInfo | None:
         if not nodes:
             return None
         w = self.weights
-        now = time.monotonic()
+        now = self.clock()
         self.recent.settle(nodes, now)
         # reusable prefix: the engine matches the prompt minus its last token
         usable = prompt_ids[:-1]
@@ -192,7 +193,7 @@ class PromptTreeRouter:
         return {"policy": self.name, "overlap_weight": self.weights.overlap_weight,
                 "load_weight": self.weights.load_weight, "max_imbalance": self.weights.max_imbalance,
                 "recent_weight": self.weights.recent_weight, "load_decay": self.weights.load_decay,
-                "recent_work": self.recent.snapshot(time.monotonic()),
+                "recent_work": self.recent.snapshot(self.clock()),
                 "pending_ttl": self.trees.pending_ttl, "cache_routed": self.cache_routed,
                 "guarded": self.guarded}
 

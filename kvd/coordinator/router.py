@@ -43,6 +43,7 @@ class LeastLoadRouter:
         self.max_sessions = max_sessions
         self._sessions: OrderedDict[bytes, tuple[str, float]] = OrderedDict()
         self.affinity_hits = 0
+        self.clock = time.monotonic      # the session TTL's clock (a simulator's, kvd/sim/)
 
     def pick(self, nodes: Sequence[NodeInfo], prompt_ids: Sequence[int],
              request_id: str | None = None) -> NodeInfo | None:
@@ -52,7 +53,7 @@ class LeastLoadRouter:
         least = min(nodes, key=lambda n: (n.load, n.heartbeat.running if n.heartbeat else 0, n.name))
         if self.affinity_tokens <= 0:
             return least
-        now = time.monotonic()
+        now = self.clock()
         key = affinity_key(prompt_ids, self.affinity_tokens)
         choice = least
         sticky = self._sessions.get(key)
