@@ -1,0 +1,183 @@
+"""A simulated node: kvd's Scheduler over a bookkeeping MemPool, in simulated time.
+
+The node runs the engine's loop (``LLMEngine.step``: schedule -> execute ->
+update) with the execute part replaced by time: ``Scheduler.schedule`` picks
+the step's batch exactly as on a real node (admission, chunking, prefix hits,
+preemption), the step lasts what the profile's ``StepCosts`` say, and at its
+end the batch's requests advance as ``LLMEngine._execute`` advances them: a
+prefill chunk short of the prompt's end computes its tokens, every other
+request gets one token, a request at ``max_tokens`` (or a prefill leg that
+streamed its KV out) retires, its blocks cached. Token ids are made up
+(stable per request and position): only the prefix cache reads them.
+
+Work that arrives during a step waits for the next ``schedule``, as on a node
+whose engine thread is busy. A step's duration::
+
+    prefill(parts) + decode(batch, context) + swap(blocks moved)
+    + replication (replicas=1: one token's KV per decoding request, copied out)
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig
+from engine.memory.mempool import MemPool
+from engine.memory.region import Purpose, Region
+from engine.request import Request, RequestStatus
+from engine.scheduler import ScheduledBatch, Scheduler
+from kvd.sim.costs import StepCosts
+from kvd.sim.events import EventQueue
+
+# a prefill leg's kv_out (the engine's KVSink): the request hands off after its first token
+HAND_OFF = object()
+
+
+def token_of(request_id: str, index: int, vocab: int = 30000) -> int:
+    """The made-up token ``index`` of ``request_id``'s output (stable across runs)."""
+    return 100 + zlib.crc32(f"{request_id}:{index}".encode()) % vocab
+
+
+@dataclass
+class StepLog:
+    """One step as scheduled (for tests and traces): request ids and token counts."""
+
+    start: float
+    seconds: float
+    prefill: list[tuple[str, int]] = field(default_factory=list)
+    decode: list[str] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+
+
+class SimNode:
+    """``on_token(node, req, done, handed_off, new=True)`` is called at the end of
+    the step that gave ``req`` a token (``new`` False: ``add_prefilled`` found it
+    done with the prefill node's token); ``on_events(node, events)`` with the MemPool's
+    cache events after each step. Not thread-safe (one event queue drives it)."""
+
+    def __init__(self, name: str, role: str, config: EngineConfig, costs: StepCosts, events: EventQueue,
+                 on_token: Callable, on_events: Callable | None = None, *, kv_bytes_per_token: int = 0,
+                 replicas: int = 0, keep_log: bool = False) -> None:
+        self.name, self.role, self.config, self.costs, self.events = name, role, config, costs, events
+        self.pool = MemPool(device_blocks=config.kv_blocks, host_blocks=config.host_kv_blocks,
+                            block_size=config.block_size)
+        self.scheduler = Scheduler(config.scheduler_config(config.prefill_chunk_tokens), self.pool)
+        self.on_token, self.on_events = on_token, on_events
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.replicas = replicas
+        self.busy = False
+        self.busy_seconds = 0.0
+        self.steps = 0
+        self.log: list[StepLog] | None = [] if keep_log else None
+
+    # ------------------------------------------------------------------ intake
+    def add(self, req: Request) -> None:
+        """Queue ``req`` (Scheduler.add: raises ValueError when it could never fit) and wake the loop."""
+        self.scheduler.add(req)
+        self.wake()
+
+    def reserve_prompt(self, prompt: list[int], min_uncached: int) -> tuple[Region | None, str]:
+        """As the node's ``reserve_prompt`` (kvd/node/engine_driver.py): a PROMPT region
+        when at least ``min_uncached`` tokens are not cached here, else (None, why)."""
+        if len(prompt) - self.pool.cached_tokens(prompt[:-1]) < min_uncached:
+            return None, "below_threshold"
+        region = self.pool.reserve_region(prompt, purpose=Purpose.PROMPT)
+        return region, "" if region is not None else "no_blocks"
+
+    def add_prefilled(self, req: Request, region: Region, first_token: int) -> None:
+        """As ``LLMEngine.add_prefilled``: ``req`` decodes from a prompt whose KV
+        arrived in ``region``; its first token is the prefill node's."""
+        req.prefix = region.commit()
+        req.block_ids = region.all_ids
+        req.num_computed = len(req.prompt_ids)
+        req.output_ids.append(first_token)
+        if len(req.output_ids) >= req.params.max_tokens:
+            self._retire(req)
+            self.on_token(self, req, True, False, False)
+            return
+        self.scheduler.add_prefilled(req)
+        self.wake()
+
+    # -------------------------------------------------------------------- loop
+    def wake(self) -> None:
+        if not self.busy:
+            self._start_step()
+
+    def _start_step(self) -> None:
+        batch = self.scheduler.schedule()
+        if batch is None:
+            self.busy = False
+            return
+        self.busy = True
+        seconds = self.step_seconds(batch)
+        if self.log is not None:
+            self.log.append(StepLog(self.events.now, seconds,
+                                    [(r.request_id, n) for r, n in zip(batch.prefill, batch.prefill_lens)],
+                                    [r.request_id for r in batch.decode],
+                                    [r.request_id for r in batch.preempted]))
+        self.busy_seconds += seconds
+        self.steps += 1
+        self.events.after(seconds, self._finish_step, batch)
+
+    def step_seconds(self, batch: ScheduledBatch) -> float:
+        """What ``batch`` takes on the profiled machine (see the module docstring)."""
+        c = self.costs
+        t = c.prefill_seconds((n, r.num_computed) for r, n in zip(batch.prefill, batch.prefill_lens)) \
+            if batch.prefill else 0.0
+        t += c.decode_seconds(len(batch.decode), sum(r.num_computed + 1 for r in batch.decode))
+        swapped = sum(len(r.host_block_ids) for r in batch.preempted if r.status is RequestStatus.SWAPPED)
+        t += c.swap_seconds(2 * swapped + batch.host_blocks_swapped_in)     # out now, back in later
+        if self.replicas:
+            t += c.transfer_byte_s * self.kv_bytes_per_token * len(batch.decode)
+        return t
+
+    def _finish_step(self, batch: ScheduledBatch) -> None:
+        self._advance(batch.prefill, batch.prefill_lens)
+        self._advance(batch.decode, None)
+        if self.on_events is not None:
+            events = self.pool.take_events()
+            if events:
+                self.on_events(self, events)
+        self._start_step()
+
+    def _advance(self, reqs: list[Request], num_new: list[int] | None) -> None:
+        """The update half of ``LLMEngine._execute`` for one call over ``reqs``."""
+        for i, req in enumerate(reqs):
+            if req.status is not RequestStatus.RUNNING:
+                continue                                   # aborted meanwhile
+            if num_new is not None and req.num_computed + num_new[i] < req.num_tokens:
+                req.num_computed += num_new[i]             # a chunk short of the prompt's end
+                self.scheduler.cache_computed(req)
+                continue
+            req.num_computed = req.num_tokens                # every token so far; the new one is next
+            req.prefilling = False
+            req.output_ids.append(token_of(req.request_id, len(req.output_ids)))
+            done = len(req.output_ids) >= req.params.max_tokens
+            handed = req.kv_out is not None and not done
+            if done or handed:
+                self.scheduler.remove(req)
+                self._retire(req)
+            elif num_new is not None:
+                self.scheduler.cache_computed(req)
+            self.on_token(self, req, done or handed, handed)
+
+    def abort(self, req: Request) -> None:
+        """Finish ``req`` here now, returning its blocks (LLMEngine.abort_request)."""
+        if req.status is RequestStatus.FINISHED:
+            return
+        self.scheduler.remove(req)
+        self.scheduler.release_memory(req, cache=False)
+        req.status = RequestStatus.FINISHED
+
+    def _retire(self, req: Request) -> None:
+        self.scheduler.release_memory(req, cache=True)
+        req.status = RequestStatus.FINISHED
+
+    # ----------------------------------------------------------------- queries
+    def running(self) -> int:
+        return len(self.scheduler.running)
+
+    def waiting(self) -> int:
+        return len(self.scheduler.waiting) + len(self.scheduler.swapped) + len(self.scheduler.prefilled)
