@@ -5,14 +5,15 @@ A GGUF tensor of a kernels/gguf_blocks.py format, decoded to ``SubBlocks``
 (kernels/quant.py) in one of::
 
     Q4_K          -> KQ4   fp32 d, m per 32, nibbles        every weight kept
-    Q5_K Q5_1 Q5_0 -> KQ5  fp32 d, m per 32, 5-bit quants   every weight kept
+    Q5_K          -> KQ5   fp32 d, m per 32, 5-bit quants   every weight kept
+    Q5_0, Q5_1    -> KQ5_0, KQ5_1  the file's block, qh bits reordered (its size)
     Q6_K Q3_K IQ4_XS -> KQ6  fp32 d0, d1 per 16, int8       every weight kept
     IQ4_NL        -> Q8_0  fp16 d per 32, int8               every weight kept
     Q2_K          -> KQ6   requantized: 8 bits per 16 weights (the one lossy conversion)
 
 "Kept" means the kernel computes with the file's weights: a sub-block's scale and
 min are exact fp32 products of the file's fp16 and integer scales, the quants
-are the file's integers (Q5_0's ``q - 16`` as ``q`` with ``m = -16 d``), so
+are the file's integers (KQ5_0's ``d (q - 16)`` as the file computes it), so
 ``QuantTensor.dequantize`` is gguf-py's dequantization bit for bit (Q6_K and
 the other KQ6 sources: gguf-py rounds ``(d * sc) * q`` to fp32, which the kernel's
 integer dot never forms; its weights are the exact products).
@@ -29,7 +30,7 @@ from kernels.gguf_blocks import BLOCKS, SubBlocks
 from kernels.quant import BLOCK, FORMATS, QuantTensor
 
 # GGUF type -> the served format it is repacked into
-TARGET = {"Q4_K": "KQ4", "Q5_K": "KQ5", "Q5_1": "KQ5", "Q5_0": "KQ5", "Q6_K": "KQ6",
+TARGET = {"Q4_K": "KQ4", "Q5_K": "KQ5", "Q5_1": "KQ5_1", "Q5_0": "KQ5_0", "Q6_K": "KQ6",
           "Q3_K": "KQ6", "IQ4_XS": "KQ6", "IQ4_NL": "Q8_0", "Q2_K": "KQ6"}
 NATIVE = ("Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1")
 CONVERTED = ("Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS")
@@ -45,8 +46,14 @@ def repack(fmt: str, sub: SubBlocks) -> QuantTensor:
     if fmt in LOSSY:
         sub = requantize_int8_16(sub.dequantize())
     if target == "Q8_0":                                        # IQ4_NL: d is the file's fp16
-        d = sub.scale.to(torch.float16).view(rows, nb, 1).view(torch.uint8)
-        body = [d.view(rows, nb, 2), sub.q.view(rows, nb, 32).view(torch.uint8)]
+        body = [_f16(sub.scale.view(rows, nb, 1)), sub.q.view(rows, nb, 32).view(torch.uint8)]
+    elif target in ("KQ5_0", "KQ5_1"):                          # fp16 d (, m), hbits, nibbles
+        q = (sub.q.view(rows, nb, 32).to(torch.int16) + (16 if target == "KQ5_0" else 0)).to(torch.uint8)
+        body = [_f16(sub.scale.view(rows, nb, 1))]
+        if target == "KQ5_1":
+            body.append(_f16(-sub.min.view(rows, nb, 1)))
+        lo = q & 15
+        body += [_hbits(q >> 4), lo[..., :16] | (lo[..., 16:] << 4)]
     elif target == "KQ6":
         # per 16: d0, d1 (a format with one scale per 32 gives it twice)
         scales = sub.scale.view(rows, nb, 2) if sub.size == 16 else sub.scale.view(rows, nb, 1).expand(rows, nb, 2)
@@ -55,8 +62,6 @@ def repack(fmt: str, sub: SubBlocks) -> QuantTensor:
         q = sub.q.view(rows, nb, 32).to(torch.int16)
         d = sub.scale.view(rows, nb, 1)
         m = -sub.min.view(rows, nb, 1) if sub.min is not None else torch.zeros_like(d)
-        if fmt == "Q5_0":                                       # d (q - 16) = d q + (-16 d), exact
-            q, m = q + 16, -16 * d
         q = q.to(torch.uint8)
         body = [_f32(torch.cat([d, m], dim=-1))]
         if target == "KQ5":
@@ -85,6 +90,11 @@ def conversion_note(fmt: str, tensors: int, file_bytes: int, served_bytes: int, 
             else "every weight kept")
     return (f"{tensors} {fmt} tensors converted at load to {TARGET[fmt]}: {what}; "
             f"{bits(file_bytes):.2f} -> {bits(served_bytes):.2f} bits per weight read per token")
+
+
+def _f16(t: torch.Tensor) -> torch.Tensor:
+    """fp32 [..., n] of fp16 values (the file's scales, exact) -> their fp16 bytes [..., 2 n]."""
+    return t.contiguous().to(torch.float16).view(torch.uint8)
 
 
 def _f32(t: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """Block-quantized matrices: GGUF's Q4_0, Q4_1, Q8_0 as the file stores them, and
-kvd's KQ4, KQ5, KQ6 that the K-quants are repacked into at load (kernels/kquant_repack.py).
+kvd's KQ4, KQ5, KQ6, KQ5_0, KQ5_1 that the K-quants and Q5 types are repacked into at load
+(kernels/kquant_repack.py).
 
 A ``QuantTensor`` is a matrix ``[rows, cols]`` whose every row is
 ``cols / 32`` blocks of 32 weights in one of these block formats::
@@ -10,9 +11,12 @@ A ``QuantTensor`` is a matrix ``[rows, cols]`` whose every row is
     KQ4   24 B / 32 weights  fp32 d, fp32 m, 16 B      w = d * q + m
     KQ5   28 B / 32 weights  fp32 d, fp32 m, u32 hbits, 16 B     w = d * (q + 16 h) + m
     KQ6   40 B / 32 weights  fp32 d0, fp32 d1, 32 x int8         w = d0 * q, d1 * q (second 16)
+    KQ5_0 22 B / 32 weights  fp16 d, u32 hbits, 16 B             w = d * (q + 16 h - 16)
+    KQ5_1 24 B / 32 weights  fp16 d, fp16 m, u32 hbits, 16 B     w = d * (q + 16 h) + m
 
 (in a 4- or 5-bit block, byte j holds weight j in its low nibble and weight j + 16 in
-its high nibble; KQ5's hbits order is kernels/csrc/quant_blocks.h's). The bytes are held in a ``uint8`` tensor in one of two
+its high nibble; the hbits order of KQ5, KQ5_0 and KQ5_1 is kernels/csrc/quant_blocks.h's:
+KQ5_0 / KQ5_1 are ggml's Q5_0 / Q5_1 blocks with their qh bits in that order). The bytes are held in a ``uint8`` tensor in one of two
 layouts:
 
 - ``rows`` (the file's): ``[rows, row_bytes]``, so a row permutation or a
@@ -57,7 +61,8 @@ class BlockFormat:
 
 FORMATS = {f.name: f for f in (BlockFormat("Q4_0", 0, 18), BlockFormat("Q4_1", 1, 20),
                                 BlockFormat("Q8_0", 2, 34), BlockFormat("KQ4", 3, 24, 8),
-                                BlockFormat("KQ5", 4, 28, 12), BlockFormat("KQ6", 5, 40, 8))}
+                                BlockFormat("KQ5", 4, 28, 12), BlockFormat("KQ6", 5, 40, 8),
+                                BlockFormat("KQ5_0", 6, 22), BlockFormat("KQ5_1", 7, 24))}
 # the formats a GGUF file stores (the others are kvd's, made at load)
 GGUF_FORMATS = ("Q4_0", "Q4_1", "Q8_0")
 
@@ -178,6 +183,10 @@ def _dequantize(fmt: BlockFormat, data: torch.Tensor, cols: int) -> torch.Tensor
     if fmt.name in ("KQ4", "KQ5", "KQ6"):
         return _dequantize_kq(fmt.name, blocks).reshape(rows, cols)
     d = half(0)
+    if fmt.name in ("KQ5_0", "KQ5_1"):
+        at = 2 if fmt.name == "KQ5_0" else 4                           # the hbits
+        q = _five_bits(blocks[..., at:at + 4], blocks[..., at + 4:])
+        return (d * (q - 16) if fmt.name == "KQ5_0" else d * q + half(2)).reshape(rows, cols)
     if fmt.name == "Q8_0":
         q = blocks[..., 2:].contiguous().view(torch.int8).float()      # [R, nb, 32]
         w = q * d
@@ -195,12 +204,17 @@ def _dequantize_kq(name: str, blocks: torch.Tensor) -> torch.Tensor:
     if name == "KQ6":
         q = blocks[..., 8:].contiguous().view(torch.int8).float()
         return torch.cat([d * q[..., :16], m * q[..., 16:]], dim=-1)
-    qs = blocks[..., 8 + (name == "KQ5") * 4:]
-    q = torch.cat([qs & 15, qs >> 4], dim=-1).float()
     if name == "KQ5":
-        h = blocks[..., 8:12].contiguous().view(torch.int32)            # [R, nb, 1]
-        bit = torch.arange(32, dtype=torch.int32)                       # hbits bit of weight i:
-        j = torch.where(bit < 16, bit, bit - 16)                        # i < 16: t = i // 2, odd i: +16
-        at = (j // 2) + 16 * (j % 2) + 8 * (bit >= 16)
-        q = q + 16 * ((h >> at) & 1).float()
-    return d * q + m
+        return d * _five_bits(blocks[..., 8:12], blocks[..., 12:]) + m
+    qs = blocks[..., 8:]
+    return d * torch.cat([qs & 15, qs >> 4], dim=-1).float() + m
+
+
+def _five_bits(hbits: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
+    """[R, nb, 4] u32 hbits (quant_blocks.h's order) and [R, nb, 16] nibbles -> the 32
+    five-bit quants as fp32 [R, nb, 32], weights in order."""
+    h = hbits.clone(memory_format=torch.contiguous_format).view(torch.int32)   # [R, nb, 1]
+    bit = torch.arange(32, dtype=torch.int32)                           # hbits bit of weight i:
+    j = torch.where(bit < 16, bit, bit - 16)                            # i < 16: t = i // 2, odd i: +16
+    at = (j // 2) + 16 * (j % 2) + 8 * (bit >= 16)
+    return torch.cat([qs & 15, qs >> 4], dim=-1).float() + 16 * ((h >> at) & 1).float()

@@ -51,11 +51,11 @@ namespace {
 enum Op { OP_RMS_NORM = 0, OP_LINEAR = 1, OP_ROPE_ATTENTION = 2, OP_LINEAR_ADD = 3, OP_SILU_MUL = 4,
           OP_ADD_BIAS = 5, OP_QK_NORM = 6 };
 
-// PlanWeight.format: 0-5 quant_blocks.h's Format (the x8 layout), 16-18 a float matrix [n, k],
+// PlanWeight.format: 0-FORMAT_LAST quant_blocks.h's Format (the x8 layout), 16-18 a float matrix [n, k],
 // row-major (dense_gemm.h's FMT_F32, FMT_BF16, FMT_F16), FMT_PARTS block-quantized row blocks
 // of several formats (a _K_M file's q/k in Q4_K beside its v in Q6_K), -1 an fp32 vector.
 constexpr int32_t FMT_PARTS = 32;
-inline bool quantized(int32_t format) { return (format >= Q4_0 && format <= KQ6) || format == FMT_PARTS; }
+inline bool quantized(int32_t format) { return (format >= Q4_0 && format <= FORMAT_LAST) || format == FMT_PARTS; }
 
 // A matrix of format `format` fits an input of width k: a whole number of its blocks (16
 // elements for a float matrix).

@@ -27,18 +27,32 @@ namespace {
 // KQ5's hbits: bit t (t < 8) = high bit of weight 2t, bit 8 + t: of 2t + 16, bit 16 + t: of
 // 2t + 1, bit 24 + t: of 2t + 17 (so that, transposed as 32-bit words in the x8 layout, the
 // 16-bit lane 2r + j holds every high bit row r's quant word t needs at its lane: bit t, 8 + t).
-enum Format { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, KQ4 = 3, KQ5 = 4, KQ6 = 5 };
+//
+// KQ5_0, KQ5_1: ggml's Q5_0 / Q5_1 blocks at the file's size, their u32 qh in KQ5's hbits
+// order (the one change: a permutation of its bits), every field a 16-bit word:
+//
+//     KQ5_0  22 B  fp16 d, u32 hbits, 16 B nibbles            w = d * (q + 16 h - 16)
+//     KQ5_1  24 B  fp16 d, fp16 m, u32 hbits, 16 B nibbles    w = d * (q + 16 h) + m
+enum Format { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, KQ4 = 3, KQ5 = 4, KQ6 = 5, KQ5_0 = 6, KQ5_1 = 7 };
+constexpr int FORMAT_LAST = KQ5_1;              // formats are 0 .. FORMAT_LAST
 constexpr int QK = 32;                          // weights per block
 
 constexpr int64_t block_bytes(int f) {
-    return f == Q4_0 ? 18 : f == Q4_1 ? 20 : f == Q8_0 ? 34 : f == KQ4 ? 24 : f == KQ5 ? 28 : 40;
+    return f == Q4_0 ? 18 : f == Q4_1 ? 20 : f == Q8_0 ? 34 : f == KQ4 ? 24 : f == KQ5 ? 28 : f == KQ5_0 ? 22
+           : f == KQ5_1 ? 24 : 40;
 }
 // bytes at a block's start that are 32-bit words (fp32 scales, KQ5's hbits); the rest are
 // 16-bit words (the x8 layout transposes each kind by its own width)
 constexpr int64_t wide_bytes(int f) { return f == KQ4 || f == KQ6 ? 8 : f == KQ5 ? 12 : 0; }
-constexpr bool has_min(int f) { return f == Q4_1 || f == KQ4 || f == KQ5; }      // w = d q + m
+constexpr bool has_min(int f) { return f == Q4_1 || f == KQ4 || f == KQ5 || f == KQ5_1; }   // w = d q + m
 constexpr bool int8_quants(int f) { return f == Q8_0 || f == KQ6; }              // else nibbles
-constexpr bool fp32_scales(int f) { return f >= KQ4; }
+constexpr bool fp32_scales(int f) { return f >= KQ4 && f <= KQ6; }
+constexpr bool has_hbits(int f) { return f == KQ5 || f == KQ5_0 || f == KQ5_1; }  // 5-bit quants
+// the offset every quant carries (w = d * (q - zero_point)): taken off the integer dot as
+// zero_point * (sum of x's q), exact
+constexpr int zero_point(int f) { return f == Q4_0 ? 8 : f == KQ5_0 ? 16 : 0; }
+// a 16-bit-word format's byte offset of its u32 hbits in a block (after d, and m if any)
+constexpr int64_t hbits_at(int f) { return f == KQ5_0 ? 2 : 4; }
 
 inline float fp16_to_f32(const uint8_t* p) {
     uint16_t h;
@@ -249,6 +263,26 @@ inline void dequant_block(const uint8_t* blk, V16* lo, V16* hi) {
         // has at most 17 significant bits, and then the same as an fma; not for any bytes)
         *lo = vadd(vmul(vset1(d), ql), vset1(m));
         *hi = vadd(vmul(vset1(d), qh), vset1(m));
+    } else if constexpr (F == KQ5_0 || F == KQ5_1) {
+        // the file's operations: d * (q - 16) (exact), or d * q rounded, then + m (gguf-py's order)
+        uint32_t h;
+        memcpy(&h, blk + hbits_at(F), 4);
+        float ql[16], qh[16];
+        for (int i = 0; i < 16; i++) {
+            const uint8_t b = blk[hbits_at(F) + 4 + i];
+            const int t = i / 2, j = i % 2;         // weight i = 2t + j; weight 16 + i likewise
+            ql[i] = (float)((b & 15) | (((h >> (16 * j + t)) & 1) << 4)) - (float)zero_point(F);
+            qh[i] = (float)((b >> 4) | (((h >> (16 * j + 8 + t)) & 1) << 4)) - (float)zero_point(F);
+        }
+        const V16 d = vset1(fp16_to_f32(blk));
+        if constexpr (F == KQ5_1) {
+            const V16 m = vset1(fp16_to_f32(blk + 2));
+            *lo = vadd(vmul(d, vload(ql)), m);
+            *hi = vadd(vmul(d, vload(qh)), m);
+        } else {
+            *lo = vmul(d, vload(ql));
+            *hi = vmul(d, vload(qh));
+        }
     } else if constexpr (F == Q8_0) {
         const V16 d = vset1(fp16_to_f32(blk));
         *lo = vmul(d, i8_to_v16(blk + 2));

@@ -183,7 +183,9 @@ constexpr int64_t group_block_bytes(int f) { return GROUP * block_bytes(f); }
 constexpr int64_t group_bytes(int f, int64_t K) { return K / QK * group_block_bytes(f); }
 // where a group-block's quant words start, in 16-byte units: after the 8 rows' scales (and
 // KQ5's hbits; quant_blocks.h gives the formats)
-constexpr int quant_word0(int f) { return f == Q4_1 ? 2 : f == KQ4 || f == KQ6 ? 4 : f == KQ5 ? 6 : 1; }
+constexpr int quant_word0(int f) {
+    return f == Q4_1 ? 2 : f == KQ4 || f == KQ6 || f == KQ5_1 ? 4 : f == KQ5 ? 6 : f == KQ5_0 ? 3 : 1;
+}
 
 // Prefetch distance for the one-row path, which streams each thread's groups in address
 // order. Every matmul of a SmolLM2 decode step on Zen 3, 2 threads, 4 KiB pages: 5.0-5.2 ms
@@ -225,6 +227,19 @@ inline __m256i dot_acc(__m256i acc, __m256i w, __m256i x) {
 // *hi; a Q8_0 word t gives pair t in *lo (and leaves *hi alone).
 // KQ5: the high bits come from the group-block's hbits (32 bytes after the scales): 16-bit
 // lane 2r + j holds at bit t the high bit of row r's weight 2t + j, at bit 8 + t of 2t + 16 + j.
+// KQ5_0 / KQ5_1 hold the same hbits as two 16-bit words (the 8 rows' low halves, then their high
+// halves), interleaved here into that lane order.
+template <int F>
+inline __m256i hbits_lanes(const uint8_t* gb) {
+    if constexpr (F == KQ5) {
+        return _mm256_loadu_si256((const __m256i*)(gb + 64));
+    } else {
+        const __m128i lo = _mm_loadu_si128((const __m128i*)(gb + 8 * hbits_at(F)));
+        const __m128i hi = _mm_loadu_si128((const __m128i*)(gb + 8 * hbits_at(F) + 16));
+        return _mm256_set_m128i(_mm_unpackhi_epi16(lo, hi), _mm_unpacklo_epi16(lo, hi));
+    }
+}
+
 template <int F>
 inline void widen_word(const uint8_t* gb, int t, __m256i* lo, __m256i* hi) {
     const __m128i word = _mm_loadu_si128((const __m128i*)(gb + 16 * (quant_word0(F) + t)));
@@ -234,8 +249,8 @@ inline void widen_word(const uint8_t* gb, int t, __m256i* lo, __m256i* hi) {
         const __m256i bytes = _mm256_cvtepu8_epi16(word);
         *lo = _mm256_and_si256(bytes, _mm256_set1_epi16(15));
         *hi = _mm256_srli_epi16(bytes, 4);
-        if constexpr (F == KQ5) {
-            const __m256i h = _mm256_srl_epi16(_mm256_loadu_si256((const __m256i*)(gb + 64)), _mm_cvtsi32_si128(t));
+        if constexpr (has_hbits(F)) {
+            const __m256i h = _mm256_srl_epi16(hbits_lanes<F>(gb), _mm_cvtsi32_si128(t));
             const __m256i bit4 = _mm256_set1_epi16(16);
             *lo = _mm256_or_si256(*lo, _mm256_and_si256(_mm256_slli_epi16(h, 4), bit4));
             *hi = _mm256_or_si256(*hi, _mm256_and_si256(_mm256_srli_epi16(h, 4), bit4));
@@ -287,7 +302,7 @@ inline void group_scales(const uint8_t* gb, __m256* dw, __m256* mw) {
         return;
     }
     *dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)gb));
-    *mw = F == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(gb + 16))) : _mm256_setzero_ps();
+    *mw = has_min(F) ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(gb + 16))) : _mm256_setzero_ps();
 }
 
 struct Acc { __m256 acc, accm; };
@@ -297,7 +312,7 @@ struct Acc { __m256 acc, accm; };
 template <int F>
 inline void chain(__m256i isum, __m256 dw, __m256 mw, const QRows& x, int64_t i, Acc* a,
                   __m256i isum1 = _mm256_setzero_si256()) {
-    if constexpr (F == Q4_0) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(8 * x.qs[i]));
+    if constexpr (zero_point(F) != 0) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(zero_point(F) * x.qs[i]));
     const __m256 dx = _mm256_set1_ps(x.d[i]);
     a->acc = _mm256_fmadd_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(isum), a->acc);
     if constexpr (F == KQ6) a->acc = _mm256_fmadd_ps(_mm256_mul_ps(mw, dx), _mm256_cvtepi32_ps(isum1), a->acc);
@@ -441,7 +456,7 @@ inline void group2_block_rows(const WGroup2& g, const QRows& x, int64_t m, int64
         const int64_t i = (m + r) * x.nb + b;
         const __m512 dx = _mm512_set1_ps(x.d[i]);
         __m512i isum = F == KQ6 ? s0[r] : _mm512_add_epi32(s0[r], s1[r]);
-        if constexpr (F == Q4_0) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(8 * x.qs[i]));
+        if constexpr (zero_point(F) != 0) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(zero_point(F) * x.qs[i]));
         a[r].acc = _mm512_fmadd_ps(_mm512_mul_ps(g.dw, dx), _mm512_cvtepi32_ps(isum), a[r].acc);
         if constexpr (F == KQ6) a[r].acc = _mm512_fmadd_ps(_mm512_mul_ps(g.mw, dx), _mm512_cvtepi32_ps(s1[r]), a[r].acc);
         if constexpr (has_min(F)) a[r].accm = _mm512_fmadd_ps(g.mw, _mm512_set1_ps(x.s[i]), a[r].accm);
@@ -470,10 +485,14 @@ inline void load_group(const uint8_t* gb, WGroup* g) {
             memcpy(&g->mw[r], gb + 32 + 4 * r, 4);
         } else {
             g->dw[r] = fp16_to_f32(gb + 2 * r);
-            g->mw[r] = F == Q4_1 ? fp16_to_f32(gb + 16 + 2 * r) : 0.0f;
+            g->mw[r] = has_min(F) ? fp16_to_f32(gb + 16 + 2 * r) : 0.0f;
         }
-        uint16_t h[2] = {0, 0};                 // KQ5: row r's hbits lanes (widen_word's)
+        uint16_t h[2] = {0, 0};                 // row r's hbits lanes (widen_word's)
         if constexpr (F == KQ5) memcpy(h, gb + 64 + 4 * r, 4);
+        if constexpr (F == KQ5_0 || F == KQ5_1) {
+            memcpy(&h[0], gb + 8 * hbits_at(F) + 2 * r, 2);
+            memcpy(&h[1], gb + 8 * hbits_at(F) + 16 + 2 * r, 2);
+        }
         for (int t = 0; t < (int8_quants(F) ? PAIRS : 8); t++)
             for (int j = 0; j < 2; j++) {
                 const uint8_t v = q[16 * t + 2 * r + j];
@@ -499,7 +518,7 @@ inline void group_block_row(const WGroup& g, const QRows& x, int64_t m, int64_t 
             if (F == KQ6 && k >= QK / 2) isum1 += (int32_t)g.w[r][k] * xq[k];
             else isum += (int32_t)g.w[r][k] * xq[k];
         }
-        if constexpr (F == Q4_0) isum -= 8 * x.qs[i];
+        if constexpr (zero_point(F) != 0) isum -= zero_point(F) * x.qs[i];
         a->acc[r] = fmaf(g.dw[r] * x.d[i], (float)isum, a->acc[r]);
         if constexpr (F == KQ6) a->acc[r] = fmaf(g.mw[r] * x.d[i], (float)isum1, a->acc[r]);
         if constexpr (has_min(F)) a->accm[r] = fmaf(g.mw[r], x.s[i], a->accm[r]);
@@ -830,6 +849,8 @@ inline bool matmul_range(int format, const uint8_t* w, int64_t n0, int64_t n1, c
         case KQ4: matmul_range<KQ4>(w, n0, n1, x, M, y, ldy); return true;
         case KQ5: matmul_range<KQ5>(w, n0, n1, x, M, y, ldy); return true;
         case KQ6: matmul_range<KQ6>(w, n0, n1, x, M, y, ldy); return true;
+        case KQ5_0: matmul_range<KQ5_0>(w, n0, n1, x, M, y, ldy); return true;
+        case KQ5_1: matmul_range<KQ5_1>(w, n0, n1, x, M, y, ldy); return true;
         default: return false;
     }
 }
@@ -867,6 +888,8 @@ inline bool gather_rows_any(int format, const uint8_t* w, int64_t K, const int64
         case KQ4: gather_rows<KQ4>(w, K, ids, T, out); return true;
         case KQ5: gather_rows<KQ5>(w, K, ids, T, out); return true;
         case KQ6: gather_rows<KQ6>(w, K, ids, T, out); return true;
+        case KQ5_0: gather_rows<KQ5_0>(w, K, ids, T, out); return true;
+        case KQ5_1: gather_rows<KQ5_1>(w, K, ids, T, out); return true;
         default: return false;
     }
 }

@@ -102,7 +102,7 @@ int kvd_quant_matmul(int format, const uint8_t* w, int64_t N, int64_t K, const f
     if (K <= 0 || K % QK || N < 0 || M < 0 || ldx < K || ldy < N) return -1;
     const int nt = num_threads < 1 ? 1 : num_threads;
     if (M == 0 || N == 0) return 0;
-    if (format < Q4_0 || format > KQ6) return -1;
+    if (format < Q4_0 || format > FORMAT_LAST) return -1;
     matmul(format, w, N, K, x, M, ldx, y, ldy, nt);
     return 0;
 }

@@ -45,7 +45,9 @@ def portable() -> QuantKernel:
 
 # kvd's block formats (the K-quants repacked at load) -> the GGUF type a test quantizes
 # with gguf-py and repacks (any row length; KQ6 from an 8-bit requantization per 16)
-KQ_SOURCE = {"KQ4": "Q4_1", "KQ5": "Q5_1", "KQ6": None}
+KQ_SOURCE = {"KQ4": "Q4_1", "KQ5": "Q5_1", "KQ6": None, "KQ5_0": "Q5_0", "KQ5_1": "Q5_1"}
+# the formats whose blocks start with fp32 scales (the others' are fp16)
+FP32_SCALED = ("KQ4", "KQ5", "KQ6")
 
 
 def quantized(n: int, k: int, fmt: str, seed: int, scale: float = 0.05) -> QuantTensor:
@@ -65,6 +67,9 @@ def quantized(n: int, k: int, fmt: str, seed: int, scale: float = 0.05) -> Quant
             d, m = (b[..., i:i + 2].contiguous().view(torch.float16).float().squeeze(-1) for i in (0, 2))
             q = torch.cat([b[..., 4:] & 15, b[..., 4:] >> 4], dim=-1).to(torch.int8).view(n, k)
             return kquant_repack.repack("Q4_K", gguf_blocks.SubBlocks(32, d, q, -m))
+        target = kquant_repack.TARGET[src]
+        if target != fmt:           # Q5_1 as KQ5: its sub-blocks repacked to the fp32 layout
+            return kquant_repack.repack("Q5_K", gguf_blocks.decode(src, data, k))
         return kquant_repack.repack(src, gguf_blocks.decode(src, data, k))
     blocks = gguf.quants.quantize(w, gguf.GGMLQuantizationType[fmt])
     return QuantTensor(fmt, (n, k), torch.from_numpy(np.ascontiguousarray(blocks)))
@@ -76,12 +81,12 @@ def random_blocks(n: int, k: int, fmt: str, seed: int) -> QuantTensor:
     f = FORMATS[fmt]
     g = torch.Generator().manual_seed(seed)
     data = torch.randint(0, 256, (n, k // 32, f.block_bytes), generator=g, dtype=torch.uint8)
-    if fmt in KQ_SOURCE:                          # fp32 d, m (KQ6: d0, d1)
+    if fmt in FP32_SCALED:                        # fp32 d, m (KQ6: d0, d1)
         single = data[..., :8].clone().view(torch.int32)
         single &= ~0x40000000                     # exponent < 128: finite, |v| < 2 (no inf/nan)
         data[..., :8] = single.view(torch.uint8)
         return QuantTensor(fmt, (n, k), data.reshape(n, -1))
-    scales = 4 if fmt == "Q4_1" else 2
+    scales = 4 if fmt in ("Q4_1", "KQ5_1") else 2
     half = data[..., :scales].clone().view(torch.int16)
     half &= ~0x4000                               # exponent < 16: finite, |v| < 2 (no inf/nan)
     data[..., :scales] = half.view(torch.uint8)
@@ -96,9 +101,9 @@ def block_mins(qt: QuantTensor) -> torch.Tensor:
     if qt.fmt.name in ("KQ4", "KQ5"):
         m = qt.data.view(rows, cols // 32, bb)[..., 4:8].contiguous().view(torch.float32)
         return m.expand(rows, cols // 32, 32).reshape(rows, cols)
-    if qt.fmt.name != "Q4_1":
+    if qt.fmt.name not in ("Q4_1", "KQ5_1"):
         return torch.zeros(rows, cols)
-    m = qt.data.view(rows, cols // 32, 20)[..., 2:4].contiguous().view(torch.float16).float()
+    m = qt.data.view(rows, cols // 32, bb)[..., 2:4].contiguous().view(torch.float16).float()
     return m.expand(rows, cols // 32, 32).reshape(rows, cols)
 
 
@@ -300,7 +305,7 @@ def test_the_tile_path_computes_the_same_bits(portable, fmt):
     # the largest dots: every weight at its format's top (nibble 15, int8 127) against blocks
     # of x that quantize to +-32767 throughout
     qt = random_blocks(24, 64, fmt, seed=1)
-    off = FORMATS[fmt].wide_bytes or (4 if fmt == "Q4_1" else 2)
+    off = FORMATS[fmt].wide_bytes or (4 if fmt in ("Q4_1", "KQ5_1") else 2)
     blocks = qt.data.view(24, 2, -1).clone()
     blocks[..., off:] = 0x7F if fmt in ("Q8_0", "KQ6") else 0xFF
     qt = QuantTensor(fmt, (24, 64), blocks.view(24, -1))
