@@ -35,8 +35,8 @@ from kvd.sim.costs import StepCosts, least_squares, relative_error
 GRIDS = {
     # (prefill new tokens, prefill contexts, decode batches, decode prompt lengths,
     #  decode steps per point, swap block counts, transfer sizes in bytes, repeats)
-    "full": ([16, 64, 128, 256, 512], [0, 128, 512], [1, 2, 4, 8, 16, 32], [32, 256, 768], 4,
-             [8, 32, 128], [4 << 10, 64 << 10, 1 << 20, 8 << 20], 3),
+    "full": ([16, 64, 128, 256], [0, 128], [1, 2, 4, 8], [32, 128], 4,
+             [8, 32], [4 << 10, 64 << 10, 1 << 20, 8 << 20], 3),
     "quick": ([16, 64], [0, 32], [1, 4], [32], 3, [8], [4 << 10, 256 << 10], 2),
 }
 
@@ -93,6 +93,8 @@ def profile_engine(config, *, quick: bool = False, progress: Progress | None = N
             engine.add_request(f"profile-{next(counter)}", ids(32), warm)
         while engine.has_unfinished():
             engine.step()
+    for n in ns:                                                 # each prefill shape once, untimed
+        run_alone(ids(n), greedy)
     engine.pool.flush()
     prefill = []
     for _ in range(reps):

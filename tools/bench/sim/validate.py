@@ -1,0 +1,159 @@
+"""How far to trust ``kvd simulate``: measured runs beside simulated ones.
+
+For each configuration (``one``: one node; ``mixed2``: two mixed nodes;
+``1p1d``: ``--nodes 2 --prefill 1``; ``tree3``: three nodes, prompt-tree
+routing), trace (``random``; ``prefix``: prefix_repetition, where routing
+and the prefix cache matter) and rate, it starts a real ``kvd serve`` on
+loopback, runs ``kvd-loadgen`` against it, then simulates the same flags on
+the profile (kvd/sim/run.py) and reports, per run, the relative errors of
+p50 and p99 TTFT and TPOT and the difference in SLO attainment (points).
+Multi-node configurations run every node on this host: with fewer cores
+than nodes the nodes share them, which the simulator (one machine per node,
+as profiled) does not model; ``--node-profile`` names a profile measured
+with the per-node thread count for them.
+
+    .venv/bin/python -m tools.bench.sim.validate --profile results/sim/profile-smollm2.json \\
+        [--node-profile P.json] [--configs one,mixed2,1p1d,tree3] [--rates 0.5,1] \\
+        [--traces random,prefix] [--num-prompts 16] [--input-len 64] [--output-len 16]
+
+Writes results/sim/validate.json and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(ROOT))
+
+from tools._twoproc import free_port, stop_processes, wait_healthy  # noqa: E402
+
+CONFIGS = {"one": (0, 0, None), "mixed2": (2, 0, "least-load"), "1p1d": (2, 1, None),
+           "tree3": (3, 0, "prompt-tree")}
+METRICS = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")
+
+
+def trace_flags(trace: str, args) -> list[str]:
+    if trace == "random":
+        return ["--dataset-name", "random", "--random-input-len", str(args.input_len),
+                "--random-output-len", str(args.output_len)]
+    return ["--dataset-name", "prefix_repetition", "--prefix-repetition-num-prefixes", "2",
+            "--prefix-repetition-prefix-len", str(args.input_len), "--prefix-repetition-suffix-len", "16",
+            "--prefix-repetition-output-len", str(args.output_len)]
+
+
+def serve(model: str, nodes: int, prefill: int, routing: str | None, cfg: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "kvd.cli", "serve", "--model", model, "--port", str(port), "-c", str(cfg)]
+    if nodes:
+        cmd += ["--nodes", str(nodes), "--split-cpus", "off"]
+    if prefill:
+        cmd += ["--prefill", str(prefill)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    why = wait_healthy(url, proc, 180.0)
+    if why:
+        stop_processes([proc])
+        raise RuntimeError(f"kvd serve {why}")
+    return proc, url
+
+
+def measured(url: str, flags: list[str], out: Path) -> dict:
+    subprocess.run([sys.executable, "-m", "tools.loadgen.cli", "--base-url", url, *flags, "--save-result",
+                    "--result-dir", str(out.parent), "--result-filename", out.name, "--disable-tqdm"],
+                   cwd=ROOT, check=True, stdout=subprocess.DEVNULL, timeout=600)  # noqa: S603
+    return json.loads(out.read_text())["metrics"]
+
+
+def simulated(profile: str, nodes: int, prefill: int, routing: str | None, cfg: Path, flags: list[str]) -> dict:
+    from tools.loadgen import metrics
+
+    from kvd.sim.run import load_shape, parse, simulate, workload_of
+
+    own, args = parse(["--profile", profile, *flags])
+    shape = load_shape(str(cfg), profile, max(nodes, 1), prefill, routing)
+    conversations, opts, encode, _ = workload_of(args)
+    records, duration, _ = simulate(shape, conversations, opts, encode)
+    return metrics.compute_metrics(records, duration, args.percentiles, args.slo)
+
+
+def errors(real: dict, sim: dict) -> dict:
+    out = {}
+    for k in METRICS:
+        r, s = real.get(k), sim.get(k)
+        out[k] = round((s - r) / r, 3) if r and s is not None else None
+    ra, sa = real.get("slo_attainment"), sim.get("slo_attainment")
+    out["attainment_points"] = round(100 * (sa - ra), 1) if ra is not None and sa is not None else None
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--profile", required=True)
+    ap.add_argument("--node-profile", default=None, help="profile for the multi-node configurations")
+    ap.add_argument("--model", default=None, help="default: the profile's")
+    ap.add_argument("--configs", default="one,mixed2,1p1d,tree3")
+    ap.add_argument("--traces", default="random,prefix")
+    ap.add_argument("--rates", default="0.5,1")
+    ap.add_argument("--num-prompts", type=int, default=16)
+    ap.add_argument("--input-len", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=16)
+    ap.add_argument("--slo", default="ttft:2000 tpot:150", help="goodput SLOs, kvd-loadgen's KEY:MS")
+    ap.add_argument("--out", default=str(ROOT / "results/sim/validate.json"))
+    args = ap.parse_args()
+    model = args.model or json.loads(Path(args.profile).read_text())["model"]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.configs.split(","):
+            nodes, prefill, routing = CONFIGS[name]
+            profile = args.node_profile if nodes and args.node_profile else args.profile
+            cfg = Path(tmp) / f"{name}.toml"
+            cfg.write_text(f'[cluster]\nrouting = "{routing or "prompt-tree"}"\n')
+            proc, url = serve(model, nodes, prefill, routing, cfg)
+            try:
+                for trace in args.traces.split(","):
+                    for rate in args.rates.split(","):
+                        flags = [*trace_flags(trace, args), "--request-rate", rate, "--num-prompts",
+                                 str(args.num_prompts), "--seed", "0", "--tokenizer", model,
+                                 "--metric-percentiles", "50,99", "--goodput", *args.slo.split()]
+                        real = measured(url, flags, Path(tmp) / f"{name}-{trace}-{rate}.json")
+                        sim = simulated(profile, nodes, prefill, routing, cfg, flags)
+                        row = {"config": name, "trace": trace, "rate": float(rate),
+                               "measured": {k: real.get(k) for k in (*METRICS, "slo_attainment", "request_goodput")},
+                               "simulated": {k: sim.get(k) for k in (*METRICS, "slo_attainment", "request_goodput")},
+                               "errors": errors(real, sim)}
+                        rows.append(row)
+                        print(json.dumps(row), flush=True)
+            finally:
+                stop_processes([proc])
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    from tools.loadgen.report import machine_info
+    out.write_text(json.dumps({"machine": machine_info(), "profile": args.profile, "rows": rows}, indent=1))
+    print(markdown(rows))
+    print(f"wrote {out}")
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| config | trace | rate | p50 TTFT ms (meas / sim) | p99 TTFT | p50 TPOT | p99 TPOT | attain. pts |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        m, s, e = r["measured"], r["simulated"], r["errors"]
+
+        def cell(k: str) -> str:
+            if m.get(k) is None or s.get(k) is None:
+                return "n/a"
+            return f"{m[k]:.0f} / {s[k]:.0f} ({e[k]:+.0%})"
+        lines.append(f"| {r['config']} | {r['trace']} | {r['rate']:g} | {cell('median_ttft_ms')} | "
+                     f"{cell('p99_ttft_ms')} | {cell('median_tpot_ms')} | {cell('p99_tpot_ms')} | "
+                     f"{e['attainment_points']:+.1f} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
