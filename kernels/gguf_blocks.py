@@ -57,12 +57,17 @@ class SubBlocks:
 
     q: int8 ``[rows, cols]``; scale, min: fp32 ``[rows, cols / size]`` (min None when
     the format has none). ``dequantize`` gives gguf-py's values bit for bit.
+
+    Q4_K, Q5_K and Q6_K also keep the factors (``factors``: scale = d * sc, min =
+    dmin * mn): d, dmin fp32 ``[rows, cols / 256]`` (the file's fp16 values), sc, mn
+    int16 ``[rows, cols / size]`` (its sub-block integers); None for the other formats.
     """
 
     size: int
     scale: torch.Tensor
     q: torch.Tensor
     min: torch.Tensor | None
+    factors: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None] | None = None
 
     def dequantize(self) -> torch.Tensor:
         """fp32 ``[rows, cols]``."""
@@ -101,8 +106,11 @@ def decode(fmt: str, data: torch.Tensor, cols: int) -> SubBlocks:
     blocks = data.contiguous().view(rows * (cols // per), nbytes)        # [B, nbytes]
     sub = _DECODERS[fmt](blocks)
     nsub = cols // sub.size
+    factors = None
+    if sub.factors is not None:
+        factors = tuple(None if f is None else f.reshape(rows, -1) for f in sub.factors)
     return SubBlocks(sub.size, sub.scale.reshape(rows, nsub), sub.q.reshape(rows, cols),
-                     None if sub.min is None else sub.min.reshape(rows, nsub))
+                     None if sub.min is None else sub.min.reshape(rows, nsub), factors)
 
 
 # ------------------------------------------------------------------ helpers
@@ -188,7 +196,8 @@ def _q45_k(b: torch.Tensor, five: bool) -> SubBlocks:
     q = _nibbles(qs.view(n, 4, 32)).reshape(n, QK_K)                   # chunk i: sub-blocks 2i (lo), 2i+1 (hi)
     if five:
         q = q | (_bits(b[:, 16:48], 8).reshape(n, QK_K) << 4)           # bit j of qh[l] -> sub-block j, weight l
-    return SubBlocks(32, d * sc.float(), q.to(torch.int8), dmin * mn.float())
+    return SubBlocks(32, d * sc.float(), q.to(torch.int8), dmin * mn.float(),
+                     (d, dmin, sc.to(torch.int16), mn.to(torch.int16)))
 
 
 def _q6_k(b: torch.Tensor) -> SubBlocks:
@@ -199,7 +208,7 @@ def _q6_k(b: torch.Tensor) -> SubBlocks:
     shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)
     high = (qh.view(n, 2, 1, 32) >> shifts) & 3                          # [half, 4, 32]
     q = (low | (high << 4)).to(torch.int8) - 32
-    return SubBlocks(16, d * sc.float(), q.reshape(n, QK_K), None)
+    return SubBlocks(16, d * sc.float(), q.reshape(n, QK_K), None, (d, None, sc.to(torch.int16), None))
 
 
 def _iq4_xs(b: torch.Tensor) -> SubBlocks:

@@ -4,10 +4,11 @@ A GGUF tensor of a kernels/gguf_blocks.py format, decoded to ``SubBlocks``
 (``w = scale * q - min`` per sub-block of 16 or 32), becomes a ``QuantTensor``
 (kernels/quant.py) in one of::
 
-    Q4_K          -> KQ4   fp32 d, m per 32, nibbles        every weight kept
-    Q5_K          -> KQ5   fp32 d, m per 32, 5-bit quants   every weight kept
+    Q4_K          -> KS4   the file's super-block, sub-block scales as bytes   every weight kept
+    Q5_K          -> KS5   the same, 5-bit quants                              every weight kept
+    Q6_K          -> KS6   the file's super-block, fields regrouped             every weight kept
     Q5_0, Q5_1    -> KQ5_0, KQ5_1  the file's block, qh bits reordered (its size)
-    Q6_K Q3_K IQ4_XS -> KQ6  fp32 d0, d1 per 16, int8       every weight kept
+    Q3_K IQ4_XS   -> KQ6   fp32 d0, d1 per 16, int8       every weight kept
     IQ4_NL        -> Q8_0  fp16 d per 32, int8               every weight kept
     Q2_K          -> KQ6   requantized: 8 bits per 16 weights (the one lossy conversion)
 
@@ -30,7 +31,7 @@ from kernels.gguf_blocks import BLOCKS, SubBlocks
 from kernels.quant import BLOCK, FORMATS, QuantTensor
 
 # GGUF type -> the served format it is repacked into
-TARGET = {"Q4_K": "KQ4", "Q5_K": "KQ5", "Q5_1": "KQ5_1", "Q5_0": "KQ5_0", "Q6_K": "KQ6",
+TARGET = {"Q4_K": "KS4", "Q5_K": "KS5", "Q5_1": "KQ5_1", "Q5_0": "KQ5_0", "Q6_K": "KS6",
           "Q3_K": "KQ6", "IQ4_XS": "KQ6", "IQ4_NL": "Q8_0", "Q2_K": "KQ6"}
 NATIVE = ("Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1")
 CONVERTED = ("Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS")
@@ -40,11 +41,17 @@ LOSSY = ("Q2_K",)
 def repack(fmt: str, sub: SubBlocks) -> QuantTensor:
     """``sub`` (decoded from a ``fmt`` tensor ``[rows, cols]``) as a ``QuantTensor`` in the
     rows layout of ``TARGET[fmt]``."""
+    return repack_to(TARGET[fmt], requantize_int8_16(sub.dequantize()) if fmt in LOSSY else sub)
+
+
+def repack_to(target: str, sub: SubBlocks) -> QuantTensor:
+    """``sub`` as a ``QuantTensor`` in the rows layout of ``target``, every weight kept (a
+    KS target needs ``sub.factors``; KQ6 a sub-block of 16 or 32, the others of 32)."""
     rows, cols = sub.q.shape
     nb = cols // BLOCK
-    target = TARGET[fmt]
-    if fmt in LOSSY:
-        sub = requantize_int8_16(sub.dequantize())
+    if target in ("KS4", "KS5", "KS6"):
+        data = _super_blocks(target, sub)
+        return QuantTensor(target, (rows, cols), data.reshape(rows, -1).contiguous())
     if target == "Q8_0":                                        # IQ4_NL: d is the file's fp16
         body = [_f16(sub.scale.view(rows, nb, 1)), sub.q.view(rows, nb, 32).view(torch.uint8)]
     elif target in ("KQ5_0", "KQ5_1"):                          # fp16 d (, m), hbits, nibbles
@@ -70,6 +77,31 @@ def repack(fmt: str, sub: SubBlocks) -> QuantTensor:
         body.append(lo[..., :16] | (lo[..., 16:] << 4))
     data = torch.cat(body, dim=-1).reshape(rows, nb * FORMATS[target].block_bytes)
     return QuantTensor(target, (rows, cols), data.contiguous())
+
+
+def _super_blocks(target: str, sub: SubBlocks) -> torch.Tensor:
+    """uint8 [rows, nsup, block_bytes] of a KS format (kernels/quant.py) from a Q4_K / Q5_K
+    / Q6_K tensor's sub-blocks and factors."""
+    rows, cols = sub.q.shape
+    ns = cols // 256
+    d, dmin, sc, mn = sub.factors
+    if target == "KS6":
+        q = (sub.q.view(rows, ns, 8, 32).to(torch.int16) + 32).to(torch.uint8)          # 0..63
+        lo, hb = q & 15, (q >> 4) ^ 2
+        u, j = torch.arange(4).view(4, 1), torch.arange(2).view(1, 2)
+        first = hb[..., 4 * u + j] | (hb[..., 4 * u + 16 + j] << 2)                      # t = 2u
+        second = hb[..., 4 * u + 2 + j] | (hb[..., 4 * u + 18 + j] << 2)                 # t = 2u + 1
+        highs = (first | (second << 4)).reshape(rows, ns, 8, 8)
+        subs = torch.cat([lo[..., :16] | (lo[..., 16:] << 4), highs], dim=-1).reshape(rows, ns, -1)
+        head = [_f16(d.view(rows, ns, 1)), sc.view(rows, ns, 16).to(torch.int8).view(torch.uint8)]
+        return torch.cat([*head, subs], dim=-1)
+    q = sub.q.view(rows, ns, 8, 32).to(torch.uint8)
+    lo = q & 15
+    nibbles = lo[..., :16] | (lo[..., 16:] << 4)
+    subs = torch.cat([_hbits(q >> 4), nibbles], dim=-1) if target == "KS5" else nibbles
+    scm = torch.stack([sc.view(rows, ns, 8), mn.view(rows, ns, 8)], dim=-1).to(torch.uint8).view(rows, ns, 16)
+    return torch.cat([_f16(d.view(rows, ns, 1)), _f16(dmin.view(rows, ns, 1)), scm, subs.reshape(rows, ns, -1)],
+                     dim=-1)
 
 
 def requantize_int8_16(w: torch.Tensor) -> SubBlocks:

@@ -13,6 +13,13 @@ A ``QuantTensor`` is a matrix ``[rows, cols]`` whose every row is
     KQ6   40 B / 32 weights  fp32 d0, fp32 d1, 32 x int8         w = d0 * q, d1 * q (second 16)
     KQ5_0 22 B / 32 weights  fp16 d, u32 hbits, 16 B             w = d * (q + 16 h - 16)
     KQ5_1 24 B / 32 weights  fp16 d, fp16 m, u32 hbits, 16 B     w = d * (q + 16 h) + m
+    KS4  148 B / 256 weights fp16 d, dmin, 8 x (u8 sc, m), 8 x 16 B        w = (d sc) q - dmin m
+    KS5  180 B / 256 weights the same, 8 x (u32 hbits, 16 B)
+    KS6  210 B / 256 weights fp16 d, 16 x int8 sc, 8 x (16 B, 8 B highs)   w = (d sc) (q - 32) per 16
+
+(the KS formats: Q4_K / Q5_K / Q6_K super-blocks, every field a 2-byte word; their
+sub-block scales are fp32 products the kernels form in registers, exact, so they
+compute with KQ4 / KQ5 / KQ6's values; quant_blocks.h draws KS6's highs)
 
 (in a 4- or 5-bit block, byte j holds weight j in its low nibble and weight j + 16 in
 its high nibble; the hbits order of KQ5, KQ5_0 and KQ5_1 is kernels/csrc/quant_blocks.h's:
@@ -41,7 +48,7 @@ import torch
 
 from kernels.weight_arena import WeightArena
 
-BLOCK = 32                      # weights per block, every format here
+BLOCK = 32                      # weights per block (a KS super-block: 8 of them)
 GROUP = 8                       # rows per group in the x8 layout
 ROWS, X8 = "rows", "x8"         # layouts
 
@@ -54,15 +61,18 @@ class BlockFormat:
     code: int                   # enum Format in kernels/csrc/quant_blocks.h
     block_bytes: int
     wide_bytes: int = 0         # leading bytes that are 4-byte words (fp32 scales)
+    weights: int = BLOCK        # weights per block
 
     def bits_per_weight(self) -> float:
-        return self.block_bytes * 8 / BLOCK
+        return self.block_bytes * 8 / self.weights
 
 
 FORMATS = {f.name: f for f in (BlockFormat("Q4_0", 0, 18), BlockFormat("Q4_1", 1, 20),
                                 BlockFormat("Q8_0", 2, 34), BlockFormat("KQ4", 3, 24, 8),
                                 BlockFormat("KQ5", 4, 28, 12), BlockFormat("KQ6", 5, 40, 8),
-                                BlockFormat("KQ5_0", 6, 22), BlockFormat("KQ5_1", 7, 24))}
+                                BlockFormat("KQ5_0", 6, 22), BlockFormat("KQ5_1", 7, 24),
+                                BlockFormat("KS4", 8, 148, weights=256), BlockFormat("KS5", 9, 180, weights=256),
+                                BlockFormat("KS6", 10, 210, weights=256))}
 # the formats a GGUF file stores (the others are kvd's, made at load)
 GGUF_FORMATS = ("Q4_0", "Q4_1", "Q8_0")
 
@@ -83,10 +93,10 @@ class QuantTensor:
                  layout: str = ROWS) -> None:
         fmt = FORMATS[fmt] if isinstance(fmt, str) else fmt
         rows, cols = (int(s) for s in shape)
-        if rows < 1 or cols < 1 or cols % BLOCK:
+        if rows < 1 or cols < 1 or cols % fmt.weights:
             raise ValueError(f"{fmt.name} matrix [{rows}, {cols}]: rows must be >= 1 and cols a positive "
-                             f"multiple of {BLOCK}")
-        row_bytes = cols // BLOCK * fmt.block_bytes
+                             f"multiple of {fmt.weights}")
+        row_bytes = cols // fmt.weights * fmt.block_bytes
         if layout == ROWS:
             want = (rows, row_bytes)
         elif layout == X8:
@@ -108,7 +118,7 @@ class QuantTensor:
         if self.layout == X8:
             return self
         rows, cols = self.shape
-        groups, nb = -(-rows // GROUP), cols // BLOCK
+        groups, nb = -(-rows // GROUP), cols // self.fmt.weights
         data = self.data
         if groups * GROUP != rows:
             data = torch.cat([data, data.new_zeros(groups * GROUP - rows, data.shape[1])])
@@ -133,7 +143,7 @@ class QuantTensor:
         if self.layout == ROWS:
             return self
         rows, cols = self.shape
-        groups, nb, bb = self.data.shape[0], cols // BLOCK, self.fmt.block_bytes
+        groups, nb, bb = self.data.shape[0], cols // self.fmt.weights, self.fmt.block_bytes
         packed = self.data.view(groups, nb, GROUP * bb)
         blocks = torch.empty(groups, GROUP, nb, bb, dtype=torch.uint8)
         at = 0
@@ -175,13 +185,15 @@ class QuantTensor:
 
 def _dequantize(fmt: BlockFormat, data: torch.Tensor, cols: int) -> torch.Tensor:
     rows = data.shape[0]
-    blocks = data.view(rows, cols // BLOCK, fmt.block_bytes)          # [R, nb, block_bytes]
+    blocks = data.view(rows, cols // fmt.weights, fmt.block_bytes)    # [R, nb, block_bytes]
 
     def half(at: int) -> torch.Tensor:                                 # fp16 field -> fp32 [R, nb, 1]
         return blocks[..., at:at + 2].contiguous().view(torch.float16).float()
 
     if fmt.name in ("KQ4", "KQ5", "KQ6"):
         return _dequantize_kq(fmt.name, blocks).reshape(rows, cols)
+    if fmt.name in ("KS4", "KS5", "KS6"):
+        return _dequantize_ks(fmt.name, blocks).reshape(rows, cols)
     d = half(0)
     if fmt.name in ("KQ5_0", "KQ5_1"):
         at = 2 if fmt.name == "KQ5_0" else 4                           # the hbits
@@ -218,3 +230,28 @@ def _five_bits(hbits: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
     j = torch.where(bit < 16, bit, bit - 16)                            # i < 16: t = i // 2, odd i: +16
     at = (j // 2) + 16 * (j % 2) + 8 * (bit >= 16)
     return torch.cat([qs & 15, qs >> 4], dim=-1).float() + 16 * ((h >> at) & 1).float()
+
+
+def _dequantize_ks(name: str, blocks: torch.Tensor) -> torch.Tensor:
+    """[R, nb, block_bytes] of a KS format -> fp32 [R, nb, 8, 32] (gguf-py's operations:
+    (d sc) q, then - dmin m)."""
+    rows, nb = blocks.shape[:2]
+    d = blocks[..., 0:2].contiguous().view(torch.float16).float()           # [R, nb, 1]
+    if name == "KS6":
+        sc = blocks[..., 2:18].contiguous().view(torch.int8).float().view(rows, nb, 8, 2, 1)
+        sub = blocks[..., 18:].reshape(rows, nb, 8, 24)
+        qs, hb = sub[..., :16], sub[..., 16:]                               # [R, nb, 8, 16], [.., 8]
+        t = torch.arange(16) // 2
+        byte = hb[..., 2 * (t // 2) + torch.arange(16) % 2] >> (4 * (t % 2)).to(torch.uint8)
+        high = torch.cat([(byte & 3) ^ 2, ((byte >> 2) & 3) ^ 2], dim=-1).float()
+        q = torch.cat([qs & 15, qs >> 4], dim=-1).float() + 16 * high - 32   # [R, nb, 8, 32]
+        return (d.view(rows, nb, 1, 1, 1) * sc * q.view(rows, nb, 8, 2, 16)).view(rows, nb, 8, 32)
+    dmin = blocks[..., 2:4].contiguous().view(torch.float16).float()
+    scm = blocks[..., 4:20].reshape(rows, nb, 8, 2).float()
+    scale, mins = d.unsqueeze(-1) * scm[..., 0:1], dmin.unsqueeze(-1) * scm[..., 1:2]   # [R, nb, 8, 1]
+    sub = blocks[..., 20:].reshape(rows, nb, 8, -1)
+    if name == "KS5":
+        q = _five_bits(sub[..., :4], sub[..., 4:])
+    else:
+        q = torch.cat([sub & 15, sub >> 4], dim=-1).float()
+    return scale * q - mins

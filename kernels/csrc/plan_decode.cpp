@@ -60,7 +60,7 @@ inline bool quantized(int32_t format) { return (format >= Q4_0 && format <= FORM
 // A matrix of format `format` fits an input of width k: a whole number of its blocks (16
 // elements for a float matrix).
 inline bool matrix_fits(int32_t format, int64_t k) {
-    return (quantized(format) && k % QK == 0) || (dense(format) && k % 16 == 0);
+    return (quantized(format) && k % block_weights(format) == 0) || (dense(format) && k % 16 == 0);
 }
 
 

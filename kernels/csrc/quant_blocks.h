@@ -33,26 +33,50 @@ namespace {
 //
 //     KQ5_0  22 B  fp16 d, u32 hbits, 16 B nibbles            w = d * (q + 16 h - 16)
 //     KQ5_1  24 B  fp16 d, fp16 m, u32 hbits, 16 B nibbles    w = d * (q + 16 h) + m
-enum Format { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, KQ4 = 3, KQ5 = 4, KQ6 = 5, KQ5_0 = 6, KQ5_1 = 7 };
-constexpr int FORMAT_LAST = KQ5_1;              // formats are 0 .. FORMAT_LAST
-constexpr int QK = 32;                          // weights per block
+//
+// KS4, KS5, KS6: Q4_K / Q5_K / Q6_K super-blocks of 256 weights at the file's size (KS4, KS5:
+// 4 bytes more), every field a 16-bit word, the sub-block scales small integers that the
+// kernels multiply by the fp16 super-block scale in registers (exact: the very fp32 scales of
+// KQ4 / KQ5 / KQ6, so the same bits):
+//
+//     KS4  148 B  fp16 d, fp16 dmin, 8 x (u8 sc, u8 m), 8 x [16 B nibbles]
+//                 sub-block s: w = (d sc_s) q - dmin m_s
+//     KS5  180 B  the same, 8 x [u32 hbits, 16 B nibbles]           q + 16 h for q
+//     KS6  210 B  fp16 d, 16 x int8 sc, 8 x [16 B nibbles, 8 B highs]
+//                 sub-block s: w = (d sc_2s) (q - 32) (weights 0..15), (d sc_2s+1) (q - 32)
+//
+// (nibbles as in a Q4 block; KS6's q = nibble + 16 hi, hi's two bits stored XOR 2 (so that
+// they read as the signed hi - 2): high byte 2u + j holds in nibble e (t = 2u + e) the bits of
+// weight 2t + j (bits 0, 1) and of 2t + 16 + j (bits 2, 3)).
+enum Format { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, KQ4 = 3, KQ5 = 4, KQ6 = 5, KQ5_0 = 6, KQ5_1 = 7, KS4 = 8, KS5 = 9,
+              KS6 = 10 };
+constexpr int FORMAT_LAST = KS6;                // formats are 0 .. FORMAT_LAST
+constexpr int QK = 32;                          // weights per block (a super-block's sub-block)
+constexpr int SUBS = 8;                         // sub-blocks of a super-block
 
+constexpr bool super_block(int f) { return f >= KS4 && f <= KS6; }
+constexpr int64_t block_weights(int f) { return super_block(f) ? SUBS * QK : QK; }
 constexpr int64_t block_bytes(int f) {
     return f == Q4_0 ? 18 : f == Q4_1 ? 20 : f == Q8_0 ? 34 : f == KQ4 ? 24 : f == KQ5 ? 28 : f == KQ5_0 ? 22
-           : f == KQ5_1 ? 24 : 40;
+           : f == KQ5_1 ? 24 : f == KS4 ? 148 : f == KS5 ? 180 : f == KS6 ? 210 : 40;
 }
+// a super-block's bytes before its sub-blocks, and each sub-block's
+constexpr int64_t head_bytes(int f) { return f == KS6 ? 18 : 20; }
+constexpr int64_t sub_bytes(int f) { return f == KS4 ? 16 : f == KS5 ? 20 : 24; }
 // bytes at a block's start that are 32-bit words (fp32 scales, KQ5's hbits); the rest are
 // 16-bit words (the x8 layout transposes each kind by its own width)
 constexpr int64_t wide_bytes(int f) { return f == KQ4 || f == KQ6 ? 8 : f == KQ5 ? 12 : 0; }
-constexpr bool has_min(int f) { return f == Q4_1 || f == KQ4 || f == KQ5 || f == KQ5_1; }   // w = d q + m
+constexpr bool has_min(int f) { return f == Q4_1 || f == KQ4 || f == KQ5 || f == KQ5_1 || f == KS4 || f == KS5; }
 constexpr bool int8_quants(int f) { return f == Q8_0 || f == KQ6; }              // else nibbles
 constexpr bool fp32_scales(int f) { return f >= KQ4 && f <= KQ6; }
-constexpr bool has_hbits(int f) { return f == KQ5 || f == KQ5_0 || f == KQ5_1; }  // 5-bit quants
+constexpr bool has_hbits(int f) { return f == KQ5 || f == KQ5_0 || f == KQ5_1 || f == KS5; }  // 5-bit quants
+constexpr bool two_scales(int f) { return f == KQ6 || f == KS6; }     // a scale per 16 weights
 // the offset every quant carries (w = d * (q - zero_point)): taken off the integer dot as
 // zero_point * (sum of x's q), exact
 constexpr int zero_point(int f) { return f == Q4_0 ? 8 : f == KQ5_0 ? 16 : 0; }
-// a 16-bit-word format's byte offset of its u32 hbits in a block (after d, and m if any)
-constexpr int64_t hbits_at(int f) { return f == KQ5_0 ? 2 : 4; }
+// a 16-bit-word format's byte offset of its u32 hbits in a block (after d, and m if any; KS5:
+// in a sub-block)
+constexpr int64_t hbits_at(int f) { return f == KQ5_0 ? 2 : f == KS5 ? 0 : 4; }
 
 inline float fp16_to_f32(const uint8_t* p) {
     uint16_t h;
@@ -230,6 +254,51 @@ inline void store_half_row(const float* x, int64_t n, uint16_t* out) {
     }
 #endif
     for (; i < n; i++) out[i] = f32_to_half(x[i]);
+}
+
+// Sub-block s of a KS super-block (its bytes as a row holds them): its 32 integer weights
+// (KS6: q - 32) and fp32 scales: w = dw q - mn (KS6: dw q for weights 0..15, mn q for 16..31).
+template <int F>
+inline void super_sub(const uint8_t* blk, int s, int16_t w[QK], float* dw, float* mn) {
+    const float d = fp16_to_f32(blk);
+    const uint8_t* sub = blk + head_bytes(F) + s * sub_bytes(F);
+    if constexpr (F == KS6) {
+        *dw = d * (float)(int8_t)blk[2 + 2 * s];
+        *mn = d * (float)(int8_t)blk[3 + 2 * s];
+        for (int i = 0; i < 16; i++) {
+            const int t = i / 2, j = i % 2, e = t % 2;
+            const int hb = (sub[16 + 2 * (t / 2) + j] >> (4 * e)) & 15;
+            w[i] = (int16_t)((sub[i] & 15) + 16 * ((hb & 3) ^ 2) - 32);
+            w[i + 16] = (int16_t)((sub[i] >> 4) + 16 * (((hb >> 2) & 3) ^ 2) - 32);
+        }
+    } else {
+        *dw = d * (float)blk[4 + 2 * s];
+        *mn = fp16_to_f32(blk + 2) * (float)blk[5 + 2 * s];
+        uint32_t h = 0;
+        if constexpr (F == KS5) memcpy(&h, sub, 4);
+        const uint8_t* q = sub + (F == KS5 ? 4 : 0);
+        for (int i = 0; i < 16; i++) {
+            const int t = i / 2, j = i % 2;
+            w[i] = (int16_t)((q[i] & 15) | (((h >> (16 * j + t)) & 1) << 4));
+            w[i + 16] = (int16_t)((q[i] >> 4) | (((h >> (16 * j + 8 + t)) & 1) << 4));
+        }
+    }
+}
+
+// Sub-block s of a KS super-block in fp32 (gguf-py's operations: (d sc) q, then - dmin m)
+template <int F>
+inline void dequant_sub(const uint8_t* blk, int s, V16* lo, V16* hi) {
+    int16_t w[QK];
+    float dw, mn, f[QK];
+    super_sub<F>(blk, s, w, &dw, &mn);
+    for (int i = 0; i < QK; i++) f[i] = (float)w[i];
+    if constexpr (F == KS6) {
+        *lo = vmul(vset1(dw), vload(f));
+        *hi = vmul(vset1(mn), vload(f + 16));
+    } else {
+        *lo = vsub(vmul(vset1(dw), vload(f)), vset1(mn));
+        *hi = vsub(vmul(vset1(dw), vload(f + 16)), vset1(mn));
+    }
 }
 
 // One block's 32 weights in fp32: lo = elements 0..15, hi = 16..31 (exact, see the header).

@@ -180,11 +180,27 @@ constexpr int64_t GROUP = 8;
 constexpr int PAIRS = QK / 2;                       // x's 32 values as 16 int16 pairs
 constexpr int64_t group_block_bytes(int f) { return GROUP * block_bytes(f); }
 // bytes of one group (8 rows, every block) of a [N, K] matrix in format f
-constexpr int64_t group_bytes(int f, int64_t K) { return K / QK * group_block_bytes(f); }
+constexpr int64_t group_bytes(int f, int64_t K) { return K / block_weights(f) * group_block_bytes(f); }
 // where a group-block's quant words start, in 16-byte units: after the 8 rows' scales (and
-// KQ5's hbits; quant_blocks.h gives the formats)
+// KQ5's hbits; quant_blocks.h gives the formats). A KS format's "group-block" of a block of
+// 32 is its group-sub-block (block_quants): 8 rows' sub-block s, its quant words from its start
+// (KS5: after its hbits words); the scales are the group-super-block's head.
 constexpr int quant_word0(int f) {
-    return f == Q4_1 ? 2 : f == KQ4 || f == KQ6 || f == KQ5_1 ? 4 : f == KQ5 ? 6 : f == KQ5_0 ? 3 : 1;
+    return f == Q4_1 ? 2 : f == KQ4 || f == KQ6 || f == KQ5_1 ? 4 : f == KQ5 ? 6 : f == KQ5_0 ? 3 : f == KS5 ? 2
+           : f == KS4 || f == KS6 ? 0 : 1;
+}
+// bytes of 8 rows' weights of one block of 32 (a KS format: the sub-block, its share of the head)
+constexpr int64_t group_block32_bytes(int f) {
+    return super_block(f) ? GROUP * (sub_bytes(f) + head_bytes(f) / SUBS) : group_block_bytes(f);
+}
+
+// Where block b (of 32 weights) of a group starts: its group-block, or a KS format's group-sub-block
+template <int F>
+inline const uint8_t* block_quants(const uint8_t* group, int64_t b) {
+    if constexpr (super_block(F))
+        return group + b / SUBS * group_block_bytes(F) + GROUP * (head_bytes(F) + b % SUBS * sub_bytes(F));
+    else
+        return group + b * group_block_bytes(F);
 }
 
 // Prefetch distance for the one-row path, which streams each thread's groups in address
@@ -240,6 +256,10 @@ inline __m256i hbits_lanes(const uint8_t* gb) {
     }
 }
 
+// KS6: the high words after a group-sub-block's nibbles (16 bytes each: row r's high bytes
+// 2u, 2u + 1 at 2r, 2r + 1, widened to lane 2r + j), their 2-bit fields moved to the top of
+// each 16-bit lane and shifted back arithmetically: hi - 2, signed (quant_blocks.h), so
+// q - 32 = nibble + 16 (hi - 2).
 template <int F>
 inline void widen_word(const uint8_t* gb, int t, __m256i* lo, __m256i* hi) {
     const __m128i word = _mm_loadu_si128((const __m128i*)(gb + 16 * (quant_word0(F) + t)));
@@ -249,6 +269,14 @@ inline void widen_word(const uint8_t* gb, int t, __m256i* lo, __m256i* hi) {
         const __m256i bytes = _mm256_cvtepu8_epi16(word);
         *lo = _mm256_and_si256(bytes, _mm256_set1_epi16(15));
         *hi = _mm256_srli_epi16(bytes, 4);
+        if constexpr (F == KS6) {
+            const __m256i h = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(gb + 16 * (8 + t / 2))));
+            const int e = 4 * (t % 2);
+            const __m256i hl = _mm256_srai_epi16(_mm256_sll_epi16(h, _mm_cvtsi32_si128(14 - e)), 14);
+            const __m256i hh = _mm256_srai_epi16(_mm256_sll_epi16(h, _mm_cvtsi32_si128(12 - e)), 14);
+            *lo = _mm256_add_epi16(*lo, _mm256_slli_epi16(hl, 4));
+            *hi = _mm256_add_epi16(*hi, _mm256_slli_epi16(hh, 4));
+        }
         if constexpr (has_hbits(F)) {
             const __m256i h = _mm256_srl_epi16(hbits_lanes<F>(gb), _mm_cvtsi32_si128(t));
             const __m256i bit4 = _mm256_set1_epi16(16);
@@ -286,7 +314,7 @@ inline __m256i block_dots(const uint8_t* gb, const int16_t* xq, __m256i* second 
         s2 = dot_acc(s2, lo, pair_bcast(xq, t + 1));
         s3 = dot_acc(s3, hi, pair_bcast(xq, t + 9));
     }
-    if constexpr (F == KQ6) {
+    if constexpr (two_scales(F)) {
         *second = _mm256_add_epi32(s1, s3);
         return _mm256_add_epi32(s0, s2);
     }
@@ -305,6 +333,31 @@ inline void group_scales(const uint8_t* gb, __m256* dw, __m256* mw) {
     *mw = has_min(F) ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(gb + 16))) : _mm256_setzero_ps();
 }
 
+// A KS format's 8 rows' scales of sub-block s: d sc_s, -(dmin m_s) (KS6: d sc_2s, d sc_2s+1),
+// each product exact in fp32 (fp16 times a small integer): KQ4 / KQ5 / KQ6's stored values
+template <int F>
+inline void super_scales(const uint8_t* head, int s, __m256* dw, __m256* mw) {
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)head));
+    if constexpr (F == KS6) {
+        const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(head + 16 + 16 * s)));
+        *dw = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 24), 24)));
+        *mw = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 16), 24)));
+    } else {
+        const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(head + 16)));
+        const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(head + 32 + 16 * s)));
+        *dw = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(255))));
+        *mw = _mm256_xor_ps(_mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 8))),
+                            _mm256_set1_ps(-0.0f));
+    }
+}
+
+// block b's 8 rows' scales, group_scales' lanes
+template <int F>
+inline void block_scales(const uint8_t* group, int64_t b, __m256* dw, __m256* mw) {
+    if constexpr (super_block(F)) super_scales<F>(group + b / SUBS * group_block_bytes(F), (int)(b % SUBS), dw, mw);
+    else group_scales<F>(group + b * group_block_bytes(F), dw, mw);
+}
+
 struct Acc { __m256 acc, accm; };
 
 // The fp32 chain of 8 outputs for one block: lane r's isum with row r's scales, x row i's.
@@ -315,7 +368,7 @@ inline void chain(__m256i isum, __m256 dw, __m256 mw, const QRows& x, int64_t i,
     if constexpr (zero_point(F) != 0) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(zero_point(F) * x.qs[i]));
     const __m256 dx = _mm256_set1_ps(x.d[i]);
     a->acc = _mm256_fmadd_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(isum), a->acc);
-    if constexpr (F == KQ6) a->acc = _mm256_fmadd_ps(_mm256_mul_ps(mw, dx), _mm256_cvtepi32_ps(isum1), a->acc);
+    if constexpr (two_scales(F)) a->acc = _mm256_fmadd_ps(_mm256_mul_ps(mw, dx), _mm256_cvtepi32_ps(isum1), a->acc);
     if constexpr (has_min(F)) a->accm = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.s[i]), a->accm);
 }
 
@@ -327,14 +380,15 @@ struct WGroup {
 };
 
 template <int F>
-inline void load_group(const uint8_t* gb, WGroup* g) {
+inline void load_group(const uint8_t* group, int64_t b, WGroup* g) {
+    const uint8_t* gb = block_quants<F>(group, b);
     if constexpr (int8_quants(F)) {
         __m256i unused;
         for (int t = 0; t < PAIRS; t++) widen_word<F>(gb, t, &g->w[t], &unused);
     } else {
         for (int t = 0; t < 8; t++) widen_word<F>(gb, t, &g->w[t], &g->w[t + 8]);
     }
-    group_scales<F>(gb, &g->dw, &g->mw);
+    block_scales<F>(group, b, &g->dw, &g->mw);
 }
 
 // R rows of x (m, m + 1, ...) against one widened group-block: each weight vector is loaded
@@ -350,8 +404,8 @@ inline void group_block_rows(const WGroup& g, const QRows& x, int64_t m, int64_t
         s1[r] = _mm256_setzero_si256();
     }
     // pairs p and p + 1 (KQ6: p and p + 8, the block's halves, whose dots it keeps apart)
-    constexpr int STEP = F == KQ6 ? 1 : 2, OTHER = F == KQ6 ? PAIRS / 2 : 1;
-    for (int p = 0; p < (F == KQ6 ? PAIRS / 2 : PAIRS); p += STEP) {
+    constexpr int STEP = two_scales(F) ? 1 : 2, OTHER = two_scales(F) ? PAIRS / 2 : 1;
+    for (int p = 0; p < (two_scales(F) ? PAIRS / 2 : PAIRS); p += STEP) {
         const __m256i w0 = g.w[p], w1 = g.w[p + OTHER];
         for (int r = 0; r < R; r++) {
             s0[r] = dot_acc(s0[r], w0, pair_bcast(xq[r], p));
@@ -359,7 +413,7 @@ inline void group_block_rows(const WGroup& g, const QRows& x, int64_t m, int64_t
         }
     }
     for (int r = 0; r < R; r++) {
-        if constexpr (F == KQ6) chain<F>(s0[r], g.dw, g.mw, x, (m + r) * x.nb + b, &a[r], s1[r]);
+        if constexpr (two_scales(F)) chain<F>(s0[r], g.dw, g.mw, x, (m + r) * x.nb + b, &a[r], s1[r]);
         else chain<F>(_mm256_add_epi32(s0[r], s1[r]), g.dw, g.mw, x, (m + r) * x.nb + b, &a[r]);
     }
 }
@@ -368,14 +422,13 @@ inline void group_block_rows(const WGroup& g, const QRows& x, int64_t m, int64_t
 // step's shape: each byte of W is used once, so it streams from memory in address order).
 template <int F>
 inline void group_one_row(const uint8_t* group, const QRows& x, int64_t m, Acc* a) {
-    constexpr int64_t GB = group_block_bytes(F);
     const int16_t* xq = x.q + m * x.K;
     Acc acc = *a;                   // in registers, not through a (which may alias x)
     for (int64_t b = 0; b < x.nb; b++) {
-        const uint8_t* gb = group + b * GB;
-        prefetch_ahead<GB>(gb);
+        const uint8_t* gb = block_quants<F>(group, b);
+        prefetch_ahead<group_block32_bytes(F)>(gb);
         __m256 dw, mw;
-        group_scales<F>(gb, &dw, &mw);
+        block_scales<F>(group, b, &dw, &mw);
         __m256i second;
         const __m256i first = block_dots<F>(gb, xq + b * QK, &second);
         chain<F>(first, dw, mw, x, m * x.nb + b, &acc, second);
@@ -419,10 +472,10 @@ inline __m512 join256(__m256 lo, __m256 hi) {
 }
 
 template <int F>
-inline void load_group2(const uint8_t* gb0, const uint8_t* gb1, WGroup2* g) {
+inline void load_group2(const uint8_t* group0, const uint8_t* group1, int64_t blk, WGroup2* g) {
     WGroup a, b;
-    load_group<F>(gb0, &a);
-    load_group<F>(gb1, &b);
+    load_group<F>(group0, blk, &a);
+    load_group<F>(group1, blk, &b);
     for (int p = 0; p < PAIRS; p++) g->w[p] = join256(a.w[p], b.w[p]);
     g->dw = join256(a.dw, b.dw);
     g->mw = join256(a.mw, b.mw);
@@ -441,8 +494,8 @@ inline void group2_block_rows(const WGroup2& g, const QRows& x, int64_t m, int64
         s1[r] = _mm512_setzero_si512();
     }
     // as group_block_rows: pairs p and p + 1, or KQ6's p and p + 8 (its halves, kept apart)
-    constexpr int STEP = F == KQ6 ? 1 : 2, OTHER = F == KQ6 ? PAIRS / 2 : 1;
-    for (int p = 0; p < (F == KQ6 ? PAIRS / 2 : PAIRS); p += STEP) {
+    constexpr int STEP = two_scales(F) ? 1 : 2, OTHER = two_scales(F) ? PAIRS / 2 : 1;
+    for (int p = 0; p < (two_scales(F) ? PAIRS / 2 : PAIRS); p += STEP) {
         const __m512i w0 = g.w[p], w1 = g.w[p + OTHER];
         for (int r = 0; r < R; r++) {
             int32_t v0, v1;
@@ -455,10 +508,10 @@ inline void group2_block_rows(const WGroup2& g, const QRows& x, int64_t m, int64
     for (int r = 0; r < R; r++) {
         const int64_t i = (m + r) * x.nb + b;
         const __m512 dx = _mm512_set1_ps(x.d[i]);
-        __m512i isum = F == KQ6 ? s0[r] : _mm512_add_epi32(s0[r], s1[r]);
+        __m512i isum = two_scales(F) ? s0[r] : _mm512_add_epi32(s0[r], s1[r]);
         if constexpr (zero_point(F) != 0) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(zero_point(F) * x.qs[i]));
         a[r].acc = _mm512_fmadd_ps(_mm512_mul_ps(g.dw, dx), _mm512_cvtepi32_ps(isum), a[r].acc);
-        if constexpr (F == KQ6) a[r].acc = _mm512_fmadd_ps(_mm512_mul_ps(g.mw, dx), _mm512_cvtepi32_ps(s1[r]), a[r].acc);
+        if constexpr (two_scales(F)) a[r].acc = _mm512_fmadd_ps(_mm512_mul_ps(g.mw, dx), _mm512_cvtepi32_ps(s1[r]), a[r].acc);
         if constexpr (has_min(F)) a[r].accm = _mm512_fmadd_ps(g.mw, _mm512_set1_ps(x.s[i]), a[r].accm);
     }
 }
@@ -477,7 +530,18 @@ inline void store_group2(const Acc2& a, float* y, int nr0, int nr1) {
 struct WGroup { int16_t w[GROUP][QK]; float dw[GROUP], mw[GROUP]; };
 
 template <int F>
-inline void load_group(const uint8_t* gb, WGroup* g) {
+inline void load_group(const uint8_t* group, int64_t b, WGroup* g) {
+    if constexpr (super_block(F)) {             // each row's super-block gathered, then decoded
+        const uint8_t* sb = group + b / SUBS * group_block_bytes(F);
+        uint8_t blk[block_bytes(F)];
+        for (int r = 0; r < GROUP; r++) {
+            for (int64_t i = 0; i < block_bytes(F) / 2; i++) memcpy(blk + 2 * i, sb + 16 * i + 2 * r, 2);
+            super_sub<F>(blk, (int)(b % SUBS), g->w[r], &g->dw[r], &g->mw[r]);
+            if constexpr (F != KS6) g->mw[r] = -g->mw[r];
+        }
+        return;
+    }
+    const uint8_t* gb = group + b * group_block_bytes(F);
     const uint8_t* q = gb + 16 * quant_word0(F);
     for (int r = 0; r < GROUP; r++) {
         if constexpr (fp32_scales(F)) {
@@ -515,12 +579,12 @@ inline void group_block_row(const WGroup& g, const QRows& x, int64_t m, int64_t 
     for (int r = 0; r < GROUP; r++) {
         int32_t isum = 0, isum1 = 0;            // KQ6: weights 0..15, 16..31 apart
         for (int k = 0; k < QK; k++) {
-            if (F == KQ6 && k >= QK / 2) isum1 += (int32_t)g.w[r][k] * xq[k];
+            if (two_scales(F) && k >= QK / 2) isum1 += (int32_t)g.w[r][k] * xq[k];
             else isum += (int32_t)g.w[r][k] * xq[k];
         }
         if constexpr (zero_point(F) != 0) isum -= zero_point(F) * x.qs[i];
         a->acc[r] = fmaf(g.dw[r] * x.d[i], (float)isum, a->acc[r]);
-        if constexpr (F == KQ6) a->acc[r] = fmaf(g.mw[r] * x.d[i], (float)isum1, a->acc[r]);
+        if constexpr (two_scales(F)) a->acc[r] = fmaf(g.mw[r] * x.d[i], (float)isum1, a->acc[r]);
         if constexpr (has_min(F)) a->accm[r] = fmaf(g.mw[r], x.s[i], a->accm[r]);
     }
 }
@@ -810,7 +874,7 @@ void matmul_range(const uint8_t* w, int64_t n0, int64_t n1, const QRows& x, int6
                 const int nr1 = n1 - n - GROUP < GROUP ? (int)(n1 - n - GROUP) : (int)GROUP;
                 for (int64_t m = 0; m < mc; m++) acc2[m].acc = acc2[m].accm = _mm512_setzero_ps();
                 for (int64_t b = 0; b < nb; b++) {
-                    load_group2<F>(group + b * group_block_bytes(F), group + gbytes + b * group_block_bytes(F), &g2);
+                    load_group2<F>(group, group + gbytes, b, &g2);
                     row_tiles(mc, [&](auto r, int64_t m) {
                         group2_block_rows<F, decltype(r)::value>(g2, x, m0 + m, b, &acc2[m]);
                     });
@@ -831,7 +895,7 @@ void matmul_range(const uint8_t* w, int64_t n0, int64_t n1, const QRows& x, int6
             }
 #endif
             for (int64_t b = 0; b < nb; b++) {
-                load_group<F>(group + b * group_block_bytes(F), &g);
+                load_group<F>(group, b, &g);
                 row_tiles(mc, [&](auto r, int64_t m) { group_block_rows<F, decltype(r)::value>(g, x, m0 + m, b, &acc[m]); });
             }
             for (int64_t m = 0; m < mc; m++) store_group<F>(acc[m], y + (m0 + m) * ldy + n, nr);
@@ -851,6 +915,9 @@ inline bool matmul_range(int format, const uint8_t* w, int64_t n0, int64_t n1, c
         case KQ6: matmul_range<KQ6>(w, n0, n1, x, M, y, ldy); return true;
         case KQ5_0: matmul_range<KQ5_0>(w, n0, n1, x, M, y, ldy); return true;
         case KQ5_1: matmul_range<KQ5_1>(w, n0, n1, x, M, y, ldy); return true;
+        case KS4: matmul_range<KS4>(w, n0, n1, x, M, y, ldy); return true;
+        case KS5: matmul_range<KS5>(w, n0, n1, x, M, y, ldy); return true;
+        case KS6: matmul_range<KS6>(w, n0, n1, x, M, y, ldy); return true;
         default: return false;
     }
 }
@@ -861,11 +928,23 @@ inline bool matmul_range(int format, const uint8_t* w, int64_t n0, int64_t n1, c
 template <int F>
 void gather_rows(const uint8_t* w, int64_t K, const int64_t* ids, int64_t T, float* out) {
     constexpr int64_t BB = block_bytes(F), GB = group_block_bytes(F);
-    const int64_t nb = K / QK;
+    const int64_t nb = K / block_weights(F);
     uint8_t blk[BB];
     for (int64_t t = 0; t < T; t++) {
         const uint8_t* group = w + ids[t] / GROUP * group_bytes(F, K);
         const int64_t r = ids[t] % GROUP;
+        if constexpr (super_block(F)) {          // 16-bit words only; then each sub-block
+            for (int64_t b = 0; b < nb; b++) {
+                for (int64_t i = 0; i < BB / 2; i++) memcpy(blk + 2 * i, group + b * GB + 16 * i + 2 * r, 2);
+                for (int s = 0; s < SUBS; s++) {
+                    V16 lo, hi;
+                    dequant_sub<F>(blk, s, &lo, &hi);
+                    vstore(out + t * K + (b * SUBS + s) * QK, lo);
+                    vstore(out + t * K + (b * SUBS + s) * QK + 16, hi);
+                }
+            }
+            continue;
+        }
         for (int64_t b = 0; b < nb; b++) {
             // the 32-bit words (x8: 32 bytes each), then the 16-bit ones (16 bytes each)
             constexpr int64_t WB = wide_bytes(F);
@@ -890,6 +969,9 @@ inline bool gather_rows_any(int format, const uint8_t* w, int64_t K, const int64
         case KQ6: gather_rows<KQ6>(w, K, ids, T, out); return true;
         case KQ5_0: gather_rows<KQ5_0>(w, K, ids, T, out); return true;
         case KQ5_1: gather_rows<KQ5_1>(w, K, ids, T, out); return true;
+        case KS4: gather_rows<KS4>(w, K, ids, T, out); return true;
+        case KS5: gather_rows<KS5>(w, K, ids, T, out); return true;
+        case KS6: gather_rows<KS6>(w, K, ids, T, out); return true;
         default: return false;
     }
 }

@@ -95,14 +95,15 @@ const char* kvd_quant_variant() { return KVD_VARIANT; }
 
 // y[m, n] (row stride ldy) = sum_k x[m, k] (row stride ldx) * W[n, k] for m < M, n < N;
 // W in the x8 layout (ceil(N / 8) groups).
-// Returns 0, or -1 for an unknown format or a K that is not a positive multiple of 32
+// Returns 0, or -1 for an unknown format or a K that is not a positive multiple of its block
+// (32 weights; 256 for a KS format)
 // (nothing written).
 int kvd_quant_matmul(int format, const uint8_t* w, int64_t N, int64_t K, const float* x, int64_t M,
                      int64_t ldx, float* y, int64_t ldy, int num_threads) {
-    if (K <= 0 || K % QK || N < 0 || M < 0 || ldx < K || ldy < N) return -1;
+    if (format < Q4_0 || format > FORMAT_LAST) return -1;
+    if (K <= 0 || K % block_weights(format) || N < 0 || M < 0 || ldx < K || ldy < N) return -1;
     const int nt = num_threads < 1 ? 1 : num_threads;
     if (M == 0 || N == 0) return 0;
-    if (format < Q4_0 || format > FORMAT_LAST) return -1;
     matmul(format, w, N, K, x, M, ldx, y, ldy, nt);
     return 0;
 }
@@ -111,7 +112,7 @@ int kvd_quant_matmul(int format, const uint8_t* w, int64_t N, int64_t K, const f
 // an unknown format, a bad K or an id outside [0, N) (nothing written).
 int kvd_quant_rows(int format, const uint8_t* w, int64_t N, int64_t K, const int64_t* ids, int64_t T,
                    float* out) {
-    if (K <= 0 || K % QK) return -1;
+    if (format < Q4_0 || format > FORMAT_LAST || K <= 0 || K % block_weights(format)) return -1;
     for (int64_t t = 0; t < T; t++)
         if (ids[t] < 0 || ids[t] >= N) return -1;
     return gather_rows_any(format, w, K, ids, T, out) ? 0 : -1;

@@ -141,7 +141,7 @@ def test_a_k_m_mix_of_types_decodes_on_the_plan_executor(tmp_path, kernel, token
                            decode_kernel=decode)
         engines[decode] = LLMEngine(cfg, build_model(cfg, weights), tokenizer, "k_m")
     assert engines["auto"].kernels()["decode"] == f"plan:{kernel.variant}"
-    assert {p.fmt.name for p in engines["auto"].model.layers[0].qkv.parts} == {"KQ4", "KQ6"}
+    assert {p.fmt.name for p in engines["auto"].model.layers[0].qkv.parts} == {"KS4", "KS6"}
     prompts = [[3 + i, 40 + 7 * i, 9, 100 + i] + list(range(i)) for i in range(16)]
     for sp in (SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
                SamplingParams(max_tokens=8, temperature=0.9, seed=5, ignore_eos=True)):

@@ -45,32 +45,42 @@ def portable() -> QuantKernel:
 
 # kvd's block formats (the K-quants repacked at load) -> the GGUF type a test quantizes
 # with gguf-py and repacks (any row length; KQ6 from an 8-bit requantization per 16)
-KQ_SOURCE = {"KQ4": "Q4_1", "KQ5": "Q5_1", "KQ6": None, "KQ5_0": "Q5_0", "KQ5_1": "Q5_1"}
-# the formats whose blocks start with fp32 scales (the others' are fp16)
+KQ_SOURCE = {"KQ4": "Q4_1", "KQ5": "Q5_1", "KQ6": None, "KQ5_0": "Q5_0", "KQ5_1": "Q5_1",
+             "KS4": "Q4_K", "KS5": "Q5_K", "KS6": "Q6_K"}
+# the formats whose blocks start with fp32 scales (the others' are fp16), and the bytes of
+# fp16 scales at the start of the others' blocks
 FP32_SCALED = ("KQ4", "KQ5", "KQ6")
+HALF_SCALE_BYTES = {"Q4_1": 4, "KQ5_1": 4, "KS4": 4, "KS5": 4}
+
+
+def width(fmt: str, k: int) -> int:
+    """k rounded up to a whole number of ``fmt``'s blocks (256 weights for a KS format)."""
+    per = FORMATS[fmt].weights
+    return -(-k // per) * per
 
 
 def quantized(n: int, k: int, fmt: str, seed: int, scale: float = 0.05) -> QuantTensor:
     """A random [n, k] matrix quantized by gguf-py (llama.cpp's reference quantizer);
     a KQ format's through its ``KQ_SOURCE`` and kernels/kquant_repack.py."""
     from kernels import gguf_blocks, kquant_repack
+    from tools.random_gguf import random_type_blocks
 
     g = torch.Generator().manual_seed(seed)
     w = (torch.randn(n, k, generator=g) * scale).numpy()
     if fmt in KQ_SOURCE:
         src = KQ_SOURCE[fmt]
         if src is None:
-            return kquant_repack.repack("Q6_K", requantize_int8_16(torch.from_numpy(w)))
+            return kquant_repack.repack_to("KQ6", requantize_int8_16(torch.from_numpy(w)))
+        if fmt.startswith("KS"):    # random valid super-blocks (gguf-py quantizes no K-quant)
+            data = torch.from_numpy(random_type_blocks(src, n, k, g))
+            return kquant_repack.repack(src, gguf_blocks.decode(src, data, k))
         data = torch.from_numpy(np.ascontiguousarray(gguf.quants.quantize(w, gguf.GGMLQuantizationType[src])))
         if src == "Q4_1":           # Q4_1's fp16 d, m as a Q4_K sub-block's fp32 d, -min
             b = data.view(n, k // 32, 20)
             d, m = (b[..., i:i + 2].contiguous().view(torch.float16).float().squeeze(-1) for i in (0, 2))
             q = torch.cat([b[..., 4:] & 15, b[..., 4:] >> 4], dim=-1).to(torch.int8).view(n, k)
-            return kquant_repack.repack("Q4_K", gguf_blocks.SubBlocks(32, d, q, -m))
-        target = kquant_repack.TARGET[src]
-        if target != fmt:           # Q5_1 as KQ5: its sub-blocks repacked to the fp32 layout
-            return kquant_repack.repack("Q5_K", gguf_blocks.decode(src, data, k))
-        return kquant_repack.repack(src, gguf_blocks.decode(src, data, k))
+            return kquant_repack.repack_to("KQ4", gguf_blocks.SubBlocks(32, d, q, -m))
+        return kquant_repack.repack_to(fmt, gguf_blocks.decode(src, data, k))
     blocks = gguf.quants.quantize(w, gguf.GGMLQuantizationType[fmt])
     return QuantTensor(fmt, (n, k), torch.from_numpy(np.ascontiguousarray(blocks)))
 
@@ -80,13 +90,13 @@ def random_blocks(n: int, k: int, fmt: str, seed: int) -> QuantTensor:
     sign and exponent, subnormals included), not only what a quantizer writes."""
     f = FORMATS[fmt]
     g = torch.Generator().manual_seed(seed)
-    data = torch.randint(0, 256, (n, k // 32, f.block_bytes), generator=g, dtype=torch.uint8)
+    data = torch.randint(0, 256, (n, k // f.weights, f.block_bytes), generator=g, dtype=torch.uint8)
     if fmt in FP32_SCALED:                        # fp32 d, m (KQ6: d0, d1)
         single = data[..., :8].clone().view(torch.int32)
         single &= ~0x40000000                     # exponent < 128: finite, |v| < 2 (no inf/nan)
         data[..., :8] = single.view(torch.uint8)
         return QuantTensor(fmt, (n, k), data.reshape(n, -1))
-    scales = 4 if fmt in ("Q4_1", "KQ5_1") else 2
+    scales = HALF_SCALE_BYTES.get(fmt, 2)
     half = data[..., :scales].clone().view(torch.int16)
     half &= ~0x4000                               # exponent < 16: finite, |v| < 2 (no inf/nan)
     data[..., :scales] = half.view(torch.uint8)
@@ -101,6 +111,11 @@ def block_mins(qt: QuantTensor) -> torch.Tensor:
     if qt.fmt.name in ("KQ4", "KQ5"):
         m = qt.data.view(rows, cols // 32, bb)[..., 4:8].contiguous().view(torch.float32)
         return m.expand(rows, cols // 32, 32).reshape(rows, cols)
+    if qt.fmt.name in ("KS4", "KS5"):                # dmin m per sub-block
+        b = qt.data.view(rows, cols // 256, bb)
+        dmin = b[..., 2:4].contiguous().view(torch.float16).float()          # [R, ns, 1]
+        m = -(dmin * b[..., 5:20:2].float())                                 # [R, ns, 8]
+        return m.unsqueeze(-1).expand(rows, cols // 256, 8, 32).reshape(rows, cols)
     if qt.fmt.name not in ("Q4_1", "KQ5_1"):
         return torch.zeros(rows, cols)
     m = qt.data.view(rows, cols // 32, bb)[..., 2:4].contiguous().view(torch.float16).float()
@@ -207,7 +222,8 @@ def test_every_build_names_itself_the_variant_it_was_built_as(variant):
 def test_the_x8_layout_is_the_same_bytes_reordered(fmt):
     """pack() groups rows by 8 (the last padded with zero blocks) and transposes each
     group-block's 2-byte words; unpack() is its inverse, and the values do not move."""
-    qt = random_blocks(13, 96, fmt, seed=3)
+    k = 3 * FORMATS[fmt].weights                  # 3 blocks
+    qt = random_blocks(13, k, fmt, seed=3)
     packed = qt.pack()
     assert packed.layout == "x8" and packed.shape == qt.shape and packed.pack() is packed
     bb, nb, wide = FORMATS[fmt].block_bytes, 3, FORMATS[fmt].wide_bytes
@@ -230,9 +246,9 @@ def test_the_x8_layout_is_the_same_bytes_reordered(fmt):
     with pytest.raises(ValueError, match="rows layout"):
         packed.take_rows(ids)
     with pytest.raises(ValueError, match="layout x8 needs"):
-        QuantTensor(fmt, (13, 96), qt.data, layout="x8")                  # unpadded bytes
+        QuantTensor(fmt, (13, k), qt.data, layout="x8")                  # unpadded bytes
     with pytest.raises(ValueError, match="unknown layout"):
-        QuantTensor(fmt, (13, 96), qt.data, layout="cols")
+        QuantTensor(fmt, (13, k), qt.data, layout="cols")
 
 
 def test_torch_reference_is_dequantize_then_matmul():
@@ -249,6 +265,7 @@ def test_torch_reference_is_dequantize_then_matmul():
 @pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("n,k", [(1, 32), (37, 96), (130, 576), (64, 1536)])
 def test_kernel_matches_the_exact_product_within_its_bound(host, fmt, n, k):
+    k = width(fmt, k)
     qt = quantized(n, k, fmt, seed=n + k)
     w = qt.dequantize().double()
     for m in (1, 2, 3, 4, 17, 40):
@@ -272,9 +289,10 @@ def test_every_build_computes_the_same_bits(host, portable, fmt):
     partial and a partial last group alone."""
     # the host's and every slower one (a faster one, the AMX build, needs the tile state granted)
     builds = {v: QuantKernel.load(v) for v in SERVING_VARIANTS[SERVING_VARIANTS.index(HOST):] if runs_here(v)}
+    k = width(fmt, 192)
     for n in (45, 37):                               # 5 groups + 5 rows; 4 groups + 5 rows
-        qt = random_blocks(n, 192, fmt, seed=n)
-        x = torch.randn(40, 192) * torch.logspace(-3, 3, 192)       # magnitudes that round
+        qt = random_blocks(n, k, fmt, seed=n)
+        x = torch.randn(40, k) * torch.logspace(-3, 3, k)           # magnitudes that round
         x[3, 32:64] = 0.0                                            # an all-zero block: d = 0
         for m in (1, 2, 3, 4, 7, 20, 33, 40):        # one row, groups, past one chunk of 32 rows
             want = QuantLinear([qt], portable)(x[:m])
@@ -296,6 +314,7 @@ def test_the_tile_path_computes_the_same_bits(portable, fmt):
     above holds the real instructions to the same bits."""
     emulated = QuantKernel.load("amxemu")
     for n, k in [(1, 32), (17, 64), (45, 192), (70, 96)]:
+        k = width(fmt, k)
         qt = random_blocks(n, k, fmt, seed=n)
         x = torch.randn(40, k, generator=torch.Generator().manual_seed(k)) * torch.logspace(-3, 3, k)
         x[2, :32] = 0.0                                              # an all-zero block: d = 0
@@ -304,20 +323,21 @@ def test_the_tile_path_computes_the_same_bits(portable, fmt):
             assert torch.isfinite(want).all() and torch.equal(got, want), (n, k, m)
     # the largest dots: every weight at its format's top (nibble 15, int8 127) against blocks
     # of x that quantize to +-32767 throughout
-    qt = random_blocks(24, 64, fmt, seed=1)
-    off = FORMATS[fmt].wide_bytes or (4 if fmt in ("Q4_1", "KQ5_1") else 2)
-    blocks = qt.data.view(24, 2, -1).clone()
+    k = width(fmt, 64)
+    qt = random_blocks(24, k, fmt, seed=1)
+    off = FORMATS[fmt].wide_bytes or {"KS4": 20, "KS5": 20, "KS6": 18}.get(fmt, HALF_SCALE_BYTES.get(fmt, 2))
+    blocks = qt.data.view(24, k // FORMATS[fmt].weights, -1).clone()
     blocks[..., off:] = 0x7F if fmt in ("Q8_0", "KQ6") else 0xFF
-    qt = QuantTensor(fmt, (24, 64), blocks.view(24, -1))
-    x = torch.ones(20, 64)
+    qt = QuantTensor(fmt, (24, k), blocks.view(24, -1))
+    x = torch.ones(20, k)
     x[1::2] = -1.0
     assert torch.equal(QuantLinear([qt], emulated)(x), QuantLinear([qt], portable)(x))
 
 
 @pytest.mark.parametrize("fmt", FMTS)
 def test_a_row_alone_equals_the_row_in_a_batch_of_16_bit_for_bit(host, fmt):
-    qt = quantized(200, 576, fmt, seed=6)
-    x = torch.randn(16, 576)
+    qt = quantized(200, width(fmt, 576), fmt, seed=6)
+    x = torch.randn(16, width(fmt, 576))
     lin = QuantLinear([qt], host)
     batch = lin(x)                                   # 16 rows: widened groups of W
     for r in range(16):
@@ -333,6 +353,7 @@ def test_many_rows_give_each_row_its_bits_alone(host, portable, fmt):
     that leave partial pieces: M not a multiple of 32, N not a multiple of 8
     or below it, K of one block and K of 48 blocks."""
     for n, k in [(1, 32), (17, 64), (37, 1536)]:
+        k = width(fmt, k)
         qt = random_blocks(n, k, fmt, seed=n)
         x = torch.randn(70, k, generator=torch.Generator().manual_seed(k)) * torch.logspace(-3, 3, k)
         lin = QuantLinear([qt], host)
@@ -344,12 +365,13 @@ def test_many_rows_give_each_row_its_bits_alone(host, portable, fmt):
             assert torch.equal(lin(x[r:r + 1])[0], full[r]), (n, k, r)
 
 
-@pytest.mark.parametrize("fmt", ["Q4_1", "KQ4", "KQ5", "KQ6"])
+@pytest.mark.parametrize("fmt", ["Q4_1", "KQ4", "KQ5", "KQ6", "KQ5_0", "KS4", "KS5", "KS6"])
 def test_thread_count_does_not_change_a_bit(host, fmt):
-    qt = quantized(300, 576, fmt, seed=7)
+    k = width(fmt, 576)
+    qt = quantized(300, k, fmt, seed=7)
     lin = QuantLinear([qt], host)
     for m in (1, 16):
-        x = torch.randn(m, 576)
+        x = torch.randn(m, k)
         threads = torch.get_num_threads()
         try:
             torch.set_num_threads(1)
