@@ -1,6 +1,6 @@
-// y = x · Wᵀ with W kept in a GGUF block format (Q4_0, Q4_1, Q8_0) or one of kvd's KQ4 / KQ5 /
-// KQ6 (quant_blocks.h: K-quants repacked at load, fp32 sub-block scales), activations quantized
-// to 16 bits per 32-block.
+// y = x · Wᵀ with W kept in a GGUF block format (Q4_0, Q4_1, Q8_0) or one of kvd's (quant_blocks.h:
+// KQ4-KQ6, KQ5_0, KQ5_1, KS4-KS6, the K-quants and Q5 types repacked at load), activations
+// quantized to 16 bits per 32-block.
 //
 // Called through ctypes from kernels/quant_linear.py, which documents the
 // contract; this file documents the layouts and the arithmetic.
@@ -27,12 +27,13 @@
 // any element within 2^7 of its block's largest. One output y[m, n] is then, block
 // after block in order,
 //
-//     isum = sum_i q_w[i] * q_x[i]                    exact int32 (Q4_0: minus 8 * sum_i q_x[i])
+//     isum = sum_i q_w[i] * q_x[i]                    exact int32 (Q4_0 / KQ5_0: minus 8 / 16 * sum_i q_x[i])
 //     acc  = fma(d_w * d_x, (float)isum, acc)
-//     accm = fma(m_w, s_x, accm)                      Q4_1, KQ4, KQ5 only
+//     accm = fma(m_w, s_x, accm)                      the formats with a min (has_min)
 //
-// (KQ6, two scales a block: isum over weights 0..15 with d0, then acc = fma(d1 * d_x,
-// (float)isum1, acc) over 16..31) and y = acc + accm (Q4_1, KQ4, KQ5) or acc. Nothing in that sequence depends on M, on the
+// (KQ6 and KS6, two scales a block: isum over weights 0..15 with d0, then acc = fma(d1 * d_x,
+// (float)isum1, acc) over 16..31; a KS format's d_w, m_w are formed in registers, exact) and
+// y = acc + accm (a format with a min) or acc. Nothing in that sequence depends on M, on the
 // other rows, on the thread count or on the path: the integer dot is exact in any
 // order, and every path and build runs the same fp32 chain per output, so a row's
 // result is the same bit for bit alone or in any batch, in a prefill or a decode
