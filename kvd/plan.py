@@ -172,7 +172,8 @@ def main(argv: list[str]) -> int:
           f"m = {form.overhead:.2f}: prefill share D_p/D = {form.prefill_share():.2f}; memory bound "
           f">= {form.min_nodes_memory} node(s)", file=sys.stderr)
     routings = [own.routing] if own.routing else ["prompt-tree", "least-load"]
-    tried = candidates(own.max_nodes, form, routings)
+    tried = [k for k in candidates(own.max_nodes, form, routings)
+             if k.chunk == 0 or base.profile.doc.get("chunked_prefill") is not False]
     percentiles = sorted({own.percentile, 50.0, 99.0})
     for k in tried:
         engine = replace(base.engine, prefill_chunk_tokens=k.chunk)

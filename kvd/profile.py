@@ -150,6 +150,10 @@ def profile_engine(config, *, quick: bool = False, progress: Progress | None = N
         "threads": engine.compute_threads, "fingerprint": engine.fingerprint,
         "block_size": config.block_size, "kv_bytes_per_token": kv.bytes_per_block // config.block_size,
         "num_layers": kv.num_layers, "quick": quick,
+        # the engine ignores prefill_chunk_tokens for 16-bit activations (LLMEngine.effective_chunk_tokens)
+        "dtype": str(engine.model.dtype).removeprefix("torch."),
+        "chunked_prefill": LLMEngine.effective_chunk_tokens(replace(config, prefill_chunk_tokens=1),
+                                                            engine.model) > 0,
         "created": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
         "costs": costs.as_dict(), "fit": fit,
         "samples": {"prefill": prefill, "decode": decode, "swap": swap, "transfer": transfer},

@@ -5,6 +5,7 @@
      "model": "smollm2", "cpu": "<model name of /proc/cpuinfo>", "threads": 2,
      "fingerprint": "fp_...", "block_size": 16, "kv_bytes_per_token": 9216,
      "num_layers": 30, "created": "<ISO time>",
+     "dtype": "float32", "chunked_prefill": true,   # false: the engine prefills whole prompts
      "costs": {StepCosts fields},            # kvd/sim/costs.py
      "samples": {"prefill": [[n, c, s]...], "decode": [[batch, context, s]...],
                  "swap": [[blocks, s]...], "transfer": [[bytes, s]...]},

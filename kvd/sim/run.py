@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kvd.sim.profile_file import Profile, ProfileError, load_profile
@@ -91,6 +91,8 @@ def load_shape(config: str | None, profile_path: str, nodes: int, prefill: int, 
     if engine.block_size != profile.block_size:
         raise SimUsageError(f"the profile was measured with block_size {profile.block_size}, "
                             f"the config has {engine.block_size}")
+    if profile.doc.get("chunked_prefill") is False:       # its engine prefills whole prompts (bf16)
+        engine = replace(engine, prefill_chunk_tokens=0)
     return Shape(engine, cluster, roles, profile)
 
 
