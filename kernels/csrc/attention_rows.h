@@ -20,24 +20,22 @@
 
 namespace {
 
-// Split over keys. Sequence b's keys 0..ctx-1 are cut into chunks of key_chunk(ctx) keys, a
-// function of ctx alone; a work item is one chunk of one sequence for every query head, so each
-// key's K and V rows (every KV head, side by side in the cache) are read once, in address order,
-// and a single sequence's keys are spread over the whole team. Chunk c of head h leaves
+// Split over keys. A row at position p attends to keys 0..p, cut into chunks of KEY_CHUNK keys
+// at fixed places (chunk c: keys c * KEY_CHUNK .. (c + 1) * KEY_CHUNK - 1, the last one cut at
+// p): a work item is one chunk of one row for every query head, so each key's K and V rows
+// (every KV head, side by side in the cache) are read once per item, in address order, and a
+// single long sequence's keys are spread over the whole team. Chunk c of head h leaves
 //     m_c = max_t s_t,  l_c = sum_t e^(s_t - m_c) (exp_sum),  o_c = sum_t e^(s_t - m_c) v_t (key order)
-// with s_t = (q . k_t) * scale; then per (sequence, head), chunks in order:
+// with s_t = (q . k_t) * scale (dot_keys); then per (row, head), chunks in order:
 //     M = max_c m_c,  a_c = e^(m_c - M),  L = sum_c a_c l_c,  O = sum_c a_c o_c,  out = O * (1 / L).
-// Every step is a fixed sequence of fp32 operations on the sequence's own keys: the output does
-// not depend on the batch, on which thread takes which item, or on the build.
-constexpr int64_t KEY_CHUNKS = 16;               // chunks a sequence is cut into (more past 4,096 keys)
-constexpr int64_t KEY_CHUNK_STEP = 16;           // a chunk's length is a multiple of this ...
-constexpr int64_t KEY_CHUNK_MAX = 256;           // ... and at most this
+// Every step is a fixed sequence of fp32 operations on the row's own query and keys, and the
+// chunks sit at the same keys for every row: the output does not depend on the batch, on
+// which rows share a call (a prefill's chunk or a decode batch), on which thread takes which
+// item, or on the build.
+constexpr int64_t KEY_CHUNK = 128;
 
-// Keys a chunk of a sequence of ctx keys: 16 up to 256 keys, then 16 more per 256, at most 256.
-inline int64_t key_chunk(int64_t ctx) {
-    const int64_t c = KEY_CHUNK_STEP * ((ctx + KEY_CHUNKS * KEY_CHUNK_STEP - 1) / (KEY_CHUNKS * KEY_CHUNK_STEP));
-    return c < KEY_CHUNK_MAX ? c : KEY_CHUNK_MAX;
-}
+// Chunks of a row of ctx keys.
+inline int64_t key_chunks(int64_t ctx) { return (ctx + KEY_CHUNK - 1) / KEY_CHUNK; }
 
 // 16 of a KV row's elements as fp32: a fp32 cache's as they are, a half cache's widened (exact)
 inline V16 vload_kv(const float* p) { return vload(p); }
@@ -54,16 +52,149 @@ inline float exp_one(float x) {                 // simd.h's e^x for x <= 0, the 
     return lanes[0];
 }
 
-// Keys between a K row's prefetch and its use. Prefetching K rows ahead and V rows during the
-// score pass: 10% off a step at 1,000 and 4,000 keys, block table scattered (docs/benchmarks.md).
-constexpr int64_t KV_AHEAD = 4;
-
 inline void prefetch_lines(const void* p, int64_t bytes) {       // a hint: changes no result
 #if defined(__AVX2__)
     for (int64_t at = 0; at < bytes; at += 64) _mm_prefetch((const char*)p + at, _MM_HINT_T0);
 #else
     (void)p, (void)bytes;
 #endif
+}
+
+// ------------------------------------------------------------------ scores
+// A score is q·k in 16-lane chunks (a product, then FMAs in order: lane l sums d = l, l + 16,
+// ...), the 16 lanes added along vsum's fixed tree (quant_blocks.h), then the scale. dot_keys
+// computes DOT_KEYS keys' scores at once and adds their lanes with shuffles that pair the same
+// lanes vsum pairs, in the same order: the same bits as one vsum per key, at a fraction of the
+// shuffles (AVX-512: 30 for 16 keys against 64).
+#if defined(__AVX512F__)
+constexpr int DOT_KEYS = 16;
+// vsum_keys' input m: lane 4k + e of its result sums input k + 4e, so input m is key 4 (m % 4) + m / 4
+#define KVD_DOT_KEY(m) (4 * ((m) % 4) + (m) / 4)
+// lane j = vsum(a[j]) for the 16 keys' accumulators a (key order)
+inline __m512 vsum_keys(const V16* a) {
+    __m512 z[8], w[4];
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; i++) {           // (j + j+8): [input 2i's 8 | input 2i+1's 8]
+        const __m512 x = a[KVD_DOT_KEY(2 * i)].v, y = a[KVD_DOT_KEY(2 * i + 1)].v;
+        z[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x44), _mm512_shuffle_f32x4(x, y, 0xEE));
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++)             // (j + j+4): inputs 4i .. 4i+3's 4, one per 128-bit lane
+        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(z[2 * i], z[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(z[2 * i], z[2 * i + 1], 0xDD));
+    // (j + j+2): 128-bit lane k holds input k's 2 and input 4 + k's 2 (u0), 8 + k's and 12 + k's (u1)
+    const __m512 u0 = _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], 0x44), _mm512_shuffle_ps(w[0], w[1], 0xEE));
+    const __m512 u1 = _mm512_add_ps(_mm512_shuffle_ps(w[2], w[3], 0x44), _mm512_shuffle_ps(w[2], w[3], 0xEE));
+    // (0 + 1): lane 4k + e = input k + 4e's sum
+    return _mm512_add_ps(_mm512_shuffle_ps(u0, u1, 0x88), _mm512_shuffle_ps(u0, u1, 0xDD));
+}
+#undef KVD_DOT_KEY
+#elif defined(__AVX2__)
+constexpr int DOT_KEYS = 8;
+// vsum_keys' input m: lane 4h + e of its result sums input h + 2e, so input m is key 4 (m % 2) + m / 2
+#define KVD_DOT_KEY(m) (4 * ((m) % 2) + (m) / 2)
+// lane j = vsum(a[j]) for the 8 keys' accumulators a (key order)
+inline __m256 vsum_keys(const V16* a) {
+    __m256 s[8], w[4];
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; i++) s[i] = _mm256_add_ps(a[KVD_DOT_KEY(i)].a, a[KVD_DOT_KEY(i)].b);   // (j + j+8)
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++)             // (j + j+4): [input 2i's 4 | input 2i+1's 4]
+        w[i] = _mm256_add_ps(_mm256_permute2f128_ps(s[2 * i], s[2 * i + 1], 0x20),
+                             _mm256_permute2f128_ps(s[2 * i], s[2 * i + 1], 0x31));
+    // (j + j+2): half h holds input h's 2 and input 2 + h's 2 (u0), 4 + h's and 6 + h's (u1)
+    const __m256 u0 = _mm256_add_ps(_mm256_shuffle_ps(w[0], w[1], 0x44), _mm256_shuffle_ps(w[0], w[1], 0xEE));
+    const __m256 u1 = _mm256_add_ps(_mm256_shuffle_ps(w[2], w[3], 0x44), _mm256_shuffle_ps(w[2], w[3], 0xEE));
+    // (0 + 1): lane 4h + e = input h + 2e's sum
+    return _mm256_add_ps(_mm256_shuffle_ps(u0, u1, 0x88), _mm256_shuffle_ps(u0, u1, 0xDD));
+}
+#undef KVD_DOT_KEY
+#else
+constexpr int DOT_KEYS = 1;
+#endif
+
+// s[i] = (q · k_i) * scale for the n <= DOT_KEYS keys whose rows start at k + rows[i]; q: hd =
+// 16 * CH floats (CH > 0), or 16 * chunks (CH = 0: any head size).
+template <int CH, class KV>
+inline void dot_keys(const float* q, const KV* k, const int64_t* rows, int64_t n, int chunks, float scale,
+                     float* s) {
+    constexpr int QV = CH > 0 ? CH : 16;
+    const int nc = CH > 0 ? CH : chunks;
+    V16 qq[QV];
+#pragma GCC unroll 16
+    for (int c = 0; c < nc; c++) qq[c] = vload(q + 16 * c);
+    V16 acc[DOT_KEYS];
+#pragma GCC unroll 16
+    for (int j = 0; j < DOT_KEYS; j++) {
+        if (j < n) {
+            const KV* kr = k + rows[j];
+            V16 a = vmul(qq[0], vload_kv(kr));
+#pragma GCC unroll 16
+            for (int c = 1; c < nc; c++) a = vfma(qq[c], vload_kv(kr + 16 * c), a);
+            acc[j] = a;
+        } else {
+            acc[j] = vzero();
+        }
+    }
+#if defined(__AVX512F__)
+    const __m512 sums = _mm512_mul_ps(vsum_keys(acc), _mm512_set1_ps(scale));
+    _mm512_mask_storeu_ps(s, (__mmask16)(n >= 16 ? 0xffff : (1u << n) - 1), sums);
+#elif defined(__AVX2__)
+    const __m256 sums = _mm256_mul_ps(vsum_keys(acc), _mm256_set1_ps(scale));
+    if (n == 8) {
+        _mm256_storeu_ps(s, sums);
+    } else {
+        alignas(32) float out[8];
+        _mm256_store_ps(out, sums);
+        for (int64_t j = 0; j < n; j++) s[j] = out[j];
+    }
+#else
+    s[0] = vsum(acc[0]) * scale;
+#endif
+}
+
+// s[i] = e^(s[i] - m) for i < n; returns their sum: 16 lane sums (lane j adds s[j], s[j + 16],
+// ... in turn), then vsum's tree over the lanes. The same bits on every build (one V16 of lane
+// sums whatever the vector width), and a tree, not a chain of 16 dependent adds, ends it.
+inline float exp_sum16(float* s, int64_t n, float m) {
+    const VN mv = vn_set1(m);
+    VN acc[SUM_VECS];
+    for (int v = 0; v < SUM_VECS; v++) acc[v] = vn_zero();
+    int64_t i = 0;
+    for (; i + SUM_LANES <= n; i += SUM_LANES)
+        for (int v = 0; v < SUM_VECS; v++) {
+            const VN e = vn_exp(vn_sub(vn_load(s + i + v * GEMM_VW), mv));
+            vn_store(s + i + v * GEMM_VW, e);
+            acc[v] = vn_add(acc[v], e);
+        }
+    if (i < n) {                                    // the tail: e^-inf = 0 in the lanes past n adds nothing
+        alignas(64) float tail[SUM_LANES];
+        for (int j = 0; j < SUM_LANES; j++) tail[j] = i + j < n ? s[i + j] - m : -INFINITY;
+        for (int v = 0; v < SUM_VECS; v++) {
+            const VN e = vn_exp(vn_load(tail + v * GEMM_VW));
+            vn_store(tail + v * GEMM_VW, e);
+            acc[v] = vn_add(acc[v], e);
+        }
+        for (int j = 0; i + j < n; j++) s[i + j] = tail[j];
+    }
+    alignas(64) float lanes[SUM_LANES];
+    for (int v = 0; v < SUM_VECS; v++) vn_store(lanes + v * GEMM_VW, acc[v]);
+    return vsum(vload(lanes));
+}
+
+// The largest score of s[0..n) that is not NaN (-inf when none is): the same value in any order
+// and on every build (vn_max and the comparison below both pass over a NaN), so taken GEMM_VW
+// lanes at a time. A NaN score then weighs 0, as vn_exp makes e^NaN.
+inline float max_of(const float* s, int64_t n) {
+    VN v = vn_set1(-INFINITY);
+    int64_t i = 0;
+    for (; i + GEMM_VW <= n; i += GEMM_VW) v = vn_max(vn_load(s + i), v);
+    alignas(64) float lanes[GEMM_VW];
+    vn_store(lanes, v);
+    float mx = -INFINITY;
+    for (int j = 0; j < GEMM_VW; j++) mx = lanes[j] > mx ? lanes[j] : mx;
+    for (; i < n; i++) mx = s[i] > mx ? s[i] : mx;
+    return mx;
 }
 
 // A sequence's attention inputs: its rotated queries [H][hd], its block table and length.
@@ -75,45 +206,46 @@ struct AttnSeq {
 
 // Item [t0, t1) of one sequence, every head: m, l [H] and o [H][hd] as above. kc, vc: the
 // layer's caches (KV: float, or uint16_t for halves, widened as they are read); scores:
-// [H][t1 - t0] scratch.
-template <class KV>
+// [H][t1 - t0] scratch. PREFETCH: ask for the K and V rows ahead of their use (a decode step,
+// whose caches went cold while the step's weights streamed through; a prefill's are warm, and
+// the hints would only cost instructions). It changes no result.
+template <bool PREFETCH, class KV>
 void attend_chunk(const AttnSeq& seq, int64_t t0, int64_t t1, const KV* kc, const KV* vc, int block_size,
                   int64_t kvh_stride, int H, int group, int hd, float scale, float* scores, float* m, float* l,
                   float* o) {
     const int64_t n = t1 - t0;
-    int64_t row[KEY_CHUNK_MAX];                  // key t0 + i's offset in the caches
+    int64_t row[KEY_CHUNK];                  // key t0 + i's offset in the caches
     for (int64_t i = 0, blk = t0 / block_size, at = t0 % block_size; i < n; i++) {
         row[i] = (seq.table[blk] * block_size + at) * kvh_stride;
         if (++at == block_size) at = 0, blk++;
     }
     const int64_t row_bytes = kvh_stride * (int64_t)sizeof(KV);
     const int chunks = hd / 16;
-    for (int64_t i = 0; i < n; i++) {
-        const KV* k = kc + row[i];
-        // the cache is cold (the step's weights streamed through since this layer last ran):
-        // ask for key i + KV_AHEAD's K row and key i's V row (read in the second pass)
-        if (i + KV_AHEAD < n) prefetch_lines(kc + row[i + KV_AHEAD], row_bytes);
-        prefetch_lines(vc + row[i], row_bytes);
-        // each KV head's K row loaded (a half cache's widened) once for the query heads that
-        // share it; a score is q·k in 16-lane chunks (a product, then FMAs in order), vsum's
-        // fixed tree, then the scale
-        for (int g = 0; g < H / group; g++) {
-            V16 kk[16];                          // hd <= 256
-            for (int c = 0; c < chunks; c++) kk[c] = vload_kv(k + g * hd + 16 * c);
-            for (int j = 0; j < group; j++) {
-                const float* q = seq.q + (int64_t)(g * group + j) * hd;
-                V16 acc = vmul(vload(q), kk[0]);
-                for (int c = 1; c < chunks; c++) acc = vfma(vload(q + 16 * c), kk[c], acc);
-                scores[(g * group + j) * n + i] = vsum(acc) * scale;
-            }
+    // the cache is cold (the step's weights streamed through since this layer last ran): ask
+    // for the next block of keys' K rows while one is scored, and for every V row (read in the
+    // second pass) as the scores start; each block's K rows stay in L1 for every head
+    if (PREFETCH)
+        for (int64_t i = 0; i < n && i < DOT_KEYS; i++) prefetch_lines(kc + row[i], row_bytes);
+    for (int64_t i0 = 0; i0 < n; i0 += DOT_KEYS) {
+        const int64_t nb = n - i0 < DOT_KEYS ? n - i0 : DOT_KEYS;
+        if (PREFETCH) {
+            for (int64_t i = i0 + DOT_KEYS; i < n && i < i0 + 2 * DOT_KEYS; i++) prefetch_lines(kc + row[i], row_bytes);
+            for (int64_t i = i0; i < i0 + nb; i++) prefetch_lines(vc + row[i], row_bytes);
+        }
+        for (int h = 0; h < H; h++) {
+            const float* q = seq.q + (int64_t)h * hd;
+            const KV* k = kc + (h / group) * hd;
+            if (chunks == 4)                     // head_dim 64: the query in registers
+                dot_keys<4>(q, k, row + i0, nb, chunks, scale, scores + h * n + i0);
+            else
+                dot_keys<0>(q, k, row + i0, nb, chunks, scale, scores + h * n + i0);
         }
     }
     for (int h = 0; h < H; h++) {
         float* s = scores + h * n;
-        float mx = s[0];
-        for (int64_t i = 1; i < n; i++) mx = s[i] > mx ? s[i] : mx;
+        const float mx = max_of(s, n);
         m[h] = mx;
-        l[h] = exp_sum(s, n, mx);                // s becomes e^(s - m)
+        l[h] = exp_sum16(s, n, mx);              // s becomes e^(s - m)
     }
     // o[h] = sum_i s[h][i] v_i in key order, per head. With AVX-512's 32 registers the heads
     // that share a KV head go together (head_dim 64: 4 vectors a head, up to 4 heads a pass),

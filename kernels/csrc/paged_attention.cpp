@@ -16,20 +16,21 @@
 // q_len[s] .. ctx_len[s] - 1, and its block table is tables[s * max_blocks ...]. Row r at
 // position p attends to keys 0..p (causal).
 //
-// Work: rows are taken ROWS_PER_PASS at a time; a pass hands out (row, key chunk) items to
+// Work: rows are taken ROWS_PER_PASS at a time; a pass hands out (key chunk, row) items to
 // the team (attend_chunk), then (row, head) pairs to combine them (combine_chunks). Which
 // thread takes what changes nothing in any row.
 
 #include <omp.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "attention_rows.h"
 
 namespace {
 
-// Rows per pass: bounds the items' partial results (m, l, o per chunk: at most 16 chunks a
-// row up to 4,096 keys, H * (hd + 2) floats each).
+// Rows per pass: bounds the items' partial results (m, l, o per row and chunk: H * (hd + 2)
+// floats each, a row of ctx keys having key_chunks(ctx) of them).
 constexpr int64_t ROWS_PER_PASS = 64;
 
 struct RowRef {
@@ -43,37 +44,40 @@ template <class KV>
 void run(const std::vector<RowRef>& rows, const KV* kc, const KV* vc, int H, int KVH, int hd, int bs,
          float scale, int nt) {
     const int64_t kvh_stride = (int64_t)KVH * hd, q_size = (int64_t)H * hd;
-    std::vector<int64_t> item_row, item_t0, first_item;
+    std::vector<int64_t> item_row, item_chunk;
     std::vector<float> part_m, part_l, part_o;
     for (size_t a = 0; a < rows.size(); a += ROWS_PER_PASS) {
         const size_t b = a + ROWS_PER_PASS < rows.size() ? a + ROWS_PER_PASS : rows.size();
-        item_row.clear(), item_t0.clear(), first_item.clear();
-        for (size_t r = a; r < b; r++) {
-            first_item.push_back((int64_t)item_row.size());
-            const int64_t ctx = rows[r].ctx, chunk = key_chunk(ctx);
-            for (int64_t t0 = 0; t0 < ctx; t0 += chunk) item_row.push_back((int64_t)r), item_t0.push_back(t0);
-        }
-        first_item.push_back((int64_t)item_row.size());
+        // items chunk by chunk, each chunk for every row that has it: the rows of a prompt
+        // read one chunk's K and V rows in turn while they are in cache. Row r's chunk c
+        // leaves its results at slot (r - a) * chunks + c.
+        int64_t chunks = 0;
+        for (size_t r = a; r < b; r++) chunks = std::max(chunks, key_chunks(rows[r].ctx));
+        item_row.clear(), item_chunk.clear();
+        for (int64_t c = 0; c < chunks; c++)
+            for (size_t r = a; r < b; r++)
+                if (c * KEY_CHUNK < rows[r].ctx) item_row.push_back((int64_t)r), item_chunk.push_back(c);
         const int64_t items = (int64_t)item_row.size(), pairs = (int64_t)(b - a) * H;
-        part_m.resize((size_t)items * H), part_l.resize((size_t)items * H), part_o.resize((size_t)items * q_size);
+        const size_t slots = (b - a) * (size_t)chunks;
+        part_m.resize(slots * H), part_l.resize(slots * H), part_o.resize(slots * q_size);
 #pragma omp parallel num_threads(nt)
         {
-            std::vector<float> scores((size_t)H * KEY_CHUNK_MAX);
+            std::vector<float> scores((size_t)H * KEY_CHUNK);
 #pragma omp for schedule(dynamic, 4)
             for (int64_t i = 0; i < items; i++) {
                 const RowRef& row = rows[(size_t)item_row[i]];
-                const int64_t t0 = item_t0[i], end = t0 + key_chunk(row.ctx);
-                const AttnSeq seq{row.q, row.table, row.ctx};
-                attend_chunk(seq, t0, end < row.ctx ? end : row.ctx, kc, vc, bs, kvh_stride, H, H / KVH, hd, scale,
-                             scores.data(), &part_m[(size_t)i * H], &part_l[(size_t)i * H],
-                             &part_o[(size_t)i * q_size]);
+                const int64_t t0 = item_chunk[i] * KEY_CHUNK, end = std::min(t0 + KEY_CHUNK, row.ctx);
+                const size_t slot = (size_t)(item_row[i] - (int64_t)a) * chunks + item_chunk[i];
+                attend_chunk<false>(AttnSeq{row.q, row.table, row.ctx}, t0, end, kc, vc, bs, kvh_stride, H, H / KVH,
+                                    hd, scale, scores.data(), &part_m[slot * H], &part_l[slot * H],
+                                    &part_o[slot * q_size]);
             }
 #pragma omp for schedule(static)
             for (int64_t p = 0; p < pairs; p++) {
-                const int64_t r = p / H, head = p % H, c0 = first_item[r];
-                combine_chunks(&part_m[(size_t)c0 * H + head], &part_l[(size_t)c0 * H + head],
-                               &part_o[(size_t)c0 * q_size + head * hd], first_item[r + 1] - c0, H, hd,
-                               rows[a + r].out + head * hd);
+                const int64_t r = p / H, head = p % H;
+                const size_t slot = (size_t)r * chunks;
+                combine_chunks(&part_m[slot * H + head], &part_l[slot * H + head], &part_o[slot * q_size + head * hd],
+                               key_chunks(rows[a + r].ctx), H, hd, rows[a + r].out + head * hd);
             }
         }
     }

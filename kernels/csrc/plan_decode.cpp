@@ -170,7 +170,7 @@ struct AttnItems {
     int max_blocks;
 };
 
-// A thread's buffers for attend_items: scores [H][KEY_CHUNK_MAX], q [H][hd], k [kvh][hd] its own;
+// A thread's buffers for attend_items: scores [H][KEY_CHUNK], q [H][hd], k [kvh][hd] its own;
 // m, l [items][H] and o [items][H][hd] the team's, each item written by the thread that takes it.
 struct AttnScratch {
     float *scores, *q, *k, *part_m, *part_l, *part_o;
@@ -189,7 +189,7 @@ void attend_items(const PlanModel* m, const AttnItems& it, int64_t i0, int64_t i
     int64_t rotated = -1;                       // the sequence ws.q holds
     for (int64_t i = i0; i < i1; i++) {
         const int64_t b = it.seq[i], pos = it.positions[b], ctx = pos + 1;
-        const int64_t t1 = it.t0[i] + key_chunk(ctx) < ctx ? it.t0[i] + key_chunk(ctx) : ctx;
+        const int64_t t1 = it.t0[i] + KEY_CHUNK < ctx ? it.t0[i] + KEY_CHUNK : ctx;
         const float* src = x + b * in;
         const float* c = m->cos + pos * hd;
         const float* sn = m->sin + pos * hd;
@@ -204,7 +204,7 @@ void attend_items(const PlanModel* m, const AttnItems& it, int64_t i0, int64_t i
             store_kv(src + (H + KVH) * hd, kvh_stride, vcache + at);
         }
         const AttnSeq seq{ws.q, it.tables + (size_t)b * it.max_blocks, ctx};
-        attend_chunk(seq, it.t0[i], t1, kcache, vcache, bs, kvh_stride, H, H / KVH, hd, m->scale, ws.scores,
+        attend_chunk<true>(seq, it.t0[i], t1, kcache, vcache, bs, kvh_stride, H, H / KVH, hd, m->scale, ws.scores,
                      ws.part_m + i * H, ws.part_l + i * H, ws.part_o + i * q_size);
     }
 }
@@ -428,8 +428,7 @@ int kvd_plan_decode(const PlanModel* m, void* kv, int B, const int64_t* ids, con
     std::vector<int64_t> item_seq, item_t0, first_item((size_t)B + 1);
     for (int b = 0; b < B; b++) {
         first_item[b] = (int64_t)item_seq.size();
-        const int64_t ctx = positions[b] + 1, chunk = key_chunk(ctx);
-        for (int64_t t0 = 0; t0 < ctx; t0 += chunk) item_seq.push_back(b), item_t0.push_back(t0);
+        for (int64_t t0 = 0; t0 <= positions[b]; t0 += KEY_CHUNK) item_seq.push_back(b), item_t0.push_back(t0);
     }
     first_item[B] = (int64_t)item_seq.size();
     const int64_t items = first_item[B];
@@ -478,7 +477,7 @@ int kvd_plan_decode(const PlanModel* m, void* kv, int B, const int64_t* ids, con
     auto work = [&](const int tid, const int T) {
         int64_t round = 0;                              // the team's claimed phases so far (RowClaims)
         QuantizedInputs own_qbufs;
-        std::vector<float> scores((size_t)H * KEY_CHUNK_MAX), q_own((size_t)q_size), k_own((size_t)kvh_stride);
+        std::vector<float> scores((size_t)H * KEY_CHUNK), q_own((size_t)q_size), k_own((size_t)kvh_stride);
         const AttnScratch ws{scores.data(), q_own.data(), k_own.data(), part_m.data(), part_l.data(), part_o.data()};
         std::vector<std::vector<float>> own((size_t)m->num_slots);      // this thread's private slots
         for (int s = 0; s < m->num_slots; s++)
