@@ -31,7 +31,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
-from tools._twoproc import free_port, stop_processes, wait_healthy  # noqa: E402
+from tools._twoproc import stop_processes  # noqa: E402
+from tools.bench.serving.bench_n_copies import serve as start_server  # noqa: E402
 
 CONFIGS = {"one": (0, 0, None), "mixed2": (2, 0, "least-load"), "1p1d": (2, 1, None),
            "tree3": (3, 0, "prompt-tree")}
@@ -47,20 +48,14 @@ def trace_flags(trace: str, args) -> list[str]:
             "--prefix-repetition-output-len", str(args.output_len)]
 
 
-def serve(model: str, nodes: int, prefill: int, routing: str | None, cfg: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "kvd.cli", "serve", "--model", model, "--port", str(port), "-c", str(cfg)]
+def serve(model: str, nodes: int, prefill: int, cfg: Path) -> tuple[subprocess.Popen, str]:
+    """A ``kvd serve`` of the configuration, healthy (bench_n_copies' starter)."""
+    args = ["--model", model, "-c", str(cfg)]
     if nodes:
-        cmd += ["--nodes", str(nodes), "--split-cpus", "off"]
+        args += ["--nodes", str(nodes), "--split-cpus", "off"]
     if prefill:
-        cmd += ["--prefill", str(prefill)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    why = wait_healthy(url, proc, 180.0)
-    if why:
-        stop_processes([proc])
-        raise RuntimeError(f"kvd serve {why}")
-    return proc, url
+        args += ["--prefill", str(prefill)]
+    return start_server(args)
 
 
 def measured(url: str, flags: list[str], out: Path) -> dict:
@@ -114,7 +109,7 @@ def main() -> None:
             profile = args.node_profile if nodes and args.node_profile else args.profile
             cfg = Path(tmp) / f"{name}.toml"
             cfg.write_text(f'[cluster]\nrouting = "{routing or "prompt-tree"}"\n')
-            proc, url = serve(model, nodes, prefill, routing, cfg)
+            proc, url = serve(model, nodes, prefill, cfg)
             try:
                 for trace in args.traces.split(","):
                     for rate in args.rates.split(","):
