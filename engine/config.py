@@ -42,6 +42,7 @@ class EngineConfig:
     decode_kernel: str = "auto"         # auto: fused C++ bf16 decode step where the CPU has it; torch
     weights: str = "native"             # native: the file's formats (Q4_0/Q4_1/Q8_0 blocks, 16-bit matrices); dequantize
     kv_cache_dtype: str = "auto"        # auto: the model's dtype; float16: half the KV bytes of an fp32 model
+    batch_invariant: bool = False       # float matrices prefill on the decode kernel: a token's bits on every path
     cpus: str = ""                      # a Linux CPU list the daemon binds the engine to; "": every CPU it may use
     # A prefix hit with host-tier blocks: "cost" (swap in or recompute, the
     # cheaper by the caching cost model below), "swap" (always), "recompute" (always)
@@ -65,6 +66,8 @@ class EngineConfig:
         _check_one_of("decode_kernel", self.decode_kernel, DECODE_KERNELS)
         _check_one_of("weights", self.weights, WEIGHTS_MODES)
         _check_one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        if not isinstance(self.batch_invariant, bool):
+            raise ValueError(f"batch_invariant must be true or false, got {self.batch_invariant!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError("num_threads must be >= 1")
         if self.cpus:

@@ -32,6 +32,7 @@ from engine.structured.spec import StructuredOutputError
 from engine.team import TeamSizer
 from engine.config import EngineConfig  # noqa: F401  (re-exported: callers import it from here)
 from engine.cpus import format_cpulist
+from engine.exactness import same_bits
 from engine.fingerprint import engine_parts, fingerprint
 from engine.runner import SMALL_BATCH, ModelRunner
 from engine.sampling import UNSAMPLED, make_generator
@@ -87,7 +88,7 @@ def build_model(config: EngineConfig, weights: LoadedWeights) -> LlamaModel:
     rows = (kernel is None and dtype == torch.float32 and config.decode_kernel == "auto"
             and float_unsupported_reason(weights.config) is None)
     return LlamaModel(weights.config, weights.tensors, dtype=dtype, quant_kernel=kernel,
-                      float_layout="rows" if rows else "auto")
+                      float_layout="rows" if rows else "auto", batch_invariant=config.batch_invariant)
 
 
 def kv_cache_dtype(config: EngineConfig, model_dtype: torch.dtype) -> torch.dtype:
@@ -188,11 +189,13 @@ class LLMEngine:
         "avx512vnni", ...) or "torch"; ``decode``, the one-call decoder
         ("plan:<build>" or "fused-bf16") or "torch"; ``threads``, the compute team and
         the CPUs it runs on (EngineConfig.cpus); ``decode_threads``, its team for
-        small batches (EngineConfig.decode_threads); ``prefill_attention``, the
-        blocked kernel's build or "torch" (SDPA); ``row_ops``, the build running
+        small batches (EngineConfig.decode_threads); ``attention``, the paged
+        attention kernel's build or "torch" (SDPA); ``row_ops``, the build running
         a prefill's norms, SwiGLU and RoPE, or "torch"; ``sampling``, the build
-        drawing random rows (kernels/sampler.py) or "torch". "torch" where a kernel
-        was expected is a fallback: the log at start-up says why."""
+        drawing random rows (kernels/sampler.py) or "torch"; ``same_bits``, "yes"
+        where a token's K/V and logits have the same bits however it is computed
+        (engine/exactness.py), else "no: " and why. "torch" where a kernel was
+        expected is a fallback: the log at start-up says why."""
         model, fused = self.model, self.runner.fused
         decode = ("torch" if fused is None else f"plan:{fused.variant}" if isinstance(fused, PlanDecoder)
                   else "fused-bf16")
@@ -207,10 +210,10 @@ class LLMEngine:
                                    if self.runner.team is not None
                                    else f"{self.runner.small_batch_threads} (batches of <= {SMALL_BATCH} rows)"
                                    if fused is not None else "torch"),
-                "prefill_attention": (model.attention_kernel.variant if model.attention_kernel is not None
-                                      else "torch"),
+                "attention": model.attention_kernel.variant if model.attention_kernel is not None else "torch",
                 "row_ops": model.row_ops.variant if model.row_ops is not None else "torch",
-                "sampling": self.runner.sampler.variant if self.runner.sampler is not None else "torch"}
+                "sampling": self.runner.sampler.variant if self.runner.sampler is not None else "torch",
+                "same_bits": same_bits(model, fused)}
 
     @functools.cached_property
     def fingerprint(self) -> str:

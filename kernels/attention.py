@@ -24,7 +24,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.prefill_attention import PrefillAttention
 
 
 @dataclass
@@ -172,27 +171,18 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      batch: AttentionBatch, scale: float,
-                      kernel: PrefillAttention | None = None, window: int | None = None,
+                      batch: AttentionBatch, scale: float, window: int | None = None,
                       softcap: float | None = None) -> torch.Tensor:
-    """Causal attention for each sequence's new tokens, over cached prefix + new.
+    """Causal attention for each sequence's new tokens, over cached prefix + new, in torch.
 
     q: [T, H, hd]; k, v: [T, kvh, hd] (the new tokens, already written to the
     cache, with the values the cache holds: a 16-bit cache's, widened to q's dtype).
     Returns [T, H, hd]. A sequence with no cached prefix attends to its
     own k/v directly; one with a prefix gathers its context from the cache.
 
-    ``kernel``: the blocked C++ kernel (kernels/prefill_attention.py: position
-    invariant, faster than torch's SDPA: docs/benchmarks.md, prefill) for fp32
-    q/k/v. None, a shape it refuses, or a
-    16-bit model: torch's SDPA. A bf16 model keeps SDPA because its greedy
-    tokens under recompute preemption rely on a re-prefilled token rounding to
-    the same bf16 values as the decode step that first computed it; decode
-    attention is SDPA too, and the kernel's other summation order flipped a
-    bf16 rounding and a token (tests/engine/test_fidelity.py, bf16 recompute).
-
-    ``window`` (a sliding layer: ``window_mask``) and ``softcap`` (``_attend``) run on
-    torch with an explicit mask, the kernel knowing neither.
+    The reference, and what a 16-bit model runs: an fp32 model's attention runs
+    kernels/paged_attention.py, in the decode step's arithmetic. ``window`` (a sliding
+    layer: ``window_mask``) and ``softcap`` (``_attend``) take an explicit mask.
     """
     out = torch.empty(q.shape, dtype=q.dtype)
     n_heads, n_kv = q.shape[1], k.shape[1]
@@ -200,14 +190,6 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     plain = window is None and softcap is None
     for seq in batch.prefill:
         rows = slice(seq.q_start, seq.q_start + seq.q_len)
-        if kernel is not None and q.dtype == torch.float32 and plain:
-            if seq.ctx_len == seq.q_len:
-                ks, vs = k[rows], v[rows]
-            else:
-                ks = gather_kv(k_cache, seq.block_table, seq.ctx_len).to(q.dtype)
-                vs = gather_kv(v_cache, seq.block_table, seq.ctx_len).to(q.dtype)
-            if kernel.attend(q[rows], ks, vs, scale, out=out[rows]) is not None:   # q, k, v read in place
-                continue
         qs = q[rows].transpose(0, 1)                      # [H, q_len, hd]
         if seq.ctx_len == seq.q_len:
             ks = k[rows].transpose(0, 1)                  # [kvh, q_len, hd]

@@ -57,6 +57,8 @@ ENGINE_FLAGS = {
     "--cost-fixed-s": ("cost_fixed_s", float, "caching cost model: seconds per prefill step"),
     "--cost-swap-block-s": ("cost_swap_block_s", float, "caching cost model: seconds to swap one host block in"),
 }
+BATCH_INVARIANT_HELP = ("float matrices prefill on the decode step's kernel, so a token has the same bits "
+                        "however it is computed (quantized weights always do; slower float prefills)")
 SERVER_FLAGS = {
     "--host": ("host", str, "bind address (default 127.0.0.1)"),
     "--port": ("port", int, "HTTP port (default 8000; 0 picks a free one)"),
@@ -82,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
         serve.add_argument(flag, dest=dest, type=typ, default=None, help=help_)
     serve.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_const",
                        const=False, default=None, help="disable the MemPool prefix cache")
+    serve.add_argument("--batch-invariant", dest="batch_invariant", action="store_const", const=True,
+                       default=None, help=BATCH_INVARIANT_HELP)
     serve.add_argument("--nodes", type=int, default=0,
                        help="run N node processes on this machine (default: one node in this process)")
     serve.add_argument("--prefill", type=int, default=0,
@@ -108,6 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
         node.add_argument(flag, dest=dest, type=typ, default=None, help=help_)
     node.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_const",
                       const=False, default=None, help="disable the MemPool prefix cache")
+    node.add_argument("--batch-invariant", dest="batch_invariant", action="store_const", const=True,
+                      default=None, help=BATCH_INVARIANT_HELP)
     for flag in ("--drain-timeout", "--log-level"):
         dest, typ, help_ = SERVER_FLAGS[flag]
         node.add_argument(flag, dest=dest, type=typ, default=None, help=help_)
@@ -282,6 +288,7 @@ def node(args: argparse.Namespace) -> int:
     from kvd.config import ConfigError, load_config
     engine = {d: getattr(args, d) for d, _, _ in ENGINE_FLAGS.values()}
     engine["enable_prefix_caching"] = args.enable_prefix_caching
+    engine["batch_invariant"] = args.batch_invariant
     server = {"drain_timeout": args.drain_timeout, "log_level": args.log_level}
     try:
         config = load_config(args.config, {"engine": engine, "server": server})
@@ -405,6 +412,7 @@ def serve(args: argparse.Namespace) -> int:
     from kvd.config import ConfigError, load_config
     engine = {d: getattr(args, d) for d, _, _ in ENGINE_FLAGS.values()}
     engine["enable_prefix_caching"] = args.enable_prefix_caching
+    engine["batch_invariant"] = args.batch_invariant
     server = {d: getattr(args, d) for d, _, _ in SERVER_FLAGS.values()}
     try:
         config = load_config(args.config, {"engine": engine, "server": server})
@@ -453,6 +461,8 @@ def _passthrough(args: argparse.Namespace) -> list[str]:
             out += [flag, str(getattr(args, dest))]
     if args.enable_prefix_caching is False:
         out.append("--no-prefix-caching")
+    if args.batch_invariant:
+        out.append("--batch-invariant")
     for flag in ("--drain-timeout", "--log-level"):
         dest = SERVER_FLAGS[flag][0]
         if getattr(args, dest) is not None:

@@ -30,7 +30,6 @@ from engine.model.config import LlamaConfig
 from kernels import native
 from kernels.attention import AttentionBatch, decode_attention, prefill_attention, store_kv, write_kv
 from kernels.paged_attention import PagedAttention
-from kernels.prefill_attention import PrefillAttention
 from kernels.quant import QuantTensor
 from kernels.quant_linear import QuantKernel, QuantLinear
 from kernels.row_ops import RowOps
@@ -243,9 +242,16 @@ class LlamaModel:
     ``quant_kernel`` (None: their torch reference, for tests), fp32 inside
     whatever ``dtype`` the rest of the model runs in.
 
-    ``attention_kernel``: the blocked prefill attention (kernels/prefill_attention.py),
-    used for fp32 activations; "auto" loads this host's build (None where there is
-    none), None runs torch's SDPA.
+    ``attention_kernel``: attention over the paged KV cache in the plan executor's
+    arithmetic (kernels/paged_attention.py), for fp32 activations, prefill and decode
+    rows alike: a token's attention has the same bits whichever way it is computed;
+    "auto" loads this host's build for an fp32 model (None where there is none), None
+    runs torch's SDPA (so does a sliding-window or softcapped layer).
+
+    ``batch_invariant``: an fp32 model's float matrices multiply a prefill's rows on
+    the plan executor's dense kernel (``RowOps.linear``) at every row count, not MKL's,
+    so a prefilled token has a decoded one's bits (quantized matrices always do: one
+    kernel for both). False: MKL from DENSE_PREFILL_ROWS + 1 rows up (faster prefills).
 
     ``row_ops``: RMSNorm, SwiGLU and RoPE over all rows in one C++ call each
     (kernels/row_ops.py), for fp32 activations; "auto" loads this host's build
@@ -260,9 +266,9 @@ class LlamaModel:
                  dtype: torch.dtype = torch.float32,
                  layer_range: tuple[int, int] | None = None,
                  quant_kernel: QuantKernel | None = None,
-                 attention_kernel: PrefillAttention | None | str = "auto",
+                 attention_kernel: PagedAttention | None | str = "auto",
                  row_ops: RowOps | None | str = "auto", float_layout: str = "auto",
-                 paged_attention: PagedAttention | None | str = "auto") -> None:
+                 batch_invariant: bool = False) -> None:
         """Pick the weight layout (quantized, transposed fp32, rows) and load every
         layer's weights in it. Raises ValueError for a missing tensor or a bad range.
         Over 60 lines on purpose: the layout choices and the two loaders that follow
@@ -279,13 +285,13 @@ class LlamaModel:
         self.is_first, self.is_last = start == 0, end == config.num_layers
         self.scale = config.attention_scale
         self.steps = layer_steps(config)
-        self.attention_kernel = PrefillAttention.create() if attention_kernel == "auto" else attention_kernel
+        if attention_kernel == "auto":
+            attention_kernel = PagedAttention.create() if dtype == torch.float32 else None
+        self.attention_kernel = attention_kernel
+        self.batch_invariant = batch_invariant
         if row_ops == "auto":
             row_ops = RowOps.create() if dtype == torch.float32 else None
         self.row_ops = row_ops
-        if paged_attention == "auto":
-            paged_attention = PagedAttention.create() if dtype == torch.float32 else None
-        self.paged_attention = paged_attention
 
         self.quantized = any(isinstance(t, QuantTensor) for t in tensors.values())
         self.quant_kernel = quant_kernel if self.quantized else None
@@ -363,11 +369,13 @@ class LlamaModel:
         (exactly: its fp32 copy's product); up to DENSE_PREFILL_ROWS rows of x over a 16-bit
         matrix, the plan executor's dense matmul instead (``RowOps.linear``: widened in
         registers, a decode step's bits), where widening a whole matrix in memory for a few
-        rows cost more than the product."""
+        rows cost more than the product; with ``batch_invariant``, that kernel at every row
+        count and for fp32 matrices too."""
+        if self.row_ops is not None and (self.batch_invariant or (w_out_in.dtype != x.dtype
+                                                                   and x.shape[0] <= DENSE_PREFILL_ROWS)):
+            return self.row_ops.linear(x, w_out_in)
         if w_out_in.dtype == x.dtype:
             return F.linear(x, w_out_in)
-        if self.row_ops is not None and x.shape[0] <= DENSE_PREFILL_ROWS:
-            return self.row_ops.linear(x, w_out_in)
         return F.linear(x, w_out_in.to(x.dtype))
 
     @property
@@ -486,15 +494,15 @@ class LlamaModel:
         # the cache holds them, as every later step and a chunked or cached prefill does
         k, v = store_kv(k, k_cache.dtype), store_kv(v, k_cache.dtype)     # themselves when dtypes match
         write_kv(k_cache, v_cache, k, v, batch)
-        if (self.paged_attention is not None and q.dtype == torch.float32 and window is None
+        if (self.attention_kernel is not None and q.dtype == torch.float32 and window is None
                 and cfg.attn_logit_softcap is None):
-            o = self.paged_attention.attend(q, k_cache, v_cache, *batch.paged_rows(positions), self.scale)
+            o = self.attention_kernel.attend(q, k_cache, v_cache, *batch.paged_rows(positions), self.scale)
             if o is not None:
                 return o.reshape(T, q_size)
         k, v = k.to(q.dtype), v.to(q.dtype)
         if batch.is_prefill:
-            o = prefill_attention(q, k, v, k_cache, v_cache, batch, self.scale, self.attention_kernel,
-                                  window=window, softcap=cfg.attn_logit_softcap)
+            o = prefill_attention(q, k, v, k_cache, v_cache, batch, self.scale, window=window,
+                                  softcap=cfg.attn_logit_softcap)
         else:
             o = decode_attention(q, k_cache, v_cache, batch, self.scale, window=window,
                                  positions=positions, softcap=cfg.attn_logit_softcap)

@@ -156,7 +156,7 @@ inline void dot_keys(const float* q, const KV* k, const int64_t* rows, int64_t n
 // s[i] = e^(s[i] - m) for i < n; returns their sum: 16 lane sums (lane j adds s[j], s[j + 16],
 // ... in turn), then vsum's tree over the lanes. The same bits on every build (one V16 of lane
 // sums whatever the vector width), and a tree, not a chain of 16 dependent adds, ends it.
-inline float exp_sum16(float* s, int64_t n, float m) {
+inline float exp_sum(float* s, int64_t n, float m) {
     const VN mv = vn_set1(m);
     VN acc[SUM_VECS];
     for (int v = 0; v < SUM_VECS; v++) acc[v] = vn_zero();
@@ -245,7 +245,7 @@ void attend_chunk(const AttnSeq& seq, int64_t t0, int64_t t1, const KV* kc, cons
         float* s = scores + h * n;
         const float mx = max_of(s, n);
         m[h] = mx;
-        l[h] = exp_sum16(s, n, mx);              // s becomes e^(s - m)
+        l[h] = exp_sum(s, n, mx);                // s becomes e^(s - m)
     }
     // o[h] = sum_i s[h][i] v_i in key order, per head. With AVX-512's 32 registers the heads
     // that share a KV head go together (head_dim 64: 4 vectors a head, up to 4 heads a pass),

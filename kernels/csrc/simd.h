@@ -1,6 +1,5 @@
-// A register tile for fp32 outer-product kernels (quant_gemm.h's packed GEMM,
-// prefill_attention.cpp): VN is one vector of GEMM_VW floats; a tile is GEMM_MR
-// rows by GEMM_NR = 2 vectors of columns. Every build does the same fp32 operations
+// A register tile for fp32 outer-product kernels (quant_gemm.h's packed GEMM): VN is one
+// vector of GEMM_VW floats; a tile is GEMM_MR rows by GEMM_NR = 2 vectors of columns. Every build does the same fp32 operations
 // per lane (vn_fma is one fused multiply-add), only the widths differ.
 #pragma once
 
@@ -105,38 +104,9 @@ inline VN vn_exp(VN x) {
     return vn_zero_below(vn_mul(y, vn_pow2i(n)), x, -87.0f);
 }
 
-// s[i] = e^(s[i] - m) for i < n; returns their sum, in an order that does not depend on the
-// build's vector width: 16 lane sums (lane j adds s[j], s[j + 16], ... in turn), then lanes
-// 0..15 in turn. So softmax denominators, and with them attention outputs, have the same bits
-// on the AVX2, AVX-512 and portable builds (one node's prefill, another's decode).
+// Lane sums of 16 floats whatever the build's vector width (attention_rows.h's exp_sum)
 constexpr int SUM_LANES = 16;
 constexpr int SUM_VECS = SUM_LANES / GEMM_VW;
-inline float exp_sum(float* s, int64_t n, float m) {
-    const VN mv = vn_set1(m);
-    VN acc[SUM_VECS];
-    for (int v = 0; v < SUM_VECS; v++) acc[v] = vn_zero();
-    int64_t i = 0;
-    for (; i + SUM_LANES <= n; i += SUM_LANES)
-        for (int v = 0; v < SUM_VECS; v++) {
-            const VN e = vn_exp(vn_sub(vn_load(s + i + v * GEMM_VW), mv));
-            vn_store(s + i + v * GEMM_VW, e);
-            acc[v] = vn_add(acc[v], e);
-        }
-    alignas(64) float lanes[SUM_LANES];
-    for (int v = 0; v < SUM_VECS; v++) vn_store(lanes + v * GEMM_VW, acc[v]);
-    if (i < n) {                                    // the tail: its lane sums take one term more
-        alignas(64) float tail[SUM_LANES];
-        for (int j = 0; j < SUM_LANES; j++) tail[j] = i + j < n ? s[i + j] - m : -INFINITY;
-        for (int v = 0; v < SUM_VECS; v++) vn_store(tail + v * GEMM_VW, vn_exp(vn_load(tail + v * GEMM_VW)));
-        for (int j = 0; i + j < n; j++) {
-            s[i + j] = tail[j];
-            lanes[j] += tail[j];
-        }
-    }
-    float sum = 0.0f;
-    for (int j = 0; j < SUM_LANES; j++) sum += lanes[j];
-    return sum;
-}
 
 // c[r][0..GEMM_NR) (row stride ldc) = (ACCUM ? c : 0) + sum over t < T of a(r, t) * b[t * ldb + 0..GEMM_NR)
 // for r < GEMM_MR: one outer product per t, so each output is one fma chain over t in

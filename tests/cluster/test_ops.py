@@ -250,7 +250,7 @@ def test_drop_transfers_refuses_kv_transfers_until_resume(ops):
     assert status["drop_transfers"] is True
     # what computes each part of a step, for the operator (tiny: float weights)
     assert status["kernels"]["weights"] == "float" and status["kernels"]["matmul"] == "torch"
-    assert status["kernels"]["prefill_attention"] == (host_variant() or "torch")
+    assert status["kernels"]["attention"] == (host_variant() or "torch")
     refused = admin(ops.node_admin(src), "transfer", **transfer)
     assert refused["ok"] and refused["transferred"] is False and "drops KV transfers" in refused["reason"]
     assert admin(ops.node_admin(dst), "status")["transfers"]["dropped"] == 1

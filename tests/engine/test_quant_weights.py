@@ -190,13 +190,17 @@ def test_the_engine_names_the_kernels_of_this_host(tiny_gguf, tokenizer, kernel)
                                     f"{format_cpulist(os.sched_getaffinity(0))}")
     assert named == {"weights": "native", "dtype": "float32", "matrices": "quantized", "kv_cache": "float32",
                      "matmul": host,
-                     "decode": f"plan:{host}", "prefill_attention": host, "row_ops": host, "sampling": host}
+                     "decode": f"plan:{host}", "attention": host, "row_ops": host, "sampling": host,
+                     "same_bits": "yes"}
     if team is not None:
         assert native_engine(tiny_gguf, tokenizer).runner.small_batch_threads == team
     torch_decode = native_engine(tiny_gguf, tokenizer, decode_kernel="torch").kernels()
     assert torch_decode["decode"] == "torch" and torch_decode["matmul"] == host
     floats = native_engine(tiny_gguf, tokenizer, weights="dequantize").kernels()
-    assert floats["weights"] == "float" and floats["matmul"] == "torch" and floats["prefill_attention"] == host
+    assert floats["weights"] == "float" and floats["matmul"] == "torch" and floats["attention"] == host
+    assert floats["same_bits"].startswith("no: float matrices prefill on MKL")
+    invariant = native_engine(tiny_gguf, tokenizer, weights="dequantize", batch_invariant=True).kernels()
+    assert invariant["same_bits"] == "yes"
     assert floats["row_ops"] == host and floats["sampling"] == host
 
 
