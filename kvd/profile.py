@@ -239,8 +239,7 @@ def main(args) -> int:
     except (ConfigError, ValueError) as exc:
         print(f"kvd: error: {exc}", file=sys.stderr)
         return 2
-    engine_config = replace(config.engine, profile="") if hasattr(config.engine, "profile") else config.engine
-    doc = profile_engine(engine_config, quick=args.quick)
+    doc = profile_engine(replace(config.engine, profile=""), quick=args.quick)
     try:
         path = write_profile(doc, args.output)
     except OSError as exc:

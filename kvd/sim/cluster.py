@@ -21,6 +21,7 @@ one transfer later (per layer, overlapped with the prefill, with
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -108,8 +109,6 @@ class SimCluster:
     def _route(self, stream: SimStream, prompt: list[int]) -> None:
         """LegSender.submit's choice: a node for the request (never a prefill node
         while another is routable), and a prefill node for a decode node's request."""
-        import time
-
         t0 = time.perf_counter()
         rid = stream.request_id
         candidates = list(self.infos.values())

@@ -163,21 +163,6 @@ class SimNode:
                 self.scheduler.cache_computed(req)
             self.on_token(self, req, done or handed, handed)
 
-    def abort(self, req: Request) -> None:
-        """Finish ``req`` here now, returning its blocks (LLMEngine.abort_request)."""
-        if req.status is RequestStatus.FINISHED:
-            return
-        self.scheduler.remove(req)
-        self.scheduler.release_memory(req, cache=False)
-        req.status = RequestStatus.FINISHED
-
     def _retire(self, req: Request) -> None:
         self.scheduler.release_memory(req, cache=True)
         req.status = RequestStatus.FINISHED
-
-    # ----------------------------------------------------------------- queries
-    def running(self) -> int:
-        return len(self.scheduler.running)
-
-    def waiting(self) -> int:
-        return len(self.scheduler.waiting) + len(self.scheduler.swapped) + len(self.scheduler.prefilled)
