@@ -2,9 +2,12 @@
 
 ``PagedAttention.attend`` computes, for every query row of a step (a prefill's
 chunk rows, a decode batch's rows, or both), causal attention over its
-sequence's keys as they sit in the KV cache: the functions the plan executor's
+sequence's keys as they sit in the KV cache (on a sliding layer of window W,
+the row at position p over keys max(0, p - W + 1)..p, as
+``kernels.attention.window_mask``): the functions the plan executor's
 decode step runs for a row (csrc/attention_rows.h), keys cut into chunks by
-the row's context length alone, each chunk's max, sum of exponentials and
+the row's position alone (fixed 128-key places, the first cut at the
+window's start), each chunk's max, sum of exponentials and
 weighted values combined in chunk order.
 
 Contract, for rotated fp32 queries q [T, H, hd] and a layer's caches
@@ -49,15 +52,17 @@ class PagedAttention(KernelBuild):
         self._attend = lib.kvd_paged_attention
         self._attend.restype = ctypes.c_int
         self._attend.argtypes = [ptr, i64, ptr, ptr, i32, i64, i32, ptr, ptr, ptr, ptr, i32, i64, i32, i32, i32,
-                                 i32, ctypes.c_float, ptr, i64, i32]
+                                 i32, ctypes.c_float, i64, ptr, i64, i32]
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqs: torch.Tensor,
-               tables: torch.Tensor, scale: float, out: torch.Tensor | None = None) -> torch.Tensor | None:
+               tables: torch.Tensor, scale: float, out: torch.Tensor | None = None,
+               window: int | None = None) -> torch.Tensor | None:
         """Attention of every row of ``q`` (fp32 [T, H, hd], a row's heads contiguous: views into
         wider rows are read in place) over the caches (fp32 or float16 [N, bs, KVH, hd],
         contiguous). ``seqs``: int64 [S, 3], each sequence's (first row, rows, context length:
         the keys of its last row); its rows sit at the last positions of its context.
-        ``tables``: int64 [S, max_blocks], each sequence's block table. Returns ``out`` (fp32
+        ``tables``: int64 [S, max_blocks], each sequence's block table. ``window``: the layer's
+        sliding window in keys (None: every key up to the row's). Returns ``out`` (fp32
         [T, H, hd], made when None), or None (nothing computed) for a shape the kernel does not
         take. Raises ValueError for arguments that contradict each other."""
         if q.dim() != 3 or q.dtype != torch.float32 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
@@ -68,6 +73,8 @@ class PagedAttention(KernelBuild):
         N, bs, kvh = k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]
         if k_cache.shape[3] != hd or H % kvh or hd % 16 or hd > 256:
             return None
+        if window is not None and (not isinstance(window, int) or window < 1):
+            raise ValueError(f"window must be a positive int or None, got {window!r}")
         if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
             raise ValueError("the K and V caches must be contiguous")
         seqs, tables = seqs.contiguous(), tables.contiguous()
@@ -83,7 +90,7 @@ class PagedAttention(KernelBuild):
         rc = self._attend(qf.data_ptr(), _row_stride(qf), k_cache.data_ptr(), v_cache.data_ptr(),
                           int(k_cache.dtype == torch.float16), N, seqs.shape[0], starts.data_ptr(), lens.data_ptr(),
                           ctxs.data_ptr(), tables.data_ptr(), tables.shape[1], T, H, kvh, hd, bs, scale,
-                          out.data_ptr(), _row_stride(out), torch.get_num_threads())
+                          window or 0, out.data_ptr(), _row_stride(out), torch.get_num_threads())
         if rc != 0:
             raise ValueError("a sequence's rows or context do not fit the step, or a block id is out of range")
         return out

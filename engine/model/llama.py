@@ -246,7 +246,7 @@ class LlamaModel:
     arithmetic (kernels/paged_attention.py), for fp32 activations, prefill and decode
     rows alike: a token's attention has the same bits whichever way it is computed;
     "auto" loads this host's build for an fp32 model (None where there is none), None
-    runs torch's SDPA (so does a sliding-window or softcapped layer).
+    runs torch's SDPA (so does a softcapped layer).
 
     ``batch_invariant``: an fp32 model's float matrices multiply a prefill's rows on
     the plan executor's dense kernel (``RowOps.linear``) at every row count, not MKL's,
@@ -494,9 +494,9 @@ class LlamaModel:
         # the cache holds them, as every later step and a chunked or cached prefill does
         k, v = store_kv(k, k_cache.dtype), store_kv(v, k_cache.dtype)     # themselves when dtypes match
         write_kv(k_cache, v_cache, k, v, batch)
-        if (self.attention_kernel is not None and q.dtype == torch.float32 and window is None
-                and cfg.attn_logit_softcap is None):
-            o = self.attention_kernel.attend(q, k_cache, v_cache, *batch.paged_rows(positions), self.scale)
+        if self.attention_kernel is not None and q.dtype == torch.float32 and cfg.attn_logit_softcap is None:
+            o = self.attention_kernel.attend(q, k_cache, v_cache, *batch.paged_rows(positions), self.scale,
+                                             window=window)
             if o is not None:
                 return o.reshape(T, q_size)
         k, v = k.to(q.dtype), v.to(q.dtype)

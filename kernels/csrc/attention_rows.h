@@ -20,9 +20,11 @@
 
 namespace {
 
-// Split over keys. A row at position p attends to keys 0..p, cut into chunks of KEY_CHUNK keys
-// at fixed places (chunk c: keys c * KEY_CHUNK .. (c + 1) * KEY_CHUNK - 1, the last one cut at
-// p): a work item is one chunk of one row for every query head, so each key's K and V rows
+// Split over keys. A row at position p attends to keys 0..p (a sliding layer of window W:
+// keys max(0, p - W + 1)..p, kernels/attention.py's window_mask), cut into chunks of KEY_CHUNK
+// keys at fixed places (chunk c: keys c * KEY_CHUNK .. (c + 1) * KEY_CHUNK - 1, the last one
+// cut at p, the first at the window's start): a work item is one chunk of one row for every
+// query head, so each key's K and V rows
 // (every KV head, side by side in the cache) are read once per item, in address order, and a
 // single long sequence's keys are spread over the whole team. Chunk c of head h leaves
 //     m_c = max_t s_t,  l_c = sum_t e^(s_t - m_c) (exp_sum),  o_c = sum_t e^(s_t - m_c) v_t (key order)
@@ -34,8 +36,20 @@ namespace {
 // item, or on the build.
 constexpr int64_t KEY_CHUNK = 128;
 
-// Chunks of a row of ctx keys.
-inline int64_t key_chunks(int64_t ctx) { return (ctx + KEY_CHUNK - 1) / KEY_CHUNK; }
+// The first key a row of ctx keys (its position + 1) attends to on a layer of `window` keys
+// (0: every key).
+inline int64_t first_key(int64_t ctx, int64_t window) { return window > 0 && ctx > window ? ctx - window : 0; }
+
+// Index of the first chunk a row attends to, and how many it attends to (ctx >= 1).
+inline int64_t first_chunk(int64_t ctx, int64_t window) { return first_key(ctx, window) / KEY_CHUNK; }
+inline int64_t key_chunks(int64_t ctx, int64_t window) { return (ctx - 1) / KEY_CHUNK - first_chunk(ctx, window) + 1; }
+
+// Keys [chunk_start, chunk_end) of chunk c of such a row: the fixed chunk cut to the row's keys.
+inline int64_t chunk_start(int64_t c, int64_t ctx, int64_t window) {
+    const int64_t lo = first_key(ctx, window);
+    return c * KEY_CHUNK > lo ? c * KEY_CHUNK : lo;
+}
+inline int64_t chunk_end(int64_t c, int64_t ctx) { return (c + 1) * KEY_CHUNK < ctx ? (c + 1) * KEY_CHUNK : ctx; }
 
 // 16 of a KV row's elements as fp32: a fp32 cache's as they are, a half cache's widened (exact)
 inline V16 vload_kv(const float* p) { return vload(p); }

@@ -14,7 +14,8 @@
 //
 // Sequence s owns rows q_start[s] .. q_start[s] + q_len[s] - 1, at positions ctx_len[s] -
 // q_len[s] .. ctx_len[s] - 1, and its block table is tables[s * max_blocks ...]. Row r at
-// position p attends to keys 0..p (causal).
+// position p attends to keys 0..p (causal), or on a sliding layer of `window` keys to keys
+// max(0, p - window + 1)..p.
 //
 // Work: rows are taken ROWS_PER_PASS at a time; a pass hands out (key chunk, row) items to
 // the team (attend_chunk), then (row, head) pairs to combine them (combine_chunks). Which
@@ -30,19 +31,20 @@
 namespace {
 
 // Rows per pass: bounds the items' partial results (m, l, o per row and chunk: H * (hd + 2)
-// floats each, a row of ctx keys having key_chunks(ctx) of them).
+// floats each, a row having key_chunks(ctx, window) of them).
 constexpr int64_t ROWS_PER_PASS = 64;
 
 struct RowRef {
     const float* q;                     // its rotated queries [H][hd]
     const int64_t* table;
     int64_t ctx;                        // its position + 1
+    int64_t first;                      // its first chunk (first_chunk)
     float* out;
 };
 
 template <class KV>
 void run(const std::vector<RowRef>& rows, const KV* kc, const KV* vc, int H, int KVH, int hd, int bs,
-         float scale, int nt) {
+         float scale, int64_t window, int nt) {
     const int64_t kvh_stride = (int64_t)KVH * hd, q_size = (int64_t)H * hd;
     std::vector<int64_t> item_row, item_chunk;
     std::vector<float> part_m, part_l, part_o;
@@ -50,13 +52,16 @@ void run(const std::vector<RowRef>& rows, const KV* kc, const KV* vc, int H, int
         const size_t b = a + ROWS_PER_PASS < rows.size() ? a + ROWS_PER_PASS : rows.size();
         // items chunk by chunk, each chunk for every row that has it: the rows of a prompt
         // read one chunk's K and V rows in turn while they are in cache. Row r's chunk c
-        // leaves its results at slot (r - a) * chunks + c.
-        int64_t chunks = 0;
-        for (size_t r = a; r < b; r++) chunks = std::max(chunks, key_chunks(rows[r].ctx));
+        // leaves its results at slot (r - a) * chunks + c - its first chunk.
+        int64_t chunks = 0, last = 0;
+        for (size_t r = a; r < b; r++) {
+            chunks = std::max(chunks, key_chunks(rows[r].ctx, window));
+            last = std::max(last, (rows[r].ctx - 1) / KEY_CHUNK);
+        }
         item_row.clear(), item_chunk.clear();
-        for (int64_t c = 0; c < chunks; c++)
+        for (int64_t c = 0; c <= last; c++)
             for (size_t r = a; r < b; r++)
-                if (c * KEY_CHUNK < rows[r].ctx) item_row.push_back((int64_t)r), item_chunk.push_back(c);
+                if (c >= rows[r].first && c * KEY_CHUNK < rows[r].ctx) item_row.push_back((int64_t)r), item_chunk.push_back(c);
         const int64_t items = (int64_t)item_row.size(), pairs = (int64_t)(b - a) * H;
         const size_t slots = (b - a) * (size_t)chunks;
         part_m.resize(slots * H), part_l.resize(slots * H), part_o.resize(slots * q_size);
@@ -66,9 +71,10 @@ void run(const std::vector<RowRef>& rows, const KV* kc, const KV* vc, int H, int
 #pragma omp for schedule(dynamic, 4)
             for (int64_t i = 0; i < items; i++) {
                 const RowRef& row = rows[(size_t)item_row[i]];
-                const int64_t t0 = item_chunk[i] * KEY_CHUNK, end = std::min(t0 + KEY_CHUNK, row.ctx);
-                const size_t slot = (size_t)(item_row[i] - (int64_t)a) * chunks + item_chunk[i];
-                attend_chunk<false>(AttnSeq{row.q, row.table, row.ctx}, t0, end, kc, vc, bs, kvh_stride, H, H / KVH,
+                const int64_t c = item_chunk[i];
+                const size_t slot = (size_t)(item_row[i] - (int64_t)a) * chunks + (c - row.first);
+                attend_chunk<false>(AttnSeq{row.q, row.table, row.ctx}, chunk_start(c, row.ctx, window),
+                                    chunk_end(c, row.ctx), kc, vc, bs, kvh_stride, H, H / KVH,
                                     hd, scale, scores.data(), &part_m[slot * H], &part_l[slot * H],
                                     &part_o[slot * q_size]);
             }
@@ -77,7 +83,7 @@ void run(const std::vector<RowRef>& rows, const KV* kc, const KV* vc, int H, int
                 const int64_t r = p / H, head = p % H;
                 const size_t slot = (size_t)r * chunks;
                 combine_chunks(&part_m[slot * H + head], &part_l[slot * H + head], &part_o[slot * q_size + head * hd],
-                               key_chunks(rows[a + r].ctx), H, hd, rows[a + r].out + head * hd);
+                               key_chunks(rows[a + r].ctx, window), H, hd, rows[a + r].out + head * hd);
             }
         }
     }
@@ -91,31 +97,34 @@ const char* kvd_paged_attention_variant() { return KVD_VARIANT; }
 
 // out = each row's attention (layouts above). Returns 0, or -1 (nothing written) for a shape
 // the functions do not take (H not a multiple of KVH, hd not a multiple of 16 or above 256, a
-// row stride shorter than a row), a sequence whose rows do not fit its context or the
-// step's T rows, or a block id out of [0, num_blocks) among those its keys use.
+// row stride shorter than a row, a negative window), a sequence whose rows do not fit its
+// context or the step's T rows, or a block id out of [0, num_blocks) among those its keys use.
+// window: the layer's sliding window in keys, 0 for none.
 int kvd_paged_attention(const float* q, int64_t ldq, const void* kc, const void* vc, int kv_half,
                         int64_t num_blocks, int S, const int64_t* q_start, const int64_t* q_len,
                         const int64_t* ctx_len, const int64_t* tables, int max_blocks, int64_t T, int H, int KVH,
-                        int hd, int bs, float scale, float* out, int64_t ldo, int num_threads) {
-    if (S < 0 || KVH < 1 || H < KVH || H % KVH || hd < 16 || hd % 16 || hd > 256 || bs < 1) return -1;
+                        int hd, int bs, float scale, int64_t window, float* out, int64_t ldo, int num_threads) {
+    if (window < 0 || S < 0 || KVH < 1 || H < KVH || H % KVH || hd < 16 || hd % 16 || hd > 256 || bs < 1) return -1;
     if (ldq < (int64_t)H * hd || ldo < (int64_t)H * hd) return -1;
     std::vector<RowRef> rows;
     for (int s = 0; s < S; s++) {
         if (q_len[s] < 0 || ctx_len[s] < q_len[s] || q_start[s] < 0 || q_start[s] + q_len[s] > T) return -1;
         if ((ctx_len[s] + bs - 1) / bs > max_blocks) return -1;
         const int64_t* table = tables + (size_t)s * max_blocks;
-        for (int64_t j = 0; j < (ctx_len[s] + bs - 1) / bs; j++)
+        const int64_t first_block = q_len[s] ? first_key(ctx_len[s] - q_len[s] + 1, window) / bs : 0;
+        for (int64_t j = first_block; j < (ctx_len[s] + bs - 1) / bs; j++)
             if (table[j] < 0 || table[j] >= num_blocks) return -1;
         for (int64_t i = 0; i < q_len[s]; i++) {
             const int64_t row = q_start[s] + i;
-            rows.push_back({q + row * ldq, table, ctx_len[s] - q_len[s] + i + 1, out + row * ldo});
+            const int64_t ctx = ctx_len[s] - q_len[s] + i + 1;
+            rows.push_back({q + row * ldq, table, ctx, first_chunk(ctx, window), out + row * ldo});
         }
     }
     const int nt = num_threads < 1 ? 1 : num_threads;
     if (kv_half)
-        run(rows, (const uint16_t*)kc, (const uint16_t*)vc, H, KVH, hd, bs, scale, nt);
+        run(rows, (const uint16_t*)kc, (const uint16_t*)vc, H, KVH, hd, bs, scale, window, nt);
     else
-        run(rows, (const float*)kc, (const float*)vc, H, KVH, hd, bs, scale, nt);
+        run(rows, (const float*)kc, (const float*)vc, H, KVH, hd, bs, scale, window, nt);
     return 0;
 }
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernels.attention import window_mask
 from kernels.paged_attention import PagedAttention
 from kernels.quant_linear import VARIANTS, host_variant, runs_here
 
@@ -50,10 +51,11 @@ def rows(q_starts_lens_ctx: list[tuple[int, int, int]], tables: list[torch.Tenso
             torch.stack([torch.cat((t, t.new_zeros(width - len(t)))) for t in tables]))
 
 
-def dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal GQA attention in float64, the queries being the last positions."""
+def dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """Causal GQA attention in float64, the queries being the last positions (``window``:
+    kernels/attention.py's sliding-window mask)."""
     t, s = q.shape[0], k.shape[0]
-    mask = torch.arange(s).unsqueeze(0) <= torch.arange(s - t, s).unsqueeze(1)
+    mask = window_mask(torch.arange(s - t, s).unsqueeze(1), torch.arange(s).unsqueeze(0), window)
     o = F.scaled_dot_product_attention(q.double().transpose(0, 1), k.double().transpose(0, 1),
                                        v.double().transpose(0, 1), attn_mask=mask, scale=q.shape[2] ** -0.5,
                                        enable_gqa=True)
@@ -133,3 +135,54 @@ def test_shapes_it_does_not_take_and_contradictions(host):
         host.attend(q, k_cache, v_cache, *rows([(0, 20, 20)], [table + 100]), 1.0)
     with pytest.raises(ValueError, match="seqs must be int64"):
         host.attend(q, k_cache, v_cache, seqs[0].int(), seqs[1], 1.0)
+
+
+@pytest.mark.parametrize("window", [1, 8, 100, 128, 129, 300])
+@pytest.mark.parametrize("t,prefix", [(1, 0), (33, 0), (300, 0), (1, 257), (45, 200)])
+def test_a_sliding_window_matches_dense_attention(host, t, prefix, window):
+    """A sliding layer's rows attend to their last ``window`` keys (window_mask): within
+    5e-6 of float64, the chunk holding the window's start cut there."""
+    k_cache, v_cache, table, k, v = paged(prefix + t, seed=t + prefix + window)
+    q = torch.randn(t, H, HD, generator=torch.Generator().manual_seed(2))
+    out = host.attend(q, k_cache, v_cache, *rows([(0, t, prefix + t)], [table]), HD ** -0.5, window=window)
+    assert (out.double() - dense(q, k, v, window)).abs().max() < 5e-6
+
+
+def test_a_windowed_row_has_the_same_bits_however_its_rows_are_grouped(host):
+    """The first chunk of a window is cut at its start, the others sit at the fixed places:
+    a row's bits depend on its position alone -- in a whole prefill, in chunks, and as a
+    decode row beside a longer sequence whose window starts elsewhere; blocks before every
+    row's window are never read (may hold any id)."""
+    L, W = 300, 100
+    k_cache, v_cache, table, _, _ = paged(L, seed=11)
+    q = torch.randn(L, H, HD, generator=torch.Generator().manual_seed(12))
+    whole = host.attend(q, k_cache, v_cache, *rows([(0, L, L)], [table]), HD ** -0.5, window=W)
+    for start, n in [(0, 7), (7, 121), (128, 1), (250, 50)]:
+        left = table.clone()
+        left[:max(0, start - W + 1) // BS] = 10 ** 6               # blocks no row of the chunk reads
+        chunk = host.attend(q[start:start + n], k_cache, v_cache, *rows([(0, n, start + n)], [left]), HD ** -0.5,
+                            window=W)
+        assert torch.equal(chunk, whole[start:start + n])
+    for p in (0, 99, 100, 127, 128, 228, 229, 299):
+        qs = torch.stack((torch.randn(H, HD), q[p]))
+        out = host.attend(qs, k_cache, v_cache, *rows([(0, 1, L), (1, 1, p + 1)], [table, table]), HD ** -0.5,
+                          window=W)
+        assert torch.equal(out[1], whole[p])
+    # a window wider than the context is every key: the global layer's bits
+    assert torch.equal(host.attend(q, k_cache, v_cache, *rows([(0, L, L)], [table]), HD ** -0.5, window=L),
+                       host.attend(q, k_cache, v_cache, *rows([(0, L, L)], [table]), HD ** -0.5))
+
+
+@pytest.mark.parametrize("build", BUILDS)
+def test_every_build_gives_the_hosts_windowed_bits(host, build):
+    k_cache, v_cache, table, _, _ = paged(261, seed=13)
+    q = torch.randn(261, H, HD, generator=torch.Generator().manual_seed(14))
+    args = (q, k_cache, v_cache, *rows([(0, 261, 261)], [table]), HD ** -0.5)
+    assert torch.equal(PagedAttention.load(build).attend(*args, window=77), host.attend(*args, window=77))
+
+
+@pytest.mark.parametrize("window", [0, -3, 2.5])
+def test_a_bad_window_is_refused(host, window):
+    k_cache, v_cache, table, _, _ = paged(20, seed=10)
+    with pytest.raises(ValueError, match="window"):
+        host.attend(torch.randn(20, H, HD), k_cache, v_cache, *rows([(0, 20, 20)], [table]), 1.0, window=window)
