@@ -56,6 +56,8 @@ ENGINE_FLAGS = {
                            "caching cost model: prefill seconds per token per token of context"),
     "--cost-fixed-s": ("cost_fixed_s", float, "caching cost model: seconds per prefill step"),
     "--cost-swap-block-s": ("cost_swap_block_s", float, "caching cost model: seconds to swap one host block in"),
+    "--profile": ("profile", str, "a kvd profile of this model and CPU (kvd profile) whose measured costs replace "
+                  "the cost_* defaults ([engine].profile)"),
 }
 BATCH_INVARIANT_HELP = ("float matrices prefill on the decode step's kernel, so a token has the same bits "
                         "however it is computed (quantized weights always do; slower float prefills)")
