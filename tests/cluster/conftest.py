@@ -31,8 +31,10 @@ from ..probes import admin, kvd_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "tiny"
+# batch-invariant: the tiny model's float matrices prefill on the decode kernel, so a token has
+# the same bits on every path (engine/exactness.py) and seeded streams survive every feature
 TINY = ("--model", "tiny", "--dtype", "float32", "--block-size", "16", "--kv-blocks", "512",
-        "--host-kv-blocks", "32", "--max-model-len", "2048", "--num-threads", "1")
+        "--host-kv-blocks", "32", "--max-model-len", "2048", "--num-threads", "1", "--batch-invariant")
 HEARTBEAT = ("--heartbeat-interval", "0.5", "--heartbeat-deadline", "3")
 
 
@@ -196,10 +198,29 @@ def reference_engine():
     from engine.engine import EngineConfig, LLMEngine
 
     return LLMEngine.from_config(EngineConfig(model="tiny", dtype="float32", block_size=16, kv_blocks=256,
-                                              host_kv_blocks=32, max_model_len=512, num_threads=1))
+                                              host_kv_blocks=32, max_model_len=512, num_threads=1,
+                                              batch_invariant=True))
 
 
-def reference_tokens(engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+# Seeded sampling as the cluster tests draw it beside greedy (the body's fields: top_k goes in
+# extra_body): temperatures 0.7 to 1.0, top-p and top-k. Every feature gives these the
+# single-node engine's text (engine/exactness.py).
+SEEDED = ({"temperature": 0.7, "top_p": 0.9, "seed": 5}, {"temperature": 0.85, "top_k": 40, "seed": 6},
+          {"temperature": 1.0, "top_p": 0.95, "top_k": 50, "seed": 7})
+
+
+def reference_tokens(engine, prompts: list[list[int]], max_tokens: int,
+                     sampling: dict | list[dict] | None = None) -> list[list[int]]:
+    """The single-node engine's tokens for ``prompts``: greedy, or each prompt's ``sampling``
+    (one dict for all, or one per prompt: SEEDED's fields)."""
     from engine.request import SamplingParams
 
-    return engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    each = sampling if isinstance(sampling, list) else [sampling or {"temperature": 0.0}] * len(prompts)
+    return engine.generate(prompts, [SamplingParams(max_tokens=max_tokens, ignore_eos=True, **s) for s in each])
+
+
+def body_of(sampling: dict | None) -> dict:
+    """``sampling`` (SEEDED's fields) as the openai client's create() takes them."""
+    s = dict(sampling or {"temperature": 0.0})
+    top_k = s.pop("top_k", None)
+    return {**s, "extra_body": {"ignore_eos": True, **({"top_k": top_k} if top_k else {})}}

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from .conftest import MODEL, Cluster, admin, reference_tokens, running_cluster
+from .conftest import MODEL, SEEDED, Cluster, admin, body_of, reference_tokens, running_cluster
 
 ROLES = {"p1": "prefill", "d1": "decode"}
 
@@ -33,11 +33,11 @@ def start(tmp, transport: str, roles: dict[str, str], extra: tuple[str, ...] = (
     return c
 
 
-def stream(client, ids: list[int], max_tokens: int, **kw) -> tuple[str, str, object]:
+def stream(client, ids: list[int], max_tokens: int, sampling: dict | None = None) -> tuple[str, str, object]:
+    """A streamed completion of ``ids``: greedy, or ``sampling`` (conftest.SEEDED's fields)."""
     text, finish, usage = [], None, None
-    for chunk in client.completions.create(model=MODEL, prompt=ids, max_tokens=max_tokens, temperature=0,
-                                           stream=True, stream_options={"include_usage": True},
-                                           extra_body={"ignore_eos": True}, **kw):
+    for chunk in client.completions.create(model=MODEL, prompt=ids, max_tokens=max_tokens, stream=True,
+                                           stream_options={"include_usage": True}, **body_of(sampling)):
         if chunk.choices:
             text.append(chunk.choices[0].text)
             finish = chunk.choices[0].finish_reason or finish
@@ -75,12 +75,16 @@ def test_roles_are_registered_and_shown(pd):
     assert node_status(pd, "p1")["role"] == "prefill"
 
 
-def test_1p1d_tokens_equal_the_single_node_engine(pd, reference_engine):
+@pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
+def test_1p1d_tokens_equal_the_single_node_engine(pd, reference_engine, seeded):
+    """The prompt computed on p1 and its KV streamed to d1, which decodes: the single-node
+    engine's tokens, greedy and seeded (temperature 0.7 to 1.0, top-p and top-k)."""
     prompts = [prompt(i, n) for i, n in enumerate((5, 16, 40, 100, 150))]
-    ref = reference_tokens(reference_engine, prompts, 16)
+    sampling = [SEEDED[i % len(SEEDED)] if seeded else None for i in range(len(prompts))]
+    ref = reference_tokens(reference_engine, prompts, 16, [s or {"temperature": 0.0} for s in sampling])
     client = pd.client(timeout=60)
     with concurrent.futures.ThreadPoolExecutor(5) as pool:
-        results = list(pool.map(lambda p: stream(client, p, 16), prompts))
+        results = list(pool.map(lambda ps: stream(client, *ps), [(p, 16, s) for p, s in zip(prompts, sampling)]))
     tok = reference_engine.tokenizer
     for (text, finish, usage), r, p in zip(results, ref, prompts):
         assert finish == "length"
@@ -116,13 +120,15 @@ def test_seeded_and_adjusted_sampling_across_the_split_equals_the_single_node_en
     wait_idle(pd, ROLES)
 
 
-def test_prefix_hits_on_either_side_keep_the_tokens(pd, reference_engine):
+@pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
+def test_prefix_hits_on_either_side_keep_the_tokens(pd, reference_engine, seeded):
     client = pd.client(timeout=60)
-    system = prompt(77, 96)
+    system = prompt(77 + 10 * seeded, 96)
     a, b = system + prompt(78, 20), system + prompt(79, 23)
-    ref = reference_tokens(reference_engine, [a, b], 12)
-    text_a, _, _ = stream(client, a, 12)
-    text_b, _, usage = stream(client, b, 12)           # both sides hold the system prompt now
+    sampling = SEEDED[2] if seeded else None
+    ref = reference_tokens(reference_engine, [a, b], 12, sampling)
+    text_a, _, _ = stream(client, a, 12, sampling)
+    text_b, _, usage = stream(client, b, 12, sampling)      # both sides hold the system prompt now
     tok = reference_engine.tokenizer
     assert (text_a, text_b) == (tok.decode(ref[0]), tok.decode(ref[1]))
     assert usage.prompt_tokens_details.cached_tokens >= 96    # the prefill node's cache (PD-Caching-2)
@@ -258,18 +264,18 @@ def test_decode_node_without_free_blocks_computes_the_prompt_itself(pd, referenc
 def test_prefill_node_that_dies_mid_request_is_recomputed(pd, reference_engine):
     """The prefill node stops (SIGSTOP: no answer, no heartbeat, no KV): the
     coordinator declares it dead and tells the decode node, which computes
-    the prompt; the client sees the reference tokens, and blocks return."""
+    the prompt; the client sees the reference tokens (seeded), and blocks return."""
     import signal
 
     p = prompt(51, 60)
-    ref = reference_tokens(reference_engine, [p], 8)[0]
+    ref = reference_tokens(reference_engine, [p], 8, SEEDED[1])[0]
     pd.wait_gone("d2", 10)
     proc = pd.nodes["p1"].proc
     proc.send_signal(signal.SIGSTOP)
     try:
         t0 = time.monotonic()
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            running = pool.submit(stream, pd.client(timeout=60), p, 8)
+            running = pool.submit(stream, pd.client(timeout=60), p, 8, SEEDED[1])
             forged = asyncio.run(forge_commit(pd))
             text, finish, _ = running.result(30)
         assert time.monotonic() - t0 < 12           # the heartbeat deadline (3 s), not a hang

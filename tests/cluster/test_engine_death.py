@@ -30,7 +30,8 @@ def long_reference():
     from engine.engine import EngineConfig, LLMEngine
 
     return LLMEngine.from_config(EngineConfig(model="tiny", dtype="float32", block_size=16, kv_blocks=256,
-                                              host_kv_blocks=0, max_model_len=2048, num_threads=1))
+                                              host_kv_blocks=0, max_model_len=2048, num_threads=1,
+                                              batch_invariant=True))
 
 
 def prompt(seed: int) -> list[int]:

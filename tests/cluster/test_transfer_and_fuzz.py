@@ -19,7 +19,7 @@ import transports
 from kvd import protocol
 from transports.base import KIND_MSG, KIND_REQUEST, pack_envelope
 
-from .conftest import MODEL, Cluster, admin, reference_tokens, running_cluster
+from .conftest import MODEL, SEEDED, Cluster, admin, reference_tokens, running_cluster
 
 
 @pytest.fixture(scope="module")
@@ -28,13 +28,15 @@ def pair(tmp_path_factory):
         yield c
 
 
-async def _generate(cluster: Cluster, node: str, ids: list[int], max_tokens: int) -> tuple[list[int], dict]:
-    """Run one request directly on a node, as the coordinator (its key); (output ids, final usage)."""
+async def _generate(cluster: Cluster, node: str, ids: list[int], max_tokens: int,
+                    sampling: dict | None = None) -> tuple[list[int], dict]:
+    """Run one request directly on a node, as the coordinator (its key), greedy or with
+    ``sampling`` (conftest.SEEDED's fields); (output ids, final usage)."""
     conn = await cluster.connect(node)
     try:
         await conn.send(*protocol.encode(protocol.GenerateRequest(
             request_id=f"t-{random.random()}", prompt_token_ids=tuple(ids),
-            sampling={"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True})))
+            sampling={"max_tokens": max_tokens, "ignore_eos": True, **(sampling or {"temperature": 0.0})})))
         out: list[int] = []
         while True:
             inc = await asyncio.wait_for(conn.recv(), 30)
@@ -63,6 +65,10 @@ def test_transfer_with_insert_between_two_node_processes(pair, reference_engine)
     out_b, usage_b = asyncio.run(_generate(pair, "b", ids, 8))
     assert usage_b["cached_tokens"] == 96                      # served from the transferred KV
     assert out_b == ref
+    for sampling in SEEDED:                                   # seeded draws over the transferred KV too
+        seeded, usage = asyncio.run(_generate(pair, "b", ids, 8, sampling))
+        assert usage["cached_tokens"] == 96
+        assert seeded == reference_tokens(reference_engine, [ids], 8, sampling)[0], sampling
     # a second transfer of the same prefix stores nothing new
     again = admin(pair.node_admin("a"), "transfer", to="b", address=pair.node_urls["b"], token_ids=ids)
     assert again["transferred"] is True and again["new_blocks"] == 0
@@ -92,7 +98,8 @@ def test_streamed_transfer_is_exact_and_skips_what_the_receiver_has(reference_en
 
     def engine():
         return LLMEngine.from_config(EngineConfig(model="tiny", dtype="float32", block_size=16, kv_blocks=64,
-                                                  host_kv_blocks=0, max_model_len=512, num_threads=1))
+                                                  host_kv_blocks=0, max_model_len=512, num_threads=1,
+                                                  batch_invariant=True))
 
     rng = random.Random(11)
     ids = [rng.randrange(1, 40000) for _ in range(100)]                 # 6 full blocks
@@ -324,7 +331,7 @@ def test_failed_zero_copy_transfer_keeps_its_blocks_until_the_deadline(tmp_path,
     async def run():
         a = EngineDriver(LLMEngine.from_config(EngineConfig(
             model="tiny", dtype="float32", block_size=16, kv_blocks=64, host_kv_blocks=0,
-            max_model_len=512, num_threads=1)))
+            max_model_len=512, num_threads=1, batch_invariant=True)))
         await a.start()
         silent = await transports.listen(f"zmq+ipc://{tmp_path}/silent.sock",
                                          options=transports.TransportOptions())   # never answers
