@@ -58,7 +58,7 @@ class SubBlocks:
     q: int8 ``[rows, cols]``; scale, min: fp32 ``[rows, cols / size]`` (min None when
     the format has none). ``dequantize`` gives gguf-py's values bit for bit.
 
-    Q4_K, Q5_K and Q6_K also keep the factors (``factors``: scale = d * sc, min =
+    Q2_K, Q4_K, Q5_K and Q6_K also keep the factors (``factors``: scale = d * sc, min =
     dmin * mn): d, dmin fp32 ``[rows, cols / 256]`` (the file's fp16 values), sc, mn
     int16 ``[rows, cols / size]`` (its sub-block integers); None for the other formats.
     """
@@ -172,7 +172,9 @@ def _q2_k(b: torch.Tensor) -> SubBlocks:
     d, dmin = _f16(b[:, 80:82]), _f16(b[:, 82:84])
     shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)
     q = ((qs.view(n, 2, 1, 32) >> shifts) & 3).reshape(n, QK_K)         # [half][shift][32]
-    return SubBlocks(16, d * (scales & 0xF).float(), q.to(torch.int8), dmin * (scales >> 4).float())
+    sc, mn = scales & 0xF, scales >> 4
+    return SubBlocks(16, d * sc.float(), q.to(torch.int8), dmin * mn.float(),
+                     (d, dmin, sc.to(torch.int16), mn.to(torch.int16)))
 
 
 def _q3_k(b: torch.Tensor) -> SubBlocks:

@@ -7,10 +7,10 @@ A GGUF tensor of a kernels/gguf_blocks.py format, decoded to ``SubBlocks``
     Q4_K          -> KS4   the file's super-block, sub-block scales as bytes   every weight kept
     Q5_K          -> KS5   the same, 5-bit quants                              every weight kept
     Q6_K          -> KS6   the file's super-block, fields regrouped             every weight kept
+    Q2_K          -> KS2   the file's super-block, fields regrouped             every weight kept
     Q5_0, Q5_1    -> KQ5_0, KQ5_1  the file's block, qh bits reordered (its size)
     Q3_K IQ4_XS   -> KQ6   fp32 d0, d1 per 16, int8       every weight kept
     IQ4_NL        -> Q8_0  fp16 d per 32, int8               every weight kept
-    Q2_K          -> KQ6   requantized: 8 bits per 16 weights (the one lossy conversion)
 
 "Kept" means the kernel computes with the file's weights: a sub-block's scale and
 min are exact fp32 products of the file's fp16 and integer scales, the quants
@@ -32,16 +32,16 @@ from kernels.quant import BLOCK, FORMATS, QuantTensor
 
 # GGUF type -> the served format it is repacked into
 TARGET = {"Q4_K": "KS4", "Q5_K": "KS5", "Q5_1": "KQ5_1", "Q5_0": "KQ5_0", "Q6_K": "KS6",
-          "Q3_K": "KQ6", "IQ4_XS": "KQ6", "IQ4_NL": "Q8_0", "Q2_K": "KQ6"}
-NATIVE = ("Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1")
-CONVERTED = ("Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS")
-LOSSY = ("Q2_K",)
+          "Q2_K": "KS2", "Q3_K": "KQ6", "IQ4_XS": "KQ6", "IQ4_NL": "Q8_0"}
+NATIVE = ("Q2_K", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1")
+CONVERTED = ("Q3_K", "IQ4_NL", "IQ4_XS")
+LOSSY: tuple[str, ...] = ()             # conversions that change weights: none
 
 
 def repack(fmt: str, sub: SubBlocks) -> QuantTensor:
     """``sub`` (decoded from a ``fmt`` tensor ``[rows, cols]``) as a ``QuantTensor`` in the
     rows layout of ``TARGET[fmt]``."""
-    return repack_to(TARGET[fmt], requantize_int8_16(sub.dequantize()) if fmt in LOSSY else sub)
+    return repack_to(TARGET[fmt], sub)
 
 
 def repack_to(target: str, sub: SubBlocks) -> QuantTensor:
@@ -49,7 +49,7 @@ def repack_to(target: str, sub: SubBlocks) -> QuantTensor:
     KS target needs ``sub.factors``; KQ6 a sub-block of 16 or 32, the others of 32)."""
     rows, cols = sub.q.shape
     nb = cols // BLOCK
-    if target in ("KS4", "KS5", "KS6"):
+    if target in ("KS4", "KS5", "KS6", "KS2"):
         data = _super_blocks(target, sub)
         return QuantTensor(target, (rows, cols), data.reshape(rows, -1).contiguous())
     if target == "Q8_0":                                        # IQ4_NL: d is the file's fp16
@@ -81,10 +81,17 @@ def repack_to(target: str, sub: SubBlocks) -> QuantTensor:
 
 def _super_blocks(target: str, sub: SubBlocks) -> torch.Tensor:
     """uint8 [rows, nsup, block_bytes] of a KS format (kernels/quant.py) from a Q4_K / Q5_K
-    / Q6_K tensor's sub-blocks and factors."""
+    / Q6_K / Q2_K tensor's sub-blocks and factors."""
     rows, cols = sub.q.shape
     ns = cols // 256
     d, dmin, sc, mn = sub.factors
+    if target == "KS2":                 # byte 2u + j, bits 2e: weight 2 (u + 4e) + j
+        q = sub.q.view(rows, ns, 8, 32).to(torch.uint8)
+        u, j, e = torch.arange(4).view(4, 1, 1), torch.arange(2).view(1, 2, 1), torch.arange(4).view(1, 1, 4)
+        parts = q[..., (2 * (u + 4 * e) + j).reshape(-1)].view(rows, ns, 8, 8, 4) << (2 * e.view(4)).to(torch.uint8)
+        quants = parts.sum(dim=-1, dtype=torch.uint8).reshape(rows, ns, 64)      # disjoint bits: sum = or
+        scm = (sc.view(rows, ns, 16) | (mn.view(rows, ns, 16) << 4)).to(torch.uint8)
+        return torch.cat([_f16(d.view(rows, ns, 1)), _f16(dmin.view(rows, ns, 1)), scm, quants], dim=-1)
     if target == "KS6":
         q = (sub.q.view(rows, ns, 8, 32).to(torch.int16) + 32).to(torch.uint8)          # 0..63
         lo, hb = q & 15, (q >> 4) ^ 2
@@ -104,22 +111,11 @@ def _super_blocks(target: str, sub: SubBlocks) -> torch.Tensor:
                      dim=-1)
 
 
-def requantize_int8_16(w: torch.Tensor) -> SubBlocks:
-    """fp32 ``[rows, cols]`` as int8 per 16 weights, scale = amax / 127 (0 for a zero
-    sub-block); each weight within scale / 2 of ``w``."""
-    rows, cols = w.shape
-    g = w.view(rows, cols // 16, 16)
-    scale = g.abs().amax(dim=-1) / 127
-    q = torch.where(scale.unsqueeze(-1) > 0, g / scale.clamp_min(1e-30).unsqueeze(-1), 0).round()
-    return SubBlocks(16, scale, q.clamp(-127, 127).to(torch.int8).view(rows, cols), None)
-
-
 def conversion_note(fmt: str, tensors: int, file_bytes: int, served_bytes: int, max_error: float) -> str:
     """The log line of a load that converted ``tensors`` tensors of a ``CONVERTED`` type."""
     per = BLOCKS[fmt][0]
     bits = lambda n: 8 * n / (file_bytes / BLOCKS[fmt][1] * per)          # noqa: E731
-    what = (f"requantized to 8 bits per 16 weights (largest change {max_error:.3g})" if fmt in LOSSY
-            else "every weight kept")
+    what = f"weights changed by up to {max_error:.3g}" if fmt in LOSSY else "every weight kept"
     return (f"{tensors} {fmt} tensors converted at load to {TARGET[fmt]}: {what}; "
             f"{bits(file_bytes):.2f} -> {bits(served_bytes):.2f} bits per weight read per token")
 

@@ -16,10 +16,11 @@ A ``QuantTensor`` is a matrix ``[rows, cols]`` whose every row is
     KS4  148 B / 256 weights fp16 d, dmin, 8 x (u8 sc, m), 8 x 16 B        w = (d sc) q - dmin m
     KS5  180 B / 256 weights the same, 8 x (u32 hbits, 16 B)
     KS6  210 B / 256 weights fp16 d, 16 x int8 sc, 8 x (16 B, 8 B highs)   w = (d sc) (q - 32) per 16
+    KS2   84 B / 256 weights fp16 d, dmin, 16 x u8 (sc | m << 4), 8 x 8 B   w = (d sc) q - dmin m per 16
 
-(the KS formats: Q4_K / Q5_K / Q6_K super-blocks, every field a 2-byte word; their
+(the KS formats: Q4_K / Q5_K / Q6_K / Q2_K super-blocks, every field a 2-byte word; their
 sub-block scales are fp32 products the kernels form in registers, exact, so they
-compute with KQ4 / KQ5 / KQ6's values; quant_blocks.h draws KS6's highs)
+compute with the file's values; quant_blocks.h draws KS6's highs and KS2's 2-bit quants)
 
 (in a 4- or 5-bit block, byte j holds weight j in its low nibble and weight j + 16 in
 its high nibble; the hbits order of KQ5, KQ5_0 and KQ5_1 is kernels/csrc/quant_blocks.h's:
@@ -72,7 +73,7 @@ FORMATS = {f.name: f for f in (BlockFormat("Q4_0", 0, 18), BlockFormat("Q4_1", 1
                                 BlockFormat("KQ5", 4, 28, 12), BlockFormat("KQ6", 5, 40, 8),
                                 BlockFormat("KQ5_0", 6, 22), BlockFormat("KQ5_1", 7, 24),
                                 BlockFormat("KS4", 8, 148, weights=256), BlockFormat("KS5", 9, 180, weights=256),
-                                BlockFormat("KS6", 10, 210, weights=256))}
+                                BlockFormat("KS6", 10, 210, weights=256), BlockFormat("KS2", 11, 84, weights=256))}
 # the formats a GGUF file stores (the others are kvd's, made at load)
 GGUF_FORMATS = ("Q4_0", "Q4_1", "Q8_0")
 
@@ -192,7 +193,7 @@ def _dequantize(fmt: BlockFormat, data: torch.Tensor, cols: int) -> torch.Tensor
 
     if fmt.name in ("KQ4", "KQ5", "KQ6"):
         return _dequantize_kq(fmt.name, blocks).reshape(rows, cols)
-    if fmt.name in ("KS4", "KS5", "KS6"):
+    if fmt.name in ("KS4", "KS5", "KS6", "KS2"):
         return _dequantize_ks(fmt.name, blocks).reshape(rows, cols)
     d = half(0)
     if fmt.name in ("KQ5_0", "KQ5_1"):
@@ -237,6 +238,16 @@ def _dequantize_ks(name: str, blocks: torch.Tensor) -> torch.Tensor:
     (d sc) q, then - dmin m)."""
     rows, nb = blocks.shape[:2]
     d = blocks[..., 0:2].contiguous().view(torch.float16).float()           # [R, nb, 1]
+    if name == "KS2":                       # (d sc) q - (dmin m) per 16 weights
+        dmin = blocks[..., 2:4].contiguous().view(torch.float16).float()
+        scm = blocks[..., 4:20]                                             # [R, nb, 16]
+        sub = blocks[..., 20:].reshape(rows, nb, 8, 8)
+        i = torch.arange(32)
+        t = i // 2                                                          # weight 2t + j: byte 2 (t % 4) + j
+        q = (sub[..., 2 * (t % 4) + i % 2] >> (2 * (t // 4)).to(torch.uint8)) & 3
+        dl, ml = d * (scm & 15).float(), dmin * (scm >> 4).float()         # [R, nb, 16]
+        w = dl.unsqueeze(-1) * q.reshape(rows, nb, 16, 16).float() - ml.unsqueeze(-1)
+        return w.view(rows, nb, 8, 32)
     if name == "KS6":
         sc = blocks[..., 2:18].contiguous().view(torch.int8).float().view(rows, nb, 8, 2, 1)
         sub = blocks[..., 18:].reshape(rows, nb, 8, 24)

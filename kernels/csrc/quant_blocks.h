@@ -48,29 +48,42 @@ namespace {
 // (nibbles as in a Q4 block; KS6's q = nibble + 16 hi, hi's two bits stored XOR 2 (so that
 // they read as the signed hi - 2): high byte 2u + j holds in nibble e (t = 2u + e) the bits of
 // weight 2t + j (bits 0, 1) and of 2t + 16 + j (bits 2, 3)).
+//
+// KS2: Q2_K's super-block at the file's size, its fields regrouped into 16-bit words, a scale
+// and a min per 16 weights:
+//
+//     KS2   84 B  fp16 d, fp16 dmin, 16 x u8 (sc | m << 4), 8 x [8 B of 2-bit quants]
+//                 weights 16k .. 16k + 15: w = (d sc_k) q - dmin m_k     (q 0..3)
+//
+// (sub-block s's byte 2u + j holds in bits 2e, 2e + 1 (e < 4) the quant of weight 2t + j,
+// t = u + 4e: so a 16-bit word u carries pairs u, u + 4 (weights 0..15) and u + 8, u + 12
+// (16..31) of every row)
 enum Format { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, KQ4 = 3, KQ5 = 4, KQ6 = 5, KQ5_0 = 6, KQ5_1 = 7, KS4 = 8, KS5 = 9,
-              KS6 = 10 };
-constexpr int FORMAT_LAST = KS6;                // formats are 0 .. FORMAT_LAST
+              KS6 = 10, KS2 = 11 };
+constexpr int FORMAT_LAST = KS2;                // formats are 0 .. FORMAT_LAST
 constexpr int QK = 32;                          // weights per block (a super-block's sub-block)
 constexpr int SUBS = 8;                         // sub-blocks of a super-block
 
-constexpr bool super_block(int f) { return f >= KS4 && f <= KS6; }
+constexpr bool super_block(int f) { return (f >= KS4 && f <= KS6) || f == KS2; }
 constexpr int64_t block_weights(int f) { return super_block(f) ? SUBS * QK : QK; }
 constexpr int64_t block_bytes(int f) {
     return f == Q4_0 ? 18 : f == Q4_1 ? 20 : f == Q8_0 ? 34 : f == KQ4 ? 24 : f == KQ5 ? 28 : f == KQ5_0 ? 22
-           : f == KQ5_1 ? 24 : f == KS4 ? 148 : f == KS5 ? 180 : f == KS6 ? 210 : 40;
+           : f == KQ5_1 ? 24 : f == KS4 ? 148 : f == KS5 ? 180 : f == KS6 ? 210 : f == KS2 ? 84 : 40;
 }
 // a super-block's bytes before its sub-blocks, and each sub-block's
 constexpr int64_t head_bytes(int f) { return f == KS6 ? 18 : 20; }
-constexpr int64_t sub_bytes(int f) { return f == KS4 ? 16 : f == KS5 ? 20 : 24; }
+constexpr int64_t sub_bytes(int f) { return f == KS4 ? 16 : f == KS5 ? 20 : f == KS2 ? 8 : 24; }
 // bytes at a block's start that are 32-bit words (fp32 scales, KQ5's hbits); the rest are
 // 16-bit words (the x8 layout transposes each kind by its own width)
 constexpr int64_t wide_bytes(int f) { return f == KQ4 || f == KQ6 ? 8 : f == KQ5 ? 12 : 0; }
-constexpr bool has_min(int f) { return f == Q4_1 || f == KQ4 || f == KQ5 || f == KQ5_1 || f == KS4 || f == KS5; }
-constexpr bool int8_quants(int f) { return f == Q8_0 || f == KQ6; }              // else nibbles
+constexpr bool has_min(int f) {
+    return f == Q4_1 || f == KQ4 || f == KQ5 || f == KQ5_1 || f == KS4 || f == KS5 || f == KS2;
+}
+constexpr bool int8_quants(int f) { return f == Q8_0 || f == KQ6; }              // else nibbles (KS2: 2 bits)
 constexpr bool fp32_scales(int f) { return f >= KQ4 && f <= KQ6; }
 constexpr bool has_hbits(int f) { return f == KQ5 || f == KQ5_0 || f == KQ5_1 || f == KS5; }  // 5-bit quants
-constexpr bool two_scales(int f) { return f == KQ6 || f == KS6; }     // a scale per 16 weights
+constexpr bool two_scales(int f) { return f == KQ6 || f == KS6 || f == KS2; }     // a scale per 16 weights
+constexpr bool mins16(int f) { return f == KS2; }                                 // and a min per 16
 // the offset every quant carries (w = d * (q - zero_point)): taken off the integer dot as
 // zero_point * (sum of x's q), exact
 constexpr int zero_point(int f) { return f == Q4_0 ? 8 : f == KQ5_0 ? 16 : 0; }
@@ -257,12 +270,26 @@ inline void store_half_row(const float* x, int64_t n, uint16_t* out) {
 }
 
 // Sub-block s of a KS super-block (its bytes as a row holds them): its 32 integer weights
-// (KS6: q - 32) and fp32 scales: w = dw q - mn (KS6: dw q for weights 0..15, mn q for 16..31).
+// (KS6: q - 32) and fp32 scales: w = dw q - mn (KS6: dw q for weights 0..15, mn q for 16..31;
+// KS2: dw q - dmin m0 for weights 0..15, mn q - dmin m1 for 16..31, mins = {m0, m1, -dmin}).
 template <int F>
-inline void super_sub(const uint8_t* blk, int s, int16_t w[QK], float* dw, float* mn) {
+inline void super_sub(const uint8_t* blk, int s, int16_t w[QK], float* dw, float* mn, float* mins = nullptr) {
     const float d = fp16_to_f32(blk);
     const uint8_t* sub = blk + head_bytes(F) + s * sub_bytes(F);
-    if constexpr (F == KS6) {
+    if constexpr (F == KS2) {
+        const uint8_t s0 = blk[4 + 2 * s], s1 = blk[5 + 2 * s];
+        *dw = d * (float)(s0 & 15);
+        *mn = d * (float)(s1 & 15);
+        if (mins) {
+            mins[0] = (float)(s0 >> 4);
+            mins[1] = (float)(s1 >> 4);
+            mins[2] = -fp16_to_f32(blk + 2);
+        }
+        for (int i = 0; i < QK; i++) {             // weight i = 2t + j, t = u + 4e
+            const int t = i / 2, j = i % 2;
+            w[i] = (int16_t)((sub[2 * (t % 4) + j] >> (2 * (t / 4))) & 3);
+        }
+    } else if constexpr (F == KS6) {
         *dw = d * (float)(int8_t)blk[2 + 2 * s];
         *mn = d * (float)(int8_t)blk[3 + 2 * s];
         for (int i = 0; i < 16; i++) {
@@ -290,9 +317,13 @@ template <int F>
 inline void dequant_sub(const uint8_t* blk, int s, V16* lo, V16* hi) {
     int16_t w[QK];
     float dw, mn, f[QK];
-    super_sub<F>(blk, s, w, &dw, &mn);
+    float mins[3];
+    super_sub<F>(blk, s, w, &dw, &mn, mins);
     for (int i = 0; i < QK; i++) f[i] = (float)w[i];
-    if constexpr (F == KS6) {
+    if constexpr (F == KS2) {                       // gguf-py's: (d sc) q, then - (dmin m)
+        *lo = vsub(vmul(vset1(dw), vload(f)), vset1(-mins[2] * mins[0]));
+        *hi = vsub(vmul(vset1(mn), vload(f + 16)), vset1(-mins[2] * mins[1]));
+    } else if constexpr (F == KS6) {
         *lo = vmul(vset1(dw), vload(f));
         *hi = vmul(vset1(mn), vload(f + 16));
     } else {

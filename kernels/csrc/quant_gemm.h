@@ -40,6 +40,7 @@ struct QRows {
     float* d;           // [M][nb]  amax / 32767 (0 for an all-zero block)
     float* s;           // [M][nb]  sum of the block's 32 x in fp32, a fixed tree (Q4_1's m term)
     int32_t* qs;        // [M][nb]  sum of the block's 32 q (Q4_0's -8 term), exact
+    int32_t* qs0;       // [M][nb]  sum of the block's first 16 q (KS2's per-16 mins), exact
     int64_t K, nb;
     // AMX builds only (else null): q's bytes apart, q = 256 hi + lo, for ceil(M / 16) * 16 rows
     int8_t* hi = nullptr;   // [M16][K]  q >> 8 (arithmetic): -128..127
@@ -50,7 +51,7 @@ struct QRows {
 struct QRowsBuf {
     std::vector<int16_t> q;
     std::vector<float> d, s;
-    std::vector<int32_t> qs;
+    std::vector<int32_t> qs, qs0;
 #if defined(KVD_AMX)
     std::vector<int8_t> hi;
     std::vector<uint8_t> lo;
@@ -58,7 +59,7 @@ struct QRowsBuf {
     // Bytes held (what reusing the buffer keeps allocated).
     size_t bytes() const {
         size_t n = q.capacity() * sizeof(int16_t) + (d.capacity() + s.capacity()) * sizeof(float)
-                   + qs.capacity() * sizeof(int32_t);
+                   + (qs.capacity() + qs0.capacity()) * sizeof(int32_t);
 #if defined(KVD_AMX)
         n += hi.capacity() + lo.capacity();
 #endif
@@ -76,8 +77,9 @@ struct QRowsBuf {
         if ((int64_t)q.size() < M * K) q.resize((size_t)(M * K));
         if ((int64_t)d.size() < rows * nb) {
             d.resize((size_t)(rows * nb)); s.resize((size_t)(rows * nb)); qs.resize((size_t)(rows * nb));
+            qs0.resize((size_t)(rows * nb));
         }
-        QRows r{q.data(), d.data(), s.data(), qs.data(), K, nb};
+        QRows r{q.data(), d.data(), s.data(), qs.data(), qs0.data(), K, nb};
 #if defined(KVD_AMX)
         r.hi = hi.data();
         r.lo = lo.data();
@@ -86,10 +88,20 @@ struct QRowsBuf {
     }
 };
 
+#if defined(__AVX2__)
+// the sum of 8 int32 lanes (exact)
+inline int32_t hsum_epi32(__m256i v) {
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1)));
+}
+#endif
+
 // One block: amax = max |x|; d = amax / 32767; q = round-half-even(x * (32767 / amax));
 // s = ((x[j] + x[j+8]) + x[j+16]) + x[j+24] per j < 8, then (j + j+4) -> (j + j+2) -> (0 + 1).
+// qs, qs0: the exact sums of q over the block and over its first 16.
 // Every build computes each of these with the same fp32 operations, so they agree bit for bit.
-inline void quantize_block(const float* x, int16_t* q, float* d, float* s, int32_t* qs) {
+inline void quantize_block(const float* x, int16_t* q, float* d, float* s, int32_t* qs, int32_t* qs0) {
 #if defined(__AVX2__)
     const __m256 x0 = _mm256_loadu_ps(x), x1 = _mm256_loadu_ps(x + 8), x2 = _mm256_loadu_ps(x + 16),
                  x3 = _mm256_loadu_ps(x + 24);
@@ -107,10 +119,9 @@ inline void quantize_block(const float* x, int16_t* q, float* d, float* s, int32
     // packs works per 128-bit lane: [a0-3 b0-3 | a4-7 b4-7]; the permute puts a before b
     _mm256_storeu_si256((__m256i*)q, _mm256_permute4x64_epi64(_mm256_packs_epi32(q0, q1), 0xD8));
     _mm256_storeu_si256((__m256i*)(q + 16), _mm256_permute4x64_epi64(_mm256_packs_epi32(q2, q3), 0xD8));
-    __m256i qsum = _mm256_add_epi32(_mm256_add_epi32(q0, q1), _mm256_add_epi32(q2, q3));
-    __m128i qs4 = _mm_add_epi32(_mm256_castsi256_si128(qsum), _mm256_extracti128_si256(qsum, 1));
-    qs4 = _mm_add_epi32(qs4, _mm_shuffle_epi32(qs4, 0x4E));
-    *qs = _mm_cvtsi128_si32(_mm_add_epi32(qs4, _mm_shuffle_epi32(qs4, 0xB1)));
+    const __m256i half = _mm256_add_epi32(q0, q1);
+    *qs0 = hsum_epi32(half);
+    *qs = hsum_epi32(_mm256_add_epi32(half, _mm256_add_epi32(q2, q3)));
     const __m256 t = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(x0, x1), x2), x3);
     __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
     __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
@@ -125,6 +136,7 @@ inline void quantize_block(const float* x, int16_t* q, float* d, float* s, int32
         const float r = nearbyintf(x[i] * inv);      // the default rounding: half to even
         q[i] = (int16_t)(r > QX_MAX ? QX_MAX : r < -QX_MAX ? -QX_MAX : r);
         sum += q[i];
+        if (i == QK / 2 - 1) *qs0 = sum;
     }
     *qs = sum;
     float t[8], s4[4], s2[2];
@@ -140,7 +152,8 @@ inline void quantize_rows(const float* x, int64_t ldx, int64_t m0, int64_t m1, c
     for (int64_t m = m0; m < m1; m++) {
         for (int64_t b = 0; b < out.nb; b++) {
             const int64_t i = m * out.nb + b;
-            quantize_block(x + m * ldx + b * QK, out.q + m * out.K + b * QK, &out.d[i], &out.s[i], &out.qs[i]);
+            quantize_block(x + m * ldx + b * QK, out.q + m * out.K + b * QK, &out.d[i], &out.s[i], &out.qs[i],
+                           &out.qs0[i]);
         }
 #if defined(KVD_AMX)
         const int16_t* q = out.q + m * out.K;
@@ -187,7 +200,7 @@ constexpr int64_t group_bytes(int f, int64_t K) { return K / block_weights(f) * 
 // (KS5: after its hbits words); the scales are the group-super-block's head.
 constexpr int quant_word0(int f) {
     return f == Q4_1 ? 2 : f == KQ4 || f == KQ6 || f == KQ5_1 ? 4 : f == KQ5 ? 6 : f == KQ5_0 ? 3 : f == KS5 ? 2
-           : f == KS4 || f == KS6 ? 0 : 1;
+           : f == KS4 || f == KS6 || f == KS2 ? 0 : 1;
 }
 // bytes of 8 rows' weights of one block of 32 (a KS format: the sub-block, its share of the head)
 constexpr int64_t group_block32_bytes(int f) {
@@ -262,6 +275,13 @@ inline __m256i hbits_lanes(const uint8_t* gb) {
 // q - 32 = nibble + 16 (hi - 2).
 template <int F>
 inline void widen_word(const uint8_t* gb, int t, __m256i* lo, __m256i* hi) {
+    if constexpr (F == KS2) {       // word t % 4, bits 2 (t / 4): pair t; bits 2 (t / 4) + 4: pair t + 8
+        const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(gb + 16 * (t % 4))));
+        const __m256i v = _mm256_srl_epi16(bytes, _mm_cvtsi32_si128(2 * (t / 4))), three = _mm256_set1_epi16(3);
+        *lo = _mm256_and_si256(v, three);
+        *hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), three);
+        return;
+    }
     const __m128i word = _mm_loadu_si128((const __m128i*)(gb + 16 * (quant_word0(F) + t)));
     if constexpr (int8_quants(F)) {
         *lo = _mm256_cvtepi8_epi16(word);
@@ -333,12 +353,23 @@ inline void group_scales(const uint8_t* gb, __m256* dw, __m256* mw) {
     *mw = has_min(F) ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(gb + 16))) : _mm256_setzero_ps();
 }
 
-// A KS format's 8 rows' scales of sub-block s: d sc_s, -(dmin m_s) (KS6: d sc_2s, d sc_2s+1),
-// each product exact in fp32 (fp16 times a small integer): KQ4 / KQ5 / KQ6's stored values
+// KS2's 8 rows' mins of a sub-block: its halves' 4-bit m0, m1 (as fp32) and -dmin
+struct Mins16 { __m256 m0, m1, ndmin; };
+
+// A KS format's 8 rows' scales of sub-block s: d sc_s, -(dmin m_s) (KS6, KS2: d sc_2s, d sc_2s+1;
+// KS2's mins into *mn), each product exact in fp32 (fp16 times a small integer)
 template <int F>
-inline void super_scales(const uint8_t* head, int s, __m256* dw, __m256* mw) {
+inline void super_scales(const uint8_t* head, int s, __m256* dw, __m256* mw, Mins16* mn) {
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)head));
-    if constexpr (F == KS6) {
+    if constexpr (F == KS2) {
+        const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(head + 32 + 16 * s)));
+        const __m256i f = _mm256_set1_epi32(15);
+        *dw = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(v, f)));
+        *mw = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 8), f)));
+        mn->m0 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 4), f));
+        mn->m1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 12));
+        mn->ndmin = _mm256_xor_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(head + 16))), _mm256_set1_ps(-0.0f));
+    } else if constexpr (F == KS6) {
         const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(head + 16 + 16 * s)));
         *dw = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 24), 24)));
         *mw = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 16), 24)));
@@ -351,10 +382,10 @@ inline void super_scales(const uint8_t* head, int s, __m256* dw, __m256* mw) {
     }
 }
 
-// block b's 8 rows' scales, group_scales' lanes
+// block b's 8 rows' scales, group_scales' lanes (KS2: and its mins)
 template <int F>
-inline void block_scales(const uint8_t* group, int64_t b, __m256* dw, __m256* mw) {
-    if constexpr (super_block(F)) super_scales<F>(group + b / SUBS * group_block_bytes(F), (int)(b % SUBS), dw, mw);
+inline void block_scales(const uint8_t* group, int64_t b, __m256* dw, __m256* mw, Mins16* mn) {
+    if constexpr (super_block(F)) super_scales<F>(group + b / SUBS * group_block_bytes(F), (int)(b % SUBS), dw, mw, mn);
     else group_scales<F>(group + b * group_block_bytes(F), dw, mw);
 }
 
@@ -362,14 +393,22 @@ struct Acc { __m256 acc, accm; };
 
 // The fp32 chain of 8 outputs for one block: lane r's isum with row r's scales, x row i's.
 // KQ6: isum1 is weights 16..31's dot, chained after isum's with its own scale (mw = d1).
+// KS2: then its mins, through x's exact integer half sums: accm += (-dmin d_x) (m0 qs0 + m1 qs1),
+// the integer exact in fp32 (|m qs| < 2^23 each, so the product and the fma do not round).
 template <int F>
 inline void chain(__m256i isum, __m256 dw, __m256 mw, const QRows& x, int64_t i, Acc* a,
-                  __m256i isum1 = _mm256_setzero_si256()) {
+                  __m256i isum1 = _mm256_setzero_si256(), const Mins16* mn = nullptr) {
     if constexpr (zero_point(F) != 0) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(zero_point(F) * x.qs[i]));
     const __m256 dx = _mm256_set1_ps(x.d[i]);
     a->acc = _mm256_fmadd_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(isum), a->acc);
     if constexpr (two_scales(F)) a->acc = _mm256_fmadd_ps(_mm256_mul_ps(mw, dx), _mm256_cvtepi32_ps(isum1), a->acc);
-    if constexpr (has_min(F)) a->accm = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.s[i]), a->accm);
+    if constexpr (mins16(F)) {
+        const __m256 m = _mm256_fmadd_ps(mn->m1, _mm256_set1_ps((float)(x.qs[i] - x.qs0[i])),
+                                         _mm256_mul_ps(mn->m0, _mm256_set1_ps((float)x.qs0[i])));
+        a->accm = _mm256_fmadd_ps(_mm256_mul_ps(mn->ndmin, dx), m, a->accm);
+    } else if constexpr (has_min(F)) {
+        a->accm = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.s[i]), a->accm);
+    }
 }
 
 // A group-block widened once for many rows of x (L1-resident, 512 B): w[p] = every row's
@@ -377,6 +416,7 @@ inline void chain(__m256i isum, __m256 dw, __m256 mw, const QRows& x, int64_t i,
 struct WGroup {
     __m256i w[PAIRS];
     __m256 dw, mw;
+    Mins16 mn;                      // KS2's
 };
 
 template <int F>
@@ -388,7 +428,7 @@ inline void load_group(const uint8_t* group, int64_t b, WGroup* g) {
     } else {
         for (int t = 0; t < 8; t++) widen_word<F>(gb, t, &g->w[t], &g->w[t + 8]);
     }
-    block_scales<F>(group, b, &g->dw, &g->mw);
+    block_scales<F>(group, b, &g->dw, &g->mw, &g->mn);
 }
 
 // R rows of x (m, m + 1, ...) against one widened group-block: each weight vector is loaded
@@ -413,7 +453,7 @@ inline void group_block_rows(const WGroup& g, const QRows& x, int64_t m, int64_t
         }
     }
     for (int r = 0; r < R; r++) {
-        if constexpr (two_scales(F)) chain<F>(s0[r], g.dw, g.mw, x, (m + r) * x.nb + b, &a[r], s1[r]);
+        if constexpr (two_scales(F)) chain<F>(s0[r], g.dw, g.mw, x, (m + r) * x.nb + b, &a[r], s1[r], &g.mn);
         else chain<F>(_mm256_add_epi32(s0[r], s1[r]), g.dw, g.mw, x, (m + r) * x.nb + b, &a[r]);
     }
 }
@@ -428,10 +468,11 @@ inline void group_one_row(const uint8_t* group, const QRows& x, int64_t m, Acc* 
         const uint8_t* gb = block_quants<F>(group, b);
         prefetch_ahead<group_block32_bytes(F)>(gb);
         __m256 dw, mw;
-        block_scales<F>(group, b, &dw, &mw);
+        Mins16 mn;
+        block_scales<F>(group, b, &dw, &mw, &mn);
         __m256i second;
         const __m256i first = block_dots<F>(gb, xq + b * QK, &second);
-        chain<F>(first, dw, mw, x, m * x.nb + b, &acc, second);
+        chain<F>(first, dw, mw, x, m * x.nb + b, &acc, second, &mn);
     }
     *a = acc;
 }
@@ -464,6 +505,7 @@ inline __m512i dot_acc512(__m512i acc, __m512i w, __m512i x) {
 struct WGroup2 {
     __m512i w[PAIRS];
     __m512 dw, mw;
+    __m512 m0, m1, ndmin;           // KS2's mins (Mins16 on 16 lanes)
 };
 
 inline __m512i join256(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
@@ -479,6 +521,11 @@ inline void load_group2(const uint8_t* group0, const uint8_t* group1, int64_t bl
     for (int p = 0; p < PAIRS; p++) g->w[p] = join256(a.w[p], b.w[p]);
     g->dw = join256(a.dw, b.dw);
     g->mw = join256(a.mw, b.mw);
+    if constexpr (mins16(F)) {
+        g->m0 = join256(a.mn.m0, b.mn.m0);
+        g->m1 = join256(a.mn.m1, b.mn.m1);
+        g->ndmin = join256(a.mn.ndmin, b.mn.ndmin);
+    }
 }
 
 struct Acc2 { __m512 acc, accm; };
@@ -512,7 +559,13 @@ inline void group2_block_rows(const WGroup2& g, const QRows& x, int64_t m, int64
         if constexpr (zero_point(F) != 0) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(zero_point(F) * x.qs[i]));
         a[r].acc = _mm512_fmadd_ps(_mm512_mul_ps(g.dw, dx), _mm512_cvtepi32_ps(isum), a[r].acc);
         if constexpr (two_scales(F)) a[r].acc = _mm512_fmadd_ps(_mm512_mul_ps(g.mw, dx), _mm512_cvtepi32_ps(s1[r]), a[r].acc);
-        if constexpr (has_min(F)) a[r].accm = _mm512_fmadd_ps(g.mw, _mm512_set1_ps(x.s[i]), a[r].accm);
+        if constexpr (mins16(F)) {          // chain<F>'s
+            const __m512 mq = _mm512_fmadd_ps(g.m1, _mm512_set1_ps((float)(x.qs[i] - x.qs0[i])),
+                                              _mm512_mul_ps(g.m0, _mm512_set1_ps((float)x.qs0[i])));
+            a[r].accm = _mm512_fmadd_ps(_mm512_mul_ps(g.ndmin, dx), mq, a[r].accm);
+        } else if constexpr (has_min(F)) {
+            a[r].accm = _mm512_fmadd_ps(g.mw, _mm512_set1_ps(x.s[i]), a[r].accm);
+        }
     }
 }
 
@@ -527,7 +580,7 @@ inline void store_group2(const Acc2& a, float* y, int nr0, int nr1) {
 #endif
 #else
 // The portable build: the group-block unpacked to each row's 32 int16 weights, scalar ints.
-struct WGroup { int16_t w[GROUP][QK]; float dw[GROUP], mw[GROUP]; };
+struct WGroup { int16_t w[GROUP][QK]; float dw[GROUP], mw[GROUP], mins[GROUP][3]; };   // mins: KS2's m0, m1, -dmin
 
 template <int F>
 inline void load_group(const uint8_t* group, int64_t b, WGroup* g) {
@@ -536,8 +589,8 @@ inline void load_group(const uint8_t* group, int64_t b, WGroup* g) {
         uint8_t blk[block_bytes(F)];
         for (int r = 0; r < GROUP; r++) {
             for (int64_t i = 0; i < block_bytes(F) / 2; i++) memcpy(blk + 2 * i, sb + 16 * i + 2 * r, 2);
-            super_sub<F>(blk, (int)(b % SUBS), g->w[r], &g->dw[r], &g->mw[r]);
-            if constexpr (F != KS6) g->mw[r] = -g->mw[r];
+            super_sub<F>(blk, (int)(b % SUBS), g->w[r], &g->dw[r], &g->mw[r], g->mins[r]);
+            if constexpr (F == KS4 || F == KS5) g->mw[r] = -g->mw[r];
         }
         return;
     }
@@ -585,7 +638,12 @@ inline void group_block_row(const WGroup& g, const QRows& x, int64_t m, int64_t 
         if constexpr (zero_point(F) != 0) isum -= zero_point(F) * x.qs[i];
         a->acc[r] = fmaf(g.dw[r] * x.d[i], (float)isum, a->acc[r]);
         if constexpr (two_scales(F)) a->acc[r] = fmaf(g.mw[r] * x.d[i], (float)isum1, a->acc[r]);
-        if constexpr (has_min(F)) a->accm[r] = fmaf(g.mw[r], x.s[i], a->accm[r]);
+        if constexpr (mins16(F)) {
+            const float mq = fmaf(g.mins[r][1], (float)(x.qs[i] - x.qs0[i]), g.mins[r][0] * (float)x.qs0[i]);
+            a->accm[r] = fmaf(g.mins[r][2] * x.d[i], mq, a->accm[r]);
+        } else if constexpr (has_min(F)) {
+            a->accm[r] = fmaf(g.mw[r], x.s[i], a->accm[r]);
+        }
     }
 }
 
@@ -918,6 +976,7 @@ inline bool matmul_range(int format, const uint8_t* w, int64_t n0, int64_t n1, c
         case KS4: matmul_range<KS4>(w, n0, n1, x, M, y, ldy); return true;
         case KS5: matmul_range<KS5>(w, n0, n1, x, M, y, ldy); return true;
         case KS6: matmul_range<KS6>(w, n0, n1, x, M, y, ldy); return true;
+        case KS2: matmul_range<KS2>(w, n0, n1, x, M, y, ldy); return true;
         default: return false;
     }
 }
@@ -972,6 +1031,7 @@ inline bool gather_rows_any(int format, const uint8_t* w, int64_t K, const int64
         case KS4: gather_rows<KS4>(w, K, ids, T, out); return true;
         case KS5: gather_rows<KS5>(w, K, ids, T, out); return true;
         case KS6: gather_rows<KS6>(w, K, ids, T, out); return true;
+        case KS2: gather_rows<KS2>(w, K, ids, T, out); return true;
         default: return false;
     }
 }

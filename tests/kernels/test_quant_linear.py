@@ -19,7 +19,6 @@ import pytest
 import torch
 
 from kernels import native
-from kernels.kquant_repack import requantize_int8_16
 from kernels.quant import FORMATS, GGUF_FORMATS, QuantTensor
 from kernels.quant_linear import (SERVING_VARIANTS, VARIANTS, QuantKernel, QuantLinear, host_variant,
                                   library_flags, runs_here)
@@ -44,13 +43,15 @@ def portable() -> QuantKernel:
 
 
 # kvd's block formats (the K-quants repacked at load) -> the GGUF type a test quantizes
-# with gguf-py and repacks (any row length; KQ6 from an 8-bit requantization per 16)
-KQ_SOURCE = {"KQ4": "Q4_1", "KQ5": "Q5_1", "KQ6": None, "KQ5_0": "Q5_0", "KQ5_1": "Q5_1",
-             "KS4": "Q4_K", "KS5": "Q5_K", "KS6": "Q6_K"}
+# with gguf-py, or draws as random valid blocks (a K-quant), and repacks
+KQ_SOURCE = {"KQ4": "Q4_1", "KQ5": "Q5_1", "KQ6": "Q3_K", "KQ5_0": "Q5_0", "KQ5_1": "Q5_1",
+             "KS4": "Q4_K", "KS5": "Q5_K", "KS6": "Q6_K", "KS2": "Q2_K"}
 # the formats whose blocks start with fp32 scales (the others' are fp16), and the bytes of
 # fp16 scales at the start of the others' blocks
 FP32_SCALED = ("KQ4", "KQ5", "KQ6")
-HALF_SCALE_BYTES = {"Q4_1": 4, "KQ5_1": 4, "KS4": 4, "KS5": 4}
+HALF_SCALE_BYTES = {"Q4_1": 4, "KQ5_1": 4, "KS4": 4, "KS5": 4, "KS2": 4}
+# a KS format's bytes before its quants (its head)
+KS_HEAD_BYTES = {"KS4": 20, "KS5": 20, "KS6": 18, "KS2": 20}
 
 
 def width(fmt: str, k: int) -> int:
@@ -69,9 +70,11 @@ def quantized(n: int, k: int, fmt: str, seed: int, scale: float = 0.05) -> Quant
     w = (torch.randn(n, k, generator=g) * scale).numpy()
     if fmt in KQ_SOURCE:
         src = KQ_SOURCE[fmt]
-        if src is None:
-            return kquant_repack.repack_to("KQ6", requantize_int8_16(torch.from_numpy(w)))
-        if fmt.startswith("KS"):    # random valid super-blocks (gguf-py quantizes no K-quant)
+        if fmt == "KQ6":            # Q3_K's sub-blocks of 16, the first k weights of each row
+            kk = -(-k // 256) * 256
+            sub = gguf_blocks.decode(src, torch.from_numpy(random_type_blocks(src, n, kk, g)), kk)
+            return kquant_repack.repack_to(fmt, gguf_blocks.SubBlocks(16, sub.scale[:, :k // 16], sub.q[:, :k], None))
+        if src.endswith("_K"):      # random valid super-blocks (gguf-py quantizes no K-quant)
             data = torch.from_numpy(random_type_blocks(src, n, k, g))
             return kquant_repack.repack(src, gguf_blocks.decode(src, data, k))
         data = torch.from_numpy(np.ascontiguousarray(gguf.quants.quantize(w, gguf.GGMLQuantizationType[src])))
@@ -104,8 +107,8 @@ def random_blocks(n: int, k: int, fmt: str, seed: int) -> QuantTensor:
 
 
 def block_mins(qt: QuantTensor) -> torch.Tensor:
-    """fp32 [rows, cols]: each weight's block m (Q4_1's, KQ4's and KQ5's offset; 0 for the
-    other formats)."""
+    """fp32 [rows, cols]: each weight's block m (Q4_1's, KQ4's and KQ5's offset, the K-quants'
+    -dmin m; 0 for the other formats)."""
     rows, cols = qt.shape
     bb = qt.fmt.block_bytes
     if qt.fmt.name in ("KQ4", "KQ5"):
@@ -116,6 +119,11 @@ def block_mins(qt: QuantTensor) -> torch.Tensor:
         dmin = b[..., 2:4].contiguous().view(torch.float16).float()          # [R, ns, 1]
         m = -(dmin * b[..., 5:20:2].float())                                 # [R, ns, 8]
         return m.unsqueeze(-1).expand(rows, cols // 256, 8, 32).reshape(rows, cols)
+    if qt.fmt.name == "KS2":                         # dmin m per 16 weights
+        b = qt.data.view(rows, cols // 256, bb)
+        dmin = b[..., 2:4].contiguous().view(torch.float16).float()
+        m = -(dmin * (b[..., 4:20] >> 4).float())                           # [R, ns, 16]
+        return m.unsqueeze(-1).expand(rows, cols // 256, 16, 16).reshape(rows, cols)
     if qt.fmt.name not in ("Q4_1", "KQ5_1"):
         return torch.zeros(rows, cols)
     m = qt.data.view(rows, cols // 32, bb)[..., 2:4].contiguous().view(torch.float16).float()
@@ -129,7 +137,8 @@ def error_bound(x: torch.Tensor, qt: QuantTensor) -> torch.Tensor:
     - x is rounded to d q per block, d = amax / 32767, so |x - d q| <= d / 2 (a
       little more for the rounding of 32767 / amax and of x times it: 0.51 d);
       it multiplies the weights' d q_w part, w - m (all of w but Q4_1's m, which
-      takes the exact fp32 block sum of x instead);
+      takes the exact fp32 block sum of x instead; KS2's mins take x's rounded sums:
+      all of w);
     - the fp32 chain (a product, a conversion and a fused multiply-add per block,
       the m chain, the block sums of x) is a sum of at most K / 16 + 8 <= K
       rounded terms, each bounded by gamma_K (Higham, Accuracy and Stability of
@@ -138,9 +147,10 @@ def error_bound(x: torch.Tensor, qt: QuantTensor) -> torch.Tensor:
     w, m = qt.dequantize().double(), block_mins(qt).double()
     xd = x.double()
     d = xd.abs().view(x.shape[0], k // 32, 32).amax(-1) / 32767                  # [M, nb]
-    rounding = 0.51 * d.repeat_interleave(32, dim=1) @ (w - m).abs().t()
+    rounded = w if qt.fmt.name == "KS2" else w - m
+    rounding = 0.51 * d.repeat_interleave(32, dim=1) @ rounded.abs().t()
     gamma = k * U / (1 - k * U)
-    return rounding + 2 * gamma * (xd.abs() @ (w.abs() + m.abs()).t()) + 1e-30
+    return rounding + 2 * gamma * (xd.abs() @ ((w - m).abs() + m.abs()).t()) + 1e-30
 
 
 # ------------------------------------------------------------------ formats (any CPU)
@@ -325,7 +335,7 @@ def test_the_tile_path_computes_the_same_bits(portable, fmt):
     # of x that quantize to +-32767 throughout
     k = width(fmt, 64)
     qt = random_blocks(24, k, fmt, seed=1)
-    off = FORMATS[fmt].wide_bytes or {"KS4": 20, "KS5": 20, "KS6": 18}.get(fmt, HALF_SCALE_BYTES.get(fmt, 2))
+    off = FORMATS[fmt].wide_bytes or KS_HEAD_BYTES.get(fmt, HALF_SCALE_BYTES.get(fmt, 2))
     blocks = qt.data.view(24, k // FORMATS[fmt].weights, -1).clone()
     blocks[..., off:] = 0x7F if fmt in ("Q8_0", "KQ6") else 0xFF
     qt = QuantTensor(fmt, (24, k), blocks.view(24, -1))
@@ -365,7 +375,7 @@ def test_many_rows_give_each_row_its_bits_alone(host, portable, fmt):
             assert torch.equal(lin(x[r:r + 1])[0], full[r]), (n, k, r)
 
 
-@pytest.mark.parametrize("fmt", ["Q4_1", "KQ4", "KQ5", "KQ6", "KQ5_0", "KS4", "KS5", "KS6"])
+@pytest.mark.parametrize("fmt", ["Q4_1", "KQ4", "KQ5", "KQ6", "KQ5_0", "KS4", "KS5", "KS6", "KS2"])
 def test_thread_count_does_not_change_a_bit(host, fmt):
     k = width(fmt, 576)
     qt = quantized(300, k, fmt, seed=7)
