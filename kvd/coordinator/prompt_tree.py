@@ -49,6 +49,7 @@ from kvd.cluster_config import Role
 
 STORED, REMOVED = 1, 0
 DEFAULT_ROLE = Role.MIXED.value
+_NOBODY: frozenset[str] = frozenset()
 
 
 class InvalidEvents(ValueError):
@@ -121,26 +122,37 @@ class GlobalPromptTree:
 
     def match(self, tokens: Sequence[int], now: float | None = None) -> dict[str, int]:
         """Per node, how many leading full blocks of ``tokens`` it holds or has
-        pending (unexpired). Nodes with none are absent. Does not modify the tree."""
+        pending (unexpired). Nodes with none are absent. Does not modify the tree.
+
+        The walk keeps the set of nodes still matching (``alive``) and writes a
+        node's count once, when it drops out or the prompt ends: set
+        operations in C, not a Python loop over every holder of every block
+        (a system prompt cached on a thousand nodes)."""
         now = time.monotonic() if now is None else now
         bs = self.block_size
         t = tokens if type(tokens) is tuple else tuple(tokens)
+        blocks, pending = self._blocks, self._pending
         out: dict[str, int] = {}
-        alive: set[str] | None = None
+        alive: set[str] | frozenset[str] | None = None      # never mutated: may be a block's holders
+        depth = 0
         ph = ROOT_HASH
         for i, p in enumerate(range(0, len(t) - bs + 1, bs)):
             blk = t[p:p + bs]
             ph = block_hash(ph, blk)
-            b = self._blocks.get(ph)
-            here = set(b.holders) if b is not None and b.tokens == blk else set()
-            pend = self._pending.get(ph)
+            b = blocks.get(ph)
+            here = b.holders if b is not None and b.tokens == blk else _NOBODY
+            pend = pending.get(ph)
             if pend:
-                here.update(n for n, exp in pend.items() if exp > now)
-            alive = here if alive is None else alive & here
+                here = here.union(n for n, exp in pend.items() if exp > now)
+            left = here if alive is None else alive & here
+            if alive is not None and len(left) < len(alive):
+                out.update(dict.fromkeys(alive - left, i))
+            alive = left
             if not alive:
                 break
-            for n in alive:
-                out[n] = i + 1
+            depth = i + 1
+        if alive:
+            out.update(dict.fromkeys(alive, depth))
         return out
 
     # ------------------------------------------------------------------ events

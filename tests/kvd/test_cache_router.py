@@ -181,3 +181,14 @@ def test_policies_by_name():
         make_router("random", trees)
     with pytest.raises(ValueError):
         CostWeights(load_weight=-1)
+
+
+def test_ended_work_is_summed_in_the_order_it_was_opened():
+    m = cluster()
+    n1 = m.nodes["n1"]
+    work = RecentWork(decay=10.0)
+    for rid, blocks in (("a", 1e16), ("b", 1.0), ("c", 1.0)):
+        work.open("n1", rid, blocks)
+    n1.in_flight.clear()
+    work.settle(m.routable(), now=1.0)
+    assert work.value("n1", 1.0) == (1e16 + 1.0) + 1.0       # not 1e16 + (1.0 + 1.0)

@@ -192,3 +192,48 @@ def test_bad_kinds_and_negative_tokens_are_rejected():
             protocol.CacheEvents(node="n1", seq=0, block_size=BS, tensors=(
                 protocol.RawTensor("int64", (1, 3), memoryview(o).cast("B")),
                 protocol.RawTensor("int64", shape, memoryview(t).cast("B"))))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_match_counts_each_nodes_own_leading_blocks_on_random_trees(seed):
+    """``match`` against a walk of each node's own holdings and pending
+    entries, on trees many nodes share (stores, evictions, pending, expiry)."""
+    import random
+    rng = random.Random(seed)
+    tree = GlobalPromptTree(BS, pending_ttl=5.0)
+    nodes = [f"n{i}" for i in range(30)]
+    pending: dict[tuple[str, int], float] = {}
+    prompts = [toks(*[rng.randrange(3) for _ in range(rng.randrange(1, 7))]) for _ in range(40)]
+    now = 0.0
+    for _ in range(300):
+        node, prompt = rng.choice(nodes), rng.choice(prompts)
+        hashes = block_hashes(prompt, BS)
+        if rng.random() < 0.5:                         # the node caches a prefix of the prompt
+            held = tree.held(node)
+            k = rng.randrange(1, len(hashes) + 1)
+            ops = [Op(STORED, ([ROOT_HASH] + hashes)[i], hashes[i], tuple(prompt[i * BS:(i + 1) * BS]))
+                   for i in range(k) if hashes[i] not in held]
+            tree.apply(node, ops)
+            for op in ops:
+                pending.pop((node, op.block_hash), None)
+        elif rng.random() < 0.5:                       # a routing decision: pending on the node
+            tree.add_pending(node, hashes, now)
+            pending.update(dict.fromkeys(((node, h) for h in hashes), now + 5.0))
+        else:                                          # the node evicts a leaf
+            held = tree.held(node)
+            leaves = [h for h in held if not any(p == h for p, _ in held.values())]
+            if leaves:
+                tree.apply(node, [Op(REMOVED, 0, rng.choice(leaves))])
+        now += rng.choice([0.0, 0.5, 2.0])
+        prompt = rng.choice(prompts) + [7] * rng.randrange(2 * BS)
+        expected = {}
+        for n in nodes:
+            held, depth = tree.held(n), 0
+            for h in block_hashes(prompt, BS):
+                if h not in held and pending.get((n, h), -1.0) <= now:
+                    break
+                depth += 1
+            if depth:
+                expected[n] = depth
+        assert tree.match(prompt, now) == expected
+    tree.check_integrity()
