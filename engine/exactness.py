@@ -8,8 +8,9 @@ Then a seeded stream gives the same text through recovery, preemption,
 disaggregation and prefix-cache hits, and under any load.
 
 That holds where every op of a step runs the same per-row arithmetic on both
-paths: fp32 activations, the C++ row ops and paged attention
-(kernels/paged_attention.py, the plan executor's arithmetic), and matrices on
+paths: fp32 activations, the C++ row ops (norms, SwiGLU, GeGLU, RoPE) and
+paged attention (kernels/paged_attention.py, the plan executor's arithmetic,
+sliding-window layers included), and matrices on
 one kernel for prefill and decode (quantized blocks always; float matrices
 with ``batch_invariant``). ``same_bits`` says which, for ``kvctl status`` and
 the start-up log.
@@ -37,9 +38,9 @@ def same_bits(model: LlamaModel, decoder: object | None) -> str:
     if model.row_ops is None:
         return "no: no row ops kernel on this CPU (torch's norms sum in another order than the decode step's)"
     cfg = model.config
-    if cfg.sliding_window is not None or cfg.attn_logit_softcap is not None:
-        return (f"no: {cfg.architecture}'s sliding-window or softcapped layers attend on torch's SDPA, in "
-                "other orders for prefill and decode")
+    if cfg.attn_logit_softcap is not None:
+        return (f"no: {cfg.architecture}'s softcapped layers attend on torch's SDPA, in other orders for "
+                "prefill and decode")
     if model.quantized:
         return YES if model.quant_kernel is not None else "no: quantized matrices on torch's reference, not a kernel"
     if not isinstance(decoder, PlanDecoder):

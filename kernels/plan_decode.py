@@ -55,7 +55,8 @@ log = logging.getLogger(__name__)
 
 LIBRARY = "plan_decode"
 OPS = {"rms_norm": 0, "linear": 1, "rope_attention": 2, "linear_add": 3, "silu_mul": 4,   # enum Op in the .cpp
-       "add_bias": 5, "qk_norm": 6}
+       "add_bias": 5, "qk_norm": 6, "gelu_mul": 7, "add": 8}
+GATES = ("silu_mul", "gelu_mul")              # ops whose output is half their input's width
 MATRIX_OPS = ("linear", "linear_add")
 KV_DTYPES = (torch.float32, torch.float16)    # the KV caches the executor reads (PlanModel.kv_half)
 STREAM = "h"                                  # the residual stream's slot: embed writes it, the LM head reads it
@@ -76,8 +77,12 @@ class Plan:
     named slots (``STREAM`` is the residual stream: each layer's input and output);
     ``layers[i]`` maps each step's weight name to layer i's matrix or norm vector (fp32
     [hidden]). ``quantized``: every matrix is one block-quantized tensor (a
-    ``QuantLinear``), else each is a float matrix [out, in]. The executor reads the
-    tensors in place: they must outlive it (it keeps the plan)."""
+    ``QuantLinear``), else each is a float matrix [out, in]. ``ropes``: RoPE tables
+    (cos, signed sin: fp32 [max_positions, head_dim] each, rope_tables), layer i
+    rotating with ``ropes[layer_rope[i]]``; ``layer_window[i]``: layer i's sliding
+    window in keys (None: global); the embedding's rows are multiplied by
+    ``embed_scale`` (fp32). The executor reads the tensors in place: they must
+    outlive it (it keeps the plan)."""
 
     dims: DecoderDims
     steps: tuple[PlanStep, ...]
@@ -85,9 +90,11 @@ class Plan:
     embed: object                       # [vocab, hidden] matrix
     head: object                        # [vocab, hidden] matrix (the LM head)
     final_norm: torch.Tensor            # fp32 [hidden]
-    cos: torch.Tensor                   # RoPE tables [max_positions, head_dim]
-    sin: torch.Tensor
+    ropes: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+    layer_rope: tuple[int, ...]         # [num_layers]: an index into ropes
+    layer_window: tuple[int | None, ...]     # [num_layers]
     quantized: bool
+    embed_scale: float = 1.0
 
 
 class _Step(ctypes.Structure):
@@ -109,9 +116,10 @@ class _Model(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int32) for name in (
         "num_layers", "num_steps", "num_slots", "num_weights", "hidden", "heads", "kv_heads", "head_dim",
         "vocab", "block_size", "num_blocks", "max_positions", "kv_half")] + [
-        ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("embed_scale", ctypes.c_float),
         ("steps", ctypes.POINTER(_Step)), ("slot_width", ctypes.POINTER(ctypes.c_int64)),
         ("weights", ctypes.POINTER(_Weight)), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p),
+        ("window", ctypes.c_void_p),
         ("embed", _Weight), ("head", _Weight), ("final_norm", ctypes.c_void_p)]
 
 
@@ -219,7 +227,7 @@ class PlanDecoder(DecodeExecutor):
         for s in steps:                             # each slot's width from the step that writes it
             w = plan.layers[0][s.weight] if s.weight else None
             rows = (w.shape[0] if isinstance(w, torch.Tensor) else w.out_features) if s.op in MATRIX_OPS else None
-            width[s.dst] = (rows if rows is not None else width[s.src] // 2 if s.op == "silu_mul"
+            width[s.dst] = (rows if rows is not None else width[s.src] // 2 if s.op in GATES
                             else dims.q_size if s.op == "rope_attention" else width[s.src])
         self._steps = (_Step * len(steps))(*[
             _Step(OPS[s.op], slots.index(s.src), slots.index(s.dst), weights.index(s.weight) if s.weight else -1)
@@ -229,13 +237,23 @@ class PlanDecoder(DecodeExecutor):
         self._weights = (_Weight * (len(plan.layers) * len(weights)))(*[
             _weight(layer[name], self._parts) for layer in plan.layers for name in weights])
         self.plan = plan                            # keeps every buffer the plan points into alive
-        self.cos, self.sin = plan.cos.contiguous(), plan.sin.contiguous()
+        if len(plan.layer_rope) != dims.num_layers or len(plan.layer_window) != dims.num_layers:
+            raise ValueError("the plan's layer_rope and layer_window must name every layer")
+        self.ropes = [(c.contiguous(), s.contiguous()) for c, s in plan.ropes]
+        positions = {c.shape[0] for c, _ in self.ropes}
+        if len(positions) != 1 or any(c.shape != s.shape for c, s in self.ropes):
+            raise ValueError("the plan's RoPE tables must have one shape")
+        ptrs = ctypes.c_void_p * dims.num_layers
+        self._cos = ptrs(*[self.ropes[i][0].data_ptr() for i in plan.layer_rope])
+        self._sin = ptrs(*[self.ropes[i][1].data_ptr() for i in plan.layer_rope])
+        self._window = (ctypes.c_int32 * dims.num_layers)(*[w or 0 for w in plan.layer_window])
         self.dims, self.num_blocks, self.block_size, self.kv_dtype = dims, num_blocks, block_size, kv_dtype
         self.desc = _Model(
             dims.num_layers, len(steps), len(slots), len(weights), dims.hidden, dims.heads,
-            dims.kv_heads, dims.head_dim, dims.vocab, block_size, num_blocks, self.cos.shape[0],
-            int(kv_dtype == torch.float16), dims.eps, dims.scale, self._steps, self._widths,
-            self._weights, self.cos.data_ptr(), self.sin.data_ptr(), _weight(plan.embed, self._parts),
+            dims.kv_heads, dims.head_dim, dims.vocab, block_size, num_blocks, positions.pop(),
+            int(kv_dtype == torch.float16), dims.eps, dims.scale, plan.embed_scale, self._steps, self._widths,
+            self._weights, ctypes.addressof(self._cos), ctypes.addressof(self._sin), ctypes.addressof(self._window),
+            _weight(plan.embed, self._parts),
             _weight(plan.head, self._parts),
             plan.final_norm.data_ptr())
         check = lib.kvd_plan_check

@@ -2,7 +2,7 @@
 
 ``LlamaModel.forward`` runs ``LAYER_STEPS`` op by op; for fp32 activations it
 hands the row-local ones to a ``RowOps`` (kernels/csrc/row_ops.cpp): RMSNorm,
-SwiGLU's ``silu(gate) * up`` and RoPE, each one C++ call over every row
+SwiGLU's ``silu(gate) * up``, GeGLU's ``gelu(gate) * up`` and RoPE, each one C++ call over every row
 instead of two to six torch ops. These are the very functions the decode-plan
 executor runs per row (kernels/csrc/row_ops.h), so a token's norm, SwiGLU and
 RoPE get the same bits in a prefill as in a plan decode step.
@@ -13,6 +13,9 @@ Contract, for fp32 inputs:
   torch's: equal to ``engine.model.llama.rms_norm`` to fp32 rounding);
 - ``silu_mul``: ``silu(x[:, :I]) * x[:, I:]`` with its own exp (to fp32
   rounding of torch's);
+- ``gelu_mul``: ``gelu(x[:, :I]) * x[:, I:]``, GELU's tanh approximation as
+  ``x * sigmoid(2 sqrt(2/pi) (x + 0.044715 x^3))`` with the same exp (to fp32
+  rounding of ``F.gelu(approximate="tanh")``);
 - ``rope``: ``apply_rope`` bit for bit (the same three roundings);
 - **batch invariant, bit for bit**: row m of a result depends on row m of
   the input alone, not on the row count or the thread count; the same bits
@@ -59,6 +62,9 @@ class RowOps(KernelBuild):
         self._silu = lib.kvd_silu_mul_rows
         self._silu.restype = None
         self._silu.argtypes = [ptr, i64, i64, ptr, i32]
+        self._gelu = lib.kvd_gelu_mul_rows
+        self._gelu.restype = None
+        self._gelu.argtypes = [ptr, i64, i64, ptr, i32]
         self._rope = lib.kvd_rope_rows
         self._rope.restype = None
         self._rope.argtypes = [ptr, i64, i64, i64, i32, ptr, ptr, ptr, i32]
@@ -78,13 +84,21 @@ class RowOps(KernelBuild):
         return out
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
-        """x fp32 [M, 2I] (gate, then up) -> fp32 [M, I]."""
+        """x fp32 [M, 2I] (gate, then up) -> fp32 [M, I]: silu(gate) * up."""
+        return self._gated(self._silu, x, "silu_mul")
+
+    def gelu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """x fp32 [M, 2I] (gate, then up) -> fp32 [M, I]: gelu(gate) * up (tanh approximation)."""
+        return self._gated(self._gelu, x, "gelu_mul")
+
+    @staticmethod
+    def _gated(fn, x: torch.Tensor, what: str) -> torch.Tensor:
         if x.dim() != 2 or x.shape[1] % 2:
-            raise ValueError(f"silu_mul: expects [M, 2I], got {list(x.shape)}")
-        x = _rows(x, x.shape[1], "silu_mul").contiguous()
+            raise ValueError(f"{what}: expects [M, 2I], got {list(x.shape)}")
+        x = _rows(x, x.shape[1], what).contiguous()
         i = x.shape[1] // 2
         out = torch.empty(x.shape[0], i, dtype=torch.float32)
-        self._silu(x.data_ptr(), x.shape[0], i, out.data_ptr(), torch.get_num_threads())
+        fn(x.data_ptr(), x.shape[0], i, out.data_ptr(), torch.get_num_threads())
         return out
 
     def rope(self, x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor,

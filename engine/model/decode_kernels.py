@@ -7,10 +7,11 @@ model is turned into what they take:
 - ``plan_decoder``: an fp32 model (quantized, or float matrices in the rows
   layout) as a ``Plan``: its layer plan (llama.py's ``layer_steps``) as it is,
   each layer's weights by the steps' names, the embedding, final norm and LM
-  head. A plan with an op the executor lacks is declined by the executor; what
-  an architecture changes outside the steps (``attention_features``: sliding
-  windows, a second RoPE base, embedding scale, query scale, softcaps) is
-  declined here, by name.
+  head, each layer's RoPE tables and sliding window, the embedding scale. A plan
+  with an op the executor lacks is declined by the executor; what an
+  architecture changes outside the steps that the executor does not implement
+  (``attention_features`` less ``PLAN_FEATURES``: softcaps) is declined here,
+  by name.
 - ``fused_decoder``: a bf16 float model as ``FusedWeights``, where its
   layer plan is the layer the fused kernel writes out (``fused_decode.LAYER``).
 
@@ -43,28 +44,34 @@ def decoder_dims(model: LlamaModel) -> DecoderDims:
                        vocab=cfg.vocab_size, eps=cfg.rms_norm_eps, scale=model.scale)
 
 
-def attention_features(config: LlamaConfig) -> list[str]:
-    """What ``config`` asks of a decode step beyond its layer plan's ops (neither
-    executor implements these: a model with any decodes on ``LlamaModel.forward``)."""
-    features = []
+def attention_features(config: LlamaConfig) -> dict[str, str]:
+    """What ``config`` asks of a decode step beyond its layer plan's ops: each feature's
+    config field and how a message names it. The fused kernel implements none of these;
+    the plan executor those in PLAN_FEATURES."""
+    features = {}
     if config.sliding_window is not None:
-        features.append(f"sliding-window attention ({config.sliding_window} keys)")
+        features["sliding_window"] = f"sliding-window attention ({config.sliding_window} keys)"
     if config.rope_local_theta is not None and config.rope_local_theta != config.rope_theta:
-        features.append("a RoPE base per layer kind")
+        features["rope_local_theta"] = "a RoPE base per layer kind"
     if config.embed_scale != 1.0:
-        features.append("embedding scaling")
+        features["embed_scale"] = "embedding scaling"
     if config.query_pre_attn_scalar is not None and config.query_pre_attn_scalar != config.head_dim:
-        features.append("query_pre_attn_scalar")
+        features["query_pre_attn_scalar"] = "query_pre_attn_scalar"
     if config.attn_logit_softcap is not None:
-        features.append("attention logit softcapping")
+        features["attn_logit_softcap"] = "attention logit softcapping"
     if config.final_logit_softcap is not None:
-        features.append("final logit softcapping")
+        features["final_logit_softcap"] = "final logit softcapping"
     return features
 
 
-def _features_reason(model: LlamaModel) -> str | None:
-    features = attention_features(model.config)
-    return f"{model.config.architecture}: {', '.join(features)}" if features else None
+# What the plan executor implements of attention_features: a layer's window and RoPE tables,
+# the embedding scale and the attention scale are data in its plan (model_plan).
+PLAN_FEATURES = frozenset({"sliding_window", "rope_local_theta", "embed_scale", "query_pre_attn_scalar"})
+
+
+def _features_reason(model: LlamaModel, implemented: frozenset[str] = frozenset()) -> str | None:
+    missing = [text for name, text in attention_features(model.config).items() if name not in implemented]
+    return f"{model.config.architecture}: {', '.join(missing)}" if missing else None
 
 
 # ------------------------------------------------------------------ the plan executor (fp32)
@@ -82,8 +89,10 @@ def model_plan(model: LlamaModel) -> Plan:
     names = list(dict.fromkeys(s.weight for s in model.steps if s.weight))
     return Plan(dims=decoder_dims(model), steps=model.steps,
                 layers=tuple({name: getattr(layer, name) for name in names} for layer in model.layers),
-                embed=model.embed, head=model.lm_head, final_norm=model.norm, cos=model.cos, sin=model.sin,
-                quantized=model.quantized)
+                embed=model.embed, head=model.lm_head, final_norm=model.norm, ropes=tuple(model.ropes),
+                layer_rope=tuple(layer.rope for layer in model.layers),
+                layer_window=tuple(layer.window for layer in model.layers), quantized=model.quantized,
+                embed_scale=model.config.embed_scale)
 
 
 def _plan_model_reason(model: LlamaModel) -> str | None:
@@ -95,7 +104,7 @@ def _plan_model_reason(model: LlamaModel) -> str | None:
         return f"dtype {model.dtype} (the plan executor computes in fp32)"
     if not (model.is_first and model.is_last):
         return "a pipeline stage (the plan executor runs whole models)"
-    return _features_reason(model)
+    return _features_reason(model, PLAN_FEATURES)
 
 
 def plan_unsupported_reason(model: LlamaModel) -> str | None:

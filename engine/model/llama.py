@@ -435,6 +435,8 @@ class LlamaModel:
                 elif op == "silu_mul":
                     gate, up = x.chunk(2, dim=-1)
                     y = F.silu(gate) * up
+                elif op == "gelu_mul" and rows:
+                    y = rows.gelu_mul(x)
                 elif op == "gelu_mul":
                     gate, up = x.chunk(2, dim=-1)
                     y = F.gelu(gate, approximate="tanh") * up

@@ -12,15 +12,18 @@
 //                                                                      for fp32 W the dense one (dense_gemm.h)
 //     linear_add      dst = dst + x Wᵀ
 //     silu_mul        dst = silu(x[:, :I]) * x[:, I:]
+//     gelu_mul        dst = gelu(x[:, :I]) * x[:, I:]                 GELU's tanh approximation (row_ops.h)
+//     add             dst = dst + x                                    per row
 //     add_bias        dst = x + w                                      per row (w: fp32 [width])
 //     qk_norm         dst = x, each q head rms_norm'd by w[:hd], each k  per row (w: fp32 [2 hd])
 //                     head by w[hd:], v as it is
-//     rope_attention  q, k = RoPE(x's q and k heads) (rotate_half, torch's three roundings);
-//                     k, v into the token's cache slot (as halves in a float16 cache:
-//                     store_half_row); dst = softmax(q·kᵀ scale) v over the
-//                     sequence's keys 0..pos, GQA (query head h reads kv head h / (H / KVH))
+//     rope_attention  q, k = RoPE(x's q and k heads) (rotate_half, torch's three roundings)
+//                     with the layer's tables; k, v into the token's cache slot (as halves
+//                     in a float16 cache: store_half_row); dst = softmax(q·kᵀ scale) v over
+//                     the sequence's keys 0..pos (a sliding layer's: its window's),
+//                     GQA (query head h reads kv head h / (H / KVH))
 //
-// then the final norm and the LM head. One OpenMP team runs the whole step:
+// after the embedding (times embed_scale), then the final norm and the LM head. One OpenMP team runs the whole step:
 // matmuls hand out output rows in chunks (row_claims.h), norms and silu rows,
 // attention hands out chunks of a sequence's keys (every head at once; the chunk holding
 // the token's own key applies RoPE to it and stores K and V first), then (sequence,
@@ -49,7 +52,7 @@
 namespace {
 
 enum Op { OP_RMS_NORM = 0, OP_LINEAR = 1, OP_ROPE_ATTENTION = 2, OP_LINEAR_ADD = 3, OP_SILU_MUL = 4,
-          OP_ADD_BIAS = 5, OP_QK_NORM = 6 };
+          OP_ADD_BIAS = 5, OP_QK_NORM = 6, OP_GELU_MUL = 7, OP_ADD = 8 };
 
 // PlanWeight.format: 0-FORMAT_LAST quant_blocks.h's Format (the x8 layout), 16-18 a float matrix [n, k],
 // row-major (dense_gemm.h's FMT_F32, FMT_BF16, FMT_F16), FMT_PARTS block-quantized row blocks
@@ -88,7 +91,7 @@ extern "C" {
 struct PlanStep { int32_t op, src, dst, weight; };
 
 struct PlanWeight {
-    int32_t format;             // 0 Q4_0, 1 Q4_1, 2 Q8_0, 3-5 KQ4-KQ6: a matrix [n, k] in the x8 layout; 16, 17, 18
+    int32_t format;             // 0-FORMAT_LAST (quant_blocks.h): a matrix [n, k] in the x8 layout; 16, 17, 18
                                 // (FMT_F32, FMT_BF16, FMT_F16): a float matrix [n, k], row-major; -1: an
                                 // fp32 vector [n]; FMT_PARTS: data is PlanWeight[parts], quantized
                                 // matrices [n_i, k] stacked by rows (every n_i but the last a multiple of 8)
@@ -102,11 +105,13 @@ struct PlanModel {
     int32_t hidden, heads, kv_heads, head_dim, vocab, block_size, num_blocks, max_positions;
     int32_t kv_half;                // the KV cache's elements: 0 fp32, 1 IEEE halves (quant_blocks.h)
     float eps, scale;
+    float embed_scale;              // the embedding's rows times this (1: as they are)
     const PlanStep* steps;          // [num_steps], run for every layer
     const int64_t* slot_width;      // [num_slots] floats per row; slot 0 is h, the residual stream
     const PlanWeight* weights;      // [num_layers][num_weights]
-    const float* cos;               // [max_positions, head_dim]
-    const float* sin;               // [max_positions, head_dim], first half negated (rope_tables)
+    const float* const* cos;        // [num_layers]: each layer's RoPE table [max_positions, head_dim]
+    const float* const* sin;        // [num_layers]: [max_positions, head_dim], first half negated (rope_tables)
+    const int32_t* window;          // [num_layers]: each layer's sliding window in keys, 0 for none
     PlanWeight embed;               // [vocab, hidden], a matrix
     PlanWeight head;                // [vocab, hidden], a matrix (may be the embedding)
     const float* final_norm;        // [hidden]
@@ -161,13 +166,33 @@ inline void gather_table_rows(const PlanWeight& w, const int64_t* ids, int64_t T
         gather_rows_any(w.format, (const uint8_t*)w.data, w.k, ids, T, out);
 }
 
-// A step's attention work items (kvd_plan_decode): item i is sequence seq[i]'s key chunk from t0[i].
+// A step's attention work items for layers of one window (kvd_plan_decode): item i is
+// sequence seq[i]'s key chunk from t0[i]; sequence b's items are first[b] .. first[b + 1] - 1.
+struct ItemList {
+    int64_t window;
+    std::vector<int64_t> seq, t0, first;
+
+    ItemList(int64_t w, int B, const int64_t* positions) : window(w), first((size_t)B + 1) {
+        for (int b = 0; b < B; b++) {
+            const int64_t ctx = positions[b] + 1;
+            first[b] = (int64_t)seq.size();
+            for (int64_t c = first_chunk(ctx, w); c * KEY_CHUNK < ctx; c++)
+                seq.push_back(b), t0.push_back(chunk_start(c, ctx, w));
+        }
+        first[B] = (int64_t)seq.size();
+    }
+    int64_t size() const { return first.back(); }
+};
+
+// One layer's attention inputs: its items, RoPE tables, and the step's sequences.
 struct AttnItems {
     const int64_t* seq;
     const int64_t* t0;
     const int64_t* positions;
     const int64_t* tables;          // [B, max_blocks]
     int max_blocks;
+    const float* cos;
+    const float* sin;
 };
 
 // A thread's buffers for attend_items: scores [H][KEY_CHUNK], q [H][hd], k [kvh][hd] its own;
@@ -189,10 +214,10 @@ void attend_items(const PlanModel* m, const AttnItems& it, int64_t i0, int64_t i
     int64_t rotated = -1;                       // the sequence ws.q holds
     for (int64_t i = i0; i < i1; i++) {
         const int64_t b = it.seq[i], pos = it.positions[b], ctx = pos + 1;
-        const int64_t t1 = it.t0[i] + KEY_CHUNK < ctx ? it.t0[i] + KEY_CHUNK : ctx;
+        const int64_t t1 = chunk_end(it.t0[i] / KEY_CHUNK, ctx);
         const float* src = x + b * in;
-        const float* c = m->cos + pos * hd;
-        const float* sn = m->sin + pos * hd;
+        const float* c = it.cos + pos * hd;
+        const float* sn = it.sin + pos * hd;
         if (b != rotated) {
             for (int j = 0; j < H; j++) rope_head(src + j * hd, c, sn, hd, ws.q + j * hd);
             rotated = b;
@@ -361,10 +386,13 @@ int kvd_plan_team_check(int64_t units, int threads, int rounds, int stall_tid, i
 void kvd_plan_store_half(const float* x, int64_t n, uint16_t* out) { store_half_row(x, n, out); }
 
 // 0 when this build can run the plan as described; -2 for an unknown op or format,
-// a slot of the wrong width or a weight that does not fit its step. Called once,
-// when the Python side builds the plan: kvd_plan_decode trusts a checked plan.
+// a slot of the wrong width, a weight that does not fit its step, a negative window or a
+// missing RoPE table. Called once, when the Python side builds the plan: kvd_plan_decode
+// trusts a checked plan.
 int kvd_plan_check(const PlanModel* m) {
     if (m->head_dim % 16 || m->head_dim > 256 || m->num_slots < 1 || m->slot_width[0] != m->hidden) return -2;
+    for (int l = 0; l < m->num_layers; l++)
+        if (m->window[l] < 0 || !m->cos[l] || !m->sin[l]) return -2;
     const int64_t q_size = (int64_t)m->heads * m->head_dim, kv_size = (int64_t)m->kv_heads * m->head_dim;
     for (int l = 0; l < m->num_layers; l++)
         for (int s = 0; s < m->num_steps; s++) {
@@ -386,7 +414,11 @@ int kvd_plan_check(const PlanModel* m) {
                     if (in != q_size + 2 * kv_size || out != q_size || m->heads % m->kv_heads) return -2;
                     break;
                 case OP_SILU_MUL:
+                case OP_GELU_MUL:
                     if (in != 2 * out) return -2;
+                    break;
+                case OP_ADD:
+                    if (out != in) return -2;
                     break;
                 case OP_ADD_BIAS:
                     if (!w || w->format != -1 || w->n != in || out != in) return -2;
@@ -424,14 +456,17 @@ int kvd_plan_decode(const PlanModel* m, void* kv, int B, const int64_t* ids, con
             if (tables[(size_t)b * max_blocks + j] < 0 || tables[(size_t)b * max_blocks + j] >= m->num_blocks)
                 return -1;
     }
-    // attention work items: (sequence, first key) of every key chunk, sequences in order
-    std::vector<int64_t> item_seq, item_t0, first_item((size_t)B + 1);
-    for (int b = 0; b < B; b++) {
-        first_item[b] = (int64_t)item_seq.size();
-        for (int64_t t0 = 0; t0 <= positions[b]; t0 += KEY_CHUNK) item_seq.push_back(b), item_t0.push_back(t0);
+    // attention work items, one list per window among the layers (global layers': 0)
+    std::vector<ItemList> lists;
+    std::vector<int> layer_items((size_t)m->num_layers);
+    int64_t items = 0;                                  // the longest list's
+    for (int l = 0; l < m->num_layers; l++) {
+        size_t i = 0;
+        while (i < lists.size() && lists[i].window != m->window[l]) i++;
+        if (i == lists.size()) lists.emplace_back(m->window[l], B, positions);
+        layer_items[l] = (int)i;
+        items = std::max(items, lists[i].size());
     }
-    first_item[B] = (int64_t)item_seq.size();
-    const int64_t items = first_item[B];
 
     const int64_t D = m->hidden, q_size = (int64_t)H * hd, kvh_stride = (int64_t)KVH * hd;
     std::vector<std::vector<float>> slots((size_t)m->num_slots);
@@ -444,9 +479,10 @@ int kvd_plan_decode(const PlanModel* m, void* kv, int B, const int64_t* ids, con
     std::vector<float> part_m((size_t)items * H), part_l((size_t)items * H), part_o((size_t)items * q_size);
     float* h = slots[0].data();
     gather_table_rows(m->embed, ids, B, h);
+    if (m->embed_scale != 1.0f)                         // as forward: one fp32 product per element
+        for (int64_t i = 0; i < (int64_t)B * m->hidden; i++) h[i] = h[i] * m->embed_scale;
 
     const size_t layer_kv = (size_t)2 * m->num_blocks * bs * kvh_stride;       // elements
-    const AttnItems items_of{item_seq.data(), item_t0.data(), positions, tables, max_blocks};
     const int nt = num_threads < 1 ? 1 : num_threads;
 
     // Few rows: a row-local op (norm, silu, quantizing a matmul's input) on one thread while
@@ -456,13 +492,14 @@ int kvd_plan_decode(const PlanModel* m, void* kv, int B, const int64_t* ids, con
     // The same operations on the same inputs: the outputs do not change.
     const bool redundant = B <= REDUNDANT_ROWS;
     std::vector<char> priv_slot((size_t)m->num_slots, redundant ? 1 : 0);
-    // Attention's output too, when its chunks are few: every thread then reads every chunk's
+    // Attention's output too, when its chunks are few (in every layer): every thread then reads every chunk's
     // partial results (at most REDUNDANT_CHUNKS * H * (hd + 2) floats, 76 KB for SmolLM2)
     // in place of waiting at a barrier for the combine to be split.
     const bool own_combine = redundant && items <= REDUNDANT_CHUNKS;
     for (int s = 0; s < m->num_steps; s++) {
         const int op = m->steps[s].op;
-        if (op != OP_RMS_NORM && op != OP_SILU_MUL && !(op == OP_ROPE_ATTENTION && own_combine))
+        if (op != OP_RMS_NORM && op != OP_SILU_MUL && op != OP_GELU_MUL
+            && !(op == OP_ROPE_ATTENTION && own_combine))
             priv_slot[m->steps[s].dst] = 0;
     }
     priv_slot[0] = 0;                                   // h: the embedding writes it shared
@@ -554,6 +591,21 @@ int kvd_plan_decode(const PlanModel* m, void* kv, int B, const int64_t* ids, con
                         row_local = priv_slot[st.dst];
                         break;
                     }
+                    case OP_GELU_MUL: {
+                        each_rows(!priv_slot[st.dst], [&](int64_t a, int64_t z) {
+                            for (int64_t r = a; r < z; r++) gelu_mul_row(x + r * in, x + r * in + out, out, y + r * out);
+                        });
+                        row_local = priv_slot[st.dst];
+                        break;
+                    }
+                    case OP_ADD: {              // dst + x per row, as forward's add (the residual: shared)
+                        each_rows(!priv_slot[st.dst], [&](int64_t a, int64_t z) {
+                            for (int64_t r = a; r < z; r++)
+                                for (int64_t i = 0; i < in; i++) y[r * out + i] = y[r * out + i] + x[r * in + i];
+                        });
+                        row_local = priv_slot[st.dst];
+                        break;
+                    }
                     case OP_ROPE_ATTENTION: {
                         // key chunks of every sequence, every head; the chunk that holds the
                         // token's own key first writes its K and V into the cache (no other
@@ -561,20 +613,23 @@ int kvd_plan_decode(const PlanModel* m, void* kv, int B, const int64_t* ids, con
                         // into its own buffer when it starts a chunk of that sequence
                         // (items claimed in ATTN_CLAIM_ITEMS: a thread that loses its CPU
                         // leaves what it has not started to the others)
-                        claims.run_units(items, ATTN_CLAIM_ITEMS, T, tid, round++, [&](int64_t i0, int64_t i1) {
+                        const ItemList& list = lists[(size_t)layer_items[l]];
+                        const AttnItems it{list.seq.data(), list.t0.data(), positions, tables, max_blocks, m->cos[l],
+                                           m->sin[l]};
+                        claims.run_units(list.size(), ATTN_CLAIM_ITEMS, T, tid, round++, [&](int64_t i0, int64_t i1) {
                             if (m->kv_half)
-                                attend_items(m, items_of, i0, i1, x, in, (uint16_t*)kv + l * layer_kv, layer_kv / 2, ws);
+                                attend_items(m, it, i0, i1, x, in, (uint16_t*)kv + l * layer_kv, layer_kv / 2, ws);
                             else
-                                attend_items(m, items_of, i0, i1, x, in, (float*)kv + l * layer_kv, layer_kv / 2, ws);
+                                attend_items(m, it, i0, i1, x, in, (float*)kv + l * layer_kv, layer_kv / 2, ws);
                         });
                         barrier.wait(T, tid);
                         // the chunks of each (sequence, head) combined: every pair on every
                         // thread into its private output, or the pairs claimed
                         auto combine = [&](int64_t i0, int64_t i1) {
                             for (int64_t i = i0; i < i1; i++) {
-                                const int64_t b = i / H, head = i % H, c0 = first_item[b];
+                                const int64_t b = i / H, head = i % H, c0 = list.first[b];
                                 combine_chunks(&part_m[c0 * H + head], &part_l[c0 * H + head],
-                                               &part_o[c0 * q_size + head * hd], first_item[b + 1] - c0, H, hd,
+                                               &part_o[c0 * q_size + head * hd], list.first[b + 1] - c0, H, hd,
                                                y + b * out + head * hd);
                             }
                         };

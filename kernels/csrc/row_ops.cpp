@@ -25,6 +25,12 @@ void kvd_silu_mul_rows(const float* gu, int64_t M, int64_t I, float* out, int nu
     for (int64_t m = 0; m < M; m++) silu_mul_row(gu + m * 2 * I, gu + m * 2 * I + I, I, out + m * I);
 }
 
+// out[m, :I] = gelu(gu[m, :I]) * gu[m, I:2I] (tanh approximation) for m < M; as kvd_silu_mul_rows.
+void kvd_gelu_mul_rows(const float* gu, int64_t M, int64_t I, float* out, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads < 1 ? 1 : num_threads)
+    for (int64_t m = 0; m < M; m++) gelu_mul_row(gu + m * 2 * I, gu + m * 2 * I + I, I, out + m * I);
+}
+
 // out[t, j, :] = rope_head(x[t, j, :], cos[t], sin[t]) for t < T, j < heads: x row t at
 // x + t * ldx holds the heads hd floats apart; cos, sin [T, hd]; out [T, heads, hd] contiguous.
 void kvd_rope_rows(const float* x, int64_t ldx, int64_t T, int64_t heads, int hd, const float* cos,

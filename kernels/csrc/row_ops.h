@@ -1,4 +1,4 @@
-// Row-local ops of a Llama layer in fp32 (engine/model/llama.py's LAYER_STEPS), one row or
+// Row-local ops of a decoder layer in fp32 (engine/model/llama.py's LAYER_STEPS), one row or
 // head at a time: the decode-plan executor runs them per row of a step (plan_decode.cpp), the
 // prefill through row_ops.cpp for every row of a prompt. Each output depends on its own row
 // alone, in a fixed order, so a row gets the same bits in any batch, with any thread count,
@@ -52,6 +52,29 @@ void silu_mul_row(const float* x, const float* u, int64_t n, float* y) {
         vn_store(e, vn_exp(vn_load(v)));
         const float sig = (x[i] >= 0.0f ? 1.0f : e[0]) / (1.0f + e[0]);
         y[i] = (x[i] * sig) * u[i];
+    }
+}
+
+// GELU's tanh approximation times u: y[i] = gelu(x[i]) * u[i], gelu(x) = 0.5 x (1 + tanh(z / 2)) =
+// x * sigmoid(z) with z = 2 sqrt(2 / pi) (x + 0.044715 x^3) and sigmoid as silu_mul_row's (no
+// tanh, whose 1 + tanh would cancel for negative x). GEMM_VW lanes at a time, the tail padded
+// to a vector: the same operations per element on every build and for every n.
+inline VN gelu_lanes(VN x) {
+    const VN one = vn_set1(1.0f), zero = vn_zero();
+    const VN cube = vn_mul(vn_mul(x, x), x);
+    const VN z = vn_mul(vn_fma(vn_set1(0.044715f), cube, x), vn_set1(1.5957691216057308f));
+    const VN e = vn_exp(vn_sub(zero, vn_max(z, vn_sub(zero, z))));       // e^-|z|
+    return vn_mul(x, vn_div(vn_select_ge0(z, one, e), vn_add(one, e)));
+}
+
+void gelu_mul_row(const float* x, const float* u, int64_t n, float* y) {
+    int64_t i = 0;
+    for (; i + GEMM_VW <= n; i += GEMM_VW) vn_store(y + i, vn_mul(gelu_lanes(vn_load(x + i)), vn_load(u + i)));
+    if (i < n) {
+        alignas(64) float xs[GEMM_VW] = {0}, us[GEMM_VW] = {0};
+        for (int64_t j = 0; i + j < n; j++) xs[j] = x[i + j], us[j] = u[i + j];
+        vn_store(xs, vn_mul(gelu_lanes(vn_load(xs)), vn_load(us)));
+        for (int64_t j = 0; i + j < n; j++) y[i + j] = xs[j];
     }
 }
 

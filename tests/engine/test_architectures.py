@@ -15,11 +15,13 @@ import dataclasses
 import pytest
 import torch
 
+from engine.exactness import same_bits
 from engine.model.config import tiny_config
 from engine.model.decode_kernels import plan_unsupported_reason
 from engine.model.llama import LlamaModel, layer_steps
 from engine.model.weights import load_gguf, random_weights
 from engine.request import SamplingParams
+from kernels.plan_decode import PlanDecoder
 from tools.random_gguf import ARCH_SLIDING_WINDOW, write_architecture
 
 from .conftest import build_engine
@@ -119,7 +121,11 @@ def test_the_plan_executor_runs_or_declines_each_architecture_by_name(gguf_dir):
         reasons[arch] = plan_unsupported_reason(LlamaModel(w.config, w.tensors, float_layout="rows"))
     assert reasons["llama"] is None and reasons["phi3"] is None
     assert reasons["qwen2"] is None and reasons["qwen3"] is None        # add_bias, qk_norm: executor ops
-    assert "gelu_mul" in reasons["gemma3"] or "sliding-window" in reasons["gemma3"]
+    assert reasons["gemma3"] is None        # gelu_mul, add; windows, RoPE per layer kind, embed_scale: plan data
+    w = load_gguf(_gguf(gguf_dir, "gemma3", "F32"))
+    capped = dataclasses.replace(w.config, attn_logit_softcap=50.0)
+    assert "gemma3: attention logit softcapping" in plan_unsupported_reason(
+        LlamaModel(capped, w.tensors, float_layout="rows"))
 
 
 def test_bad_architecture_metadata_is_refused_by_name(gguf_dir, tmp_path):
@@ -153,8 +159,10 @@ def sliding_weights():
 
 @pytest.fixture
 def make_sliding(sliding_weights, tokenizer):
+    """Engines of the tiny gemma3, its float matrices prefilled on the executor's kernel
+    (batch_invariant): one arithmetic per token on every path."""
     def make(**overrides):
-        return build_engine(sliding_weights, tokenizer, name="gemma3-tiny", **overrides)
+        return build_engine(sliding_weights, tokenizer, name="gemma3-tiny", **({"batch_invariant": True} | overrides))
     return make
 
 
@@ -167,14 +175,24 @@ PARAMS = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
 def plain_tokens(sliding_weights, tokenizer):
     """The plain single-node engine's tokens (no chunking, no prefix cache), per params."""
     engine = build_engine(sliding_weights, tokenizer, name="gemma3-tiny", enable_prefix_caching=False,
-                          prefill_chunk_tokens=0)
+                          prefill_chunk_tokens=0, batch_invariant=True)
     return [[engine.generate([p], params)[0] for p in PROMPTS] for params in PARAMS]
 
 
-def test_the_sliding_model_decodes_on_torch_and_its_window_matters(make_sliding, plain_tokens):
+@pytest.mark.parametrize("k", [0, 1], ids=["greedy", "seeded"])
+def test_the_sliding_model_decodes_on_the_executor_with_the_torch_paths_tokens(make_sliding, plain_tokens, k):
+    """One arithmetic per token: the plan executor's decode steps and the torch path's give
+    the same tokens, greedy and seeded."""
     engine = make_sliding()
-    assert "sliding-window attention (12 keys)" in plan_unsupported_reason(engine.model)
-    assert engine.runner.fused is None
+    assert isinstance(engine.runner.fused, PlanDecoder)
+    assert same_bits(engine.model, engine.runner.fused) == "yes"
+    on_torch = make_sliding(decode_kernel="torch", enable_prefix_caching=False)
+    assert on_torch.runner.fused is None
+    assert [on_torch.generate([p], PARAMS[k])[0] for p in PROMPTS] == plain_tokens[k]
+
+
+def test_the_window_matters_to_the_sliding_model(make_sliding, plain_tokens):
+    engine = make_sliding()
     wide = build_engine(random_weights(dataclasses.replace(engine.model.config, sliding_window=2048), seed=3),
                         engine.tokenizer, name="wide", enable_prefix_caching=False)
     assert wide.generate(PROMPTS[:1], PARAMS[0]) != plain_tokens[0][:1]

@@ -7,11 +7,16 @@ KV cache.
 Each case prefills one random 300-token sequence whole (the reference: its K/V in every
 layer and the logits of every position) and computes the same tokens another way. Any
 difference in any bit fails. The tiny models have the K-quants' shapes (rows of 256) and
-two layers; ``smollm2`` is the bundled model as served (Q4_1 layers, Q8_0 embedding).
+two layers; ``smollm2`` is the bundled model as served (Q4_1 layers, Q8_0 embedding);
+``gemma3`` a random 7-layer Gemma 3 in Q8_0 (sliding layers of 8 keys with their own RoPE
+base beside a global one, sandwich norms, GeGLU, an embedding scale). The packaged Gemma 3
+270M Q4_K_M file (skipped where its package is missing) has a test of its own, shorter:
+18 layers and a 262,144-token vocabulary make every case slow.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -24,7 +29,7 @@ from engine.model.registry import resolve_model
 from engine.model.weights import load_gguf, random_weights
 from kernels.attention import AttentionBatch, PrefillSeq, decode_key_mask
 from kernels.quant_linear import QuantKernel
-from tools.random_gguf import write_llama
+from tools.random_gguf import write_architecture, write_llama
 
 from .test_kquant_weights import kquant_config
 
@@ -44,8 +49,16 @@ def make_model(name: str, kernel: QuantKernel, tmp_path_factory) -> LlamaModel:
     """``name``'s model as the engine builds it: a quantized format's blocks on the kernel;
     a float format's matrices (16-bit ones kept) in the executor's layout, prefilled on
     its kernel (batch_invariant); smollm2 as served."""
-    if name == "smollm2":
-        w = resolve_model("smollm2").load_weights(quantized=True)
+    if name in ("smollm2", "gemma3-270m"):
+        try:
+            w = resolve_model(name).load_weights(quantized=True)
+        except FileNotFoundError as exc:
+            pytest.skip(str(exc))
+        return LlamaModel(w.config, w.tensors, quant_kernel=kernel)
+    if name == "gemma3":
+        path = tmp_path_factory.mktemp("determinism") / "gemma3.gguf"
+        write_architecture("gemma3", path, "Q8_0", seed=7)
+        w = load_gguf(path, quantized=True)
         return LlamaModel(w.config, w.tensors, quant_kernel=kernel)
     config = kquant_config(num_layers=2, max_position_embeddings=512)
     if name in FLOATS:
@@ -128,7 +141,7 @@ class Sequence:
         return self.model.compute_logits(self.model.forward(ids, positions, batch, kv))[row]
 
 
-MODELS = QUANTIZED + tuple(FLOATS) + ("smollm2",)
+MODELS = QUANTIZED + tuple(FLOATS) + ("smollm2", "gemma3")
 
 
 @pytest.fixture(scope="module", params=MODELS)
@@ -190,6 +203,28 @@ def test_thread_counts_change_no_bit(sequence):
             assert torch.equal(sequence.kv_of(kv), sequence.ref_kv), n
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.slow                       # gguf's reader parses its 262,144-token vocabulary for ~40 s
+def test_the_packaged_gemma3_has_one_arithmetic(kernel, tmp_path_factory):
+    """Gemma 3 270M as served (Q4_K, Q6_K and Q8_0 blocks, head_dim 256, one KV head), its
+    sliding layers' window cut to 200 keys so that 300 tokens cross it: a prompt in chunks
+    of 64, then every later token decoded on the plan executor as a row of a batch of 3,
+    and a few on the torch path: the whole prefill's logits and K/V, bit for bit."""
+    model = make_model("gemma3-270m", kernel, tmp_path_factory)
+    model.config = dataclasses.replace(model.config, sliding_window=200)
+    model.layers = [dataclasses.replace(layer, window=model.config.layer_window(i))
+                    for i, layer in enumerate(model.layers)]
+    seq = Sequence(model)
+    assert same_bits(model, seq.decoder) == "yes"
+    kv = seq.empty()
+    logits = [seq.prefill(kv, s, 64) for s in range(0, 256, 64)]
+    others = seq.neighbours(kv, 2, seed=3)
+    logits += [seq.decode(kv, p, others, row=p % 3)[None] for p in range(256, L)]
+    assert torch.equal(torch.cat(logits), seq.ref_logits)
+    assert torch.equal(seq.kv_of(kv), seq.ref_kv)
+    for p in (255, 299):
+        assert torch.equal(seq.decode(kv, p, torch_path=True), seq.ref_logits[p])
 
 
 @pytest.mark.parametrize("name", ["Q4_1", "smollm2"])

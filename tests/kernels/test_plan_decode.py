@@ -62,17 +62,23 @@ def quantize(weights, fmt: str) -> dict:
 FLOAT16 = {"BF16": torch.bfloat16, "F16": torch.float16}
 
 
-# the architectures whose layer plans add ops the executor runs (qkv biases, q/k head norms)
+# the architectures whose layer plans add ops the executor runs (qkv biases, q/k head norms;
+# gemma3's sandwich norms and GeGLU) and what it takes beside them (gemma3: sliding layers of
+# 12 keys with their own RoPE base beside global ones, an embedding scale)
+GEMMA3 = {"architecture": "gemma3", "qk_norm": True, "sandwich_norms": True, "activation": "gelu_tanh",
+          "embed_scale": 8.0, "sliding_window": 12, "global_layer_every": 2, "rope_theta": 1e6,
+          "rope_local_theta": 10000.0}
 ARCH_CONFIGS = {"llama": {}, "qwen2": {"architecture": "qwen2", "qkv_bias": True},
-                "qwen3": {"architecture": "qwen3", "qk_norm": True}}
+                "qwen3": {"architecture": "qwen3", "qk_norm": True}, "gemma3": GEMMA3}
 
 
-def tiny_model(fmt: str, kernel: QuantKernel, arch: str = "llama") -> LlamaModel:
+def tiny_model(fmt: str, kernel: QuantKernel, arch: str = "llama", **config) -> LlamaModel:
     """The tiny model with its matrices in ``fmt``'s blocks, or ``"F32"``: as they are, fp32
     in the rows layout (a float model's, as build_model makes it), or ``"BF16"`` / ``"F16"``:
     rounded to that dtype and kept in it (an fp32 model of a 16-bit checkpoint). ``arch``:
-    a key of ARCH_CONFIGS, its vectors (norms, biases) random around 1."""
-    w = random_weights(tiny_config(vocab_size=512, **ARCH_CONFIGS[arch]), seed=5, std=0.08)
+    a key of ARCH_CONFIGS, its vectors (norms, biases) random around 1; ``config``: more
+    LlamaConfig fields."""
+    w = random_weights(tiny_config(vocab_size=512, **(ARCH_CONFIGS[arch] | config)), seed=5, std=0.08)
     if arch != "llama":
         g = torch.Generator().manual_seed(6)
         w = dataclasses.replace(w, tensors={n: t if t.dim() == 2 else 1 + 0.1 * torch.randn(t.shape, generator=g)
@@ -96,7 +102,7 @@ def smollm2(kernel) -> LlamaModel:
 
 
 @pytest.fixture(scope="module", params=["tiny-Q4_1", "tiny-Q8_0", "tiny-Q4_0", "tiny-F32", "smollm2",
-                                        "qwen2-Q8_0", "qwen3-Q4_1", "qwen3-F32"])
+                                        "qwen2-Q8_0", "qwen3-Q4_1", "qwen3-F32", "gemma3-Q8_0", "gemma3-F32"])
 def model(request, kernel) -> LlamaModel:
     if request.param == "smollm2":                 # loaded only for its own cases
         return request.getfixturevalue("smollm2")
@@ -289,6 +295,27 @@ def test_long_contexts_split_over_keys(tiny, kv_dtype):
     for r, n in enumerate(lengths):
         row = dec.decode(ids[r:r + 1], pos[r:r + 1], tables[r:r + 1, :n // BS + 1], kv.clone())
         assert torch.equal(row[0], outs[0][r]), f"row {r} differs alone"
+
+
+def test_long_sliding_windows_cut_their_first_chunk(kernel):
+    """A window of 150 keys over contexts past 256: a row's first chunk starts at its
+    window's, the rest sit at the fixed 128-key places -- forward's bits (the torch path
+    attends in the same arithmetic), with 1 and 2 threads, alone and in a batch."""
+    model = tiny_model("Q8_0", kernel, "gemma3", sliding_window=150)
+    lengths = [120, 149, 150, 255, 257, 700]
+    kv, ids, pos, tables = prefilled(model, lengths, seed=6)
+    ref = torch_decode(model, kv.clone(), ids, pos, tables)
+    dec = decoder(model, kv)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            assert torch.equal(dec.decode(ids, pos, tables, kv.clone()), ref), n
+    finally:
+        torch.set_num_threads(threads)
+    for r, n in enumerate(lengths):
+        row = dec.decode(ids[r:r + 1], pos[r:r + 1], tables[r:r + 1, :n // BS + 1], kv.clone())
+        assert torch.equal(row[0], ref[r]), f"row {r} differs alone"
 
 
 def test_another_thread_gets_the_same_bits(tiny):
@@ -559,11 +586,11 @@ def test_models_it_does_not_run_say_why(tiny, kernel):
 
 
 def test_a_plan_with_an_op_it_lacks_is_declined(tiny, monkeypatch):
-    """A model change the executor does not implement (here gemma3's GeGLU gate in a
-    Llama) turns it off, by name, and decode stays on forward."""
-    steps = tuple(dataclasses.replace(s, op="gelu_mul") if s.op == "silu_mul" else s for s in llama.LAYER_STEPS)
+    """A model change the executor does not implement (here a ReLU² gate in a Llama)
+    turns it off, by name, and decode stays on forward."""
+    steps = tuple(dataclasses.replace(s, op="relu2_mul") if s.op == "silu_mul" else s for s in llama.LAYER_STEPS)
     monkeypatch.setattr(tiny, "steps", steps)
-    assert "gelu_mul" in plan_unsupported_reason(tiny)
+    assert "relu2_mul" in plan_unsupported_reason(tiny)
     assert plan_decoder(tiny, empty_kv(tiny), BS) is None
 
 

@@ -46,6 +46,20 @@ def test_silu_mul_matches_torch_and_every_build(host, portable):
     assert torch.allclose(got, F.silu(gate) * up, rtol=1e-5, atol=1e-6)
 
 
+def test_gelu_mul_matches_torch_and_every_build(host, portable):
+    x = torch.randn(23, 2 * 1539) * 6                                # 1539: a padded tail
+    x[0, :6] = torch.tensor([0.0, -0.0, 90.0, -90.0, 1e-30, -12.0])
+    got = host.gelu_mul(x)
+    assert torch.equal(got, portable.gelu_mul(x))
+    gate, up = x.chunk(2, dim=-1)
+    # torch's 0.5 x (1 + tanh) cancels for negative x: float64's is the reference
+    want = F.gelu(gate.double(), approximate="tanh") * up.double()
+    assert torch.allclose(got.double(), want, rtol=2e-6, atol=1e-6)
+    # torch's own error there: a rounding of 1 + tanh, times 0.5 x up
+    off = (got - F.gelu(gate, approximate="tanh") * up).abs()
+    assert (off <= 1e-5 * got.abs() + 1e-7 * (gate * up).abs() + 1e-6).all()
+
+
 def test_rope_is_apply_rope_bit_for_bit(host, portable):
     from engine.model.config import LlamaConfig
     from engine.model.llama import rope_tables
@@ -63,13 +77,14 @@ def test_rope_is_apply_rope_bit_for_bit(host, portable):
 def test_a_row_gets_its_bits_in_any_batch_and_thread_count(host):
     x = torch.randn(64, 2 * 1536)
     w = torch.randn(2 * 1536)
-    norm, silu = host.rms_norm(x, w, 1e-5), host.silu_mul(x)
+    norm, silu, gelu = host.rms_norm(x, w, 1e-5), host.silu_mul(x), host.gelu_mul(x)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         for lo, hi in [(0, 1), (5, 6), (3, 40), (63, 64)]:
             assert torch.equal(host.rms_norm(x[lo:hi], w, 1e-5), norm[lo:hi])
             assert torch.equal(host.silu_mul(x[lo:hi]), silu[lo:hi])
+            assert torch.equal(host.gelu_mul(x[lo:hi]), gelu[lo:hi])
     finally:
         torch.set_num_threads(threads)
 
@@ -81,6 +96,8 @@ def test_bad_input_is_refused(host):
         host.rms_norm(torch.randn(3, 8), torch.ones(9), 1e-5)
     with pytest.raises(ValueError, match="2I"):
         host.silu_mul(torch.randn(3, 7))
+    with pytest.raises(ValueError, match="gelu_mul"):
+        host.gelu_mul(torch.randn(3, 7))
     with pytest.raises(ValueError, match="heads"):
         host.rope(torch.randn(3, 40), 3, 16, torch.ones(3, 16), torch.ones(3, 16))
     with pytest.raises(ValueError, match="cos"):
