@@ -14,6 +14,10 @@ config (its threads, dtype and kernels):
   link between two loopback endpoints (kvd's own transports), which is also
   what replication sends each step (one token's KV per request).
 
+Then (unless ``--serving-requests 0``) the serving overhead: a few requests
+through a real ``kvd serve`` of the same config, one at a time, against the
+simulator's TTFT for them on the fitted costs (kvd/sim/measure.py).
+
 Each fit is least squares on relative error; the profile records the samples
 and each fit's median error, names the model, the CPU and the build
 fingerprint (engine/fingerprint.py). ``--quick`` shrinks every grid (seconds:
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as _dt
+import subprocess
 import sys
 import time
 from dataclasses import replace
@@ -239,17 +244,32 @@ def main(args) -> int:
     except (ConfigError, ValueError) as exc:
         print(f"kvd: error: {exc}", file=sys.stderr)
         return 2
+    requests = args.serving_requests if args.serving_requests is not None else (0 if args.quick else 8)
+    if not 0 <= requests <= 1000:
+        print(f"kvd: error: --serving-requests must be in [0, 1000], got {requests}", file=sys.stderr)
+        return 2
     doc = profile_engine(replace(config.engine, profile=""), quick=args.quick)
     try:
         path = write_profile(doc, args.output)
+        if requests:
+            from kvd.sim.measure import serving_overhead
+
+            print("kvd profile: serving overhead through kvd serve ...", file=sys.stderr, flush=True)
+            doc["serving"] = serving_overhead(path, config.engine.model, args.config, requests)
+            path = write_profile(doc, args.output)
     except OSError as exc:
         print(f"kvd: error: cannot write the profile: {exc}", file=sys.stderr)
+        return 2
+    except (subprocess.SubprocessError, SystemExit, ValueError) as exc:
+        print(f"kvd: error: the serving overhead was not measured ({exc}); {path} holds the rest",
+              file=sys.stderr)
         return 2
     c, f = doc["costs"], doc["fit"]
     print(f"kvd profile: {doc['model']} on {doc['cpu']} ({doc['threads']} threads) -> {path}\n"
           f"  prefill {c['prefill_fixed_s'] * 1e3:.2f} ms + {c['prefill_token_s'] * 1e3:.3f} ms/token "
           f"(median error {f['prefill_median_error']:.1%}); decode {c['decode_fixed_s'] * 1e3:.2f} ms + "
           f"{c['decode_seq_s'] * 1e3:.3f} ms/request (median error {f['decode_median_error']:.1%}); "
-          f"transfer {c['transfer_latency_s'] * 1e6:.0f} us + {1 / max(c['transfer_byte_s'], 1e-15) / 1e9:.2f} GB/s",
+          f"transfer {c['transfer_latency_s'] * 1e6:.0f} us + {1 / max(c['transfer_byte_s'], 1e-15) / 1e9:.2f} GB/s"
+          + (f"; serving {doc['serving']['first_token_s'] * 1e3:.1f} ms per request" if "serving" in doc else ""),
           file=sys.stderr)
     return 0

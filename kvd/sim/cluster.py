@@ -10,8 +10,10 @@ The coordinator's decisions are kvd's own objects, not copies:
 - the load book (``LoadBook``) and the prefill-queue bound
   (``LegSender._pick_prefill``, whose queue reads this module's streams).
 
-What the daemons do in between is modelled: a message between processes
-takes half the profile's small-message round trip (``hop``); a disaggregated
+What the daemons do in between is modelled: a request waits the profile's
+serving overhead before it is routed (its HTTP parsing, tokenizing and
+event-loop hops, measured through a real ``kvd serve``); a message between
+processes takes half the profile's small-message round trip (``hop``); a disaggregated
 request's decode node reserves the prompt's blocks (``SimNode.reserve_prompt``,
 the node's own threshold rule), its prefill leg runs on the prefill node and
 hands off after the first token, and the prompt's KV reaches the decode node
@@ -82,6 +84,7 @@ class SimCluster:
         self.nodes: dict[str, SimNode] = {}
         self.infos: dict[str, NodeInfo] = {}
         self._seq: dict[str, int] = {}
+        self._routable: tuple[list[NodeInfo], list[NodeInfo]] | None = None
         self.route_seconds = 0.0           # wall time spent in router picks
         self.routed = 0
         for i, role in enumerate(roles):
@@ -101,9 +104,10 @@ class SimCluster:
     # ------------------------------------------------------------------ routing
     def submit(self, request_id: str, prompt_ids: list[int], max_tokens: int,
                on_done: Callable[[SimStream], None]) -> SimStream:
-        """A client sends a request now; it reaches the coordinator one hop later."""
+        """A client sends a request now; it reaches the coordinator one hop and
+        the profile's serving overhead (HTTP, tokenizing: kvd/sim/measure.py) later."""
         stream = SimStream(request_id, len(prompt_ids), max_tokens, self.events.now, on_done)
-        self.events.after(self.hop, self._route, stream, list(prompt_ids))
+        self.events.after(self.hop + self.profile.serving_s, self._route, stream, list(prompt_ids))
         return stream
 
     def _route(self, stream: SimStream, prompt: list[int]) -> None:
@@ -111,8 +115,7 @@ class SimCluster:
         while another is routable), and a prefill node for a decode node's request."""
         t0 = time.perf_counter()
         rid = stream.request_id
-        candidates = list(self.infos.values())
-        whole = [n for n in candidates if n.role != Role.PREFILL] or candidates
+        candidates, whole = self._candidates()
         node = self.router.pick(whole, prompt, rid)
         prefill = self.legs._pick_prefill(candidates, prompt, rid) if node.role == Role.DECODE else None
         self.route_seconds += time.perf_counter() - t0
@@ -124,6 +127,15 @@ class SimCluster:
         node.routed += 1
         self.events.after(self.hop, self._arrive, stream, prompt, self.nodes[node.name],
                           self.nodes[prefill.name] if prefill is not None else None)
+
+    def _candidates(self) -> tuple[list[NodeInfo], list[NodeInfo]]:
+        """The routable nodes, and those a whole request may go to (never a
+        prefill node while another is routable): the same lists until a
+        node joins or leaves (the router keys its per-node arrays on them)."""
+        if self._routable is None:
+            candidates = list(self.infos.values())
+            self._routable = (candidates, [n for n in candidates if n.role != Role.PREFILL] or candidates)
+        return self._routable
 
     def _arrive(self, stream: SimStream, prompt: list[int], node: SimNode, prefill: SimNode | None) -> None:
         params = SamplingParams(max_tokens=stream.max_tokens, temperature=0.0, ignore_eos=True)
@@ -158,7 +170,7 @@ class SimCluster:
             return
         if new:
             stream.tokens += 1
-            self.events.after(self.hop, stream.arrivals.append, self.events.now + self.hop)
+            stream.arrivals.append(self.events.now + self.hop)      # reaches the client one hop later
         if handed:
             self.load.uncount(stream.request_id, node.name)
             decode, dreq, region = stream.decode

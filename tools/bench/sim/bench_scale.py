@@ -40,12 +40,13 @@ from tools.loadgen.metrics import compute_metrics  # noqa: E402
 
 def workload(n: int, input_len: int, output_len: int, prefixes: int, seed: int):
     rng = random.Random(seed)
-    heads = [[rng.randrange(100, 30000) for _ in range(input_len // 2)] for _ in range(prefixes)]
+    ids = list(range(100, 30000))             # shared int objects: an hour's prompts are millions of ids
+    heads = [[rng.choice(ids) for _ in range(input_len // 2)] for _ in range(prefixes)]
     prompts = {}
     convs = []
     for i in range(n):
         key = f"p{i}"
-        prompts[key] = heads[i % prefixes] + [rng.randrange(100, 30000) for _ in range(input_len - input_len // 2)]
+        prompts[key] = heads[i % prefixes] + [rng.choice(ids) for _ in range(input_len - input_len // 2)]
         convs.append(Conversation((Turn(key, input_len, output_len),)))
     return convs, (lambda text: prompts[text])
 
@@ -93,6 +94,15 @@ def main() -> None:
         print(f"| {r['nodes']} | {r['rate_per_node']:g} | {r['requests']} | {r['simulated_s']} | {r['wall_s']} | "
               f"{r['events_per_s']} | {r['route_us_per_decision']} | {r['median_ttft_ms']} | {r['p99_ttft_ms']} | "
               f"{'yes' if r['kept_up'] else 'no'} |")
+    kept = [r["rate_per_node"] for r in rows if r["kept_up"]]
+    lost = [r["rate_per_node"] for r in rows if not r["kept_up"]]
+    if lost and kept and min(lost) > max(kept):
+        print(f"{args.nodes} nodes saturate between {max(kept):g} and {min(lost):g} req/s per node "
+              f"({max(kept) * args.nodes:g}-{min(lost) * args.nodes:g} req/s)")
+    elif lost:
+        print(f"{args.nodes} nodes did not keep up at {', '.join(f'{r:g}' for r in lost)} req/s per node")
+    else:
+        print(f"{args.nodes} nodes kept up at every rate swept (up to {max(kept):g} req/s per node)")
     print(f"wrote {out}")
 
 

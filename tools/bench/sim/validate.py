@@ -31,6 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
+from kvd.sim.measure import measured, simulated  # noqa: E402
 from tools._twoproc import stop_processes  # noqa: E402
 from tools.bench.serving.bench_n_copies import serve as start_server  # noqa: E402
 
@@ -56,25 +57,6 @@ def serve(model: str, nodes: int, prefill: int, cfg: Path) -> tuple[subprocess.P
     if prefill:
         args += ["--prefill", str(prefill)]
     return start_server(args)
-
-
-def measured(url: str, flags: list[str], out: Path) -> dict:
-    subprocess.run([sys.executable, "-m", "tools.loadgen.cli", "--base-url", url, *flags, "--save-result",
-                    "--result-dir", str(out.parent), "--result-filename", out.name, "--disable-tqdm"],
-                   cwd=ROOT, check=True, stdout=subprocess.DEVNULL, timeout=600)  # noqa: S603
-    return json.loads(out.read_text())["metrics"]
-
-
-def simulated(profile: str, nodes: int, prefill: int, routing: str | None, cfg: Path, flags: list[str]) -> dict:
-    from tools.loadgen import metrics
-
-    from kvd.sim.run import load_shape, parse, simulate, workload_of
-
-    own, args = parse(["--profile", profile, *flags])
-    shape = load_shape(str(cfg), profile, max(nodes, 1), prefill, routing)
-    conversations, opts, encode, _ = workload_of(args)
-    records, duration, _ = simulate(shape, conversations, opts, encode)
-    return metrics.compute_metrics(records, duration, args.percentiles, args.slo)
 
 
 def errors(real: dict, sim: dict) -> dict:

@@ -1,0 +1,79 @@
+"""A measured run beside a simulated one, and the serving overhead a profile records.
+
+- ``measured``: ``kvd-loadgen`` (its own CLI, a subprocess) against a running
+  kvd, with the given workload flags; its result's metrics.
+- ``simulated``: the same flags through ``kvd simulate``'s code on a profile.
+- ``serving_overhead``: what an unloaded request's time to first token
+  through a real ``kvd serve`` (HTTP parsing, chat template and tokenizer,
+  the event loop's hops, the first SSE chunk) takes beyond what the
+  simulator charges the same request on the same profile (engine steps and
+  transport hops). ``kvd profile`` records it; the simulator adds it to every
+  request before routing (kvd/sim/cluster.py), so an unloaded simulated TTFT
+  is the measured one.
+
+The tools that check the simulator and the planner against real runs
+(tools/bench/sim/) use the same two functions.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+OVERHEAD_INPUT_LEN = 64        # prompt tokens of the overhead's requests (random text)
+OVERHEAD_OUTPUT_LEN = 4
+
+
+def measured(url: str, flags: list[str], out: Path, timeout: float = 600.0) -> dict:
+    """Run kvd-loadgen with ``flags`` against ``url``, its result at ``out``; the metrics."""
+    subprocess.run([sys.executable, "-m", "tools.loadgen.cli", "--base-url", url, *flags, "--save-result",
+                    "--result-dir", str(out.parent), "--result-filename", out.name, "--disable-tqdm"],
+                   cwd=ROOT, check=True, stdout=subprocess.DEVNULL, timeout=timeout)  # noqa: S603
+    return json.loads(out.read_text())["metrics"]
+
+
+def simulated(profile: str, nodes: int, prefill: int, routing: str | None, cfg: str | Path | None,
+              flags: list[str]) -> dict:
+    """``kvd simulate`` of ``flags`` on ``profile`` for that shape (``nodes`` 0: one node); the metrics."""
+    from tools.loadgen import metrics
+
+    from kvd.sim.run import load_shape, parse, simulate, workload_of
+
+    _, args = parse(["--profile", str(profile), *flags])
+    shape = load_shape(str(cfg) if cfg else None, str(profile), max(nodes, 1), prefill, routing)
+    conversations, opts, encode, _ = workload_of(args)
+    records, duration, _ = simulate(shape, conversations, opts, encode)
+    return metrics.compute_metrics(records, duration, args.percentiles, args.slo)
+
+
+def overhead_flags(model: str, requests: int) -> list[str]:
+    """kvd-loadgen flags of the overhead's run: ``requests`` random prompts, one at a time."""
+    return ["--dataset-name", "random", "--random-input-len", str(OVERHEAD_INPUT_LEN),
+            "--random-output-len", str(OVERHEAD_OUTPUT_LEN), "--num-prompts", str(requests),
+            "--max-concurrency", "1", "--request-rate", "inf", "--seed", "0", "--tokenizer", model]
+
+
+def serving_overhead(profile: str | Path, model: str, config: str | None, requests: int) -> dict:
+    """Start ``kvd serve`` (``--model model``, ``-c config``), send ``requests``
+    random prompts one at a time, and compare their median TTFT with the
+    simulator's for the same flags on ``profile`` (which must not hold a
+    serving overhead yet). Returns the profile's ``serving`` object."""
+    from tools._twoproc import stop_processes
+    from tools.bench.serving.bench_n_copies import serve
+
+    flags = overhead_flags(model, requests)
+    proc, url = serve(["--model", model, *(["-c", config] if config else [])])
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            real = measured(url, flags, Path(tmp) / "overhead.json")
+    finally:
+        stop_processes([proc])
+    sim = simulated(profile, 0, 0, None, config, flags)
+    real_ms, sim_ms = real["median_ttft_ms"], sim["median_ttft_ms"]
+    return {"first_token_s": round(max(0.0, real_ms - sim_ms) / 1e3, 6), "requests": requests,
+            "input_len": OVERHEAD_INPUT_LEN, "measured_median_ttft_ms": round(real_ms, 3),
+            "simulated_median_ttft_ms": round(sim_ms, 3)}

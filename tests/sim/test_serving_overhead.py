@@ -1,0 +1,47 @@
+"""The serving overhead: ``kvd profile`` measures it through a real ``kvd
+serve`` and the simulator charges it to every request before routing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvd.cli import main
+from kvd.sim.measure import simulated
+from kvd.sim.profile_file import ProfileError, load_profile
+
+FLAGS = ["--dataset-name", "random", "--random-input-len", "64", "--random-output-len", "4",
+         "--num-prompts", "6", "--request-rate", "2", "--seed", "0"]
+
+
+def test_the_simulator_adds_the_overhead_to_each_request(write_profile):
+    plain = simulated(write_profile(), 0, 0, None, None, FLAGS)
+    slow = simulated(write_profile("slow.json", serving={"first_token_s": 0.25}), 0, 0, None, None, FLAGS)
+    assert slow["completed"] == plain["completed"] == 6
+    for key in ("median_ttft_ms", "p99_ttft_ms", "mean_e2el_ms"):
+        assert slow[key] == pytest.approx(plain[key] + 250.0, abs=1e-6), key
+    assert slow["median_tpot_ms"] == pytest.approx(plain["median_tpot_ms"])
+
+
+@pytest.mark.parametrize("serving", [{"first_token_s": -1.0}, {"first_token_s": "30ms"}, [0.1],
+                                     {"first_token_s": True}, {"first_token_s": 1e9}])
+def test_a_bad_serving_overhead_is_refused(write_profile, serving):
+    with pytest.raises(ProfileError, match="serving"):
+        load_profile(write_profile(serving=serving), model="tiny")
+
+
+def test_kvd_profile_measures_it_through_kvd_serve(tmp_path):
+    out = tmp_path / "p.json"
+    assert main(["profile", "--model", "tiny", "--quick", "--serving-requests", "3", "--output", str(out)]) == 0
+    serving = json.loads(out.read_text())["serving"]
+    assert serving["requests"] == 3 and serving["measured_median_ttft_ms"] > 0
+    assert serving["first_token_s"] == pytest.approx(
+        max(0.0, serving["measured_median_ttft_ms"] - serving["simulated_median_ttft_ms"]) / 1e3, abs=1e-6)
+    assert load_profile(out, model="tiny").serving_s == serving["first_token_s"]
+
+
+def test_serving_requests_are_checked(tmp_path, capsys):
+    assert main(["profile", "--model", "tiny", "--quick", "--serving-requests", "-1",
+                 "--output", str(tmp_path / "p.json")]) == 2
+    assert "--serving-requests" in capsys.readouterr().err
