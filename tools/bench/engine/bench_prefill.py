@@ -8,7 +8,7 @@ configurations, best of the rounds (the host may be shared: another job only
 ever slows a round down) and every round in the JSON:
 
 - **engine prefill** of one prompt (no cached prefix), seconds, five ways:
-  native weights with the blocked attention kernel and the row ops kernel
+  native weights with the paged attention kernel and the row ops kernel
   (the default), native with torch's ops for RMSNorm, SwiGLU and RoPE
   (``row_ops = None``), native with torch's SDPA (``attention_kernel =
   None``), and ``weights = "dequantize"`` (fp32, MKL) with each attention;
@@ -16,8 +16,8 @@ ever slows a round down) and every round in the JSON:
   (kernels/quant_linear.py: 16-bit activations; the host's build, or with
   ``--variants all`` every serving build this CPU runs, e.g. avx512amx's tile
   path against avx512vnni) vs MKL over the dequantized fp32 weights, GMAC/s;
-- **attention**: one layer's prefill attention, the C++ kernel
-  (kernels/prefill_attention.py) vs torch's SDPA, milliseconds.
+- **attention**: one layer's prefill attention, the paged C++ kernel
+  (kernels/paged_attention.py, the decode step's arithmetic) vs torch's SDPA, milliseconds.
 
 ``--random-weights``: SmolLM2's shapes and formats filled with random blocks
 (``tools.bench.engine.bench_engine.random_smollm2``), for a host without the bundled GGUF.
@@ -36,13 +36,13 @@ from pathlib import Path
 import torch
 
 from engine.engine import LLMEngine
-from kernels.attention import AttentionBatch, PrefillSeq, prefill_attention
+from kernels.attention import AttentionBatch, PrefillSeq, prefill_attention, write_kv
 from kernels.quant_linear import SERVING_VARIANTS, QuantKernel, QuantLinear, host_variant, runs_here
 from tools.bench.engine.bench_engine import append_result, machine, make_engine, random_prompts
 from tools.bench.engine.bench_weights import prefill_seconds
 
 RESULTS = Path("results/bench_prefill.json")
-CONFIGS = {   # name -> (weights, blocked attention kernel, row ops kernel)
+CONFIGS = {   # name -> (weights, paged attention kernel, row ops kernel)
     "native": ("native", True, True), "native-torch-rows": ("native", True, False),
     "native-sdpa": ("native", False, True),
     "dequantize": ("dequantize", True, True), "dequantize-sdpa": ("dequantize", False, True)}
@@ -83,20 +83,24 @@ def matmul_rows(eng: LLMEngine, m: int, rounds: int, variants: list[str]) -> lis
 
 
 def attention_row(eng: LLMEngine, t: int, rounds: int) -> dict:
-    """One layer's prefill attention over t new tokens: the C++ kernel vs torch's SDPA."""
+    """One layer's prefill attention over t new tokens in 16-token blocks: the paged C++
+    kernel (the decode step's arithmetic) vs torch's SDPA."""
     cfg, kernel = eng.model.config, eng.model.attention_kernel
     q = torch.randn(t, cfg.num_heads, cfg.head_dim)
     k, v = (torch.randn(t, cfg.num_kv_heads, cfg.head_dim) for _ in range(2))
-    cache = torch.empty(0, 16, cfg.num_kv_heads, cfg.head_dim)
+    blocks = -(-t // 16)
+    k_cache, v_cache = (torch.zeros(blocks, 16, cfg.num_kv_heads, cfg.head_dim) for _ in range(2))
     batch = AttentionBatch(slots=torch.arange(t), is_prefill=True,
-                           prefill=[PrefillSeq(0, t, t, torch.zeros(0, dtype=torch.int64))])
+                           prefill=[PrefillSeq(0, t, t, torch.arange(blocks))])
+    write_kv(k_cache, v_cache, k, v, batch)
+    rows = batch.paged_rows(torch.arange(t))
+    scale = eng.model.scale
     new, old = [], []
     for _ in range(rounds):
-        new.append(best_of(lambda: prefill_attention(q, k, v, cache, cache, batch, eng.model.scale, kernel), 2))
-        old.append(best_of(lambda: prefill_attention(q, k, v, cache, cache, batch, eng.model.scale, None), 2))
-    ref = prefill_attention(q.double(), k.double(), v.double(), cache.double(), cache.double(), batch,
-                            eng.model.scale, None)
-    err = (prefill_attention(q, k, v, cache, cache, batch, eng.model.scale, kernel).double() - ref).abs().max()
+        new.append(best_of(lambda: kernel.attend(q, k_cache, v_cache, *rows, scale), 2))
+        old.append(best_of(lambda: prefill_attention(q, k, v, k_cache, v_cache, batch, scale), 2))
+    ref = prefill_attention(q.double(), k.double(), v.double(), k_cache.double(), v_cache.double(), batch, scale)
+    err = (kernel.attend(q, k_cache, v_cache, *rows, scale).double() - ref).abs().max()
     return {"tokens": t, "kernel_ms": min(new) * 1e3, "sdpa_ms": min(old) * 1e3,
             "speedup": min(old) / min(new), "kernel_max_err_vs_fp64": float(err)}
 
@@ -105,15 +109,15 @@ def run(lengths: list[int], rounds: int, random_weights: bool = False, variants:
     load_before = os.getloadavg()
     variants = variants or [host_variant()]
     engines = {}
-    for name, (weights, blocked, rows) in CONFIGS.items():
+    for name, (weights, paged, rows) in CONFIGS.items():
         eng = make_engine("float32", random_weights, weights=weights, kv_blocks=max(lengths) // 16 + 64,
                           enable_prefix_caching=False)
-        if not blocked:
+        if not paged:
             eng.model.attention_kernel = None
         if not rows:
             eng.model.row_ops = None
         engines[name] = eng
-    assert engines["native"].model.attention_kernel is not None, "no prefill attention kernel on this host"
+    assert engines["native"].model.attention_kernel is not None, "no paged attention kernel on this host"
     assert engines["native"].model.row_ops is not None, "no row ops kernel on this host"
     out: dict = {"bench": "prefill", "rounds": rounds, "lengths": lengths, "random_weights": random_weights,
                  "variants": variants}
