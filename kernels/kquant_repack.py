@@ -65,16 +65,8 @@ def repack_to(target: str, sub: SubBlocks) -> QuantTensor:
         # per 16: d0, d1 (a format with one scale per 32 gives it twice)
         scales = sub.scale.view(rows, nb, 2) if sub.size == 16 else sub.scale.view(rows, nb, 1).expand(rows, nb, 2)
         body = [_f32(scales), sub.q.view(rows, nb, 32).view(torch.uint8)]
-    else:                                                       # KQ4 / KQ5: w = d q + m
-        q = sub.q.view(rows, nb, 32).to(torch.int16)
-        d = sub.scale.view(rows, nb, 1)
-        m = -sub.min.view(rows, nb, 1) if sub.min is not None else torch.zeros_like(d)
-        q = q.to(torch.uint8)
-        body = [_f32(torch.cat([d, m], dim=-1))]
-        if target == "KQ5":
-            body.append(_hbits(q >> 4))
-        lo = q & 15
-        body.append(lo[..., :16] | (lo[..., 16:] << 4))
+    else:
+        raise ValueError(f"no repack into {target!r} (have: {', '.join(sorted(set(TARGET.values())))})")
     data = torch.cat(body, dim=-1).reshape(rows, nb * FORMATS[target].block_bytes)
     return QuantTensor(target, (rows, cols), data.contiguous())
 
@@ -131,7 +123,7 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
 
 
 def _hbits(h: torch.Tensor) -> torch.Tensor:
-    """[rows, nb, 32] high bits (0/1) -> KQ5's u32 hbits [rows, nb, 4] (quant_blocks.h's
+    """[rows, nb, 32] high bits (0/1) -> the u32 hbits [rows, nb, 4] (quant_blocks.h's
     order: weight 2t at bit t, 2t + 16 at 8 + t, 2t + 1 at 16 + t, 2t + 17 at 24 + t)."""
     t = torch.arange(8)
     order = torch.cat([2 * t, 2 * t + 16, 2 * t + 1, 2 * t + 17])      # bit b holds weight order[b]

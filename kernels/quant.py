@@ -1,6 +1,6 @@
 """Block-quantized matrices: GGUF's Q4_0, Q4_1, Q8_0 as the file stores them, and
-kvd's KQ4, KQ5, KQ6, KQ5_0, KQ5_1 that the K-quants and Q5 types are repacked into at load
-(kernels/kquant_repack.py).
+kvd's KQ6, KQ5_0, KQ5_1, KS4, KS5, KS6, KS2 that the K-quants, Q5 types, Q3_K and
+IQ4_XS are repacked into at load (kernels/kquant_repack.py).
 
 A ``QuantTensor`` is a matrix ``[rows, cols]`` whose every row is
 ``cols / 32`` blocks of 32 weights in one of these block formats::
@@ -8,8 +8,6 @@ A ``QuantTensor`` is a matrix ``[rows, cols]`` whose every row is
     Q4_0  18 B / 32 weights  fp16 d, 16 B nibbles      w = d * (q - 8)
     Q4_1  20 B / 32 weights  fp16 d, fp16 m, 16 B      w = d * q + m
     Q8_0  34 B / 32 weights  fp16 d, 32 x int8         w = d * q
-    KQ4   24 B / 32 weights  fp32 d, fp32 m, 16 B      w = d * q + m
-    KQ5   28 B / 32 weights  fp32 d, fp32 m, u32 hbits, 16 B     w = d * (q + 16 h) + m
     KQ6   40 B / 32 weights  fp32 d0, fp32 d1, 32 x int8         w = d0 * q, d1 * q (second 16)
     KQ5_0 22 B / 32 weights  fp16 d, u32 hbits, 16 B             w = d * (q + 16 h - 16)
     KQ5_1 24 B / 32 weights  fp16 d, fp16 m, u32 hbits, 16 B     w = d * (q + 16 h) + m
@@ -23,7 +21,7 @@ sub-block scales are fp32 products the kernels form in registers, exact, so they
 compute with the file's values; quant_blocks.h draws KS6's highs and KS2's 2-bit quants)
 
 (in a 4- or 5-bit block, byte j holds weight j in its low nibble and weight j + 16 in
-its high nibble; the hbits order of KQ5, KQ5_0 and KQ5_1 is kernels/csrc/quant_blocks.h's:
+its high nibble; the hbits order of KQ5_0, KQ5_1 and KS5 is kernels/csrc/quant_blocks.h's:
 KQ5_0 / KQ5_1 are ggml's Q5_0 / Q5_1 blocks with their qh bits in that order). The bytes are held in a ``uint8`` tensor in one of two
 layouts:
 
@@ -32,7 +30,7 @@ layouts:
 - ``x8`` (the kernels', ``pack()``): rows in groups of 8, the last padded with
   zero blocks, ``[ceil(rows / 8), 8 * row_bytes]``; for each group and block the
   8 rows' blocks transposed as 2-byte words (word i of rows 0..7, then word
-  i + 1), a KQ block's leading ``wide_bytes`` (fp32 scales, hbits) as 4-byte words. The same bytes, reordered so that one vector load holds a word of 8
+  i + 1), a KQ6 block's leading ``wide_bytes`` (fp32 scales) as 4-byte words. The same bytes, reordered so that one vector load holds a word of 8
   rows (kernels/csrc/quant_gemm.h says what the kernels make of it).
 
 ``dequantize`` is the torch reference: it gives bit for bit what gguf-py's
@@ -69,11 +67,10 @@ class BlockFormat:
 
 
 FORMATS = {f.name: f for f in (BlockFormat("Q4_0", 0, 18), BlockFormat("Q4_1", 1, 20),
-                                BlockFormat("Q8_0", 2, 34), BlockFormat("KQ4", 3, 24, 8),
-                                BlockFormat("KQ5", 4, 28, 12), BlockFormat("KQ6", 5, 40, 8),
-                                BlockFormat("KQ5_0", 6, 22), BlockFormat("KQ5_1", 7, 24),
-                                BlockFormat("KS4", 8, 148, weights=256), BlockFormat("KS5", 9, 180, weights=256),
-                                BlockFormat("KS6", 10, 210, weights=256), BlockFormat("KS2", 11, 84, weights=256))}
+                                BlockFormat("Q8_0", 2, 34), BlockFormat("KQ6", 3, 40, 8),
+                                BlockFormat("KQ5_0", 4, 22), BlockFormat("KQ5_1", 5, 24),
+                                BlockFormat("KS4", 6, 148, weights=256), BlockFormat("KS5", 7, 180, weights=256),
+                                BlockFormat("KS6", 8, 210, weights=256), BlockFormat("KS2", 9, 84, weights=256))}
 # the formats a GGUF file stores (the others are kvd's, made at load)
 GGUF_FORMATS = ("Q4_0", "Q4_1", "Q8_0")
 
@@ -191,8 +188,10 @@ def _dequantize(fmt: BlockFormat, data: torch.Tensor, cols: int) -> torch.Tensor
     def half(at: int) -> torch.Tensor:                                 # fp16 field -> fp32 [R, nb, 1]
         return blocks[..., at:at + 2].contiguous().view(torch.float16).float()
 
-    if fmt.name in ("KQ4", "KQ5", "KQ6"):
-        return _dequantize_kq(fmt.name, blocks).reshape(rows, cols)
+    if fmt.name == "KQ6":                                              # fp32 d0, d1 per 16
+        d = blocks[..., 0:8].contiguous().view(torch.float32)           # [R, nb, 2]
+        q = blocks[..., 8:].contiguous().view(torch.int8).float().view(rows, -1, 2, 16)
+        return (d.unsqueeze(-1) * q).reshape(rows, cols)
     if fmt.name in ("KS4", "KS5", "KS6", "KS2"):
         return _dequantize_ks(fmt.name, blocks).reshape(rows, cols)
     d = half(0)
@@ -208,19 +207,6 @@ def _dequantize(fmt: BlockFormat, data: torch.Tensor, cols: int) -> torch.Tensor
         q = torch.cat([qs & 15, qs >> 4], dim=-1).float()              # weights 0..15, then 16..31
         w = d * q + half(2) if fmt.name == "Q4_1" else d * (q - 8)
     return w.reshape(rows, cols)
-
-
-def _dequantize_kq(name: str, blocks: torch.Tensor) -> torch.Tensor:
-    """[R, nb, block_bytes] of a KQ format -> fp32 [R, nb, 32] (the module docstring's w)."""
-    d = blocks[..., 0:4].contiguous().view(torch.float32)              # [R, nb, 1]
-    m = blocks[..., 4:8].contiguous().view(torch.float32)
-    if name == "KQ6":
-        q = blocks[..., 8:].contiguous().view(torch.int8).float()
-        return torch.cat([d * q[..., :16], m * q[..., 16:]], dim=-1)
-    if name == "KQ5":
-        return d * _five_bits(blocks[..., 8:12], blocks[..., 12:]) + m
-    qs = blocks[..., 8:]
-    return d * torch.cat([qs & 15, qs >> 4], dim=-1).float() + m
 
 
 def _five_bits(hbits: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:

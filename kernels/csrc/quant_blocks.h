@@ -15,29 +15,27 @@
 
 namespace {
 
-// Q4_0, Q4_1, Q8_0: ggml's blocks as the file has them. KQ4, KQ5, KQ6: kvd's own, what
-// kernels/kquant_repack.py makes of the K-quants (and Q5_0 / Q5_1 / Q3_K / IQ4_XS) at load,
-// every weight's value kept: per 32 weights, fp32 scales (exact products of the file's fp16
-// super-block scale and 6- or 8-bit sub-block scale) ahead of the quants:
+// Q4_0, Q4_1, Q8_0: ggml's blocks as the file has them. The others are kvd's own, what
+// kernels/kquant_repack.py makes at load of the K-quants, Q5_0 / Q5_1, Q3_K and IQ4_XS, every
+// weight's value kept. KQ6: per 32 weights, two fp32 scales (exact products of the file's fp16
+// super-block scale and its sub-block integer scales) ahead of int8 quants (Q3_K, IQ4_XS):
 //
-//     KQ4  24 B  fp32 d, fp32 m, 16 B nibbles                 w = d * q + m        (Q4_1's)
-//     KQ5  28 B  fp32 d, fp32 m, u32 hbits, 16 B nibbles      w = d * (q + 16 h) + m
 //     KQ6  40 B  fp32 d0, fp32 d1, 32 x int8                  w = d0 * q (0..15), d1 * q (16..31)
 //
-// KQ5's hbits: bit t (t < 8) = high bit of weight 2t, bit 8 + t: of 2t + 16, bit 16 + t: of
-// 2t + 1, bit 24 + t: of 2t + 17 (so that, transposed as 32-bit words in the x8 layout, the
-// 16-bit lane 2r + j holds every high bit row r's quant word t needs at its lane: bit t, 8 + t).
-//
-// KQ5_0, KQ5_1: ggml's Q5_0 / Q5_1 blocks at the file's size, their u32 qh in KQ5's hbits
-// order (the one change: a permutation of its bits), every field a 16-bit word:
+// KQ5_0, KQ5_1: ggml's Q5_0 / Q5_1 blocks at the file's size, their u32 qh bits permuted into
+// the hbits order, every field a 16-bit word:
 //
 //     KQ5_0  22 B  fp16 d, u32 hbits, 16 B nibbles            w = d * (q + 16 h - 16)
 //     KQ5_1  24 B  fp16 d, fp16 m, u32 hbits, 16 B nibbles    w = d * (q + 16 h) + m
 //
+// (hbits: bit t (t < 8) = high bit of weight 2t, bit 8 + t: of 2t + 16, bit 16 + t: of 2t + 1,
+// bit 24 + t: of 2t + 17: so that the 16-bit lane 2r + j of the x8 layout's two hbits words,
+// interleaved, holds every high bit row r's quant word t needs at its lane: bit t, 8 + t).
+//
 // KS4, KS5, KS6: Q4_K / Q5_K / Q6_K super-blocks of 256 weights at the file's size (KS4, KS5:
 // 4 bytes more), every field a 16-bit word, the sub-block scales small integers that the
-// kernels multiply by the fp16 super-block scale in registers (exact: the very fp32 scales of
-// KQ4 / KQ5 / KQ6, so the same bits):
+// kernels multiply by the fp16 super-block scale in registers (exact: the file's fp32 scales,
+// so the same bits):
 //
 //     KS4  148 B  fp16 d, fp16 dmin, 8 x (u8 sc, u8 m), 8 x [16 B nibbles]
 //                 sub-block s: w = (d sc_s) q - dmin m_s
@@ -58,8 +56,7 @@ namespace {
 // (sub-block s's byte 2u + j holds in bits 2e, 2e + 1 (e < 4) the quant of weight 2t + j,
 // t = u + 4e: so a 16-bit word u carries pairs u, u + 4 (weights 0..15) and u + 8, u + 12
 // (16..31) of every row)
-enum Format { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, KQ4 = 3, KQ5 = 4, KQ6 = 5, KQ5_0 = 6, KQ5_1 = 7, KS4 = 8, KS5 = 9,
-              KS6 = 10, KS2 = 11 };
+enum Format { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, KQ6 = 3, KQ5_0 = 4, KQ5_1 = 5, KS4 = 6, KS5 = 7, KS6 = 8, KS2 = 9 };
 constexpr int FORMAT_LAST = KS2;                // formats are 0 .. FORMAT_LAST
 constexpr int QK = 32;                          // weights per block (a super-block's sub-block)
 constexpr int SUBS = 8;                         // sub-blocks of a super-block
@@ -67,21 +64,19 @@ constexpr int SUBS = 8;                         // sub-blocks of a super-block
 constexpr bool super_block(int f) { return (f >= KS4 && f <= KS6) || f == KS2; }
 constexpr int64_t block_weights(int f) { return super_block(f) ? SUBS * QK : QK; }
 constexpr int64_t block_bytes(int f) {
-    return f == Q4_0 ? 18 : f == Q4_1 ? 20 : f == Q8_0 ? 34 : f == KQ4 ? 24 : f == KQ5 ? 28 : f == KQ5_0 ? 22
-           : f == KQ5_1 ? 24 : f == KS4 ? 148 : f == KS5 ? 180 : f == KS6 ? 210 : f == KS2 ? 84 : 40;
+    return f == Q4_0 ? 18 : f == Q4_1 ? 20 : f == Q8_0 ? 34 : f == KQ5_0 ? 22 : f == KQ5_1 ? 24 : f == KS4 ? 148
+           : f == KS5 ? 180 : f == KS6 ? 210 : f == KS2 ? 84 : 40;
 }
 // a super-block's bytes before its sub-blocks, and each sub-block's
 constexpr int64_t head_bytes(int f) { return f == KS6 ? 18 : 20; }
 constexpr int64_t sub_bytes(int f) { return f == KS4 ? 16 : f == KS5 ? 20 : f == KS2 ? 8 : 24; }
-// bytes at a block's start that are 32-bit words (fp32 scales, KQ5's hbits); the rest are
-// 16-bit words (the x8 layout transposes each kind by its own width)
-constexpr int64_t wide_bytes(int f) { return f == KQ4 || f == KQ6 ? 8 : f == KQ5 ? 12 : 0; }
-constexpr bool has_min(int f) {
-    return f == Q4_1 || f == KQ4 || f == KQ5 || f == KQ5_1 || f == KS4 || f == KS5 || f == KS2;
-}
+// bytes at a block's start that are 32-bit words (KQ6's fp32 scales); the rest are 16-bit
+// words (the x8 layout transposes each kind by its own width)
+constexpr int64_t wide_bytes(int f) { return f == KQ6 ? 8 : 0; }
+constexpr bool has_min(int f) { return f == Q4_1 || f == KQ5_1 || f == KS4 || f == KS5 || f == KS2; }
 constexpr bool int8_quants(int f) { return f == Q8_0 || f == KQ6; }              // else nibbles (KS2: 2 bits)
-constexpr bool fp32_scales(int f) { return f >= KQ4 && f <= KQ6; }
-constexpr bool has_hbits(int f) { return f == KQ5 || f == KQ5_0 || f == KQ5_1 || f == KS5; }  // 5-bit quants
+constexpr bool fp32_scales(int f) { return f == KQ6; }
+constexpr bool has_hbits(int f) { return f == KQ5_0 || f == KQ5_1 || f == KS5; }  // 5-bit quants
 constexpr bool two_scales(int f) { return f == KQ6 || f == KS6 || f == KS2; }     // a scale per 16 weights
 constexpr bool mins16(int f) { return f == KS2; }                                 // and a min per 16
 // the offset every quant carries (w = d * (q - zero_point)): taken off the integer dot as
@@ -335,34 +330,12 @@ inline void dequant_sub(const uint8_t* blk, int s, V16* lo, V16* hi) {
 // One block's 32 weights in fp32: lo = elements 0..15, hi = 16..31 (exact, see the header).
 template <int F>
 inline void dequant_block(const uint8_t* blk, V16* lo, V16* hi) {
-    if constexpr (fp32_scales(F)) {
-        float d, m;
-        memcpy(&d, blk, 4);
-        memcpy(&m, blk + 4, 4);
-        if constexpr (F == KQ6) {
-            *lo = vmul(vset1(d), i8_to_v16(blk + 8));
-            *hi = vmul(vset1(m), i8_to_v16(blk + 24));
-            return;
-        }
-        V16 ql, qh;
-        nibbles(blk + wide_bytes(F), &ql, &qh);
-        if constexpr (F == KQ5) {
-            uint32_t h;
-            memcpy(&h, blk + 8, 4);
-            float hl[16], hh[16];
-            for (int t = 0; t < 8; t++) {
-                hl[2 * t] = (float)(16 * ((h >> t) & 1));
-                hl[2 * t + 1] = (float)(16 * ((h >> (16 + t)) & 1));
-                hh[2 * t] = (float)(16 * ((h >> (8 + t)) & 1));
-                hh[2 * t + 1] = (float)(16 * ((h >> (24 + t)) & 1));
-            }
-            ql = vadd(ql, vload(hl));   // exact: small integers
-            qh = vadd(qh, vload(hh));
-        }
-        // d q rounded, then + m: gguf-py's order (d q is exact for a repacked file, whose d
-        // has at most 17 significant bits, and then the same as an fma; not for any bytes)
-        *lo = vadd(vmul(vset1(d), ql), vset1(m));
-        *hi = vadd(vmul(vset1(d), qh), vset1(m));
+    if constexpr (F == KQ6) {
+        float d0, d1;
+        memcpy(&d0, blk, 4);
+        memcpy(&d1, blk + 4, 4);
+        *lo = vmul(vset1(d0), i8_to_v16(blk + 8));
+        *hi = vmul(vset1(d1), i8_to_v16(blk + 24));
     } else if constexpr (F == KQ5_0 || F == KQ5_1) {
         // the file's operations: d * (q - 16) (exact), or d * q rounded, then + m (gguf-py's order)
         uint32_t h;

@@ -175,10 +175,9 @@ inline void quantize_rows(const float* x, int64_t ldx, int64_t m0, int64_t m1, c
 //     bytes [16, 32)     word 1: the 8 rows' fp16 m (Q4_1; Q4_0 and Q8_0 start their quants here)
 //     then quant word t: 16 bytes, row r's block bytes (2t, 2t + 1) at (2r, 2r + 1)
 //
-// kvd's KQ4 / KQ5 / KQ6 blocks start with 32-bit words (wide_bytes: fp32 scales, KQ5's
-// hbits), transposed as 32-bit words: wide word i is 32 bytes, row r's block bytes
-// [4i, 4i + 4) at [4r, 4r + 4), so 8 rows' fp32 d load as one vector; their 16-bit words
-// (the quants) follow as above.
+// kvd's KQ6 blocks start with 32-bit words (wide_bytes: fp32 scales), transposed as 32-bit
+// words: wide word i is 32 bytes, row r's block bytes [4i, 4i + 4) at [4r, 4r + 4), so 8
+// rows' fp32 d load as one vector; their 16-bit words (the quants) follow as above.
 //
 // A Q4 block's byte j holds weight j in its low nibble and j + 16 in its high, so quant
 // word t (t < 8) carries every row's weight pair (2t, 2t + 1) in its low nibbles and pair
@@ -195,11 +194,11 @@ constexpr int64_t group_block_bytes(int f) { return GROUP * block_bytes(f); }
 // bytes of one group (8 rows, every block) of a [N, K] matrix in format f
 constexpr int64_t group_bytes(int f, int64_t K) { return K / block_weights(f) * group_block_bytes(f); }
 // where a group-block's quant words start, in 16-byte units: after the 8 rows' scales (and
-// KQ5's hbits; quant_blocks.h gives the formats). A KS format's "group-block" of a block of
+// KQ5_0 / KQ5_1's hbits; quant_blocks.h gives the formats). A KS format's "group-block" of a block of
 // 32 is its group-sub-block (block_quants): 8 rows' sub-block s, its quant words from its start
 // (KS5: after its hbits words); the scales are the group-super-block's head.
 constexpr int quant_word0(int f) {
-    return f == Q4_1 ? 2 : f == KQ4 || f == KQ6 || f == KQ5_1 ? 4 : f == KQ5 ? 6 : f == KQ5_0 ? 3 : f == KS5 ? 2
+    return f == Q4_1 ? 2 : f == KQ6 || f == KQ5_1 ? 4 : f == KQ5_0 ? 3 : f == KS5 ? 2
            : f == KS4 || f == KS6 || f == KS2 ? 0 : 1;
 }
 // bytes of 8 rows' weights of one block of 32 (a KS format: the sub-block, its share of the head)
@@ -254,19 +253,14 @@ inline __m256i dot_acc(__m256i acc, __m256i w, __m256i x) {
 // Quant word t of a group-block (gb) widened to int16, lanes 2r, 2r + 1 = row r's weights of
 // one pair (Q4: the nibble values 0..15): Q4 word t gives pair t in *lo and pair t + 8 in
 // *hi; a Q8_0 word t gives pair t in *lo (and leaves *hi alone).
-// KQ5: the high bits come from the group-block's hbits (32 bytes after the scales): 16-bit
-// lane 2r + j holds at bit t the high bit of row r's weight 2t + j, at bit 8 + t of 2t + 16 + j.
-// KQ5_0 / KQ5_1 hold the same hbits as two 16-bit words (the 8 rows' low halves, then their high
-// halves), interleaved here into that lane order.
+// KQ5_0 / KQ5_1 / KS5: the high bits come from the hbits, two 16-bit words (the 8 rows' low
+// halves, then their high halves), interleaved here so that 16-bit lane 2r + j holds at bit t
+// the high bit of row r's weight 2t + j, at bit 8 + t of 2t + 16 + j.
 template <int F>
 inline __m256i hbits_lanes(const uint8_t* gb) {
-    if constexpr (F == KQ5) {
-        return _mm256_loadu_si256((const __m256i*)(gb + 64));
-    } else {
-        const __m128i lo = _mm_loadu_si128((const __m128i*)(gb + 8 * hbits_at(F)));
-        const __m128i hi = _mm_loadu_si128((const __m128i*)(gb + 8 * hbits_at(F) + 16));
-        return _mm256_set_m128i(_mm_unpackhi_epi16(lo, hi), _mm_unpacklo_epi16(lo, hi));
-    }
+    const __m128i lo = _mm_loadu_si128((const __m128i*)(gb + 8 * hbits_at(F)));
+    const __m128i hi = _mm_loadu_si128((const __m128i*)(gb + 8 * hbits_at(F) + 16));
+    return _mm256_set_m128i(_mm_unpackhi_epi16(lo, hi), _mm_unpacklo_epi16(lo, hi));
 }
 
 // KS6: the high words after a group-sub-block's nibbles (16 bytes each: row r's high bytes
@@ -605,7 +599,6 @@ inline void load_group(const uint8_t* group, int64_t b, WGroup* g) {
             g->mw[r] = has_min(F) ? fp16_to_f32(gb + 16 + 2 * r) : 0.0f;
         }
         uint16_t h[2] = {0, 0};                 // row r's hbits lanes (widen_word's)
-        if constexpr (F == KQ5) memcpy(h, gb + 64 + 4 * r, 4);
         if constexpr (F == KQ5_0 || F == KQ5_1) {
             memcpy(&h[0], gb + 8 * hbits_at(F) + 2 * r, 2);
             memcpy(&h[1], gb + 8 * hbits_at(F) + 16 + 2 * r, 2);
@@ -968,8 +961,6 @@ inline bool matmul_range(int format, const uint8_t* w, int64_t n0, int64_t n1, c
         case Q4_0: matmul_range<Q4_0>(w, n0, n1, x, M, y, ldy); return true;
         case Q4_1: matmul_range<Q4_1>(w, n0, n1, x, M, y, ldy); return true;
         case Q8_0: matmul_range<Q8_0>(w, n0, n1, x, M, y, ldy); return true;
-        case KQ4: matmul_range<KQ4>(w, n0, n1, x, M, y, ldy); return true;
-        case KQ5: matmul_range<KQ5>(w, n0, n1, x, M, y, ldy); return true;
         case KQ6: matmul_range<KQ6>(w, n0, n1, x, M, y, ldy); return true;
         case KQ5_0: matmul_range<KQ5_0>(w, n0, n1, x, M, y, ldy); return true;
         case KQ5_1: matmul_range<KQ5_1>(w, n0, n1, x, M, y, ldy); return true;
@@ -1023,8 +1014,6 @@ inline bool gather_rows_any(int format, const uint8_t* w, int64_t K, const int64
         case Q4_0: gather_rows<Q4_0>(w, K, ids, T, out); return true;
         case Q4_1: gather_rows<Q4_1>(w, K, ids, T, out); return true;
         case Q8_0: gather_rows<Q8_0>(w, K, ids, T, out); return true;
-        case KQ4: gather_rows<KQ4>(w, K, ids, T, out); return true;
-        case KQ5: gather_rows<KQ5>(w, K, ids, T, out); return true;
         case KQ6: gather_rows<KQ6>(w, K, ids, T, out); return true;
         case KQ5_0: gather_rows<KQ5_0>(w, K, ids, T, out); return true;
         case KQ5_1: gather_rows<KQ5_1>(w, K, ids, T, out); return true;

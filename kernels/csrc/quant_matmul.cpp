@@ -1,5 +1,5 @@
 // y = x · Wᵀ with W kept in a GGUF block format (Q4_0, Q4_1, Q8_0) or one of kvd's (quant_blocks.h:
-// KQ4-KQ6, KQ5_0, KQ5_1, KS4-KS6, KS2, the K-quants and Q5 types repacked at load), activations
+// KQ6, KQ5_0, KQ5_1, KS4-KS6, KS2, the K-quants, Q5 types and Q3_K / IQ4_XS repacked at load), activations
 // quantized to 16 bits per 32-block.
 //
 // Called through ctypes from kernels/quant_linear.py, which documents the

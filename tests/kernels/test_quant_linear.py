@@ -44,11 +44,11 @@ def portable() -> QuantKernel:
 
 # kvd's block formats (the K-quants repacked at load) -> the GGUF type a test quantizes
 # with gguf-py, or draws as random valid blocks (a K-quant), and repacks
-KQ_SOURCE = {"KQ4": "Q4_1", "KQ5": "Q5_1", "KQ6": "Q3_K", "KQ5_0": "Q5_0", "KQ5_1": "Q5_1",
-             "KS4": "Q4_K", "KS5": "Q5_K", "KS6": "Q6_K", "KS2": "Q2_K"}
+KQ_SOURCE = {"KQ6": "Q3_K", "KQ5_0": "Q5_0", "KQ5_1": "Q5_1", "KS4": "Q4_K", "KS5": "Q5_K", "KS6": "Q6_K",
+             "KS2": "Q2_K"}
 # the formats whose blocks start with fp32 scales (the others' are fp16), and the bytes of
 # fp16 scales at the start of the others' blocks
-FP32_SCALED = ("KQ4", "KQ5", "KQ6")
+FP32_SCALED = ("KQ6",)
 HALF_SCALE_BYTES = {"Q4_1": 4, "KQ5_1": 4, "KS4": 4, "KS5": 4, "KS2": 4}
 # a KS format's bytes before its quants (its head)
 KS_HEAD_BYTES = {"KS4": 20, "KS5": 20, "KS6": 18, "KS2": 20}
@@ -78,11 +78,6 @@ def quantized(n: int, k: int, fmt: str, seed: int, scale: float = 0.05) -> Quant
             data = torch.from_numpy(random_type_blocks(src, n, k, g))
             return kquant_repack.repack(src, gguf_blocks.decode(src, data, k))
         data = torch.from_numpy(np.ascontiguousarray(gguf.quants.quantize(w, gguf.GGMLQuantizationType[src])))
-        if src == "Q4_1":           # Q4_1's fp16 d, m as a Q4_K sub-block's fp32 d, -min
-            b = data.view(n, k // 32, 20)
-            d, m = (b[..., i:i + 2].contiguous().view(torch.float16).float().squeeze(-1) for i in (0, 2))
-            q = torch.cat([b[..., 4:] & 15, b[..., 4:] >> 4], dim=-1).to(torch.int8).view(n, k)
-            return kquant_repack.repack_to("KQ4", gguf_blocks.SubBlocks(32, d, q, -m))
         return kquant_repack.repack_to(fmt, gguf_blocks.decode(src, data, k))
     blocks = gguf.quants.quantize(w, gguf.GGMLQuantizationType[fmt])
     return QuantTensor(fmt, (n, k), torch.from_numpy(np.ascontiguousarray(blocks)))
@@ -107,13 +102,10 @@ def random_blocks(n: int, k: int, fmt: str, seed: int) -> QuantTensor:
 
 
 def block_mins(qt: QuantTensor) -> torch.Tensor:
-    """fp32 [rows, cols]: each weight's block m (Q4_1's, KQ4's and KQ5's offset, the K-quants'
+    """fp32 [rows, cols]: each weight's block m (Q4_1's and KQ5_1's offset, the K-quants'
     -dmin m; 0 for the other formats)."""
     rows, cols = qt.shape
     bb = qt.fmt.block_bytes
-    if qt.fmt.name in ("KQ4", "KQ5"):
-        m = qt.data.view(rows, cols // 32, bb)[..., 4:8].contiguous().view(torch.float32)
-        return m.expand(rows, cols // 32, 32).reshape(rows, cols)
     if qt.fmt.name in ("KS4", "KS5"):                # dmin m per sub-block
         b = qt.data.view(rows, cols // 256, bb)
         dmin = b[..., 2:4].contiguous().view(torch.float16).float()          # [R, ns, 1]
@@ -375,7 +367,7 @@ def test_many_rows_give_each_row_its_bits_alone(host, portable, fmt):
             assert torch.equal(lin(x[r:r + 1])[0], full[r]), (n, k, r)
 
 
-@pytest.mark.parametrize("fmt", ["Q4_1", "KQ4", "KQ5", "KQ6", "KQ5_0", "KS4", "KS5", "KS6", "KS2"])
+@pytest.mark.parametrize("fmt", ["Q4_1", "KQ6", "KQ5_0", "KS4", "KS5", "KS6", "KS2"])
 def test_thread_count_does_not_change_a_bit(host, fmt):
     k = width(fmt, 576)
     qt = quantized(300, k, fmt, seed=7)
