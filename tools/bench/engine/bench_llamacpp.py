@@ -26,11 +26,14 @@ llama.cpp is not part of kvd and never built by it: build ``llama-bench`` and
   kvd's mean engine step over the run (from its /metrics): one stream's TPOT
   above it is what kvd's serving path adds.
 
-Both load the same GGUF: the bundled SmolLM2, or ``--gguf`` (for example the
-same shapes and formats with random blocks, where the real file cannot be
-copied, or a larger model of the family: ``tools/random_gguf.py``). Every row
-names the CPU. Writes JSON to ``--out`` (default ``results/bench_llamacpp.json``)
-and prints markdown rows for docs/benchmarks.md.
+Both load the same GGUF: the bundled SmolLM2, or ``--gguf FILE`` (any file both
+serve: a ``Q4_K_M`` of the bundled model made with ``llama-quantize``, another
+model of a supported architecture, or random blocks of the same shapes and types
+where the real file cannot be copied: ``tools/random_gguf.py``). Every row names
+the CPU; the run prints and records the file and its tensor types. Writes JSON to
+``--out`` (default ``results/bench_llamacpp.json``) and prints markdown rows for
+docs/benchmarks.md. Bad arguments (a missing file or binary, a count below 1, an
+unknown part) get a one-line error and exit status 2 before anything runs.
 """
 
 from __future__ import annotations
@@ -184,6 +187,54 @@ def http_rows(bin_dir: Path, gguf: Path, threads: int, rounds: int) -> list[dict
     return rows
 
 
+PARTS = ("engine", "depth", "http")
+# the llama.cpp programs each part runs
+PROGRAMS = {"engine": "llama-bench", "depth": "llama-bench", "http": "llama-server"}
+
+
+def tensor_types(gguf_path: Path) -> dict[str, int]:
+    """{GGUF type name: tensors of it} of a file (its header only, no tensor data read)."""
+    import gguf
+
+    reader = gguf.GGUFReader(gguf_path)
+    counts: dict[str, int] = {}
+    for t in reader.tensors:
+        name = gguf.GGMLQuantizationType(t.tensor_type).name
+        counts[name] = counts.get(name, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
+def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[list[str], list[int]]:
+    """The parts and depths asked for; ``ap.error`` (one line, exit status 2) for anything that
+    would fail later: an unknown part, a count or depth below 1, a GGUF file that is missing or
+    is not one, a llama.cpp folder without the programs the parts run."""
+    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    if not parts or any(p not in PARTS for p in parts):
+        ap.error(f"--parts {args.parts!r}: expected a comma-separated list of {', '.join(PARTS)}")
+    for name in ("threads", "rounds"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} {getattr(args, name)}: must be at least 1")
+    try:
+        depths = [int(d) for d in args.depths.split(",")]
+    except ValueError:
+        depths = []
+    if not depths or min(depths) < 1:
+        ap.error(f"--depths {args.depths!r}: expected comma-separated token counts of at least 1")
+    if args.gguf is not None:
+        try:
+            with open(args.gguf, "rb") as f:
+                magic = f.read(4)
+        except OSError as exc:
+            ap.error(f"--gguf {args.gguf}: {exc.strerror or exc}")
+        if magic != b"GGUF":
+            ap.error(f"--gguf {args.gguf}: not a GGUF file (it does not start with the GGUF magic)")
+    for program in sorted({PROGRAMS[p] for p in parts}):
+        path = args.llama_cpp / program
+        if not (path.is_file() and os.access(path, os.X_OK)):
+            ap.error(f"--llama-cpp {args.llama_cpp}: no executable {program} there (build llama.cpp: docs/benchmarks.md)")
+    return parts, depths
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--llama-cpp", required=True, type=Path, help="folder with llama-bench and llama-server")
@@ -195,11 +246,13 @@ def main() -> None:
                     help="the GGUF both engines load (default: the bundled SmolLM2); the tokenizer is its own")
     ap.add_argument("--out", default=str(REPO / "results" / "bench_llamacpp.json"))
     args = ap.parse_args()
+    parts, depths = check_args(ap, args)
     from kernels.quant_linear import host_variant
     gguf, rows = (args.gguf or bundled_gguf_path()).resolve(), []
     cpu = f"{cpu_model()} ({host_variant() or 'no quantized kernel'})"
+    types = tensor_types(gguf)
+    print(f"model: {gguf.name} (tensor types: {', '.join(f'{k} x{v}' for k, v in types.items())})", flush=True)
     torch.set_num_threads(args.threads)
-    parts = args.parts.split(",")
     if "engine" in parts:
         eng = make_engine("float32", weights="native", num_threads=args.threads, model=str(gguf), kv_blocks=KV_BLOCKS)
         tok = eng.tokenizer
@@ -242,7 +295,6 @@ def main() -> None:
         del eng
     if "depth" in parts:
         eng = make_engine("float32", weights="native", num_threads=args.threads, model=str(gguf), kv_blocks=KV_BLOCKS)
-        depths = [int(d) for d in args.depths.split(",")]
         for depth in depths:
             prompt = random_prompts(eng.tokenizer, 1, [depth], seed=200 + depth)[0]
             for rnd in range(args.rounds):
@@ -278,7 +330,8 @@ def main() -> None:
                   f"| {lc['median_tpot_ms']:.1f} / {kv['median_tpot_ms']:.1f} "
                   f"| {lc['median_ttft_ms']:.0f} / {kv['median_ttft_ms']:.0f} "
                   f"| {step:.1f} |")
-    write_results(args.out, rows, cpu=cpu, args={k: str(v) for k, v in vars(args).items()})
+    write_results(args.out, rows, cpu=cpu, model=gguf.name, tensor_types=types,
+                  args={k: str(v) for k, v in vars(args).items()})
 
 
 if __name__ == "__main__":
