@@ -1,6 +1,6 @@
 """Native decode of K-quant files beside the Q4_1 path, side by side in one run.
 
-    .venv/bin/python -m tools.bench.engine.bench_kquants FILE.gguf [FILE.gguf ...] [--rounds 3]
+    .venv/bin/python -m tools.bench.engine.bench_kquants FILE.gguf [FILE.gguf ...] [--rounds 3] [--torch]
 
 Each file (the bundled Q4_1 SmolLM2 is always the first, the baseline) is served
 as ``kvd serve`` serves it (``weights = "native"``, fp32 activations, the plan
@@ -8,8 +8,9 @@ executor; K-quants repacked at load, kernels/kquant_repack.py), and decodes 128
 tokens single-stream, greedy; rounds alternate between the files. Per file: the
 best round's tokens/s, its ratio to the Q4_1 path's, the weight bytes a decode
 step reads, and the fraction of the bandwidth bound (read bandwidth measured in
-this run / those bytes). The host may be shared: best of the rounds, load average
-before and after recorded. Appends to ``results/bench_kquants.json``.
+this run / those bytes). ``--torch``: each file also decoding on the torch path
+(``decode_kernel = "torch"``), in the same alternated rounds. The host may be
+shared: best of the rounds, load average before and after recorded. Appends to ``results/bench_kquants.json``.
 """
 
 from __future__ import annotations
@@ -29,11 +30,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("files", type=Path, nargs="*")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--torch", action="store_true", help="each file also decoding on the torch path")
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
     load_before = os.getloadavg()[0]
     files = [bundled_gguf_path(), *args.files]
-    engines = {f.name: LLMEngine.from_config(EngineConfig(model=str(f), dtype="float32", kv_blocks=64))
-               for f in files}
+    kernels = ("auto", "torch") if args.torch else ("auto",)
+    engines = {f.name + ("" if k == "auto" else " (torch)"):
+               LLMEngine.from_config(EngineConfig(model=str(f), dtype="float32", kv_blocks=64, decode_kernel=k))
+               for f in files for k in kernels}
     ids = next(iter(engines.values())).tokenizer.encode("The history of the Roman Empire begins")
     rates: dict[str, list[float]] = {k: [] for k in engines}
     for _ in range(args.rounds):
