@@ -36,6 +36,54 @@ def smollm2_weights(smollm2_source):
     return smollm2_source.load_weights()
 
 
+# The fidelity prompts (tests/engine/test_fidelity.py and the tests that share its fixtures)
+PLAIN = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a land far away,",
+    "1, 1, 2, 3, 5, 8, 13,",
+    "Les mathématiques sont",
+    "Photosynthesis converts light energy into",
+]
+CHATS = [
+    [{"role": "user", "content": "What is the tallest mountain on Earth?"}],
+    [{"role": "system", "content": "You are a helpful assistant."},
+     {"role": "user", "content": "Write a haiku about the sea."}],
+    [{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello! How can I help?"},
+     {"role": "user", "content": "Tell me a fun fact about octopuses."}],
+]
+
+
+
+
+@pytest.fixture(scope="session")
+def prompts(smollm2_source):
+    """The fidelity prompts as SmolLM2's token ids, chat-templated ones included."""
+    tok = smollm2_source.load_tokenizer()
+    ids = [tok.encode(p) for p in PLAIN]
+    ids += [tok.encode(tok.apply_chat_template(c, add_generation_prompt=True)) for c in CHATS]
+    assert len(ids) >= 8
+    return ids
+
+
+@pytest.fixture(scope="session")
+def engine(smollm2_weights, smollm2_source):
+    """SmolLM2 on the exact path (``weights = "dequantize"``, fp32), built once per session."""
+    return build_engine(smollm2_weights, smollm2_source.load_tokenizer(), name="smollm2",
+                        dtype="float32", kv_blocks=256, host_kv_blocks=0)
+
+
+@pytest.fixture(scope="session")
+def hf_model(smollm2_source):
+    """transformers' float32 SmolLM2 read from the bundled GGUF: the fidelity reference,
+    loaded once per session (reading the GGUF through transformers takes most of a minute)."""
+    transformers = pytest.importorskip("transformers")
+    path = smollm2_source.weights_path
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, torch_dtype=torch.float32)
+    return model.eval()
+
+
 def build_engine(weights, tokenizer, name="tiny", **overrides) -> LLMEngine:
     """An engine over already-loaded weights (loading once per session keeps tests fast),
     its model built as ``LLMEngine.from_config`` builds it (``build_model``: an fp32 model

@@ -18,47 +18,6 @@ from .conftest import build_engine
 
 pytestmark = pytest.mark.slow
 
-PLAIN = [
-    "The capital of France is",
-    "def fibonacci(n):\n    ",
-    "Once upon a time, in a land far away,",
-    "1, 1, 2, 3, 5, 8, 13,",
-    "Les mathématiques sont",
-    "Photosynthesis converts light energy into",
-]
-CHATS = [
-    [{"role": "user", "content": "What is the tallest mountain on Earth?"}],
-    [{"role": "system", "content": "You are a helpful assistant."},
-     {"role": "user", "content": "Write a haiku about the sea."}],
-    [{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello! How can I help?"},
-     {"role": "user", "content": "Tell me a fun fact about octopuses."}],
-]
-
-
-@pytest.fixture(scope="module")
-def hf_model(smollm2_source):
-    transformers = pytest.importorskip("transformers")
-    path = smollm2_source.weights_path
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, torch_dtype=torch.float32)
-    return model.eval()
-
-
-@pytest.fixture(scope="module")
-def prompts(smollm2_source):
-    tok = smollm2_source.load_tokenizer()
-    ids = [tok.encode(p) for p in PLAIN]
-    ids += [tok.encode(tok.apply_chat_template(c, add_generation_prompt=True)) for c in CHATS]
-    assert len(ids) >= 8
-    return ids
-
-
-@pytest.fixture(scope="module")
-def engine(smollm2_weights, smollm2_source):
-    return build_engine(smollm2_weights, smollm2_source.load_tokenizer(), name="smollm2",
-                        dtype="float32", kv_blocks=256, host_kv_blocks=0)
-
-
 @pytest.fixture(scope="module")
 def native_engine(smollm2_source):
     """weights = "native": the file's Q4_1 layers and Q8_0 embedding/LM head in their blocks."""
@@ -266,6 +225,7 @@ def test_real_model_chunked_prefill_exactness(smollm2_weights, smollm2_source, n
     want = [unchunked.generate([p], sp)[0] for p, sp in zip(prompts, params)]
     chunked = make(prefill_chunk_tokens=5, enable_prefix_caching=False)
     assert chunked.prefill_chunk_tokens == 5
-    assert [chunked.generate([p], sp)[0] for p, sp in zip(prompts, params)] == want
+    if weights == "native":          # fp32 float matrices: the batch of 16 alone (the slowest engine here)
+        assert [chunked.generate([p], sp)[0] for p, sp in zip(prompts, params)] == want
     assert chunked.generate((prompts * 2)[:16], (params * 2)[:16]) == (want * 2)[:16]
     chunked.check_integrity()

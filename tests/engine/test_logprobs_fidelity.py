@@ -9,7 +9,6 @@ import torch
 
 from engine.request import SamplingParams
 
-from .test_fidelity import engine, hf_model, prompts  # noqa: F401 -- the fidelity test's fixtures
 from .test_sampling_extremes import run
 
 pytestmark = pytest.mark.slow
@@ -17,7 +16,7 @@ pytestmark = pytest.mark.slow
 K = 5
 
 
-def test_prompt_and_output_logprobs_match_transformers(engine, hf_model, prompts):  # noqa: F811
+def test_prompt_and_output_logprobs_match_transformers(engine, hf_model, prompts):
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=K, prompt_logprobs=K)
     got = run(engine, {f"p{i}": (ids, params) for i, ids in enumerate(prompts[:4])})
     worst = 0.0

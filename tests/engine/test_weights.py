@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 from pathlib import Path
 
 import gguf
@@ -357,31 +356,10 @@ def test_model_source_is_frozen():
 
 
 # ------------------------------------------------------- SmolLM2 vs transformers
-@pytest.fixture(scope="module")
-def smollm2_weights() -> LoadedWeights:
-    return load_gguf(bundled_gguf_path())
-
-
-def _transformers_gguf_state_dict(path: Path) -> tuple[dict[str, torch.Tensor], object]:
-    """transformers' float32 state dict for the GGUF: ``from_pretrained`` when
-    accelerate (which transformers requires for GGUF) is installed, else the
-    same GGUF loader function ``from_pretrained`` calls."""
-    transformers = pytest.importorskip("transformers")
-    config = transformers.AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    if importlib.util.find_spec("accelerate") is not None:
-        model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                                  dtype=torch.float32)
-        return model.state_dict(), config
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-    with torch.device("meta"):
-        skeleton = transformers.LlamaForCausalLM(config)
-    return load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)["tensors"], config
-
-
 @pytest.mark.slow
-def test_smollm2_matches_transformers(smollm2_weights):
-    os.environ.setdefault("TQDM_DISABLE", "1")
-    reference, hf_config = _transformers_gguf_state_dict(bundled_gguf_path())
+def test_smollm2_matches_transformers(smollm2_weights, hf_model):
+    """Every tensor as transformers reads the same GGUF (conftest's hf_model)."""
+    reference, hf_config = hf_model.state_dict(), hf_model.config
     ours = smollm2_weights.tensors
     reference = {k: v for k, v in reference.items() if k != "lm_head.weight"}   # tied: same as embeddings
     assert set(ours) == set(reference)
