@@ -49,8 +49,8 @@ GRIDS = {
 class Progress:
     """One line on stderr, rewritten in place: ``kvd profile: <phase> i/n``."""
 
-    def __init__(self, total: int, out=sys.stderr) -> None:
-        self.total, self.done, self.out = total, 0, out
+    def __init__(self, total: int, out=None) -> None:
+        self.total, self.done, self.out = total, 0, out or sys.stderr    # stderr as of now, not of import
 
     def tick(self, phase: str) -> None:
         self.done += 1

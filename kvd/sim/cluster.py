@@ -38,6 +38,7 @@ from kvd.coordinator.load import LoadBook
 from kvd.coordinator.membership import NodeInfo
 from kvd.coordinator.prompt_tree import PromptTrees
 from kvd.sim.events import EventQueue
+from kvd.sim.faults import SimFailover
 from kvd.sim.node import HAND_OFF, SimNode
 from kvd.sim.profile_file import Profile
 
@@ -56,7 +57,12 @@ class SimStream:
     arrivals: list[float] = field(default_factory=list)
     error: str = ""
     prefill_node: str = ""
-    decode: tuple | None = None        # (decode SimNode, its Request, the Region) of a prefill leg
+    decode: tuple | None = None        # (decode SimNode, its Request, the Region) until its prefill leg hands off
+    node: str = ""                     # the node that runs it (decodes it, with a prefill leg)
+    prompt: list[int] = field(default_factory=list)
+    leg: Request | None = None         # its prefill leg on the prefill node, until it hands off
+    recoveries: int = 0
+    failed: set[tuple[str, str]] = field(default_factory=set)   # (name, incarnation) that lost it
 
 
 class SimCluster:
@@ -85,6 +91,7 @@ class SimCluster:
         self.infos: dict[str, NodeInfo] = {}
         self._seq: dict[str, int] = {}
         self._routable: tuple[list[NodeInfo], list[NodeInfo]] | None = None
+        self.failover = SimFailover(self)
         self.route_seconds = 0.0           # wall time spent in router picks
         self.routed = 0
         for i, role in enumerate(roles):
@@ -115,7 +122,7 @@ class SimCluster:
         while another is routable), and a prefill node for a decode node's request."""
         t0 = time.perf_counter()
         rid = stream.request_id
-        candidates, whole = self._candidates()
+        candidates, whole = self.routable()
         node = self.router.pick(whole, prompt, rid)
         prefill = self.legs._pick_prefill(candidates, prompt, rid) if node.role == Role.DECODE else None
         self.route_seconds += time.perf_counter() - t0
@@ -123,12 +130,13 @@ class SimCluster:
         if prefill is not None:
             self.load.count(rid, prefill)
         self.streams[rid] = stream
+        stream.node, stream.prompt = node.name, prompt
         self.load.count(rid, node)
         node.routed += 1
         self.events.after(self.hop, self._arrive, stream, prompt, self.nodes[node.name],
                           self.nodes[prefill.name] if prefill is not None else None)
 
-    def _candidates(self) -> tuple[list[NodeInfo], list[NodeInfo]]:
+    def routable(self) -> tuple[list[NodeInfo], list[NodeInfo]]:
         """The routable nodes, and those a whole request may go to (never a
         prefill node while another is routable): the same lists until a
         node joins or leaves (the router keys its per-node arrays on them)."""
@@ -137,7 +145,13 @@ class SimCluster:
             self._routable = (candidates, [n for n in candidates if n.role != Role.PREFILL] or candidates)
         return self._routable
 
+    def forget_routable(self) -> None:
+        """A node left: ``routable`` builds its lists again."""
+        self._routable = None
+
     def _arrive(self, stream: SimStream, prompt: list[int], node: SimNode, prefill: SimNode | None) -> None:
+        if node.dead:
+            return                         # lost with the node: recovered once it is declared dead
         params = SamplingParams(max_tokens=stream.max_tokens, temperature=0.0, ignore_eos=True)
         req = Request(request_id=stream.request_id, prompt_ids=prompt, params=params, arrival=self.events.now)
         if prefill is not None:
@@ -149,19 +163,21 @@ class SimCluster:
                 self.events.after(2 * self.hop, self._prefill_leg, stream, prompt, prefill)
                 return
             self.load.uncount(stream.request_id, prefill.name)
-        self._add(node, req, stream)
+        self.add_to(node, req, stream)
 
     def _prefill_leg(self, stream: SimStream, prompt: list[int], prefill: SimNode) -> None:
         params = SamplingParams(max_tokens=stream.max_tokens, temperature=0.0, ignore_eos=True)
         req = Request(request_id=stream.request_id, prompt_ids=prompt, params=params, arrival=self.events.now)
         req.kv_out = HAND_OFF
-        self._add(prefill, req, stream)
+        if not prefill.dead:
+            stream.leg = req
+            self.add_to(prefill, req, stream)
 
-    def _add(self, node: SimNode, req: Request, stream: SimStream) -> None:
+    def add_to(self, node: SimNode, req: Request, stream: SimStream) -> None:
         try:
             node.add(req)
         except ValueError as exc:
-            self._end(stream, f"refused by {node.name}: {exc}")
+            self.end(stream, f"refused by {node.name}: {exc}")
 
     # ------------------------------------------------------------------ outputs
     def _on_token(self, node: SimNode, req: Request, done: bool, handed: bool, new: bool = True) -> None:
@@ -174,15 +190,16 @@ class SimCluster:
         if handed:
             self.load.uncount(stream.request_id, node.name)
             decode, dreq, region = stream.decode
+            stream.decode, stream.leg = None, None
             nbytes = region.blocks * self.block_size * self.profile.kv_bytes_per_token
             if self.cluster.kv_stream == "layers":
                 nbytes //= max(1, self.profile.num_layers)       # the rest streamed during the prefill
             self.events.after(self.profile.costs.transfer_seconds(nbytes), decode.add_prefilled,
                               dreq, region, req.output_ids[0])
         elif done:
-            self.events.after(self.hop, self._end, stream, "")
+            self.events.after(self.hop, self.end, stream, "")
 
-    def _end(self, stream: SimStream, error: str) -> None:
+    def end(self, stream: SimStream, error: str) -> None:
         stream.error = error
         self.load.release(stream.request_id)
         self.streams.pop(stream.request_id, None)
@@ -201,4 +218,5 @@ class SimCluster:
                 "routed": self.routed,
                 "route_us_per_decision": round(1e6 * self.route_seconds / max(1, self.routed), 2),
                 "prefill_queue_bypassed": self.legs.prefill_queue_bypassed,
+                "recovery": self.failover.describe(),
                 "cache_events_applied": self.cache_sync.applied_events}

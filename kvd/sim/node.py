@@ -68,6 +68,7 @@ class SimNode:
         self.kv_bytes_per_token = kv_bytes_per_token
         self.replicas = replicas
         self.busy = False
+        self.dead = False                  # killed (kvd/sim/faults.py): computes nothing more
         self.busy_seconds = 0.0
         self.steps = 0
         self.log: list[StepLog] | None = [] if keep_log else None
@@ -75,6 +76,8 @@ class SimNode:
     # ------------------------------------------------------------------ intake
     def add(self, req: Request) -> None:
         """Queue ``req`` (Scheduler.add: raises ValueError when it could never fit) and wake the loop."""
+        if self.dead:
+            return
         self.scheduler.add(req)
         self.wake()
 
@@ -89,6 +92,8 @@ class SimNode:
     def add_prefilled(self, req: Request, region: Region, first_token: int) -> None:
         """As ``LLMEngine.add_prefilled``: ``req`` decodes from a prompt whose KV
         arrived in ``region``; its first token is the prefill node's."""
+        if self.dead:
+            return
         req.prefix = region.commit()
         req.block_ids = region.all_ids
         req.num_computed = len(req.prompt_ids)
@@ -100,9 +105,32 @@ class SimNode:
         self.scheduler.add_prefilled(req)
         self.wake()
 
+    def kill(self) -> None:
+        """The node dies: the step it runs is lost, and nothing more runs here."""
+        self.dead = True
+
+    def abort(self, req: Request) -> None:
+        """Drop ``req`` (a prefill leg whose decode node died), its blocks freed."""
+        if req.status is RequestStatus.FINISHED:
+            return
+        self.scheduler.remove(req)
+        self.scheduler.release_memory(req)
+        req.status = RequestStatus.FINISHED
+
+    def hold_replica(self, tokens: list[int]) -> bool:
+        """Commit a replica's KV of ``tokens`` into the prefix cache, in the host
+        tier (where replicas are held): a resumed request's prefix hit then
+        swaps it in. False when the host tier has no room (it recomputes)."""
+        n = len(tokens) // self.config.block_size
+        ids = self.pool.alloc_mem(n, tier="host") if n else None
+        if ids is None:
+            return False
+        self.pool.insert(tokens[:n * self.config.block_size], ids, tier="host")
+        return True
+
     # -------------------------------------------------------------------- loop
     def wake(self) -> None:
-        if not self.busy:
+        if not self.busy and not self.dead:
             self._start_step()
 
     def _start_step(self) -> None:
@@ -134,6 +162,8 @@ class SimNode:
         return t
 
     def _finish_step(self, batch: ScheduledBatch) -> None:
+        if self.dead:
+            return                                         # the step died with the node
         self._advance(batch.prefill, batch.prefill_lens)
         self._advance(batch.decode, None)
         if self.on_events is not None:

@@ -37,6 +37,9 @@ def own_parser(prog: str = PROG) -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=int, default=1, help="nodes in the cluster (default 1)")
     p.add_argument("--prefill", type=int, default=0, help="P of the nodes are prefill nodes, the rest decode")
     p.add_argument("--routing", default=None, help="routing policy (default: [cluster].routing)")
+    p.add_argument("--fail", action="append", default=[], metavar="NODE@SECONDS[:MODE]",
+                   help="kill NODE (n1, n2, ...) that many simulated seconds into the run; repeatable "
+                        "(kvd/sim/faults.py: recovery per [cluster].recovery and replicas)")
     p.add_argument("-h", "--help", action="store_true")
     return p
 
@@ -103,14 +106,20 @@ def _names_model(config: str) -> bool:
     return "model" in data.get("engine", {}) or "name" in data.get("model", {})
 
 
-def simulate(shape: Shape, conversations, opts, encode, *, keep_log: bool = False):
-    """Run the workload on the shape; returns (records, duration seconds, the SimCluster)."""
+def simulate(shape: Shape, conversations, opts, encode, *, keep_log: bool = False, faults=()):
+    """Run the workload on the shape, killing the nodes of ``faults`` (kvd-loadgen
+    ``FaultSpec``s) at their times; returns (records, duration seconds, the
+    SimCluster). Raises SimUsageError for a fault on a node the shape lacks."""
     from kvd.sim.cluster import SimCluster
     from kvd.sim.events import EventQueue
     from kvd.sim.workload import SimClient
 
     events = EventQueue()
     cluster = SimCluster(shape.engine, shape.cluster, list(shape.roles), shape.profile, events, keep_log=keep_log)
+    try:
+        cluster.failover.schedule(faults)
+    except ValueError as exc:
+        raise SimUsageError(str(exc)) from None
     client = SimClient(conversations, opts, encode, cluster, events)
     client.start()
     events.run()
@@ -147,6 +156,11 @@ def parse(argv: list[str], prog: str = PROG, extra=None):
         parser.print_help()
         print(f"\n{prog} also takes kvd-loadgen's workload flags (kvd-loadgen --help).")
         raise SystemExit(0)
+    from tools.loadgen.faults import FaultSpec
+    try:
+        own.faults = tuple(FaultSpec.parse(f) for f in own.fail)
+    except ValueError as exc:
+        _die(prog, str(exc))
     args = _parse_run_args(rest)
     if own.profile:
         try:
@@ -169,16 +183,16 @@ def main(argv: list[str]) -> int:
         own, args = parse(argv)
         shape = load_shape(own.config, own.profile, own.nodes, own.prefill, own.routing)
         conversations, opts, encode, spec = workload_of(args)
+        wall = time.perf_counter()
+        records, duration, cluster = simulate(shape, conversations, opts, encode, faults=own.faults)
+        wall = time.perf_counter() - wall
     except SimUsageError as exc:
         _die(PROG, str(exc))
-    wall = time.perf_counter()
-    records, duration, cluster = simulate(shape, conversations, opts, encode)
-    wall = time.perf_counter() - wall
     m = metrics.compute_metrics(records, duration, args.percentiles, args.slo)
     errors = metrics.error_counts(records)
     print(report.summary_table(m, selected=args.selected, percentiles=args.percentiles,
                                max_concurrency=args.max_concurrency, request_rate=args.request_rate,
-                               errors=errors, faults=[]))
+                               errors=errors, faults=cluster.failover.faults))
     print(f"{PROG}: {len(records)} requests on {shape.nodes} simulated node(s) "
           f"({', '.join(shape.roles)}), {duration:.1f} s simulated in {wall:.1f} s", file=sys.stderr)
     if args.save_result:
@@ -187,7 +201,7 @@ def main(argv: list[str]) -> int:
         config["url"] = "simulated"
         config["simulated"] = simulated_config(shape, own.profile, cluster, wall)
         started = time.time()
-        doc = report.build_result(config=config, metrics=m, errors=errors, faults=[],
+        doc = report.build_result(config=config, metrics=m, errors=errors, faults=cluster.failover.faults,
                                   records=records if args.save_detailed else None, started_at=started)
         name = args.result_filename or report.default_filename(config, started)
         try:

@@ -37,7 +37,7 @@ def test_kvd_profile_measures_it_through_kvd_serve(tmp_path):
     serving = json.loads(out.read_text())["serving"]
     assert serving["requests"] == 3 and serving["measured_median_ttft_ms"] > 0
     assert serving["first_token_s"] == pytest.approx(
-        max(0.0, serving["measured_median_ttft_ms"] - serving["simulated_median_ttft_ms"]) / 1e3, abs=1e-6)
+        max(0.0, serving["measured_median_ttft_ms"] - serving["simulated_median_ttft_ms"]) / 1e3, abs=3e-6)
     assert load_profile(out, model="tiny").serving_s == serving["first_token_s"]
 
 
