@@ -58,7 +58,7 @@ class SubBlocks:
     q: int8 ``[rows, cols]``; scale, min: fp32 ``[rows, cols / size]`` (min None when
     the format has none). ``dequantize`` gives gguf-py's values bit for bit.
 
-    Q2_K, Q4_K, Q5_K and Q6_K also keep the factors (``factors``: scale = d * sc, min =
+    Q2_K, Q3_K, Q4_K, Q5_K and Q6_K also keep the factors (``factors``: scale = d * sc, min =
     dmin * mn): d, dmin fp32 ``[rows, cols / 256]`` (the file's fp16 values), sc, mn
     int16 ``[rows, cols / size]`` (its sub-block integers); None for the other formats.
     """
@@ -187,7 +187,7 @@ def _q3_k(b: torch.Tensor) -> SubBlocks:
     ql = ((qs.view(n, 2, 1, 32) >> shifts) & 3).reshape(n, QK_K)
     hm = _bits(hmask, 8).reshape(n, QK_K) ^ 1                           # offset 4 when the bit is clear
     q = ql.to(torch.int8) - (hm << 2).to(torch.int8)
-    return SubBlocks(16, d * sc.float(), q, None)
+    return SubBlocks(16, d * sc.float(), q, None, (d, None, sc.to(torch.int16), None))
 
 
 def _q45_k(b: torch.Tensor, five: bool) -> SubBlocks:

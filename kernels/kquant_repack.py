@@ -8,8 +8,9 @@ A GGUF tensor of a kernels/gguf_blocks.py format, decoded to ``SubBlocks``
     Q5_K          -> KS5   the same, 5-bit quants                              every weight kept
     Q6_K          -> KS6   the file's super-block, fields regrouped             every weight kept
     Q2_K          -> KS2   the file's super-block, fields regrouped             every weight kept
+    Q3_K          -> KS3   the file's super-block, scales as bytes (4 B more)   every weight kept
     Q5_0, Q5_1    -> KQ5_0, KQ5_1  the file's block, qh bits reordered (its size)
-    Q3_K IQ4_XS   -> KQ6   fp32 d0, d1 per 16, int8       every weight kept
+    IQ4_XS        -> KQ6   fp32 d0, d1 per 16, int8       every weight kept
     IQ4_NL        -> Q8_0  fp16 d per 32, int8               every weight kept
 
 "Kept" means the kernel computes with the file's weights: a sub-block's scale and
@@ -32,9 +33,9 @@ from kernels.quant import BLOCK, FORMATS, QuantTensor
 
 # GGUF type -> the served format it is repacked into
 TARGET = {"Q4_K": "KS4", "Q5_K": "KS5", "Q5_1": "KQ5_1", "Q5_0": "KQ5_0", "Q6_K": "KS6",
-          "Q2_K": "KS2", "Q3_K": "KQ6", "IQ4_XS": "KQ6", "IQ4_NL": "Q8_0"}
-NATIVE = ("Q2_K", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1")
-CONVERTED = ("Q3_K", "IQ4_NL", "IQ4_XS")
+          "Q2_K": "KS2", "Q3_K": "KS3", "IQ4_XS": "KQ6", "IQ4_NL": "Q8_0"}
+NATIVE = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1")
+CONVERTED = ("IQ4_NL", "IQ4_XS")
 LOSSY: tuple[str, ...] = ()             # conversions that change weights: none
 
 
@@ -49,7 +50,7 @@ def repack_to(target: str, sub: SubBlocks) -> QuantTensor:
     KS target needs ``sub.factors``; KQ6 a sub-block of 16 or 32, the others of 32)."""
     rows, cols = sub.q.shape
     nb = cols // BLOCK
-    if target in ("KS4", "KS5", "KS6", "KS2"):
+    if target in ("KS4", "KS5", "KS6", "KS2", "KS3"):
         data = _super_blocks(target, sub)
         return QuantTensor(target, (rows, cols), data.reshape(rows, -1).contiguous())
     if target == "Q8_0":                                        # IQ4_NL: d is the file's fp16
@@ -73,15 +74,17 @@ def repack_to(target: str, sub: SubBlocks) -> QuantTensor:
 
 def _super_blocks(target: str, sub: SubBlocks) -> torch.Tensor:
     """uint8 [rows, nsup, block_bytes] of a KS format (kernels/quant.py) from a Q4_K / Q5_K
-    / Q6_K / Q2_K tensor's sub-blocks and factors."""
+    / Q6_K / Q2_K / Q3_K tensor's sub-blocks and factors."""
     rows, cols = sub.q.shape
     ns = cols // 256
     d, dmin, sc, mn = sub.factors
-    if target == "KS2":                 # byte 2u + j, bits 2e: weight 2 (u + 4e) + j
-        q = sub.q.view(rows, ns, 8, 32).to(torch.uint8)
-        u, j, e = torch.arange(4).view(4, 1, 1), torch.arange(2).view(1, 2, 1), torch.arange(4).view(1, 1, 4)
-        parts = q[..., (2 * (u + 4 * e) + j).reshape(-1)].view(rows, ns, 8, 8, 4) << (2 * e.view(4)).to(torch.uint8)
-        quants = parts.sum(dim=-1, dtype=torch.uint8).reshape(rows, ns, 64)      # disjoint bits: sum = or
+    if target == "KS3":                 # q + 4: 2 low bits as KS2's, the third in hbits
+        q = (sub.q.view(rows, ns, 8, 32).to(torch.int16) + 4).to(torch.uint8)            # 0..7
+        subs = torch.cat([_hbits(q >> 2), _two_bit_bytes(q & 3)], dim=-1).reshape(rows, ns, 96)
+        return torch.cat([_f16(d.view(rows, ns, 1)), sc.view(rows, ns, 16).to(torch.int8).view(torch.uint8), subs],
+                         dim=-1)
+    if target == "KS2":
+        quants = _two_bit_bytes(sub.q.view(rows, ns, 8, 32).to(torch.uint8)).reshape(rows, ns, 64)
         scm = (sc.view(rows, ns, 16) | (mn.view(rows, ns, 16) << 4)).to(torch.uint8)
         return torch.cat([_f16(d.view(rows, ns, 1)), _f16(dmin.view(rows, ns, 1)), scm, quants], dim=-1)
     if target == "KS6":
@@ -101,6 +104,14 @@ def _super_blocks(target: str, sub: SubBlocks) -> torch.Tensor:
     scm = torch.stack([sc.view(rows, ns, 8), mn.view(rows, ns, 8)], dim=-1).to(torch.uint8).view(rows, ns, 16)
     return torch.cat([_f16(d.view(rows, ns, 1)), _f16(dmin.view(rows, ns, 1)), scm, subs.reshape(rows, ns, -1)],
                      dim=-1)
+
+
+def _two_bit_bytes(q: torch.Tensor) -> torch.Tensor:
+    """[..., 32] quants 0..3 -> a KS2 / KS3 sub-block's 8 bytes [..., 8]: byte 2u + j, bits 2e:
+    weight 2 (u + 4e) + j."""
+    u, j, e = torch.arange(4).view(4, 1, 1), torch.arange(2).view(1, 2, 1), torch.arange(4).view(1, 1, 4)
+    parts = q[..., (2 * (u + 4 * e) + j).reshape(-1)].view(*q.shape[:-1], 8, 4) << (2 * e.view(4)).to(torch.uint8)
+    return parts.sum(dim=-1, dtype=torch.uint8)                         # disjoint bits: the sum is their or
 
 
 def conversion_note(fmt: str, tensors: int, file_bytes: int, served_bytes: int, max_error: float) -> str:

@@ -15,10 +15,11 @@ A ``QuantTensor`` is a matrix ``[rows, cols]`` whose every row is
     KS5  180 B / 256 weights the same, 8 x (u32 hbits, 16 B)
     KS6  210 B / 256 weights fp16 d, 16 x int8 sc, 8 x (16 B, 8 B highs)   w = (d sc) (q - 32) per 16
     KS2   84 B / 256 weights fp16 d, dmin, 16 x u8 (sc | m << 4), 8 x 8 B   w = (d sc) q - dmin m per 16
+    KS3  114 B / 256 weights fp16 d, 16 x int8 sc, 8 x (u32 hbits, 8 B)    w = (d sc) (q + 4 h - 4) per 16
 
-(the KS formats: Q4_K / Q5_K / Q6_K / Q2_K super-blocks, every field a 2-byte word; their
+(the KS formats: Q4_K / Q5_K / Q6_K / Q2_K / Q3_K super-blocks, every field a 2-byte word; their
 sub-block scales are fp32 products the kernels form in registers, exact, so they
-compute with the file's values; quant_blocks.h draws KS6's highs and KS2's 2-bit quants)
+compute with the file's values; quant_blocks.h draws KS6's highs and KS2 / KS3's 2-bit quants)
 
 (in a 4- or 5-bit block, byte j holds weight j in its low nibble and weight j + 16 in
 its high nibble; the hbits order of KQ5_0, KQ5_1 and KS5 is kernels/csrc/quant_blocks.h's:
@@ -70,7 +71,8 @@ FORMATS = {f.name: f for f in (BlockFormat("Q4_0", 0, 18), BlockFormat("Q4_1", 1
                                 BlockFormat("Q8_0", 2, 34), BlockFormat("KQ6", 3, 40, 8),
                                 BlockFormat("KQ5_0", 4, 22), BlockFormat("KQ5_1", 5, 24),
                                 BlockFormat("KS4", 6, 148, weights=256), BlockFormat("KS5", 7, 180, weights=256),
-                                BlockFormat("KS6", 8, 210, weights=256), BlockFormat("KS2", 9, 84, weights=256))}
+                                BlockFormat("KS6", 8, 210, weights=256), BlockFormat("KS2", 9, 84, weights=256),
+                                BlockFormat("KS3", 10, 114, weights=256))}
 # the formats a GGUF file stores (the others are kvd's, made at load)
 GGUF_FORMATS = ("Q4_0", "Q4_1", "Q8_0")
 
@@ -192,7 +194,7 @@ def _dequantize(fmt: BlockFormat, data: torch.Tensor, cols: int) -> torch.Tensor
         d = blocks[..., 0:8].contiguous().view(torch.float32)           # [R, nb, 2]
         q = blocks[..., 8:].contiguous().view(torch.int8).float().view(rows, -1, 2, 16)
         return (d.unsqueeze(-1) * q).reshape(rows, cols)
-    if fmt.name in ("KS4", "KS5", "KS6", "KS2"):
+    if fmt.name in ("KS4", "KS5", "KS6", "KS2", "KS3"):
         return _dequantize_ks(fmt.name, blocks).reshape(rows, cols)
     d = half(0)
     if fmt.name in ("KQ5_0", "KQ5_1"):
@@ -212,11 +214,24 @@ def _dequantize(fmt: BlockFormat, data: torch.Tensor, cols: int) -> torch.Tensor
 def _five_bits(hbits: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
     """[R, nb, 4] u32 hbits (quant_blocks.h's order) and [R, nb, 16] nibbles -> the 32
     five-bit quants as fp32 [R, nb, 32], weights in order."""
+    return torch.cat([qs & 15, qs >> 4], dim=-1).float() + 16 * _high_bits(hbits)
+
+
+def _high_bits(hbits: torch.Tensor) -> torch.Tensor:
+    """[R, nb, 4] u32 hbits (quant_blocks.h's order) -> each weight's bit, fp32 [R, nb, 32]."""
     h = hbits.clone(memory_format=torch.contiguous_format).view(torch.int32)   # [R, nb, 1]
     bit = torch.arange(32, dtype=torch.int32)                           # hbits bit of weight i:
     j = torch.where(bit < 16, bit, bit - 16)                            # i < 16: t = i // 2, odd i: +16
     at = (j // 2) + 16 * (j % 2) + 8 * (bit >= 16)
-    return torch.cat([qs & 15, qs >> 4], dim=-1).float() + 16 * ((h >> at) & 1).float()
+    return ((h >> at) & 1).float()
+
+
+def _two_bits(qs: torch.Tensor) -> torch.Tensor:
+    """[..., 8] bytes of a KS2 / KS3 sub-block -> its 32 2-bit quants [..., 32] (uint8): weight
+    2t + j in byte 2 (t % 4) + j, bits 2 (t // 4)."""
+    i = torch.arange(32)
+    t = i // 2
+    return (qs[..., 2 * (t % 4) + i % 2] >> (2 * (t // 4)).to(torch.uint8)) & 3
 
 
 def _dequantize_ks(name: str, blocks: torch.Tensor) -> torch.Tensor:
@@ -227,13 +242,15 @@ def _dequantize_ks(name: str, blocks: torch.Tensor) -> torch.Tensor:
     if name == "KS2":                       # (d sc) q - (dmin m) per 16 weights
         dmin = blocks[..., 2:4].contiguous().view(torch.float16).float()
         scm = blocks[..., 4:20]                                             # [R, nb, 16]
-        sub = blocks[..., 20:].reshape(rows, nb, 8, 8)
-        i = torch.arange(32)
-        t = i // 2                                                          # weight 2t + j: byte 2 (t % 4) + j
-        q = (sub[..., 2 * (t % 4) + i % 2] >> (2 * (t // 4)).to(torch.uint8)) & 3
+        q = _two_bits(blocks[..., 20:].reshape(rows, nb, 8, 8))
         dl, ml = d * (scm & 15).float(), dmin * (scm >> 4).float()         # [R, nb, 16]
         w = dl.unsqueeze(-1) * q.reshape(rows, nb, 16, 16).float() - ml.unsqueeze(-1)
         return w.view(rows, nb, 8, 32)
+    if name == "KS3":                       # (d sc) (q + 4 h - 4) per 16 weights
+        sc = blocks[..., 2:18].contiguous().view(torch.int8).float()        # [R, nb, 16]
+        sub = blocks[..., 18:].reshape(rows, nb, 8, 12)
+        q = _two_bits(sub[..., 4:]).float() + 4 * _high_bits(sub[..., :4]) - 4          # [R, nb, 8, 32]
+        return ((d * sc).unsqueeze(-1) * q.reshape(rows, nb, 16, 16)).view(rows, nb, 8, 32)
     if name == "KS6":
         sc = blocks[..., 2:18].contiguous().view(torch.int8).float().view(rows, nb, 8, 2, 1)
         sub = blocks[..., 18:].reshape(rows, nb, 8, 24)

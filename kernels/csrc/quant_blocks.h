@@ -56,35 +56,45 @@ namespace {
 // (sub-block s's byte 2u + j holds in bits 2e, 2e + 1 (e < 4) the quant of weight 2t + j,
 // t = u + 4e: so a 16-bit word u carries pairs u, u + 4 (weights 0..15) and u + 8, u + 12
 // (16..31) of every row)
-enum Format { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, KQ6 = 3, KQ5_0 = 4, KQ5_1 = 5, KS4 = 6, KS5 = 7, KS6 = 8, KS2 = 9 };
-constexpr int FORMAT_LAST = KS2;                // formats are 0 .. FORMAT_LAST
+//
+// KS3: Q3_K's super-block, its 6-bit scales widened to bytes (4 bytes more), a scale per 16:
+//
+//     KS3  114 B  fp16 d, 16 x int8 sc, 8 x [u32 hbits, 8 B of 2-bit quants]
+//                 weights 16k .. 16k + 15: w = (d sc_k) (q + 4 h - 4)       (-4 .. 3)
+//
+// (sc: the file's 6-bit scale - 32; h: its hmask bit, in the hbits order; the 2-bit quants
+// as KS2's)
+enum Format { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, KQ6 = 3, KQ5_0 = 4, KQ5_1 = 5, KS4 = 6, KS5 = 7, KS6 = 8, KS2 = 9,
+              KS3 = 10 };
+constexpr int FORMAT_LAST = KS3;                // formats are 0 .. FORMAT_LAST
 constexpr int QK = 32;                          // weights per block (a super-block's sub-block)
 constexpr int SUBS = 8;                         // sub-blocks of a super-block
 
-constexpr bool super_block(int f) { return (f >= KS4 && f <= KS6) || f == KS2; }
+constexpr bool super_block(int f) { return f >= KS4 && f <= KS3; }
 constexpr int64_t block_weights(int f) { return super_block(f) ? SUBS * QK : QK; }
 constexpr int64_t block_bytes(int f) {
     return f == Q4_0 ? 18 : f == Q4_1 ? 20 : f == Q8_0 ? 34 : f == KQ5_0 ? 22 : f == KQ5_1 ? 24 : f == KS4 ? 148
-           : f == KS5 ? 180 : f == KS6 ? 210 : f == KS2 ? 84 : 40;
+           : f == KS5 ? 180 : f == KS6 ? 210 : f == KS2 ? 84 : f == KS3 ? 114 : 40;
 }
 // a super-block's bytes before its sub-blocks, and each sub-block's
-constexpr int64_t head_bytes(int f) { return f == KS6 ? 18 : 20; }
-constexpr int64_t sub_bytes(int f) { return f == KS4 ? 16 : f == KS5 ? 20 : f == KS2 ? 8 : 24; }
+constexpr int64_t head_bytes(int f) { return f == KS6 || f == KS3 ? 18 : 20; }
+constexpr int64_t sub_bytes(int f) { return f == KS4 ? 16 : f == KS5 ? 20 : f == KS2 ? 8 : f == KS3 ? 12 : 24; }
 // bytes at a block's start that are 32-bit words (KQ6's fp32 scales); the rest are 16-bit
 // words (the x8 layout transposes each kind by its own width)
 constexpr int64_t wide_bytes(int f) { return f == KQ6 ? 8 : 0; }
 constexpr bool has_min(int f) { return f == Q4_1 || f == KQ5_1 || f == KS4 || f == KS5 || f == KS2; }
 constexpr bool int8_quants(int f) { return f == Q8_0 || f == KQ6; }              // else nibbles (KS2: 2 bits)
 constexpr bool fp32_scales(int f) { return f == KQ6; }
-constexpr bool has_hbits(int f) { return f == KQ5_0 || f == KQ5_1 || f == KS5; }  // 5-bit quants
-constexpr bool two_scales(int f) { return f == KQ6 || f == KS6 || f == KS2; }     // a scale per 16 weights
+constexpr bool has_hbits(int f) { return f == KQ5_0 || f == KQ5_1 || f == KS5 || f == KS3; }  // 5-bit (KS3: 3-bit)
+constexpr bool two_scales(int f) { return f == KQ6 || f == KS6 || f == KS2 || f == KS3; }    // a scale per 16 weights
+constexpr bool two_bit_quants(int f) { return f == KS2 || f == KS3; }             // (KS3: and its hbits)
 constexpr bool mins16(int f) { return f == KS2; }                                 // and a min per 16
 // the offset every quant carries (w = d * (q - zero_point)): taken off the integer dot as
 // zero_point * (sum of x's q), exact
 constexpr int zero_point(int f) { return f == Q4_0 ? 8 : f == KQ5_0 ? 16 : 0; }
 // a 16-bit-word format's byte offset of its u32 hbits in a block (after d, and m if any; KS5:
 // in a sub-block)
-constexpr int64_t hbits_at(int f) { return f == KQ5_0 ? 2 : f == KS5 ? 0 : 4; }
+constexpr int64_t hbits_at(int f) { return f == KQ5_0 ? 2 : f == KS5 || f == KS3 ? 0 : 4; }
 
 inline float fp16_to_f32(const uint8_t* p) {
     uint16_t h;
@@ -265,13 +275,25 @@ inline void store_half_row(const float* x, int64_t n, uint16_t* out) {
 }
 
 // Sub-block s of a KS super-block (its bytes as a row holds them): its 32 integer weights
-// (KS6: q - 32) and fp32 scales: w = dw q - mn (KS6: dw q for weights 0..15, mn q for 16..31;
+// (KS6: q - 32; KS3: q + 4 h - 4) and fp32 scales: w = dw q - mn (KS6, KS3: dw q for weights
+// 0..15, mn q for 16..31;
 // KS2: dw q - dmin m0 for weights 0..15, mn q - dmin m1 for 16..31, mins = {m0, m1, -dmin}).
 template <int F>
 inline void super_sub(const uint8_t* blk, int s, int16_t w[QK], float* dw, float* mn, float* mins = nullptr) {
     const float d = fp16_to_f32(blk);
     const uint8_t* sub = blk + head_bytes(F) + s * sub_bytes(F);
-    if constexpr (F == KS2) {
+    if constexpr (F == KS3) {
+        *dw = d * (float)(int8_t)blk[2 + 2 * s];
+        *mn = d * (float)(int8_t)blk[3 + 2 * s];
+        uint32_t h;
+        memcpy(&h, sub, 4);
+        for (int i = 0; i < 16; i++) {             // weight i = 2t + j, t = u + 4e (KS2's)
+            const int t = i / 2, j = i % 2;
+            w[i] = (int16_t)(((sub[4 + 2 * (t % 4) + j] >> (2 * (t / 4))) & 3) + 4 * ((h >> (16 * j + t)) & 1) - 4);
+            w[i + 16] = (int16_t)(((sub[4 + 2 * (t % 4) + j] >> (2 * (t / 4) + 4)) & 3)
+                                  + 4 * ((h >> (16 * j + 8 + t)) & 1) - 4);
+        }
+    } else if constexpr (F == KS2) {
         const uint8_t s0 = blk[4 + 2 * s], s1 = blk[5 + 2 * s];
         *dw = d * (float)(s0 & 15);
         *mn = d * (float)(s1 & 15);
@@ -318,7 +340,7 @@ inline void dequant_sub(const uint8_t* blk, int s, V16* lo, V16* hi) {
     if constexpr (F == KS2) {                       // gguf-py's: (d sc) q, then - (dmin m)
         *lo = vsub(vmul(vset1(dw), vload(f)), vset1(-mins[2] * mins[0]));
         *hi = vsub(vmul(vset1(mn), vload(f + 16)), vset1(-mins[2] * mins[1]));
-    } else if constexpr (F == KS6) {
+    } else if constexpr (F == KS6 || F == KS3) {
         *lo = vmul(vset1(dw), vload(f));
         *hi = vmul(vset1(mn), vload(f + 16));
     } else {

@@ -199,7 +199,7 @@ constexpr int64_t group_bytes(int f, int64_t K) { return K / block_weights(f) * 
 // (KS5: after its hbits words); the scales are the group-super-block's head.
 constexpr int quant_word0(int f) {
     return f == Q4_1 ? 2 : f == KQ6 || f == KQ5_1 ? 4 : f == KQ5_0 ? 3 : f == KS5 ? 2
-           : f == KS4 || f == KS6 || f == KS2 ? 0 : 1;
+           : f == KS4 || f == KS6 || f == KS2 ? 0 : f == KS3 ? 2 : 1;
 }
 // bytes of 8 rows' weights of one block of 32 (a KS format: the sub-block, its share of the head)
 constexpr int64_t group_block32_bytes(int f) {
@@ -253,7 +253,7 @@ inline __m256i dot_acc(__m256i acc, __m256i w, __m256i x) {
 // Quant word t of a group-block (gb) widened to int16, lanes 2r, 2r + 1 = row r's weights of
 // one pair (Q4: the nibble values 0..15): Q4 word t gives pair t in *lo and pair t + 8 in
 // *hi; a Q8_0 word t gives pair t in *lo (and leaves *hi alone).
-// KQ5_0 / KQ5_1 / KS5: the high bits come from the hbits, two 16-bit words (the 8 rows' low
+// KQ5_0 / KQ5_1 / KS5 / KS3: the high bits come from the hbits, two 16-bit words (the 8 rows' low
 // halves, then their high halves), interleaved here so that 16-bit lane 2r + j holds at bit t
 // the high bit of row r's weight 2t + j, at bit 8 + t of 2t + 16 + j.
 template <int F>
@@ -269,11 +269,18 @@ inline __m256i hbits_lanes(const uint8_t* gb) {
 // q - 32 = nibble + 16 (hi - 2).
 template <int F>
 inline void widen_word(const uint8_t* gb, int t, __m256i* lo, __m256i* hi) {
-    if constexpr (F == KS2) {       // word t % 4, bits 2 (t / 4): pair t; bits 2 (t / 4) + 4: pair t + 8
-        const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(gb + 16 * (t % 4))));
+    if constexpr (two_bit_quants(F)) {  // word t % 4, bits 2 (t / 4): pair t; bits 2 (t / 4) + 4: pair t + 8
+        const __m256i bytes =
+            _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(gb + 16 * (quant_word0(F) + t % 4))));
         const __m256i v = _mm256_srl_epi16(bytes, _mm_cvtsi32_si128(2 * (t / 4))), three = _mm256_set1_epi16(3);
         *lo = _mm256_and_si256(v, three);
         *hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), three);
+        if constexpr (F == KS3) {       // + 4 h - 4: the hbits' bit t (pair t), 8 + t (pair t + 8)
+            const __m256i h = _mm256_srl_epi16(hbits_lanes<F>(gb), _mm_cvtsi32_si128(t));
+            const __m256i four = _mm256_set1_epi16(4);
+            *lo = _mm256_sub_epi16(_mm256_or_si256(*lo, _mm256_and_si256(_mm256_slli_epi16(h, 2), four)), four);
+            *hi = _mm256_sub_epi16(_mm256_or_si256(*hi, _mm256_and_si256(_mm256_srli_epi16(h, 6), four)), four);
+        }
         return;
     }
     const __m128i word = _mm_loadu_si128((const __m128i*)(gb + 16 * (quant_word0(F) + t)));
@@ -363,7 +370,7 @@ inline void super_scales(const uint8_t* head, int s, __m256* dw, __m256* mw, Min
         mn->m0 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 4), f));
         mn->m1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 12));
         mn->ndmin = _mm256_xor_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(head + 16))), _mm256_set1_ps(-0.0f));
-    } else if constexpr (F == KS6) {
+    } else if constexpr (F == KS6 || F == KS3) {
         const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(head + 16 + 16 * s)));
         *dw = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 24), 24)));
         *mw = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 16), 24)));
@@ -968,6 +975,7 @@ inline bool matmul_range(int format, const uint8_t* w, int64_t n0, int64_t n1, c
         case KS5: matmul_range<KS5>(w, n0, n1, x, M, y, ldy); return true;
         case KS6: matmul_range<KS6>(w, n0, n1, x, M, y, ldy); return true;
         case KS2: matmul_range<KS2>(w, n0, n1, x, M, y, ldy); return true;
+        case KS3: matmul_range<KS3>(w, n0, n1, x, M, y, ldy); return true;
         default: return false;
     }
 }
@@ -1021,6 +1029,7 @@ inline bool gather_rows_any(int format, const uint8_t* w, int64_t K, const int64
         case KS5: gather_rows<KS5>(w, K, ids, T, out); return true;
         case KS6: gather_rows<KS6>(w, K, ids, T, out); return true;
         case KS2: gather_rows<KS2>(w, K, ids, T, out); return true;
+        case KS3: gather_rows<KS3>(w, K, ids, T, out); return true;
         default: return false;
     }
 }
