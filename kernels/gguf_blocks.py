@@ -58,7 +58,7 @@ class SubBlocks:
     q: int8 ``[rows, cols]``; scale, min: fp32 ``[rows, cols / size]`` (min None when
     the format has none). ``dequantize`` gives gguf-py's values bit for bit.
 
-    Q2_K, Q3_K, Q4_K, Q5_K and Q6_K also keep the factors (``factors``: scale = d * sc, min =
+    Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and IQ4_XS also keep the factors (``factors``: scale = d * sc, min =
     dmin * mn): d, dmin fp32 ``[rows, cols / 256]`` (the file's fp16 values), sc, mn
     int16 ``[rows, cols / size]`` (its sub-block integers); None for the other formats.
     """
@@ -220,9 +220,9 @@ def _iq4_xs(b: torch.Tensor) -> SubBlocks:
     sl = b[:, 4:8]
     low = torch.stack([sl & 15, sl >> 4], dim=-1).reshape(n, 8).to(torch.int32)
     high = (sh >> torch.arange(0, 16, 2, dtype=torch.int32).view(1, 8)) & 3
-    sc = ((low | (high << 4)) - 32).float()
+    sc = (low | (high << 4)) - 32
     q = _iq4_values(_nibbles(b[:, 8:].view(n, 8, 16)).reshape(n, QK_K))
-    return SubBlocks(32, d * sc, q, None)
+    return SubBlocks(32, d * sc.float(), q, None, (d, None, sc.to(torch.int16), None))
 
 
 _DECODERS = {

@@ -10,8 +10,8 @@ A GGUF tensor of a kernels/gguf_blocks.py format, decoded to ``SubBlocks``
     Q2_K          -> KS2   the file's super-block, fields regrouped             every weight kept
     Q3_K          -> KS3   the file's super-block, scales as bytes (4 B more)   every weight kept
     Q5_0, Q5_1    -> KQ5_0, KQ5_1  the file's block, qh bits reordered (its size)
-    IQ4_XS        -> KQ6   fp32 d0, d1 per 16, int8       every weight kept
-    IQ4_NL        -> Q8_0  fp16 d per 32, int8               every weight kept
+    IQ4_NL        -> KI4   the file's block                                     every weight kept
+    IQ4_XS        -> KSI4  the file's super-block, scales as bytes (2 B more)   every weight kept
 
 "Kept" means the kernel computes with the file's weights: a sub-block's scale and
 min are exact fp32 products of the file's fp16 and integer scales, the quants
@@ -29,13 +29,13 @@ from __future__ import annotations
 import torch
 
 from kernels.gguf_blocks import BLOCKS, SubBlocks
-from kernels.quant import BLOCK, FORMATS, QuantTensor
+from kernels.quant import BLOCK, FORMATS, IQ4_VALUES, QuantTensor
 
 # GGUF type -> the served format it is repacked into
 TARGET = {"Q4_K": "KS4", "Q5_K": "KS5", "Q5_1": "KQ5_1", "Q5_0": "KQ5_0", "Q6_K": "KS6",
-          "Q2_K": "KS2", "Q3_K": "KS3", "IQ4_XS": "KQ6", "IQ4_NL": "Q8_0"}
-NATIVE = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1")
-CONVERTED = ("IQ4_NL", "IQ4_XS")
+          "Q2_K": "KS2", "Q3_K": "KS3", "IQ4_NL": "KI4", "IQ4_XS": "KSI4"}
+NATIVE = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS")
+CONVERTED: tuple[str, ...] = ()         # types served in another layout than their own: none
 LOSSY: tuple[str, ...] = ()             # conversions that change weights: none
 
 
@@ -50,11 +50,12 @@ def repack_to(target: str, sub: SubBlocks) -> QuantTensor:
     KS target needs ``sub.factors``; KQ6 a sub-block of 16 or 32, the others of 32)."""
     rows, cols = sub.q.shape
     nb = cols // BLOCK
-    if target in ("KS4", "KS5", "KS6", "KS2", "KS3"):
+    if target in ("KS4", "KS5", "KS6", "KS2", "KS3", "KSI4"):
         data = _super_blocks(target, sub)
         return QuantTensor(target, (rows, cols), data.reshape(rows, -1).contiguous())
-    if target == "Q8_0":                                        # IQ4_NL: d is the file's fp16
-        body = [_f16(sub.scale.view(rows, nb, 1)), sub.q.view(rows, nb, 32).view(torch.uint8)]
+    if target == "KI4":                                         # IQ4_NL's block: fp16 d, nibbles
+        q = _iq4_index(sub.q.view(rows, nb, 32))
+        body = [_f16(sub.scale.view(rows, nb, 1)), q[..., :16] | (q[..., 16:] << 4)]
     elif target in ("KQ5_0", "KQ5_1"):                          # fp16 d (, m), hbits, nibbles
         q = (sub.q.view(rows, nb, 32).to(torch.int16) + (16 if target == "KQ5_0" else 0)).to(torch.uint8)
         body = [_f16(sub.scale.view(rows, nb, 1))]
@@ -74,10 +75,15 @@ def repack_to(target: str, sub: SubBlocks) -> QuantTensor:
 
 def _super_blocks(target: str, sub: SubBlocks) -> torch.Tensor:
     """uint8 [rows, nsup, block_bytes] of a KS format (kernels/quant.py) from a Q4_K / Q5_K
-    / Q6_K / Q2_K / Q3_K tensor's sub-blocks and factors."""
+    / Q6_K / Q2_K / Q3_K / IQ4_XS tensor's sub-blocks and factors."""
     rows, cols = sub.q.shape
     ns = cols // 256
     d, dmin, sc, mn = sub.factors
+    if target == "KSI4":
+        q = _iq4_index(sub.q.view(rows, ns, 8, 32))
+        nibbles = (q[..., :16] | (q[..., 16:] << 4)).reshape(rows, ns, 128)
+        return torch.cat([_f16(d.view(rows, ns, 1)), sc.view(rows, ns, 8).to(torch.int8).view(torch.uint8), nibbles],
+                         dim=-1)
     if target == "KS3":                 # q + 4: 2 low bits as KS2's, the third in hbits
         q = (sub.q.view(rows, ns, 8, 32).to(torch.int16) + 4).to(torch.uint8)            # 0..7
         subs = torch.cat([_hbits(q >> 2), _two_bit_bytes(q & 3)], dim=-1).reshape(rows, ns, 96)
@@ -104,6 +110,13 @@ def _super_blocks(target: str, sub: SubBlocks) -> torch.Tensor:
     scm = torch.stack([sc.view(rows, ns, 8), mn.view(rows, ns, 8)], dim=-1).to(torch.uint8).view(rows, ns, 16)
     return torch.cat([_f16(d.view(rows, ns, 1)), _f16(dmin.view(rows, ns, 1)), scm, subs.reshape(rows, ns, -1)],
                      dim=-1)
+
+
+def _iq4_index(v: torch.Tensor) -> torch.Tensor:
+    """int8 IQ4 values -> the nibbles (uint8) that index them in IQ4_VALUES."""
+    index = torch.zeros(256, dtype=torch.uint8)
+    index[torch.tensor(IQ4_VALUES) + 128] = torch.arange(16, dtype=torch.uint8)
+    return index[v.long() + 128]
 
 
 def _two_bit_bytes(q: torch.Tensor) -> torch.Tensor:

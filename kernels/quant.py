@@ -16,6 +16,10 @@ A ``QuantTensor`` is a matrix ``[rows, cols]`` whose every row is
     KS6  210 B / 256 weights fp16 d, 16 x int8 sc, 8 x (16 B, 8 B highs)   w = (d sc) (q - 32) per 16
     KS2   84 B / 256 weights fp16 d, dmin, 16 x u8 (sc | m << 4), 8 x 8 B   w = (d sc) q - dmin m per 16
     KS3  114 B / 256 weights fp16 d, 16 x int8 sc, 8 x (u32 hbits, 8 B)    w = (d sc) (q + 4 h - 4) per 16
+    KI4   18 B / 32 weights  fp16 d, 16 B nibbles                          w = d * v[q]
+    KSI4 138 B / 256 weights fp16 d, 8 x int8 sc, 8 x 16 B                 w = (d sc) v[q] per 32
+
+(v: IQ4_NL / IQ4_XS's 16 values, ``IQ4_VALUES``)
 
 (the KS formats: Q4_K / Q5_K / Q6_K / Q2_K / Q3_K super-blocks, every field a 2-byte word; their
 sub-block scales are fp32 products the kernels form in registers, exact, so they
@@ -72,7 +76,9 @@ FORMATS = {f.name: f for f in (BlockFormat("Q4_0", 0, 18), BlockFormat("Q4_1", 1
                                 BlockFormat("KQ5_0", 4, 22), BlockFormat("KQ5_1", 5, 24),
                                 BlockFormat("KS4", 6, 148, weights=256), BlockFormat("KS5", 7, 180, weights=256),
                                 BlockFormat("KS6", 8, 210, weights=256), BlockFormat("KS2", 9, 84, weights=256),
-                                BlockFormat("KS3", 10, 114, weights=256))}
+                                BlockFormat("KS3", 10, 114, weights=256), BlockFormat("KI4", 11, 18),
+                                BlockFormat("KSI4", 12, 138, weights=256))}
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 # the formats a GGUF file stores (the others are kvd's, made at load)
 GGUF_FORMATS = ("Q4_0", "Q4_1", "Q8_0")
 
@@ -194,13 +200,15 @@ def _dequantize(fmt: BlockFormat, data: torch.Tensor, cols: int) -> torch.Tensor
         d = blocks[..., 0:8].contiguous().view(torch.float32)           # [R, nb, 2]
         q = blocks[..., 8:].contiguous().view(torch.int8).float().view(rows, -1, 2, 16)
         return (d.unsqueeze(-1) * q).reshape(rows, cols)
-    if fmt.name in ("KS4", "KS5", "KS6", "KS2", "KS3"):
+    if fmt.name in ("KS4", "KS5", "KS6", "KS2", "KS3", "KSI4"):
         return _dequantize_ks(fmt.name, blocks).reshape(rows, cols)
     d = half(0)
     if fmt.name in ("KQ5_0", "KQ5_1"):
         at = 2 if fmt.name == "KQ5_0" else 4                           # the hbits
         q = _five_bits(blocks[..., at:at + 4], blocks[..., at + 4:])
         return (d * (q - 16) if fmt.name == "KQ5_0" else d * q + half(2)).reshape(rows, cols)
+    if fmt.name == "KI4":
+        return (d * _iq4(blocks[..., 2:])).reshape(rows, cols)
     if fmt.name == "Q8_0":
         q = blocks[..., 2:].contiguous().view(torch.int8).float()      # [R, nb, 32]
         w = q * d
@@ -215,6 +223,11 @@ def _five_bits(hbits: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
     """[R, nb, 4] u32 hbits (quant_blocks.h's order) and [R, nb, 16] nibbles -> the 32
     five-bit quants as fp32 [R, nb, 32], weights in order."""
     return torch.cat([qs & 15, qs >> 4], dim=-1).float() + 16 * _high_bits(hbits)
+
+
+def _iq4(qs: torch.Tensor) -> torch.Tensor:
+    """[..., 16] nibbles -> the 32 IQ4 values they index, fp32 [..., 32], weights in order."""
+    return torch.tensor(IQ4_VALUES, dtype=torch.float32)[torch.cat([qs & 15, qs >> 4], dim=-1).long()]
 
 
 def _high_bits(hbits: torch.Tensor) -> torch.Tensor:
@@ -246,6 +259,9 @@ def _dequantize_ks(name: str, blocks: torch.Tensor) -> torch.Tensor:
         dl, ml = d * (scm & 15).float(), dmin * (scm >> 4).float()         # [R, nb, 16]
         w = dl.unsqueeze(-1) * q.reshape(rows, nb, 16, 16).float() - ml.unsqueeze(-1)
         return w.view(rows, nb, 8, 32)
+    if name == "KSI4":                      # (d sc) v[q] per 32 weights
+        sc = blocks[..., 2:10].contiguous().view(torch.int8).float()        # [R, nb, 8]
+        return (d * sc).unsqueeze(-1) * _iq4(blocks[..., 10:].reshape(rows, nb, 8, 16))
     if name == "KS3":                       # (d sc) (q + 4 h - 4) per 16 weights
         sc = blocks[..., 2:18].contiguous().view(torch.int8).float()        # [R, nb, 16]
         sub = blocks[..., 18:].reshape(rows, nb, 8, 12)

@@ -64,21 +64,30 @@ namespace {
 //
 // (sc: the file's 6-bit scale - 32; h: its hmask bit, in the hbits order; the 2-bit quants
 // as KS2's)
+//
+// KI4, KSI4: IQ4_NL's block as the file has it, IQ4_XS's super-block with its 6-bit scales
+// widened to bytes (2 bytes more); the nibbles index IQ4's 16 int8 values (IQ4_VALUES):
+//
+//     KI4    18 B  fp16 d, 16 B nibbles                       w = d * v[q]
+//     KSI4  138 B  fp16 d, 8 x int8 sc, 8 x [16 B nibbles]    sub-block s: w = (d sc_s) v[q]
 enum Format { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, KQ6 = 3, KQ5_0 = 4, KQ5_1 = 5, KS4 = 6, KS5 = 7, KS6 = 8, KS2 = 9,
-              KS3 = 10 };
-constexpr int FORMAT_LAST = KS3;                // formats are 0 .. FORMAT_LAST
+              KS3 = 10, KI4 = 11, KSI4 = 12 };
+constexpr int FORMAT_LAST = KSI4;                // formats are 0 .. FORMAT_LAST
 constexpr int QK = 32;                          // weights per block (a super-block's sub-block)
 constexpr int SUBS = 8;                         // sub-blocks of a super-block
 
-constexpr bool super_block(int f) { return f >= KS4 && f <= KS3; }
+constexpr bool super_block(int f) { return (f >= KS4 && f <= KS3) || f == KSI4; }
 constexpr int64_t block_weights(int f) { return super_block(f) ? SUBS * QK : QK; }
 constexpr int64_t block_bytes(int f) {
     return f == Q4_0 ? 18 : f == Q4_1 ? 20 : f == Q8_0 ? 34 : f == KQ5_0 ? 22 : f == KQ5_1 ? 24 : f == KS4 ? 148
-           : f == KS5 ? 180 : f == KS6 ? 210 : f == KS2 ? 84 : f == KS3 ? 114 : 40;
+           : f == KS5 ? 180 : f == KS6 ? 210 : f == KS2 ? 84 : f == KS3 ? 114 : f == KI4 ? 18 : f == KSI4 ? 138
+           : 40;
 }
 // a super-block's bytes before its sub-blocks, and each sub-block's
-constexpr int64_t head_bytes(int f) { return f == KS6 || f == KS3 ? 18 : 20; }
-constexpr int64_t sub_bytes(int f) { return f == KS4 ? 16 : f == KS5 ? 20 : f == KS2 ? 8 : f == KS3 ? 12 : 24; }
+constexpr int64_t head_bytes(int f) { return f == KS6 || f == KS3 ? 18 : f == KSI4 ? 10 : 20; }
+constexpr int64_t sub_bytes(int f) {
+    return f == KS4 || f == KSI4 ? 16 : f == KS5 ? 20 : f == KS2 ? 8 : f == KS3 ? 12 : 24;
+}
 // bytes at a block's start that are 32-bit words (KQ6's fp32 scales); the rest are 16-bit
 // words (the x8 layout transposes each kind by its own width)
 constexpr int64_t wide_bytes(int f) { return f == KQ6 ? 8 : 0; }
@@ -88,6 +97,9 @@ constexpr bool fp32_scales(int f) { return f == KQ6; }
 constexpr bool has_hbits(int f) { return f == KQ5_0 || f == KQ5_1 || f == KS5 || f == KS3; }  // 5-bit (KS3: 3-bit)
 constexpr bool two_scales(int f) { return f == KQ6 || f == KS6 || f == KS2 || f == KS3; }    // a scale per 16 weights
 constexpr bool two_bit_quants(int f) { return f == KS2 || f == KS3; }             // (KS3: and its hbits)
+constexpr bool iq4_values(int f) { return f == KI4 || f == KSI4; }                // nibbles index IQ4_VALUES
+// IQ4_NL / IQ4_XS's values (ggml's kvalues_iq4nl)
+constexpr int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 constexpr bool mins16(int f) { return f == KS2; }                                 // and a min per 16
 // the offset every quant carries (w = d * (q - zero_point)): taken off the integer dot as
 // zero_point * (sum of x's q), exact
@@ -282,7 +294,14 @@ template <int F>
 inline void super_sub(const uint8_t* blk, int s, int16_t w[QK], float* dw, float* mn, float* mins = nullptr) {
     const float d = fp16_to_f32(blk);
     const uint8_t* sub = blk + head_bytes(F) + s * sub_bytes(F);
-    if constexpr (F == KS3) {
+    if constexpr (F == KSI4) {
+        *dw = d * (float)(int8_t)blk[2 + s];
+        *mn = 0.0f;
+        for (int i = 0; i < 16; i++) {
+            w[i] = IQ4_VALUES[sub[i] & 15];
+            w[i + 16] = IQ4_VALUES[sub[i] >> 4];
+        }
+    } else if constexpr (F == KS3) {
         *dw = d * (float)(int8_t)blk[2 + 2 * s];
         *mn = d * (float)(int8_t)blk[3 + 2 * s];
         uint32_t h;
@@ -340,6 +359,9 @@ inline void dequant_sub(const uint8_t* blk, int s, V16* lo, V16* hi) {
     if constexpr (F == KS2) {                       // gguf-py's: (d sc) q, then - (dmin m)
         *lo = vsub(vmul(vset1(dw), vload(f)), vset1(-mins[2] * mins[0]));
         *hi = vsub(vmul(vset1(mn), vload(f + 16)), vset1(-mins[2] * mins[1]));
+    } else if constexpr (F == KSI4) {                // gguf-py's: (d sc) v (exact)
+        *lo = vmul(vset1(dw), vload(f));
+        *hi = vmul(vset1(dw), vload(f + 16));
     } else if constexpr (F == KS6 || F == KS3) {
         *lo = vmul(vset1(dw), vload(f));
         *hi = vmul(vset1(mn), vload(f + 16));
@@ -378,6 +400,15 @@ inline void dequant_block(const uint8_t* blk, V16* lo, V16* hi) {
             *lo = vmul(d, vload(ql));
             *hi = vmul(d, vload(qh));
         }
+    } else if constexpr (F == KI4) {               // gguf-py's: d v (exact)
+        float ql[16], qh[16];
+        for (int i = 0; i < 16; i++) {
+            ql[i] = (float)IQ4_VALUES[blk[2 + i] & 15];
+            qh[i] = (float)IQ4_VALUES[blk[2 + i] >> 4];
+        }
+        const V16 d = vset1(fp16_to_f32(blk));
+        *lo = vmul(d, vload(ql));
+        *hi = vmul(d, vload(qh));
     } else if constexpr (F == Q8_0) {
         const V16 d = vset1(fp16_to_f32(blk));
         *lo = vmul(d, i8_to_v16(blk + 2));

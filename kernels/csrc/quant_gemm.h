@@ -199,7 +199,7 @@ constexpr int64_t group_bytes(int f, int64_t K) { return K / block_weights(f) * 
 // (KS5: after its hbits words); the scales are the group-super-block's head.
 constexpr int quant_word0(int f) {
     return f == Q4_1 ? 2 : f == KQ6 || f == KQ5_1 ? 4 : f == KQ5_0 ? 3 : f == KS5 ? 2
-           : f == KS4 || f == KS6 || f == KS2 ? 0 : f == KS3 ? 2 : 1;
+           : f == KS4 || f == KS6 || f == KS2 || f == KSI4 ? 0 : f == KS3 ? 2 : 1;
 }
 // bytes of 8 rows' weights of one block of 32 (a KS format: the sub-block, its share of the head)
 constexpr int64_t group_block32_bytes(int f) {
@@ -283,6 +283,13 @@ inline void widen_word(const uint8_t* gb, int t, __m256i* lo, __m256i* hi) {
         }
         return;
     }
+    if constexpr (iq4_values(F)) {      // the nibbles' IQ4 values, looked up 16 bytes at a time
+        const __m128i word = _mm_loadu_si128((const __m128i*)(gb + 16 * (quant_word0(F) + t)));
+        const __m128i table = _mm_loadu_si128((const __m128i*)IQ4_VALUES), nib = _mm_set1_epi8(15);
+        *lo = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(table, _mm_and_si128(word, nib)));
+        *hi = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(word, 4), nib)));
+        return;
+    }
     const __m128i word = _mm_loadu_si128((const __m128i*)(gb + 16 * (quant_word0(F) + t)));
     if constexpr (int8_quants(F)) {
         *lo = _mm256_cvtepi8_epi16(word);
@@ -362,7 +369,12 @@ struct Mins16 { __m256 m0, m1, ndmin; };
 template <int F>
 inline void super_scales(const uint8_t* head, int s, __m256* dw, __m256* mw, Mins16* mn) {
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)head));
-    if constexpr (F == KS2) {
+    if constexpr (F == KSI4) {          // sc_s: byte s % 2 of the rows' scale word 1 + s / 2
+        const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(head + 16 + 16 * (s / 2))));
+        const __m256i sc = _mm256_srai_epi32(_mm256_sll_epi32(v, _mm_cvtsi32_si128(24 - 8 * (s % 2))), 24);
+        *dw = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc));
+        *mw = _mm256_setzero_ps();
+    } else if constexpr (F == KS2) {
         const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(head + 32 + 16 * s)));
         const __m256i f = _mm256_set1_epi32(15);
         *dw = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(v, f)));
@@ -615,6 +627,9 @@ inline void load_group(const uint8_t* group, int64_t b, WGroup* g) {
                 const uint8_t v = q[16 * t + 2 * r + j];
                 if constexpr (int8_quants(F)) {
                     g->w[r][2 * t + j] = (int8_t)v;
+                } else if constexpr (iq4_values(F)) {
+                    g->w[r][2 * t + j] = IQ4_VALUES[v & 15];
+                    g->w[r][2 * t + 16 + j] = IQ4_VALUES[v >> 4];
                 } else {
                     g->w[r][2 * t + j] = (int16_t)((v & 15) | (((h[j] >> t) & 1) << 4));
                     g->w[r][2 * t + 16 + j] = (int16_t)((v >> 4) | (((h[j] >> (8 + t)) & 1) << 4));
@@ -976,6 +991,8 @@ inline bool matmul_range(int format, const uint8_t* w, int64_t n0, int64_t n1, c
         case KS6: matmul_range<KS6>(w, n0, n1, x, M, y, ldy); return true;
         case KS2: matmul_range<KS2>(w, n0, n1, x, M, y, ldy); return true;
         case KS3: matmul_range<KS3>(w, n0, n1, x, M, y, ldy); return true;
+        case KI4: matmul_range<KI4>(w, n0, n1, x, M, y, ldy); return true;
+        case KSI4: matmul_range<KSI4>(w, n0, n1, x, M, y, ldy); return true;
         default: return false;
     }
 }
@@ -1030,6 +1047,8 @@ inline bool gather_rows_any(int format, const uint8_t* w, int64_t K, const int64
         case KS6: gather_rows<KS6>(w, K, ids, T, out); return true;
         case KS2: gather_rows<KS2>(w, K, ids, T, out); return true;
         case KS3: gather_rows<KS3>(w, K, ids, T, out); return true;
+        case KI4: gather_rows<KI4>(w, K, ids, T, out); return true;
+        case KSI4: gather_rows<KSI4>(w, K, ids, T, out); return true;
         default: return false;
     }
 }

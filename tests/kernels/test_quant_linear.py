@@ -45,13 +45,13 @@ def portable() -> QuantKernel:
 # kvd's block formats (the K-quants repacked at load) -> the GGUF type a test quantizes
 # with gguf-py, or draws as random valid blocks (a K-quant), and repacks
 KQ_SOURCE = {"KQ6": "Q3_K", "KQ5_0": "Q5_0", "KQ5_1": "Q5_1", "KS4": "Q4_K", "KS5": "Q5_K", "KS6": "Q6_K",
-             "KS2": "Q2_K", "KS3": "Q3_K"}
+             "KS2": "Q2_K", "KS3": "Q3_K", "KI4": "IQ4_NL", "KSI4": "IQ4_XS"}
 # the formats whose blocks start with fp32 scales (the others' are fp16), and the bytes of
 # fp16 scales at the start of the others' blocks
 FP32_SCALED = ("KQ6",)
 HALF_SCALE_BYTES = {"Q4_1": 4, "KQ5_1": 4, "KS4": 4, "KS5": 4, "KS2": 4}
 # a KS format's bytes before its quants (its head)
-KS_HEAD_BYTES = {"KS4": 20, "KS5": 20, "KS6": 18, "KS2": 20, "KS3": 18}
+KS_HEAD_BYTES = {"KS4": 20, "KS5": 20, "KS6": 18, "KS2": 20, "KS3": 18, "KSI4": 10}
 
 
 def width(fmt: str, k: int) -> int:
@@ -74,7 +74,7 @@ def quantized(n: int, k: int, fmt: str, seed: int, scale: float = 0.05) -> Quant
             kk = -(-k // 256) * 256
             sub = gguf_blocks.decode(src, torch.from_numpy(random_type_blocks(src, n, kk, g)), kk)
             return kquant_repack.repack_to(fmt, gguf_blocks.SubBlocks(16, sub.scale[:, :k // 16], sub.q[:, :k], None))
-        if src.endswith("_K"):      # random valid super-blocks (gguf-py quantizes no K-quant)
+        if src.endswith("_K") or src.startswith("IQ4"):   # random valid blocks (gguf-py quantizes none)
             data = torch.from_numpy(random_type_blocks(src, n, k, g))
             return kquant_repack.repack(src, gguf_blocks.decode(src, data, k))
         data = torch.from_numpy(np.ascontiguousarray(gguf.quants.quantize(w, gguf.GGMLQuantizationType[src])))
@@ -367,7 +367,7 @@ def test_many_rows_give_each_row_its_bits_alone(host, portable, fmt):
             assert torch.equal(lin(x[r:r + 1])[0], full[r]), (n, k, r)
 
 
-@pytest.mark.parametrize("fmt", ["Q4_1", "KQ6", "KQ5_0", "KS4", "KS5", "KS6", "KS2", "KS3"])
+@pytest.mark.parametrize("fmt", ["Q4_1", "KQ6", "KQ5_0", "KS4", "KS5", "KS6", "KS2", "KS3", "KI4", "KSI4"])
 def test_thread_count_does_not_change_a_bit(host, fmt):
     k = width(fmt, 576)
     qt = quantized(300, k, fmt, seed=7)
