@@ -118,10 +118,13 @@ class RecentWork:
         self.max_open = max_open
         self._open: dict[tuple[str, str], float] = {}        # (node, request id) -> blocks, oldest first
         # the same per node (request id -> blocks), a node's dict kept when it empties, so
-        # that _names and _keys (its names and live key views, in its order) only grow
+        # that _names and _ids (its names and the sets of its request ids, in its order; a
+        # set's subset test is the fastest in C) only grow; _busy: their indices with open requests
         self._by_node: dict[str, dict[str, float]] = {}
         self._names: list[str] = []
-        self._keys: list = []
+        self._ids: list[set[str]] = []
+        self._index: dict[str, int] = {}
+        self._busy: set[int] = set()
         self._flying: tuple[dict | None, list] = (None, [])   # (in_flight_of, the sets of _names there)
         self._done: dict[str, tuple[float, float]] = {}      # node -> (value, at)
         self._slot: dict[str, int] = {}                     # node -> its index in the arrays below
@@ -139,7 +142,9 @@ class RecentWork:
         """Count ``blocks`` of work finished on ``node`` at ``now``."""
         if self.decay > 0:
             value = self._done[node] = (self.value(node, now) + blocks, now)
-            i = self.slots((node,))[0]
+            i = self._slot.get(node)
+            if i is None:
+                i = int(self.slots((node,))[0])
             self._value[i], self._at[i] = value
 
     def slots(self, names: Sequence[str]) -> np.ndarray:
@@ -174,14 +179,22 @@ class RecentWork:
         reqs = self._by_node.get(node)
         if reqs is None:
             reqs = self._by_node[node] = {}
+            self._index[node] = len(self._names)
             self._names.append(node)
-            self._keys.append(reqs.keys())
+            self._ids.append(set())
         reqs[request_id] = blocks
+        i = self._index[node]
+        self._ids[i].add(request_id)
+        self._busy.add(i)
         while len(self._open) > self.max_open:             # a coordinator that never settles
             self._forget(*next(iter(self._open)))
 
     def _forget(self, node: str, request_id: str) -> float:
-        del self._by_node[node][request_id]
+        reqs, i = self._by_node[node], self._index[node]
+        del reqs[request_id]
+        self._ids[i].discard(request_id)
+        if not reqs:
+            self._busy.discard(i)
         return self._open.pop((node, request_id))
 
     def settle(self, nodes: Sequence[NodeInfo], now: float) -> None:
@@ -202,12 +215,13 @@ class RecentWork:
             flying = flying + list(map(in_flight_of.get, self._names[len(flying):], repeat(_NOTHING)))
             self._flying = (in_flight_of, flying)
         # per node: are all its open requests still in flight there? (a subset test per node, in C)
-        still = list(map(le, self._keys, flying))
+        busy = list(self._busy)                             # nodes are independent: any order
+        still = list(map(le, map(self._ids.__getitem__, busy), map(flying.__getitem__, busy)))
         if all(still):
             return
         names = self._names
         ended: list[tuple[str, str]] = []
-        for i in compress(range(len(names)), map(not_, still)):
+        for i in compress(busy, map(not_, still)):
             ended.extend((names[i], rid) for rid in self._by_node[names[i]] if rid not in flying[i])
         for name, rid in ended:
             self.add(name, self._forget(name, rid), now)
