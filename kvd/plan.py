@@ -143,25 +143,37 @@ def _extra(p) -> None:
     p.add_argument("--top", type=int, default=5, help="candidates to print (default 5)")
 
 
-def main(argv: list[str]) -> int:
+@dataclass
+class Plan:
+    """What a search considered: every candidate with its simulated metrics,
+    those meeting the SLOs, the ranking (best first) and its inputs."""
+
+    tried: list[Candidate]
+    good: list[Candidate]
+    ranked: list[Candidate]
+    form: ClosedForm
+    base: Shape
+    pct: str
+    prompt_len: float
+    output_len: float
+
+
+def search(own, args) -> Plan:
+    """Simulate every candidate for ``kvd plan``'s parsed flags (``parse(argv,
+    PROG, _extra)``); raises SimUsageError (one line) for a bad flag."""
     from tools.loadgen import metrics
     from tools.loadgen.metrics import Slo, percentile_label
 
-    own, args = parse(argv, PROG, _extra)
-    try:
-        if own.slo_ttft is None or own.slo_tpot is None or own.max_nodes is None:
-            raise SimUsageError("--slo-ttft MS, --slo-tpot MS and --max-nodes N are required")
-        if not (own.slo_ttft > 0 and own.slo_tpot > 0 and math.isfinite(own.slo_ttft + own.slo_tpot)):
-            raise SimUsageError("--slo-ttft and --slo-tpot must be positive numbers of milliseconds")
-        if not 1 <= own.max_nodes <= 64:
-            raise SimUsageError("--max-nodes must be in 1..64")
-        if not 0 < own.percentile < 100 or own.top < 1:
-            raise SimUsageError("--percentile must be in (0, 100) and --top >= 1")
-        base = load_shape(own.config, own.profile, 1, 0, own.routing)
-        conversations, opts, encode, _ = workload_of(args)
-    except SimUsageError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return 2
+    if own.slo_ttft is None or own.slo_tpot is None or own.max_nodes is None:
+        raise SimUsageError("--slo-ttft MS, --slo-tpot MS and --max-nodes N are required")
+    if not (own.slo_ttft > 0 and own.slo_tpot > 0 and math.isfinite(own.slo_ttft + own.slo_tpot)):
+        raise SimUsageError("--slo-ttft and --slo-tpot must be positive numbers of milliseconds")
+    if not 1 <= own.max_nodes <= 64:
+        raise SimUsageError("--max-nodes must be in 1..64")
+    if not 0 < own.percentile < 100 or own.top < 1:
+        raise SimUsageError("--percentile must be in (0, 100) and --top >= 1")
+    base = load_shape(own.config, own.profile, 1, 0, own.routing)
+    conversations, opts, encode, _ = workload_of(args)
     pct = percentile_label(own.percentile)
     slo = Slo.parse([f"ttft:{own.slo_ttft:g}", f"tpot:{own.slo_tpot:g}"])
     turns = [t for c in conversations for t in c.turns]
@@ -183,11 +195,22 @@ def main(argv: list[str]) -> int:
         k.metrics = metrics.compute_metrics(records, duration, percentiles, slo)
     good = [k for k in tried if meets(k.metrics, pct, own.slo_ttft, own.slo_tpot)]
     ranked = sorted(good or tried, key=lambda k: (-k.metrics["request_goodput"] / k.nodes, k.nodes, k.label))
+    return Plan(tried, good, ranked, form, base, pct, prompt_len, output_len)
+
+
+def main(argv: list[str]) -> int:
+    own, args = parse(argv, PROG, _extra)
+    try:
+        plan = search(own, args)
+    except SimUsageError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    tried, good, ranked, pct = plan.tried, plan.good, plan.ranked, plan.pct
     print(_table(ranked[:own.top], pct, own.slo_ttft, own.slo_tpot))
     if not good:
         print(f"{PROG}: error: no configuration within {own.max_nodes} node(s) meets the SLOs: "
-              + binding(tried, form, base, pct, own.slo_ttft, own.slo_tpot, own.max_nodes, prompt_len, output_len),
-              file=sys.stderr)
+              + binding(tried, plan.form, plan.base, pct, own.slo_ttft, own.slo_tpot, own.max_nodes,
+                        plan.prompt_len, plan.output_len), file=sys.stderr)
         return 2
     best = ranked[0]
     print(f"{PROG}: best: {best.label} on {best.nodes} node(s), goodput "
