@@ -7,7 +7,8 @@ of ``--input-len`` tokens sharing ``--prefixes`` prefixes of half that
 length, ``--output-len`` tokens out), and reports the wall time the
 simulation took, events per wall second, the router's wall time per routing
 decision (the coordinator's real PromptTreeRouter and global prompt trees,
-at that many nodes), the output throughput, p50/p99 TTFT, and whether the
+at that many nodes), the CPU time it got (on a shared host, less than the
+wall time), the output throughput, p50/p99 TTFT, and whether the
 cluster kept up (completed requests per second within 5% of the offered
 rate and p50 TTFT within 3x the lowest rate's): the first rate that does
 not is where it saturates. The prompts are token ids made here (the
@@ -69,15 +70,15 @@ def main() -> None:
         rate = per_node * args.nodes
         n = max(1, int(rate * args.seconds))
         convs, encode = workload(n, args.input_len, args.output_len, args.prefixes, seed=0)
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         records, duration, cluster = simulate(shape, convs, WorkloadOptions(request_rate=rate, seed=0), encode)
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
         m = compute_metrics(records, duration, [50, 99])
         d = cluster.describe()
         base_ttft = base_ttft or m["median_ttft_ms"]
         kept_up = m["completed"] / args.seconds >= 0.95 * rate and m["median_ttft_ms"] <= 3 * base_ttft
         row = {"nodes": args.nodes, "rate_per_node": per_node, "requests": n, "simulated_s": round(duration, 1),
-               "wall_s": round(wall, 1), "events_per_s": round(cluster.events.processed / wall),
+               "wall_s": round(wall, 1), "cpu_s": round(cpu, 1), "events_per_s": round(cluster.events.processed / wall),
                "route_us_per_decision": d["route_us_per_decision"], "steps": d["steps"],
                "output_throughput": round(m["output_throughput"], 1),
                "median_ttft_ms": round(m["median_ttft_ms"], 1), "p99_ttft_ms": round(m["p99_ttft_ms"], 1),
