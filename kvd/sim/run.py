@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -194,7 +195,9 @@ def main(argv: list[str]) -> int:
                                max_concurrency=args.max_concurrency, request_rate=args.request_rate,
                                errors=errors, faults=cluster.failover.faults))
     print(f"{PROG}: {len(records)} requests on {shape.nodes} simulated node(s) "
-          f"({', '.join(shape.roles)}), {duration:.1f} s simulated in {wall:.1f} s", file=sys.stderr)
+          f"({', '.join(f'{n} {role}' for role, n in Counter(shape.roles).items())}), {duration:.1f} s "
+          f"simulated in {wall:.1f} s; the router took {cluster.describe()['route_us_per_decision']:.0f} µs "
+          f"per decision", file=sys.stderr)
     if args.save_result:
         args.label = args.label or "kvd-simulate"
         config = _config(args, shape.profile.model, spec)
