@@ -16,9 +16,7 @@ A GGUF tensor of a kernels/gguf_blocks.py format, decoded to ``SubBlocks``
 "Kept" means the kernel computes with the file's weights: a sub-block's scale and
 min are exact fp32 products of the file's fp16 and integer scales, the quants
 are the file's integers (KQ5_0's ``d (q - 16)`` as the file computes it), so
-``QuantTensor.dequantize`` is gguf-py's dequantization bit for bit (Q6_K and
-the other KQ6 sources: gguf-py rounds ``(d * sc) * q`` to fp32, which the kernel's
-integer dot never forms; its weights are the exact products).
+``QuantTensor.dequantize`` is gguf-py's dequantization bit for bit.
 
 ``NATIVE`` are the types the issue asks kernels for; ``CONVERTED`` the rest,
 whose load logs what the conversion costs (``conversion_note``).
@@ -47,7 +45,7 @@ def repack(fmt: str, sub: SubBlocks) -> QuantTensor:
 
 def repack_to(target: str, sub: SubBlocks) -> QuantTensor:
     """``sub`` as a ``QuantTensor`` in the rows layout of ``target``, every weight kept (a
-    KS target needs ``sub.factors``; KQ6 a sub-block of 16 or 32, the others of 32)."""
+    KS target needs ``sub.factors``, the others a sub-block of 32)."""
     rows, cols = sub.q.shape
     nb = cols // BLOCK
     if target in ("KS4", "KS5", "KS6", "KS2", "KS3", "KSI4"):
@@ -63,10 +61,6 @@ def repack_to(target: str, sub: SubBlocks) -> QuantTensor:
             body.append(_f16(-sub.min.view(rows, nb, 1)))
         lo = q & 15
         body += [_hbits(q >> 4), lo[..., :16] | (lo[..., 16:] << 4)]
-    elif target == "KQ6":
-        # per 16: d0, d1 (a format with one scale per 32 gives it twice)
-        scales = sub.scale.view(rows, nb, 2) if sub.size == 16 else sub.scale.view(rows, nb, 1).expand(rows, nb, 2)
-        body = [_f32(scales), sub.q.view(rows, nb, 32).view(torch.uint8)]
     else:
         raise ValueError(f"no repack into {target!r} (have: {', '.join(sorted(set(TARGET.values())))})")
     data = torch.cat(body, dim=-1).reshape(rows, nb * FORMATS[target].block_bytes)
@@ -139,11 +133,6 @@ def conversion_note(fmt: str, tensors: int, file_bytes: int, served_bytes: int, 
 def _f16(t: torch.Tensor) -> torch.Tensor:
     """fp32 [..., n] of fp16 values (the file's scales, exact) -> their fp16 bytes [..., 2 n]."""
     return t.contiguous().to(torch.float16).view(torch.uint8)
-
-
-def _f32(t: torch.Tensor) -> torch.Tensor:
-    """fp32 [..., n] -> its bytes [..., 4 n] (little-endian, as the kernels read them)."""
-    return t.contiguous().to(torch.float32).view(torch.uint8)
 
 
 def _hbits(h: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Block-quantized matrices: GGUF's Q4_0, Q4_1, Q8_0 as the file stores them, and
-kvd's KQ6, KQ5_0, KQ5_1, KS4, KS5, KS6, KS2 that the K-quants, Q5 types, Q3_K and
-IQ4_XS are repacked into at load (kernels/kquant_repack.py).
+kvd's KQ5_0, KQ5_1, KI4, KS4, KS5, KS6, KS2, KS3, KSI4 that the K-quants, the Q5 and the
+IQ4 types are repacked into at load (kernels/kquant_repack.py).
 
 A ``QuantTensor`` is a matrix ``[rows, cols]`` whose every row is
 ``cols / 32`` blocks of 32 weights in one of these block formats::
@@ -8,7 +8,6 @@ A ``QuantTensor`` is a matrix ``[rows, cols]`` whose every row is
     Q4_0  18 B / 32 weights  fp16 d, 16 B nibbles      w = d * (q - 8)
     Q4_1  20 B / 32 weights  fp16 d, fp16 m, 16 B      w = d * q + m
     Q8_0  34 B / 32 weights  fp16 d, 32 x int8         w = d * q
-    KQ6   40 B / 32 weights  fp32 d0, fp32 d1, 32 x int8         w = d0 * q, d1 * q (second 16)
     KQ5_0 22 B / 32 weights  fp16 d, u32 hbits, 16 B             w = d * (q + 16 h - 16)
     KQ5_1 24 B / 32 weights  fp16 d, fp16 m, u32 hbits, 16 B     w = d * (q + 16 h) + m
     KS4  148 B / 256 weights fp16 d, dmin, 8 x (u8 sc, m), 8 x 16 B        w = (d sc) q - dmin m
@@ -35,7 +34,7 @@ layouts:
 - ``x8`` (the kernels', ``pack()``): rows in groups of 8, the last padded with
   zero blocks, ``[ceil(rows / 8), 8 * row_bytes]``; for each group and block the
   8 rows' blocks transposed as 2-byte words (word i of rows 0..7, then word
-  i + 1), a KQ6 block's leading ``wide_bytes`` (fp32 scales) as 4-byte words. The same bytes, reordered so that one vector load holds a word of 8
+  i + 1). The same bytes, reordered so that one vector load holds a word of 8
   rows (kernels/csrc/quant_gemm.h says what the kernels make of it).
 
 ``dequantize`` is the torch reference: it gives bit for bit what gguf-py's
@@ -64,7 +63,6 @@ class BlockFormat:
     name: str
     code: int                   # enum Format in kernels/csrc/quant_blocks.h
     block_bytes: int
-    wide_bytes: int = 0         # leading bytes that are 4-byte words (fp32 scales)
     weights: int = BLOCK        # weights per block
 
     def bits_per_weight(self) -> float:
@@ -72,12 +70,11 @@ class BlockFormat:
 
 
 FORMATS = {f.name: f for f in (BlockFormat("Q4_0", 0, 18), BlockFormat("Q4_1", 1, 20),
-                                BlockFormat("Q8_0", 2, 34), BlockFormat("KQ6", 3, 40, 8),
-                                BlockFormat("KQ5_0", 4, 22), BlockFormat("KQ5_1", 5, 24),
+                                BlockFormat("Q8_0", 2, 34), BlockFormat("KQ5_0", 3, 22),
+                                BlockFormat("KQ5_1", 4, 24), BlockFormat("KI4", 5, 18),
                                 BlockFormat("KS4", 6, 148, weights=256), BlockFormat("KS5", 7, 180, weights=256),
                                 BlockFormat("KS6", 8, 210, weights=256), BlockFormat("KS2", 9, 84, weights=256),
-                                BlockFormat("KS3", 10, 114, weights=256), BlockFormat("KI4", 11, 18),
-                                BlockFormat("KSI4", 12, 138, weights=256))}
+                                BlockFormat("KS3", 10, 114, weights=256), BlockFormat("KSI4", 11, 138, weights=256))}
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 # the formats a GGUF file stores (the others are kvd's, made at load)
 GGUF_FORMATS = ("Q4_0", "Q4_1", "Q8_0")
@@ -131,18 +128,9 @@ class QuantTensor:
         blocks = data.view(groups, GROUP, nb, self.fmt.block_bytes)
         packed = (torch.empty(groups * GROUP * data.shape[1], dtype=torch.uint8) if arena is None
                   else arena.take(groups * GROUP * data.shape[1])).view(groups, nb, GROUP * self.fmt.block_bytes)
-        at = 0
-        for width, nbytes in self._word_runs():       # [g, 8, nb, bytes] -> [g, nb, words, 8, width]
-            words = blocks[..., at:at + nbytes].reshape(groups, GROUP, nb, nbytes // width, width)
-            packed[..., GROUP * at:GROUP * (at + nbytes)].view(groups, nb, nbytes // width, GROUP, width).copy_(
-                words.permute(0, 2, 3, 1, 4))
-            at += nbytes
+        words = blocks.view(groups, GROUP, nb, self.fmt.block_bytes // 2, 2)   # -> [g, nb, words, 8, 2]
+        packed.view(groups, nb, self.fmt.block_bytes // 2, GROUP, 2).copy_(words.permute(0, 2, 3, 1, 4))
         return QuantTensor(self.fmt, self.shape, packed.view(groups, -1), X8)
-
-    def _word_runs(self) -> list[tuple[int, int]]:
-        """(word width, bytes) of a block's runs of words: 4-byte words first, if any."""
-        wide = self.fmt.wide_bytes
-        return [(4, wide), (2, self.fmt.block_bytes - wide)] if wide else [(2, self.fmt.block_bytes)]
 
     def unpack(self) -> QuantTensor:
         """This matrix in the rows layout (itself when it is): ``pack``'s inverse."""
@@ -150,14 +138,9 @@ class QuantTensor:
             return self
         rows, cols = self.shape
         groups, nb, bb = self.data.shape[0], cols // self.fmt.weights, self.fmt.block_bytes
-        packed = self.data.view(groups, nb, GROUP * bb)
+        words = self.data.view(groups, nb, bb // 2, GROUP, 2)
         blocks = torch.empty(groups, GROUP, nb, bb, dtype=torch.uint8)
-        at = 0
-        for width, nbytes in self._word_runs():
-            words = packed[..., GROUP * at:GROUP * (at + nbytes)].reshape(groups, nb, nbytes // width, GROUP, width)
-            blocks[..., at:at + nbytes].view(groups, GROUP, nb, nbytes // width, width).copy_(
-                words.permute(0, 3, 1, 2, 4))
-            at += nbytes
+        blocks.view(groups, GROUP, nb, bb // 2, 2).copy_(words.permute(0, 3, 1, 2, 4))
         return QuantTensor(self.fmt, self.shape, blocks.view(groups * GROUP, -1)[:rows])
 
     @property
@@ -196,10 +179,6 @@ def _dequantize(fmt: BlockFormat, data: torch.Tensor, cols: int) -> torch.Tensor
     def half(at: int) -> torch.Tensor:                                 # fp16 field -> fp32 [R, nb, 1]
         return blocks[..., at:at + 2].contiguous().view(torch.float16).float()
 
-    if fmt.name == "KQ6":                                              # fp32 d0, d1 per 16
-        d = blocks[..., 0:8].contiguous().view(torch.float32)           # [R, nb, 2]
-        q = blocks[..., 8:].contiguous().view(torch.int8).float().view(rows, -1, 2, 16)
-        return (d.unsqueeze(-1) * q).reshape(rows, cols)
     if fmt.name in ("KS4", "KS5", "KS6", "KS2", "KS3", "KSI4"):
         return _dequantize_ks(fmt.name, blocks).reshape(rows, cols)
     d = half(0)

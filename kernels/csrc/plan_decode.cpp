@@ -69,7 +69,7 @@ inline bool matrix_fits(int32_t format, int64_t k) {
 
 // Bytes of 8 rows of W (the claims' unit: a group of the x8 layout)
 inline int64_t rows8_bytes(int32_t format, int64_t k) {
-    return dense(format) ? 8 * k * dense_elem_bytes(format) : group_bytes(format == FMT_PARTS ? KQ6 : format, k);
+    return dense(format) ? 8 * k * dense_elem_bytes(format) : group_bytes(format == FMT_PARTS ? Q8_0 : format, k);
 }
 
 // Batches of at most this many rows run row-local ops on every thread (kvd_plan_decode).

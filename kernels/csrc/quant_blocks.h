@@ -16,11 +16,8 @@
 namespace {
 
 // Q4_0, Q4_1, Q8_0: ggml's blocks as the file has them. The others are kvd's own, what
-// kernels/kquant_repack.py makes at load of the K-quants, Q5_0 / Q5_1, Q3_K and IQ4_XS, every
-// weight's value kept. KQ6: per 32 weights, two fp32 scales (exact products of the file's fp16
-// super-block scale and its sub-block integer scales) ahead of int8 quants (Q3_K, IQ4_XS):
-//
-//     KQ6  40 B  fp32 d0, fp32 d1, 32 x int8                  w = d0 * q (0..15), d1 * q (16..31)
+// kernels/kquant_repack.py makes at load of the K-quants, Q5_0 / Q5_1 and IQ4_NL / IQ4_XS,
+// every weight's value kept, every field a 16-bit word.
 //
 // KQ5_0, KQ5_1: ggml's Q5_0 / Q5_1 blocks at the file's size, their u32 qh bits permuted into
 // the hbits order, every field a 16-bit word:
@@ -70,32 +67,27 @@ namespace {
 //
 //     KI4    18 B  fp16 d, 16 B nibbles                       w = d * v[q]
 //     KSI4  138 B  fp16 d, 8 x int8 sc, 8 x [16 B nibbles]    sub-block s: w = (d sc_s) v[q]
-enum Format { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, KQ6 = 3, KQ5_0 = 4, KQ5_1 = 5, KS4 = 6, KS5 = 7, KS6 = 8, KS2 = 9,
-              KS3 = 10, KI4 = 11, KSI4 = 12 };
+enum Format { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, KQ5_0 = 3, KQ5_1 = 4, KI4 = 5, KS4 = 6, KS5 = 7, KS6 = 8, KS2 = 9,
+              KS3 = 10, KSI4 = 11 };
 constexpr int FORMAT_LAST = KSI4;                // formats are 0 .. FORMAT_LAST
 constexpr int QK = 32;                          // weights per block (a super-block's sub-block)
 constexpr int SUBS = 8;                         // sub-blocks of a super-block
 
-constexpr bool super_block(int f) { return (f >= KS4 && f <= KS3) || f == KSI4; }
+constexpr bool super_block(int f) { return f >= KS4; }
 constexpr int64_t block_weights(int f) { return super_block(f) ? SUBS * QK : QK; }
 constexpr int64_t block_bytes(int f) {
     return f == Q4_0 ? 18 : f == Q4_1 ? 20 : f == Q8_0 ? 34 : f == KQ5_0 ? 22 : f == KQ5_1 ? 24 : f == KS4 ? 148
-           : f == KS5 ? 180 : f == KS6 ? 210 : f == KS2 ? 84 : f == KS3 ? 114 : f == KI4 ? 18 : f == KSI4 ? 138
-           : 40;
+           : f == KS5 ? 180 : f == KS6 ? 210 : f == KS2 ? 84 : f == KS3 ? 114 : f == KI4 ? 18 : 138;
 }
 // a super-block's bytes before its sub-blocks, and each sub-block's
 constexpr int64_t head_bytes(int f) { return f == KS6 || f == KS3 ? 18 : f == KSI4 ? 10 : 20; }
 constexpr int64_t sub_bytes(int f) {
     return f == KS4 || f == KSI4 ? 16 : f == KS5 ? 20 : f == KS2 ? 8 : f == KS3 ? 12 : 24;
 }
-// bytes at a block's start that are 32-bit words (KQ6's fp32 scales); the rest are 16-bit
-// words (the x8 layout transposes each kind by its own width)
-constexpr int64_t wide_bytes(int f) { return f == KQ6 ? 8 : 0; }
 constexpr bool has_min(int f) { return f == Q4_1 || f == KQ5_1 || f == KS4 || f == KS5 || f == KS2; }
-constexpr bool int8_quants(int f) { return f == Q8_0 || f == KQ6; }              // else nibbles (KS2: 2 bits)
-constexpr bool fp32_scales(int f) { return f == KQ6; }
+constexpr bool int8_quants(int f) { return f == Q8_0; }              // else nibbles (KS2, KS3: 2 bits)
 constexpr bool has_hbits(int f) { return f == KQ5_0 || f == KQ5_1 || f == KS5 || f == KS3; }  // 5-bit (KS3: 3-bit)
-constexpr bool two_scales(int f) { return f == KQ6 || f == KS6 || f == KS2 || f == KS3; }    // a scale per 16 weights
+constexpr bool two_scales(int f) { return f == KS6 || f == KS2 || f == KS3; }    // a scale per 16 weights
 constexpr bool two_bit_quants(int f) { return f == KS2 || f == KS3; }             // (KS3: and its hbits)
 constexpr bool iq4_values(int f) { return f == KI4 || f == KSI4; }                // nibbles index IQ4_VALUES
 // IQ4_NL / IQ4_XS's values (ggml's kvalues_iq4nl)
@@ -374,13 +366,7 @@ inline void dequant_sub(const uint8_t* blk, int s, V16* lo, V16* hi) {
 // One block's 32 weights in fp32: lo = elements 0..15, hi = 16..31 (exact, see the header).
 template <int F>
 inline void dequant_block(const uint8_t* blk, V16* lo, V16* hi) {
-    if constexpr (F == KQ6) {
-        float d0, d1;
-        memcpy(&d0, blk, 4);
-        memcpy(&d1, blk + 4, 4);
-        *lo = vmul(vset1(d0), i8_to_v16(blk + 8));
-        *hi = vmul(vset1(d1), i8_to_v16(blk + 24));
-    } else if constexpr (F == KQ5_0 || F == KQ5_1) {
+    if constexpr (F == KQ5_0 || F == KQ5_1) {
         // the file's operations: d * (q - 16) (exact), or d * q rounded, then + m (gguf-py's order)
         uint32_t h;
         memcpy(&h, blk + hbits_at(F), 4);

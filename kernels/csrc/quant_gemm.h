@@ -175,9 +175,6 @@ inline void quantize_rows(const float* x, int64_t ldx, int64_t m0, int64_t m1, c
 //     bytes [16, 32)     word 1: the 8 rows' fp16 m (Q4_1; Q4_0 and Q8_0 start their quants here)
 //     then quant word t: 16 bytes, row r's block bytes (2t, 2t + 1) at (2r, 2r + 1)
 //
-// kvd's KQ6 blocks start with 32-bit words (wide_bytes: fp32 scales), transposed as 32-bit
-// words: wide word i is 32 bytes, row r's block bytes [4i, 4i + 4) at [4r, 4r + 4), so 8
-// rows' fp32 d load as one vector; their 16-bit words (the quants) follow as above.
 //
 // A Q4 block's byte j holds weight j in its low nibble and j + 16 in its high, so quant
 // word t (t < 8) carries every row's weight pair (2t, 2t + 1) in its low nibbles and pair
@@ -198,7 +195,7 @@ constexpr int64_t group_bytes(int f, int64_t K) { return K / block_weights(f) * 
 // 32 is its group-sub-block (block_quants): 8 rows' sub-block s, its quant words from its start
 // (KS5: after its hbits words); the scales are the group-super-block's head.
 constexpr int quant_word0(int f) {
-    return f == Q4_1 ? 2 : f == KQ6 || f == KQ5_1 ? 4 : f == KQ5_0 ? 3 : f == KS5 ? 2
+    return f == Q4_1 ? 2 : f == KQ5_1 ? 4 : f == KQ5_0 ? 3 : f == KS5 ? 2
            : f == KS4 || f == KS6 || f == KS2 || f == KSI4 ? 0 : f == KS3 ? 2 : 1;
 }
 // bytes of 8 rows' weights of one block of 32 (a KS format: the sub-block, its share of the head)
@@ -328,7 +325,7 @@ inline void widen_pairs(const uint8_t* gb, int t, __m256i* lo, __m256i* hi) {
 // lane r = row r's exact integer dot of block gb with x's quantized block xq. Four
 // independent sums: with VNNI each multiply-add also adds into its sum (5 cycles of latency
 // on Intel), and two chains of eight made the one-row path wait on them, not on memory.
-// s1 and s3 take pairs 8..15 (weights 16..31), so KQ6 has its halves' dots apart:
+// s1 and s3 take pairs 8..15 (weights 16..31), so a two-scale format has its halves' dots apart:
 // *second = the dot of weights 16..31 (its own scale), the result that of 0..15.
 template <int F>
 inline __m256i block_dots(const uint8_t* gb, const int16_t* xq, __m256i* second = nullptr) {
@@ -349,14 +346,9 @@ inline __m256i block_dots(const uint8_t* gb, const int16_t* xq, __m256i* second 
     return _mm256_add_epi32(_mm256_add_epi32(s0, s1), _mm256_add_epi32(s2, s3));
 }
 
-// the group-block's 8 d (and the 8 m of a format with one; KQ6: the 8 d1) as fp32 lanes
+// the group-block's 8 d (and the 8 m of a format with one) as fp32 lanes
 template <int F>
 inline void group_scales(const uint8_t* gb, __m256* dw, __m256* mw) {
-    if constexpr (fp32_scales(F)) {
-        *dw = _mm256_loadu_ps((const float*)gb);
-        *mw = _mm256_loadu_ps((const float*)(gb + 32));
-        return;
-    }
     *dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)gb));
     *mw = has_min(F) ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(gb + 16))) : _mm256_setzero_ps();
 }
@@ -405,7 +397,7 @@ inline void block_scales(const uint8_t* group, int64_t b, __m256* dw, __m256* mw
 struct Acc { __m256 acc, accm; };
 
 // The fp32 chain of 8 outputs for one block: lane r's isum with row r's scales, x row i's.
-// KQ6: isum1 is weights 16..31's dot, chained after isum's with its own scale (mw = d1).
+// A two-scale format: isum1 is weights 16..31's dot, chained after isum's with its own scale (mw).
 // KS2: then its mins, through x's exact integer half sums: accm += (-dmin d_x) (m0 qs0 + m1 qs1),
 // the integer exact in fp32 (|m qs| < 2^23 each, so the product and the fma do not round).
 template <int F>
@@ -456,7 +448,7 @@ inline void group_block_rows(const WGroup& g, const QRows& x, int64_t m, int64_t
         s0[r] = _mm256_setzero_si256();
         s1[r] = _mm256_setzero_si256();
     }
-    // pairs p and p + 1 (KQ6: p and p + 8, the block's halves, whose dots it keeps apart)
+    // pairs p and p + 1 (two scales: p and p + 8, the block's halves, whose dots it keeps apart)
     constexpr int STEP = two_scales(F) ? 1 : 2, OTHER = two_scales(F) ? PAIRS / 2 : 1;
     for (int p = 0; p < (two_scales(F) ? PAIRS / 2 : PAIRS); p += STEP) {
         const __m256i w0 = g.w[p], w1 = g.w[p + OTHER];
@@ -553,7 +545,7 @@ inline void group2_block_rows(const WGroup2& g, const QRows& x, int64_t m, int64
         s0[r] = _mm512_setzero_si512();
         s1[r] = _mm512_setzero_si512();
     }
-    // as group_block_rows: pairs p and p + 1, or KQ6's p and p + 8 (its halves, kept apart)
+    // as group_block_rows: pairs p and p + 1, or p and p + 8 (two scales: the halves, kept apart)
     constexpr int STEP = two_scales(F) ? 1 : 2, OTHER = two_scales(F) ? PAIRS / 2 : 1;
     for (int p = 0; p < (two_scales(F) ? PAIRS / 2 : PAIRS); p += STEP) {
         const __m512i w0 = g.w[p], w1 = g.w[p + OTHER];
@@ -610,13 +602,8 @@ inline void load_group(const uint8_t* group, int64_t b, WGroup* g) {
     const uint8_t* gb = group + b * group_block_bytes(F);
     const uint8_t* q = gb + 16 * quant_word0(F);
     for (int r = 0; r < GROUP; r++) {
-        if constexpr (fp32_scales(F)) {
-            memcpy(&g->dw[r], gb + 4 * r, 4);
-            memcpy(&g->mw[r], gb + 32 + 4 * r, 4);
-        } else {
-            g->dw[r] = fp16_to_f32(gb + 2 * r);
-            g->mw[r] = has_min(F) ? fp16_to_f32(gb + 16 + 2 * r) : 0.0f;
-        }
+        g->dw[r] = fp16_to_f32(gb + 2 * r);
+        g->mw[r] = has_min(F) ? fp16_to_f32(gb + 16 + 2 * r) : 0.0f;
         uint16_t h[2] = {0, 0};                 // row r's hbits lanes (widen_word's)
         if constexpr (F == KQ5_0 || F == KQ5_1) {
             memcpy(&h[0], gb + 8 * hbits_at(F) + 2 * r, 2);
@@ -645,7 +632,7 @@ inline void group_block_row(const WGroup& g, const QRows& x, int64_t m, int64_t 
     const int16_t* xq = x.q + m * x.K + b * QK;
     const int64_t i = m * x.nb + b;
     for (int r = 0; r < GROUP; r++) {
-        int32_t isum = 0, isum1 = 0;            // KQ6: weights 0..15, 16..31 apart
+        int32_t isum = 0, isum1 = 0;            // two scales: weights 0..15, 16..31 apart
         for (int k = 0; k < QK; k++) {
             if (two_scales(F) && k >= QK / 2) isum1 += (int32_t)g.w[r][k] * xq[k];
             else isum += (int32_t)g.w[r][k] * xq[k];
@@ -983,7 +970,6 @@ inline bool matmul_range(int format, const uint8_t* w, int64_t n0, int64_t n1, c
         case Q4_0: matmul_range<Q4_0>(w, n0, n1, x, M, y, ldy); return true;
         case Q4_1: matmul_range<Q4_1>(w, n0, n1, x, M, y, ldy); return true;
         case Q8_0: matmul_range<Q8_0>(w, n0, n1, x, M, y, ldy); return true;
-        case KQ6: matmul_range<KQ6>(w, n0, n1, x, M, y, ldy); return true;
         case KQ5_0: matmul_range<KQ5_0>(w, n0, n1, x, M, y, ldy); return true;
         case KQ5_1: matmul_range<KQ5_1>(w, n0, n1, x, M, y, ldy); return true;
         case KS4: matmul_range<KS4>(w, n0, n1, x, M, y, ldy); return true;
@@ -1021,11 +1007,7 @@ void gather_rows(const uint8_t* w, int64_t K, const int64_t* ids, int64_t T, flo
             continue;
         }
         for (int64_t b = 0; b < nb; b++) {
-            // the 32-bit words (x8: 32 bytes each), then the 16-bit ones (16 bytes each)
-            constexpr int64_t WB = wide_bytes(F);
-            for (int64_t i = 0; i < WB / 4; i++) memcpy(blk + 4 * i, group + b * GB + 32 * i + 4 * r, 4);
-            for (int64_t i = 0; i < (BB - WB) / 2; i++)
-                memcpy(blk + WB + 2 * i, group + b * GB + 8 * WB + 16 * i + 2 * r, 2);
+            for (int64_t i = 0; i < BB / 2; i++) memcpy(blk + 2 * i, group + b * GB + 16 * i + 2 * r, 2);
             V16 lo, hi;
             dequant_block<F>(blk, &lo, &hi);
             vstore(out + t * K + b * QK, lo);
@@ -1039,7 +1021,6 @@ inline bool gather_rows_any(int format, const uint8_t* w, int64_t K, const int64
         case Q4_0: gather_rows<Q4_0>(w, K, ids, T, out); return true;
         case Q4_1: gather_rows<Q4_1>(w, K, ids, T, out); return true;
         case Q8_0: gather_rows<Q8_0>(w, K, ids, T, out); return true;
-        case KQ6: gather_rows<KQ6>(w, K, ids, T, out); return true;
         case KQ5_0: gather_rows<KQ5_0>(w, K, ids, T, out); return true;
         case KQ5_1: gather_rows<KQ5_1>(w, K, ids, T, out); return true;
         case KS4: gather_rows<KS4>(w, K, ids, T, out); return true;

@@ -1,5 +1,5 @@
 // y = x · Wᵀ with W kept in a GGUF block format (Q4_0, Q4_1, Q8_0) or one of kvd's (quant_blocks.h:
-// KQ6, KQ5_0, KQ5_1, KS4-KS6, KS2, the K-quants, Q5 types and Q3_K / IQ4_XS repacked at load), activations
+// KQ5_0, KQ5_1, KI4, KS4-KS6, KS2, KS3, KSI4: the K-quants, Q5 and IQ4 types repacked at load), activations
 // quantized to 16 bits per 32-block.
 //
 // Called through ctypes from kernels/quant_linear.py, which documents the
@@ -31,7 +31,7 @@
 //     acc  = fma(d_w * d_x, (float)isum, acc)
 //     accm = fma(m_w, s_x, accm)                      the formats with a min (has_min)
 //
-// (KQ6, KS6 and KS2, two scales a block: isum over weights 0..15 with d0, then acc = fma(d1 * d_x,
+// (KS6, KS2 and KS3, two scales a block: isum over weights 0..15 with d0, then acc = fma(d1 * d_x,
 // (float)isum1, acc) over 16..31; a KS format's d_w, m_w are formed in registers, exact; KS2's
 // mins, one per 16 weights, take x's exact integer sums over the halves, qs0 and qs1:
 // accm = fma(-dmin * d_x, m0 * qs0 + m1 * qs1, accm), that integer exact in fp32) and

@@ -44,11 +44,9 @@ def portable() -> QuantKernel:
 
 # kvd's block formats (the K-quants repacked at load) -> the GGUF type a test quantizes
 # with gguf-py, or draws as random valid blocks (a K-quant), and repacks
-KQ_SOURCE = {"KQ6": "Q3_K", "KQ5_0": "Q5_0", "KQ5_1": "Q5_1", "KS4": "Q4_K", "KS5": "Q5_K", "KS6": "Q6_K",
+KQ_SOURCE = {"KQ5_0": "Q5_0", "KQ5_1": "Q5_1", "KS4": "Q4_K", "KS5": "Q5_K", "KS6": "Q6_K",
              "KS2": "Q2_K", "KS3": "Q3_K", "KI4": "IQ4_NL", "KSI4": "IQ4_XS"}
-# the formats whose blocks start with fp32 scales (the others' are fp16), and the bytes of
-# fp16 scales at the start of the others' blocks
-FP32_SCALED = ("KQ6",)
+# the bytes of fp16 scales at the start of a format's blocks
 HALF_SCALE_BYTES = {"Q4_1": 4, "KQ5_1": 4, "KS4": 4, "KS5": 4, "KS2": 4}
 # a KS format's bytes before its quants (its head)
 KS_HEAD_BYTES = {"KS4": 20, "KS5": 20, "KS6": 18, "KS2": 20, "KS3": 18, "KSI4": 10}
@@ -70,10 +68,6 @@ def quantized(n: int, k: int, fmt: str, seed: int, scale: float = 0.05) -> Quant
     w = (torch.randn(n, k, generator=g) * scale).numpy()
     if fmt in KQ_SOURCE:
         src = KQ_SOURCE[fmt]
-        if fmt == "KQ6":            # Q3_K's sub-blocks of 16, the first k weights of each row
-            kk = -(-k // 256) * 256
-            sub = gguf_blocks.decode(src, torch.from_numpy(random_type_blocks(src, n, kk, g)), kk)
-            return kquant_repack.repack_to(fmt, gguf_blocks.SubBlocks(16, sub.scale[:, :k // 16], sub.q[:, :k], None))
         if src.endswith("_K") or src.startswith("IQ4"):   # random valid blocks (gguf-py quantizes none)
             data = torch.from_numpy(random_type_blocks(src, n, k, g))
             return kquant_repack.repack(src, gguf_blocks.decode(src, data, k))
@@ -89,11 +83,6 @@ def random_blocks(n: int, k: int, fmt: str, seed: int) -> QuantTensor:
     f = FORMATS[fmt]
     g = torch.Generator().manual_seed(seed)
     data = torch.randint(0, 256, (n, k // f.weights, f.block_bytes), generator=g, dtype=torch.uint8)
-    if fmt in FP32_SCALED:                        # fp32 d, m (KQ6: d0, d1)
-        single = data[..., :8].clone().view(torch.int32)
-        single &= ~0x40000000                     # exponent < 128: finite, |v| < 2 (no inf/nan)
-        data[..., :8] = single.view(torch.uint8)
-        return QuantTensor(fmt, (n, k), data.reshape(n, -1))
     scales = HALF_SCALE_BYTES.get(fmt, 2)
     half = data[..., :scales].clone().view(torch.int16)
     half &= ~0x4000                               # exponent < 16: finite, |v| < 2 (no inf/nan)
@@ -228,17 +217,12 @@ def test_the_x8_layout_is_the_same_bytes_reordered(fmt):
     qt = random_blocks(13, k, fmt, seed=3)
     packed = qt.pack()
     assert packed.layout == "x8" and packed.shape == qt.shape and packed.pack() is packed
-    bb, nb, wide = FORMATS[fmt].block_bytes, 3, FORMATS[fmt].wide_bytes
+    bb, nb = FORMATS[fmt].block_bytes, 3
     assert tuple(packed.data.shape) == (2, 8 * nb * bb)
     # group 1, block 2, 2-byte word 1 of row 12 (row 4 of its group): bytes 2..3 of its block
-    # after the 4-byte words (a KQ block's scales), which come first, 32 bytes a word
-    at = 2 * 8 * bb + 8 * wide + 16 * 1 + 2 * 4
-    assert packed.data[1, at:at + 2].tolist() == qt.data[12, 2 * bb + wide + 2:2 * bb + wide + 4].tolist()
-    if wide:                                  # 4-byte word 1 of row 12: bytes 4..7 of its block
-        at = 2 * 8 * bb + 32 * 1 + 4 * 4
-        assert packed.data[1, at:at + 4].tolist() == qt.data[12, 2 * bb + 4:2 * bb + 8].tolist()
-    width = 4 if wide else 2
-    assert not packed.data[1, width * 5:width * 8].any()                 # rows 13..15: padding
+    at = 2 * 8 * bb + 16 * 1 + 2 * 4
+    assert packed.data[1, at:at + 2].tolist() == qt.data[12, 2 * bb + 2:2 * bb + 4].tolist()
+    assert not packed.data[1, 2 * 5:2 * 8].any()                         # rows 13..15: padding
     assert torch.equal(packed.unpack().data, qt.data)
     in_arena = qt.pack(WeightArena())                                     # the model's way: huge pages
     assert in_arena.layout == "x8" and torch.equal(in_arena.data, packed.data)
@@ -327,9 +311,9 @@ def test_the_tile_path_computes_the_same_bits(portable, fmt):
     # of x that quantize to +-32767 throughout
     k = width(fmt, 64)
     qt = random_blocks(24, k, fmt, seed=1)
-    off = FORMATS[fmt].wide_bytes or KS_HEAD_BYTES.get(fmt, HALF_SCALE_BYTES.get(fmt, 2))
+    off = KS_HEAD_BYTES.get(fmt, HALF_SCALE_BYTES.get(fmt, 2))
     blocks = qt.data.view(24, k // FORMATS[fmt].weights, -1).clone()
-    blocks[..., off:] = 0x7F if fmt in ("Q8_0", "KQ6") else 0xFF
+    blocks[..., off:] = 0x7F if fmt == "Q8_0" else 0xFF
     qt = QuantTensor(fmt, (24, k), blocks.view(24, -1))
     x = torch.ones(20, k)
     x[1::2] = -1.0
@@ -367,7 +351,7 @@ def test_many_rows_give_each_row_its_bits_alone(host, portable, fmt):
             assert torch.equal(lin(x[r:r + 1])[0], full[r]), (n, k, r)
 
 
-@pytest.mark.parametrize("fmt", ["Q4_1", "KQ6", "KQ5_0", "KS4", "KS5", "KS6", "KS2", "KS3", "KI4", "KSI4"])
+@pytest.mark.parametrize("fmt", ["Q4_1", "KQ5_0", "KS4", "KS5", "KS6", "KS2", "KS3", "KI4", "KSI4"])
 def test_thread_count_does_not_change_a_bit(host, fmt):
     k = width(fmt, 576)
     qt = quantized(300, k, fmt, seed=7)
