@@ -22,6 +22,10 @@ TTFT and TPOT meet the SLOs. The top candidates are printed with their
 predicted metrics and the best is written as a kvd config. When none meets
 the SLOs it says which constraint binds (one line, exit 2): the unloaded
 floor of TTFT or TPOT (no cluster meets it), the KV memory, or the node budget.
+With ``--fail NODE@SECONDS`` (kvd simulate's faults, applied to every
+candidate that has that node) each candidate is tried with ``replicas`` 0
+and 1 (``recovery = "replica"``): replication's per-step cost against the
+requests it saves.
 """
 
 from __future__ import annotations
@@ -45,11 +49,13 @@ class Candidate:
     routing: str
     chunk: int
     metrics: dict | None = None
+    replicas: int | None = None       # None: the base config's (weighed only with --fail)
 
     @property
     def label(self) -> str:
         shape = f"{self.prefill}P:{self.nodes - self.prefill}D" if self.prefill else "mixed"
-        return f"{shape}, {self.routing}, chunk {self.chunk or 'off'}"
+        extra = "" if self.replicas is None else f", replicas {self.replicas}"
+        return f"{shape}, {self.routing}, chunk {self.chunk or 'off'}{extra}"
 
 
 @dataclass(frozen=True)
@@ -96,7 +102,9 @@ def candidates(max_nodes: int, form: ClosedForm, routings: list[str]) -> list[Ca
 
 
 def meets(m: dict, pct: str, slo_ttft: float, slo_tpot: float) -> bool:
-    return (m.get(f"p{pct}_ttft_ms") or 0) <= slo_ttft and (m.get(f"p{pct}_tpot_ms") or 0) <= slo_tpot
+    """Its percentiles meet both SLOs (a run where no request completed meets none)."""
+    ttft = m.get(f"p{pct}_ttft_ms")
+    return ttft is not None and ttft <= slo_ttft and (m.get(f"p{pct}_tpot_ms") or 0) <= slo_tpot
 
 
 def binding(best: list[Candidate], form: ClosedForm, shape: Shape, pct: str, slo_ttft: float,
@@ -114,9 +122,9 @@ def binding(best: list[Candidate], form: ClosedForm, shape: Shape, pct: str, slo
     if form.min_nodes_memory > max_nodes:
         return (f"KV memory binds: the requests in flight need about {form.min_nodes_memory} nodes' KV "
                 f"blocks, the budget is --max-nodes {max_nodes}")
-    top = min(best, key=lambda k: max(k.metrics[f"p{pct}_ttft_ms"] / slo_ttft,
+    top = min(best, key=lambda k: max((k.metrics[f"p{pct}_ttft_ms"] or math.inf) / slo_ttft,
                                       (k.metrics.get(f"p{pct}_tpot_ms") or 0) / slo_tpot))
-    ttft, tpot = top.metrics[f"p{pct}_ttft_ms"], top.metrics.get(f"p{pct}_tpot_ms") or 0
+    ttft, tpot = top.metrics[f"p{pct}_ttft_ms"] or math.inf, top.metrics.get(f"p{pct}_tpot_ms") or 0
     which = "TTFT" if ttft / slo_ttft >= tpot / slo_tpot else "TPOT"
     return (f"the node budget binds ({which} under load): the closest, {top.label} on {top.nodes} node(s), "
             f"has p{pct} TTFT {ttft:.0f} ms and TPOT {tpot:.1f} ms against {slo_ttft:g} / {slo_tpot:g} ms; "
@@ -131,7 +139,8 @@ def config_toml(best: Candidate, pct: str, cmd: str) -> str:
             f"p{pct} TTFT {m[f'p{pct}_ttft_ms']:.0f} ms, p{pct} TPOT {m[f'p{pct}_tpot_ms'] or 0:.1f} ms\n"
             f"# serve with: {serve}\n\n"
             f"[engine]\nprefill_chunk_tokens = {best.chunk}\n\n"
-            f"[cluster]\nrouting = \"{best.routing}\"\n")
+            f"[cluster]\nrouting = \"{best.routing}\"\n"
+            + (f"replicas = {best.replicas}\nrecovery = \"replica\"\n" if best.replicas is not None else ""))
 
 
 def _extra(p) -> None:
@@ -186,12 +195,18 @@ def search(own, args) -> Plan:
     routings = [own.routing] if own.routing else ["prompt-tree", "least-load"]
     tried = [k for k in candidates(own.max_nodes, form, routings)
              if k.chunk == 0 or base.profile.doc.get("chunked_prefill") is not False]
+    if own.faults:                    # with faults, replication is worth its cost or not: both are tried
+        tried = [replace(k, replicas=r) for k in tried for r in (0, 1)]
     percentiles = sorted({own.percentile, 50.0, 99.0})
     for k in tried:
         engine = replace(base.engine, prefill_chunk_tokens=k.chunk)
-        shape = Shape(engine, with_overrides(base.cluster, routing=k.routing),
-                      roles_for(k.nodes, k.prefill), base.profile)
-        records, duration, _ = simulate(shape, conversations, opts, encode)
+        cluster = with_overrides(base.cluster, routing=k.routing)
+        if k.replicas is not None:
+            cluster = with_overrides(cluster, replicas=k.replicas, recovery="replica")
+        shape = Shape(engine, cluster, roles_for(k.nodes, k.prefill), base.profile)
+        # a fault names a node by number: a candidate without that node does not have it
+        faults = [f for f in own.faults if f.node in {f"n{i + 1}" for i in range(k.nodes)}]
+        records, duration, _ = simulate(shape, conversations, opts, encode, faults=faults)
         k.metrics = metrics.compute_metrics(records, duration, percentiles, slo)
     good = [k for k in tried if meets(k.metrics, pct, own.slo_ttft, own.slo_tpot)]
     ranked = sorted(good or tried, key=lambda k: (-k.metrics["request_goodput"] / k.nodes, k.nodes, k.label))
@@ -228,12 +243,13 @@ def main(argv: list[str]) -> int:
 
 
 def _table(rows: list[Candidate], pct: str, slo_ttft: float, slo_tpot: float) -> str:
-    head = f"{'candidate':<38} {'nodes':>5} {'goodput/node':>12} {'p' + pct + ' TTFT':>10} {'p' + pct + ' TPOT':>10} {'attain':>7}"
+    head = f"{'candidate':<44} {'nodes':>5} {'goodput/node':>12} {'p' + pct + ' TTFT':>10} {'p' + pct + ' TPOT':>10} {'attain':>7}"
     lines = [head, "-" * len(head)]
     for k in rows:
         m = k.metrics
-        lines.append(f"{k.label:<38} {k.nodes:>5} {m['request_goodput'] / k.nodes:>12.2f} "
-                     f"{m[f'p{pct}_ttft_ms']:>10.0f} {m.get(f'p{pct}_tpot_ms') or 0:>10.1f} "
+        ttft = m[f"p{pct}_ttft_ms"]
+        lines.append(f"{k.label:<44} {k.nodes:>5} {m['request_goodput'] / k.nodes:>12.2f} "
+                     f"{'n/a' if ttft is None else f'{ttft:.0f}':>10} {m.get(f'p{pct}_tpot_ms') or 0:>10.1f} "
                      f"{m['slo_attainment']:>7.1%}")
     lines.append(f"(SLOs: p{pct} TTFT <= {slo_ttft:g} ms, TPOT <= {slo_tpot:g} ms; goodput counts requests meeting both)")
     return "\n".join(lines)

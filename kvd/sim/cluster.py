@@ -124,6 +124,10 @@ class SimCluster:
         rid = stream.request_id
         candidates, whole = self.routable()
         node = self.router.pick(whole, prompt, rid)
+        if node is None:                   # every node died: the front door refuses it
+            self.route_seconds += time.perf_counter() - t0
+            self.events.after(self.hop, self._refuse, stream)
+            return
         prefill = self.legs._pick_prefill(candidates, prompt, rid) if node.role == Role.DECODE else None
         self.route_seconds += time.perf_counter() - t0
         self.routed += 1
@@ -135,6 +139,10 @@ class SimCluster:
         node.routed += 1
         self.events.after(self.hop, self._arrive, stream, prompt, self.nodes[node.name],
                           self.nodes[prefill.name] if prefill is not None else None)
+
+    def _refuse(self, stream: SimStream) -> None:
+        stream.error = "no node is routable"
+        stream.on_done(stream)
 
     def routable(self) -> tuple[list[NodeInfo], list[NodeInfo]]:
         """The routable nodes, and those a whole request may go to (never a

@@ -92,3 +92,16 @@ def test_the_result_lists_the_fault(tmp_path, toy_profile):
                  "--save-result", "--result-dir", str(tmp_path), "--result-filename", "f.json"]) in (0, 1)
     doc = json.loads((tmp_path / "f.json").read_text())
     assert doc["faults"][0]["node"] == "n2" and doc["faults"][0]["ok"]
+
+
+def test_when_every_node_is_dead_requests_are_refused(tmp_path, slow_profile):
+    own, args = parse(["--profile", str(slow_profile), "--fail", "n1@3", *FLAGS, "--num-prompts", "64"])
+    shape = load_shape(None, str(slow_profile), 1, 0, None)
+    conversations, opts, encode, _ = workload_of(args)
+    records, _, cluster = simulate(shape, conversations, opts, encode, faults=own.faults)
+    late = [r for r in records if r.start > 3.0]
+    assert late and not any(r.success for r in late)
+    # sent once n1 was declared dead (heartbeat_deadline 3 s after its last beat): nowhere to go
+    refused = [r for r in late if r.start > 3.0 + 3.0]
+    assert refused and all("no node is routable" in r.error for r in refused)
+    assert any(r.success for r in records)                     # those done before the death

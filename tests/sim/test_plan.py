@@ -61,3 +61,18 @@ def test_eq1_gives_more_prompt_machines_to_longer_prompts():
     long = ClosedForm(prompt_s=0.2, token_s=0.001, output_tokens=100, overhead=1.1, min_nodes_memory=1)
     assert short.prefill_share() == pytest.approx(1.1 * 0.01 / (1.1 * 0.01 + 0.1))
     assert long.prefill_share() > short.prefill_share()
+
+
+def test_with_a_fault_the_plan_weighs_replicas(write_profile, tmp_path, capsys):
+    """A node dies mid-run: every candidate is tried with replicas 0 and 1,
+    and the config written says which (with recovery from the replica)."""
+    from tests.sim.conftest import TOY_COSTS
+    slow = write_profile("slow.json", costs={**TOY_COSTS, "decode_fixed_s": 0.04})
+    out = tmp_path / "best.toml"
+    assert main(["plan", "--profile", str(slow), "--fail", "n1@1", "--request-rate", "4", "--slo-ttft", "4000",
+                 "--slo-tpot", "200", "--max-nodes", "2", "--top", "40", "--output", str(out), "--num-prompts",
+                 "16", "--random-input-len", "64", "--random-output-len", "48"]) == 0
+    table = capsys.readouterr().out
+    assert "replicas 0" in table and "replicas 1" in table
+    cluster = load_cluster_config(out, {})
+    assert cluster.replicas in (0, 1) and cluster.recovery == "replica"
