@@ -74,6 +74,17 @@ def engine(smollm2_weights, smollm2_source):
 
 
 @pytest.fixture(scope="session")
+def native_engine(smollm2_source):
+    """SmolLM2 as served (weights = "native": the file's Q4_1 layers and Q8_0 embedding/LM
+    head in their blocks), built once per session; its model keeps no state, so tests
+    build engines of their own configs over ``native_engine.model``."""
+    cfg = EngineConfig(model="smollm2", dtype="float32", kv_blocks=256, host_kv_blocks=0)
+    model = build_model(cfg, smollm2_source.load_weights(quantized=True))
+    assert model.quantized and model.lm_head.kernel is not None, "the host's quantized kernel did not load"
+    return LLMEngine(cfg, model, smollm2_source.load_tokenizer(), "smollm2")
+
+
+@pytest.fixture(scope="session")
 def hf_model(smollm2_source):
     """transformers' float32 SmolLM2 read from the bundled GGUF: the fidelity reference,
     loaded once per session (reading the GGUF through transformers takes most of a minute)."""

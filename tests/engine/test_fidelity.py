@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.engine import EngineConfig, LLMEngine, build_model
+from engine.engine import EngineConfig, LLMEngine
 from engine.request import SamplingParams
 from kernels import native
 from kernels.attention import AttentionBatch, PrefillSeq
@@ -17,15 +17,6 @@ from kernels.attention import AttentionBatch, PrefillSeq
 from .conftest import build_engine
 
 pytestmark = pytest.mark.slow
-
-@pytest.fixture(scope="module")
-def native_engine(smollm2_source):
-    """weights = "native": the file's Q4_1 layers and Q8_0 embedding/LM head in their blocks."""
-    cfg = EngineConfig(model="smollm2", dtype="float32", kv_blocks=256, host_kv_blocks=0)
-    model = build_model(cfg, smollm2_source.load_weights(quantized=True))
-    assert model.quantized and model.lm_head.kernel is not None, "the host's quantized kernel did not load"
-    return LLMEngine(cfg, model, smollm2_source.load_tokenizer(), "smollm2")
-
 
 def all_logits(engine, ids: list[int]) -> torch.Tensor:
     """kvd logits at every prompt position: [T, V]."""
@@ -159,73 +150,21 @@ def test_a_float16_kv_cache_keeps_the_greedy_tokens(native_engine, engine, promp
     half.check_integrity()
 
 
-def greedy_and_seeded(n: int, max_tokens: int) -> list[SamplingParams]:
-    """Even: greedy; odd: seeded sampling at temperatures 0.7 to 1.0 with top-p or top-k.
-    Native weights compute a token with one arithmetic on every path (engine/exactness.py),
-    so the seeded draws are held to the same text as the greedy ones."""
-    return [SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True) if i % 2 == 0 else
-            SamplingParams(max_tokens=max_tokens, temperature=(0.7, 0.8, 0.9, 1.0)[i // 2 % 4],
-                           top_p=0.9 if i // 2 % 2 == 0 else 1.0, top_k=40 if i // 2 % 2 else 0, seed=30 + i,
-                           ignore_eos=True)
-            for i in range(n)]
-
-
-def test_native_weights_batch_and_prefix_exactness(native_engine, prompts):
-    """Native weights: a batch of 16 == each prompt alone, cold and with every prefix
-    cached, greedy and seeded."""
-    params = greedy_and_seeded(len(prompts), 16)
-    model, tok = native_engine.model, native_engine.tokenizer          # the model keeps no state
-    cold = LLMEngine(EngineConfig(model="smollm2", dtype="float32", kv_blocks=512, enable_prefix_caching=False),
-                     model, tok, "smollm2")
-    alone = [cold.generate([p], sp)[0] for p, sp in zip(prompts, params)]
-    warm = LLMEngine(EngineConfig(model="smollm2", dtype="float32", kv_blocks=512), model, tok, "smollm2")
-    batch = (prompts * 2)[:16]
-    assert warm.generate(batch, (params * 2)[:16]) == (alone * 2)[:16]    # batch of 16, cold cache
-    assert warm.generate(prompts, params) == alone                       # every prefix now cached
-    assert warm.stats.prefix_hit_tokens >= sum(len(p) // 16 * 16 for p in prompts)
-    warm.check_integrity()
-
-
-@pytest.mark.parametrize("mode", ["swap", "recompute"])
-def test_native_weights_preemption_exactness(native_engine, prompts, mode):
-    """Native weights under KV pressure: preempted requests give the tokens they give
-    alone, greedy and seeded. Recompute rebuilds KV that the plan executor wrote through a
-    prefill, which gives it the same bits (engine/exactness.py)."""
-    params = greedy_and_seeded(len(prompts), 48)
-    model, tok = native_engine.model, native_engine.tokenizer
-    cold = LLMEngine(EngineConfig(model="smollm2", dtype="float32", kv_blocks=512, enable_prefix_caching=False),
-                     model, tok, "smollm2")
-    alone = [cold.generate([p], sp)[0] for p, sp in zip(prompts, params)]
-    small = LLMEngine(EngineConfig(model="smollm2", dtype="float32", kv_blocks=24, host_kv_blocks=64,
-                                   enable_prefix_caching=False, preemption_mode=mode), model, tok, "smollm2")
-    assert small.runner.fused is not None
-    assert small.generate(prompts, params) == alone
-    assert small.stats.preemptions > 0
-    small.check_integrity()
-
-
-@pytest.mark.parametrize("weights", ["float32", "native"])
-def test_real_model_chunked_prefill_exactness(smollm2_weights, smollm2_source, native_engine, prompts, weights):
-    """Chunked prefill, chunks of 5 tokens (every fidelity prompt spans several,
-    and they share steps with the decodes): a batch of 16 and each prompt alone
-    give the tokens of an unchunked prefill alone, in fp32 and native weights, greedy
-    (and seeded, for native weights: one arithmetic per token, engine/exactness.py).
-    (A bf16 engine ignores the setting: tests/engine/test_chunked_prefill.py.)"""
+def test_real_model_chunked_prefill_exactness(smollm2_weights, smollm2_source, prompts):
+    """Chunked prefill, chunks of 5 tokens (every fidelity prompt spans several, and they
+    share steps with the decodes), float matrices in fp32 (prefilled on MKL): a batch of
+    16 gives the greedy tokens of an unchunked prefill alone. (Native weights, greedy and
+    seeded, bit for bit: tests/engine/test_determinism_engine.py. A bf16 engine ignores
+    the setting: tests/engine/test_chunked_prefill.py.)"""
     tok = smollm2_source.load_tokenizer()
-    params = (greedy_and_seeded(len(prompts), 16) if weights == "native" else
-              [SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)] * len(prompts))
+    params = [SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)] * len(prompts)
 
     def make(**kw) -> LLMEngine:
-        if weights != "native":
-            return build_engine(smollm2_weights, tok, dtype=weights, kv_blocks=512, **kw)
-        return LLMEngine(EngineConfig(model="smollm2", dtype="float32", kv_blocks=512, **kw),
-                         native_engine.model, tok, "smollm2")
+        return build_engine(smollm2_weights, tok, dtype="float32", kv_blocks=512, **kw)
 
     unchunked = make(prefill_chunk_tokens=0, enable_prefix_caching=False)
     want = [unchunked.generate([p], sp)[0] for p, sp in zip(prompts, params)]
     chunked = make(prefill_chunk_tokens=5, enable_prefix_caching=False)
     assert chunked.prefill_chunk_tokens == 5
-    if weights == "native":          # fp32 float matrices: the batch of 16 alone (the slowest engine here)
-        assert [chunked.generate([p], sp)[0] for p, sp in zip(prompts, params)] == want
     assert chunked.generate((prompts * 2)[:16], (params * 2)[:16]) == (want * 2)[:16]
     chunked.check_integrity()
