@@ -18,7 +18,6 @@ chunk's first is scored) it computes, in float64,
 and whether both put the same token on top, and prints and writes (JSON, appended
 to ``--out``) the mean, median, 99th percentile and largest KL, the top-1
 agreement, both perplexities of the text, the file's tensor types and the machine.
-A file of a converted type (Q3_K, IQ4_NL, IQ4_XS) measures its conversion too.
 The targets are docs/benchmarks.md's (mean KL <= 1e-4, top-1 >= 99.5%).
 """
 
