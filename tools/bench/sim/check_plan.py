@@ -12,7 +12,7 @@ Every node runs on this host: with fewer cores than nodes they share them,
 which the simulator does not model (docs/planning.md).
 
     .venv/bin/python -m tools.bench.sim.check_plan --profile results/sim/profile-smollm2.json \\
-        [--max-nodes 2] [--slo-ttft 2000] [--slo-tpot 150] [--rate 1.5] [--num-prompts 16]
+        [--max-nodes 2] [--slo-ttft 2000] [--slo-tpot 150] [--rate 1.5] [--num-prompts 16] [--routing P]
 
 Writes results/sim/check_plan.json; prints a markdown table and the share.
 """
@@ -42,6 +42,7 @@ def main() -> None:
     ap.add_argument("--slo-ttft", type=float, default=2000.0)
     ap.add_argument("--slo-tpot", type=float, default=150.0)
     ap.add_argument("--percentile", type=float, default=90.0)
+    ap.add_argument("--routing", default=None, help="one routing policy (default: the plan's two)")
     ap.add_argument("--rate", default="1.5")
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--input-len", type=int, default=64)
@@ -54,7 +55,8 @@ def main() -> None:
                 "--num-prompts", str(args.num_prompts), "--seed", "0", "--tokenizer", model]
     own, largs = parse(["--profile", args.profile, "--slo-ttft", str(args.slo_ttft), "--slo-tpot",
                         str(args.slo_tpot), "--max-nodes", str(args.max_nodes), "--percentile",
-                        str(args.percentile), *workload], PROG, _extra)
+                        str(args.percentile), *(["--routing", args.routing] if args.routing else []),
+                        *workload], PROG, _extra)
     plan = search(own, largs)
     pick = plan.ranked[0]
     flags = [*workload, "--metric-percentiles", f"50,{args.percentile:g},99", "--goodput",
