@@ -362,7 +362,9 @@ class LlamaModel:
                 self.lm_head = self.embed.t().contiguous() if transposed else self.embed
             else:
                 self.lm_head = mat(head)
-        self.cos, self.sin = rope_tables(config, dtype)       # the global layers' (the plan executor's)
+        # the global layers' tables (the fused bf16 kernel's): ropes' own where a layer here has them
+        glob = config.rope_theta
+        self.cos, self.sin = self.ropes[thetas.index(glob)] if glob in thetas else rope_tables(config, dtype)
 
     def _linear_rows(self, x: torch.Tensor, w_out_in: torch.Tensor) -> torch.Tensor:
         """fp32 x @ a float matrix [out, in]: ``F.linear``, a 16-bit matrix widened first

@@ -61,8 +61,9 @@ constexpr int32_t FMT_PARTS = 32;
 inline bool quantized(int32_t format) { return (format >= Q4_0 && format <= FORMAT_LAST) || format == FMT_PARTS; }
 
 // A matrix of format `format` fits an input of width k: a whole number of its blocks (16
-// elements for a float matrix).
+// elements for a float matrix; a FMT_PARTS weight's parts each their own: parts_fit).
 inline bool matrix_fits(int32_t format, int64_t k) {
+    if (format == FMT_PARTS) return k > 0;
     return (quantized(format) && k % block_weights(format) == 0) || (dense(format) && k % 16 == 0);
 }
 
@@ -127,7 +128,8 @@ inline bool parts_fit(const PlanWeight& w) {
     const PlanWeight* part = (const PlanWeight*)w.data;
     int64_t n = 0;
     for (int i = 0; i < w.parts; i++) {
-        if (part[i].format == FMT_PARTS || !quantized(part[i].format) || part[i].k != w.k || part[i].n < 1
+        if (part[i].format == FMT_PARTS || !quantized(part[i].format) || !matrix_fits(part[i].format, w.k)
+            || part[i].k != w.k || part[i].n < 1
             || (i + 1 < w.parts && part[i].n % 8))
             return false;
         n += part[i].n;

@@ -318,6 +318,23 @@ def test_long_sliding_windows_cut_their_first_chunk(kernel):
         assert torch.equal(row[0], ref[r]), f"row {r} differs alone"
 
 
+def test_a_matrix_of_parts_in_two_formats_runs_at_any_width(kernel):
+    """q/k in one format beside v in another (a _K_M file's qkv: the executor's FMT_PARTS),
+    over a width that is not a multiple of 256 (Gemma 3 270M's 640): each part is held to its
+    own block size, and the step gives the torch path's bits."""
+    w = random_weights(tiny_config(vocab_size=512), seed=5, std=0.08)
+    assert w.config.hidden_size % 256
+    q, q8 = quantize(w, "Q4_1"), quantize(w, "Q8_0")
+    for i in range(w.config.num_layers):
+        name = f"model.layers.{i}.self_attn.v_proj.weight"
+        q[name] = q8[name]
+    model = LlamaModel(w.config, q, quant_kernel=kernel)
+    assert len(model.layers[0].qkv.parts) == 2
+    kv, ids, pos, tables = prefilled(model, [3, 40], seed=8)
+    ref = torch_decode(model, kv.clone(), ids, pos, tables)
+    assert torch.equal(decoder(model, kv).decode(ids, pos, tables, kv.clone()), ref)
+
+
 def test_another_thread_gets_the_same_bits(tiny):
     """The daemon decodes on its engine thread, not the main thread: the executor's own
     barrier (csrc/spin_barrier.h) runs there, 1 to 4 rows (every thread computing the
