@@ -18,8 +18,7 @@ min are exact fp32 products of the file's fp16 and integer scales, the quants
 are the file's integers (KQ5_0's ``d (q - 16)`` as the file computes it), so
 ``QuantTensor.dequantize`` is gguf-py's dequantization bit for bit.
 
-``NATIVE`` are the types the issue asks kernels for; ``CONVERTED`` the rest,
-whose load logs what the conversion costs (``conversion_note``).
+``NATIVE`` are the types repacked (all of them, each into a layout of its own).
 """
 
 from __future__ import annotations
@@ -33,8 +32,6 @@ from kernels.quant import BLOCK, FORMATS, IQ4_VALUES, QuantTensor
 TARGET = {"Q4_K": "KS4", "Q5_K": "KS5", "Q5_1": "KQ5_1", "Q5_0": "KQ5_0", "Q6_K": "KS6",
           "Q2_K": "KS2", "Q3_K": "KS3", "IQ4_NL": "KI4", "IQ4_XS": "KSI4"}
 NATIVE = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS")
-CONVERTED: tuple[str, ...] = ()         # types served in another layout than their own: none
-LOSSY: tuple[str, ...] = ()             # conversions that change weights: none
 
 
 def repack(fmt: str, sub: SubBlocks) -> QuantTensor:
@@ -119,15 +116,6 @@ def _two_bit_bytes(q: torch.Tensor) -> torch.Tensor:
     u, j, e = torch.arange(4).view(4, 1, 1), torch.arange(2).view(1, 2, 1), torch.arange(4).view(1, 1, 4)
     parts = q[..., (2 * (u + 4 * e) + j).reshape(-1)].view(*q.shape[:-1], 8, 4) << (2 * e.view(4)).to(torch.uint8)
     return parts.sum(dim=-1, dtype=torch.uint8)                         # disjoint bits: the sum is their or
-
-
-def conversion_note(fmt: str, tensors: int, file_bytes: int, served_bytes: int, max_error: float) -> str:
-    """The log line of a load that converted ``tensors`` tensors of a ``CONVERTED`` type."""
-    per = BLOCKS[fmt][0]
-    bits = lambda n: 8 * n / (file_bytes / BLOCKS[fmt][1] * per)          # noqa: E731
-    what = f"weights changed by up to {max_error:.3g}" if fmt in LOSSY else "every weight kept"
-    return (f"{tensors} {fmt} tensors converted at load to {TARGET[fmt]}: {what}; "
-            f"{bits(file_bytes):.2f} -> {bits(served_bytes):.2f} bits per weight read per token")
 
 
 def _f16(t: torch.Tensor) -> torch.Tensor:

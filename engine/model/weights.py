@@ -27,7 +27,6 @@ No pickle anywhere: safetensors and GGUF only.
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,15 +40,13 @@ from engine.model.gguf_meta import TYPE_NAMES, check_tensor_table
 from kernels import gguf_blocks, kquant_repack
 from kernels.quant import GGUF_FORMATS, QuantTensor
 
-log = logging.getLogger(__name__)
 
 # GGUF tensor types we load (gguf_meta.TYPE_NAMES; others are refused by name, before
 # anything is read): gguf-py dequantizes F32 ... Q4_1, kernels/gguf_blocks.py the rest
 # (each checked bit for bit against gguf-py).
 SUPPORTED_GGUF_TYPES = tuple(TYPE_NAMES.values())
 # Of those, the block formats load_gguf(quantized=True) keeps as they are, and the ones it
-# repacks into kvd's blocks (kernels/kquant_repack.py: NATIVE every weight kept; CONVERTED
-# logged with what it costs).
+# repacks into kvd's blocks (kernels/kquant_repack.py: every weight kept).
 NATIVE_GGUF_TYPES = GGUF_FORMATS
 REPACKED_GGUF_TYPES = tuple(kquant_repack.TARGET)
 
@@ -165,7 +162,6 @@ def load_gguf(path: str | Path, quantized: bool = False) -> LoadedWeights:
     config = _gguf_config(reader, path)
 
     tensors: dict[str, torch.Tensor] = {}
-    converted: dict[str, list[tuple[int, int, float]]] = {}      # type -> (file bytes, served, error)
     for tensor in reader.tensors:
         name = gguf_arch.hf_name(tensor.name, path)
         if name is None:
@@ -174,12 +170,7 @@ def load_gguf(path: str | Path, quantized: bool = False) -> LoadedWeights:
         if quantized and qtype.name in NATIVE_GGUF_TYPES and len(tensor.shape) == 2:
             weight = _gguf_blocks(tensor, qtype.name, path)
         elif quantized and qtype.name in REPACKED_GGUF_TYPES and len(tensor.shape) == 2:
-            sub = _gguf_decoded(tensor, qtype.name, path)
-            weight = kquant_repack.repack(qtype.name, sub)
-            if qtype.name in kquant_repack.CONVERTED:
-                error = (float((weight.dequantize() - sub.dequantize()).abs().max())
-                         if qtype.name in kquant_repack.LOSSY else 0.0)
-                converted.setdefault(qtype.name, []).append((int(tensor.n_bytes), weight.nbytes, error))
+            weight = kquant_repack.repack(qtype.name, _gguf_decoded(tensor, qtype.name, path))
         elif qtype.name in gguf_blocks.BLOCKS:
             weight = _gguf_decoded(tensor, qtype.name, path).dequantize()
             weight = weight.view(*reversed([int(n) for n in tensor.shape]))
@@ -195,9 +186,6 @@ def load_gguf(path: str | Path, quantized: bool = False) -> LoadedWeights:
         tensors[name] = weight if isinstance(weight, QuantTensor) else weight.contiguous()
 
     gguf_arch.split_fused(tensors, config, path)
-    for fmt, costs in converted.items():
-        log.info("%s: %s", path.name, kquant_repack.conversion_note(
-            fmt, len(costs), sum(c[0] for c in costs), sum(c[1] for c in costs), max(c[2] for c in costs)))
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
     validate(config, tensors, source)

@@ -3,7 +3,6 @@ blocks), loaded end to end: the fp32 loader against gguf-py, the native loader, 
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import gguf
@@ -78,17 +77,11 @@ def test_the_native_loader_repacks_every_matrix_keeping_its_weights(kquant_gguf)
         assert torch.equal(t.dequantize(), want), name
 
 
-def test_a_converted_type_is_logged_once_with_its_cost(kquant_gguf, caplog):
+def test_every_type_loads_in_a_layout_of_its_own_every_weight_kept(kquant_gguf):
     fmt, path = kquant_gguf
-    with caplog.at_level(logging.INFO, logger="engine.model.weights"):
-        load_gguf(path, quantized=True)
-    notes = [r.getMessage() for r in caplog.records if "converted at load" in r.getMessage()]
-    if fmt in kquant_repack.CONVERTED:
-        assert len(notes) == 1 and f"{fmt} tensors converted at load to {kquant_repack.TARGET[fmt]}" in notes[0]
-        assert "bits per weight" in notes[0]
-        assert "every weight kept" in notes[0]
-    else:
-        assert fmt in kquant_repack.NATIVE and not notes
+    assert fmt in kquant_repack.NATIVE
+    weight = load_gguf(path, quantized=True).tensors["model.layers.0.mlp.down_proj.weight"]
+    assert weight.fmt.name == kquant_repack.TARGET[fmt]
 
 
 def test_the_native_model_matches_the_dequantized_model(kquant_gguf, kernel):
