@@ -150,3 +150,16 @@ def bind(text: str) -> frozenset[int]:
         except ProcessLookupError:          # a thread that ended meanwhile
             pass
     return cpus
+
+
+def cpu_model() -> str | None:
+    """The CPU's model name (/proc/cpuinfo's first "model name", else the platform's), or None."""
+    import platform
+
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None

@@ -149,7 +149,7 @@ def profile_engine(config, *, quick: bool = False, progress: Progress | None = N
     transfer = asyncio.run(_time_transfers(sizes, reps, progress))
 
     costs, fit = fit_costs(prefill, decode, swap, transfer)
-    kv = engine.kv
+    kv = engine.pool.kv_layout()
     return {
         "kind": KIND, "version": VERSION, "model": config.model, "cpu": this_cpu(),
         "threads": engine.compute_threads, "fingerprint": engine.fingerprint,

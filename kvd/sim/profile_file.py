@@ -56,7 +56,7 @@ class Profile:
 
 def this_cpu() -> str:
     """The CPU's model name, as profiles and kvd-loadgen results record it."""
-    from tools.loadgen.report import cpu_model
+    from engine.cpus import cpu_model
 
     return cpu_model() or "unknown"
 

@@ -24,6 +24,8 @@ import subprocess
 from pathlib import Path
 from typing import Sequence
 
+from engine.cpus import cpu_model  # noqa: F401  (re-exported: the benchmarks import it from here)
+
 import orjson
 
 from tools.loadgen import __version__
@@ -101,14 +103,6 @@ def machine_info() -> dict:
     return info
 
 
-def cpu_model() -> str | None:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or None
 
 
 def _memory_gib() -> float | None:
