@@ -16,6 +16,7 @@ speak for their parent.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 import asyncio
 import logging
 import os
@@ -77,7 +78,8 @@ SERVER_FLAGS = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(add_commands: Callable | None = None) -> argparse.ArgumentParser:
+    """``kvd``'s parser; ``add_commands(subparsers)`` adds the commands of the layer above (main)."""
     parser = argparse.ArgumentParser(prog="kvd", description="KV-cache-centric LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
@@ -131,8 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, (dest, typ, help_) in SERVER_FLAGS.items():
         coord.add_argument(flag, dest=dest, type=typ, default=None, help=help_)
     _cluster_flags(coord)
-    from kvd.sim.cli_args import add_sim_parsers   # kvd profile / simulate / plan
-    add_sim_parsers(sub)
+    if add_commands is not None:
+        add_commands(sub)
     return parser
 
 
@@ -176,17 +178,20 @@ def _cluster_flags(p: argparse.ArgumentParser) -> None:
                    help="seconds between replication rounds ([cluster].replication_interval)")
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: list[str] | None = None, add_commands: Callable | None = None,
+         run_command: Callable[[argparse.Namespace], int] | None = None) -> int:
+    """``kvd``'s commands. ``add_commands(subparsers)`` adds more and ``run_command(args)``
+    runs them: the layer above kvd's (tools/kvd_command.py: ``kvd profile``, ``simulate``,
+    ``plan``) hands its own in, as kvd may not import it."""
+    args = build_parser(add_commands).parse_args(argv)
     if args.command == "serve":
         return serve(args)
     if args.command == "node":
         return node(args)
     if args.command == "coordinator":
         return coordinator(args)
-    if args.command in ("profile", "simulate", "plan"):
-        from kvd.sim.cli_args import run_sim_command
-        return run_sim_command(args)
+    if run_command is not None:
+        return run_command(args)
     return 2
 
 

@@ -6,5 +6,6 @@ time; only the duration of each engine step, swap and KV transfer comes from
 a profile of the machine (``kvd profile``). Modules: ``events`` (the clock and
 event queue), ``costs`` (the step-time model), ``profile_file`` (the profile
 on disk), ``node`` (a simulated node), ``cluster`` (nodes + coordinator),
-``workload`` (kvd-loadgen's datasets and arrivals), ``run`` (``kvd simulate``).
+``faults`` (nodes killed at given times). The command, the workload and the
+planner that drive it are tools/sim/.
 """

@@ -112,7 +112,7 @@ class SimCluster:
     def submit(self, request_id: str, prompt_ids: list[int], max_tokens: int,
                on_done: Callable[[SimStream], None]) -> SimStream:
         """A client sends a request now; it reaches the coordinator one hop and
-        the profile's serving overhead (HTTP, tokenizing: kvd/sim/measure.py) later."""
+        the profile's serving overhead (HTTP, tokenizing: tools/sim/measure.py) later."""
         stream = SimStream(request_id, len(prompt_ids), max_tokens, self.events.now, on_done)
         self.events.after(self.hop + self.profile.serving_s, self._route, stream, list(prompt_ids))
         return stream

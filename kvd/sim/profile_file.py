@@ -10,7 +10,7 @@
      "samples": {"prefill": [[n, c, s]...], "decode": [[batch, context, s]...],
                  "swap": [[blocks, s]...], "transfer": [[bytes, s]...]},
      "fit": {"prefill_median_error": 0.03, ...},
-     "serving": {"first_token_s": 0.03, ...}}  # optional (kvd/sim/measure.py); absent: 0
+     "serving": {"first_token_s": 0.03, ...}}  # optional (tools/sim/measure.py); absent: 0
 
 A profile describes one model on one CPU: ``load_profile`` refuses one made
 for another model or another CPU when asked to check them (one-line

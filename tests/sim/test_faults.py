@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from kvd.cli import main
-from kvd.sim.run import load_shape, parse, simulate, workload_of
+from tools.kvd_command import main
+from tools.sim.run import load_shape, parse, simulate, workload_of
 
 FLAGS = ["--dataset-name", "random", "--random-input-len", "64", "--random-output-len", "48",
          "--num-prompts", "24", "--request-rate", "8", "--seed", "0"]

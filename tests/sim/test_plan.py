@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvd.cli import main
+from tools.kvd_command import main
 from kvd.cluster_config import load_cluster_config
 from kvd.config import load_config
-from kvd.plan import ClosedForm
+from tools.sim.plan import ClosedForm
 
 WORKLOAD = ["--num-prompts", "40", "--random-input-len", "96", "--random-output-len", "12"]
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from kvd.cli import main
+from tools.kvd_command import main
 from kvd.config import ConfigError, load_config
 from kvd.sim.profile_file import ProfileError, load_profile
 

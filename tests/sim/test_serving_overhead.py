@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from kvd.cli import main
-from kvd.sim.measure import simulated
+from tools.kvd_command import main
+from tools.sim.measure import simulated
 from kvd.sim.profile_file import ProfileError, load_profile
 
 FLAGS = ["--dataset-name", "random", "--random-input-len", "64", "--random-output-len", "4",

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from kvd.cli import main
-from kvd.sim.run import load_shape, simulate
-from kvd.sim.workload import WorkloadOptions
+from tools.kvd_command import main
+from tools.sim.run import load_shape, simulate
+from tools.sim.workload import WorkloadOptions
 from tools.loadgen.cli import main as loadgen_main
 from tools.loadgen.datasets import Conversation, Turn
 

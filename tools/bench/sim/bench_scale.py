@@ -36,8 +36,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
-from kvd.sim.run import load_shape, simulate  # noqa: E402
-from kvd.sim.workload import WorkloadOptions  # noqa: E402
+from tools.sim.run import load_shape, simulate  # noqa: E402
+from tools.sim.workload import WorkloadOptions  # noqa: E402
 from tools.loadgen.datasets import Conversation, Turn  # noqa: E402
 from tools.loadgen.metrics import compute_metrics  # noqa: E402
 

@@ -1,12 +1,12 @@
 """``kvd plan``'s check: every candidate a small plan considered, run for
 real, and the share of the best measured goodput the plan's pick reaches.
 
-It runs ``kvd plan``'s search (kvd/plan.py) on a profile with the given
+It runs ``kvd plan``'s search (tools/sim/plan.py) on a profile with the given
 workload and SLOs, then, for each candidate it simulated, starts a real
 ``kvd serve`` of that shape on loopback (``--nodes N [--prefill P]``, the
 candidate's routing and chunk size in a config; one node: the embedded
 ``kvd serve``), runs ``kvd-loadgen`` with the same workload flags and SLOs
-(kvd/sim/measure.py), and compares the measured goodput per node (the
+(tools/sim/measure.py), and compares the measured goodput per node (the
 plan's objective) of the candidate it picked with the best measured one.
 Every node runs on this host: with fewer cores than nodes they share them,
 which the simulator does not model (docs/planning.md).
@@ -28,9 +28,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
-from kvd.plan import PROG, _extra, search  # noqa: E402
-from kvd.sim.measure import measured  # noqa: E402
-from kvd.sim.run import parse  # noqa: E402
+from tools.sim.plan import PROG, _extra, search  # noqa: E402
+from tools.sim.measure import measured  # noqa: E402
+from tools.sim.run import parse  # noqa: E402
 from tools._twoproc import stop_processes  # noqa: E402
 from tools.bench.serving.bench_n_copies import serve  # noqa: E402
 

@@ -5,7 +5,7 @@ For each configuration (``one``: one node; ``mixed2``: two mixed nodes;
 routing), trace (``random``; ``prefix``: prefix_repetition, where routing
 and the prefix cache matter) and rate, it starts a real ``kvd serve`` on
 loopback, runs ``kvd-loadgen`` against it, then simulates the same flags on
-the profile (kvd/sim/run.py) and reports, per run, the relative errors of
+the profile (tools/sim/run.py) and reports, per run, the relative errors of
 p50 and p99 TTFT and TPOT and the difference in SLO attainment (points).
 Multi-node configurations run every node on this host: with fewer cores
 than nodes the nodes share them, which the simulator (one machine per node,
@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
-from kvd.sim.measure import measured, simulated  # noqa: E402
+from tools.sim.measure import measured, simulated  # noqa: E402
 from tools._twoproc import stop_processes  # noqa: E402
 from tools.bench.serving.bench_n_copies import serve as start_server  # noqa: E402
 

@@ -1,7 +1,7 @@
-"""The ``kvd profile``, ``kvd simulate`` and ``kvd plan`` subcommands of kvd/cli.py.
+"""The ``kvd profile``, ``kvd simulate`` and ``kvd plan`` subcommands (tools/kvd_command.py adds them to kvd/cli.py's).
 
 ``simulate`` and ``plan`` take kvd-loadgen's workload flags after their own,
-so their arguments are parsed by their modules (kvd/sim/run.py, kvd/plan.py)
+so their arguments are parsed by their modules (tools/sim/run.py, tools/sim/plan.py)
 from the rest of the command line; every bad flag is one line and exit 2.
 """
 
@@ -28,10 +28,10 @@ def add_sim_parsers(sub) -> None:
 
 def run_sim_command(args: argparse.Namespace) -> int:
     if args.command == "profile":
-        from kvd.profile import main
+        from tools.sim.profile import main
         return main(args)
     if args.command == "simulate":
-        from kvd.sim.run import main
+        from tools.sim.run import main
         return main(args.rest)
-    from kvd.plan import main
+    from tools.sim.plan import main
     return main(args.rest)

@@ -41,7 +41,7 @@ def simulated(profile: str, nodes: int, prefill: int, routing: str | None, cfg: 
     """``kvd simulate`` of ``flags`` on ``profile`` for that shape (``nodes`` 0: one node); the metrics."""
     from tools.loadgen import metrics
 
-    from kvd.sim.run import load_shape, parse, simulate, workload_of
+    from tools.sim.run import load_shape, parse, simulate, workload_of
 
     _, args = parse(["--profile", str(profile), *flags])
     shape = load_shape(str(cfg) if cfg else None, str(profile), max(nodes, 1), prefill, routing)

@@ -16,7 +16,7 @@ config (its threads, dtype and kernels):
 
 Then (unless ``--serving-requests 0``) the serving overhead: a few requests
 through a real ``kvd serve`` of the same config, one at a time, against the
-simulator's TTFT for them on the fitted costs (kvd/sim/measure.py).
+simulator's TTFT for them on the fitted costs (tools/sim/measure.py).
 
 Each fit is least squares on relative error; the profile records the samples
 and each fit's median error, names the model, the CPU and the build
@@ -252,7 +252,7 @@ def main(args) -> int:
     try:
         path = write_profile(doc, args.output)
         if requests:
-            from kvd.sim.measure import serving_overhead
+            from tools.sim.measure import serving_overhead
 
             print("kvd profile: serving overhead through kvd serve ...", file=sys.stderr, flush=True)
             doc["serving"] = serving_overhead(path, config.engine.model, args.config, requests)

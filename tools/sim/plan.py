@@ -16,7 +16,7 @@ rate x the unloaded latency x tokens per request). The candidates are every
 node count up to ``--max-nodes`` (from that bound), mixed with each routing
 policy, and disaggregated with the split of eq. 1 and its neighbours, each
 with and without chunked prefill; each is simulated on the workload
-(kvd/sim/run.py) and ranked by goodput per node (kvd-loadgen's goodput: the
+(tools/sim/run.py) and ranked by goodput per node (kvd-loadgen's goodput: the
 requests meeting both SLOs, per second) among those whose ``--percentile``
 TTFT and TPOT meet the SLOs. The top candidates are printed with their
 predicted metrics and the best is written as a kvd config. When none meets
@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kvd.cluster_config import with_overrides
-from kvd.sim.run import SimUsageError, Shape, load_shape, parse, roles_for, simulate, workload_of
+from tools.sim.run import SimUsageError, Shape, load_shape, parse, roles_for, simulate, workload_of
 
 PROG = "kvd plan"
 CHUNKS = (0, 256)

@@ -113,7 +113,7 @@ def simulate(shape: Shape, conversations, opts, encode, *, keep_log: bool = Fals
     SimCluster). Raises SimUsageError for a fault on a node the shape lacks."""
     from kvd.sim.cluster import SimCluster
     from kvd.sim.events import EventQueue
-    from kvd.sim.workload import SimClient
+    from tools.sim.workload import SimClient
 
     events = EventQueue()
     cluster = SimCluster(shape.engine, shape.cluster, list(shape.roles), shape.profile, events, keep_log=keep_log)
@@ -133,7 +133,7 @@ def workload_of(args):
     from tools.loadgen import datasets
     from tools.loadgen.cli import UserError, load_tokenizer_for
 
-    from kvd.sim.workload import WorkloadOptions
+    from tools.sim.workload import WorkloadOptions
 
     try:
         tokenizer, spec = load_tokenizer_for(args.tokenizer, args.model or "smollm2")
