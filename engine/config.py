@@ -56,6 +56,9 @@ class EngineConfig:
     # a `kvd profile` JSON file of this model and CPU whose measured costs replace the cost_* defaults
     # above (kvd/config.py applies it; a cost_* set explicitly still wins); "": none
     profile: str = ""
+    # most device KV blocks this node lends to other nodes at once (Infinite-LLM's
+    # rManager cap, engine/memory/rmanager.py); 0: lending off
+    lend_kv_blocks: int = 0
 
     def __post_init__(self) -> None:
         _check_one_of("dtype", self.dtype, DTYPE_NAMES)
@@ -76,6 +79,9 @@ class EngineConfig:
             raise ValueError("reserved_cpus must be >= 0")
         if self.decode_threads < 0:
             raise ValueError("decode_threads must be >= 0")
+        if not 0 <= self.lend_kv_blocks <= self.kv_blocks:
+            raise ValueError(f"lend_kv_blocks must be between 0 and kv_blocks ({self.kv_blocks}), "
+                             f"got {self.lend_kv_blocks}")
         for name in ("cost_token_s", "cost_attention_s", "cost_fixed_s", "cost_swap_block_s"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):

@@ -59,6 +59,7 @@ ENGINE_FLAGS = {
     "--cost-swap-block-s": ("cost_swap_block_s", float, "caching cost model: seconds to swap one host block in"),
     "--profile": ("profile", str, "a kvd profile of this model and CPU (kvd profile) whose measured costs replace "
                   "the cost_* defaults ([engine].profile)"),
+    "--lend-kv-blocks": ("lend_kv_blocks", int, "most device KV blocks lent to other nodes at once (0: off)"),
 }
 BATCH_INVARIANT_HELP = ("float matrices prefill on the decode step's kernel, so a token has the same bits "
                         "however it is computed (quantized weights always do; slower float prefills)")
@@ -112,6 +113,7 @@ def build_parser(add_commands: Callable | None = None) -> argparse.ArgumentParse
     node.add_argument("--admin-socket", help="admin Unix socket path (default: [nodes.NAME].admin_socket)")
     node.add_argument("--role", choices=ROLES, default=None,
                       help="what this node computes (default: [nodes.NAME].role, else mixed)")
+    node.add_argument("--pair", default=None, help="the node this one is paired with ([nodes.NAME].pair)")
     for flag, (dest, typ, help_) in ENGINE_FLAGS.items():
         node.add_argument(flag, dest=dest, type=typ, default=None, help=help_)
     node.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_const",
@@ -176,6 +178,8 @@ def _cluster_flags(p: argparse.ArgumentParser) -> None:
                    help="host KV blocks a node may hold as its peers' replicas ([cluster].replica_kv_blocks)")
     p.add_argument("--replication-interval", dest="replication_interval", type=float, default=None,
                    help="seconds between replication rounds ([cluster].replication_interval)")
+    p.add_argument("--pairs", dest="pairs", action="store_const", const=True, default=None,
+                   help="pair the nodes in order, n1-n2, n3-n4, ... ([cluster].pairs; kvd serve --nodes 2N)")
 
 
 def main(argv: list[str] | None = None, add_commands: Callable | None = None,
@@ -207,7 +211,8 @@ def _cluster(args: argparse.Namespace):
 CLUSTER_OVERRIDES = ("transport", "heartbeat_interval", "heartbeat_deadline", "curve_keys_dir", "insecure",
                      "prefill_threshold", "prefill_queue_factor", "kv_load_failure", "kv_transfer_timeout",
                      "kv_stream", "kv_return",
-                     "replicas", "recovery", "max_recoveries", "replica_kv_blocks", "replication_interval")
+                     "replicas", "recovery", "max_recoveries", "replica_kv_blocks", "replication_interval",
+                     "pairs")
 
 
 def _run(main_coro_factory) -> int:
@@ -304,6 +309,13 @@ def node(args: argparse.Namespace) -> int:
         from kvd.cluster_config import check_node_name
 
         check_node_name(args.name)
+        if args.pair:
+            from kvd.cluster_config import pair_map, with_pair
+            cluster = with_pair(cluster, args.name, args.pair)
+            pair_map(cluster)                    # ConfigError: a pair with itself, twice
+        if (args.role or cluster.node(args.name).role) == "prefill" and cluster.partner_of(args.name):
+            raise ValueError(f"node {args.name} is paired with {cluster.partner_of(args.name)}: its role "
+                             "must decode (mixed or decode), not prefill")
         if config.engine.cpus:
             _bind(config.engine.cpus)            # before torch loads: its team is sized to them
         # before the model loads: a port that would run open is refused at once
@@ -442,6 +454,10 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     if args.prefill and not 0 < args.prefill < args.nodes:
         print("kvd: error: --prefill P needs --nodes N with 0 < P < N (N-P decode nodes)", file=sys.stderr)
+        return 2
+    if cluster.pairs and (args.nodes < 2 or args.nodes % 2 or args.prefill):
+        print("kvd: error: --pairs needs --nodes 2N (an even number, at least 2) and no --prefill "
+              "(a paired node decodes)", file=sys.stderr)
         return 2
     _logging(config.server.log_level)
     if _refuse_model(config.engine.model):

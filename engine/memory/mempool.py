@@ -354,6 +354,11 @@ class MemPool:
         ones and the unlocked cached ones (evictable). A peek: nothing changes."""
         return self._pool(tier).num_free + self.tree.evictable(tier)
 
+    def free_blocks(self, tier: str = "device") -> int:
+        """Blocks of ``tier`` in no one's hands (not evictable cached ones):
+        what a loan may take (``reserve_region(LENT)``). A peek."""
+        return self._pool(tier).num_free
+
     def capacity(self, tier: str = "device") -> int:
         """All blocks of ``tier``."""
         return self._pool(tier).num_blocks
@@ -420,7 +425,10 @@ class MemPool:
           blocks for the rest (``num_blocks`` and ``tier`` unused);
         - ``REPLICA``: private blocks of ``tier`` that ``Region.append``
           adds: none yet, in no index, so no lookup matches them and no
-          eviction takes them (``tokens`` and ``num_blocks`` unused).
+          eviction takes them (``tokens`` and ``num_blocks`` unused);
+        - ``LENT``: ``num_blocks`` private blocks of ``tier`` for another
+          node's KV, taken from the FREE blocks only: lending never evicts
+          this pool's prefix cache (``tokens`` unused).
 
         ``deadline`` (monotonic) rides on the region for its holder. None
         when short of memory (nothing changed). End it with ``commit`` or
@@ -430,6 +438,10 @@ class MemPool:
             return Region(self, purpose, (), tier, [], deadline=deadline)
         if purpose is Purpose.PROMPT:
             return self._reserve_prompt(tuple(tokens), deadline)
+        if purpose is Purpose.LENT:
+            pool = self._pool(tier)
+            ids = pool.allocate(num_blocks) if 0 < num_blocks <= pool.num_free else None
+            return None if ids is None else Region(self, purpose, (), tier, ids, deadline=deadline)
         tokens = tuple(tokens[:num_blocks * self.block_size])
         if len(tokens) != num_blocks * self.block_size:
             raise ValueError(f"reserve_region: {len(tokens)} tokens for {num_blocks} blocks")

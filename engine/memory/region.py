@@ -6,14 +6,18 @@ sends, with one lifecycle whatever the KV is for (its ``Purpose``)::
         │  PROMPT:  the cached prefix of ``tokens[:-1]`` as a request's lookup (host blocks
         │           swapped in), fresh device blocks for every other token
         │  REPLICA: no prefix, no blocks yet: private blocks, in no index
+        │  LENT:    ``num_blocks`` free blocks (never the prefix cache's), private,
+        │           in no index: KV of another node's request (a loan, rmanager.py)
         ▼
     reserved ── fill / fill_pieces (layers into the fresh blocks)
         │       append (REPLICA: more private blocks, written whole)
+        │       fill_blocks (LENT: layers of some of its blocks, as the debtor writes)
         ├── commit ──▶ committed   PREFIX:  indexed under ``tokens``, prefix unlocked
         │                          PROMPT:  the blocks and the lookup are the request's
         │                                   (``LLMEngine.add_prefilled``)
         │                          REPLICA: the blocks agreeing with the given tokens
         │                                   indexed, the rest freed; a lock on them
+        │                          LENT:    the debtor returned the loan: blocks freed
         └── cancel ──▶ cancelled   fresh blocks freed, prefix given back: nothing indexed
 
 ``deadline`` (monotonic, or None: no deadline) is the holder's to act on:
@@ -40,6 +44,7 @@ class Purpose(str, enum.Enum):
     PREFIX = "prefix"      # a cached prefix another instance sends (transfer with insert, MemServe §4.3)
     PROMPT = "prompt"      # a prompt's KV another instance computes (disaggregated prefill)
     REPLICA = "replica"    # a replica of a request another instance runs (DejaVu §4.2.3)
+    LENT = "lent"          # blocks lent to another instance for its request's KV (Infinite-LLM §4.3)
 
 
 class RegionState(str, enum.Enum):
@@ -98,6 +103,18 @@ class Region:
         self._open("fill")
         self.pool._storage().scatter_pieces(self.tier, self.block_ids, pieces, lengths, layers, skip)
 
+    def fill_blocks(self, start: int, payload: Any, layers: tuple[int, int]) -> None:
+        """LENT: write layers ``[l0, l1)`` of the region's blocks
+        ``[start, start + n)`` from ``payload`` [l1-l0, 2, n, bs, kvh, hd].
+        Raises ValueError (nothing written) when they are not the region's."""
+        self._open("fill_blocks")
+        n = payload.shape[2]
+        if self.purpose is not Purpose.LENT or not 0 <= start <= start + n <= len(self.block_ids):
+            raise ValueError(f"fill_blocks: blocks [{start}, {start + n}) of a {self.purpose.value} "
+                             f"region of {len(self.block_ids)}")
+        if n:
+            self.pool._storage().scatter(self.tier, self.block_ids[start:start + n], payload, layers=layers)
+
     def append(self, payload: Any) -> bool:
         """A replica grows: ``payload`` [L, 2, n, bs, kvh, hd] written into
         ``n`` fresh blocks of the region's tier, appended. False when the
@@ -126,7 +143,8 @@ class Region:
         request and returns its lookup (the caller's to release); REPLICA
         indexes its first ``len(tokens) // block_size`` blocks as the KV of
         ``tokens``, frees the rest and returns a lock on the indexed prefix
-        (``unlock`` it). Raises ValueError (nothing changed) when the region
+        (``unlock`` it); LENT (the debtor returned the loan) frees its blocks,
+        indexes nothing and returns None. Raises ValueError (nothing changed) when the region
         ended or a replica is shorter than ``tokens``."""
         self._open("commit")
         pool = self.pool
@@ -138,6 +156,12 @@ class Region:
         if self.purpose is Purpose.PROMPT:
             self.state = RegionState.COMMITTED
             return self.prefix
+        if self.purpose is Purpose.LENT:
+            ids, self.block_ids = self.block_ids, []
+            self.state = RegionState.COMMITTED
+            if ids:
+                pool.free_mem(ids, self.tier)
+            return None
         nfull = len(tokens) // pool.block_size
         if nfull > len(self.block_ids):
             raise ValueError(f"commit: {nfull} full blocks, the replica has {len(self.block_ids)}")
