@@ -24,6 +24,15 @@ Contract, for rotated fp32 queries q [T, H, hd] and a layer's caches
 - ``hd`` a multiple of 16 up to 256 and H a multiple of KVH (``attend``
   returns None for others: the caller then uses torch).
 
+DistAttention (Infinite-LLM §4.2, kernels/dist_attention.py): ``partials``
+computes, for the rows of a step, the per-chunk results (max, sum of
+exponentials, weighted values) of the key chunks one part of a sequence's KV
+holds, without combining them; ``combine`` combines a row's chunks, gathered
+from every part in chunk order, into its output. Parts cut at 128-key chunk
+boundaries leave every chunk's results the unsplit kernel's bits, so
+``combine`` over all parts returns ``attend``'s output bit for bit: one
+arithmetic per token holds with the KV in any number of parts.
+
 Builds follow kernels/quant_linear.py's variants (``host_variant``).
 """
 
@@ -34,6 +43,7 @@ import ctypes
 import torch
 
 from kernels import native
+from kernels.dist_attention import Partials
 from kernels.quant_linear import KernelBuild
 
 LIBRARY = "paged_attention"
@@ -53,6 +63,13 @@ class PagedAttention(KernelBuild):
         self._attend.restype = ctypes.c_int
         self._attend.argtypes = [ptr, i64, ptr, ptr, i32, i64, i32, ptr, ptr, ptr, ptr, i32, i64, i32, i32, i32,
                                  i32, ctypes.c_float, i64, ptr, i64, i32]
+        self._partials = lib.kvd_paged_attention_partials
+        self._partials.restype = ctypes.c_int
+        self._partials.argtypes = [ptr, i64, ptr, ptr, i32, i64, i32, ptr, ptr, ptr, ptr, ptr, ptr, i32, i64, i32,
+                                   i32, i32, i32, ctypes.c_float, i64, i64, ptr, ptr, ptr, i32]
+        self._combine = lib.kvd_attention_combine
+        self._combine.restype = ctypes.c_int
+        self._combine.argtypes = [ptr, ptr, ptr, i64, i32, ptr, ptr, ptr, ptr, i64, i32, i32, i64, ptr, i64, i32]
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqs: torch.Tensor,
                tables: torch.Tensor, scale: float, out: torch.Tensor | None = None,
@@ -65,22 +82,12 @@ class PagedAttention(KernelBuild):
         sliding window in keys (None: every key up to the row's). Returns ``out`` (fp32
         [T, H, hd], made when None), or None (nothing computed) for a shape the kernel does not
         take. Raises ValueError for arguments that contradict each other."""
-        if q.dim() != 3 or q.dtype != torch.float32 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
-            return None
-        if k_cache.dtype not in (torch.float32, torch.float16) or v_cache.dtype != k_cache.dtype:
+        if not _takes(q, k_cache, v_cache):
             return None
         T, H, hd = q.shape
         N, bs, kvh = k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]
-        if k_cache.shape[3] != hd or H % kvh or hd % 16 or hd > 256:
-            return None
-        if window is not None and (not isinstance(window, int) or window < 1):
-            raise ValueError(f"window must be a positive int or None, got {window!r}")
-        if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-            raise ValueError("the K and V caches must be contiguous")
-        seqs, tables = seqs.contiguous(), tables.contiguous()
-        if seqs.dtype != torch.int64 or tables.dtype != torch.int64 or seqs.dim() != 2 or seqs.shape[1] != 3 \
-                or tables.dim() != 2 or tables.shape[0] != seqs.shape[0]:
-            raise ValueError("seqs must be int64 [S, 3] and tables int64 [S, max_blocks]")
+        _check_window(window)
+        seqs, tables = _check_rows(seqs, tables, k_cache, v_cache)
         qf = q if _rows_of_heads(q) else q.contiguous()
         if out is None:
             out = torch.empty(T, H, hd, dtype=torch.float32)
@@ -94,6 +101,97 @@ class PagedAttention(KernelBuild):
         if rc != 0:
             raise ValueError("a sequence's rows or context do not fit the step, or a block id is out of range")
         return out
+
+
+    def partials(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqs: torch.Tensor,
+                 tables: torch.Tensor, chunks: torch.Tensor, scale: float, slots: int,
+                 window: int | None = None) -> Partials | None:
+        """The micro-attention of one part of each sequence's KV: for every row of ``q``, the
+        results of its key chunks in its sequence's part, uncombined. ``chunks``: int64 [S, 2],
+        each sequence's part as chunks [lo, hi) of ``KEY_CHUNK`` keys (its keys
+        [lo * KEY_CHUNK, hi * KEY_CHUNK), the last part cut at the context); ``tables`` need
+        hold only the blocks of those keys. ``slots``: C, at least every part's hi - lo. Other
+        arguments as :meth:`attend`'s. Returns ``Partials`` ([T, C, ...], a row's chunk c at
+        slot c - lo; slots it does not attend to m = -inf, l = 0, o = 0), or None for a shape
+        the kernel does not take. Raises ValueError for arguments that contradict each other.
+        Safe to call from any thread (reads the caches, writes only what it returns)."""
+        if not _takes(q, k_cache, v_cache):
+            return None
+        T, H, hd = q.shape
+        _check_window(window)
+        seqs, tables = _check_rows(seqs, tables, k_cache, v_cache)
+        chunks = chunks.contiguous()
+        if chunks.dtype != torch.int64 or chunks.shape != (seqs.shape[0], 2):
+            raise ValueError("chunks must be int64 [S, 2]")
+        qf = q if _rows_of_heads(q) else q.contiguous()
+        out = Partials(torch.empty(T, slots, H), torch.empty(T, slots, H), torch.empty(T, slots, H, hd))
+        starts, lens, ctxs = seqs[:, 0].contiguous(), seqs[:, 1].contiguous(), seqs[:, 2].contiguous()
+        lo, hi = chunks[:, 0].contiguous(), chunks[:, 1].contiguous()
+        rc = self._partials(qf.data_ptr(), _row_stride(qf), k_cache.data_ptr(), v_cache.data_ptr(),
+                            int(k_cache.dtype == torch.float16), k_cache.shape[0], seqs.shape[0], starts.data_ptr(),
+                            lens.data_ptr(), ctxs.data_ptr(), lo.data_ptr(), hi.data_ptr(), tables.data_ptr(),
+                            tables.shape[1], T, H, k_cache.shape[2], hd, k_cache.shape[1], scale, window or 0, slots,
+                            out.m.data_ptr(), out.l.data_ptr(), out.o.data_ptr(), torch.get_num_threads())
+        if rc != 0:
+            raise ValueError("a part is empty or wider than the slots, a sequence's rows do not fit the step, "
+                             "or a block id of the part is out of range")
+        return out
+
+    def combine(self, parts: Partials, seqs: torch.Tensor, chunk_lo: torch.Tensor,
+                window: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Each row's attention from its chunks' results gathered from every part (``parts``:
+        [T, C, ...], a row of sequence s holding chunk c at slot c - chunk_lo[s]), combined in
+        chunk order: :meth:`attend`'s output, bit for bit, when the slots hold every chunk the
+        row attends to. ``seqs`` and ``window`` as :meth:`attend`'s; ``chunk_lo`` int64 [S].
+        Returns ``out`` (fp32 [T, H, hd], made when None). Raises ValueError for a row whose
+        chunks fall outside its slots, or shapes that do not match."""
+        T, C, H, hd = parts.o.shape
+        _check_window(window)
+        if parts.m.shape != (T, C, H) or parts.l.shape != (T, C, H) or not all(
+                t.dtype == torch.float32 and t.is_contiguous() for t in (parts.m, parts.l, parts.o)):
+            raise ValueError("partials must be contiguous fp32 m, l [T, C, H] and o [T, C, H, hd]")
+        seqs, chunk_lo = seqs.contiguous(), chunk_lo.contiguous()
+        if seqs.dtype != torch.int64 or seqs.dim() != 2 or seqs.shape[1] != 3 or chunk_lo.dtype != torch.int64 \
+                or chunk_lo.shape != (seqs.shape[0],):
+            raise ValueError("seqs must be int64 [S, 3] and chunk_lo int64 [S]")
+        if out is None:
+            out = torch.empty(T, H, hd, dtype=torch.float32)
+        elif out.shape != (T, H, hd) or out.dtype != torch.float32 or not _rows_of_heads(out):
+            raise ValueError(f"out must be fp32 {[T, H, hd]} with contiguous heads")
+        starts, lens, ctxs = seqs[:, 0].contiguous(), seqs[:, 1].contiguous(), seqs[:, 2].contiguous()
+        rc = self._combine(parts.m.data_ptr(), parts.l.data_ptr(), parts.o.data_ptr(), C, seqs.shape[0],
+                           starts.data_ptr(), lens.data_ptr(), ctxs.data_ptr(), chunk_lo.data_ptr(), T, H, hd,
+                           window or 0, out.data_ptr(), _row_stride(out), torch.get_num_threads())
+        if rc != 0:
+            raise ValueError("a row's chunks fall outside its slots, or its sequence does not fit the step")
+        return out
+
+
+def _takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether the kernel takes these shapes and dtypes (``attend``'s None cases)."""
+    if q.dim() != 3 or q.dtype != torch.float32 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        return False
+    if k_cache.dtype not in (torch.float32, torch.float16) or v_cache.dtype != k_cache.dtype:
+        return False
+    H, hd, kvh = q.shape[1], q.shape[2], k_cache.shape[2]
+    return k_cache.shape[3] == hd and H % kvh == 0 and hd % 16 == 0 and hd <= 256
+
+
+def _check_window(window: int | None) -> None:
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be a positive int or None, got {window!r}")
+
+
+def _check_rows(seqs: torch.Tensor, tables: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """seqs, tables made contiguous, after the checks ``attend`` makes of them and the caches."""
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("the K and V caches must be contiguous")
+    seqs, tables = seqs.contiguous(), tables.contiguous()
+    if seqs.dtype != torch.int64 or tables.dtype != torch.int64 or seqs.dim() != 2 or seqs.shape[1] != 3 \
+            or tables.dim() != 2 or tables.shape[0] != seqs.shape[0]:
+        raise ValueError("seqs must be int64 [S, 3] and tables int64 [S, max_blocks]")
+    return seqs, tables
 
 
 def _rows_of_heads(t: torch.Tensor) -> bool:
