@@ -16,6 +16,10 @@ A decode step goes to a one-call C++ decoder when the runner has one: the
 fused bf16 kernel (kernels/fused_decode.py, bf16 on an AVX512-BF16 CPU) or the
 plan executor of an fp32 model (kernels/plan_decode.py), made from the
 model by engine/model/decode_kernels.py; prefill always runs the torch model.
+A sequence whose KV is partly in blocks other engines lend (``remote_kv``,
+engine/dist_attention.py) runs on the torch model in both phases, every layer's
+attention split over its parts and merged: the paged kernel's bits, so the
+same tokens and logits as the one-call decoder would give.
 The one-call decoder is fed through reused host buffers
 (kernels/decode_inputs.DecodeStaging) and hands back each row's greedy token
 with the logits, so a greedy decode step builds no tensor in Python.
@@ -29,6 +33,7 @@ from collections.abc import Callable
 
 import torch
 
+from engine.dist_attention import DistStep, RemoteKV
 from engine.model.llama import LlamaModel
 from engine.logprobs import prompt_logprobs, summarize
 from engine.request import Request, TokenLogprobs
@@ -77,6 +82,8 @@ class ModelRunner:
         # times (the engine sets it: EngineConfig.decode_threads = 0 on a decoder that
         # runs a step on fewer threads than the team, SMALL_TEAMS)
         self.team: TeamSizer | None = None
+        # sequences with KV in remote parts (DistAttention); the engine's, None where none borrow
+        self.remote_kv: RemoteKV | None = None
         # structured output: the grammar masks of a step's rows, computed while its model runs
         self.masks = MaskComputer(model.config.vocab_size, kernel=MaskKernel.create())
 
@@ -134,7 +141,7 @@ class ModelRunner:
         ``on_layer``: the prefill's layer hook (engine.stream.LayerStreamer).
         ``num_new``: prefill only, tokens each request computes (default: all it has left).
         """
-        if not is_prefill and self.fused is not None:
+        if not is_prefill and self.fused is not None and not self._has_remote_kv(requests):
             pending = self.masks.start([r.grammar for r in requests])
             logits, greedy_ids = self._decode_fused(requests)
             return self._pick(requests, list(range(len(requests))), logits, greedy_ids, generators, banned, pending)
@@ -146,6 +153,10 @@ class ModelRunner:
             if logits is None:
                 return [None] * len(requests), [None] * len(requests)
             return self._pick(requests, sampled, logits, None, generators, banned, pending)
+
+    def _has_remote_kv(self, requests: list[Request]) -> bool:
+        """Whether a request of the step has KV in remote parts."""
+        return bool(self.remote_kv) and any(self.remote_kv.parts(r.request_id) for r in requests)
 
     def _pick(self, requests: list[Request], sampled: list[int], logits: torch.Tensor, greedy_ids: list[int] | None,
               generators: list, banned: list[tuple[int, list[int]]], pending: PendingMasks | None = None
@@ -189,7 +200,14 @@ class ModelRunner:
         """The torch model's call (in inference mode): logits [len(sampled), V], or None
         when no request samples."""
         ids, positions, batch, last_rows = self.build_batch(requests, is_prefill, num_new)
-        hidden = self.model.forward(ids, positions, batch, self.kv, on_layer)   # [T, D]
+        dist = None
+        if self._has_remote_kv(requests):
+            if self.model.attention_kernel is None:
+                raise ValueError("KV in remote parts needs the paged attention kernel")
+            dist = DistStep(*batch.paged_rows(positions), batch.slots,
+                            [self.remote_kv.parts(r.request_id) for r in requests], self.model.attention_kernel,
+                            self.remote_kv.deadline_s)
+        hidden = self.model.forward(ids, positions, batch, self.kv, on_layer, dist)   # [T, D]
         if is_prefill:
             self._prompt_logprobs(requests, hidden, batch)
         if not sampled:

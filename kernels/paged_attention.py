@@ -105,7 +105,7 @@ class PagedAttention(KernelBuild):
 
     def partials(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqs: torch.Tensor,
                  tables: torch.Tensor, chunks: torch.Tensor, scale: float, slots: int,
-                 window: int | None = None) -> Partials | None:
+                 window: int | None = None, threads: int = 0) -> Partials | None:
         """The micro-attention of one part of each sequence's KV: for every row of ``q``, the
         results of its key chunks in its sequence's part, uncombined. ``chunks``: int64 [S, 2],
         each sequence's part as chunks [lo, hi) of ``KEY_CHUNK`` keys (its keys
@@ -114,7 +114,8 @@ class PagedAttention(KernelBuild):
         arguments as :meth:`attend`'s. Returns ``Partials`` ([T, C, ...], a row's chunk c at
         slot c - lo; slots it does not attend to m = -inf, l = 0, o = 0), or None for a shape
         the kernel does not take. Raises ValueError for arguments that contradict each other.
-        Safe to call from any thread (reads the caches, writes only what it returns)."""
+        ``threads``: the team's size (0: torch's count). Safe to call from any thread (reads
+        the caches, writes only what it returns)."""
         if not _takes(q, k_cache, v_cache):
             return None
         T, H, hd = q.shape
@@ -131,7 +132,7 @@ class PagedAttention(KernelBuild):
                             int(k_cache.dtype == torch.float16), k_cache.shape[0], seqs.shape[0], starts.data_ptr(),
                             lens.data_ptr(), ctxs.data_ptr(), lo.data_ptr(), hi.data_ptr(), tables.data_ptr(),
                             tables.shape[1], T, H, k_cache.shape[2], hd, k_cache.shape[1], scale, window or 0, slots,
-                            out.m.data_ptr(), out.l.data_ptr(), out.o.data_ptr(), torch.get_num_threads())
+                            out.m.data_ptr(), out.l.data_ptr(), out.o.data_ptr(), threads or torch.get_num_threads())
         if rc != 0:
             raise ValueError("a part is empty or wider than the slots, a sequence's rows do not fit the step, "
                              "or a block id of the part is out of range")

@@ -512,6 +512,14 @@ class MemPool:
             kv.gather(refs[pos].tier, [r.block_id for r in refs[pos:end]], out[:, :, pos:end], layers=(l0, l1))
             pos = end
 
+    def layer_caches(self, layer: int, tier: str = "device") -> tuple[object, object]:
+        """One layer's K and V caches of ``tier`` ([N, bs, kvh, hd] views, no copy), for a
+        kernel that reads or writes blocks the caller holds (a running request's, a loan's:
+        engine/dist_attention.py's lender). They alias the pool: the caller touches only
+        its own blocks, from any thread."""
+        kv = self._storage().layer(layer, tier)
+        return kv[0], kv[1]
+
     def pieces(self, tier: str, ids: Sequence[int], layers: tuple[int, int]) -> tuple[list[int], list]:
         """Byte views (no copy) of layers ``[l0, l1)`` of blocks ``ids`` of a
         CPU tier, one per (layer, K|V, run): ``KVCache.pieces``. They alias

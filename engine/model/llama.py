@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +35,9 @@ from kernels.quant import QuantTensor
 from kernels.quant_linear import QuantKernel, QuantLinear
 from kernels.row_ops import RowOps
 from kernels.weight_arena import WeightArena
+
+if TYPE_CHECKING:
+    from engine.dist_attention import DistStep
 
 Matrix = torch.Tensor | QuantLinear
 
@@ -402,11 +406,14 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, x: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
-                kv: torch.Tensor, on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+                kv: torch.Tensor, on_layer: Callable[[int], None] | None = None,
+                dist: DistStep | None = None) -> torch.Tensor:
         """x: token ids [T] (first stage) or hidden [T, D]; positions [T];
         kv: [local_layers, 2, N, bs, kvh, hd]. Returns hidden [T, D] (final-normed on the last stage).
         ``on_layer(i)`` runs after local layer ``i`` wrote its K/V (a layer-wise
-        KV stream, engine/stream/layers.py); it must not block."""
+        KV stream, engine/stream/layers.py); it must not block. ``dist``: the step's
+        DistAttention (engine/dist_attention.py) where a sequence has KV in remote parts:
+        every layer's attention goes through it (the paged kernel's bits)."""
         cfg, lin = self.config, self._linear
         if not self.is_first:
             h = x.to(self.dtype)                                                  # [T, D]
@@ -450,7 +457,8 @@ class LlamaModel:
                     y = acts[step.dst] + x
                 elif op == "rope_attention":
                     cos, sin = ropes[layer.rope]
-                    y = self._rope_attention(x, cos, sin, positions, batch, kv[i], rows, layer.window)
+                    y = self._rope_attention(x, cos, sin, positions, batch, kv[i], rows, layer.window,
+                                             (i, dist) if dist is not None else None)
                 else:
                     raise ValueError(f"LAYER_STEPS: unknown op {op!r}")
                 acts[step.dst] = y
@@ -478,11 +486,14 @@ class LlamaModel:
 
     def _rope_attention(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                         batch: AttentionBatch, kv_layer: torch.Tensor, rows: RowOps | None,
-                        window: int | None) -> torch.Tensor:
+                        window: int | None, dist: tuple[int, DistStep] | None = None) -> torch.Tensor:
         """qkv [T, q + 2kv] -> attention output [T, q]; writes the new K/V into
         ``kv_layer`` ([2, N, bs, kvh, hd]). cos, sin: [T, hd] at the tokens' positions
         [T]; ``rows``: forward's row ops for these activations, or None (torch's RoPE);
-        ``window``: the layer's sliding window (keys outside it are masked), or None."""
+        ``window``: the layer's sliding window (keys outside it are masked), or None;
+        ``dist``: (layer index, the step's DistAttention): K/V written and attended
+        through it, local and remote parts (raises ValueError where the paged kernel
+        does not serve this model)."""
         cfg = self.config
         T, q_size, kv_size, hd = qkv.shape[0], cfg.q_size, cfg.kv_size, cfg.head_dim
         # RoPE on q and k heads together: [T, H + kvh, hd]
@@ -494,6 +505,10 @@ class LlamaModel:
         q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]
         v = qkv[:, q_size + kv_size:].view(T, cfg.num_kv_heads, hd)
         k_cache, v_cache = kv_layer[0], kv_layer[1]       # [N, bs, kvh, hd]
+        if dist is not None:
+            if self.attention_kernel is None or q.dtype != torch.float32 or cfg.attn_logit_softcap is not None:
+                raise ValueError("KV in remote parts needs the paged attention kernel (fp32, no softcap)")
+            return dist[1].attend(dist[0], q, k, v, k_cache, v_cache, self.scale, window).reshape(T, q_size)
         # a 16-bit cache of an fp32 model (kv_cache_dtype): this step attends to the K/V as
         # the cache holds them, as every later step and a chunked or cached prefill does
         k, v = store_kv(k, k_cache.dtype), store_kv(v, k_cache.dtype)     # themselves when dtypes match
