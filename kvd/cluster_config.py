@@ -88,10 +88,13 @@ class NodeConfig:
     address: str = ""                 # transport URL; "" = transport on 127.0.0.1, any port
     admin_socket: str = ""            # Unix socket path; "" = no admin socket
     role: str = Role.MIXED.value      # ROLES: whole requests, prompts only, or decodes
+    pair: str = ""                    # the node it is paired with (AcceLLM §4): "" = none
 
     def __post_init__(self) -> None:
         check_node_name(self.name)
         check_role(f"nodes.{self.name}.role", self.role)
+        if self.pair:
+            check_node_name(self.pair)
         if self.address:
             _check_url(f"nodes.{self.name}.address", self.address)
 
@@ -194,6 +197,13 @@ class ClusterConfig:
         peers' requests; a replica past the budget is refused and reported.
     replication_interval: seconds between a node's replication rounds (each
         sends the KV blocks its requests filled since, in one message).
+    pairs: group the nodes in pairs (AcceLLM §4; docs/cluster.md, "Pairs and
+        roles"), in the order of their ``[nodes.NAME]`` tables (n1-n2, n3-n4,
+        ...; ``kvd serve --nodes 2N --pairs``); ``[nodes.NAME].pair`` pairs
+        two nodes by name instead. A paired node replicates to its partner
+        (not the ring), so every request a pair serves has its KV on both
+        nodes and can move between them (a handoff); pairs turn ``replicas``
+        on.
     """
 
     transport: str = "zmq+tcp"
@@ -228,6 +238,7 @@ class ClusterConfig:
     max_recoveries: int = 3
     replica_kv_blocks: int = 1024
     replication_interval: float = 0.05
+    pairs: bool = False
     nodes: dict[str, NodeConfig] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -271,6 +282,12 @@ class ClusterConfig:
             raise ConfigError("cluster.replication_interval must be > 0")
         if self.curve_keys_dir and self.transport == "inproc":
             raise ConfigError("cluster.curve_keys_dir authenticates zmq+ and ucx links, not inproc")
+        if self.pairs or pair_map(self):
+            object.__setattr__(self, "replicas", 1)   # a pair keeps every request's KV on both nodes
+
+    def partner_of(self, name: str) -> str:
+        """The node ``name`` is paired with ("" = none; ``pair_map``)."""
+        return pair_map(self).get(name, "")
 
     def node(self, name: str) -> NodeConfig:
         """The ``[nodes.NAME]`` table, or defaults for a node the file does not list."""
@@ -284,6 +301,52 @@ class ClusterConfig:
         if self.transport == "inproc":
             return f"inproc://node-{name}"
         return f"{self.transport}://127.0.0.1:0"
+
+
+def pair_map(cfg: ClusterConfig) -> dict[str, str]:
+    """node -> partner, both ways, from ``[cluster].pairs`` (the ``[nodes]``
+    tables in order) or the ``[nodes.NAME].pair`` keys. Raises ConfigError
+    for a pair naming a node without a table, a node paired with itself or
+    twice, a pair whose nodes name different partners, an odd number of
+    tables with ``pairs``, both ways of pairing at once, and a paired node
+    whose role cannot decode (its partner hands it decodes)."""
+    named = {n.name: n.pair for n in cfg.nodes.values() if n.pair}
+    if cfg.pairs and named:
+        raise ConfigError("cluster.pairs pairs the [nodes] tables in order; drop the nodes.NAME.pair keys "
+                          "or cluster.pairs")
+    out: dict[str, str] = {}
+    if cfg.pairs:
+        names = list(cfg.nodes)
+        if len(names) % 2:
+            raise ConfigError(f"cluster.pairs needs an even number of [nodes] tables, got {len(names)}")
+        for a, b in zip(names[::2], names[1::2]):
+            out[a], out[b] = b, a
+    for name, partner in named.items():
+        where = f"nodes.{name}.pair"
+        if partner == name:
+            raise ConfigError(f"{where}: a node cannot be paired with itself")
+        if partner not in cfg.nodes:
+            raise ConfigError(f"{where} names {partner!r}, which has no [nodes.{partner}] table")
+        if named.get(partner, name) != name:
+            raise ConfigError(f"{where} is {partner!r}, but nodes.{partner}.pair is {named[partner]!r}")
+        if out.get(partner, name) != name:
+            raise ConfigError(f"node {partner!r} is paired twice (with {out[partner]!r} and {name!r})")
+        out[name], out[partner] = partner, name
+    for name in out:
+        if cfg.node(name).role == Role.PREFILL:
+            raise ConfigError(f"nodes.{name}.role is prefill, but a paired node must decode (mixed or decode)")
+    return out
+
+
+def with_pair(cfg: ClusterConfig, name: str, partner: str) -> ClusterConfig:
+    """``cfg`` with ``name`` paired with ``partner`` (``kvd node --pair``): both
+    get a ``[nodes]`` table naming the other; validated as the file's are."""
+    if cfg.pairs:
+        cfg = replace(cfg, pairs=False, nodes=dict(cfg.nodes))
+    nodes = dict(cfg.nodes)
+    nodes[name] = replace(cfg.node(name), pair=partner)
+    nodes[partner] = replace(cfg.node(partner), pair=name)
+    return replace(cfg, nodes=nodes)
 
 
 def _check_url(where: str, url: str) -> None:

@@ -4,6 +4,7 @@
 
     kvctl status | nodes | requests | ping | help
     kvctl drain [NODE]          kvctl undrain [NODE]
+    kvctl role NODE mixed|prefill|decode    kvctl handoff REQUEST_ID
     kvctl cache stats           kvctl cache flush
     kvctl log-level LEVEL [--logger NAME]
     kvctl fail [NODE] --mode exit|stop|resume|drop-transfers|engine
@@ -146,6 +147,12 @@ def build_parser() -> argparse.ArgumentParser:
                        ("undrain", "route to NODE (or the whole cluster) again")):
         sp = sub.add_parser(name, help=text)
         sp.add_argument("node", nargs="?", help="node name; omitted: the whole cluster / this node")
+    role = sub.add_parser("role", help="switch NODE's role at run time (coordinator; a paired node switched "
+                          "to prefill hands its decodes to its partner)")
+    role.add_argument("node")
+    role.add_argument("role", choices=("mixed", "prefill", "decode"))
+    handoff = sub.add_parser("handoff", help="move a running decode to its node's pair partner (coordinator)")
+    handoff.add_argument("request", help="the request id (kvctl requests)")
     cache = sub.add_parser("cache", help="prefix cache: stats | flush")
     cache.add_argument("action", choices=("stats", "flush"))
     tree = sub.add_parser("tree", help="global prompt trees (coordinator): per node cached blocks, "
@@ -180,6 +187,10 @@ def to_request(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[
     cmd = ns.command
     if cmd in ("drain", "undrain"):
         return {"cmd": cmd, **({"node": ns.node} if ns.node else {})}
+    if cmd == "role":
+        return {"cmd": "set-role", "node": ns.node, "role": ns.role}
+    if cmd == "handoff":
+        return {"cmd": cmd, "request": ns.request}
     if cmd == "cache":
         return {"cmd": f"cache {ns.action}"}
     if cmd == "tree":

@@ -136,6 +136,9 @@ class LocalCluster:
                "--listen", listen, *self.node_args]
         if self.prefill:
             cmd += ["--role", "prefill" if int(name[1:]) <= self.prefill else "decode"]
+        if self.cluster.pairs:                   # n1-n2, n3-n4, ...
+            i = int(name[1:])
+            cmd += ["--pair", f"n{i + 1 if i % 2 else i - 1}"]
         if self.node_cpus:
             cmd += ["--cpus", self.node_cpus[int(name[1:]) - 1]]          # the last flag wins
         if self.cluster.curve_keys_dir:

@@ -75,9 +75,11 @@ class Hello(Message):
     max_model_len: int = 0             # context length; 0: unknown
     incarnation: str = ""              # changes on every node process start
     fingerprint: str = ""              # the node's build fingerprint (engine/fingerprint.py)
+    pair: str = ""                     # the node it is paired with ("" = none; docs/cluster.md)
 
     def _check(self) -> None:
         _require(bool(self.node) and bool(self.address), "node and address must be set")
+        _require(self.pair != self.node, "a node cannot be paired with itself")
         _require(self.max_model_len >= 0, "max_model_len must be >= 0")
         _require(self.role in ROLES, f"role must be one of {ROLES}")
         _require(_tiers_ok(self.blocks_per_tier), f"tiers must be in {TIERS}, counts >= 0")

@@ -112,6 +112,16 @@ def replica_ticket(key: str, owner: str, request_id: str) -> str:
     return mac.digest()[:TICKET_BYTES].hex()
 
 
+def pair_refusal(partner: str, msg: protocol.ReplicaData) -> str | None:
+    """Why a node paired with ``partner`` ("" = unpaired) may not hold what
+    ``msg`` writes: a paired node holds the redundant copies of its
+    partner's requests only (docs/cluster.md, "Pairs and roles"); None: it may."""
+    owner = msg.owner or msg.source
+    if partner and owner != partner:
+        return f"this node holds copies of its partner {partner}'s requests only, not of {owner}'s"
+    return None
+
+
 def valid_ticket(key: str, owner: str, request_id: str, ticket: str) -> bool:
     """Whether ``ticket`` is the ticket for (this holder's ``key``, ``owner``,
     ``request_id``); compared in constant time."""

@@ -1,5 +1,6 @@
 """The coordinator's admin commands (``kvctl``): status, nodes, requests, drain,
-undrain, cache stats/flush, fail, tree (the global prompt trees), routing.
+undrain, set-role, handoff, cache stats/flush, fail, tree (the global prompt
+trees), routing.
 
 Served on the coordinator's 0600 admin Unix socket. Commands naming a node
 are forwarded to it as an ``AdminCommand`` (which a node accepts from the
@@ -22,9 +23,11 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from kvd import protocol
-from kvd.cluster_config import ClusterConfig
+from kvd.cluster_config import ClusterConfig, Role
 from kvd.coordinator.cache_router import ROUTING_WEIGHTS
 from kvd.coordinator.cache_sync import CacheSync
+from kvd.coordinator.handoff import Handoffs
+from kvd.coordinator.roles import redundant_blocks
 from kvd.coordinator.membership import Membership, NodeInfo
 from kvd.coordinator.prompt_tree import PromptTrees
 from kvd.coordinator.router import Router
@@ -60,6 +63,9 @@ class CoordinatorAdmin:
     set_draining: Callable[[bool], None]
     connect: Callable[[str, str], Awaitable[Connection]]
     make_router: Callable[..., Router]
+
+    def __post_init__(self) -> None:
+        self.handoffs = Handoffs(self.client, self.forward)
 
     def _node(self, args: dict) -> NodeInfo:
         name = args.get("node")
@@ -112,8 +118,37 @@ class CoordinatorAdmin:
         return self.status()
 
     async def cmd_nodes(self, args: dict) -> dict:
-        return {"nodes": [dict(n.describe(), prefill_queue_tokens=self.client.prefill_queue(n))
-                          for n in self.membership.nodes.values()]}
+        nodes, pairs = self.membership.nodes, self.client.recovery.pairs
+        return {"nodes": [dict(n.describe(), prefill_queue_tokens=self.client.prefill_queue(n),
+                               redundant_blocks=redundant_blocks(self.client.recovery.table.by_holder, n),
+                               **pairs.describe(n.name, nodes))
+                          for n in nodes.values()]}
+
+    async def cmd_set_role(self, args: dict) -> dict:
+        """Switch a node's role (``kvctl role NODE ROLE``; kvd/coordinator/roles.py):
+        routing follows it from now on, the node records it, its cached blocks
+        move to the role's prompt tree, and a paired node switched to prefill
+        hands its decodes to its partner (kvd/coordinator/handoff.py). A
+        refused switch (ValueError), or a node that cannot be told, changes
+        nothing."""
+        pairs = self.client.recovery.pairs
+        name, role = args["node"], args["role"]
+        pairs.check_switch(self.membership.nodes, name, role)
+        info = self.membership.nodes[name]
+        old = info.role
+        if role != old:
+            await self.forward(name, "set-role", {"role": role})
+            info.role = role
+            self.cache_sync.registered(name, info.block_size, role)   # its next events resync the tree
+            pairs.switches[name] += 1
+            log.warning("node %s switched from %s to %s", name, old, role)
+            if role == Role.PREFILL:
+                self.handoffs.evacuate(name)
+        return {"node": name, "role": role, "was": old}
+
+    async def cmd_handoff(self, args: dict) -> dict:
+        """Move a running decode to its node's pair partner (``kvctl handoff``)."""
+        return await self.handoffs.hand_off(args["request"])
 
     async def cmd_requests(self, args: dict) -> dict:
         return {"requests": self.client.requests()}
@@ -223,6 +258,11 @@ class CoordinatorAdmin:
             "drain": (self.cmd_drain, "stop routing to a node (or the cluster, no node)",
                       {"node": (str, False)}),
             "undrain": (self.cmd_undrain, "route to a node (or the cluster) again", {"node": (str, False)}),
+            "set-role": (self.cmd_set_role, "switch a node's role at run time: mixed | prefill | decode (a "
+                         "paired node switched to prefill hands its decodes to its partner)",
+                         {"node": (str, True), "role": (str, True)}),
+            "handoff": (self.cmd_handoff, "move a running decode to its node's pair partner",
+                        {"request": (str, True)}),
             "cache stats": (self.cmd_cache_stats, "prefix-cache blocks and hits, per node and summed "
                             "(node: one node)", {"node": (str, False)}),
             "cache flush": (self.cmd_cache_flush, "drop unlocked cached prefixes on every node "

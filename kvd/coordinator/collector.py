@@ -15,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from kvd.coordinator.cache_sync import CacheSync
 from kvd.coordinator.membership import Membership, NodeInfo
 from kvd.coordinator.prompt_tree import PromptTrees
+from kvd.coordinator.roles import redundant_blocks
 
 if TYPE_CHECKING:
     from kvd.api.connections import CappedSite
@@ -118,6 +119,7 @@ class ClusterCollector:
             g.add_metric([n.name], _int(rep.get("lag_tokens")))
         yield c
         yield g
+        yield from self._pairs(nodes)
         c = CounterMetricFamily("kvd_cluster_failed_requests", "Requests ended by a node failure or error")
         c.add_metric([], self.client.failed_requests)
         yield c
@@ -128,6 +130,30 @@ class ClusterCollector:
         yield c
         c = CounterMetricFamily("kvd_transport_malformed_frames", "Frames with a bad envelope, dropped")
         c.add_metric([], self.malformed_frames())
+        yield c
+
+
+    def _pairs(self, nodes: list[NodeInfo]):
+        """Each node's role, pair, redundant blocks, role switches and handoffs
+        (kvd/coordinator/roles.py), as ``kvctl nodes`` shows them."""
+        recovery = self.client.recovery
+        pairs = recovery.pairs
+        g = GaugeMetricFamily("kvd_node_role", "1 for a node's current role (kvctl role switches it)",
+                              labels=["node", "role", "pair"])
+        b = GaugeMetricFamily("kvd_node_redundant_blocks", "KV blocks a node holds as copies of its partner's "
+                              "(or ring peer's) requests (its last heartbeat)", labels=["node"])
+        s = CounterMetricFamily("kvd_node_role_switches", "Run-time role switches of a node", labels=["node"])
+        h = CounterMetricFamily("kvd_node_handoffs", "Decodes handed from a node to its pair partner",
+                                labels=["node"])
+        for n in nodes:
+            g.add_metric([n.name, n.role, pairs.announced.get(n.name, "")], 1)
+            b.add_metric([n.name], redundant_blocks(recovery.table.by_holder, n))
+            s.add_metric([n.name], pairs.switches[n.name])
+            h.add_metric([n.name], pairs.handoffs[n.name])
+        yield from (g, b, s, h)
+        c = CounterMetricFamily("kvd_handoffs_refused", "Handoffs not done, by reason", labels=["reason"])
+        for reason, n in sorted(pairs.refused.items()):
+            c.add_metric([reason], n)
         yield c
 
 

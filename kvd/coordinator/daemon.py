@@ -342,6 +342,7 @@ class CoordinatorDaemon:
             await self.client.attach(info, conn)
             log.info("node %s joined at %s", hello.node, hello.address)
         self.cache_sync.registered(hello.node, hello.block_size, hello.role)   # its snapshot follows
+        self.recovery.pairs.announce(hello.node, hello.pair)
         return protocol.Welcome(id=hello.id, node=hello.node, accepted=True,
                                 heartbeat_interval=self.cluster.heartbeat_interval,
                                 replica_key=self.recovery.holder_key(info))

@@ -9,6 +9,10 @@ points at the new node before the request is sent (its chunks may overtake
 the answer), and its tokens are deduplicated by index, so the client's
 stream goes on with no gap and no duplicate. Nothing waits on a dead node.
 
+A handoff (``hand_off``; the policy: kvd/coordinator/handoff.py) is the same
+resume, planned: the request moves from a live node to its pair partner,
+which resumes it from its redundant copy; the source is told to stop it.
+
 Load is counted only through the ``LoadBook`` it is given. Imports no torch.
 """
 
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Iterable, Sequence
 
 from kvd import protocol
@@ -138,22 +143,59 @@ class Failover:
             stream.node = dead
             self.fail_requests(dead, [rid], f"{reason}; not recovered")
 
-    async def _resume_on(self, rid: str, stream: Stream, node: NodeInfo, dead: str, replicated: bool,
-                         how: str, reason: str) -> bool:
-        """Send ``rid`` with its tokens so far to ``node``; True when it took
-        it, else ``node`` is excluded from the request's next tries."""
+    async def _send_resume(self, rid: str, stream: Stream, node: NodeInfo, msg_id: str,
+                           replica_from: str, **replica: str) -> protocol.Message | Exception:
+        """Point ``stream`` at ``node`` and send it ``rid`` with the tokens the
+        client has (its prompt alone when it has none); ``node``'s answer, or
+        the exception that stood for one. ``replica``: the ResumeRequest's
+        replica fields (where ``node`` replicates it)."""
         outputs = tuple(stream.tokens)
-        msg_id = f"{rid}.r{stream.recoveries}"        # no token yet: the request runs again from its prompt
         msg = (protocol.ResumeRequest.of(stream.request, id=msg_id, output_token_ids=outputs,
-                                         replica_from=dead if replicated else "")
+                                         replica_from=replica_from, **replica)
                if outputs else dataclasses.replace(stream.request, id=msg_id))
         stream.node, stream.incarnation = node.name, node.incarnation
         self.load.count(rid, node)
         node.routed += 1
         try:
-            reply = await self.links.by_node[node.name].call(protocol.encode(msg)[0])
+            return await self.links.by_node[node.name].call(protocol.encode(msg)[0])
         except (TransportError, KeyError, protocol.MessageTooLarge) as exc:
-            reply = exc
+            return exc
+
+    async def hand_off(self, rid: str, stream: Stream, source: NodeInfo, target: NodeInfo,
+                       replica: dict[str, str]) -> str | None:
+        """Move ``rid``, decoding on ``source``, to ``target`` (its pair
+        partner, which holds its redundant copy): ``target`` resumes after
+        the tokens the client has, from the copy; ``source`` is told to stop
+        it (its slot and blocks freed; whatever it still streams is dropped
+        here and deduplicated by index). Returns None when ``target`` took
+        it, else why not; the request is then recovered away from
+        ``target`` as a lost one (``source`` may have stopped it already:
+        its chunks stopped counting at the send). Owns the stream meanwhile."""
+        stream.recovering = True
+        try:
+            reply = await self._send_resume(rid, stream, target, f"{rid}.h{time.monotonic_ns()}", source.name,
+                                            **replica)
+        finally:
+            stream.recovering = False
+        self.load.uncount(rid, source.name)
+        self.links.send_abort(source.name, rid, reason="handed off to its partner")
+        if isinstance(reply, protocol.Accepted) and (target.name, target.incarnation) not in stream.failed:
+            return None
+        why = _why(reply)
+        self.load.uncount(rid, target.name)
+        if self.streams.get(rid) is stream:
+            stream.node, stream.incarnation = target.name, target.incarnation
+            self.lose_requests(target.name, [rid], f"handoff from {source.name} refused: {why}")
+        return why
+
+    async def _resume_on(self, rid: str, stream: Stream, node: NodeInfo, dead: str, replicated: bool,
+                         how: str, reason: str) -> bool:
+        """Send ``rid`` with its tokens so far to ``node``; True when it took
+        it, else ``node`` is excluded from the request's next tries."""
+        # no token yet: the request runs again from its prompt
+        reply = await self._send_resume(rid, stream, node, f"{rid}.r{stream.recoveries}",
+                                        dead if replicated else "")
+        outputs = stream.tokens
         if isinstance(reply, protocol.Accepted) and (node.name, node.incarnation) in stream.failed:
             reply = f"{node.name} failed after accepting it"     # lose_requests skipped it: ours to move
         if isinstance(reply, protocol.Accepted):
@@ -163,6 +205,10 @@ class Failover:
             return True
         self.load.uncount(rid, node.name)
         stream.failed.add((node.name, node.incarnation))
-        log.warning("request %s: recovery on %s failed: %s", rid, node.name,
-                    getattr(reply, "message", None) or getattr(reply, "reason", None) or reply)
+        log.warning("request %s: recovery on %s failed: %s", rid, node.name, _why(reply))
         return False
+
+
+def _why(reply: object) -> str:
+    """A node's refusal (an Error, a ProtocolError) or a failed call, in words."""
+    return str(getattr(reply, "message", None) or getattr(reply, "reason", None) or reply)

@@ -5,7 +5,9 @@ dead node's request resumes. Pure: no I/O, no asyncio, no torch.
 - ``ring_peers``: every node that decodes (role mixed or decode, not
   draining) streams its requests' KV to the next one by name, cyclically;
   a node alone has no peer. Assignments travel in the heartbeat replies, so
-  a ring change reaches every node within one heartbeat interval.
+  a ring change reaches every node within one heartbeat interval. A paired
+  node (kvd/coordinator/roles.py) is in no ring: its peer is its partner,
+  whatever either's role, and none while its partner is not registered.
 - Replica tickets (kvd/trust.py): a holder takes a replica of request R
   run by S only with this coordinator's ticket for (holder, S, R). The
   holder's key derives from ``secret`` (random per coordinator process)
@@ -36,11 +38,15 @@ from dataclasses import dataclass, field
 from kvd import trust
 from kvd.cluster_config import Role
 from kvd.coordinator.membership import NodeInfo
+from kvd.coordinator.roles import PairBook
 
 
-def ring_peers(nodes: list[NodeInfo]) -> dict[str, NodeInfo]:
-    """node name -> the node it replicates to (absent: none)."""
-    ring = sorted((n for n in nodes if n.role != Role.PREFILL and not n.draining), key=lambda n: n.name)
+def ring_peers(nodes: list[NodeInfo], paired: Iterable[str] = ()) -> dict[str, NodeInfo]:
+    """node name -> the node it replicates to (absent: none); the ``paired``
+    nodes (by name) are in no ring."""
+    paired = set(paired)
+    ring = sorted((n for n in nodes if n.role != Role.PREFILL and not n.draining and n.name not in paired),
+                  key=lambda n: n.name)
     if len(ring) < 2:
         return {}
     return {n.name: ring[(i + 1) % len(ring)] for i, n in enumerate(ring)}
@@ -83,6 +89,7 @@ class RecoveryPolicy:
     table: ReplicaTable = field(default_factory=ReplicaTable)
     outcomes: collections.Counter = field(default_factory=collections.Counter)   # (how, outcome) -> n
     secret: bytes = field(default_factory=lambda: os.urandom(32), repr=False)     # the holders' keys derive from it
+    pairs: PairBook = field(default_factory=PairBook)                             # the announced pairs
 
     def holder_key(self, holder: NodeInfo) -> str:
         """The replica key of ``holder``'s process: its registration Welcome's ``replica_key``."""
@@ -109,9 +116,13 @@ class RecoveryPolicy:
                 "replica_ticket": self.tickets(holder, owner, (request_id,))[request_id]}
 
     def peer_of(self, name: str, nodes: Iterable[NodeInfo]) -> NodeInfo | None:
-        """The node ``name`` replicates to (``ring_peers``), None with
-        ``replicas = 0`` or no peer."""
-        return ring_peers(list(nodes)).get(name) if self.replicas else None
+        """The node ``name`` replicates to: its partner when it is paired
+        (none while the partner is not registered), else its ``ring_peers``
+        peer; None with ``replicas = 0`` (pairs replicate regardless) or no peer."""
+        nodes = list(nodes)
+        if self.pairs.paired(name):
+            return self.pairs.partner(name, {n.name: n for n in nodes})
+        return ring_peers(nodes, self.pairs.announced).get(name) if self.replicas else None
 
     def target(self, request_id: str, dead: str, exclude: set[tuple[str, str]], candidates: list[NodeInfo],
                pick) -> tuple[NodeInfo, int] | None:

@@ -1,5 +1,5 @@
 """The node's admin commands (``kvctl``): status, requests, drain, undrain,
-fail, cache stats/flush/blocks, transfer.
+set-role, fail, cache stats/flush/blocks, transfer.
 
 Served twice by the same handlers: on the node's own 0600 admin Unix socket
 (``serve_admin_socket``) and as ``AdminCommand`` messages on its listener
@@ -26,6 +26,7 @@ from kvd.engine_client import EngineDead
 from kvd.node.cache_shipper import CacheShipper
 from kvd.node.engine_driver import EngineDriver
 from kvd.node.heartbeat import Heartbeater
+from kvd.node.replica_store import ReplicaStore
 from kvd.node.transfer import send_prefix
 from transports import Connection, TransportError
 
@@ -60,7 +61,8 @@ class NodeAdmin:
     def __init__(self, name: str, driver: EngineDriver, heartbeat: Heartbeater, cache_shipper: CacheShipper,
                  connect: Callable[[str, str], Awaitable[Connection]], timeout: float, *,
                  status: Callable[[], dict], streams: Mapping[str, Any], set_draining: Callable[[bool], None],
-                 transfers: TransferFaults) -> None:
+                 transfers: TransferFaults, set_role: Callable[[str], None] | None = None,
+                 replicas: ReplicaStore | None = None) -> None:
         self.name = name
         self.driver = driver
         self.heartbeat = heartbeat
@@ -71,6 +73,8 @@ class NodeAdmin:
         self.streams = streams
         self.set_draining = set_draining
         self.transfers = transfers
+        self.set_role = set_role            # the role this node announces (the coordinator routes by it)
+        self.replicas = replicas            # the copies this node holds for its peers
 
     def handlers(self) -> dict[str, tuple[Handler, str, dict | None]]:
         """name -> (async handler(args) -> dict, help, args schema)."""
@@ -79,6 +83,10 @@ class NodeAdmin:
             "requests": (self.cmd_requests, "request ids in flight", None),
             "drain": (self.cmd_drain, "finish in-flight requests, accept no new ones", None),
             "undrain": (self.cmd_undrain, "accept new requests again", None),
+            "replica held": (self.cmd_replica_held, "tokens of a request's copy held here now",
+                             {"source": (str, True), "request": (str, True)}),
+            "set-role": (self.cmd_set_role, "the role the coordinator switched this node to",
+                         {"role": (str, True)}),
             "fail": (self.cmd_fail, "fault injection: mode exit | stop (heartbeats) | drop-transfers"
                                     " | resume (heartbeats and transfers again) | engine (the engine "
                                     "thread raises: the node leaves)", {"mode": (str, True)}),
@@ -110,6 +118,24 @@ class NodeAdmin:
     async def cmd_drain(self, args: dict) -> dict:
         self.set_draining(True)
         return {"draining": True, "in_flight": len(self.streams)}
+
+    async def cmd_set_role(self, args: dict) -> dict:
+        """Record the role the coordinator switched this node to (``kvctl role``):
+        what its status and its next registration announce. The coordinator
+        routes by it from the switch on; the engine needs no change."""
+        from kvd.cluster_config import ROLES
+
+        role = args.get("role")
+        if role not in ROLES or self.set_role is None:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+        self.set_role(role)
+        return {"role": role}
+
+    async def cmd_replica_held(self, args: dict) -> dict:
+        """How many tokens of ``request``, run by ``source``, this node's copy
+        holds now (0: none): what the coordinator checks before a handoff."""
+        rep = self.replicas.replicas.get((args["source"], args["request"])) if self.replicas else None
+        return {"tokens": len(rep.tokens) if rep is not None else 0}
 
     async def cmd_undrain(self, args: dict) -> dict:
         self.set_draining(False)

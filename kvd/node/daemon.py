@@ -141,6 +141,7 @@ class NodeDaemon:
                              transfer_timeout=self.cluster.kv_transfer_timeout,
                              request_timeout=self.cluster.request_timeout,
                              replica_blocks=self.cluster.replica_kv_blocks)
+        self.inbox.replicas.partner = self.cluster.partner_of(self.name)   # the trust gate of a pair's copies
         if self.cluster.replicas and self.role != Role.PREFILL:
             self.replicator = Replicator(self.name, self.driver, self._peer, self._drop_peer,
                                          self.cluster.replication_interval, self.cluster.request_timeout)
@@ -154,7 +155,8 @@ class NodeDaemon:
                          inbox=self.inbox, replicator=self.replicator)
         self.commands = NodeAdmin(self.name, self.driver, self.heartbeat, self.cache_shipper, self._connect_node,
                                   self.cluster.request_timeout, status=self.status, streams=self.streams,
-                                  set_draining=self.set_draining, transfers=self.transfers)
+                                  set_draining=self.set_draining, transfers=self.transfers,
+                                  set_role=lambda role: setattr(self, "role", role), replicas=self.inbox.replicas)
         if self.admin_socket:
             await self._start_admin()
         log.info("node %s: %s loaded in %.1fs, listening on %s; kernels: %s", self.name, engine.model_name,
@@ -277,7 +279,7 @@ class NodeDaemon:
             blocks_per_tier={"device": config.kv_blocks, "host": config.host_kv_blocks},
             block_size=config.block_size, model_name=self.driver.model_name,
             max_model_len=self.driver.max_model_len, incarnation=self.incarnation,
-            fingerprint=self.driver.fingerprint)
+            fingerprint=self.driver.fingerprint, pair=self.cluster.partner_of(self.name))
 
     async def _beat(self, seq: int) -> protocol.Heartbeat:
         events = self.cache_shipper.events_since_beat()   # the events themselves: CacheShipper

@@ -20,6 +20,16 @@ replica is taken out of the store, and the owner's commit indexes the
 blocks where it agrees with the tokens the coordinator knows, as that
 request's own KV (``commit``); that lock is released once the resumed
 request's prefix match has taken them.
+
+Pairs (docs/cluster.md, "Pairs and roles"): a paired node's replica peer is
+its partner, and the replicas it holds are the pair's redundant copies. They
+are the inbox's REPLICA purpose, not a purpose of their own: a copy has a
+replica's whole lifecycle (appended each round, dropped when its request
+ends, taken and committed when the request resumes here), and a planned
+handoff resumes from it exactly as a recovery does. What a pair adds is a
+gate (``partner``; kvd/trust.py ``pair_refusal``): a paired node takes
+copies of its partner's requests only; any other writer is refused in the
+ack and counted (``not_partner``), whatever ticket it shows.
 """
 
 from __future__ import annotations
@@ -64,9 +74,10 @@ class ReplicaStore:
         self.budget = budget_blocks
         self.timeout = timeout
         self.key: str | None = None
+        self.partner = ""                    # paired: the one node whose copies this node holds
         self.replicas: dict[tuple[str, str], Replica] = {}
         self.counts = {"received_blocks": 0, "refused": 0, "no_ticket": 0, "dropped": 0, "resumed": 0,
-                       "adopted": 0}
+                       "adopted": 0, "not_partner": 0}
 
     @property
     def blocks(self) -> int:
@@ -101,6 +112,10 @@ class ReplicaStore:
         held, refused = self._adopt(msg), {}
         if not msg.request_ids:
             return protocol.ReplicaAck(id=msg.id, held=held, refused=refused)
+        if why := trust.pair_refusal(self.partner, msg):
+            self.counts["not_partner"] += len(msg.request_ids)
+            self.counts["refused"] += len(msg.request_ids)
+            return protocol.ReplicaAck(id=msg.id, held=held, refused={rid: why for rid in msg.request_ids})
         for rid in msg.request_ids:
             if why := self.ticket_refusal(msg, rid):
                 refused[rid] = why

@@ -1,0 +1,158 @@
+"""Handoffs: moving a running decode to its node's pair partner (AcceLLM §4;
+docs/cluster.md, "Pairs and roles").
+
+A paired node's partner holds the redundant copy of each of its requests
+(kvd/node/replica_store.py), so a decode moves between them with no KV
+transfer: ``Failover.hand_off`` resumes it on the partner after the tokens
+the client has, from the copy (recomputing what the copy lacks), and stops
+it on the source, at a step boundary of each. The stream goes on with no
+gap and no duplicate (tokens are deduplicated by index).
+
+``Handoffs`` decides which requests may move (``refusal``) and moves them:
+one by one (``hand_off``, the admin command ``handoff``) or every decode of
+a node switched to prefill (``evacuate``, an owned task that keeps handing
+off the decodes that become eligible until none is left on the node, its
+role changes or ``EVACUATE_S`` passed; the rest finish where they are). A
+request is never handed off whose copy is incomplete: not every full block
+of its prompt at the partner, as the partner answers when asked (``held``).
+
+Imports no torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+from kvd.cluster_config import Role
+from kvd.coordinator.roles import DECODES
+from transports import TransportError
+
+if TYPE_CHECKING:
+    from kvd.coordinator.client import RemoteEngineClient
+    from kvd.coordinator.membership import NodeInfo
+    from kvd.coordinator.stream import Stream
+
+log = logging.getLogger("kvd.coordinator.handoff")
+
+EVACUATE_S = 30.0          # how long a node switched to prefill keeps handing its decodes off
+EVACUATE_POLL_S = 0.05     # between two sweeps of its decodes
+
+Forward = Callable[[str, str, dict], Awaitable[dict]]
+
+
+class Handoffs:
+    def __init__(self, client: RemoteEngineClient, forward: Forward) -> None:
+        self.client = client
+        self.forward = forward          # (node, admin command, args) -> its result (ValueError, TransportError)
+        self.recovery = client.recovery
+        self.pairs = client.recovery.pairs
+
+    def _stream(self, request_id: str) -> Stream | None:
+        return self.client.failover.streams.get(request_id)
+
+    def refusal(self, request_id: str) -> tuple[str, NodeInfo, NodeInfo] | str:
+        """(request id, source, target) when ``request_id`` may be handed off
+        now as far as the coordinator knows (its copy is ``held``'s to
+        check), else why not (in words). Reads only."""
+        stream = self._stream(request_id)
+        if stream is None:
+            return f"request {request_id!r} is not in flight"
+        nodes = self.client.membership.nodes
+        source = nodes.get(stream.node)
+        if source is None:
+            return f"request {request_id} runs on {stream.node}, which is not registered"
+        if stream.recovering:
+            return f"request {request_id} is being moved already"
+        if stream.prefill or not stream.tokens:
+            return f"request {request_id} is not decoding yet (its prompt is being computed)"
+        target = self.pairs.partner(source.name, nodes)
+        if target is None:
+            return f"node {source.name} has no registered partner"
+        if target.role not in DECODES or target.draining or target.name not in self.client.links:
+            return f"partner {target.name} does not take decodes now ({target.role}, draining={target.draining})"
+        return request_id, source, target
+
+    async def held(self, request_id: str, source: NodeInfo, target: NodeInfo) -> str | None:
+        """Why ``target``'s copy of ``request_id`` (run by ``source``) is
+        incomplete, asking ``target`` now: fewer tokens than every full block
+        of the prompt. None: complete."""
+        stream = self._stream(request_id)
+        full = stream.prompt_len // source.block_size * source.block_size if stream else 0
+        try:
+            held = (await self.forward(target.name, "replica held",
+                                       {"source": source.name, "request": request_id}))["tokens"]
+        except (ValueError, TransportError, TimeoutError) as exc:
+            return f"{target.name} did not say what it holds of request {request_id}: {exc}"
+        if held < full:
+            return (f"the copy of request {request_id} at {target.name} is incomplete ({held} of its "
+                    f"prompt's {full} tokens)")
+        return None
+
+    async def hand_off(self, request_id: str) -> dict:
+        """Move ``request_id`` to its node's partner. Raises ValueError (and
+        nothing changes) when it may not move (``refusal``) or the partner
+        refused it (the request is then recovered elsewhere)."""
+        checked = self.refusal(request_id)
+        if isinstance(checked, str):
+            self.pairs.refused[_reason(checked)] += 1
+            raise ValueError(checked)
+        _, source, target = checked
+        why = await self.held(request_id, source, target)
+        again = self.refusal(request_id)                  # what changed while the partner answered
+        if why is None and again != checked:
+            why = again if isinstance(again, str) else f"request {request_id} moved meanwhile"
+        if why is not None:
+            self.pairs.refused[_reason(why)] += 1
+            raise ValueError(why)
+        why = await self._move(request_id, source, target)
+        if why is not None:
+            raise ValueError(f"{target.name} did not take request {request_id}: {why}")
+        return {"request": request_id, "from": source.name, "to": target.name,
+                "tokens": len(self._stream(request_id).tokens) if self._stream(request_id) else 0}
+
+    async def _move(self, request_id: str, source: NodeInfo, target: NodeInfo) -> str | None:
+        stream = self._stream(request_id)
+        replica = self.recovery.replica_fields(target.name, request_id, self.client.membership.nodes.values())
+        t0 = time.perf_counter()
+        why = await self.client.failover.hand_off(request_id, stream, source, target, replica)
+        if why is None:
+            self.pairs.handoffs[source.name] += 1
+            log.info("request %s handed off %s -> %s after %d token(s) in %.1f ms", request_id, source.name,
+                     target.name, len(stream.tokens), (time.perf_counter() - t0) * 1e3)
+        else:
+            self.pairs.refused["partner refused"] += 1
+            log.warning("request %s: handoff %s -> %s refused: %s", request_id, source.name, target.name, why)
+        return why
+
+    def evacuate(self, node: str) -> None:
+        """``node`` was switched to prefill: hand its decodes to its partner
+        (an owned task; module docstring). Without a partner, nothing moves."""
+        if self.pairs.paired(node):
+            self.client.node_links.spawn(self._evacuate(node, time.monotonic() + EVACUATE_S))
+
+    async def _evacuate(self, node: str, until: float) -> None:
+        moved = 0
+        while time.monotonic() < until:
+            info = self.client.membership.nodes.get(node)
+            left = self.client.streams_on(node)
+            if info is None or info.role != Role.PREFILL or not left:
+                break
+            for rid in left:
+                with contextlib.suppress(ValueError):
+                    moved += "to" in await self.hand_off(rid)
+            await asyncio.sleep(EVACUATE_POLL_S)
+        log.info("node %s: %d decode(s) handed to its partner after its switch to prefill", node, moved)
+
+
+def _reason(why: str) -> str:
+    """A refusal's counter label: its kind, not its request."""
+    for kind in ("not in flight", "not registered", "moved already", "not decoding", "no registered partner",
+                 "does not take", "incomplete"):
+        if kind in why:
+            return kind
+    return "other"

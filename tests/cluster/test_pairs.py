@@ -1,0 +1,178 @@
+"""Instance pairs over real daemons (docs/cluster.md, "Pairs and roles"): two
+paired nodes hold each other's requests as redundant copies, a running decode
+moves to the partner (a handoff) with the stream going on token-exactly,
+greedy and seeded, and a role switch mid-stream hands a node's decodes over
+without losing or duplicating a token. Bad switches change nothing; a copy
+written by a node that is not the partner is refused and counted."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from kvd import protocol
+
+from .conftest import MODEL, SEEDED, Cluster, admin, body_of, reference_tokens
+
+NODES = ["n1", "n2"]
+FLAGS = ("--host-kv-blocks", "256", "--replication-interval", "0.05")
+MAX_TOKENS = 240
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    c = Cluster(tmp_path_factory.mktemp("pair"), "zmq+tcp", extra=("--recovery", "replica"))
+    c.make_key("n3")                  # a stranger's key: a node of this cluster that is not n2's partner
+    c.start_node("n1", *FLAGS, "--pair", "n2")
+    c.start_node("n2", *FLAGS, "--pair", "n1")
+    try:
+        c.wait_nodes(NODES)
+        yield c
+    finally:
+        c.stop()
+
+
+def nodes(c: Cluster) -> dict[str, dict]:
+    return {n["name"]: n for n in admin(c.admin_socket, "nodes")["nodes"]}
+
+
+def in_flight(c: Cluster) -> dict[str, dict]:
+    return admin(c.admin_socket, "requests")["requests"]
+
+
+class Stream(threading.Thread):
+    """One streaming completion; its tokens' text, finish reason or error."""
+
+    def __init__(self, c: Cluster, prompt: list[int], sampling: dict | None) -> None:
+        super().__init__(daemon=True)
+        self.client, self.prompt, self.sampling = c.client(timeout=120), prompt, sampling
+        self.text: list[str] = []
+        self.finish = self.error = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            for chunk in self.client.completions.create(model=MODEL, prompt=self.prompt, max_tokens=MAX_TOKENS,
+                                                        stream=True, **body_of(self.sampling)):
+                if chunk.choices:
+                    self.text.append(chunk.choices[0].text)
+                    self.finish = chunk.choices[0].finish_reason or self.finish
+        except Exception as exc:  # noqa: BLE001 -- reported by the test
+            self.error = repr(exc)
+
+
+def prompt(seed: int) -> list[int]:
+    return [(seed * 7919 + i * 104729) % 40000 + 1 for i in range(40)]
+
+
+def expected(engine, prompts, samplings) -> list[str]:
+    toks = reference_tokens(engine, prompts, MAX_TOKENS, list(samplings))
+    return [engine.tokenizer.decode(t) for t in toks]
+
+
+def until(what, timeout: float = 60.0, every: float = 0.02):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := what():
+            return value
+        time.sleep(every)
+    raise AssertionError("timed out")
+
+
+def test_pair_is_announced_and_replicates_to_the_partner(pair):
+    shown = nodes(pair)
+    assert shown["n1"]["pair"] == "n2" and shown["n2"]["pair"] == "n1"
+    assert shown["n1"]["pair_alive"] and shown["n1"]["role"] == "mixed"
+    for name, partner in (("n1", "n2"), ("n2", "n1")):
+        until(lambda: admin(pair.node_admin(name), "status")["replication"]["sender"].get("peer") == partner, 10)
+
+
+def test_bad_role_switches_change_nothing(pair):
+    before = nodes(pair)
+    for args, why in (({"node": "n9", "role": "decode"}, "unknown node"),
+                      ({"node": "n1", "role": "leader"}, "role must be one of"),
+                      ({"node": "n1", "role": "decode"}, None),          # fine: n2 still takes prompts
+                      ({"node": "n2", "role": "decode"}, "no node that takes prompts"),
+                      ({"node": "n1", "role": "prefill"}, None),
+                      ({"node": "n2", "role": "prefill"}, "no node that decodes")):
+        reply = admin(pair.admin_socket, "set-role", **args)
+        assert (why is None) == reply["ok"] and (why is None or why in reply["error"]), (args, reply)
+    shown = nodes(pair)
+    assert (shown["n1"]["role"], shown["n2"]["role"]) == ("prefill", "mixed")
+    assert admin(pair.node_admin("n1"), "status")["role"] == "prefill"
+    assert admin(pair.admin_socket, "set-role", node="n1", role="mixed")["ok"]
+    assert nodes(pair)["n1"]["role_switches"] == before["n1"]["role_switches"] + 3
+    reply = admin(pair.admin_socket, "handoff", request="no-such-request")
+    assert not reply["ok"] and "not in flight" in reply["error"]
+
+
+@pytest.mark.parametrize("sampling", [None, SEEDED[0]], ids=["greedy", "seeded"])
+def test_handoffs_every_few_tokens_keep_the_stream_exact(pair, reference_engine, sampling):
+    ids = prompt(1 if sampling is None else 2)
+    want = expected(reference_engine, [ids], [sampling or {"temperature": 0.0}])[0]
+    before = sum(n["handoffs"] for n in nodes(pair).values())
+    s = Stream(pair, ids, sampling)
+    rid = until(lambda: next(iter(in_flight(pair)), None))
+    moved, last = 0, 0
+    while s.is_alive():
+        got = len(s.text)
+        if got >= last + 4:                       # every few tokens, once its copy is complete
+            reply = admin(pair.admin_socket, "handoff", request=rid)
+            if reply["ok"]:
+                moved, last = moved + 1, got
+            else:
+                assert any(w in reply["error"] for w in ("incomplete", "not in flight", "being moved")), reply
+        time.sleep(0.01)
+    s.join()
+    assert s.error is None and s.finish == "length", (s.error, s.finish)
+    assert "".join(s.text) == want
+    assert moved >= 3, moved
+    assert sum(n["handoffs"] for n in nodes(pair).values()) == before + moved
+
+
+def test_role_switch_mid_stream_hands_decodes_over(pair, reference_engine):
+    prompts, samplings = [prompt(10 + i) for i in range(4)], [{"temperature": 0.0}, SEEDED[1]] * 2
+    want = expected(reference_engine, prompts, samplings)
+    streams = [Stream(pair, p, s) for p, s in zip(prompts, samplings)]
+    until(lambda: {r["node"] for r in in_flight(pair).values() if r["tokens"] >= 2} == {"n1", "n2"})
+    assert admin(pair.admin_socket, "set-role", node="n1", role="prefill")["ok"]
+    # n1's decodes move to n2 once their copies are complete; new requests go to n2 too
+    until(lambda: all(r["node"] == "n2" for r in in_flight(pair).values()) or not any(s.is_alive() for s in streams))
+    routed = nodes(pair)["n1"]["routed"]
+    late = Stream(pair, prompt(20), None)
+    for s in [*streams, late]:
+        s.join(120)
+    for s, w in zip(streams, want):
+        assert s.error is None and s.finish == "length" and "".join(s.text) == w
+    assert late.error is None and "".join(late.text) == expected(reference_engine, [prompt(20)], [{"temperature": 0.0}])[0]
+    shown = nodes(pair)
+    assert shown["n1"]["role"] == "prefill" and shown["n1"]["handoffs"] >= 1
+    assert shown["n1"]["routed"] == routed            # the late request went to n2
+    assert admin(pair.admin_socket, "set-role", node="n1", role="mixed")["ok"]
+    metrics = pair.metrics()
+    assert metrics['kvd_node_handoffs_total{node="n1"}'] >= 1
+    assert metrics['kvd_node_role{node="n1",pair="n2",role="mixed"}'] == 1
+
+
+def test_a_copy_from_a_node_that_is_not_the_partner_is_refused_and_counted(pair):
+    """A well-formed ReplicaData from n3's key (a node of the cluster, not n2's
+    partner) passes the gate's identity check and is refused by the pair's."""
+    before = admin(pair.node_admin("n2"), "status")["replication"]["holder"]
+
+    async def forge():
+        conn = await pair.connect("n2", as_name="n3")
+        try:
+            kv = __import__("torch").zeros((2, 2, 1, 16, 2, 8))
+            forged = protocol.ReplicaData(id="x", source="n3", block_size=16, request_ids=("r",), starts=(0,),
+                                          counts=(1,), token_ids=tuple(range(16)), tensors=(kv,),
+                                          tickets={"r": "00" * 16})
+            return await protocol.call(conn, forged, timeout=10)
+        finally:
+            await conn.close()
+    reply = asyncio.run(forge())
+    assert isinstance(reply, protocol.ReplicaAck) and "partner n1" in reply.refused["r"], reply
+    after = admin(pair.node_admin("n2"), "status")["replication"]["holder"]
+    assert after["not_partner"] == before["not_partner"] + 1 and after["replicas"] == before["replicas"]
