@@ -129,10 +129,15 @@ class Heartbeat(Message):
     replicas: dict[str, dict[str, int]] = field(default_factory=dict)  # sender -> {request id -> tokens held here}: DejaVu's (x, j, t)
     stats: dict[str, Any] = field(default_factory=dict)  # engine snapshot (metrics)
     lost: tuple[str, ...] = ()         # requests it gave up, their output undeliverable (until a beat is answered)
+    lend_cap: int = 0                  # [engine].lend_kv_blocks: most device blocks it lends at once
+    lent: dict[str, int] = field(default_factory=dict)      # debtor -> device blocks lent to it (rmanager.py)
+    borrowed: dict[str, int] = field(default_factory=dict)  # creditor -> device blocks borrowed from it
 
     def _check(self) -> None:
         _require(all(self.lost), "lost request ids must be set")
         _require(self.cached_blocks >= 0 and self.cache_events >= 0, "counts must be >= 0")
+        _require(self.lend_cap >= 0 and all(n >= 0 for n in (*self.lent.values(), *self.borrowed.values())),
+                 "lent and borrowed blocks must be >= 0")
         _require(all(n >= 0 for held in self.replicas.values() for n in held.values()),
                  "replicated tokens must be >= 0")
         _require(self.seq >= 0 and self.running >= 0 and self.waiting >= 0, "counts must be >= 0")
@@ -624,6 +629,138 @@ class AdminReply(Message):
     ok: bool
     result: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
+
+
+# ─── borrowed KV memory (Infinite-LLM §4.4; kvd/node/lending.py) ─────────────
+
+@message
+@dataclass(frozen=True, kw_only=True)
+class CreditorQuery(Message):
+    """Node -> coordinator: ``node`` needs ``blocks`` KV blocks it does not
+    have; which nodes may lend them (``exclude``: nodes that just said no)."""
+
+    node: str
+    blocks: int
+    exclude: tuple[str, ...] = ()
+
+    def _check(self) -> None:
+        _require(bool(self.node), "node must be set")
+        _require(self.blocks > 0, "blocks must be > 0")
+
+
+@message
+@dataclass(frozen=True, kw_only=True)
+class Creditors(Message):
+    """Coordinator -> node: up to three creditor candidates, best first
+    (kvd/coordinator/ledger.py), each with its transport URL."""
+
+    candidates: tuple[str, ...] = ()
+    addresses: tuple[str, ...] = ()
+
+    def _check(self) -> None:
+        _require(len(self.candidates) == len(self.addresses) <= 3, "one address per candidate, at most 3")
+
+
+@message
+@dataclass(frozen=True, kw_only=True)
+class BorrowRequest(Message):
+    """Debtor -> creditor: lend ``blocks`` device KV blocks to ``debtor``
+    (the sender's own key). Answered at once by a BorrowReply."""
+
+    debtor: str
+    blocks: int
+
+    def _check(self) -> None:
+        _require(bool(self.debtor), "debtor must be set")
+        _require(self.blocks > 0, "blocks must be > 0")
+
+
+@message
+@dataclass(frozen=True, kw_only=True)
+class BorrowReply(Message):
+    """Creditor -> debtor: the loan (its id, blocks, lease seconds), or
+    ``ok=False`` with the reason (cap, free blocks, lending off)."""
+
+    ok: bool
+    loan_id: str = ""
+    blocks: int = 0
+    lease_s: float = 0.0
+    reason: str = ""
+
+    def _check(self) -> None:
+        _require(self.ok == bool(self.loan_id), "a granted loan has an id, a refusal none")
+        _require(not self.ok or (self.blocks > 0 and self.lease_s > 0), "a loan has blocks and a lease")
+
+
+@message
+@dataclass(frozen=True, kw_only=True)
+class ReturnLoan(Message):
+    """Debtor -> creditor: ``loan_id`` is given back; its blocks are freed."""
+
+    debtor: str
+    loan_id: str
+
+    def _check(self) -> None:
+        _require(bool(self.debtor) and bool(self.loan_id), "debtor and loan_id must be set")
+
+
+@message
+@dataclass(frozen=True, kw_only=True)
+class LeaseRenew(Message):
+    """Debtor -> creditor, every heartbeat interval: the loans ``debtor``
+    still holds there. A loan not renewed for its lease is freed. Its own
+    message, not a coordinator heartbeat: only the debtor itself proves
+    that it lives and still knows the loan (a restarted debtor names none,
+    so its predecessor's loans lapse), whatever the coordinator knows."""
+
+    debtor: str
+    loan_ids: tuple[str, ...]
+
+    def _check(self) -> None:
+        _require(bool(self.debtor) and all(self.loan_ids), "debtor and loan ids must be set")
+
+
+@message
+@dataclass(frozen=True, kw_only=True)
+class LoanWrite(Message):
+    """Debtor -> creditor: KV of layers [layer_start, layer_end) for the
+    loan's blocks [start, start + n), ONE frame [layers, 2, n, bs, kvh, hd]."""
+
+    FRAMES_FIELD: ClassVar[str | None] = "tensors"
+
+    debtor: str
+    loan_id: str
+    start: int = 0
+    layer_start: int = 0
+    layer_end: int = 0
+    tensors: tuple[Any, ...] = ()
+
+    def _check(self) -> None:
+        _require(bool(self.debtor) and bool(self.loan_id), "debtor and loan_id must be set")
+        _require(0 <= self.start and 0 <= self.layer_start < self.layer_end, "need start >= 0, layer_start < layer_end")
+        _require(len(self.tensors) == 1 and len(self.tensors[0].shape) == 6
+                 and self.tensors[0].shape[0] == self.layer_end - self.layer_start
+                 and self.tensors[0].shape[1] == 2, "one frame [layers, 2, n, bs, kvh, hd]")
+
+
+@message
+@dataclass(frozen=True, kw_only=True)
+class LoanAck(Message):
+    """Creditor -> debtor: a ReturnLoan, LeaseRenew or LoanWrite done
+    (``renewed``: loans renewed, ``gone``: those it no longer has), or
+    refused with the reason."""
+
+    ok: bool
+    loan_id: str = ""
+    renewed: int = 0
+    gone: tuple[str, ...] = ()         # LeaseRenew: the named loans this creditor no longer has
+    reason: str = ""
+
+    def _check(self) -> None:
+        _require(self.renewed >= 0, "renewed must be >= 0")
+
+
+LENDING_MESSAGES = (BorrowRequest, ReturnLoan, LeaseRenew, LoanWrite)   # debtor -> creditor
 
 
 # ─── encode / decode ─────────────────────────────────────────────────────────

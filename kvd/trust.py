@@ -19,7 +19,12 @@ What each port accepts, from whom (docs/operations.md, "Trust model")::
                                                               seconds by this node's own config;
                                                               ReplicaData only with a replica
                                                               ticket (below)
+                       BorrowRequest, ReturnLoan,             a node, as the debtor (debtor = its own
+                       LeaseRenew, LoanWrite                  name); a loan's blocks take writes and
+                                                              renewals from its debtor only
+                                                              (engine/memory/rmanager.py)
     coordinator port   Hello, Heartbeat, Goodbye, CacheEvents a node, about itself (node = its name);
+                       CreditorQuery
                                                               a new incarnation only from the
                                                               registered address or once the old
                                                               one is dead, heartbeats of the
@@ -56,8 +61,10 @@ from kvd.cluster_config import COORDINATOR_NAME
 TICKET_BYTES = 16            # an HMAC-SHA256 truncated to 128 bits, hex on the wire
 
 FROM_COORDINATOR = (protocol.LegRequest, protocol.Abort, protocol.AdminCommand)
-FROM_NODES = (protocol.KVTransferRequest, protocol.KVData, protocol.KVCommit, protocol.ReplicaData)
-NODE_ABOUT_ITSELF = (protocol.Hello, protocol.Heartbeat, protocol.Goodbye, protocol.CacheEvents)
+FROM_NODES = (protocol.KVTransferRequest, protocol.KVData, protocol.KVCommit, protocol.ReplicaData,
+              *protocol.LENDING_MESSAGES)
+NODE_ABOUT_ITSELF = (protocol.Hello, protocol.Heartbeat, protocol.Goodbye, protocol.CacheEvents,
+                     protocol.CreditorQuery)
 
 
 def node_refusal(msg: protocol.Message, identity: str | None, authenticated: bool) -> str | None:
@@ -80,6 +87,8 @@ def node_refusal(msg: protocol.Message, identity: str | None, authenticated: boo
             return f"src_node {msg.src_node!r} is not the sender's key {identity!r}"
         if isinstance(msg, protocol.ReplicaData) and msg.source != identity:
             return f"source {msg.source!r} is not the sender's key {identity!r}"
+        if isinstance(msg, protocol.LENDING_MESSAGES) and msg.debtor != identity:
+            return f"debtor {msg.debtor!r} is not the sender's key {identity!r}"
         return None
     return None          # other types: the handler answers unexpected_type
 

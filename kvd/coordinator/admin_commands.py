@@ -1,6 +1,6 @@
 """The coordinator's admin commands (``kvctl``): status, nodes, requests, drain,
 undrain, set-role, handoff, cache stats/flush, fail, tree (the global prompt
-trees), routing.
+trees), routing, ledger (borrowed KV memory: the debt ledger and DGFM).
 
 Served on the coordinator's 0600 admin Unix socket. Commands naming a node
 are forwarded to it as an ``AdminCommand`` (which a node accepts from the
@@ -26,7 +26,9 @@ from kvd import protocol
 from kvd.cluster_config import ClusterConfig, Role
 from kvd.coordinator.cache_router import ROUTING_WEIGHTS
 from kvd.coordinator.cache_sync import CacheSync
+from kvd.coordinator import dgfm
 from kvd.coordinator.handoff import Handoffs
+from kvd.coordinator.ledger import DebtLedger
 from kvd.coordinator.roles import redundant_blocks
 from kvd.coordinator.membership import Membership, NodeInfo
 from kvd.coordinator.prompt_tree import PromptTrees
@@ -41,6 +43,7 @@ log = logging.getLogger("kvd.coordinator")
 FAIL_MODES = ("exit", "stop", "resume", "drop-transfers", "engine")   # served by the node (kvd.node.daemon)
 FANOUT_TIMEOUT_S = 5.0     # per node, for commands sent to every node: under the admin deadline
 MAX_STALL_S = 60.0         # the longest stall `fail mode=stall` injects
+DGFM_MIN_BLOCKS = 16       # DGFM resolves debt cycles of at least this many blocks per edge
 
 
 @dataclasses.dataclass(eq=False)
@@ -63,6 +66,7 @@ class CoordinatorAdmin:
     set_draining: Callable[[bool], None]
     connect: Callable[[str, str], Awaitable[Connection]]
     make_router: Callable[..., Router]
+    ledger: DebtLedger | None = None       # the debt ledger of borrowed KV blocks
 
     def __post_init__(self) -> None:
         self.handoffs = Handoffs(self.client, self.forward)
@@ -250,6 +254,19 @@ class CoordinatorAdmin:
         return {"policy": policy_name(client.router), "policies": list(POLICIES),
                 **(describe() if describe else {})}
 
+    async def cmd_ledger(self, args: dict) -> dict:
+        """The debt ledger (loose: each node's last heartbeat): per node free,
+        lendable, lent and borrowed blocks; the debt graph; and the
+        recall-and-swap moves DGFM finds for cycles of at least ``min_blocks``."""
+        ledger = self.ledger or DebtLedger()
+        min_blocks = args.get("min_blocks", DGFM_MIN_BLOCKS)
+        if min_blocks < 1:
+            raise ValueError(f"min_blocks must be >= 1, got {min_blocks}")
+        ledger.retain(self.membership.nodes)
+        out = ledger.describe()
+        out["dgfm"] = [dataclasses.asdict(m) for m in dgfm.plan(ledger.debt_graph(), min_blocks)]
+        return out
+
     def handlers(self) -> dict[str, tuple[Any, str, dict | None]]:
         return {
             "status": (self.cmd_status, "coordinator status and bad-message counters", None),
@@ -274,6 +291,9 @@ class CoordinatorAdmin:
                         "session | least-load; prompt-tree weights (" + ", ".join(ROUTING_WEIGHTS)
                         + ") override the config's", {"policy": (str, False),
                                                       **{k: (t, False) for k, t in ROUTING_WEIGHTS.items()}}),
+            "ledger": (self.cmd_ledger, "borrowed KV memory: per node free, lendable, lent and borrowed blocks, "
+                       "the debt graph, DGFM's recall-and-swap moves (min_blocks: their threshold, default "
+                       f"{DGFM_MIN_BLOCKS})", {"min_blocks": (int, False)}),
             "fail": (self.cmd_fail, "fault injection on a node (registered, or declared dead: reached at its "
                      "last address): mode exit | stop | resume | drop-transfers | engine; without a node, mode stall "
                      "blocks this coordinator's event loop for `seconds` (5)",

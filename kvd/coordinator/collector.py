@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvd.coordinator.cache_sync import CacheSync
+from kvd.coordinator.ledger import DebtLedger
 from kvd.coordinator.membership import Membership, NodeInfo
 from kvd.coordinator.prompt_tree import PromptTrees
 from kvd.coordinator.roles import redundant_blocks
@@ -37,6 +38,7 @@ class ClusterCollector:
     _: dataclasses.KW_ONLY
     http_site: Callable[[], CappedSite | None]
     malformed_frames: Callable[[], int]
+    ledger: DebtLedger | None = None      # the debt ledger of borrowed KV blocks (ledger.py)
 
     def describe(self):
         return []
@@ -46,6 +48,7 @@ class ClusterCollector:
         yield from self._membership(nodes)
         yield from self._caches(nodes)
         yield from self._requests(nodes)
+        yield from self._ledger()
 
     def _membership(self, nodes: list[NodeInfo]):
         """Nodes by state, failures, this loop's stalls, HTTP connections."""
@@ -154,6 +157,32 @@ class ClusterCollector:
         c = CounterMetricFamily("kvd_handoffs_refused", "Handoffs not done, by reason", labels=["reason"])
         for reason, n in sorted(pairs.refused.items()):
             c.add_metric([reason], n)
+        yield c
+
+
+    def _ledger(self):
+        """The debt ledger, as ``kvctl ledger`` shows it: free, lendable, lent
+        and borrowed device blocks per node, and the debt graph's edges."""
+        if self.ledger is None:
+            return
+        self.ledger.retain(self.membership.nodes)
+        lines = self.ledger.describe()
+        g = GaugeMetricFamily("kvd_ledger_blocks", "Device KV blocks per node in the debt ledger (its last "
+                              "heartbeat): free, lendable (under its cap), lent, borrowed", labels=["node", "kind"])
+        for n in lines["nodes"]:
+            for kind, value in (("free", n["free"]), ("lendable", n["lendable"]),
+                                ("lent", sum(n["lent"].values())), ("borrowed", sum(n["borrowed"].values()))):
+                g.add_metric([n["node"], kind], value)
+        yield g
+        g = GaugeMetricFamily("kvd_ledger_debt_blocks", "Blocks a debtor holds on a creditor (the debt graph)",
+                              labels=["debtor", "creditor"])
+        for d in lines["debts"]:
+            g.add_metric([d["debtor"], d["creditor"]], d["blocks"])
+        yield g
+        c = CounterMetricFamily("kvd_ledger_queries", "Creditor queries answered, and those with no candidate",
+                                labels=["outcome"])
+        c.add_metric(["answered"], lines["queries"] - lines["unanswered"])
+        c.add_metric(["unanswered"], lines["unanswered"])
         yield c
 
 

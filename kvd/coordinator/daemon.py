@@ -40,6 +40,7 @@ from kvd.coordinator.cache_router import CostWeights, make_router
 from kvd.coordinator.cache_sync import CacheSync
 from kvd.coordinator.client import RemoteEngineClient
 from kvd.coordinator.collector import ClusterCollector
+from kvd.coordinator.ledger import DebtLedger
 from kvd.coordinator.membership import Membership, NodeInfo, Refused
 from kvd.coordinator.prompt_tree import PromptTrees
 from kvd.coordinator.recovery import RecoveryPolicy
@@ -73,6 +74,7 @@ class CoordinatorDaemon:
         self.admin_socket = admin_socket if admin_socket is not None else cluster.admin_socket
         self.membership = Membership(cluster.heartbeat_deadline, cluster.heartbeat_interval)
         self.trees = PromptTrees(pending_ttl=cluster.routing_pending_ttl)   # global prompt trees
+        self.ledger = DebtLedger()          # the global debt ledger of borrowed KV blocks (ledger.py)
         self.cache_sync = CacheSync(self.trees)
         # where lost requests go, and the replica table behind it (kvd/coordinator/recovery.py)
         self.recovery = RecoveryPolicy(cluster.recovery, cluster.max_recoveries, replicas=cluster.replicas)
@@ -98,7 +100,8 @@ class CoordinatorDaemon:
         self.admin = None
         self.commands = CoordinatorAdmin(self.client, self.membership, cluster, self.trees, self.cache_sync,
                                          status=self.status, set_draining=self._set_draining,
-                                         connect=self.connect_node, make_router=self.make_router)
+                                         connect=self.connect_node, make_router=self.make_router,
+                                         ledger=self.ledger)
         self.port: int | None = None
         self._stop = asyncio.Event()
         self._force = asyncio.Event()
@@ -146,7 +149,7 @@ class CoordinatorDaemon:
         self.front.metrics.registry.register(ClusterCollector(
             self.client, self.membership, self.trees, self.cache_sync, self.bad_messages,
             http_site=lambda: self.site,
-            malformed_frames=lambda: self.listener.stats.malformed if self.listener else 0))
+            malformed_frames=lambda: self.listener.stats.malformed if self.listener else 0, ledger=self.ledger))
         self.runner = web.AppRunner(self.front.make_app(), handler_cancellation=True, access_log=None,
                                     shutdown_timeout=HTTP_CLOSE_S, **runner_options(srv.header_timeout))
         await self.runner.setup()
@@ -272,7 +275,13 @@ class CoordinatorDaemon:
                 return protocol.Welcome(id=msg.id, node=msg.node, accepted=False, reason="unknown node")
             if msg.lost:                  # requests it gave up, undeliverable: ended or recovered now
                 self.client.lost_by_node(msg.node, msg.lost)
+            self.ledger.update(known.address, msg)
             return self._assignments(msg)
+        if isinstance(msg, protocol.CreditorQuery):
+            self.ledger.retain(self.membership.nodes)
+            best = self.ledger.candidates(msg.node, msg.blocks, msg.exclude)
+            return protocol.Creditors(id=msg.id, candidates=tuple(e.node for e in best),
+                                      addresses=tuple(e.address for e in best))
         if isinstance(msg, protocol.CacheEvents):
             return self.cache_sync.handle(msg)
         if isinstance(msg, protocol.Hello):

@@ -58,6 +58,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from engine.engine import EngineConfig
+from engine.memory.rmanager import RManager
 from kvd import links, protocol, trust
 from kvd.cluster_config import COORDINATOR_NAME, ClusterConfig, Role
 from kvd.engine_client import EngineDead
@@ -66,6 +67,7 @@ from kvd.node.engine_driver import EngineDriver, describe_failure, load_engine
 from kvd.node.cache_shipper import CacheShipper
 from kvd.node.heartbeat import Heartbeater
 from kvd.node.inbox import MESSAGES as INBOX_MESSAGES, KVInbox
+from kvd.node.lending import Borrower, Lender
 from kvd.node.peers import PeerLinks
 from kvd.node.legs import Legs, internal_error
 from kvd.node.replication import Replicator
@@ -111,6 +113,9 @@ class NodeDaemon:
         self.transfers = TransferFaults()              # fault injection: refuse KV transfers; counts
         self.streams: dict[str, asyncio.Task] = {}
         self.inbox: KVInbox | None = None              # every way KV arrives here (kvd/node/inbox.py)
+        self.rmanager: RManager | None = None          # blocks lent and borrowed (engine/memory/rmanager.py)
+        self.borrower: Borrower | None = None          # this node as a debtor (lending.py)
+        self._ledger_link = None                       # to the coordinator, for CreditorQuery
         self.replicator: Replicator | None = None      # this node's KV -> its replica peer
         self.legs: Legs | None = None                  # the legs of requests run here
         self.peer_links = PeerLinks(lambda node, address: links.connect(   # to other nodes: KV, replicas
@@ -142,6 +147,11 @@ class NodeDaemon:
                              request_timeout=self.cluster.request_timeout,
                              replica_blocks=self.cluster.replica_kv_blocks)
         self.inbox.replicas.partner = self.cluster.partner_of(self.name)   # the trust gate of a pair's copies
+        # borrowed KV memory (lending.py): a debtor silent for a heartbeat deadline loses its loans here
+        self.rmanager = RManager(engine.pool, engine.config.lend_kv_blocks, lease_s=self.cluster.heartbeat_deadline)
+        self.inbox.lending = Lender(self.driver, self.rmanager, authenticated=self.listener.authenticated)
+        self.borrower = Borrower(self.name, self.rmanager, self._ask_coordinator, self.peer_links.get,
+                                 self.cluster.request_timeout)
         if self.cluster.replicas and self.role != Role.PREFILL:
             self.replicator = Replicator(self.name, self.driver, self._peer, self._drop_peer,
                                          self.cluster.replication_interval, self.cluster.request_timeout)
@@ -178,6 +188,7 @@ class NodeDaemon:
                 beating = tg.create_task(self.heartbeat.run(), name="heartbeat")
                 shipping = tg.create_task(self.cache_shipper.run(), name="cache-events")
                 reaping = tg.create_task(self._reap(), name="reaper")
+                leasing = tg.create_task(self._leases(), name="leases")
                 notifying = tg.create_task(self._notify(), name="notify")
                 replicating = tg.create_task(self.replicator.run(), name="replication") if self.replicator else None
                 self._ready.set()
@@ -186,7 +197,7 @@ class NodeDaemon:
                 await self._drain()
                 reason = f"engine dead: {self.engine_failure}" if self.engine_failure else "shutdown"
                 await self.heartbeat.goodbye(reason, tuple(dict.fromkeys(self._lost + tuple(self.streams))))
-                for task in (serving, beating, shipping, reaping, replicating, *self.streams.values()):
+                for task in (serving, beating, shipping, reaping, leasing, replicating, *self.streams.values()):
                     if task is not None:
                         task.cancel()
                 await self.listener.close()
@@ -259,6 +270,8 @@ class NodeDaemon:
 
     async def cleanup(self) -> None:
         await self.peer_links.close()
+        if self._ledger_link is not None:
+            await self._ledger_link.close()
         if self.admin is not None:
             await self.admin.close()
         if self.listener is not None:
@@ -294,6 +307,8 @@ class NodeDaemon:
             draining=self.draining,
             cached_blocks=sum(kv.get(t, {}).get("cached", 0) for t in protocol.TIERS),
             cache_events=events, replicas=self.inbox.replicas.report(),
+            lend_cap=self.rmanager.lend_cap, lent=dict(self.inbox.lending.lent),
+            borrowed=self.rmanager.borrowed_per_creditor(),
             stats=dict(snap, replication=self.replicator.stats() if self.replicator else {}))
 
     def _assigned(self, welcome: protocol.Welcome) -> None:
@@ -462,6 +477,24 @@ class NodeDaemon:
         self._tg.create_task(reply(), name=f"{msg.TYPE} {msg.id}")
         return None
 
+    async def _ask_coordinator(self, msg: protocol.CreditorQuery) -> protocol.Message:
+        """The coordinator's reply to ``msg``, over a link of its own (the
+        heartbeat's link carries only beats)."""
+        if self._ledger_link is None or self._ledger_link.closed:
+            self._ledger_link = await asyncio.wait_for(self._connect_coordinator(), self.cluster.request_timeout)
+        return await protocol.call(self._ledger_link, msg, timeout=self.cluster.request_timeout)
+
+    async def _leases(self) -> None:
+        """Every heartbeat interval: renew this node's loans at their
+        creditors, free the loans made here whose debtor went silent."""
+        while True:
+            await asyncio.sleep(self.cluster.heartbeat_interval)
+            with contextlib.suppress(Exception):
+                if lost := await self.borrower.renew():
+                    log.warning("lost %d borrowed KV loan(s): their creditor is gone", len(lost))
+                if dead := await self.inbox.lending.expire():
+                    log.warning("freed %d lent KV loan(s) whose debtor stopped renewing them", len(dead))
+
     async def _reap(self) -> None:
         while True:
             await asyncio.sleep(1.0)
@@ -496,4 +529,6 @@ class NodeDaemon:
                                    "prefill": dict(self.legs.prefill_legs) if self.legs else {},
                                    "prompt_replicas": dict(self.legs.prompt_replicas) if self.legs else {}},
                 "replication": {"sender": self.replicator.stats() if self.replicator else {},
-                                "holder": self.inbox.replicas.stats() if self.inbox else {}}}
+                                "holder": self.inbox.replicas.stats() if self.inbox else {}},
+                "lending": {"creditor": self.inbox.lending.stats() if self.inbox and self.inbox.lending else {},
+                            "debtor": self.borrower.stats() if self.borrower else {}}}

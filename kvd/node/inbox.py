@@ -13,6 +13,11 @@ receiving object, each arrival a ``Region`` of the engine's MemPool
   sender in replication.py). Each ``ReplicaData`` round appends to the
   replica's region, private until a recovery commits it (``replicas``,
   replica_store.py: tickets, budget, adoption).
+- ``LENT``: blocks this node lends to a peer's request (Infinite-LLM §4.3,
+  the debtor in lending.py). A ``BorrowRequest`` reserves the loan's
+  region, ``LoanWrite`` fills it from the debtor only, ``ReturnLoan``
+  commits it (freed), a lease its debtor stops renewing cancels it
+  (``lending``, lending.py and engine/memory/rmanager.py).
 
 A new way for KV to arrive is a new purpose here, not a new receive path.
 Every KV message enters through one door: ``answer_now`` (the reply at
@@ -44,9 +49,11 @@ from engine.memory.region import Purpose
 from kvd import protocol
 from kvd.node.engine_driver import EngineDriver
 from kvd.node.kvmove import FINAL, KVReceiver, TransferState, new_transfer_id
+from kvd.node.lending import Lender
 from kvd.node.replica_store import ReplicaStore
 
-MESSAGES = (protocol.KVTransferRequest, protocol.KVData, protocol.KVCommit, protocol.ReplicaData)
+MESSAGES = (protocol.KVTransferRequest, protocol.KVData, protocol.KVCommit, protocol.ReplicaData,
+            *protocol.LENDING_MESSAGES)
 
 
 def grant_seconds(deadline: float | None, limit: float, now: float | None = None) -> float:
@@ -88,6 +95,7 @@ class KVInbox:
         self.tier = tier                         # where PREFIX regions are reserved
         self.receivers: dict[str, KVReceiver] = {}   # every open transfer, any purpose, by transfer id
         self.replicas = ReplicaStore(driver, replica_blocks, request_timeout)
+        self.lending: Lender | None = None       # LENT regions: set by the daemon (lending.py)
         self.received_bytes = 0                  # PREFIX KV committed
         # PREFIX: refused = KVData for no region of its sender (forged, late or stray)
         self.prefix_counts = {"received": 0, "failed": 0, "refused": 0, "peer_refused": 0}
@@ -100,6 +108,8 @@ class KVInbox:
         """The reply to a KV message (``MESSAGES``) when it needs no task:
         a commit, a refusal, or a prefix's allocation or import while the
         engine is idle; None: await ``answer``."""
+        if isinstance(msg, protocol.LENDING_MESSAGES):
+            return self._no_lending(msg) if self.lending is None else self.lending.answer_now(msg, incoming)
         if isinstance(msg, protocol.KVCommit):
             return self._on_commit(msg, incoming)
         if isinstance(msg, protocol.KVTransferRequest):
@@ -119,6 +129,8 @@ class KVInbox:
         """The reply to a KV message (``MESSAGES``), from a task."""
         if isinstance(msg, protocol.ReplicaData):
             return await self.replicas.on_data(msg)
+        if isinstance(msg, protocol.LENDING_MESSAGES):
+            return self._no_lending(msg) if self.lending is None else await self.lending.answer(msg, incoming)
         if isinstance(msg, protocol.KVCommit):
             return self._on_commit(msg, incoming)
         if isinstance(msg, protocol.KVTransferRequest):
@@ -280,6 +292,10 @@ class KVInbox:
             {"request_id": rx.request_id, "transfer_id": tid, "prefill_node": rx.sender_node,
              "state": rx.state.value, "layers": len(rx.layers_done), "blocks": len(rx.region.block_ids)}
             for tid, rx in self.receivers.items() if rx.purpose is Purpose.PROMPT]}
+
+
+    def _no_lending(self, msg: protocol.Message) -> protocol.Error:
+        return protocol.Error(id=msg.id, code="no_grant", message="this node lends no KV blocks")
 
 
 def _duplicate(msg: protocol.KVTransferRequest) -> protocol.KVAllocReply:

@@ -61,6 +61,16 @@ EXAMPLES = [
     P.CacheAck(id="c", node="n1", next_seq=5),
     P.AdminCommand(command="cache", args={"op": "stats", "verbose": True}),
     P.AdminReply(ok=True, result={"nodes": [{"name": "n1"}]}),
+    P.CreditorQuery(node="n1", blocks=8, exclude=("n2",)),
+    P.Creditors(candidates=("n2", "n3"), addresses=("zmq+tcp://h:1", "zmq+tcp://h:2")),
+    P.BorrowRequest(debtor="n1", blocks=8),
+    P.BorrowReply(ok=True, loan_id="ab12", blocks=8, lease_s=3.0),
+    P.BorrowReply(ok=False, reason="over the lending cap"),
+    P.ReturnLoan(debtor="n1", loan_id="ab12"),
+    P.LeaseRenew(debtor="n1", loan_ids=("ab12",)),
+    P.LoanWrite(debtor="n1", loan_id="ab12", start=2, layer_start=0, layer_end=2,
+                tensors=(RawTensor("int8", (2, 2, 1, 1, 1, 2), memoryview(b"abcdefgh")),)),
+    P.LoanAck(ok=False, renewed=0, gone=("ab12",), reason="loans expired or unknown here"),
 ]
 
 
@@ -402,3 +412,18 @@ async def test_a_chunk_too_large_for_the_wire_ends_its_request_with_an_error_at_
     await legs.pipe("r", b"peer", outputs())
     assert [type(m).__name__ for m in sent] == ["Error"] and not lost
     assert sent[0].request_id == "r" and sent[0].code == P.CODE_TOO_LARGE and "limit" in sent[0].message
+
+
+@pytest.mark.parametrize("build", [
+    lambda: P.BorrowRequest(debtor="", blocks=1), lambda: P.BorrowRequest(debtor="a", blocks=0),
+    lambda: P.BorrowReply(ok=True), lambda: P.BorrowReply(ok=False, loan_id="x"),
+    lambda: P.BorrowReply(ok=True, loan_id="x", blocks=0, lease_s=1.0),
+    lambda: P.LeaseRenew(debtor="a", loan_ids=("",)), lambda: P.CreditorQuery(node="a", blocks=-1),
+    lambda: P.Creditors(candidates=("a",)), lambda: P.Creditors(candidates=tuple("abcd"), addresses=tuple("abcd")),
+    lambda: P.LoanWrite(debtor="a", loan_id="x", layer_start=0, layer_end=2, tensors=(torch.zeros(1, 2, 1, 4, 1, 4),)),
+    lambda: P.LoanWrite(debtor="a", loan_id="x", layer_start=1, layer_end=1),
+    lambda: P.Heartbeat(node="a", seq=1, load=0, running=0, waiting=0, free_blocks={}, lent={"b": -1}),
+])
+def test_lending_messages_refuse_bad_fields(build):
+    with pytest.raises((ValueError, TypeError)):
+        build()

@@ -1,0 +1,232 @@
+"""Borrowed KV memory, the node's side of Infinite-LLM's contract protocol
+(§4.4): this node lends blocks as a creditor (``Lender``) and borrows them
+as a debtor (``Borrower``). The blocks' bookkeeping is the rManager's
+(engine/memory/rmanager.py); each loan is a LENT region of the node's one
+KV inbox, whose door these messages come through (kvd/node/inbox.py)::
+
+    debtor A                      coordinator (ledger.py)          creditor B
+    CreditorQuery(A, n) ────────▶ candidates: up to 3, best first
+                        ◀──────── Creditors(B, C, ...)
+    BorrowRequest(A, n) ─────────────────────────────────────────▶ rManager.lend: FCFS, cap, free
+                        ◀───────────────────────────────────────── BorrowReply(loan | reason)   (at once)
+    (all say no: ask the coordinator once more, excluding them; then the caller preempts)
+    LoanWrite(A, loan, KV) ──────────────────────────────────────▶ into the loan's blocks (A's only)
+    LeaseRenew(A, loans)   ── every heartbeat interval ──────────▶ leases run on; a silent A's lapse
+    ReturnLoan(A, loan)    ──────────────────────────────────────▶ blocks freed
+
+The trust gate (kvd/trust.py) has already checked that a lending
+message's ``debtor`` is its sender's key; the rManager then serves a
+loan's blocks to that debtor only. A refusal is counted and changes
+nothing. Every wait has a deadline (``timeout``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from engine.memory.rmanager import Borrowed, Loan, RManager
+from kvd import protocol
+from kvd.node.engine_driver import EngineDriver
+from transports import Connection, TransportError
+
+log = logging.getLogger("kvd.lending")
+
+MESSAGES = protocol.LENDING_MESSAGES
+ROUNDS = 2          # a debtor asks the coordinator this many times before it gives up (then: preemption)
+
+
+class Lender:
+    """The creditor's answers to ``MESSAGES``. Every call on the rManager
+    runs on the engine thread (``driver``); ``lent`` is a copy of its
+    blocks lent per debtor, safe to read from the event loop."""
+
+    def __init__(self, driver: EngineDriver, rmanager: RManager, *, authenticated: bool) -> None:
+        self.driver = driver
+        self.rmanager = rmanager
+        self.authenticated = authenticated
+        self.lent: dict[str, int] = {}
+
+    def answer_now(self, msg: protocol.Message, incoming: Any) -> protocol.Message | None:
+        """The reply when the engine is idle (answered inline), else None: await ``answer``."""
+        done, reply = self.driver.try_call(lambda engine: self._answer(msg, incoming))
+        return reply if done else None
+
+    async def answer(self, msg: protocol.Message, incoming: Any) -> protocol.Message:
+        return await self.driver.call(lambda engine: self._answer(msg, incoming))
+
+    def _debtor(self, msg: Any, incoming: Any) -> str | None:
+        """Who asks: the sender's key (the trust gate made ``msg.debtor``
+        equal to it); on an insecure listener, whom the message names."""
+        return incoming.identity if self.authenticated else msg.debtor
+
+    def _answer(self, msg: protocol.Message, incoming: Any) -> protocol.Message:
+        """Engine thread: one lending message's reply."""
+        rm, debtor = self.rmanager, self._debtor(msg, incoming)
+        try:
+            if isinstance(msg, protocol.BorrowRequest):
+                loan = rm.lend(debtor, msg.blocks, secrets.token_hex(8), time.monotonic())
+                if isinstance(loan, str):
+                    return protocol.BorrowReply(id=msg.id, ok=False, reason=loan)
+                return protocol.BorrowReply(id=msg.id, ok=True, loan_id=loan.loan_id, blocks=loan.blocks,
+                                            lease_s=rm.lease_s)
+            if isinstance(msg, protocol.LeaseRenew):
+                n = rm.renew(debtor, msg.loan_ids, time.monotonic())
+                gone = tuple(i for i in msg.loan_ids if i not in rm.loans or rm.loans[i].debtor != debtor)
+                return protocol.LoanAck(id=msg.id, ok=not gone, renewed=n, gone=gone,
+                                        reason="loans expired or unknown here" if gone else "")
+            if isinstance(msg, protocol.ReturnLoan):
+                why = rm.give_back(debtor, msg.loan_id)
+            else:
+                payload = msg.tensors[0].to_torch()
+                why = rm.write(msg.loan_id, debtor, msg.start, payload, (msg.layer_start, msg.layer_end))
+            return protocol.LoanAck(id=msg.id, ok=why is None, loan_id=msg.loan_id, reason=why or "")
+        finally:
+            self.lent = rm.lent_per_debtor()
+
+    async def expire(self) -> list[Loan]:
+        """Free the loans whose debtor stopped renewing them."""
+        def reap(engine) -> list[Loan]:
+            dead = self.rmanager.expire(time.monotonic())
+            self.lent = self.rmanager.lent_per_debtor()
+            return dead
+        if not self.lent:
+            return []
+        return await self.driver.call(reap)
+
+    def stats(self) -> dict[str, Any]:
+        rm = self.rmanager
+        return {"lend_cap": rm.lend_cap, "lent": dict(self.lent), "counts": dict(rm.counts)}
+
+
+class Borrower:
+    """The debtor's side: ask the coordinator for creditors, ask them in
+    turn, keep the loans' leases alive, give loans back. Runs on the event
+    loop; the rManager's ``borrowed`` book is touched only here.
+
+    ``ask_coordinator``: sends a CreditorQuery, returns the reply.
+    ``connect``: a link to a node (name, URL), the node's peer links."""
+
+    def __init__(self, name: str, rmanager: RManager,
+                 ask_coordinator: Callable[[protocol.CreditorQuery], Awaitable[protocol.Message]],
+                 connect: Callable[[str, str], Awaitable[Connection]], timeout: float) -> None:
+        self.name = name
+        self.rmanager = rmanager
+        self._ask = ask_coordinator
+        self._connect = connect
+        self.timeout = timeout
+        self.addresses: dict[str, str] = {}       # creditor -> its URL
+        self.lease_s: dict[str, float] = {}       # creditor -> its loans' lease
+        self.renewed_at: dict[str, float] = {}    # creditor -> when it last answered a renewal (monotonic)
+        self.counts = {"borrowed": 0, "refused": 0, "gave_up": 0, "lost": 0}
+
+    async def borrow(self, blocks: int) -> Borrowed | None:
+        """``blocks`` blocks on some creditor, or None when no one lends
+        them (after ``ROUNDS`` questions to the coordinator): the caller
+        then preempts, as without borrowing."""
+        tried: list[str] = []
+        for _ in range(ROUNDS):
+            try:
+                reply = await self._ask(protocol.CreditorQuery(id=secrets.token_hex(6), node=self.name,
+                                                               blocks=blocks, exclude=tuple(tried),
+                                                               deadline=time.time() + self.timeout))
+            except (TransportError, TimeoutError) as exc:
+                log.warning("no creditor candidates: %s", exc)
+                break
+            if not isinstance(reply, protocol.Creditors) or not reply.candidates:
+                break
+            for creditor, address in zip(reply.candidates, reply.addresses):
+                tried.append(creditor)
+                loan = await self._ask_creditor(creditor, address, blocks)
+                if loan is not None:
+                    return loan
+        self.counts["gave_up"] += 1
+        return None
+
+    async def _ask_creditor(self, creditor: str, address: str, blocks: int) -> Borrowed | None:
+        msg = protocol.BorrowRequest(id=secrets.token_hex(6), debtor=self.name, blocks=blocks,
+                                     deadline=time.time() + self.timeout)
+        try:
+            reply = await protocol.call(await self._connect(creditor, address), msg, timeout=self.timeout)
+        except (TransportError, TimeoutError):
+            return None
+        if not isinstance(reply, protocol.BorrowReply) or not reply.ok:
+            self.counts["refused"] += 1
+            return None
+        self.addresses[creditor] = address
+        self.lease_s[creditor] = reply.lease_s
+        self.renewed_at[creditor] = time.monotonic()
+        self.rmanager.note_borrowed(creditor, reply.loan_id, reply.blocks)
+        self.counts["borrowed"] += 1
+        return self.rmanager.borrowed[reply.loan_id]
+
+    async def _call(self, creditor: str, msg: protocol.Message) -> protocol.Message:
+        conn = await self._connect(creditor, self.addresses[creditor])
+        return await protocol.call(conn, msg, timeout=self.timeout)
+
+    async def write(self, loan_id: str, start: int, payload: Any, layers: tuple[int, int]) -> bool:
+        """Write KV ``payload`` [l1-l0, 2, n, bs, kvh, hd] into blocks
+        ``[start, start + n)`` of loan ``loan_id``. False: refused or lost."""
+        b = self.rmanager.borrowed.get(loan_id)
+        if b is None:
+            return False
+        msg = protocol.LoanWrite(id=secrets.token_hex(6), debtor=self.name, loan_id=loan_id, start=start,
+                                 layer_start=layers[0], layer_end=layers[1], tensors=(payload,),
+                                 deadline=time.time() + self.timeout)
+        try:
+            reply = await self._call(b.creditor, msg)
+        except (TransportError, TimeoutError):
+            return False
+        return isinstance(reply, protocol.LoanAck) and reply.ok
+
+    async def give_back(self, loan_id: str) -> bool:
+        """Return ``loan_id`` to its creditor (booked as returned whatever
+        the creditor answers: an unreachable creditor frees it at lease end)."""
+        b = self.rmanager.note_returned(loan_id)
+        if b is None:
+            return False
+        try:
+            reply = await self._call(b.creditor, protocol.ReturnLoan(id=secrets.token_hex(6), debtor=self.name,
+                                                                     loan_id=loan_id,
+                                                                     deadline=time.time() + self.timeout))
+        except (TransportError, TimeoutError):
+            return False
+        return isinstance(reply, protocol.LoanAck) and reply.ok
+
+    async def renew(self) -> list[Borrowed]:
+        """Renew every loan's lease at its creditor, creditors in parallel.
+        A loan its creditor no longer has (it restarted) or a creditor that
+        does not answer within the lease is dropped from the book: those
+        loans are returned, lost (their KV must be computed again)."""
+        creditors = {b.creditor for b in self.rmanager.borrowed.values()}
+        lost: list[Borrowed] = []
+        results = await asyncio.gather(*(self._renew_at(c) for c in creditors))
+        for group in results:
+            lost.extend(group)
+        self.counts["lost"] += len(lost)
+        return lost
+
+    async def _renew_at(self, creditor: str) -> list[Borrowed]:
+        ids = tuple(self.rmanager.loans_from(creditor))
+        msg = protocol.LeaseRenew(id=secrets.token_hex(6), debtor=self.name, loan_ids=ids,
+                                  deadline=time.time() + self.timeout)
+        try:
+            reply = await self._call(creditor, msg)
+        except (TransportError, TimeoutError):
+            reply = None
+        now = time.monotonic()
+        if isinstance(reply, protocol.LoanAck):
+            self.renewed_at[creditor] = now
+            gone = reply.gone
+        elif now - self.renewed_at.get(creditor, now) > self.lease_s.get(creditor, 0.0):
+            gone = ids          # silent past the lease: the creditor is gone, or has freed them
+        else:
+            return []           # one missed renewal is not a loss
+        return [b for i in gone if (b := self.rmanager.note_returned(i)) is not None]
+
+    def stats(self) -> dict[str, Any]:
+        return {"borrowed": self.rmanager.borrowed_per_creditor(), "counts": dict(self.counts)}
