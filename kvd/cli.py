@@ -436,6 +436,9 @@ def serve(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config, {"engine": engine, "server": server})
         cluster = _cluster(args)
+        if cluster.pairs and (args.nodes < 2 or args.nodes % 2 or args.prefill):
+            raise ValueError("--pairs needs --nodes 2N (an even number, at least 2) and no --prefill "
+                             "(a paired node decodes)")
         for name in ("restart_nodes", "split_cpus"):
             if getattr(args, name) is not None:
                 from kvd.cluster_config import with_overrides
@@ -454,10 +457,6 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     if args.prefill and not 0 < args.prefill < args.nodes:
         print("kvd: error: --prefill P needs --nodes N with 0 < P < N (N-P decode nodes)", file=sys.stderr)
-        return 2
-    if cluster.pairs and (args.nodes < 2 or args.nodes % 2 or args.prefill):
-        print("kvd: error: --pairs needs --nodes 2N (an even number, at least 2) and no --prefill "
-              "(a paired node decodes)", file=sys.stderr)
         return 2
     _logging(config.server.log_level)
     if _refuse_model(config.engine.model):

@@ -282,7 +282,7 @@ class ClusterConfig:
             raise ConfigError("cluster.replication_interval must be > 0")
         if self.curve_keys_dir and self.transport == "inproc":
             raise ConfigError("cluster.curve_keys_dir authenticates zmq+ and ucx links, not inproc")
-        if self.pairs or pair_map(self):
+        if pair_map(self) or self.pairs:
             object.__setattr__(self, "replicas", 1)   # a pair keeps every request's KV on both nodes
 
     def partner_of(self, name: str) -> str:
