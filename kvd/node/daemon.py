@@ -67,7 +67,7 @@ from kvd.node.engine_driver import EngineDriver, describe_failure, load_engine
 from kvd.node.cache_shipper import CacheShipper
 from kvd.node.heartbeat import Heartbeater
 from kvd.node.inbox import MESSAGES as INBOX_MESSAGES, KVInbox
-from kvd.node.lending import Borrower, Lender
+from kvd.node.lending import Borrower, Lender, admin_commands as lending_commands
 from kvd.node.peers import PeerLinks
 from kvd.node.legs import Legs, internal_error
 from kvd.node.replication import Replicator
@@ -505,7 +505,8 @@ class NodeDaemon:
     # ---------------------------------------------------------------- admin
     async def _start_admin(self) -> None:
         self.admin = await serve_admin_socket(self.admin_socket, f"kvd-node-{self.name}",
-                                              self.commands.handlers())
+                                              {**self.commands.handlers(),
+                                               **lending_commands(self.inbox.lending, self.borrower)})
 
     def status(self) -> dict[str, Any]:
         snap = self.driver.stats() if self.driver else {}

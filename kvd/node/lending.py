@@ -230,3 +230,34 @@ class Borrower:
 
     def stats(self) -> dict[str, Any]:
         return {"borrowed": self.rmanager.borrowed_per_creditor(), "counts": dict(self.counts)}
+
+
+def admin_commands(lender: Lender, borrower: Borrower) -> dict[str, tuple[Any, str, dict | None]]:
+    """The node's admin commands of borrowed KV memory (its admin socket):
+    ``loans`` shows both sides; ``borrow`` and ``return`` drive the debtor's
+    side by hand (an operator probing the cluster's spare blocks, a test)."""
+    async def loans(args: dict) -> dict:
+        return {"creditor": lender.stats(), "debtor": borrower.stats(),
+                "borrowed": [vars(b) for b in borrower.rmanager.borrowed.values()]}
+
+    async def borrow(args: dict) -> dict:
+        blocks = args["blocks"]
+        if not isinstance(blocks, int) or blocks < 1:
+            raise ValueError(f"blocks must be an int >= 1, got {blocks!r}")
+        loan = await borrower.borrow(blocks)
+        if loan is None:
+            raise ValueError(f"no creditor lends {blocks} blocks now")
+        return vars(loan)
+
+    async def give_back(args: dict) -> dict:
+        loan_id = args["loan"]
+        if loan_id not in borrower.rmanager.borrowed:
+            raise ValueError(f"this node holds no loan {loan_id!r}")
+        return {"returned": await borrower.give_back(loan_id)}
+
+    return {
+        "loans": (loans, "borrowed KV memory: blocks lent here per debtor, borrowed per creditor, counts", None),
+        "borrow": (borrow, "borrow `blocks` device KV blocks from a creditor the coordinator recommends",
+                   {"blocks": (int, True)}),
+        "return": (give_back, "give borrowed loan `loan` back to its creditor", {"loan": (str, True)}),
+    }
