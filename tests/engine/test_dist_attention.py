@@ -57,13 +57,14 @@ def borrow(engine: LLMEngine, rid: str, cuts: list[int], total: int, executor) -
     return pools
 
 
-def record_logits(engine: LLMEngine) -> list[torch.Tensor]:
-    """Every logits row the engine samples from, in order (a copy of each)."""
-    seen: list[torch.Tensor] = []
+def record_logits(engine: LLMEngine) -> dict[str, list[torch.Tensor]]:
+    """Every logits row the engine samples from, by request, in order (a copy of each)."""
+    seen: dict[str, list[torch.Tensor]] = {}
     pick = engine.runner._pick
 
     def recording(requests, sampled, logits, *args, **kwargs):
-        seen.append(logits[:len(sampled)].clone())
+        for row, i in enumerate(sampled):
+            seen.setdefault(requests[i].request_id, []).append(logits[row].clone())
         return pick(requests, sampled, logits, *args, **kwargs)
 
     engine.runner._pick = recording
@@ -110,9 +111,10 @@ def compare(make, prompts: dict[str, tuple[list[int], SamplingParams]], split: d
     for lender in lenders:                      # each part's K/V went to its lender
         assert lender.layer_caches(0)[0].abs().sum() > 0
     assert got == want
-    assert len(logits) == len(ref_logits)
-    for a, b in zip(logits, ref_logits):
-        assert torch.equal(a, b)
+    assert logits.keys() == ref_logits.keys()
+    for rid, rows in logits.items():
+        assert len(rows) == len(ref_logits[rid]) == len(want[rid])
+        assert all(torch.equal(a, b) for a, b in zip(rows, ref_logits[rid])), rid
 
 
 @pytest.fixture(scope="module")
@@ -179,7 +181,7 @@ def test_smollm2_in_parts(request, smollm2_source, prompts, path):
                               **more})
         return LLMEngine(cfg, model, tokenizer, "smollm2")
 
-    long = [t for p in prompts for t in p][:300]        # the fidelity prompts, one after another
+    long = ([t for p in prompts for t in p] * 8)[:300]  # the fidelity prompts, one after another
     reqs = {"two": (long, greedy(12)), "three": (long[:260], seeded(12)), "plain": (prompts[0], greedy(8))}
     compare(make, reqs, {"two": [2], "three": [1, 2]}, threaded=True)
 
