@@ -119,17 +119,6 @@ def _value(text: str) -> Any:
         return text
 
 
-def _at_least_one(text: str) -> int:
-    """An argparse type: an int >= 1 (else the usage error, exit status 2)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def _pairs(items: list[str], what: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
     """KEY=VALUE arguments as a dict (values by ``_value``); a malformed one is a usage error."""
     out: dict[str, Any] = {}
@@ -176,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
                               "load_weight, max_imbalance, recent_weight, load_decay); repeatable")
     ledger = sub.add_parser("ledger", help="borrowed KV memory (coordinator): per node free, lent and borrowed "
                             "blocks, the debt graph, DGFM's moves")
-    ledger.add_argument("--min-blocks", type=_at_least_one, help="DGFM's threshold per edge (default 16)")
+    ledger.add_argument("--min-blocks", type=int, help="DGFM's threshold per edge (default 16)")
     ll = sub.add_parser("log-level", help="set the daemon's log level")
     ll.add_argument("level", choices=("debug", "info", "warning", "error", "critical"),
                     type=str.lower)
@@ -213,6 +202,8 @@ def to_request(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[
         return {"cmd": cmd, **({"policy": ns.policy} if ns.policy else {}),
                 **_pairs(ns.set, "routing --set", parser)}
     if cmd == "ledger":
+        if ns.min_blocks is not None and ns.min_blocks < 1:
+            parser.error(f"ledger: --min-blocks must be >= 1, got {ns.min_blocks}")
         return {"cmd": cmd, **({"min_blocks": ns.min_blocks} if ns.min_blocks is not None else {})}
     if cmd == "log-level":
         return {"cmd": cmd, "level": ns.level, **({"logger": ns.logger} if ns.logger else {})}

@@ -24,6 +24,7 @@ from kvd import protocol
 
 from .conftest import Cluster, admin
 from .test_trust import NO_REPLY_S, _raw_request, _tcp
+from .test_trust_node_key import call_as
 
 pytestmark = pytest.mark.timeout(300)
 CAP = 64
@@ -63,14 +64,6 @@ def ledger_line(c: Cluster, node: str) -> dict:
 
 def creditor_stats(c: Cluster, node: str) -> dict:
     return admin(c.node_admin(node), "status")["lending"]["creditor"]
-
-
-async def call_as(c: Cluster, server: str, key: str, msg: protocol.Message) -> protocol.Message:
-    conn = await c.connect(server, as_name=key)
-    try:
-        return await protocol.call(conn, msg, timeout=10)
-    finally:
-        await conn.close()
 
 
 def as_(c: Cluster, server: str, key: str, msg: protocol.Message) -> protocol.Message:

@@ -112,3 +112,17 @@ def test_moves_never_raise_debt_nor_lend_beyond_a_cap(graph, min_blocks):
     assert all(n <= caps[c] for c, n in lent.items())
     assert all(m.blocks >= min_blocks for m in moves)
     assert dgfm.find_cycle(after, min_blocks) is None
+
+
+def test_kvctl_ledger_request_and_its_bad_input(capsys):
+    from kvd import ctl
+
+    parser = ctl.build_parser()
+    assert ctl.to_request(parser.parse_args(["ledger"]), parser) == {"cmd": "ledger"}
+    assert ctl.to_request(parser.parse_args(["ledger", "--min-blocks", "4"]), parser) == {"cmd": "ledger",
+                                                                                           "min_blocks": 4}
+    for bad in (["ledger", "--min-blocks", "0"], ["ledger", "--min-blocks", "x"]):
+        with pytest.raises(SystemExit) as exited:
+            ctl.main(["--socket", "/nonexistent.sock", *bad])
+        assert exited.value.code == 2
+        assert "min-blocks" in capsys.readouterr().err
