@@ -67,7 +67,7 @@ from kvd.node.engine_driver import EngineDriver, describe_failure, load_engine
 from kvd.node.cache_shipper import CacheShipper
 from kvd.node.heartbeat import Heartbeater
 from kvd.node.inbox import MESSAGES as INBOX_MESSAGES, KVInbox
-from kvd.node.lending import Borrower, Lender, admin_commands as lending_commands
+from kvd.node.lending import Borrower, Lender, admin_commands as lending_commands, keep_leases
 from kvd.node.peers import PeerLinks
 from kvd.node.legs import Legs, internal_error
 from kvd.node.replication import Replicator
@@ -188,7 +188,8 @@ class NodeDaemon:
                 beating = tg.create_task(self.heartbeat.run(), name="heartbeat")
                 shipping = tg.create_task(self.cache_shipper.run(), name="cache-events")
                 reaping = tg.create_task(self._reap(), name="reaper")
-                leasing = tg.create_task(self._leases(), name="leases")
+                leasing = tg.create_task(keep_leases(self.inbox.lending, self.borrower,
+                                                     self.cluster.heartbeat_interval), name="leases")
                 notifying = tg.create_task(self._notify(), name="notify")
                 replicating = tg.create_task(self.replicator.run(), name="replication") if self.replicator else None
                 self._ready.set()
@@ -483,17 +484,6 @@ class NodeDaemon:
         if self._ledger_link is None or self._ledger_link.closed:
             self._ledger_link = await asyncio.wait_for(self._connect_coordinator(), self.cluster.request_timeout)
         return await protocol.call(self._ledger_link, msg, timeout=self.cluster.request_timeout)
-
-    async def _leases(self) -> None:
-        """Every heartbeat interval: renew this node's loans at their
-        creditors, free the loans made here whose debtor went silent."""
-        while True:
-            await asyncio.sleep(self.cluster.heartbeat_interval)
-            with contextlib.suppress(Exception):
-                if lost := await self.borrower.renew():
-                    log.warning("lost %d borrowed KV loan(s): their creditor is gone", len(lost))
-                if dead := await self.inbox.lending.expire():
-                    log.warning("freed %d lent KV loan(s) whose debtor stopped renewing them", len(dead))
 
     async def _reap(self) -> None:
         while True:

@@ -232,6 +232,21 @@ class Borrower:
         return {"borrowed": self.rmanager.borrowed_per_creditor(), "counts": dict(self.counts)}
 
 
+async def keep_leases(lender: Lender, borrower: Borrower, interval: float) -> None:
+    """Until cancelled, every ``interval`` (the heartbeat's): renew this
+    node's loans at their creditors, free the loans made here whose
+    debtor went silent. A failed round is logged; the next one runs."""
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            if lost := await borrower.renew():
+                log.warning("lost %d borrowed KV loan(s): their creditor is gone", len(lost))
+            if dead := await lender.expire():
+                log.warning("freed %d lent KV loan(s) whose debtor stopped renewing them", len(dead))
+        except Exception as exc:  # noqa: BLE001 -- an engine call that failed: the next round retries
+            log.warning("lease round failed: %s", exc)
+
+
 def admin_commands(lender: Lender, borrower: Borrower) -> dict[str, tuple[Any, str, dict | None]]:
     """The node's admin commands of borrowed KV memory (its admin socket):
     ``loans`` shows both sides; ``borrow`` and ``return`` drive the debtor's
