@@ -130,3 +130,13 @@ def test_config_validates_lend_kv_blocks():
     for bad in (-1, 4096):
         with pytest.raises(ValueError, match="lend_kv_blocks"):
             EngineConfig(kv_blocks=2048, lend_kv_blocks=bad)
+
+
+@pytest.mark.parametrize("value, message", [("-3", "between 0 and kv_blocks"), ('"x"', "must be int")])
+def test_config_file_refuses_a_bad_lend_kv_blocks(tmp_path, value, message):
+    from kvd.config import ConfigError, load_config
+
+    path = tmp_path / "kvd.toml"
+    path.write_text(f"[engine]\nlend_kv_blocks = {value}\n")
+    with pytest.raises(ConfigError, match=message):
+        load_config(path)
