@@ -151,19 +151,12 @@ def measure(threads: int, context: int, batches: list[int], steps: int, variants
     import torch
 
     from engine.model.decode_kernels import plan_decoder
-    from engine.model.llama import LlamaModel
-    from engine.model.registry import resolve_model
-    from kernels.quant_linear import SERVING_VARIANTS, QuantKernel, host_variant
+    from kernels.quant_linear import SERVING_VARIANTS, host_variant
     from kernels.weight_arena import huge_page_zeros
-    from tools.bench.engine.bench_engine import read_bandwidth
+    from tools.bench.engine.bench_engine import read_bandwidth, smollm2_served
 
     torch.set_num_threads(threads)
-    if weights == "random":
-        from tools.bench.engine.bench_engine import random_smollm2
-        w = random_smollm2()
-    else:
-        w = resolve_model("smollm2").load_weights(quantized=True)
-    model = LlamaModel(w.config, w.tensors, quant_kernel=QuantKernel.create())
+    model = smollm2_served(weights)
     if variants == ["host"]:
         variants = [host_variant()]
     elif variants == ["all"]:

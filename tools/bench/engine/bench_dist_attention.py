@@ -45,20 +45,13 @@ def measure(contexts: list[int], threads: int, lender_threads: int, steps: int, 
     from engine.memory.mempool import MemPool
     from engine.memory.region import Purpose
     from engine.model.decode_kernels import plan_decoder
-    from engine.model.llama import LlamaModel
-    from engine.model.registry import resolve_model
     from engine.request import Request, SamplingParams
     from engine.runner import ModelRunner
     from kernels.dist_attention import KEY_CHUNK, chunks_of
-    from kernels.quant_linear import QuantKernel
+    from tools.bench.engine.bench_engine import smollm2_served
 
     torch.set_num_threads(threads)
-    if weights == "random":
-        from tools.bench.engine.bench_engine import random_smollm2
-        w = random_smollm2()
-    else:
-        w = resolve_model("smollm2").load_weights(quantized=True)
-    model = LlamaModel(w.config, w.tensors, quant_kernel=QuantKernel.create())
+    model = smollm2_served(weights)
     c = model.config
     windows = [c.layer_window(i) for i in range(model.num_local_layers)]
     rows = []

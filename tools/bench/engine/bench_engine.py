@@ -27,11 +27,13 @@ import torch
 
 from engine.engine import DTYPES, EngineConfig, LLMEngine, build_model, resolve_dtype
 from engine.model.config import LlamaConfig
+from engine.model.llama import LlamaModel
 from engine.model.registry import resolve_model
 from engine.model.weights import LoadedWeights, expected_shapes
 from engine.request import SamplingParams
 from kernels import native
 from kernels.quant import BLOCK, FORMATS, QuantTensor
+from kernels.quant_linear import QuantKernel
 
 RESULTS = Path("results/bench_engine.json")
 
@@ -84,6 +86,13 @@ def make_engine(dtype: str, random_weights: bool = False, **kw) -> LLMEngine:
     w = random_smollm2()
     w = w if config.weights == "native" else w.dequantized()
     return LLMEngine(config, build_model(config, w), resolve_model("smollm2").load_tokenizer(), w.source)
+
+
+def smollm2_served(weights: str) -> LlamaModel:
+    """SmolLM2 as served (quantized blocks on this CPU's kernel): the bundled GGUF's
+    (``weights`` "bundled") or ``random_smollm2()``'s ("random")."""
+    w = random_smollm2() if weights == "random" else resolve_model("smollm2").load_weights(quantized=True)
+    return LlamaModel(w.config, w.tensors, quant_kernel=QuantKernel.create())
 
 
 def random_smollm2(seed: int = 0) -> LoadedWeights:
