@@ -180,6 +180,8 @@ def _cluster_flags(p: argparse.ArgumentParser) -> None:
                    help="seconds between replication rounds ([cluster].replication_interval)")
     p.add_argument("--pairs", dest="pairs", action="store_const", const=True, default=None,
                    help="pair the nodes in order, n1-n2, n3-n4, ... ([cluster].pairs; kvd serve --nodes 2N)")
+    p.add_argument("--pair-scheduler", dest="pair_scheduler", action=argparse.BooleanOptionalAction, default=None,
+                   help="move decodes within each pair around prefills ([cluster].pair_scheduler, default on)")
 
 
 def main(argv: list[str] | None = None, add_commands: Callable | None = None,
@@ -212,7 +214,7 @@ CLUSTER_OVERRIDES = ("transport", "heartbeat_interval", "heartbeat_deadline", "c
                      "prefill_threshold", "prefill_queue_factor", "kv_load_failure", "kv_transfer_timeout",
                      "kv_stream", "kv_return",
                      "replicas", "recovery", "max_recoveries", "replica_kv_blocks", "replication_interval",
-                     "pairs")
+                     "pairs", "pair_scheduler")
 
 
 def _run(main_coro_factory) -> int:

@@ -204,6 +204,10 @@ class ClusterConfig:
         (not the ring), so every request a pair serves has its KV on both
         nodes and can move between them (a handoff); pairs turn ``replicas``
         on.
+    pair_scheduler: the coordinator moves decodes within each pair
+        (kvd/coordinator/pairs.py, AcceLLM §4.2.1): a node computing a prompt
+        hands its decodes to its partner, and the two rebalance after;
+        off: decodes move only by ``kvctl handoff`` and ``kvctl role``.
     """
 
     transport: str = "zmq+tcp"
@@ -239,6 +243,7 @@ class ClusterConfig:
     replica_kv_blocks: int = 1024
     replication_interval: float = 0.05
     pairs: bool = False
+    pair_scheduler: bool = True
     nodes: dict[str, NodeConfig] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

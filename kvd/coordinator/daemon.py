@@ -42,6 +42,7 @@ from kvd.coordinator.client import RemoteEngineClient
 from kvd.coordinator.collector import ClusterCollector
 from kvd.coordinator.ledger import DebtLedger
 from kvd.coordinator.membership import Membership, NodeInfo, Refused
+from kvd.coordinator.pairs import PairScheduler
 from kvd.coordinator.prompt_tree import PromptTrees
 from kvd.coordinator.recovery import RecoveryPolicy
 from kvd.coordinator.router import Router
@@ -183,6 +184,8 @@ class CoordinatorDaemon:
                                                         rejected=self.bad_messages, gate=self._gate),
                                          name="registration")
                 detecting = tg.create_task(self._detect_failures(), name="failure-detector")
+                scheduling = tg.create_task(PairScheduler(self.client, self.commands.handoffs).run(),
+                                            name="pair scheduler") if self.cluster.pair_scheduler else None
                 if expect_nodes:
                     await self.wait_for_nodes(expect_nodes, nodes_timeout)
                 if self.runner is None and not self._stop.is_set():
@@ -197,6 +200,8 @@ class CoordinatorDaemon:
                     await after_drain()
                 serving.cancel()
                 detecting.cancel()
+                if scheduling is not None:
+                    scheduling.cancel()
         finally:
             await self.cleanup()
 

@@ -51,14 +51,16 @@ class Handoffs:
         self.forward = forward          # (node, admin command, args) -> its result (ValueError, TransportError)
         self.recovery = client.recovery
         self.pairs = client.recovery.pairs
+        self.moving: set[str] = set()   # request ids a hand_off call is moving now
 
     def _stream(self, request_id: str) -> Stream | None:
         return self.client.failover.streams.get(request_id)
 
-    def refusal(self, request_id: str) -> tuple[str, NodeInfo, NodeInfo] | str:
+    def refusal(self, request_id: str, mine: bool = False) -> tuple[str, NodeInfo, NodeInfo] | str:
         """(request id, source, target) when ``request_id`` may be handed off
         now as far as the coordinator knows (its copy is ``held``'s to
-        check), else why not (in words). Reads only."""
+        check), else why not (in words). ``mine``: the caller is the
+        ``hand_off`` that marked it moving. Reads only."""
         stream = self._stream(request_id)
         if stream is None:
             return f"request {request_id!r} is not in flight"
@@ -66,7 +68,7 @@ class Handoffs:
         source = nodes.get(stream.node)
         if source is None:
             return f"request {request_id} runs on {stream.node}, which is not registered"
-        if stream.recovering:
+        if stream.recovering or (request_id in self.moving and not mine):
             return f"request {request_id} is being moved already"
         if stream.prefill or not stream.tokens:
             return f"request {request_id} is not decoding yet (its prompt is being computed)"
@@ -102,14 +104,18 @@ class Handoffs:
             self.pairs.refused[_reason(checked)] += 1
             raise ValueError(checked)
         _, source, target = checked
-        why = await self.held(request_id, source, target)
-        again = self.refusal(request_id)                  # what changed while the partner answered
-        if why is None and again != checked:
-            why = again if isinstance(again, str) else f"request {request_id} moved meanwhile"
-        if why is not None:
-            self.pairs.refused[_reason(why)] += 1
-            raise ValueError(why)
-        why = await self._move(request_id, source, target)
+        self.moving.add(request_id)
+        try:
+            why = await self.held(request_id, source, target)
+            again = self.refusal(request_id, mine=True)       # what changed while the partner answered
+            if why is None and again != checked:
+                why = again if isinstance(again, str) else f"request {request_id} moved meanwhile"
+            if why is not None:
+                self.pairs.refused[_reason(why)] += 1
+                raise ValueError(why)
+            why = await self._move(request_id, source, target)
+        finally:
+            self.moving.discard(request_id)
         if why is not None:
             raise ValueError(f"{target.name} did not take request {request_id}: {why}")
         return {"request": request_id, "from": source.name, "to": target.name,

@@ -46,16 +46,17 @@ def in_flight(c: Cluster) -> dict[str, dict]:
 class Stream(threading.Thread):
     """One streaming completion; its tokens' text, finish reason or error."""
 
-    def __init__(self, c: Cluster, prompt: list[int], sampling: dict | None) -> None:
+    def __init__(self, c: Cluster, prompt: list[int], sampling: dict | None, max_tokens: int = MAX_TOKENS) -> None:
         super().__init__(daemon=True)
         self.client, self.prompt, self.sampling = c.client(timeout=120), prompt, sampling
+        self.max_tokens = max_tokens
         self.text: list[str] = []
         self.finish = self.error = None
         self.start()
 
     def run(self) -> None:
         try:
-            for chunk in self.client.completions.create(model=MODEL, prompt=self.prompt, max_tokens=MAX_TOKENS,
+            for chunk in self.client.completions.create(model=MODEL, prompt=self.prompt, max_tokens=self.max_tokens,
                                                         stream=True, **body_of(self.sampling)):
                 if chunk.choices:
                     self.text.append(chunk.choices[0].text)
@@ -68,8 +69,8 @@ def prompt(seed: int) -> list[int]:
     return [(seed * 7919 + i * 104729) % 40000 + 1 for i in range(40)]
 
 
-def expected(engine, prompts, samplings) -> list[str]:
-    toks = reference_tokens(engine, prompts, MAX_TOKENS, list(samplings))
+def expected(engine, prompts, samplings, max_tokens: int = MAX_TOKENS) -> list[str]:
+    toks = reference_tokens(engine, prompts, max_tokens, list(samplings))
     return [engine.tokenizer.decode(t) for t in toks]
 
 
@@ -155,6 +156,24 @@ def test_role_switch_mid_stream_hands_decodes_over(pair, reference_engine):
     metrics = pair.metrics()
     assert metrics['kvd_node_handoffs_total{node="n1"}'] >= 1
     assert metrics['kvd_node_role{node="n1",pair="n2",role="mixed"}'] == 1
+
+
+def test_the_pair_scheduler_rebalances_decodes(pair, reference_engine):
+    """Four decodes on n1 (n2 prefilling: it takes none), then n2 decodes
+    again: the scheduler hands two of them over; every text stays exact."""
+    prompts, samplings = [prompt(30 + i) for i in range(4)], [{"temperature": 0.0}, SEEDED[2]] * 2
+    want = expected(reference_engine, prompts, samplings, 400)
+    assert admin(pair.admin_socket, "set-role", node="n2", role="prefill")["ok"]
+    before = nodes(pair)["n1"]["handoffs"]
+    streams = [Stream(pair, p, s, 400) for p, s in zip(prompts, samplings)]
+    until(lambda: sum(r["node"] == "n1" and r["tokens"] >= 2 for r in in_flight(pair).values()) == 4)
+    assert admin(pair.admin_socket, "set-role", node="n2", role="mixed")["ok"]
+    until(lambda: nodes(pair)["n1"]["handoffs"] >= before + 2 or not any(s.is_alive() for s in streams))
+    for s in streams:
+        s.join(120)
+    for s, w in zip(streams, want):
+        assert s.error is None and s.finish == "length" and "".join(s.text) == w
+    assert nodes(pair)["n1"]["handoffs"] >= before + 2
 
 
 def test_a_copy_from_a_node_that_is_not_the_partner_is_refused_and_counted(pair):

@@ -1,0 +1,118 @@
+"""The pair scheduler (AcceLLM §4.2.1; docs/cluster.md, "Pairs and roles").
+
+Within each registered pair a node never keeps decodes while it computes a
+prompt: every ``interval`` the scheduler looks at each pair's requests and
+plans handoffs (``plan_moves``, pure), which ``Handoffs`` carries out (each
+checked first: a request whose copy is incomplete stays where it is, and is
+planned again at the next tick).
+
+- A node that is prefilling (a request of its own without its first token
+  yet, or its role is ``prefill``) hands every decode to its partner, unless
+  the partner prefills too (or does not decode): the prompt runs alone, as
+  on a prefill node, and the decodes do not stall behind it.
+- Otherwise, when the two nodes' decode counts differ by two or more, the
+  busier node hands ``difference // 2`` decodes to the other, those with the
+  most tokens left to generate first (they weigh on a batch the longest):
+  after a prefill both nodes decode again, balanced.
+
+Routing is left to the cluster's router (load balancing already sends a new
+prompt to the less busy node of the two); the scheduler moves decodes only.
+Imports no torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvd.coordinator.roles import DECODES
+
+if TYPE_CHECKING:
+    from kvd.coordinator.client import RemoteEngineClient
+    from kvd.coordinator.handoff import Handoffs
+
+log = logging.getLogger("kvd.coordinator.pairs")
+
+TICK_S = 0.05             # between two looks at the pairs
+
+
+@dataclass(frozen=True)
+class Running:
+    """One request in flight on a node of a pair, as the scheduler sees it."""
+
+    request_id: str
+    node: str
+    decoding: bool           # has its first token (else its prompt is being computed)
+    left: int                # tokens it may still generate
+
+
+def plan_moves(a: str, b: str, running: Iterable[Running], decodes: dict[str, bool]
+               ) -> list[tuple[str, str, str]]:
+    """The handoffs (request, from, to) for the pair ``a``-``b`` (module
+    docstring). ``decodes``: whether each node's role takes decodes (a node
+    whose role is prefill counts as prefilling). Pure."""
+    running = list(running)
+    prefilling = {n: not decodes.get(n, True) or any(r.node == n and not r.decoding for r in running)
+                  for n in (a, b)}
+    on = {n: sorted((r for r in running if r.node == n and r.decoding), key=lambda r: (-r.left, r.request_id))
+          for n in (a, b)}
+    for src, dst in ((a, b), (b, a)):
+        if prefilling[src] and not prefilling[dst] and decodes.get(dst, True):
+            return [(r.request_id, src, dst) for r in on[src]]
+    if any(prefilling.values()):
+        return []
+    busy, idle = (a, b) if len(on[a]) >= len(on[b]) else (b, a)
+    moves = (len(on[busy]) - len(on[idle])) // 2
+    return [(r.request_id, busy, idle) for r in on[busy][:moves]]
+
+
+class PairScheduler:
+    """Runs ``plan_moves`` for every registered pair each ``TICK_S`` (an
+    owned task of the coordinator: ``run``)."""
+
+    def __init__(self, client: RemoteEngineClient, handoffs: Handoffs, tick: float = TICK_S) -> None:
+        self.client = client
+        self.handoffs = handoffs
+        self.pairs = client.recovery.pairs
+        self.tick = tick
+        self.moved = 0
+
+    def pairs_now(self) -> list[tuple[str, str]]:
+        """The registered pairs, each once, by name."""
+        nodes = self.client.membership.nodes
+        return sorted({tuple(sorted((name, p.name))) for name in nodes
+                       if (p := self.pairs.partner(name, nodes)) is not None})
+
+    def running(self, a: str, b: str) -> list[Running]:
+        """The requests in flight on ``a`` or ``b`` (not those another task moves)."""
+        out = []
+        for rid, stream in self.client.failover.streams.items():
+            if stream.node in (a, b) and not stream.recovering:
+                max_tokens = stream.request.sampling.max_tokens
+                out.append(Running(rid, stream.node, bool(stream.tokens) and not stream.prefill,
+                                   max(0, max_tokens - len(stream.tokens))))
+        return out
+
+    async def step(self) -> int:
+        """One look at every pair; the handoffs done."""
+        nodes, done = self.client.membership.nodes, 0
+        for a, b in self.pairs_now():
+            decodes = {n: nodes[n].role in DECODES and not nodes[n].draining for n in (a, b) if n in nodes}
+            for rid, _, _ in plan_moves(a, b, self.running(a, b), decodes):
+                with contextlib.suppress(ValueError):          # refused (copy incomplete, ...): next tick
+                    await self.handoffs.hand_off(rid)
+                    done += 1
+        self.moved += done
+        return done
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.tick)
+            try:
+                await self.step()
+            except Exception:  # noqa: BLE001 -- one bad tick must not end scheduling
+                log.exception("pair scheduler tick failed")
