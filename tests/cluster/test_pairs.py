@@ -20,6 +20,7 @@ from .conftest import MODEL, SEEDED, Cluster, admin, body_of, reference_tokens
 NODES = ["n1", "n2"]
 FLAGS = ("--host-kv-blocks", "256", "--replication-interval", "0.05")
 MAX_TOKENS = 240
+LONG = 400                        # prompt + LONG within the reference engine's context (512)
 
 
 @pytest.fixture(scope="module")
@@ -113,9 +114,9 @@ def test_bad_role_switches_change_nothing(pair):
 @pytest.mark.parametrize("sampling", [None, SEEDED[0]], ids=["greedy", "seeded"])
 def test_handoffs_every_few_tokens_keep_the_stream_exact(pair, reference_engine, sampling):
     ids = prompt(1 if sampling is None else 2)
-    want = expected(reference_engine, [ids], [sampling or {"temperature": 0.0}])[0]
+    want = expected(reference_engine, [ids], [sampling or {"temperature": 0.0}], LONG)[0]
     before = sum(n["handoffs"] for n in nodes(pair).values())
-    s = Stream(pair, ids, sampling)
+    s = Stream(pair, ids, sampling, LONG)
     rid = until(lambda: next(iter(in_flight(pair)), None))
     moved, last = 0, 0
     while s.is_alive():
@@ -162,10 +163,10 @@ def test_the_pair_scheduler_rebalances_decodes(pair, reference_engine):
     """Four decodes on n1 (n2 prefilling: it takes none), then n2 decodes
     again: the scheduler hands two of them over; every text stays exact."""
     prompts, samplings = [prompt(30 + i) for i in range(4)], [{"temperature": 0.0}, SEEDED[2]] * 2
-    want = expected(reference_engine, prompts, samplings, 400)
+    want = expected(reference_engine, prompts, samplings, LONG)
     assert admin(pair.admin_socket, "set-role", node="n2", role="prefill")["ok"]
     before = nodes(pair)["n1"]["handoffs"]
-    streams = [Stream(pair, p, s, 400) for p, s in zip(prompts, samplings)]
+    streams = [Stream(pair, p, s, LONG) for p, s in zip(prompts, samplings)]
     until(lambda: sum(r["node"] == "n1" and r["tokens"] >= 2 for r in in_flight(pair).values()) == 4)
     assert admin(pair.admin_socket, "set-role", node="n2", role="mixed")["ok"]
     until(lambda: nodes(pair)["n1"]["handoffs"] >= before + 2 or not any(s.is_alive() for s in streams))
@@ -194,4 +195,24 @@ def test_a_copy_from_a_node_that_is_not_the_partner_is_refused_and_counted(pair)
     reply = asyncio.run(forge())
     assert isinstance(reply, protocol.ReplicaAck) and "partner n1" in reply.refused["r"], reply
     after = admin(pair.node_admin("n2"), "status")["replication"]["holder"]
-    assert after["not_partner"] == before["not_partner"] + 1 and after["replicas"] == before["replicas"]
+    assert after["not_partner"] == before["not_partner"] + 1
+
+
+def test_a_member_killed_mid_stream_resumes_on_its_partner_exactly(pair, reference_engine):
+    """Last here (it leaves n1 dead): kill -9 of a member mid-stream; its
+    requests resume on the partner from their copies, token-exactly; the
+    survivor may not switch to prefill while its partner is dead."""
+    prompts, samplings = [prompt(40 + i) for i in range(2)], [{"temperature": 0.0}, SEEDED[0]]
+    want = expected(reference_engine, prompts, samplings, LONG)
+    before = admin(pair.admin_socket, "status")["recoveries"].get("replica/resumed", 0)
+    streams = [Stream(pair, p, s, LONG) for p, s in zip(prompts, samplings)]
+    until(lambda: {r["node"] for r in in_flight(pair).values() if r["replicated_tokens"] >= 32} == {"n1", "n2"})
+    pair.nodes["n1"].kill9()
+    for s in streams:
+        s.join(120)
+    for s, w in zip(streams, want):
+        assert s.error is None and s.finish == "length" and "".join(s.text) == w
+    assert admin(pair.admin_socket, "status")["recoveries"].get("replica/resumed", 0) >= before + 1
+    pair.wait_gone("n1", 10)
+    reply = admin(pair.admin_socket, "set-role", node="n2", role="prefill")
+    assert not reply["ok"] and "no node that decodes" in reply["error"]
