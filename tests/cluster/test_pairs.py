@@ -16,6 +16,7 @@ import pytest
 from kvd import protocol
 
 from .conftest import MODEL, SEEDED, Cluster, admin, body_of, reference_tokens
+from .test_recovery import wait_baseline
 
 NODES = ["n1", "n2"]
 FLAGS = ("--host-kv-blocks", "256", "--replication-interval", "0.05")
@@ -133,6 +134,7 @@ def test_handoffs_every_few_tokens_keep_the_stream_exact(pair, reference_engine,
     assert "".join(s.text) == want
     assert moved >= 3, moved
     assert sum(n["handoffs"] for n in nodes(pair).values()) == before + moved
+    wait_baseline(pair, NODES)        # every source freed its slot and blocks, every copy was dropped
 
 
 def test_role_switch_mid_stream_hands_decodes_over(pair, reference_engine):
@@ -153,6 +155,7 @@ def test_role_switch_mid_stream_hands_decodes_over(pair, reference_engine):
     shown = nodes(pair)
     assert shown["n1"]["role"] == "prefill" and shown["n1"]["handoffs"] >= 1
     assert shown["n1"]["routed"] == routed            # the late request went to n2
+    wait_baseline(pair, NODES)
     assert admin(pair.admin_socket, "set-role", node="n1", role="mixed")["ok"]
     metrics = pair.metrics()
     assert metrics['kvd_node_handoffs_total{node="n1"}'] >= 1
