@@ -59,6 +59,9 @@ class EngineConfig:
     # most device KV blocks this node lends to other nodes at once (Infinite-LLM's
     # rManager cap, engine/memory/rmanager.py); 0: lending off
     lend_kv_blocks: int = 0
+    # most device KV blocks this node's requests borrow from other nodes at once
+    # (engine/borrowing.py); 0: borrowing off, a request must fit in kv_blocks
+    borrow_kv_blocks: int = 0
 
     def __post_init__(self) -> None:
         _check_one_of("dtype", self.dtype, DTYPE_NAMES)
@@ -82,6 +85,9 @@ class EngineConfig:
         if not 0 <= self.lend_kv_blocks <= self.kv_blocks:
             raise ValueError(f"lend_kv_blocks must be between 0 and kv_blocks ({self.kv_blocks}), "
                              f"got {self.lend_kv_blocks}")
+        if isinstance(self.borrow_kv_blocks, bool) or not isinstance(self.borrow_kv_blocks, int) \
+                or self.borrow_kv_blocks < 0:
+            raise ValueError(f"borrow_kv_blocks must be an int >= 0, got {self.borrow_kv_blocks!r}")
         for name in ("cost_token_s", "cost_attention_s", "cost_fixed_s", "cost_swap_block_s"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):

@@ -30,7 +30,9 @@ from engine.stats import EngineStats
 from engine.structured.grammar import GrammarCompiler
 from engine.structured.spec import StructuredOutputError
 from engine.team import TeamSizer
+from engine.borrowing import KVBorrowing
 from engine.config import EngineConfig  # noqa: F401  (re-exported: callers import it from here)
+from engine.dist_attention import RemoteKV, RemoteKVError
 from engine.cpus import format_cpulist
 from engine.exactness import same_bits
 from engine.fingerprint import engine_parts, fingerprint
@@ -277,9 +279,11 @@ class LLMEngine:
         if total > self.max_model_len:
             raise InvalidParam("max_tokens", f"max_tokens={params.max_tokens} plus the prompt's "
                                f"{num_prompt_tokens} tokens exceeds the context of {self.max_model_len} tokens")
-        if -(-total // self.config.block_size) > self.config.kv_blocks:
+        borrowable = self.scheduler.borrowing.cap if self.scheduler.borrowing is not None else 0
+        if -(-total // self.config.block_size) > self.config.kv_blocks + borrowable:
             raise InvalidParam("max_tokens", f"{total} tokens would need more KV blocks than the "
-                               f"{self.config.kv_blocks} this node has")
+                               f"{self.config.kv_blocks} this node has"
+                               + (f" and the {borrowable} it may borrow" if borrowable else ""))
         params.check_vocab(self.model.config.vocab_size)
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
@@ -408,11 +412,20 @@ class LLMEngine:
         bs = self.config.block_size
         out = []
         for req in self.scheduler.running:
-            if req.kv_out is not None:
+            if req.kv_out is not None or self.scheduler._borrows(req):     # its KV is not all here
                 continue
             n = min(req.num_computed // bs, len(req.block_ids))
             out.append((req.request_id, req.num_computed, req.all_ids[:n * bs], req.block_ids[:n]))
         return out
+
+    def enable_borrowing(self, borrow, give_back, deadline_s: float) -> KVBorrowing:
+        """Let requests borrow KV blocks, up to ``config.borrow_kv_blocks`` (engine/borrowing.py):
+        ``borrow(blocks) -> Loan | None``, ``give_back(loan_id)``; a layer waits ``deadline_s`` for
+        a remote part. Call before the first request."""
+        remote = self.runner.remote_kv = RemoteKV(deadline_s)
+        self.scheduler.borrowing = KVBorrowing(self.config.block_size, self.config.borrow_kv_blocks, borrow,
+                                               give_back, remote)
+        return self.scheduler.borrowing
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self.requests
@@ -461,8 +474,17 @@ class LLMEngine:
                     if is_prefill else [])
         on_layer = LayerStreamer(self.pool, [(self._prompt_blocks(r)[r.kv_out.skip_blocks:], r.kv_out)
                                              for r in streamed]) if streamed else None
-        tokens, logprobs = self.runner.execute(reqs, is_prefill, [self._generators[r.request_id] for r in reqs],
-                                               banned, on_layer, num_new)
+        try:
+            tokens, logprobs = self.runner.execute(reqs, is_prefill, [self._generators[r.request_id] for r in reqs],
+                                                   banned, on_layer, num_new)
+        except RemoteKVError as exc:
+            lost = self.scheduler.borrowing.lost(reqs) if self.scheduler.borrowing is not None else []
+            if not lost:
+                raise
+            log.warning("borrowed KV of %s lost (%s): computed again", [r.request_id for r in lost], exc)
+            for req in lost:                              # the rest of the step runs again as it was
+                self.scheduler.recompute(req)
+            return []
         outs = []
         for i, (req, tok) in enumerate(zip(reqs, tokens)):
             if tok is None:                               # a prefill chunk short of the prompt's end

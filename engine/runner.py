@@ -103,11 +103,14 @@ class ModelRunner:
             end = start + num_new[i] if num_new is not None else len(tokens)
             table = req.block_ids
             if is_prefill:
+                n = -(-end // bs)               # padded past a local part (DistAttention's kernel never reads it)
                 prefill.append(PrefillSeq(q_start=len(ids), q_len=end - start, ctx_len=end,
-                                          block_table=torch.tensor(table[:-(-end // bs)], dtype=torch.int64)))
+                                          block_table=torch.tensor(table[:n] + [0] * (n - len(table[:n])),
+                                                                   dtype=torch.int64)))
             ids.extend(tokens[start:end])
             positions.extend(range(start, end))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            # a position past the table is in a remote part (DistAttention): no local slot
+            slots.extend(table[p // bs] * bs + p % bs if p // bs < len(table) else -1 for p in range(start, end))
             last_rows.append(len(ids) - 1)
         pos_t = torch.tensor(positions, dtype=torch.int64)
         batch = AttentionBatch(

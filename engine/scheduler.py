@@ -141,6 +141,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
         self.prefilled: deque[Request] = deque()
+        # borrowed KV (engine/borrowing.py): set by a node that may borrow, else None
+        self.borrowing = None
 
     # ------------------------------------------------------------------ queues
     def add(self, req: Request) -> None:
@@ -149,9 +151,10 @@ class Scheduler:
         never run, and at the head of the queue it would stop every later one
         (``LLMEngine.check_request`` refuses it before, as a bad parameter)."""
         need = blocks_needed(len(req.prompt_ids) + req.params.max_tokens, self.config.block_size)
-        if need > self.pool.capacity():
+        can_borrow = self.borrowing.cap if self.borrowing is not None else 0
+        if need > self.pool.capacity() + can_borrow:
             raise ValueError(f"request {req.request_id} needs {need} KV blocks; the device tier has "
-                             f"{self.pool.capacity()}")
+                             f"{self.pool.capacity()}" + (f", and it borrows at most {can_borrow}" if can_borrow else ""))
         self.waiting.append(req)
 
     def add_prefilled(self, req: Request) -> None:
@@ -278,6 +281,14 @@ class Scheduler:
             # blocks would be that step's victim, its prefill wasted
             headroom = self._next_blocks(self.running, ahead=int(chunked)) + int(len(tokens) % bs == 0)
             fresh = self.pool.alloc_mem(num_fresh) if self.pool.available() >= num_fresh + headroom else None
+            if fresh is None and (local := self._borrow_for(req, self.pool.available() - headroom)) is not None:
+                if hit is not None:                      # a borrowing request computes its whole sequence
+                    self.pool.release(hit)
+                hit, cached_ids, num_cached, swapped, recomputed = None, [], 0, 0, 0
+                new_tokens = len(tokens)
+                fresh = self.pool.alloc_mem(local)
+                if fresh is None:
+                    self.borrowing.release(req)
             if fresh is None:
                 if hit is not None:
                     self.pool.release(hit)
@@ -297,6 +308,17 @@ class Scheduler:
             lens.append(min(new_tokens, budget) if chunked else new_tokens)
             budget -= lens[-1]
         return out
+
+    def _borrow_for(self, req: Request, free_blocks: int) -> int | None:
+        """The local blocks ``req`` needs once the rest of its sequence is borrowed
+        (engine/borrowing.py), or None: nothing borrowed, it waits. A prefill computed for
+        another node never borrows (its KV leaves whole)."""
+        if self.borrowing is None or req.kv_out is not None:
+            return None
+        return self.borrowing.admit(req, len(req.prompt_ids) + req.params.max_tokens, free_blocks)
+
+    def _borrows(self, req: Request) -> bool:
+        return self.borrowing is not None and self.borrowing.holds(req)
 
     def _reusable_part(self, hit, tokens: list[int]):
         """(the part of a locked prefix ``hit`` of ``tokens`` the request reuses,
@@ -334,7 +356,7 @@ class Scheduler:
         decode computes the token its prefill samples, at position
         ``num_tokens``; a decoding one's computes position ``num_computed``."""
         pos = req.num_tokens if req.prefilling else req.num_computed + ahead
-        return int(pos >= table * self.config.block_size)
+        return int(pos >= table * self.config.block_size and not self._borrows(req))
 
     def _next_blocks(self, reqs: list[Request], ahead: int = 0) -> int:
         """Blocks the next decode step of ``reqs`` (running: their tables on
@@ -352,7 +374,7 @@ class Scheduler:
             req = queue.pop(0)
             if req.prefilling:           # holds its blocks already; a victim like any other
                 continue
-            if req.num_computed < len(req.block_ids) * bs:
+            if req.num_computed < len(req.block_ids) * bs or self._borrows(req):   # or in its remote part
                 batch.append(req)
                 continue
             while True:
@@ -377,7 +399,7 @@ class Scheduler:
         queues by arrival: swapped requests come back, and preempted ones are
         readmitted, oldest first."""
         req.num_preemptions += 1
-        if self.config.preemption_mode == "swap" and req.block_ids:
+        if self.config.preemption_mode == "swap" and req.block_ids and not self._borrows(req):
             host = self.pool.swap_out_request(req.block_ids, req.prefix)
             if host is not None:
                 req.block_ids = []
@@ -386,10 +408,21 @@ class Scheduler:
                 req.status = RequestStatus.SWAPPED
                 self._queue_by_arrival(self.swapped, req)
                 return
+        self._requeue(req)
+
+    def _requeue(self, req: Request) -> None:
+        """Free ``req``'s KV and queue it, by arrival, to compute it again."""
         self.release_memory(req)
         req.num_computed = 0
         req.status = RequestStatus.WAITING
         self._queue_by_arrival(self.waiting, req)
+
+    def recompute(self, req: Request) -> None:
+        """Take ``req`` off wherever it is and queue it to compute its KV again (its
+        blocks and loans returned): a request whose borrowed KV was lost."""
+        self.remove(req)
+        req.num_preemptions += 1
+        self._requeue(req)
 
     @staticmethod
     def _queue_by_arrival(queue: deque[Request], req: Request) -> None:
@@ -435,3 +468,5 @@ class Scheduler:
             self.pool.release(req.prefix)
             req.prefix = None
         req.block_ids = []
+        if self.borrowing is not None:
+            self.borrowing.release(req)

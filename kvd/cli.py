@@ -60,6 +60,8 @@ ENGINE_FLAGS = {
     "--profile": ("profile", str, "a kvd profile of this model and CPU (kvd profile) whose measured costs replace "
                   "the cost_* defaults ([engine].profile)"),
     "--lend-kv-blocks": ("lend_kv_blocks", int, "most device KV blocks lent to other nodes at once (0: off)"),
+    "--borrow-kv-blocks": ("borrow_kv_blocks", int,
+                           "most device KV blocks borrowed from other nodes at once (0: off)"),
 }
 BATCH_INVARIANT_HELP = ("float matrices prefill on the decode step's kernel, so a token has the same bits "
                         "however it is computed (quantized weights always do; slower float prefills)")

@@ -760,7 +760,55 @@ class LoanAck(Message):
         _require(self.renewed >= 0, "renewed must be >= 0")
 
 
-LENDING_MESSAGES = (BorrowRequest, ReturnLoan, LeaseRenew, LoanWrite)   # debtor -> creditor
+@message
+@dataclass(frozen=True, kw_only=True)
+class RemoteAttend(Message):
+    """Debtor -> creditor, per layer of a step (DistAttention, kvd/node/remote_attention.py):
+    the K/V of positions [first, first + p) of request ``request_id`` go into loan
+    ``loan_id`` (the sequence's chunks from ``lo`` on), then the micro-attention of its
+    last n rows over the loan's chunks, ``ctx`` keys. Frames: q fp32 [n, H, hd], k and v
+    [p, kvh, hd] (p may be 0). Answered by RemotePartials."""
+
+    FRAMES_FIELD: ClassVar[str | None] = "tensors"
+
+    debtor: str
+    loan_id: str
+    request_id: str
+    lo: int
+    layer: int
+    ctx: int
+    first: int = 0
+    tensors: tuple[Any, ...] = ()
+
+    def _check(self) -> None:
+        _require(bool(self.debtor) and bool(self.loan_id), "debtor and loan_id must be set")
+        _require(self.lo >= 1 and self.layer >= 0 and self.first >= 0, "need lo >= 1, layer >= 0, first >= 0")
+        _require(len(self.tensors) == 3 and len(self.tensors[0].shape) == 3
+                 and all(len(t.shape) == 3 for t in self.tensors[1:])
+                 and self.tensors[1].shape == self.tensors[2].shape, "frames q [n, H, hd], k and v [p, kvh, hd]")
+        _require(self.tensors[0].dtype == "float32", "q must be float32")
+        _require(0 < self.tensors[0].shape[0] <= self.ctx, "0 < query rows <= ctx")
+        _require(self.first + self.tensors[1].shape[0] <= self.ctx, "K/V positions past ctx")
+
+
+@message
+@dataclass(frozen=True, kw_only=True)
+class RemotePartials(Message):
+    """Creditor -> debtor: a RemoteAttend's per-chunk partials, frames m, l [n, C, H] and
+    o [n, C, H, hd] fp32 (kernels/dist_attention.py), or ``ok=False`` with the reason."""
+
+    FRAMES_FIELD: ClassVar[str | None] = "tensors"
+
+    ok: bool
+    reason: str = ""
+    tensors: tuple[Any, ...] = ()
+
+    def _check(self) -> None:
+        _require(not self.ok or (len(self.tensors) == 3 and all(t.dtype == "float32" for t in self.tensors)),
+                 "an answer carries m, l, o in float32")
+
+
+LENDING_MESSAGES = (BorrowRequest, ReturnLoan, LeaseRenew, LoanWrite, RemoteAttend)   # debtor -> creditor
 
 
 # ─── encode / decode ─────────────────────────────────────────────────────────

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -32,6 +33,7 @@ from typing import Any
 from engine.memory.rmanager import Borrowed, Loan, RManager
 from kvd import protocol
 from kvd.node.engine_driver import EngineDriver
+from kvd.node.remote_attention import AttentionServer
 from transports import Connection, TransportError
 
 log = logging.getLogger("kvd.lending")
@@ -42,21 +44,33 @@ ROUNDS = 2          # a debtor asks the coordinator this many times before it gi
 
 class Lender:
     """The creditor's answers to ``MESSAGES``. Every call on the rManager
-    runs on the engine thread (``driver``); ``lent`` is a copy of its
-    blocks lent per debtor, safe to read from the event loop."""
+    runs on the engine thread (``driver``), but a ``RemoteAttend``'s, which
+    runs on the attention server's worker (remote_attention.py); ``lock``
+    keeps the two apart. ``lent`` is a copy of its blocks lent per debtor,
+    safe to read from the event loop."""
 
     def __init__(self, driver: EngineDriver, rmanager: RManager, *, authenticated: bool) -> None:
         self.driver = driver
         self.rmanager = rmanager
         self.authenticated = authenticated
         self.lent: dict[str, int] = {}
+        self.lock = threading.Lock()
+        model = driver.engine.model
+        self.attention = AttentionServer(
+            rmanager, model.attention_kernel, model.scale,
+            [model.config.layer_window(i) for i in range(model.num_local_layers)],
+            (model.config.num_heads, model.config.num_kv_heads, model.config.head_dim), self.lock)
 
     def answer_now(self, msg: protocol.Message, incoming: Any) -> protocol.Message | None:
         """The reply when the engine is idle (answered inline), else None: await ``answer``."""
+        if isinstance(msg, protocol.RemoteAttend):
+            return None                     # computed on the attention server's worker
         done, reply = self.driver.try_call(lambda engine: self._answer(msg, incoming))
         return reply if done else None
 
     async def answer(self, msg: protocol.Message, incoming: Any) -> protocol.Message:
+        if isinstance(msg, protocol.RemoteAttend):
+            return await self.attention.answer(msg, self._debtor(msg, incoming))
         return await self.driver.call(lambda engine: self._answer(msg, incoming))
 
     def _debtor(self, msg: Any, incoming: Any) -> str | None:
@@ -67,6 +81,10 @@ class Lender:
     def _answer(self, msg: protocol.Message, incoming: Any) -> protocol.Message:
         """Engine thread: one lending message's reply."""
         rm, debtor = self.rmanager, self._debtor(msg, incoming)
+        with self.lock:
+            return self._answer_locked(msg, rm, debtor)
+
+    def _answer_locked(self, msg: protocol.Message, rm: RManager, debtor: str | None) -> protocol.Message:
         try:
             if isinstance(msg, protocol.BorrowRequest):
                 loan = rm.lend(debtor, msg.blocks, secrets.token_hex(8), time.monotonic())
@@ -91,7 +109,8 @@ class Lender:
     async def expire(self) -> list[Loan]:
         """Free the loans whose debtor stopped renewing them."""
         def reap(engine) -> list[Loan]:
-            dead = self.rmanager.expire(time.monotonic())
+            with self.lock:
+                dead = self.rmanager.expire(time.monotonic())
             self.lent = self.rmanager.lent_per_debtor()
             return dead
         if not self.lent:
@@ -100,7 +119,8 @@ class Lender:
 
     def stats(self) -> dict[str, Any]:
         rm = self.rmanager
-        return {"lend_cap": rm.lend_cap, "lent": dict(self.lent), "counts": dict(rm.counts)}
+        return {"lend_cap": rm.lend_cap, "lent": dict(self.lent), "counts": dict(rm.counts),
+                "attention": dict(self.attention.counts)}
 
 
 class Borrower:

@@ -71,6 +71,10 @@ EXAMPLES = [
     P.LoanWrite(debtor="n1", loan_id="ab12", start=2, layer_start=0, layer_end=2,
                 tensors=(RawTensor("int8", (2, 2, 1, 1, 1, 2), memoryview(b"abcdefgh")),)),
     P.LoanAck(ok=False, renewed=0, gone=("ab12",), reason="loans expired or unknown here"),
+    P.RemoteAttend(debtor="n1", loan_id="ab12", request_id="r1", lo=2, layer=1, ctx=300, first=299,
+                   tensors=(RawTensor("float32", (1, 1, 2), memoryview(bytes(8))),
+                            RawTensor("int8", (1, 1, 2), memoryview(b"ab")), RawTensor("int8", (1, 1, 2), memoryview(b"cd")))),
+    P.RemotePartials(ok=False, reason="no loan 'ab12' of this node to 'n3'"),
 ]
 
 

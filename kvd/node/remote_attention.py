@@ -1,0 +1,146 @@
+"""DistAttention's remote parts over the wire (Infinite-LLM §4.2, §4.6): the
+debtor's ``WireLender`` and the creditor's ``AttentionServer``.
+
+At every layer of a step the debtor's engine thread hands a sequence's
+remote part its query rows and the new K/V of the positions the part holds
+(engine/dist_attention.py, ``Lender.start``). ``WireLender`` sends them as a
+``RemoteAttend`` (frames: q fp32, k, v) over the node's link to the creditor,
+scheduled on the event loop, and returns at once: the round trip runs while
+the engine thread computes the local part. The handle's ``partials`` waits
+for the ``RemotePartials`` at most the layer's deadline; a refusal, a lost
+link or a silent creditor raise ``RemoteKVError`` (the engine recomputes the
+request's KV, engine/borrowing.py)::
+
+    debtor engine thread        debtor loop         creditor loop       creditor worker
+    start(layer, q, k, v) ───▶  RemoteAttend ─────▶ inbox / Lender ───▶ access(loan, sender)
+    local micro-attention       (deadline)                              K/V into the loan's blocks
+    partials(timeout)    ◀───── RemotePartials ◀─── ◀────────────────── micro-attention
+    combine in chunk order
+
+The creditor computes on ONE worker thread of its own: never on its engine
+thread (a node that is at once debtor and creditor would wait on itself)
+nor on its event loop. Its door to KV memory is the rManager's
+``access`` (the loan's debtor only: anything else is refused, counted and
+changes nothing) and ``MemPool.layer_caches`` through ``LentKV``; the
+``lock`` it holds while it touches a loan's blocks is the one the lender
+holds while it frees loans (kvd/node/lending.py), so a loan returned or
+expired meanwhile is never written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import secrets
+import threading
+import time
+from collections.abc import Awaitable, Callable
+
+import torch
+
+from engine.dist_attention import LentKV, PartialsHandle, RemoteKVError
+from engine.memory.rmanager import RManager
+from kernels.dist_attention import Partials, chunks_of
+from kvd import protocol
+
+
+class WireHandle:
+    """A ``PartialsHandle`` over a RemoteAttend in flight (a future of the loop's call)."""
+
+    def __init__(self, future: concurrent.futures.Future, rows: int, lo: int, ctx: int, head_dim: int) -> None:
+        self.future, self.rows, self.lo, self.ctx, self.head_dim = future, rows, lo, ctx, head_dim
+
+    def partials(self, timeout: float) -> Partials:
+        try:
+            reply = self.future.result(timeout=timeout)
+        except concurrent.futures.TimeoutError:
+            self.future.cancel()
+            raise RemoteKVError(f"a remote part gave no result within {timeout} s") from None
+        except Exception as exc:  # noqa: BLE001 -- a transport failure or the call's own deadline
+            raise RemoteKVError(f"a remote part's creditor is unreachable: {exc}") from exc
+        if not isinstance(reply, protocol.RemotePartials) or not reply.ok:
+            why = reply.reason if isinstance(reply, protocol.RemotePartials) else getattr(reply, "message", reply.TYPE)
+            raise RemoteKVError(f"a remote part refused: {why}")
+        m, l, o = (t.to_torch() for t in reply.tensors)
+        if (m.dim() != 3 or m.shape[0] != self.rows or l.shape != m.shape or o.shape != (*m.shape, self.head_dim)
+                or self.lo + m.shape[1] > chunks_of(self.ctx)):
+            raise RemoteKVError(f"a remote part answered partials of the wrong shape {tuple(m.shape)}")
+        return Partials(m, l, o)
+
+
+class WireLender:
+    """The ``Lender`` of one remote part of request ``request_id``: loan ``loan_id`` on a
+    creditor, holding the sequence's chunks from ``lo`` on. ``call(msg)``: the reply of the
+    creditor to ``msg`` (a coroutine run on ``loop``); ``timeout``: a message's deadline."""
+
+    def __init__(self, call: Callable[[protocol.Message], Awaitable[protocol.Message]],
+                 loop: asyncio.AbstractEventLoop, debtor: str, loan_id: str, request_id: str, lo: int,
+                 timeout: float) -> None:
+        self.call, self.loop, self.timeout = call, loop, timeout
+        self.debtor, self.loan_id, self.request_id, self.lo = debtor, loan_id, request_id, lo
+
+    def start(self, layer: int, q: torch.Tensor, ctx: int, positions: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor) -> PartialsHandle:
+        # copies: the frames are read on the loop while the engine thread goes on
+        msg = protocol.RemoteAttend(
+            id=secrets.token_hex(6), debtor=self.debtor, loan_id=self.loan_id, request_id=self.request_id,
+            lo=self.lo, layer=layer, ctx=ctx, first=int(positions[0]) if len(positions) else 0,
+            tensors=(q.to(torch.float32).contiguous().clone(), k.contiguous().clone(), v.contiguous().clone()),
+            deadline=time.time() + self.timeout)
+        future = asyncio.run_coroutine_threadsafe(self.call(msg), self.loop)
+        return WireHandle(future, q.shape[0], self.lo, ctx, q.shape[-1])
+
+
+class AttentionServer:
+    """The creditor's answers to ``RemoteAttend``: on one worker thread, through
+    ``rmanager.access`` and a ``LentKV`` per (loan, first chunk). ``kernel``, ``scale``,
+    ``windows``, ``heads``: the served model's (every node of a cluster serves the same one)."""
+
+    def __init__(self, rmanager: RManager, kernel, scale: float, windows: list[int | None],
+                 heads: tuple[int, int, int], lock: threading.Lock, threads: int = 0) -> None:
+        self.rmanager, self.kernel, self.scale, self.windows = rmanager, kernel, scale, windows
+        self.heads = heads                  # (query heads, KV heads, head dim)
+        self.lock, self.threads = lock, threads
+        self.executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvd-lent-attention")
+        self._parts: dict[tuple[str, int], LentKV] = {}
+        self.counts = {"served": 0, "refused": 0}
+
+    async def answer(self, msg: protocol.RemoteAttend, debtor: str | None) -> protocol.RemotePartials:
+        return await asyncio.wrap_future(self.executor.submit(self.serve, msg, debtor))
+
+    def serve(self, msg: protocol.RemoteAttend, debtor: str | None) -> protocol.RemotePartials:
+        """Worker thread: write the K/V, compute the micro-attention; or the reason not."""
+        with self.lock:
+            loan = self.rmanager.access(msg.loan_id, debtor)
+            if isinstance(loan, str):
+                return self._refuse(msg, loan)
+            H, kvh, hd = self.heads
+            q, k, v = (t.to_torch() for t in msg.tensors)
+            if q.shape[1:] != (H, hd) or k.shape[1:] != (kvh, hd):
+                return self._refuse(msg, f"frames of {tuple(q.shape[1:])} query and {tuple(k.shape[1:])} K/V heads, "
+                                         f"this model has ({H}, {hd}) and ({kvh}, {hd})")
+            key = (msg.loan_id, msg.lo)
+            lent = self._parts.get(key)
+            if lent is None:
+                if len(self._parts) > 2 * len(self.rmanager.loans):       # forget returned loans' views
+                    self._parts = {k: p for k, p in self._parts.items() if k[0] in self.rmanager.loans}
+                try:
+                    lent = self._parts[key] = LentKV(self.rmanager.pool, loan.region.block_ids, msg.lo, self.kernel,
+                                                     self.scale, self.windows, self.threads)
+                except ValueError as exc:
+                    return self._refuse(msg, str(exc))
+            positions = torch.arange(msg.first, msg.first + k.shape[0], dtype=torch.int64)
+            try:
+                out = lent.step(msg.layer, q, msg.ctx, positions, k, v)
+            except (ValueError, RuntimeError, IndexError) as exc:
+                return self._refuse(msg, f"{type(exc).__name__}: {exc}"[:300])
+        self.counts["served"] += 1
+        return protocol.RemotePartials(id=msg.id, ok=True, tensors=(out.m.contiguous(), out.l.contiguous(),
+                                                                    out.o.contiguous()))
+
+    def _refuse(self, msg: protocol.Message, why: str) -> protocol.RemotePartials:
+        self.counts["refused"] += 1
+        return protocol.RemotePartials(id=msg.id, ok=False, reason=why)
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,107 @@
+"""Borrowing on the serving path (engine/borrowing.py), in process: an engine whose
+``kv_blocks`` hold N tokens serves a request of about 1.8 N tokens with the rest of its
+sequence in blocks another MemPool lends (an in-process lender), with the tokens of an
+engine given enough blocks, greedy and seeded; a loan lost mid-stream is computed again
+and the stream goes on with the same tokens; every block and loan comes back."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import pytest
+
+from engine.borrowing import Loan
+from engine.dist_attention import InProcessLender, LentKV, RemoteKVError
+from engine.engine import EngineConfig, LLMEngine
+from engine.memory.region import Purpose
+
+from .test_dist_attention import greedy, lender_pool, prompt, run, seeded, tiny_model  # noqa: F401
+
+LOCAL_BLOCKS = 24                       # N = 384 tokens: 3 chunks
+
+
+class Creditor:
+    """Another engine's MemPool lending LENT regions, its micro-attention on a thread."""
+
+    def __init__(self, engine: LLMEngine, blocks: int, executor) -> None:
+        self.pool = lender_pool(engine, blocks)
+        self.engine, self.executor = engine, executor
+        self.regions: dict[str, object] = {}
+        self.fail = False                   # a dead creditor: every part it holds refuses
+
+    def borrow(self, blocks: int) -> Loan | None:
+        region = self.pool.reserve_region((), num_blocks=blocks, purpose=Purpose.LENT)
+        if region is None:
+            return None
+        loan_id = f"loan{len(self.regions)}"
+        self.regions[loan_id] = region
+        m = self.engine.model
+        windows = [m.config.layer_window(i) for i in range(m.num_local_layers)]
+
+        def lender(request_id: str, lo: int):
+            creditor = self
+
+            class Lender(InProcessLender):
+                def start(self, *args):
+                    if creditor.fail:
+                        raise RemoteKVError("the creditor is gone")
+                    return super().start(*args)
+            return Lender(LentKV(self.pool, region.block_ids, lo, m.attention_kernel, m.scale, windows),
+                          self.executor)
+        return Loan(loan_id, blocks, lender)
+
+    def give_back(self, loan_id: str) -> None:
+        self.regions.pop(loan_id).commit()
+
+
+def make(model, tokenizer, blocks: int, borrow: int = 0) -> LLMEngine:
+    cfg = EngineConfig(model="tiny", dtype="float32", batch_invariant=True, kv_blocks=blocks, host_kv_blocks=0,
+                       prefill_chunk_tokens=128, borrow_kv_blocks=borrow, max_num_seqs=4)
+    return LLMEngine(cfg, model, tokenizer, "tiny")
+
+
+@pytest.mark.parametrize("sampling", [greedy, seeded])
+def test_a_request_past_the_node_borrows_and_matches(tiny_model, tokenizer, sampling):
+    ids, params = prompt(640, 7), sampling(60)                     # 700 tokens ~ 1.8 N
+    want = run(make(tiny_model, tokenizer, 128), {"long": (ids, params)})
+    engine = make(tiny_model, tokenizer, LOCAL_BLOCKS, borrow=64)
+    with pytest.raises(Exception):                                  # without borrowing it is refused
+        make(tiny_model, tokenizer, LOCAL_BLOCKS).add_request("x", ids, params)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        creditor = Creditor(engine, 64, pool)
+        borrowing = engine.enable_borrowing(creditor.borrow, creditor.give_back, deadline_s=10.0)
+        got = run(engine, {"long": (ids, params), "short": (prompt(50, 8), sampling(5))})
+    assert got["long"] == want["long"]
+    assert borrowing.counts["borrowed"] == 1 and borrowing.counts["returned"] == 1
+    assert not creditor.regions and creditor.pool.free_blocks("device") == 64
+    assert engine.pool.free_blocks("device") + engine.pool.stats()["device"].get("cached", 0) == LOCAL_BLOCKS
+    engine.check_integrity()
+
+
+def test_a_lost_loan_is_computed_again(tiny_model, tokenizer):
+    ids, params = prompt(600, 9), seeded(40)
+    want = run(make(tiny_model, tokenizer, 128), {"long": (ids, params)})
+    engine = make(tiny_model, tokenizer, LOCAL_BLOCKS, borrow=128)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        first, second = Creditor(engine, 64, pool), Creditor(engine, 64, pool)
+        creditors = [first, second]
+
+        def borrow(blocks):
+            return next((loan for c in creditors if not c.fail and (loan := c.borrow(blocks))), None)
+
+        def give_back(loan_id):
+            for c in creditors:
+                if loan_id in c.regions:
+                    c.give_back(loan_id)
+        borrowing = engine.enable_borrowing(borrow, give_back, deadline_s=10.0)
+        engine.add_request("long", ids, params)
+        got = []
+        while engine.has_unfinished():
+            for out in engine.step():
+                got += out.new_token_ids
+            if len(got) == 10 and not first.fail:
+                first.fail = True                                   # killed mid-stream
+    assert got == want["long"]
+    assert borrowing.counts["lost"] == 1 and borrowing.counts["borrowed"] == 2
+    assert not first.regions and not second.regions
+    engine.check_integrity()
