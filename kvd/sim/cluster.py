@@ -98,7 +98,8 @@ class SimCluster:
             name = f"n{i + 1}"
             self.nodes[name] = SimNode(name, role, engine, profile.costs, events, self._on_token, self._on_events,
                                        kv_bytes_per_token=profile.kv_bytes_per_token,
-                                       replicas=cluster.replicas, keep_log=keep_log)
+                                       replicas=cluster.replicas, token_s=profile.serving_token_s,
+                                       keep_log=keep_log)
             self.infos[name] = NodeInfo(name=name, address=f"sim://{name}", incarnation="1",
                                         model_name=profile.model, max_model_len=1 << 20,
                                         block_size=engine.block_size,

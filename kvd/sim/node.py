@@ -15,6 +15,8 @@ whose engine thread is busy. A step's duration::
 
     prefill(parts) + decode(batch, context) + swap(blocks moved)
     + replication (replicas=1: one token's KV per decoding request, copied out)
+    + token_s per decoding request (the serving path's work per token, which
+      shares the node's CPUs: the profile's ``serving.token_s``)
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ class SimNode:
 
     def __init__(self, name: str, role: str, config: EngineConfig, costs: StepCosts, events: EventQueue,
                  on_token: Callable, on_events: Callable | None = None, *, kv_bytes_per_token: int = 0,
-                 replicas: int = 0, keep_log: bool = False) -> None:
+                 replicas: int = 0, token_s: float = 0.0, keep_log: bool = False) -> None:
         self.name, self.role, self.config, self.costs, self.events = name, role, config, costs, events
         self.pool = MemPool(device_blocks=config.kv_blocks, host_blocks=config.host_kv_blocks,
                             block_size=config.block_size)
@@ -67,6 +69,7 @@ class SimNode:
         self.on_token, self.on_events = on_token, on_events
         self.kv_bytes_per_token = kv_bytes_per_token
         self.replicas = replicas
+        self.token_s = token_s
         self.busy = False
         self.dead = False                  # killed (kvd/sim/faults.py): computes nothing more
         self.busy_seconds = 0.0
@@ -159,7 +162,7 @@ class SimNode:
         t += c.swap_seconds(2 * swapped + batch.host_blocks_swapped_in)     # out now, back in later
         if self.replicas:
             t += c.transfer_byte_s * self.kv_bytes_per_token * len(batch.decode)
-        return t
+        return t + self.token_s * len(batch.decode)
 
     def _finish_step(self, batch: ScheduledBatch) -> None:
         if self.dead:

@@ -10,7 +10,8 @@
      "samples": {"prefill": [[n, c, s]...], "decode": [[batch, context, s]...],
                  "swap": [[blocks, s]...], "transfer": [[bytes, s]...]},
      "fit": {"prefill_median_error": 0.03, ...},
-     "serving": {"first_token_s": 0.03, ...}}  # optional (tools/sim/measure.py); absent: 0
+     "serving": {"first_token_s": 0.03,      # optional (tools/sim/measure.py); absent: 0
+                 "token_s": 0.001, ...}}     # optional; absent: 0
 
 A profile describes one model on one CPU: ``load_profile`` refuses one made
 for another model or another CPU when asked to check them (one-line
@@ -46,6 +47,7 @@ class Profile:
     costs: StepCosts
     doc: dict                                  # the whole document, as read
     serving_s: float = 0.0                     # a request's time before routing that no step models
+    serving_token_s: float = 0.0               # the serving path's time per token a step emits (event loop, SSE)
 
     def engine_costs(self) -> dict[str, float]:
         """The engine's caching cost coefficients (``[engine].cost_*_s``) this profile measured."""
@@ -79,13 +81,14 @@ def parse_profile(doc: object, where: str = "profile") -> Profile:
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ProfileError(f"{where}: \"{key}\" must be an integer >= 1, got {v!r}")
     serving = doc.get("serving", {})
-    first = serving.get("first_token_s", 0.0) if isinstance(serving, dict) else None
-    if isinstance(first, bool) or not isinstance(first, (int, float)) or not 0 <= first < 3600:
-        raise ProfileError(f"{where}: \"serving\" must be an object whose \"first_token_s\" is "
-                           f"seconds in [0, 3600), got {serving!r}")
+    times = [serving.get(k, 0.0) for k in ("first_token_s", "token_s")] if isinstance(serving, dict) else [None]
+    if any(isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < 3600 for t in times):
+        raise ProfileError(f"{where}: \"serving\" must be an object whose \"first_token_s\" and \"token_s\" "
+                           f"are seconds in [0, 3600), got {serving!r}")
     return Profile(model=doc["model"], cpu=doc["cpu"], threads=doc["threads"], fingerprint=doc["fingerprint"],
                    block_size=doc["block_size"], kv_bytes_per_token=doc["kv_bytes_per_token"],
-                   num_layers=doc["num_layers"], costs=costs, doc=doc, serving_s=float(first))
+                   num_layers=doc["num_layers"], costs=costs, doc=doc, serving_s=float(times[0]),
+                   serving_token_s=float(times[1]))
 
 
 def load_profile(path: str | Path, *, model: str | None = None, check_cpu: bool = True) -> Profile:

@@ -7,9 +7,12 @@
   through a real ``kvd serve`` (HTTP parsing, chat template and tokenizer,
   the event loop's hops, the first SSE chunk) takes beyond what the
   simulator charges the same request on the same profile (engine steps and
-  transport hops). ``kvd profile`` records it; the simulator adds it to every
-  request before routing (kvd/sim/cluster.py), so an unloaded simulated TTFT
-  is the measured one.
+  transport hops), and what each further token takes beyond the engine's
+  step (the output's dispatch and SSE chunk, on the node's CPUs).
+  ``kvd profile`` records both; the simulator adds the first to every
+  request before routing (kvd/sim/cluster.py) and the second to every
+  decoding request's step (kvd/sim/node.py), so an unloaded simulated TTFT
+  and TPOT are the measured ones.
 
 The tools that check the simulator and the planner against real runs
 (tools/bench/sim/) use the same two functions.
@@ -25,7 +28,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 OVERHEAD_INPUT_LEN = 64        # prompt tokens of the overhead's requests (random text)
-OVERHEAD_OUTPUT_LEN = 4
+OVERHEAD_OUTPUT_LEN = 16          # tokens out: a TPOT over 15 steps
+OVERHEAD_RATE = 2.0           # req/s: arrivals with idle gaps, as a trace's at its rate
+OVERHEAD_WARMUP = 4           # requests first, not counted: a fresh server's first ones pay one-off costs
 
 
 def measured(url: str, flags: list[str], out: Path, timeout: float = 600.0) -> dict:
@@ -50,16 +55,19 @@ def simulated(profile: str, nodes: int, prefill: int, routing: str | None, cfg: 
     return metrics.compute_metrics(records, duration, args.percentiles, args.slo)
 
 
-def overhead_flags(model: str, requests: int) -> list[str]:
-    """kvd-loadgen flags of the overhead's run: ``requests`` random prompts, one at a time."""
+def overhead_flags(model: str, requests: int, rate: float | str = OVERHEAD_RATE, seed: int = 0) -> list[str]:
+    """kvd-loadgen flags of the overhead's run: ``requests`` random prompts, one at a
+    time, arriving at ``rate`` (Poisson: the engine idles between most of them).
+    A warm-up takes another ``seed``: its prompts must not be cached for the run."""
     return ["--dataset-name", "random", "--random-input-len", str(OVERHEAD_INPUT_LEN),
             "--random-output-len", str(OVERHEAD_OUTPUT_LEN), "--num-prompts", str(requests),
-            "--max-concurrency", "1", "--request-rate", "inf", "--seed", "0", "--tokenizer", model]
+            "--max-concurrency", "1", "--request-rate", str(rate), "--seed", str(seed), "--tokenizer", model]
 
 
 def serving_overhead(profile: str | Path, model: str, config: str | None, requests: int) -> dict:
-    """Start ``kvd serve`` (``--model model``, ``-c config``), send ``requests``
-    random prompts one at a time, and compare their median TTFT with the
+    """Start ``kvd serve`` (``--model model``, ``-c config``), warm it with
+    ``OVERHEAD_WARMUP`` requests, send ``requests`` random prompts one at a
+    time at ``OVERHEAD_RATE``, and compare their median TTFT with the
     simulator's for the same flags on ``profile`` (which must not hold a
     serving overhead yet). Returns the profile's ``serving`` object."""
     from tools._twoproc import stop_processes
@@ -69,11 +77,15 @@ def serving_overhead(profile: str | Path, model: str, config: str | None, reques
     proc, url = serve(["--model", model, *(["-c", config] if config else [])])
     try:
         with tempfile.TemporaryDirectory() as tmp:
+            measured(url, overhead_flags(model, OVERHEAD_WARMUP, "inf", seed=1), Path(tmp) / "warmup.json")
             real = measured(url, flags, Path(tmp) / "overhead.json")
     finally:
         stop_processes([proc])
     sim = simulated(profile, 0, 0, None, config, flags)
     real_ms, sim_ms = real["median_ttft_ms"], sim["median_ttft_ms"]
-    return {"first_token_s": round(max(0.0, real_ms - sim_ms) / 1e3, 6), "requests": requests,
-            "input_len": OVERHEAD_INPUT_LEN, "measured_median_ttft_ms": round(real_ms, 3),
-            "simulated_median_ttft_ms": round(sim_ms, 3)}
+    real_tpot, sim_tpot = real["median_tpot_ms"], sim["median_tpot_ms"]
+    return {"first_token_s": round(max(0.0, real_ms - sim_ms) / 1e3, 6),
+            "token_s": round(max(0.0, real_tpot - sim_tpot) / 1e3, 6), "requests": requests,
+            "input_len": OVERHEAD_INPUT_LEN, "output_len": OVERHEAD_OUTPUT_LEN,
+            "measured_median_ttft_ms": round(real_ms, 3), "simulated_median_ttft_ms": round(sim_ms, 3),
+            "measured_median_tpot_ms": round(real_tpot, 3), "simulated_median_tpot_ms": round(sim_tpot, 3)}

@@ -244,7 +244,7 @@ def main(args) -> int:
     except (ConfigError, ValueError) as exc:
         print(f"kvd: error: {exc}", file=sys.stderr)
         return 2
-    requests = args.serving_requests if args.serving_requests is not None else (0 if args.quick else 8)
+    requests = args.serving_requests if args.serving_requests is not None else (0 if args.quick else 16)
     if not 0 <= requests <= 1000:
         print(f"kvd: error: --serving-requests must be in [0, 1000], got {requests}", file=sys.stderr)
         return 2

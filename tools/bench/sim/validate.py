@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
-from tools.sim.measure import measured, simulated  # noqa: E402
+from tools.sim.measure import OVERHEAD_WARMUP, measured, overhead_flags, simulated  # noqa: E402
 from tools._twoproc import stop_processes  # noqa: E402
 from tools.bench.serving.bench_n_copies import serve as start_server  # noqa: E402
 
@@ -44,19 +44,32 @@ def trace_flags(trace: str, args) -> list[str]:
     if trace == "random":
         return ["--dataset-name", "random", "--random-input-len", str(args.input_len),
                 "--random-output-len", str(args.output_len)]
+    if trace == "sonnet":              # longer prompts of varying length around one shared prefix
+        return ["--dataset-name", "sonnet", "--sonnet-input-len", str(3 * args.input_len),
+                "--sonnet-prefix-len", str(args.input_len), "--sonnet-output-len", str(args.output_len)]
     return ["--dataset-name", "prefix_repetition", "--prefix-repetition-num-prefixes", "2",
             "--prefix-repetition-prefix-len", str(args.input_len), "--prefix-repetition-suffix-len", "16",
             "--prefix-repetition-output-len", str(args.output_len)]
 
 
-def serve(model: str, nodes: int, prefill: int, cfg: Path) -> tuple[subprocess.Popen, str]:
-    """A ``kvd serve`` of the configuration, healthy (bench_n_copies' starter)."""
+def serve(model: str, nodes: int, prefill: int, cfg: Path, split_cpus: str) -> tuple[subprocess.Popen, str]:
+    """A ``kvd serve`` of the configuration, healthy (bench_n_copies' starter), warmed
+    by a few requests (a fresh server's first ones pay one-off costs)."""
     args = ["--model", model, "-c", str(cfg)]
     if nodes:
-        args += ["--nodes", str(nodes), "--split-cpus", "off"]
+        args += ["--nodes", str(nodes), "--split-cpus", split_cpus]
     if prefill:
         args += ["--prefill", str(prefill)]
-    return start_server(args)
+    proc, url = start_server(args)
+    with tempfile.TemporaryDirectory() as tmp:
+        measured(url, overhead_flags(model, OVERHEAD_WARMUP * max(nodes, 1), "inf", seed=1), Path(tmp) / "warmup.json")
+    return proc, url
+
+
+def flush_cache(sock: Path) -> None:
+    """Drop every node's cached prefixes (``kvctl cache flush`` on the admin socket)."""
+    subprocess.run([sys.executable, "-m", "kvd.ctl", "--socket", str(sock), "cache", "flush"], cwd=ROOT,
+                   check=True, stdout=subprocess.DEVNULL, timeout=60)  # noqa: S603
 
 
 def errors(real: dict, sim: dict) -> dict:
@@ -75,8 +88,12 @@ def main() -> None:
     ap.add_argument("--node-profile", default=None, help="profile for the multi-node configurations")
     ap.add_argument("--model", default=None, help="default: the profile's")
     ap.add_argument("--configs", default="one,mixed2,1p1d,tree3")
-    ap.add_argument("--traces", default="random,prefix")
-    ap.add_argument("--rates", default="0.5,1")
+    ap.add_argument("--traces", default="random,prefix,sonnet")
+    ap.add_argument("--rates", default="0.5,1,2")
+    ap.add_argument("--config", default=None,
+                    help="a kvd config (its [engine] table: threads, CPUs) for every run; no [cluster] table")
+    ap.add_argument("--split-cpus", default="off", choices=("off", "cores"),
+                    help="the multi-node configurations' [cluster].split_cpus (cores: a node per core)")
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--input-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=16)
@@ -84,20 +101,25 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "results/sim/validate.json"))
     args = ap.parse_args()
     model = args.model or json.loads(Path(args.profile).read_text())["model"]
+    base = Path(args.config).read_text() if args.config else ""
+    if "[cluster]" in base:
+        raise SystemExit("validate: error: --config may not hold a [cluster] table (each configuration sets it)")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.configs.split(","):
             nodes, prefill, routing = CONFIGS[name]
             profile = args.node_profile if nodes and args.node_profile else args.profile
             cfg = Path(tmp) / f"{name}.toml"
-            cfg.write_text(f'[cluster]\nrouting = "{routing or "prompt-tree"}"\n')
-            proc, url = serve(model, nodes, prefill, cfg)
+            sock = Path(tmp) / f"{name}.sock"
+            cfg.write_text(f'{base}\n[cluster]\nrouting = "{routing or "prompt-tree"}"\nadmin_socket = "{sock}"\n')
+            proc, url = serve(model, nodes, prefill, cfg, args.split_cpus)
             try:
                 for trace in args.traces.split(","):
                     for rate in args.rates.split(","):
                         flags = [*trace_flags(trace, args), "--request-rate", rate, "--num-prompts",
                                  str(args.num_prompts), "--seed", "0", "--tokenizer", model,
                                  "--metric-percentiles", "50,99", "--goodput", *args.slo.split()]
+                        flush_cache(sock)          # each run starts cold, as its simulation does
                         real = measured(url, flags, Path(tmp) / f"{name}-{trace}-{rate}.json")
                         sim = simulated(profile, nodes, prefill, routing, cfg, flags)
                         row = {"config": name, "trace": trace, "rate": float(rate),
