@@ -46,6 +46,10 @@ Forward = Callable[[str, str, dict], Awaitable[dict]]
 
 
 class Handoffs:
+    """Which decodes may move to their node's partner, and moving them
+    (module docstring). ``forward``: the coordinator's admin forward to a
+    node, for asking a partner what it holds."""
+
     def __init__(self, client: RemoteEngineClient, forward: Forward) -> None:
         self.client = client
         self.forward = forward          # (node, admin command, args) -> its result (ValueError, TransportError)
