@@ -142,3 +142,17 @@ def test_bad_pair_flags_exit_2_with_one_line(argv, message):
     r = subprocess.run([sys.executable, "-m", "kvd.cli", *argv], cwd=ROOT, capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_kvd_serve_pairs_its_node_processes_in_order(tmp_path):
+    import shutil
+
+    from kvd.cluster_config import ClusterConfig
+    from kvd.local_cluster import LocalCluster
+
+    lc = LocalCluster(None, ClusterConfig(pairs=True, insecure=True), 4, [])
+    try:
+        pairs = [lc._command(f"n{i}", "zmq+tcp://127.0.0.1:1")[-2:] for i in range(1, 5)]
+    finally:
+        shutil.rmtree(lc.runtime_dir, ignore_errors=True)
+    assert pairs == [["--pair", "n2"], ["--pair", "n1"], ["--pair", "n4"], ["--pair", "n3"]]
