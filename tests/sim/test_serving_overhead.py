@@ -24,8 +24,19 @@ def test_the_simulator_adds_the_overhead_to_each_request(write_profile):
     assert slow["median_tpot_ms"] == pytest.approx(plain["median_tpot_ms"])
 
 
+def test_the_simulator_adds_the_token_cost_to_each_decode_step(write_profile):
+    sparse = [*FLAGS[:-3], "0.05", *FLAGS[-2:]]           # mostly one request at a time
+    plain = simulated(write_profile(), 0, 0, None, None, sparse)
+    slow = simulated(write_profile("slow.json", serving={"token_s": 0.05}), 0, 0, None, None, sparse)
+    assert slow["completed"] == plain["completed"] == 6
+    assert slow["median_ttft_ms"] == pytest.approx(plain["median_ttft_ms"], abs=1e-6)
+    assert slow["median_tpot_ms"] == pytest.approx(plain["median_tpot_ms"] + 50.0, abs=1e-6)
+    assert slow["p99_tpot_ms"] >= plain["p99_tpot_ms"] + 50.0 - 1e-6    # two in a step: each pays its own
+
+
 @pytest.mark.parametrize("serving", [{"first_token_s": -1.0}, {"first_token_s": "30ms"}, [0.1],
-                                     {"first_token_s": True}, {"first_token_s": 1e9}])
+                                     {"first_token_s": True}, {"first_token_s": 1e9}, {"token_s": -0.001},
+                                     {"first_token_s": 0.01, "token_s": "1ms"}])
 def test_a_bad_serving_overhead_is_refused(write_profile, serving):
     with pytest.raises(ProfileError, match="serving"):
         load_profile(write_profile(serving=serving), model="tiny")
@@ -38,7 +49,10 @@ def test_kvd_profile_measures_it_through_kvd_serve(tmp_path):
     assert serving["requests"] == 3 and serving["measured_median_ttft_ms"] > 0
     assert serving["first_token_s"] == pytest.approx(
         max(0.0, serving["measured_median_ttft_ms"] - serving["simulated_median_ttft_ms"]) / 1e3, abs=3e-6)
-    assert load_profile(out, model="tiny").serving_s == serving["first_token_s"]
+    assert serving["token_s"] == pytest.approx(
+        max(0.0, serving["measured_median_tpot_ms"] - serving["simulated_median_tpot_ms"]) / 1e3, abs=3e-6)
+    loaded = load_profile(out, model="tiny")
+    assert (loaded.serving_s, loaded.serving_token_s) == (serving["first_token_s"], serving["token_s"])
 
 
 def test_serving_requests_are_checked(tmp_path, capsys):
