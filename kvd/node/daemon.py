@@ -67,7 +67,7 @@ from kvd.node.engine_driver import EngineDriver, describe_failure, load_engine
 from kvd.node.cache_shipper import CacheShipper
 from kvd.node.heartbeat import Heartbeater
 from kvd.node.inbox import MESSAGES as INBOX_MESSAGES, KVInbox
-from kvd.node.lending import Borrower, Lender, admin_commands as lending_commands, keep_leases
+from kvd.node.lending import Borrower, Lender, admin_commands as lending_commands, keep_leases, serve_borrowing
 from kvd.node.peers import PeerLinks
 from kvd.node.legs import Legs, internal_error
 from kvd.node.replication import Replicator
@@ -152,6 +152,9 @@ class NodeDaemon:
         self.inbox.lending = Lender(self.driver, self.rmanager, authenticated=self.listener.authenticated)
         self.borrower = Borrower(self.name, self.rmanager, self._ask_coordinator, self.peer_links.get,
                                  self.cluster.request_timeout)
+        if engine.config.borrow_kv_blocks:      # requests past the free blocks borrow (engine/borrowing.py)
+            serve_borrowing(engine, self.borrower, asyncio.get_running_loop(),
+                            min(self.cluster.request_timeout, self.cluster.heartbeat_deadline))
         if self.cluster.replicas and self.role != Role.PREFILL:
             self.replicator = Replicator(self.name, self.driver, self._peer, self._drop_peer,
                                          self.cluster.replication_interval, self.cluster.request_timeout)

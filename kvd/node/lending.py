@@ -30,10 +30,11 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from engine.borrowing import KVBorrowing, Loan as EngineLoan
 from engine.memory.rmanager import Borrowed, Loan, RManager
 from kvd import protocol
 from kvd.node.engine_driver import EngineDriver
-from kvd.node.remote_attention import AttentionServer
+from kvd.node.remote_attention import AttentionServer, WireLender
 from transports import Connection, TransportError
 
 log = logging.getLogger("kvd.lending")
@@ -184,7 +185,8 @@ class Borrower:
         self.counts["borrowed"] += 1
         return self.rmanager.borrowed[reply.loan_id]
 
-    async def _call(self, creditor: str, msg: protocol.Message) -> protocol.Message:
+    async def call(self, creditor: str, msg: protocol.Message) -> protocol.Message:
+        """``creditor``'s reply to ``msg`` (a creditor this node borrowed from)."""
         conn = await self._connect(creditor, self.addresses[creditor])
         return await protocol.call(conn, msg, timeout=self.timeout)
 
@@ -198,7 +200,7 @@ class Borrower:
                                  layer_start=layers[0], layer_end=layers[1], tensors=(payload,),
                                  deadline=time.time() + self.timeout)
         try:
-            reply = await self._call(b.creditor, msg)
+            reply = await self.call(b.creditor, msg)
         except (TransportError, TimeoutError):
             return False
         return isinstance(reply, protocol.LoanAck) and reply.ok
@@ -210,7 +212,7 @@ class Borrower:
         if b is None:
             return False
         try:
-            reply = await self._call(b.creditor, protocol.ReturnLoan(id=secrets.token_hex(6), debtor=self.name,
+            reply = await self.call(b.creditor, protocol.ReturnLoan(id=secrets.token_hex(6), debtor=self.name,
                                                                      loan_id=loan_id,
                                                                      deadline=time.time() + self.timeout))
         except (TransportError, TimeoutError):
@@ -235,7 +237,7 @@ class Borrower:
         msg = protocol.LeaseRenew(id=secrets.token_hex(6), debtor=self.name, loan_ids=ids,
                                   deadline=time.time() + self.timeout)
         try:
-            reply = await self._call(creditor, msg)
+            reply = await self.call(creditor, msg)
         except (TransportError, TimeoutError):
             reply = None
         now = time.monotonic()
@@ -250,6 +252,38 @@ class Borrower:
 
     def stats(self) -> dict[str, Any]:
         return {"borrowed": self.rmanager.borrowed_per_creditor(), "counts": dict(self.counts)}
+
+
+def serve_borrowing(engine, borrower: Borrower, loop: asyncio.AbstractEventLoop, deadline_s: float) -> KVBorrowing:
+    """Let ``engine``'s requests borrow KV through ``borrower`` (engine/borrowing.py), its
+    remote parts computed on the creditors over the wire (remote_attention.py). The engine
+    thread waits at most ``deadline_s`` for a loan (a loan granted later is given back) and
+    for each layer's remote results. Call on the event loop before the first request."""
+    def borrow(blocks: int) -> EngineLoan | None:                  # engine thread
+        future = asyncio.run_coroutine_threadsafe(borrower.borrow(blocks), loop)
+        try:
+            got = future.result(timeout=deadline_s)
+        except Exception:  # noqa: BLE001 -- too late, or the loop is gone: none, and a late loan goes back
+            future.add_done_callback(lambda f: _give_back_late(f, borrower, loop))
+            return None
+        if got is None:
+            return None
+
+        def lender(request_id: str, lo: int) -> WireLender:
+            return WireLender(lambda msg: borrower.call(got.creditor, msg), loop, borrower.name, got.loan_id,
+                              request_id, lo, deadline_s)
+        return EngineLoan(got.loan_id, got.blocks, lender)
+
+    def give_back(loan_id: str) -> None:                              # engine thread, or the loop's
+        if not loop.is_closed():
+            asyncio.run_coroutine_threadsafe(borrower.give_back(loan_id), loop)
+
+    return engine.enable_borrowing(borrow, give_back, deadline_s)
+
+
+def _give_back_late(future, borrower: Borrower, loop: asyncio.AbstractEventLoop) -> None:
+    if not future.cancelled() and future.exception() is None and future.result() is not None:
+        loop.call_soon_threadsafe(loop.create_task, borrower.give_back(future.result().loan_id))
 
 
 async def keep_leases(lender: Lender, borrower: Borrower, interval: float) -> None:

@@ -1,0 +1,143 @@
+"""Borrowed KV on the serving path over real daemons (ZeroMQ with CURVE on loopback, the
+tiny model): every node holds N = 768 tokens (``--kv-blocks 48``), lends and borrows. A
+request of about 1.8 N tokens, sent with the ``openai`` client, is served to completion by
+whichever node the coordinator picks, its sequence's tail in blocks another node lends and
+attention over them computed there; its text is the single-node engine's (given enough
+blocks), greedy and seeded.
+
+Then the faults, each followed by every node's free blocks back where they started:
+
+- the creditor killed (-9) mid-stream: the debtor computes the lost positions again, into
+  a loan from the third node, and the stream goes on with the same text;
+- the debtor killed mid-stream: its creditor frees the loan at lease end.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import random
+import time
+
+import pytest
+
+from .conftest import MODEL, SEEDED, Cluster, admin, body_of
+from .test_lending import LEASE_S, ledger_line, wait_for
+
+pytestmark = pytest.mark.timeout(600)
+NODES = ["a", "b", "c"]
+BLOCKS, LEND, BORROW = 48, 40, 48             # N = 48 * 16 = 768 tokens per node
+PROMPT, MAX_TOKENS = 1300, 80                 # 1380 tokens ~ 1.8 N: 87 blocks, 39 of them borrowed
+
+
+@pytest.fixture(scope="module")
+def trio(tmp_path_factory):
+    c = Cluster(tmp_path_factory.mktemp("borrowed-kv"), "zmq+tcp")
+    for n in NODES:
+        start(c, n)
+    try:
+        c.wait_nodes(NODES)
+        wait_for(lambda: all(ledger_line(c, n).get("lendable") == LEND for n in NODES), "the caps in the ledger")
+        yield c
+    finally:
+        c.stop()
+
+
+def start(c: Cluster, name: str, make_key: bool = True) -> None:
+    c.start_node(name, "--kv-blocks", str(BLOCKS), "--lend-kv-blocks", str(LEND), "--borrow-kv-blocks", str(BORROW),
+                 make_key=make_key)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The plain single-node engine with blocks for the whole sequence."""
+    from engine.engine import EngineConfig, LLMEngine
+
+    return LLMEngine.from_config(EngineConfig(model="tiny", dtype="float32", block_size=16, kv_blocks=128,
+                                              host_kv_blocks=0, max_model_len=2048, num_threads=1,
+                                              batch_invariant=True))
+
+
+def prompt(seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 40000) for _ in range(PROMPT)]
+
+
+def want_text(reference, ids: list[int], sampling: dict | None) -> str:
+    from engine.request import SamplingParams
+
+    out = reference.generate([ids], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True,
+                                                   **(sampling or {"temperature": 0.0})))[0]
+    return reference.tokenizer.decode(out)
+
+
+def stream(c: Cluster, ids: list[int], sampling: dict | None, on_chunk=None) -> str:
+    text = []
+    client = c.client(timeout=120)
+    for i, chunk in enumerate(client.completions.create(model=MODEL, prompt=ids, max_tokens=MAX_TOKENS, stream=True,
+                                                        **body_of(sampling))):
+        if chunk.choices:
+            text.append(chunk.choices[0].text)
+        if on_chunk is not None:
+            on_chunk(i)
+    return "".join(text)
+
+
+def free_blocks(c: Cluster, nodes: list[str]) -> dict[str, int]:
+    """Each node's free device blocks once its prefix cache is flushed (its heartbeat's)."""
+    for n in nodes:
+        admin(c.node_admin(n), "cache flush")
+    time.sleep(1.2)                                 # a heartbeat or two carry it to the ledger
+    return {n: ledger_line(c, n)["free"] for n in nodes}
+
+
+def borrowing(c: Cluster, node: str) -> dict:
+    return admin(c.node_admin(node), "loans")["debtor"]["borrowed"]
+
+
+def test_a_request_past_one_node_is_served_with_the_single_node_text(trio, reference):
+    c = trio
+    start_free = free_blocks(c, NODES)
+    assert start_free == dict.fromkeys(NODES, BLOCKS)
+    for seed, sampling in ((1, None), (2, SEEDED[1])):
+        ids = prompt(seed)
+        assert stream(c, ids, sampling) == want_text(reference, ids, sampling), sampling
+    served = {n: admin(c.node_admin(n), "loans") for n in NODES}
+    assert sum(s["creditor"]["attention"]["served"] for s in served.values()) > 0
+    assert sum(s["creditor"]["counts"]["returned"] for s in served.values()) == 2
+    assert all(s["creditor"]["attention"]["refused"] == 0 for s in served.values())
+    assert free_blocks(c, NODES) == start_free
+
+
+def test_a_creditor_killed_mid_stream_and_then_a_debtor(trio, reference):
+    c = trio
+    ids, sampling = prompt(3), SEEDED[0]
+    want = want_text(reference, ids, sampling)
+    killed: list[str] = []
+
+    def kill_the_creditor(i: int) -> None:
+        if i == 10 and not killed:
+            debtor = next(n for n in NODES if borrowing(c, n))
+            creditor = next(iter(borrowing(c, debtor)))
+            c.nodes[creditor].kill9()
+            killed.append(creditor)
+    assert stream(c, ids, sampling, kill_the_creditor) == want
+    creditor = killed[0]
+    live = [n for n in NODES if n != creditor]
+    c.wait_gone(creditor, timeout=30)
+    assert free_blocks(c, live) == dict.fromkeys(live, BLOCKS)
+    start(c, creditor, make_key=False)              # back for the next fault
+    c.wait_nodes(NODES)
+    wait_for(lambda: ledger_line(c, creditor).get("lendable") == LEND, "the restarted node's cap")
+
+    # the debtor killed mid-stream: its creditor frees the loan at lease end
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        gone = pool.submit(stream, c, prompt(4), None)
+        debtor = wait_for(lambda: next((n for n in NODES if borrowing(c, n)), None), "a debtor", timeout=60)
+        lender = next(iter(borrowing(c, debtor)))
+        c.nodes[debtor].kill9()
+        with pytest.raises(Exception):
+            gone.result(timeout=60)
+    live = [n for n in NODES if n != debtor]
+    wait_for(lambda: admin(c.node_admin(lender), "loans")["creditor"]["lent"] == {}, "the lapsed loan",
+             timeout=LEASE_S + 10)
+    assert free_blocks(c, live) == dict.fromkeys(live, BLOCKS)
