@@ -84,16 +84,19 @@ class Handoffs:
         return request_id, source, target
 
     async def held(self, request_id: str, source: NodeInfo, target: NodeInfo) -> str | None:
-        """Why ``target``'s copy of ``request_id`` (run by ``source``) is
-        incomplete, asking ``target`` now: fewer tokens than every full block
-        of the prompt. None: complete."""
+        """Why ``target`` cannot take ``request_id`` (run by ``source``) now,
+        asking it: its copy is incomplete (fewer tokens than every full block
+        of the prompt), or its own earlier leg of the request, handed off
+        from there, has not stopped yet. None: it can."""
         stream = self._stream(request_id)
         full = stream.prompt_len // source.block_size * source.block_size if stream else 0
         try:
-            held = (await self.forward(target.name, "replica held",
-                                       {"source": source.name, "request": request_id}))["tokens"]
+            reply = await self.forward(target.name, "replica held", {"source": source.name, "request": request_id})
         except (ValueError, TransportError, TimeoutError) as exc:
             return f"{target.name} did not say what it holds of request {request_id}: {exc}"
+        held = reply["tokens"]
+        if reply.get("running"):          # its leg from before a handoff has not stopped yet: it would refuse
+            return f"{target.name} is still stopping its earlier leg of request {request_id}"
         if held < full:
             return (f"the copy of request {request_id} at {target.name} is incomplete ({held} of its "
                     f"prompt's {full} tokens)")
@@ -162,7 +165,7 @@ class Handoffs:
 def _reason(why: str) -> str:
     """A refusal's counter label: its kind, not its request."""
     for kind in ("not in flight", "not registered", "moved already", "not decoding", "no registered partner",
-                 "does not take", "incomplete"):
+                 "does not take", "incomplete", "still stopping"):
         if kind in why:
             return kind
     return "other"

@@ -133,9 +133,11 @@ class NodeAdmin:
 
     async def cmd_replica_held(self, args: dict) -> dict:
         """How many tokens of ``request``, run by ``source``, this node's copy
-        holds now (0: none): what the coordinator checks before a handoff."""
+        holds now (0: none), and whether a leg of it still runs here (one
+        handed off from here and not stopped yet): what the coordinator
+        checks before a handoff."""
         rep = self.replicas.replicas.get((args["source"], args["request"])) if self.replicas else None
-        return {"tokens": len(rep.tokens) if rep is not None else 0}
+        return {"tokens": len(rep.tokens) if rep is not None else 0, "running": args["request"] in self.streams}
 
     async def cmd_undrain(self, args: dict) -> dict:
         self.set_draining(False)
