@@ -156,3 +156,15 @@ def test_kvd_serve_pairs_its_node_processes_in_order(tmp_path):
     finally:
         shutil.rmtree(lc.runtime_dir, ignore_errors=True)
     assert pairs == [["--pair", "n2"], ["--pair", "n1"], ["--pair", "n4"], ["--pair", "n3"]]
+
+
+def test_kvctl_role_and_handoff_requests_and_a_bad_role_is_a_usage_error(capsys):
+    from kvd import ctl
+
+    parser = ctl.build_parser()
+    assert ctl.to_request(parser.parse_args(["role", "n1", "prefill"]), parser) == {
+        "cmd": "set-role", "node": "n1", "role": "prefill"}
+    assert ctl.to_request(parser.parse_args(["handoff", "cmpl-1"]), parser) == {"cmd": "handoff", "request": "cmpl-1"}
+    with pytest.raises(SystemExit) as exc:
+        ctl.main(["--socket", "/nonexistent.sock", "role", "n1", "leader"])
+    assert exc.value.code == 2 and len(capsys.readouterr().err.strip().splitlines()) == 1
