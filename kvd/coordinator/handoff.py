@@ -74,7 +74,7 @@ class Handoffs:
             return f"request {request_id} runs on {stream.node}, which is not registered"
         if stream.recovering or (request_id in self.moving and not mine):
             return f"request {request_id} is being moved already"
-        if stream.prefill or not stream.tokens:
+        if not decoding(stream):
             return f"request {request_id} is not decoding yet (its prompt is being computed)"
         target = self.pairs.partner(source.name, nodes)
         if target is None:
@@ -160,6 +160,13 @@ class Handoffs:
                     moved += "to" in await self.hand_off(rid)
             await asyncio.sleep(EVACUATE_POLL_S)
         log.info("node %s: %d decode(s) handed to its partner after its switch to prefill", node, moved)
+
+
+def decoding(stream: Stream) -> bool:
+    """Whether ``stream``'s node decodes it: it has its first token, and of
+    a disaggregated request (a prefill leg elsewhere made token 0) one the
+    node made itself, so the prompt's KV is there."""
+    return len(stream.tokens) >= (2 if stream.prefill else 1)
 
 
 def _reason(why: str) -> str:

@@ -6,8 +6,8 @@ plans handoffs (``plan_moves``, pure), which ``Handoffs`` carries out (each
 checked first: a request whose copy is incomplete stays where it is, and is
 planned again at the next tick).
 
-- A node that is prefilling (a request of its own without its first token
-  yet, or its role is ``prefill``) hands every decode to its partner, unless
+- A node that is prefilling (computing the prompt of a request of its own,
+  or its role is ``prefill``) hands every decode to its partner, unless
   the partner prefills too (or does not decode): the prompt runs alone, as
   on a prefill node, and the decodes do not stall behind it.
 - Otherwise, when the two nodes' decode counts differ by two or more, the
@@ -29,6 +29,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvd.coordinator.handoff import decoding
 from kvd.coordinator.roles import DECODES
 
 if TYPE_CHECKING:
@@ -46,7 +47,8 @@ class Running:
 
     request_id: str
     node: str
-    decoding: bool           # has its first token (else its prompt is being computed)
+    decoding: bool           # the node decodes it (a handoff may move it)
+    prefilling: bool         # the node computes its prompt now
     left: int                # tokens it may still generate
 
 
@@ -56,7 +58,7 @@ def plan_moves(a: str, b: str, running: Iterable[Running], decodes: dict[str, bo
     docstring). ``decodes``: whether each node's role takes decodes (a node
     whose role is prefill counts as prefilling). Pure."""
     running = list(running)
-    prefilling = {n: not decodes.get(n, True) or any(r.node == n and not r.decoding for r in running)
+    prefilling = {n: not decodes.get(n, True) or any(r.node == n and r.prefilling for r in running)
                   for n in (a, b)}
     on = {n: sorted((r for r in running if r.node == n and r.decoding), key=lambda r: (-r.left, r.request_id))
           for n in (a, b)}
@@ -93,7 +95,7 @@ class PairScheduler:
         for rid, stream in self.client.failover.streams.items():
             if stream.node in (a, b) and not stream.recovering:
                 max_tokens = stream.request.sampling.max_tokens
-                out.append(Running(rid, stream.node, bool(stream.tokens) and not stream.prefill,
+                out.append(Running(rid, stream.node, decoding(stream), not stream.tokens and not stream.prefill,
                                    max(0, max_tokens - len(stream.tokens))))
         return out
 

@@ -8,7 +8,7 @@ from kvd.coordinator.pairs import Running, plan_moves
 
 
 def r(rid: str, node: str, decoding: bool = True, left: int = 10) -> Running:
-    return Running(rid, node, decoding, left)
+    return Running(rid, node, decoding, not decoding, left)
 
 
 def test_a_prefilling_node_hands_every_decode_to_its_partner():
@@ -22,6 +22,11 @@ def test_both_prefilling_or_no_decoding_partner_moves_nothing():
     assert plan_moves("a", "b", both, {}) == []
     one = [r("p", "a", decoding=False), r("d1", "a")]
     assert plan_moves("a", "b", one, {"a": True, "b": False}) == []
+
+
+def test_a_request_waiting_for_a_prefill_node_is_neither():
+    running = [Running("w", "a", False, False, 10), r("d1", "a"), r("d2", "a"), r("d3", "a"), r("e1", "b")]
+    assert plan_moves("a", "b", running, {}) == [("d1", "a", "b")]
 
 
 def test_a_prefill_role_counts_as_prefilling():
