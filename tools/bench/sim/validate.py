@@ -45,7 +45,7 @@ def trace_flags(trace: str, args) -> list[str]:
         return ["--dataset-name", "random", "--random-input-len", str(args.input_len),
                 "--random-output-len", str(args.output_len)]
     if trace == "sonnet":              # longer prompts of varying length around one shared prefix
-        return ["--dataset-name", "sonnet", "--sonnet-input-len", str(3 * args.input_len),
+        return ["--dataset-name", "sonnet", "--sonnet-input-len", str(2 * args.input_len),
                 "--sonnet-prefix-len", str(args.input_len), "--sonnet-output-len", str(args.output_len)]
     return ["--dataset-name", "prefix_repetition", "--prefix-repetition-num-prefixes", "2",
             "--prefix-repetition-prefix-len", str(args.input_len), "--prefix-repetition-suffix-len", "16",
@@ -89,7 +89,7 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="default: the profile's")
     ap.add_argument("--configs", default="one,mixed2,1p1d,tree3")
     ap.add_argument("--traces", default="random,prefix,sonnet")
-    ap.add_argument("--rates", default="0.5,1,2")
+    ap.add_argument("--rates", default="0.5,1,1.5")
     ap.add_argument("--config", default=None,
                     help="a kvd config (its [engine] table: threads, CPUs) for every run; no [cluster] table")
     ap.add_argument("--split-cpus", default="off", choices=("off", "cores"),
