@@ -314,7 +314,7 @@ def node(args: argparse.Namespace) -> int:
 
         check_node_name(args.name)
         if args.pair:
-            from kvd.cluster_config import pair_map, with_pair
+            from kvd.cluster_pairs import pair_map, with_pair
             cluster = with_pair(cluster, args.name, args.pair)
             pair_map(cluster)                    # ConfigError: a pair with itself, twice
         if (args.role or cluster.node(args.name).role) == "prefill" and cluster.partner_of(args.name):

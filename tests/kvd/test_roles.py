@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from kvd import protocol
-from kvd.cluster_config import ConfigError, load_cluster_config, pair_map, parse_cluster, with_pair
+from kvd.cluster_config import ConfigError, load_cluster_config, parse_cluster
+from kvd.cluster_pairs import pair_map, with_pair
 from kvd.coordinator.membership import NodeInfo
 from kvd.coordinator.recovery import RecoveryPolicy, ring_peers
 from kvd.coordinator.roles import PairBook, redundant_blocks
