@@ -12,7 +12,9 @@ kvd/node/lending.py). The loan becomes the sequence's open remote part
 (engine/dist_attention.py ``RemoteKV``): each step's K/V of those positions
 is written into it and attention over them is computed there. Only when no
 creditor lends does the request wait, as without borrowing (and a node
-that was told no waits ``retry_s`` before it asks again).
+that was told no waits ``retry_s`` before it asks again); a request that
+fits only on borrowed blocks (longer than the whole MemPool) and finds no
+creditor for ``give_up_s`` fails with that reason.
 
 A request with remote parts:
 
@@ -49,6 +51,8 @@ from kernels.dist_attention import KEY_CHUNK
 
 # Seconds a node waits, after no creditor lent, before it asks again.
 RETRY_S = 1.0
+# Seconds a request that fits only on borrowed blocks waits for a creditor before it fails.
+GIVE_UP_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -69,14 +73,17 @@ class KVBorrowing:
     blocks borrowed at once, all requests together."""
 
     def __init__(self, block_size: int, cap: int, borrow: Callable[[int], Loan | None],
-                 give_back: Callable[[str], None], remote_kv: RemoteKV, retry_s: float = RETRY_S) -> None:
+                 give_back: Callable[[str], None], remote_kv: RemoteKV, retry_s: float = RETRY_S,
+                 give_up_s: float = GIVE_UP_S) -> None:
         if KEY_CHUNK % block_size:
             raise ValueError(f"borrowing KV needs a block size that divides {KEY_CHUNK}, got {block_size}")
         if cap < 1:
             raise ValueError(f"cap must be >= 1, got {cap!r}")
         self.block_size, self.cap = block_size, cap
         self.borrow, self.give_back, self.remote_kv, self.retry_s = borrow, give_back, remote_kv, retry_s
+        self.give_up_s = give_up_s
         self.loans: dict[str, list[Loan]] = {}          # request id -> its loans
+        self._refused_since: dict[str, float] = {}      # request id -> when no creditor first lent for it
         self._next_try = 0.0
         self.counts = {"borrowed": 0, "refused": 0, "returned": 0, "lost": 0}
 
@@ -103,15 +110,23 @@ class KVBorrowing:
         if loan is None:
             self.counts["refused"] += 1
             self._next_try = time.monotonic() + self.retry_s
+            self._refused_since.setdefault(req.request_id, time.monotonic())
             return None
+        self._refused_since.pop(req.request_id, None)
         self.counts["borrowed"] += 1
         self.loans[req.request_id] = [loan]
         self.remote_kv.add(req.request_id, [RemotePart(local_chunks, None, loan.lender(req.request_id, local_chunks))])
         return local_chunks * per_chunk
 
+    def given_up(self, req: Request) -> bool:
+        """Whether no creditor has lent for ``req`` for ``give_up_s`` seconds."""
+        since = self._refused_since.get(req.request_id)
+        return since is not None and time.monotonic() - since >= self.give_up_s
+
     def release(self, req: Request) -> None:
         """``req`` ends or is preempted: its remote parts are gone, its loans returned."""
         self.remote_kv.drop(req.request_id)
+        self._refused_since.pop(req.request_id, None)
         for loan in self.loans.pop(req.request_id, []):
             self.counts["returned"] += 1
             self.give_back(loan.loan_id)

@@ -438,10 +438,13 @@ class LLMEngine:
         """Run one scheduled step; returns one output per request that got a token."""
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
+        refused = [self._fail(req, f"its {len(req.prompt_ids) + req.params.max_tokens} tokens do not fit in this "
+                                   f"node's KV blocks and no node lends the rest") for req in self.scheduler.refused]
+        self.scheduler.refused.clear()
         if batch is None:
-            return []
+            return refused
         try:
-            return self._step(batch)
+            return refused + self._step(batch)
         finally:
             self.stats.step_seconds += time.perf_counter() - t0
 

@@ -143,6 +143,7 @@ class Scheduler:
         self.prefilled: deque[Request] = deque()
         # borrowed KV (engine/borrowing.py): set by a node that may borrow, else None
         self.borrowing = None
+        self.refused: list[Request] = []        # taken off the queue: nothing can hold them (_unservable)
 
     # ------------------------------------------------------------------ queues
     def add(self, req: Request) -> None:
@@ -292,6 +293,9 @@ class Scheduler:
             if fresh is None:
                 if hit is not None:
                     self.pool.release(hit)
+                if self._unservable(req):                # no creditor lends what it can only borrow
+                    self.refused.append(self.waiting.popleft())
+                    continue
                 break
             self.waiting.popleft()
             out.host_blocks_swapped_in += swapped
@@ -316,6 +320,12 @@ class Scheduler:
         if self.borrowing is None or req.kv_out is not None:
             return None
         return self.borrowing.admit(req, len(req.prompt_ids) + req.params.max_tokens, free_blocks)
+
+    def _unservable(self, req: Request) -> bool:
+        """Whether ``req`` can run only on borrowed blocks and no creditor has lent them
+        for ``KVBorrowing.give_up_s``: it goes to ``refused`` (the engine fails it)."""
+        need = blocks_needed(len(req.prompt_ids) + req.params.max_tokens, self.config.block_size)
+        return self.borrowing is not None and need > self.pool.capacity() and self.borrowing.given_up(req)
 
     def _borrows(self, req: Request) -> bool:
         return self.borrowing is not None and self.borrowing.holds(req)

@@ -105,3 +105,22 @@ def test_a_lost_loan_is_computed_again(tiny_model, tokenizer):
     assert borrowing.counts["lost"] == 1 and borrowing.counts["borrowed"] == 2
     assert not first.regions and not second.regions
     engine.check_integrity()
+
+
+def test_no_creditor_fails_what_only_borrowed_blocks_hold(tiny_model, tokenizer):
+    """Nobody lends: a request longer than the whole MemPool fails with the reason once
+    ``give_up_s`` passes, and the request queued behind it runs; nothing leaks."""
+    engine = make(tiny_model, tokenizer, LOCAL_BLOCKS, borrow=64)
+    asked = []
+    borrowing = engine.enable_borrowing(lambda blocks: asked.append(blocks), lambda loan_id: None, deadline_s=1.0)
+    borrowing.retry_s = borrowing.give_up_s = 0.05
+    engine.add_request("long", prompt(640, 7), greedy(20))
+    engine.add_request("short", prompt(50, 8), greedy(5))
+    outs = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outs.setdefault(out.request_id, []).append(out)
+    assert asked and outs["long"][-1].finish_reason == "error"
+    assert "no node lends the rest" in outs["long"][-1].error
+    assert sum(len(o.new_token_ids) for o in outs["short"]) == 5
+    engine.check_integrity()
