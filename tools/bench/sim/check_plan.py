@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -29,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
 from tools.sim.plan import PROG, _extra, search  # noqa: E402
-from tools.sim.measure import measured  # noqa: E402
+from tools.sim.measure import OVERHEAD_WARMUP, measured, overhead_flags  # noqa: E402
 from tools.sim.run import parse  # noqa: E402
 from tools._twoproc import stop_processes  # noqa: E402
 from tools.bench.serving.bench_n_copies import serve  # noqa: E402
@@ -47,8 +48,16 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--input-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=16)
+    ap.add_argument("--config", default=None,
+                    help="a kvd config (its [engine] table: threads) for every candidate; no [cluster] table")
+    ap.add_argument("--split-cpus", default="off", choices=("off", "cores"),
+                    help="the multi-node candidates' [cluster].split_cpus (cores: a node per core)")
     ap.add_argument("--out", default=str(ROOT / "results/sim/check_plan.json"))
     args = ap.parse_args()
+    base = Path(args.config).read_text() if args.config else ""
+    if set(re.findall(r"^\s*\[([^]]*)\]", base, re.M)) - {"engine"} or "prefill_chunk_tokens" in base:
+        raise SystemExit("check_plan: error: --config may hold only an [engine] table, without "
+                         "prefill_chunk_tokens (each candidate sets it)")
     model = json.loads(Path(args.profile).read_text())["model"]
     workload = ["--dataset-name", "random", "--random-input-len", str(args.input_len),
                 "--random-output-len", str(args.output_len), "--request-rate", args.rate,
@@ -65,11 +74,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for i, k in enumerate(plan.tried):
             cfg = Path(tmp) / f"c{i}.toml"
-            cfg.write_text(f"[engine]\nprefill_chunk_tokens = {k.chunk}\n\n[cluster]\nrouting = \"{k.routing}\"\n")
-            extra = ["--nodes", str(k.nodes), "--split-cpus", "off"] if k.nodes > 1 else []
+            engine = base if "[engine]" in base else f"[engine]\n{base}"
+            cfg.write_text(f"{engine}\nprefill_chunk_tokens = {k.chunk}\n\n[cluster]\nrouting = \"{k.routing}\"\n")
+            extra = ["--nodes", str(k.nodes), "--split-cpus", args.split_cpus] if k.nodes > 1 else []
             proc, url = serve(["--model", model, "-c", str(cfg), *extra,
                                *(["--prefill", str(k.prefill)] if k.prefill else [])])
-            try:
+            try:       # warm (a fresh server's first requests pay one-off costs), on prompts the run does not send
+                measured(url, overhead_flags(model, OVERHEAD_WARMUP * k.nodes, "inf", seed=1), Path(tmp) / "w.json")
                 real = measured(url, flags, Path(tmp) / f"c{i}.json")
             finally:
                 stop_processes([proc])
