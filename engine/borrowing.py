@@ -14,7 +14,10 @@ is written into it and attention over them is computed there. Only when no
 creditor lends does the request wait, as without borrowing (and a node
 that was told no waits ``retry_s`` before it asks again); a request that
 fits only on borrowed blocks (longer than the whole MemPool) and finds no
-creditor for ``give_up_s`` fails with that reason.
+creditor for ``give_up_s`` fails with that reason. A running request
+whose decode needs a block when none is free, its local blocks ending at a
+chunk boundary, borrows the rest of its sequence the same way (``grow``)
+before the scheduler preempts anything.
 
 A request with remote parts:
 
@@ -98,10 +101,23 @@ class KVBorrowing:
         """Give ``req`` (whose ``total_tokens`` need more than ``free_blocks`` blocks) a
         remote part after its first whole chunks that fit in ``free_blocks``: the number of
         local blocks it then needs, or None (nothing borrowed: it waits)."""
+        local_chunks = free_blocks // (KEY_CHUNK // self.block_size)
+        return self._lend_after(req, local_chunks, total_tokens)
+
+    def grow(self, req: Request, total_tokens: int) -> bool:
+        """A running ``req`` whose local blocks end at a chunk boundary and that needs one
+        more block, none free: give it a remote part from there on (True), or not (False:
+        the scheduler preempts, as without borrowing)."""
         per_chunk = KEY_CHUNK // self.block_size
-        local_chunks = free_blocks // per_chunk
-        need = -(-total_tokens // self.block_size)
-        remote = need - local_chunks * per_chunk
+        if self.holds(req) or len(req.block_ids) % per_chunk:
+            return False
+        return self._lend_after(req, len(req.block_ids) // per_chunk, total_tokens) is not None
+
+    def _lend_after(self, req: Request, local_chunks: int, total_tokens: int) -> int | None:
+        """Borrow every block of ``req``'s ``total_tokens`` after its first ``local_chunks``
+        chunks, as its open remote part: its local blocks, or None (nothing borrowed)."""
+        per_chunk = KEY_CHUNK // self.block_size
+        remote = -(-total_tokens // self.block_size) - local_chunks * per_chunk
         if local_chunks < 1 or remote < 1 or time.monotonic() < self._next_try:
             return None
         if self.borrowed_blocks() + remote > self.cap:

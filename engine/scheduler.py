@@ -327,6 +327,10 @@ class Scheduler:
         need = blocks_needed(len(req.prompt_ids) + req.params.max_tokens, self.config.block_size)
         return self.borrowing is not None and need > self.pool.capacity() and self.borrowing.given_up(req)
 
+    def _borrow_to_grow(self, req: Request) -> bool:
+        return (self.borrowing is not None and req.kv_out is None
+                and self.borrowing.grow(req, len(req.prompt_ids) + req.params.max_tokens))
+
     def _borrows(self, req: Request) -> bool:
         return self.borrowing is not None and self.borrowing.holds(req)
 
@@ -391,6 +395,9 @@ class Scheduler:
                 new = self.pool.alloc_mem(1)
                 if new is not None:
                     req.block_ids.append(new[0])
+                    batch.append(req)
+                    break
+                if self._borrow_to_grow(req):            # its next positions in a creditor's blocks
                     batch.append(req)
                     break
                 victim = queue.pop() if queue else req

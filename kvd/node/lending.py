@@ -144,6 +144,7 @@ class Borrower:
         self.lease_s: dict[str, float] = {}       # creditor -> its loans' lease
         self.renewed_at: dict[str, float] = {}    # creditor -> when it last answered a renewal (monotonic)
         self.counts = {"borrowed": 0, "refused": 0, "gave_up": 0, "lost": 0}
+        self.requests: KVBorrowing | None = None   # the engine's requests on borrowed blocks (serve_borrowing)
 
     async def borrow(self, blocks: int) -> Borrowed | None:
         """``blocks`` blocks on some creditor, or None when no one lends
@@ -251,7 +252,8 @@ class Borrower:
         return [b for i in gone if (b := self.rmanager.note_returned(i)) is not None]
 
     def stats(self) -> dict[str, Any]:
-        return {"borrowed": self.rmanager.borrowed_per_creditor(), "counts": dict(self.counts)}
+        return {"borrowed": self.rmanager.borrowed_per_creditor(), "counts": dict(self.counts),
+                "requests": self.requests.stats() if self.requests is not None else {}}
 
 
 def serve_borrowing(engine, borrower: Borrower, loop: asyncio.AbstractEventLoop, deadline_s: float) -> KVBorrowing:
@@ -278,7 +280,8 @@ def serve_borrowing(engine, borrower: Borrower, loop: asyncio.AbstractEventLoop,
         if not loop.is_closed():
             asyncio.run_coroutine_threadsafe(borrower.give_back(loan_id), loop)
 
-    return engine.enable_borrowing(borrow, give_back, deadline_s)
+    borrower.requests = engine.enable_borrowing(borrow, give_back, deadline_s)
+    return borrower.requests
 
 
 def _give_back_late(future, borrower: Borrower, loop: asyncio.AbstractEventLoop) -> None:

@@ -110,6 +110,8 @@ class AttentionServer:
 
     def serve(self, msg: protocol.RemoteAttend, debtor: str | None) -> protocol.RemotePartials:
         """Worker thread: write the K/V, compute the micro-attention; or the reason not."""
+        if self.kernel is None:
+            return self._refuse(msg, "this node's model has no paged attention kernel for a lent part")
         with self.lock:
             loan = self.rmanager.access(msg.loan_id, debtor)
             if isinstance(loan, str):

@@ -124,3 +124,19 @@ def test_no_creditor_fails_what_only_borrowed_blocks_hold(tiny_model, tokenizer)
     assert "no node lends the rest" in outs["long"][-1].error
     assert sum(len(o.new_token_ids) for o in outs["short"]) == 5
     engine.check_integrity()
+
+
+def test_a_decode_growing_past_the_node_borrows_instead_of_preempting(tiny_model, tokenizer):
+    """A 250-token prompt fits; its decode reaches the last free block at a chunk boundary
+    (key 384) and borrows the rest instead of being preempted: the same tokens."""
+    ids, params = prompt(250, 5), seeded(300)
+    want = run(make(tiny_model, tokenizer, 128), {"grow": (ids, params)})
+    engine = make(tiny_model, tokenizer, LOCAL_BLOCKS, borrow=64)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        creditor = Creditor(engine, 64, pool)
+        borrowing = engine.enable_borrowing(creditor.borrow, creditor.give_back, deadline_s=10.0)
+        got = run(engine, {"grow": (ids, params)})
+    assert got == want
+    assert borrowing.counts["borrowed"] == 1 and engine.stats.preemptions == 0
+    assert not creditor.regions
+    engine.check_integrity()
