@@ -10,6 +10,8 @@ Then the faults, each followed by every node's free blocks back where they start
 - the creditor killed (-9) mid-stream: the debtor computes the lost positions again, into
   a loan from the third node, and the stream goes on with the same text;
 - the debtor killed mid-stream: its creditor frees the loan at lease end.
+
+A micro-attention on a loan is served to the loan's debtor only.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import time
 import pytest
 
 from .conftest import MODEL, SEEDED, Cluster, admin, body_of
+from .test_engine_death import long_reference  # noqa: F401 -- the fixture
 from .test_lending import LEASE_S, ledger_line, wait_for
 
 pytestmark = pytest.mark.timeout(600)
@@ -48,13 +51,9 @@ def start(c: Cluster, name: str, make_key: bool = True) -> None:
 
 
 @pytest.fixture(scope="module")
-def reference():
+def reference(long_reference):
     """The plain single-node engine with blocks for the whole sequence."""
-    from engine.engine import EngineConfig, LLMEngine
-
-    return LLMEngine.from_config(EngineConfig(model="tiny", dtype="float32", block_size=16, kv_blocks=128,
-                                              host_kv_blocks=0, max_model_len=2048, num_threads=1,
-                                              batch_invariant=True))
+    return long_reference
 
 
 def prompt(seed: int) -> list[int]:
@@ -108,6 +107,40 @@ def test_a_request_past_one_node_is_served_with_the_single_node_text(trio, refer
     assert free_blocks(c, NODES) == start_free
 
 
+def test_micro_attention_only_for_the_loans_debtor(trio):
+    """A RemoteAttend on a's loan: a's is served; c's in its own name is refused and
+    counted, c's in a's name is the trust gate's; the loan's blocks take nothing else."""
+    import torch
+
+    from engine.model.config import tiny_config
+    from kvd import protocol
+
+    from .test_lending import as_
+
+    c = trio
+    loan = as_(c, "b", "a", protocol.BorrowRequest(debtor="a", blocks=16))
+    assert loan.ok
+    cfg = tiny_config()
+
+    def attend(debtor: str) -> protocol.RemoteAttend:
+        return protocol.RemoteAttend(debtor=debtor, loan_id=loan.loan_id, request_id="r", lo=1, layer=0, ctx=200,
+                                     first=199, tensors=(torch.randn(1, cfg.num_heads, cfg.head_dim),
+                                                         torch.randn(1, cfg.num_kv_heads, cfg.head_dim),
+                                                         torch.randn(1, cfg.num_kv_heads, cfg.head_dim)))
+    before = admin(c.node_admin("b"), "loans")["creditor"]
+    got = as_(c, "b", "a", attend("a"))
+    assert got.ok and got.tensors[0].shape == (1, 1, cfg.num_heads)
+    stolen = as_(c, "b", "c", attend("c"))
+    assert not stolen.ok and "no loan" in stolen.reason
+    forged = as_(c, "b", "c", attend("a"))
+    assert isinstance(forged, protocol.Error) and forged.code == "forbidden"
+    after = admin(c.node_admin("b"), "loans")["creditor"]
+    assert after["attention"]["served"] == before["attention"]["served"] + 1
+    assert after["attention"]["refused"] == before["attention"]["refused"] + 1
+    assert after["counts"]["forbidden"] == before["counts"]["forbidden"] + 1
+    assert as_(c, "b", "a", protocol.ReturnLoan(debtor="a", loan_id=loan.loan_id)).ok
+
+
 def test_a_creditor_killed_mid_stream_and_then_a_debtor(trio, reference):
     c = trio
     ids, sampling = prompt(3), SEEDED[0]
@@ -119,9 +152,10 @@ def test_a_creditor_killed_mid_stream_and_then_a_debtor(trio, reference):
             debtor = next(n for n in NODES if borrowing(c, n))
             creditor = next(iter(borrowing(c, debtor)))
             c.nodes[creditor].kill9()
-            killed.append(creditor)
+            killed.extend([creditor, debtor])
     assert stream(c, ids, sampling, kill_the_creditor) == want
-    creditor = killed[0]
+    creditor, debtor = killed
+    assert admin(c.node_admin(debtor), "loans")["debtor"]["requests"]["lost"] == 1
     live = [n for n in NODES if n != creditor]
     c.wait_gone(creditor, timeout=30)
     assert free_blocks(c, live) == dict.fromkeys(live, BLOCKS)
