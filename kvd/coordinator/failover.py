@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 
 from kvd import protocol
 from kvd.coordinator.links import NodeLinks
@@ -162,7 +162,7 @@ class Failover:
             return exc
 
     async def hand_off(self, rid: str, stream: Stream, source: NodeInfo, target: NodeInfo,
-                       replica: dict[str, str]) -> str | None:
+                       replica: dict[str, str], keep: Callable[[], Awaitable[object]] | None = None) -> str | None:
         """Move ``rid``, decoding on ``source``, to ``target`` (its pair
         partner, which holds its redundant copy): ``target`` resumes after
         the tokens the client has, from the copy; ``source`` is told to stop
@@ -170,7 +170,10 @@ class Failover:
         here and deduplicated by index). Returns None when ``target`` took
         it, else why not; the request is then recovered away from
         ``target`` as a lost one (``source`` may have stopped it already:
-        its chunks stopped counting at the send). Owns the stream meanwhile."""
+        its chunks stopped counting at the send). ``keep``: awaited once
+        ``target`` took it and before ``source`` is told to stop it (the
+        source keeps its KV as the target's copy), in an owned task: the
+        caller does not wait for it. Owns the stream meanwhile."""
         stream.recovering = True
         try:
             reply = await self._send_resume(rid, stream, target, f"{rid}.h{time.monotonic_ns()}", source.name,
@@ -178,8 +181,12 @@ class Failover:
         finally:
             stream.recovering = False
         self.load.uncount(rid, source.name)
-        self.links.send_abort(source.name, rid, reason="handed off to its partner")
-        if isinstance(reply, protocol.Accepted) and (target.name, target.incarnation) not in stream.failed:
+        took = isinstance(reply, protocol.Accepted) and (target.name, target.incarnation) not in stream.failed
+        if took and keep is not None:
+            self.links.spawn(self._keep_then_stop(rid, source.name, target.name, keep))
+        else:
+            self.links.send_abort(source.name, rid, reason="handed off to its partner")
+        if took:
             return None
         why = _why(reply)
         self.load.uncount(rid, target.name)
@@ -187,6 +194,18 @@ class Failover:
             stream.node, stream.incarnation = target.name, target.incarnation
             self.lose_requests(target.name, [rid], f"handoff from {source.name} refused: {why}")
         return why
+
+    async def _keep_then_stop(self, rid: str, source: str, target: str,
+                              keep: Callable[[], Awaitable[object]]) -> None:
+        """``source``'s KV of ``rid`` becomes ``target``'s copy, then ``source``
+        stops it; a failed ``keep`` is logged (``target`` then rebuilds the
+        copy) and ``source`` stops it all the same."""
+        try:
+            await keep()
+        except (ValueError, TransportError, TimeoutError) as exc:
+            log.info("request %s: %s kept no copy for %s (%s); it is rebuilt", rid, source, target, exc)
+        finally:
+            self.links.send_abort(source, rid, reason="handed off to its partner")
 
     async def _resume_on(self, rid: str, stream: Stream, node: NodeInfo, dead: str, replicated: bool,
                          how: str, reason: str) -> bool:

@@ -5,7 +5,10 @@ A paired node's partner holds the redundant copy of each of its requests
 (kvd/node/replica_store.py), so a decode moves between them with no KV
 transfer: ``Failover.hand_off`` resumes it on the partner after the tokens
 the client has, from the copy (recomputing what the copy lacks), and stops
-it on the source, at a step boundary of each. The stream goes on with no
+it on the source, at a step boundary of each. Before it stops there, the
+source keeps its own KV of the request as the partner's copy of it (admin
+``replica keep``): copy and original swap roles, and the copy is never
+rebuilt from block 0 after a move. The stream goes on with no
 gap and no duplicate (tokens are deduplicated by index).
 
 ``Handoffs`` decides which requests may move (``refusal``) and moves them:
@@ -132,7 +135,10 @@ class Handoffs:
         stream = self._stream(request_id)
         replica = self.recovery.replica_fields(target.name, request_id, self.client.membership.nodes.values())
         t0 = time.perf_counter()
-        why = await self.client.failover.hand_off(request_id, stream, source, target, replica)
+
+        async def keep() -> dict:              # the source's KV becomes the target's copy
+            return await self.forward(source.name, "replica keep", {"request": request_id, "owner": target.name})
+        why = await self.client.failover.hand_off(request_id, stream, source, target, replica, keep)
         if why is None:
             self.pairs.handoffs[source.name] += 1
             log.info("request %s handed off %s -> %s after %d token(s) in %.1f ms", request_id, source.name,

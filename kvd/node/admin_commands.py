@@ -85,6 +85,8 @@ class NodeAdmin:
             "undrain": (self.cmd_undrain, "accept new requests again", None),
             "replica held": (self.cmd_replica_held, "tokens of a request's copy held here now",
                              {"source": (str, True), "request": (str, True)}),
+            "replica keep": (self.cmd_replica_keep, "keep this node's KV of a request handed off to `owner` "
+                             "as the copy it claims", {"request": (str, True), "owner": (str, True)}),
             "set-role": (self.cmd_set_role, "the role the coordinator switched this node to",
                          {"role": (str, True)}),
             "fail": (self.cmd_fail, "fault injection: mode exit | stop (heartbeats) | drop-transfers"
@@ -138,6 +140,16 @@ class NodeAdmin:
         checks before a handoff."""
         rep = self.replicas.replicas.get((args["source"], args["request"])) if self.replicas else None
         return {"tokens": len(rep.tokens) if rep is not None else 0, "running": args["request"] in self.streams}
+
+    async def cmd_replica_keep(self, args: dict) -> dict:
+        """The coordinator handed ``request`` off from here to ``owner``, this
+        node's pair partner: before it stops here, its KV here becomes the
+        copy ``owner`` claims (ReplicaStore.keep). Raises ValueError when
+        ``owner`` is not the partner."""
+        store = self.replicas
+        if store is None or not store.partner or args["owner"] != store.partner:
+            raise ValueError(f"{args['owner']!r} is not this node's pair partner")
+        return {"tokens": await store.keep(self.name, args["request"], args["owner"])}
 
     async def cmd_undrain(self, args: dict) -> dict:
         self.set_draining(False)

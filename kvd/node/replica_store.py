@@ -29,7 +29,12 @@ ends, taken and committed when the request resumes here), and a planned
 handoff resumes from it exactly as a recovery does. What a pair adds is a
 gate (``partner``; kvd/trust.py ``pair_refusal``): a paired node takes
 copies of its partner's requests only; any other writer is refused in the
-ack and counted (``not_partner``), whatever ticket it shows.
+ack and counted (``not_partner``), whatever ticket it shows. And a handoff
+swaps the roles of copy and original instead of rebuilding the copy: the
+node a request leaves ``keep``s its own KV of it (every full block it
+computed, copied into a REPLICA region here before the request stops) as a
+replica written for the partner, which claims it (``adopt``) in its next
+round and extends it from there; nothing is sent again from block 0.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from typing import Any
 
 from engine.memory.mempool import PrefixLock
 from engine.memory.region import Purpose, Region, RegionState
+from engine.stream import STAGING
 from kvd import protocol, trust
 from kvd.node.engine_driver import EngineDriver
 
@@ -77,7 +83,7 @@ class ReplicaStore:
         self.partner = ""                    # paired: the one node whose copies this node holds
         self.replicas: dict[tuple[str, str], Replica] = {}
         self.counts = {"received_blocks": 0, "refused": 0, "no_ticket": 0, "dropped": 0, "resumed": 0,
-                       "adopted": 0, "not_partner": 0}
+                       "adopted": 0, "not_partner": 0, "kept": 0, "kept_blocks": 0}
 
     @property
     def blocks(self) -> int:
@@ -177,6 +183,39 @@ class ReplicaStore:
             if key in self.replicas:
                 held[rid] = len(self.replicas[key].tokens)
         return held
+
+    async def keep(self, writer: str, request_id: str, owner: str) -> int:
+        """``writer`` (this node) hands ``request_id``, still running here, to
+        ``owner`` (its partner): keep this node's KV of it as the copy
+        ``owner`` claims (``adopt``), keyed (``writer``, request id), so the
+        copy is complete at once instead of rebuilt from block 0. Copies the
+        request's full computed blocks into host blocks of a REPLICA region
+        on the engine thread, within ``replica_kv_blocks`` (past it, or
+        past the host tier, nothing is kept). Returns the tokens kept (0:
+        nothing: the request is not running here, or no room)."""
+        return await self.driver.call(lambda engine: self._keep(engine, writer, request_id, owner),
+                                      timeout=self.timeout)
+
+    def _keep(self, engine: Any, writer: str, request_id: str, owner: str) -> int:
+        found = next((r for r in engine.replicable() if r[0] == request_id), None)
+        if found is None or not found[3] or self.blocks + len(found[3]) > self.budget:
+            return 0
+        _, _, tokens, ids = found
+        pool, layout = engine.pool, engine.pool.kv_layout()
+        buf, view = STAGING.acquire((layout.num_layers, 2, len(ids), *layout.block_shape[2:]), layout.dtype)
+        try:
+            pool.gather_blocks(ids, view, (0, layout.num_layers))
+            region = pool.reserve_region((), tier="host", purpose=Purpose.REPLICA)
+            if not region.append(view):
+                region.cancel()
+                return 0
+        finally:
+            STAGING.release(buf)
+        self._drop_now(pool, (writer, request_id))
+        self.replicas[(writer, request_id)] = Replica(writer, list(tokens), region, owner=owner)
+        self.counts["kept"] += 1
+        self.counts["kept_blocks"] += len(ids)
+        return len(tokens)
 
     def _drop_now(self, pool: Any, key: tuple[str, str]) -> bool:
         rep = self.replicas.pop(key, None)

@@ -51,6 +51,7 @@ log = logging.getLogger("kvd.replication")
 
 REFUSED_RETRY_S = 1.0          # a request the holder refused is offered again after this
 ADOPT_WAIT_S = 2.0             # how long a decode node claims a prompt replica its prefill node sent
+KEPT_WAIT_S = 0.25             # how long a node claims the copy its partner keeps after a handoff
 TICKET_GRACE_S = 10.0          # a ticket from a request is kept this long without a heartbeat repeating it
 
 
@@ -104,12 +105,16 @@ class Replicator:
         is replicated only to a peer it has a ticket for."""
         self.tickets[request_id] = (holder, ticket, time.monotonic())
 
-    def expect_prompt(self, request_id: str, writer: str, holder: str) -> None:
-        """``writer`` (the prefill node) is sending the prompt replica of
-        ``request_id`` to ``holder`` for this node: claim it there instead of
-        sending the prompt, once ``holder`` is this node's peer (the
-        coordinator may have told the prefill node first)."""
-        self.adopting[request_id] = (writer, holder, time.monotonic() + ADOPT_WAIT_S)
+    def expect_prompt(self, request_id: str, writer: str, holder: str, wait: float = ADOPT_WAIT_S) -> None:
+        """``writer`` (the prefill node, or the partner that handed
+        ``request_id`` off to this node and keeps its KV as the copy) is
+        writing a replica of ``request_id`` at ``holder`` for this node:
+        claim it there instead of sending it from block 0, once ``holder`` is
+        this node's peer (the coordinator may have told the writer first),
+        for ``wait`` seconds; then it is sent from here."""
+        self.adopting[request_id] = (writer, holder, time.monotonic() + wait)
+        self.sent.pop(request_id, None)           # what this node sent of it before a handoff away is stale
+        self.retry_at.pop(request_id, None)
 
     async def run(self) -> None:
         while True:
@@ -134,7 +139,7 @@ class Replicator:
         for rid in [rid for rid, (_, holder, until) in self.adopting.items() if until <= now or holder != peer[0]]:
             _, holder, _ = self.adopting.pop(rid)  # never arrived, was refused, or sits elsewhere: send it from here
             self.counts["adopt_fallbacks"] += 1
-            self._warn.warning(("adopt",), "the prompt replica of %s is not at %s (sent to %s); sending it from here",
+            self._warn.warning(("adopt",), "the replica of %s to claim is not at %s (written at %s); sending it from here",
                                rid, peer[0], holder)
         adopt = {rid: writer for rid, (writer, _, _) in self.adopting.items()}
         retry = {rid for rid, t in self.retry_at.items() if t > now}

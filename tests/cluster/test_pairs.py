@@ -117,6 +117,8 @@ def test_handoffs_every_few_tokens_keep_the_stream_exact(pair, reference_engine,
     ids = prompt(1 if sampling is None else 2)
     want = expected(reference_engine, [ids], [sampling or {"temperature": 0.0}], LONG)[0]
     before = sum(n["handoffs"] for n in nodes(pair).values())
+    kept, adopted = (sum(admin(pair.node_admin(n), "status")["replication"]["holder"][k] for n in NODES)
+                     for k in ("kept", "adopted"))
     s = Stream(pair, ids, sampling, LONG)
     rid = until(lambda: next(iter(in_flight(pair)), None))
     moved, last = 0, 0
@@ -134,6 +136,10 @@ def test_handoffs_every_few_tokens_keep_the_stream_exact(pair, reference_engine,
     assert "".join(s.text) == want
     assert moved >= 3, moved
     assert sum(n["handoffs"] for n in nodes(pair).values()) == before + moved
+    # each source kept its KV as the copy its partner claimed: no copy rebuilt from block 0
+    holders = [admin(pair.node_admin(n), "status")["replication"]["holder"] for n in NODES]
+    assert sum(h["kept"] for h in holders) >= kept + moved - 1, holders        # the last may end first
+    assert sum(h["adopted"] for h in holders) >= adopted + moved // 2, holders
     wait_baseline(pair, NODES)        # every source freed its slot and blocks, every copy was dropped
 
 
