@@ -88,6 +88,9 @@ class EngineConfig:
         if isinstance(self.borrow_kv_blocks, bool) or not isinstance(self.borrow_kv_blocks, int) \
                 or self.borrow_kv_blocks < 0:
             raise ValueError(f"borrow_kv_blocks must be an int >= 0, got {self.borrow_kv_blocks!r}")
+        if self.borrow_kv_blocks and self.dtype in ("bfloat16", "bf16"):
+            raise ValueError("borrow_kv_blocks needs dtype float32 (attention over borrowed blocks runs on "
+                             "the float32 paged attention kernel)")
         for name in ("cost_token_s", "cost_attention_s", "cost_fixed_s", "cost_swap_block_s"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):

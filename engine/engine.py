@@ -421,7 +421,11 @@ class LLMEngine:
     def enable_borrowing(self, borrow, give_back, deadline_s: float) -> KVBorrowing:
         """Let requests borrow KV blocks, up to ``config.borrow_kv_blocks`` (engine/borrowing.py):
         ``borrow(blocks) -> Loan | None``, ``give_back(loan_id)``; a layer waits ``deadline_s`` for
-        a remote part. Call before the first request."""
+        a remote part. Call before the first request. Raises ValueError (nothing changed)
+        when the model has no paged attention kernel (a float32 model has one)."""
+        if self.model.attention_kernel is None:
+            raise ValueError(f"borrow_kv_blocks needs the paged attention kernel, which this {self.model.dtype} "
+                             f"model does not run (dtype float32 does)")
         remote = self.runner.remote_kv = RemoteKV(deadline_s)
         self.scheduler.borrowing = KVBorrowing(self.config.block_size, self.config.borrow_kv_blocks, borrow,
                                                give_back, remote)

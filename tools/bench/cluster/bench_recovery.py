@@ -53,8 +53,9 @@ from transports.keys import generate_keypair  # noqa: E402
 
 
 @contextlib.contextmanager
-def cluster(tag: str, args: argparse.Namespace, tmp: str, flags: list[str]):
-    """Coordinator + n1 (core 0) + n2 (core 1); yields (base URL, admin socket)."""
+def cluster(tag: str, args: argparse.Namespace, tmp: str, flags: list[str], node_flags: tuple[str, ...] = ()):
+    """Coordinator + n1 (core 0) + n2 (core 1); yields (base URL, admin socket). ``flags``
+    go to every daemon, ``node_flags`` (engine flags) to the nodes only."""
     keys = os.path.join(tmp, f"keys-{tag}")
     for name in ("coordinator", "n1", "n2"):
         generate_keypair(keys, name)
@@ -72,7 +73,7 @@ def cluster(tag: str, args: argparse.Namespace, tmp: str, flags: list[str]):
             ["taskset", "-c", str(core % os.cpu_count()), sys.executable, "-m", "kvd.cli", "node", "--name", name,
              "--listen", url(), "--coordinator", coord_url, "--model", args.model, "--num-threads", "1",
              "--max-model-len", str(max_len), "--kv-blocks", str(max(2048, 3 * max_len // 16)),
-             "--host-kv-blocks", str(max(2048, 3 * max_len // 16)), *common],
+             "--host-kv-blocks", str(max(2048, 3 * max_len // 16)), *common, *node_flags],
             cwd=REPO, stdout=logs, stderr=subprocess.STDOUT))
     try:
         deadline = time.monotonic() + 300
