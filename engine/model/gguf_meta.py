@@ -16,7 +16,9 @@ unknown value type is a ``ValueError`` that names the file.
 ``read_tensor_infos`` goes one section further, through the tensor
 descriptors, and says where each tensor's bytes lie: the weight loader checks
 them against the file's size before mapping it, so a truncated file is
-refused by naming the first tensor it cuts.
+refused by naming the first tensor it cuts. ``read_header`` gives both
+sections from one pass (the weight loader maps the tensors from it:
+engine/model/gguf_tensors.py).
 """
 
 from __future__ import annotations
@@ -76,15 +78,22 @@ def read_tensor_infos(path: str | os.PathLike[str]) -> list[TensorInfo]:
     """Every tensor descriptor of the GGUF file at ``path``, in file order.
     Does not check that the bytes are there (compare ``offset + nbytes`` with
     the file's size)."""
-    return _read(path, _parse_tensors)
+    return _read(path, _parse_header)[1]
 
 
-def check_tensor_table(path: str | os.PathLike[str]) -> None:
+def read_header(path: str | os.PathLike[str]) -> tuple[dict[str, Any], list[TensorInfo]]:
+    """``(read_metadata(path), read_tensor_infos(path))`` from one pass over the file."""
+    return _read(path, _parse_header)
+
+
+def check_tensor_table(path: str | os.PathLike[str], infos: list[TensorInfo] | None = None) -> None:
     """Refuse, before anything is mapped, a tensor of a type kvd does not load (one
     line naming the tensor, its type and the supported ones) or one whose bytes run
-    past the end of the file (a truncated file): ``ValueError``. Imports no torch."""
+    past the end of the file (a truncated file): ``ValueError``. ``infos``: the file's
+    descriptors when the caller has read them already (else they are read here).
+    Imports no torch."""
     size = os.path.getsize(path)
-    for info in read_tensor_infos(path):
+    for info in read_tensor_infos(path) if infos is None else infos:
         if info.ggml_type not in TYPE_NAMES:
             import gguf                             # only to name the type
 
@@ -140,7 +149,7 @@ def _parse_kv(buf: memoryview) -> tuple[dict[str, Any], int]:
     return out, off
 
 
-def _parse_tensors(buf: memoryview) -> list[TensorInfo]:
+def _parse_header(buf: memoryview) -> tuple[dict[str, Any], list[TensorInfo]]:
     meta, off = _parse_kv(buf)
     (n_tensors,) = _U64.unpack_from(buf, 8)
     alignment = meta.get("general.alignment", 32)
@@ -172,7 +181,7 @@ def _parse_tensors(buf: memoryview) -> list[TensorInfo]:
                 raise ValueError(f"tensor {name}: row length {dims[0]} is not a multiple of {per_block}")
             nbytes = count // per_block * block_bytes
         infos.append(TensorInfo(name, dims, ggml_type, data_start + rel, nbytes))
-    return infos
+    return meta, infos
 
 
 def _u32(buf: memoryview, off: int) -> tuple[int, int]:

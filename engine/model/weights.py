@@ -36,7 +36,8 @@ import torch
 
 from engine.model import gguf_arch
 from engine.model.config import LlamaConfig
-from engine.model.gguf_meta import TYPE_NAMES, check_tensor_table
+from engine.model.gguf_meta import TYPE_NAMES, check_tensor_table, read_header
+from engine.model.gguf_tensors import GGUFTensor, map_tensors
 from kernels import gguf_blocks, kquant_repack
 from kernels.quant import GGUF_FORMATS, QuantTensor
 
@@ -154,15 +155,13 @@ def load_gguf(path: str | Path, quantized: bool = False) -> LoadedWeights:
     if not path.is_file():
         raise ValueError(f"GGUF file not found: {path}")
     source = f"gguf:{path}"
-    check_tensor_table(path)
-    try:
-        reader = gguf.GGUFReader(path)
-    except Exception as exc:  # gguf raises ValueError/struct.error on garbage
-        raise ValueError(f"{path}: not a readable GGUF file ({exc})") from exc
-    config = _gguf_config(reader, path)
+    meta, infos = read_header(path)       # ValueError naming the file for a malformed header
+    check_tensor_table(path, infos)
+    file_tensors = map_tensors(path, infos)
+    config = _gguf_config(meta, file_tensors, path)
 
     tensors: dict[str, torch.Tensor] = {}
-    for tensor in reader.tensors:
+    for tensor in file_tensors:
         name = gguf_arch.hf_name(tensor.name, path)
         if name is None:
             continue
@@ -234,15 +233,15 @@ def reverse_permute_qk(weight: torch.Tensor | QuantTensor, n_heads: int) -> torc
             .transpose(1, 2).reshape(weight.shape).contiguous())
 
 
-def _gguf_config(reader: Any, path: Path) -> LlamaConfig:
-    """``gguf_arch.config_from_gguf`` over a reader's fields (the tokenizer's arrays
-    counted, not read)."""
-    meta = {key: f.contents() for key, f in reader.fields.items()
-            if not key.startswith("tokenizer.") or key.endswith("_token_id")}
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
-    vocab_rows = len(tokens.data) if tokens is not None else (int(embed.shape[1]) if embed is not None else None)
-    return gguf_arch.config_from_gguf(meta, {t.name for t in reader.tensors}, vocab_rows, path)
+def _gguf_config(meta: dict[str, Any], file_tensors: list[GGUFTensor], path: Path) -> LlamaConfig:
+    """``gguf_arch.config_from_gguf`` over a file's metadata (of the tokenizer's
+    arrays only the vocabulary's length)."""
+    model_meta = {key: value for key, value in meta.items()
+                  if not key.startswith("tokenizer.") or key.endswith("_token_id")}
+    tokens = meta.get("tokenizer.ggml.tokens")
+    embed = next((t for t in file_tensors if t.name == "token_embd.weight"), None)
+    vocab_rows = len(tokens) if tokens is not None else (int(embed.shape[1]) if embed is not None else None)
+    return gguf_arch.config_from_gguf(model_meta, {t.name for t in file_tensors}, vocab_rows, path)
 
 
 # ----------------------------------------------------------- Hugging Face dir
