@@ -140,3 +140,10 @@ def test_a_decode_growing_past_the_node_borrows_instead_of_preempting(tiny_model
     assert borrowing.counts["borrowed"] == 1 and engine.stats.preemptions == 0
     assert not creditor.regions
     engine.check_integrity()
+
+
+@pytest.mark.parametrize("bad", [{"borrow_kv_blocks": -1}, {"borrow_kv_blocks": True}, {"borrow_kv_blocks": 1.5},
+                                 {"borrow_kv_blocks": 8, "dtype": "bfloat16"}])
+def test_borrow_kv_blocks_is_validated(bad):
+    with pytest.raises(ValueError, match="borrow_kv_blocks"):
+        EngineConfig(model="tiny", **bad)
