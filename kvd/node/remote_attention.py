@@ -87,7 +87,11 @@ class WireLender:
             lo=self.lo, layer=layer, ctx=ctx, first=int(positions[0]) if len(positions) else 0,
             tensors=(q.to(torch.float32).contiguous().clone(), k.contiguous().clone(), v.contiguous().clone()),
             deadline=time.time() + self.timeout)
-        future = asyncio.run_coroutine_threadsafe(self.call(msg), self.loop)
+        try:
+            future = asyncio.run_coroutine_threadsafe(self.call(msg), self.loop)
+        except RuntimeError as exc:             # the node's loop is closed: it is shutting down
+            future = concurrent.futures.Future()
+            future.set_exception(exc)
         return WireHandle(future, q.shape[0], self.lo, ctx, q.shape[-1])
 
 
