@@ -559,7 +559,9 @@ class ReplicaData(Message):
     number of blocks; 0 opens it) by ``counts[i]`` full blocks: their tokens
     are the next ``counts[i] * block_size`` of ``token_ids`` and their KV the
     next ``counts[i]`` blocks of the one frame [L, 2, sum(counts), bs, kvh,
-    hd]. ``frees``: replicas to drop (their requests ended here). The holder
+    hd]; with ``tails[i]`` > 0 (a pair's copy, current to the step) its
+    last block is partial, holding ``tails[i]`` tokens, and is written
+    again by the next entry that starts there. ``frees``: replicas to drop (their requests ended here). The holder
     keys every replica by the sender's authenticated name, so a node can
     touch its own replicas only. ``tickets``: request id -> the
     coordinator's ticket for that replica at this holder, owned by ``owner``
@@ -579,10 +581,13 @@ class ReplicaData(Message):
     adopt: dict[str, str] = field(default_factory=dict)
     tickets: dict[str, str] = field(default_factory=dict)
     tensors: tuple[Any, ...] = ()
+    tails: tuple[int, ...] = ()      # per entry, tokens in its last block when partial (0: full); () all full
 
     def _check(self) -> None:
         n = len(self.request_ids)
         _require(set(self.tickets) <= set(self.request_ids), "tickets are for the message's request ids")
+        _require(len(self.tails) in (0, n) and all(0 <= t < self.block_size for t in self.tails),
+                 "one tail per request id, each in [0, block_size)")
         _require(bool(self.source) and self.block_size > 0, "source and block_size must be set")
         _require(self.owner != self.source, "owner is another node than source (or empty)")
         _require(all(k and v and v != self.source for k, v in self.adopt.items()),
@@ -592,7 +597,8 @@ class ReplicaData(Message):
         _require(len(set(self.request_ids)) == n and all(self.request_ids), "request ids must be distinct, non-empty")
         _require(all(s >= 0 and s % self.block_size == 0 for s in self.starts), "starts must be whole blocks")
         _require(all(c > 0 for c in self.counts), "counts must be > 0")
-        _require(len(self.token_ids) == sum(self.counts) * self.block_size, "token_ids must fill the blocks")
+        _require(len(self.token_ids) == sum(self.counts) * self.block_size - sum(self.block_size - t for t in self.tails if t),
+                 "token_ids must fill the blocks (a partial last block: its tail)")
         _require(all(t >= 0 for t in self.token_ids), "token ids must be >= 0")
         _require(len(self.tensors) == (1 if n else 0), "one KV frame when there are entries")
         if n:

@@ -104,12 +104,13 @@ class Region:
         self.pool._storage().scatter_pieces(self.tier, self.block_ids, pieces, lengths, layers, skip)
 
     def fill_blocks(self, start: int, payload: Any, layers: tuple[int, int]) -> None:
-        """LENT: write layers ``[l0, l1)`` of the region's blocks
-        ``[start, start + n)`` from ``payload`` [l1-l0, 2, n, bs, kvh, hd].
-        Raises ValueError (nothing written) when they are not the region's."""
+        """LENT, REPLICA: write layers ``[l0, l1)`` of the region's blocks
+        ``[start, start + n)`` from ``payload`` [l1-l0, 2, n, bs, kvh, hd]
+        (a replica's partial last block written again, fuller). Raises
+        ValueError (nothing written) when they are not the region's."""
         self._open("fill_blocks")
         n = payload.shape[2]
-        if self.purpose is not Purpose.LENT or not 0 <= start <= start + n <= len(self.block_ids):
+        if self.purpose not in (Purpose.LENT, Purpose.REPLICA) or not 0 <= start <= start + n <= len(self.block_ids):
             raise ValueError(f"fill_blocks: blocks [{start}, {start + n}) of a {self.purpose.value} "
                              f"region of {len(self.block_ids)}")
         if n:

@@ -49,6 +49,7 @@ from typing import Any, TypeVar
 import torch
 
 from engine.engine import EngineConfig, LLMEngine
+from engine.exact_copy import resume_from_copy
 from engine.memory.region import Purpose
 from engine.request import INVALID_REQUEST, FinishReason, InvalidParam, RequestOutput, SamplingParams
 from engine.structured.spec import StructuredOutputError
@@ -195,12 +196,17 @@ class EngineDriver:
             yield out
 
     async def generate_resumed(self, request_id: str, prompt_ids: list[int], output_ids: list[int],
-                               params: SamplingParams) -> AsyncIterator[RequestOutput]:
+                               params: SamplingParams, reservation: Any = None) -> AsyncIterator[RequestOutput]:
         """A recovered request: ``LLMEngine.resume_request``, then its outputs
         (from token ``len(output_ids)``; the replayed output only when the
-        tokens already end the request)."""
+        tokens already end the request). ``reservation``: a PROMPT region
+        holding the KV of every token but the last (a pair's copy,
+        engine/exact_copy.py ``resume_from_copy``): nothing is recomputed; it
+        is the engine's from here on."""
         await self._compile_grammar(params)
-        async for out in self._run_stream(request_id, ("resume", request_id, prompt_ids, output_ids, params)):
+        cmd = (("resume", request_id, prompt_ids, output_ids, params) if reservation is None
+               else ("resume_from_copy", request_id, prompt_ids, output_ids, params, reservation))
+        async for out in self._run_stream(request_id, cmd):
             yield out
 
     async def _compile_grammar(self, params: SamplingParams) -> None:
@@ -409,9 +415,10 @@ class EngineDriver:
             except (InvalidParam, ValueError) as exc:
                 self._deliver([RequestOutput(rid, [], "", True, FinishReason.ERROR.value, error=str(exc),
                                              error_code=INVALID_REQUEST)])
-        elif cmd[0] in ("add_prefilled", "resume"):
+        elif cmd[0] in ("add_prefilled", "resume", "resume_from_copy"):
             rid = cmd[1]
-            add = self.engine.add_prefilled if cmd[0] == "add_prefilled" else self.engine.resume_request
+            add = {"add_prefilled": self.engine.add_prefilled, "resume": self.engine.resume_request,
+                   "resume_from_copy": lambda *a: resume_from_copy(self.engine, *a)}[cmd[0]]
             try:
                 out = add(*cmd[1:])
             except (InvalidParam, ValueError) as exc:       # the reservation was cancelled

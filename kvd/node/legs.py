@@ -41,6 +41,8 @@ from transports import Incoming, TransportError
 
 log = logging.getLogger("kvd.node")
 
+COPY_WAIT_S = 0.1      # a handoff waits this long at most for its copy to hold every token but the last
+
 Send = Callable[[bytes, protocol.Message], Awaitable[None]]        # a message to a peer of the listener
 Answer = Callable[[Incoming, protocol.Message], Awaitable[None]]   # the reply to a transport request
 
@@ -112,27 +114,40 @@ class Legs:
 
     # ----------------------------------------------------------------- resume
     def resume(self, msg: protocol.ResumeRequest, peer: bytes) -> tuple[Coroutine[Any, Any, Any], int]:
-        """A request recovered from a dead node: (its leg, the tokens whose KV
-        the replica held here gives). The replica's lock is released once
+        """A request recovered from a dead node, or handed off here by the
+        partner: (its leg, the tokens whose KV the replica held here gives,
+        as it is now). The replica's lock is released once
         the resumed request produced its first output (its prefix match
         holds the blocks from then on) or ended."""
         rid, outputs = msg.request_id, list(msg.output_token_ids)
-        rep = self.inbox.replicas.take(msg.replica_from, rid) if msg.replica_from else None
-        known = list(msg.prompt_token_ids) + outputs
-        usable = rep.usable(known) if rep is not None else 0
         store, driver = self.inbox.replicas, self.driver
+        known = list(msg.prompt_token_ids) + outputs
+        # a handoff from the partner (alive: it writes the copy still) waits a moment for the copy to
+        # hold every token but the last; a recovery takes the replica as it is, at once
+        handoff = bool(msg.replica_from) and msg.replica_to == msg.replica_from
+        rep = store.take(msg.replica_from, rid) if msg.replica_from and not handoff else None
+        shown = rep or (store.replicas.get((msg.replica_from, rid)) if handoff else None)
+        usable = shown.usable(known) if shown is not None else 0
 
         async def resumed():
+            taken, reservation = rep, None
             try:
-                if rep is not None:          # its agreeing blocks become this request's cached KV
-                    await store.commit(rep, known)
-                async for out in driver.generate_resumed(rid, list(msg.prompt_token_ids), outputs, msg.sampling):
-                    if rep is not None:
-                        await store.release(rep)
+                if handoff:
+                    taken = await store.take_current(msg.replica_from, rid, len(known) - 1, COPY_WAIT_S)
+                if taken is not None:        # the copy to the token: decode from it; else its agreeing
+                    reservation = await store.reservation(taken, known)   # blocks become cached KV
+                    if reservation is None:
+                        log.info("request %s: its copy holds %d of the %d tokens computed; computing the rest",
+                                 rid, taken.usable(known), len(known) - 1)
+                        await store.commit(taken, known)
+                async for out in driver.generate_resumed(rid, list(msg.prompt_token_ids), outputs, msg.sampling,
+                                                         reservation):
+                    if taken is not None:
+                        await store.release(taken)
                     yield out
             finally:
-                if rep is not None:
-                    await asyncio.shield(store.release(rep))
+                if taken is not None:
+                    await asyncio.shield(store.release(taken))
         if msg.replica_from and msg.replica_to == msg.replica_from and self.replicator is not None:
             # a handoff from the partner: its own KV becomes this request's copy there (ReplicaStore.keep)
             self.replicator.expect_prompt(rid, msg.replica_from, msg.replica_from, KEPT_WAIT_S)

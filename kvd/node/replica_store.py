@@ -34,14 +34,21 @@ swaps the roles of copy and original instead of rebuilding the copy: the
 node a request leaves ``keep``s its own KV of it (every full block it
 computed, copied into a REPLICA region here before the request stops) as a
 replica written for the partner, which claims it (``adopt``) in its next
-round and extends it from there; nothing is sent again from block 0.
+round and extends it from there; nothing is sent again from block 0. A
+pair's copy is current to the token (its last block partial, written
+again each round), and a request resumed from a copy that holds every
+token it computed decodes from it at once (``reservation``).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.exact_copy import copyable
 from engine.memory.mempool import PrefixLock
 from engine.memory.region import Purpose, Region, RegionState
 from engine.stream import STAGING
@@ -82,8 +89,11 @@ class ReplicaStore:
         self.key: str | None = None
         self.partner = ""                    # paired: the one node whose copies this node holds
         self.replicas: dict[tuple[str, str], Replica] = {}
+        self.awaited: set[tuple[str, str]] = set()   # copies a resume waits for: never dropped meanwhile
+        self._grew = asyncio.Event()                 # set (and replaced) after each round applied
         self.counts = {"received_blocks": 0, "refused": 0, "no_ticket": 0, "dropped": 0, "resumed": 0,
-                       "adopted": 0, "not_partner": 0, "kept": 0, "kept_blocks": 0}
+                       "adopted": 0, "not_partner": 0, "kept": 0, "kept_blocks": 0,
+                       "resumed_exact": 0}
 
     @property
     def blocks(self) -> int:
@@ -108,7 +118,32 @@ class ReplicaStore:
 
     async def on_data(self, msg: protocol.ReplicaData) -> protocol.ReplicaAck:
         """Apply one round from ``msg.source`` (already authenticated as it)."""
-        return await self.driver.call(lambda engine: self._apply(engine, msg), timeout=self.timeout)
+        try:
+            return await self.driver.call(lambda engine: self._apply(engine, msg), timeout=self.timeout)
+        finally:
+            grew, self._grew = self._grew, asyncio.Event()
+            grew.set()
+
+    async def take_current(self, source: str, request_id: str, tokens: int, wait: float) -> Replica | None:
+        """``take`` the copy of ``request_id`` from ``source``, a live
+        partner that handed it off here, once it holds ``tokens`` tokens (the
+        KV of every token the client has but the last: its writer computed
+        them, and its next round brings them) or ``wait`` seconds passed;
+        the copy is not dropped meanwhile (the writer's ``frees``, the
+        coordinator's ``drop``)."""
+        key = (source, request_id)
+        deadline = time.monotonic() + wait
+        self.awaited.add(key)
+        try:
+            while (rep := self.replicas.get(key)) is not None and len(rep.tokens) < tokens:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._grew.wait(), left)
+        finally:
+            self.awaited.discard(key)
+        return self.take(source, request_id)
 
     def _apply(self, engine: Any, msg: protocol.ReplicaData) -> protocol.ReplicaAck:
         pool = engine.pool
@@ -137,33 +172,38 @@ class ReplicaStore:
             return protocol.ReplicaAck(id=msg.id, refused={rid: why for rid in msg.request_ids})
         kv = msg.tensors[0].to_torch()
         total = self.blocks
-        off = 0
-        for rid, start, count in zip(msg.request_ids, msg.starts, msg.counts):
+        off = tok = 0
+        for i, (rid, start, count) in enumerate(zip(msg.request_ids, msg.starts, msg.counts)):
             payload = kv[:, :, off:off + count]
-            new_tokens = msg.token_ids[off * bs:(off + count) * bs]
-            off += count
+            ntok = count * bs - ((bs - msg.tails[i]) if msg.tails and msg.tails[i] else 0)
+            new_tokens = msg.token_ids[tok:tok + ntok]
+            off, tok = off + count, tok + ntok
             key = (msg.source, rid)
             rep = self.replicas.get(key)
             have = len(rep.tokens) if rep is not None else 0
-            if start != have:            # a gap or a resend: the sender restarts from what is held
+            if start != have - have % bs:    # a gap or a resend: the sender restarts from what is held
                 held[rid] = have
                 continue
-            if total + count > self.budget:
+            again = 1 if have % bs else 0    # the partial last block held, written again fuller
+            if total + count - again > self.budget:
                 refused[rid] = f"over the replica budget of {self.budget} blocks (replica_kv_blocks)"
                 continue
             region = rep.region if rep is not None else None
             if region is None:
                 region = pool.reserve_region((), tier="host", purpose=Purpose.REPLICA)
-            if not region.append(payload):
+            if again:
+                region.fill_blocks(region.blocks - 1, payload[:, :, :1], (0, payload.shape[0]))
+            if not region.append(payload[:, :, again:]):
                 refused[rid] = "the host tier is full"
                 continue
             rep = rep or Replica(msg.source, owner=msg.owner)
             rep.region = region
+            del rep.tokens[start:]
             rep.tokens.extend(new_tokens)
-            total += count
+            total += count - again
             self.replicas[key] = rep
             held[rid] = len(rep.tokens)
-            self.counts["received_blocks"] += count
+            self.counts["received_blocks"] += count - again
         self.counts["refused"] += len(refused)
         return protocol.ReplicaAck(id=msg.id, held=held, refused=refused)
 
@@ -189,7 +229,7 @@ class ReplicaStore:
         ``owner`` (its partner): keep this node's KV of it as the copy
         ``owner`` claims (``adopt``), keyed (``writer``, request id), so the
         copy is complete at once instead of rebuilt from block 0. Copies the
-        request's full computed blocks into host blocks of a REPLICA region
+        request's computed blocks (the last one partial) into host blocks of a REPLICA region
         on the engine thread, within ``replica_kv_blocks`` (past it, or
         past the host tier, nothing is kept). Returns the tokens kept (0:
         nothing: the request is not running here, or no room)."""
@@ -197,7 +237,7 @@ class ReplicaStore:
                                       timeout=self.timeout)
 
     def _keep(self, engine: Any, writer: str, request_id: str, owner: str) -> int:
-        found = next((r for r in engine.replicable() if r[0] == request_id), None)
+        found = next((r for r in copyable(engine) if r[0] == request_id), None)
         if found is None or not found[3] or self.blocks + len(found[3]) > self.budget:
             return 0
         _, _, tokens, ids = found
@@ -218,6 +258,8 @@ class ReplicaStore:
         return len(tokens)
 
     def _drop_now(self, pool: Any, key: tuple[str, str]) -> bool:
+        if key in self.awaited:          # a resume takes it in a moment
+            return False
         rep = self.replicas.pop(key, None)
         if rep is None:
             return False
@@ -261,6 +303,42 @@ class ReplicaStore:
         except BaseException:
             rep.region = region if region.state is RegionState.RESERVED else None   # ``release`` frees it
             raise
+
+    async def reservation(self, rep: Replica, known: list[int]) -> Region | None:
+        """A taken copy that holds the KV of every token of ``known`` (the
+        request's prompt and client-held tokens) but the last, as the PROMPT
+        region of those tokens the resumed request decodes from with nothing
+        recomputed (engine/exact_copy.py ``resume_from_copy``): the cached
+        prefix here as its lookup, the copy's blocks past it copied into
+        fresh device blocks; the copy's own blocks are freed. None, and
+        nothing changes, when the copy is shorter or disagrees (``commit``
+        it instead) or the device tier is short."""
+        region, tokens = rep.region, tuple(known[:-1])
+        if region is None or not tokens or rep.usable(known) < len(tokens):
+            return None
+
+        def run(engine: Any) -> Region | None:
+            pool = engine.pool
+            out = pool.reserve_region(tokens, purpose=Purpose.PROMPT)
+            if out is None:
+                return None
+            if out.block_ids:
+                src = region.block_ids[out.have_blocks:len(out.all_ids)]
+                layout = pool.kv_layout()
+                buf, view = STAGING.acquire((layout.num_layers, 2, len(src), *layout.block_shape[2:]), layout.dtype)
+                try:
+                    pool.gather_blocks(src, view, (0, layout.num_layers), tier=region.tier)
+                    out.fill(view, (0, layout.num_layers))
+                except BaseException:
+                    out.cancel()
+                    raise
+                finally:
+                    STAGING.release(buf)
+            region.cancel()
+            rep.region = None
+            self.counts["resumed_exact"] += 1
+            return out
+        return await self.driver.call(run, timeout=self.timeout)
 
     async def release(self, rep: Replica) -> None:
         """Give a taken replica back: its lock (committed) or its blocks (not)."""

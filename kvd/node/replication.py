@@ -19,6 +19,14 @@ a request the sender has no ticket for at its peer is not sent.
 What a replica misses is recomputed: the tokens past its last full block
 (at most ``block_size - 1``) plus those generated since the last round.
 
+A pair's copy (the peer is this node's ``partner``) is current to the
+token instead: each round also sends the request's last, partial block
+(``tails``; engine/exact_copy.py ``copyable``), which the holder writes
+again, fuller, in the next round, and its rounds follow the steps (one
+as soon as ``PAIR_ROUND_S`` after the last, its gather at the next step
+boundary), so a request handed off resumes from the copy with nothing
+recomputed (kvd/node/replica_store.py ``take_current``).
+
 Disaggregated requests: the prefill node sends the prompt's replica to the
 decode node's peer itself (``send_prompt_replica``, a ReplicaData with
 ``owner`` = the decode node), off the decode node's compute path and its
@@ -41,6 +49,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from engine.exact_copy import copyable
 from engine.stream import STAGING
 from kvd import protocol
 from kvd.node.engine_driver import EngineDriver
@@ -52,6 +61,7 @@ log = logging.getLogger("kvd.replication")
 REFUSED_RETRY_S = 1.0          # a request the holder refused is offered again after this
 ADOPT_WAIT_S = 2.0             # how long a decode node claims a prompt replica its prefill node sent
 KEPT_WAIT_S = 0.25             # how long a node claims the copy its partner keeps after a handoff
+PAIR_ROUND_S = 0.005           # a pair's copy: the next round as soon as this after the last (one per step)
 TICKET_GRACE_S = 10.0          # a ticket from a request is kept this long without a heartbeat repeating it
 
 
@@ -68,7 +78,8 @@ class Replicator:
         self.timeout = timeout
         self.peer: tuple[str, str] | None = None  # (name, address), from the coordinator
         self.tickets: dict[str, tuple[str, str, float]] = {}  # request id -> (holder, ticket, when given)
-        self.sent: dict[str, int] = {}            # request id -> blocks the peer holds
+        self.partner = ""                         # paired: the peer whose copies are current to the token
+        self.sent: dict[str, int] = {}            # request id -> tokens the peer holds
         self.retry_at: dict[str, float] = {}      # request id -> when to offer it again (refused)
         self.adopting: dict[str, tuple[str, str, float]] = {}  # request id -> (writer, holder, give up at)
         self.lag_tokens = 0                       # computed tokens not replicated, last round
@@ -105,20 +116,22 @@ class Replicator:
         is replicated only to a peer it has a ticket for."""
         self.tickets[request_id] = (holder, ticket, time.monotonic())
 
-    def expect_prompt(self, request_id: str, writer: str, holder: str, wait: float = ADOPT_WAIT_S) -> None:
+    def expect_prompt(self, request_id: str, writer: str, holder: str, wait: float | None = None) -> None:
         """``writer`` (the prefill node, or the partner that handed
         ``request_id`` off to this node and keeps its KV as the copy) is
         writing a replica of ``request_id`` at ``holder`` for this node:
         claim it there instead of sending it from block 0, once ``holder`` is
         this node's peer (the coordinator may have told the writer first),
-        for ``wait`` seconds; then it is sent from here."""
-        self.adopting[request_id] = (writer, holder, time.monotonic() + wait)
+        for ``wait`` seconds (default ``ADOPT_WAIT_S``); then it is sent from here."""
+        self.adopting[request_id] = (writer, holder, time.monotonic() + (ADOPT_WAIT_S if wait is None else wait))
         self.sent.pop(request_id, None)           # what this node sent of it before a handoff away is stale
         self.retry_at.pop(request_id, None)
 
     async def run(self) -> None:
         while True:
-            await asyncio.sleep(self.interval)
+            # a pair's copy follows every step (a round's gather waits for a step boundary)
+            exact = self.peer is not None and self.peer[0] == self.partner
+            await asyncio.sleep(min(self.interval, PAIR_ROUND_S) if exact else self.interval)
             if self.peer is None:
                 continue
             try:
@@ -144,7 +157,8 @@ class Replicator:
         adopt = {rid: writer for rid, (writer, _, _) in self.adopting.items()}
         retry = {rid for rid, t in self.retry_at.items() if t > now}
         tickets = {rid: ticket for rid, (holder, ticket, _) in self.tickets.items() if holder == peer[0]}
-        batch = await self.driver.call(lambda engine: _collect(engine, sent, retry, adopt, tickets),
+        exact = peer[0] == self.partner
+        batch = await self.driver.call(lambda engine: _collect(engine, sent, retry, adopt, tickets, exact),
                                        timeout=self.timeout)
         msg, buf, lag = batch
         self.lag_tokens = lag
@@ -167,7 +181,6 @@ class Replicator:
         if msg.tensors:
             self.counts["blocks"] += sum(msg.counts)
             self.counts["bytes"] += msg.tensors[0].nbytes
-        bs = msg.block_size
         for rid in msg.frees:
             sent.pop(rid, None)
             self.retry_at.pop(rid, None)
@@ -175,9 +188,9 @@ class Replicator:
             self.tickets.pop(rid, None)
         for rid, n in ack.held.items():
             if rid in msg.request_ids:
-                sent[rid] = n // bs
+                sent[rid] = n
             elif rid in msg.adopt and self.adopting.pop(rid, None) is not None:
-                sent[rid] = n // bs
+                sent[rid] = n
                 self.counts["adopted"] += 1
         for rid, why in ack.refused.items():
             if rid in msg.request_ids:
@@ -209,29 +222,34 @@ class Replicator:
 
 
 def _collect(engine: Any, sent: dict[str, int], skip: set[str], adopt: dict[str, str],
-             tickets: dict[str, str]) -> tuple[dict | None, Any, int]:
+             tickets: dict[str, str], exact: bool = False) -> tuple[dict | None, Any, int]:
     """Engine thread: the ReplicaData fields of one round (None: nothing to
     send), the staging buffer holding its KV, and the lag in tokens.
-    ``skip``: requests not to send now; ``adopt``: requests not to send
-    but to claim (request id -> writer) while they are still here;
-    ``tickets``: the coordinator's tickets at the peer (a request without
-    one is not sent: the holder would refuse it)."""
+    ``sent``: tokens the peer holds; ``skip``: requests not to send now;
+    ``adopt``: requests not to send but to claim (request id -> writer)
+    while they are still here; ``tickets``: the coordinator's tickets at
+    the peer (a request without one is not sent: the holder would refuse
+    it); ``exact``: every computed token, the last block partial (a pair's
+    copy), else full blocks only."""
     bs = engine.config.block_size
-    ids, rids, starts, counts, tokens = [], [], [], [], []
+    ids, rids, starts, counts, tokens, tails = [], [], [], [], [], []
     lag = 0
     live = set()
-    for rid, computed, toks, blocks in engine.replicable():
+    for rid, computed, toks, blocks in (copyable(engine) if exact else engine.replicable()):
         live.add(rid)
         have = sent.get(rid, 0)
-        lag += max(0, computed - have * bs)
-        if len(blocks) <= have or rid in skip or rid in adopt or rid not in tickets:
+        lag += max(0, computed - have)
+        if len(toks) <= have or rid in skip or rid in adopt or rid not in tickets:
             continue
+        first = have // bs                        # a partial block held is written again, fuller
         rids.append(rid)
-        starts.append(have * bs)
-        counts.append(len(blocks) - have)
-        tokens.extend(toks[have * bs:])
-        ids.extend(blocks[have:])
-    frees = tuple(rid for rid in {*sent, *adopt} if rid not in live and not engine.has_request(rid))
+        starts.append(first * bs)
+        counts.append(len(blocks) - first)
+        tokens.extend(toks[first * bs:])
+        tails.append(len(toks) % bs)
+        ids.extend(blocks[first:])
+    # a claim waits for its request to start here (a resume may wait for its copy first): never freed by it
+    frees = tuple(rid for rid in sent if rid not in live and rid not in adopt and not engine.has_request(rid))
     claims = {rid: writer for rid, writer in adopt.items() if rid not in sent and engine.has_request(rid)}
     if not rids and not frees and not claims:
         return None, None, lag
@@ -243,7 +261,7 @@ def _collect(engine: Any, sent: dict[str, int], skip: set[str], adopt: dict[str,
         tensors = (view,)
     return {"block_size": bs, "request_ids": tuple(rids), "starts": tuple(starts), "counts": tuple(counts),
             "token_ids": tuple(tokens), "frees": frees, "adopt": claims, "tensors": tensors,
-            "tickets": {rid: tickets[rid] for rid in rids}}, buf, lag
+            "tickets": {rid: tickets[rid] for rid in rids}, "tails": tuple(tails) if any(tails) else ()}, buf, lag
 
 
 def first_blocks(kv: Any, k: int) -> Any:

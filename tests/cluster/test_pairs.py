@@ -117,8 +117,8 @@ def test_handoffs_every_few_tokens_keep_the_stream_exact(pair, reference_engine,
     ids = prompt(1 if sampling is None else 2)
     want = expected(reference_engine, [ids], [sampling or {"temperature": 0.0}], LONG)[0]
     before = sum(n["handoffs"] for n in nodes(pair).values())
-    kept, adopted = (sum(admin(pair.node_admin(n), "status")["replication"]["holder"][k] for n in NODES)
-                     for k in ("kept", "adopted"))
+    kept, adopted, exact = (sum(admin(pair.node_admin(n), "status")["replication"]["holder"][k] for n in NODES)
+                            for k in ("kept", "adopted", "resumed_exact"))
     s = Stream(pair, ids, sampling, LONG)
     rid = until(lambda: next(iter(in_flight(pair)), None))
     moved, last = 0, 0
@@ -140,6 +140,8 @@ def test_handoffs_every_few_tokens_keep_the_stream_exact(pair, reference_engine,
     holders = [admin(pair.node_admin(n), "status")["replication"]["holder"] for n in NODES]
     assert sum(h["kept"] for h in holders) >= kept + moved - 1, holders        # the last may end first
     assert sum(h["adopted"] for h in holders) >= adopted + moved // 2, holders
+    # and the copy is current to the token: most moves decode from it with nothing recomputed
+    assert sum(h["resumed_exact"] for h in holders) >= exact + moved // 2, holders
     wait_baseline(pair, NODES)        # every source freed its slot and blocks, every copy was dropped
 
 
