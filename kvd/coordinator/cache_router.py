@@ -391,6 +391,7 @@ def make_router(policy: str, trees: PromptTrees, *, affinity_tokens: int = 64,
 
 def policy_name(router: Router) -> str:
     """The POLICIES name of a router ``make_router`` built."""
+    router = getattr(router, "inner", router)      # a pair router (kvd/coordinator/pairs.py) wraps one
     if isinstance(router, PromptTreeRouter):
         return router.name
     return "session" if getattr(router, "affinity_tokens", 0) else "least-load"

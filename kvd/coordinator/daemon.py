@@ -42,7 +42,7 @@ from kvd.coordinator.client import RemoteEngineClient
 from kvd.coordinator.collector import ClusterCollector
 from kvd.coordinator.ledger import DebtLedger
 from kvd.coordinator.membership import Membership, NodeInfo, Refused
-from kvd.coordinator.pairs import PairScheduler
+from kvd.coordinator.pairs import PairRouter, PairScheduler
 from kvd.coordinator.prompt_tree import PromptTrees
 from kvd.coordinator.recovery import RecoveryPolicy
 from kvd.coordinator.router import Router
@@ -80,7 +80,7 @@ class CoordinatorDaemon:
         # where lost requests go, and the replica table behind it (kvd/coordinator/recovery.py)
         self.recovery = RecoveryPolicy(cluster.recovery, cluster.max_recoveries, replicas=cluster.replicas)
         self.client = RemoteEngineClient(model_name, tokenizer, self.membership,
-                                         router or self.make_router(cluster.routing),
+                                         router or PairRouter(self.recovery.pairs, self.make_router(cluster.routing)),
                                          prefill_router=self.make_router(cluster.routing),
                                          default_max_model_len=default_max_model_len,
                                          stats_source=stats_source,

@@ -15,8 +15,12 @@ planned again at the next tick).
   most tokens left to generate first (they weigh on a batch the longest):
   after a prefill both nodes decode again, balanced.
 
-Routing is left to the cluster's router (load balancing already sends a new
-prompt to the less busy node of the two); the scheduler moves decodes only.
+Prompts to pairs (``PairRouter``, wrapping the cluster's router): a new
+prompt goes to the pair with the most free device memory, less the blocks
+of the prompts it was given in the last ``PENDING_S`` (its heartbeats do
+not show them yet: prompts that arrive together are spread over pairs),
+and within the pair to the node with fewer requests in flight (decodes).
+Nodes without a partner are routed by the wrapped router as before.
 Imports no torch.
 """
 
@@ -29,12 +33,20 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import time
+from collections.abc import Callable, Sequence
+
 from kvd.coordinator.handoff import decoding
 from kvd.coordinator.roles import DECODES
 
 if TYPE_CHECKING:
     from kvd.coordinator.client import RemoteEngineClient
     from kvd.coordinator.handoff import Handoffs
+    from kvd.coordinator.membership import NodeInfo
+    from kvd.coordinator.roles import PairBook
+    from kvd.coordinator.router import Router
+
+PENDING_S = 2.0        # a prompt's blocks count against its pair this long (until heartbeats show them)
 
 log = logging.getLogger("kvd.coordinator.pairs")
 
@@ -118,3 +130,41 @@ class PairScheduler:
                 await self.step()
             except Exception:  # noqa: BLE001 -- one bad tick must not end scheduling
                 log.exception("pair scheduler tick failed")
+
+
+class PairRouter:
+    """Prompts to pairs (module docstring; AcceLLM §4.2.1). ``pairs``: the
+    coordinator's announced pairs; ``inner``: the router for the rest (no
+    candidate is paired). A Router: no side effects on the nodes."""
+
+    def __init__(self, pairs: PairBook, inner: Router, clock: Callable[[], float] = time.monotonic) -> None:
+        self.pairs, self.inner, self.clock = pairs, inner, clock
+        self.pending: dict[tuple[str, ...], list[tuple[float, int]]] = {}   # pair -> (when routed, blocks)
+
+    def pick(self, nodes: Sequence[NodeInfo], prompt_ids: Sequence[int],
+             request_id: str | None = None) -> NodeInfo | None:
+        groups: dict[tuple[str, ...], list[NodeInfo]] = {}
+        for n in nodes:
+            partner = self.pairs.announced.get(n.name)
+            if partner and self.pairs.announced.get(partner) == n.name:
+                groups.setdefault(tuple(sorted((n.name, partner))), []).append(n)
+        if not groups:
+            return self.inner.pick(nodes, prompt_ids, request_id)
+        now = self.clock()
+        for key in list(self.pending):
+            self.pending[key] = [(t, b) for t, b in self.pending[key] if now - t < PENDING_S]
+        lone = [n for n in nodes if not any(n in g for g in groups.values())]
+        if lone:       # unpaired candidates compete as pairs of one
+            for n in lone:
+                groups[(n.name,)] = [n]
+
+        def free(key: tuple[str, ...]) -> int:
+            have = sum(n.heartbeat.free_blocks.get("device", 0) if n.heartbeat else n.blocks_per_tier.get("device", 0)
+                       for n in groups[key])
+            return have - sum(b for _, b in self.pending.get(key, ()))
+        # most free memory; ties: fewer in flight, then names (deterministic)
+        key = min(groups, key=lambda k: (-free(k), sum(n.load for n in groups[k]), k))
+        node = min(groups[key], key=lambda n: (n.load, n.heartbeat.running if n.heartbeat else 0, n.name))
+        blocks = -(-len(prompt_ids) // max(1, node.block_size))
+        self.pending.setdefault(key, []).append((now, blocks))
+        return node

@@ -44,3 +44,44 @@ def test_balance_moves_half_the_difference_longest_first():
     assert plan_moves("a", "b", [r("d1", "a"), r("e1", "b")], {}) == []
     assert plan_moves("a", "b", [r("d1", "a")], {}) == []
     assert plan_moves("a", "b", [], {}) == []
+
+
+# ------------------------------------------------------------ prompts to pairs
+def _node(name: str, free: int, in_flight: int = 0):
+    from kvd.coordinator.membership import NodeInfo
+
+    return NodeInfo(name, f"inproc://{name}", "i", "m", 512, 16, {"device": free, "host": 0}, 0.0,
+                    in_flight={f"{name}-{i}" for i in range(in_flight)})
+
+
+def _pair_router(*pairs: tuple[str, str]):
+    from kvd.coordinator.pairs import PairRouter
+    from kvd.coordinator.roles import PairBook
+    from kvd.coordinator.router import LeastLoadRouter
+
+    book = PairBook()
+    for a, b in pairs:
+        book.announce(a, b)
+        book.announce(b, a)
+    clock = [0.0]
+    return PairRouter(book, LeastLoadRouter(0), clock=lambda: clock[0]), clock
+
+
+def test_a_prompt_goes_to_the_pair_with_most_free_memory_then_its_node_with_fewer_decodes():
+    router, _ = _pair_router(("a", "b"), ("c", "d"))
+    nodes = [_node("a", 100, 3), _node("b", 100, 1), _node("c", 60, 0), _node("d", 60, 0)]
+    assert router.pick(nodes, list(range(32))).name == "b"          # a+b: 200 free blocks, c+d 120
+    router, _ = _pair_router(("a", "b"), ("c", "d"))
+    nodes = [_node("a", 50, 0), _node("b", 50, 0), _node("c", 100, 2), _node("d", 100, 1)]
+    assert router.pick(nodes, list(range(32))).name == "d"
+
+
+def test_prompts_arriving_together_are_spread_over_pairs_and_unpaired_nodes_route_as_before():
+    router, clock = _pair_router(("a", "b"), ("c", "d"))
+    nodes = [_node("a", 100), _node("b", 100), _node("c", 100), _node("d", 96)]
+    picks = [router.pick(nodes, list(range(160))).name for _ in range(4)]   # 10 blocks each
+    assert {p in "ab" for p in picks} == {True, False} and picks[0] in "ab"
+    clock[0] += 10                                     # their blocks show in the heartbeats by now
+    assert router.pick(nodes, list(range(160))).name in "ab"
+    alone = [_node("x", 10, 2), _node("y", 10, 0)]
+    assert router.pick(alone, [1, 2, 3]).name == "y"   # no pair among them: the wrapped router's choice
