@@ -31,8 +31,8 @@ def trio(tmp_path_factory):
     c.start_node("c", "--lend-kv-blocks", str(CAP))
     try:
         c.wait_nodes(["a", "b", "c"])
-        wait_for(lambda: ledger_line(c, "b").get("lendable") == CAP and ledger_line(c, "c").get("lendable") == CAP,
-                 "the caps in the ledger")
+        wait_for(lambda: ledger_line(c, "b").get("lendable") == CAP and ledger_line(c, "c").get("lendable") == CAP
+                 and "borrowed" in ledger_line(c, "a"), "every node in the ledger, the lenders with their caps")
         yield c
     finally:
         c.stop()
@@ -48,7 +48,7 @@ def test_debtors_renew_and_deaths_free_every_block(trio):
     # a borrows: b and c lend as much, b comes first by name; never a itself
     loan_a = admin(c.node_admin("a"), "borrow", blocks=8)
     assert loan_a["creditor"] == "b" and loan_a["blocks"] == 8, loan_a
-    wait_for(lambda: ledger_line(c, "a")["borrowed"] == {"b": 8} and ledger_line(c, "b")["lent"] == {"a": 8},
+    wait_for(lambda: ledger_line(c, "a").get("borrowed") == {"b": 8} and ledger_line(c, "b")["lent"] == {"a": 8},
              "a's loan in the ledger")
     time.sleep(2.5 * LEASE_S)                       # several leases: a's renewals keep it
     assert loans(c, "b")["creditor"]["lent"] == {"a": 8}
