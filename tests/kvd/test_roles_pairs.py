@@ -85,3 +85,20 @@ def test_prompts_arriving_together_are_spread_over_pairs_and_unpaired_nodes_rout
     assert router.pick(nodes, list(range(160))).name in "ab"
     alone = [_node("x", 10, 2), _node("y", 10, 0)]
     assert router.pick(alone, [1, 2, 3]).name == "y"   # no pair among them: the wrapped router's choice
+
+
+def test_a_copys_partial_last_block_travels_with_its_tail_and_a_bad_tail_is_refused():
+    import pytest
+
+    from kvd import protocol as P
+
+    frame = P.RawTensor("int8", (1, 2, 2, 2, 1, 2), memoryview(b"x" * 16))
+    ok = P.ReplicaData(source="n1", block_size=2, request_ids=("r",), starts=(0,), counts=(2,), token_ids=(5, 6, 7),
+                       tails=(1,), tensors=(frame,))
+    header, frames = P.encode(ok)
+    assert P.decode(header, frames).tails == (1,)
+    for bad, match in ((dict(tails=(2,)), "one tail per request id"), (dict(tails=(1, 1)), "one tail per request id"),
+                       (dict(tails=(0,)), "token_ids must fill the blocks")):
+        with pytest.raises(ValueError, match=match):
+            P.ReplicaData(**(dict(source="n1", block_size=2, request_ids=("r",), starts=(0,), counts=(2,),
+                                  token_ids=(5, 6, 7), tensors=(frame,)) | bad))
