@@ -170,6 +170,10 @@ def load_gguf(path: str | Path, quantized: bool = False) -> LoadedWeights:
             weight = _gguf_blocks(tensor, qtype.name, path)
         elif quantized and qtype.name in REPACKED_GGUF_TYPES and len(tensor.shape) == 2:
             weight = kquant_repack.repack(qtype.name, _gguf_decoded(tensor, qtype.name, path))
+        elif qtype.name == "Q8_0" and len(tensor.shape) == 2:
+            # gguf-py's values bit for bit, ~8x faster (a 262,144-row embedding); for
+            # Q4_0 / Q4_1 gguf-py's own numpy is the faster of the two
+            weight = _gguf_blocks(tensor, qtype.name, path).dequantize()
         elif qtype.name in gguf_blocks.BLOCKS:
             weight = _gguf_decoded(tensor, qtype.name, path).dequantize()
             weight = weight.view(*reversed([int(n) for n in tensor.shape]))
