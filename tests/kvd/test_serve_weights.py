@@ -23,13 +23,18 @@ REPO = Path(__file__).resolve().parents[2]
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    "]
 
 
-def serve(*flags: str):
+def start(*flags: str):
+    """A ``kvd serve`` of SmolLM2 with ``flags``, started: (process, url). ``ready`` waits for it."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "kvd.cli", "serve", "--model", "smollm2", "--host",
                              "127.0.0.1", "--port", str(port), "--dtype", "float32", "--kv-blocks", "256",
                              "--log-level", "info", *flags],
                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def ready(proc, url: str) -> None:
+    """Returns once ``url`` answers /health; fails the test if the daemon exits or 300 s pass."""
     deadline = time.monotonic() + 300
     while True:
         if proc.poll() is not None:
@@ -37,7 +42,7 @@ def serve(*flags: str):
         try:
             with urllib.request.urlopen(url + "/health", timeout=2) as resp:
                 if resp.status == 200:
-                    return proc, url
+                    return
         except OSError:
             pass
         if time.monotonic() > deadline:
@@ -67,17 +72,15 @@ def completions(url: str) -> list[str]:
 
 
 def test_native_and_dequantized_weights_serve_the_same_completions():
-    proc, url = serve()                               # --weights native is the default
+    # both daemons start at once (their starts overlap on the host's cores), then are asked in turn
+    daemons = [start(), start("--weights", "dequantize")]       # --weights native is the default
     try:
-        native = completions(url)
+        for proc, url in daemons:
+            ready(proc, url)
+        native, fp32 = (completions(url) for _, url in daemons)
     finally:
-        log = stop(proc)
+        log, _ = (stop(proc) for proc, _ in daemons)
     assert f"quantized weights ({host_variant()} kernel)" in log, log[-2000:]     # this host's build
-    proc, url = serve("--weights", "dequantize")
-    try:
-        fp32 = completions(url)
-    finally:
-        stop(proc)
     assert native == fp32
     assert "Paris" in native[0]
 
