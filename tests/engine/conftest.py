@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import os
+
 import pytest
 import torch
 
@@ -9,6 +12,48 @@ from engine.engine import EngineConfig, LLMEngine, build_model
 from engine.model.registry import resolve_model
 
 torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_gguf_parse_per_file():
+    """transformers parses a GGUF with ``gguf.GGUFReader`` once for the config, again
+    for the weights and again for a tokenizer: for Gemma 3's 262,144-token vocabulary
+    each parse takes half a minute. The references here read each file version once per
+    session: the reader is read-only (a read-only memory map and views of it), so
+    sharing it changes no value transformers computes. Keyed by (path, mtime, size):
+    a rewritten file is parsed again. The packaged models' files (over 64 MiB) stay for
+    the session (transformers reads Gemma 3's in two modules); of the small files
+    written by tests, the last two."""
+    try:
+        import gguf
+    except ImportError:                     # nothing to share: the references skip without it
+        yield
+        return
+    parse = gguf.GGUFReader
+
+    @functools.lru_cache(maxsize=2)
+    def parsed(path: str, mtime_ns: int, size: int):
+        del mtime_ns, size                  # part of the cache key only
+        return parse(path)
+
+    packaged: dict[tuple[str, int, int], object] = {}
+
+    def reader(path, mode="r"):
+        if mode != "r":
+            return parse(path, mode)
+        st = os.stat(path)
+        key = (os.path.realpath(path), st.st_mtime_ns, st.st_size)
+        if st.st_size < 64 << 20:
+            return parsed(*key)
+        if key not in packaged:
+            packaged[key] = parse(key[0])
+        return packaged[key]
+
+    gguf.GGUFReader = reader
+    yield
+    gguf.GGUFReader = parse
+    parsed.cache_clear()
+    packaged.clear()
 
 
 @pytest.fixture(scope="session")

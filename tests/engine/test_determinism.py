@@ -205,7 +205,7 @@ def test_thread_counts_change_no_bit(sequence):
         torch.set_num_threads(threads)
 
 
-@pytest.mark.slow                       # gguf's reader parses its 262,144-token vocabulary for ~40 s
+@pytest.mark.slow
 def test_the_packaged_gemma3_has_one_arithmetic(kernel, tmp_path_factory):
     """Gemma 3 270M as served (Q4_K, Q6_K and Q8_0 blocks, head_dim 256, one KV head), its
     sliding layers' window cut to 200 keys so that 300 tokens cross it: a prompt in chunks
