@@ -57,6 +57,14 @@ class Proc:
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(10)
 
+    def pause(self) -> None:
+        """SIGSTOP: a hung process (no beats, no tokens, sockets open)."""
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.alive():
+            self.proc.send_signal(signal.SIGCONT)
+
     def stop(self, timeout: float = 20.0) -> int | None:
         if self.proc is None:
             return None
