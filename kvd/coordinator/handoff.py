@@ -5,10 +5,12 @@ A paired node's partner holds the redundant copy of each of its requests
 (kvd/node/replica_store.py), so a decode moves between them with no KV
 transfer: ``Failover.hand_off`` resumes it on the partner after the tokens
 the client has, from the copy (recomputing what the copy lacks), and stops
-it on the source, at a step boundary of each. Before it stops there, the
-source keeps its own KV of the request as the partner's copy of it (admin
-``replica keep``): copy and original swap roles, and the copy is never
-rebuilt from block 0 after a move. The stream goes on with no
+it on the source, at a step boundary of each. Before the move, the source
+keeps its own KV of the request as the partner's copy of it (admin
+``replica keep``) and says how many tokens it kept, which the partner is
+told with the move: copy and original swap roles, the copy is complete
+from the moment of the handoff (a handoff back may follow at the next
+step), and it is never rebuilt from block 0 after a move. The stream goes on with no
 gap and no duplicate (tokens are deduplicated by index).
 
 ``Handoffs`` decides which requests may move (``refusal``) and moves them:
@@ -17,7 +19,9 @@ a node switched to prefill (``evacuate``, an owned task that keeps handing
 off the decodes that become eligible until none is left on the node, its
 role changes or ``EVACUATE_S`` passed; the rest finish where they are). A
 request is never handed off whose copy is incomplete: not every full block
-of its prompt at the partner, as the partner answers when asked (``held``).
+of its prompt at the partner, as the partner answers when asked (``held``);
+nor, after a move, before its new owner made a token (its copy at the
+partner is the one kept at the move, and its leg there is still starting).
 
 Imports no torch.
 """
@@ -59,6 +63,7 @@ class Handoffs:
         self.recovery = client.recovery
         self.pairs = client.recovery.pairs
         self.moving: set[str] = set()   # request ids a hand_off call is moving now
+        self.moved_at: dict[str, int] = {}   # request id -> tokens the client had at its last move
 
     def _stream(self, request_id: str) -> Stream | None:
         return self.client.failover.streams.get(request_id)
@@ -79,6 +84,9 @@ class Handoffs:
             return f"request {request_id} is being moved already"
         if not decoding(stream):
             return f"request {request_id} is not decoding yet (its prompt is being computed)"
+        if len(stream.tokens) <= self.moved_at.get(request_id, -1):
+            return (f"request {request_id} is not decoding yet on {source.name} (handed off there after "
+                    f"{self.moved_at[request_id]} tokens, none since)")
         target = self.pairs.partner(source.name, nodes)
         if target is None:
             return f"node {source.name} has no registered partner"
@@ -135,18 +143,34 @@ class Handoffs:
         stream = self._stream(request_id)
         replica = self.recovery.replica_fields(target.name, request_id, self.client.membership.nodes.values())
         t0 = time.perf_counter()
-
-        async def keep() -> dict:              # the source's KV becomes the target's copy
-            return await self.forward(source.name, "replica keep", {"request": request_id, "owner": target.name})
-        why = await self.client.failover.hand_off(request_id, stream, source, target, replica, keep)
+        kept = await self._keep(request_id, source, target)
+        why = await self.client.failover.hand_off(request_id, stream, source, target, replica, kept)
         if why is None:
             self.pairs.handoffs[source.name] += 1
-            log.info("request %s handed off %s -> %s after %d token(s) in %.1f ms", request_id, source.name,
-                     target.name, len(stream.tokens), (time.perf_counter() - t0) * 1e3)
+            streams = self.client.failover.streams
+            self.moved_at = {rid: n for rid, n in self.moved_at.items() if rid in streams}
+            self.moved_at[request_id] = len(stream.tokens)
+            log.info("request %s handed off %s -> %s after %d token(s) in %.1f ms (%d kept as its copy)",
+                     request_id, source.name, target.name, len(stream.tokens), (time.perf_counter() - t0) * 1e3,
+                     kept)
         else:
             self.pairs.refused["partner refused"] += 1
             log.warning("request %s: handoff %s -> %s refused: %s", request_id, source.name, target.name, why)
         return why
+
+    async def _keep(self, request_id: str, source: NodeInfo, target: NodeInfo) -> int:
+        """``source`` keeps its KV of ``request_id`` as ``target``'s copy
+        (admin ``replica keep``) before the move, and says how many tokens
+        it kept: what ``target`` is told it holds there (0: none, the copy
+        is rebuilt). A failure is logged and costs only the rebuild."""
+        try:
+            reply = await self.forward(source.name, "replica keep", {"request": request_id, "owner": target.name})
+        except (ValueError, TransportError, TimeoutError) as exc:
+            log.info("request %s: %s kept no copy for %s (%s); it is rebuilt", request_id, source.name,
+                     target.name, exc)
+            return 0
+        kept = reply.get("tokens", 0)
+        return kept if isinstance(kept, int) and kept > 0 else 0
 
     def evacuate(self, node: str) -> None:
         """``node`` was switched to prefill: hand its decodes to its partner

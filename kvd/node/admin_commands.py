@@ -143,13 +143,13 @@ class NodeAdmin:
 
     async def cmd_replica_keep(self, args: dict) -> dict:
         """The coordinator handed ``request`` off from here to ``owner``, this
-        node's pair partner: before it stops here, its KV here becomes the
-        copy ``owner`` claims (ReplicaStore.keep). Raises ValueError when
+        node's pair partner: before it moves, its KV here becomes
+        ``owner``'s copy of it (ReplicaStore.keep). Raises ValueError when
         ``owner`` is not the partner."""
         store = self.replicas
         if store is None or not store.partner or args["owner"] != store.partner:
             raise ValueError(f"{args['owner']!r} is not this node's pair partner")
-        return {"tokens": await store.keep(self.name, args["request"], args["owner"])}
+        return {"tokens": await store.keep(args["request"], args["owner"])}
 
     async def cmd_undrain(self, args: dict) -> dict:
         self.set_draining(False)

@@ -35,7 +35,7 @@ from kvd.node.engine_driver import EngineDriver
 from kvd.node.inbox import KVInbox
 from kvd.node.kvmove import FINAL, TransferState
 from kvd.node.peers import PeerLinks
-from kvd.node.replication import KEPT_WAIT_S, Replicator, send_prompt_replica
+from kvd.node.replication import Replicator, send_prompt_replica
 from kvd.ratelog import RateLimitedLog
 from transports import Incoming, TransportError
 
@@ -148,9 +148,9 @@ class Legs:
             finally:
                 if taken is not None:
                     await asyncio.shield(store.release(taken))
-        if msg.replica_from and msg.replica_to == msg.replica_from and self.replicator is not None:
-            # a handoff from the partner: its own KV becomes this request's copy there (ReplicaStore.keep)
-            self.replicator.expect_prompt(rid, msg.replica_from, msg.replica_from, KEPT_WAIT_S)
+        if handoff and msg.kept_tokens and self.replicator is not None:
+            # a handoff from the partner: its own KV is this request's copy there (ReplicaStore.keep)
+            self.replicator.kept(rid, msg.replica_from, msg.kept_tokens)
         log.info("request %s: resuming after %d token(s), %d from the replica of %s", rid, len(outputs),
                  usable, msg.replica_from or "-")
         return self.pipe(rid, peer, resumed()), usable

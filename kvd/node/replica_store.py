@@ -31,10 +31,13 @@ gate (``partner``; kvd/trust.py ``pair_refusal``): a paired node takes
 copies of its partner's requests only; any other writer is refused in the
 ack and counted (``not_partner``), whatever ticket it shows. And a handoff
 swaps the roles of copy and original instead of rebuilding the copy: the
-node a request leaves ``keep``s its own KV of it (every full block it
-computed, copied into a REPLICA region here before the request stops) as a
-replica written for the partner, which claims it (``adopt``) in its next
-round and extends it from there; nothing is sent again from block 0. A
+node a request leaves ``keep``s its own KV of it (every token it computed,
+copied into a REPLICA region here before the request moves) as the
+partner's copy of it from that moment, keyed (partner, request) as if the
+partner had written it: the coordinator passes the tokens kept to the
+partner with the handoff (ResumeRequest ``kept_tokens``), whose rounds
+extend the copy from there, and a handoff back may follow at once;
+nothing is sent again from block 0. A
 pair's copy is current to the token (its last block partial, written
 again each round), and a request resumed from a copy that holds every
 token it computed decodes from it at once (``reservation``).
@@ -224,21 +227,23 @@ class ReplicaStore:
                 held[rid] = len(self.replicas[key].tokens)
         return held
 
-    async def keep(self, writer: str, request_id: str, owner: str) -> int:
-        """``writer`` (this node) hands ``request_id``, still running here, to
-        ``owner`` (its partner): keep this node's KV of it as the copy
-        ``owner`` claims (``adopt``), keyed (``writer``, request id), so the
-        copy is complete at once instead of rebuilt from block 0. Copies the
-        request's computed blocks (the last one partial) into host blocks of a REPLICA region
-        on the engine thread, within ``replica_kv_blocks`` (past it, or
-        past the host tier, nothing is kept). Returns the tokens kept (0:
-        nothing: the request is not running here, or no room)."""
-        return await self.driver.call(lambda engine: self._keep(engine, writer, request_id, owner),
-                                      timeout=self.timeout)
+    async def keep(self, request_id: str, owner: str) -> int:
+        """This node hands ``request_id``, still running here, to ``owner``
+        (its partner): keep this node's KV of it as ``owner``'s copy of it,
+        keyed (``owner``, request id) as if ``owner`` had written it, so
+        the copy is complete at once instead of rebuilt from block 0 (a
+        stale copy under that key is dropped). Copies the request's
+        computed blocks (the last one partial) into host blocks of a
+        REPLICA region on the engine thread, within ``replica_kv_blocks``
+        (past it, or past the host tier, nothing is kept). Returns the
+        tokens kept (0: nothing: the request is not running here, or no
+        room)."""
+        return await self.driver.call(lambda engine: self._keep(engine, request_id, owner), timeout=self.timeout)
 
-    def _keep(self, engine: Any, writer: str, request_id: str, owner: str) -> int:
+    def _keep(self, engine: Any, request_id: str, owner: str) -> int:
         found = next((r for r in copyable(engine) if r[0] == request_id), None)
-        if found is None or not found[3] or self.blocks + len(found[3]) > self.budget:
+        if (found is None or not found[3] or (owner, request_id) in self.awaited
+                or self.blocks + len(found[3]) > self.budget):
             return 0
         _, _, tokens, ids = found
         pool, layout = engine.pool, engine.pool.kv_layout()
@@ -251,8 +256,8 @@ class ReplicaStore:
                 return 0
         finally:
             STAGING.release(buf)
-        self._drop_now(pool, (writer, request_id))
-        self.replicas[(writer, request_id)] = Replica(writer, list(tokens), region, owner=owner)
+        self._drop_now(pool, (owner, request_id))
+        self.replicas[(owner, request_id)] = Replica(owner, list(tokens), region)
         self.counts["kept"] += 1
         self.counts["kept_blocks"] += len(ids)
         return len(tokens)

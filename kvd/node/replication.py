@@ -25,7 +25,11 @@ token instead: each round also sends the request's last, partial block
 again, fuller, in the next round, and its rounds follow the steps (one
 as soon as ``PAIR_ROUND_S`` after the last, its gather at the next step
 boundary), so a request handed off resumes from the copy with nothing
-recomputed (kvd/node/replica_store.py ``take_current``).
+recomputed (kvd/node/replica_store.py ``take_current``). A request handed
+off here comes with the tokens of it the partner kept as this node's copy
+(``kept``): the rounds extend that copy, its first block sent the one the
+copy's last token is in (a copy that turns out shorter or gone is answered
+with what is held, and the next round starts there).
 
 Disaggregated requests: the prefill node sends the prompt's replica to the
 decode node's peer itself (``send_prompt_replica``, a ReplicaData with
@@ -60,7 +64,7 @@ log = logging.getLogger("kvd.replication")
 
 REFUSED_RETRY_S = 1.0          # a request the holder refused is offered again after this
 ADOPT_WAIT_S = 2.0             # how long a decode node claims a prompt replica its prefill node sent
-KEPT_WAIT_S = 0.25             # how long a node claims the copy its partner keeps after a handoff
+KEPT_WAIT_S = 2.0              # how long a handoff's kept copy waits for its request to start here
 PAIR_ROUND_S = 0.005           # a pair's copy: the next round as soon as this after the last (one per step)
 TICKET_GRACE_S = 10.0          # a ticket from a request is kept this long without a heartbeat repeating it
 
@@ -82,6 +86,7 @@ class Replicator:
         self.sent: dict[str, int] = {}            # request id -> tokens the peer holds
         self.retry_at: dict[str, float] = {}      # request id -> when to offer it again (refused)
         self.adopting: dict[str, tuple[str, str, float]] = {}  # request id -> (writer, holder, give up at)
+        self.kept_at: dict[str, tuple[str, int, float]] = {}   # request id -> (holder, tokens kept, until)
         self.lag_tokens = 0                       # computed tokens not replicated, last round
         self.counts = {"rounds": 0, "messages": 0, "blocks": 0, "bytes": 0, "refused": 0, "errors": 0,
                        "adopted": 0, "adopt_fallbacks": 0}
@@ -127,6 +132,16 @@ class Replicator:
         self.sent.pop(request_id, None)           # what this node sent of it before a handoff away is stale
         self.retry_at.pop(request_id, None)
 
+    def kept(self, request_id: str, holder: str, tokens: int) -> None:
+        """``holder``, the partner that handed ``request_id`` off to this
+        node, kept ``tokens`` tokens of its KV as this node's copy: the
+        rounds extend it from there once the request runs here (within
+        ``KEPT_WAIT_S``, and while ``holder`` is the peer)."""
+        self.kept_at[request_id] = (holder, tokens, time.monotonic() + KEPT_WAIT_S)
+        self.sent.pop(request_id, None)           # what this node sent of it before a handoff away is stale
+        self.retry_at.pop(request_id, None)
+        self.adopting.pop(request_id, None)
+
     async def run(self) -> None:
         while True:
             # a pair's copy follows every step (a round's gather waits for a step boundary)
@@ -155,10 +170,13 @@ class Replicator:
             self._warn.warning(("adopt",), "the replica of %s to claim is not at %s (written at %s); sending it from here",
                                rid, peer[0], holder)
         adopt = {rid: writer for rid, (writer, _, _) in self.adopting.items()}
+        for rid in [rid for rid, (holder, _, until) in self.kept_at.items() if until <= now or holder != peer[0]]:
+            del self.kept_at[rid]                 # never ran here, or the copy sits elsewhere: sent whole
+        kept = {rid: n for rid, (_, n, _) in self.kept_at.items()}
         retry = {rid for rid, t in self.retry_at.items() if t > now}
         tickets = {rid: ticket for rid, (holder, ticket, _) in self.tickets.items() if holder == peer[0]}
         exact = peer[0] == self.partner
-        batch = await self.driver.call(lambda engine: _collect(engine, sent, retry, adopt, tickets, exact),
+        batch = await self.driver.call(lambda engine: _collect(engine, sent, retry, adopt, tickets, exact, kept),
                                        timeout=self.timeout)
         msg, buf, lag = batch
         self.lag_tokens = lag
@@ -189,6 +207,7 @@ class Replicator:
         for rid, n in ack.held.items():
             if rid in msg.request_ids:
                 sent[rid] = n
+                self.kept_at.pop(rid, None)
             elif rid in msg.adopt and self.adopting.pop(rid, None) is not None:
                 sent[rid] = n
                 self.counts["adopted"] += 1
@@ -222,7 +241,8 @@ class Replicator:
 
 
 def _collect(engine: Any, sent: dict[str, int], skip: set[str], adopt: dict[str, str],
-             tickets: dict[str, str], exact: bool = False) -> tuple[dict | None, Any, int]:
+             tickets: dict[str, str], exact: bool = False, kept: dict[str, int] | None = None
+             ) -> tuple[dict | None, Any, int]:
     """Engine thread: the ReplicaData fields of one round (None: nothing to
     send), the staging buffer holding its KV, and the lag in tokens.
     ``sent``: tokens the peer holds; ``skip``: requests not to send now;
@@ -230,14 +250,15 @@ def _collect(engine: Any, sent: dict[str, int], skip: set[str], adopt: dict[str,
     while they are still here; ``tickets``: the coordinator's tickets at
     the peer (a request without one is not sent: the holder would refuse
     it); ``exact``: every computed token, the last block partial (a pair's
-    copy), else full blocks only."""
+    copy), else full blocks only; ``kept``: tokens the peer holds of
+    requests not in ``sent`` (a handoff's kept copy)."""
     bs = engine.config.block_size
     ids, rids, starts, counts, tokens, tails = [], [], [], [], [], []
     lag = 0
     live = set()
     for rid, computed, toks, blocks in (copyable(engine) if exact else engine.replicable()):
         live.add(rid)
-        have = sent.get(rid, 0)
+        have = sent.get(rid, (kept or {}).get(rid, 0))
         lag += max(0, computed - have)
         if len(toks) <= have or rid in skip or rid in adopt or rid not in tickets:
             continue

@@ -129,22 +129,21 @@ def test_handoffs_every_few_tokens_keep_the_stream_exact(pair, reference_engine,
             if reply["ok"]:
                 moved, last = moved + 1, got
             else:
-                assert any(w in reply["error"] for w in ("incomplete", "not in flight", "being moved", "still stopping")), reply
+                assert any(w in reply["error"] for w in ("incomplete", "not in flight", "being moved", "still stopping", "not decoding")), reply
                 refused.append(reply["error"])
         time.sleep(0.01)
     s.join()
     assert s.error is None and s.finish == "length", (s.error, s.finish)
     assert "".join(s.text) == want
-    # on a fast host the stream can end after one or two moves: a handoff back waits until the new
-    # owner's next round claims the kept copy (refused as incomplete until then)
-    assert moved >= 1, (moved, len(s.text), refused)
-    assert sum(n["handoffs"] for n in nodes(pair).values()) == before + moved
-    # how many moves decoded from a kept, current copy (nothing recomputed) depends on the host's speed
-    # against the copy's claim: tools/bench/cluster/bench_handoff.py measures it; here, only that the
-    # counters move with the handoffs and never past them
+    # the kept copy is the new owner's complete copy from the moment of the handoff: a move back
+    # follows within a few tokens, many times in one stream
     holders = [admin(pair.node_admin(n), "status")["replication"]["holder"] for n in NODES]
-    assert sum(h["kept"] for h in holders) - kept <= moved, holders
-    assert sum(h["resumed_exact"] for h in holders) - exact <= moved, holders
+    assert moved >= 10, (moved, len(s.text), refused)
+    assert sum(n["handoffs"] for n in nodes(pair).values()) == before + moved
+    # each source kept its KV as its partner's copy (no copy rebuilt from block 0), and most moves
+    # decode from a copy current to the token, nothing recomputed
+    assert moved - 1 <= sum(h["kept"] for h in holders) - kept <= moved, holders
+    assert sum(h["resumed_exact"] for h in holders) - exact >= moved // 2, holders
     wait_baseline(pair, NODES)        # every source freed its slot and blocks, every copy was dropped
 
 
