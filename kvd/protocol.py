@@ -304,21 +304,15 @@ class ResumeRequest(LegRequest):
     ``start_index = len(output_token_ids)``. ``replica_from`` names the dead
     node whose replica of this request the node holds (its KV up to the
     replicated position is used, the rest recomputed); "" re-runs prompt and
-    tokens from the prefix cache. ``kept_tokens``: a handoff from the pair
-    partner ``replica_from``, which kept its own KV of the request as this
-    node's copy of it (that many tokens, held there for this node): the
-    node's replication extends that copy instead of sending it from block 0."""
+    tokens from the prefix cache."""
 
     output_token_ids: tuple[int, ...]
     replica_from: str = ""
-    kept_tokens: int = 0
 
     def _check(self) -> None:
         LegRequest._check(self)
         _require(len(self.output_token_ids) > 0, "a resumed request has output_token_ids")
         _require(all(t >= 0 for t in self.output_token_ids), "token ids must be >= 0")
-        _require(self.kept_tokens >= 0 and (not self.kept_tokens or bool(self.replica_from)),
-                 "kept_tokens >= 0, and only with replica_from")
 
 
 def _check_grant(transfer_id: str, block_ids: tuple[int, ...], have_blocks: int, num_layers: int,

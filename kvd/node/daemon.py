@@ -150,11 +150,13 @@ class NodeDaemon:
         # borrowed KV memory (lending.py): a debtor silent for a heartbeat deadline loses its loans here
         self.rmanager = RManager(engine.pool, engine.config.lend_kv_blocks, lease_s=self.cluster.heartbeat_deadline)
         self.inbox.lending = Lender(self.driver, self.rmanager, authenticated=self.listener.authenticated)
+        self.inbox.lending.open_channel(self.address, links.curve_server(self.cluster, self.name))
         self.borrower = Borrower(self.name, self.rmanager, self._ask_coordinator, self.peer_links.get,
                                  self.cluster.request_timeout)
         if engine.config.borrow_kv_blocks:      # requests past the free blocks borrow (engine/borrowing.py)
             serve_borrowing(engine, self.borrower, asyncio.get_running_loop(),
-                            min(self.cluster.request_timeout, self.cluster.heartbeat_deadline))
+                            min(self.cluster.request_timeout, self.cluster.heartbeat_deadline),
+                            channel_keys=lambda peer: links.curve_client(self.cluster, self.name, peer))
         if self.cluster.replicas and self.role != Role.PREFILL:
             self.replicator = Replicator(self.name, self.driver, self._peer, self._drop_peer,
                                          self.cluster.replication_interval, self.cluster.request_timeout)
@@ -275,6 +277,8 @@ class NodeDaemon:
 
     async def cleanup(self) -> None:
         await self.peer_links.close()
+        if self.inbox is not None and self.inbox.lending is not None:
+            await asyncio.to_thread(self.inbox.lending.close)     # joins the channel's thread
         if self._ledger_link is not None:
             await self._ledger_link.close()
         if self.admin is not None:

@@ -23,10 +23,13 @@ nothing. Every wait has a deadline (``timeout``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import threading
 import time
+
+import zmq
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -34,7 +37,8 @@ from engine.borrowing import KVBorrowing, Loan as EngineLoan
 from engine.memory.rmanager import Borrowed, Loan, RManager
 from kvd import protocol
 from kvd.node.engine_driver import EngineDriver
-from kvd.node.remote_attention import AttentionServer, WireLender
+from kvd.node.attention_channel import ChannelClient, ChannelServer, channel_host, check_channel_url
+from kvd.node.remote_attention import AttentionServer, ChannelLender, WireLender
 from transports import Connection, TransportError
 
 log = logging.getLogger("kvd.lending")
@@ -61,6 +65,20 @@ class Lender:
             rmanager, model.attention_kernel, model.scale,
             [model.config.layer_window(i) for i in range(model.num_local_layers)],
             (model.config.num_heads, model.config.num_kv_heads, model.config.head_dim), self.lock)
+        self.channel: ChannelServer | None = None     # RemoteAttend without the event loop (open_channel)
+
+    def open_channel(self, address: str, curve: Any) -> None:
+        """Serve RemoteAttend on a remote-attention channel beside the node's listener at
+        ``address`` (a ``zmq+tcp`` one; others have none), CURVE with the listener's keys
+        ``curve`` (None: insecure), where this node lends. Its address goes to each debtor
+        with its loan."""
+        if self.rmanager.lend_cap > 0 and (host := channel_host(address)) is not None:
+            self.channel = ChannelServer(host, self.attention.serve, curve)
+
+    def close(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+        self.attention.close()
 
     def answer_now(self, msg: protocol.Message, incoming: Any) -> protocol.Message | None:
         """The reply when the engine is idle (answered inline), else None: await ``answer``."""
@@ -92,7 +110,7 @@ class Lender:
                 if isinstance(loan, str):
                     return protocol.BorrowReply(id=msg.id, ok=False, reason=loan)
                 return protocol.BorrowReply(id=msg.id, ok=True, loan_id=loan.loan_id, blocks=loan.blocks,
-                                            lease_s=rm.lease_s)
+                                            lease_s=rm.lease_s, channel=self.channel.url if self.channel else "")
             if isinstance(msg, protocol.LeaseRenew):
                 n = rm.renew(debtor, msg.loan_ids, time.monotonic())
                 gone = tuple(i for i in msg.loan_ids if i not in rm.loans or rm.loans[i].debtor != debtor)
@@ -121,7 +139,8 @@ class Lender:
     def stats(self) -> dict[str, Any]:
         rm = self.rmanager
         return {"lend_cap": rm.lend_cap, "lent": dict(self.lent), "counts": dict(rm.counts),
-                "attention": dict(self.attention.counts)}
+                "attention": dict(self.attention.counts),
+                "channel": {**self.channel.counts, "refused_keys": self.channel.refused_keys} if self.channel else {}}
 
 
 class Borrower:
@@ -143,6 +162,7 @@ class Borrower:
         self.addresses: dict[str, str] = {}       # creditor -> its URL
         self.lease_s: dict[str, float] = {}       # creditor -> its loans' lease
         self.renewed_at: dict[str, float] = {}    # creditor -> when it last answered a renewal (monotonic)
+        self.channels: dict[str, str] = {}        # creditor -> its remote-attention channel's URL
         self.counts = {"borrowed": 0, "refused": 0, "gave_up": 0, "lost": 0}
         self.requests: KVBorrowing | None = None   # the engine's requests on borrowed blocks (serve_borrowing)
 
@@ -181,6 +201,10 @@ class Borrower:
             return None
         self.addresses[creditor] = address
         self.lease_s[creditor] = reply.lease_s
+        self.channels.pop(creditor, None)
+        with contextlib.suppress(ValueError):       # none or a bad one: its parts go over the peer link
+            check_channel_url(reply.channel)
+            self.channels[creditor] = reply.channel
         self.renewed_at[creditor] = time.monotonic()
         self.rmanager.note_borrowed(creditor, reply.loan_id, reply.blocks)
         self.counts["borrowed"] += 1
@@ -256,11 +280,35 @@ class Borrower:
                 "requests": self.requests.stats() if self.requests is not None else {}}
 
 
-def serve_borrowing(engine, borrower: Borrower, loop: asyncio.AbstractEventLoop, deadline_s: float) -> KVBorrowing:
+def serve_borrowing(engine, borrower: Borrower, loop: asyncio.AbstractEventLoop, deadline_s: float,
+                    channel_keys: Callable[[str], Any] | None = None) -> KVBorrowing:
     """Let ``engine``'s requests borrow KV through ``borrower`` (engine/borrowing.py), its
-    remote parts computed on the creditors over the wire (remote_attention.py). The engine
-    thread waits at most ``deadline_s`` for a loan (a loan granted later is given back) and
-    for each layer's remote results. Call on the event loop before the first request."""
+    remote parts computed on the creditors: over a creditor's remote-attention channel
+    where it has one and ``channel_keys(creditor)`` gives this node's CURVE keys toward it
+    (a ``CurveClient``, None when insecure; attention_channel.py), else over the node's
+    peer link (remote_attention.py). The engine thread waits at most ``deadline_s`` for a
+    loan (a loan granted later is given back) and for each layer's remote results. Call
+    on the event loop before the first request."""
+    clients: dict[str, ChannelClient] = {}          # creditor -> the engine thread's socket to its channel
+    context: list[zmq.Context] = []
+
+    def channel_to(creditor: str) -> ChannelClient | None:          # engine thread
+        url = borrower.channels.get(creditor)
+        if url is None or channel_keys is None:
+            return None
+        client = clients.get(creditor)
+        if client is None or client.url != url:                     # first loan, or a restarted creditor
+            try:
+                keys = channel_keys(creditor)
+            except ValueError as exc:                               # its public key is not here
+                log.warning("no channel to %s: %s", creditor, exc)
+                return None
+            if client is not None:
+                client.close()
+            context or context.append(zmq.Context())
+            client = clients[creditor] = ChannelClient(context[0], url, keys)
+        return client
+
     def borrow(blocks: int) -> EngineLoan | None:                  # engine thread
         future = asyncio.run_coroutine_threadsafe(borrower.borrow(blocks), loop)
         try:
@@ -271,7 +319,11 @@ def serve_borrowing(engine, borrower: Borrower, loop: asyncio.AbstractEventLoop,
         if got is None:
             return None
 
-        def lender(request_id: str, lo: int) -> WireLender:
+        client = channel_to(got.creditor)
+
+        def lender(request_id: str, lo: int) -> ChannelLender | WireLender:
+            if client is not None:
+                return ChannelLender(client, borrower.name, got.loan_id, request_id, lo, deadline_s)
             return WireLender(lambda msg: borrower.call(got.creditor, msg), loop, borrower.name, got.loan_id,
                               request_id, lo, deadline_s)
         return EngineLoan(got.loan_id, got.blocks, lender)

@@ -42,6 +42,31 @@ from engine.dist_attention import LentKV, PartialsHandle, RemoteKVError
 from engine.memory.rmanager import RManager
 from kernels.dist_attention import Partials, chunks_of
 from kvd import protocol
+from kvd.node.attention_channel import ChannelClient
+
+
+def partials_of(reply: protocol.Message, rows: int, lo: int, ctx: int, head_dim: int) -> Partials:
+    """The partials a ``RemotePartials`` answer carries for ``rows`` query rows of a part
+    from chunk ``lo`` of ``ctx`` keys; raises RemoteKVError for a refusal or a wrong shape."""
+    if not isinstance(reply, protocol.RemotePartials) or not reply.ok:
+        why = reply.reason if isinstance(reply, protocol.RemotePartials) else getattr(reply, "message", reply.TYPE)
+        raise RemoteKVError(f"a remote part refused: {why}")
+    m, l, o = (t.to_torch() for t in reply.tensors)
+    if (m.dim() != 3 or m.shape[0] != rows or l.shape != m.shape or o.shape != (*m.shape, head_dim)
+            or lo + m.shape[1] > chunks_of(ctx)):
+        raise RemoteKVError(f"a remote part answered partials of the wrong shape {tuple(m.shape)}")
+    return Partials(m, l, o)
+
+
+def attend_message(debtor: str, loan_id: str, request_id: str, lo: int, timeout: float, layer: int,
+                   q: torch.Tensor, ctx: int, positions: torch.Tensor, k: torch.Tensor,
+                   v: torch.Tensor) -> protocol.RemoteAttend:
+    """``Lender.start``'s arguments as a RemoteAttend; its frames view ``q`` (as fp32),
+    ``k`` and ``v`` (contiguous) without copying them."""
+    return protocol.RemoteAttend(
+        id=secrets.token_hex(6), debtor=debtor, loan_id=loan_id, request_id=request_id, lo=lo, layer=layer,
+        ctx=ctx, first=int(positions[0]) if len(positions) else 0,
+        tensors=(q.to(torch.float32).contiguous(), k.contiguous(), v.contiguous()), deadline=time.time() + timeout)
 
 
 class WireHandle:
@@ -58,14 +83,7 @@ class WireHandle:
             raise RemoteKVError(f"a remote part gave no result within {timeout} s") from None
         except Exception as exc:  # noqa: BLE001 -- a transport failure or the call's own deadline
             raise RemoteKVError(f"a remote part's creditor is unreachable: {exc}") from exc
-        if not isinstance(reply, protocol.RemotePartials) or not reply.ok:
-            why = reply.reason if isinstance(reply, protocol.RemotePartials) else getattr(reply, "message", reply.TYPE)
-            raise RemoteKVError(f"a remote part refused: {why}")
-        m, l, o = (t.to_torch() for t in reply.tensors)
-        if (m.dim() != 3 or m.shape[0] != self.rows or l.shape != m.shape or o.shape != (*m.shape, self.head_dim)
-                or self.lo + m.shape[1] > chunks_of(self.ctx)):
-            raise RemoteKVError(f"a remote part answered partials of the wrong shape {tuple(m.shape)}")
-        return Partials(m, l, o)
+        return partials_of(reply, self.rows, self.lo, self.ctx, self.head_dim)
 
 
 class WireLender:
@@ -82,17 +100,43 @@ class WireLender:
     def start(self, layer: int, q: torch.Tensor, ctx: int, positions: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor) -> PartialsHandle:
         # copies: the frames are read on the loop while the engine thread goes on
-        msg = protocol.RemoteAttend(
-            id=secrets.token_hex(6), debtor=self.debtor, loan_id=self.loan_id, request_id=self.request_id,
-            lo=self.lo, layer=layer, ctx=ctx, first=int(positions[0]) if len(positions) else 0,
-            tensors=(q.to(torch.float32).contiguous().clone(), k.contiguous().clone(), v.contiguous().clone()),
-            deadline=time.time() + self.timeout)
+        msg = attend_message(self.debtor, self.loan_id, self.request_id, self.lo, self.timeout, layer,
+                             q.clone(), ctx, positions, k.clone(), v.clone())
         try:
             future = asyncio.run_coroutine_threadsafe(self.call(msg), self.loop)
         except RuntimeError as exc:             # the node's loop is closed: it is shutting down
             future = concurrent.futures.Future()
             future.set_exception(exc)
         return WireHandle(future, q.shape[0], self.lo, ctx, q.shape[-1])
+
+
+class ChannelHandle:
+    """A ``PartialsHandle`` over a RemoteAttend sent on a remote-attention channel."""
+
+    def __init__(self, client: ChannelClient, msg_id: str, rows: int, lo: int, ctx: int, head_dim: int) -> None:
+        self.client, self.msg_id, self.rows, self.lo, self.ctx, self.head_dim = client, msg_id, rows, lo, ctx, head_dim
+
+    def partials(self, timeout: float) -> Partials:
+        return partials_of(self.client.wait(self.msg_id, timeout), self.rows, self.lo, self.ctx, self.head_dim)
+
+
+class ChannelLender:
+    """The ``Lender`` of one remote part over the creditor's remote-attention channel
+    (kvd/node/attention_channel.py): sent and awaited on the calling thread (the engine
+    thread, the channel client's only user), no event loop between. The frames view the
+    step's tensors: the model leaves a layer's q, k, v be until its attention returns."""
+
+    def __init__(self, client: ChannelClient, debtor: str, loan_id: str, request_id: str, lo: int,
+                 timeout: float) -> None:
+        self.client, self.timeout = client, timeout
+        self.debtor, self.loan_id, self.request_id, self.lo = debtor, loan_id, request_id, lo
+
+    def start(self, layer: int, q: torch.Tensor, ctx: int, positions: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor) -> PartialsHandle:
+        msg = attend_message(self.debtor, self.loan_id, self.request_id, self.lo, self.timeout, layer, q, ctx,
+                             positions, k, v)
+        self.client.send(msg, self.timeout)
+        return ChannelHandle(self.client, msg.id, q.shape[0], self.lo, ctx, q.shape[-1])
 
 
 class AttentionServer:

@@ -104,6 +104,9 @@ def test_a_request_past_one_node_is_served_with_the_single_node_text(trio, refer
     assert sum(s["creditor"]["attention"]["served"] for s in served.values()) > 0
     assert sum(s["creditor"]["counts"]["returned"] for s in served.values()) == 2
     assert all(s["creditor"]["attention"]["refused"] == 0 for s in served.values())
+    # every remote part went over the creditors' remote-attention channels, not the peer links
+    assert (sum(s["creditor"]["channel"]["served"] for s in served.values())
+            == sum(s["creditor"]["attention"]["served"] for s in served.values()))
     assert free_blocks(c, NODES) == start_free
 
 
@@ -138,6 +141,66 @@ def test_micro_attention_only_for_the_loans_debtor(trio):
     assert after["attention"]["served"] == before["attention"]["served"] + 1
     assert after["attention"]["refused"] == before["attention"]["refused"] + 1
     assert after["counts"]["forbidden"] == before["counts"]["forbidden"] + 1
+    assert as_(c, "b", "a", protocol.ReturnLoan(debtor="a", loan_id=loan.loan_id)).ok
+
+
+def test_the_attention_channel_serves_the_loans_debtor_only(trio, tmp_path):
+    """b's remote-attention channel (its address in the loan's reply): a's RemoteAttend on
+    a's loan is answered; c's key asking for a's loan is refused (no loan of c's), c's key
+    in a's name is the trust gate's; a key outside the cluster never completes the
+    handshake: no answer, the wait ends at its deadline."""
+    import torch
+    import zmq
+
+    from engine.dist_attention import RemoteKVError
+    from engine.model.config import tiny_config
+    from kvd import protocol
+    from kvd.node.attention_channel import ChannelClient
+    from transports.keys import CurveClient, generate_keypair, load_keypair
+
+    from .test_lending import as_
+
+    c = trio
+    loan = as_(c, "b", "a", protocol.BorrowRequest(debtor="a", blocks=16))
+    assert loan.ok and loan.channel.startswith("tcp://127.0.0.1:")
+    cfg = tiny_config()
+
+    def attend(debtor: str) -> protocol.RemoteAttend:
+        return protocol.RemoteAttend(id=f"m-{debtor}-{time.monotonic_ns()}", debtor=debtor, loan_id=loan.loan_id,
+                                     request_id="r", lo=1, layer=0, ctx=200, first=199,
+                                     tensors=(torch.randn(1, cfg.num_heads, cfg.head_dim),
+                                              torch.randn(1, cfg.num_kv_heads, cfg.head_dim),
+                                              torch.randn(1, cfg.num_kv_heads, cfg.head_dim)))
+
+    def ask(client: ChannelClient, msg: protocol.RemoteAttend, timeout: float = 10.0) -> protocol.Message:
+        client.send(msg, timeout)
+        return client.wait(msg.id, timeout)
+
+    generate_keypair(tmp_path, "stranger")
+    stranger = CurveClient(*load_keypair(tmp_path / "stranger.key_secret"),
+                           server_key=load_keypair(c.keys_dir / "b.key")[0])
+    ctx = zmq.Context()
+    clients = [ChannelClient(ctx, loan.channel, keys)
+               for keys in (c.client_keys("b", "a"), c.client_keys("b", "c"), stranger)]
+    try:
+        before = admin(c.node_admin("b"), "loans")["creditor"]
+        got = ask(clients[0], attend("a"))
+        assert got.ok and got.tensors[0].shape == (1, 1, cfg.num_heads)
+        stolen = ask(clients[1], attend("c"))
+        assert not stolen.ok and "no loan" in stolen.reason
+        forged = ask(clients[1], attend("a"))
+        assert not forged.ok and forged.reason.startswith("forbidden: debtor 'a' is not the sender's key 'c'")
+        with pytest.raises(RemoteKVError, match="within 1.0 s"):
+            ask(clients[2], attend("a"), timeout=1.0)
+        after = admin(c.node_admin("b"), "loans")["creditor"]
+        assert after["attention"]["served"] == before["attention"]["served"] + 1
+        assert after["attention"]["refused"] == before["attention"]["refused"] + 1
+        assert after["channel"]["forbidden"] == before["channel"]["forbidden"] + 1
+        assert after["channel"]["refused_keys"] > before["channel"]["refused_keys"]
+    finally:
+        for client in clients:
+            client.close()
+        ctx.term()
     assert as_(c, "b", "a", protocol.ReturnLoan(debtor="a", loan_id=loan.loan_id)).ok
 
 
