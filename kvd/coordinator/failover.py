@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 
 from kvd import protocol
 from kvd.coordinator.links import NodeLinks
@@ -144,16 +144,14 @@ class Failover:
             self.fail_requests(dead, [rid], f"{reason}; not recovered")
 
     async def _send_resume(self, rid: str, stream: Stream, node: NodeInfo, msg_id: str,
-                           replica_from: str, kept_tokens: int = 0, **replica: str
-                           ) -> protocol.Message | Exception:
+                           replica_from: str, **replica: str) -> protocol.Message | Exception:
         """Point ``stream`` at ``node`` and send it ``rid`` with the tokens the
         client has (its prompt alone when it has none); ``node``'s answer, or
         the exception that stood for one. ``replica``: the ResumeRequest's
-        replica fields (where ``node`` replicates it); ``kept_tokens``: a
-        handoff's kept copy (``hand_off``)."""
+        replica fields (where ``node`` replicates it)."""
         outputs = tuple(stream.tokens)
         msg = (protocol.ResumeRequest.of(stream.request, id=msg_id, output_token_ids=outputs,
-                                         replica_from=replica_from, kept_tokens=kept_tokens, **replica)
+                                         replica_from=replica_from, **replica)
                if outputs else dataclasses.replace(stream.request, id=msg_id))
         stream.node, stream.incarnation = node.name, node.incarnation
         self.load.count(rid, node)
@@ -164,7 +162,7 @@ class Failover:
             return exc
 
     async def hand_off(self, rid: str, stream: Stream, source: NodeInfo, target: NodeInfo,
-                       replica: dict[str, str], kept: int = 0) -> str | None:
+                       replica: dict[str, str], keep: Callable[[], Awaitable[object]] | None = None) -> str | None:
         """Move ``rid``, decoding on ``source``, to ``target`` (its pair
         partner, which holds its redundant copy): ``target`` resumes after
         the tokens the client has, from the copy; ``source`` is told to stop
@@ -172,19 +170,23 @@ class Failover:
         here and deduplicated by index). Returns None when ``target`` took
         it, else why not; the request is then recovered away from
         ``target`` as a lost one (``source`` may have stopped it already:
-        its chunks stopped counting at the send). ``kept``: the tokens of
-        it ``source`` kept as ``target``'s copy before the move (admin
-        ``replica keep``), which ``target``'s replication extends. Owns
-        the stream meanwhile."""
+        its chunks stopped counting at the send). ``keep``: awaited once
+        ``target`` took it and before ``source`` is told to stop it (the
+        source keeps its KV as the target's copy), in an owned task: the
+        caller does not wait for it, and the stream's next token does not
+        either. Owns the stream meanwhile."""
         stream.recovering = True
         try:
             reply = await self._send_resume(rid, stream, target, f"{rid}.h{time.monotonic_ns()}", source.name,
-                                            kept_tokens=kept, **replica)
+                                            **replica)
         finally:
             stream.recovering = False
         self.load.uncount(rid, source.name)
         took = isinstance(reply, protocol.Accepted) and (target.name, target.incarnation) not in stream.failed
-        self.links.send_abort(source.name, rid, reason="handed off to its partner")
+        if took and keep is not None:
+            self.links.spawn(self._keep_then_stop(rid, source.name, target.name, keep))
+        else:
+            self.links.send_abort(source.name, rid, reason="handed off to its partner")
         if took:
             return None
         why = _why(reply)
@@ -193,6 +195,16 @@ class Failover:
             stream.node, stream.incarnation = target.name, target.incarnation
             self.lose_requests(target.name, [rid], f"handoff from {source.name} refused: {why}")
         return why
+
+    async def _keep_then_stop(self, rid: str, source: str, target: str,
+                              keep: Callable[[], Awaitable[object]]) -> None:
+        """``source``'s KV of ``rid`` becomes ``target``'s copy, then ``source``
+        stops it (``keep`` logs its own failures: ``target`` then rebuilds
+        the copy)."""
+        try:
+            await keep()
+        finally:
+            self.links.send_abort(source, rid, reason="handed off to its partner")
 
     async def _resume_on(self, rid: str, stream: Stream, node: NodeInfo, dead: str, replicated: bool,
                          how: str, reason: str) -> bool:

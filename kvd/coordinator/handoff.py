@@ -5,13 +5,14 @@ A paired node's partner holds the redundant copy of each of its requests
 (kvd/node/replica_store.py), so a decode moves between them with no KV
 transfer: ``Failover.hand_off`` resumes it on the partner after the tokens
 the client has, from the copy (recomputing what the copy lacks), and stops
-it on the source, at a step boundary of each. Before the move, the source
-keeps its own KV of the request as the partner's copy of it (admin
-``replica keep``) and says how many tokens it kept, which the partner is
-told with the move: copy and original swap roles, the copy is complete
-from the moment of the handoff (a handoff back may follow at the next
-step), and it is never rebuilt from block 0 after a move. The stream goes on with no
-gap and no duplicate (tokens are deduplicated by index).
+it on the source, at a step boundary of each. Once the partner took it and
+before it stops there, the source keeps its own KV of the request as the
+partner's copy of it (admin ``replica keep``) and says how many tokens it
+kept (recorded in ``kept``): copy and original swap roles, the copy is
+complete from the moment of the handoff (a handoff back may follow at the
+new owner's next step), and it is never rebuilt from block 0 after a
+move. The stream goes on with no gap and no duplicate (tokens are
+deduplicated by index).
 
 ``Handoffs`` decides which requests may move (``refusal``) and moves them:
 one by one (``hand_off``, the admin command ``handoff``) or every decode of
@@ -64,6 +65,7 @@ class Handoffs:
         self.pairs = client.recovery.pairs
         self.moving: set[str] = set()   # request ids a hand_off call is moving now
         self.moved_at: dict[str, int] = {}   # request id -> tokens the client had at its last move
+        self.kept: dict[str, tuple[str, int]] = {}   # request id -> (node, tokens) its last move's source kept
 
     def _stream(self, request_id: str) -> Stream | None:
         return self.client.failover.streams.get(request_id)
@@ -143,34 +145,36 @@ class Handoffs:
         stream = self._stream(request_id)
         replica = self.recovery.replica_fields(target.name, request_id, self.client.membership.nodes.values())
         t0 = time.perf_counter()
-        kept = await self._keep(request_id, source, target)
-        why = await self.client.failover.hand_off(request_id, stream, source, target, replica, kept)
+
+        async def keep() -> None:
+            await self._keep(request_id, source.name, target.name)
+        why = await self.client.failover.hand_off(request_id, stream, source, target, replica, keep)
         if why is None:
             self.pairs.handoffs[source.name] += 1
             streams = self.client.failover.streams
             self.moved_at = {rid: n for rid, n in self.moved_at.items() if rid in streams}
             self.moved_at[request_id] = len(stream.tokens)
-            log.info("request %s handed off %s -> %s after %d token(s) in %.1f ms (%d kept as its copy)",
-                     request_id, source.name, target.name, len(stream.tokens), (time.perf_counter() - t0) * 1e3,
-                     kept)
+            log.info("request %s handed off %s -> %s after %d token(s) in %.1f ms", request_id, source.name,
+                     target.name, len(stream.tokens), (time.perf_counter() - t0) * 1e3)
         else:
             self.pairs.refused["partner refused"] += 1
             log.warning("request %s: handoff %s -> %s refused: %s", request_id, source.name, target.name, why)
         return why
 
-    async def _keep(self, request_id: str, source: NodeInfo, target: NodeInfo) -> int:
+    async def _keep(self, request_id: str, source: str, target: str) -> None:
         """``source`` keeps its KV of ``request_id`` as ``target``'s copy
-        (admin ``replica keep``) before the move, and says how many tokens
-        it kept: what ``target`` is told it holds there (0: none, the copy
-        is rebuilt). A failure is logged and costs only the rebuild."""
+        (admin ``replica keep``), then says how many tokens it kept, which
+        is recorded (``kept``). A failure is logged and costs only the
+        copy's rebuild."""
         try:
-            reply = await self.forward(source.name, "replica keep", {"request": request_id, "owner": target.name})
+            reply = await self.forward(source, "replica keep", {"request": request_id, "owner": target})
         except (ValueError, TransportError, TimeoutError) as exc:
-            log.info("request %s: %s kept no copy for %s (%s); it is rebuilt", request_id, source.name,
-                     target.name, exc)
-            return 0
-        kept = reply.get("tokens", 0)
-        return kept if isinstance(kept, int) and kept > 0 else 0
+            log.info("request %s: %s kept no copy for %s (%s); it is rebuilt", request_id, source, target, exc)
+            return
+        streams = self.client.failover.streams
+        self.kept = {rid: k for rid, k in self.kept.items() if rid in streams}
+        if isinstance(n := reply.get("tokens"), int) and n > 0 and request_id in streams:
+            self.kept[request_id] = (source, n)
 
     def evacuate(self, node: str) -> None:
         """``node`` was switched to prefill: hand its decodes to its partner

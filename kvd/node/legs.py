@@ -148,9 +148,10 @@ class Legs:
             finally:
                 if taken is not None:
                     await asyncio.shield(store.release(taken))
-        if handoff and msg.kept_tokens and self.replicator is not None:
-            # a handoff from the partner: its own KV is this request's copy there (ReplicaStore.keep)
-            self.replicator.kept(rid, msg.replica_from, msg.kept_tokens)
+        if handoff and self.replicator is not None:
+            # a handoff from the partner: its own KV (every token here but the last, at least) becomes
+            # this request's copy there (ReplicaStore.keep)
+            self.replicator.kept(rid, msg.replica_from, len(known) - 1)
         log.info("request %s: resuming after %d token(s), %d from the replica of %s", rid, len(outputs),
                  usable, msg.replica_from or "-")
         return self.pipe(rid, peer, resumed()), usable

@@ -34,10 +34,10 @@ swaps the roles of copy and original instead of rebuilding the copy: the
 node a request leaves ``keep``s its own KV of it (every token it computed,
 copied into a REPLICA region here before the request moves) as the
 partner's copy of it from that moment, keyed (partner, request) as if the
-partner had written it: the coordinator passes the tokens kept to the
-partner with the handoff (ResumeRequest ``kept_tokens``), whose rounds
-extend the copy from there, and a handoff back may follow at once;
-nothing is sent again from block 0. A
+partner had written it (the coordinator records the tokens kept): the
+partner's rounds extend the copy from the block of the last token it was
+handed (kvd/node/replication.py ``kept``), and a handoff back may follow
+at its next step; nothing is sent again from block 0. A
 pair's copy is current to the token (its last block partial, written
 again each round), and a request resumed from a copy that holds every
 token it computed decodes from it at once (``reservation``).

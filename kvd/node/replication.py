@@ -25,11 +25,14 @@ token instead: each round also sends the request's last, partial block
 again, fuller, in the next round, and its rounds follow the steps (one
 as soon as ``PAIR_ROUND_S`` after the last, its gather at the next step
 boundary), so a request handed off resumes from the copy with nothing
-recomputed (kvd/node/replica_store.py ``take_current``). A request handed
-off here comes with the tokens of it the partner kept as this node's copy
-(``kept``): the rounds extend that copy, its first block sent the one the
-copy's last token is in (a copy that turns out shorter or gone is answered
-with what is held, and the next round starts there).
+recomputed (kvd/node/replica_store.py ``take_current``). The partner that
+handed a request off here keeps its own KV of it (every token it computed,
+so at least every token the client had but the last) as this node's copy
+(``kept``): the rounds extend that copy from the block its last known token
+is in. The holder answers a round that does not fit the copy it holds with
+what it holds: until the kept copy is there (nothing held), the request is
+offered again in the next round, from there on the rounds start where the
+copy ends; after ``KEPT_WAIT_S`` without it, the copy is sent from block 0.
 
 Disaggregated requests: the prefill node sends the prompt's replica to the
 decode node's peer itself (``send_prompt_replica``, a ReplicaData with
@@ -64,7 +67,7 @@ log = logging.getLogger("kvd.replication")
 
 REFUSED_RETRY_S = 1.0          # a request the holder refused is offered again after this
 ADOPT_WAIT_S = 2.0             # how long a decode node claims a prompt replica its prefill node sent
-KEPT_WAIT_S = 2.0              # how long a handoff's kept copy waits for its request to start here
+KEPT_WAIT_S = 1.0              # how long a handoff's kept copy is waited for before it is sent whole
 PAIR_ROUND_S = 0.005           # a pair's copy: the next round as soon as this after the last (one per step)
 TICKET_GRACE_S = 10.0          # a ticket from a request is kept this long without a heartbeat repeating it
 
@@ -86,7 +89,7 @@ class Replicator:
         self.sent: dict[str, int] = {}            # request id -> tokens the peer holds
         self.retry_at: dict[str, float] = {}      # request id -> when to offer it again (refused)
         self.adopting: dict[str, tuple[str, str, float]] = {}  # request id -> (writer, holder, give up at)
-        self.kept_at: dict[str, tuple[str, int, float]] = {}   # request id -> (holder, tokens kept, until)
+        self.kept_at: dict[str, tuple[str, int, float]] = {}   # request id -> (holder, tokens it keeps, until)
         self.lag_tokens = 0                       # computed tokens not replicated, last round
         self.counts = {"rounds": 0, "messages": 0, "blocks": 0, "bytes": 0, "refused": 0, "errors": 0,
                        "adopted": 0, "adopt_fallbacks": 0}
@@ -134,9 +137,9 @@ class Replicator:
 
     def kept(self, request_id: str, holder: str, tokens: int) -> None:
         """``holder``, the partner that handed ``request_id`` off to this
-        node, kept ``tokens`` tokens of its KV as this node's copy: the
-        rounds extend it from there once the request runs here (within
-        ``KEPT_WAIT_S``, and while ``holder`` is the peer)."""
+        node, keeps at least ``tokens`` tokens of its KV as this node's
+        copy: the rounds extend it from there once the request runs here
+        (module docstring; while ``holder`` is the peer)."""
         self.kept_at[request_id] = (holder, tokens, time.monotonic() + KEPT_WAIT_S)
         self.sent.pop(request_id, None)           # what this node sent of it before a handoff away is stale
         self.retry_at.pop(request_id, None)
@@ -205,7 +208,7 @@ class Replicator:
             self.adopting.pop(rid, None)
             self.tickets.pop(rid, None)
         for rid, n in ack.held.items():
-            if rid in msg.request_ids:
+            if rid in msg.request_ids and not (n == 0 and rid in self.kept_at):   # else: not kept yet
                 sent[rid] = n
                 self.kept_at.pop(rid, None)
             elif rid in msg.adopt and self.adopting.pop(rid, None) is not None:
