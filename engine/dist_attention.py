@@ -145,6 +145,22 @@ class DistStep:
                       if s.ctx - s.n + i < s.split * KEY_CHUNK]
         self._local_rows = torch.tensor(local_rows, dtype=torch.int64)
         self._local_slots = slots[self._local_rows]
+        # what every layer reads alike, worked out once a step
+        self._local_seqs, self._local_tables = self.seqs[self._local], self.tables[self._local]
+        self._local_width = max(int(self._local_chunks[:, 1].max()), 1) if len(local) else 1
+        self._zero = torch.zeros(len(self._seqs), dtype=torch.int64)
+        self._remote = []                       # (seq, part, its query rows, its new K/V rows, their positions)
+        for s in self._seqs:
+            for part in s.parts:
+                if s.ctx <= part.lo * KEY_CHUNK:
+                    continue                            # the sequence has not reached it
+                k0 = part.lo * KEY_CHUNK
+                k1 = s.ctx if part.hi is None else min(part.hi * KEY_CHUNK, s.ctx)
+                first_pos = s.ctx - s.n
+                mine = slice(s.start + max(k0 - first_pos, 0), s.start + max(k1 - first_pos, 0))
+                positions = torch.arange(first_pos + (mine.start - s.start), first_pos + (mine.stop - s.start))
+                self._remote.append((s, part, slice(s.start, s.start + s.n), mine, positions))
+        self._gather: Partials | None = None
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                v_cache: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
@@ -155,28 +171,17 @@ class DistStep:
         T, H, hd = q.shape
         k, v = store_kv(k, k_cache.dtype), store_kv(v, k_cache.dtype)
         # 1. the remote parts first: their round trips overlap the local work
-        pending = []
-        for s in self._seqs:
-            for part in s.parts:
-                if s.ctx <= part.lo * KEY_CHUNK:
-                    continue                            # the sequence has not reached it
-                k0 = part.lo * KEY_CHUNK
-                k1 = s.ctx if part.hi is None else min(part.hi * KEY_CHUNK, s.ctx)
-                first_pos = s.ctx - s.n
-                mine = slice(s.start + max(k0 - first_pos, 0), s.start + max(k1 - first_pos, 0))
-                positions = torch.arange(first_pos + (mine.start - s.start), first_pos + (mine.stop - s.start))
-                rows = slice(s.start, s.start + s.n)
-                pending.append((s, part, part.lender.start(layer, q[rows], s.ctx, positions, k[mine], v[mine])))
+        pending = [(s, part, part.lender.start(layer, q[rows], s.ctx, positions, k[mine], v[mine]))
+                   for s, part, rows, mine, positions in self._remote]
         # 2. the local part
         if len(self._local_rows):
             k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, self._local_slots, k[self._local_rows])
             v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, self._local_slots, v[self._local_rows])
-        gather = Partials.empty(T, self.slots_total, H, hd)
+        # one gather for every layer: each writes the same slots, the others stay empty
+        gather = self._gather = self._gather or Partials.empty(T, self.slots_total, H, hd)
         if len(self._local):
-            local_seqs = self.seqs[self._local]
-            part = self.kernel.partials(q, k_cache, v_cache, local_seqs, self.tables[self._local],
-                                        self._local_chunks, scale, max(int(self._local_chunks[:, 1].max()), 1),
-                                        window=window)
+            part = self.kernel.partials(q, k_cache, v_cache, self._local_seqs, self._local_tables,
+                                        self._local_chunks, scale, self._local_width, window=window)
             if part is None:
                 raise ValueError("the paged attention kernel does not take this model's heads")
             gather.place(part, slice(None), 0)
@@ -184,8 +189,7 @@ class DistStep:
         for s, part, handle in pending:
             got = handle.partials(self.deadline_s)
             gather.place(got, slice(s.start, s.start + s.n), part.lo)
-        zero = torch.zeros(len(self._seqs), dtype=torch.int64)
-        return self.kernel.combine(gather, self.seqs, zero, window=window)
+        return self.kernel.combine(gather, self.seqs, self._zero, window=window)
 
 
 class LentKV:
