@@ -67,7 +67,9 @@ class SimStream:
 
 class SimCluster:
     def __init__(self, engine: EngineConfig, cluster: ClusterConfig, roles: list[str], profile: Profile,
-                 events: EventQueue, *, keep_log: bool = False) -> None:
+                 events: EventQueue, *, colocated: bool = False, keep_log: bool = False) -> None:
+        """``colocated``: every node runs on one host and shares its last-level
+        cache (``kvd serve --nodes N`` on one machine); else one host per node."""
         self.engine, self.cluster, self.profile, self.events = engine, cluster, profile, events
         self.hop = profile.costs.transfer_latency_s / 2
         self.block_size = engine.block_size
@@ -99,7 +101,7 @@ class SimCluster:
             self.nodes[name] = SimNode(name, role, engine, profile.costs, events, self._on_token, self._on_events,
                                        kv_bytes_per_token=profile.kv_bytes_per_token,
                                        replicas=cluster.replicas, token_s=profile.serving_token_s,
-                                       keep_log=keep_log)
+                                       cache=profile.cache, keep_log=keep_log)
             self.infos[name] = NodeInfo(name=name, address=f"sim://{name}", incarnation="1",
                                         model_name=profile.model, max_model_len=1 << 20,
                                         block_size=engine.block_size,
@@ -108,6 +110,9 @@ class SimCluster:
             self.cache_sync.registered(name, engine.block_size, role)
             self.cache_sync.handle(cache_events.pack(name, 0, engine.block_size, [], snapshot=True))
             self._seq[name] = 0
+        if colocated:
+            for node in self.nodes.values():
+                node.neighbours = [n for n in self.nodes.values() if n is not node]
 
     # ------------------------------------------------------------------ routing
     def submit(self, request_id: str, prompt_ids: list[int], max_tokens: int,

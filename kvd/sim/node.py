@@ -17,6 +17,9 @@ whose engine thread is busy. A step's duration::
     + replication (replicas=1: one token's KV per decoding request, copied out)
     + token_s per decoding request (the serving path's work per token, which
       shares the node's CPUs: the profile's ``serving.token_s``)
+    + the decode part's cold-cache cost (kvd/sim/warmth.py: how much of the
+      weights the last-level cache holds after this node's prefills and the
+      steps of ``neighbours``, the nodes that share its host)
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from engine.request import Request, RequestStatus
 from engine.scheduler import ScheduledBatch, Scheduler
 from kvd.sim.costs import StepCosts
 from kvd.sim.events import EventQueue
+from kvd.sim.warmth import CacheCosts, Warmth
 
 # a prefill leg's kv_out (the engine's KVSink): the request hands off after its first token
 HAND_OFF = object()
@@ -61,7 +65,8 @@ class SimNode:
 
     def __init__(self, name: str, role: str, config: EngineConfig, costs: StepCosts, events: EventQueue,
                  on_token: Callable, on_events: Callable | None = None, *, kv_bytes_per_token: int = 0,
-                 replicas: int = 0, token_s: float = 0.0, keep_log: bool = False) -> None:
+                 replicas: int = 0, token_s: float = 0.0, cache: CacheCosts | None = None,
+                 keep_log: bool = False) -> None:
         self.name, self.role, self.config, self.costs, self.events = name, role, config, costs, events
         self.pool = MemPool(device_blocks=config.kv_blocks, host_blocks=config.host_kv_blocks,
                             block_size=config.block_size)
@@ -70,6 +75,8 @@ class SimNode:
         self.kv_bytes_per_token = kv_bytes_per_token
         self.replicas = replicas
         self.token_s = token_s
+        self.warmth = Warmth(cache)
+        self.neighbours: list[SimNode] = []    # the nodes on this node's host (their steps evict its weights)
         self.busy = False
         self.dead = False                  # killed (kvd/sim/faults.py): computes nothing more
         self.busy_seconds = 0.0
@@ -153,7 +160,9 @@ class SimNode:
         self.events.after(seconds, self._finish_step, batch)
 
     def step_seconds(self, batch: ScheduledBatch) -> float:
-        """What ``batch`` takes on the profiled machine (see the module docstring)."""
+        """What ``batch`` takes on the profiled machine (see the module docstring).
+        Called once per step, at its start: it moves this node's warmth and its
+        neighbours'."""
         c = self.costs
         t = c.prefill_seconds((n, r.num_computed) for r, n in zip(batch.prefill, batch.prefill_lens)) \
             if batch.prefill else 0.0
@@ -162,6 +171,9 @@ class SimNode:
         t += c.swap_seconds(2 * swapped + batch.host_blocks_swapped_in)     # out now, back in later
         if self.replicas:
             t += c.transfer_byte_s * self.kv_bytes_per_token * len(batch.decode)
+        t += self.warmth.step_extra(bool(batch.prefill), bool(batch.decode))
+        for n in self.neighbours:
+            n.warmth.neighbour_step()
         return t + self.token_s * len(batch.decode)
 
     def _finish_step(self, batch: ScheduledBatch) -> None:

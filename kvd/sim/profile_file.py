@@ -11,7 +11,8 @@
                  "swap": [[blocks, s]...], "transfer": [[bytes, s]...]},
      "fit": {"prefill_median_error": 0.03, ...},
      "serving": {"first_token_s": 0.03,      # optional (tools/sim/measure.py); absent: 0
-                 "token_s": 0.001, ...}}     # optional; absent: 0
+                 "token_s": 0.001, ...},     # optional; absent: 0
+     "cache": {CacheCosts fields}}           # optional (kvd/sim/warmth.py); absent: always warm
 
 A profile describes one model on one CPU: ``load_profile`` refuses one made
 for another model or another CPU when asked to check them (one-line
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvd.sim.costs import StepCosts
+from kvd.sim.warmth import CacheCosts
 
 KIND = "kvd-profile"
 VERSION = 1
@@ -48,6 +50,7 @@ class Profile:
     doc: dict                                  # the whole document, as read
     serving_s: float = 0.0                     # a request's time before routing that no step models
     serving_token_s: float = 0.0               # the serving path's time per token a step emits (event loop, SSE)
+    cache: CacheCosts | None = None            # the weights' last-level cache model; None: always warm
 
     def engine_costs(self) -> dict[str, float]:
         """The engine's caching cost coefficients (``[engine].cost_*_s``) this profile measured."""
@@ -85,10 +88,14 @@ def parse_profile(doc: object, where: str = "profile") -> Profile:
     if any(isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < 3600 for t in times):
         raise ProfileError(f"{where}: \"serving\" must be an object whose \"first_token_s\" and \"token_s\" "
                            f"are seconds in [0, 3600), got {serving!r}")
+    try:
+        cache = CacheCosts.from_dict(doc["cache"]) if "cache" in doc else None
+    except ValueError as exc:
+        raise ProfileError(f"{where}: {exc}") from None
     return Profile(model=doc["model"], cpu=doc["cpu"], threads=doc["threads"], fingerprint=doc["fingerprint"],
                    block_size=doc["block_size"], kv_bytes_per_token=doc["kv_bytes_per_token"],
                    num_layers=doc["num_layers"], costs=costs, doc=doc, serving_s=float(times[0]),
-                   serving_token_s=float(times[1]))
+                   serving_token_s=float(times[1]), cache=cache)
 
 
 def load_profile(path: str | Path, *, model: str | None = None, check_cpu: bool = True) -> Profile:

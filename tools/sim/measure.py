@@ -42,14 +42,15 @@ def measured(url: str, flags: list[str], out: Path, timeout: float = 600.0) -> d
 
 
 def simulated(profile: str, nodes: int, prefill: int, routing: str | None, cfg: str | Path | None,
-              flags: list[str]) -> dict:
-    """``kvd simulate`` of ``flags`` on ``profile`` for that shape (``nodes`` 0: one node); the metrics."""
+              flags: list[str], colocated: bool = False) -> dict:
+    """``kvd simulate`` of ``flags`` on ``profile`` for that shape (``nodes`` 0: one node;
+    ``colocated``: every node on this one host); the metrics."""
     from tools.loadgen import metrics
 
     from tools.sim.run import load_shape, parse, simulate, workload_of
 
     _, args = parse(["--profile", str(profile), *flags])
-    shape = load_shape(str(cfg) if cfg else None, str(profile), max(nodes, 1), prefill, routing)
+    shape = load_shape(str(cfg) if cfg else None, str(profile), max(nodes, 1), prefill, routing, colocated)
     conversations, opts, encode, _ = workload_of(args)
     records, duration, _ = simulate(shape, conversations, opts, encode)
     return metrics.compute_metrics(records, duration, args.percentiles, args.slo)

@@ -203,7 +203,7 @@ def search(own, args) -> Plan:
         cluster = with_overrides(base.cluster, routing=k.routing)
         if k.replicas is not None:
             cluster = with_overrides(cluster, replicas=k.replicas, recovery="replica")
-        shape = Shape(engine, cluster, roles_for(k.nodes, k.prefill), base.profile)
+        shape = Shape(engine, cluster, roles_for(k.nodes, k.prefill), base.profile, own.colocated)
         # a fault names a node by number: a candidate without that node does not have it
         faults = [f for f in own.faults if f.node in {f"n{i + 1}" for i in range(k.nodes)}]
         records, duration, _ = simulate(shape, conversations, opts, encode, faults=faults)

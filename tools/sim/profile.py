@@ -12,7 +12,12 @@ config (its threads, dtype and kernels):
 - swap: moving blocks device -> host -> device (``MemPool`` private swaps);
 - transfer: a request of ``x`` bytes and its small answer over a zmq+tcp
   link between two loopback endpoints (kvd's own transports), which is also
-  what replication sends each step (one token's KV per request).
+  what replication sends each step (one token's KV per request);
+- cache: what a decode step costs with the weights out of the last-level
+  cache, and how prefills and a second node on the host evict them
+  (tools/sim/profile_cache.py, kvd/sim/warmth.py). It is measured first:
+  the decode grid then drops each point's steps that the point's own
+  prefill left cold, so the decode fit is of warm steps.
 
 Then (unless ``--serving-requests 0``) the serving overhead: a few requests
 through a real ``kvd serve`` of the same config, one at a time, against the
@@ -40,9 +45,8 @@ from kvd.sim.costs import StepCosts, least_squares, relative_error
 GRIDS = {
     # (prefill new tokens, prefill contexts, decode batches, decode prompt lengths,
     #  decode steps per point, swap block counts, transfer sizes in bytes, repeats)
-    # 16 decode steps a point: a request's first few steps run slower than the rest (a median of 4 is
-    # those first steps, not the steady state a stream's TPOT is made of)
-    "full": ([16, 64, 128, 256], [0, 128], [1, 2, 4, 8], [32, 128], 16,
+    # decode steps a point, after those its prefill left cold (measured: see the cache)
+    "full": ([16, 64, 128, 256], [0, 128], [1, 2, 4, 8], [32, 128], 8,
              [8, 32], [4 << 10, 64 << 10, 1 << 20, 8 << 20], 3),
     "quick": ([16, 64], [0, 32], [1, 4], [32], 3, [8], [4 << 10, 256 << 10], 2),
 }
@@ -62,15 +66,19 @@ class Progress:
 
 def profile_engine(config, *, quick: bool = False, progress: Progress | None = None) -> dict:
     """Measure an engine built from ``config`` (an EngineConfig) and return the
-    profile document (kvd/sim/profile_file.py). Slow: minutes, or seconds with ``quick``."""
+    profile document (kvd/sim/profile_file.py). Slow: minutes, or seconds with
+    ``quick`` (which measures no cache: its profile is always warm)."""
+    import math
+
+    from tools.sim.profile_cache import CACHE_ROUNDS, measure_cache
     from engine.engine import LLMEngine
     from engine.request import SamplingParams
 
     from kvd.sim.profile_file import KIND, VERSION, this_cpu
 
     ns, cs, batches, lens, dsteps, swaps, sizes, reps = GRIDS["quick" if quick else "full"]
-    longest = max(max(ns) + max(cs), max(lens) + dsteps + 2)
-    blocks = max(64, max(batches) * (-(-(max(lens) + dsteps + 2) // config.block_size)) + 64, max(swaps) + 8)
+    longest = max(max(ns) + max(cs), max(lens) + 4 * dsteps + 2)
+    blocks = max(64, max(batches) * (-(-(max(lens) + 4 * dsteps + 2) // config.block_size)) + 64, max(swaps) + 8)
     # unchunked: a prefill sample is exactly one call of n tokens; chunked serving makes the same calls
     config = replace(config, prefill_chunk_tokens=0, max_num_batched_tokens=max(longest, 4096),
                      kv_blocks=max(config.kv_blocks, blocks), host_kv_blocks=max(config.host_kv_blocks, max(swaps) + 8),
@@ -78,7 +86,8 @@ def profile_engine(config, *, quick: bool = False, progress: Progress | None = N
     engine = LLMEngine.from_config(config)
     if engine.max_model_len <= longest:
         raise ValueError(f"the model's context ({engine.max_model_len}) is too short to profile")
-    total = len(ns) * len(cs) * reps + len(batches) * len(lens) * reps + len(swaps) * reps + len(sizes) * reps
+    total = len(ns) * len(cs) * reps + len(batches) * len(lens) * reps + len(swaps) * reps + len(sizes) * reps \
+        + (0 if quick else 2 * CACHE_ROUNDS)
     progress = progress or Progress(total)
     rng = np.random.default_rng(0)
     vocab = engine.model.config.vocab_size
@@ -103,6 +112,9 @@ def profile_engine(config, *, quick: bool = False, progress: Progress | None = N
     for n in ns:                                                 # each prefill shape once, untimed
         run_alone(ids(n), greedy)
     engine.pool.flush()
+    cache = None if quick else measure_cache(engine, lambda: LLMEngine.from_config(config), ids, progress=progress)
+    engine.pool.flush()
+    cold_steps = min(3 * dsteps, math.ceil(cache.warm_steps * cache.prefill_cools)) if cache is not None else 0
     prefill = []
     for _ in range(reps):
         for c in cs:
@@ -122,9 +134,10 @@ def profile_engine(config, *, quick: bool = False, progress: Progress | None = N
     for _ in range(reps):
         for length in lens:
             for b in batches:
-                params = SamplingParams(max_tokens=dsteps + 1, temperature=0.0, ignore_eos=True)
+                params = SamplingParams(max_tokens=cold_steps + dsteps + 1, temperature=0.0, ignore_eos=True)
                 for _ in range(b):
                     engine.add_request(f"profile-{next(counter)}", ids(length), params)
+                since_prefill = 0
                 while engine.has_unfinished():
                     sched = engine.scheduler
                     pure = not sched.waiting and sched.running and not any(r.prefilling for r in sched.running)
@@ -133,7 +146,8 @@ def profile_engine(config, *, quick: bool = False, progress: Progress | None = N
                     t0 = time.perf_counter()
                     engine.step()
                     dt = time.perf_counter() - t0
-                    if pure:
+                    since_prefill = since_prefill + 1 if pure else 0
+                    if pure and since_prefill > cold_steps:
                         decode.append([batch, context, dt])
                 engine.pool.flush()
                 progress.tick("decode")
@@ -164,6 +178,7 @@ def profile_engine(config, *, quick: bool = False, progress: Progress | None = N
         "created": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
         "costs": costs.as_dict(), "fit": fit,
         "samples": {"prefill": prefill, "decode": decode, "swap": swap, "transfer": transfer},
+        **({"cache": cache.as_dict()} if cache is not None else {}),
     }
 
 

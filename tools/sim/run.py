@@ -1,6 +1,6 @@
 """``kvd simulate``: one simulated run, written as a kvd-loadgen result.
 
-    kvd simulate [-c CONFIG] [--nodes N] [--prefill P] [--routing POLICY] --profile PROFILE.json \\
+    kvd simulate [-c CONFIG] [--nodes N] [--prefill P] [--routing POLICY] [--colocated] --profile PROFILE.json \\
                  [kvd-loadgen workload flags: --dataset-name, --random-input-len, --request-rate,
                   --burstiness, --num-prompts, --seed, --goodput, --save-result --result-dir DIR ...]
 
@@ -38,6 +38,9 @@ def own_parser(prog: str = PROG) -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=int, default=1, help="nodes in the cluster (default 1)")
     p.add_argument("--prefill", type=int, default=0, help="P of the nodes are prefill nodes, the rest decode")
     p.add_argument("--routing", default=None, help="routing policy (default: [cluster].routing)")
+    p.add_argument("--colocated", action="store_true",
+                   help="every node on one host, sharing its last-level cache (as kvd serve --nodes N on one "
+                        "machine); default: a host per node")
     p.add_argument("--fail", action="append", default=[], metavar="NODE@SECONDS[:MODE]",
                    help="kill NODE (n1, n2, ...) that many simulated seconds into the run; repeatable "
                         "(kvd/sim/faults.py: recovery per [cluster].recovery and replicas)")
@@ -53,6 +56,7 @@ class Shape:
     cluster: object         # ClusterConfig
     roles: tuple[str, ...]
     profile: Profile
+    colocated: bool = False     # every node on one host (kvd/sim/warmth.py)
 
     @property
     def nodes(self) -> int:
@@ -70,7 +74,8 @@ def roles_for(nodes: int, prefill: int) -> tuple[str, ...]:
     return ("prefill",) * prefill + ("decode",) * (nodes - prefill)
 
 
-def load_shape(config: str | None, profile_path: str, nodes: int, prefill: int, routing: str | None) -> Shape:
+def load_shape(config: str | None, profile_path: str, nodes: int, prefill: int, routing: str | None,
+               colocated: bool = False) -> Shape:
     """The Shape of the flags; raises SimUsageError (one line) for anything bad."""
     from kvd.cluster_config import ConfigError as ClusterConfigError
     from kvd.cluster_config import ROUTING_POLICIES, load_cluster_config, with_overrides
@@ -97,7 +102,7 @@ def load_shape(config: str | None, profile_path: str, nodes: int, prefill: int, 
                             f"the config has {engine.block_size}")
     if profile.doc.get("chunked_prefill") is False:       # its engine prefills whole prompts (bf16)
         engine = replace(engine, prefill_chunk_tokens=0)
-    return Shape(engine, cluster, roles, profile)
+    return Shape(engine, cluster, roles, profile, colocated)
 
 
 def _names_model(config: str) -> bool:
@@ -116,7 +121,8 @@ def simulate(shape: Shape, conversations, opts, encode, *, keep_log: bool = Fals
     from tools.sim.workload import SimClient
 
     events = EventQueue()
-    cluster = SimCluster(shape.engine, shape.cluster, list(shape.roles), shape.profile, events, keep_log=keep_log)
+    cluster = SimCluster(shape.engine, shape.cluster, list(shape.roles), shape.profile, events,
+                         colocated=shape.colocated, keep_log=keep_log)
     try:
         cluster.failover.schedule(faults)
     except ValueError as exc:
@@ -182,7 +188,7 @@ def main(argv: list[str]) -> int:
 
     try:
         own, args = parse(argv)
-        shape = load_shape(own.config, own.profile, own.nodes, own.prefill, own.routing)
+        shape = load_shape(own.config, own.profile, own.nodes, own.prefill, own.routing, own.colocated)
         conversations, opts, encode, spec = workload_of(args)
         wall = time.perf_counter()
         records, duration, cluster = simulate(shape, conversations, opts, encode, faults=own.faults)
@@ -221,5 +227,6 @@ def simulated_config(shape: Shape, profile_path: str, cluster, wall_s: float) ->
     return {"profile": str(profile_path), "model": shape.profile.model, "cpu": shape.profile.cpu,
             "nodes": shape.nodes, "roles": list(shape.roles), "routing": c.routing,
             "prefill_chunk_tokens": e.prefill_chunk_tokens, "kv_blocks": e.kv_blocks,
-            "max_num_seqs": e.max_num_seqs, "replicas": c.replicas, "wall_seconds": round(wall_s, 3),
+            "max_num_seqs": e.max_num_seqs, "replicas": c.replicas, "colocated": shape.colocated,
+            "wall_seconds": round(wall_s, 3),
             **cluster.describe()}

@@ -65,6 +65,7 @@ def main() -> None:
     own, largs = parse(["--profile", args.profile, "--slo-ttft", str(args.slo_ttft), "--slo-tpot",
                         str(args.slo_tpot), "--max-nodes", str(args.max_nodes), "--percentile",
                         str(args.percentile), *(["--routing", args.routing] if args.routing else []),
+                        "--colocated",           # the candidates run on this one host
                         *workload], PROG, _extra)
     plan = search(own, largs)
     pick = plan.ranked[0]

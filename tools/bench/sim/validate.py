@@ -7,10 +7,11 @@ and the prefix cache matter) and rate, it starts a real ``kvd serve`` on
 loopback, runs ``kvd-loadgen`` against it, then simulates the same flags on
 the profile (tools/sim/run.py) and reports, per run, the relative errors of
 p50 and p99 TTFT and TPOT and the difference in SLO attainment (points).
-Multi-node configurations run every node on this host: with fewer cores
-than nodes the nodes share them, which the simulator (one machine per node,
-as profiled) does not model; ``--node-profile`` names a profile measured
-with the per-node thread count for them.
+Multi-node configurations run every node on this host, so they are
+simulated ``colocated``: the nodes share the host's last-level cache
+(kvd/sim/warmth.py). With fewer cores than nodes the nodes also share cores,
+which the simulator does not model; ``--node-profile`` names a profile
+measured with the per-node thread count for them.
 
     .venv/bin/python -m tools.bench.sim.validate --profile results/sim/profile-smollm2.json \\
         [--node-profile P.json] [--configs one,mixed2,1p1d,tree3] [--rates 0.5,1] \\
@@ -121,7 +122,7 @@ def main() -> None:
                                  "--metric-percentiles", "50,99", "--goodput", *args.slo.split()]
                         flush_cache(sock)          # each run starts cold, as its simulation does
                         real = measured(url, flags, Path(tmp) / f"{name}-{trace}-{rate}.json")
-                        sim = simulated(profile, nodes, prefill, routing, cfg, flags)
+                        sim = simulated(profile, nodes, prefill, routing, cfg, flags, colocated=True)
                         row = {"config": name, "trace": trace, "rate": float(rate),
                                "measured": {k: real.get(k) for k in (*METRICS, "slo_attainment", "request_goodput")},
                                "simulated": {k: sim.get(k) for k in (*METRICS, "slo_attainment", "request_goodput")},

@@ -1,0 +1,104 @@
+"""The weights' cache model (kvd/sim/warmth.py): its dynamics, its place in a
+simulated step, colocated nodes, the profile's ``cache`` object and the fits
+``kvd profile`` makes (tools/sim/profile_cache.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvd.sim.profile_file import ProfileError, load_profile
+from kvd.sim.warmth import CacheCosts, Warmth
+from tools.sim.measure import simulated
+from tools.sim.profile_cache import fit_cooling, fit_warm_steps, llc_bytes, measure_cache, neighbour_cooling
+
+SPARSE = ["--dataset-name", "random", "--random-input-len", "64", "--random-output-len", "4",
+          "--num-prompts", "6", "--request-rate", "0.05", "--seed", "0"]     # one request at a time
+COLD = {"decode_cold_s": 0.01, "warm_steps": 4, "prefill_cools": 1.0, "neighbour_cools": 0.0}
+
+
+def test_a_prefill_cools_and_decode_steps_warm_back_linearly():
+    w = Warmth(CacheCosts(**COLD))
+    assert w.step_extra(prefill=False, decode=True) == 0.0           # a served node starts warm
+    assert w.step_extra(prefill=True, decode=False) == 0.0            # a prefill alone pays nothing here
+    extras = [w.step_extra(prefill=False, decode=True) for _ in range(6)]
+    assert extras == pytest.approx([0.01, 0.0075, 0.005, 0.0025, 0.0, 0.0])
+    # a step with both parts: the prefill part runs first and cools the decode part
+    assert w.step_extra(prefill=True, decode=True) == pytest.approx(0.01)
+
+
+def test_a_neighbours_step_cools_by_its_share_and_no_cache_model_is_always_warm():
+    w = Warmth(CacheCosts(**{**COLD, "neighbour_cools": 0.5}))
+    w.neighbour_step()
+    assert w.step_extra(prefill=False, decode=True) == pytest.approx(0.005)
+    plain = Warmth(None)
+    plain.neighbour_step()
+    assert plain.step_extra(prefill=True, decode=True) == 0.0
+
+
+def test_one_node_pays_the_cold_steps_after_each_prefill(write_profile):
+    plain = simulated(write_profile(), 0, 0, None, None, SPARSE)
+    cold = simulated(write_profile("cold.json", cache=COLD), 0, 0, None, None, SPARSE)
+    assert cold["completed"] == plain["completed"] == 6
+    assert cold["median_ttft_ms"] == pytest.approx(plain["median_ttft_ms"], abs=1e-6)
+    # 3 decode steps after the prefill: 10 + 7.5 + 5 ms more over 3 intervals
+    assert cold["median_tpot_ms"] == pytest.approx(plain["median_tpot_ms"] + 7.5, abs=1e-6)
+
+
+def test_colocated_nodes_cool_each_other_and_separate_hosts_do_not(write_profile):
+    # prefills cool nothing on their own node; a neighbour's step evicts everything
+    prof = write_profile("n.json", cache={**COLD, "prefill_cools": 0.0, "neighbour_cools": 1.0})
+    plain = simulated(write_profile(), 2, 1, None, None, SPARSE)
+    apart = simulated(prof, 2, 1, None, None, SPARSE)
+    together = simulated(prof, 2, 1, None, None, SPARSE, colocated=True)
+    assert plain["completed"] == apart["completed"] == together["completed"] == 6
+    assert apart["median_tpot_ms"] == pytest.approx(plain["median_tpot_ms"], abs=1e-6)
+    # the prefill node's step (the request's own prefill) left the decode node cold
+    assert together["median_tpot_ms"] == pytest.approx(plain["median_tpot_ms"] + 7.5, abs=1e-6)
+
+
+@pytest.mark.parametrize("cache, why", [
+    ([1], "must be an object"), ({"decode_cold_s": 0.01}, "lacks warm_steps"),
+    ({**COLD, "decode_cold_s": -0.1}, "decode_cold_s"), ({**COLD, "warm_steps": 0.5}, "warm_steps"),
+    ({**COLD, "prefill_cools": 1.5}, "prefill_cools"), ({**COLD, "neighbour_cools": "all"}, "neighbour_cools"),
+    ({**COLD, "warm_steps": True}, "warm_steps")])
+def test_a_bad_cache_object_is_refused(write_profile, cache, why):
+    with pytest.raises(ProfileError, match=why):
+        load_profile(write_profile(cache=cache), model="tiny")
+
+
+def test_the_fits_recover_the_model_they_fit():
+    truth = CacheCosts(decode_cold_s=0.005, warm_steps=6.5, prefill_cools=0.7, neighbour_cools=0.4)
+    warm = 0.004
+
+    def after(w0: float, n: int, done: int = 0) -> list[float]:
+        w = Warmth(truth)
+        w.w = w0
+        for _ in range(done):
+            w.step_extra(False, True)
+        return [warm + w.step_extra(False, True) for _ in range(n)]
+    k = fit_warm_steps(warm, truth.decode_cold_s, after(0.0, 16))
+    assert k == truth.warm_steps
+    assert fit_cooling(warm, truth.decode_cold_s, k, after(1 - truth.prefill_cools, 16, 1), done=1) \
+        == pytest.approx(truth.prefill_cools)
+    # two nodes in turn: iterate the model to its equilibrium, then fit
+    a = Warmth(truth)
+    for _ in range(200):
+        step = warm + a.step_extra(False, True)
+        a.neighbour_step()
+    assert neighbour_cooling(warm, truth.decode_cold_s, k, step) == pytest.approx(truth.neighbour_cools, abs=1e-9)
+    assert fit_warm_steps(warm, 0.0, [warm] * 4) == 1.0 and neighbour_cooling(warm, 0.0, 4, warm) == 0.0
+
+
+def test_measure_cache_on_a_real_engine_gives_a_valid_model():
+    from engine.config import EngineConfig
+    from engine.engine import LLMEngine
+
+    config = EngineConfig(model="tiny", dtype="float32", kv_blocks=64, block_size=16)
+    engine = LLMEngine.from_config(config)
+    rng = np.random.default_rng(0)
+    costs = measure_cache(engine, lambda: LLMEngine.from_config(config),
+                          lambda n: rng.integers(10, 1000, size=n).tolist(), steps=4, rounds=1)
+    assert isinstance(costs, CacheCosts)                 # validated on construction
+    assert not engine.has_unfinished()
+    assert llc_bytes() >= 1 << 20
