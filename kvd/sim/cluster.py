@@ -39,6 +39,7 @@ from kvd.coordinator.membership import NodeInfo
 from kvd.coordinator.prompt_tree import PromptTrees
 from kvd.sim.events import EventQueue
 from kvd.sim.faults import SimFailover
+from kvd.sim.host import SimHost
 from kvd.sim.node import HAND_OFF, SimNode
 from kvd.sim.profile_file import Profile
 
@@ -67,9 +68,11 @@ class SimStream:
 
 class SimCluster:
     def __init__(self, engine: EngineConfig, cluster: ClusterConfig, roles: list[str], profile: Profile,
-                 events: EventQueue, *, colocated: bool = False, keep_log: bool = False) -> None:
+                 events: EventQueue, *, colocated: bool = False, host_cores: int = 0,
+                 keep_log: bool = False) -> None:
         """``colocated``: every node runs on one host and shares its last-level
-        cache (``kvd serve --nodes N`` on one machine); else one host per node."""
+        cache (``kvd serve --nodes N`` on one machine), and its ``host_cores``
+        (0: as many as the nodes' threads); else one host per node."""
         self.engine, self.cluster, self.profile, self.events = engine, cluster, profile, events
         self.hop = profile.costs.transfer_latency_s / 2
         self.block_size = engine.block_size
@@ -101,7 +104,7 @@ class SimCluster:
             self.nodes[name] = SimNode(name, role, engine, profile.costs, events, self._on_token, self._on_events,
                                        kv_bytes_per_token=profile.kv_bytes_per_token,
                                        replicas=cluster.replicas, token_s=profile.serving_token_s,
-                                       cache=profile.cache, keep_log=keep_log)
+                                       cache=profile.cache, threads=profile.threads, keep_log=keep_log)
             self.infos[name] = NodeInfo(name=name, address=f"sim://{name}", incarnation="1",
                                         model_name=profile.model, max_model_len=1 << 20,
                                         block_size=engine.block_size,
@@ -111,8 +114,12 @@ class SimCluster:
             self.cache_sync.handle(cache_events.pack(name, 0, engine.block_size, [], snapshot=True))
             self._seq[name] = 0
         if colocated:
+            host = SimHost(host_cores, events) if host_cores else None
             for node in self.nodes.values():
                 node.neighbours = [n for n in self.nodes.values() if n is not node]
+                node.host = host
+            if host is not None:
+                host.nodes = list(self.nodes.values())
 
     # ------------------------------------------------------------------ routing
     def submit(self, request_id: str, prompt_ids: list[int], max_tokens: int,

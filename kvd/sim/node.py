@@ -20,6 +20,9 @@ whose engine thread is busy. A step's duration::
     + the decode part's cold-cache cost (kvd/sim/warmth.py: how much of the
       weights the last-level cache holds after this node's prefills and the
       steps of ``neighbours``, the nodes that share its host)
+
+On a shared ``host`` (kvd/sim/host.py) that is the step's work at full
+speed: the host's cores are shared with the other nodes' running steps.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from engine.request import Request, RequestStatus
 from engine.scheduler import ScheduledBatch, Scheduler
 from kvd.sim.costs import StepCosts
 from kvd.sim.events import EventQueue
+from kvd.sim.host import SimHost
 from kvd.sim.warmth import CacheCosts, Warmth
 
 # a prefill leg's kv_out (the engine's KVSink): the request hands off after its first token
@@ -66,7 +70,7 @@ class SimNode:
     def __init__(self, name: str, role: str, config: EngineConfig, costs: StepCosts, events: EventQueue,
                  on_token: Callable, on_events: Callable | None = None, *, kv_bytes_per_token: int = 0,
                  replicas: int = 0, token_s: float = 0.0, cache: CacheCosts | None = None,
-                 keep_log: bool = False) -> None:
+                 threads: int = 1, keep_log: bool = False) -> None:
         self.name, self.role, self.config, self.costs, self.events = name, role, config, costs, events
         self.pool = MemPool(device_blocks=config.kv_blocks, host_blocks=config.host_kv_blocks,
                             block_size=config.block_size)
@@ -77,6 +81,11 @@ class SimNode:
         self.token_s = token_s
         self.warmth = Warmth(cache)
         self.neighbours: list[SimNode] = []    # the nodes on this node's host (their steps evict its weights)
+        self.threads = threads
+        self.host: SimHost | None = None       # the cores it shares (kvd/sim/host.py); None: its own
+        self.work_left: float | None = None    # on a host: the running step's work left (full-speed seconds)
+        self.since, self.rate, self.generation = 0.0, 1.0, 0
+        self._running: ScheduledBatch | None = None
         self.busy = False
         self.dead = False                  # killed (kvd/sim/faults.py): computes nothing more
         self.busy_seconds = 0.0
@@ -118,6 +127,9 @@ class SimNode:
     def kill(self) -> None:
         """The node dies: the step it runs is lost, and nothing more runs here."""
         self.dead = True
+        if self.host is not None and self.work_left is not None:
+            self._running, self.work_left = None, None
+            self.host.reschedule()
 
     def abort(self, req: Request) -> None:
         """Drop ``req`` (a prefill leg whose decode node died), its blocks freed."""
@@ -157,7 +169,20 @@ class SimNode:
                                     [r.request_id for r in batch.preempted]))
         self.busy_seconds += seconds
         self.steps += 1
-        self.events.after(seconds, self._finish_step, batch)
+        if self.host is None:
+            self.events.after(seconds, self._finish_step, batch)
+            return
+        self._running, self.work_left, self.since = batch, seconds, self.events.now
+        self.host.reschedule()
+
+    def end_shared_step(self, generation: int) -> None:
+        """The end event of a step on a shared host (ignored when rescheduled since)."""
+        if generation != self.generation or self.work_left is None:
+            return
+        batch, self._running, self.work_left = self._running, None, None
+        self._finish_step(batch)
+        if self.work_left is None:                     # no next step: the others speed up
+            self.host.reschedule()
 
     def step_seconds(self, batch: ScheduledBatch) -> float:
         """What ``batch`` takes on the profiled machine (see the module docstring).

@@ -12,7 +12,8 @@
      "fit": {"prefill_median_error": 0.03, ...},
      "serving": {"first_token_s": 0.03,      # optional (tools/sim/measure.py); absent: 0
                  "token_s": 0.001, ...},     # optional; absent: 0
-     "cache": {CacheCosts fields}}           # optional (kvd/sim/warmth.py); absent: always warm
+     "cache": {CacheCosts fields},           # optional (kvd/sim/warmth.py); absent: always warm
+     "host_cpus": 2}                         # optional: the CPUs kvd profile could use; absent: 0
 
 A profile describes one model on one CPU: ``load_profile`` refuses one made
 for another model or another CPU when asked to check them (one-line
@@ -51,6 +52,7 @@ class Profile:
     serving_s: float = 0.0                     # a request's time before routing that no step models
     serving_token_s: float = 0.0               # the serving path's time per token a step emits (event loop, SSE)
     cache: CacheCosts | None = None            # the weights' last-level cache model; None: always warm
+    host_cpus: int = 0                         # the CPUs the profiled process could use (0: not recorded)
 
     def engine_costs(self) -> dict[str, float]:
         """The engine's caching cost coefficients (``[engine].cost_*_s``) this profile measured."""
@@ -88,6 +90,9 @@ def parse_profile(doc: object, where: str = "profile") -> Profile:
     if any(isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < 3600 for t in times):
         raise ProfileError(f"{where}: \"serving\" must be an object whose \"first_token_s\" and \"token_s\" "
                            f"are seconds in [0, 3600), got {serving!r}")
+    host_cpus = doc.get("host_cpus", 0)
+    if isinstance(host_cpus, bool) or not isinstance(host_cpus, int) or not 0 <= host_cpus <= 4096:
+        raise ProfileError(f"{where}: \"host_cpus\" must be an integer in [0, 4096], got {host_cpus!r}")
     try:
         cache = CacheCosts.from_dict(doc["cache"]) if "cache" in doc else None
     except ValueError as exc:
@@ -95,7 +100,7 @@ def parse_profile(doc: object, where: str = "profile") -> Profile:
     return Profile(model=doc["model"], cpu=doc["cpu"], threads=doc["threads"], fingerprint=doc["fingerprint"],
                    block_size=doc["block_size"], kv_bytes_per_token=doc["kv_bytes_per_token"],
                    num_layers=doc["num_layers"], costs=costs, doc=doc, serving_s=float(times[0]),
-                   serving_token_s=float(times[1]), cache=cache)
+                   serving_token_s=float(times[1]), cache=cache, host_cpus=host_cpus)
 
 
 def load_profile(path: str | Path, *, model: str | None = None, check_cpu: bool = True) -> Profile:

@@ -102,3 +102,33 @@ def test_measure_cache_on_a_real_engine_gives_a_valid_model():
     assert isinstance(costs, CacheCosts)                 # validated on construction
     assert not engine.has_unfinished()
     assert llc_bytes() >= 1 << 20
+
+
+BURST = ["--dataset-name", "random", "--random-input-len", "64", "--random-output-len", "2",
+         "--num-prompts", "3", "--request-rate", "inf", "--seed", "0"]
+
+
+def test_colocated_nodes_share_the_hosts_cores(write_profile):
+    # three nodes of 2 threads each, a prompt each at once: on 2 cores every step takes 3x
+    prof = write_profile()
+    apart = simulated(prof, 3, 0, "least-load", None, BURST)
+    roomy = simulated(write_profile("r.json", host_cpus=6), 3, 0, "least-load", None, BURST, colocated=True)
+    shared = simulated(write_profile("s.json", host_cpus=2), 3, 0, "least-load", None, BURST, colocated=True)
+    assert apart["completed"] == roomy["completed"] == shared["completed"] == 3
+    assert roomy["median_ttft_ms"] == pytest.approx(apart["median_ttft_ms"], abs=1e-6)
+    prefill_ms = 1e3 * (0.004 + 64 * (2e-4 + 1e-7 * 32))           # the toy profile's 64-token prefill
+    assert shared["median_ttft_ms"] == pytest.approx(apart["median_ttft_ms"] + 2 * prefill_ms, abs=1e-6)
+
+
+def test_host_cores_are_checked(write_profile):
+    from tools.sim.run import SimUsageError, load_shape
+
+    with pytest.raises(SimUsageError, match="needs --colocated"):
+        load_shape(None, str(write_profile()), 2, 0, None, False, 2)
+    with pytest.raises(SimUsageError, match="host-cores"):
+        load_shape(None, str(write_profile()), 2, 0, None, True, 0)
+    assert load_shape(None, str(write_profile(host_cpus=4)), 2, 0, None, True).host_cores == 4
+    assert load_shape(None, str(write_profile(host_cpus=4)), 2, 0, None, True, 8).host_cores == 8
+    for bad in (-1, 1.5, True, "2"):
+        with pytest.raises(ProfileError, match="host_cpus"):
+            load_profile(write_profile(host_cpus=bad), model="tiny")

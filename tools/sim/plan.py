@@ -181,7 +181,7 @@ def search(own, args) -> Plan:
         raise SimUsageError("--max-nodes must be in 1..64")
     if not 0 < own.percentile < 100 or own.top < 1:
         raise SimUsageError("--percentile must be in (0, 100) and --top >= 1")
-    base = load_shape(own.config, own.profile, 1, 0, own.routing)
+    base = load_shape(own.config, own.profile, 1, 0, own.routing, own.colocated, own.host_cores)
     conversations, opts, encode, _ = workload_of(args)
     pct = percentile_label(own.percentile)
     slo = Slo.parse([f"ttft:{own.slo_ttft:g}", f"tpot:{own.slo_tpot:g}"])
@@ -203,7 +203,8 @@ def search(own, args) -> Plan:
         cluster = with_overrides(base.cluster, routing=k.routing)
         if k.replicas is not None:
             cluster = with_overrides(cluster, replicas=k.replicas, recovery="replica")
-        shape = Shape(engine, cluster, roles_for(k.nodes, k.prefill), base.profile, own.colocated)
+        shape = Shape(engine, cluster, roles_for(k.nodes, k.prefill), base.profile, own.colocated,
+                      base.host_cores)
         # a fault names a node by number: a candidate without that node does not have it
         faults = [f for f in own.faults if f.node in {f"n{i + 1}" for i in range(k.nodes)}]
         records, duration, _ = simulate(shape, conversations, opts, encode, faults=faults)

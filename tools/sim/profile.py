@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as _dt
+import os
 import subprocess
 import sys
 import time
@@ -169,6 +170,7 @@ def profile_engine(config, *, quick: bool = False, progress: Progress | None = N
     return {
         "kind": KIND, "version": VERSION, "model": config.model, "cpu": this_cpu(),
         "threads": engine.compute_threads, "fingerprint": engine.fingerprint,
+        "host_cpus": len(os.sched_getaffinity(0)),
         "block_size": config.block_size, "kv_bytes_per_token": kv.bytes_per_block // config.block_size,
         "num_layers": kv.num_layers, "quick": quick,
         # the engine ignores prefill_chunk_tokens for 16-bit activations (LLMEngine.effective_chunk_tokens)

@@ -39,8 +39,10 @@ def own_parser(prog: str = PROG) -> argparse.ArgumentParser:
     p.add_argument("--prefill", type=int, default=0, help="P of the nodes are prefill nodes, the rest decode")
     p.add_argument("--routing", default=None, help="routing policy (default: [cluster].routing)")
     p.add_argument("--colocated", action="store_true",
-                   help="every node on one host, sharing its last-level cache (as kvd serve --nodes N on one "
-                        "machine); default: a host per node")
+                   help="every node on one host, sharing its last-level cache and cores (as kvd serve --nodes N "
+                        "on one machine); default: a host per node")
+    p.add_argument("--host-cores", type=int, default=None,
+                   help="with --colocated, the host's cores (default: the profile's host_cpus)")
     p.add_argument("--fail", action="append", default=[], metavar="NODE@SECONDS[:MODE]",
                    help="kill NODE (n1, n2, ...) that many simulated seconds into the run; repeatable "
                         "(kvd/sim/faults.py: recovery per [cluster].recovery and replicas)")
@@ -57,6 +59,7 @@ class Shape:
     roles: tuple[str, ...]
     profile: Profile
     colocated: bool = False     # every node on one host (kvd/sim/warmth.py)
+    host_cores: int = 0         # that host's cores (0: as many as the nodes' threads)
 
     @property
     def nodes(self) -> int:
@@ -75,7 +78,7 @@ def roles_for(nodes: int, prefill: int) -> tuple[str, ...]:
 
 
 def load_shape(config: str | None, profile_path: str, nodes: int, prefill: int, routing: str | None,
-               colocated: bool = False) -> Shape:
+               colocated: bool = False, host_cores: int | None = None) -> Shape:
     """The Shape of the flags; raises SimUsageError (one line) for anything bad."""
     from kvd.cluster_config import ConfigError as ClusterConfigError
     from kvd.cluster_config import ROUTING_POLICIES, load_cluster_config, with_overrides
@@ -102,7 +105,12 @@ def load_shape(config: str | None, profile_path: str, nodes: int, prefill: int, 
                             f"the config has {engine.block_size}")
     if profile.doc.get("chunked_prefill") is False:       # its engine prefills whole prompts (bf16)
         engine = replace(engine, prefill_chunk_tokens=0)
-    return Shape(engine, cluster, roles, profile, colocated)
+    if host_cores is not None and not 1 <= host_cores <= 4096:
+        raise SimUsageError(f"--host-cores must be in 1..4096, got {host_cores}")
+    if host_cores is not None and not colocated:
+        raise SimUsageError("--host-cores needs --colocated")
+    cores = host_cores if host_cores is not None else profile.host_cpus
+    return Shape(engine, cluster, roles, profile, colocated, cores if colocated else 0)
 
 
 def _names_model(config: str) -> bool:
@@ -122,7 +130,7 @@ def simulate(shape: Shape, conversations, opts, encode, *, keep_log: bool = Fals
 
     events = EventQueue()
     cluster = SimCluster(shape.engine, shape.cluster, list(shape.roles), shape.profile, events,
-                         colocated=shape.colocated, keep_log=keep_log)
+                         colocated=shape.colocated, host_cores=shape.host_cores, keep_log=keep_log)
     try:
         cluster.failover.schedule(faults)
     except ValueError as exc:
@@ -188,7 +196,8 @@ def main(argv: list[str]) -> int:
 
     try:
         own, args = parse(argv)
-        shape = load_shape(own.config, own.profile, own.nodes, own.prefill, own.routing, own.colocated)
+        shape = load_shape(own.config, own.profile, own.nodes, own.prefill, own.routing, own.colocated,
+                           own.host_cores)
         conversations, opts, encode, spec = workload_of(args)
         wall = time.perf_counter()
         records, duration, cluster = simulate(shape, conversations, opts, encode, faults=own.faults)
@@ -228,5 +237,6 @@ def simulated_config(shape: Shape, profile_path: str, cluster, wall_s: float) ->
             "nodes": shape.nodes, "roles": list(shape.roles), "routing": c.routing,
             "prefill_chunk_tokens": e.prefill_chunk_tokens, "kv_blocks": e.kv_blocks,
             "max_num_seqs": e.max_num_seqs, "replicas": c.replicas, "colocated": shape.colocated,
+            "host_cores": shape.host_cores,
             "wall_seconds": round(wall_s, 3),
             **cluster.describe()}

@@ -15,7 +15,8 @@ measured with the per-node thread count for them.
 
     .venv/bin/python -m tools.bench.sim.validate --profile results/sim/profile-smollm2.json \\
         [--node-profile P.json] [--configs one,mixed2,1p1d,tree3] [--rates 0.5,1] \\
-        [--traces random,prefix] [--num-prompts 16] [--input-len 64] [--output-len 16]
+        [--traces random,prefix] [--num-prompts 16] [--input-len 64] [--output-len 16] \\
+        [--measured results/sim/validate.json]   # the simulated side only, against those runs
 
 Writes results/sim/validate.json and prints a markdown table.
 """
@@ -99,8 +100,15 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=16)
     ap.add_argument("--slo", default="ttft:2000 tpot:150", help="goodput SLOs, kvd-loadgen's KEY:MS")
+    ap.add_argument("--measured", default=None,
+                    help="a validate JSON whose measured runs to reuse (no server is started): the "
+                         "simulator's side again, e.g. after a change to its model or a new profile")
     ap.add_argument("--out", default=str(ROOT / "results/sim/validate.json"))
     args = ap.parse_args()
+    reuse = None
+    if args.measured:
+        reuse = {(r["config"], r["trace"], float(r["rate"])): r["measured"]
+                 for r in json.loads(Path(args.measured).read_text())["rows"]}
     model = args.model or json.loads(Path(args.profile).read_text())["model"]
     base = Path(args.config).read_text() if args.config else ""
     if "[cluster]" in base:
@@ -113,15 +121,20 @@ def main() -> None:
             cfg = Path(tmp) / f"{name}.toml"
             sock = Path(tmp) / f"{name}.sock"
             cfg.write_text(f'{base}\n[cluster]\nrouting = "{routing or "prompt-tree"}"\nadmin_socket = "{sock}"\n')
-            proc, url = serve(model, nodes, prefill, cfg, args.split_cpus)
+            proc, url = serve(model, nodes, prefill, cfg, args.split_cpus) if reuse is None else (None, "")
             try:
                 for trace in args.traces.split(","):
                     for rate in args.rates.split(","):
                         flags = [*trace_flags(trace, args), "--request-rate", rate, "--num-prompts",
                                  str(args.num_prompts), "--seed", "0", "--tokenizer", model,
                                  "--metric-percentiles", "50,99", "--goodput", *args.slo.split()]
-                        flush_cache(sock)          # each run starts cold, as its simulation does
-                        real = measured(url, flags, Path(tmp) / f"{name}-{trace}-{rate}.json")
+                        if reuse is None:
+                            flush_cache(sock)      # each run starts cold, as its simulation does
+                            real = measured(url, flags, Path(tmp) / f"{name}-{trace}-{rate}.json")
+                        elif (name, trace, float(rate)) in reuse:
+                            real = reuse[(name, trace, float(rate))]
+                        else:
+                            raise SystemExit(f"validate: error: {args.measured} has no run of {name} {trace} {rate}")
                         sim = simulated(profile, nodes, prefill, routing, cfg, flags, colocated=True)
                         row = {"config": name, "trace": trace, "rate": float(rate),
                                "measured": {k: real.get(k) for k in (*METRICS, "slo_attainment", "request_goodput")},
@@ -130,7 +143,8 @@ def main() -> None:
                         rows.append(row)
                         print(json.dumps(row), flush=True)
             finally:
-                stop_processes([proc])
+                if proc is not None:
+                    stop_processes([proc])
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     from tools.loadgen.report import machine_info
