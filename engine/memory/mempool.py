@@ -89,6 +89,19 @@ class KVLayout:
     cpu_tiers: tuple[str, ...]          # tiers whose blocks can be sent as views (pieces)
 
 
+class Reclaimer(Protocol):
+    """Who holds blocks of this pool that this instance's own work comes
+    before (a pair's redundant copies, kvd/node/replica_store.py): asked by
+    ``alloc_mem`` before it evicts or fails. Runs on the pool's thread."""
+
+    def reclaimable(self, tier: str) -> int:
+        """Blocks of ``tier`` it would give up now. A peek."""
+
+    def reclaim(self, tier: str, n: int) -> int:
+        """Give up at least ``n`` blocks of ``tier`` (freed into the pool)
+        if it can; returns how many it freed."""
+
+
 class MemPool:
     """Block memory, prefix index and transfers of one inference instance."""
 
@@ -105,6 +118,7 @@ class MemPool:
         self.hit_tokens = 0
         self.miss_tokens = 0
         self.live_hits = 0
+        self.reclaimer: Reclaimer | None = None   # redundant copies given up for this instance's work
 
     def _pool(self, tier: str) -> BlockPool:
         try:
@@ -117,19 +131,25 @@ class MemPool:
 
     # ------------------------------------------------------------ memory blocks
 
-    def alloc_mem(self, n: int, tier: str = "device") -> list[int] | None:
+    def alloc_mem(self, n: int, tier: str = "device", reclaim: bool = True) -> list[int] | None:
         """Allocate ``n`` blocks of ``tier`` for a request.
 
-        When the pool is short, evicts unlocked cached blocks (LRU) first.
-        Returns None when even eviction cannot cover ``n``; then nothing
-        changed (no partial allocation, nothing evicted).
+        When the pool is short, gives up redundant copies first (the
+        ``reclaimer``'s, least recently useful first; not with ``reclaim``
+        False: a copy's own growth), then evicts unlocked cached blocks
+        (LRU). Returns None when even both cannot cover ``n``; then nothing
+        changed (no partial allocation, nothing evicted or given up).
         """
         pool = self._pool(tier)
         short = n - pool.num_free
         if short > 0:
-            if self.tree.evictable(tier) < short:
+            spare = self.reclaimer.reclaimable(tier) if reclaim and self.reclaimer is not None else 0
+            if self.tree.evictable(tier) + spare < short:
                 return None
-            self._free_refs(self.tree.evict(short, tier))
+            if spare:
+                short -= self.reclaimer.reclaim(tier, min(short, spare))
+            if short > 0:
+                self._free_refs(self.tree.evict(short, tier))
         return pool.allocate(n)
 
     def free_mem(self, ids: Sequence[int], tier: str = "device") -> None:
@@ -351,8 +371,10 @@ class MemPool:
 
     def available(self, tier: str = "device") -> int:
         """Blocks of ``tier`` that ``alloc_mem`` could hand out now: the free
-        ones and the unlocked cached ones (evictable). A peek: nothing changes."""
-        return self._pool(tier).num_free + self.tree.evictable(tier)
+        ones, the unlocked cached ones (evictable) and those of redundant
+        copies (the ``reclaimer``'s). A peek: nothing changes."""
+        spare = self.reclaimer.reclaimable(tier) if self.reclaimer is not None else 0
+        return self._pool(tier).num_free + self.tree.evictable(tier) + spare
 
     def free_blocks(self, tier: str = "device") -> int:
         """Blocks of ``tier`` in no one's hands (not evictable cached ones):

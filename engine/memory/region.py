@@ -124,7 +124,7 @@ class Region:
         if self.purpose is not Purpose.REPLICA:
             raise ValueError(f"append: a {self.purpose.value} region has a fixed size")
         n = payload.shape[2]
-        ids = self.pool.alloc_mem(n, self.tier) if n else []
+        ids = self.pool.alloc_mem(n, self.tier, reclaim=False) if n else []   # a copy never takes a copy's
         if ids is None:
             return False
         if ids:

@@ -29,7 +29,7 @@ from kvd.coordinator.cache_sync import CacheSync
 from kvd.coordinator import dgfm
 from kvd.coordinator.handoff import Handoffs
 from kvd.coordinator.ledger import DebtLedger
-from kvd.coordinator.roles import redundant_blocks
+from kvd.coordinator.roles import copy_memory, redundant_blocks
 from kvd.coordinator.membership import Membership, NodeInfo
 from kvd.coordinator.prompt_tree import PromptTrees
 from kvd.coordinator.router import Router
@@ -125,6 +125,7 @@ class CoordinatorAdmin:
         nodes, pairs = self.membership.nodes, self.client.recovery.pairs
         return {"nodes": [dict(n.describe(), prefill_queue_tokens=self.client.prefill_queue(n),
                                redundant_blocks=redundant_blocks(self.client.recovery.table.by_holder, n),
+                               copies=copy_memory(n),
                                **pairs.describe(n.name, nodes))
                           for n in nodes.values()]}
 

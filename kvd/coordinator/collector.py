@@ -16,7 +16,7 @@ from kvd.coordinator.cache_sync import CacheSync
 from kvd.coordinator.ledger import DebtLedger
 from kvd.coordinator.membership import Membership, NodeInfo
 from kvd.coordinator.prompt_tree import PromptTrees
-from kvd.coordinator.roles import redundant_blocks
+from kvd.coordinator.roles import copy_memory, redundant_blocks
 
 if TYPE_CHECKING:
     from kvd.api.connections import CappedSite
@@ -148,12 +148,20 @@ class ClusterCollector:
         s = CounterMetricFamily("kvd_node_role_switches", "Run-time role switches of a node", labels=["node"])
         h = CounterMetricFamily("kvd_node_handoffs", "Decodes handed from a node to its pair partner",
                                 labels=["node"])
+        m = GaugeMetricFamily("kvd_node_copy_blocks", "KV blocks of a node's redundant copies, by tier (its last "
+                              "heartbeat)", labels=["node", "tier"])
+        r = CounterMetricFamily("kvd_node_copies_reclaimed", "Redundant copies a node gave up to its own work",
+                                labels=["node"])
         for n in nodes:
             g.add_metric([n.name, n.role, pairs.announced.get(n.name, "")], 1)
             b.add_metric([n.name], redundant_blocks(recovery.table.by_holder, n))
             s.add_metric([n.name], pairs.switches[n.name])
             h.add_metric([n.name], pairs.handoffs[n.name])
-        yield from (g, b, s, h)
+            cost = copy_memory(n)
+            for tier in ("device", "host"):
+                m.add_metric([n.name, tier], cost[f"{tier}_blocks"])
+            r.add_metric([n.name], cost["reclaimed"])
+        yield from (g, b, s, h, m, r)
         c = CounterMetricFamily("kvd_handoffs_refused", "Handoffs not done, by reason", labels=["reason"])
         for reason, n in sorted(pairs.refused.items()):
             c.add_metric([reason], n)

@@ -94,3 +94,13 @@ def redundant_blocks(by_holder: Mapping[str, Mapping[str, Mapping[str, int]]], n
     request -> tokens): a pair's redundant copies, or ring replicas."""
     return sum(tokens // node.block_size for by_rid in by_holder.get(node.name, {}).values()
                for tokens in by_rid.values())
+
+
+def copy_memory(node: NodeInfo) -> dict[str, int]:
+    """What ``node``'s copies of its partner's requests cost and lost, from
+    its last heartbeat (kvd/node/replica_store.py ``stats``): blocks held
+    in each tier (``device_blocks``, ``host_blocks``), and the copies (and
+    their blocks) it gave up to its own work (``reclaimed``,
+    ``reclaimed_blocks``)."""
+    copies = node.heartbeat.stats.get("copies", {}) if node.heartbeat else {}
+    return {k: int(copies.get(k, 0)) for k in ("device_blocks", "host_blocks", "reclaimed", "reclaimed_blocks")}

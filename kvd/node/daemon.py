@@ -318,7 +318,8 @@ class NodeDaemon:
             cache_events=events, replicas=self.inbox.replicas.report(),
             lend_cap=self.rmanager.lend_cap, lent=dict(self.inbox.lending.lent),
             borrowed=self.rmanager.borrowed_per_creditor(),
-            stats=dict(snap, replication=self.replicator.stats() if self.replicator else {}))
+            stats=dict(snap, replication=self.replicator.stats() if self.replicator else {},
+                       copies=self.inbox.replicas.stats()))
 
     def _assigned(self, welcome: protocol.Welcome) -> None:
         """The coordinator's reply to a beat: this node's replica peer and its

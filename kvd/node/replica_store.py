@@ -66,6 +66,7 @@ class Replica:
     region: Region | None = None         # its KV: private blocks, in no index (a REPLICA region)
     owner: str = ""                      # a prefill node's write: the decode node that may adopt it
     lock: PrefixLock | None = None       # once a recovery committed it: the indexed prefix, until admitted
+    used: float = 0.0                    # monotonic time it last grew (least recently useful first)
 
     @property
     def blocks(self) -> int:
@@ -96,16 +97,24 @@ class ReplicaStore:
         self._grew = asyncio.Event()                 # set (and replaced) after each round applied
         self.counts = {"received_blocks": 0, "refused": 0, "no_ticket": 0, "dropped": 0, "resumed": 0,
                        "adopted": 0, "not_partner": 0, "kept": 0, "kept_blocks": 0,
-                       "resumed_exact": 0}
+                       "resumed_exact": 0, "reclaimed": 0, "reclaimed_blocks": 0}
 
     @property
     def blocks(self) -> int:
-        return sum(r.blocks for r in self.replicas.values())
+        return sum(r.blocks for r in list(self.replicas.values()))
+
+    def tier_blocks(self) -> dict[str, int]:
+        """Blocks held as copies, by tier (what memory the copies cost)."""
+        out = {"device": 0, "host": 0}
+        for rep in list(self.replicas.values()):
+            if rep.region is not None:
+                out[rep.region.tier] = out.get(rep.region.tier, 0) + rep.region.blocks
+        return out
 
     def report(self) -> dict[str, dict[str, int]]:
         """sender -> {request id -> tokens held}: the heartbeat's ``replicas``."""
         out: dict[str, dict[str, int]] = {}
-        for (source, rid), rep in self.replicas.items():
+        for (source, rid), rep in list(self.replicas.items()):
             out.setdefault(source, {})[rid] = len(rep.tokens)
         return out
 
@@ -193,14 +202,15 @@ class ReplicaStore:
                 continue
             region = rep.region if rep is not None else None
             if region is None:
-                region = pool.reserve_region((), tier="host", purpose=Purpose.REPLICA)
+                region = pool.reserve_region((), tier=self._tier(pool, count), purpose=Purpose.REPLICA)
             if again:
                 region.fill_blocks(region.blocks - 1, payload[:, :, :1], (0, payload.shape[0]))
-            if not region.append(payload[:, :, again:]):
+            region = self._append(pool, region, payload[:, :, again:])
+            if region is None:
                 refused[rid] = "the host tier is full"
                 continue
             rep = rep or Replica(msg.source, owner=msg.owner)
-            rep.region = region
+            rep.region, rep.used = region, time.monotonic()
             del rep.tokens[start:]
             rep.tokens.extend(new_tokens)
             total += count - again
@@ -209,6 +219,68 @@ class ReplicaStore:
             self.counts["received_blocks"] += count - again
         self.counts["refused"] += len(refused)
         return protocol.ReplicaAck(id=msg.id, held=held, refused=refused)
+
+    def _tier(self, pool: Any, blocks: int) -> str:
+        """Where a new copy of ``blocks`` blocks goes: a pair's copy in the
+        device tier while it has that many blocks free (the partner then
+        decodes from it with no swap; this node's own work takes them back,
+        ``reclaim``), else, and a ring replica always, the host tier."""
+        if self.partner and pool.free_blocks("device") >= blocks:
+            if pool.reclaimer is None:
+                pool.reclaimer = self
+            return "device"
+        return "host"
+
+    def _append(self, pool: Any, region: Region, payload: Any) -> Region | None:
+        """``region`` grown by ``payload``: a device copy with no room left
+        moves to the host tier whole first. None, and the copy is gone, when
+        the host tier is short too."""
+        if region.append(payload):
+            return region
+        if region.tier == "host":
+            return None
+        moved = pool.reserve_region((), tier="host", purpose=Purpose.REPLICA)
+        layout = pool.kv_layout()
+        buf, view = STAGING.acquire((layout.num_layers, 2, region.blocks, *layout.block_shape[2:]), layout.dtype)
+        try:
+            if region.blocks:
+                pool.gather_blocks(region.block_ids, view, (0, layout.num_layers), tier="device")
+            ok = moved.append(view) and moved.append(payload)
+        finally:
+            STAGING.release(buf)
+        region.cancel()
+        if not ok:
+            moved.cancel()
+            return None
+        return moved
+
+    def reclaimable(self, tier: str) -> int:
+        """MemPool's Reclaimer: blocks of ``tier`` this node's own work may
+        take from the copies (those no resume waits for)."""
+        return sum(rep.region.blocks for key, rep in list(self.replicas.items())
+                   if rep.region is not None and rep.region.tier == tier and key not in self.awaited)
+
+    def reclaim(self, tier: str, n: int) -> int:
+        """MemPool's Reclaimer: drop copies in ``tier``, least recently
+        grown first, until ``n`` blocks are freed; their requests have no
+        copy here until their owner's rounds rebuild it (the holder answers
+        them that it holds nothing; the coordinator hands none of them off
+        meanwhile: ``replica held``). Engine thread. Returns blocks freed."""
+        freed = 0
+        victims = sorted(((rep.used, key) for key, rep in list(self.replicas.items())
+                          if rep.region is not None and rep.region.tier == tier and key not in self.awaited))
+        for _, key in victims:
+            if freed >= n:
+                break
+            rep = self.replicas.pop(key, None)
+            if rep is None or rep.region is None:
+                continue
+            blocks, region, rep.region = rep.region.blocks, rep.region, None
+            region.cancel()
+            freed += blocks
+            self.counts["reclaimed"] += 1
+            self.counts["reclaimed_blocks"] += blocks
+        return freed
 
     def _adopt(self, msg: protocol.ReplicaData) -> dict[str, int]:
         """Take over the replicas ``msg.adopt`` names (request -> the node that wrote
@@ -250,7 +322,7 @@ class ReplicaStore:
         buf, view = STAGING.acquire((layout.num_layers, 2, len(ids), *layout.block_shape[2:]), layout.dtype)
         try:
             pool.gather_blocks(ids, view, (0, layout.num_layers))
-            region = pool.reserve_region((), tier="host", purpose=Purpose.REPLICA)
+            region = pool.reserve_region((), tier=self._tier(pool, len(ids)), purpose=Purpose.REPLICA)
             if not region.append(view):
                 region.cancel()
                 return 0
@@ -359,8 +431,9 @@ class ReplicaStore:
             await self.driver.call(run, timeout=self.timeout)
 
     def stats(self) -> dict[str, Any]:
+        tiers = self.tier_blocks()
         return {"replicas": len(self.replicas), "blocks": self.blocks, "budget_blocks": self.budget,
-                **self.counts}
+                "device_blocks": tiers["device"], "host_blocks": tiers["host"], **self.counts}
 
 
 def _layout_refusal(layout: Any, msg: protocol.ReplicaData) -> str | None:

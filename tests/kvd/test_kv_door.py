@@ -32,7 +32,7 @@ def reach_ins(source: str) -> list[tuple[int, str]]:
 
 def test_the_private_set_is_every_attribute_a_pool_sets_that_is_not_public():
     pool = MemPool(2, 2, 4)
-    public = {"block_size", "node_id", "hit_tokens", "miss_tokens", "live_hits"}
+    public = {"block_size", "node_id", "hit_tokens", "miss_tokens", "live_hits", "reclaimer"}
     assert set(vars(pool)) - public == {"tree", "pools", "storage"}
     assert {"_storage", "_pool", "_index_region"} <= PRIVATE
 
