@@ -180,6 +180,9 @@ def _cluster_flags(p: argparse.ArgumentParser) -> None:
                    help="host KV blocks a node may hold as its peers' replicas ([cluster].replica_kv_blocks)")
     p.add_argument("--replication-interval", dest="replication_interval", type=float, default=None,
                    help="seconds between replication rounds ([cluster].replication_interval)")
+    p.add_argument("--replication-rate", dest="replication_rate", type=float, default=None,
+                   help="KV blocks/s at most that replication sends of what the peer lacks, 0: unbounded "
+                        "([cluster].replication_rate)")
     p.add_argument("--pairs", dest="pairs", action="store_const", const=True, default=None,
                    help="pair the nodes in order, n1-n2, n3-n4, ... ([cluster].pairs; kvd serve --nodes 2N)")
     p.add_argument("--pair-scheduler", dest="pair_scheduler", action=argparse.BooleanOptionalAction, default=None,
@@ -216,7 +219,7 @@ CLUSTER_OVERRIDES = ("transport", "heartbeat_interval", "heartbeat_deadline", "c
                      "prefill_threshold", "prefill_queue_factor", "kv_load_failure", "kv_transfer_timeout",
                      "kv_stream", "kv_return",
                      "replicas", "recovery", "max_recoveries", "replica_kv_blocks", "replication_interval",
-                     "pairs", "pair_scheduler")
+                     "pairs", "pair_scheduler", "replication_rate")
 
 
 def _run(main_coro_factory) -> int:
@@ -501,7 +504,8 @@ def _passthrough(args: argparse.Namespace) -> list[str]:
                        ("--kv-transfer-timeout", "kv_transfer_timeout"), ("--kv-stream", "kv_stream"),
                        ("--kv-return", "kv_return"), ("--replicas", "replicas"), ("--recovery", "recovery"),
                        ("--max-recoveries", "max_recoveries"), ("--replica-kv-blocks", "replica_kv_blocks"),
-                       ("--replication-interval", "replication_interval")):
+                       ("--replication-interval", "replication_interval"),
+                       ("--replication-rate", "replication_rate")):
         if getattr(args, dest) is not None:
             out += [flag, str(getattr(args, dest))]
     if args.insecure:

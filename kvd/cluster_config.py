@@ -197,6 +197,11 @@ class ClusterConfig:
         peers' requests; a replica past the budget is refused and reported.
     replication_interval: seconds between a node's replication rounds (each
         sends the KV blocks its requests filled since, in one message).
+    replication_rate: KV blocks per second, at most, that a node's
+        replication sends of what its peer does not hold yet (a new prompt's
+        blocks; every copy again when a restarted partner rejoins), so the
+        gathers between its steps stay small and its decodes do not slow;
+        0: unbounded.
     pairs: group the nodes in pairs (AcceLLM §4; docs/cluster.md, "Pairs and
         roles"), in the order of their ``[nodes.NAME]`` tables (n1-n2, n3-n4,
         ...; ``kvd serve --nodes 2N --pairs``); ``[nodes.NAME].pair`` pairs
@@ -242,6 +247,7 @@ class ClusterConfig:
     max_recoveries: int = 3
     replica_kv_blocks: int = 1024
     replication_interval: float = 0.05
+    replication_rate: float = 512.0
     pairs: bool = False
     pair_scheduler: bool = True
     nodes: dict[str, NodeConfig] = field(default_factory=dict)
@@ -285,6 +291,8 @@ class ClusterConfig:
             raise ConfigError("cluster.max_recoveries and cluster.replica_kv_blocks must be >= 0")
         if not self.replication_interval > 0:
             raise ConfigError("cluster.replication_interval must be > 0")
+        if not (math.isfinite(self.replication_rate) and self.replication_rate >= 0):
+            raise ConfigError(f"cluster.replication_rate must be a finite number >= 0, got {self.replication_rate}")
         if self.curve_keys_dir and self.transport == "inproc":
             raise ConfigError("cluster.curve_keys_dir authenticates zmq+ and ucx links, not inproc")
         from kvd.cluster_pairs import pair_map   # it reads this class: imported when one is made

@@ -161,6 +161,7 @@ class NodeDaemon:
             self.replicator = Replicator(self.name, self.driver, self._peer, self._drop_peer,
                                          self.cluster.replication_interval, self.cluster.request_timeout)
             self.replicator.partner = self.cluster.partner_of(self.name)   # copies to it are current to the step
+            self.replicator.rate = self.cluster.replication_rate
         self.heartbeat = Heartbeater(self.name, self._connect_coordinator, self._hello, self._beat,
                                      self.cluster.heartbeat_interval, self.cluster.request_timeout,
                                      beat_timeout=self.cluster.heartbeat_deadline, on_reply=self._assigned)

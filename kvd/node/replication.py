@@ -12,6 +12,14 @@ tokens once it is full. A request that ended here is named in ``frees``.
 The round waits for the peer's ``ReplicaAck`` (deadline: the cluster's
 request timeout) before the next one, so at most one message is in flight.
 
+What a round sends of blocks the peer does not hold yet (a new prompt's;
+every request's again when the peer changes, as when a restarted partner
+rejoins) is bounded by ``rate`` blocks per second (``[cluster].
+replication_rate``; a bucket that fills at that rate and holds at most
+``BURST_S`` of it): a request past the round's share sends its first full
+blocks, the rest in the next rounds, so a rebuild never puts a whole
+context's gather between two of this node's steps.
+
 Holder: ``ReplicaStore`` (kvd/node/replica_store.py) keeps what the peers
 send, each write checked against the coordinator's ticket (kvd/trust.py);
 a request the sender has no ticket for at its peer is not sent.
@@ -69,6 +77,7 @@ REFUSED_RETRY_S = 1.0          # a request the holder refused is offered again a
 ADOPT_WAIT_S = 2.0             # how long a decode node claims a prompt replica its prefill node sent
 KEPT_WAIT_S = 1.0              # how long a handoff's kept copy is waited for before it is sent whole
 PAIR_ROUND_S = 0.005           # a pair's copy: the next round as soon as this after the last (one per step)
+BURST_S = 0.1                  # the most a round may send at once, in seconds of ``rate``
 TICKET_GRACE_S = 10.0          # a ticket from a request is kept this long without a heartbeat repeating it
 
 
@@ -91,8 +100,10 @@ class Replicator:
         self.adopting: dict[str, tuple[str, str, float]] = {}  # request id -> (writer, holder, give up at)
         self.kept_at: dict[str, tuple[str, int, float]] = {}   # request id -> (holder, tokens it keeps, until)
         self.lag_tokens = 0                       # computed tokens not replicated, last round
+        self.rate = 0.0                           # blocks/s the peer lacks, at most (0: unbounded)
+        self._allowance, self._filled_at = 0.0, time.monotonic()
         self.counts = {"rounds": 0, "messages": 0, "blocks": 0, "bytes": 0, "refused": 0, "errors": 0,
-                       "adopted": 0, "adopt_fallbacks": 0}
+                       "adopted": 0, "adopt_fallbacks": 0, "rate_limited": 0}
         self._warn = RateLimitedLog(log)
         self._epoch = 0                           # bumped on every peer change
         self._peer_changed = asyncio.Event()      # set by a peer change: the round in flight ends
@@ -179,10 +190,17 @@ class Replicator:
         retry = {rid for rid, t in self.retry_at.items() if t > now}
         tickets = {rid: ticket for rid, (holder, ticket, _) in self.tickets.items() if holder == peer[0]}
         exact = peer[0] == self.partner
-        batch = await self.driver.call(lambda engine: _collect(engine, sent, retry, adopt, tickets, exact, kept),
-                                       timeout=self.timeout)
-        msg, buf, lag = batch
+        budget = None
+        if self.rate > 0:
+            self._allowance = min(self._allowance + (now - self._filled_at) * self.rate, max(1.0, self.rate * BURST_S))
+            self._filled_at, budget = now, int(self._allowance)
+        batch = await self.driver.call(lambda engine: _collect(engine, sent, retry, adopt, tickets, exact, kept,
+                                                               budget), timeout=self.timeout)
+        msg, buf, lag, spent = batch
         self.lag_tokens = lag
+        if budget is not None:
+            self._allowance -= spent
+            self.counts["rate_limited"] += spent == budget and lag > 0
         self.counts["rounds"] += 1
         if msg is None:
             return
@@ -244,8 +262,8 @@ class Replicator:
 
 
 def _collect(engine: Any, sent: dict[str, int], skip: set[str], adopt: dict[str, str],
-             tickets: dict[str, str], exact: bool = False, kept: dict[str, int] | None = None
-             ) -> tuple[dict | None, Any, int]:
+             tickets: dict[str, str], exact: bool = False, kept: dict[str, int] | None = None,
+             budget: int | None = None) -> tuple[dict | None, Any, int, int]:
     """Engine thread: the ReplicaData fields of one round (None: nothing to
     send), the staging buffer holding its KV, and the lag in tokens.
     ``sent``: tokens the peer holds; ``skip``: requests not to send now;
@@ -254,10 +272,13 @@ def _collect(engine: Any, sent: dict[str, int], skip: set[str], adopt: dict[str,
     the peer (a request without one is not sent: the holder would refuse
     it); ``exact``: every computed token, the last block partial (a pair's
     copy), else full blocks only; ``kept``: tokens the peer holds of
-    requests not in ``sent`` (a handoff's kept copy)."""
+    requests not in ``sent`` (a handoff's kept copy); ``budget``: blocks
+    the peer does not hold that the round may send at most (None: no
+    bound; a request past it sends its first full blocks). Also returns
+    how many of those it sends."""
     bs = engine.config.block_size
     ids, rids, starts, counts, tokens, tails = [], [], [], [], [], []
-    lag = 0
+    lag = spent = 0
     live = set()
     for rid, computed, toks, blocks in (copyable(engine) if exact else engine.replicable()):
         live.add(rid)
@@ -266,9 +287,16 @@ def _collect(engine: Any, sent: dict[str, int], skip: set[str], adopt: dict[str,
         if len(toks) <= have or rid in skip or rid in adopt or rid not in tickets:
             continue
         first = have // bs                        # a partial block held is written again, fuller
+        again, n = int(have % bs > 0), len(blocks) - first
+        if budget is not None and n - again > budget - spent:
+            n = budget - spent + again            # full blocks only: the last block, maybe partial, is past them
+            if n <= 0:
+                continue
+            toks, blocks = toks[:(first + n) * bs], blocks[:first + n]
+        spent += n - again
         rids.append(rid)
         starts.append(first * bs)
-        counts.append(len(blocks) - first)
+        counts.append(n)
         tokens.extend(toks[first * bs:])
         tails.append(len(toks) % bs)
         ids.extend(blocks[first:])
@@ -276,7 +304,7 @@ def _collect(engine: Any, sent: dict[str, int], skip: set[str], adopt: dict[str,
     frees = tuple(rid for rid in sent if rid not in live and rid not in adopt and not engine.has_request(rid))
     claims = {rid: writer for rid, writer in adopt.items() if rid not in sent and engine.has_request(rid)}
     if not rids and not frees and not claims:
-        return None, None, lag
+        return None, None, lag, 0
     buf, tensors = None, ()
     if ids:
         layout = engine.pool.kv_layout()
@@ -285,7 +313,7 @@ def _collect(engine: Any, sent: dict[str, int], skip: set[str], adopt: dict[str,
         tensors = (view,)
     return {"block_size": bs, "request_ids": tuple(rids), "starts": tuple(starts), "counts": tuple(counts),
             "token_ids": tuple(tokens), "frees": frees, "adopt": claims, "tensors": tensors,
-            "tickets": {rid: tickets[rid] for rid in rids}, "tails": tuple(tails) if any(tails) else ()}, buf, lag
+            "tickets": {rid: tickets[rid] for rid in rids}, "tails": tuple(tails) if any(tails) else ()}, buf, lag, spent
 
 
 def first_blocks(kv: Any, k: int) -> Any:
