@@ -147,8 +147,8 @@ def test_micro_attention_only_for_the_loans_debtor(trio):
 def test_the_attention_channel_serves_the_loans_debtor_only(trio, tmp_path):
     """b's remote-attention channel (its address in the loan's reply): a's RemoteAttend on
     a's loan is answered; c's key asking for a's loan is refused (no loan of c's), c's key
-    in a's name is the trust gate's; a key outside the cluster never completes the
-    handshake: no answer, the wait ends at its deadline."""
+    in a's name is the trust gate's; another message type is rejected; a key outside the
+    cluster never completes the handshake: the send ends at its deadline."""
     import torch
     import zmq
 
@@ -190,12 +190,17 @@ def test_the_attention_channel_serves_the_loans_debtor_only(trio, tmp_path):
         assert not stolen.ok and "no loan" in stolen.reason
         forged = ask(clients[1], attend("a"))
         assert not forged.ok and forged.reason.startswith("forbidden: debtor 'a' is not the sender's key 'c'")
+        other = protocol.ReturnLoan(id="m-return", debtor="a", loan_id=loan.loan_id)   # not the channel's
+        clients[0].send(other, 10.0)
+        wrong = clients[0].wait(other.id, 10.0)
+        assert not wrong.ok and wrong.reason == "ReturnLoan on the attention channel"
         with pytest.raises(RemoteKVError, match="within 1.0 s"):
             ask(clients[2], attend("a"), timeout=1.0)
         after = admin(c.node_admin("b"), "loans")["creditor"]
         assert after["attention"]["served"] == before["attention"]["served"] + 1
         assert after["attention"]["refused"] == before["attention"]["refused"] + 1
         assert after["channel"]["forbidden"] == before["channel"]["forbidden"] + 1
+        assert after["channel"]["rejected"] == before["channel"]["rejected"] + 1
         assert after["channel"]["refused_keys"] > before["channel"]["refused_keys"]
     finally:
         for client in clients:

@@ -8,13 +8,18 @@ in alternating order:
 - **split**: both nodes hold about L/2 tokens (``--kv-blocks``), lend and borrow: the one
   the coordinator picks keeps the sequence's first chunks and borrows the rest from the
   other, whose attention over them it computes every layer;
-- **one**: the same two nodes with blocks for the whole sequence, borrowing off.
+- **one**: the same two nodes with blocks for the whole sequence, borrowing off;
+- **base** (with ``--baseline DIR``): the split, served by the daemons of another
+  checkout of kvd (``git archive COMMIT | tar -x -C DIR``): a change against the code
+  before it, side by side in one run.
 
 One greedy streamed completion of L prompt tokens and ``--max-tokens`` tokens each. Reported:
-TPOT (the decode steps after the first token) split over one, and whether the split text is
-the one-node text (the capacity check: the sequence is about 2x what one node holds).
+TPOT (the decode steps after the first token) split over one (base over one too), and
+whether the split text is the one-node text (the capacity check: the sequence is about 2x
+what one node holds).
 
     .venv/bin/python -m tools.bench.cluster.bench_borrow [--model smollm2] [--lengths 1024 4096 8192]
+        [--baseline DIR]
 
 Prints a table and writes JSON to results/.
 """
@@ -22,6 +27,7 @@ Prints a table and writes JSON to results/.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import statistics
 import sys
@@ -32,6 +38,7 @@ REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO))
 
 from tools._twoproc import write_results  # noqa: E402
+from tools.bench.cluster import bench_recovery  # noqa: E402
 from tools.bench.cluster.bench_recovery import cluster, stream  # noqa: E402
 from tools.loadgen.report import machine_info  # noqa: E402
 
@@ -46,13 +53,28 @@ def split_flags(length: int, max_tokens: int) -> list[str]:
             "--borrow-kv-blocks", str(2 * half)]
 
 
+@contextlib.contextmanager
+def daemons_of(repo: Path | None):
+    """bench_recovery's daemons run from ``repo`` (another checkout) meanwhile."""
+    if repo is None:
+        yield
+        return
+    saved, bench_recovery.REPO = bench_recovery.REPO, repo
+    try:
+        yield
+    finally:
+        bench_recovery.REPO = saved
+
+
 def one_round(args: argparse.Namespace, tmp: str, length: int, rnd: int, ids: list[int]) -> dict:
     out: dict = {"length": length, "round": rnd}
-    modes = ("split", "one") if rnd % 2 == 0 else ("one", "split")   # alternate which runs first
+    modes = ["split", "one", *(["base"] if args.baseline else [])]
+    modes = modes[rnd % len(modes):] + modes[:rnd % len(modes)]     # rotate which runs first
     for mode in modes:
         # float32 both ways: attention over borrowed blocks runs on the float32 paged kernel
-        flags = ["--dtype", "float32", *(split_flags(length, args.max_tokens) if mode == "split" else [])]
-        with cluster(f"borrow-{length}-{rnd}-{mode}", args, tmp, [], tuple(flags)) as (base, _):
+        flags = ["--dtype", "float32", *(split_flags(length, args.max_tokens) if mode != "one" else [])]
+        with (daemons_of(Path(args.baseline).resolve() if mode == "base" else None),
+              cluster(f"borrow-{length}-{rnd}-{mode}", args, tmp, [], tuple(flags)) as (base, _)):
             stream(base, ids[:32], 2)                                  # warm-up
             times, text, error = stream(base, ids, args.max_tokens)
         if error or len(times) < 3:
@@ -60,9 +82,11 @@ def one_round(args: argparse.Namespace, tmp: str, length: int, rnd: int, ids: li
         gaps = [b - a for a, b in zip(times[1:], times[2:])]
         out[mode] = {"tpot_s": statistics.mean(gaps), "median_itl_s": statistics.median(gaps),
                      "tokens": len(times), "text": text}
-    out["same_text"] = out["split"]["text"] == out["one"]["text"]
+    out["same_text"] = all(out[m]["text"] == out["one"]["text"] for m in modes)
     out["tpot_ratio"] = out["split"]["tpot_s"] / out["one"]["tpot_s"]
-    for mode in ("split", "one"):
+    if "base" in out:
+        out["base_tpot_ratio"] = out["base"]["tpot_s"] / out["one"]["tpot_s"]
+    for mode in modes:
         del out[mode]["text"]
     return out
 
@@ -75,9 +99,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--deadline", type=float, default=3.0, help="heartbeat deadline (s)")
     p.add_argument("--out", default="", help="JSON path (default results/bench_borrow.json)")
+    p.add_argument("--baseline", default="", help="a checkout of kvd whose daemons also serve the split (base)")
     args = p.parse_args(argv)
     if any(n < 2 * CHUNK for n in args.lengths) or args.max_tokens < 3 or args.rounds < 1:
         p.error("lengths must be >= 256, --max-tokens >= 3, --rounds >= 1")
+    if args.baseline and not (Path(args.baseline) / "kvd" / "cli.py").is_file():
+        p.error(f"--baseline {args.baseline} is not a checkout of kvd (no kvd/cli.py)")
     rng = random.Random(7)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -86,11 +113,13 @@ def main(argv: list[str] | None = None) -> int:
             for rnd in range(args.rounds):
                 row = one_round(args, tmp, length, rnd, ids)
                 rows.append(row)
+                base = f", base {row['base']['tpot_s'] * 1e3:7.2f} ms ({row['base_tpot_ratio']:.3f})" if "base" in row else ""
                 print(f"L={length:6d} round {rnd}: TPOT split {row['split']['tpot_s'] * 1e3:7.2f} ms, "
-                      f"one {row['one']['tpot_s'] * 1e3:7.2f} ms, ratio {row['tpot_ratio']:.3f}, "
+                      f"one {row['one']['tpot_s'] * 1e3:7.2f} ms, ratio {row['tpot_ratio']:.3f}{base}, "
                       f"same text {row['same_text']}", flush=True)
-    summary = {str(n): {"tpot_ratio_median": statistics.median(r["tpot_ratio"] for r in rows if r["length"] == n),
-                        "same_text": all(r["same_text"] for r in rows if r["length"] == n)} for n in args.lengths}
+    summary = {str(n): {key + "_median": statistics.median(r[key] for r in rows if r["length"] == n)
+                        for key in ("tpot_ratio", "base_tpot_ratio") if key in rows[0]}
+               | {"same_text": all(r["same_text"] for r in rows if r["length"] == n)} for n in args.lengths}
     print(summary)
     write_results(args.out or str(REPO / "results" / "bench_borrow.json"), rows, summary=summary, args=vars(args),
                   host=machine_info())
