@@ -39,14 +39,42 @@ def worst_logit_delta(engine, hf_model, prompts: list[list[int]]) -> float:
     return worst
 
 
+GREEDY_64 = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+GREEDY_16 = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def greedy_64(engine, prompts):
+    """The dequantized fp32 engine's 64 greedy tokens per fidelity prompt, in one batch,
+    generated once: held to transformers' below, and the reference of the native-weight
+    and float16-KV engines."""
+    tokens = engine.generate(prompts, GREEDY_64)
+    engine.check_integrity()
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def alone_16(smollm2_weights, smollm2_source, prompts):
+    """dtype -> each fidelity prompt's 16 greedy tokens from the plain engine (no prefix
+    cache, whole-prompt prefill), run alone; computed once per dtype for the tests below."""
+    tok, cache = smollm2_source.load_tokenizer(), {}
+
+    def alone(dtype: str) -> list[list[int]]:
+        if dtype not in cache:
+            plain = build_engine(smollm2_weights, tok, dtype=dtype, enable_prefix_caching=False,
+                                 prefill_chunk_tokens=0, kv_blocks=512)
+            cache[dtype] = [plain.generate([p], GREEDY_16)[0] for p in prompts]
+        return cache[dtype]
+    return alone
+
+
 def test_logits_match_transformers(engine, hf_model, prompts):
     worst = worst_logit_delta(engine, hf_model, prompts)
     assert worst <= 1e-3, f"max |logit delta| {worst}"
 
 
-def test_64_greedy_tokens_match_transformers(engine, hf_model, prompts):
-    ours = engine.generate(prompts, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
-    for ids, got in zip(prompts, ours):
+def test_64_greedy_tokens_match_transformers(greedy_64, hf_model, prompts):
+    for ids, got in zip(prompts, greedy_64):
         ref: list[int] = []
         past = None
         x = torch.tensor([ids])
@@ -58,17 +86,15 @@ def test_64_greedy_tokens_match_transformers(engine, hf_model, prompts):
                 ref.append(nxt)
                 x = torch.tensor([[nxt]])
         assert got == ref
-    engine.check_integrity()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_real_model_batch_and_prefix_exactness(smollm2_weights, smollm2_source, prompts, dtype):
+def test_real_model_batch_and_prefix_exactness(smollm2_weights, smollm2_source, prompts, alone_16, dtype):
     """The real model: batch of 16 == alone, and a cached prefix == cold, in both dtypes."""
     tok = smollm2_source.load_tokenizer()
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    params = GREEDY_16
     batch = (prompts * 2)[:16]
-    cold = build_engine(smollm2_weights, tok, dtype=dtype, enable_prefix_caching=False, kv_blocks=512)
-    alone = [cold.generate([p], params)[0] for p in prompts]
+    alone = alone_16(dtype)
     warm = build_engine(smollm2_weights, tok, dtype=dtype, kv_blocks=512)
     assert warm.generate(batch, params) == (alone * 2)[:16]          # batch of 16, cold cache
     assert warm.generate(prompts, params) == alone                    # every prefix now cached
@@ -125,46 +151,41 @@ def test_native_weights_logits_match_transformers(native_engine, hf_model, promp
     assert worst <= 0.05, f"max |logit delta| {worst}"
 
 
-def test_native_weights_64_greedy_tokens_match_the_dequantized_engine(native_engine, engine, prompts):
+def test_native_weights_64_greedy_tokens_match_the_dequantized_engine(native_engine, greedy_64, prompts):
     """64 greedy tokens per fidelity prompt, native weights (decode steps through the
     plan executor) == dequantized fp32 weights (the engine held to transformers above)."""
     assert native_engine.runner.fused is not None, "the native engine should decode on the plan executor"
-    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
-    assert native_engine.generate(prompts, params) == engine.generate(prompts, params)
+    assert native_engine.generate(prompts, GREEDY_64) == greedy_64
     native_engine.check_integrity()
 
 
-def test_a_float16_kv_cache_keeps_the_greedy_tokens(native_engine, engine, prompts):
+def test_a_float16_kv_cache_keeps_the_greedy_tokens(native_engine, greedy_64, prompts):
     """kv_cache_dtype = "float16" (K and V rounded to halves, half the bytes): 64 greedy
     tokens per fidelity prompt equal the fp32 dequantized engine's (held to transformers
     above), alone and in a batch with every prefix cached. Measured, not by construction:
     a half keeps 11 significant bits, and a near-tie in the logits could go the other way."""
-    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    params = GREEDY_64
     half = LLMEngine(EngineConfig(model="smollm2", dtype="float32", kv_blocks=512, kv_cache_dtype="float16"),
                      native_engine.model, native_engine.tokenizer, "smollm2")
     assert half.runner.fused is not None and half.kv.tier("device").dtype == torch.float16
-    want = engine.generate(prompts, params)
+    want = greedy_64
     assert [half.generate([p], params)[0] for p in prompts] == want
     assert half.generate(prompts, params) == want
     assert half.stats.prefix_hit_tokens >= sum(len(p) // 16 * 16 for p in prompts)
     half.check_integrity()
 
 
-def test_real_model_chunked_prefill_exactness(smollm2_weights, smollm2_source, prompts):
+def test_real_model_chunked_prefill_exactness(smollm2_weights, smollm2_source, prompts, alone_16):
     """Chunked prefill, chunks of 5 tokens (every fidelity prompt spans several, and they
     share steps with the decodes), float matrices in fp32 (prefilled on MKL): a batch of
     16 gives the greedy tokens of an unchunked prefill alone. (Native weights, greedy and
     seeded, bit for bit: tests/engine/test_determinism_engine.py. A bf16 engine ignores
     the setting: tests/engine/test_chunked_prefill.py.)"""
     tok = smollm2_source.load_tokenizer()
-    params = [SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)] * len(prompts)
-
-    def make(**kw) -> LLMEngine:
-        return build_engine(smollm2_weights, tok, dtype="float32", kv_blocks=512, **kw)
-
-    unchunked = make(prefill_chunk_tokens=0, enable_prefix_caching=False)
-    want = [unchunked.generate([p], sp)[0] for p, sp in zip(prompts, params)]
-    chunked = make(prefill_chunk_tokens=5, enable_prefix_caching=False)
+    params = [GREEDY_16] * len(prompts)
+    want = alone_16("float32")                  # an unchunked prefill, alone
+    chunked = build_engine(smollm2_weights, tok, dtype="float32", kv_blocks=512, prefill_chunk_tokens=5,
+                           enable_prefix_caching=False)
     assert chunked.prefill_chunk_tokens == 5
     assert chunked.generate((prompts * 2)[:16], (params * 2)[:16]) == (want * 2)[:16]
     chunked.check_integrity()
