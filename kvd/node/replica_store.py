@@ -205,10 +205,14 @@ class ReplicaStore:
                 region = pool.reserve_region((), tier=self._tier(pool, count), purpose=Purpose.REPLICA)
             if again:
                 region.fill_blocks(region.blocks - 1, payload[:, :, :1], (0, payload.shape[0]))
-            region = self._append(pool, region, payload[:, :, again:])
-            if region is None:
+            grown = self._append(pool, region, payload[:, :, again:])
+            if grown is None:
+                if region.state is not RegionState.RESERVED:    # moved off the device and lost on the way
+                    self.replicas.pop(key, None)
+                    self.counts["dropped"] += 1
                 refused[rid] = "the host tier is full"
                 continue
+            region = grown
             rep = rep or Replica(msg.source, owner=msg.owner)
             rep.region, rep.used = region, time.monotonic()
             del rep.tokens[start:]
