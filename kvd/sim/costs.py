@@ -46,12 +46,7 @@ class StepCosts:
     @classmethod
     def from_dict(cls, d: dict) -> "StepCosts":
         """From a profile's ``costs`` object; raises ValueError naming a missing or bad field."""
-        if not isinstance(d, dict):
-            raise ValueError("costs must be an object")
-        missing = [f.name for f in fields(cls) if f.name not in d]
-        if missing:
-            raise ValueError(f"costs lacks {', '.join(missing)}")
-        return cls(**{f.name: d[f.name] for f in fields(cls)})
+        return from_object(cls, d, "costs")
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -75,6 +70,18 @@ class StepCosts:
     def transfer_seconds(self, nbytes: int) -> float:
         """One message of ``nbytes`` over the profiled transport (0 bytes: nothing sent)."""
         return self.transfer_latency_s + self.transfer_byte_s * nbytes if nbytes > 0 else 0.0
+
+
+def from_object(cls, d: object, what: str):
+    """A dataclass ``cls`` of numbers from a profile's object ``what`` (every field
+    required, others ignored); raises ValueError naming what is missing, or the
+    class's own check's error."""
+    if not isinstance(d, dict):
+        raise ValueError(f"{what} must be an object")
+    missing = [f.name for f in fields(cls) if f.name not in d]
+    if missing:
+        raise ValueError(f"{what} lacks {', '.join(missing)}")
+    return cls(**{f.name: d[f.name] for f in fields(cls)})
 
 
 def least_squares(rows: list[list[float]], ys: list[float]) -> list[float]:

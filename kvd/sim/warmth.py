@@ -25,6 +25,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, fields
 
+from kvd.sim.costs import from_object
+
 
 @dataclass(frozen=True)
 class CacheCosts:
@@ -52,12 +54,7 @@ class CacheCosts:
     @classmethod
     def from_dict(cls, d: object) -> "CacheCosts":
         """From a profile's ``cache`` object; raises ValueError naming a missing or bad field."""
-        if not isinstance(d, dict):
-            raise ValueError("cache must be an object")
-        missing = [f.name for f in fields(cls) if f.name not in d]
-        if missing:
-            raise ValueError(f"cache lacks {', '.join(missing)}")
-        return cls(**{f.name: d[f.name] for f in fields(cls)})
+        return from_object(cls, d, "cache")
 
     def as_dict(self) -> dict:
         return asdict(self)
