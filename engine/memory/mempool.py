@@ -92,7 +92,8 @@ class KVLayout:
 class Reclaimer(Protocol):
     """Who holds blocks of this pool that this instance's own work comes
     before (a pair's redundant copies, kvd/node/replica_store.py): asked by
-    ``alloc_mem`` before it evicts or fails. Runs on the pool's thread."""
+    ``alloc_mem`` once evicting the cache is not enough, before it fails
+    (and the scheduler preempts or refuses). Runs on the pool's thread."""
 
     def reclaimable(self, tier: str) -> int:
         """Blocks of ``tier`` it would give up now. A peek."""
@@ -134,22 +135,25 @@ class MemPool:
     def alloc_mem(self, n: int, tier: str = "device", reclaim: bool = True) -> list[int] | None:
         """Allocate ``n`` blocks of ``tier`` for a request.
 
-        When the pool is short, gives up redundant copies first (the
+        When the pool is short, evicts unlocked cached blocks (LRU) first;
+        when that is not enough, gives up redundant copies (the
         ``reclaimer``'s, least recently useful first; not with ``reclaim``
-        False: a copy's own growth), then evicts unlocked cached blocks
-        (LRU). Returns None when even both cannot cover ``n``; then nothing
-        changed (no partial allocation, nothing evicted or given up).
+        False: a copy's own growth) rather than fail. Returns None when
+        even both cannot cover ``n``; then nothing changed (no partial
+        allocation, nothing evicted or given up).
         """
         pool = self._pool(tier)
         short = n - pool.num_free
         if short > 0:
+            evictable = self.tree.evictable(tier)
             spare = self.reclaimer.reclaimable(tier) if reclaim and self.reclaimer is not None else 0
-            if self.tree.evictable(tier) + spare < short:
+            if evictable + spare < short:
                 return None
-            if spare:
-                short -= self.reclaimer.reclaim(tier, min(short, spare))
+            if evictable:
+                self._free_refs(self.tree.evict(min(short, evictable), tier))
+                short -= min(short, evictable)
             if short > 0:
-                self._free_refs(self.tree.evict(short, tier))
+                self.reclaimer.reclaim(tier, short)
         return pool.allocate(n)
 
     def free_mem(self, ids: Sequence[int], tier: str = "device") -> None:

@@ -67,6 +67,7 @@ class Replica:
     owner: str = ""                      # a prefill node's write: the decode node that may adopt it
     lock: PrefixLock | None = None       # once a recovery committed it: the indexed prefix, until admitted
     used: float = 0.0                    # monotonic time it last grew (least recently useful first)
+    kept: bool = False                   # kept here at a handoff, not extended by its owner yet
 
     @property
     def blocks(self) -> int:
@@ -160,8 +161,9 @@ class ReplicaStore:
     def _apply(self, engine: Any, msg: protocol.ReplicaData) -> protocol.ReplicaAck:
         pool = engine.pool
         bs = pool.block_size
-        for rid in msg.frees:
-            self._drop_now(pool, (msg.source, rid))
+        for rid in msg.frees:                # (not a copy kept here since: a round from before the handoff)
+            if not getattr(self.replicas.get((msg.source, rid)), "kept", False):
+                self._drop_now(pool, (msg.source, rid))
         held, refused = self._adopt(msg), {}
         if not msg.request_ids:
             return protocol.ReplicaAck(id=msg.id, held=held, refused=refused)
@@ -214,7 +216,7 @@ class ReplicaStore:
                 continue
             region = grown
             rep = rep or Replica(msg.source, owner=msg.owner)
-            rep.region, rep.used = region, time.monotonic()
+            rep.region, rep.used, rep.kept = region, time.monotonic(), False
             del rep.tokens[start:]
             rep.tokens.extend(new_tokens)
             total += count - again
@@ -333,7 +335,7 @@ class ReplicaStore:
         finally:
             STAGING.release(buf)
         self._drop_now(pool, (owner, request_id))
-        self.replicas[(owner, request_id)] = Replica(owner, list(tokens), region)
+        self.replicas[(owner, request_id)] = Replica(owner, list(tokens), region, used=time.monotonic(), kept=True)
         self.counts["kept"] += 1
         self.counts["kept_blocks"] += len(ids)
         return len(tokens)

@@ -220,12 +220,17 @@ class Replicator:
         if msg.tensors:
             self.counts["blocks"] += sum(msg.counts)
             self.counts["bytes"] += msg.tensors[0].nbytes
+        # a request handed here again while this round was out: its answer is stale (kept, grant)
+        again = {rid for rid, (_, _, until) in self.kept_at.items() if until - KEPT_WAIT_S > now}
         for rid in msg.frees:
             sent.pop(rid, None)
             self.retry_at.pop(rid, None)
             self.adopting.pop(rid, None)
-            self.tickets.pop(rid, None)
+            if rid in self.tickets and self.tickets[rid][2] <= now:
+                del self.tickets[rid]
         for rid, n in ack.held.items():
+            if rid in again:
+                continue
             if rid in msg.request_ids and not (n == 0 and rid in self.kept_at):   # else: not kept yet
                 sent[rid] = n
                 self.kept_at.pop(rid, None)
