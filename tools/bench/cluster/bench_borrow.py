@@ -78,7 +78,8 @@ def one_round(args: argparse.Namespace, tmp: str, length: int, rnd: int, ids: li
             stream(base, ids[:32], 2)                                  # warm-up
             times, text, error = stream(base, ids, args.max_tokens)
         if error or len(times) < 3:
-            raise SystemExit(f"bench_borrow: {mode} at {length} tokens failed: {error}")
+            raise SystemExit(f"bench_borrow: {mode} at {length} tokens failed: "
+                             f"{error or f'{len(times)} tokens (is {length} + --max-tokens past the context?)'}")
         gaps = [b - a for a, b in zip(times[1:], times[2:])]
         out[mode] = {"tpot_s": statistics.mean(gaps), "median_itl_s": statistics.median(gaps),
                      "tokens": len(times), "text": text}
