@@ -48,13 +48,18 @@ POLL_S = 0.2            # the server thread's longest poll: how soon it sees clo
 QUEUE = 64              # messages a socket queues per peer before a send fails
 
 
+WILDCARDS = ("", "*", "0.0.0.0", "[::]")    # hosts a debtor could not be sent to
+
+
 def channel_host(address: str) -> str | None:
     """The host a node listening at ``address`` binds its channel on (the same
-    interface), or None where it has none: only ``zmq+tcp`` listeners get one."""
+    interface), or None where it has none: only a ``zmq+tcp`` listener on a named
+    interface gets one (a wildcard's address could not be given to a debtor)."""
     scheme, sep, rest = address.partition("://")
     if scheme != "zmq+tcp" or not sep:
         return None
-    return rest.rpartition(":")[0] or None
+    host = rest.rpartition(":")[0]
+    return None if host in WILDCARDS else host
 
 
 def check_channel_url(url: str) -> None:
@@ -99,6 +104,7 @@ class ChannelServer:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, QUEUE)
         sock.setsockopt(zmq.RCVHWM, QUEUE)
+        sock.setsockopt(zmq.IPV6, host.startswith("["))
         if curve is not None:
             self._auth = _NamingAuthenticator(self._ctx, curve)      # before bind: no handshake slips past
             self._auth.start()
@@ -176,6 +182,7 @@ class ChannelClient:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, QUEUE)
         sock.setsockopt(zmq.RCVHWM, QUEUE)
+        sock.setsockopt(zmq.IPV6, url.startswith("tcp://["))
         if curve is not None:
             sock.curve_publickey = curve.public_key
             sock.curve_secretkey = curve.secret_key

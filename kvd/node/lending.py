@@ -71,9 +71,13 @@ class Lender:
         """Serve RemoteAttend on a remote-attention channel beside the node's listener at
         ``address`` (a ``zmq+tcp`` one; others have none), CURVE with the listener's keys
         ``curve`` (None: insecure), where this node lends. Its address goes to each debtor
-        with its loan."""
+        with its loan; without one (another scheme, a wildcard host, a bind that fails)
+        debtors ask over their peer links."""
         if self.rmanager.lend_cap > 0 and (host := channel_host(address)) is not None:
-            self.channel = ChannelServer(host, self.attention.serve, curve)
+            try:
+                self.channel = ChannelServer(host, self.attention.serve, curve)
+            except zmq.ZMQError as exc:         # the interface takes no second port: the peer link serves
+                log.warning("no remote-attention channel on %s: %s", host, exc)
 
     def close(self) -> None:
         if self.channel is not None:
