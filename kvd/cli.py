@@ -181,7 +181,7 @@ def _cluster_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replication-interval", dest="replication_interval", type=float, default=None,
                    help="seconds between replication rounds ([cluster].replication_interval)")
     p.add_argument("--replication-rate", dest="replication_rate", type=float, default=None,
-                   help="KV blocks/s at most that replication sends of what the peer lacks, 0: unbounded "
+                   help="KV blocks/s at most that replication sends of what the peer lacks, 0 (default): unbounded "
                         "([cluster].replication_rate)")
     p.add_argument("--pairs", dest="pairs", action="store_const", const=True, default=None,
                    help="pair the nodes in order, n1-n2, n3-n4, ... ([cluster].pairs; kvd serve --nodes 2N)")

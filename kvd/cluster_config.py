@@ -201,7 +201,7 @@ class ClusterConfig:
         replication sends of what its peer does not hold yet (a new prompt's
         blocks; every copy again when a restarted partner rejoins), so the
         gathers between its steps stay small and its decodes do not slow;
-        0: unbounded.
+        0 (the default): unbounded.
     pairs: group the nodes in pairs (AcceLLM §4; docs/cluster.md, "Pairs and
         roles"), in the order of their ``[nodes.NAME]`` tables (n1-n2, n3-n4,
         ...; ``kvd serve --nodes 2N --pairs``); ``[nodes.NAME].pair`` pairs
@@ -247,7 +247,7 @@ class ClusterConfig:
     max_recoveries: int = 3
     replica_kv_blocks: int = 1024
     replication_interval: float = 0.05
-    replication_rate: float = 512.0
+    replication_rate: float = 0.0
     pairs: bool = False
     pair_scheduler: bool = True
     nodes: dict[str, NodeConfig] = field(default_factory=dict)
