@@ -4,7 +4,13 @@ KV transfer take on the profiled machine. Pure Python (no torch, no numpy).
 An engine step runs its prefill part, then its decode part (``LLMEngine._step``)::
 
     prefill(parts)   = prefill_fixed + sum over (n, c) of  a*n + b*n*(c + n/2)
-    decode(B, ctx)   = decode_fixed + decode_seq*B + decode_context*ctx
+    decode(B, ctx)   = decode_batch(B) + decode_context*ctx
+
+``decode_batch`` is the profile's table of measured batch sizes (a step's
+time at zero context, per batch size), linear between its points and past
+its largest with the slope ``decode_seq``: a kernel's cost is not linear in
+the batch (a native decode may switch paths between batch sizes). Without
+the table (an older profile) it is ``decode_fixed + decode_seq*B``.
 
 ``parts`` are the (new tokens, tokens already computed) of each request in
 the prefill call: a chunk of a long prompt and a prompt after a cached prefix
@@ -20,7 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 
 
 @dataclass(frozen=True)
@@ -36,12 +42,25 @@ class StepCosts:
     swap_block_s: float
     transfer_latency_s: float
     transfer_byte_s: float
+    # (batch size, seconds at zero context) per measured batch size, batch sizes rising; may be empty
+    decode_batch_s: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         for f in fields(self):
+            if f.name == "decode_batch_s":
+                continue
             v = getattr(self, f.name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            if not _seconds(v):
                 raise ValueError(f"cost {f.name} must be a finite number >= 0 (seconds), got {v!r}")
+        table = self.decode_batch_s
+        if not isinstance(table, (list, tuple)) or not all(
+                isinstance(p, (list, tuple)) and len(p) == 2 and isinstance(p[0], int) and not isinstance(p[0], bool)
+                and p[0] >= 1 and _seconds(p[1]) for p in table):
+            raise ValueError("cost decode_batch_s must be a list of [batch >= 1, seconds >= 0] pairs, "
+                             f"got {table!r}")
+        if any(a[0] >= b[0] for a, b in zip(table, table[1:])):
+            raise ValueError(f"cost decode_batch_s's batch sizes must rise, got {[p[0] for p in table]}")
+        object.__setattr__(self, "decode_batch_s", tuple((int(b), float(t)) for b, t in table))
 
     @classmethod
     def from_dict(cls, d: dict) -> "StepCosts":
@@ -62,7 +81,20 @@ class StepCosts:
         """One decode call of ``batch`` requests whose attention reads ``context`` tokens in all."""
         if batch == 0:
             return 0.0
-        return self.decode_fixed_s + self.decode_seq_s * batch + self.decode_context_s * context
+        return self.decode_batch_seconds(batch) + self.decode_context_s * context
+
+    def decode_batch_seconds(self, batch: int) -> float:
+        """A decode call of ``batch`` requests at zero context (module docstring)."""
+        table = self.decode_batch_s
+        if not table:
+            return self.decode_fixed_s + self.decode_seq_s * batch
+        if batch <= table[0][0]:
+            return table[0][1] * batch / table[0][0]
+        for (b0, t0), (b1, t1) in zip(table, table[1:]):
+            if batch <= b1:
+                return t0 + (t1 - t0) * (batch - b0) / (b1 - b0)
+        b_last, t_last = table[-1]
+        return t_last + self.decode_seq_s * (batch - b_last)
 
     def swap_seconds(self, blocks: int) -> float:
         return self.swap_block_s * blocks
@@ -72,16 +104,20 @@ class StepCosts:
         return self.transfer_latency_s + self.transfer_byte_s * nbytes if nbytes > 0 else 0.0
 
 
+def _seconds(v: object) -> bool:
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and v >= 0
+
+
 def from_object(cls, d: object, what: str):
-    """A dataclass ``cls`` of numbers from a profile's object ``what`` (every field
-    required, others ignored); raises ValueError naming what is missing, or the
-    class's own check's error."""
+    """A dataclass ``cls`` from a profile's object ``what`` (every field without a
+    default required, others ignored); raises ValueError naming what is
+    missing, or the class's own check's error."""
     if not isinstance(d, dict):
         raise ValueError(f"{what} must be an object")
-    missing = [f.name for f in fields(cls) if f.name not in d]
+    missing = [f.name for f in fields(cls) if f.name not in d and f.default is MISSING]
     if missing:
         raise ValueError(f"{what} lacks {', '.join(missing)}")
-    return cls(**{f.name: d[f.name] for f in fields(cls)})
+    return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
 
 def least_squares(rows: list[list[float]], ys: list[float]) -> list[float]:

@@ -15,6 +15,11 @@ whose engine thread is busy. A step's duration::
 
     prefill(parts) + decode(batch, context) + swap(blocks moved)
     + replication (replicas=1: one token's KV per decoding request, copied out)
+    + KV streamed out (a prefill leg's chunk) and KV received since the last
+      step (a prefilled prompt's): the node's own CPU time, as replication's,
+      ``transfer_byte_s`` per byte and half the small-message round trip
+      (``transfer_latency_s / 2``) per message, ``kv_messages`` a prompt
+      (one per layer with ``kv_stream = "layers"``, else one)
     + token_s per decoding request (the serving path's work per token, which
       shares the node's CPUs: the profile's ``serving.token_s``)
     + the decode part's cold-cache cost (kvd/sim/warmth.py: how much of the
@@ -70,7 +75,7 @@ class SimNode:
     def __init__(self, name: str, role: str, config: EngineConfig, costs: StepCosts, events: EventQueue,
                  on_token: Callable, on_events: Callable | None = None, *, kv_bytes_per_token: int = 0,
                  replicas: int = 0, token_s: float = 0.0, cache: CacheCosts | None = None,
-                 threads: int = 1, keep_log: bool = False) -> None:
+                 threads: int = 1, kv_messages: int = 1, keep_log: bool = False) -> None:
         self.name, self.role, self.config, self.costs, self.events = name, role, config, costs, events
         self.pool = MemPool(device_blocks=config.kv_blocks, host_blocks=config.host_kv_blocks,
                             block_size=config.block_size)
@@ -78,6 +83,7 @@ class SimNode:
         self.on_token, self.on_events = on_token, on_events
         self.kv_bytes_per_token = kv_bytes_per_token
         self.replicas = replicas
+        self.kv_messages = kv_messages
         self.token_s = token_s
         self.warmth = Warmth(cache)
         self.neighbours: list[SimNode] = []    # the nodes on this node's host (their steps evict its weights)
@@ -89,6 +95,7 @@ class SimNode:
         self.busy = False
         self.dead = False                  # killed (kvd/sim/faults.py): computes nothing more
         self.busy_seconds = 0.0
+        self.received_s = 0.0                  # KV received since the last step's start: its CPU time
         self.steps = 0
         self.log: list[StepLog] | None = [] if keep_log else None
 
@@ -113,6 +120,7 @@ class SimNode:
         arrived in ``region``; its first token is the prefill node's."""
         if self.dead:
             return
+        self.received_s += self._kv_cpu_seconds(len(req.prompt_ids))
         req.prefix = region.commit()
         req.block_ids = region.all_ids
         req.num_computed = len(req.prompt_ids)
@@ -196,10 +204,18 @@ class SimNode:
         t += c.swap_seconds(2 * swapped + batch.host_blocks_swapped_in)     # out now, back in later
         if self.replicas:
             t += c.transfer_byte_s * self.kv_bytes_per_token * len(batch.decode)
+        t += sum(self._kv_cpu_seconds(n) for r, n in zip(batch.prefill, batch.prefill_lens) if r.kv_out is not None)
+        t += self.received_s
+        self.received_s = 0.0
         t += self.warmth.step_extra(bool(batch.prefill), bool(batch.decode))
         for n in self.neighbours:
             n.warmth.neighbour_step()
         return t + self.token_s * len(batch.decode)
+
+    def _kv_cpu_seconds(self, tokens: int) -> float:
+        """This node's CPU time to send or receive ``tokens`` tokens' KV of a prompt."""
+        c = self.costs
+        return c.transfer_byte_s * self.kv_bytes_per_token * tokens + self.kv_messages * c.transfer_latency_s / 2
 
     def _finish_step(self, batch: ScheduledBatch) -> None:
         if self.dead:

@@ -81,3 +81,39 @@ def test_simulated_node_schedules_the_engines_batches(tiny, overrides):
     sim = sim_batches(engine.config, reqs)
     assert any(p for _, _, p in real), "the trace must preempt, or the test shows too little"
     assert sim == real
+
+
+def test_kv_streamed_out_and_received_costs_the_nodes_own_steps():
+    """A prefill leg's step pays for the KV it streams out, the decode node's next
+    step for the KV it received: transfer_byte_s a byte (as replication) and
+    half a round trip a message."""
+    from kvd.sim.node import HAND_OFF
+
+    config = EngineConfig(model="tiny", dtype="float32", kv_blocks=64, block_size=16, prefill_chunk_tokens=0)
+    per_token, layers = 1000, 4                                 # KV bytes a token; messages a prompt
+    sent = 64 * per_token * COSTS.transfer_byte_s + layers * COSTS.transfer_latency_s / 2
+    steps = {}
+    for name, streams in (("plain", False), ("leg", True)):
+        events = EventQueue()
+        node = SimNode(name, "prefill", config, COSTS, events, lambda *a: None, kv_bytes_per_token=per_token,
+                       kv_messages=layers, keep_log=True)
+        req = Request(request_id="r", prompt_ids=list(range(10, 74)), arrival=0.0,
+                      params=SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        if streams:
+            req.kv_out = HAND_OFF
+        node.add(req)
+        events.run()
+        steps[name] = node.log[0].seconds
+    assert steps["leg"] - steps["plain"] == pytest.approx(sent)
+
+    events = EventQueue()
+    decode = SimNode("d", "decode", config, COSTS, events, lambda *a: None, kv_bytes_per_token=per_token,
+                     kv_messages=layers, keep_log=True)
+    prompt = list(range(10, 74))
+    region, _ = decode.reserve_prompt(prompt, 0)
+    req = Request(request_id="r", prompt_ids=prompt, arrival=0.0,
+                  params=SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    decode.add_prefilled(req, region, 123)
+    events.run()
+    first, second = decode.log[0].seconds, decode.log[1].seconds
+    assert first - second == pytest.approx(sent, rel=0.01)

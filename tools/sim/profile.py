@@ -47,7 +47,7 @@ GRIDS = {
     # (prefill new tokens, prefill contexts, decode batches, decode prompt lengths,
     #  decode steps per point, swap block counts, transfer sizes in bytes, repeats)
     # decode steps a point, after those its prefill left cold (measured: see the cache)
-    "full": ([16, 64, 128, 256], [0, 128], [1, 2, 4, 8], [32, 128], 8,
+    "full": ([16, 64, 128, 256], [0, 128], [1, 2, 3, 4, 6, 8], [32, 128], 8,
              [8, 32], [4 << 10, 64 << 10, 1 << 20, 8 << 20], 3),
     "quick": ([16, 64], [0, 32], [1, 4], [32], 3, [8], [4 << 10, 256 << 10], 2),
 }
@@ -226,6 +226,17 @@ def _medians(samples: list[list[float]]) -> list[list[float]]:
     return [[*k, sorted(v)[len(v) // 2]] for k, v in groups.items()]
 
 
+def _decode_table(decode: list[list[float]]) -> tuple[float, tuple[tuple[int, float], ...]]:
+    """(seconds per context token, ((batch, seconds at zero context), ...)): one
+    intercept per measured batch size and one context slope shared by all,
+    least squares over ``decode`` ([batch, context, seconds] rows)."""
+    sizes = sorted({int(b) for b, _, _ in decode})
+    col = {b: i for i, b in enumerate(sizes)}
+    rows = [[1.0 if col[int(b)] == i else 0.0 for i in range(len(sizes))] + [ctx] for b, ctx, _ in decode]
+    x = least_squares(rows, [s for *_, s in decode])
+    return x[-1], tuple((b, x[col[b]]) for b in sizes)
+
+
 def fit_costs(prefill, decode, swap, transfer) -> tuple[StepCosts, dict]:
     """Fit StepCosts to the samples (the median of each point's repeats); also
     return each fit's median relative error."""
@@ -237,14 +248,16 @@ def fit_costs(prefill, decode, swap, transfer) -> tuple[StepCosts, dict]:
     p_fixed, p_tok, p_att = least_squares(pf_rows, pf_y)
     dc_rows = [[1.0, b, ctx] for b, ctx, _ in decode]
     dc_y = [s for *_, s in decode]
-    d_fixed, d_seq, d_ctx = least_squares(dc_rows, dc_y)
+    d_fixed, d_seq, _ = least_squares(dc_rows, dc_y)
+    d_ctx, table = _decode_table(decode)
     swap_block = sum(s for _, s in swap) / max(1, sum(k for k, _ in swap))
     tr_rows = [[1.0, float(x)] for x, _ in transfer]
     tr_y = [s for _, s in transfer]
     t_lat, t_byte = least_squares(tr_rows, tr_y)
     costs = StepCosts(prefill_fixed_s=p_fixed, prefill_token_s=p_tok, prefill_attention_s=p_att,
                       decode_fixed_s=d_fixed, decode_seq_s=d_seq, decode_context_s=d_ctx,
-                      swap_block_s=swap_block, transfer_latency_s=t_lat, transfer_byte_s=t_byte)
+                      swap_block_s=swap_block, transfer_latency_s=t_lat, transfer_byte_s=t_byte,
+                      decode_batch_s=table)
     fit = {
         "prefill_median_error": relative_error([costs.prefill_seconds([(n, c)]) for n, c, _ in prefill], pf_y),
         "decode_median_error": relative_error([costs.decode_seconds(b, x) for b, x, _ in decode], dc_y),
