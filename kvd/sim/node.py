@@ -209,7 +209,7 @@ class SimNode:
         self.received_s = 0.0
         t += self.warmth.step_extra(bool(batch.prefill), bool(batch.decode))
         for n in self.neighbours:
-            n.warmth.neighbour_step()
+            n.warmth.neighbour_step(bool(batch.prefill), bool(batch.decode))
         return t + self.token_s * len(batch.decode)
 
     def _kv_cpu_seconds(self, tokens: int) -> float:

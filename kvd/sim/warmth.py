@@ -7,9 +7,10 @@ takes ``decode_cold_s`` more (they come from memory). What evicts them:
 - the node's own prefill (its activations and the prefill kernels' working
   set): ``prefill_cools`` of the warmth is lost at each prefill call;
 - another node on the same host (``kvd serve --nodes N`` on one machine, or
-  a simulation with ``--colocated``): each step it runs reads its own copy of
-  the weights through the shared cache, and ``neighbour_cools`` of this
-  node's warmth is lost.
+  a simulation with ``--colocated``): each decode part it runs reads its own
+  copy of the weights through the shared cache, and ``neighbour_cools`` of
+  this node's warmth is lost; each prefill part it runs evicts as much as
+  this node's own prefill would (``prefill_cools``: the cache is shared).
 
 Warmth ``w`` is the cached share, in [0, 1]; each decode step on the node
 brings ``1 / warm_steps`` of the weights back (a cache's insertion policy does
@@ -81,7 +82,12 @@ class Warmth:
         self.w = min(1.0, self.w + 1.0 / c.warm_steps)
         return extra
 
-    def neighbour_step(self) -> None:
-        """Another node on the same host ran a step."""
-        if self.costs is not None:
-            self.w *= 1.0 - self.costs.neighbour_cools
+    def neighbour_step(self, prefill: bool = False, decode: bool = True) -> None:
+        """Another node on the same host ran a step (a prefill part, a decode part, or both)."""
+        c = self.costs
+        if c is None:
+            return
+        if prefill:
+            self.w *= 1.0 - c.prefill_cools
+        if decode:
+            self.w *= 1.0 - c.neighbour_cools

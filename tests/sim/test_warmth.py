@@ -36,6 +36,16 @@ def test_a_neighbours_step_cools_by_its_share_and_no_cache_model_is_always_warm(
     assert plain.step_extra(prefill=True, decode=True) == 0.0
 
 
+def test_a_neighbours_prefill_evicts_as_this_nodes_own_would():
+    costs = CacheCosts(**{**COLD, "prefill_cools": 0.8, "neighbour_cools": 0.5})
+    w = Warmth(costs)
+    w.neighbour_step(prefill=True, decode=False)                      # the shared cache: prefill_cools
+    assert w.w == pytest.approx(0.2)
+    w = Warmth(costs)
+    w.neighbour_step(prefill=True, decode=True)                       # then its decode part's share
+    assert w.w == pytest.approx(0.1)
+
+
 def test_one_node_pays_the_cold_steps_after_each_prefill(write_profile):
     plain = simulated(write_profile(), 0, 0, None, None, SPARSE)
     cold = simulated(write_profile("cold.json", cache=COLD), 0, 0, None, None, SPARSE)
@@ -46,8 +56,8 @@ def test_one_node_pays_the_cold_steps_after_each_prefill(write_profile):
 
 
 def test_colocated_nodes_cool_each_other_and_separate_hosts_do_not(write_profile):
-    # prefills cool nothing on their own node; a neighbour's step evicts everything
-    prof = write_profile("n.json", cache={**COLD, "prefill_cools": 0.0, "neighbour_cools": 1.0})
+    # a prefill evicts everything from the shared cache; a neighbour's decode step nothing
+    prof = write_profile("n.json", cache={**COLD, "prefill_cools": 1.0, "neighbour_cools": 0.0})
     plain = simulated(write_profile(), 2, 1, None, None, SPARSE)
     apart = simulated(prof, 2, 1, None, None, SPARSE)
     together = simulated(prof, 2, 1, None, None, SPARSE, colocated=True)
