@@ -15,7 +15,9 @@ serving overhead before it is routed (its HTTP parsing, tokenizing and
 event-loop hops, measured through a real ``kvd serve``); a message between
 processes takes half the profile's small-message round trip (``hop``); a disaggregated
 request's decode node reserves the prompt's blocks (``SimNode.reserve_prompt``,
-the node's own threshold rule), its prefill leg runs on the prefill node and
+the node's own threshold rule), its prefill leg reaches the prefill node the
+profile's ``serving.disagg_s`` after the grant (what that path costs beyond
+its hops, measured through a real 1P1D), runs there and
 hands off after the first token, and the prompt's KV reaches the decode node
 one transfer later (per layer, overlapped with the prefill, with
 ``kv_stream = "layers"``: the last layer's share; else the whole prompt's).
@@ -182,7 +184,8 @@ class SimCluster:
                 stream.prefill_node = prefill.name
                 stream.decode = (node, req, region)
                 # the grant goes back to the coordinator, the prefill leg on to the prefill node
-                self.events.after(2 * self.hop, self._prefill_leg, stream, prompt, prefill)
+                self.events.after(2 * self.hop + self.profile.serving_disagg_s, self._prefill_leg, stream, prompt,
+                                  prefill)
                 return
             self.load.uncount(stream.request_id, prefill.name)
         self.add_to(node, req, stream)

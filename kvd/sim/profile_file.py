@@ -11,7 +11,8 @@
                  "swap": [[blocks, s]...], "transfer": [[bytes, s]...]},
      "fit": {"prefill_median_error": 0.03, ...},
      "serving": {"first_token_s": 0.03,      # optional (tools/sim/measure.py); absent: 0
-                 "token_s": 0.001, ...},     # optional; absent: 0
+                 "token_s": 0.001,           # optional; absent: 0
+                 "disagg_s": 0.01, ...},     # optional; absent: 0
      "cache": {CacheCosts fields},           # optional (kvd/sim/warmth.py); absent: always warm
      "host_cpus": 2}                         # optional: the CPUs kvd profile could use; absent: 0
 
@@ -51,6 +52,7 @@ class Profile:
     doc: dict                                  # the whole document, as read
     serving_s: float = 0.0                     # a request's time before routing that no step models
     serving_token_s: float = 0.0               # the serving path's time per token a step emits (event loop, SSE)
+    serving_disagg_s: float = 0.0              # a disaggregated request's time to its prefill leg that no hop models
     cache: CacheCosts | None = None            # the weights' last-level cache model; None: always warm
     host_cpus: int = 0                         # the CPUs the profiled process could use (0: not recorded)
 
@@ -86,10 +88,11 @@ def parse_profile(doc: object, where: str = "profile") -> Profile:
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ProfileError(f"{where}: \"{key}\" must be an integer >= 1, got {v!r}")
     serving = doc.get("serving", {})
-    times = [serving.get(k, 0.0) for k in ("first_token_s", "token_s")] if isinstance(serving, dict) else [None]
+    keys = ("first_token_s", "token_s", "disagg_s")
+    times = [serving.get(k, 0.0) for k in keys] if isinstance(serving, dict) else [None]
     if any(isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < 3600 for t in times):
-        raise ProfileError(f"{where}: \"serving\" must be an object whose \"first_token_s\" and \"token_s\" "
-                           f"are seconds in [0, 3600), got {serving!r}")
+        raise ProfileError(f"{where}: \"serving\" must be an object whose \"first_token_s\", \"token_s\" and "
+                           f"\"disagg_s\" are seconds in [0, 3600), got {serving!r}")
     host_cpus = doc.get("host_cpus", 0)
     if isinstance(host_cpus, bool) or not isinstance(host_cpus, int) or not 0 <= host_cpus <= 4096:
         raise ProfileError(f"{where}: \"host_cpus\" must be an integer in [0, 4096], got {host_cpus!r}")
@@ -100,7 +103,8 @@ def parse_profile(doc: object, where: str = "profile") -> Profile:
     return Profile(model=doc["model"], cpu=doc["cpu"], threads=doc["threads"], fingerprint=doc["fingerprint"],
                    block_size=doc["block_size"], kv_bytes_per_token=doc["kv_bytes_per_token"],
                    num_layers=doc["num_layers"], costs=costs, doc=doc, serving_s=float(times[0]),
-                   serving_token_s=float(times[1]), cache=cache, host_cpus=host_cpus)
+                   serving_token_s=float(times[1]), serving_disagg_s=float(times[2]), cache=cache,
+                   host_cpus=host_cpus)
 
 
 def load_profile(path: str | Path, *, model: str | None = None, check_cpu: bool = True) -> Profile:

@@ -13,6 +13,13 @@
   request before routing (kvd/sim/cluster.py) and the second to every
   decoding request's step (kvd/sim/node.py), so an unloaded simulated TTFT
   and TPOT are the measured ones.
+- ``disagg_overhead``: the same through a real one-prefill-one-decode
+  cluster on this host (a node per CPU where there are two), with prompts
+  long enough to be disaggregated: what such a request's path (the
+  decode node's reservation, the grant and the prefill leg, the layer
+  stream's messages on both nodes' event loops) takes beyond what the
+  simulator charges it, recorded as ``serving.disagg_s`` and charged
+  between the grant and the prefill leg.
 
 The tools that check the simulator and the planner against real runs
 (tools/bench/sim/) use the same two functions.
@@ -31,6 +38,7 @@ OVERHEAD_INPUT_LEN = 64        # prompt tokens of the overhead's requests (rando
 OVERHEAD_OUTPUT_LEN = 16          # tokens out: a TPOT over 15 steps
 OVERHEAD_RATE = 2.0           # req/s: arrivals with idle gaps, as a trace's at its rate
 OVERHEAD_WARMUP = 4           # requests first, not counted: a fresh server's first ones pay one-off costs
+DISAGG_INPUT_LEN = 128        # prompt tokens of the disaggregated run: past [cluster].prefill_threshold's default
 
 
 def measured(url: str, flags: list[str], out: Path, timeout: float = 600.0) -> dict:
@@ -56,11 +64,42 @@ def simulated(profile: str, nodes: int, prefill: int, routing: str | None, cfg: 
     return metrics.compute_metrics(records, duration, args.percentiles, args.slo)
 
 
-def overhead_flags(model: str, requests: int, rate: float | str = OVERHEAD_RATE, seed: int = 0) -> list[str]:
+def disagg_overhead(profile: str | Path, model: str, config: str | None, requests: int) -> dict:
+    """Start ``kvd serve --nodes 2 --prefill 1`` (``-c config``; ``--split-cpus
+    cores`` when this process may use two CPUs or more), warm it, send
+    ``requests`` prompts of ``DISAGG_INPUT_LEN`` tokens one at a time, and
+    compare their median TTFT with the simulator's for the same flags and
+    shape (colocated) on ``profile``, which holds the one-node serving
+    overhead already and no ``disagg_s``. Returns the ``serving`` keys to add."""
+    import os
+
+    from tools._twoproc import stop_processes
+    from tools.bench.serving.bench_n_copies import serve
+
+    flags = overhead_flags(model, requests, input_len=DISAGG_INPUT_LEN)
+    split = "cores" if len(os.sched_getaffinity(0)) >= 2 else "off"
+    proc, url = serve(["--model", model, *(["-c", config] if config else []), "--nodes", "2", "--prefill", "1",
+                       "--split-cpus", split])
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            measured(url, overhead_flags(model, OVERHEAD_WARMUP, "inf", seed=1, input_len=DISAGG_INPUT_LEN),
+                     Path(tmp) / "warmup.json")
+            real = measured(url, flags, Path(tmp) / "disagg.json")
+    finally:
+        stop_processes([proc])
+    sim = simulated(profile, 2, 1, None, config, flags, colocated=True)
+    real_ms, sim_ms = real["median_ttft_ms"], sim["median_ttft_ms"]
+    return {"disagg_s": round(max(0.0, real_ms - sim_ms) / 1e3, 6), "disagg_input_len": DISAGG_INPUT_LEN,
+            "disagg_split_cpus": split, "disagg_measured_median_ttft_ms": round(real_ms, 3),
+            "disagg_simulated_median_ttft_ms": round(sim_ms, 3)}
+
+
+def overhead_flags(model: str, requests: int, rate: float | str = OVERHEAD_RATE, seed: int = 0,
+                   input_len: int = 0) -> list[str]:
     """kvd-loadgen flags of the overhead's run: ``requests`` random prompts, one at a
     time, arriving at ``rate`` (Poisson: the engine idles between most of them).
     A warm-up takes another ``seed``: its prompts must not be cached for the run."""
-    return ["--dataset-name", "random", "--random-input-len", str(OVERHEAD_INPUT_LEN),
+    return ["--dataset-name", "random", "--random-input-len", str(input_len or OVERHEAD_INPUT_LEN),
             "--random-output-len", str(OVERHEAD_OUTPUT_LEN), "--num-prompts", str(requests),
             "--max-concurrency", "1", "--request-rate", str(rate), "--seed", str(seed), "--tokenizer", model]
 

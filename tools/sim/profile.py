@@ -21,7 +21,9 @@ config (its threads, dtype and kernels):
 
 Then (unless ``--serving-requests 0``) the serving overhead: a few requests
 through a real ``kvd serve`` of the same config, one at a time, against the
-simulator's TTFT for them on the fitted costs (tools/sim/measure.py).
+simulator's TTFT for them on the fitted costs, then the same through a
+one-prefill-one-decode ``kvd serve`` for a disaggregated request's path
+(tools/sim/measure.py).
 
 Each fit is least squares on relative error; the profile records the samples
 and each fit's median error, names the model, the CPU and the build
@@ -284,10 +286,14 @@ def main(args) -> int:
     try:
         path = write_profile(doc, args.output)
         if requests:
-            from tools.sim.measure import serving_overhead
+            from tools.sim.measure import disagg_overhead, serving_overhead
 
             print("kvd profile: serving overhead through kvd serve ...", file=sys.stderr, flush=True)
             doc["serving"] = serving_overhead(path, config.engine.model, args.config, requests)
+            path = write_profile(doc, args.output)
+            print("kvd profile: a disaggregated request's path through kvd serve --nodes 2 --prefill 1 ...",
+                  file=sys.stderr, flush=True)
+            doc["serving"].update(disagg_overhead(path, config.engine.model, args.config, requests))
             path = write_profile(doc, args.output)
     except OSError as exc:
         print(f"kvd: error: cannot write the profile: {exc}", file=sys.stderr)
