@@ -161,6 +161,14 @@ class Handoffs:
             log.warning("request %s: handoff %s -> %s refused: %s", request_id, source.name, target.name, why)
         return why
 
+    async def try_hand_off(self, request_id: str) -> int:
+        """``hand_off``, as a count: 1 when ``request_id`` moved, 0 when it was
+        refused (copy incomplete, ...: the caller looks at it again later)."""
+        with contextlib.suppress(ValueError):
+            await self.hand_off(request_id)
+            return 1
+        return 0
+
     async def _keep(self, request_id: str, source: str, target: str) -> None:
         """``source`` keeps its KV of ``request_id`` as ``target``'s copy
         (admin ``replica keep``), then says how many tokens it kept, which
@@ -189,9 +197,7 @@ class Handoffs:
             left = self.client.streams_on(node)
             if info is None or info.role != Role.PREFILL or not left:
                 break
-            for rid in left:
-                with contextlib.suppress(ValueError):
-                    moved += "to" in await self.hand_off(rid)
+            moved += sum(await asyncio.gather(*(self.try_hand_off(rid) for rid in left)))   # concurrently
             await asyncio.sleep(EVACUATE_POLL_S)
         log.info("node %s: %d decode(s) handed to its partner after its switch to prefill", node, moved)
 

@@ -15,6 +15,14 @@ planned again at the next tick).
   most tokens left to generate first (they weigh on a batch the longest):
   after a prefill both nodes decode again, balanced.
 
+The scheduler looks at a pair the moment a prompt is routed to one of its
+nodes (``PairRouter.on_pick`` wakes it), not at its next tick: the
+prompt's node hands its decodes to the partner while the prompt is on its
+way there, so they do not wait behind the prompt's steps; a pair's moves
+of one look run concurrently (each its own handoff). The tick remains for
+what no routing announces: a prompt's first token (the rebalance after
+it), a copy that became complete, a role switch.
+
 Prompts to pairs (``PairRouter``, wrapping the cluster's router): a new
 prompt goes to the pair with the most free device memory, less the blocks
 of the prompts it was given in the last ``PENDING_S`` (its heartbeats do
@@ -85,8 +93,9 @@ def plan_moves(a: str, b: str, running: Iterable[Running], decodes: dict[str, bo
 
 
 class PairScheduler:
-    """Runs ``plan_moves`` for every registered pair each ``TICK_S`` (an
-    owned task of the coordinator: ``run``)."""
+    """Runs ``plan_moves`` for every registered pair each ``TICK_S`` and
+    whenever ``wake`` is called (an owned task of the coordinator: ``run``).
+    Attaches ``wake`` to the client's router when that is a ``PairRouter``."""
 
     def __init__(self, client: RemoteEngineClient, handoffs: Handoffs, tick: float = TICK_S) -> None:
         self.client = client
@@ -94,6 +103,13 @@ class PairScheduler:
         self.pairs = client.recovery.pairs
         self.tick = tick
         self.moved = 0
+        self._woken = asyncio.Event()
+        if isinstance(client.router, PairRouter):
+            client.router.on_pick = self.wake
+
+    def wake(self, node: str = "") -> None:
+        """Look at the pairs now (a prompt was just routed to ``node``). Never blocks."""
+        self._woken.set()
 
     def pairs_now(self) -> list[tuple[str, str]]:
         """The registered pairs, each once, by name."""
@@ -112,20 +128,22 @@ class PairScheduler:
         return out
 
     async def step(self) -> int:
-        """One look at every pair; the handoffs done."""
-        nodes, done = self.client.membership.nodes, 0
+        """One look at every pair; the handoffs done (all the moves planned
+        in this look run concurrently)."""
+        nodes = self.client.membership.nodes
+        moves = []
         for a, b in self.pairs_now():
             decodes = {n: nodes[n].role in DECODES and not nodes[n].draining for n in (a, b) if n in nodes}
-            for rid, _, _ in plan_moves(a, b, self.running(a, b), decodes):
-                with contextlib.suppress(ValueError):          # refused (copy incomplete, ...): next tick
-                    await self.handoffs.hand_off(rid)
-                    done += 1
+            moves += [rid for rid, _, _ in plan_moves(a, b, self.running(a, b), decodes)]
+        done = sum(await asyncio.gather(*(self.handoffs.try_hand_off(rid) for rid in moves)))
         self.moved += done
         return done
 
     async def run(self) -> None:
         while True:
-            await asyncio.sleep(self.tick)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._woken.wait(), self.tick)
+            self._woken.clear()
             try:
                 await self.step()
             except Exception:  # noqa: BLE001 -- one bad tick must not end scheduling
@@ -140,6 +158,7 @@ class PairRouter:
     def __init__(self, pairs: PairBook, inner: Router, clock: Callable[[], float] = time.monotonic) -> None:
         self.pairs, self.inner, self.clock = pairs, inner, clock
         self.pending: dict[tuple[str, ...], list[tuple[float, int]]] = {}   # pair -> (when routed, blocks)
+        self.on_pick: Callable[[str], None] | None = None    # told each node a prompt goes to in a pair
 
     def pick(self, nodes: Sequence[NodeInfo], prompt_ids: Sequence[int],
              request_id: str | None = None) -> NodeInfo | None:
@@ -167,4 +186,6 @@ class PairRouter:
         node = min(groups[key], key=lambda n: (n.load, n.heartbeat.running if n.heartbeat else 0, n.name))
         blocks = -(-len(prompt_ids) // max(1, node.block_size))
         self.pending.setdefault(key, []).append((now, blocks))
+        if len(key) == 2 and self.on_pick is not None:
+            self.on_pick(node.name)
         return node

@@ -87,6 +87,16 @@ def test_prompts_arriving_together_are_spread_over_pairs_and_unpaired_nodes_rout
     assert router.pick(alone, [1, 2, 3]).name == "y"   # no pair among them: the wrapped router's choice
 
 
+def test_a_prompt_routed_into_a_pair_wakes_the_scheduler_with_its_node_and_a_lone_one_does_not():
+    router, _ = _pair_router(("a", "b"))
+    woken: list[str] = []
+    router.on_pick = woken.append
+    assert router.pick([_node("a", 100, 2), _node("b", 100, 0)], list(range(32))).name == "b"
+    assert router.pick([_node("x", 500, 0)], list(range(32))).name == "x"          # unpaired: the inner router
+    assert router.pick([_node("a", 100, 0), _node("x", 500, 0)], list(range(32))).name == "x"  # a pair of one
+    assert woken == ["b"]
+
+
 def test_a_copys_partial_last_block_travels_with_its_tail_and_a_bad_tail_is_refused():
     import pytest
 
