@@ -6,14 +6,17 @@ and the quantized-weights matmul, the decode-plan executor, the paged attention,
 row ops, the sampler, the logprob summaries and the token masks in their AMX, AVX-512
 VNNI, AVX-512 or AVX2 variant (kernels/quant_linear.py, kernels/plan_decode.py,
 kernels/paged_attention.py, kernels/row_ops.py, kernels/sampler.py,
-kernels/logprob_rows.py, kernels/token_masks.py). Prints each library's path, or why
+kernels/logprob_rows.py, kernels/token_masks.py); on Linux the doorbells of the
+shared-memory rings (kernels/shm_wait.py). Prints each library's path, or why
 it was not built; a build that fails raises (native.BuildError).
 """
 
 from __future__ import annotations
 
+import sys
+
 from kernels import (fused_decode, logprob_rows, native, paged_attention, plan_decode, quant_linear, row_ops, sampler,
-                     token_masks)
+                     shm_wait, token_masks)
 
 
 def main() -> None:
@@ -32,6 +35,8 @@ def main() -> None:
                  sampler.LIBRARY, logprob_rows.LIBRARY, token_masks.LIBRARY)
         for path in native.build_many([(name, quant_linear.library_flags(name, variant)) for name in names]):
             print(path)
+    if sys.platform.startswith("linux"):
+        print(native.build(shm_wait.LIBRARY, ()))
 
 
 if __name__ == "__main__":

@@ -817,6 +817,40 @@ class RemotePartials(Message):
                  "an answer carries m, l, o in float32")
 
 
+@message
+@dataclass(frozen=True, kw_only=True)
+class RingOpen(Message):
+    """Debtor -> creditor, on the creditor's remote-attention channel only: open a
+    shared-memory ring for ``debtor``'s RemoteAttend (kvd/node/attention_ring.py), the
+    debtor holding loan ``loan_id`` there and running on the host whose boot id is
+    ``host``. Answered by RingOffer."""
+
+    debtor: str
+    loan_id: str
+    host: str
+
+    def _check(self) -> None:
+        _require(bool(self.debtor) and bool(self.loan_id) and bool(self.host), "debtor, loan_id and host must be set")
+
+
+@message
+@dataclass(frozen=True, kw_only=True)
+class RingOffer(Message):
+    """Creditor -> debtor: the ring's segment ``name`` (under /dev/shm, mode 0600), its
+    ``nonce`` (hex, written in the segment) and geometry, or ``ok=False`` with the reason."""
+
+    ok: bool
+    name: str = ""
+    nonce: str = ""
+    slots: int = 0
+    slot_bytes: int = 0
+    reason: str = ""
+
+    def _check(self) -> None:
+        _require(not self.ok or (bool(self.name) and bool(self.nonce) and self.slots > 0 and self.slot_bytes > 0),
+                 "an offered ring has a name, a nonce, slots and their size")
+
+
 LENDING_MESSAGES = (BorrowRequest, ReturnLoan, LeaseRenew, LoanWrite, RemoteAttend)   # debtor -> creditor
 
 

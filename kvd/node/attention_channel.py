@@ -24,11 +24,18 @@ engine/borrowing.py); a send the channel does not take by the deadline (no
 connection, or the creditor's queue full) fails the same way. The server
 polls in steps of ``POLL_S``, so ``close`` ends it.
 A silent or dead creditor fails the request that used it, never the node.
+
+On one host the debtor asks the channel for a shared-memory ring (``RingOpen``,
+kvd/node/attention_ring.py): the creditor's answer names a segment only this
+user can open, and a thread of the creditor serves it in the debtor's name with
+the checks above; the debtor's ``send`` then takes the ring for every message
+that fits it, the zmq channel for the rest.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -38,7 +45,9 @@ from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
 from engine.dist_attention import RemoteKVError
+from kernels.shm_wait import Doorbells
 from kvd import protocol
+from kvd.node.attention_ring import RingClient, RingPolicy, RingServer, Segment, host_id
 from kvd.trust import node_refusal
 from transports.keys import CurveClient, CurveServer, as_key_set
 
@@ -91,13 +100,18 @@ class ChannelServer:
     """The creditor's end: a ROUTER bound on ``host`` (a free port: ``url``), read by a
     thread of its own that answers each RemoteAttend with ``serve(msg, debtor)`` (the
     attention server's, on this thread). ``curve``: the node's listener keys, or None
-    (a cluster run insecure: senders are named by what they claim)."""
+    (a cluster run insecure: senders are named by what they claim). ``rings``: whom it
+    gives a same-host shared-memory ring, each served by a thread of its own (None: no
+    one)."""
 
     def __init__(self, host: str, serve: Callable[[protocol.RemoteAttend, str | None], protocol.Message],
-                 curve: CurveServer | None) -> None:
+                 curve: CurveServer | None, rings: RingPolicy | None = None) -> None:
         self.serve = serve
         self.authenticated = curve is not None
-        self.counts = {"served": 0, "rejected": 0, "forbidden": 0}
+        self.counts = {"served": 0, "rejected": 0, "forbidden": 0, "rings": 0, "ring_refused": 0, "ring_served": 0}
+        self._counts_lock = threading.Lock()            # the channel thread and the rings' count
+        self.ring_policy = rings
+        self._rings: dict[str, RingServer] = {}         # debtor -> its ring (the channel thread's)
         self._ctx = zmq.Context()
         self._auth: _NamingAuthenticator | None = None
         sock = self._ctx.socket(zmq.ROUTER)
@@ -126,6 +140,8 @@ class ChannelServer:
 
     def _run(self) -> None:
         sock = self._sock
+        if self.ring_policy is not None:
+            Doorbells.create()                  # built here, not while a debtor waits for its RingOffer
         try:
             while not self._stop.is_set():
                 if not sock.poll(POLL_S * 1000):
@@ -145,26 +161,73 @@ class ChannelServer:
         finally:
             sock.close(0)
 
+    def _count(self, key: str) -> None:
+        with self._counts_lock:
+            self.counts[key] += 1
+
     def _answer(self, parts: list[zmq.Frame]) -> protocol.Message | None:
         if len(parts) < 2:
-            self.counts["rejected"] += 1
+            self._count("rejected")
             return None
         identity = parts[1].get("User-Id") if self.authenticated else None
-        msg = protocol.decode(parts[1].bytes, [p.buffer for p in parts[2:]])
+        return self.answer(parts[1].bytes, [p.buffer for p in parts[2:]], identity, self.authenticated)
+
+    def answer(self, header: bytes, frames: list, identity: str | None, authenticated: bool,
+               ring: bool = False) -> protocol.Message:
+        """The reply to one message from ``identity`` (checked by the trust gate when
+        ``authenticated``): RemoteAttend served, RingOpen answered (not on a ``ring``),
+        anything else refused and counted. Any thread (the channel's, a ring's)."""
+        msg = protocol.decode(header, frames)
+        if isinstance(msg, protocol.RingOpen) and not ring:
+            return self._open_ring(msg, identity)
         if not isinstance(msg, protocol.RemoteAttend):
-            self.counts["rejected"] += 1
+            self._count("rejected")
             why = msg.detail if isinstance(msg, protocol.ProtocolError) else f"{msg.TYPE} on the attention channel"
             return protocol.RemotePartials(id=getattr(msg, "id", None) or "", ok=False, reason=why[:300])
-        if why := node_refusal(msg, identity, self.authenticated):
-            self.counts["forbidden"] += 1
+        if why := node_refusal(msg, identity, authenticated):
+            self._count("forbidden")
             return protocol.RemotePartials(id=msg.id, ok=False, reason=f"forbidden: {why}")
-        self.counts["served"] += 1
-        return self.serve(msg, identity if self.authenticated else msg.debtor)
+        self._count("served")
+        if ring:
+            self._count("ring_served")
+        return self.serve(msg, identity if authenticated else msg.debtor)
+
+    def _open_ring(self, msg: protocol.RingOpen, identity: str | None) -> protocol.RingOffer:
+        """A shared-memory ring for ``msg.debtor`` (attention_ring.py), or why not."""
+        if self.authenticated and msg.debtor != identity:
+            self._count("forbidden")
+            return protocol.RingOffer(id=msg.id, ok=False, reason=f"forbidden: debtor {msg.debtor!r} is not the "
+                                                                  f"sender's key {identity!r}")
+        policy, bells = self.ring_policy, Doorbells.create()
+        if policy is None or bells is None or not host_id():
+            return protocol.RingOffer(id=msg.id, ok=False, reason="this node offers no shared-memory ring")
+        if msg.host != host_id():
+            return protocol.RingOffer(id=msg.id, ok=False, reason="another host")
+        if why := policy.may_open(msg.loan_id, msg.debtor):
+            self._count("ring_refused")
+            return protocol.RingOffer(id=msg.id, ok=False, reason=why)
+        try:
+            segment = Segment.create()
+        except OSError as exc:
+            log.warning("no shared-memory ring for %s: %s", msg.debtor, exc)
+            return protocol.RingOffer(id=msg.id, ok=False, reason=f"no shared memory: {exc}"[:300])
+        if (old := self._rings.pop(msg.debtor, None)) is not None:
+            old.close()                                 # one ring per debtor: a new engine asks again
+        self._rings = {d: r for d, r in self._rings.items() if r.alive}
+        debtor = msg.debtor
+        self._rings[debtor] = RingServer(segment, bells, debtor,
+                                         lambda header, frames: self.answer(header, frames, debtor, True, ring=True),
+                                         policy.holds, lambda: self._count("rejected"))
+        self._count("rings")
+        return protocol.RingOffer(id=msg.id, ok=True, name=segment.name, nonce=segment.nonce.hex(),
+                                  slots=segment.slots, slot_bytes=segment.slot_bytes)
 
     def close(self) -> None:
-        """Stop the thread (within ``POLL_S``) and free the sockets."""
+        """Stop the thread (within ``POLL_S``), the rings, and free the sockets."""
         self._stop.set()
         self._thread.join(timeout=5 * POLL_S)
+        for ring in list(self._rings.values()):
+            ring.close()
         if self._auth is not None:
             self._auth.stop()
         if not self._thread.is_alive():
@@ -191,12 +254,62 @@ class ChannelClient:
         self.url, self._sock = url, sock
         self._waiting: set[str] = set()                 # ids sent, not yet answered or given up
         self._replies: dict[str, protocol.Message] = {}
+        self.ring: RingClient | None = None             # the same-host fast path (open_ring)
+        self._on_ring: set[str] = set()                 # ids sent on the ring, not yet answered
+        self._ring_lost: set[str] = set()               # ids sent on a ring closed since: no answer will come
+        self.counts = {"ring": 0, "channel": 0}         # messages sent each way
 
-    def send(self, msg: protocol.Message, timeout: float) -> None:
+    def open_ring(self, debtor: str, loan_id: str, timeout: float) -> bool:
+        """Ask the creditor for a shared-memory ring (attention_ring.py) for ``debtor``, which
+        holds ``loan_id`` there; True when this client now has one (then ``send`` takes it for
+        what fits). False, the zmq channel serving all: another host, a creditor that offers
+        none or refuses, no doorbells here, no answer within ``timeout`` seconds."""
+        if self.ring is not None and not self.ring.closed:
+            return True
+        self._drop_ring()
+        bells = Doorbells.create()
+        if bells is None or not host_id():
+            return False
+        ask = protocol.RingOpen(id=secrets.token_hex(6), debtor=debtor, loan_id=loan_id, host=host_id(),
+                                deadline=time.time() + timeout)
+        try:
+            self.send(ask, timeout)
+            offer = self.wait(ask.id, timeout)
+        except RemoteKVError as exc:
+            log.info("no shared-memory ring from %s: %s", self.url, exc)
+            return False
+        if not isinstance(offer, protocol.RingOffer) or not offer.ok:
+            log.info("no shared-memory ring from %s: %s", self.url, getattr(offer, "reason", offer))
+            return False
+        self._ring_lost.clear()                         # what a step sent on the last one: given up by now
+        try:
+            self.ring = RingClient.attach(offer, bells)
+        except (OSError, ValueError) as exc:            # another /dev/shm (a container): the channel serves
+            log.info("the shared-memory ring %s offered by %s cannot be opened here: %s", offer.name, self.url, exc)
+            return False
+        return True
+
+    def _drop_ring(self) -> None:
+        if self.ring is not None:
+            self.ring.close()
+            self._ring_lost |= self._on_ring
+            self.ring, self._on_ring = None, set()
+
+    def send(self, msg: protocol.Message, timeout: float, reply_bytes: int = 0) -> None:
         """Send ``msg`` (its frames without copies: the caller leaves its tensors be
-        until the reply). Raises RemoteKVError when the channel takes it not within
-        ``timeout`` seconds (not connected yet, or the creditor's queue full)."""
+        until the reply): on the ring where there is one, ``reply_bytes`` (the most its
+        reply's frames take) is given and both fit, else on the zmq channel. Raises
+        RemoteKVError when the channel takes it not within ``timeout`` seconds (not
+        connected yet, or the creditor's queue full)."""
         header, frames = protocol.encode(msg)
+        ring = self.ring
+        if ring is not None and ring.closed:
+            self._drop_ring()
+        elif ring is not None and reply_bytes and ring.send(msg.id, header, frames, reply_bytes):
+            self._waiting.add(msg.id)
+            self._on_ring.add(msg.id)
+            self.counts["ring"] += 1
+            return
         ms = max(1, int(timeout * 1000))
         if self._sock.sndtimeo != ms:
             self._sock.sndtimeo = ms
@@ -205,6 +318,7 @@ class ChannelClient:
         except zmq.Again:
             raise RemoteKVError(f"the creditor's channel {self.url} took no message within {timeout} s") from None
         self._waiting.add(msg.id)
+        self.counts["channel"] += 1
 
     def wait(self, msg_id: str, timeout: float) -> protocol.Message:
         """The reply to the message ``msg_id``, received within ``timeout`` seconds (replies
@@ -212,6 +326,11 @@ class ChannelClient:
         RemoteKVError after it."""
         deadline = time.monotonic() + timeout
         try:
+            if msg_id in self._on_ring:
+                return self._wait_ring(msg_id, deadline)
+            if msg_id in self._ring_lost:
+                self._ring_lost.discard(msg_id)
+                raise RemoteKVError("the creditor closed the shared-memory ring")
             while msg_id not in self._replies:
                 left = deadline - time.monotonic()
                 if left <= 0 or not self._sock.poll(max(1, int(left * 1000))):
@@ -226,5 +345,24 @@ class ChannelClient:
         finally:
             self._waiting.discard(msg_id)
 
+    def _wait_ring(self, msg_id: str, deadline: float) -> protocol.Message:
+        """``wait`` for a message sent on the ring: its replies come in order, each answering
+        the request of its slot (a late one's, given up on, is dropped)."""
+        try:
+            while msg_id not in self._replies:
+                answered, header, frames = self.ring.next_reply(deadline)
+                reply = protocol.decode(header, frames) if header is not None else None
+                if answered not in self._waiting:
+                    continue
+                if not isinstance(reply, protocol.Message) or reply.id != answered:    # the slot's own refusal
+                    why = (reply.detail if isinstance(reply, protocol.ProtocolError) else
+                           "a slot out of sequence" if reply is None else getattr(reply, "reason", "") or reply.TYPE)
+                    reply = protocol.RemotePartials(id=answered, ok=False, reason=f"ring: {why}"[:300])
+                self._replies[answered] = reply
+            return self._replies.pop(msg_id)
+        finally:
+            self._on_ring.discard(msg_id)
+
     def close(self) -> None:
+        self._drop_ring()
         self._sock.close(0)

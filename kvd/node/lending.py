@@ -38,6 +38,7 @@ from engine.memory.rmanager import Borrowed, Loan, RManager
 from kvd import protocol
 from kvd.node.engine_driver import EngineDriver
 from kvd.node.attention_channel import ChannelClient, ChannelServer, channel_host, check_channel_url
+from kvd.node.attention_ring import RingPolicy
 from kvd.node.remote_attention import AttentionServer, ChannelLender, WireLender
 from transports import Connection, TransportError
 
@@ -45,6 +46,7 @@ log = logging.getLogger("kvd.lending")
 
 MESSAGES = protocol.LENDING_MESSAGES
 ROUNDS = 2          # a debtor asks the coordinator this many times before it gives up (then: preemption)
+RING_OPEN_S = 5.0   # the longest a debtor's engine thread waits for a creditor's shared-memory ring
 
 
 class Lender:
@@ -75,9 +77,17 @@ class Lender:
         debtors ask over their peer links."""
         if self.rmanager.lend_cap > 0 and (host := channel_host(address)) is not None:
             try:
-                self.channel = ChannelServer(host, self.attention.serve, curve)
+                self.channel = ChannelServer(host, self.attention.serve, curve,
+                                             RingPolicy(self._may_ring, lambda debtor: debtor in self.lent))
             except zmq.ZMQError as exc:         # the interface takes no second port: the peer link serves
                 log.warning("no remote-attention channel on %s: %s", host, exc)
+
+    def _may_ring(self, loan_id: str, debtor: str) -> str | None:
+        """Why ``debtor`` may not have a shared-memory ring here (no loan ``loan_id`` of its),
+        or None. The channel's thread."""
+        with self.lock:
+            loan = self.rmanager.access(loan_id, debtor)
+        return loan if isinstance(loan, str) else None
 
     def close(self) -> None:
         if self.channel is not None:
@@ -289,14 +299,21 @@ def serve_borrowing(engine, borrower: Borrower, loop: asyncio.AbstractEventLoop,
     """Let ``engine``'s requests borrow KV through ``borrower`` (engine/borrowing.py), its
     remote parts computed on the creditors: over a creditor's remote-attention channel
     where it has one and ``channel_keys(creditor)`` gives this node's CURVE keys toward it
-    (a ``CurveClient``, None when insecure; attention_channel.py), else over the node's
+    (a ``CurveClient``, None when insecure; attention_channel.py), through its shared-memory
+    ring where it offers one (the same host: attention_ring.py), else over the node's
     peer link (remote_attention.py). The engine thread waits at most ``deadline_s`` for a
     loan (a loan granted later is given back) and for each layer's remote results. Call
     on the event loop before the first request."""
     clients: dict[str, ChannelClient] = {}          # creditor -> the engine thread's socket to its channel
     context: list[zmq.Context] = []
 
-    def channel_to(creditor: str) -> ChannelClient | None:          # engine thread
+    def channel_to(creditor: str, loan_id: str) -> ChannelClient | None:      # engine thread
+        client = _client_of(creditor)
+        if client is not None:                  # the same host: a shared-memory ring, while it lasts
+            client.open_ring(borrower.name, loan_id, min(deadline_s, RING_OPEN_S))
+        return client
+
+    def _client_of(creditor: str) -> ChannelClient | None:
         url = borrower.channels.get(creditor)
         if url is None or channel_keys is None:
             return None
@@ -323,7 +340,7 @@ def serve_borrowing(engine, borrower: Borrower, loop: asyncio.AbstractEventLoop,
         if got is None:
             return None
 
-        client = channel_to(got.creditor)
+        client = channel_to(got.creditor, got.loan_id)
 
         def lender(request_id: str, lo: int) -> ChannelLender | WireLender:
             if client is not None:

@@ -122,7 +122,8 @@ class ChannelHandle:
 
 class ChannelLender:
     """The ``Lender`` of one remote part over the creditor's remote-attention channel
-    (kvd/node/attention_channel.py): sent and awaited on the calling thread (the engine
+    (kvd/node/attention_channel.py; its shared-memory ring on the same host,
+    attention_ring.py): sent and awaited on the calling thread (the engine
     thread, the channel client's only user), no event loop between. The frames view the
     step's tensors: the model leaves a layer's q, k, v be until its attention returns."""
 
@@ -135,7 +136,9 @@ class ChannelLender:
               v: torch.Tensor) -> PartialsHandle:
         msg = attend_message(self.debtor, self.loan_id, self.request_id, self.lo, self.timeout, layer, q, ctx,
                              positions, k, v)
-        self.client.send(msg, self.timeout)
+        rows, heads, head_dim = q.shape
+        width = max(chunks_of(ctx) - self.lo, 0)                # the reply's chunks at most: m, l, o fp32
+        self.client.send(msg, self.timeout, reply_bytes=rows * width * heads * (head_dim + 2) * 4)
         return ChannelHandle(self.client, msg.id, q.shape[0], self.lo, ctx, q.shape[-1])
 
 

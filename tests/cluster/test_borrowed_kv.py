@@ -17,6 +17,7 @@ A micro-attention on a loan is served to the loan's debtor only.
 from __future__ import annotations
 
 import concurrent.futures
+import glob
 import random
 import time
 
@@ -43,6 +44,7 @@ def trio(tmp_path_factory):
         yield c
     finally:
         c.stop()
+    assert not glob.glob("/dev/shm/kvd-ring-*")               # no shared-memory ring outlives its nodes
 
 
 def start(c: Cluster, name: str, make_key: bool = True) -> None:
@@ -104,9 +106,12 @@ def test_a_request_past_one_node_is_served_with_the_single_node_text(trio, refer
     assert sum(s["creditor"]["attention"]["served"] for s in served.values()) > 0
     assert sum(s["creditor"]["counts"]["returned"] for s in served.values()) == 2
     assert all(s["creditor"]["attention"]["refused"] == 0 for s in served.values())
-    # every remote part went over the creditors' remote-attention channels, not the peer links
+    # every remote part went over the creditors' remote-attention channels, not the peer links,
+    # the decode steps' through the same host's shared-memory rings, whose names are gone
     assert (sum(s["creditor"]["channel"]["served"] for s in served.values())
             == sum(s["creditor"]["attention"]["served"] for s in served.values()))
+    assert sum(s["creditor"]["channel"]["ring_served"] for s in served.values()) >= MAX_TOKENS
+    assert not glob.glob("/dev/shm/kvd-ring-*")
     assert free_blocks(c, NODES) == start_free
 
 
@@ -172,8 +177,9 @@ def test_the_attention_channel_serves_the_loans_debtor_only(trio, tmp_path):
                                               torch.randn(1, cfg.num_kv_heads, cfg.head_dim),
                                               torch.randn(1, cfg.num_kv_heads, cfg.head_dim)))
 
-    def ask(client: ChannelClient, msg: protocol.RemoteAttend, timeout: float = 10.0) -> protocol.Message:
-        client.send(msg, timeout)
+    def ask(client: ChannelClient, msg: protocol.Message, timeout: float = 10.0, reply_bytes: int = 0
+            ) -> protocol.Message:
+        client.send(msg, timeout, reply_bytes)
         return client.wait(msg.id, timeout)
 
     generate_keypair(tmp_path, "stranger")
@@ -190,6 +196,14 @@ def test_the_attention_channel_serves_the_loans_debtor_only(trio, tmp_path):
         assert not stolen.ok and "no loan" in stolen.reason
         forged = ask(clients[1], attend("a"))
         assert not forged.ok and forged.reason.startswith("forbidden: debtor 'a' is not the sender's key 'c'")
+        # a shared-memory ring: for the loan's debtor alone, in its own name
+        assert not clients[1].open_ring("c", loan.loan_id, 10.0)
+        posing = ask(clients[1], protocol.RingOpen(id="m-open", debtor="a", loan_id=loan.loan_id, host="h"))
+        assert not posing.ok and posing.reason.startswith("forbidden: debtor 'a' is not the sender's key 'c'")
+        assert clients[0].open_ring("a", loan.loan_id, 10.0)
+        on_ring = ask(clients[0], attend("a"), reply_bytes=4096)
+        assert on_ring.ok and clients[0].counts["ring"] == 1
+        assert not ask(clients[0], attend("c"), reply_bytes=4096).ok               # a's ring, in c's name
         other = protocol.ReturnLoan(id="m-return", debtor="a", loan_id=loan.loan_id)   # not the channel's
         clients[0].send(other, 10.0)
         wrong = clients[0].wait(other.id, 10.0)
@@ -197,11 +211,13 @@ def test_the_attention_channel_serves_the_loans_debtor_only(trio, tmp_path):
         with pytest.raises(RemoteKVError, match="within 1.0 s"):
             ask(clients[2], attend("a"), timeout=1.0)
         after = admin(c.node_admin("b"), "loans")["creditor"]
-        assert after["attention"]["served"] == before["attention"]["served"] + 1
+        assert after["attention"]["served"] == before["attention"]["served"] + 2
         assert after["attention"]["refused"] == before["attention"]["refused"] + 1
-        assert after["channel"]["forbidden"] == before["channel"]["forbidden"] + 1
+        assert after["channel"]["forbidden"] == before["channel"]["forbidden"] + 3
         assert after["channel"]["rejected"] == before["channel"]["rejected"] + 1
         assert after["channel"]["refused_keys"] > before["channel"]["refused_keys"]
+        assert after["channel"]["ring_refused"] == before["channel"]["ring_refused"] + 1
+        assert after["channel"]["ring_served"] == before["channel"]["ring_served"] + 1
     finally:
         for client in clients:
             client.close()
@@ -227,6 +243,7 @@ def test_a_creditor_killed_mid_stream_and_then_a_debtor(trio, reference):
     live = [n for n in NODES if n != creditor]
     c.wait_gone(creditor, timeout=30)
     assert free_blocks(c, live) == dict.fromkeys(live, BLOCKS)
+    assert not glob.glob("/dev/shm/kvd-ring-*")              # the killed creditor's rings: unnamed since mapped
     start(c, creditor, make_key=False)              # back for the next fault
     c.wait_nodes(NODES)
     wait_for(lambda: ledger_line(c, creditor).get("lendable") == LEND, "the restarted node's cap")

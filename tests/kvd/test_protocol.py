@@ -75,6 +75,8 @@ EXAMPLES = [
                    tensors=(RawTensor("float32", (1, 1, 2), memoryview(bytes(8))),
                             RawTensor("int8", (1, 1, 2), memoryview(b"ab")), RawTensor("int8", (1, 1, 2), memoryview(b"cd")))),
     P.RemotePartials(ok=False, reason="no loan 'ab12' of this node to 'n3'"),
+    P.RingOpen(debtor="n1", loan_id="ab12", host="775ed33a-b7f1-4475-a8bd-6bf764a5863f"),
+    P.RingOffer(ok=True, name="kvd-ring-" + "0" * 32, nonce="ff" * 16, slots=4, slot_bytes=524288),
 ]
 
 

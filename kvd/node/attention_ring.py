@@ -1,0 +1,398 @@
+"""The remote-attention channel's same-host fast path: a shared-memory ring between
+one debtor's engine thread and a thread of the creditor, for the per-layer
+RemoteAttend / RemotePartials round trip (the pattern of vLLM's shm_broadcast
+MessageQueue: shared memory for local peers, zmq for remote ones). A round trip
+on the zmq channel crosses six thread hand-offs (both sides' zmq I/O threads);
+on the ring, two (a doorbell each way: kernels/shm_wait.py).
+
+How a ring comes to be (kvd/node/attention_channel.py)::
+
+    debtor engine thread                          creditor channel thread
+    RingOpen(debtor, loan, boot id) ── CURVE ──▶  the sender's key is ``debtor``, which holds
+                                                  the loan here, on this host (boot id): create
+                                                  /dev/shm/kvd-ring-<128 random bits>, mode 0600,
+                                                  every byte allocated, a random nonce in it;
+                                     ◀── CURVE ── RingOffer(name, nonce, geometry)
+    open it (a regular file of ours, mode 0600,   a RingServer thread serves it, bound to the
+    its size, magic and nonce), map, unlink the   debtor's name: every message in it is that
+    name: the memory lives while both map it      debtor's, checked as on the zmq channel
+
+The name travels only over the CURVE channel, to the loan's debtor, and lives
+until the debtor maps it (or ``ATTACH_S``, then the creditor unlinks it): no
+segment outlives its processes, however they end. The mode grants no more than
+the node's 0600 admin socket: the node's own user.
+
+Segment layout (little-endian)::
+
+    0     magic "kvd-ring", nonce (16 bytes), slots u32, slot bytes u32
+    32    creditor closed u32, debtor closed u32
+    64    request doorbell: requests posted (debtor), its sleepers     (shm_wait.cpp)
+    128   reply doorbell: replies posted (creditor), its sleepers
+    4096  request slots [slots][slot_bytes], then reply slots [slots][slot_bytes]
+
+    a slot: seq u32, header bytes u32, frames u32, 0 u32, frame bytes u64 x 4,
+            at +64: the wire header (kvd/wire.py), then each frame, 64-byte aligned
+
+Request i sits in request slot i % slots and its reply in reply slot i % slots,
+in order; the debtor posts request i only once it has read reply i - slots, so
+neither side overwrites a slot the other still reads. Every slot is checked
+(its sequence number, lengths within the slot) and its header and frames decoded
+and validated as every wire message (``protocol.decode``); anything else is
+answered with a refusal and counted, and the ring goes on. A message that does
+not fit a slot (a long prefill chunk's), or finds the ring full, goes on the
+zmq channel instead.
+
+Waits: a doorbell spins ``SPIN_S`` then sleeps, the GIL released, in slices of
+``SLICE_S`` between which each side looks at the other's closed flag; every wait
+ends by its deadline (``RemoteKVError`` on the debtor: its request is computed
+again, engine/borrowing.py). A creditor closes a ring when it stops, when its
+debtor opens another, or when its debtor has held no loan here for ``IDLE_S``
+(a debtor gone); a debtor seeing its ring closed sends on the zmq channel.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import ctypes
+import functools
+import logging
+import mmap
+import os
+import re
+import secrets
+import stat
+import struct
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine.dist_attention import RemoteKVError
+from kernels.shm_wait import Doorbells
+from kvd import protocol
+
+log = logging.getLogger("kvd.attention_ring")
+
+SHM_DIR = "/dev/shm"
+NAME = re.compile(r"kvd-ring-[0-9a-f]{32}")
+SLOTS = 4                     # requests in flight per ring
+SLOT_BYTES = 512 * 1024       # a decode step's message and reply fit at 8K keys with room to spare
+MAX_SLOT_BYTES = 64 << 20     # the most a debtor maps for one slot
+SPIN_S = 100e-6               # a doorbell's spin before it sleeps
+SLICE_S = 0.05                # the longest sleep between looks at the other side
+ATTACH_S = 10.0               # a name not mapped by its debtor within this is unlinked
+IDLE_S = 30.0                 # a ring whose debtor holds no loan here this long is closed
+REPLY_HEADER_BYTES = 2048     # what a debtor keeps free in a reply slot for the reply's header
+
+_MAGIC = b"kvd-ring"
+_HEAD = 4096
+_GEOMETRY = struct.Struct("<8s16sII")
+_CLOSED_BY = {"creditor": 32, "debtor": 36}
+_REQUEST_BELL, _REPLY_BELL = 64, 128
+_SLOT = struct.Struct("<IIII4Q")
+MAX_FRAMES = 4
+ALIGN = 64
+REQUESTS, REPLIES = 0, 1
+MASK = 0xFFFFFFFF
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def slot_use(header_bytes: int, frame_bytes: list[int]) -> int:
+    """Bytes a slot needs for a message of ``header_bytes`` and frames of ``frame_bytes``."""
+    return ALIGN + _align(header_bytes) + sum(_align(n) for n in frame_bytes)
+
+
+@dataclass(frozen=True)
+class RingPolicy:
+    """Whom a creditor gives a ring: ``may_open(loan_id, debtor)``, the reason ``debtor``
+    may not have one (it holds no such loan here) or None; ``holds(debtor)``, whether it
+    holds any loan here now. Both callable from the channel's and the rings' threads."""
+
+    may_open: Callable[[str, str], str | None]
+    holds: Callable[[str], bool]
+
+
+@functools.cache
+def host_id() -> str:
+    """This host's boot id ("" where it cannot be read: such a host offers and opens no ring)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+class Segment:
+    """A ring's shared mapping: slots and doorbells (module docstring's layout). One per
+    end; ``create`` (creditor) or ``attach`` (debtor)."""
+
+    def __init__(self, fd: int, name: str, slots: int, slot_bytes: int) -> None:
+        self.name, self.slots, self.slot_bytes = name, slots, slot_bytes
+        self.nonce = b""
+        self.size = _HEAD + 2 * slots * slot_bytes
+        self.mm = mmap.mmap(fd, self.size)
+        self._anchor = (ctypes.c_char * self.size).from_buffer(self.mm)     # pins the mapping's address
+        self.base = ctypes.addressof(self._anchor)
+        self.view = memoryview(self.mm)
+
+    @classmethod
+    def create(cls, slots: int = SLOTS, slot_bytes: int = SLOT_BYTES) -> Segment:
+        """A new segment under a fresh random name, mode 0600, every byte allocated (a full
+        /dev/shm fails here, not as a SIGBUS later). Raises OSError (nothing left behind)."""
+        name = f"kvd-ring-{secrets.token_hex(16)}"
+        path = os.path.join(SHM_DIR, name)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            os.fchmod(fd, 0o600)                            # whatever the umask left
+            os.posix_fallocate(fd, 0, _HEAD + 2 * slots * slot_bytes)
+            seg = cls(fd, name, slots, slot_bytes)
+        except BaseException:
+            os.unlink(path)
+            raise
+        finally:
+            os.close(fd)                                    # the mapping holds the memory
+        seg.nonce = secrets.token_bytes(16)
+        _GEOMETRY.pack_into(seg.mm, 0, _MAGIC, seg.nonce, slots, slot_bytes)
+        return seg
+
+    @classmethod
+    def attach(cls, offer: protocol.RingOffer) -> Segment:
+        """Map the segment a RingOffer names, then unlink its name. Raises ValueError for a
+        bad name or geometry, or a file that is not the creditor's segment (not a regular
+        file of this user with mode 0600 and the offer's size, magic and nonce); OSError."""
+        if not NAME.fullmatch(offer.name):
+            raise ValueError(f"not a ring's name: {offer.name!r}")
+        if not 0 < offer.slots <= 64 or not 4096 <= offer.slot_bytes <= MAX_SLOT_BYTES or offer.slot_bytes % ALIGN:
+            raise ValueError(f"a ring of {offer.slots} slots of {offer.slot_bytes} bytes")
+        try:
+            nonce = bytes.fromhex(offer.nonce)
+        except ValueError:
+            raise ValueError("the ring's nonce is not hex") from None
+        path = os.path.join(SHM_DIR, offer.name)
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            st = os.fstat(fd)
+            size = _HEAD + 2 * offer.slots * offer.slot_bytes
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077 or st.st_size != size:
+                raise ValueError(f"{path} is not a ring segment of this user (mode 0600, {size} bytes)")
+            seg = cls(fd, offer.name, offer.slots, offer.slot_bytes)
+        finally:
+            os.close(fd)
+        if _GEOMETRY.unpack_from(seg.mm, 0) != (_MAGIC, nonce, offer.slots, offer.slot_bytes):
+            seg.close()
+            raise ValueError(f"{path} is not the offered ring (magic, nonce or geometry differ)")
+        seg.nonce = nonce
+        seg.unlink()
+        return seg
+
+    def bell(self, which: int) -> int:
+        """The address of a doorbell (``_REQUEST_BELL`` or ``_REPLY_BELL``)."""
+        return self.base + which
+
+    def closed(self, by: str) -> bool:
+        return struct.unpack_from("<I", self.mm, _CLOSED_BY[by])[0] != 0
+
+    def mark_closed(self, by: str) -> None:
+        struct.pack_into("<I", self.mm, _CLOSED_BY[by], 1)
+
+    def _slot(self, area: int, seq: int) -> int:
+        return _HEAD + (area * self.slots + seq % self.slots) * self.slot_bytes
+
+    def put(self, area: int, seq: int, header: bytes, frames: list[memoryview]) -> bool:
+        """Write message ``seq`` into its slot of ``area``; False (nothing written) when it
+        does not fit."""
+        sizes = [f.nbytes for f in frames]
+        if len(frames) > MAX_FRAMES or slot_use(len(header), sizes) > self.slot_bytes:
+            return False
+        at = self._slot(area, seq)
+        pos = at + ALIGN
+        self.mm[pos:pos + len(header)] = header
+        pos = _align(pos + len(header))
+        for f, n in zip(frames, sizes):
+            self.mm[pos:pos + n] = f
+            pos = _align(pos + n)
+        _SLOT.pack_into(self.mm, at, seq & MASK, len(header), len(frames), 0, *sizes, *[0] * (MAX_FRAMES - len(sizes)))
+        return True
+
+    def take(self, area: int, seq: int, copy: bool) -> tuple[bytes, list] | str:
+        """Message ``seq`` from its slot of ``area``: (header, frames: bytes when ``copy``,
+        else views of the slot), or why the slot holds no such message."""
+        at = self._slot(area, seq)
+        got, header_bytes, count, _, *sizes = _SLOT.unpack_from(self.mm, at)
+        if got != seq & MASK:
+            return f"slot {seq % self.slots} holds message {got}, not {seq & MASK}"
+        if count > MAX_FRAMES or slot_use(header_bytes, sizes[:count]) > self.slot_bytes:
+            return f"slot {seq % self.slots}'s lengths overflow it"
+        pos = at + ALIGN
+        header = bytes(self.view[pos:pos + header_bytes])
+        pos = _align(pos + header_bytes)
+        frames = []
+        for n in sizes[:count]:
+            frames.append(bytes(self.view[pos:pos + n]) if copy else self.view[pos:pos + n])
+            pos = _align(pos + n)
+        return header, frames
+
+    def unlink(self) -> None:
+        """Remove the name (the mappings stay); a name already gone is no error."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(SHM_DIR, self.name))
+
+    def close(self) -> None:
+        """Unmap (deferred to the last view's release where views remain)."""
+        if self._anchor is None:
+            return
+        with contextlib.suppress(BufferError):
+            self.view.release()
+        self._anchor = None
+        try:
+            self.mm.close()
+        except BufferError:         # a message's frames still view it: unmapped when they go
+            pass
+
+
+class RingClient:
+    """The debtor's end: ``send`` posts a request, ``next_reply`` reads the replies in order
+    (reply i answers request i, whatever id it claims). The engine thread's only (like the
+    channel client that owns it)."""
+
+    def __init__(self, segment: Segment, bells: Doorbells) -> None:
+        self.seg, self.bells = segment, bells
+        self.sent = 0               # requests posted
+        self.read = 0               # replies read
+        self._ids: collections.deque[str] = collections.deque()     # the ids of requests not answered yet, in order
+
+    @classmethod
+    def attach(cls, offer: protocol.RingOffer, bells: Doorbells) -> RingClient:
+        """Raises ValueError or OSError (Segment.attach)."""
+        return cls(Segment.attach(offer), bells)
+
+    @property
+    def closed(self) -> bool:
+        """Whether the creditor closed the ring (then every send goes on the zmq channel)."""
+        return self.seg.closed("creditor")
+
+    def send(self, msg_id: str, header: bytes, frames: list[memoryview], reply_bytes: int) -> bool:
+        """Post the request ``msg_id`` whose reply's frames take at most ``reply_bytes`` (3 frames); False
+        (nothing sent) when the ring is closed or full, or the request or its reply would
+        not fit a slot."""
+        if (self.closed or self.sent - self.read >= self.seg.slots
+                or slot_use(REPLY_HEADER_BYTES, [reply_bytes, 0, 0]) + 2 * ALIGN > self.seg.slot_bytes):
+            return False
+        if not self.seg.put(REQUESTS, self.sent, header, frames):
+            return False
+        self.sent += 1
+        self._ids.append(msg_id)
+        self.bells.post(self.seg.bell(_REQUEST_BELL), self.sent)
+        return True
+
+    def next_reply(self, deadline: float) -> tuple[str, bytes | None, list[bytes]]:
+        """The next reply: (the id of the request it answers, its header and frames copied
+        out of the slot; header None for a slot out of sequence), waited for until
+        ``deadline`` (time.monotonic). Raises RemoteKVError after it, or when the creditor
+        closed the ring."""
+        bell = self.seg.bell(_REPLY_BELL)
+        if self.read == self.sent:
+            raise RemoteKVError("no request awaits a reply on the ring")
+        while self.bells.load(bell) == self.read & MASK:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RemoteKVError("a remote part gave no result within the deadline on the ring")
+            if self.closed:
+                raise RemoteKVError("the creditor closed the shared-memory ring")
+            self.bells.wait(bell, self.read, SPIN_S, min(left, SLICE_S))
+        got = self.seg.take(REPLIES, self.read, copy=True)
+        self.read += 1
+        msg_id = self._ids.popleft()
+        if isinstance(got, str):
+            log.warning("a reply on the ring refused: %s", got)
+            return msg_id, None, []
+        return msg_id, *got
+
+    def close(self) -> None:
+        self.seg.mark_closed("debtor")
+        self.seg.close()
+
+
+class RingServer:
+    """The creditor's end of one debtor's ring: a thread that answers each request with
+    ``answer(header, frames)`` (the channel's checks, in ``debtor``'s name) and ends when
+    ``close``d, when the debtor closes its end, or when ``holds(debtor)`` has been false
+    for ``IDLE_S``. ``rejected()`` is called for each slot that holds no message."""
+
+    def __init__(self, segment: Segment, bells: Doorbells, debtor: str,
+                 answer: Callable[[bytes, list[memoryview]], protocol.Message], holds: Callable[[str], bool],
+                 rejected: Callable[[], None]) -> None:
+        self.seg, self.bells, self.debtor = segment, bells, debtor
+        self.answer, self.holds, self.rejected = answer, holds, rejected
+        self._stop = threading.Event()
+        self._created = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name="kvd-attention-ring", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _run(self) -> None:
+        seg, bell = self.seg, self.seg.bell(_REQUEST_BELL)
+        done, named, idle_since = 0, True, None
+        try:
+            while not self._stop.is_set():
+                posted = self.bells.wait(bell, done, SPIN_S, SLICE_S)
+                if posted is None:                          # quiet: look around
+                    now = time.monotonic()
+                    if named and now - self._created > ATTACH_S:
+                        seg.unlink()
+                        named = False
+                    if seg.closed("debtor"):
+                        return
+                    if self.holds(self.debtor):
+                        idle_since = None
+                    elif idle_since is None:
+                        idle_since = now
+                    elif now - idle_since > IDLE_S:
+                        return
+                    continue
+                if named:
+                    seg.unlink()                            # the debtor mapped it: the name may go
+                    named = False
+                if (posted - done) & MASK > seg.slots:      # more in flight than slots: not a debtor's
+                    self.rejected()
+                    log.warning("ring of %s: %d requests posted past the %d slots; closed",
+                                self.debtor, (posted - done) & MASK, seg.slots)
+                    return
+                while done & MASK != posted:
+                    self._serve_one(done)
+                    done += 1
+                    self.bells.post(seg.bell(_REPLY_BELL), done)
+        finally:
+            seg.mark_closed("creditor")
+            seg.unlink()
+            seg.close()
+
+    def _serve_one(self, seq: int) -> None:
+        got = self.seg.take(REQUESTS, seq, copy=False)
+        if isinstance(got, str):
+            self.rejected()
+            reply: protocol.Message = protocol.RemotePartials(ok=False, reason=got)
+        else:
+            try:
+                reply = self.answer(*got)
+            except Exception as exc:  # noqa: BLE001 -- one bad message must not end the ring
+                log.exception("remote attention on the ring failed")
+                reply = protocol.RemotePartials(ok=False, reason=f"{type(exc).__name__}: {exc}"[:300])
+            del got                                         # the request's views of the slot
+        header, frames = protocol.encode_reply(reply)
+        if not self.seg.put(REPLIES, seq, header, frames):
+            header, frames = protocol.encode_reply(protocol.RemotePartials(
+                id=reply.id, ok=False, reason="the reply does not fit the ring's slot"))
+            self.seg.put(REPLIES, seq, header, frames)
+
+    def close(self) -> None:
+        """Stop the thread (within ``SLICE_S``); the segment goes with it."""
+        self._stop.set()
+        self._thread.join(timeout=10 * SLICE_S)

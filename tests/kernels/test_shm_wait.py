@@ -1,0 +1,44 @@
+"""Doorbells in shared memory (kernels/shm_wait.py): a wait ends when the counter moves
+(posted from another thread, past the spin: asleep on the futex) or at its deadline."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import threading
+import time
+
+import pytest
+
+from kernels.shm_wait import Doorbells
+
+bells = Doorbells.create()
+pytestmark = pytest.mark.skipif(bells is None, reason="no doorbells on this host")
+
+
+@pytest.fixture
+def bell():
+    mm = mmap.mmap(-1, 4096)                         # shared and anonymous: a futex like a segment's
+    anchor = (ctypes.c_char * 4096).from_buffer(mm)
+    yield ctypes.addressof(anchor) + 64
+    del anchor
+    mm.close()
+
+
+def test_a_wait_ends_at_its_deadline(bell):
+    t = time.monotonic()
+    assert bells.wait(bell, 0, 0.0, 0.2) is None
+    assert 0.2 <= time.monotonic() - t < 5
+    assert bells.wait(bell, 1, 0.0, 0.2) == 0        # not what it was: at once
+
+
+def test_a_post_wakes_a_sleeping_waiter_from_another_thread(bell):
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(bells.wait(bell, 0, 0.0, 10.0)))
+    waiter.start()
+    time.sleep(0.2)                                  # asleep on the futex by now
+    bells.post(bell, 5)
+    waiter.join(timeout=5)
+    assert got == [5] and bells.load(bell) == 5
+    bells.post(bell, 2**32 + 7)                      # a counter of 32 bits: it wraps
+    assert bells.load(bell) == 7 and bells.wait(bell, 2**32 + 6, 1e-4, 1.0) == 7
