@@ -213,6 +213,7 @@ class LentKV:
         self.first_block = lo * KEY_CHUNK // bs
         self.capacity = len(block_ids) * bs                 # keys the loan holds from lo * KEY_CHUNK
         self.blocks = torch.tensor(block_ids, dtype=torch.int64)
+        self._layout: tuple | None = None                   # (ctx, rows, table, seqs, chunks): a step's, every layer's
 
     def step(self, layer: int, q: torch.Tensor, ctx: int, positions: torch.Tensor, k: torch.Tensor,
              v: torch.Tensor) -> Partials:
@@ -236,11 +237,14 @@ class LentKV:
             k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
             v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
         hi = chunks_of(end)
-        table = torch.full((1, -(-ctx // bs)), -1, dtype=torch.int64)
-        used = -(-end // bs) - self.first_block
-        table[0, self.first_block:self.first_block + used] = self.blocks[:used]
-        seqs = torch.tensor([[0, q.shape[0], ctx]], dtype=torch.int64)
-        out = self.kernel.partials(q, k_cache, v_cache, seqs, table, torch.tensor([[self.lo, hi]]), self.scale,
+        if self._layout is None or self._layout[:2] != (ctx, q.shape[0]):     # a new step: its layers share it
+            table = torch.full((1, -(-ctx // bs)), -1, dtype=torch.int64)
+            used = -(-end // bs) - self.first_block
+            table[0, self.first_block:self.first_block + used] = self.blocks[:used]
+            self._layout = (ctx, q.shape[0], table, torch.tensor([[0, q.shape[0], ctx]], dtype=torch.int64),
+                            torch.tensor([[self.lo, hi]], dtype=torch.int64))
+        _, _, table, seqs, chunks = self._layout
+        out = self.kernel.partials(q, k_cache, v_cache, seqs, table, chunks, self.scale,
                                    hi - self.lo, window=self.windows[layer], threads=self.threads)
         if out is None:
             raise ValueError("the paged attention kernel does not take this model's heads")
