@@ -84,6 +84,32 @@ def errors(real: dict, sim: dict) -> dict:
     return out
 
 
+# the validation's targets: |error| within this share (latencies) or these points (attainment)
+TARGETS = {"median_ttft_ms": 0.10, "p99_ttft_ms": 0.20, "median_tpot_ms": 0.10, "p99_tpot_ms": 0.20,
+           "attainment_points": 3.0}
+
+
+def summary(rows: list[dict]) -> str:
+    """Per configuration, the runs within each target and the range of its errors (markdown)."""
+    lines = ["| config | " + " | ".join(TARGETS) + " |", "|---|" + "---|" * len(TARGETS)]
+    by: dict[str, list[dict]] = {}
+    for r in rows:
+        by.setdefault(r["config"], []).append(r)
+    total = 0
+    for name, runs in by.items():
+        cells = []
+        for k, limit in TARGETS.items():
+            es = [r["errors"][k] for r in runs if r["errors"].get(k) is not None]
+            ok = sum(abs(e) <= limit + 1e-9 for e in es)
+            total += ok if k != "attainment_points" else 0
+            scale, unit = (1, " pts") if k == "attainment_points" else (100, "%")
+            cells.append(f"{ok}/{len(runs)}" + (f" ({min(es) * scale:+.0f}{unit} to {max(es) * scale:+.0f}{unit})"
+                                                 if es else ""))
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines.append(f"latency cells within target: {total} of {4 * len(rows)}")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--profile", required=True)
@@ -150,6 +176,7 @@ def main() -> None:
     from tools.loadgen.report import machine_info
     out.write_text(json.dumps({"machine": machine_info(), "profile": args.profile, "rows": rows}, indent=1))
     print(markdown(rows))
+    print(summary(rows))
     print(f"wrote {out}")
 
 
