@@ -9,11 +9,13 @@ from the step rate measured on its own cluster (``tokens_per_second``), and
 (SIGSTOP) for most of every ``PERIOD_S``, as a slow or overloaded host
 would; a pause is far shorter than the heartbeat deadline, so no node is
 declared dead for it. ``pace`` picks the share: a stream of ``tokens`` then
-lasts at least ``seconds``.
+lasts at least ``seconds``. ``paired_cluster`` starts the pair these tests
+pace.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import time
@@ -91,3 +93,25 @@ class Throttle:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+@contextlib.contextmanager
+def paired_cluster(tmp, n1: tuple[str, ...], n2: tuple[str, ...]):
+    """A coordinator and the pair n1-n2 (each started with its flags), a
+    dead member's requests recovered from their copies and no pair
+    scheduler (these tests place every request themselves); stopped on exit."""
+    from .conftest import Cluster
+
+    c = Cluster(tmp, "zmq+tcp", extra=("--recovery", "replica", "--no-pair-scheduler"))
+    c.start_node("n1", *n1, "--pair", "n2")
+    c.start_node("n2", *n2, "--pair", "n1")
+    try:
+        c.wait_nodes(["n1", "n2"])
+        yield c
+    finally:
+        c.stop()
+
+
+def prompt_ids(seed: int, n: int) -> list[int]:
+    """``n`` prompt token ids, the same for the same seed."""
+    return [(seed * 7919 + i * 104729) % 40000 + 1 for i in range(n)]

@@ -16,14 +16,14 @@ from __future__ import annotations
 import pytest
 
 from .conftest import Cluster, admin, reference_tokens
-from .pair_pacing import Throttle, long_reference, pace, tokens_per_second
+from .pair_pacing import Throttle, long_reference, pace, paired_cluster, prompt_ids, tokens_per_second
 from .test_pairs import Stream, in_flight, nodes, until
 
 # n2: 128 device blocks; its own request (a 64-block prompt) and the copy of n1's (a 64-block
 # prompt and its tokens) do not fit together, and its host tier is too small for the copy: once
 # given up, the copy cannot come back while n2's request runs
-N1 = ("--replication-interval", "0.05", "--pair", "n2")
-N2 = ("--replication-interval", "0.05", "--pair", "n1", "--kv-blocks", "128", "--host-kv-blocks", "8")
+N1 = ("--replication-interval", "0.05")
+N2 = ("--replication-interval", "0.05", "--kv-blocks", "128", "--host-kv-blocks", "8")
 PROMPT = 1024                     # 64 blocks of 16
 FIRST = 1000                      # n1's stream: PROMPT + FIRST within the tiny model's context
 SECOND = 250                      # n2's: its 64-block prompt and these tokens fit beside no copy
@@ -33,19 +33,12 @@ WINDOW_S = 2.0                    # what SECOND must outlast: the copy given up,
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    c = Cluster(tmp_path_factory.mktemp("pairmem"), "zmq+tcp", extra=("--recovery", "replica",
-                                                                       "--no-pair-scheduler"))
-    c.start_node("n1", *N1)
-    c.start_node("n2", *N2)
-    try:
-        c.wait_nodes(["n1", "n2"])
+    with paired_cluster(tmp_path_factory.mktemp("pairmem"), N1, N2) as c:
         yield c
-    finally:
-        c.stop()
 
 
 def ids(seed: int) -> list[int]:
-    return [(seed * 7919 + i * 104729) % 40000 + 1 for i in range(PROMPT)]
+    return prompt_ids(seed, PROMPT)
 
 
 def holder(c: Cluster, node: str) -> dict:

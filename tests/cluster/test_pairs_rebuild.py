@@ -19,8 +19,8 @@ import pytest
 
 from kvd.node.replication import BURST_S
 
-from .conftest import SEEDED, Cluster, admin, reference_tokens
-from .pair_pacing import CONTEXT, Throttle, long_reference, pace, tokens_per_second
+from .conftest import SEEDED, admin, reference_tokens
+from .pair_pacing import CONTEXT, Throttle, long_reference, pace, paired_cluster, prompt_ids, tokens_per_second
 from .test_pairs import Stream, in_flight, nodes, until
 
 RATE = 200                        # blocks/s a node sends of what its partner lacks: at most 20 a round
@@ -36,19 +36,12 @@ SPAN_S = 2.0 + DEADLINE_S + 1.0 + len(SAMPLINGS) * CONTEXT / 16 / RATE + 3.0
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    c = Cluster(tmp_path_factory.mktemp("pairrebuild"), "zmq+tcp",
-                extra=("--recovery", "replica", "--no-pair-scheduler"))
-    c.start_node("n1", *FLAGS, "--pair", "n2")
-    c.start_node("n2", *FLAGS, "--pair", "n1")
-    try:
-        c.wait_nodes(["n1", "n2"])
+    with paired_cluster(tmp_path_factory.mktemp("pairrebuild"), FLAGS, FLAGS) as c:
         yield c
-    finally:
-        c.stop()
 
 
 def ids(seed: int) -> list[int]:
-    return [(seed * 7919 + i * 104729) % 40000 + 1 for i in range(PROMPT)]
+    return prompt_ids(seed, PROMPT)
 
 
 def test_a_killed_member_is_replaced_and_gets_its_partners_copies_back_at_a_bounded_rate(pair):
