@@ -80,7 +80,8 @@ class CoordinatorDaemon:
         # where lost requests go, and the replica table behind it (kvd/coordinator/recovery.py)
         self.recovery = RecoveryPolicy(cluster.recovery, cluster.max_recoveries, replicas=cluster.replicas)
         self.client = RemoteEngineClient(model_name, tokenizer, self.membership,
-                                         router or PairRouter(self.recovery.pairs, self.make_router(cluster.routing)),
+                                         router or PairRouter(self.recovery.pairs, self.make_router(cluster.routing),
+                                                              queue_factor=cluster.prefill_queue_factor),
                                          prefill_router=self.make_router(cluster.routing),
                                          default_max_model_len=default_max_model_len,
                                          stats_source=stats_source,
@@ -88,6 +89,8 @@ class CoordinatorDaemon:
                                          kv_return=cluster.kv_return,
                                          kv_return_timeout=2 * cluster.request_timeout,
                                          prefill_queue_factor=cluster.prefill_queue_factor)
+        if isinstance(self.client.router, PairRouter):      # a pair's prompts: its nodes' prefill queues
+            self.client.router.queued = self.client.prefill_queue
         self.options = TransportOptions(request_timeout=cluster.request_timeout,
                                         send_timeout=cluster.request_timeout,
                                         ucx_progress_mode=cluster.ucx_progress_mode)

@@ -27,8 +27,14 @@ Prompts to pairs (``PairRouter``, wrapping the cluster's router): a new
 prompt goes to the pair with the most free device memory, less the blocks
 of the prompts it was given in the last ``PENDING_S`` (its heartbeats do
 not show them yet: prompts that arrive together are spread over pairs),
-and within the pair to the node with fewer requests in flight (decodes).
-Nodes without a partner are routed by the wrapped router as before.
+and within the pair to the node with fewer requests in flight (decodes),
+among the nodes whose prefill queue (``queued``: prompt tokens in flight
+there without a first token) holds at most ``queue_factor`` times the
+prompt's tokens, the bound 1P1D's prefill legs have
+(``[cluster].prefill_queue_factor``): a short prompt does not wait behind
+a long one while the partner could start it (when neither node is within
+the bound, the one with the shorter queue). Nodes without a partner are
+routed by the wrapped router as before.
 Imports no torch.
 """
 
@@ -155,10 +161,13 @@ class PairRouter:
     coordinator's announced pairs; ``inner``: the router for the rest (no
     candidate is paired). A Router: no side effects on the nodes."""
 
-    def __init__(self, pairs: PairBook, inner: Router, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, pairs: PairBook, inner: Router, clock: Callable[[], float] = time.monotonic,
+                 queue_factor: float = 0.0) -> None:
         self.pairs, self.inner, self.clock = pairs, inner, clock
         self.pending: dict[tuple[str, ...], list[tuple[float, int]]] = {}   # pair -> (when routed, blocks)
         self.on_pick: Callable[[str], None] | None = None    # told each node a prompt goes to in a pair
+        self.queue_factor = queue_factor                     # [cluster].prefill_queue_factor; 0: no bound
+        self.queued: Callable[[NodeInfo], int] | None = None    # a node's prefill queue, in prompt tokens
 
     def pick(self, nodes: Sequence[NodeInfo], prompt_ids: Sequence[int],
              request_id: str | None = None) -> NodeInfo | None:
@@ -183,7 +192,12 @@ class PairRouter:
             return have - sum(b for _, b in self.pending.get(key, ()))
         # most free memory; ties: fewer in flight, then names (deterministic)
         key = min(groups, key=lambda k: (-free(k), sum(n.load for n in groups[k]), k))
-        node = min(groups[key], key=lambda n: (n.load, n.heartbeat.running if n.heartbeat else 0, n.name))
+        members = groups[key]
+        if self.queued is not None and self.queue_factor > 0 and len(members) > 1:
+            queue = {n.name: self.queued(n) for n in members}
+            bound = self.queue_factor * len(prompt_ids)
+            members = [n for n in members if queue[n.name] <= bound] or [min(members, key=lambda n: queue[n.name])]
+        node = min(members, key=lambda n: (n.load, n.heartbeat.running if n.heartbeat else 0, n.name))
         blocks = -(-len(prompt_ids) // max(1, node.block_size))
         self.pending.setdefault(key, []).append((now, blocks))
         if len(key) == 2 and self.on_pick is not None:

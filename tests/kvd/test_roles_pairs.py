@@ -97,6 +97,23 @@ def test_a_prompt_routed_into_a_pair_wakes_the_scheduler_with_its_node_and_a_lon
     assert woken == ["b"]
 
 
+def test_a_prompt_does_not_queue_behind_a_longer_one_while_the_partner_could_start_it():
+    from kvd.coordinator.pairs import PairRouter
+    from kvd.coordinator.router import LeastLoadRouter
+
+    router, _ = _pair_router(("a", "b"))
+    router = PairRouter(router.pairs, LeastLoadRouter(0), queue_factor=4.0)
+    queue = {"a": 1500, "b": 0}
+    router.queued = lambda n: queue[n.name]
+    nodes = [_node("a", 100, 1), _node("b", 100, 3)]          # a computes a long prompt, b decodes three
+    assert router.pick(nodes, list(range(100))).name == "b"   # 1500 > 4 * 100: b starts it
+    assert router.pick(nodes, list(range(1500))).name == "a"  # within 4 * 1500: fewer in flight
+    queue["b"] = 900
+    assert router.pick(nodes, list(range(100))).name == "b"   # neither within the bound: the shorter queue
+    router.queue_factor = 0.0
+    assert router.pick(nodes, list(range(100))).name == "a"   # no bound: fewer in flight
+
+
 def test_a_copys_partial_last_block_travels_with_its_tail_and_a_bad_tail_is_refused():
     import pytest
 
