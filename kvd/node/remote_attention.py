@@ -49,7 +49,12 @@ def partials_of(reply: protocol.Message, rows: int, lo: int, ctx: int, head_dim:
     """The partials a ``RemotePartials`` answer carries for ``rows`` query rows of a part
     from chunk ``lo`` of ``ctx`` keys; raises RemoteKVError for a refusal or a wrong shape."""
     if not isinstance(reply, protocol.RemotePartials) or not reply.ok:
-        why = reply.reason if isinstance(reply, protocol.RemotePartials) else getattr(reply, "message", reply.TYPE)
+        if isinstance(reply, protocol.RemotePartials):
+            why = reply.reason
+        elif isinstance(reply, protocol.ProtocolError):              # the answer itself did not decode
+            why = f"{reply.reason}: {reply.detail}"
+        else:
+            why = getattr(reply, "message", None) or getattr(reply, "TYPE", type(reply).__name__)
         raise RemoteKVError(f"a remote part refused: {why}")
     m, l, o = (t.to_torch() for t in reply.tensors)
     if (m.dim() != 3 or m.shape[0] != rows or l.shape != m.shape or o.shape != (*m.shape, head_dim)
