@@ -61,6 +61,7 @@ def test_kvd_profile_measures_it_through_kvd_serve(tmp_path):
     assert main(["profile", "--model", "tiny", "--quick", "--serving-requests", "3", "--output", str(out)]) == 0
     serving = json.loads(out.read_text())["serving"]
     assert serving["requests"] == 3 and serving["measured_median_ttft_ms"] > 0
+    assert serving["instances"] == 1 and serving["instances_ttft_ms"] == [serving["measured_median_ttft_ms"]]
     assert serving["first_token_s"] == pytest.approx(
         max(0.0, serving["measured_median_ttft_ms"] - serving["simulated_median_ttft_ms"]) / 1e3, abs=3e-6)
     assert serving["token_s"] == pytest.approx(

@@ -21,6 +21,9 @@
   simulator charges it, recorded as ``serving.disagg_s`` and charged
   between the grant and the prefill leg.
 
+Each overhead is the median over several fresh servers (``served_medians``):
+one server instance's latencies may sit apart from the next one's.
+
 The tools that check the simulator and the planner against real runs
 (tools/bench/sim/) use the same two functions.
 """
@@ -39,6 +42,7 @@ OVERHEAD_OUTPUT_LEN = 16          # tokens out: a TPOT over 15 steps
 OVERHEAD_RATE = 2.0           # req/s: arrivals with idle gaps, as a trace's at its rate
 OVERHEAD_WARMUP = 4           # requests first, not counted: a fresh server's first ones pay one-off costs
 DISAGG_INPUT_LEN = 128        # prompt tokens of the disaggregated run: past [cluster].prefill_threshold's default
+OVERHEAD_INSTANCES = 3        # fresh servers each overhead is measured on (the median of theirs)
 
 
 def measured(url: str, flags: list[str], out: Path, timeout: float = 600.0) -> dict:
@@ -47,6 +51,31 @@ def measured(url: str, flags: list[str], out: Path, timeout: float = 600.0) -> d
                     "--result-dir", str(out.parent), "--result-filename", out.name, "--disable-tqdm"],
                    cwd=ROOT, check=True, stdout=subprocess.DEVNULL, timeout=timeout)  # noqa: S603
     return json.loads(out.read_text())["metrics"]
+
+
+def served_medians(serve_args: list[str], flags: list[str], warmup: list[str], instances: int) -> dict:
+    """Run ``flags`` (after ``warmup``) against ``instances`` fresh ``kvd serve
+    serve_args`` one after another; the median over the instances of each one's
+    median TTFT and TPOT, and each instance's (a server instance's speed varies
+    on a shared machine: one slow instance must not set the overhead)."""
+    import statistics
+
+    from tools._twoproc import stop_processes
+    from tools.bench.serving.bench_n_copies import serve
+
+    ttfts, tpots = [], []
+    for _ in range(instances):
+        proc, url = serve(serve_args)
+        try:
+            with tempfile.TemporaryDirectory() as tmp:
+                measured(url, warmup, Path(tmp) / "warmup.json")
+                real = measured(url, flags, Path(tmp) / "run.json")
+        finally:
+            stop_processes([proc])
+        ttfts.append(real["median_ttft_ms"])
+        tpots.append(real["median_tpot_ms"])
+    return {"median_ttft_ms": statistics.median(ttfts), "median_tpot_ms": statistics.median(tpots),
+            "instances_ttft_ms": [round(t, 3) for t in ttfts], "instances_tpot_ms": [round(t, 3) for t in tpots]}
 
 
 def simulated(profile: str, nodes: int, prefill: int, routing: str | None, cfg: str | Path | None,
@@ -64,33 +93,26 @@ def simulated(profile: str, nodes: int, prefill: int, routing: str | None, cfg: 
     return metrics.compute_metrics(records, duration, args.percentiles, args.slo)
 
 
-def disagg_overhead(profile: str | Path, model: str, config: str | None, requests: int) -> dict:
-    """Start ``kvd serve --nodes 2 --prefill 1`` (``-c config``; ``--split-cpus
-    cores`` when this process may use two CPUs or more), warm it, send
-    ``requests`` prompts of ``DISAGG_INPUT_LEN`` tokens one at a time, and
-    compare their median TTFT with the simulator's for the same flags and
-    shape (colocated) on ``profile``, which holds the one-node serving
-    overhead already and no ``disagg_s``. Returns the ``serving`` keys to add."""
+def disagg_overhead(profile: str | Path, model: str, config: str | None, requests: int,
+                    instances: int = OVERHEAD_INSTANCES) -> dict:
+    """``kvd serve --nodes 2 --prefill 1`` (``-c config``; ``--split-cpus cores``
+    when this process may use two CPUs or more), ``requests`` prompts of
+    ``DISAGG_INPUT_LEN`` tokens one at a time on each of ``instances`` fresh
+    servers (``served_medians``), against the simulator's TTFT for the same
+    flags and shape (colocated) on ``profile``, which holds the one-node
+    serving overhead already and no ``disagg_s``. Returns the ``serving`` keys to add."""
     import os
-
-    from tools._twoproc import stop_processes
-    from tools.bench.serving.bench_n_copies import serve
 
     flags = overhead_flags(model, requests, input_len=DISAGG_INPUT_LEN)
     split = "cores" if len(os.sched_getaffinity(0)) >= 2 else "off"
-    proc, url = serve(["--model", model, *(["-c", config] if config else []), "--nodes", "2", "--prefill", "1",
-                       "--split-cpus", split])
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            measured(url, overhead_flags(model, OVERHEAD_WARMUP, "inf", seed=1, input_len=DISAGG_INPUT_LEN),
-                     Path(tmp) / "warmup.json")
-            real = measured(url, flags, Path(tmp) / "disagg.json")
-    finally:
-        stop_processes([proc])
+    real = served_medians(["--model", model, *(["-c", config] if config else []), "--nodes", "2", "--prefill", "1",
+                           "--split-cpus", split], flags,
+                          overhead_flags(model, OVERHEAD_WARMUP, "inf", seed=1, input_len=DISAGG_INPUT_LEN), instances)
     sim = simulated(profile, 2, 1, None, config, flags, colocated=True)
     real_ms, sim_ms = real["median_ttft_ms"], sim["median_ttft_ms"]
     return {"disagg_s": round(max(0.0, real_ms - sim_ms) / 1e3, 6), "disagg_input_len": DISAGG_INPUT_LEN,
             "disagg_split_cpus": split, "disagg_measured_median_ttft_ms": round(real_ms, 3),
+            "disagg_instances_ttft_ms": real["instances_ttft_ms"],
             "disagg_simulated_median_ttft_ms": round(sim_ms, 3)}
 
 
@@ -104,28 +126,23 @@ def overhead_flags(model: str, requests: int, rate: float | str = OVERHEAD_RATE,
             "--max-concurrency", "1", "--request-rate", str(rate), "--seed", str(seed), "--tokenizer", model]
 
 
-def serving_overhead(profile: str | Path, model: str, config: str | None, requests: int) -> dict:
-    """Start ``kvd serve`` (``--model model``, ``-c config``), warm it with
-    ``OVERHEAD_WARMUP`` requests, send ``requests`` random prompts one at a
-    time at ``OVERHEAD_RATE``, and compare their median TTFT with the
-    simulator's for the same flags on ``profile`` (which must not hold a
-    serving overhead yet). Returns the profile's ``serving`` object."""
-    from tools._twoproc import stop_processes
-    from tools.bench.serving.bench_n_copies import serve
-
+def serving_overhead(profile: str | Path, model: str, config: str | None, requests: int,
+                     instances: int = OVERHEAD_INSTANCES) -> dict:
+    """``kvd serve`` (``--model model``, ``-c config``), warmed with
+    ``OVERHEAD_WARMUP`` requests, ``requests`` random prompts one at a time at
+    ``OVERHEAD_RATE`` on each of ``instances`` fresh servers (``served_medians``),
+    against the simulator's median TTFT and TPOT for the same flags on
+    ``profile`` (which must not hold a serving overhead yet). Returns the
+    profile's ``serving`` object."""
     flags = overhead_flags(model, requests)
-    proc, url = serve(["--model", model, *(["-c", config] if config else [])])
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            measured(url, overhead_flags(model, OVERHEAD_WARMUP, "inf", seed=1), Path(tmp) / "warmup.json")
-            real = measured(url, flags, Path(tmp) / "overhead.json")
-    finally:
-        stop_processes([proc])
+    real = served_medians(["--model", model, *(["-c", config] if config else [])], flags,
+                          overhead_flags(model, OVERHEAD_WARMUP, "inf", seed=1), instances)
     sim = simulated(profile, 0, 0, None, config, flags)
     real_ms, sim_ms = real["median_ttft_ms"], sim["median_ttft_ms"]
     real_tpot, sim_tpot = real["median_tpot_ms"], sim["median_tpot_ms"]
     return {"first_token_s": round(max(0.0, real_ms - sim_ms) / 1e3, 6),
             "token_s": round(max(0.0, real_tpot - sim_tpot) / 1e3, 6), "requests": requests,
-            "input_len": OVERHEAD_INPUT_LEN, "output_len": OVERHEAD_OUTPUT_LEN,
+            "instances": instances, "input_len": OVERHEAD_INPUT_LEN, "output_len": OVERHEAD_OUTPUT_LEN,
             "measured_median_ttft_ms": round(real_ms, 3), "simulated_median_ttft_ms": round(sim_ms, 3),
-            "measured_median_tpot_ms": round(real_tpot, 3), "simulated_median_tpot_ms": round(sim_tpot, 3)}
+            "measured_median_tpot_ms": round(real_tpot, 3), "simulated_median_tpot_ms": round(sim_tpot, 3),
+            "instances_ttft_ms": real["instances_ttft_ms"], "instances_tpot_ms": real["instances_tpot_ms"]}

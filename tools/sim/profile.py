@@ -286,14 +286,15 @@ def main(args) -> int:
     try:
         path = write_profile(doc, args.output)
         if requests:
-            from tools.sim.measure import disagg_overhead, serving_overhead
+            from tools.sim.measure import OVERHEAD_INSTANCES, disagg_overhead, serving_overhead
 
             print("kvd profile: serving overhead through kvd serve ...", file=sys.stderr, flush=True)
-            doc["serving"] = serving_overhead(path, config.engine.model, args.config, requests)
+            instances = 1 if args.quick else OVERHEAD_INSTANCES             # --quick: a first look
+            doc["serving"] = serving_overhead(path, config.engine.model, args.config, requests, instances)
             path = write_profile(doc, args.output)
             print("kvd profile: a disaggregated request's path through kvd serve --nodes 2 --prefill 1 ...",
                   file=sys.stderr, flush=True)
-            doc["serving"].update(disagg_overhead(path, config.engine.model, args.config, requests))
+            doc["serving"].update(disagg_overhead(path, config.engine.model, args.config, requests, instances))
             path = write_profile(doc, args.output)
     except OSError as exc:
         print(f"kvd: error: cannot write the profile: {exc}", file=sys.stderr)
