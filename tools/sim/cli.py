@@ -18,8 +18,9 @@ def add_sim_parsers(sub) -> None:
     prof.add_argument("--output", required=True, metavar="PROFILE.json", help="where to write the profile")
     prof.add_argument("--quick", action="store_true", help="small grids: seconds instead of minutes")
     prof.add_argument("--serving-requests", type=int, default=None, metavar="N",
-                      help="requests through a real kvd serve to measure the serving overhead "
-                           "(default 16; 0 skips it, the default with --quick)")
+                      help="requests through each real kvd serve (one node, then one prefill and one "
+                           "decode node; three servers of each, one with --quick) to measure the serving "
+                           "overhead (default 16; 0 skips it, the default with --quick)")
     for name, what in (("simulate", "simulate a kvd cluster on a profile with kvd-loadgen's workload flags"),
                        ("plan", "search cluster shapes in the simulator for the best goodput per node")):
         p = sub.add_parser(name, help=what, add_help=False, prefix_chars="\0")
