@@ -23,8 +23,9 @@ whose engine thread is busy. A step's duration::
     + token_s per decoding request (the serving path's work per token, which
       shares the node's CPUs: the profile's ``serving.token_s``)
     + the decode part's cold-cache cost (kvd/sim/warmth.py: how much of the
-      weights the last-level cache holds after this node's prefills and the
-      steps of ``neighbours``, the nodes that share its host)
+      weights the last-level cache holds after this node's prefills, the
+      steps of ``neighbours`` (the nodes that share its host) and the time
+      its engine waited for work)
 
 On a shared ``host`` (kvd/sim/host.py) that is the step's work at full
 speed: the host's cores are shared with the other nodes' running steps.
@@ -91,6 +92,7 @@ class SimNode:
         self.host: SimHost | None = None       # the cores it shares (kvd/sim/host.py); None: its own
         self.work_left: float | None = None    # on a host: the running step's work left (full-speed seconds)
         self.since, self.rate, self.generation = 0.0, 1.0, 0
+        self.idle_since: float | None = events.now     # the engine waits for work since (None: busy)
         self._running: ScheduledBatch | None = None
         self.busy = False
         self.dead = False                  # killed (kvd/sim/faults.py): computes nothing more
@@ -166,8 +168,13 @@ class SimNode:
     def _start_step(self) -> None:
         batch = self.scheduler.schedule()
         if batch is None:
+            if self.busy or self.idle_since is None:
+                self.idle_since = self.events.now
             self.busy = False
             return
+        if self.idle_since is not None:
+            self.warmth.idle(self.events.now - self.idle_since)
+            self.idle_since = None
         self.busy = True
         seconds = self.step_seconds(batch)
         if self.log is not None:

@@ -10,15 +10,20 @@ takes ``decode_cold_s`` more (they come from memory). What evicts them:
   a simulation with ``--colocated``): each decode part it runs reads its own
   copy of the weights through the shared cache, and ``neighbour_cools`` of
   this node's warmth is lost; each prefill part it runs evicts as much as
-  this node's own prefill would (``prefill_cools``: the cache is shared).
+  this node's own prefill would (``prefill_cools``: the cache is shared);
+- idle time: a node whose engine waited ``g`` seconds for work loses
+  ``idle_cools * min(1, g / idle_full_s)`` of its warmth (whatever else
+  the machine runs meanwhile fills the cache: other processes, other
+  tenants of a virtual machine's host while its CPU halts).
 
 Warmth ``w`` is the cached share, in [0, 1]; each decode step on the node
 brings ``1 / warm_steps`` of the weights back (a cache's insertion policy does
 not keep all of one pass: it takes several). A decode step costs
 ``decode_cold_s * (1 - w)`` on top of StepCosts.decode_seconds, ``w`` read
 after the step's own prefill part (the engine runs that part first).
-Nothing else changes ``w``: an idle node keeps what it had (a quiet host).
-Pure Python; ``kvd profile`` measures the four numbers (tools/sim/profile_cache.py).
+Nothing else changes ``w``. Pure Python; ``kvd profile`` measures the
+numbers (tools/sim/profile_cache.py); a profile without the two idle fields
+keeps an idle node's warmth.
 """
 
 from __future__ import annotations
@@ -32,12 +37,16 @@ from kvd.sim.costs import from_object
 @dataclass(frozen=True)
 class CacheCosts:
     """A profile's ``cache`` object: ``decode_cold_s`` seconds >= 0,
-    ``warm_steps`` >= 1, ``prefill_cools`` and ``neighbour_cools`` in [0, 1]."""
+    ``warm_steps`` >= 1, ``prefill_cools``, ``neighbour_cools`` and
+    ``idle_cools`` in [0, 1], ``idle_full_s`` seconds > 0 (optional: no idle
+    cooling)."""
 
     decode_cold_s: float
     warm_steps: float
     prefill_cools: float
     neighbour_cools: float
+    idle_cools: float = 0.0
+    idle_full_s: float = 1.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -48,9 +57,11 @@ class CacheCosts:
             raise ValueError(f"cache.decode_cold_s must be seconds in [0, 60), got {self.decode_cold_s!r}")
         if not 1 <= self.warm_steps <= 10_000:
             raise ValueError(f"cache.warm_steps must be in [1, 10000], got {self.warm_steps!r}")
-        for name in ("prefill_cools", "neighbour_cools"):
+        for name in ("prefill_cools", "neighbour_cools", "idle_cools"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"cache.{name} must be in [0, 1], got {getattr(self, name)!r}")
+        if not 0 < self.idle_full_s <= 3600:
+            raise ValueError(f"cache.idle_full_s must be seconds in (0, 3600], got {self.idle_full_s!r}")
 
     @classmethod
     def from_dict(cls, d: object) -> "CacheCosts":
@@ -81,6 +92,13 @@ class Warmth:
         extra = c.decode_cold_s * (1.0 - self.w)
         self.w = min(1.0, self.w + 1.0 / c.warm_steps)
         return extra
+
+    def idle(self, seconds: float) -> None:
+        """The node's engine waited ``seconds`` for work before its next step."""
+        c = self.costs
+        if c is None or seconds <= 0:
+            return
+        self.w *= 1.0 - c.idle_cools * min(1.0, seconds / c.idle_full_s)
 
     def neighbour_step(self, prefill: bool = False, decode: bool = True) -> None:
         """Another node on the same host ran a step (a prefill part, a decode part, or both)."""

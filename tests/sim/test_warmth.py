@@ -10,7 +10,8 @@ import pytest
 from kvd.sim.profile_file import ProfileError, load_profile
 from kvd.sim.warmth import CacheCosts, Warmth
 from tools.sim.measure import simulated
-from tools.sim.profile_cache import fit_cooling, fit_warm_steps, llc_bytes, measure_cache, neighbour_cooling
+from tools.sim.profile_cache import (IDLE_GAPS, fit_cooling, fit_idle, fit_warm_steps, llc_bytes, measure_cache,
+                                     neighbour_cooling)
 
 SPARSE = ["--dataset-name", "random", "--random-input-len", "64", "--random-output-len", "4",
           "--num-prompts", "6", "--request-rate", "0.05", "--seed", "0"]     # one request at a time
@@ -67,11 +68,38 @@ def test_colocated_nodes_cool_each_other_and_separate_hosts_do_not(write_profile
     assert together["median_tpot_ms"] == pytest.approx(plain["median_tpot_ms"] + 7.5, abs=1e-6)
 
 
+def test_idle_time_cools_in_proportion_up_to_its_full_share():
+    w = Warmth(CacheCosts(**{**COLD, "idle_cools": 0.8, "idle_full_s": 0.02}))
+    w.idle(0.01)                                                      # half the way: 0.4 of it lost
+    assert w.w == pytest.approx(0.6)
+    w.idle(5.0)                                                       # past idle_full_s: all 0.8
+    assert w.w == pytest.approx(0.12)
+    w.idle(0.0)
+    assert w.w == pytest.approx(0.12)
+    keeps = Warmth(CacheCosts(**COLD))                                # no idle fields: an idle node keeps it
+    keeps.idle(100.0)
+    assert keeps.w == 1.0
+
+
+@pytest.mark.parametrize("nodes, prefill", [(0, 0), (2, 1)])
+def test_a_node_that_waited_for_work_decodes_cold(write_profile, nodes, prefill):
+    # prefills evict nothing here: only the wait between sparse requests cools
+    warm = {**COLD, "prefill_cools": 0.0}
+    plain = simulated(write_profile("w.json", cache=warm), nodes, prefill, None, None, SPARSE)
+    idle = simulated(write_profile("i.json", cache={**warm, "idle_cools": 1.0, "idle_full_s": 0.01}),
+                     nodes, prefill, None, None, SPARSE)
+    assert plain["completed"] == idle["completed"] == 6
+    assert idle["median_ttft_ms"] == pytest.approx(plain["median_ttft_ms"], abs=1e-6)
+    # the request's decode node waited seconds: its 3 decode steps pay 10 + 7.5 + 5 ms more
+    assert idle["median_tpot_ms"] == pytest.approx(plain["median_tpot_ms"] + 7.5, abs=1e-6)
+
+
 @pytest.mark.parametrize("cache, why", [
     ([1], "must be an object"), ({"decode_cold_s": 0.01}, "lacks warm_steps"),
     ({**COLD, "decode_cold_s": -0.1}, "decode_cold_s"), ({**COLD, "warm_steps": 0.5}, "warm_steps"),
     ({**COLD, "prefill_cools": 1.5}, "prefill_cools"), ({**COLD, "neighbour_cools": "all"}, "neighbour_cools"),
-    ({**COLD, "warm_steps": True}, "warm_steps")])
+    ({**COLD, "warm_steps": True}, "warm_steps"), ({**COLD, "idle_cools": 1.5}, "idle_cools"),
+    ({**COLD, "idle_full_s": 0}, "idle_full_s"), ({**COLD, "idle_full_s": None}, "idle_full_s")])
 def test_a_bad_cache_object_is_refused(write_profile, cache, why):
     with pytest.raises(ProfileError, match=why):
         load_profile(write_profile(cache=cache), model="tiny")
@@ -98,6 +126,10 @@ def test_the_fits_recover_the_model_they_fit():
         a.neighbour_step()
     assert neighbour_cooling(warm, truth.decode_cold_s, k, step) == pytest.approx(truth.neighbour_cools, abs=1e-9)
     assert fit_warm_steps(warm, 0.0, [warm] * 4) == 1.0 and neighbour_cooling(warm, 0.0, 4, warm) == 0.0
+    # the idle gaps' coldness, from a model whose full share comes at the third gap
+    full = IDLE_GAPS[2]
+    assert fit_idle({g: 0.9 * min(1.0, g / full) for g in IDLE_GAPS}) == pytest.approx((0.9, full))
+    assert fit_idle({g: 0.0 for g in IDLE_GAPS}) == (0.0, 1.0)
 
 
 def test_measure_cache_on_a_real_engine_gives_a_valid_model():
