@@ -16,7 +16,15 @@ measured with the per-node thread count for them.
     .venv/bin/python -m tools.bench.sim.validate --profile results/sim/profile-smollm2.json \\
         [--node-profile P.json] [--configs one,mixed2,1p1d,tree3] [--rates 0.5,1] \\
         [--traces random,prefix] [--num-prompts 16] [--input-len 64] [--output-len 16] \\
-        [--measured results/sim/validate.json]   # the simulated side only, against those runs
+        [--repeats 1] [--measured results/sim/validate.json ...]   # --measured: the simulated side only
+
+With ``--repeats R`` every configuration's server is started afresh R times,
+the configurations in turn (so a drift of the host's speed reaches them
+all), and each run's measured side is the median of its R runs (each
+metric on its own); ``--measured`` takes several validate JSONs and pools
+their runs the same way. A row keeps every run (``measured_runs``), and the
+summary says in how many cells the measured runs differ among themselves by
+more than the target (the host's noise floor).
 
 Writes results/sim/validate.json and prints a markdown table.
 """
@@ -74,6 +82,25 @@ def flush_cache(sock: Path) -> None:
                    check=True, stdout=subprocess.DEVNULL, timeout=60)  # noqa: S603
 
 
+def pooled(runs: list[dict]) -> dict:
+    """The median of ``runs`` (measured metrics), metric by metric."""
+    import statistics
+
+    out = {}
+    for k in (*METRICS, "slo_attainment", "request_goodput"):
+        vs = [r[k] for r in runs if r.get(k) is not None]
+        out[k] = statistics.median(vs) if vs else None
+    return out
+
+
+def spread(runs: list[dict]) -> dict:
+    """Per latency metric, the runs' largest relative distance from their median
+    (None with fewer than two runs)."""
+    mid = pooled(runs)
+    return {k: (round(max(abs(r[k] - mid[k]) / mid[k] for r in runs), 3) if len(runs) > 1 and mid[k] else None)
+            for k in METRICS}
+
+
 def errors(real: dict, sim: dict) -> dict:
     out = {}
     for k in METRICS:
@@ -107,6 +134,12 @@ def summary(rows: list[dict]) -> str:
                                                  if es else ""))
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines.append(f"latency cells within target: {total} of {len(latencies) * len(rows)}")
+    noisy = sum(1 for r in rows for k in latencies if (r.get("spread") or {}).get(k) is not None
+                and r["spread"][k] > TARGETS[k] + 1e-9)
+    runs = max((len(r.get("measured_runs", [])) for r in rows), default=0)
+    if runs > 1:
+        lines.append(f"cells whose {runs} measured runs stray from their own median by more than the target: "
+                     f"{noisy} of {len(latencies) * len(rows)}")
     return "\n".join(lines)
 
 
@@ -126,51 +159,76 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=16)
     ap.add_argument("--slo", default="ttft:2000 tpot:150", help="goodput SLOs, kvd-loadgen's KEY:MS")
-    ap.add_argument("--measured", default=None,
-                    help="a validate JSON whose measured runs to reuse (no server is started): the "
+    ap.add_argument("--repeats", type=int, default=1, help="fresh servers per configuration, in turn (median)")
+    ap.add_argument("--measured", nargs="+", default=None,
+                    help="validate JSONs whose measured runs to reuse, pooled (no server is started): the "
                          "simulator's side again, e.g. after a change to its model or a new profile")
     ap.add_argument("--out", default=str(ROOT / "results/sim/validate.json"))
     args = ap.parse_args()
-    reuse = None
+    if args.repeats < 1:
+        raise SystemExit("validate: error: --repeats must be at least 1")
+    reuse: dict[tuple, list[dict]] | None = None
     if args.measured:
-        reuse = {(r["config"], r["trace"], float(r["rate"])): r["measured"]
-                 for r in json.loads(Path(args.measured).read_text())["rows"]}
+        reuse = {}
+        for path in args.measured:
+            for r in json.loads(Path(path).read_text())["rows"]:
+                reuse.setdefault((r["config"], r["trace"], float(r["rate"])), []).extend(
+                    r.get("measured_runs") or [r["measured"]])
     model = args.model or json.loads(Path(args.profile).read_text())["model"]
     base = Path(args.config).read_text() if args.config else ""
     if "[cluster]" in base:
         raise SystemExit("validate: error: --config may not hold a [cluster] table (each configuration sets it)")
-    rows = []
+    cells = [(name, trace, rate) for name in args.configs.split(",") for trace in args.traces.split(",")
+             for rate in args.rates.split(",")]
+    for name, _, _ in cells:
+        if name not in CONFIGS:
+            raise SystemExit(f"validate: error: unknown configuration {name!r} (one of {', '.join(CONFIGS)})")
+    runs: dict[tuple, list[dict]] = {c: [] for c in cells}
     with tempfile.TemporaryDirectory() as tmp:
-        for name in args.configs.split(","):
+        def setup(name: str) -> tuple[Path, Path]:
+            cfg, sock = Path(tmp) / f"{name}.toml", Path(tmp) / f"{name}.sock"
+            cfg.write_text(f'{base}\n[cluster]\nrouting = "{CONFIGS[name][2] or "prompt-tree"}"\n'
+                           f'admin_socket = "{sock}"\n')
+            return cfg, sock
+
+        def flags_of(trace: str, rate: str) -> list[str]:
+            return [*trace_flags(trace, args), "--request-rate", rate, "--num-prompts", str(args.num_prompts),
+                    "--seed", "0", "--tokenizer", model, "--metric-percentiles", "50,99", "--goodput",
+                    *args.slo.split()]
+
+        if reuse is None:
+            for rep in range(args.repeats):
+                for name in dict.fromkeys(c[0] for c in cells):
+                    nodes, prefill, _ = CONFIGS[name]
+                    cfg, sock = setup(name)
+                    proc, url = serve(model, nodes, prefill, cfg, args.split_cpus)
+                    try:
+                        for cell in (c for c in cells if c[0] == name):
+                            flush_cache(sock)      # each run starts cold, as its simulation does
+                            real = measured(url, flags_of(*cell[1:]), Path(tmp) / f"{'-'.join(cell)}-{rep}.json")
+                            runs[cell].append({k: real.get(k) for k in (*METRICS, "slo_attainment",
+                                                                          "request_goodput")})
+                            print(json.dumps({"run": rep, "cell": cell, "measured": runs[cell][-1]}), flush=True)
+                    finally:
+                        stop_processes([proc])
+        else:
+            for cell in cells:
+                key = (cell[0], cell[1], float(cell[2]))
+                if key not in reuse:
+                    raise SystemExit(f"validate: error: the measured runs have no run of {' '.join(cell)}")
+                runs[cell] = reuse[key]
+        rows = []
+        for cell in cells:
+            name, trace, rate = cell
             nodes, prefill, routing = CONFIGS[name]
             profile = args.node_profile if nodes and args.node_profile else args.profile
-            cfg = Path(tmp) / f"{name}.toml"
-            sock = Path(tmp) / f"{name}.sock"
-            cfg.write_text(f'{base}\n[cluster]\nrouting = "{routing or "prompt-tree"}"\nadmin_socket = "{sock}"\n')
-            proc, url = serve(model, nodes, prefill, cfg, args.split_cpus) if reuse is None else (None, "")
-            try:
-                for trace in args.traces.split(","):
-                    for rate in args.rates.split(","):
-                        flags = [*trace_flags(trace, args), "--request-rate", rate, "--num-prompts",
-                                 str(args.num_prompts), "--seed", "0", "--tokenizer", model,
-                                 "--metric-percentiles", "50,99", "--goodput", *args.slo.split()]
-                        if reuse is None:
-                            flush_cache(sock)      # each run starts cold, as its simulation does
-                            real = measured(url, flags, Path(tmp) / f"{name}-{trace}-{rate}.json")
-                        elif (name, trace, float(rate)) in reuse:
-                            real = reuse[(name, trace, float(rate))]
-                        else:
-                            raise SystemExit(f"validate: error: {args.measured} has no run of {name} {trace} {rate}")
-                        sim = simulated(profile, nodes, prefill, routing, cfg, flags, colocated=True)
-                        row = {"config": name, "trace": trace, "rate": float(rate),
-                               "measured": {k: real.get(k) for k in (*METRICS, "slo_attainment", "request_goodput")},
-                               "simulated": {k: sim.get(k) for k in (*METRICS, "slo_attainment", "request_goodput")},
-                               "errors": errors(real, sim)}
-                        rows.append(row)
-                        print(json.dumps(row), flush=True)
-            finally:
-                if proc is not None:
-                    stop_processes([proc])
+            cfg, _ = setup(name)
+            real = pooled(runs[cell])
+            sim = simulated(profile, nodes, prefill, routing, cfg, flags_of(trace, rate), colocated=True)
+            rows.append({"config": name, "trace": trace, "rate": float(rate), "measured": real,
+                         "measured_runs": runs[cell], "spread": spread(runs[cell]),
+                         "simulated": {k: sim.get(k) for k in (*METRICS, "slo_attainment", "request_goodput")},
+                         "errors": errors(real, sim)})
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     from tools.loadgen.report import machine_info
