@@ -108,7 +108,8 @@ class ChannelServer:
                  curve: CurveServer | None, rings: RingPolicy | None = None) -> None:
         self.serve = serve
         self.authenticated = curve is not None
-        self.counts = {"served": 0, "rejected": 0, "forbidden": 0, "rings": 0, "ring_refused": 0, "ring_served": 0}
+        self.counts = {"served": 0, "rejected": 0, "forbidden": 0, "rings": 0, "ring_refused": 0, "ring_served": 0,
+                       "rings_open": 0}
         self._counts_lock = threading.Lock()            # the channel thread and the rings' count
         self.ring_policy = rings
         self._rings: dict[str, RingServer] = {}         # debtor -> its ring (the channel thread's)
@@ -161,9 +162,9 @@ class ChannelServer:
         finally:
             sock.close(0)
 
-    def _count(self, key: str) -> None:
+    def _count(self, key: str, n: int = 1) -> None:
         with self._counts_lock:
-            self.counts[key] += 1
+            self.counts[key] += n
 
     def _answer(self, parts: list[zmq.Frame]) -> protocol.Message | None:
         if len(parts) < 2:
@@ -215,12 +216,21 @@ class ChannelServer:
             old.close()                                 # one ring per debtor: a new engine asks again
         self._rings = {d: r for d, r in self._rings.items() if r.alive}
         debtor = msg.debtor
+        self._count("rings_open")
         self._rings[debtor] = RingServer(segment, bells, debtor,
                                          lambda header, frames: self.answer(header, frames, debtor, True, ring=True),
-                                         policy.holds, lambda: self._count("rejected"))
+                                         policy.holds, lambda: self._count("rejected"),
+                                         lambda: self._count("rings_open", -1))
         self._count("rings")
         return protocol.RingOffer(id=msg.id, ok=True, name=segment.name, nonce=segment.nonce.hex(),
                                   slots=segment.slots, slot_bytes=segment.slot_bytes)
+
+    def close_ring(self, debtor: str) -> None:
+        """End ``debtor``'s ring, if it has one (its last loans here ended with their lease: a
+        debtor gone), without waiting: its thread ends within ``SLICE_S`` and unmaps the
+        segment (``counts["rings_open"]`` then drops). Any thread."""
+        if (ring := self._rings.get(debtor)) is not None:
+            ring.stop()
 
     def close(self) -> None:
         """Stop the thread (within ``POLL_S``), the rings, and free the sockets."""

@@ -46,8 +46,10 @@ Waits: a doorbell spins ``SPIN_S`` then sleeps, the GIL released, in slices of
 ``SLICE_S`` between which each side looks at the other's closed flag; every wait
 ends by its deadline (``RemoteKVError`` on the debtor: its request is computed
 again, engine/borrowing.py). A creditor closes a ring when it stops, when its
-debtor opens another, or when its debtor has held no loan here for ``IDLE_S``
-(a debtor gone); a debtor seeing its ring closed sends on the zmq channel.
+debtor opens another, when its debtor's last loans here end with their lease (a
+debtor gone: ``ChannelServer.close_ring``, within ``SLICE_S``), or when its debtor
+has held no loan here for ``IDLE_S`` (it gave them back); a debtor seeing its ring
+closed sends on the zmq channel.
 """
 
 from __future__ import annotations
@@ -320,14 +322,15 @@ class RingClient:
 class RingServer:
     """The creditor's end of one debtor's ring: a thread that answers each request with
     ``answer(header, frames)`` (the channel's checks, in ``debtor``'s name) and ends when
-    ``close``d, when the debtor closes its end, or when ``holds(debtor)`` has been false
-    for ``IDLE_S``. ``rejected()`` is called for each slot that holds no message."""
+    ``stop``ped or ``close``d, when the debtor closes its end, or when ``holds(debtor)`` has
+    been false for ``IDLE_S``. ``rejected()`` is called for each slot that holds no message,
+    ``ended()`` once, by the thread, when it has unmapped the segment."""
 
     def __init__(self, segment: Segment, bells: Doorbells, debtor: str,
                  answer: Callable[[bytes, list[memoryview]], protocol.Message], holds: Callable[[str], bool],
-                 rejected: Callable[[], None]) -> None:
+                 rejected: Callable[[], None], ended: Callable[[], None] = lambda: None) -> None:
         self.seg, self.bells, self.debtor = segment, bells, debtor
-        self.answer, self.holds, self.rejected = answer, holds, rejected
+        self.answer, self.holds, self.rejected, self.ended = answer, holds, rejected, ended
         self._stop = threading.Event()
         self._created = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="kvd-attention-ring", daemon=True)
@@ -373,6 +376,7 @@ class RingServer:
             seg.mark_closed("creditor")
             seg.unlink()
             seg.close()
+            self.ended()
 
     def _serve_one(self, seq: int) -> None:
         got = self.seg.take(REQUESTS, seq, copy=False)
@@ -392,7 +396,12 @@ class RingServer:
                 id=reply.id, ok=False, reason="the reply does not fit the ring's slot"))
             self.seg.put(REPLIES, seq, header, frames)
 
-    def close(self) -> None:
-        """Stop the thread (within ``SLICE_S``); the segment goes with it."""
+    def stop(self) -> None:
+        """Ask the thread to end and return at once: it ends within ``SLICE_S`` (or once the
+        request it is answering is answered), the segment with it. Any thread."""
         self._stop.set()
+
+    def close(self) -> None:
+        """Stop the thread and wait for it (at most ``10 * SLICE_S``); the segment goes with it."""
+        self.stop()
         self._thread.join(timeout=10 * SLICE_S)

@@ -140,7 +140,8 @@ class Lender:
             self.lent = rm.lent_per_debtor()
 
     async def expire(self) -> list[Loan]:
-        """Free the loans whose debtor stopped renewing them."""
+        """Free the loans whose debtor stopped renewing them; a debtor left with no loan
+        here is gone, and its shared-memory ring with it (attention_ring.py)."""
         def reap(engine) -> list[Loan]:
             with self.lock:
                 dead = self.rmanager.expire(time.monotonic())
@@ -148,7 +149,11 @@ class Lender:
             return dead
         if not self.lent:
             return []
-        return await self.driver.call(reap)
+        dead = await self.driver.call(reap)
+        if self.channel is not None:
+            for debtor in {loan.debtor for loan in dead} - set(self.lent):
+                self.channel.close_ring(debtor)
+        return dead
 
     def stats(self) -> dict[str, Any]:
         rm = self.rmanager
