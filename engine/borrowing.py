@@ -30,7 +30,9 @@ A request with remote parts:
 - is not replicated and never computed for another node (a prefill leg
   waits for local blocks): the KV a replica or a decode node would need is
   not all here;
-- returns its loans when it ends, however it ends (``release``).
+- returns its loans when it ends, however it ends (``release``);
+- may have its remote part brought home into local blocks while it runs
+  (engine/recall.py, DGFM's recall; ``detach``), and goes on as a local request.
 
 A loan lost (its creditor dead, silent past the layer's deadline, or
 refusing) raises ``RemoteKVError`` in the step; ``lost`` names the step's
@@ -88,7 +90,7 @@ class KVBorrowing:
         self.loans: dict[str, list[Loan]] = {}          # request id -> its loans
         self._refused_since: dict[str, float] = {}      # request id -> when no creditor first lent for it
         self._next_try = 0.0
-        self.counts = {"borrowed": 0, "refused": 0, "returned": 0, "lost": 0}
+        self.counts = {"borrowed": 0, "refused": 0, "returned": 0, "lost": 0, "recalled": 0}
 
     def holds(self, req: Request) -> bool:
         """Whether ``req`` has KV in remote parts."""
@@ -146,6 +148,15 @@ class KVBorrowing:
         for loan in self.loans.pop(req.request_id, []):
             self.counts["returned"] += 1
             self.give_back(loan.loan_id)
+
+    def detach(self, req: Request, loan_id: str) -> None:
+        """``req``'s remote part on loan ``loan_id`` came home (engine/recall.py): the part
+        and the loan leave it, without giving the loan back (the caller does)."""
+        self.remote_kv.drop(req.request_id)
+        self.loans[req.request_id] = [loan for loan in self.loans.get(req.request_id, []) if loan.loan_id != loan_id]
+        if not self.loans[req.request_id]:
+            del self.loans[req.request_id]
+        self.counts["recalled"] += 1
 
     def lost(self, reqs: list[Request]) -> list[Request]:
         """Of a step that failed on a remote part, the requests to compute again (those

@@ -851,7 +851,42 @@ class RingOffer(Message):
                  "an offered ring has a name, a nonce, slots and their size")
 
 
-LENDING_MESSAGES = (BorrowRequest, ReturnLoan, LeaseRenew, LoanWrite, RemoteAttend)   # debtor -> creditor
+@message
+@dataclass(frozen=True, kw_only=True)
+class RecallKV(Message):
+    """Debtor -> creditor: send the KV of blocks [start, start + blocks) of loan ``loan_id``,
+    which the debtor brings home before it returns the loan (DGFM's recall,
+    kvd/node/recall.py). Answered by LoanKV."""
+
+    debtor: str
+    loan_id: str
+    start: int = 0
+    blocks: int
+
+    def _check(self) -> None:
+        _require(bool(self.debtor) and bool(self.loan_id), "debtor and loan_id must be set")
+        _require(self.start >= 0 and self.blocks > 0, "need start >= 0, blocks > 0")
+
+
+@message
+@dataclass(frozen=True, kw_only=True)
+class LoanKV(Message):
+    """Creditor -> debtor: a RecallKV's blocks, ONE frame [L, 2, n, bs, kvh, hd], or
+    ``ok=False`` with the reason."""
+
+    FRAMES_FIELD: ClassVar[str | None] = "tensors"
+
+    ok: bool
+    reason: str = ""
+    tensors: tuple[Any, ...] = ()
+
+    def _check(self) -> None:
+        _require(len(self.tensors) == (1 if self.ok else 0), "an answer carries one frame, a refusal none")
+        _require(not self.ok or (len(self.tensors[0].shape) == 6 and self.tensors[0].shape[1] == 2),
+                 "the frame must be [L, 2, n, bs, kvh, hd]")
+
+
+LENDING_MESSAGES = (BorrowRequest, ReturnLoan, LeaseRenew, LoanWrite, RemoteAttend, RecallKV)   # debtor -> creditor
 
 
 # ─── encode / decode ─────────────────────────────────────────────────────────

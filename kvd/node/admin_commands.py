@@ -75,6 +75,7 @@ class NodeAdmin:
         self.transfers = transfers
         self.set_role = set_role            # the role this node announces (the coordinator routes by it)
         self.replicas = replicas            # the copies this node holds for its peers
+        self.extra: dict[str, tuple[Handler, str, dict | None]] = {}   # more commands (recall.py's)
 
     def handlers(self) -> dict[str, tuple[Handler, str, dict | None]]:
         """name -> (async handler(args) -> dict, help, args schema)."""
@@ -98,6 +99,7 @@ class NodeAdmin:
                              "its cache-event seq (the prompt tree's check)", None),
             "transfer": (self.cmd_transfer, "move the cached KV of token_ids to node `to` at `address`",
                          {"to": (str, True), "address": (str, True), "token_ids": (list, True)}),
+            **self.extra,
         }
 
     async def answer(self, msg: protocol.AdminCommand) -> protocol.AdminReply:

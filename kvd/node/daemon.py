@@ -68,6 +68,7 @@ from kvd.node.cache_shipper import CacheShipper
 from kvd.node.heartbeat import Heartbeater
 from kvd.node.inbox import MESSAGES as INBOX_MESSAGES, KVInbox
 from kvd.node.lending import Borrower, Lender, admin_commands as lending_commands, keep_leases, serve_borrowing
+from kvd.node.recall import Recaller, admin_commands as recall_commands
 from kvd.node.peers import PeerLinks
 from kvd.node.legs import Legs, internal_error
 from kvd.node.replication import Replicator
@@ -115,6 +116,7 @@ class NodeDaemon:
         self.inbox: KVInbox | None = None              # every way KV arrives here (kvd/node/inbox.py)
         self.rmanager: RManager | None = None          # blocks lent and borrowed (engine/memory/rmanager.py)
         self.borrower: Borrower | None = None          # this node as a debtor (lending.py)
+        self.recaller: Recaller | None = None          # its loans' KV brought home (recall.py)
         self._ledger_link = None                       # to the coordinator, for CreditorQuery
         self.replicator: Replicator | None = None      # this node's KV -> its replica peer
         self.legs: Legs | None = None                  # the legs of requests run here
@@ -153,6 +155,7 @@ class NodeDaemon:
         self.inbox.lending.open_channel(self.address, links.curve_server(self.cluster, self.name))
         self.borrower = Borrower(self.name, self.rmanager, self._ask_coordinator, self.peer_links.get,
                                  self.cluster.request_timeout)
+        self.recaller = Recaller(self.driver, self.borrower, self.cluster.request_timeout)
         if engine.config.borrow_kv_blocks:      # requests past the free blocks borrow (engine/borrowing.py)
             serve_borrowing(engine, self.borrower, asyncio.get_running_loop(),
                             min(self.cluster.request_timeout, self.cluster.heartbeat_deadline),
@@ -174,6 +177,7 @@ class NodeDaemon:
                                   self.cluster.request_timeout, status=self.status, streams=self.streams,
                                   set_draining=self.set_draining, transfers=self.transfers,
                                   set_role=lambda role: setattr(self, "role", role), replicas=self.inbox.replicas)
+        self.commands.extra.update(recall_commands(self.recaller))
         if self.admin_socket:
             await self._start_admin()
         log.info("node %s: %s loaded in %.1fs, listening on %s; kernels: %s", self.name, engine.model_name,
@@ -532,4 +536,5 @@ class NodeDaemon:
                 "replication": {"sender": self.replicator.stats() if self.replicator else {},
                                 "holder": self.inbox.replicas.stats() if self.inbox else {}},
                 "lending": {"creditor": self.inbox.lending.stats() if self.inbox and self.inbox.lending else {},
-                            "debtor": self.borrower.stats() if self.borrower else {}}}
+                            "debtor": self.borrower.stats() if self.borrower else {},
+                            "recall": self.recaller.stats() if self.recaller else {}}}

@@ -39,6 +39,7 @@ from kvd import protocol
 from kvd.node.engine_driver import EngineDriver
 from kvd.node.attention_channel import ChannelClient, ChannelServer, channel_host, check_channel_url
 from kvd.node.attention_ring import RingPolicy
+from kvd.node.recall import RecallServer
 from kvd.node.remote_attention import AttentionServer, ChannelLender, WireLender
 from transports import Connection, TransportError
 
@@ -68,6 +69,7 @@ class Lender:
             [model.config.layer_window(i) for i in range(model.num_local_layers)],
             (model.config.num_heads, model.config.num_kv_heads, model.config.head_dim), self.lock)
         self.channel: ChannelServer | None = None     # RemoteAttend without the event loop (open_channel)
+        self.recall = RecallServer(rmanager, self.lock, self.attention.executor)   # RecallKV (recall.py)
 
     def open_channel(self, address: str, curve: Any) -> None:
         """Serve RemoteAttend on a remote-attention channel beside the node's listener at
@@ -96,14 +98,16 @@ class Lender:
 
     def answer_now(self, msg: protocol.Message, incoming: Any) -> protocol.Message | None:
         """The reply when the engine is idle (answered inline), else None: await ``answer``."""
-        if isinstance(msg, protocol.RemoteAttend):
-            return None                     # computed on the attention server's worker
+        if isinstance(msg, (protocol.RemoteAttend, protocol.RecallKV)):
+            return None                     # computed (read) on the attention server's worker
         done, reply = self.driver.try_call(lambda engine: self._answer(msg, incoming))
         return reply if done else None
 
     async def answer(self, msg: protocol.Message, incoming: Any) -> protocol.Message:
         if isinstance(msg, protocol.RemoteAttend):
             return await self.attention.answer(msg, self._debtor(msg, incoming))
+        if isinstance(msg, protocol.RecallKV):
+            return await self.recall.answer(msg, self._debtor(msg, incoming))
         return await self.driver.call(lambda engine: self._answer(msg, incoming))
 
     def _debtor(self, msg: Any, incoming: Any) -> str | None:
@@ -158,7 +162,7 @@ class Lender:
     def stats(self) -> dict[str, Any]:
         rm = self.rmanager
         return {"lend_cap": rm.lend_cap, "lent": dict(self.lent), "counts": dict(rm.counts),
-                "attention": dict(self.attention.counts),
+                "attention": dict(self.attention.counts), "recall": dict(self.recall.counts),
                 "channel": {**self.channel.counts, "refused_keys": self.channel.refused_keys} if self.channel else {}}
 
 

@@ -77,6 +77,8 @@ EXAMPLES = [
     P.RemotePartials(ok=False, reason="no loan 'ab12' of this node to 'n3'"),
     P.RingOpen(debtor="n1", loan_id="ab12", host="775ed33a-b7f1-4475-a8bd-6bf764a5863f"),
     P.RingOffer(ok=True, name="kvd-ring-" + "0" * 32, nonce="ff" * 16, slots=4, slot_bytes=524288),
+    P.RecallKV(debtor="n1", loan_id="ab12", start=0, blocks=2),
+    P.LoanKV(ok=True, tensors=(RawTensor("int8", (2, 2, 1, 1, 1, 2), memoryview(b"abcdefgh")),)),
 ]
 
 
