@@ -3,21 +3,44 @@
 
 A replica (``LLMEngine.replicable``) holds whole blocks, and a request
 resumed from one recomputes what they lack. A pair's copy is kept current
-to the step: ``copyable`` also gives each request's last, partial block,
-and ``resume_from_copy`` admits a resumed request whose KV of every token
-but the last is already in a PROMPT region, so it decodes at once with
-nothing recomputed (``LLMEngine.resume_request`` with the prefill already
-done, as ``add_prefilled`` is for a disaggregated prompt).
+to the step: each round sends the tokens computed since the last one as
+token rows (``copy_sources``, ``token_span``; the rows themselves:
+engine/memory/token_rows.py), ``copyable`` gives a request's whole KV to
+the token (its last block partial), and ``resume_from_copy`` admits a
+resumed request whose KV of every token but the last is already in a
+PROMPT region, so it decodes at once with nothing recomputed
+(``LLMEngine.resume_request`` with the prefill already done, as
+``add_prefilled`` is for a disaggregated prompt).
 
-Both run on the engine thread, between two steps. No I/O.
+All run on the engine thread, between two steps. No I/O.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any
 
-from engine.request import InvalidParam, RequestOutput
+from engine.request import InvalidParam, Request, RequestOutput
+
+
+def copy_sources(engine: Any) -> list[tuple[Request, int]]:
+    """The running requests whose KV is all on this node, oldest first,
+    each with its tokens computed whose KV is in its blocks. A query:
+    nothing changes; the block ids stay the request's until its next step."""
+    bs = engine.config.block_size
+    return [(req, min(req.num_computed, len(req.block_ids) * bs)) for req in engine.scheduler.running
+            if req.kv_out is None and not engine.scheduler._borrows(req)]     # else its KV is not all here
+
+
+def token_span(req: Request, start: int, end: int) -> list[int]:
+    """``req.all_ids[start:end]`` without building the whole sequence."""
+    n = len(req.prompt_ids)
+    if end <= n:
+        return req.prompt_ids[start:end]
+    if start >= n:
+        return req.output_ids[start - n:end - n]
+    return req.prompt_ids[start:] + req.output_ids[:end - n]
 
 
 def copyable(engine: Any) -> list[tuple[str, int, list[int], list[int]]]:
@@ -26,13 +49,8 @@ def copyable(engine: Any) -> list[tuple[str, int, list[int], list[int]]]:
     when the count is not a whole number of blocks), oldest first. A query:
     nothing changes; the ids stay the request's until its next step."""
     bs = engine.config.block_size
-    out = []
-    for req in engine.scheduler.running:
-        if req.kv_out is not None or engine.scheduler._borrows(req):     # its KV is not all here
-            continue
-        n = min(req.num_computed, len(req.block_ids) * bs)
-        out.append((req.request_id, req.num_computed, req.all_ids[:n], req.block_ids[:-(-n // bs)]))
-    return out
+    return [(req.request_id, req.num_computed, token_span(req, 0, n), req.block_ids[:-(-n // bs)])
+            for req, n in copy_sources(engine)]
 
 
 def resume_from_copy(engine: Any, request_id: str, prompt_ids: list[int], output_ids: list[int], params: Any,
@@ -45,7 +63,16 @@ def resume_from_copy(engine: Any, request_id: str, prompt_ids: list[int], output
     Returns the replayed output when the tokens already end the request
     (nothing runs), else None. The reservation belongs to the request from
     now on; on an exception (InvalidParam, ValueError: nothing queued) or
-    an ended request it is cancelled."""
+    an ended request it is cancelled. ``reservation`` may also be what
+    builds it (kvd/node/replica_store.py ``ReplicaStore.reservation``), run
+    here first, so that the copy becomes the request's between the same two
+    steps as its admission; when that finds the device tier short
+    (None), the request is resumed as ``LLMEngine.resume_request`` resumes
+    it, its KV computed again."""
+    if callable(reservation):
+        reservation = reservation(engine)
+        if reservation is None:
+            return engine.resume_request(request_id, prompt_ids, output_ids, params)
     try:
         vocab = engine.model.config.vocab_size
         if not output_ids or any(not 0 <= t < vocab for t in output_ids):
@@ -71,3 +98,16 @@ def resume_from_copy(engine: Any, request_id: str, prompt_ids: list[int], output
     req.num_computed = req.num_tokens - 1
     engine.scheduler.add_prefilled(req)
     return None
+
+
+def hold(engine: Any, request_id: str, seconds: float) -> int | None:
+    """Leave ``request_id`` out of this engine's decode steps for
+    ``seconds`` (``Scheduler.hold``): a pair hands it off from here, and no
+    token is computed past the ones it made. Returns how many tokens it
+    made (its client's, once delivered), or None when it is not decoding
+    here (unknown, or still computing its prompt): nothing changes then."""
+    req = engine.requests.get(request_id)
+    if req is None or req not in engine.scheduler.running or req.prefilling or not req.output_ids:
+        return None
+    engine.scheduler.hold(request_id, time.monotonic() + seconds)
+    return len(req.output_ids)

@@ -71,6 +71,7 @@ once: that is what ``MemPool.check_integrity`` verifies in the tests.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -144,6 +145,7 @@ class Scheduler:
         # borrowed KV (engine/borrowing.py): set by a node that may borrow, else None
         self.borrowing = None
         self.refused: list[Request] = []        # taken off the queue: nothing can hold them (_unservable)
+        self.held: dict[str, float] = {}        # request id -> until when (monotonic) no step decodes it (hold)
 
     # ------------------------------------------------------------------ queues
     def add(self, req: Request) -> None:
@@ -171,12 +173,27 @@ class Scheduler:
 
     def remove(self, req: Request) -> None:
         """Take ``req`` out of whatever queue holds it (no memory released)."""
+        self.held.pop(req.request_id, None)
         for queue in (self.waiting, self.swapped, self.prefilled):
             if req in queue:
                 queue.remove(req)
                 return
         if req in self.running:
             self.running.remove(req)
+
+    def hold(self, request_id: str, until: float) -> None:
+        """Leave ``request_id`` out of every decode step until ``until``
+        (monotonic) or its end, whichever comes first: it keeps its slot and
+        blocks and computes nothing meanwhile (a pair hands it off from here:
+        no token is computed past the one its partner resumes from)."""
+        self.held[request_id] = until
+
+    def _is_held(self, req: Request) -> bool:
+        until = self.held.get(req.request_id)
+        if until is not None and until <= time.monotonic():
+            del self.held[req.request_id]
+            until = None
+        return until is not None
 
     # --------------------------------------------------------------- schedule
     def schedule(self) -> ScheduledBatch | None:
@@ -195,7 +212,8 @@ class Scheduler:
                 return admission
         if not self.running:
             return None
-        return self._decode_batch()
+        batch = self._decode_batch()
+        return batch if batch.decode or batch.preempted else None      # every running request held
 
     def _schedule_chunked(self) -> ScheduledBatch | None:
         """Decode every running request whose prefill is done, and give the
@@ -386,7 +404,7 @@ class Scheduler:
         queue = sorted(self.running, key=lambda r: r.arrival)
         while queue:
             req = queue.pop(0)
-            if req.prefilling:           # holds its blocks already; a victim like any other
+            if req.prefilling or (self.held and self._is_held(req)):   # holds its blocks already; a victim
                 continue
             if req.num_computed < len(req.block_ids) * bs or self._borrows(req):   # or in its remote part
                 batch.append(req)

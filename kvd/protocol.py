@@ -559,9 +559,12 @@ class ReplicaData(Message):
     number of blocks; 0 opens it) by ``counts[i]`` full blocks: their tokens
     are the next ``counts[i] * block_size`` of ``token_ids`` and their KV the
     next ``counts[i]`` blocks of the one frame [L, 2, sum(counts), bs, kvh,
-    hd]; with ``tails[i]`` > 0 (a pair's copy, current to the step) its
-    last block is partial, holding ``tails[i]`` tokens, and is written
-    again by the next entry that starts there. ``frees``: replicas to drop (their requests ended here). The holder
+    hd]. With ``rows`` (a pair's copy, current to the step) the entries are
+    token rows instead: entry ``i`` writes tokens ``[starts[i], starts[i] +
+    counts[i])`` (any token: where the holder's copy ends), the next
+    ``counts[i]`` of ``token_ids``, whose KV are the next ``counts[i]`` rows
+    of the one frame [L, 2, sum(counts), kvh, hd] (a step sends its new
+    tokens, not their blocks). ``frees``: replicas to drop (their requests ended here). The holder
     keys every replica by the sender's authenticated name, so a node can
     touch its own replicas only. ``tickets``: request id -> the
     coordinator's ticket for that replica at this holder, owned by ``owner``
@@ -581,13 +584,11 @@ class ReplicaData(Message):
     adopt: dict[str, str] = field(default_factory=dict)
     tickets: dict[str, str] = field(default_factory=dict)
     tensors: tuple[Any, ...] = ()
-    tails: tuple[int, ...] = ()      # per entry, tokens in its last block when partial (0: full); () all full
+    rows: bool = False               # a pair's copy: token rows (starts any token, counts tokens)
 
     def _check(self) -> None:
         n = len(self.request_ids)
         _require(set(self.tickets) <= set(self.request_ids), "tickets are for the message's request ids")
-        _require(len(self.tails) in (0, n) and all(0 <= t < self.block_size for t in self.tails),
-                 "one tail per request id, each in [0, block_size)")
         _require(bool(self.source) and self.block_size > 0, "source and block_size must be set")
         _require(self.owner != self.source, "owner is another node than source (or empty)")
         _require(all(k and v and v != self.source for k, v in self.adopt.items()),
@@ -595,10 +596,19 @@ class ReplicaData(Message):
         _require(not (self.owner and self.adopt), "a message either writes for an owner or adopts")
         _require(len(self.starts) == n and len(self.counts) == n, "one start and one count per request id")
         _require(len(set(self.request_ids)) == n and all(self.request_ids), "request ids must be distinct, non-empty")
+        if self.rows:   # entry i: tokens [starts[i], starts[i] + counts[i]), their KV rows of the one frame
+            _require(all(s >= 0 for s in self.starts) and all(c > 0 for c in self.counts),
+                     "rows: starts must be >= 0, counts > 0")
+            _require(len(self.token_ids) == sum(self.counts) and all(t >= 0 for t in self.token_ids),
+                     "rows: one token id >= 0 per row")
+            _require(len(self.tensors) == (1 if n else 0), "one KV frame when there are entries")
+            _require(not n or (len(self.tensors[0].shape) == 5 and self.tensors[0].shape[1] == 2
+                               and self.tensors[0].shape[2] == sum(self.counts)),
+                     "the rows frame must be [L, 2, sum(counts), kvh, hd]")
+            return
         _require(all(s >= 0 and s % self.block_size == 0 for s in self.starts), "starts must be whole blocks")
         _require(all(c > 0 for c in self.counts), "counts must be > 0")
-        _require(len(self.token_ids) == sum(self.counts) * self.block_size - sum(self.block_size - t for t in self.tails if t),
-                 "token_ids must fill the blocks (a partial last block: its tail)")
+        _require(len(self.token_ids) == sum(self.counts) * self.block_size, "token_ids must fill the blocks")
         _require(all(t >= 0 for t in self.token_ids), "token ids must be >= 0")
         _require(len(self.tensors) == (1 if n else 0), "one KV frame when there are entries")
         if n:

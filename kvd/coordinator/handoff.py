@@ -5,7 +5,11 @@ A paired node's partner holds the redundant copy of each of its requests
 (kvd/node/replica_store.py), so a decode moves between them with no KV
 transfer: ``Failover.hand_off`` resumes it on the partner after the tokens
 the client has, from the copy (recomputing what the copy lacks), and stops
-it on the source, at a step boundary of each. Once the partner took it and
+it on the source, at a step boundary of each. First the source holds it
+(admin ``hold``: no step decodes it there any more, and the same round
+brings the partner's copy up to every token it computed), and the move
+waits for the tokens it made: the partner resumes after the last of them,
+and no token is computed twice. Once the partner took it and
 before it stops there, the source keeps its own KV of the request as the
 partner's copy of it (admin ``replica keep``) and says how many tokens it
 kept (recorded in ``kept``): copy and original swap roles, the copy is
@@ -49,6 +53,7 @@ log = logging.getLogger("kvd.coordinator.handoff")
 
 EVACUATE_S = 30.0          # how long a node switched to prefill keeps handing its decodes off
 EVACUATE_POLL_S = 0.05     # between two sweeps of its decodes
+HOLD_WAIT_S = 0.25         # how long a move waits for the tokens its source made before it held the request
 
 Forward = Callable[[str, str, dict], Awaitable[dict]]
 
@@ -143,6 +148,7 @@ class Handoffs:
 
     async def _move(self, request_id: str, source: NodeInfo, target: NodeInfo) -> str | None:
         stream = self._stream(request_id)
+        await self._hold(request_id, source.name, stream)
         replica = self.recovery.replica_fields(target.name, request_id, self.client.membership.nodes.values())
         t0 = time.perf_counter()
 
@@ -160,6 +166,24 @@ class Handoffs:
             self.pairs.refused["partner refused"] += 1
             log.warning("request %s: handoff %s -> %s refused: %s", request_id, source.name, target.name, why)
         return why
+
+    async def _hold(self, request_id: str, source: str, stream: Stream) -> None:
+        """``source`` stops decoding ``request_id`` at its next step boundary
+        and brings the partner's copy up to every token it computed (admin
+        ``hold``); then the tokens it made are awaited (up to
+        ``HOLD_WAIT_S``), so the partner resumes after the last of them and
+        no token is computed twice. A hold that fails is logged: the move
+        goes on as before, the source decoding until its Abort (what it
+        makes past the resume point is dropped)."""
+        try:
+            reply = await self.forward(source, "hold", {"request": request_id})
+        except (ValueError, TransportError, TimeoutError) as exc:
+            log.info("request %s: %s did not hold it for the move (%s)", request_id, source, exc)
+            return
+        made = reply.get("tokens")
+        deadline = time.monotonic() + HOLD_WAIT_S
+        while isinstance(made, int) and len(stream.tokens) < made and time.monotonic() < deadline:
+            await asyncio.sleep(0.002)
 
     async def try_hand_off(self, request_id: str) -> int:
         """``hand_off``, as a count: 1 when ``request_id`` moved, 0 when it was

@@ -21,12 +21,14 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from engine.exact_copy import hold
 from kvd import protocol
 from kvd.engine_client import EngineDead
 from kvd.node.cache_shipper import CacheShipper
 from kvd.node.engine_driver import EngineDriver
 from kvd.node.heartbeat import Heartbeater
 from kvd.node.replica_store import ReplicaStore
+from kvd.node.replication import HOLD_S, Replicator
 from kvd.node.transfer import send_prefix
 from transports import Connection, TransportError
 
@@ -62,7 +64,7 @@ class NodeAdmin:
                  connect: Callable[[str, str], Awaitable[Connection]], timeout: float, *,
                  status: Callable[[], dict], streams: Mapping[str, Any], set_draining: Callable[[bool], None],
                  transfers: TransferFaults, set_role: Callable[[str], None] | None = None,
-                 replicas: ReplicaStore | None = None) -> None:
+                 replicas: ReplicaStore | None = None, replicator: Replicator | None = None) -> None:
         self.name = name
         self.driver = driver
         self.heartbeat = heartbeat
@@ -75,6 +77,7 @@ class NodeAdmin:
         self.transfers = transfers
         self.set_role = set_role            # the role this node announces (the coordinator routes by it)
         self.replicas = replicas            # the copies this node holds for its peers
+        self.replicator = replicator        # this node's copies at its peer (a handoff's hold)
         self.extra: dict[str, tuple[Handler, str, dict | None]] = {}   # more commands (recall.py's)
 
     def handlers(self) -> dict[str, tuple[Handler, str, dict | None]]:
@@ -88,6 +91,8 @@ class NodeAdmin:
                              {"source": (str, True), "request": (str, True)}),
             "replica keep": (self.cmd_replica_keep, "keep this node's KV of a request handed off to `owner` "
                              "as the copy it claims", {"request": (str, True), "owner": (str, True)}),
+            "hold": (self.cmd_hold, "stop decoding a request here (a handoff from here) and bring the partner's "
+                     "copy up to date: the tokens it made", {"request": (str, True)}),
             "set-role": (self.cmd_set_role, "the role the coordinator switched this node to",
                          {"role": (str, True)}),
             "fail": (self.cmd_fail, "fault injection: mode exit | stop (heartbeats) | drop-transfers"
@@ -152,6 +157,22 @@ class NodeAdmin:
         if store is None or not store.partner or args["owner"] != store.partner:
             raise ValueError(f"{args['owner']!r} is not this node's pair partner")
         return {"tokens": await store.keep(args["request"], args["owner"])}
+
+    async def cmd_hold(self, args: dict) -> dict:
+        """The coordinator hands ``request`` off from here to this node's pair
+        partner: no step decodes it any more (until its Abort, or for
+        ``HOLD_S`` if the handoff fails), and the round that holds it sends
+        the partner's copy every token it computed (``Replicator.hold``).
+        Returns the tokens it made (``tokens``). Raises ValueError when it
+        is not decoding here."""
+        rid = args["request"]
+        if self.replicator is not None:
+            made = await self.replicator.hold(rid)
+        else:
+            made = await self.driver.call(lambda engine: hold(engine, rid, HOLD_S), timeout=self.timeout)
+        if made is None:
+            raise ValueError(f"request {rid!r} is not decoding here")
+        return {"tokens": made}
 
     async def cmd_undrain(self, args: dict) -> dict:
         self.set_draining(False)

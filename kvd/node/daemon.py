@@ -176,7 +176,8 @@ class NodeDaemon:
         self.commands = NodeAdmin(self.name, self.driver, self.heartbeat, self.cache_shipper, self._connect_node,
                                   self.cluster.request_timeout, status=self.status, streams=self.streams,
                                   set_draining=self.set_draining, transfers=self.transfers,
-                                  set_role=lambda role: setattr(self, "role", role), replicas=self.inbox.replicas)
+                                  set_role=lambda role: setattr(self, "role", role), replicas=self.inbox.replicas,
+                                  replicator=self.replicator)
         self.commands.extra.update(recall_commands(self.recaller))
         if self.admin_socket:
             await self._start_admin()
@@ -521,6 +522,7 @@ class NodeDaemon:
                 "kernels": self.driver.kernels() if self.driver else {},
                 "fingerprint": self.driver.fingerprint if self.driver else "", "in_flight": len(self.streams),
                 "running": snap.get("running", 0), "waiting": snap.get("waiting", 0),
+                "generation_tokens": snap.get("generation_tokens", 0),
                 "bad_messages": dict(self.bad_messages),
                 "malformed_frames": lst.malformed if lst else 0,
                 "refused_peers": lst.refused if lst else 0,

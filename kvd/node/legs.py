@@ -135,7 +135,7 @@ class Legs:
                 if handoff:
                     taken = await store.take_current(msg.replica_from, rid, len(known) - 1, COPY_WAIT_S)
                 if taken is not None:        # the copy to the token: decode from it; else its agreeing
-                    reservation = await store.reservation(taken, known)   # blocks become cached KV
+                    reservation = store.reservation(taken, known)   # blocks become cached KV
                     if reservation is None:
                         log.info("request %s: its copy holds %d of the %d tokens computed; computing the rest",
                                  rid, taken.usable(known), len(known) - 1)

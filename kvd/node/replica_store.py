@@ -35,12 +35,13 @@ node a request leaves ``keep``s its own KV of it (every token it computed,
 copied into a REPLICA region here before the request moves) as the
 partner's copy of it from that moment, keyed (partner, request) as if the
 partner had written it (the coordinator records the tokens kept): the
-partner's rounds extend the copy from the block of the last token it was
-handed (kvd/node/replication.py ``kept``), and a handoff back may follow
-at its next step; nothing is sent again from block 0. A
-pair's copy is current to the token (its last block partial, written
-again each round), and a request resumed from a copy that holds every
-token it computed decodes from it at once (``reservation``).
+partner's rounds extend the copy from where it ends
+(kvd/node/replication.py ``kept``), and a handoff back may follow at its
+next step; nothing is sent again from block 0. A pair's copy is current
+to the token (each round writes the tokens its owner computed since the
+last one as token rows where the copy ends, ``_apply_rows``; its last
+block partial), and a request resumed from a copy that holds every token
+it computed decodes from it at once (``reservation``).
 """
 
 from __future__ import annotations
@@ -49,11 +50,13 @@ import asyncio
 import contextlib
 import time
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 from engine.exact_copy import copyable
 from engine.memory.mempool import PrefixLock
 from engine.memory.region import Purpose, Region, RegionState
+from engine.memory.token_rows import write_rows
 from engine.stream import STAGING
 from kvd import protocol, trust
 from kvd.node.engine_driver import EngineDriver
@@ -96,8 +99,8 @@ class ReplicaStore:
         self.replicas: dict[tuple[str, str], Replica] = {}
         self.awaited: set[tuple[str, str]] = set()   # copies a resume waits for: never dropped meanwhile
         self._grew = asyncio.Event()                 # set (and replaced) after each round applied
-        self.counts = {"received_blocks": 0, "refused": 0, "no_ticket": 0, "dropped": 0, "resumed": 0,
-                       "adopted": 0, "not_partner": 0, "kept": 0, "kept_blocks": 0,
+        self.counts = {"received_blocks": 0, "received_rows": 0, "refused": 0, "no_ticket": 0, "dropped": 0,
+                       "resumed": 0, "adopted": 0, "not_partner": 0, "kept": 0, "kept_blocks": 0,
                        "resumed_exact": 0, "reclaimed": 0, "reclaimed_blocks": 0}
 
     @property
@@ -184,12 +187,14 @@ class ReplicaStore:
         if why := _layout_refusal(pool.kv_layout(), msg):
             self.counts["refused"] += len(msg.request_ids)
             return protocol.ReplicaAck(id=msg.id, refused={rid: why for rid in msg.request_ids})
+        if msg.rows:
+            return self._apply_rows(pool, msg, held, refused)
         kv = msg.tensors[0].to_torch()
         total = self.blocks
         off = tok = 0
-        for i, (rid, start, count) in enumerate(zip(msg.request_ids, msg.starts, msg.counts)):
+        for rid, start, count in zip(msg.request_ids, msg.starts, msg.counts):
             payload = kv[:, :, off:off + count]
-            ntok = count * bs - ((bs - msg.tails[i]) if msg.tails and msg.tails[i] else 0)
+            ntok = count * bs
             new_tokens = msg.token_ids[tok:tok + ntok]
             off, tok = off + count, tok + ntok
             key = (msg.source, rid)
@@ -226,6 +231,51 @@ class ReplicaStore:
         self.counts["refused"] += len(refused)
         return protocol.ReplicaAck(id=msg.id, held=held, refused=refused)
 
+    def _apply_rows(self, pool: Any, msg: protocol.ReplicaData, held: dict[str, int],
+                    refused: dict[str, str]) -> protocol.ReplicaAck:
+        """``_apply`` for a round of token rows (a pair's copy): each entry's
+        rows written on where the copy ends (``starts[i]`` must be that
+        end; else the ack says what is held and the sender resends from
+        there), within the budget; a device copy with no room to grow moves
+        to the host tier whole."""
+        bs = pool.block_size
+        rows = msg.tensors[0].to_torch()
+        total, off = self.blocks, 0
+        for rid, start, count in zip(msg.request_ids, msg.starts, msg.counts):
+            payload, new_tokens = rows[:, :, off:off + count], msg.token_ids[off:off + count]
+            off += count
+            key = (msg.source, rid)
+            rep = self.replicas.get(key)
+            region = rep.region if rep is not None else None
+            have = len(rep.tokens) if region is not None else 0
+            if start != have:
+                held[rid] = have
+                continue
+            grow = max(0, -(-(start + count) // bs) - (region.blocks if region is not None else 0))
+            if total + grow > self.budget:
+                refused[rid] = f"over the replica budget of {self.budget} blocks (replica_kv_blocks)"
+                continue
+            if region is None:
+                region = pool.reserve_region((), tier=self._tier(pool, grow), purpose=Purpose.REPLICA)
+            grown = self._write_rows(pool, region, start, payload)
+            if grown is None:
+                if region.state is RegionState.RESERVED and rep is None:
+                    region.cancel()                 # a new copy: nothing written
+                elif region.state is not RegionState.RESERVED and rep is not None:   # moved off the device, lost
+                    self.replicas.pop(key, None)
+                    self.counts["dropped"] += 1
+                refused[rid] = "the host tier is full"
+                continue
+            rep = rep if rep is not None and rep.region is not None else Replica(msg.source, owner=msg.owner)
+            rep.region, rep.used, rep.kept = grown, time.monotonic(), False
+            rep.tokens.extend(new_tokens)
+            total += grow
+            self.replicas[key] = rep
+            held[rid] = len(rep.tokens)
+            self.counts["received_rows"] += count
+        self.counts["refused"] += len(refused)
+        return protocol.ReplicaAck(id=msg.id, held=held, refused=refused)
+
     def _tier(self, pool: Any, blocks: int) -> str:
         """Where a new copy of ``blocks`` blocks goes: a pair's copy in the
         device tier while it has that many blocks free (the partner then
@@ -241,7 +291,19 @@ class ReplicaStore:
         """``region`` grown by ``payload``: a device copy with no room left
         moves to the host tier whole first. None, and the copy is gone, when
         the host tier is short too."""
-        if region.append(payload):
+        return self._grow(pool, region, lambda r: r.append(payload))
+
+    def _write_rows(self, pool: Any, region: Region, start: int, payload: Any) -> Region | None:
+        """``region`` holding ``payload``'s rows from token ``start`` on
+        (token_rows.py ``write_rows``), moved as ``_append`` moves it."""
+        return self._grow(pool, region, lambda r: write_rows(r, start, payload))
+
+    def _grow(self, pool: Any, region: Region, grow: Any) -> Region | None:
+        """``region`` after ``grow(region)`` (True: it grew; False: its tier
+        is short, nothing changed), a device copy moved to the host tier
+        whole and grown there when the device is short. None when the host
+        tier is short too: a host copy is then unchanged, a device copy gone."""
+        if grow(region):
             return region
         if region.tier == "host":
             return None
@@ -251,7 +313,7 @@ class ReplicaStore:
         try:
             if region.blocks:
                 pool.gather_blocks(region.block_ids, view, (0, layout.num_layers), tier="device")
-            ok = moved.append(view) and moved.append(payload)
+            ok = moved.append(view) and grow(moved)
         finally:
             STAGING.release(buf)
         region.cancel()
@@ -387,15 +449,20 @@ class ReplicaStore:
             rep.region = region if region.state is RegionState.RESERVED else None   # ``release`` frees it
             raise
 
-    async def reservation(self, rep: Replica, known: list[int]) -> Region | None:
-        """A taken copy that holds the KV of every token of ``known`` (the
-        request's prompt and client-held tokens) but the last, as the PROMPT
-        region of those tokens the resumed request decodes from with nothing
-        recomputed (engine/exact_copy.py ``resume_from_copy``): the cached
-        prefix here as its lookup, the copy's blocks past it copied into
-        fresh device blocks; the copy's own blocks are freed. None, and
-        nothing changes, when the copy is shorter or disagrees (``commit``
-        it instead) or the device tier is short."""
+    def reservation(self, rep: Replica, known: list[int]) -> Callable[[Any], Region | None] | None:
+        """What turns a taken copy that holds the KV of every token of
+        ``known`` (the request's prompt and client-held tokens) but the last
+        into the PROMPT region of those tokens the resumed request decodes
+        from with nothing recomputed (engine/exact_copy.py
+        ``resume_from_copy``): the cached prefix here as its lookup, then the
+        copy's own blocks past it when the copy is in the device tier
+        (nothing copied: they become the request's), else copied into fresh
+        device blocks; the copy's other blocks are freed. It is a function
+        of the engine, run on its thread between two steps
+        (``resume_from_copy`` runs it where it admits the request), that
+        returns the region, or None, and nothing changes, when the device
+        tier is short. None when the copy is shorter or disagrees
+        (``commit`` it instead)."""
         region, tokens = rep.region, tuple(known[:-1])
         if region is None or not tokens or rep.usable(known) < len(tokens):
             return None
@@ -405,7 +472,10 @@ class ReplicaStore:
             out = pool.reserve_region(tokens, purpose=Purpose.PROMPT)
             if out is None:
                 return None
-            if out.block_ids:
+            if out.block_ids and region.tier == "device":     # the copy's blocks are the request's from now on
+                cut = slice(out.have_blocks, len(out.all_ids))
+                region.block_ids[cut], out.block_ids = out.block_ids, region.block_ids[cut]
+            elif out.block_ids:
                 src = region.block_ids[out.have_blocks:len(out.all_ids)]
                 layout = pool.kv_layout()
                 buf, view = STAGING.acquire((layout.num_layers, 2, len(src), *layout.block_shape[2:]), layout.dtype)
@@ -421,7 +491,7 @@ class ReplicaStore:
             rep.region = None
             self.counts["resumed_exact"] += 1
             return out
-        return await self.driver.call(run, timeout=self.timeout)
+        return run
 
     async def release(self, rep: Replica) -> None:
         """Give a taken replica back: its lock (committed) or its blocks (not)."""
@@ -445,7 +515,7 @@ class ReplicaStore:
 def _layout_refusal(layout: Any, msg: protocol.ReplicaData) -> str | None:
     """Why ``msg``'s frame does not fit this node's KV layout, or None when it does."""
     frame, bs = msg.tensors[0], layout.block_shape[2]
-    want = (layout.num_layers, 2, sum(msg.counts), *layout.block_shape[2:])
+    want = (layout.num_layers, 2, sum(msg.counts), *layout.block_shape[3 if msg.rows else 2:])   # rows: no bs axis
     if msg.block_size == bs and tuple(frame.shape) == want and frame.dtype == protocol.dtype_name(layout.dtype):
         return None
     return (f"layout mismatch: this node holds [{', '.join(map(str, want))}] {protocol.dtype_name(layout.dtype)} "

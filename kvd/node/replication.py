@@ -28,19 +28,26 @@ What a replica misses is recomputed: the tokens past its last full block
 (at most ``block_size - 1``) plus those generated since the last round.
 
 A pair's copy (the peer is this node's ``partner``) is current to the
-token instead: each round also sends the request's last, partial block
-(``tails``; engine/exact_copy.py ``copyable``), which the holder writes
-again, fuller, in the next round, and its rounds follow the steps (one
-as soon as ``PAIR_ROUND_S`` after the last, its gather at the next step
-boundary), so a request handed off resumes from the copy with nothing
-recomputed (kvd/node/replica_store.py ``take_current``). The partner that
-handed a request off here keeps its own KV of it (every token it computed,
-so at least every token the client had but the last) as this node's copy
-(``kept``): the rounds extend that copy from the block its last known token
-is in. The holder answers a round that does not fit the copy it holds with
-what it holds: until the kept copy is there (nothing held), the request is
+token instead: each round sends every token computed since the copy's
+end as token rows (kvd/node/replication_rounds.py ``collect_rows``;
+ReplicaData ``rows``): a step's round carries one row of KV per
+request, not the block around it, and the holder writes the rows on at
+the copy's end. The rounds follow the
+steps (one as soon as ``PAIR_ROUND_S`` after the last, its gather at the
+next step boundary), so a request handed off resumes from the copy with
+nothing recomputed (kvd/node/replica_store.py ``take_current``). The
+partner that handed a request off here keeps its own KV of it (every
+token it computed, so at least every token the client had but the last)
+as this node's copy (``kept``): the rounds extend that copy from its last
+known token. The holder answers a round that does not fit the copy it
+holds with what it holds: until the kept copy is there (nothing held), the request is
 offered again in the next round, from there on the rounds start where the
 copy ends; after ``KEPT_WAIT_S`` without it, the copy is sent from block 0.
+A handoff from here holds its request first (``hold``, the coordinator's
+admin ``hold``): the next round, started at once, takes it out of this
+node's steps and sends the partner its last rows between the same two
+steps, so the partner resumes from a copy that holds every token computed
+here, and no token is computed on both nodes.
 
 Disaggregated requests: the prefill node sends the prompt's replica to the
 decode node's peer itself (``send_prompt_replica``, a ReplicaData with
@@ -64,10 +71,11 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from engine.exact_copy import copyable
+from engine import exact_copy
 from engine.stream import STAGING
 from kvd import protocol
 from kvd.node.engine_driver import EngineDriver
+from kvd.node.replication_rounds import collect
 from kvd.ratelog import RateLimitedLog
 from transports import Connection, TransportError
 
@@ -79,6 +87,7 @@ KEPT_WAIT_S = 1.0              # how long a handoff's kept copy is waited for be
 PAIR_ROUND_S = 0.005           # a pair's copy: the next round as soon as this after the last (one per step)
 BURST_S = 0.1                  # the most a round may send at once, in seconds of ``rate``
 TICKET_GRACE_S = 10.0          # a ticket from a request is kept this long without a heartbeat repeating it
+HOLD_S = 5.0                   # a request held for a handoff from here decodes again after this (no Abort came)
 
 
 class Replicator:
@@ -102,11 +111,13 @@ class Replicator:
         self.lag_tokens = 0                       # computed tokens not replicated, last round
         self.rate = 0.0                           # blocks/s the peer lacks, at most (0: unbounded)
         self._allowance, self._filled_at = 0.0, time.monotonic()
-        self.counts = {"rounds": 0, "messages": 0, "blocks": 0, "bytes": 0, "refused": 0, "errors": 0,
+        self.counts = {"rounds": 0, "messages": 0, "blocks": 0, "rows": 0, "bytes": 0, "refused": 0, "errors": 0,
                        "adopted": 0, "adopt_fallbacks": 0, "rate_limited": 0}
         self._warn = RateLimitedLog(log)
         self._epoch = 0                           # bumped on every peer change
         self._peer_changed = asyncio.Event()      # set by a peer change: the round in flight ends
+        self._holds: dict[str, asyncio.Future] = {}   # request id -> its tokens made, once the next round held it
+        self._wake = asyncio.Event()              # a hold waits: the next round now
 
     def set_peer(self, name: str, address: str, tickets: dict[str, str] | None = None) -> None:
         """The coordinator's assignment ("" = none) and its tickets there for
@@ -158,9 +169,12 @@ class Replicator:
 
     async def run(self) -> None:
         while True:
-            # a pair's copy follows every step (a round's gather waits for a step boundary)
+            # a pair's copy follows every step (a round's gather waits for a step boundary); a hold
+            # asked for (``hold``) starts the next round at once
             exact = self.peer is not None and self.peer[0] == self.partner
-            await asyncio.sleep(min(self.interval, PAIR_ROUND_S) if exact else self.interval)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), min(self.interval, PAIR_ROUND_S) if exact else self.interval)
+            self._wake.clear()
             if self.peer is None:
                 continue
             try:
@@ -173,8 +187,25 @@ class Replicator:
                     await self._drop(self.peer[0])
                 self.sent = {}                    # the next round starts over (the holder keeps what it has)
 
+    async def hold(self, request_id: str) -> int | None:
+        """Stop decoding ``request_id`` here at the next step boundary (a
+        handoff to the partner: ``exact_copy.hold``, for ``HOLD_S``); with
+        the partner as the peer, in the next round, started at once, whose
+        rows (sent before this returns) bring the partner's copy up to every
+        token it computed. Returns the tokens it made, None when it is not
+        decoding here. Raises TimeoutError past the request timeout."""
+        if self.peer is None or self.peer[0] != self.partner:
+            return await self.driver.call(lambda engine: exact_copy.hold(engine, request_id, HOLD_S),
+                                          timeout=self.timeout)
+        made = self._holds.get(request_id)
+        if made is None:
+            made = self._holds[request_id] = asyncio.get_running_loop().create_future()
+        self._wake.set()
+        return await asyncio.wait_for(asyncio.shield(made), self.timeout)
+
     async def round(self) -> None:
-        """One round: gather what is new, send it, apply the ack."""
+        """One round: hold the requests ``hold`` asked for (between the same
+        two steps as the gather), gather what is new, send it, apply the ack."""
         peer, epoch, sent = self.peer, self._epoch, self.sent
         self._peer_changed.clear()
         now = time.monotonic()
@@ -194,9 +225,17 @@ class Replicator:
         if self.rate > 0:
             self._allowance = min(self._allowance + (now - self._filled_at) * self.rate, max(1.0, self.rate * BURST_S))
             self._filled_at, budget = now, int(self._allowance)
-        batch = await self.driver.call(lambda engine: _collect(engine, sent, retry, adopt, tickets, exact, kept,
-                                                               budget), timeout=self.timeout)
-        msg, buf, lag, spent = batch
+
+        holds = dict(self._holds) if exact else {}
+
+        def hold_and_collect(engine: Any) -> tuple[tuple, dict[str, int | None]]:
+            made = {rid: exact_copy.hold(engine, rid, HOLD_S) for rid in holds}
+            return collect(engine, sent, retry, adopt, tickets, exact, kept, budget), made
+        (msg, buf, lag, spent), made = await self.driver.call(hold_and_collect, timeout=self.timeout)
+        for rid, fut in holds.items():            # answered once the round is sent (below, at once)
+            if self._holds.get(rid) is fut:
+                del self._holds[rid]
+            asyncio.get_running_loop().call_soon(_settle, fut, made[rid])
         self.lag_tokens = lag
         if budget is not None:
             self._allowance -= spent
@@ -218,7 +257,7 @@ class Replicator:
             raise RuntimeError(f"peer {peer[0]} answered {_why(ack)}")
         self.counts["messages"] += 1
         if msg.tensors:
-            self.counts["blocks"] += sum(msg.counts)
+            self.counts["rows" if msg.rows else "blocks"] += sum(msg.counts)
             self.counts["bytes"] += msg.tensors[0].nbytes
         # a request handed here again while this round was out: its answer is stale (kept, grant)
         again = {rid for rid, (_, _, until) in self.kept_at.items() if until - KEPT_WAIT_S > now}
@@ -266,61 +305,6 @@ class Replicator:
                 "lag_tokens": self.lag_tokens, **self.counts}
 
 
-def _collect(engine: Any, sent: dict[str, int], skip: set[str], adopt: dict[str, str],
-             tickets: dict[str, str], exact: bool = False, kept: dict[str, int] | None = None,
-             budget: int | None = None) -> tuple[dict | None, Any, int, int]:
-    """Engine thread: the ReplicaData fields of one round (None: nothing to
-    send), the staging buffer holding its KV, and the lag in tokens.
-    ``sent``: tokens the peer holds; ``skip``: requests not to send now;
-    ``adopt``: requests not to send but to claim (request id -> writer)
-    while they are still here; ``tickets``: the coordinator's tickets at
-    the peer (a request without one is not sent: the holder would refuse
-    it); ``exact``: every computed token, the last block partial (a pair's
-    copy), else full blocks only; ``kept``: tokens the peer holds of
-    requests not in ``sent`` (a handoff's kept copy); ``budget``: blocks
-    the peer does not hold that the round may send at most (None: no
-    bound; a request past it sends its first full blocks). Also returns
-    how many of those it sends."""
-    bs = engine.config.block_size
-    ids, rids, starts, counts, tokens, tails = [], [], [], [], [], []
-    lag = spent = 0
-    live = set()
-    for rid, computed, toks, blocks in (copyable(engine) if exact else engine.replicable()):
-        live.add(rid)
-        have = sent.get(rid, (kept or {}).get(rid, 0))
-        lag += max(0, computed - have)
-        if len(toks) <= have or rid in skip or rid in adopt or rid not in tickets:
-            continue
-        first = have // bs                        # a partial block held is written again, fuller
-        again, n = int(have % bs > 0), len(blocks) - first
-        if budget is not None and n - again > budget - spent:
-            n = budget - spent + again            # full blocks only: the last block, maybe partial, is past them
-            if n <= 0:
-                continue
-            toks, blocks = toks[:(first + n) * bs], blocks[:first + n]
-        spent += n - again
-        rids.append(rid)
-        starts.append(first * bs)
-        counts.append(n)
-        tokens.extend(toks[first * bs:])
-        tails.append(len(toks) % bs)
-        ids.extend(blocks[first:])
-    # a claim waits for its request to start here (a resume may wait for its copy first): never freed by it
-    frees = tuple(rid for rid in sent if rid not in live and rid not in adopt and not engine.has_request(rid))
-    claims = {rid: writer for rid, writer in adopt.items() if rid not in sent and engine.has_request(rid)}
-    if not rids and not frees and not claims:
-        return None, None, lag, 0
-    buf, tensors = None, ()
-    if ids:
-        layout = engine.pool.kv_layout()
-        buf, view = STAGING.acquire((layout.num_layers, 2, len(ids), *layout.block_shape[2:]), layout.dtype)
-        engine.pool.gather_blocks(ids, view, (0, layout.num_layers))
-        tensors = (view,)
-    return {"block_size": bs, "request_ids": tuple(rids), "starts": tuple(starts), "counts": tuple(counts),
-            "token_ids": tuple(tokens), "frees": frees, "adopt": claims, "tensors": tensors,
-            "tickets": {rid: tickets[rid] for rid in rids}, "tails": tuple(tails) if any(tails) else ()}, buf, lag, spent
-
-
 def first_blocks(kv: Any, k: int) -> Any:
     """``kv[:, :, :k]`` of a contiguous staged [L, 2, n, ...] tensor, as a contiguous copy
     made by numpy on the calling thread alone. A torch copy would start an OpenMP team on
@@ -365,3 +349,8 @@ async def send_prompt_replica(conn: Connection, *, source: str, owner: str, requ
 
 def _why(msg: Any) -> str:
     return getattr(msg, "message", None) or getattr(msg, "reason", None) or getattr(msg, "TYPE", repr(msg))
+
+
+def _settle(fut: asyncio.Future, value: Any) -> None:
+    if not fut.done():                            # its waiter may have timed out
+        fut.set_result(value)

@@ -119,6 +119,7 @@ def test_handoffs_every_few_tokens_keep_the_stream_exact(pair, reference_engine,
     before = sum(n["handoffs"] for n in nodes(pair).values())
     kept, exact = (sum(admin(pair.node_admin(n), "status")["replication"]["holder"][k] for n in NODES)
                    for k in ("kept", "resumed_exact"))
+    made = sum(admin(pair.node_admin(n), "status")["generation_tokens"] for n in NODES)
     s = Stream(pair, ids, sampling, LONG)
     rid = until(lambda: next(iter(in_flight(pair)), None))
     moved, last, refused = 0, 0, []
@@ -143,12 +144,15 @@ def test_handoffs_every_few_tokens_keep_the_stream_exact(pair, reference_engine,
     assert sum(n["handoffs"] for n in nodes(pair).values()) == before + moved
     assert 0 <= sum(h["kept"] for h in holders) - kept <= moved, holders
     assert 0 <= sum(h["resumed_exact"] for h in holders) - exact <= moved, holders
+    # each move held the request at its source first: no token was computed there and again at its partner
+    assert sum(admin(pair.node_admin(n), "status")["generation_tokens"] for n in NODES) - made == LONG
     wait_baseline(pair, NODES)        # every source freed its slot and blocks, every copy was dropped
 
 
 def test_role_switch_mid_stream_hands_decodes_over(pair, reference_engine):
     prompts, samplings = [prompt(10 + i) for i in range(4)], [{"temperature": 0.0}, SEEDED[1]] * 2
     want = expected(reference_engine, prompts, samplings)
+    made = sum(admin(pair.node_admin(n), "status")["generation_tokens"] for n in NODES)
     streams = [Stream(pair, p, s) for p, s in zip(prompts, samplings)]
     until(lambda: {r["node"] for r in in_flight(pair).values() if r["tokens"] >= 2} == {"n1", "n2"})
     assert admin(pair.admin_socket, "set-role", node="n1", role="prefill")["ok"]
@@ -165,6 +169,8 @@ def test_role_switch_mid_stream_hands_decodes_over(pair, reference_engine):
     assert shown["n1"]["role"] == "prefill" and shown["n1"]["handoffs"] >= 1
     assert shown["n1"]["routed"] == routed            # the late request went to n2
     wait_baseline(pair, NODES)
+    # every token computed once: a decode handed off was held at its source, then resumed after its last token
+    assert sum(admin(pair.node_admin(n), "status")["generation_tokens"] for n in NODES) - made == 5 * MAX_TOKENS
     assert admin(pair.admin_socket, "set-role", node="n1", role="mixed")["ok"]
     metrics = pair.metrics()
     assert metrics['kvd_node_handoffs_total{node="n1"}'] >= 1

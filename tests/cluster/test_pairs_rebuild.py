@@ -83,9 +83,9 @@ def test_a_killed_member_is_replaced_and_gets_its_partners_copies_back_at_a_boun
         survivor.stop()
     assert admin(c.admin_socket, "status")["recoveries"].get("replica/resumed", 0) == resumed + 2
     assert all(r["node"] == "n1" for r in in_flight(c).values()), in_flight(c)
-    # the rebuild: at least the four prompts' blocks, over many rounds that each sent their whole share
+    # the rebuild: at least the four prompts' tokens (as rows), over many rounds that each sent their whole share
     share_blocks = int(RATE * BURST_S)
-    assert after["blocks"] - sender["blocks"] >= len(rids) * PROMPT // 16, (sender, after)
+    assert after["rows"] - sender["rows"] >= len(rids) * PROMPT, (sender, after)
     assert after["rate_limited"] - sender["rate_limited"] >= len(rids) * PROMPT // 16 // share_blocks // 2, \
         (sender, after)
     shown = until(lambda: (n := nodes(c)["n2"])["pair_alive"] and n["redundant_blocks"] >= PROMPT // 16 and n, 10)

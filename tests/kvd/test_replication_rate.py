@@ -1,6 +1,6 @@
 """Replication at a bounded rate (``[cluster].replication_rate``;
 kvd/node/replication.py): a round sends at most its share of the blocks
-the peer does not hold, a request past it its first full blocks (no tail),
+the peer does not hold, a request past it its first blocks' worth,
 the next rounds the rest, and a copy built that way is the same as one sent
 at once. The option is validated."""
 
@@ -14,7 +14,7 @@ import pytest
 from engine.engine import EngineConfig, LLMEngine
 from engine.request import SamplingParams
 from kvd.cluster_config import ClusterConfig, ConfigError
-from kvd.node.replication import _collect
+from kvd.node.replication_rounds import collect
 
 BS = 16
 
@@ -32,29 +32,26 @@ def engine():
 
 def test_a_round_sends_its_share_and_the_next_rounds_the_rest(engine):
     tickets = {"a": "t", "b": "t"}
-    whole, _, _, spent_whole = _collect(engine, {}, set(), {}, tickets, exact=True)
-    assert spent_whole == 7 + 3 and whole["counts"] == (7, 3) and whole["tails"] == (4, 8)
+    whole, _, _, spent_whole = collect(engine, {}, set(), {}, tickets, exact=True)
+    assert whole["rows"] and whole["counts"] == (100, 40) and spent_whole == 0       # no budget: nothing counted
     sent, rounds, tokens = {}, [], {"a": [], "b": []}
     while True:
-        msg, _, _, spent = _collect(engine, sent, set(), {}, tickets, exact=True, budget=4)
+        msg, _, _, spent = collect(engine, sent, set(), {}, tickets, exact=True, budget=4)
         if msg is None:
             break
         assert spent <= 4
         rounds.append(dict(zip(msg["request_ids"], msg["counts"])))
         off = 0
-        for i, (rid, start, count) in enumerate(zip(msg["request_ids"], msg["starts"], msg["counts"])):
-            tail = msg["tails"][i] if msg["tails"] else 0
-            n = count * BS - (BS - tail if tail else 0)
-            assert start == len(tokens[rid]) - len(tokens[rid]) % BS      # where the holder's copy ends
-            del tokens[rid][start:]
-            tokens[rid].extend(msg["token_ids"][off:off + n])
-            off += n
+        for rid, start, count in zip(msg["request_ids"], msg["starts"], msg["counts"]):
+            assert start == len(tokens[rid])                   # where the holder's copy ends
+            tokens[rid].extend(msg["token_ids"][off:off + count])
+            off += count
             sent[rid] = len(tokens[rid])
-    # 4 of a's 7 blocks (full ones, no tail), then a's other 3 (its partial last one with its tail) and
-    # b's first (full) block, then b's other 2
-    assert rounds == [{"a": 4}, {"a": 3, "b": 1}, {"b": 2}], rounds
+    # 4 blocks' worth of a's 100 tokens, then the rest of a (3 more blocks, the last partial) and b's
+    # first block, then b's other 2
+    assert rounds == [{"a": 64}, {"a": 36, "b": 16}, {"b": 24}], rounds
     assert tokens["a"] == list(range(1, 101)) and tokens["b"] == list(range(201, 241))
-    msg, _, _, spent = _collect(engine, sent, set(), {}, tickets, exact=True, budget=4)
+    msg, _, _, spent = collect(engine, sent, set(), {}, tickets, exact=True, budget=4)
     assert msg is None and spent == 0                        # all there: nothing more to send
 
 

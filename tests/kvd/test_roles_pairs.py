@@ -114,18 +114,21 @@ def test_a_prompt_does_not_queue_behind_a_longer_one_while_the_partner_could_sta
     assert router.pick(nodes, list(range(100))).name == "a"   # no bound: fewer in flight
 
 
-def test_a_copys_partial_last_block_travels_with_its_tail_and_a_bad_tail_is_refused():
+def test_a_copys_new_tokens_travel_as_rows_and_a_bad_rows_message_is_refused():
     import pytest
 
     from kvd import protocol as P
 
-    frame = P.RawTensor("int8", (1, 2, 2, 2, 1, 2), memoryview(b"x" * 16))
-    ok = P.ReplicaData(source="n1", block_size=2, request_ids=("r",), starts=(0,), counts=(2,), token_ids=(5, 6, 7),
-                       tails=(1,), tensors=(frame,))
+    frame = P.RawTensor("int8", (1, 2, 3, 1, 2), memoryview(b"x" * 12))        # 3 rows of [kvh 1, hd 2]
+    ok = P.ReplicaData(source="n1", block_size=2, request_ids=("r", "s"), starts=(5, 0), counts=(1, 2),
+                       token_ids=(7, 8, 9), tensors=(frame,), rows=True)
     header, frames = P.encode(ok)
-    assert P.decode(header, frames).tails == (1,)
-    for bad, match in ((dict(tails=(2,)), "one tail per request id"), (dict(tails=(1, 1)), "one tail per request id"),
-                       (dict(tails=(0,)), "token_ids must fill the blocks")):
+    back = P.decode(header, frames)
+    assert back.rows and back.starts == (5, 0) and back.tensors[0].shape == (1, 2, 3, 1, 2)
+    base = dict(source="n1", block_size=2, request_ids=("r", "s"), starts=(5, 0), counts=(1, 2), token_ids=(7, 8, 9),
+                tensors=(frame,), rows=True)
+    for bad, match in ((dict(token_ids=(7, 8)), "one token id"), (dict(counts=(1, 0)), "counts > 0"),
+                       (dict(starts=(-1, 0)), "starts must be >= 0"), (dict(counts=(2, 2), token_ids=(7, 8, 9, 10)), "rows frame"),
+                       (dict(rows=False), "starts must be whole blocks")):
         with pytest.raises(ValueError, match=match):
-            P.ReplicaData(**(dict(source="n1", block_size=2, request_ids=("r",), starts=(0,), counts=(2,),
-                                  token_ids=(5, 6, 7), tensors=(frame,)) | bad))
+            P.ReplicaData(**(base | bad))

@@ -1,0 +1,60 @@
+"""A request held for a handoff (``Scheduler.hold``, engine/exact_copy.py
+``hold``): no step decodes it while held, the others go on; a step with
+every running request held runs nothing; the hold ends at its deadline or
+with the request; a request that is not decoding is not held."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from engine.engine import EngineConfig, LLMEngine
+from engine.exact_copy import hold
+from engine.request import SamplingParams
+
+
+@pytest.fixture(params=[0, 256], ids=["unchunked", "chunked"])
+def engine(request):
+    eng = LLMEngine.from_config(EngineConfig(model="tiny", dtype="float32", block_size=16, kv_blocks=64,
+                                             host_kv_blocks=0, max_model_len=512, num_threads=1,
+                                             prefill_chunk_tokens=request.param))
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    eng.add_request("a", list(range(1, 30)), params)
+    eng.add_request("b", list(range(40, 70)), params)
+    eng.step()                                                 # both prefilled: one token each
+    return eng
+
+
+def tokens(eng, rid: str) -> int:
+    return len(eng.requests[rid].output_ids)
+
+
+def test_a_held_request_computes_nothing_while_the_others_decode(engine):
+    assert hold(engine, "a", 60.0) == 1                        # the tokens it made
+    steps = engine.stats.steps
+    for _ in range(3):
+        outs = engine.step()
+        assert [o.request_id for o in outs] == ["b"]
+    assert (tokens(engine, "a"), tokens(engine, "b")) == (1, 4) and engine.stats.steps == steps + 3
+    assert hold(engine, "b", 60.0) == 4
+    assert engine.step() == [] and engine.stats.steps == steps + 3    # every running request held: no step
+
+
+def test_a_hold_ends_at_its_deadline_or_with_its_request(engine):
+    hold(engine, "a", 0.05)
+    engine.step()
+    assert tokens(engine, "a") == 1
+    time.sleep(0.06)
+    engine.step()
+    assert tokens(engine, "a") == 2 and "a" not in engine.scheduler.held
+    hold(engine, "b", 60.0)
+    engine.abort_request("b")
+    assert "b" not in engine.scheduler.held
+
+
+def test_only_a_decoding_request_is_held(engine):
+    assert hold(engine, "nope", 1.0) is None
+    engine.add_request("c", list(range(100, 130)), SamplingParams(max_tokens=4, temperature=0.0))
+    assert hold(engine, "c", 1.0) is None                      # waiting for its prefill
+    assert "c" not in engine.scheduler.held
