@@ -56,3 +56,16 @@ def test_measured_files_are_pooled_cell_by_cell(tmp_path, toy_profile):
     assert row["errors"]["median_ttft_ms"] == pytest.approx((sim - 120.0) / 120.0, abs=1e-3)
     missing = subprocess.run([*cmd, "--rates", "2"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert missing.returncode != 0 and "no run of one random 2" in missing.stderr
+
+
+def test_a_measured_run_against_a_real_server_keeps_its_records(tmp_path, toy_profile):
+    out, keep = tmp_path / "v.json", tmp_path / "kept"
+    subprocess.run([sys.executable, "-m", "tools.bench.sim.validate", "--profile", str(toy_profile), "--configs",
+                    "one", "--traces", "random", "--rates", "8", "--num-prompts", "3", "--input-len", "16",
+                    "--output-len", "4", "--out", str(out), "--keep", str(keep)],
+                   cwd=ROOT, check=True, capture_output=True, timeout=300)
+    (row,) = json.loads(out.read_text())["rows"]
+    assert len(row["measured_runs"]) == 1 and row["measured"]["median_ttft_ms"] > 0
+    (kept,) = keep.glob("one-random-8-0.json")
+    records = json.loads(kept.read_text())["requests"]
+    assert len(records) == 3 and all(r["success"] for r in records)

@@ -163,6 +163,8 @@ def main() -> None:
     ap.add_argument("--measured", nargs="+", default=None,
                     help="validate JSONs whose measured runs to reuse, pooled (no server is started): the "
                          "simulator's side again, e.g. after a change to its model or a new profile")
+    ap.add_argument("--keep", default=None, metavar="DIR",
+                    help="keep each measured run's kvd-loadgen result, with its per-request records, in DIR")
     ap.add_argument("--out", default=str(ROOT / "results/sim/validate.json"))
     args = ap.parse_args()
     if args.repeats < 1:
@@ -205,7 +207,10 @@ def main() -> None:
                     try:
                         for cell in (c for c in cells if c[0] == name):
                             flush_cache(sock)      # each run starts cold, as its simulation does
-                            real = measured(url, flags_of(*cell[1:]), Path(tmp) / f"{'-'.join(cell)}-{rep}.json")
+                            where = Path(args.keep) if args.keep else Path(tmp)
+                            where.mkdir(parents=True, exist_ok=True)
+                            real = measured(url, [*flags_of(*cell[1:]), *(["--save-detailed"] if args.keep else [])],
+                                            where / f"{'-'.join(cell)}-{rep}.json")
                             runs[cell].append({k: real.get(k) for k in (*METRICS, "slo_attainment",
                                                                           "request_goodput")})
                             print(json.dumps({"run": rep, "cell": cell, "measured": runs[cell][-1]}), flush=True)
