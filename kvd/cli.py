@@ -187,6 +187,10 @@ def _cluster_flags(p: argparse.ArgumentParser) -> None:
                    help="pair the nodes in order, n1-n2, n3-n4, ... ([cluster].pairs; kvd serve --nodes 2N)")
     p.add_argument("--pair-scheduler", dest="pair_scheduler", action=argparse.BooleanOptionalAction, default=None,
                    help="move decodes within each pair around prefills ([cluster].pair_scheduler, default on)")
+    p.add_argument("--dgfm-interval", dest="dgfm_interval_s", type=float, default=None,
+                   help="seconds between DGFM rounds bringing borrowed KV home, 0: off ([cluster].dgfm_interval_s)")
+    p.add_argument("--dgfm-min-blocks", dest="dgfm_min_blocks", type=int, default=None,
+                   help="DGFM resolves debt cycles of at least this many blocks per edge ([cluster].dgfm_min_blocks)")
 
 
 def main(argv: list[str] | None = None, add_commands: Callable | None = None,
@@ -219,7 +223,7 @@ CLUSTER_OVERRIDES = ("transport", "heartbeat_interval", "heartbeat_deadline", "c
                      "prefill_threshold", "prefill_queue_factor", "kv_load_failure", "kv_transfer_timeout",
                      "kv_stream", "kv_return",
                      "replicas", "recovery", "max_recoveries", "replica_kv_blocks", "replication_interval",
-                     "pairs", "pair_scheduler", "replication_rate")
+                     "pairs", "pair_scheduler", "replication_rate", "dgfm_interval_s", "dgfm_min_blocks")
 
 
 def _run(main_coro_factory) -> int:
@@ -505,7 +509,8 @@ def _passthrough(args: argparse.Namespace) -> list[str]:
                        ("--kv-return", "kv_return"), ("--replicas", "replicas"), ("--recovery", "recovery"),
                        ("--max-recoveries", "max_recoveries"), ("--replica-kv-blocks", "replica_kv_blocks"),
                        ("--replication-interval", "replication_interval"),
-                       ("--replication-rate", "replication_rate")):
+                       ("--replication-rate", "replication_rate"), ("--dgfm-interval", "dgfm_interval_s"),
+                       ("--dgfm-min-blocks", "dgfm_min_blocks")):
         if getattr(args, dest) is not None:
             out += [flag, str(getattr(args, dest))]
     if args.insecure:

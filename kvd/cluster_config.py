@@ -213,6 +213,11 @@ class ClusterConfig:
         (kvd/coordinator/pairs.py, AcceLLM §4.2.1): a node computing a prompt
         hands its decodes to its partner, and the two rebalance after;
         off: decodes move only by ``kvctl handoff`` and ``kvctl role``.
+    dgfm_interval_s: seconds between the coordinator's DGFM rounds, which bring
+        borrowed KV home by recall-and-swap along the debt graph's cycles
+        (kvd/coordinator/dgfm_rounds.py); 0: off.
+    dgfm_min_blocks: DGFM resolves cycles whose every edge holds at least this
+        many blocks (smaller moves cost more than they bring).
     """
 
     transport: str = "zmq+tcp"
@@ -250,6 +255,8 @@ class ClusterConfig:
     replication_rate: float = 0.0
     pairs: bool = False
     pair_scheduler: bool = True
+    dgfm_interval_s: float = 5.0
+    dgfm_min_blocks: int = 16
     nodes: dict[str, NodeConfig] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -293,6 +300,10 @@ class ClusterConfig:
             raise ConfigError("cluster.replication_interval must be > 0")
         if not (math.isfinite(self.replication_rate) and self.replication_rate >= 0):
             raise ConfigError(f"cluster.replication_rate must be a finite number >= 0, got {self.replication_rate}")
+        if not (math.isfinite(self.dgfm_interval_s) and self.dgfm_interval_s >= 0):
+            raise ConfigError(f"cluster.dgfm_interval_s must be a finite number >= 0, got {self.dgfm_interval_s}")
+        if self.dgfm_min_blocks < 1:
+            raise ConfigError(f"cluster.dgfm_min_blocks must be >= 1, got {self.dgfm_min_blocks}")
         if self.curve_keys_dir and self.transport == "inproc":
             raise ConfigError("cluster.curve_keys_dir authenticates zmq+ and ucx links, not inproc")
         from kvd.cluster_pairs import pair_map   # it reads this class: imported when one is made

@@ -27,6 +27,7 @@ from kvd.cluster_config import ClusterConfig, Role
 from kvd.coordinator.cache_router import ROUTING_WEIGHTS
 from kvd.coordinator.cache_sync import CacheSync
 from kvd.coordinator import dgfm
+from kvd.coordinator.dgfm_rounds import DGFMRounds
 from kvd.coordinator.handoff import Handoffs
 from kvd.coordinator.ledger import DebtLedger
 from kvd.coordinator.roles import copy_memory, redundant_blocks
@@ -43,7 +44,6 @@ log = logging.getLogger("kvd.coordinator")
 FAIL_MODES = ("exit", "stop", "resume", "drop-transfers", "engine")   # served by the node (kvd.node.daemon)
 FANOUT_TIMEOUT_S = 5.0     # per node, for commands sent to every node: under the admin deadline
 MAX_STALL_S = 60.0         # the longest stall `fail mode=stall` injects
-DGFM_MIN_BLOCKS = 16       # DGFM resolves debt cycles of at least this many blocks per edge
 
 
 @dataclasses.dataclass(eq=False)
@@ -67,6 +67,7 @@ class CoordinatorAdmin:
     connect: Callable[[str, str], Awaitable[Connection]]
     make_router: Callable[..., Router]
     ledger: DebtLedger | None = None       # the debt ledger of borrowed KV blocks
+    dgfm_rounds: DGFMRounds | None = None  # DGFM's moves carried out (dgfm_rounds.py)
 
     def __post_init__(self) -> None:
         self.handoffs = Handoffs(self.client, self.forward)
@@ -258,14 +259,18 @@ class CoordinatorAdmin:
     async def cmd_ledger(self, args: dict) -> dict:
         """The debt ledger (loose: each node's last heartbeat): per node free,
         lendable, lent and borrowed blocks; the debt graph; and the
-        recall-and-swap moves DGFM finds for cycles of at least ``min_blocks``."""
+        recall-and-swap moves DGFM finds for cycles of at least ``min_blocks``
+        (default ``[cluster].dgfm_min_blocks``), and DGFM's moves carried out:
+        counts, and the last round's moves with their outcomes."""
         ledger = self.ledger or DebtLedger()
-        min_blocks = args.get("min_blocks", DGFM_MIN_BLOCKS)
+        min_blocks = args.get("min_blocks", self.cluster.dgfm_min_blocks)
         if min_blocks < 1:
             raise ValueError(f"min_blocks must be >= 1, got {min_blocks}")
         ledger.retain(self.membership.nodes)
         out = ledger.describe()
         out["dgfm"] = [dataclasses.asdict(m) for m in dgfm.plan(ledger.debt_graph(), min_blocks)]
+        out["dgfm_interval_s"] = self.cluster.dgfm_interval_s
+        out["dgfm_last_round"] = self.dgfm_rounds.last if self.dgfm_rounds is not None else []
         return out
 
     def handlers(self) -> dict[str, tuple[Any, str, dict | None]]:
@@ -294,7 +299,7 @@ class CoordinatorAdmin:
                                                       **{k: (t, False) for k, t in ROUTING_WEIGHTS.items()}}),
             "ledger": (self.cmd_ledger, "borrowed KV memory: per node free, lendable, lent and borrowed blocks, "
                        "the debt graph, DGFM's recall-and-swap moves (min_blocks: their threshold, default "
-                       f"{DGFM_MIN_BLOCKS})", {"min_blocks": (int, False)}),
+                       "[cluster].dgfm_min_blocks) and those carried out", {"min_blocks": (int, False)}),
             "fail": (self.cmd_fail, "fault injection on a node (registered, or declared dead: reached at its "
                      "last address): mode exit | stop | resume | drop-transfers | engine; without a node, mode stall "
                      "blocks this coordinator's event loop for `seconds` (5)",

@@ -187,6 +187,11 @@ class ClusterCollector:
         for d in lines["debts"]:
             g.add_metric([d["debtor"], d["creditor"]], d["blocks"])
         yield g
+        c = CounterMetricFamily("kvd_dgfm", "DGFM's recall-and-swap carried out: rounds, moves done and failed, "
+                                "loan blocks recalled, local blocks their KV took (blocks_home)", labels=["kind"])
+        for kind, value in lines["dgfm_counts"].items():
+            c.add_metric([kind], value)
+        yield c
         c = CounterMetricFamily("kvd_ledger_queries", "Creditor queries answered, and those with no candidate",
                                 labels=["outcome"])
         c.add_metric(["answered"], lines["queries"] - lines["unanswered"])

@@ -40,6 +40,7 @@ from kvd.coordinator.cache_router import CostWeights, make_router
 from kvd.coordinator.cache_sync import CacheSync
 from kvd.coordinator.client import RemoteEngineClient
 from kvd.coordinator.collector import ClusterCollector
+from kvd.coordinator.dgfm_rounds import DGFMRounds
 from kvd.coordinator.ledger import DebtLedger
 from kvd.coordinator.membership import Membership, NodeInfo, Refused
 from kvd.coordinator.pairs import PairRouter, PairScheduler
@@ -106,6 +107,11 @@ class CoordinatorDaemon:
                                          status=self.status, set_draining=self._set_draining,
                                          connect=self.connect_node, make_router=self.make_router,
                                          ledger=self.ledger)
+        # DGFM carried out (dgfm_rounds.py): each move's debtor recalls through its `recall` command
+        self.dgfm = DGFMRounds(self.ledger, lambda debtor, creditor, blocks: self.commands.forward(
+            debtor, "recall", {"creditor": creditor, "blocks": blocks}, timeout=4 * cluster.request_timeout),
+            lambda: self.membership.nodes, cluster.dgfm_interval_s, cluster.dgfm_min_blocks)
+        self.commands.dgfm_rounds = self.dgfm
         self.port: int | None = None
         self._stop = asyncio.Event()
         self._force = asyncio.Event()
@@ -189,6 +195,7 @@ class CoordinatorDaemon:
                 detecting = tg.create_task(self._detect_failures(), name="failure-detector")
                 scheduling = tg.create_task(PairScheduler(self.client, self.commands.handoffs).run(),
                                             name="pair scheduler") if self.cluster.pair_scheduler else None
+                recalling = tg.create_task(self.dgfm.run(), name="dgfm")
                 if expect_nodes:
                     await self.wait_for_nodes(expect_nodes, nodes_timeout)
                 if self.runner is None and not self._stop.is_set():
@@ -205,6 +212,7 @@ class CoordinatorDaemon:
                 detecting.cancel()
                 if scheduling is not None:
                     scheduling.cancel()
+                recalling.cancel()
         finally:
             await self.cleanup()
 

@@ -20,6 +20,10 @@ are left alone. Each round removes at least one edge from the graph of
 edges >= ``min_blocks``, so the search ends. The paper starts each search
 at a random node; here the nodes are visited in sorted order, so the moves
 are a deterministic function of the graph.
+
+``cycles`` and ``ordered`` say in which order a cycle's moves are carried out
+(kvd/coordinator/dgfm_rounds.py runs them): each recall lands in the room the
+one before it freed.
 """
 
 from __future__ import annotations
@@ -103,3 +107,24 @@ def apply(graph: Graph, moves: list[Move]) -> Graph:
         if not out[(mv.debtor, mv.creditor)]:
             del out[(mv.debtor, mv.creditor)]
     return out
+
+
+def cycles(moves: list[Move]) -> list[list[Move]]:
+    """``plan``'s moves cut into their cycles (each cycle's moves in debt order)."""
+    out: list[list[Move]] = []
+    i = 0
+    while i < len(moves):
+        n = len(moves[i].cycle)
+        out.append(moves[i:i + n])
+        i += n
+    return out
+
+
+def ordered(cycle: list[Move], free: dict[str, int]) -> list[Move]:
+    """The order to carry out one cycle's moves so that each recall lands where room
+    is: a recall by D from C takes blocks on D and frees as many on C, so C's own
+    recall (from the next node) can land next, and so on around the cycle. It starts
+    at the debtor with the most ``free`` blocks beyond its move's (a node the caller
+    knows nothing of counts as none free), the name breaking ties."""
+    first = min(range(len(cycle)), key=lambda i: (cycle[i].blocks - free.get(cycle[i].debtor, 0), cycle[i].debtor))
+    return cycle[first:] + cycle[:first]

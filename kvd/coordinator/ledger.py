@@ -15,7 +15,7 @@ forwarding until resources become available".
 
 The debt graph has an edge debtor -> creditor weighted by the blocks the
 creditor reports lent to that debtor (the creditor holds the blocks: its
-word counts); DGFM (dgfm.py) removes its cycles.
+word counts); DGFM (dgfm.py, carried out by dgfm_rounds.py) removes its cycles.
 """
 
 from __future__ import annotations
@@ -68,6 +68,9 @@ class DebtLedger:
         self.link_cost = link_cost
         self.queries = 0
         self.unanswered = 0                          # queries with no candidate
+        # DGFM's moves carried out (dgfm_rounds.py): rounds, moves done and failed, loan
+        # blocks recalled, local blocks their KV took on the debtors
+        self.dgfm_counts = {"rounds": 0, "moves_done": 0, "moves_failed": 0, "loan_blocks": 0, "blocks_home": 0}
 
     def update(self, address: str, hb: protocol.Heartbeat) -> None:
         """A node's accepted heartbeat: its line, replaced."""
@@ -116,4 +119,4 @@ class DebtLedger:
                                                                            key=lambda e: e.node)],
                 "debts": [{"debtor": d, "creditor": c, "blocks": n}
                           for (d, c), n in sorted(self.debt_graph().items())],
-                "queries": self.queries, "unanswered": self.unanswered}
+                "queries": self.queries, "unanswered": self.unanswered, "dgfm_counts": dict(self.dgfm_counts)}
