@@ -16,6 +16,10 @@ order:
   (docs/cluster.md, "Requests on borrowed blocks");
 - **off**: no lending or borrowing; a long request cannot fit one node and is refused.
 
+A creditor lends free blocks only, never cached ones (engine/memory/rmanager.py):
+with the prefix cache on, finished chats' blocks can leave no node anything to lend;
+``--no-prefix-caching`` runs both without it (random prompts share no prefix).
+
 Reported per run: output and request throughput, TTFT p50 / p99 (all requests, and
 the short ones alone), completed and failed counts (long and short, with the
 reasons), preemptions. Every completed long request's text is checked against a
