@@ -12,8 +12,9 @@ configurations, the pair with its scheduler off so that nothing moves):
 - ``1p1d``:  the decode node runs every stream (a batch twice as large).
 
 Per configuration and round: the median over streams of each stream's
-median inter-token gap (ITL), its p99 gap, and TPOT; rounds alternate the
-order.
+median inter-token gap (ITL), its p99 gap, TPOT, and the node processes'
+CPU time per token generated (which a shared host's load stretches far
+less than the gaps); rounds alternate the order.
 
     .venv/bin/python -m tools.bench.cluster.bench_pair_decode [--rounds 3] [--concurrency 8] [--max-tokens 192]
 
@@ -42,16 +43,35 @@ from tools.loadgen.report import machine_info  # noqa: E402
 CONFIGS = ("pair", "mixed", "1p1d")
 
 
-def one(base: str, prompts: list[list[int]], max_tokens: int) -> dict:
-    """Every prompt streamed at once; the streams' gaps, summarised."""
+def node_cpu_s(tag: str) -> float:
+    """CPU seconds the node processes of cluster ``tag`` used so far (their
+    command lines name its keys folder; /proc, Linux)."""
+    total = 0.0
+    for pid in os.listdir("/proc"):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if b"node" in cmd and any(a.endswith(f"keys-{tag}".encode()) for a in cmd):
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
+
+
+def one(base: str, prompts: list[list[int]], max_tokens: int, tag: str) -> dict:
+    """Every prompt streamed at once; the streams' gaps, summarised, and the
+    nodes' CPU time per token (what a shared host's load does not stretch)."""
+    cpu = node_cpu_s(tag)
     with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
         res = list(pool.map(lambda p: stream(base, p, max_tokens), prompts))
+    cpu = node_cpu_s(tag) - cpu
     itl = [[b - a for a, b in zip(t, t[1:])] for t, _, _ in res if len(t) > 2]
     gaps = sorted(g for s in itl for g in s)
     return {"streams": len(itl), "errors": sum(e is not None for _, _, e in res),
             "itl_median_s": statistics.median(statistics.median(s) for s in itl),
             "itl_p99_s": gaps[int(0.99 * (len(gaps) - 1))],
-            "tpot_s": statistics.median((t[-1] - t[0]) / (len(t) - 1) for t, _, _ in res if len(t) > 2)}
+            "tpot_s": statistics.median((t[-1] - t[0]) / (len(t) - 1) for t, _, _ in res if len(t) > 2),
+            "cpu_ms_per_token": cpu * 1e3 / max(1, sum(len(t) for t, _, _ in res))}
 
 
 def main() -> None:
@@ -81,20 +101,23 @@ def main() -> None:
                         "pairs = true\n", "pairs = true\npair_scheduler = false\n"))
                 with cluster(f"{name}-{rnd}", args, tmp, flags, node_flags) as (base, _):
                     stream(base, [7, 8, 9], 4)       # warm-up
-                    row = dict(one(base, prompts, args.max_tokens), config=name, round=rnd,
+                    row = dict(one(base, prompts, args.max_tokens, f"{name}-{rnd}"), config=name, round=rnd,
                                loadavg=os.getloadavg()[0])
                 rows.append(row)
                 print(f"round {rnd} {name}: median ITL {row['itl_median_s'] * 1e3:.1f} ms, p99 gap "
-                      f"{row['itl_p99_s'] * 1e3:.1f} ms, TPOT {row['tpot_s'] * 1e3:.1f} ms ({row['streams']} "
+                      f"{row['itl_p99_s'] * 1e3:.1f} ms, TPOT {row['tpot_s'] * 1e3:.1f} ms, node CPU "
+                      f"{row['cpu_ms_per_token']:.2f} ms/token ({row['streams']} "
                       f"streams, {row['errors']} errors, load {row['loadavg']:.1f})", flush=True)
     print(f"\n{args.concurrency} streams, {args.prompt_len}-token prompts, {args.max_tokens} tokens each\n"
-          "| configuration | median ITL | p99 gap | TPOT | ITL over mixed |\n|---|---|---|---|---|")
+          "| configuration | median ITL | p99 gap | TPOT | ITL over mixed | node CPU per token |\n"
+          "|---|---|---|---|---|---|")
     med = {c: statistics.median(r["itl_median_s"] for r in rows if r["config"] == c) for c in configs}
     for c in configs:
         p99 = statistics.median(r["itl_p99_s"] for r in rows if r["config"] == c)
         tpot = statistics.median(r["tpot_s"] for r in rows if r["config"] == c)
         ratio = f"{med[c] / med['mixed']:.3f}x" if "mixed" in med else "-"
-        print(f"| {c} | {med[c] * 1e3:.1f} ms | {p99 * 1e3:.1f} ms | {tpot * 1e3:.1f} ms | {ratio} |")
+        cpu = statistics.median(r["cpu_ms_per_token"] for r in rows if r["config"] == c)
+        print(f"| {c} | {med[c] * 1e3:.1f} ms | {p99 * 1e3:.1f} ms | {tpot * 1e3:.1f} ms | {ratio} | {cpu:.2f} ms |")
     print(f"CPU: {machine_info().get('cpu_model', '?')}, model {args.model}, one core per node, shared host")
     write_results(args.out, rows)
 
