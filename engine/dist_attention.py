@@ -31,7 +31,7 @@ the caller's) behind the ``Lender`` interface a transport would implement.
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -216,10 +216,12 @@ class LentKV:
         self._layout: tuple | None = None                   # (ctx, rows, table, seqs, chunks): a step's, every layer's
 
     def step(self, layer: int, q: torch.Tensor, ctx: int, positions: torch.Tensor, k: torch.Tensor,
-             v: torch.Tensor) -> Partials:
+             v: torch.Tensor, into: Callable[[tuple[int, int, int, int]], Partials | None] | None = None
+             ) -> Partials:
         """Write ``positions``' K/V into the part's blocks of layer ``layer``, then its
         micro-attention for rows ``q`` [n, H, hd] (the sequence's last n positions of ``ctx``
-        keys): Partials [n, chunks in the part up to ctx, ...]."""
+        keys): Partials [n, chunks in the part up to ctx, ...], written where ``into(shape)``
+        says (a reply's buffer; None, or no ``into``: new tensors)."""
         bs, k0 = self.pool.block_size, self.lo * KEY_CHUNK
         end = min(ctx, k0 + self.capacity)             # the part's keys of this sequence: [k0, end)
         if not 0 <= layer < len(self.windows):
@@ -244,8 +246,9 @@ class LentKV:
             self._layout = (ctx, q.shape[0], table, torch.tensor([[0, q.shape[0], ctx]], dtype=torch.int64),
                             torch.tensor([[self.lo, hi]], dtype=torch.int64))
         _, _, table, seqs, chunks = self._layout
+        buffer = into((q.shape[0], hi - self.lo, *q.shape[1:])) if into is not None else None
         out = self.kernel.partials(q, k_cache, v_cache, seqs, table, chunks, self.scale,
-                                   hi - self.lo, window=self.windows[layer], threads=self.threads)
+                                   hi - self.lo, window=self.windows[layer], threads=self.threads, out=buffer)
         if out is None:
             raise ValueError("the paged attention kernel does not take this model's heads")
         return out

@@ -105,7 +105,7 @@ class PagedAttention(KernelBuild):
 
     def partials(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqs: torch.Tensor,
                  tables: torch.Tensor, chunks: torch.Tensor, scale: float, slots: int,
-                 window: int | None = None, threads: int = 0) -> Partials | None:
+                 window: int | None = None, threads: int = 0, out: Partials | None = None) -> Partials | None:
         """The micro-attention of one part of each sequence's KV: for every row of ``q``, the
         results of its key chunks in its sequence's part, uncombined. ``chunks``: int64 [S, 2],
         each sequence's part as chunks [lo, hi) of ``KEY_CHUNK`` keys (its keys
@@ -114,8 +114,10 @@ class PagedAttention(KernelBuild):
         arguments as :meth:`attend`'s. Returns ``Partials`` ([T, C, ...], a row's chunk c at
         slot c - lo; slots it does not attend to m = -inf, l = 0, o = 0), or None for a shape
         the kernel does not take. Raises ValueError for arguments that contradict each other.
-        ``threads``: the team's size (0: torch's count). Safe to call from any thread (reads
-        the caches, writes only what it returns)."""
+        ``threads``: the team's size (0: torch's count). ``out``: where to write them (contiguous
+        fp32 m, l [T, C, H] and o [T, C, H, hd], every element written: a reply's buffer, say),
+        made when None. Safe to call from any thread (reads the caches, writes only what it
+        returns)."""
         if not _takes(q, k_cache, v_cache):
             return None
         T, H, hd = q.shape
@@ -125,7 +127,11 @@ class PagedAttention(KernelBuild):
         if chunks.dtype != torch.int64 or chunks.shape != (seqs.shape[0], 2):
             raise ValueError("chunks must be int64 [S, 2]")
         qf = q if _rows_of_heads(q) else q.contiguous()
-        out = Partials(torch.empty(T, slots, H), torch.empty(T, slots, H), torch.empty(T, slots, H, hd))
+        if out is None:
+            out = Partials(torch.empty(T, slots, H), torch.empty(T, slots, H), torch.empty(T, slots, H, hd))
+        elif (out.m.shape != (T, slots, H) or out.l.shape != (T, slots, H) or out.o.shape != (T, slots, H, hd)
+              or not all(t.dtype == torch.float32 and t.is_contiguous() for t in (out.m, out.l, out.o))):
+            raise ValueError(f"out must be contiguous fp32 m, l {[T, slots, H]} and o {[T, slots, H, hd]}")
         starts, lens, ctxs = seqs[:, 0].contiguous(), seqs[:, 1].contiguous(), seqs[:, 2].contiguous()
         lo, hi = chunks[:, 0].contiguous(), chunks[:, 1].contiguous()
         rc = self._partials(qf.data_ptr(), _row_stride(qf), k_cache.data_ptr(), v_cache.data_ptr(),

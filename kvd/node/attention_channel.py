@@ -174,10 +174,12 @@ class ChannelServer:
         return self.answer(parts[1].bytes, [p.buffer for p in parts[2:]], identity, self.authenticated)
 
     def answer(self, header: bytes, frames: list, identity: str | None, authenticated: bool,
-               ring: bool = False) -> protocol.Message:
+               ring: bool = False, reply_into: Callable | None = None) -> protocol.Message:
         """The reply to one message from ``identity`` (checked by the trust gate when
         ``authenticated``): RemoteAttend served, RingOpen answered (not on a ``ring``),
-        anything else refused and counted. Any thread (the channel's, a ring's)."""
+        anything else refused and counted. ``reply_into(msg_id, shape)``: where a ring's
+        reply to ``msg_id`` takes partials of ``shape`` (its slot), passed on to ``serve`` as
+        ``into``. Any thread (the channel's, a ring's)."""
         msg = protocol.decode(header, frames)
         if isinstance(msg, protocol.RingOpen) and not ring:
             return self._open_ring(msg, identity)
@@ -191,7 +193,10 @@ class ChannelServer:
         self._count("served")
         if ring:
             self._count("ring_served")
-        return self.serve(msg, identity if authenticated else msg.debtor)
+        debtor = identity if authenticated else msg.debtor
+        if reply_into is not None:
+            return self.serve(msg, debtor, into=lambda shape: reply_into(msg.id, shape))
+        return self.serve(msg, debtor)
 
     def _open_ring(self, msg: protocol.RingOpen, identity: str | None) -> protocol.RingOffer:
         """A shared-memory ring for ``msg.debtor`` (attention_ring.py), or why not."""
@@ -218,7 +223,8 @@ class ChannelServer:
         debtor = msg.debtor
         self._count("rings_open")
         self._rings[debtor] = RingServer(segment, bells, debtor,
-                                         lambda header, frames: self.answer(header, frames, debtor, True, ring=True),
+                                         lambda header, frames, into: self.answer(header, frames, debtor, True,
+                                                                                  ring=True, reply_into=into),
                                          policy.holds, lambda: self._count("rejected"),
                                          lambda: self._count("rings_open", -1))
         self._count("rings")

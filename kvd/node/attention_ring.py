@@ -33,6 +33,10 @@ Segment layout (little-endian)::
     a slot: seq u32, header bytes u32, frames u32, 0 u32, frame bytes u64 x 4,
             at +64: the wire header (kvd/wire.py), then each frame, 64-byte aligned
 
+A reply's partials are computed straight into its slot (``Segment.reply_into``: the
+header first, then the kernel writes m, l and o where the frames go), so posting it
+copies nothing.
+
 Request i sits in request slot i % slots and its reply in reply slot i % slots,
 in order; the debtor posts request i only once it has read reply i - slots, so
 neither side overwrites a slot the other still reads. Every slot is checked
@@ -64,15 +68,20 @@ import os
 import re
 import secrets
 import stat
+import math
 import struct
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from engine.dist_attention import RemoteKVError
+from kernels.dist_attention import Partials
 from kernels.shm_wait import Doorbells
 from kvd import protocol
+from kvd.wire import RawTensor
 
 log = logging.getLogger("kvd.attention_ring")
 
@@ -101,6 +110,14 @@ MASK = 0xFFFFFFFF
 
 def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
+
+
+def _address(view: memoryview) -> int | None:
+    """Where ``view``'s bytes are (None for a read-only or empty one)."""
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(view))
+    except (TypeError, ValueError):
+        return None
 
 
 def slot_use(header_bytes: int, frame_bytes: list[int]) -> int:
@@ -215,10 +232,31 @@ class Segment:
         self.mm[pos:pos + len(header)] = header
         pos = _align(pos + len(header))
         for f, n in zip(frames, sizes):
-            self.mm[pos:pos + n] = f
+            if _address(f) != self.base + pos:         # else written there already (reply_into)
+                self.mm[pos:pos + n] = f
             pos = _align(pos + n)
         _SLOT.pack_into(self.mm, at, seq & MASK, len(header), len(frames), 0, *sizes, *[0] * (MAX_FRAMES - len(sizes)))
         return True
+
+    def reply_into(self, seq: int, msg_id: str, shape: tuple[int, int, int, int]) -> Partials | None:
+        """Partials of ``shape`` (rows, chunks, heads, head dim) viewing reply ``seq``'s slot
+        where the frames of a RemotePartials answering ``msg_id`` go (its header written
+        before them), or None when they do not fit. Posting that answer with ``put`` then
+        copies nothing but the header; the views pin the mapping until they go."""
+        rows, chunks, heads, hd = shape
+        shapes = [(rows, chunks, heads), (rows, chunks, heads), (rows, chunks, heads, hd)]
+        header, _ = protocol.encode(protocol.RemotePartials(id=msg_id, ok=True, tensors=tuple(
+            RawTensor("float32", s, memoryview(b"")) for s in shapes)))
+        sizes = [4 * math.prod(s) for s in shapes]
+        if slot_use(len(header), sizes) > self.slot_bytes or not all(sizes):
+            return None
+        at = self._slot(REPLIES, seq)
+        self.mm[at + ALIGN:at + ALIGN + len(header)] = header
+        pos, views = _align(at + ALIGN + len(header)), []
+        for s, n in zip(shapes, sizes):
+            views.append(torch.frombuffer(self.mm, dtype=torch.float32, count=n // 4, offset=pos).view(s))
+            pos = _align(pos + n)
+        return Partials(*views)
 
     def take(self, area: int, seq: int, copy: bool) -> tuple[bytes, list] | str:
         """Message ``seq`` from its slot of ``area``: (header, frames: bytes when ``copy``,
@@ -321,13 +359,15 @@ class RingClient:
 
 class RingServer:
     """The creditor's end of one debtor's ring: a thread that answers each request with
-    ``answer(header, frames)`` (the channel's checks, in ``debtor``'s name) and ends when
+    ``answer(header, frames, into)`` (the channel's checks, in ``debtor``'s name; its
+    partials computed ``into(msg_id, shape)``, the reply slot) and ends when
     ``stop``ped or ``close``d, when the debtor closes its end, or when ``holds(debtor)`` has
     been false for ``IDLE_S``. ``rejected()`` is called for each slot that holds no message,
     ``ended()`` once, by the thread, when it has unmapped the segment."""
 
     def __init__(self, segment: Segment, bells: Doorbells, debtor: str,
-                 answer: Callable[[bytes, list[memoryview]], protocol.Message], holds: Callable[[str], bool],
+                 answer: Callable[[bytes, list[memoryview], Callable], protocol.Message],
+                 holds: Callable[[str], bool],
                  rejected: Callable[[], None], ended: Callable[[], None] = lambda: None) -> None:
         self.seg, self.bells, self.debtor = segment, bells, debtor
         self.answer, self.holds, self.rejected, self.ended = answer, holds, rejected, ended
@@ -385,7 +425,7 @@ class RingServer:
             reply: protocol.Message = protocol.RemotePartials(ok=False, reason=got)
         else:
             try:
-                reply = self.answer(*got)
+                reply = self.answer(*got, functools.partial(self.seg.reply_into, seq))
             except Exception as exc:  # noqa: BLE001 -- one bad message must not end the ring
                 log.exception("remote attention on the ring failed")
                 reply = protocol.RemotePartials(ok=False, reason=f"{type(exc).__name__}: {exc}"[:300])

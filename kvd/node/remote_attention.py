@@ -164,8 +164,9 @@ class AttentionServer:
     async def answer(self, msg: protocol.RemoteAttend, debtor: str | None) -> protocol.RemotePartials:
         return await asyncio.wrap_future(self.executor.submit(self.serve, msg, debtor))
 
-    def serve(self, msg: protocol.RemoteAttend, debtor: str | None) -> protocol.RemotePartials:
-        """Worker thread: write the K/V, compute the micro-attention; or the reason not."""
+    def serve(self, msg: protocol.RemoteAttend, debtor: str | None, into=None) -> protocol.RemotePartials:
+        """Worker thread: write the K/V, compute the micro-attention (into ``into(shape)``'s
+        buffer where given: ``LentKV.step``); or the reason not."""
         if self.kernel is None:
             return self._refuse(msg, "this node's model has no paged attention kernel for a lent part")
         with self.lock:
@@ -189,7 +190,7 @@ class AttentionServer:
                     return self._refuse(msg, str(exc))
             positions = torch.arange(msg.first, msg.first + k.shape[0], dtype=torch.int64)
             try:
-                out = lent.step(msg.layer, q, msg.ctx, positions, k, v)
+                out = lent.step(msg.layer, q, msg.ctx, positions, k, v, into)
             except (ValueError, RuntimeError, IndexError) as exc:
                 return self._refuse(msg, f"{type(exc).__name__}: {exc}"[:300])
         self.counts["served"] += 1

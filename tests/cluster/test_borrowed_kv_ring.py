@@ -18,11 +18,12 @@ import time
 import pytest
 
 from engine.dist_attention import RemoteKVError
+from kernels.dist_attention import Partials
 from kernels.shm_wait import Doorbells
 from kvd import protocol
 from kvd.node import attention_ring
 from kvd.node.attention_channel import ChannelClient, ChannelServer
-from kvd.node.attention_ring import REQUESTS, RingPolicy, Segment, host_id
+from kvd.node.attention_ring import REPLIES, REQUESTS, RingPolicy, Segment, host_id
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm") or not host_id() or Doorbells.create() is None,
                                 reason="no /dev/shm, boot id or doorbells on this host")
@@ -47,6 +48,32 @@ def test_a_segment_is_the_users_alone_and_its_name_goes_when_the_debtor_maps_it(
         assert seg.put(REQUESTS, 7, b"{}", [memoryview(b"abc")])
         assert other.take(REQUESTS, 7, copy=True) == (b"{}", [b"abc"])
         assert other.take(REQUESTS, 9, copy=True) == "slot 1 holds message 7, not 9"
+        other.close()
+    finally:
+        seg.unlink()
+        seg.close()
+
+
+def test_a_reply_computed_in_its_slot_is_posted_without_a_copy():
+    """``reply_into``'s views are where ``put`` puts the frames of the answer they make: what
+    the debtor takes is what was computed there (and a reply that does not fit gets none)."""
+    import torch
+
+    seg = Segment.create(slots=2, slot_bytes=8192)
+    try:
+        other = Segment.attach(offer_of(seg))
+        out = seg.reply_into(5, "r5", (2, 3, 4, 16))
+        out.m.copy_(torch.arange(24.0).view(2, 3, 4)), out.l.fill_(1.0), out.o.fill_(2.0)
+        reply = protocol.RemotePartials(id="r5", ok=True, tensors=(out.m, out.l, out.o))
+        header, frames = protocol.encode(reply)
+        assert all(seg.base <= attention_ring._address(f) < seg.base + seg.size for f in frames)   # the slot's own
+        assert seg.put(REPLIES, 5, header, frames)
+        got = protocol.decode(*other.take(REPLIES, 5, copy=True))
+        assert got.id == "r5" and got.ok
+        m, l, o = (t.to_torch() for t in got.tensors)
+        assert torch.equal(m, torch.arange(24.0).view(2, 3, 4)) and bool((l == 1).all()) and bool((o == 2).all())
+        assert seg.reply_into(6, "r6", (2, 64, 4, 16)) is None          # past the slot's 8 KiB
+        del out, reply, frames, m, l, o, got
         other.close()
     finally:
         seg.unlink()
@@ -93,10 +120,12 @@ def channel():
     debtor is named by its claim; the ring's checks name it by its open)."""
     import torch
 
-    def serve(msg: protocol.RemoteAttend, debtor: str) -> protocol.RemotePartials:
+    def serve(msg: protocol.RemoteAttend, debtor: str, into=None) -> protocol.RemotePartials:
         total = float(msg.tensors[0].to_torch().sum())
-        return protocol.RemotePartials(id=msg.id, ok=True, tensors=(torch.full((1, 1, 2), total),
-                                                                    torch.zeros(1, 1, 2), torch.zeros(1, 1, 2, 4)))
+        out = into((1, 1, 2, 4)) if into is not None else None       # on the ring: in the reply's slot
+        out = out or Partials(torch.empty(1, 1, 2), torch.empty(1, 1, 2), torch.empty(1, 1, 2, 4))
+        out.m.fill_(total), out.l.zero_(), out.o.zero_()
+        return protocol.RemotePartials(id=msg.id, ok=True, tensors=(out.m, out.l, out.o))
     policy = RingPolicy(lambda loan, debtor: None if (loan, debtor) == ("l", "a") else f"no loan {loan!r} of {debtor!r}",
                         lambda debtor: True)
     server = ChannelServer("127.0.0.1", serve, None, policy)

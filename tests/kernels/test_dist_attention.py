@@ -145,3 +145,23 @@ def test_bad_arguments_are_refused(host):
         host.combine(gather, seqs, torch.zeros(1, dtype=torch.int64))
     with pytest.raises(ValueError):
         host.partials(q, k_cache, v_cache, seqs, tables, torch.tensor([[0, 3]]), 0.125, 3, window=0)
+
+
+def test_partials_into_a_given_buffer_are_the_same_bits(host):
+    """``out``: the partials written into a caller's buffer (garbage before: every element is
+    written) equal those of a fresh one; a buffer of another shape or dtype is refused."""
+    k_cache, v_cache, table, *_ = paged(900, seed=6)
+    q = torch.randn(3, 9, 64, generator=torch.Generator().manual_seed(6))
+    seqs, tables = rows([(0, 3, 900)], [table])
+    cut = torch.tensor([[2, 8]])
+    want = host.partials(q, k_cache, v_cache, seqs, tables, cut, 0.125, 6, window=300)
+    buf = Partials(torch.full((3, 6, 9), float("nan")), torch.full((3, 6, 9), 7.0),
+                   torch.full((3, 6, 9, 64), float("nan")))
+    got = host.partials(q, k_cache, v_cache, seqs, tables, cut, 0.125, 6, window=300, out=buf)
+    assert got is buf
+    assert all(torch.equal(a, b) for a, b in zip((got.m, got.l, got.o), (want.m, want.l, want.o)))
+    for bad in (Partials(buf.m[:, :5], buf.l[:, :5], buf.o[:, :5]),
+                Partials(buf.m.double(), buf.l, buf.o),
+                Partials(buf.m, buf.l, torch.empty(3, 9, 6, 64).transpose(1, 2))):     # not contiguous
+        with pytest.raises(ValueError, match="out must be"):
+            host.partials(q, k_cache, v_cache, seqs, tables, cut, 0.125, 6, out=bad)
