@@ -58,15 +58,15 @@ def reference(long_reference):
     return long_reference
 
 
-def prompt(seed: int) -> list[int]:
+def prompt(seed: int, length: int = PROMPT) -> list[int]:
     rng = random.Random(seed)
-    return [rng.randrange(1, 40000) for _ in range(PROMPT)]
+    return [rng.randrange(1, 40000) for _ in range(length)]
 
 
-def want_text(reference, ids: list[int], sampling: dict | None) -> str:
+def want_text(reference, ids: list[int], sampling: dict | None, max_tokens: int = MAX_TOKENS) -> str:
     from engine.request import SamplingParams
 
-    out = reference.generate([ids], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True,
+    out = reference.generate([ids], SamplingParams(max_tokens=max_tokens, ignore_eos=True,
                                                    **(sampling or {"temperature": 0.0})))[0]
     return reference.tokenizer.decode(out)
 

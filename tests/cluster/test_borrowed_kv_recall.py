@@ -20,7 +20,6 @@ the same text.
 from __future__ import annotations
 
 import concurrent.futures
-import random
 import threading
 import time
 
@@ -28,6 +27,7 @@ import pytest
 
 from kvd import protocol
 
+from . import test_borrowed_kv as borrowed_kv
 from .conftest import MODEL, SEEDED, Cluster, admin, body_of
 from .test_engine_death import long_reference  # noqa: F401 -- the fixture
 from .test_lending import as_, ledger, ledger_line, wait_for
@@ -64,16 +64,11 @@ def trio(tmp_path_factory):
 
 
 def prompt(seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1, 40000) for _ in range(PROMPT)]
+    return borrowed_kv.prompt(seed, PROMPT)
 
 
 def want_text(reference, ids: list[int], sampling: dict | None) -> str:
-    from engine.request import SamplingParams
-
-    out = reference.generate([ids], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True,
-                                                   **(sampling or {"temperature": 0.0})))[0]
-    return reference.tokenizer.decode(out)
+    return borrowed_kv.want_text(reference, ids, sampling, MAX_TOKENS)
 
 
 class Stream:

@@ -38,6 +38,20 @@ def fetch(creditor: Creditor, plan: recall.RecallPlan) -> torch.Tensor | None:
     return out
 
 
+def borrowing_engine(model, tokenizer, pool, ids: list[int], params, tokens: int):
+    """An engine whose request ``ids`` borrowed at admission (HELD blocks taken meanwhile),
+    stepped to ``tokens`` tokens: (engine, creditor, borrowing, its tokens, the held blocks)."""
+    engine = make(model, tokenizer)
+    held = engine.pool.alloc_mem(HELD)
+    creditor = Creditor(engine, 64, pool)
+    borrowing = engine.enable_borrowing(creditor.borrow, creditor.give_back, deadline_s=10.0)
+    engine.add_request("long", ids, params)
+    got: list[int] = []
+    step_until(engine, got, tokens)
+    assert borrowing.holds(engine.requests["long"])
+    return engine, creditor, borrowing, got, held
+
+
 def step_until(engine: LLMEngine, got: list[int], n: int) -> None:
     while len(got) < n and engine.has_unfinished():
         for out in engine.step():
@@ -48,15 +62,8 @@ def step_until(engine: LLMEngine, got: list[int], n: int) -> None:
 def test_a_remote_part_comes_home_mid_decode(tiny_model, tokenizer, sampling):
     ids, params = prompt(450, 3), sampling(120)
     want = run(make(tiny_model, tokenizer), {"long": (ids, params)})["long"]
-    engine = make(tiny_model, tokenizer)
-    held = engine.pool.alloc_mem(HELD)                       # admitted with 24 free blocks: it borrows
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        creditor = Creditor(engine, 64, pool)
-        borrowing = engine.enable_borrowing(creditor.borrow, creditor.give_back, deadline_s=10.0)
-        engine.add_request("long", ids, params)
-        got: list[int] = []
-        step_until(engine, got, 1)
-        assert borrowing.holds(engine.requests["long"])
+        engine, creditor, borrowing, got, held = borrowing_engine(tiny_model, tokenizer, pool, ids, params, 1)
         engine.pool.free_mem(held)                           # room for the part to come home
         loan_id = next(iter(recall.loans_of(engine)))
         assert isinstance(recall.begin(engine, "nope"), str)
@@ -82,14 +89,8 @@ def test_a_remote_part_comes_home_mid_decode(tiny_model, tokenizer, sampling):
 def test_a_recall_without_room_changes_nothing(tiny_model, tokenizer):
     ids, params = prompt(450, 4), greedy(60)
     want = run(make(tiny_model, tokenizer), {"long": (ids, params)})["long"]
-    engine = make(tiny_model, tokenizer)
-    held = engine.pool.alloc_mem(HELD)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        creditor = Creditor(engine, 64, pool)
-        borrowing = engine.enable_borrowing(creditor.borrow, creditor.give_back, deadline_s=10.0)
-        engine.add_request("long", ids, params)
-        got: list[int] = []
-        step_until(engine, got, 5)
+        engine, creditor, borrowing, got, held = borrowing_engine(tiny_model, tokenizer, pool, ids, params, 5)
         loan_id = next(iter(recall.loans_of(engine)))
         plan = recall.begin(engine, loan_id)
         free = engine.pool.free_blocks("device")
