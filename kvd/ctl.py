@@ -164,8 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="override a prompt-tree cost weight until the next switch (overlap_weight, "
                               "load_weight, max_imbalance, recent_weight, load_decay); repeatable")
     ledger = sub.add_parser("ledger", help="borrowed KV memory (coordinator): per node free, lent and borrowed "
-                            "blocks, the debt graph, DGFM's moves")
-    ledger.add_argument("--min-blocks", type=int, help="DGFM's threshold per edge (default 16)")
+                            "blocks, the debt graph, DGFM's moves planned and those carried out")
+    ledger.add_argument("--min-blocks", type=int,
+                        help="DGFM's threshold per edge (default [cluster].dgfm_min_blocks)")
     ll = sub.add_parser("log-level", help="set the daemon's log level")
     ll.add_argument("level", choices=("debug", "info", "warning", "error", "critical"),
                     type=str.lower)
