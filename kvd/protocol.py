@@ -122,7 +122,7 @@ class Heartbeat(Message):
     load: float                        # 0..1, fraction of decode capacity in use
     running: int
     waiting: int
-    free_blocks: dict[str, int]
+    free_blocks: dict[str, int]        # per tier: free plus unlocked cached blocks (what an allocation may take)
     draining: bool = False             # finishing its requests; route nothing new here
     cached_blocks: int = 0             # blocks held by the prefix cache (all tiers)
     cache_events: int = 0              # MemPool stored/removed events shipped (CacheEvents) since the last beat

@@ -381,9 +381,15 @@ class MemPool:
         return self._pool(tier).num_free + self.tree.evictable(tier) + spare
 
     def free_blocks(self, tier: str = "device") -> int:
-        """Blocks of ``tier`` in no one's hands (not evictable cached ones):
-        what a loan may take (``reserve_region(LENT)``). A peek."""
+        """Blocks of ``tier`` in no one's hands (not evictable cached ones). A peek."""
         return self._pool(tier).num_free
+
+    def lendable(self, tier: str = "device") -> int:
+        """Blocks of ``tier`` a loan may take (``reserve_region(LENT)``): the
+        free ones and the unlocked cached ones (evicted LRU first, as for
+        ``alloc_mem``); never locked (a running request's, pinned) ones,
+        nor redundant copies. A peek: nothing changes."""
+        return self._pool(tier).num_free + self.tree.evictable(tier)
 
     def capacity(self, tier: str = "device") -> int:
         """All blocks of ``tier``."""
@@ -453,8 +459,9 @@ class MemPool:
           adds: none yet, in no index, so no lookup matches them and no
           eviction takes them (``tokens`` and ``num_blocks`` unused);
         - ``LENT``: ``num_blocks`` private blocks of ``tier`` for another
-          node's KV, taken from the FREE blocks only: lending never evicts
-          this pool's prefix cache (``tokens`` unused).
+          node's KV (``tokens`` unused), taken like a request's
+          (``alloc_mem``): free blocks, then unlocked cached ones evicted
+          LRU first; never locked ones, nor redundant copies (``lendable``).
 
         ``deadline`` (monotonic) rides on the region for its holder. None
         when short of memory (nothing changed). End it with ``commit`` or
@@ -465,8 +472,7 @@ class MemPool:
         if purpose is Purpose.PROMPT:
             return self._reserve_prompt(tuple(tokens), deadline)
         if purpose is Purpose.LENT:
-            pool = self._pool(tier)
-            ids = pool.allocate(num_blocks) if 0 < num_blocks <= pool.num_free else None
+            ids = self.alloc_mem(num_blocks, tier, reclaim=False) if 0 < num_blocks else None
             return None if ids is None else Region(self, purpose, (), tier, ids, deadline=deadline)
         tokens = tuple(tokens[:num_blocks * self.block_size])
         if len(tokens) != num_blocks * self.block_size:

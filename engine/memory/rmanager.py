@@ -7,7 +7,7 @@ pool's owner runs it (the engine thread).
 
 Blocks of the device tier are, for the rManager::
 
-    free ───── lend (FCFS, <= cap, free blocks only) ─────▶ lent to debtor D
+    free ───── lend (FCFS, <= cap) ───────────────────────▶ lent to debtor D
       ▲          a LENT region (region.py) per loan,            │  renew (D's own loans only):
       │          its deadline the loan's lease                  │  lease = now + lease_s
       ├──────── give_back (D returns it): region.commit ◀───────┤
@@ -15,10 +15,15 @@ Blocks of the device tier are, for the rManager::
 
     owned: blocks of this node's own requests (used, not cached, not lent)
 
+A loan takes blocks as this node's own requests do (MemPool
+``lendable``): free ones first, then unlocked cached blocks, which lending
+evicts least recently used first; blocks a running request holds or that
+are pinned (locked in the prefix index) are never lent.
+
 A loan asks for ``blocks`` at once; the answer is a ``Loan`` or a refusal
 (a reason string) given at once: lending is off (cap 0), the debtor would
-pass the cap, or the tier has fewer free blocks (cached blocks are never
-evicted for a debtor). A refusal changes nothing. Loans are served first
+pass the cap, or the tier has fewer lendable blocks. A refusal changes
+nothing (no cached block evicted). Loans are served first
 come, first served: the rManager never queues or reorders them.
 
 A loan's blocks accept writes and queries only from the debtor they were
@@ -106,12 +111,13 @@ class RManager:
         return self.pool.stats()[self.tier]["request_owned"] - self.lent_blocks()
 
     def can_lend(self) -> int:
-        """Most blocks one loan could get now: under the cap and free."""
-        return max(0, min(self.lend_cap - self.lent_blocks(), self.pool.free_blocks(self.tier)))
+        """Most blocks one loan could get now: under the cap and lendable
+        (free, or cached and unlocked)."""
+        return max(0, min(self.lend_cap - self.lent_blocks(), self.pool.lendable(self.tier)))
 
     # --------------------------------------------------------- as a creditor
     def lend(self, debtor: str, blocks: int, loan_id: str, now: float) -> Loan | str:
-        """Lend ``blocks`` free blocks to ``debtor`` under the new id
+        """Lend ``blocks`` lendable blocks to ``debtor`` under the new id
         ``loan_id``, leased until ``now + lease_s``; or the reason why not
         (then nothing changed). Raises ValueError on a bad argument or a
         loan id in use (the caller's bug)."""
@@ -126,7 +132,7 @@ class RManager:
             return self._refuse(f"over the lending cap: {lent} of {self.lend_cap} blocks lent, asked for {blocks}")
         region = self.pool.reserve_region((), blocks, self.tier, Purpose.LENT, deadline=now + self.lease_s)
         if region is None:
-            return self._refuse(f"{self.pool.free_blocks(self.tier)} free blocks, asked for {blocks}")
+            return self._refuse(f"{self.pool.lendable(self.tier)} lendable blocks, asked for {blocks}")
         loan = self.loans[loan_id] = Loan(loan_id, debtor, region)
         self.counts["granted"] += 1
         return loan
@@ -210,7 +216,8 @@ class RManager:
     # ------------------------------------------------------------ reporting
     def report(self) -> dict[str, Any]:
         """What a heartbeat carries and ``kvctl`` shows: the cap, blocks
-        lent per debtor, borrowed per creditor, free and owned blocks, counts."""
-        return {"lend_cap": self.lend_cap, "free": self.pool.free_blocks(self.tier),
+        lent per debtor, borrowed per creditor, lendable (free or evictable
+        cached) and owned blocks, counts."""
+        return {"lend_cap": self.lend_cap, "free": self.pool.lendable(self.tier),
                 "owned": self.owned_blocks(), "lent": self.lent_per_debtor(),
                 "borrowed": self.borrowed_per_creditor(), "counts": dict(self.counts)}

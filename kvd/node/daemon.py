@@ -318,7 +318,8 @@ class NodeDaemon:
             id=f"hb-{self.name}-{seq}", deadline=time.time() + self.cluster.request_timeout,
             node=self.name, incarnation=self.incarnation, seq=seq, load=(snap["running"] + snap["waiting"]) / max_seqs,
             running=snap["running"], waiting=snap["waiting"],
-            free_blocks={t: kv.get(t, {}).get("free", 0) for t in protocol.TIERS},
+            # free: what an allocation or a loan may take, unlocked cached blocks included
+            free_blocks={t: kv.get(t, {}).get("free", 0) + kv.get(t, {}).get("evictable", 0) for t in protocol.TIERS},
             draining=self.draining,
             cached_blocks=sum(kv.get(t, {}).get("cached", 0) for t in protocol.TIERS),
             cache_events=events, replicas=self.inbox.replicas.report(),

@@ -1,4 +1,4 @@
-"""rManager: lending a MemPool's free blocks to other nodes, with a cap and leases."""
+"""rManager: lending a MemPool's blocks to other nodes, with a cap and leases."""
 
 import pytest
 import torch
@@ -43,19 +43,10 @@ def test_refusal_changes_nothing():
     rm = RManager(p, lend_cap=8, lease_s=LEASE)
     before = snapshot(p)
     why = rm.lend("a", 3, "l1", now=0.0)
-    assert "free blocks" in why
+    assert "lendable blocks" in why
     assert snapshot(p) == before and rm.loans == {}
     off = RManager(p, lend_cap=0, lease_s=LEASE)
     assert "off" in off.lend("a", 1, "l2", now=0.0) and snapshot(p) == before
-
-
-def test_lending_never_evicts_the_prefix_cache():
-    p = pool(4)
-    ids = p.alloc_mem(4)
-    p.insert(list(range(16)), ids)                   # 4 cached blocks, evictable
-    rm = RManager(p, lend_cap=4, lease_s=LEASE)
-    assert p.available() == 4 and isinstance(rm.lend("a", 1, "l1", now=0.0), str)
-    assert p.cached_tokens(list(range(16))) == 16
 
 
 def test_lease_expiry_frees_every_block_and_renewal_keeps_it():
