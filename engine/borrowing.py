@@ -11,8 +11,10 @@ position after them, through ``borrow`` (the node's debtor,
 kvd/node/lending.py). The loan becomes the sequence's open remote part
 (engine/dist_attention.py ``RemoteKV``): each step's K/V of those positions
 is written into it and attention over them is computed there. Only when no
-creditor lends does the request wait, as without borrowing (and a node
-that was told no waits ``retry_s`` before it asks again); a request that
+creditor lends does the request wait (and a node that was told no waits
+``retry_s`` before it asks again); while it waits for a creditor, requests
+queued behind it that fit in local blocks are admitted (a remote "no" does
+not hold the queue, only a local shortage does); a request that
 fits only on borrowed blocks (longer than the whole MemPool) and finds no
 creditor for ``give_up_s`` fails with that reason. A running request
 whose decode needs a block when none is free, its local blocks ending at a
@@ -89,6 +91,7 @@ class KVBorrowing:
         self.give_up_s = give_up_s
         self.loans: dict[str, list[Loan]] = {}          # request id -> its loans
         self._refused_since: dict[str, float] = {}      # request id -> when no creditor first lent for it
+        self._awaiting_creditor: set[str] = set()       # request ids whose last want was a creditor's "no"
         self._next_try = 0.0
         self.counts = {"borrowed": 0, "refused": 0, "returned": 0, "lost": 0, "recalled": 0}
 
@@ -120,21 +123,32 @@ class KVBorrowing:
         chunks, as its open remote part: its local blocks, or None (nothing borrowed)."""
         per_chunk = KEY_CHUNK // self.block_size
         remote = -(-total_tokens // self.block_size) - local_chunks * per_chunk
-        if local_chunks < 1 or remote < 1 or time.monotonic() < self._next_try:
+        if local_chunks < 1 or remote < 1 or self.borrowed_blocks() + remote > self.cap:
+            self._awaiting_creditor.discard(req.request_id)    # it waits for this node's memory
             return None
-        if self.borrowed_blocks() + remote > self.cap:
+        if time.monotonic() < self._next_try:
             return None
         loan = self.borrow(remote)
         if loan is None:
             self.counts["refused"] += 1
             self._next_try = time.monotonic() + self.retry_s
             self._refused_since.setdefault(req.request_id, time.monotonic())
+            self._awaiting_creditor.add(req.request_id)
             return None
         self._refused_since.pop(req.request_id, None)
+        self._awaiting_creditor.discard(req.request_id)
         self.counts["borrowed"] += 1
         self.loans[req.request_id] = [loan]
         self.remote_kv.add(req.request_id, [RemotePart(local_chunks, None, loan.lender(req.request_id, local_chunks))])
         return local_chunks * per_chunk
+
+    def refused(self, req: Request) -> bool:
+        """Whether ``req`` waits for a creditor, not for this node's memory: its last
+        attempt had the local blocks and the cap but a creditor said no (or it waits
+        ``retry_s`` after that no). The scheduler admits the requests behind it that fit
+        in local blocks meanwhile; once its local part no longer fits, it holds the queue
+        again, as without borrowing."""
+        return req.request_id in self._awaiting_creditor
 
     def given_up(self, req: Request) -> bool:
         """Whether no creditor has lent for ``req`` for ``give_up_s`` seconds."""
@@ -145,6 +159,7 @@ class KVBorrowing:
         """``req`` ends or is preempted: its remote parts are gone, its loans returned."""
         self.remote_kv.drop(req.request_id)
         self._refused_since.pop(req.request_id, None)
+        self._awaiting_creditor.discard(req.request_id)
         for loan in self.loans.pop(req.request_id, []):
             self.counts["returned"] += 1
             self.give_back(loan.loan_id)

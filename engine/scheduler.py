@@ -273,6 +273,7 @@ class Scheduler:
         cfg, bs = self.config, self.config.block_size
         out = ScheduledBatch()
         admitted, lens = out.prefill, out.prefill_lens
+        skipped: list[Request] = []                      # waiting for a creditor: back at the head after
         while self.waiting and len(self.running) < cfg.max_num_seqs and budget > 0:
             req = self.waiting[0]
             tokens = req.all_ids
@@ -314,6 +315,9 @@ class Scheduler:
                 if self._unservable(req):                # no creditor lends what it can only borrow
                     self.refused.append(self.waiting.popleft())
                     continue
+                if self.borrowing is not None and self.borrowing.refused(req):
+                    skipped.append(self.waiting.popleft())   # a remote "no" does not hold the queue
+                    continue
                 break
             self.waiting.popleft()
             out.host_blocks_swapped_in += swapped
@@ -329,6 +333,7 @@ class Scheduler:
             admitted.append(req)
             lens.append(min(new_tokens, budget) if chunked else new_tokens)
             budget -= lens[-1]
+        self.waiting.extendleft(reversed(skipped))
         return out
 
     def _borrow_for(self, req: Request, free_blocks: int) -> int | None:
