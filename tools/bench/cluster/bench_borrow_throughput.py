@@ -16,13 +16,14 @@ order:
   (docs/cluster.md, "Requests on borrowed blocks");
 - **off**: no lending or borrowing; a long request cannot fit one node and is refused.
 
-A creditor lends free blocks only, never cached ones (engine/memory/rmanager.py):
-with the prefix cache on, finished chats' blocks can leave no node anything to lend;
+With the prefix cache on (the default), finished chats' cached blocks fill both
+pools, and a creditor lends them by evicting them (engine/memory/rmanager.py);
 ``--no-prefix-caching`` runs both without it (random prompts share no prefix).
 
 Reported per run: output and request throughput, TTFT p50 / p99 (all requests, and
 the short ones alone), completed and failed counts (long and short, with the
-reasons), preemptions. Every completed long request's text is checked against a
+reasons), preemptions, and every request's timeline (its place in the trace, long or
+not, start, TTFT, end-to-end latency, error), in seconds from the run's start. Every completed long request's text is checked against a
 single node with blocks for the whole sequence (``kvd serve``, greedy, the same
 flags otherwise), run once before the rounds.
 
@@ -174,6 +175,9 @@ def one_run(args: argparse.Namespace, mode: str, convs: list[Conversation], want
         "long_completed": sum(r.success for r in longs), "long_failed": sum(not r.success for r in longs),
         "short_failed": sum(not r.success for r in shorts),
         "long_ttft_s": [r.ttft for r in longs if r.success],
+        "timeline": [{"index": r.index, "long": lg, "start": round(r.start, 3),
+                      "ttft": None if r.ttft is None else round(r.ttft, 3), "e2el": round(r.e2el, 3),
+                      "error": r.error} for r, lg in zip(records, is_long)],
         "errors": metrics.error_counts(records),
         "long_text_checked": sum(r.success for r in longs), "long_text_wrong": wrong,
         "preemptions": total(after, "kvd_preemptions_total") - total(before, "kvd_preemptions_total"),
@@ -195,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", type=float, default=0.5, help="requests a second (Poisson)")
     p.add_argument("--lend", type=int, default=0, help="blocks each node lends (default: all but one chunk's)")
     p.add_argument("--no-prefix-caching", action="store_true",
-                   help="nodes without a prefix cache (a creditor lends free blocks only, never cached ones)")
+                   help="nodes without a prefix cache")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="", help="JSON path (default results/bench_borrow_throughput.json)")
