@@ -1,10 +1,10 @@
 """Borrowing from a creditor whose pool is full of cached prefixes, over real daemons
-(ZeroMQ with CURVE on loopback, the tiny model, the prefix cache on as by default): two
-nodes of N = 768 tokens each (``--kv-blocks 48``) first serve distinct chats until
+(ZeroMQ with CURVE on loopback, the tiny model, the prefix cache on as by default): the
+three nodes of test_borrowed_kv.py (N = 768 tokens each) first serve distinct chats until
 finished chats' cached blocks leave each pool fewer free blocks than a loan needs; a
 request of about 1.8 N tokens is then served to completion with the single-node
-engine's greedy text, its tail in blocks the other node lends by evicting its unlocked
-cached blocks (least recently used first), and both nodes' blocks come back.
+engine's greedy text, its tail in blocks another node lends by evicting its unlocked
+cached blocks (least recently used first), and every node's blocks come back.
 """
 
 from __future__ import annotations
@@ -14,29 +14,13 @@ import random
 import pytest
 
 from .conftest import MODEL, Cluster, admin
-from .test_borrowed_kv import want_text
+from .test_borrowed_kv import BLOCKS, LEND, MAX_TOKENS, NODES, PROMPT, trio, want_text  # noqa: F401 -- the fixture
 from .test_engine_death import long_reference  # noqa: F401 -- the fixture
 from .test_lending import ledger_line, wait_for
 
 pytestmark = pytest.mark.timeout(600)
-NODES = ["a", "b"]
-BLOCKS, LEND, BORROW = 48, 40, 48             # N = 48 * 16 = 768 tokens per node
-PROMPT, MAX_TOKENS = 1300, 80                 # 87 blocks: 48 at home at most, the rest borrowed
 CHAT, CHAT_TOKENS = 300, 8                    # a finished chat leaves 19 cached blocks
-LENT = 87 - 6 * 8                             # the blocks past the 6 whole 128-token chunks at home
-
-
-@pytest.fixture(scope="module")
-def duo(tmp_path_factory):
-    c = Cluster(tmp_path_factory.mktemp("borrowed-kv-cached"), "zmq+tcp")
-    for n in NODES:
-        c.start_node(n, "--kv-blocks", str(BLOCKS), "--lend-kv-blocks", str(LEND), "--borrow-kv-blocks", str(BORROW))
-    try:
-        c.wait_nodes(NODES)
-        wait_for(lambda: all(ledger_line(c, n).get("lendable") == LEND for n in NODES), "the caps in the ledger")
-        yield c
-    finally:
-        c.stop()
+LENT = -(-(PROMPT + MAX_TOKENS) // 16) - 6 * 8  # the blocks past the 6 whole 128-token chunks at home
 
 
 def ids(seed: int, length: int) -> list[int]:
@@ -48,10 +32,10 @@ def device(c: Cluster, node: str) -> dict:
     return admin(c.node_admin(node), "cache stats")["kv"]["device"]
 
 
-def test_a_creditor_full_of_cached_prefixes_still_lends(duo, long_reference):
-    c = duo
+def test_a_creditor_full_of_cached_prefixes_still_lends(trio, long_reference):
+    c = trio
     client = c.client(timeout=120)
-    for seed in range(100, 112):                  # distinct chats until both pools are mostly cache
+    for seed in range(100, 112):                  # distinct chats until every pool is mostly cache
         if all(device(c, n)["free"] < LENT for n in NODES):
             break
         client.completions.create(model=MODEL, prompt=ids(seed, CHAT), max_tokens=CHAT_TOKENS, temperature=0.0)
