@@ -24,6 +24,7 @@ from engine.model.registry import ModelSource, resolve_model
 from engine.model.tokenizer import Tokenizer
 from engine.model.weights import LoadedWeights
 from engine.output import OutputProcessor
+from engine.prefill_alone import PrefillAlone
 from engine.request import (ENGINE_ERROR, FinishReason, InvalidParam, Request, RequestOutput, RequestStatus,
                             SamplingParams)
 from engine.stats import EngineStats
@@ -141,6 +142,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._generators: dict[str, torch.Generator | None] = {}
         self.stats = EngineStats()
+        self.pair_rule: PrefillAlone | None = None      # a paired node's: no decode in a prompt's steps
 
     def _adaptive_team(self) -> TeamSizer | None:
         """The sizer of each decode step's team (engine/team.py) where the team is not
@@ -441,7 +443,11 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; returns one output per request that got a token."""
         t0 = time.perf_counter()
+        if self.pair_rule is not None:
+            self.pair_rule.before(self)
         batch = self.scheduler.schedule()
+        if self.pair_rule is not None and batch is not None:
+            self.pair_rule.ran(self, batch)
         refused = [self._fail(req, f"its {len(req.prompt_ids) + req.params.max_tokens} tokens do not fit in this "
                                    f"node's KV blocks and no node lends the rest") for req in self.scheduler.refused]
         self.scheduler.refused.clear()

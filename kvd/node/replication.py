@@ -72,6 +72,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from engine import exact_copy
+from engine.prefill_alone import PrefillAlone
 from engine.stream import STAGING
 from kvd import protocol
 from kvd.node.engine_driver import EngineDriver
@@ -118,6 +119,7 @@ class Replicator:
         self._peer_changed = asyncio.Event()      # set by a peer change: the round in flight ends
         self._holds: dict[str, asyncio.Future] = {}   # request id -> its tokens made, once the next round held it
         self._wake = asyncio.Event()              # a hold waits: the next round now
+        self.rule: PrefillAlone | None = None     # paired: the engine's pair rule (engine/prefill_alone.py)
 
     def set_peer(self, name: str, address: str, tickets: dict[str, str] | None = None) -> None:
         """The coordinator's assignment ("" = none) and its tickets there for
@@ -168,6 +170,8 @@ class Replicator:
         self.adopting.pop(request_id, None)
 
     async def run(self) -> None:
+        if self.partner:                          # a paired node: no decode in a prompt's steps
+            self.driver.engine.pair_rule = self.rule = PrefillAlone(self._copy_complete)
         while True:
             # a pair's copy follows every step (a round's gather waits for a step boundary); a hold
             # asked for (``hold``) starts the next round at once
@@ -187,6 +191,22 @@ class Replicator:
                     await self._drop(self.peer[0])
                 self.sent = {}                    # the next round starts over (the holder keeps what it has)
 
+    def _copy_complete(self, req: Any) -> bool:
+        """Whether the partner's copy of ``req`` is complete (the handoff's
+        test, kvd/coordinator/handoff.py ``held``: every full block of its
+        prompt acknowledged). Read on the engine thread: one dict lookup."""
+        peer, bs = self.peer, self.driver.engine.config.block_size
+        return peer is not None and peer[0] == self.partner and \
+            self.sent.get(req.request_id, 0) >= len(req.prompt_ids) // bs * bs
+
+    def _hold(self, engine: Any, request_id: str) -> int | None:
+        """``exact_copy.hold`` for a handoff, on the engine thread: it
+        replaces the pair rule's hold of the request (``PrefillAlone.taken``)."""
+        made = exact_copy.hold(engine, request_id, HOLD_S)
+        if self.rule is not None:
+            self.rule.taken(request_id)
+        return made
+
     async def hold(self, request_id: str) -> int | None:
         """Stop decoding ``request_id`` here at the next step boundary (a
         handoff to the partner: ``exact_copy.hold``, for ``HOLD_S``); with
@@ -195,8 +215,7 @@ class Replicator:
         token it computed. Returns the tokens it made, None when it is not
         decoding here. Raises TimeoutError past the request timeout."""
         if self.peer is None or self.peer[0] != self.partner:
-            return await self.driver.call(lambda engine: exact_copy.hold(engine, request_id, HOLD_S),
-                                          timeout=self.timeout)
+            return await self.driver.call(lambda engine: self._hold(engine, request_id), timeout=self.timeout)
         made = self._holds.get(request_id)
         if made is None:
             made = self._holds[request_id] = asyncio.get_running_loop().create_future()
@@ -229,7 +248,7 @@ class Replicator:
         holds = dict(self._holds) if exact else {}
 
         def hold_and_collect(engine: Any) -> tuple[tuple, dict[str, int | None]]:
-            made = {rid: exact_copy.hold(engine, rid, HOLD_S) for rid in holds}
+            made = {rid: self._hold(engine, rid) for rid in holds}
             return collect(engine, sent, retry, adopt, tickets, exact, kept, budget), made
         (msg, buf, lag, spent), made = await self.driver.call(hold_and_collect, timeout=self.timeout)
         for rid, fut in holds.items():            # answered once the round is sent (below, at once)
@@ -302,7 +321,7 @@ class Replicator:
 
     def stats(self) -> dict[str, Any]:
         return {"peer": self.peer[0] if self.peer else "", "requests": len(self.sent),
-                "lag_tokens": self.lag_tokens, **self.counts}
+                "lag_tokens": self.lag_tokens, **self.counts, **(self.rule.counts if self.rule else {})}
 
 
 def first_blocks(kv: Any, k: int) -> Any:

@@ -11,6 +11,7 @@ import pytest
 
 from engine.engine import EngineConfig, LLMEngine
 from engine.exact_copy import hold
+from engine.prefill_alone import PrefillAlone
 from engine.request import SamplingParams
 
 
@@ -58,3 +59,32 @@ def test_only_a_decoding_request_is_held(engine):
     engine.add_request("c", list(range(100, 130)), SamplingParams(max_tokens=4, temperature=0.0))
     assert hold(engine, "c", 1.0) is None                      # waiting for its prefill
     assert "c" not in engine.scheduler.held
+
+
+def test_the_pair_rule_runs_a_prompt_alone_and_releases_its_holds_after():
+    """``PrefillAlone`` (engine/prefill_alone.py): while a prompt is
+    computed, every decode whose copy is complete is held (no step runs it
+    with a chunk); one whose copy is incomplete decodes in the prompt's
+    steps; once the prompt is done the rule's holds end, a handoff's stays."""
+    eng = LLMEngine.from_config(EngineConfig(model="tiny", dtype="float32", block_size=16, kv_blocks=64,
+                                             host_kv_blocks=0, max_model_len=512, num_threads=1,
+                                             prefill_chunk_tokens=32))
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    for rid, start in (("a", 1), ("b", 40), ("c", 80)):
+        eng.add_request(rid, list(range(start, start + 20)), params)
+    while any(not eng.requests[rid].output_ids for rid in "abc"):
+        eng.step()
+    eng.pair_rule = rule = PrefillAlone(lambda req: req.request_id != "c")    # c's copy is incomplete
+    eng.add_request("p", list(range(200, 300)), params)                           # four chunks
+    eng.step()
+    assert {"a", "b"} <= eng.scheduler.held.keys() and rule.holding == {"a", "b"}
+    rule.taken("b")                                                               # a handoff holds b now
+    made = {rid: tokens(eng, rid) for rid in "abc"}
+    while eng.requests["p"].prefilling:
+        eng.step()
+    assert (tokens(eng, "a"), tokens(eng, "b")) == (made["a"], made["b"]) and tokens(eng, "c") > made["c"]
+    assert rule.counts["mixed_steps"] >= 3 and rule.counts["mixed_held"] == 0 and rule.counts["prompt_holds"] == 2
+    eng.step()                                                                    # no prompt left: a decodes again
+    eng.step()
+    assert tokens(eng, "a") > made["a"] and tokens(eng, "b") == made["b"] and "b" in eng.scheduler.held
+    assert rule.counts["prompt_releases"] == 1 and not rule.holding
