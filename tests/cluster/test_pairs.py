@@ -1,6 +1,7 @@
 """Instance pairs over real daemons (docs/cluster.md, "Pairs and roles"): two
 paired nodes hold each other's requests as redundant copies, a running decode
-moves to the partner (a handoff) with the stream going on token-exactly,
+moves to the partner (a handoff) with the stream going on token-exactly, a
+prompt runs with no decode held for it in its steps,
 greedy and seeded, and a role switch mid-stream hands a node's decodes over
 without losing or duplicating a token. Bad switches change nothing; a copy
 written by a node that is not the partner is refused and counted."""
@@ -193,6 +194,37 @@ def test_the_pair_scheduler_rebalances_decodes(pair, reference_engine):
     for s, w in zip(streams, want):
         assert s.error is None and s.finish == "length" and "".join(s.text) == w
     assert nodes(pair)["n1"]["handoffs"] >= before + 2
+
+
+def test_a_prompt_runs_alone_on_its_node_and_the_decodes_there_move(pair, reference_engine):
+    """A stream decoding on each node, then a prompt: before its first
+    chunk its node holds the stream there (its copy at the partner is
+    complete) and the coordinator hands it over; no step ran a held decode
+    with the prompt's chunks; every text is exact and every token was
+    computed once."""
+    prompts = [prompt(50), prompt(51), [(i * 7717) % 40000 + 1 for i in range(300)]]
+    samplings, lengths = [{"temperature": 0.0}, SEEDED[1], SEEDED[2]], [LONG, LONG, 120]
+    want = [expected(reference_engine, [p], [s], n)[0] for p, s, n in zip(prompts, samplings, lengths)]
+    made = sum(admin(pair.node_admin(n), "status")["generation_tokens"] for n in NODES)
+
+    def counts() -> tuple[int, int]:
+        senders = [admin(pair.node_admin(n), "status")["replication"]["sender"] for n in NODES]
+        return sum(s["prompt_holds"] for s in senders), sum(s["mixed_held"] for s in senders)
+    before = counts()
+    streams = []
+    for p, s, n in zip(prompts, samplings, lengths):
+        streams.append(Stream(pair, p, s, n))
+        until(lambda: len(in_flight(pair)) == len(streams) and all(v["tokens"] >= 1 for v in in_flight(pair).values()),
+              every=0.002)
+    for s in streams:
+        s.join(120)
+    for s, w in zip(streams, want):
+        assert s.error is None and s.finish == "length" and "".join(s.text) == w
+    after = counts()
+    # the third prompt's node held the decode it ran (the rule), and no step ran a held decode with a chunk
+    assert after[0] >= before[0] + 1 and after[1] == before[1], (before, after)
+    wait_baseline(pair, NODES)
+    assert sum(admin(pair.node_admin(n), "status")["generation_tokens"] for n in NODES) - made == sum(lengths)
 
 
 def test_a_copy_from_a_node_that_is_not_the_partner_is_refused_and_counted(pair):
