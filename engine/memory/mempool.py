@@ -373,11 +373,12 @@ class MemPool:
             self.release(prefix)
         return host_ids
 
-    def available(self, tier: str = "device") -> int:
-        """Blocks of ``tier`` that ``alloc_mem`` could hand out now: the free
-        ones, the unlocked cached ones (evictable) and those of redundant
-        copies (the ``reclaimer``'s). A peek: nothing changes."""
-        spare = self.reclaimer.reclaimable(tier) if self.reclaimer is not None else 0
+    def available(self, tier: str = "device", reclaim: bool = True) -> int:
+        """Blocks of ``tier`` that ``alloc_mem(n, tier, reclaim)`` could hand
+        out now: the free ones, the unlocked cached ones (evictable) and,
+        with ``reclaim``, those of redundant copies (the ``reclaimer``'s).
+        A peek: nothing changes."""
+        spare = self.reclaimer.reclaimable(tier) if reclaim and self.reclaimer is not None else 0
         return self._pool(tier).num_free + self.tree.evictable(tier) + spare
 
     def free_blocks(self, tier: str = "device") -> int:
@@ -389,7 +390,7 @@ class MemPool:
         free ones and the unlocked cached ones (evicted LRU first, as for
         ``alloc_mem``); never locked (a running request's, pinned) ones,
         nor redundant copies. A peek: nothing changes."""
-        return self._pool(tier).num_free + self.tree.evictable(tier)
+        return self.available(tier, reclaim=False)
 
     def capacity(self, tier: str = "device") -> int:
         """All blocks of ``tier``."""
