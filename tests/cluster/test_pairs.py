@@ -17,12 +17,14 @@ import pytest
 from kvd import protocol
 
 from .conftest import MODEL, SEEDED, Cluster, admin, body_of, reference_tokens
+from .pair_pacing import Throttle, pace, tokens_per_second
 from .test_recovery import wait_baseline
 
 NODES = ["n1", "n2"]
 FLAGS = ("--host-kv-blocks", "256", "--replication-interval", "0.05", "--replication-rate", "512")
 MAX_TOKENS = 240
 LONG = 400                        # prompt + LONG within the reference engine's context (512)
+SPAN_S = 8.0                      # a paced stream of LONG tokens lasts at least this long
 
 
 @pytest.fixture(scope="module")
@@ -255,9 +257,20 @@ def test_a_member_killed_mid_stream_resumes_on_its_partner_exactly(pair, referen
     prompts, samplings = [prompt(40 + i) for i in range(2)], [{"temperature": 0.0}, SEEDED[0]]
     want = expected(reference_engine, prompts, samplings, LONG)
     before = admin(pair.admin_socket, "status")["recoveries"].get("replica/resumed", 0)
-    streams = [Stream(pair, p, s, LONG) for p, s in zip(prompts, samplings)]
-    until(lambda: {r["node"] for r in in_flight(pair).values() if r["replicated_tokens"] >= 32} == {"n1", "n2"})
-    pair.nodes["n1"].kill9()
+    # paced: an unthrottled stream of LONG tokens can end before a copy of 32 is seen on a fast host
+    share = pace(tokens_per_second(pair), LONG, SPAN_S)
+    survivor, victim = Throttle([pair.nodes["n2"]], share), Throttle([pair.nodes["n1"]], share)
+    try:
+        streams = []
+        for p, s in zip(prompts, samplings):
+            streams.append(Stream(pair, p, s, LONG))
+            until(lambda: len(in_flight(pair)) == len(streams))
+        until(lambda: {r["node"] for r in in_flight(pair).values() if r["replicated_tokens"] >= 32} == {"n1", "n2"})
+        victim.stop()
+        pair.nodes["n1"].kill9()
+    finally:
+        victim.stop()
+        survivor.stop()
     for s in streams:
         s.join(120)
     for s, w in zip(streams, want):
