@@ -161,6 +161,7 @@ class DistStep:
                 positions = torch.arange(first_pos + (mine.start - s.start), first_pos + (mine.stop - s.start))
                 self._remote.append((s, part, slice(s.start, s.start + s.n), mine, positions))
         self._gather: Partials | None = None
+        self._pending: list = []                # the parts started and not yet gathered
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                v_cache: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
@@ -171,8 +172,7 @@ class DistStep:
         T, H, hd = q.shape
         k, v = store_kv(k, k_cache.dtype), store_kv(v, k_cache.dtype)
         # 1. the remote parts first: their round trips overlap the local work
-        pending = [(s, part, part.lender.start(layer, q[rows], s.ctx, positions, k[mine], v[mine]))
-                   for s, part, rows, mine, positions in self._remote]
+        self.start_remote(layer, q, k, v)
         # 2. the local part
         if len(self._local_rows):
             k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, self._local_slots, k[self._local_rows])
@@ -186,10 +186,30 @@ class DistStep:
                 raise ValueError("the paged attention kernel does not take this model's heads")
             gather.place(part, slice(None), 0)
         # 3. the remote results, in place; then the scale-reduce in chunk order
+        self.gather_remote(gather)
+        return self.kernel.combine(gather, self.seqs, self._zero, window=window)
+
+    @property
+    def split(self) -> torch.Tensor:
+        """int64 [S]: each sequence's first chunk not in the local part (its chunk count
+        when every chunk it has reached is local)."""
+        return torch.tensor([s.split for s in self._seqs], dtype=torch.int64)
+
+    def start_remote(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Start layer ``layer``'s micro-attention on every remote part a sequence has
+        reached: ``q`` [T, H, hd] the step's rotated query rows, ``k``, ``v`` [T, kvh, hd]
+        their new K/V as the caches store them (each part gets its own positions')."""
+        self._pending = [(s, part, part.lender.start(layer, q[rows], s.ctx, positions, k[mine], v[mine]))
+                         for s, part, rows, mine, positions in self._remote]
+
+    def gather_remote(self, gather: Partials) -> None:
+        """The results of the parts ``start_remote`` started, each in its sequence's rows of
+        ``gather`` at its chunks' slots. Raises RemoteKVError when a part fails or misses
+        its deadline."""
+        pending, self._pending = self._pending, []
         for s, part, handle in pending:
             got = handle.partials(self.deadline_s)
             gather.place(got, slice(s.start, s.start + s.n), part.lo)
-        return self.kernel.combine(gather, self.seqs, self._zero, window=window)
 
 
 class LentKV:

@@ -17,9 +17,10 @@ fused bf16 kernel (kernels/fused_decode.py, bf16 on an AVX512-BF16 CPU) or the
 plan executor of an fp32 model (kernels/plan_decode.py), made from the
 model by engine/model/decode_kernels.py; prefill always runs the torch model.
 A sequence whose KV is partly in blocks other engines lend (``remote_kv``,
-engine/dist_attention.py) runs on the torch model in both phases, every layer's
+engine/dist_attention.py) prefills on the torch model and decodes on the plan
+executor where the runner has one (the torch model otherwise), every layer's
 attention split over its parts and merged: the paged kernel's bits, so the
-same tokens and logits as the one-call decoder would give.
+same tokens and logits as the one-call decoder gives unsplit.
 The one-call decoder is fed through reused host buffers
 (kernels/decode_inputs.DecodeStaging) and hands back each row's greedy token
 with the logits, so a greedy decode step builds no tensor in Python.
@@ -40,10 +41,11 @@ from engine.request import Request, TokenLogprobs
 from engine.sampling import UNSAMPLED, apply_min_tokens, greedy, sample
 from engine.structured.masks import MaskComputer, PendingMasks
 from engine.team import TeamSizer
-from kernels.attention import AttentionBatch, PrefillSeq, decode_key_mask
+from kernels.attention import AttentionBatch, PrefillSeq, decode_key_mask, store_kv
 from kernels.decode_inputs import DecodeStaging
+from kernels.dist_attention import Partials
 from kernels.fused_decode import FusedDecoder
-from kernels.plan_decode import PlanDecoder
+from kernels.plan_decode import PlanDecoder, SplitStep
 from kernels.logprob_rows import LogprobKernel
 from kernels.sampler import RowSampler
 from kernels.token_masks import MaskKernel
@@ -144,10 +146,13 @@ class ModelRunner:
         ``on_layer``: the prefill's layer hook (engine.stream.LayerStreamer).
         ``num_new``: prefill only, tokens each request computes (default: all it has left).
         """
-        if not is_prefill and self.fused is not None and not self._has_remote_kv(requests):
-            pending = self.masks.start([r.grammar for r in requests])
-            logits, greedy_ids = self._decode_fused(requests)
-            return self._pick(requests, list(range(len(requests))), logits, greedy_ids, generators, banned, pending)
+        if not is_prefill and self.fused is not None:
+            split = self._has_remote_kv(requests)
+            if not split or self._splits_in_executor():
+                pending = self.masks.start([r.grammar for r in requests])
+                logits, greedy_ids = self._decode_split(requests) if split else self._decode_fused(requests)
+                return self._pick(requests, list(range(len(requests))), logits, greedy_ids, generators, banned,
+                                  pending)
         with torch.inference_mode():
             sampled = [i for i, r in enumerate(requests)
                        if num_new is None or r.num_computed + num_new[i] == r.num_tokens]
@@ -160,6 +165,36 @@ class ModelRunner:
     def _has_remote_kv(self, requests: list[Request]) -> bool:
         """Whether a request of the step has KV in remote parts."""
         return bool(self.remote_kv) and any(self.remote_kv.parts(r.request_id) for r in requests)
+
+    def _splits_in_executor(self) -> bool:
+        """Whether a decode step with KV in remote parts runs on the one-call decoder (the
+        plan executor, beside the paged kernel the lenders compute with), not the torch model."""
+        return isinstance(self.fused, PlanDecoder) and self.model.attention_kernel is not None
+
+    def _decode_split(self, requests: list[Request]) -> tuple[torch.Tensor, list[int]]:
+        """A decode step on the plan executor of requests some of whose KV is in remote
+        parts: at every layer the executor's hooks start the parts' micro-attentions
+        (``DistStep.start_remote``) before it computes the local chunks, and gather their
+        partials after (logits [B, V] and greedy ids). Raises RemoteKVError as the torch
+        path does."""
+        ids, positions, batch, _ = self.build_batch(requests, False)
+        dist = DistStep(*batch.paged_rows(positions), batch.slots,
+                        [self.remote_kv.parts(r.request_id) for r in requests], self.model.attention_kernel,
+                        self.remote_kv.deadline_s)
+        cfg, B, kv_dtype = self.model.config, len(requests), self.kv.dtype
+        q = torch.empty(B, cfg.num_heads, cfg.head_dim)
+        k, v = torch.empty(B, cfg.num_kv_heads, cfg.head_dim), torch.empty(B, cfg.num_kv_heads, cfg.head_dim)
+        gather = Partials.empty(B, dist.slots_total, cfg.num_heads, cfg.head_dim)
+
+        def hook(layer: int, phase: int) -> None:
+            if phase == 0:
+                dist.start_remote(layer, q, store_kv(k, kv_dtype), store_kv(v, kv_dtype))
+            else:
+                dist.gather_remote(gather)
+
+        return self.fused.decode_split(ids, positions, batch.block_tables, self.kv,
+                                       SplitStep(dist.split, q, k, v, gather, hook),
+                                       self.small_batch_threads if B <= SMALL_BATCH else 0)
 
     def _pick(self, requests: list[Request], sampled: list[int], logits: torch.Tensor, greedy_ids: list[int] | None,
               generators: list, banned: list[tuple[int, list[int]]], pending: PendingMasks | None = None

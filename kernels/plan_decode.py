@@ -39,14 +39,14 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from kernels import native
-from kernels.decode_inputs import DecodeExecutor, DecoderDims, Launch
+from kernels.decode_inputs import DecodeExecutor, DecoderDims, Launch, check_decode_inputs
 from kernels.quant import X8, QuantTensor
 from kernels.quant_linear import VARIANTS, QuantLinear, host_variant, library_flags, runs_here
 from kernels.row_ops import DENSE_FORMATS   # PlanWeight.format of a float matrix (16-bit ones widened in registers)
@@ -121,6 +121,39 @@ class _Model(ctypes.Structure):
         ("weights", ctypes.POINTER(_Weight)), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p),
         ("window", ctypes.c_void_p),
         ("embed", _Weight), ("head", _Weight), ("final_norm", ctypes.c_void_p)]
+
+
+# PlanRemote.hook: (layer, phase) -> 0, or nonzero to fail the step
+_HOOK = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_int32, ctypes.c_int32)
+
+
+class _Remote(ctypes.Structure):
+    """Mirror of ``struct PlanRemote`` in csrc/plan_decode.cpp."""
+
+    _fields_ = [("split", ctypes.c_void_p), ("chunks", ctypes.c_int64), ("q", ctypes.c_void_p),
+                ("k", ctypes.c_void_p), ("v", ctypes.c_void_p), ("m", ctypes.c_void_p), ("l", ctypes.c_void_p),
+                ("o", ctypes.c_void_p), ("hook", _HOOK)]
+
+
+@dataclass
+class SplitStep:
+    """What a decode step over sequences with KV in remote parts trades with the executor
+    (:meth:`PlanDecoder.decode_split`; DistAttention, engine/dist_attention.py).
+
+    ``split`` int64 [B]: sequence b's key chunks [0, split[b]) are local (its block table
+    covers them), the rest remote (split[b] >= its chunk count: all local). At every layer the
+    executor writes each row's rotated query into ``q`` [B, H, hd] and its new K and V into
+    ``k``, ``v`` [B, KVH, hd] (fp32), then calls ``hook(layer, 0)``: start the remote parts;
+    it computes the local chunks and calls ``hook(layer, 1)``: write the remote chunks'
+    partials into ``gather`` (``Partials`` [B, C, H(, hd)], row b's chunk c at slot c). A
+    hook that raises fails the step: ``decode_split`` raises that exception."""
+
+    split: torch.Tensor
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    gather: object              # kernels.dist_attention.Partials
+    hook: Callable[[int, int], None]
 
 
 def _single_block_tensor(m: object) -> bool:
@@ -265,6 +298,9 @@ class PlanDecoder(DecodeExecutor):
         self._step.argtypes = [ctypes.POINTER(_Model), ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
                                ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                                ctypes.c_int, ctypes.c_int]
+        self._split_step = lib.kvd_plan_decode_split
+        self._split_step.restype = ctypes.c_int
+        self._split_step.argtypes = [*self._step.argtypes, ctypes.POINTER(_Remote)]
 
     @classmethod
     def create(cls, plan: Plan, kv: torch.Tensor, block_size: int,
@@ -288,6 +324,54 @@ class PlanDecoder(DecodeExecutor):
         except (native.BuildError, OSError, ValueError) as exc:
             log.warning("plan decode executor unavailable, decoding with torch: %s", exc)
             return None
+
+    def decode_split(self, ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
+                     kv: torch.Tensor, step: SplitStep, threads: int = 0) -> tuple[torch.Tensor, list[int]]:
+        """:meth:`decode` of a batch whose sequences may have KV in remote parts (``step``):
+        (fp32 logits [B, V], each row's greedy token). ``block_tables`` need cover only each
+        sequence's local chunks. The same bits as the unsplit step where the hook gives the
+        unsplit kernel's partials (``PagedAttention.partials``). Raises ValueError on bad
+        input (nothing written), or what the hook raised (the step's K/V writes then stand
+        for positions it computes again)."""
+        ids, positions, tables = check_decode_inputs(ids, positions, block_tables, kv, dims=self.dims,
+                                                     num_blocks=self.num_blocks, block_size=self.block_size,
+                                                     dtype=self.kv_dtype, what=self.WHAT)
+        B, d = ids.shape[0], self.dims
+        g = step.gather
+        C = g.m.shape[1] if g.m.dim() == 3 else 0
+        wants = {"split": (step.split, torch.int64, (B,)), "q": (step.q, torch.float32, (B, d.heads, d.head_dim)),
+                 "k": (step.k, torch.float32, (B, d.kv_heads, d.head_dim)),
+                 "v": (step.v, torch.float32, (B, d.kv_heads, d.head_dim)),
+                 "gather m": (g.m, torch.float32, (B, C, d.heads)), "gather l": (g.l, torch.float32, (B, C, d.heads)),
+                 "gather o": (g.o, torch.float32, (B, C, d.heads, d.head_dim))}
+        for name, (t, dtype, shape) in wants.items():
+            if t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous():
+                raise ValueError(f"split step: {name} must be contiguous {dtype} {list(shape)}")
+        if C < 1:
+            raise ValueError("split step: the gather has no slots")
+        failure: list[BaseException] = []
+
+        def hook(layer: int, phase: int) -> int:
+            try:
+                step.hook(layer, phase)
+                return 0
+            except BaseException as exc:  # noqa: BLE001 -- raised by decode_split, after the step
+                failure.append(exc)
+                return 1
+
+        remote = _Remote(step.split.data_ptr(), C, step.q.data_ptr(), step.k.data_ptr(), step.v.data_ptr(),
+                         g.m.data_ptr(), g.l.data_ptr(), g.o.data_ptr(), _HOOK(hook))
+        logits = torch.empty(B, d.vocab, dtype=torch.float32)
+        argmax = torch.empty(B, dtype=torch.int64)
+        team = torch.get_num_threads()
+        rc = self._split_step(ctypes.byref(self.desc), kv.data_ptr(), B, ids.data_ptr(), positions.data_ptr(),
+                              tables.data_ptr(), tables.shape[1], logits.data_ptr(), argmax.data_ptr(),
+                              threads or team, team, ctypes.byref(remote))
+        if failure:
+            raise failure[0]
+        if rc != 0:
+            raise ValueError(self.REFUSED + ", or a split that does not fit the gather")
+        return logits, argmax.tolist()
 
     def _launcher(self, kv: torch.Tensor) -> Launch:
         """The step over ``kv`` (already checked) on addresses (argmax 0: none; threads 0: torch's count)."""

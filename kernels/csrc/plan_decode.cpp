@@ -118,6 +118,26 @@ struct PlanModel {
     const float* final_norm;        // [hidden]
 };
 
+// A split step's remote parts (kvd_plan_decode_split; DistAttention, engine/dist_attention.py):
+// sequence b's key chunks [0, split[b]) are local (its block table covers their blocks), the
+// chunks from split[b] on are held by other engines. At every layer's rope_attention the team's
+// first thread writes every row's rotated query and new K/V into q, k, v and calls
+// hook(layer, 0) (the caller starts the remote micro-attentions), the team computes the local
+// chunks, then the first thread calls hook(layer, 1) (the caller writes the remote chunks'
+// partials into the gather: chunk c of row b at slot c) and copies them among the local ones
+// before the combine. A hook returning nonzero fails the step (no later hook is called).
+struct PlanRemote {
+    const int64_t* split;           // [B] first remote chunk (INT64_MAX: every chunk local)
+    int64_t chunks;                 // C: the gather's slots per row
+    float* q;                       // [B, H, hd] rotated queries
+    float* k;                       // [B, KVH, hd] rotated new keys
+    float* v;                       // [B, KVH, hd] new values
+    const float* m;                 // gather [B, C, H]
+    const float* l;                 // gather [B, C, H]
+    const float* o;                 // gather [B, C, H, hd]
+    int32_t (*hook)(int32_t layer, int32_t phase);
+};
+
 }  // extern "C"
 
 namespace {
@@ -174,12 +194,16 @@ struct ItemList {
     int64_t window;
     std::vector<int64_t> seq, t0, first;
 
-    ItemList(int64_t w, int B, const int64_t* positions) : window(w), first((size_t)B + 1) {
+    std::vector<char> remote;       // item i's chunk is a remote part's (a split step's), else empty
+
+    ItemList(int64_t w, int B, const int64_t* positions, const int64_t* split = nullptr) : window(w), first((size_t)B + 1) {
         for (int b = 0; b < B; b++) {
             const int64_t ctx = positions[b] + 1;
             first[b] = (int64_t)seq.size();
-            for (int64_t c = first_chunk(ctx, w); c * KEY_CHUNK < ctx; c++)
+            for (int64_t c = first_chunk(ctx, w); c * KEY_CHUNK < ctx; c++) {
                 seq.push_back(b), t0.push_back(chunk_start(c, ctx, w));
+                if (split) remote.push_back(c >= split[b] ? 1 : 0);
+            }
         }
         first[B] = (int64_t)seq.size();
     }
@@ -195,6 +219,7 @@ struct AttnItems {
     int max_blocks;
     const float* cos;
     const float* sin;
+    const char* remote;             // [items] a remote part's chunk (not computed here), or null
 };
 
 // A thread's buffers for attend_items: scores [H][KEY_CHUNK], q [H][hd], k [kvh][hd] its own;
@@ -215,6 +240,7 @@ void attend_items(const PlanModel* m, const AttnItems& it, int64_t i0, int64_t i
     KV* vcache = kcache + v_offset;
     int64_t rotated = -1;                       // the sequence ws.q holds
     for (int64_t i = i0; i < i1; i++) {
+        if (it.remote && it.remote[i]) continue;            // its partials come from the part's lender
         const int64_t b = it.seq[i], pos = it.positions[b], ctx = pos + 1;
         const int64_t t1 = chunk_end(it.t0[i] / KEY_CHUNK, ctx);
         const float* src = x + b * in;
@@ -439,22 +465,26 @@ int kvd_plan_check(const PlanModel* m) {
     return 0;
 }
 
-// kv: [num_layers, 2, num_blocks, block_size, kv_heads, head_dim] of fp32, or of halves when
-// m->kv_half (the new K/V written);
-// ids, positions [B]; tables [B, max_blocks]; logits [B, vocab]; argmax [B] or null: each
-// row's greedy token (Best); num_threads compute it, inside an OpenMP region of at least
-// team_threads. Returns 0, or -1 when B < 1 or an id, position or block is out of range
-// (nothing written).
-int kvd_plan_decode(const PlanModel* m, void* kv, int B, const int64_t* ids, const int64_t* positions,
-                    const int64_t* tables, int max_blocks, float* logits, int64_t* argmax, int num_threads,
-                    int team_threads) {
+// The step of kvd_plan_decode and kvd_plan_decode_split (remote: null for the first).
+static int plan_decode(const PlanModel* m, void* kv, int B, const int64_t* ids, const int64_t* positions,
+                       const int64_t* tables, int max_blocks, float* logits, int64_t* argmax, int num_threads,
+                       int team_threads, const PlanRemote* remote) {
     const int bs = m->block_size, hd = m->head_dim, H = m->heads, KVH = m->kv_heads;
     if (B < 1) return -1;
+    if (remote && (KEY_CHUNK % bs || remote->chunks < 1 || !remote->split || !remote->hook || !remote->q
+                   || !remote->k || !remote->v || !remote->m || !remote->l || !remote->o))
+        return -1;
     for (int b = 0; b < B; b++) {
-        if (ids[b] < 0 || ids[b] >= m->vocab || positions[b] < 0 || positions[b] >= m->max_positions
-            || positions[b] / bs >= max_blocks)
+        if (ids[b] < 0 || ids[b] >= m->vocab || positions[b] < 0 || positions[b] >= m->max_positions)
             return -1;
-        for (int64_t j = 0; j <= positions[b] / bs; j++)
+        // the blocks read or written here: a split sequence's local chunks' only
+        int64_t blocks = positions[b] / bs + 1;
+        if (remote && remote->split[b] < (positions[b] + KEY_CHUNK) / KEY_CHUNK) {
+            if (remote->split[b] < 1 || (positions[b] + KEY_CHUNK) / KEY_CHUNK > remote->chunks) return -1;
+            blocks = std::min(blocks, remote->split[b] * (KEY_CHUNK / bs));
+        }
+        if (blocks > max_blocks) return -1;
+        for (int64_t j = 0; j < blocks; j++)
             if (tables[(size_t)b * max_blocks + j] < 0 || tables[(size_t)b * max_blocks + j] >= m->num_blocks)
                 return -1;
     }
@@ -465,7 +495,7 @@ int kvd_plan_decode(const PlanModel* m, void* kv, int B, const int64_t* ids, con
     for (int l = 0; l < m->num_layers; l++) {
         size_t i = 0;
         while (i < lists.size() && lists[i].window != m->window[l]) i++;
-        if (i == lists.size()) lists.emplace_back(m->window[l], B, positions);
+        if (i == lists.size()) lists.emplace_back(m->window[l], B, positions, remote ? remote->split : nullptr);
         layer_items[l] = (int)i;
         items = std::max(items, lists[i].size());
     }
@@ -512,6 +542,7 @@ int kvd_plan_decode(const PlanModel* m, void* kv, int B, const int64_t* ids, con
 
     SpinBarrier barrier(nt);
     RowClaims claims(nt);
+    bool failed = false;                                // a hook failed (the team's first thread's only)
     std::vector<Best> team_best(argmax ? (size_t)nt * B : 0, Best{0.0f, -1});    // [thread][row]
     auto work = [&](const int tid, const int T) {
         int64_t round = 0;                              // the team's claimed phases so far (RowClaims)
@@ -617,13 +648,38 @@ int kvd_plan_decode(const PlanModel* m, void* kv, int B, const int64_t* ids, con
                         // leaves what it has not started to the others)
                         const ItemList& list = lists[(size_t)layer_items[l]];
                         const AttnItems it{list.seq.data(), list.t0.data(), positions, tables, max_blocks, m->cos[l],
-                                           m->sin[l]};
+                                           m->sin[l], list.remote.empty() ? nullptr : list.remote.data()};
+                        if (remote && tid == 0 && !failed) {
+                            // every row's rotated query and new K/V for the remote parts, then their start
+                            for (int b = 0; b < B; b++) {
+                                const float* src = x + b * in;
+                                const float* c = m->cos[l] + positions[b] * hd;
+                                const float* sn = m->sin[l] + positions[b] * hd;
+                                for (int j = 0; j < H; j++) rope_head(src + j * hd, c, sn, hd, remote->q + (b * H + j) * hd);
+                                for (int j = 0; j < KVH; j++)
+                                    rope_head(src + (H + j) * hd, c, sn, hd, remote->k + (b * KVH + j) * hd);
+                                memcpy(remote->v + b * kvh_stride, src + (H + KVH) * hd, (size_t)kvh_stride * sizeof(float));
+                            }
+                            failed = remote->hook(l, 0) != 0;
+                        }
                         claims.run_units(list.size(), ATTN_CLAIM_ITEMS, T, tid, round++, [&](int64_t i0, int64_t i1) {
                             if (m->kv_half)
                                 attend_items(m, it, i0, i1, x, in, (uint16_t*)kv + l * layer_kv, layer_kv / 2, ws);
                             else
                                 attend_items(m, it, i0, i1, x, in, (float*)kv + l * layer_kv, layer_kv / 2, ws);
                         });
+                        if (remote && tid == 0) {
+                            // the remote parts' partials, in their items' places beside the local ones
+                            if (!failed) failed = remote->hook(l, 1) != 0;
+                            const int64_t C = remote->chunks;
+                            for (int64_t i = 0; i < list.size() && !failed; i++) {
+                                if (!it.remote[i]) continue;
+                                const int64_t g = it.seq[i] * C + it.t0[i] / KEY_CHUNK;
+                                memcpy(&part_m[i * H], remote->m + g * H, (size_t)H * sizeof(float));
+                                memcpy(&part_l[i * H], remote->l + g * H, (size_t)H * sizeof(float));
+                                memcpy(&part_o[i * q_size], remote->o + g * q_size, (size_t)q_size * sizeof(float));
+                            }
+                        }
                         barrier.wait(T, tid);
                         // the chunks of each (sequence, head) combined: every pair on every
                         // thread into its private output, or the pairs claimed
@@ -674,6 +730,7 @@ int kvd_plan_decode(const PlanModel* m, void* kv, int B, const int64_t* ids, con
         const int tid = omp_get_thread_num(), T = std::min(nt, omp_get_num_threads());
         if (tid < T) work(tid, T);
     }
+    if (failed) return -2;
     if (argmax)
         for (int64_t r = 0; r < B; r++) {
             Best best{0.0f, -1};
@@ -681,6 +738,32 @@ int kvd_plan_decode(const PlanModel* m, void* kv, int B, const int64_t* ids, con
             argmax[r] = best.i;
         }
     return 0;
+}
+
+// kv: [num_layers, 2, num_blocks, block_size, kv_heads, head_dim] of fp32, or of halves when
+// m->kv_half (the new K/V written);
+// ids, positions [B]; tables [B, max_blocks]; logits [B, vocab]; argmax [B] or null: each
+// row's greedy token (Best); num_threads compute it, inside an OpenMP region of at least
+// team_threads. Returns 0, or -1 when B < 1 or an id, position or block is out of range
+// (nothing written).
+int kvd_plan_decode(const PlanModel* m, void* kv, int B, const int64_t* ids, const int64_t* positions,
+                    const int64_t* tables, int max_blocks, float* logits, int64_t* argmax, int num_threads,
+                    int team_threads) {
+    return plan_decode(m, kv, B, ids, positions, tables, max_blocks, logits, argmax, num_threads, team_threads,
+                       nullptr);
+}
+
+// kvd_plan_decode of a batch whose sequences may have KV in remote parts (PlanRemote): the
+// same bits as the unsplit step where the remote partials are the unsplit kernel's. The tables
+// need cover only each sequence's local chunks. Returns 0; -1 as kvd_plan_decode, or for a
+// split or gather that does not fit the batch (nothing written); -2 when a hook failed (the
+// step's logits and the K/V it wrote are not to be used).
+int kvd_plan_decode_split(const PlanModel* m, void* kv, int B, const int64_t* ids, const int64_t* positions,
+                          const int64_t* tables, int max_blocks, float* logits, int64_t* argmax, int num_threads,
+                          int team_threads, const PlanRemote* remote) {
+    if (!remote) return -1;
+    return plan_decode(m, kv, B, ids, positions, tables, max_blocks, logits, argmax, num_threads, team_threads,
+                       remote);
 }
 
 }  // extern "C"
