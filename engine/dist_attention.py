@@ -233,6 +233,7 @@ class LentKV:
         self.first_block = lo * KEY_CHUNK // bs
         self.capacity = len(block_ids) * bs                 # keys the loan holds from lo * KEY_CHUNK
         self.blocks = torch.tensor(block_ids, dtype=torch.int64)
+        self.block_list = list(block_ids)
         self._layout: tuple | None = None                   # (ctx, rows, table, seqs, chunks): a step's, every layer's
 
     def step(self, layer: int, q: torch.Tensor, ctx: int, positions: torch.Tensor, k: torch.Tensor,
@@ -243,13 +244,7 @@ class LentKV:
         keys): Partials [n, chunks in the part up to ctx, ...], written where ``into(shape)``
         says (a reply's buffer; None, or no ``into``: new tensors)."""
         bs, k0 = self.pool.block_size, self.lo * KEY_CHUNK
-        end = min(ctx, k0 + self.capacity)             # the part's keys of this sequence: [k0, end)
-        if not 0 <= layer < len(self.windows):
-            raise ValueError(f"layer {layer} out of range")
-        if ctx <= k0 or q.shape[0] > ctx:
-            raise ValueError(f"{ctx} keys do not reach the part from key {k0}")
-        if end < ctx and self.capacity % KEY_CHUNK:
-            raise ValueError(f"the sequence passes the part, which ends inside a {KEY_CHUNK}-key chunk")
+        end = self._reach(layer, q, ctx)
         if len(positions) and (int(positions.min()) < k0 or int(positions.max()) >= end):
             raise ValueError("a K/V write outside the part")
         k_cache, v_cache = self.pool.layer_caches(layer)
@@ -258,6 +253,47 @@ class LentKV:
             slots = self.blocks[rel // bs] * bs + rel % bs
             k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
             v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
+        return self._attend(layer, q, ctx, end, k_cache, v_cache, into)
+
+    def step_from(self, layer: int, q: torch.Tensor, ctx: int, first: int, k: torch.Tensor, v: torch.Tensor,
+                  into: Callable[[tuple[int, int, int, int]], Partials | None] | None = None) -> Partials:
+        """``step`` for the positions [first, first + len(k)) (a RemoteAttend's): the same
+        checks and result, the K/V written a block's run at a time, with no positions tensor
+        built (a creditor's hot path: once per layer per debtor)."""
+        bs, k0 = self.pool.block_size, self.lo * KEY_CHUNK
+        end, n = self._reach(layer, q, ctx), k.shape[0]
+        if n and (first < k0 or first + n > end):
+            raise ValueError("a K/V write outside the part")
+        k_cache, v_cache = self.pool.layer_caches(layer)
+        if v.shape != k.shape or k.shape[1:] != k_cache.shape[2:]:      # (no broadcast into the blocks)
+            raise ValueError(f"K/V rows of {tuple(k.shape[1:])}, the part's blocks hold {tuple(k_cache.shape[2:])}")
+        row = 0
+        while row < n:                                  # k_cache [N, bs, kvh, hd]: a run within one block
+            block, at = divmod(first + row - k0, bs)
+            run = min(bs - at, n - row)
+            k_cache[self.block_list[block], at:at + run] = k[row:row + run]     # converted as .to(dtype)
+            v_cache[self.block_list[block], at:at + run] = v[row:row + run]
+            row += run
+        return self._attend(layer, q, ctx, end, k_cache, v_cache, into)
+
+    def _reach(self, layer: int, q: torch.Tensor, ctx: int) -> int:
+        """Where the part's keys of a sequence of ``ctx`` keys end (they are [lo * KEY_CHUNK,
+        that)); raises ValueError for a layer, rows or context the part does not serve."""
+        k0 = self.lo * KEY_CHUNK
+        end = min(ctx, k0 + self.capacity)
+        if not 0 <= layer < len(self.windows):
+            raise ValueError(f"layer {layer} out of range")
+        if ctx <= k0 or q.shape[0] > ctx:
+            raise ValueError(f"{ctx} keys do not reach the part from key {k0}")
+        if end < ctx and self.capacity % KEY_CHUNK:
+            raise ValueError(f"the sequence passes the part, which ends inside a {KEY_CHUNK}-key chunk")
+        return end
+
+    def _attend(self, layer: int, q: torch.Tensor, ctx: int, end: int, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, into: Callable[[tuple[int, int, int, int]], Partials | None] | None
+                ) -> Partials:
+        """The part's micro-attention over its keys [lo * KEY_CHUNK, end) (``step``'s)."""
+        bs = self.pool.block_size
         hi = chunks_of(end)
         if self._layout is None or self._layout[:2] != (ctx, q.shape[0]):     # a new step: its layers share it
             table = torch.full((1, -(-ctx // bs)), -1, dtype=torch.int64)

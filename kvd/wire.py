@@ -136,11 +136,12 @@ class RawTensor:
         import torch  # noqa: PLC0415 -- the coordinator never calls this
 
         dtype = getattr(torch, self.dtype)
-        if self.nbytes == 0:
+        count = math.prod(self.shape)
+        if count == 0:
             return torch.empty(self.shape, dtype=dtype)
         # frombuffer warns on read-only buffers: filtered once, at import
         # (a catch_warnings block per frame doubled the cost of this view)
-        return torch.frombuffer(self.data, dtype=dtype, count=math.prod(self.shape)).view(self.shape)
+        return torch.frombuffer(self.data, dtype=dtype, count=count).view(self.shape)
 
 
 # ─── field checking by annotation ────────────────────────────────────────────

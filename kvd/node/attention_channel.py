@@ -226,7 +226,7 @@ class ChannelServer:
                                          lambda header, frames, into: self.answer(header, frames, debtor, True,
                                                                                   ring=True, reply_into=into),
                                          policy.holds, lambda: self._count("rejected"),
-                                         lambda: self._count("rings_open", -1))
+                                         lambda: self._count("rings_open", -1), policy.engine_idle)
         self._count("rings")
         return protocol.RingOffer(id=msg.id, ok=True, name=segment.name, nonce=segment.nonce.hex(),
                                   slots=segment.slots, slot_bytes=segment.slot_bytes)

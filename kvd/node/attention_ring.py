@@ -35,7 +35,8 @@ Segment layout (little-endian)::
 
 A reply's partials are computed straight into its slot (``Segment.reply_into``: the
 header first, then the kernel writes m, l and o where the frames go), so posting it
-copies nothing.
+copies nothing. What a reply of one shape needs in its slot (its header but for the
+id, the frames' views) is worked out once per slot and shape, not per layer.
 
 Request i sits in request slot i % slots and its reply in reply slot i % slots,
 in order; the debtor posts request i only once it has read reply i - slots, so
@@ -46,9 +47,15 @@ answered with a refusal and counted, and the ring goes on. A message that does
 not fit a slot (a long prefill chunk's), or finds the ring full, goes on the
 zmq channel instead.
 
-Waits: a doorbell spins ``SPIN_S`` then sleeps, the GIL released, in slices of
-``SLICE_S`` between which each side looks at the other's closed flag; every wait
-ends by its deadline (``RemoteKVError`` on the debtor: its request is computed
+Waits: a doorbell spins, then sleeps, the GIL released, in slices of ``SLICE_S``
+between which each side looks at the other's closed flag. How long it spins adapts
+(``kernels.shm_wait.AdaptiveSpin``): about twice the waits each side has seen lately,
+at most ``MAX_SPIN_S``, and only ``SPIN_S`` where its waits mostly run past that. The
+debtor's engine thread has nothing else to do while a reply is coming; the creditor's
+ring thread spins for the debtor's next request (its gap between layers) only while its
+own engine computes nothing (``RingPolicy.engine_idle``: the thread shares that
+engine's cores), else ``SPIN_S``. So between a step's layers neither side sleeps on a
+futex and pays a wake-up. Every wait ends by its deadline (``RemoteKVError`` on the debtor: its request is computed
 again, engine/borrowing.py). A creditor closes a ring when it stops, when its
 debtor opens another, when its debtor's last loans here end with their lease (a
 debtor gone: ``ChannelServer.close_ring``, within ``SLICE_S``), or when its debtor
@@ -75,11 +82,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import orjson
 import torch
 
 from engine.dist_attention import RemoteKVError
 from kernels.dist_attention import Partials
-from kernels.shm_wait import Doorbells
+from kernels.shm_wait import AdaptiveSpin, Doorbells
 from kvd import protocol
 from kvd.wire import RawTensor
 
@@ -90,7 +98,8 @@ NAME = re.compile(r"kvd-ring-[0-9a-f]{32}")
 SLOTS = 4                     # requests in flight per ring
 SLOT_BYTES = 512 * 1024       # a decode step's message and reply fit at 8K keys with room to spare
 MAX_SLOT_BYTES = 64 << 20     # the most a debtor maps for one slot
-SPIN_S = 20e-6                # a doorbell's spin before it sleeps
+SPIN_S = 20e-6                # a doorbell's shortest spin before it sleeps
+MAX_SPIN_S = 2e-3             # its longest (AdaptiveSpin): a layer's gap on a small model, not a step's
 SLICE_S = 0.05                # the longest sleep between looks at the other side
 ATTACH_S = 10.0               # a name not mapped by its debtor within this is unlinked
 IDLE_S = 30.0                 # a ring whose debtor holds no loan here this long is closed
@@ -106,6 +115,7 @@ MAX_FRAMES = 4
 ALIGN = 64
 REQUESTS, REPLIES = 0, 1
 MASK = 0xFFFFFFFF
+PLACES = 8 * SLOTS            # reply layouts a segment keeps (a slot's shape changes every 128 keys)
 
 
 def _align(n: int) -> int:
@@ -125,14 +135,39 @@ def slot_use(header_bytes: int, frame_bytes: list[int]) -> int:
     return ALIGN + _align(header_bytes) + sum(_align(n) for n in frame_bytes)
 
 
+@dataclass
+class SlotPartials(Partials):
+    """Partials viewing a ring's reply slot (``Segment.reply_into``), with ``frames``: the
+    same bytes as a RemotePartials' frames (m, l, o), so the reply is built from them
+    without viewing the tensors again."""
+
+    frames: tuple[RawTensor, ...] = ()
+
+
+@dataclass(frozen=True)
+class _Place:
+    """Where a reply of one shape goes in one reply slot: its header around the id
+    (``prefix`` + the id's JSON + ``suffix``: what ``protocol.encode`` writes), at ``at``;
+    the partials viewing the frames' bytes after it."""
+
+    at: int
+    prefix: bytes
+    suffix: bytes
+    partials: SlotPartials
+
+
 @dataclass(frozen=True)
 class RingPolicy:
     """Whom a creditor gives a ring: ``may_open(loan_id, debtor)``, the reason ``debtor``
     may not have one (it holds no such loan here) or None; ``holds(debtor)``, whether it
-    holds any loan here now. Both callable from the channel's and the rings' threads."""
+    holds any loan here now; ``engine_idle()``, whether this node's engine computes
+    nothing now (then a ring thread may spin for the debtor's next request: module
+    docstring; the default, never, spins ``SPIN_S``). Each callable from the channel's and
+    the rings' threads; ``engine_idle`` at every request, so a read of a flag."""
 
     may_open: Callable[[str, str], str | None]
     holds: Callable[[str], bool]
+    engine_idle: Callable[[], bool] = lambda: False
 
 
 @functools.cache
@@ -157,6 +192,7 @@ class Segment:
         self._anchor = (ctypes.c_char * self.size).from_buffer(self.mm)     # pins the mapping's address
         self.base = ctypes.addressof(self._anchor)
         self.view = memoryview(self.mm)
+        self._places: dict[tuple, _Place | None] = {}      # (slot, shape, id's length) -> its reply's place
 
     @classmethod
     def create(cls, slots: int = SLOTS, slot_bytes: int = SLOT_BYTES) -> Segment:
@@ -238,25 +274,46 @@ class Segment:
         _SLOT.pack_into(self.mm, at, seq & MASK, len(header), len(frames), 0, *sizes, *[0] * (MAX_FRAMES - len(sizes)))
         return True
 
-    def reply_into(self, seq: int, msg_id: str, shape: tuple[int, int, int, int]) -> Partials | None:
+    def reply_into(self, seq: int, msg_id: str, shape: tuple[int, int, int, int]) -> SlotPartials | None:
         """Partials of ``shape`` (rows, chunks, heads, head dim) viewing reply ``seq``'s slot
         where the frames of a RemotePartials answering ``msg_id`` go (its header written
         before them), or None when they do not fit. Posting that answer with ``put`` then
-        copies nothing but the header; the views pin the mapping until they go."""
+        copies nothing but the header. The same views for every reply of this shape in this
+        slot (the segment's: ``close`` lets go of them); the views pin the mapping until they
+        go."""
+        ident = orjson.dumps(msg_id)                       # the id as the header's JSON writes it
+        key = (seq % self.slots, shape, len(ident))
+        place = self._places.get(key, False)
+        if place is False:
+            if len(self._places) >= PLACES:
+                self._places.clear()
+            place = self._places[key] = self._place(seq, shape, len(ident))
+        if place is None:
+            return None
+        header = place.prefix + ident + place.suffix
+        self.mm[place.at:place.at + len(header)] = header
+        return place.partials
+
+    def _place(self, seq: int, shape: tuple[int, int, int, int], ident_bytes: int) -> _Place | None:
+        """Reply ``seq``'s slot's layout for partials of ``shape`` and an id of ``ident_bytes``
+        in JSON, or None when they do not fit."""
         rows, chunks, heads, hd = shape
         shapes = [(rows, chunks, heads), (rows, chunks, heads), (rows, chunks, heads, hd)]
-        header, _ = protocol.encode(protocol.RemotePartials(id=msg_id, ok=True, tensors=tuple(
+        header, _ = protocol.encode(protocol.RemotePartials(id="", ok=True, tensors=tuple(
             RawTensor("float32", s, memoryview(b"")) for s in shapes)))
+        prefix, found, suffix = header.partition(b'"id":""')
+        assert found and suffix.find(b'"id":""') < 0, "a RemotePartials header names its id once"
+        prefix += b'"id":'
+        header_bytes = len(prefix) + ident_bytes + len(suffix)
         sizes = [4 * math.prod(s) for s in shapes]
-        if slot_use(len(header), sizes) > self.slot_bytes or not all(sizes):
+        if slot_use(header_bytes, sizes) > self.slot_bytes or not all(sizes):
             return None
-        at = self._slot(REPLIES, seq)
-        self.mm[at + ALIGN:at + ALIGN + len(header)] = header
-        pos, views = _align(at + ALIGN + len(header)), []
+        at = self._slot(REPLIES, seq) + ALIGN
+        pos, views = _align(at + header_bytes), []
         for s, n in zip(shapes, sizes):
             views.append(torch.frombuffer(self.mm, dtype=torch.float32, count=n // 4, offset=pos).view(s))
             pos = _align(pos + n)
-        return Partials(*views)
+        return _Place(at, prefix, suffix, SlotPartials(*views, frames=tuple(RawTensor.from_torch(t) for t in views)))
 
     def take(self, area: int, seq: int, copy: bool) -> tuple[bytes, list] | str:
         """Message ``seq`` from its slot of ``area``: (header, frames: bytes when ``copy``,
@@ -285,6 +342,7 @@ class Segment:
         """Unmap (deferred to the last view's release where views remain)."""
         if self._anchor is None:
             return
+        self._places.clear()                                # its views of the mapping
         with contextlib.suppress(BufferError):
             self.view.release()
         self._anchor = None
@@ -303,6 +361,7 @@ class RingClient:
         self.seg, self.bells = segment, bells
         self.sent = 0               # requests posted
         self.read = 0               # replies read
+        self.spin = AdaptiveSpin(MAX_SPIN_S, SPIN_S)               # the reply's wait: the engine thread's only work
         self._ids: collections.deque[str] = collections.deque()     # the ids of requests not answered yet, in order
 
     @classmethod
@@ -337,13 +396,17 @@ class RingClient:
         bell = self.seg.bell(_REPLY_BELL)
         if self.read == self.sent:
             raise RemoteKVError("no request awaits a reply on the ring")
-        while self.bells.load(bell) == self.read & MASK:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise RemoteKVError("a remote part gave no result within the deadline on the ring")
-            if self.closed:
-                raise RemoteKVError("the creditor closed the shared-memory ring")
-            self.bells.wait(bell, self.read, SPIN_S, min(left, SLICE_S))
+        if self.bells.load(bell) == self.read & MASK:
+            spin_s, since = self.spin.spin_s(), time.monotonic()
+            while self.bells.load(bell) == self.read & MASK:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RemoteKVError("a remote part gave no result within the deadline on the ring")
+                if self.closed:
+                    raise RemoteKVError("the creditor closed the shared-memory ring")
+                self.bells.wait(bell, self.read, spin_s, min(left, SLICE_S))
+                spin_s = SPIN_S                             # past a slice: the creditor is slow, not busy
+            self.spin.waited(time.monotonic() - since)
         got = self.seg.take(REPLIES, self.read, copy=True)
         self.read += 1
         msg_id = self._ids.popleft()
@@ -363,14 +426,19 @@ class RingServer:
     partials computed ``into(msg_id, shape)``, the reply slot) and ends when
     ``stop``ped or ``close``d, when the debtor closes its end, or when ``holds(debtor)`` has
     been false for ``IDLE_S``. ``rejected()`` is called for each slot that holds no message,
-    ``ended()`` once, by the thread, when it has unmapped the segment."""
+    ``ended()`` once, by the thread, when it has unmapped the segment. After answering, it
+    spins for the debtor's next request about the debtor's recent gap while
+    ``engine_idle()`` (``RingPolicy``'s), else ``SPIN_S``."""
 
     def __init__(self, segment: Segment, bells: Doorbells, debtor: str,
                  answer: Callable[[bytes, list[memoryview], Callable], protocol.Message],
                  holds: Callable[[str], bool],
-                 rejected: Callable[[], None], ended: Callable[[], None] = lambda: None) -> None:
+                 rejected: Callable[[], None], ended: Callable[[], None] = lambda: None,
+                 engine_idle: Callable[[], bool] = lambda: False) -> None:
         self.seg, self.bells, self.debtor = segment, bells, debtor
         self.answer, self.holds, self.rejected, self.ended = answer, holds, rejected, ended
+        self.engine_idle = engine_idle
+        self.spin = AdaptiveSpin(MAX_SPIN_S, SPIN_S)               # the debtor's gap between requests
         self._stop = threading.Event()
         self._created = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="kvd-attention-ring", daemon=True)
@@ -383,9 +451,16 @@ class RingServer:
     def _run(self) -> None:
         seg, bell = self.seg, self.seg.bell(_REQUEST_BELL)
         done, named, idle_since = 0, True, None
+        answered = None                                     # when the last answers went: the debtor's gap began
         try:
             while not self._stop.is_set():
-                posted = self.bells.wait(bell, done, SPIN_S, SLICE_S)
+                # the debtor's next request comes after its gap: spin that long where the
+                # engine leaves this node's cores free, else sleep soon
+                spin_s = self.spin.spin_s() if answered is not None and self.engine_idle() else SPIN_S
+                posted = self.bells.wait(bell, done, spin_s, SLICE_S)
+                if answered is not None:
+                    self.spin.waited(time.monotonic() - answered if posted is not None else SLICE_S)
+                    answered = None
                 if posted is None:                          # quiet: look around
                     now = time.monotonic()
                     if named and now - self._created > ATTACH_S:
@@ -412,6 +487,7 @@ class RingServer:
                     self._serve_one(done)
                     done += 1
                     self.bells.post(seg.bell(_REPLY_BELL), done)
+                answered = time.monotonic()
         finally:
             seg.mark_closed("creditor")
             seg.unlink()

@@ -152,6 +152,10 @@ class EngineDriver:
         self._snapshot: dict = self._take_snapshot()
         self._snapshot_stale = False       # an inline call changed the engine since
         self._running = False              # the engine thread is up (cheaper than is_alive())
+        # the engine thread waits for a command, computing nothing: read by other threads
+        # that would otherwise take the node's cores from a step (a ring's spin,
+        # kvd/node/attention_ring.py); a bool, set only by the engine thread
+        self.idle = True
         self._dead: BaseException | None = None
         self._died = asyncio.Event()       # set on the event loop once the thread died
         # called on the event loop when the engine thread died, before the open
@@ -368,10 +372,12 @@ class EngineDriver:
             while not self._stopping.is_set():
                 cmd = None
                 if not busy or stalled:        # idle or stalled: sleep until a command comes
+                    self.idle = True
                     try:
                         cmd = self._commands.get(timeout=self.STALLED_WAIT_S if busy else self.IDLE_WAIT_S)
                     except queue.Empty:
                         pass
+                    self.idle = False
                 with self._lock:
                     if cmd is not None:
                         self._apply(cmd)

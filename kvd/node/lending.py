@@ -80,7 +80,8 @@ class Lender:
         if self.rmanager.lend_cap > 0 and (host := channel_host(address)) is not None:
             try:
                 self.channel = ChannelServer(host, self.attention.serve, curve,
-                                             RingPolicy(self._may_ring, lambda debtor: debtor in self.lent))
+                                             RingPolicy(self._may_ring, lambda debtor: debtor in self.lent,
+                                                        lambda: self.driver.idle))
             except zmq.ZMQError as exc:         # the interface takes no second port: the peer link serves
                 log.warning("no remote-attention channel on %s: %s", host, exc)
 

@@ -188,14 +188,14 @@ class AttentionServer:
                                                      self.scale, self.windows, self.threads)
                 except ValueError as exc:
                     return self._refuse(msg, str(exc))
-            positions = torch.arange(msg.first, msg.first + k.shape[0], dtype=torch.int64)
             try:
-                out = lent.step(msg.layer, q, msg.ctx, positions, k, v, into)
+                out = lent.step_from(msg.layer, q, msg.ctx, msg.first, k, v, into)
             except (ValueError, RuntimeError, IndexError) as exc:
                 return self._refuse(msg, f"{type(exc).__name__}: {exc}"[:300])
         self.counts["served"] += 1
-        return protocol.RemotePartials(id=msg.id, ok=True, tensors=(out.m.contiguous(), out.l.contiguous(),
-                                                                    out.o.contiguous()))
+        # a ring's reply slot carries its frames' views already (attention_ring.SlotPartials)
+        frames = getattr(out, "frames", None) or (out.m.contiguous(), out.l.contiguous(), out.o.contiguous())
+        return protocol.RemotePartials(id=msg.id, ok=True, tensors=frames)
 
     def _refuse(self, msg: protocol.Message, why: str) -> protocol.RemotePartials:
         self.counts["refused"] += 1

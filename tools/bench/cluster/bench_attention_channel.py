@@ -80,7 +80,7 @@ def serve_main() -> int:
     attention, loan_id, rm = creditor(cfg["keys"])
     curve = CurveServer(cfg["public"].encode(), cfg["secret"].encode(), {cfg["client"].encode(): "a"})
     policy = RingPolicy(lambda loan, debtor: None if (loan, debtor) == (loan_id, "a") else "no such loan",
-                        lambda debtor: True)
+                        lambda debtor: True, lambda: True)             # no engine here: always idle
     channel = ChannelServer("127.0.0.1", attention.serve, curve, policy)
     print(json.dumps({"url": channel.url, "loan": loan_id}), flush=True)
     sys.stdin.read()
