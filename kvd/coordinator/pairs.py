@@ -27,7 +27,8 @@ Prompts to pairs (``PairRouter``, wrapping the cluster's router): a new
 prompt goes to the pair with the most free device memory, less the blocks
 of the prompts it was given in the last ``PENDING_S`` (its heartbeats do
 not show them yet: prompts that arrive together are spread over pairs),
-and within the pair to the node with fewer requests in flight (decodes),
+and within the pair to the node with fewer requests in flight (decodes)
+(never to a node whose role is ``decode`` while its partner's is not),
 among the nodes whose prefill queue (``queued``: prompt tokens in flight
 there without a first token) holds at most ``queue_factor`` times the
 prompt's tokens, the bound 1P1D's prefill legs have
@@ -50,6 +51,7 @@ from typing import TYPE_CHECKING
 import time
 from collections.abc import Callable, Sequence
 
+from kvd.cluster_config import Role
 from kvd.coordinator.handoff import decoding
 from kvd.coordinator.roles import DECODES
 
@@ -192,7 +194,8 @@ class PairRouter:
             return have - sum(b for _, b in self.pending.get(key, ()))
         # most free memory; ties: fewer in flight, then names (deterministic)
         key = min(groups, key=lambda k: (-free(k), sum(n.load for n in groups[k]), k))
-        members = groups[key]
+        # a member whose role is decode takes no prompt while its partner does (kvctl role)
+        members = [n for n in groups[key] if n.role != Role.DECODE.value] or groups[key]
         if self.queued is not None and self.queue_factor > 0 and len(members) > 1:
             queue = {n.name: self.queued(n) for n in members}
             bound = self.queue_factor * len(prompt_ids)

@@ -97,6 +97,18 @@ def test_a_prompt_routed_into_a_pair_wakes_the_scheduler_with_its_node_and_a_lon
     assert woken == ["b"]
 
 
+def test_a_node_set_to_decode_takes_no_prompt_while_its_partner_does():
+    import dataclasses
+
+    router, _ = _pair_router(("a", "b"))
+    a, b = _node("a", 100, 5), dataclasses.replace(_node("b", 100, 0), role="decode")
+    assert router.pick([a, b], list(range(32))).name == "a"         # fewer in flight would say b
+    a, b = dataclasses.replace(_node("a", 100, 0), role="decode"), _node("b", 100, 5)
+    assert router.pick([a, b], list(range(32))).name == "b"
+    both = [dataclasses.replace(_node(n, 100, k), role="decode") for n, k in (("a", 2), ("b", 1))]
+    assert router.pick(both, list(range(32))).name == "b"       # both decode: fewer in flight, as before
+
+
 def test_a_prompt_does_not_queue_behind_a_longer_one_while_the_partner_could_start_it():
     from kvd.coordinator.pairs import PairRouter
     from kvd.coordinator.router import LeastLoadRouter
