@@ -234,7 +234,7 @@ class LentKV:
         self.capacity = len(block_ids) * bs                 # keys the loan holds from lo * KEY_CHUNK
         self.blocks = torch.tensor(block_ids, dtype=torch.int64)
         self.block_list = list(block_ids)
-        self._layout: tuple | None = None                   # (ctx, rows, table, seqs, chunks): a step's, every layer's
+        self._layout: tuple | None = None                   # (ctx, rows, PartLayout): a step's, every layer's
 
     def step(self, layer: int, q: torch.Tensor, ctx: int, positions: torch.Tensor, k: torch.Tensor,
              v: torch.Tensor, into: Callable[[tuple[int, int, int, int]], Partials | None] | None = None
@@ -299,12 +299,13 @@ class LentKV:
             table = torch.full((1, -(-ctx // bs)), -1, dtype=torch.int64)
             used = -(-end // bs) - self.first_block
             table[0, self.first_block:self.first_block + used] = self.blocks[:used]
-            self._layout = (ctx, q.shape[0], table, torch.tensor([[0, q.shape[0], ctx]], dtype=torch.int64),
-                            torch.tensor([[self.lo, hi]], dtype=torch.int64))
-        _, _, table, seqs, chunks = self._layout
+            seqs = torch.tensor([[0, q.shape[0], ctx]], dtype=torch.int64)
+            chunks = torch.tensor([[self.lo, hi]], dtype=torch.int64)
+            self._layout = (ctx, q.shape[0], self.kernel.part_layout(q.shape[0], seqs, table, chunks, hi - self.lo))
+        layout = self._layout[2]
         buffer = into((q.shape[0], hi - self.lo, *q.shape[1:])) if into is not None else None
-        out = self.kernel.partials(q, k_cache, v_cache, seqs, table, chunks, self.scale,
-                                   hi - self.lo, window=self.windows[layer], threads=self.threads, out=buffer)
+        out = self.kernel.partials_in(layout, q, k_cache, v_cache, self.scale, window=self.windows[layer],
+                                      threads=self.threads, out=buffer)
         if out is None:
             raise ValueError("the paged attention kernel does not take this model's heads")
         return out

@@ -39,6 +39,7 @@ Builds follow kernels/quant_linear.py's variants (``host_variant``).
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import torch
 
@@ -47,6 +48,25 @@ from kernels.dist_attention import Partials
 from kernels.quant_linear import KernelBuild
 
 LIBRARY = "paged_attention"
+
+
+@dataclass(frozen=True)
+class PartLayout:
+    """``PagedAttention.partials``' rows and parts, checked once (``part_layout``) and kept
+    as the kernel reads them: the columns of ``seqs`` and ``chunks``, contiguous int64, and
+    ``tables``. For a caller that runs the same layout at every layer of a step
+    (``partials_in``): a lent part's creditor. The tensors are the layout's own; the caller
+    does not change them."""
+
+    rows: int                   # T: the rows of every q it takes
+    sequences: int              # S
+    starts: torch.Tensor        # [S] each sequence's first row
+    lens: torch.Tensor          # [S] its rows
+    ctxs: torch.Tensor          # [S] its context
+    lo: torch.Tensor            # [S] its part's chunks [lo, hi)
+    hi: torch.Tensor
+    tables: torch.Tensor        # [S, max_blocks]
+    slots: int                  # C
 
 
 class PagedAttention(KernelBuild):
@@ -120,23 +140,53 @@ class PagedAttention(KernelBuild):
         returns)."""
         if not _takes(q, k_cache, v_cache):
             return None
-        T, H, hd = q.shape
         _check_window(window)
-        seqs, tables = _check_rows(seqs, tables, k_cache, v_cache)
-        chunks = chunks.contiguous()
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            raise ValueError("the K and V caches must be contiguous")
+        return self.partials_in(self.part_layout(q.shape[0], seqs, tables, chunks, slots), q, k_cache, v_cache, scale,
+                                window, threads, out)
+
+    @staticmethod
+    def part_layout(rows: int, seqs: torch.Tensor, tables: torch.Tensor, chunks: torch.Tensor,
+                    slots: int) -> PartLayout:
+        """``partials``' ``seqs``, ``tables``, ``chunks`` and ``slots`` for a step of ``rows``
+        query rows, checked and laid out once. Raises ValueError as ``partials``."""
+        if seqs.dtype != torch.int64 or tables.dtype != torch.int64 or seqs.dim() != 2 or seqs.shape[1] != 3 \
+                or tables.dim() != 2 or tables.shape[0] != seqs.shape[0]:
+            raise ValueError("seqs must be int64 [S, 3] and tables int64 [S, max_blocks]")
         if chunks.dtype != torch.int64 or chunks.shape != (seqs.shape[0], 2):
             raise ValueError("chunks must be int64 [S, 2]")
+        seqs, chunks = seqs.contiguous(), chunks.contiguous()
+        return PartLayout(rows, seqs.shape[0], seqs[:, 0].contiguous(), seqs[:, 1].contiguous(),
+                          seqs[:, 2].contiguous(), chunks[:, 0].contiguous(), chunks[:, 1].contiguous(),
+                          tables.contiguous(), slots)
+
+    def partials_in(self, layout: PartLayout, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    scale: float, window: int | None = None, threads: int = 0,
+                    out: Partials | None = None) -> Partials | None:
+        """``partials`` over a ``part_layout``: the same contract, the layout's checks not
+        made again (q's rows must be its ``rows``)."""
+        if not _takes(q, k_cache, v_cache):
+            return None
+        T, H, hd = q.shape
+        slots = layout.slots
+        _check_window(window)
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            raise ValueError("the K and V caches must be contiguous")
+        if T != layout.rows:
+            raise ValueError(f"{T} query rows, the layout has {layout.rows}")
         qf = q if _rows_of_heads(q) else q.contiguous()
         if out is None:
             out = Partials(torch.empty(T, slots, H), torch.empty(T, slots, H), torch.empty(T, slots, H, hd))
         elif (out.m.shape != (T, slots, H) or out.l.shape != (T, slots, H) or out.o.shape != (T, slots, H, hd)
-              or not all(t.dtype == torch.float32 and t.is_contiguous() for t in (out.m, out.l, out.o))):
+              or not (out.m.dtype == out.l.dtype == out.o.dtype == torch.float32)
+              or not (out.m.is_contiguous() and out.l.is_contiguous() and out.o.is_contiguous())):
             raise ValueError(f"out must be contiguous fp32 m, l {[T, slots, H]} and o {[T, slots, H, hd]}")
-        starts, lens, ctxs = seqs[:, 0].contiguous(), seqs[:, 1].contiguous(), seqs[:, 2].contiguous()
-        lo, hi = chunks[:, 0].contiguous(), chunks[:, 1].contiguous()
+        tables = layout.tables
         rc = self._partials(qf.data_ptr(), _row_stride(qf), k_cache.data_ptr(), v_cache.data_ptr(),
-                            int(k_cache.dtype == torch.float16), k_cache.shape[0], seqs.shape[0], starts.data_ptr(),
-                            lens.data_ptr(), ctxs.data_ptr(), lo.data_ptr(), hi.data_ptr(), tables.data_ptr(),
+                            int(k_cache.dtype == torch.float16), k_cache.shape[0], layout.sequences,
+                            layout.starts.data_ptr(), layout.lens.data_ptr(), layout.ctxs.data_ptr(),
+                            layout.lo.data_ptr(), layout.hi.data_ptr(), tables.data_ptr(),
                             tables.shape[1], T, H, k_cache.shape[2], hd, k_cache.shape[1], scale, window or 0, slots,
                             out.m.data_ptr(), out.l.data_ptr(), out.o.data_ptr(), threads or torch.get_num_threads())
         if rc != 0:
