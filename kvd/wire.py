@@ -107,6 +107,9 @@ def dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+_WIRE_NAMES: dict[Any, str] = {}     # torch dtype -> its name on the wire: the allowed ones met so far
+
+
 @dataclass(frozen=True, slots=True)
 class RawTensor:
     """A tensor as it travels: dtype name, shape, and its raw bytes (C order)."""
@@ -122,9 +125,12 @@ class RawTensor:
     @classmethod
     def from_torch(cls, tensor: Any) -> "RawTensor":
         """View a CPU tensor's bytes (copies only if it is not contiguous)."""
-        name = dtype_name(tensor.dtype)
-        if name not in DTYPES:
-            raise ValueError(f"dtype {name} is not allowed on the wire")
+        name = _WIRE_NAMES.get(tensor.dtype)
+        if name is None:
+            name = dtype_name(tensor.dtype)
+            if name not in DTYPES:
+                raise ValueError(f"dtype {name} is not allowed on the wire")
+            _WIRE_NAMES[tensor.dtype] = name
         return cls(name, tuple(tensor.shape), as_buffer(tensor))
 
     def to_torch(self) -> Any:

@@ -165,3 +165,27 @@ def test_partials_into_a_given_buffer_are_the_same_bits(host):
                 Partials(buf.m, buf.l, torch.empty(3, 9, 6, 64).transpose(1, 2))):     # not contiguous
         with pytest.raises(ValueError, match="out must be"):
             host.partials(q, k_cache, v_cache, seqs, tables, cut, 0.125, 6, out=bad)
+
+
+def test_a_layout_checked_once_gives_partials_bits_at_every_layer(host):
+    """``partials_in`` over one ``part_layout`` (a creditor's, kept for a step's layers): the
+    bits of ``partials`` for each layer's caches; a q of other rows, a cache that is not
+    contiguous, a layout of bad columns: refused."""
+    layers = [paged(600, seed=s) for s in (11, 12)]
+    q = torch.randn(2, 9, 64, generator=torch.Generator().manual_seed(13))
+    seqs, tables = rows([(0, 2, 600)], [layers[0][2]])
+    chunks = torch.tensor([[1, 5]])
+    layout = host.part_layout(2, seqs, tables, chunks, 4)
+    for k_cache, v_cache, *_ in layers:
+        want = host.partials(q, k_cache, v_cache, seqs, tables, chunks, 0.125, 4)
+        got = host.partials_in(layout, q, k_cache, v_cache, 0.125)
+        assert all(torch.equal(a, b) for a, b in zip((got.m, got.l, got.o), (want.m, want.l, want.o)))
+    k_cache, v_cache, *_ = layers[0]
+    with pytest.raises(ValueError, match="query rows"):
+        host.partials_in(layout, q[:1], k_cache, v_cache, 0.125)
+    with pytest.raises(ValueError, match="contiguous"):
+        host.partials_in(layout, q, k_cache.transpose(0, 1), v_cache.transpose(0, 1), 0.125)
+    with pytest.raises(ValueError, match="chunks"):
+        host.part_layout(2, seqs, tables, torch.tensor([[1, 5, 0]]), 4)
+    with pytest.raises(ValueError, match="seqs"):
+        host.part_layout(2, seqs.int(), tables, chunks, 4)
