@@ -341,3 +341,21 @@ async def test_a_step_that_cannot_schedule_waits_instead_of_spinning(driver):
     async for o in stream:
         tokens += o.new_token_ids
     assert len(tokens) == 4
+
+
+async def test_idle_says_whether_the_engine_thread_waits_for_work(driver):
+    """``idle`` (read by a creditor's ring thread before it spins): False while a step runs,
+    True once the engine has nothing to do."""
+    in_step, release = hold_steps(driver)
+    stream, first = start_request(driver)
+    assert await asyncio.to_thread(in_step.wait, 10)
+    assert not driver.idle
+    release.set()
+    await first
+    async for _ in stream:
+        pass
+    for _ in range(200):
+        if driver.idle:
+            break
+        await asyncio.sleep(0.01)
+    assert driver.idle

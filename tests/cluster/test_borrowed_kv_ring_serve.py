@@ -1,0 +1,134 @@
+"""A real creditor's answers on the shared-memory ring (kvd/node/attention_ring.py with
+kvd/node/remote_attention.py's AttentionServer over a MemPool, on loopback without keys):
+partials computed into the reply's slot are ``LentKV.step``'s bits, one slot's reply
+layout serves each reply of its shape whatever the id, and what a debtor may not do on
+its ring -- another debtor's name, another debtor's loan, frames of the wrong heads -- is
+refused and counted as before the fast path, the ring going on. The creditor's ring
+thread asks whether its engine is idle before it spins (``RingPolicy.engine_idle``)."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+
+import pytest
+import torch
+import zmq
+
+from engine.dist_attention import LentKV
+from engine.memory.kv_cache import KVCache
+from engine.memory.mempool import MemPool
+from engine.memory.rmanager import RManager
+from kernels.paged_attention import PagedAttention
+from kvd import protocol
+from kvd.node import attention_ring
+from kvd.node.attention_channel import ChannelClient, ChannelServer
+from kvd.node.attention_ring import RingPolicy, Segment
+from kvd.node.remote_attention import AttentionServer, partials_of
+
+from .test_borrowed_kv_ring import offer_of, pytestmark, segments  # noqa: F401 -- the same skip
+
+LAYERS, H, KVH, HD, BS = 2, 9, 3, 64, 16
+IDS = itertools.count()
+
+
+@pytest.fixture
+def creditor():
+    """(channel server, client with a ring, attention server, loans of "a" and "b", calls
+    of engine_idle): a creditor lending 24 blocks to each of a and b."""
+    kernel = PagedAttention.create()
+    if kernel is None:
+        pytest.skip("no paged attention kernel on this CPU")
+    kv = KVCache(LAYERS, KVH, HD, block_size=BS, device_blocks=48, host_blocks=0)
+    pool = MemPool(48, 0, block_size=BS, storage=kv)
+    rm = RManager(pool, lend_cap=48, lease_s=3600.0)
+    loans = {d: rm.lend(d, 24, f"loan-{d}", time.monotonic()).loan_id for d in "ab"}
+    attention = AttentionServer(rm, kernel, HD ** -0.5, [None] * LAYERS, (H, KVH, HD), threading.Lock(), threads=1)
+    idle_calls = []
+    policy = RingPolicy(lambda loan, debtor: None if loans.get(debtor) == loan else "no such loan",
+                        lambda debtor: True, lambda: idle_calls.append(1) or True)
+    server = ChannelServer("127.0.0.1", attention.serve, None, policy)
+    ctx = zmq.Context()
+    client = ChannelClient(ctx, server.url, None)
+    try:
+        assert client.open_ring("a", loans["a"], 10.0)
+        yield server, client, attention, loans, idle_calls
+    finally:
+        client.close()
+        server.close()
+        attention.close()
+        ctx.term()
+    assert not segments()
+
+
+def attend(debtor: str, loan: str, layer: int, first: int, heads: int = H, seed: int = 0) -> protocol.RemoteAttend:
+    g = torch.Generator().manual_seed(seed)
+    return protocol.RemoteAttend(id=f"m{next(IDS)}", debtor=debtor, loan_id=loan, request_id="r", lo=1,
+                                 layer=layer, ctx=first + 1, first=first,
+                                 tensors=(torch.randn(1, heads, HD, generator=g), torch.randn(1, KVH, HD, generator=g),
+                                          torch.randn(1, KVH, HD, generator=g)))
+
+
+def ask(client: ChannelClient, msg: protocol.RemoteAttend) -> protocol.Message:
+    client.send(msg, 10.0, reply_bytes=64 << 10)
+    return client.wait(msg.id, 10.0)
+
+
+def test_ring_replies_are_the_lent_parts_bits(creditor):
+    """A decode's positions through 3 blocks and both layers, on the ring: each reply is what a
+    LentKV over the same blocks computes in this process."""
+    server, client, attention, loans, idle_calls = creditor
+    loan = attention.rmanager.loans[loans["a"]]
+    own = KVCache(LAYERS, KVH, HD, block_size=BS, device_blocks=48, host_blocks=0)
+    mirror = LentKV(MemPool(48, 0, block_size=BS, storage=own), loan.region.block_ids, 1, attention.kernel,
+                    HD ** -0.5, [None] * LAYERS)
+    for first in range(128, 128 + 40):
+        for layer in range(LAYERS):
+            msg = attend("a", loans["a"], layer, first, seed=first * 7 + layer)
+            got = partials_of(ask(client, msg), 1, 1, first + 1, HD)
+            q, k, v = (t.to_torch() for t in msg.tensors)
+            want = mirror.step(layer, q, first + 1, torch.tensor([first]), k, v)
+            assert all(torch.equal(a, b) for a, b in zip((got.m, got.l, got.o), (want.m, want.l, want.o)))
+    assert client.counts["ring"] == 80 and server.counts["ring_served"] == 80
+    assert len(idle_calls) >= 79                         # asked before each spin for the next request
+
+
+def test_what_a_debtor_may_not_do_on_its_ring_is_refused_and_counted(creditor):
+    server, client, attention, loans, _ = creditor
+    forged = ask(client, attend("b", loans["b"], 0, 200))             # b's name on a's ring
+    assert not forged.ok and forged.reason.startswith("forbidden")
+    assert server.counts["forbidden"] == 1
+    theirs = ask(client, attend("a", loans["b"], 0, 200))             # b's loan, in a's own name
+    assert not theirs.ok and "no loan" in theirs.reason
+    assert attention.rmanager.counts["forbidden"] >= 1 and attention.counts["refused"] == 1
+    wrong = ask(client, attend("a", loans["a"], 0, 200, heads=4))     # not this model's heads
+    assert not wrong.ok and "heads" in wrong.reason and attention.counts["refused"] == 2
+    assert ask(client, attend("a", loans["a"], 0, 200)).ok            # the ring goes on
+    assert client.counts["ring"] == 4
+
+
+def test_a_slots_reply_layout_serves_every_id_of_its_shape():
+    """``reply_into`` gives one slot the same views for each reply of a shape and id length
+    (a debtor's ids have one), its header written for each id; an id of another length (as
+    JSON), another slot or shape, other views. Every reply decodes as its own."""
+    seg = Segment.create(slots=2, slot_bytes=64 << 10)
+    try:
+        other = Segment.attach(offer_of(seg))
+        first = seg.reply_into(4, "a", (1, 3, 9, 64))
+        for seq, msg_id in ((4, "a"), (6, "b"), (8, "c" * 40), (10, 'c"\\d')):
+            out = seg.reply_into(seq, msg_id, (1, 3, 9, 64))
+            assert (out is first) == (len(msg_id) == 1)
+            out.m.fill_(seq), out.l.fill_(1.0), out.o.fill_(2.0)
+            header, frames = protocol.encode(protocol.RemotePartials(id=msg_id, ok=True, tensors=out.frames))
+            assert seg.put(attention_ring.REPLIES, seq, header, frames)
+            got = protocol.decode(*other.take(attention_ring.REPLIES, seq, copy=True))
+            assert got.id == msg_id and float(got.tensors[0].to_torch()[0, 0, 0]) == seq
+        assert seg.reply_into(5, "a", (1, 3, 9, 64)) is not first
+        assert seg.reply_into(4, "a", (1, 4, 9, 64)) is not first
+        del first, out, got
+        other.close()
+    finally:
+        seg.unlink()
+        seg.close()
+    assert seg._places == {}
