@@ -249,7 +249,10 @@ class Message:
 
     def __post_init__(self) -> None:
         for name, check in self._CHECKERS.items():
-            object.__setattr__(self, name, check(getattr(self, name)))
+            value = getattr(self, name)
+            checked = check(value)
+            if checked is not value:        # most checkers hand back what they were given
+                object.__setattr__(self, name, checked)
         if self.FRAMES_FIELD is not None:
             tensors = tuple(t if isinstance(t, RawTensor) else RawTensor.from_torch(t)
                             for t in getattr(self, self.FRAMES_FIELD))
@@ -380,7 +383,7 @@ def _decode(header: Any, frames: list[Any], limits: ProtocolLimits) -> Message |
         tensor = _frame(i, desc, frame, limits, err)
         if isinstance(tensor, ProtocolError):
             return tensor
-        total += tensor.nbytes
+        total += tensor.data.nbytes         # its descriptor's size (_frame checked them equal)
         if total > limits.max_total_frame_bytes:
             return err("frame_too_large", f"frames total over {limits.max_total_frame_bytes} bytes")
         tensors.append(tensor)
