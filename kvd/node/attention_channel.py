@@ -226,10 +226,16 @@ class ChannelServer:
                                          lambda header, frames, into: self.answer(header, frames, debtor, True,
                                                                                   ring=True, reply_into=into),
                                          policy.holds, lambda: self._count("rejected"),
-                                         lambda: self._count("rings_open", -1), policy.engine_idle)
+                                         lambda: self._count("rings_open", -1), self._may_spin)
         self._count("rings")
         return protocol.RingOffer(id=msg.id, ok=True, name=segment.name, nonce=segment.nonce.hex(),
                                   slots=segment.slots, slot_bytes=segment.slot_bytes)
+
+    def _may_spin(self) -> bool:
+        """Whether a ring thread may spin for its debtor's next request: this node's engine
+        computes nothing and no other debtor's ring is open (their threads would spin against
+        each other's answers on the node's cores). A ring's thread, at every request."""
+        return self.counts["rings_open"] <= 1 and self.ring_policy.engine_idle()
 
     def close_ring(self, debtor: str) -> None:
         """End ``debtor``'s ring, if it has one (its last loans here ended with their lease: a

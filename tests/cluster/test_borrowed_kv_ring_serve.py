@@ -132,3 +132,24 @@ def test_a_slots_reply_layout_serves_every_id_of_its_shape():
         seg.unlink()
         seg.close()
     assert seg._places == {}
+
+
+def test_a_ring_spins_long_only_while_it_is_the_creditors_only_one(creditor):
+    """Two debtors' rings: neither thread spins for its next request (they would take the
+    time of each other's answers); one ring again once the other closes."""
+    server, client, attention, loans, _ = creditor
+    assert server._may_spin()
+    ctx = zmq.Context()
+    other = ChannelClient(ctx, server.url, None)
+    try:
+        assert other.open_ring("b", loans["b"], 10.0)
+        assert ask(other, attend("b", loans["b"], 0, 200)).ok
+        assert server.counts["rings_open"] == 2 and not server._may_spin()
+    finally:
+        other.close()
+        ctx.term()
+    for _ in range(100):
+        if server.counts["rings_open"] == 1:
+            break
+        time.sleep(0.02)
+    assert server._may_spin()
