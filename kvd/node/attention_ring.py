@@ -54,12 +54,13 @@ at most ``MAX_SPIN_S``, and only ``SPIN_S`` where its waits mostly run past that
 debtor's engine thread has nothing else to do while a reply is coming; the creditor's
 ring thread spins for the debtor's next request (its gap between layers) only while its
 own engine computes nothing (``RingPolicy.engine_idle``: the thread shares that
-engine's cores) and it is the creditor's only ring, else ``SPIN_S``. So between a step's layers neither side sleeps on a
-futex and pays a wake-up. Every wait ends by its deadline (``RemoteKVError`` on the debtor: its request is computed
-again, engine/borrowing.py). A creditor closes a ring when it stops, when its
-debtor opens another, when its debtor's last loans here end with their lease (a
-debtor gone: ``ChannelServer.close_ring``, within ``SLICE_S``), or when its debtor
-has held no loan here for ``IDLE_S`` (it gave them back); a debtor seeing its ring
+engine's cores) and it is the creditor's only ring, else ``SPIN_S``. So between a
+step's layers neither side sleeps on a futex and pays a wake-up. Every wait ends by its
+deadline (``RemoteKVError`` on the debtor: its request is computed again,
+engine/borrowing.py). A creditor closes a ring when it stops, when its debtor opens
+another, when its debtor's last loans here end with their lease (a debtor gone:
+``ChannelServer.close_ring``, within ``SLICE_S``), or when its debtor has held no loan
+here for ``IDLE_S`` (it gave them back); a debtor seeing its ring
 closed sends on the zmq channel.
 """
 
