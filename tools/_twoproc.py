@@ -11,9 +11,11 @@ import json
 import os
 import platform
 import random
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -125,6 +127,14 @@ def write_results(path: str | os.PathLike, rows: list[dict], **extra: Any) -> No
                                            "python": platform.python_version(), "torch": torch.__version__},
                                "time": time.time(), "rows": rows, **extra}, indent=2))
     print(f"\nwrote {out}")
+
+
+def stop_on_sigterm() -> None:
+    """Make SIGTERM (``timeout``, ``kill``) raise SystemExit in the main thread, so the
+    ``finally`` of a benchmark that started daemons stops them (``stop_processes``)
+    instead of leaving them running; only where SIGTERM still has its default action."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
 
 
 def stop_processes(procs: list[subprocess.Popen], grace: float = 30.0) -> None:
