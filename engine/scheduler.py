@@ -299,9 +299,12 @@ class Scheduler:
             # room for the running requests' next decode step too (this one's and the
             # others admitted with it included): a request admitted into the last free
             # blocks would be that step's victim, its prefill wasted
-            headroom = self._next_blocks(self.running, ahead=int(chunked)) + int(len(tokens) % bs == 0)
+            others = self._next_blocks(self.running, ahead=int(chunked))
+            headroom = others + int(len(tokens) % bs == 0)
             fresh = self.pool.alloc_mem(num_fresh) if self.pool.available() >= num_fresh + headroom else None
-            if fresh is None and (local := self._borrow_for(req, self.pool.available() - headroom)) is not None:
+            # borrowing, its own next tokens take no block beyond those it gets now (its local
+            # chunks, whole; the rest remote): only the others' step needs room
+            if fresh is None and (local := self._borrow_for(req, self.pool.available() - others)) is not None:
                 if hit is not None:                      # a borrowing request computes its whole sequence
                     self.pool.release(hit)
                 hit, cached_ids, num_cached, swapped, recomputed = None, [], 0, 0, 0

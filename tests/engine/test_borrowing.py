@@ -107,6 +107,38 @@ def test_a_lost_loan_is_computed_again(tiny_model, tokenizer):
     engine.check_integrity()
 
 
+def test_a_request_computed_again_at_a_block_boundary_borrows_what_it_first_did(tiny_model, tokenizer):
+    """Lost after 8 tokens (600 + 8: its tokens end a block), a request keeps its 3 local
+    chunks: its own next token takes no block it is not given at once (its local chunks,
+    whole, or the remote part), so no room is kept for it (which would cost a chunk, and a
+    bigger loan than a creditor may lend)."""
+    ids, params = prompt(600, 9), greedy(40)
+    engine = make(tiny_model, tokenizer, LOCAL_BLOCKS, borrow=128)
+    asked = []
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        first, second = Creditor(engine, 64, pool), Creditor(engine, 64, pool)
+
+        def borrow(blocks):
+            asked.append(blocks)
+            return next((loan for c in (first, second) if not c.fail and (loan := c.borrow(blocks))), None)
+
+        def give_back(loan_id):
+            for c in (first, second):
+                if loan_id in c.regions:
+                    c.give_back(loan_id)
+        borrowing = engine.enable_borrowing(borrow, give_back, deadline_s=10.0)
+        engine.add_request("long", ids, params)
+        got = []
+        while engine.has_unfinished():
+            for out in engine.step():
+                got += out.new_token_ids
+            if len(got) == 8 and not first.fail:
+                first.fail = True
+    assert len(got) == 40 and borrowing.counts["lost"] == 1
+    assert asked == [asked[0]] * 2, asked
+    engine.check_integrity()
+
+
 def test_no_creditor_fails_what_only_borrowed_blocks_hold(tiny_model, tokenizer):
     """Nobody lends: a request longer than the whole MemPool fails with the reason once
     ``give_up_s`` passes, and the request queued behind it runs; nothing leaks."""
