@@ -317,8 +317,9 @@ class Segment:
         return _Place(at, prefix, suffix, SlotPartials(*views, frames=tuple(RawTensor.from_torch(t) for t in views)))
 
     def take(self, area: int, seq: int, copy: bool) -> tuple[bytes, list] | str:
-        """Message ``seq`` from its slot of ``area``: (header, frames: bytes when ``copy``,
-        else views of the slot), or why the slot holds no such message."""
+        """Message ``seq`` from its slot of ``area``: (header, frames: writable copies when
+        ``copy``, the tensors made of them the caller's own; else views of the slot), or why
+        the slot holds no such message."""
         at = self._slot(area, seq)
         got, header_bytes, count, _, *sizes = _SLOT.unpack_from(self.mm, at)
         if got != seq & MASK:
@@ -330,7 +331,7 @@ class Segment:
         pos = _align(pos + header_bytes)
         frames = []
         for n in sizes[:count]:
-            frames.append(bytes(self.view[pos:pos + n]) if copy else self.view[pos:pos + n])
+            frames.append(bytearray(self.view[pos:pos + n]) if copy else self.view[pos:pos + n])
             pos = _align(pos + n)
         return header, frames
 
