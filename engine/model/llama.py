@@ -152,20 +152,42 @@ def linear_row_multiple() -> int:
     return 4 if "avx512f" in native.cpu_flags() and not native.cpu_has_native_bf16() else 1
 
 
+# Rows of every bf16 linear call on a CPU with AMX-BF16 (_linear_batch_invariant).
+AMX_ROWS = 32
+
+
+@functools.cache
+def linear_row_block() -> int:
+    """Rows of each bf16 linear call on a CPU with AMX-BF16 (``AMX_ROWS``), 0 elsewhere:
+    there oneDNN picks its kernel by the row count (at K = 1536, SmolLM2's down
+    projection, its AMX gemm from 37 rows up and another below, which sums in another
+    order), so every call gets the same count."""
+    return AMX_ROWS if "amx_bf16" in native.cpu_flags() else 0
+
+
 def _linear_batch_invariant(x: torch.Tensor, w_out_in: torch.Tensor) -> torch.Tensor:
     """``F.linear`` whose rows do not depend on how many rows there are.
 
     oneDNN's bf16 gemv (one row) reduces a long K (the MLP's down projection,
     K = 1536 for SmolLM2) in another order than its gemm, whose rows agree with
-    each other whatever the count from two rows up on the AVX2, AVX512-BF16 and
-    AMX CPUs measured; on a CPU that emulates bf16 with AVX-512 (Cascade Lake)
-    the gemm rounds the rows past the last multiple of 4 in yet another order.
-    A request would then round differently alone, in a batch, or recomputed
-    after a preemption, and greedy tokens could diverge. Rows are padded with
-    zeros to two at least and to a multiple of ``linear_row_multiple()``: one row as two costs about
-    the same as one; one as four costs more on the emulating CPU, where bf16 runs only
-    when asked for (dtype "auto" picks fp32; docs/benchmarks.md, design measurements)."""
+    each other whatever the count from two rows up on the AVX2 and AVX512-BF16
+    CPUs measured; on a CPU that emulates bf16 with AVX-512 (Cascade Lake)
+    the gemm rounds the rows past the last multiple of 4 in yet another order,
+    and on an AMX CPU the kernel changes with the row count. A request would
+    then round differently alone, in a batch, or recomputed after a
+    preemption, and greedy tokens could diverge. Rows are padded with zeros to
+    two at least and to a multiple of ``linear_row_multiple()``: one row as two
+    costs about the same as one; one as four costs more on the emulating CPU,
+    where bf16 runs only when asked for (dtype "auto" picks fp32; docs/benchmarks.md,
+    design measurements). On an AMX CPU every call has ``linear_row_block()`` rows
+    (padded with zeros; a longer input in calls of that many)."""
     m = x.shape[0]
+    if block := linear_row_block():
+        if m % block:
+            x = torch.cat((x, x.new_zeros(-m % block, x.shape[1])))
+        if x.shape[0] == block:
+            return F.linear(x, w_out_in)[:m]
+        return torch.cat([F.linear(c, w_out_in) for c in x.split(block)])[:m]
     rows = max(m, 2)
     pad = rows - m + -rows % linear_row_multiple()
     if pad == 0:

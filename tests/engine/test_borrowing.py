@@ -14,6 +14,7 @@ from engine.borrowing import Loan
 from engine.dist_attention import InProcessLender, LentKV, RemoteKVError
 from engine.engine import EngineConfig, LLMEngine
 from engine.memory.region import Purpose
+from engine.request import SamplingParams
 
 from .test_dist_attention import greedy, lender_pool, prompt, run, seeded, tiny_model  # noqa: F401
 
@@ -78,43 +79,11 @@ def test_a_request_past_the_node_borrows_and_matches(tiny_model, tokenizer, samp
     engine.check_integrity()
 
 
-def test_a_lost_loan_is_computed_again(tiny_model, tokenizer):
-    ids, params = prompt(600, 9), seeded(40)
-    want = run(make(tiny_model, tokenizer, 128), {"long": (ids, params)})
-    engine = make(tiny_model, tokenizer, LOCAL_BLOCKS, borrow=128)
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        first, second = Creditor(engine, 64, pool), Creditor(engine, 64, pool)
-        creditors = [first, second]
-
-        def borrow(blocks):
-            return next((loan for c in creditors if not c.fail and (loan := c.borrow(blocks))), None)
-
-        def give_back(loan_id):
-            for c in creditors:
-                if loan_id in c.regions:
-                    c.give_back(loan_id)
-        borrowing = engine.enable_borrowing(borrow, give_back, deadline_s=10.0)
-        engine.add_request("long", ids, params)
-        got = []
-        while engine.has_unfinished():
-            for out in engine.step():
-                got += out.new_token_ids
-            if len(got) == 10 and not first.fail:
-                first.fail = True                                   # killed mid-stream
-    assert got == want["long"]
-    assert borrowing.counts["lost"] == 1 and borrowing.counts["borrowed"] == 2
-    assert not first.regions and not second.regions
-    engine.check_integrity()
-
-
-def test_a_request_computed_again_at_a_block_boundary_borrows_what_it_first_did(tiny_model, tokenizer):
-    """Lost after 8 tokens (600 + 8: its tokens end a block), a request keeps its 3 local
-    chunks: its own next token takes no block it is not given at once (its local chunks,
-    whole, or the remote part), so no room is kept for it (which would cost a chunk, and a
-    bigger loan than a creditor may lend)."""
-    ids, params = prompt(600, 9), greedy(40)
-    engine = make(tiny_model, tokenizer, LOCAL_BLOCKS, borrow=128)
-    asked = []
+def lose_the_first_creditor(engine: LLMEngine, ids: list[int], params: SamplingParams, after: int,
+                            asked: list[int]):
+    """Serve request "long" on ``engine`` borrowing from two creditors of 64 blocks, the
+    first of which fails once ``after`` tokens are out (killed mid-stream): (its tokens,
+    the engine's Borrowing); each loan's size asked is appended to ``asked``."""
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         first, second = Creditor(engine, 64, pool), Creditor(engine, 64, pool)
 
@@ -132,8 +101,31 @@ def test_a_request_computed_again_at_a_block_boundary_borrows_what_it_first_did(
         while engine.has_unfinished():
             for out in engine.step():
                 got += out.new_token_ids
-            if len(got) == 8 and not first.fail:
+            if len(got) == after and not first.fail:
                 first.fail = True
+    assert not first.regions and not second.regions
+    return got, borrowing
+
+
+def test_a_lost_loan_is_computed_again(tiny_model, tokenizer):
+    ids, params = prompt(600, 9), seeded(40)
+    want = run(make(tiny_model, tokenizer, 128), {"long": (ids, params)})
+    engine = make(tiny_model, tokenizer, LOCAL_BLOCKS, borrow=128)
+    got, borrowing = lose_the_first_creditor(engine, ids, params, 10, [])
+    assert got == want["long"]
+    assert borrowing.counts["lost"] == 1 and borrowing.counts["borrowed"] == 2
+    engine.check_integrity()
+
+
+def test_a_request_computed_again_at_a_block_boundary_borrows_what_it_first_did(tiny_model, tokenizer):
+    """Lost after 8 tokens (600 + 8: its tokens end a block), a request keeps its 3 local
+    chunks: its own next token takes no block it is not given at once (its local chunks,
+    whole, or the remote part), so no room is kept for it (which would cost a chunk, and a
+    bigger loan than a creditor may lend)."""
+    ids, params = prompt(600, 9), greedy(40)
+    engine = make(tiny_model, tokenizer, LOCAL_BLOCKS, borrow=128)
+    asked: list[int] = []
+    got, borrowing = lose_the_first_creditor(engine, ids, params, 8, asked)
     assert len(got) == 40 and borrowing.counts["lost"] == 1
     assert asked == [asked[0]] * 2, asked
     engine.check_integrity()
