@@ -121,12 +121,16 @@ def requests(c: Cluster) -> dict[str, dict]:
 def wait_replicated(c: Cluster, node: str, tokens: int, timeout: float = 60) -> dict[str, dict]:
     """The requests on ``node``, once each has a replica of >= ``tokens`` tokens."""
     deadline = time.monotonic() + timeout
+    seen: dict[str, dict] = {}
     while time.monotonic() < deadline:
         on = {rid: r for rid, r in requests(c).items() if r["node"] == node}
         if on and all(r["replicated_tokens"] >= tokens and r["replica_holder"] for r in on.values()):
             return on
+        seen.update(on)
         time.sleep(0.05)
-    raise AssertionError(f"replicas of {node}'s requests did not reach {tokens} tokens: {requests(c)}")
+    replication = {n: admin(c.node_admin(n), "status")["replication"] for n, p in c.nodes.items() if p.alive()}
+    raise AssertionError(f"replicas of {node}'s requests did not reach {tokens} tokens: last seen {seen}, "
+                         f"now {requests(c)}; each node's replication: {replication}")
 
 
 def busiest(c: Cluster) -> str:
