@@ -32,6 +32,7 @@ from kvd.coordinator.handoff import Handoffs
 from kvd.coordinator.ledger import DebtLedger
 from kvd.coordinator.roles import copy_memory, redundant_blocks
 from kvd.coordinator.membership import Membership, NodeInfo
+from kvd.coordinator.pairs import PairRouter
 from kvd.coordinator.prompt_tree import PromptTrees
 from kvd.coordinator.router import Router
 from transports import Connection, TransportError
@@ -250,7 +251,11 @@ class CoordinatorAdmin:
             if weights and policy != "prompt-tree":
                 raise ValueError(f"cost weights apply to prompt-tree routing, not {policy}")
             router = self.make_router(policy, **weights)        # ValueError: unknown policy, bad weight
-            client.set_routers(router, self.make_router(policy, **weights))
+            prefill_router = self.make_router(policy, **weights)
+            if isinstance(client.router, PairRouter):        # pairs keep routing prompts to pairs
+                client.router.inner = router
+                router = client.router
+            client.set_routers(router, prefill_router)
             log.warning("routing policy switched to %s %s", policy, weights or "")
         describe = getattr(client.router, "describe", None)
         return {"policy": policy_name(client.router), "policies": list(POLICIES),

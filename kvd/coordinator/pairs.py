@@ -171,6 +171,13 @@ class PairRouter:
         self.queue_factor = queue_factor                     # [cluster].prefill_queue_factor; 0: no bound
         self.queued: Callable[[NodeInfo], int] | None = None    # a node's prefill queue, in prompt tokens
 
+    def describe(self) -> dict:
+        """The inner router's description, and the pairs prompts go to (each as "a+b")."""
+        inner = getattr(self.inner, "describe", None)
+        pairs = sorted({"+".join(sorted((a, b))) for a, b in self.pairs.announced.items()
+                        if self.pairs.announced.get(b) == a})
+        return {**(inner() if inner else {}), "pairs": pairs}
+
     def pick(self, nodes: Sequence[NodeInfo], prompt_ids: Sequence[int],
              request_id: str | None = None) -> NodeInfo | None:
         groups: dict[tuple[str, ...], list[NodeInfo]] = {}

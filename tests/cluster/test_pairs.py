@@ -115,6 +115,17 @@ def test_bad_role_switches_change_nothing(pair):
     assert not reply["ok"] and "not in flight" in reply["error"]
 
 
+def test_a_routing_switch_keeps_prompts_going_to_pairs(pair):
+    before = admin(pair.admin_socket, "routing")
+    assert before["pairs"] == ["n1+n2"]
+    try:
+        for policy in ("session", "least-load"):
+            reply = admin(pair.admin_socket, "routing", policy=policy)
+            assert (reply["policy"], reply["pairs"]) == (policy, ["n1+n2"]), reply
+    finally:
+        assert admin(pair.admin_socket, "routing", policy=before["policy"])["pairs"] == ["n1+n2"]
+
+
 @pytest.mark.parametrize("sampling", [None, SEEDED[0]], ids=["greedy", "seeded"])
 def test_handoffs_every_few_tokens_keep_the_stream_exact(pair, reference_engine, sampling):
     ids = prompt(1 if sampling is None else 2)
