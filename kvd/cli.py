@@ -227,7 +227,8 @@ CLUSTER_OVERRIDES = ("transport", "heartbeat_interval", "heartbeat_deadline", "c
 
 
 def _run(main_coro_factory) -> int:
-    """Run the daemon's coroutine on uvloop; a bad model or file, or an HTTP
+    """Run the daemon's coroutine on uvloop; settings that clash with the
+    loaded model (ConfigError) are exit status 2; a bad model or file, or an HTTP
     port it cannot bind, is exit status 1 with one line per error (they may
     arrive grouped by a TaskGroup); an engine that died (EngineDead) is exit
     status ENGINE_DEAD_EXIT, for systemd or the supervisor to restart it."""
@@ -237,11 +238,16 @@ def _run(main_coro_factory) -> int:
     from kvd.engine_client import EngineDead
     from kvd.supervisor import ENGINE_DEAD_EXIT
 
+    from kvd.config import ConfigError
+
     errors: list[BaseException] = []
     status = 0
     try:
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
             runner.run(main_coro_factory())
+    except* ConfigError as group:           # settings that only the loaded model shows to clash
+        errors += _leaves(group)
+        status = 2
     except* (ValueError, FileNotFoundError, BindError) as group:
         errors += _leaves(group)
         status = 1

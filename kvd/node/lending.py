@@ -36,6 +36,7 @@ from typing import Any
 from engine.borrowing import KVBorrowing, Loan as EngineLoan
 from engine.memory.rmanager import Borrowed, Loan, RManager
 from kvd import protocol
+from kvd.config import ConfigError
 from kvd.node.engine_driver import EngineDriver
 from kvd.node.attention_channel import ChannelClient, ChannelServer, channel_host, check_channel_url
 from kvd.node.attention_ring import RingPolicy
@@ -363,7 +364,10 @@ def serve_borrowing(engine, borrower: Borrower, loop: asyncio.AbstractEventLoop,
         if not loop.is_closed():
             asyncio.run_coroutine_threadsafe(borrower.give_back(loan_id), loop)
 
-    borrower.requests = engine.enable_borrowing(borrow, give_back, deadline_s)
+    try:
+        borrower.requests = engine.enable_borrowing(borrow, give_back, deadline_s)
+    except ValueError as exc:               # borrow_kv_blocks with a model the config resolved otherwise
+        raise ConfigError(str(exc)) from None
     return borrower.requests
 
 
