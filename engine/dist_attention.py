@@ -53,7 +53,8 @@ class RemoteKVError(RuntimeError):
 class PartialsHandle(Protocol):
     def partials(self, timeout: float) -> Partials:
         """The micro-attention's results [rows, hi - lo, H(, hd)]; raises RemoteKVError
-        (refused, or not done within ``timeout`` seconds)."""
+        (refused, or not done within ``timeout`` seconds). They may view the transport's
+        buffer (a shared-memory ring's slot): read them before the lender's next ``start``."""
 
 
 class Lender(Protocol):

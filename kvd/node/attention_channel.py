@@ -40,6 +40,7 @@ import threading
 import time
 from collections.abc import Callable
 
+import torch
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
@@ -256,6 +257,18 @@ class ChannelServer:
             self._ctx.term()
 
 
+def _ring_reply(answered: str, header: bytes | None, frames: list) -> protocol.Message:
+    """A reply read off the ring (``RingClient.next_reply``), decoded; a slot out of
+    sequence, a message that does not decode or one that answers another id is a refusal
+    of request ``answered``."""
+    reply = protocol.decode(header, frames) if header is not None else None
+    if not isinstance(reply, protocol.Message) or reply.id != answered:
+        why = (reply.detail if isinstance(reply, protocol.ProtocolError) else
+               "a slot out of sequence" if reply is None else getattr(reply, "reason", "") or reply.TYPE)
+        reply = protocol.RemotePartials(id=answered, ok=False, reason=f"ring: {why}"[:300])
+    return reply
+
+
 class ChannelClient:
     """The debtor's end toward one creditor's channel ``url``: a DEALER socket that ONE
     thread uses (the engine thread: zmq sockets are not thread-safe). ``curve``: this
@@ -324,12 +337,17 @@ class ChannelClient:
         RemoteKVError when the channel takes it not within ``timeout`` seconds (not
         connected yet, or the creditor's queue full)."""
         header, frames = protocol.encode(msg)
+        self.send_encoded(msg.id, header, frames, timeout, reply_bytes)
+
+    def send_encoded(self, msg_id: str, header: bytes, frames: list, timeout: float, reply_bytes: int = 0) -> None:
+        """``send`` of a message already encoded: ``header`` and ``frames`` exactly what
+        ``protocol.encode`` gives for a message whose id is ``msg_id``."""
         ring = self.ring
         if ring is not None and ring.closed:
             self._drop_ring()
-        elif ring is not None and reply_bytes and ring.send(msg.id, header, frames, reply_bytes):
-            self._waiting.add(msg.id)
-            self._on_ring.add(msg.id)
+        elif ring is not None and reply_bytes and ring.send(msg_id, header, frames, reply_bytes):
+            self._waiting.add(msg_id)
+            self._on_ring.add(msg_id)
             self.counts["ring"] += 1
             return
         ms = max(1, int(timeout * 1000))
@@ -339,7 +357,7 @@ class ChannelClient:
             self._sock.send_multipart([header, *frames], copy=False)
         except zmq.Again:
             raise RemoteKVError(f"the creditor's channel {self.url} took no message within {timeout} s") from None
-        self._waiting.add(msg.id)
+        self._waiting.add(msg_id)
         self.counts["channel"] += 1
 
     def wait(self, msg_id: str, timeout: float) -> protocol.Message:
@@ -367,20 +385,30 @@ class ChannelClient:
         finally:
             self._waiting.discard(msg_id)
 
+    def wait_as(self, msg_id: str, header: bytes, shapes: tuple[tuple[int, ...], ...], timeout: float
+                ) -> tuple[torch.Tensor, ...] | protocol.Message:
+        """``wait``, for a reply expected to be exactly ``header`` with float32 frames of
+        ``shapes`` (``RingClient.next_reply_as``): on the ring, when it is the next reply
+        there and is that, its frames viewing the ring's slot (valid until the next message
+        sent: read them first); else the reply decoded, as ``wait`` returns it."""
+        ring = self.ring
+        if msg_id not in self._on_ring or ring is None or not ring.next_is(msg_id):
+            return self.wait(msg_id, timeout)
+        try:
+            got = ring.next_reply_as(header, shapes, time.monotonic() + timeout)
+        finally:
+            self._waiting.discard(msg_id)
+            self._on_ring.discard(msg_id)
+        return got if isinstance(got[0], torch.Tensor) else _ring_reply(*got)   # else: decoded in full
+
     def _wait_ring(self, msg_id: str, deadline: float) -> protocol.Message:
         """``wait`` for a message sent on the ring: its replies come in order, each answering
         the request of its slot (a late one's, given up on, is dropped)."""
         try:
             while msg_id not in self._replies:
                 answered, header, frames = self.ring.next_reply(deadline)
-                reply = protocol.decode(header, frames) if header is not None else None
-                if answered not in self._waiting:
-                    continue
-                if not isinstance(reply, protocol.Message) or reply.id != answered:    # the slot's own refusal
-                    why = (reply.detail if isinstance(reply, protocol.ProtocolError) else
-                           "a slot out of sequence" if reply is None else getattr(reply, "reason", "") or reply.TYPE)
-                    reply = protocol.RemotePartials(id=answered, ok=False, reason=f"ring: {why}"[:300])
-                self._replies[answered] = reply
+                if answered in self._waiting:
+                    self._replies[answered] = _ring_reply(answered, header, frames)
             return self._replies.pop(msg_id)
         finally:
             self._on_ring.discard(msg_id)

@@ -131,6 +131,23 @@ def _address(view: memoryview) -> int | None:
         return None
 
 
+def partials_shapes(shape: tuple[int, int, int, int]) -> tuple[tuple[int, ...], ...]:
+    """The frames m, l, o of partials of ``shape`` (rows, chunks, heads, head dim)."""
+    rows, chunks, heads, hd = shape
+    return (rows, chunks, heads), (rows, chunks, heads), (rows, chunks, heads, hd)
+
+
+@functools.lru_cache(maxsize=256)
+def partials_header(shape: tuple[int, int, int, int]) -> tuple[bytes, bytes]:
+    """(prefix, suffix) of the header ``protocol.encode`` writes for an ok RemotePartials
+    of ``shape``: the header is prefix + the id as JSON + suffix."""
+    header, _ = protocol.encode(protocol.RemotePartials(id="", ok=True, tensors=tuple(
+        RawTensor("float32", s, memoryview(b"")) for s in partials_shapes(shape))))
+    prefix, found, suffix = header.partition(b'"id":""')
+    assert found and suffix.find(b'"id":""') < 0, "a RemotePartials header names its id once"
+    return prefix + b'"id":', suffix
+
+
 def slot_use(header_bytes: int, frame_bytes: list[int]) -> int:
     """Bytes a slot needs for a message of ``header_bytes`` and frames of ``frame_bytes``."""
     return ALIGN + _align(header_bytes) + sum(_align(n) for n in frame_bytes)
@@ -194,6 +211,7 @@ class Segment:
         self.base = ctypes.addressof(self._anchor)
         self.view = memoryview(self.mm)
         self._places: dict[tuple, _Place | None] = {}      # (slot, shape, id's length) -> its reply's place
+        self._views: dict[tuple, tuple] = {}                # (area, slot, header bytes, shapes) -> frame views
 
     @classmethod
     def create(cls, slots: int = SLOTS, slot_bytes: int = SLOT_BYTES) -> Segment:
@@ -298,13 +316,8 @@ class Segment:
     def _place(self, seq: int, shape: tuple[int, int, int, int], ident_bytes: int) -> _Place | None:
         """Reply ``seq``'s slot's layout for partials of ``shape`` and an id of ``ident_bytes``
         in JSON, or None when they do not fit."""
-        rows, chunks, heads, hd = shape
-        shapes = [(rows, chunks, heads), (rows, chunks, heads), (rows, chunks, heads, hd)]
-        header, _ = protocol.encode(protocol.RemotePartials(id="", ok=True, tensors=tuple(
-            RawTensor("float32", s, memoryview(b"")) for s in shapes)))
-        prefix, found, suffix = header.partition(b'"id":""')
-        assert found and suffix.find(b'"id":""') < 0, "a RemotePartials header names its id once"
-        prefix += b'"id":'
+        shapes = partials_shapes(shape)
+        prefix, suffix = partials_header(shape)
         header_bytes = len(prefix) + ident_bytes + len(suffix)
         sizes = [4 * math.prod(s) for s in shapes]
         if slot_use(header_bytes, sizes) > self.slot_bytes or not all(sizes):
@@ -335,6 +348,35 @@ class Segment:
             pos = _align(pos + n)
         return header, frames
 
+    def views(self, area: int, seq: int, header: bytes, shapes: tuple[tuple[int, ...], ...]
+              ) -> tuple[torch.Tensor, ...] | None:
+        """Message ``seq``'s float32 frames as tensors viewing its slot of ``area``, when the
+        slot holds that message with exactly ``header`` and frames of ``shapes``; else None
+        (nothing read past the slot's head). The views of one (slot, header length, shapes)
+        are made once (the segment's: ``close`` lets go of them)."""
+        at = self._slot(area, seq)
+        got, header_bytes, count, _, *sizes = _SLOT.unpack_from(self.mm, at)
+        if got != seq & MASK or header_bytes != len(header) or count != len(shapes):
+            return None
+        key = (area, seq % self.slots, header_bytes, shapes)
+        place = self._views.get(key)
+        if place is None:
+            want = [4 * math.prod(s) for s in shapes]
+            if len(shapes) > MAX_FRAMES or slot_use(header_bytes, want) > self.slot_bytes:
+                return None
+            if len(self._views) >= PLACES:
+                self._views.clear()
+            pos, views = _align(at + ALIGN + header_bytes), []
+            for s, n in zip(shapes, want):
+                views.append(torch.frombuffer(self.mm, dtype=torch.float32, count=n // 4, offset=pos).view(s)
+                             if n else torch.empty(s))
+                pos = _align(pos + n)
+            place = self._views[key] = (want, tuple(views))
+        want, views = place
+        if sizes[:count] != want or self.view[at + ALIGN:at + ALIGN + header_bytes] != header:
+            return None
+        return views
+
     def unlink(self) -> None:
         """Remove the name (the mappings stay); a name already gone is no error."""
         with contextlib.suppress(FileNotFoundError):
@@ -345,6 +387,7 @@ class Segment:
         if self._anchor is None:
             return
         self._places.clear()                                # its views of the mapping
+        self._views.clear()
         with contextlib.suppress(BufferError):
             self.view.release()
         self._anchor = None
@@ -390,11 +433,42 @@ class RingClient:
         self.bells.post(self.seg.bell(_REQUEST_BELL), self.sent)
         return True
 
+    def next_is(self, msg_id: str) -> bool:
+        """Whether the next reply on the ring answers request ``msg_id``."""
+        return bool(self._ids) and self._ids[0] == msg_id
+
     def next_reply(self, deadline: float) -> tuple[str, bytes | None, list[bytes]]:
         """The next reply: (the id of the request it answers, its header and frames copied
         out of the slot; header None for a slot out of sequence), waited for until
         ``deadline`` (time.monotonic). Raises RemoteKVError after it, or when the creditor
         closed the ring."""
+        self._await_reply(deadline)
+        got = self.seg.take(REPLIES, self.read, copy=True)
+        self.read += 1
+        msg_id = self._ids.popleft()
+        if isinstance(got, str):
+            log.warning("a reply on the ring refused: %s", got)
+            return msg_id, None, []
+        return msg_id, *got
+
+    def next_reply_as(self, header: bytes, shapes: tuple[tuple[int, ...], ...], deadline: float
+                      ) -> tuple[torch.Tensor, ...] | tuple[str, bytes | None, list[bytes]]:
+        """The next reply, when it is exactly ``header`` (the bytes ``protocol.encode`` writes
+        for the answer expected: its id, type, ok and frame descriptors) with float32 frames
+        of ``shapes``: those frames, as tensors viewing its slot (valid until the next
+        request posted on this ring: read them first), nothing decoded or copied. Any other
+        reply (a refusal, another shape, a slot out of sequence): ``next_reply``'s tuple, for
+        the caller's full decode. Waits and raises as ``next_reply``."""
+        self._await_reply(deadline)
+        views = self.seg.views(REPLIES, self.read, header, shapes)
+        if views is None:
+            return self.next_reply(deadline)
+        self.read += 1
+        self._ids.popleft()
+        return views
+
+    def _await_reply(self, deadline: float) -> None:
+        """Wait until reply ``read`` is posted (``next_reply``'s waits and errors)."""
         bell = self.seg.bell(_REPLY_BELL)
         if self.read == self.sent:
             raise RemoteKVError("no request awaits a reply on the ring")
@@ -409,13 +483,6 @@ class RingClient:
                 self.bells.wait(bell, self.read, spin_s, min(left, SLICE_S))
                 spin_s = SPIN_S                             # past a slice: the creditor is slow, not busy
             self.spin.waited(time.monotonic() - since)
-        got = self.seg.take(REPLIES, self.read, copy=True)
-        self.read += 1
-        msg_id = self._ids.popleft()
-        if isinstance(got, str):
-            log.warning("a reply on the ring refused: %s", got)
-            return msg_id, None, []
-        return msg_id, *got
 
     def close(self) -> None:
         self.seg.mark_closed("debtor")

@@ -68,7 +68,8 @@ class Lender:
         self.attention = AttentionServer(
             rmanager, model.attention_kernel, model.scale,
             [model.config.layer_window(i) for i in range(model.num_local_layers)],
-            (model.config.num_heads, model.config.num_kv_heads, model.config.head_dim), self.lock)
+            (model.config.num_heads, model.config.num_kv_heads, model.config.head_dim), self.lock,
+            max_ctx=driver.engine.max_model_len)
         self.channel: ChannelServer | None = None     # RemoteAttend without the event loop (open_channel)
         self.recall = RecallServer(rmanager, self.lock, self.attention.executor)   # RecallKV (recall.py)
 

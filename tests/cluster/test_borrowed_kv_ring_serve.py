@@ -8,6 +8,7 @@ thread asks whether its engine is idle before it spins (``RingPolicy.engine_idle
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 import time
@@ -16,7 +17,7 @@ import pytest
 import torch
 import zmq
 
-from engine.dist_attention import LentKV
+from engine.dist_attention import LentKV, RemoteKVError
 from engine.memory.kv_cache import KVCache
 from engine.memory.mempool import MemPool
 from engine.memory.rmanager import RManager
@@ -25,7 +26,7 @@ from kvd import protocol
 from kvd.node import attention_ring
 from kvd.node.attention_channel import ChannelClient, ChannelServer
 from kvd.node.attention_ring import RingPolicy, Segment
-from kvd.node.remote_attention import AttentionServer, partials_of
+from kvd.node.remote_attention import AttentionServer, ChannelLender, partials_of
 
 from .test_borrowed_kv_ring import offer_of, pytestmark, segments  # noqa: F401 -- the same skip
 
@@ -104,8 +105,11 @@ def test_what_a_debtor_may_not_do_on_its_ring_is_refused_and_counted(creditor):
     assert attention.rmanager.counts["forbidden"] >= 1 and attention.counts["refused"] == 1
     wrong = ask(client, attend("a", loans["a"], 0, 200, heads=4))     # not this model's heads
     assert not wrong.ok and "heads" in wrong.reason and attention.counts["refused"] == 2
+    huge = dataclasses.replace(attend("a", loans["a"], 0, 200), ctx=1 << 40)   # a table of 2^36 blocks
+    refused = ask(client, huge)
+    assert not refused.ok and "past the model's context" in refused.reason and attention.counts["refused"] == 3
     assert ask(client, attend("a", loans["a"], 0, 200)).ok            # the ring goes on
-    assert client.counts["ring"] == 4
+    assert client.counts["ring"] == 5
 
 
 def test_a_slots_reply_layout_serves_every_id_of_its_shape():
@@ -153,3 +157,42 @@ def test_a_ring_spins_long_only_while_it_is_the_creditors_only_one(creditor):
             break
         time.sleep(0.02)
     assert server._may_spin()
+
+
+def test_a_steps_lane_sends_protocols_bytes_and_reads_the_same_bits_without_a_decode(creditor, monkeypatch):
+    """A ChannelLender over buffers a step rewrites at every layer (the plan executor's):
+    each layer's message is the bytes protocol.encode gives for it, and after the step's
+    first reply each is read off the ring as it lies (no decode) with the lent part's bits.
+    A refusal in the middle of a step (a layer the part does not serve) is decoded and
+    raised with its reason, and the next layer is read fast again."""
+    server, client, attention, loans, _ = creditor
+    loan = attention.rmanager.loans[loans["a"]]
+    own = KVCache(LAYERS, KVH, HD, block_size=BS, device_blocks=48, host_blocks=0)
+    mirror = LentKV(MemPool(48, 0, block_size=BS, storage=own), loan.region.block_ids, 1, attention.kernel,
+                    HD ** -0.5, [None] * LAYERS)
+    lender = ChannelLender(client, "a", loans["a"], "r", 1, 10.0)
+    fast = []
+    wait_as = client.wait_as
+    monkeypatch.setattr(client, "wait_as", lambda *a: fast.append(isinstance(r := wait_as(*a), tuple)) or r)
+    g = torch.Generator().manual_seed(5)
+    for first in range(128, 128 + 12):
+        q, k, v = torch.empty(1, H, HD), torch.empty(1, KVH, HD), torch.empty(1, KVH, HD)
+        positions = torch.tensor([first])
+        for layer in range(LAYERS):
+            for t in (q, k, v):
+                t.copy_(torch.randn(t.shape, generator=g))
+            handle = lender.start(layer, q, first + 1, positions, k, v)
+            got = handle.partials(10.0)
+            want = mirror.step(layer, q.clone(), first + 1, positions, k.clone(), v.clone())
+            assert all(torch.equal(a, b) for a, b in zip((got.m, got.l, got.o), (want.m, want.l, want.o)))
+            lane = lender._lane
+            msg = protocol.RemoteAttend(id=handle.msg_id, deadline=lane.renew_at + 5.0, debtor="a",
+                                        loan_id=loans["a"], request_id="r", lo=1, layer=layer, ctx=first + 1,
+                                        first=first, tensors=(q, k, v))
+            assert lane.header(handle.msg_id, layer) == protocol.encode(msg)[0]
+        if first == 133:                                            # a layer the part does not serve
+            with pytest.raises(RemoteKVError, match="layer 9 out of range"):
+                lender.start(9, q, first + 1, positions, k, v).partials(10.0)
+    # the first layer of each step learns the reply's shape; every other layer is read as it lies
+    assert fast.count(True) == 12 * (LAYERS - 1) and fast.count(False) == 1
+    assert client.counts["ring"] == 12 * LAYERS + 1 and server.counts["ring_served"] == 12 * LAYERS + 1
