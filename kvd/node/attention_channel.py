@@ -49,6 +49,7 @@ from engine.dist_attention import RemoteKVError
 from kernels.shm_wait import Doorbells
 from kvd import protocol
 from kvd.node.attention_ring import RingClient, RingPolicy, RingServer, Segment, host_id
+from kvd.node.step_template import StepTemplate
 from kvd.trust import node_refusal
 from transports.keys import CurveClient, CurveServer, as_key_set
 
@@ -110,7 +111,7 @@ class ChannelServer:
         self.serve = serve
         self.authenticated = curve is not None
         self.counts = {"served": 0, "rejected": 0, "forbidden": 0, "rings": 0, "ring_refused": 0, "ring_served": 0,
-                       "rings_open": 0}
+                       "rings_open": 0, "ring_templated": 0}
         self._counts_lock = threading.Lock()            # the channel thread and the rings' count
         self.ring_policy = rings
         self._rings: dict[str, RingServer] = {}         # debtor -> its ring (the channel thread's)
@@ -175,13 +176,19 @@ class ChannelServer:
         return self.answer(parts[1].bytes, [p.buffer for p in parts[2:]], identity, self.authenticated)
 
     def answer(self, header: bytes, frames: list, identity: str | None, authenticated: bool,
-               ring: bool = False, reply_into: Callable | None = None) -> protocol.Message:
+               ring: bool = False, reply_into: Callable | None = None,
+               template: StepTemplate | None = None) -> protocol.Message:
         """The reply to one message from ``identity`` (checked by the trust gate when
         ``authenticated``): RemoteAttend served, RingOpen answered (not on a ``ring``),
         anything else refused and counted. ``reply_into(msg_id, shape)``: where a ring's
         reply to ``msg_id`` takes partials of ``shape`` (its slot), passed on to ``serve`` as
-        ``into``. Any thread (the channel's, a ring's)."""
-        msg = protocol.decode(header, frames)
+        ``into``. ``template``: the ring's ``StepTemplate`` (a header that fits it is taken
+        as its message; a RemoteAttend decoded in full and let through becomes it). Any
+        thread (the channel's, a ring's)."""
+        msg = template.match(header, frames) if template is not None else None
+        learn = template is not None and msg is None
+        if msg is None:
+            msg = protocol.decode(header, frames)
         if isinstance(msg, protocol.RingOpen) and not ring:
             return self._open_ring(msg, identity)
         if not isinstance(msg, protocol.RemoteAttend):
@@ -191,6 +198,10 @@ class ChannelServer:
         if why := node_refusal(msg, identity, authenticated):
             self._count("forbidden")
             return protocol.RemotePartials(id=msg.id, ok=False, reason=f"forbidden: {why}")
+        if learn:
+            template.learn(bytes(header), msg)
+        elif template is not None:
+            self._count("ring_templated")
         self._count("served")
         if ring:
             self._count("ring_served")
@@ -223,9 +234,11 @@ class ChannelServer:
         self._rings = {d: r for d, r in self._rings.items() if r.alive}
         debtor = msg.debtor
         self._count("rings_open")
+        template = StepTemplate()
         self._rings[debtor] = RingServer(segment, bells, debtor,
                                          lambda header, frames, into: self.answer(header, frames, debtor, True,
-                                                                                  ring=True, reply_into=into),
+                                                                                  ring=True, reply_into=into,
+                                                                                  template=template),
                                          policy.holds, lambda: self._count("rejected"),
                                          lambda: self._count("rings_open", -1), self._may_spin)
         self._count("rings")

@@ -276,9 +276,10 @@ class Segment:
     def _slot(self, area: int, seq: int) -> int:
         return _HEAD + (area * self.slots + seq % self.slots) * self.slot_bytes
 
-    def put(self, area: int, seq: int, header: bytes, frames: list[memoryview]) -> bool:
+    def put(self, area: int, seq: int, header: bytes, frames: list[memoryview], placed: bool = False) -> bool:
         """Write message ``seq`` into its slot of ``area``; False (nothing written) when it
-        does not fit."""
+        does not fit. ``placed``: frames may lie where they go already (``reply_into``'s):
+        those are not copied."""
         sizes = [f.nbytes for f in frames]
         if len(frames) > MAX_FRAMES or slot_use(len(header), sizes) > self.slot_bytes:
             return False
@@ -287,7 +288,7 @@ class Segment:
         self.mm[pos:pos + len(header)] = header
         pos = _align(pos + len(header))
         for f, n in zip(frames, sizes):
-            if _address(f) != self.base + pos:         # else written there already (reply_into)
+            if not placed or _address(f) != self.base + pos:     # else written there already
                 self.mm[pos:pos + n] = f
             pos = _align(pos + n)
         _SLOT.pack_into(self.mm, at, seq & MASK, len(header), len(frames), 0, *sizes, *[0] * (MAX_FRAMES - len(sizes)))
@@ -576,7 +577,7 @@ class RingServer:
                 reply = protocol.RemotePartials(ok=False, reason=f"{type(exc).__name__}: {exc}"[:300])
             del got                                         # the request's views of the slot
         header, frames = protocol.encode_reply(reply)
-        if not self.seg.put(REPLIES, seq, header, frames):
+        if not self.seg.put(REPLIES, seq, header, frames, placed=True):
             header, frames = protocol.encode_reply(protocol.RemotePartials(
                 id=reply.id, ok=False, reason="the reply does not fit the ring's slot"))
             self.seg.put(REPLIES, seq, header, frames)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import itertools
 import secrets
 import threading
 import time
@@ -208,6 +209,8 @@ class ChannelLender:
         self.client, self.timeout = client, timeout
         self.debtor, self.loan_id, self.request_id, self.lo = debtor, loan_id, request_id, lo
         self._lane: StepLane | None = None
+        self._ids = itertools.count()
+        self._prefix = secrets.token_hex(4)                     # a lane's ids: this prefix and a count
 
     def start(self, layer: int, q: torch.Tensor, ctx: int, positions: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor) -> PartialsHandle:
@@ -225,7 +228,7 @@ class ChannelLender:
             return ChannelHandle(self.client, msg.id, q.shape[0], self.lo, ctx, q.shape[-1])
         if time.time() > lane.renew_at:
             lane.renew()
-        msg_id = secrets.token_hex(6)
+        msg_id = "%s%x" % (self._prefix, next(self._ids))
         self.client.send_encoded(msg_id, lane.header(msg_id, layer), lane.frames, self.timeout, lane.reply_bytes)
         return ChannelHandle(self.client, msg_id, q.shape[0], self.lo, ctx, q.shape[-1], lane)
 

@@ -67,7 +67,7 @@ def test_a_reply_computed_in_its_slot_is_posted_without_a_copy():
         reply = protocol.RemotePartials(id="r5", ok=True, tensors=(out.m, out.l, out.o))
         header, frames = protocol.encode(reply)
         assert all(seg.base <= attention_ring._address(f) < seg.base + seg.size for f in frames)   # the slot's own
-        assert seg.put(REPLIES, 5, header, frames)
+        assert seg.put(REPLIES, 5, header, frames, placed=True)
         got = protocol.decode(*other.take(REPLIES, 5, copy=True))
         assert got.id == "r5" and got.ok
         m, l, o = (t.to_torch() for t in got.tensors)

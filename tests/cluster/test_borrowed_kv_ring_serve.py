@@ -196,3 +196,5 @@ def test_a_steps_lane_sends_protocols_bytes_and_reads_the_same_bits_without_a_de
     # the first layer of each step learns the reply's shape; every other layer is read as it lies
     assert fast.count(True) == 12 * (LAYERS - 1) and fast.count(False) == 1
     assert client.counts["ring"] == 12 * LAYERS + 1 and server.counts["ring_served"] == 12 * LAYERS + 1
+    # the creditor decoded each step's first message in full and took the others by its pattern
+    assert server.counts["ring_templated"] == 12 * (LAYERS - 1) + 1
