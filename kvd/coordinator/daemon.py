@@ -295,8 +295,7 @@ class CoordinatorDaemon:
             return self._assignments(msg)
         if isinstance(msg, protocol.CreditorQuery):
             self.ledger.retain(self.membership.nodes)
-            best = self.ledger.candidates(msg.node, msg.blocks, msg.exclude,
-                                          draining={n for n, info in self.membership.nodes.items() if info.draining})
+            best = self.ledger.candidates(msg.node, msg.blocks, msg.exclude)
             return protocol.Creditors(id=msg.id, candidates=tuple(e.node for e in best),
                                       addresses=tuple(e.address for e in best))
         if isinstance(msg, protocol.CacheEvents):

@@ -20,7 +20,7 @@ word counts); DGFM (dgfm.py, carried out by dgfm_rounds.py) removes its cycles.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,14 +87,12 @@ class DebtLedger:
         (what others report about it stays until their next beats)."""
         self.entries.pop(node, None)
 
-    def candidates(self, debtor: str, blocks: int, exclude: tuple[str, ...] = (),
-                   draining: Collection[str] = ()) -> list[LedgerEntry]:
+    def candidates(self, debtor: str, blocks: int, exclude: tuple[str, ...] = ()) -> list[LedgerEntry]:
         """Up to three creditors for ``blocks`` blocks of ``debtor``, best
         first: the cheapest link from the debtor, then the most blocks it
         could lend, then the name (a stable order). Never the debtor, a node
         the ledger does not hold (dead, left, never beat), one in ``exclude``
-        (it just said no: paused until its next beat), one in ``draining``
-        (it is leaving: a loan there would be recalled soon), or one whose cap or
+        (it just said no: paused until its next beat), or one whose cap or
         free blocks fall short. Changes nothing but those pauses."""
         self.queries += 1
         for name in exclude:
@@ -103,7 +101,7 @@ class DebtLedger:
         me = self.entries.get(debtor)
         origin = me.address if me is not None else ""
         fit = [e for e in self.entries.values()
-               if e.node != debtor and not e.refused_since_beat and e.node not in draining and e.lendable >= blocks]
+               if e.node != debtor and not e.refused_since_beat and e.lendable >= blocks]
         fit.sort(key=lambda e: (self.link_cost(origin, e.address), -e.lendable, e.node))
         if not fit:
             self.unanswered += 1

@@ -51,13 +51,6 @@ def test_a_creditor_that_said_no_is_paused_until_its_next_beat_and_dead_ones_lea
     assert names(led.candidates("a", 8)) == ["c"]
 
 
-def test_a_draining_creditor_is_never_recommended_and_nothing_else_changes():
-    led = ledger(beat("a", 0), beat("b", 50, 40), beat("c", 30, 30))
-    assert names(led.candidates("a", 8, draining={"b"})) == ["c"]
-    assert names(led.candidates("a", 40, draining={"b"})) == [] and led.unanswered == 1
-    assert names(led.candidates("a", 8)) == ["b", "c"]                # undrained: lends again, no pause
-
-
 def test_describe_shows_lines_and_the_debt_graph():
     led = ledger(beat("a", 10, 0, borrowed={"b": 8}), beat("b", 40, 64, lent={"a": 8}))
     out = led.describe()
