@@ -163,6 +163,7 @@ class DistStep:
                 self._remote.append((s, part, slice(s.start, s.start + s.n), mine, positions))
         self._gather: Partials | None = None
         self._pending: list = []                # the parts started and not yet gathered
+        self._rows: tuple | None = None         # (q, k, v, each part's rows of them): start_remote's
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                v_cache: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
@@ -199,9 +200,14 @@ class DistStep:
     def start_remote(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Start layer ``layer``'s micro-attention on every remote part a sequence has
         reached: ``q`` [T, H, hd] the step's rotated query rows, ``k``, ``v`` [T, kvh, hd]
-        their new K/V as the caches store them (each part gets its own positions')."""
-        self._pending = [(s, part, part.lender.start(layer, q[rows], s.ctx, positions, k[mine], v[mine]))
-                         for s, part, rows, mine, positions in self._remote]
+        their new K/V as the caches store them (each part gets its own positions'). Where
+        every layer passes the same tensors (the plan executor's buffers), each part's rows
+        of them are the same views at every layer."""
+        if self._rows is None or self._rows[0] is not q or self._rows[1] is not k or self._rows[2] is not v:
+            self._rows = (q, k, v, [(s, part, q[rows], k[mine], v[mine], positions)
+                                    for s, part, rows, mine, positions in self._remote])
+        self._pending = [(s, part, part.lender.start(layer, qr, s.ctx, positions, kr, vr))
+                         for s, part, qr, kr, vr, positions in self._rows[3]]
 
     def gather_remote(self, gather: Partials) -> None:
         """The results of the parts ``start_remote`` started, each in its sequence's rows of
@@ -236,6 +242,7 @@ class LentKV:
         self.blocks = torch.tensor(block_ids, dtype=torch.int64)
         self.block_list = list(block_ids)
         self._layout: tuple | None = None                   # (ctx, rows, PartLayout): a step's, every layer's
+        self._caches: dict[int, tuple] = {}                 # layer -> its K, V caches and their rows' views
 
     def step(self, layer: int, q: torch.Tensor, ctx: int, positions: torch.Tensor, k: torch.Tensor,
              v: torch.Tensor, into: Callable[[tuple[int, int, int, int]], Partials | None] | None = None
@@ -265,9 +272,20 @@ class LentKV:
         end, n = self._reach(layer, q, ctx), k.shape[0]
         if n and (first < k0 or first + n > end):
             raise ValueError("a K/V write outside the part")
-        k_cache, v_cache = self.pool.layer_caches(layer)
+        caches = self._caches.get(layer)
+        if caches is None:
+            k_cache, v_cache = self.pool.layer_caches(layer)
+            caches = self._caches[layer] = (k_cache, v_cache, k_cache.view(-1, *k_cache.shape[2:]),
+                                            v_cache.view(-1, *v_cache.shape[2:]))
+        k_cache, v_cache, k_rows, v_rows = caches
         if v.shape != k.shape or k.shape[1:] != k_cache.shape[2:]:      # (no broadcast into the blocks)
             raise ValueError(f"K/V rows of {tuple(k.shape[1:])}, the part's blocks hold {tuple(k_cache.shape[2:])}")
+        if n == 1:                                      # a decode's one position: one row of each cache
+            block, at = divmod(first - k0, bs)
+            slot = self.block_list[block] * bs + at
+            k_rows[slot].copy_(k[0])                    # converted as .to(dtype)
+            v_rows[slot].copy_(v[0])
+            return self._attend(layer, q, ctx, end, k_cache, v_cache, into)
         row = 0
         while row < n:                                  # k_cache [N, bs, kvh, hd]: a run within one block
             block, at = divmod(first + row - k0, bs)

@@ -212,6 +212,7 @@ class Segment:
         self.view = memoryview(self.mm)
         self._places: dict[tuple, _Place | None] = {}      # (slot, shape, id's length) -> its reply's place
         self._views: dict[tuple, tuple] = {}                # (area, slot, header bytes, shapes) -> frame views
+        self._placed: dict[int, tuple] = {}                 # reply slot -> (seq, id, header bytes, frames) reply_into wrote
 
     @classmethod
     def create(cls, slots: int = SLOTS, slot_bytes: int = SLOT_BYTES) -> Segment:
@@ -312,7 +313,22 @@ class Segment:
             return None
         header = place.prefix + ident + place.suffix
         self.mm[place.at:place.at + len(header)] = header
+        self._placed[seq % self.slots] = (seq, msg_id, len(header), place.partials.frames)
         return place.partials
+
+    def post_placed(self, seq: int, reply: protocol.Message) -> bool:
+        """Post ``reply`` as reply ``seq`` when it is the ok RemotePartials whose header and
+        frames ``reply_into`` wrote into that slot already (only the slot's head is written);
+        False (nothing written) otherwise."""
+        placed = self._placed.pop(seq % self.slots, None)
+        if (placed is None or placed[0] != seq or not isinstance(reply, protocol.RemotePartials) or not reply.ok
+                or reply.id != placed[1] or len(reply.tensors) != len(placed[3])
+                or not all(a is b for a, b in zip(reply.tensors, placed[3]))):
+            return False
+        sizes = [f.data.nbytes for f in placed[3]]
+        _SLOT.pack_into(self.mm, self._slot(REPLIES, seq), seq & MASK, placed[2], len(sizes), 0, *sizes,
+                        *[0] * (MAX_FRAMES - len(sizes)))
+        return True
 
     def _place(self, seq: int, shape: tuple[int, int, int, int], ident_bytes: int) -> _Place | None:
         """Reply ``seq``'s slot's layout for partials of ``shape`` and an id of ``ident_bytes``
@@ -389,6 +405,7 @@ class Segment:
             return
         self._places.clear()                                # its views of the mapping
         self._views.clear()
+        self._placed.clear()
         with contextlib.suppress(BufferError):
             self.view.release()
         self._anchor = None
@@ -576,6 +593,8 @@ class RingServer:
                 log.exception("remote attention on the ring failed")
                 reply = protocol.RemotePartials(ok=False, reason=f"{type(exc).__name__}: {exc}"[:300])
             del got                                         # the request's views of the slot
+        if self.seg.post_placed(seq, reply):
+            return
         header, frames = protocol.encode_reply(reply)
         if not self.seg.put(REPLIES, seq, header, frames, placed=True):
             header, frames = protocol.encode_reply(protocol.RemotePartials(

@@ -215,7 +215,9 @@ class ChannelLender:
     def start(self, layer: int, q: torch.Tensor, ctx: int, positions: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor) -> PartialsHandle:
         lane = self._lane
-        if lane is not None and (lane.key != _lane_key(q, ctx, positions, k, v) or lane.positions is not positions):
+        if lane is not None and not (lane.tensors[0] is q and lane.tensors[1] is k and lane.tensors[2] is v
+                                     and lane.positions is positions and lane.ctx == ctx) \
+                and (lane.key != _lane_key(q, ctx, positions, k, v) or lane.positions is not positions):
             lane = self._lane = None
         if lane is None and _lane_fits(q, k, v):
             lane = self._lane = StepLane(self, q, ctx, positions, k, v)

@@ -31,6 +31,7 @@ class StepTemplate:
     def __init__(self) -> None:
         self._pattern: re.Pattern[bytes] | None = None
         self._msg: protocol.RemoteAttend | None = None
+        self._kinds: tuple[tuple[str, tuple[int, ...]], ...] = ()     # each frame's dtype and shape
         self._sizes: tuple[int, ...] = ()
         self.hits = 0
 
@@ -48,7 +49,9 @@ class StepTemplate:
         self._pattern = re.compile(re.escape(header[:i]) + rb'"id":"([0-9A-Za-z_-]{1,64})"'
                                    + re.escape(header[i + len(ident):j]) + rb'"layer":(0|[1-9][0-9]{0,5}),'
                                    + re.escape(header[j + len(layer):]), re.DOTALL)
-        self._msg = msg
+        self._msg = copy.copy(msg)
+        object.__setattr__(self._msg, "tensors", ())          # no view of the ring's slot kept
+        self._kinds = tuple((t.dtype, t.shape) for t in msg.tensors)
         self._sizes = tuple(t.data.nbytes for t in msg.tensors)
 
     def match(self, header: bytes, frames: list[memoryview]) -> protocol.RemoteAttend | None:
@@ -62,7 +65,7 @@ class StepTemplate:
         msg = copy.copy(self._msg)
         object.__setattr__(msg, "id", found.group(1).decode())
         object.__setattr__(msg, "layer", int(found.group(2)))
-        object.__setattr__(msg, "tensors", tuple(RawTensor(t.dtype, t.shape, f)
-                                                 for t, f in zip(self._msg.tensors, frames)))
+        object.__setattr__(msg, "tensors", tuple(RawTensor(dtype, shape, f)
+                                                 for (dtype, shape), f in zip(self._kinds, frames)))
         self.hits += 1
         return msg
