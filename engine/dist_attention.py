@@ -31,6 +31,7 @@ the caller's) behind the ``Lender`` interface a transport would implement.
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -164,6 +165,7 @@ class DistStep:
         self._gather: Partials | None = None
         self._pending: list = []                # the parts started and not yet gathered
         self._rows: tuple | None = None         # (q, k, v, each part's rows of them): start_remote's
+        self._into: tuple | None = None         # (gather, each part's slots of it): gather_remote's
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                v_cache: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
@@ -214,9 +216,19 @@ class DistStep:
         ``gather`` at its chunks' slots. Raises RemoteKVError when a part fails or misses
         its deadline."""
         pending, self._pending = self._pending, []
+        if self._into is None or self._into[0] is not gather:
+            self._into = (gather, {})
+        into = self._into[1]                    # (part, width) -> its slots' views in this gather
         for s, part, handle in pending:
             got = handle.partials(self.deadline_s)
-            gather.place(got, slice(s.start, s.start + s.n), part.lo)
+            width = got.m.shape[1]
+            dst = into.get((id(part), width))
+            if dst is None:
+                rows, at = slice(s.start, s.start + s.n), part.lo
+                dst = into[(id(part), width)] = (gather.m[rows, at:at + width], gather.l[rows, at:at + width],
+                                                 gather.o[rows, at:at + width])
+            for d, x in zip(dst, (got.m, got.l, got.o)):
+                d.copy_(x)                      # Partials.place, its views made once a step
 
 
 class LentKV:
@@ -283,8 +295,13 @@ class LentKV:
         if n == 1:                                      # a decode's one position: one row of each cache
             block, at = divmod(first - k0, bs)
             slot = self.block_list[block] * bs + at
-            k_rows[slot].copy_(k[0])                    # converted as .to(dtype)
-            v_rows[slot].copy_(v[0])
+            if k.dtype == k_rows.dtype and k.is_contiguous() and v.is_contiguous():
+                row = k_rows.stride(0) * k_rows.element_size()
+                ctypes.memmove(k_rows.data_ptr() + slot * row, k.data_ptr(), row)
+                ctypes.memmove(v_rows.data_ptr() + slot * row, v.data_ptr(), row)
+            else:
+                k_rows[slot].copy_(k[0])                # converted as .to(dtype)
+                v_rows[slot].copy_(v[0])
             return self._attend(layer, q, ctx, end, k_cache, v_cache, into)
         row = 0
         while row < n:                                  # k_cache [N, bs, kvh, hd]: a run within one block

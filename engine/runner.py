@@ -186,9 +186,11 @@ class ModelRunner:
         k, v = torch.empty(B, cfg.num_kv_heads, cfg.head_dim), torch.empty(B, cfg.num_kv_heads, cfg.head_dim)
         gather = Partials.empty(B, dist.slots_total, cfg.num_heads, cfg.head_dim)
 
+        stored = kv_dtype == k.dtype                        # the caches hold k and v as they are
+
         def hook(layer: int, phase: int) -> None:
             if phase == 0:
-                dist.start_remote(layer, q, store_kv(k, kv_dtype), store_kv(v, kv_dtype))
+                dist.start_remote(layer, q, *((k, v) if stored else (store_kv(k, kv_dtype), store_kv(v, kv_dtype))))
             else:
                 dist.gather_remote(gather)
 

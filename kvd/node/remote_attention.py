@@ -183,9 +183,16 @@ class StepLane:
 
     def expect(self, shape: tuple[int, ...]) -> None:
         """The replies of this step are partials of ``shape`` (rows, chunks, heads, head dim)."""
-        if self.reply is None:
+        if self.reply is None or self.reply[2][2] != shape:
             prefix, suffix = partials_header(shape)
             self.reply = (prefix, suffix, partials_shapes(shape))
+
+    def guess(self, last: StepLane) -> None:
+        """Expect this step's replies as ``last``'s (the same part's previous step) grown by
+        the chunks the context gained: a wrong guess costs one reply's full decode."""
+        if last.reply is not None and last.tensors[0].shape == self.tensors[0].shape:
+            rows, chunks, heads, hd = last.reply[2][2]
+            self.expect((rows, chunks + chunks_of(self.ctx) - chunks_of(last.ctx), heads, hd))
 
 
 def _lane_key(q: torch.Tensor, ctx: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
@@ -215,12 +222,15 @@ class ChannelLender:
     def start(self, layer: int, q: torch.Tensor, ctx: int, positions: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor) -> PartialsHandle:
         lane = self._lane
+        last = lane
         if lane is not None and not (lane.tensors[0] is q and lane.tensors[1] is k and lane.tensors[2] is v
                                      and lane.positions is positions and lane.ctx == ctx) \
                 and (lane.key != _lane_key(q, ctx, positions, k, v) or lane.positions is not positions):
             lane = self._lane = None
         if lane is None and _lane_fits(q, k, v):
             lane = self._lane = StepLane(self, q, ctx, positions, k, v)
+            if last is not None:
+                lane.guess(last)
         if lane is None:
             msg = attend_message(self.debtor, self.loan_id, self.request_id, self.lo, self.timeout, layer, q, ctx,
                                  positions, k, v)
