@@ -218,17 +218,13 @@ class DistStep:
         pending, self._pending = self._pending, []
         if self._into is None or self._into[0] is not gather:
             self._into = (gather, {})
-        into = self._into[1]                    # (part, width) -> its slots' views in this gather
-        for s, part, handle in pending:
+        into = self._into[1]                    # (part's index, width) -> its slots of this gather
+        for i, (s, part, handle) in enumerate(pending):
             got = handle.partials(self.deadline_s)
             width = got.m.shape[1]
-            dst = into.get((id(part), width))
-            if dst is None:
-                rows, at = slice(s.start, s.start + s.n), part.lo
-                dst = into[(id(part), width)] = (gather.m[rows, at:at + width], gather.l[rows, at:at + width],
-                                                 gather.o[rows, at:at + width])
-            for d, x in zip(dst, (got.m, got.l, got.o)):
-                d.copy_(x)                      # Partials.place, its views made once a step
+            if (dst := into.get((i, width))) is None:
+                dst = into[(i, width)] = gather.slots(slice(s.start, s.start + s.n), part.lo, width)
+            dst.copy_(got)
 
 
 class LentKV:
@@ -292,16 +288,13 @@ class LentKV:
         k_cache, v_cache, k_rows, v_rows = caches
         if v.shape != k.shape or k.shape[1:] != k_cache.shape[2:]:      # (no broadcast into the blocks)
             raise ValueError(f"K/V rows of {tuple(k.shape[1:])}, the part's blocks hold {tuple(k_cache.shape[2:])}")
-        if n == 1:                                      # a decode's one position: one row of each cache
+        if n == 1 and k.dtype == v.dtype == k_rows.dtype and k.is_contiguous() and v.is_contiguous():
+            # a decode's one row of each cache, as the caches hold it: one copy each
             block, at = divmod(first - k0, bs)
             slot = self.block_list[block] * bs + at
-            if k.dtype == k_rows.dtype and k.is_contiguous() and v.is_contiguous():
-                row = k_rows.stride(0) * k_rows.element_size()
-                ctypes.memmove(k_rows.data_ptr() + slot * row, k.data_ptr(), row)
-                ctypes.memmove(v_rows.data_ptr() + slot * row, v.data_ptr(), row)
-            else:
-                k_rows[slot].copy_(k[0])                # converted as .to(dtype)
-                v_rows[slot].copy_(v[0])
+            row = k_rows.stride(0) * k_rows.element_size()
+            ctypes.memmove(k_rows.data_ptr() + slot * row, k.data_ptr(), row)
+            ctypes.memmove(v_rows.data_ptr() + slot * row, v.data_ptr(), row)
             return self._attend(layer, q, ctx, end, k_cache, v_cache, into)
         row = 0
         while row < n:                                  # k_cache [N, bs, kvh, hd]: a run within one block

@@ -53,6 +53,17 @@ class Partials:
         return cls(torch.full((rows, slots, heads), -torch.inf), torch.zeros(rows, slots, heads),
                    torch.zeros(rows, slots, heads, head_dim))
 
+    def slots(self, rows: slice, at: int, width: int) -> Partials:
+        """Views of slots ``at`` .. ``at`` + ``width`` of ``rows`` (``copy_`` into them is a
+        ``place`` whose views are made once)."""
+        return Partials(self.m[rows, at:at + width], self.l[rows, at:at + width], self.o[rows, at:at + width])
+
+    def copy_(self, part: Partials) -> None:
+        """Copy ``part``'s m, l and o into this one's (the same shapes)."""
+        self.m.copy_(part.m)
+        self.l.copy_(part.l)
+        self.o.copy_(part.o)
+
     def place(self, part: Partials, rows: torch.Tensor | slice, at: int) -> None:
         """Copy ``part``'s slots into this one's slots ``at`` .. ``at`` + its width, for
         ``rows`` of this one (``part`` has one row per selected row): the parts of a

@@ -235,10 +235,9 @@ def _run(main_coro_factory) -> int:
     import uvloop
 
     from kvd.api.connections import BindError
+    from kvd.config import ConfigError
     from kvd.engine_client import EngineDead
     from kvd.supervisor import ENGINE_DEAD_EXIT
-
-    from kvd.config import ConfigError
 
     errors: list[BaseException] = []
     status = 0

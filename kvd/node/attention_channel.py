@@ -40,12 +40,12 @@ import threading
 import time
 from collections.abc import Callable
 
-import torch
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
 from engine.dist_attention import RemoteKVError
+from kernels.dist_attention import Partials
 from kernels.shm_wait import Doorbells
 from kvd import protocol
 from kvd.node.attention_ring import RingClient, RingPolicy, RingServer, Segment, host_id
@@ -398,21 +398,20 @@ class ChannelClient:
         finally:
             self._waiting.discard(msg_id)
 
-    def wait_as(self, msg_id: str, header: bytes, shapes: tuple[tuple[int, ...], ...], timeout: float
-                ) -> tuple[torch.Tensor, ...] | protocol.Message:
-        """``wait``, for a reply expected to be exactly ``header`` with float32 frames of
-        ``shapes`` (``RingClient.next_reply_as``): on the ring, when it is the next reply
-        there and is that, its frames viewing the ring's slot (valid until the next message
+    def wait_as(self, msg_id: str, shape: tuple[int, int, int, int], timeout: float) -> Partials | protocol.Message:
+        """``wait``, for a reply expected to be the ok RemotePartials of ``shape``
+        (``RingClient.next_reply_as``): on the ring, when it is the next reply there and is
+        exactly that, its partials viewing the ring's slot (valid until the next message
         sent: read them first); else the reply decoded, as ``wait`` returns it."""
         ring = self.ring
         if msg_id not in self._on_ring or ring is None or not ring.next_is(msg_id):
             return self.wait(msg_id, timeout)
         try:
-            got = ring.next_reply_as(header, shapes, time.monotonic() + timeout)
+            got = ring.next_reply_as(shape, time.monotonic() + timeout)
         finally:
             self._waiting.discard(msg_id)
             self._on_ring.discard(msg_id)
-        return got if isinstance(got[0], torch.Tensor) else _ring_reply(*got)   # else: decoded in full
+        return got if isinstance(got, Partials) else _ring_reply(*got)          # else: decoded in full
 
     def _wait_ring(self, msg_id: str, deadline: float) -> protocol.Message:
         """``wait`` for a message sent on the ring: its replies come in order, each answering

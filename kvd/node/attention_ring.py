@@ -131,18 +131,18 @@ def _address(view: memoryview) -> int | None:
         return None
 
 
-def partials_shapes(shape: tuple[int, int, int, int]) -> tuple[tuple[int, ...], ...]:
+def _partials_shapes(shape: tuple[int, int, int, int]) -> tuple[tuple[int, ...], ...]:
     """The frames m, l, o of partials of ``shape`` (rows, chunks, heads, head dim)."""
     rows, chunks, heads, hd = shape
     return (rows, chunks, heads), (rows, chunks, heads), (rows, chunks, heads, hd)
 
 
 @functools.lru_cache(maxsize=256)
-def partials_header(shape: tuple[int, int, int, int]) -> tuple[bytes, bytes]:
+def _partials_header(shape: tuple[int, int, int, int]) -> tuple[bytes, bytes]:
     """(prefix, suffix) of the header ``protocol.encode`` writes for an ok RemotePartials
     of ``shape``: the header is prefix + the id as JSON + suffix."""
     header, _ = protocol.encode(protocol.RemotePartials(id="", ok=True, tensors=tuple(
-        RawTensor("float32", s, memoryview(b"")) for s in partials_shapes(shape))))
+        RawTensor("float32", s, memoryview(b"")) for s in _partials_shapes(shape))))
     prefix, found, suffix = header.partition(b'"id":""')
     assert found and suffix.find(b'"id":""') < 0, "a RemotePartials header names its id once"
     return prefix + b'"id":', suffix
@@ -172,6 +172,7 @@ class _Place:
     prefix: bytes
     suffix: bytes
     partials: SlotPartials
+    sizes: tuple[int, ...]              # each frame's bytes
 
 
 @dataclass(frozen=True)
@@ -211,7 +212,6 @@ class Segment:
         self.base = ctypes.addressof(self._anchor)
         self.view = memoryview(self.mm)
         self._places: dict[tuple, _Place | None] = {}      # (slot, shape, id's length) -> its reply's place
-        self._views: dict[tuple, tuple] = {}                # (area, slot, header bytes, shapes) -> frame views
         self._placed: dict[int, tuple] = {}                 # reply slot -> (seq, id, header bytes, frames) reply_into wrote
 
     @classmethod
@@ -303,18 +303,40 @@ class Segment:
         slot (the segment's: ``close`` lets go of them); the views pin the mapping until they
         go."""
         ident = orjson.dumps(msg_id)                       # the id as the header's JSON writes it
-        key = (seq % self.slots, shape, len(ident))
-        place = self._places.get(key, False)
-        if place is False:
-            if len(self._places) >= PLACES:
-                self._places.clear()
-            place = self._places[key] = self._place(seq, shape, len(ident))
+        place = self._place_of(seq, shape, len(ident))
         if place is None:
             return None
         header = place.prefix + ident + place.suffix
         self.mm[place.at:place.at + len(header)] = header
         self._placed[seq % self.slots] = (seq, msg_id, len(header), place.partials.frames)
         return place.partials
+
+    def reply_in_place(self, seq: int, msg_id: str, shape: tuple[int, int, int, int]) -> SlotPartials | None:
+        """Reply ``seq``'s partials, viewing its slot, when the slot holds exactly the ok
+        RemotePartials of ``shape`` answering ``msg_id`` (the header and frame sizes
+        ``reply_into`` writes, which are ``protocol.encode``'s); else None (nothing read past
+        the slot's head and header). The views are ``reply_into``'s for that slot and shape."""
+        ident = orjson.dumps(msg_id)
+        place = self._place_of(seq, shape, len(ident))
+        if place is None:
+            return None
+        header = place.prefix + ident + place.suffix
+        at = self._slot(REPLIES, seq)
+        got, header_bytes, count, _, *sizes = _SLOT.unpack_from(self.mm, at)
+        if (got != seq & MASK or header_bytes != len(header) or tuple(sizes[:count]) != place.sizes
+                or self.view[place.at:place.at + header_bytes] != header):
+            return None
+        return place.partials
+
+    def _place_of(self, seq: int, shape: tuple[int, int, int, int], ident_bytes: int) -> _Place | None:
+        """``_place``, made once per (slot, shape, id's length) and kept (at most ``PLACES``)."""
+        key = (seq % self.slots, shape, ident_bytes)
+        place = self._places.get(key, False)
+        if place is False:
+            if len(self._places) >= PLACES:
+                self._places.clear()
+            place = self._places[key] = self._place(seq, shape, ident_bytes)
+        return place
 
     def post_placed(self, seq: int, reply: protocol.Message) -> bool:
         """Post ``reply`` as reply ``seq`` when it is the ok RemotePartials whose header and
@@ -333,8 +355,8 @@ class Segment:
     def _place(self, seq: int, shape: tuple[int, int, int, int], ident_bytes: int) -> _Place | None:
         """Reply ``seq``'s slot's layout for partials of ``shape`` and an id of ``ident_bytes``
         in JSON, or None when they do not fit."""
-        shapes = partials_shapes(shape)
-        prefix, suffix = partials_header(shape)
+        shapes = _partials_shapes(shape)
+        prefix, suffix = _partials_header(shape)
         header_bytes = len(prefix) + ident_bytes + len(suffix)
         sizes = [4 * math.prod(s) for s in shapes]
         if slot_use(header_bytes, sizes) > self.slot_bytes or not all(sizes):
@@ -344,7 +366,8 @@ class Segment:
         for s, n in zip(shapes, sizes):
             views.append(torch.frombuffer(self.mm, dtype=torch.float32, count=n // 4, offset=pos).view(s))
             pos = _align(pos + n)
-        return _Place(at, prefix, suffix, SlotPartials(*views, frames=tuple(RawTensor.from_torch(t) for t in views)))
+        return _Place(at, prefix, suffix, SlotPartials(*views, frames=tuple(RawTensor.from_torch(t) for t in views)),
+                      tuple(sizes))
 
     def take(self, area: int, seq: int, copy: bool) -> tuple[bytes, list] | str:
         """Message ``seq`` from its slot of ``area``: (header, frames: writable copies when
@@ -365,35 +388,6 @@ class Segment:
             pos = _align(pos + n)
         return header, frames
 
-    def views(self, area: int, seq: int, header: bytes, shapes: tuple[tuple[int, ...], ...]
-              ) -> tuple[torch.Tensor, ...] | None:
-        """Message ``seq``'s float32 frames as tensors viewing its slot of ``area``, when the
-        slot holds that message with exactly ``header`` and frames of ``shapes``; else None
-        (nothing read past the slot's head). The views of one (slot, header length, shapes)
-        are made once (the segment's: ``close`` lets go of them)."""
-        at = self._slot(area, seq)
-        got, header_bytes, count, _, *sizes = _SLOT.unpack_from(self.mm, at)
-        if got != seq & MASK or header_bytes != len(header) or count != len(shapes):
-            return None
-        key = (area, seq % self.slots, header_bytes, shapes)
-        place = self._views.get(key)
-        if place is None:
-            want = [4 * math.prod(s) for s in shapes]
-            if len(shapes) > MAX_FRAMES or slot_use(header_bytes, want) > self.slot_bytes:
-                return None
-            if len(self._views) >= PLACES:
-                self._views.clear()
-            pos, views = _align(at + ALIGN + header_bytes), []
-            for s, n in zip(shapes, want):
-                views.append(torch.frombuffer(self.mm, dtype=torch.float32, count=n // 4, offset=pos).view(s)
-                             if n else torch.empty(s))
-                pos = _align(pos + n)
-            place = self._views[key] = (want, tuple(views))
-        want, views = place
-        if sizes[:count] != want or self.view[at + ALIGN:at + ALIGN + header_bytes] != header:
-            return None
-        return views
-
     def unlink(self) -> None:
         """Remove the name (the mappings stay); a name already gone is no error."""
         with contextlib.suppress(FileNotFoundError):
@@ -404,7 +398,6 @@ class Segment:
         if self._anchor is None:
             return
         self._places.clear()                                # its views of the mapping
-        self._views.clear()
         self._placed.clear()
         with contextlib.suppress(BufferError):
             self.view.release()
@@ -469,21 +462,20 @@ class RingClient:
             return msg_id, None, []
         return msg_id, *got
 
-    def next_reply_as(self, header: bytes, shapes: tuple[tuple[int, ...], ...], deadline: float
-                      ) -> tuple[torch.Tensor, ...] | tuple[str, bytes | None, list[bytes]]:
-        """The next reply, when it is exactly ``header`` (the bytes ``protocol.encode`` writes
-        for the answer expected: its id, type, ok and frame descriptors) with float32 frames
-        of ``shapes``: those frames, as tensors viewing its slot (valid until the next
-        request posted on this ring: read them first), nothing decoded or copied. Any other
-        reply (a refusal, another shape, a slot out of sequence): ``next_reply``'s tuple, for
-        the caller's full decode. Waits and raises as ``next_reply``."""
+    def next_reply_as(self, shape: tuple[int, int, int, int], deadline: float
+                      ) -> SlotPartials | tuple[str, bytes | None, list[bytes]]:
+        """The next reply, when it is exactly the ok RemotePartials of ``shape`` answering its
+        request (``Segment.reply_in_place``): its partials viewing the slot (valid until the
+        next request posted on this ring: read them first), nothing decoded or copied. Any
+        other reply (a refusal, another shape, a slot out of sequence): ``next_reply``'s
+        tuple, for the caller's full decode. Waits and raises as ``next_reply``."""
         self._await_reply(deadline)
-        views = self.seg.views(REPLIES, self.read, header, shapes)
-        if views is None:
+        got = self.seg.reply_in_place(self.read, self._ids[0], shape)
+        if got is None:
             return self.next_reply(deadline)
         self.read += 1
         self._ids.popleft()
-        return views
+        return got
 
     def _await_reply(self, deadline: float) -> None:
         """Wait until reply ``read`` is posted (``next_reply``'s waits and errors)."""

@@ -44,7 +44,6 @@ from engine.memory.rmanager import RManager
 from kernels.dist_attention import Partials, chunks_of
 from kvd import protocol
 from kvd.node.attention_channel import ChannelClient
-from kvd.node.attention_ring import partials_header, partials_shapes
 
 
 def partials_of(reply: protocol.Message, rows: int, lo: int, ctx: int, head_dim: int) -> Partials:
@@ -119,7 +118,7 @@ class WireLender:
 
 class ChannelHandle:
     """A ``PartialsHandle`` over a RemoteAttend sent on a remote-attention channel; with
-    ``lane``, the reply expected as its lane has learnt it (``StepLane.expect``)."""
+    ``lane``, the reply expected as its lane knows it (``StepLane.shape``)."""
 
     def __init__(self, client: ChannelClient, msg_id: str, rows: int, lo: int, ctx: int, head_dim: int,
                  lane: StepLane | None = None) -> None:
@@ -130,16 +129,14 @@ class ChannelHandle:
         lane = self.lane
         if lane is None:
             return partials_of(self.client.wait(self.msg_id, timeout), self.rows, self.lo, self.ctx, self.head_dim)
-        if lane.reply is not None:
-            prefix, suffix, shapes = lane.reply
-            got = self.client.wait_as(self.msg_id, prefix + b'"' + self.msg_id.encode() + b'"' + suffix, shapes,
-                                      timeout)
-            if isinstance(got, tuple):
-                return Partials(*got)           # the exact header and shapes expected: checked whole
+        if lane.shape is not None:
+            got = self.client.wait_as(self.msg_id, lane.shape, timeout)
+            if isinstance(got, Partials):
+                return got                      # exactly the answer expected: checked whole
         else:
             got = self.client.wait(self.msg_id, timeout)
         out = partials_of(got, self.rows, self.lo, self.ctx, self.head_dim)
-        lane.expect(tuple(out.o.shape))
+        lane.shape = tuple(out.o.shape)
         return out
 
 
@@ -154,15 +151,13 @@ class StepLane:
 
     def __init__(self, lender: ChannelLender, q: torch.Tensor, ctx: int, positions: torch.Tensor, k: torch.Tensor,
                  v: torch.Tensor) -> None:
-        self.key = _lane_key(q, ctx, positions, k, v)
         self.tensors = (q, k, v)                # what the frames view: kept alive with them
         self.positions, self.ctx = positions, ctx
         self.lender = lender
-        self.reply: tuple[bytes, bytes, tuple[tuple[int, ...], ...]] | None = None
+        self.shape: tuple[int, int, int, int] | None = None   # the replies' partials (o's shape), once known
         self.frames: list = []
         self.renew()
-        rows, heads, head_dim = q.shape
-        self.reply_bytes = rows * max(chunks_of(ctx) - lender.lo, 0) * heads * (head_dim + 2) * 4
+        self.reply_bytes = reply_bytes(q, ctx, lender.lo)
 
     def renew(self) -> None:
         """Encode the template again, with a fresh deadline."""
@@ -181,24 +176,18 @@ class StepLane:
         """Layer ``layer``'s message, its id ``msg_id`` (hex): what ``protocol.encode`` gives."""
         return self._head + msg_id.encode() + self._middle + b"%d" % layer + self._tail
 
-    def expect(self, shape: tuple[int, ...]) -> None:
-        """The replies of this step are partials of ``shape`` (rows, chunks, heads, head dim)."""
-        if self.reply is None or self.reply[2][2] != shape:
-            prefix, suffix = partials_header(shape)
-            self.reply = (prefix, suffix, partials_shapes(shape))
+    def serves(self, q: torch.Tensor, ctx: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """Whether a layer's message is this lane's but for its layer: the same q, k, v and
+        positions tensors (a step's buffers, sliced once: engine/dist_attention.py), the same context."""
+        mine = self.tensors
+        return mine[0] is q and mine[1] is k and mine[2] is v and self.positions is positions and self.ctx == ctx
 
     def guess(self, last: StepLane) -> None:
         """Expect this step's replies as ``last``'s (the same part's previous step) grown by
         the chunks the context gained: a wrong guess costs one reply's full decode."""
-        if last.reply is not None and last.tensors[0].shape == self.tensors[0].shape:
-            rows, chunks, heads, hd = last.reply[2][2]
-            self.expect((rows, chunks + chunks_of(self.ctx) - chunks_of(last.ctx), heads, hd))
-
-
-def _lane_key(q: torch.Tensor, ctx: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
-    """What makes a layer's message the same as the step's lane's but for its layer (with
-    the same positions tensor): the same memory and shapes for q, k and v, the same context."""
-    return (ctx, q.data_ptr(), q.shape, k.data_ptr(), k.shape, v.data_ptr(), v.shape)
+        if last.shape is not None and last.tensors[0].shape == self.tensors[0].shape:
+            rows, chunks, heads, hd = last.shape
+            self.shape = (rows, chunks + chunks_of(self.ctx) - chunks_of(last.ctx), heads, hd)
 
 
 class ChannelLender:
@@ -207,9 +196,9 @@ class ChannelLender:
     attention_ring.py): sent and awaited on the calling thread (the engine
     thread, the channel client's only user), no event loop between. The frames view the
     step's tensors: the model leaves a layer's q, k, v be until its attention returns.
-    The layers of a step after the first reuse its encoding (``StepLane``) where q, k and
-    v are contiguous float32 rows in the same memory at every layer (the plan executor's
-    buffers)."""
+    The layers of a step after the first reuse its encoding (``StepLane``) where every
+    layer passes the same contiguous float32 q and contiguous k and v (the plan executor's
+    buffers, which ``DistStep`` slices once a step)."""
 
     def __init__(self, client: ChannelClient, debtor: str, loan_id: str, request_id: str, lo: int,
                  timeout: float) -> None:
@@ -221,11 +210,8 @@ class ChannelLender:
 
     def start(self, layer: int, q: torch.Tensor, ctx: int, positions: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor) -> PartialsHandle:
-        lane = self._lane
-        last = lane
-        if lane is not None and not (lane.tensors[0] is q and lane.tensors[1] is k and lane.tensors[2] is v
-                                     and lane.positions is positions and lane.ctx == ctx) \
-                and (lane.key != _lane_key(q, ctx, positions, k, v) or lane.positions is not positions):
+        lane = last = self._lane
+        if lane is not None and not lane.serves(q, ctx, positions, k, v):
             lane = self._lane = None
         if lane is None and _lane_fits(q, k, v):
             lane = self._lane = StepLane(self, q, ctx, positions, k, v)
@@ -234,15 +220,20 @@ class ChannelLender:
         if lane is None:
             msg = attend_message(self.debtor, self.loan_id, self.request_id, self.lo, self.timeout, layer, q, ctx,
                                  positions, k, v)
-            rows, heads, head_dim = q.shape
-            width = max(chunks_of(ctx) - self.lo, 0)            # the reply's chunks at most: m, l, o fp32
-            self.client.send(msg, self.timeout, reply_bytes=rows * width * heads * (head_dim + 2) * 4)
+            self.client.send(msg, self.timeout, reply_bytes=reply_bytes(q, ctx, self.lo))
             return ChannelHandle(self.client, msg.id, q.shape[0], self.lo, ctx, q.shape[-1])
         if time.time() > lane.renew_at:
             lane.renew()
         msg_id = "%s%x" % (self._prefix, next(self._ids))
         self.client.send_encoded(msg_id, lane.header(msg_id, layer), lane.frames, self.timeout, lane.reply_bytes)
         return ChannelHandle(self.client, msg_id, q.shape[0], self.lo, ctx, q.shape[-1], lane)
+
+
+def reply_bytes(q: torch.Tensor, ctx: int, lo: int) -> int:
+    """The most a reply's frames take for query rows ``q`` [n, H, hd] of a part from chunk
+    ``lo`` of ``ctx`` keys: m, l and o fp32 over its chunks."""
+    rows, heads, head_dim = q.shape
+    return rows * max(chunks_of(ctx) - lo, 0) * heads * (head_dim + 2) * 4
 
 
 def _lane_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:

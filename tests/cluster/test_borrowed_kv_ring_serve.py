@@ -21,6 +21,7 @@ from engine.dist_attention import LentKV, RemoteKVError
 from engine.memory.kv_cache import KVCache
 from engine.memory.mempool import MemPool
 from engine.memory.rmanager import RManager
+from kernels.dist_attention import Partials
 from kernels.paged_attention import PagedAttention
 from kvd import protocol
 from kvd.node import attention_ring
@@ -93,6 +94,23 @@ def test_ring_replies_are_the_lent_parts_bits(creditor):
             assert all(torch.equal(a, b) for a, b in zip((got.m, got.l, got.o), (want.m, want.l, want.o)))
     assert client.counts["ring"] == 80 and server.counts["ring_served"] == 80
     assert len(idle_calls) >= 79                         # asked before each spin for the next request
+
+
+def test_a_decode_row_whose_k_and_v_dtypes_differ_is_written_as_each_converts(creditor):
+    """One K/V row of mixed dtypes (k fp32, v fp16: a well-formed message) goes into the lent
+    blocks converted, as the general write does, never copied as raw bytes of the cache's dtype."""
+    server, client, attention, loans, _ = creditor
+    loan = attention.rmanager.loans[loans["a"]]
+    own = KVCache(LAYERS, KVH, HD, block_size=BS, device_blocks=48, host_blocks=0)
+    mirror = LentKV(MemPool(48, 0, block_size=BS, storage=own), loan.region.block_ids, 1, attention.kernel,
+                    HD ** -0.5, [None] * LAYERS)
+    for first in (300, 301):
+        msg = attend("a", loans["a"], 0, first, seed=first)
+        q, k, v = (t.to_torch() for t in msg.tensors)
+        mixed = dataclasses.replace(msg, tensors=(q, k, v.half()))
+        got = partials_of(ask(client, mixed), 1, 1, first + 1, HD)
+        want = mirror.step(0, q, first + 1, torch.tensor([first]), k, v.half().float())
+        assert all(torch.equal(a, b) for a, b in zip((got.m, got.l, got.o), (want.m, want.l, want.o)))
 
 
 def test_what_a_debtor_may_not_do_on_its_ring_is_refused_and_counted(creditor):
@@ -173,7 +191,7 @@ def test_a_steps_lane_sends_protocols_bytes_and_reads_the_same_bits_without_a_de
     lender = ChannelLender(client, "a", loans["a"], "r", 1, 10.0)
     fast = []
     wait_as = client.wait_as
-    monkeypatch.setattr(client, "wait_as", lambda *a: fast.append(isinstance(r := wait_as(*a), tuple)) or r)
+    monkeypatch.setattr(client, "wait_as", lambda *a: fast.append(isinstance(r := wait_as(*a), Partials)) or r)
     g = torch.Generator().manual_seed(5)
     for first in range(250, 250 + 12):                             # ctx crosses a chunk at 256
         q, k, v = torch.empty(1, H, HD), torch.empty(1, KVH, HD), torch.empty(1, KVH, HD)
