@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import ctypes
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -41,7 +42,7 @@ import torch
 from engine.memory.mempool import MemPool
 from kernels.attention import store_kv
 from kernels.dist_attention import KEY_CHUNK, Partials, chunks_of
-from kernels.paged_attention import PagedAttention
+from kernels.paged_attention import PagedAttention, PartLayout
 
 # Seconds a layer waits for a remote part's results before the step fails.
 REMOTE_DEADLINE_S = 30.0
@@ -227,6 +228,30 @@ class DistStep:
             dst.copy_(got)
 
 
+@dataclass(frozen=True)
+class DecodeCall:
+    """A one-row decode step's micro-attention on a lent part at any layer, as addresses
+    for a native caller (kvd/node/ring_lane.py): layer l writes the step's K and V row at
+    ``k_rows[l]`` and ``v_rows[l]`` (``row_bytes`` each, the caches' dtype) and runs the
+    paged attention kernel's partials with ``layout`` over the caches at ``k_caches[l]``,
+    ``v_caches[l]`` (``num_blocks`` blocks of ``block_size``; float16 when ``kv_half``)
+    with window ``windows[l]`` (0: none). The tensors are the part's; the caches' memory is
+    the MemPool's, which the loan keeps."""
+
+    k_rows: torch.Tensor            # int64 [layers]
+    v_rows: torch.Tensor
+    row_bytes: int
+    k_caches: torch.Tensor          # int64 [layers]
+    v_caches: torch.Tensor
+    windows: torch.Tensor           # int64 [layers]
+    kv_half: bool
+    num_blocks: int
+    block_size: int
+    layout: PartLayout
+    scale: float
+    threads: int
+
+
 class LentKV:
     """The lender's side of one remote part: chunks [lo, hi) of a debtor's sequence in
     ``block_ids`` of ``pool`` (a loan's blocks, logical block j of the part in block_ids[j];
@@ -251,6 +276,7 @@ class LentKV:
         self.block_list = list(block_ids)
         self._layout: tuple | None = None                   # (ctx, rows, PartLayout): a step's, every layer's
         self._caches: dict[int, tuple] = {}                 # layer -> its K, V caches and their rows' views
+        self._native: tuple | None = None                   # (dtype, shape, K and V caches' addresses per layer)
 
     def step(self, layer: int, q: torch.Tensor, ctx: int, positions: torch.Tensor, k: torch.Tensor,
              v: torch.Tensor, into: Callable[[tuple[int, int, int, int]], Partials | None] | None = None
@@ -304,6 +330,35 @@ class LentKV:
             v_cache[self.block_list[block], at:at + run] = v[row:row + run]
             row += run
         return self._attend(layer, q, ctx, end, k_cache, v_cache, into)
+
+    def decode_call(self, ctx: int, rows: int, first: int, n: int, dtype: torch.dtype) -> DecodeCall | None:
+        """This step's ``DecodeCall``: its layers' K/V rows at position ``first`` and its
+        kernel layout (``rows`` query rows over ``ctx`` keys), once a layer of the step has
+        run (``step_from``); None unless the step writes one row (``n``) of the caches'
+        ``dtype`` inside the part, and every layer's caches are alike and contiguous."""
+        if self._layout is None or self._layout[:2] != (ctx, rows) or n != 1:
+            return None
+        bs, k0 = self.pool.block_size, self.lo * KEY_CHUNK
+        if not k0 <= first < min(ctx, k0 + self.capacity):
+            return None
+        if self._native is None:
+            caches = [self.pool.layer_caches(layer) for layer in range(len(self.windows))]
+            k0c = caches[0][0]
+            if any(c.dtype != k0c.dtype or c.shape != k0c.shape or not c.is_contiguous() for kv in caches for c in kv):
+                return None
+            self._native = (k0c.dtype, k0c.shape,
+                            torch.tensor([k.data_ptr() for k, _ in caches], dtype=torch.int64),
+                            torch.tensor([v.data_ptr() for _, v in caches], dtype=torch.int64))
+        cache_dtype, shape, k_caches, v_caches = self._native
+        if dtype != cache_dtype or cache_dtype not in (torch.float32, torch.float16):
+            return None
+        block, at = divmod(first - k0, bs)
+        row_bytes = math.prod(shape[2:]) * cache_dtype.itemsize
+        offset = (self.block_list[block] * bs + at) * row_bytes
+        return DecodeCall(k_caches + offset, v_caches + offset, row_bytes, k_caches, v_caches,
+                          torch.tensor([w or 0 for w in self.windows], dtype=torch.int64),
+                          cache_dtype == torch.float16, shape[0], bs, self._layout[2], self.scale,
+                          self.threads or torch.get_num_threads())
 
     def _reach(self, layer: int, q: torch.Tensor, ctx: int) -> int:
         """Where the part's keys of a sequence of ``ctx`` keys end (they are [lo * KEY_CHUNK,

@@ -7,7 +7,8 @@ row ops, the sampler, the logprob summaries and the token masks in their AMX, AV
 VNNI, AVX-512 or AVX2 variant (kernels/quant_linear.py, kernels/plan_decode.py,
 kernels/paged_attention.py, kernels/row_ops.py, kernels/sampler.py,
 kernels/logprob_rows.py, kernels/token_masks.py); on Linux the doorbells of the
-shared-memory rings (kernels/shm_wait.py). Prints each library's path, or why
+shared-memory rings (kernels/shm_wait.py); the native answer of a ring's decode step
+(kernels/ring_lane.py). Prints each library's path, or why
 it was not built; a build that fails raises (native.BuildError).
 """
 
@@ -16,7 +17,7 @@ from __future__ import annotations
 import sys
 
 from kernels import (fused_decode, logprob_rows, native, paged_attention, plan_decode, quant_linear, row_ops, sampler,
-                     shm_wait, token_masks)
+                     ring_lane, shm_wait, token_masks)
 
 
 def main() -> None:
@@ -37,6 +38,7 @@ def main() -> None:
             print(path)
     if sys.platform.startswith("linux"):
         print(native.build(shm_wait.LIBRARY, ()))
+    print(native.build(ring_lane.LIBRARY, ()))
 
 
 if __name__ == "__main__":

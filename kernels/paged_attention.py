@@ -161,6 +161,12 @@ class PagedAttention(KernelBuild):
                           seqs[:, 2].contiguous(), chunks[:, 0].contiguous(), chunks[:, 1].contiguous(),
                           tables.contiguous(), slots)
 
+    @property
+    def partials_address(self) -> int:
+        """The address of this build's ``kvd_paged_attention_partials`` (csrc/paged_attention.cpp),
+        for a native caller (csrc/ring_lane.cpp) that keeps this object alive meanwhile."""
+        return ctypes.cast(self._partials, ctypes.c_void_p).value
+
     def partials_in(self, layout: PartLayout, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     scale: float, window: int | None = None, threads: int = 0,
                     out: Partials | None = None) -> Partials | None:

@@ -181,6 +181,12 @@ class RManager:
             return f"no loan {loan_id!r} of this node to {debtor!r}"
         return loan
 
+    def still_lent(self, loan: Loan) -> bool:
+        """Whether ``loan`` (one ``access`` gave) is still out as it was: not returned,
+        expired or reissued. Counts nothing: for a caller that checked ``access`` once and
+        serves the same loan again (kvd/node/ring_lane.py)."""
+        return self.loans.get(loan.loan_id) is loan and loan.region.state is RegionState.RESERVED
+
     def write(self, loan_id: str, debtor: str | None, start: int, payload: Any, layers: tuple[int, int]) -> str | None:
         """``debtor`` writes layers ``[l0, l1)`` of its loan's blocks
         ``[start, start + n)`` (``Region.fill_blocks``); the reason it may

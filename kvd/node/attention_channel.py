@@ -48,7 +48,9 @@ from engine.dist_attention import RemoteKVError
 from kernels.dist_attention import Partials
 from kernels.shm_wait import Doorbells
 from kvd import protocol
-from kvd.node.attention_ring import RingClient, RingPolicy, RingServer, Segment, host_id
+from kvd.node import ring_lane
+from kvd.node.attention_ring import REPLIES, REQUESTS, RingClient, RingPolicy, RingServer, Segment, host_id
+from kvd.node.ring_lane import RingLane
 from kvd.node.step_template import StepTemplate
 from kvd.trust import node_refusal
 from transports.keys import CurveClient, CurveServer, as_key_set
@@ -104,14 +106,16 @@ class ChannelServer:
     attention server's, on this thread). ``curve``: the node's listener keys, or None
     (a cluster run insecure: senders are named by what they claim). ``rings``: whom it
     gives a same-host shared-memory ring, each served by a thread of its own (None: no
-    one)."""
+    one). ``lanes(msg, debtor, pieces, shape)``: a native answer to the rest of a served
+    message's step on a ring (``AttentionServer.lane``; None: every message the full way)."""
 
     def __init__(self, host: str, serve: Callable[[protocol.RemoteAttend, str | None], protocol.Message],
-                 curve: CurveServer | None, rings: RingPolicy | None = None) -> None:
-        self.serve = serve
+                 curve: CurveServer | None, rings: RingPolicy | None = None,
+                 lanes: Callable[..., RingLane | None] | None = None) -> None:
+        self.serve, self.lanes = serve, lanes
         self.authenticated = curve is not None
         self.counts = {"served": 0, "rejected": 0, "forbidden": 0, "rings": 0, "ring_refused": 0, "ring_served": 0,
-                       "rings_open": 0, "ring_templated": 0}
+                       "rings_open": 0, "ring_templated": 0, "ring_native": 0}
         self._counts_lock = threading.Lock()            # the channel thread and the rings' count
         self.ring_policy = rings
         self._rings: dict[str, RingServer] = {}         # debtor -> its ring (the channel thread's)
@@ -206,9 +210,30 @@ class ChannelServer:
         if ring:
             self._count("ring_served")
         debtor = identity if authenticated else msg.debtor
-        if reply_into is not None:
-            return self.serve(msg, debtor, into=lambda shape: reply_into(msg.id, shape))
-        return self.serve(msg, debtor)
+        if reply_into is None:
+            return self.serve(msg, debtor)
+        reply = self.serve(msg, debtor, into=lambda shape: reply_into(msg.id, shape))
+        if template is not None and template.lane is None and template.pieces is not None and reply.ok:
+            lane = self.lanes(msg, debtor, template.pieces, reply.tensors[-1].shape) if self.lanes else None
+            template.lane = lane or False                   # False: this step has none, do not ask again
+        return reply
+
+    def _lane_answer(self, seg: Segment, seq: int, template: StepTemplate) -> bool:
+        """Answer request ``seq`` of ``seg`` by ``template``'s native lane, where it has one
+        and the request is its step's (kvd/node/ring_lane.py): True when answered (its reply
+        slot filled). A ring's thread."""
+        lane = template.lane
+        if not lane:
+            return False
+        got = lane.serve(seg.slot_address(REQUESTS, seq), seg.slot_address(REPLIES, seq), seq, seg.slot_bytes)
+        if got == ring_lane.SERVED:
+            with self._counts_lock:
+                for key in ("served", "ring_served", "ring_templated", "ring_native"):
+                    self.counts[key] += 1
+            return True
+        if got == ring_lane.REFUSED:
+            template.lane = False
+        return False
 
     def _open_ring(self, msg: protocol.RingOpen, identity: str | None) -> protocol.RingOffer:
         """A shared-memory ring for ``msg.debtor`` (attention_ring.py), or why not."""
@@ -240,7 +265,8 @@ class ChannelServer:
                                                                                   ring=True, reply_into=into,
                                                                                   template=template),
                                          policy.holds, lambda: self._count("rejected"),
-                                         lambda: self._count("rings_open", -1), self._may_spin)
+                                         lambda: self._count("rings_open", -1), self._may_spin,
+                                         lambda seq: self._lane_answer(segment, seq, template))
         self._count("rings")
         return protocol.RingOffer(id=msg.id, ok=True, name=segment.name, nonce=segment.nonce.hex(),
                                   slots=segment.slots, slot_bytes=segment.slot_bytes)

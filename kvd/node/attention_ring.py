@@ -138,7 +138,7 @@ def _partials_shapes(shape: tuple[int, int, int, int]) -> tuple[tuple[int, ...],
 
 
 @functools.lru_cache(maxsize=256)
-def _partials_header(shape: tuple[int, int, int, int]) -> tuple[bytes, bytes]:
+def partials_header(shape: tuple[int, int, int, int]) -> tuple[bytes, bytes]:
     """(prefix, suffix) of the header ``protocol.encode`` writes for an ok RemotePartials
     of ``shape``: the header is prefix + the id as JSON + suffix."""
     header, _ = protocol.encode(protocol.RemotePartials(id="", ok=True, tensors=tuple(
@@ -277,6 +277,10 @@ class Segment:
     def _slot(self, area: int, seq: int) -> int:
         return _HEAD + (area * self.slots + seq % self.slots) * self.slot_bytes
 
+    def slot_address(self, area: int, seq: int) -> int:
+        """The address of message ``seq``'s slot of ``area`` (``slot_bytes`` long), while mapped."""
+        return self.base + self._slot(area, seq)
+
     def put(self, area: int, seq: int, header: bytes, frames: list[memoryview], placed: bool = False) -> bool:
         """Write message ``seq`` into its slot of ``area``; False (nothing written) when it
         does not fit. ``placed``: frames may lie where they go already (``reply_into``'s):
@@ -356,7 +360,7 @@ class Segment:
         """Reply ``seq``'s slot's layout for partials of ``shape`` and an id of ``ident_bytes``
         in JSON, or None when they do not fit."""
         shapes = _partials_shapes(shape)
-        prefix, suffix = _partials_header(shape)
+        prefix, suffix = partials_header(shape)
         header_bytes = len(prefix) + ident_bytes + len(suffix)
         sizes = [4 * math.prod(s) for s in shapes]
         if slot_use(header_bytes, sizes) > self.slot_bytes or not all(sizes):
@@ -504,7 +508,9 @@ class RingServer:
     ``answer(header, frames, into)`` (the channel's checks, in ``debtor``'s name; its
     partials computed ``into(msg_id, shape)``, the reply slot) and ends when
     ``stop``ped or ``close``d, when the debtor closes its end, or when ``holds(debtor)`` has
-    been false for ``IDLE_S``. ``rejected()`` is called for each slot that holds no message,
+    been false for ``IDLE_S``. ``fast(seq)``: answers request ``seq`` in its reply slot, or
+    says it did not (True / False: then ``answer`` does; kvd/node/ring_lane.py).
+    ``rejected()`` is called for each slot that holds no message,
     ``ended()`` once, by the thread, when it has unmapped the segment. After answering, it
     spins for the debtor's next request about the debtor's recent gap while
     ``engine_idle()`` (``RingPolicy``'s), else ``SPIN_S``."""
@@ -513,8 +519,9 @@ class RingServer:
                  answer: Callable[[bytes, list[memoryview], Callable], protocol.Message],
                  holds: Callable[[str], bool],
                  rejected: Callable[[], None], ended: Callable[[], None] = lambda: None,
-                 engine_idle: Callable[[], bool] = lambda: False) -> None:
-        self.seg, self.bells, self.debtor = segment, bells, debtor
+                 engine_idle: Callable[[], bool] = lambda: False,
+                 fast: Callable[[int], bool] = lambda seq: False) -> None:
+        self.seg, self.bells, self.debtor, self.fast = segment, bells, debtor, fast
         self.answer, self.holds, self.rejected, self.ended = answer, holds, rejected, ended
         self.engine_idle = engine_idle
         self.spin = AdaptiveSpin(MAX_SPIN_S, SPIN_S)               # the debtor's gap between requests
@@ -574,6 +581,8 @@ class RingServer:
             self.ended()
 
     def _serve_one(self, seq: int) -> None:
+        if self.fast(seq):                                  # answered in its slot already
+            return
         got = self.seg.take(REQUESTS, seq, copy=False)
         if isinstance(got, str):
             self.rejected()

@@ -83,7 +83,7 @@ class Lender:
             try:
                 self.channel = ChannelServer(host, self.attention.serve, curve,
                                              RingPolicy(self._may_ring, lambda debtor: debtor in self.lent,
-                                                        lambda: self.driver.idle))
+                                                        lambda: self.driver.idle), self.attention.lane)
             except zmq.ZMQError as exc:         # the interface takes no second port: the peer link serves
                 log.warning("no remote-attention channel on %s: %s", host, exc)
 

@@ -43,7 +43,10 @@ from engine.dist_attention import LentKV, PartialsHandle, RemoteKVError
 from engine.memory.rmanager import RManager
 from kernels.dist_attention import Partials, chunks_of
 from kvd import protocol
+from kvd.node import ring_lane
 from kvd.node.attention_channel import ChannelClient
+from kvd.node.attention_ring import partials_header
+from kvd.node.ring_lane import RingLane
 
 
 def partials_of(reply: protocol.Message, rows: int, lo: int, ctx: int, head_dim: int) -> Partials:
@@ -295,6 +298,38 @@ class AttentionServer:
         # a ring's reply slot carries its frames' views already (attention_ring.SlotPartials)
         frames = getattr(out, "frames", None) or (out.m.contiguous(), out.l.contiguous(), out.o.contiguous())
         return protocol.RemotePartials(id=msg.id, ok=True, tensors=frames)
+
+    def lane(self, msg: protocol.RemoteAttend, debtor: str | None, pieces: tuple[bytes, bytes, bytes],
+             shape: tuple[int, int, int, int]) -> RingLane | None:
+        """A native answer to the other layers of ``msg``'s step on a ring
+        (kvd/node/ring_lane.py), once ``serve`` answered ``msg`` from ``debtor`` with partials
+        of ``shape``; ``pieces``: its header around the id and the layer
+        (``StepTemplate.pieces``). None where the step is not a one-row decode of the
+        caches' dtype, or no lane builds here. Any thread."""
+        if not ring_lane.available() or len(msg.tensors) != 3:
+            return None
+        q, k, v = msg.tensors
+        dtype = getattr(torch, k.dtype, None)
+        if v.dtype != k.dtype or dtype is None:
+            return None
+        with self.lock:
+            loan = self.rmanager.access(msg.loan_id, debtor)
+            lent = self._parts.get((msg.loan_id, msg.lo))
+            if isinstance(loan, str) or lent is None:
+                return None
+            call = lent.decode_call(msg.ctx, q.shape[0], msg.first, k.shape[0], dtype)
+        if call is None:
+            return None
+        prefix, suffix = partials_header(shape)
+        try:
+            return RingLane(pieces, tuple(t.data.nbytes for t in msg.tensors), (prefix, suffix, shape), call,
+                            self.kernel, self.heads, len(self.windows), self.lock,
+                            lambda: self.rmanager.still_lent(loan), self._served)
+        except ValueError:
+            return None
+
+    def _served(self) -> None:
+        self.counts["served"] += 1
 
     def _refuse(self, msg: protocol.Message, why: str) -> protocol.RemotePartials:
         self.counts["refused"] += 1

@@ -33,13 +33,15 @@ class StepTemplate:
         self._msg: protocol.RemoteAttend | None = None
         self._kinds: tuple[tuple[str, tuple[int, ...]], ...] = ()     # each frame's dtype and shape
         self._sizes: tuple[int, ...] = ()
+        self.pieces: tuple[bytes, bytes, bytes] | None = None   # the pattern's bytes around the id and the layer
+        self.lane = None            # the step's native answer (kvd/node/ring_lane.py), set by the ring's server
         self.hits = 0
 
     def learn(self, header: bytes, msg: protocol.RemoteAttend) -> None:
         """``msg``, decoded from ``header`` and checked in full (the trust gate passed), is
         the pattern from now on (none where its id is not an ``ID`` or the header does not
         name its id and layer once each)."""
-        self._pattern = self._msg = None
+        self._pattern = self._msg = self.pieces = self.lane = None
         ident, layer = b'"id":' + orjson.dumps(msg.id), b'"layer":%d,' % msg.layer
         if not ID.fullmatch(msg.id) or header.count(ident) != 1 or header.count(layer) != 1:
             return
@@ -49,10 +51,16 @@ class StepTemplate:
         self._pattern = re.compile(re.escape(header[:i]) + rb'"id":"([0-9A-Za-z_-]{1,64})"'
                                    + re.escape(header[i + len(ident):j]) + rb'"layer":(0|[1-9][0-9]{0,5}),'
                                    + re.escape(header[j + len(layer):]), re.DOTALL)
+        self.pieces = (header[:i] + b'"id":"', b'"' + header[i + len(ident):j] + b'"layer":', b"," + header[j + len(layer):])
         self._msg = copy.copy(msg)
         object.__setattr__(self._msg, "tensors", ())          # no view of the ring's slot kept
         self._kinds = tuple((t.dtype, t.shape) for t in msg.tensors)
         self._sizes = tuple(t.data.nbytes for t in msg.tensors)
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """The pattern's frames' sizes in bytes (none without a pattern)."""
+        return self._sizes if self._pattern is not None else ()
 
     def match(self, header: bytes, frames: list[memoryview]) -> protocol.RemoteAttend | None:
         """The message ``header`` and ``frames`` (1-D byte views) are, when they fit the

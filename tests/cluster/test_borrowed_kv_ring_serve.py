@@ -24,7 +24,7 @@ from engine.memory.rmanager import RManager
 from kernels.dist_attention import Partials
 from kernels.paged_attention import PagedAttention
 from kvd import protocol
-from kvd.node import attention_ring
+from kvd.node import attention_ring, ring_lane
 from kvd.node.attention_channel import ChannelClient, ChannelServer
 from kvd.node.attention_ring import RingPolicy, Segment
 from kvd.node.remote_attention import AttentionServer, ChannelLender, partials_of
@@ -50,7 +50,7 @@ def creditor():
     idle_calls = []
     policy = RingPolicy(lambda loan, debtor: None if loans.get(debtor) == loan else "no such loan",
                         lambda debtor: True, lambda: idle_calls.append(1) or True)
-    server = ChannelServer("127.0.0.1", attention.serve, None, policy)
+    server = ChannelServer("127.0.0.1", attention.serve, None, policy, attention.lane)
     ctx = zmq.Context()
     client = ChannelClient(ctx, server.url, None)
     try:
@@ -93,6 +93,8 @@ def test_ring_replies_are_the_lent_parts_bits(creditor):
             want = mirror.step(layer, q, first + 1, torch.tensor([first]), k, v)
             assert all(torch.equal(a, b) for a, b in zip((got.m, got.l, got.o), (want.m, want.l, want.o)))
     assert client.counts["ring"] == 80 and server.counts["ring_served"] == 80
+    # each position's second layer answered natively (kvd/node/ring_lane.py), where it builds
+    assert server.counts["ring_native"] == (40 if ring_lane.available() else 0)
     assert len(idle_calls) >= 79                         # asked before each spin for the next request
 
 
@@ -217,3 +219,4 @@ def test_a_steps_lane_sends_protocols_bytes_and_reads_the_same_bits_without_a_de
     assert client.counts["ring"] == 12 * LAYERS + 1 and server.counts["ring_served"] == 12 * LAYERS + 1
     # the creditor decoded each step's first message in full and took the others by its pattern
     assert server.counts["ring_templated"] == 12 * (LAYERS - 1) + 1
+    assert server.counts["ring_native"] == (12 * (LAYERS - 1) if ring_lane.available() else 0)

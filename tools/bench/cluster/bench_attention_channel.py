@@ -81,7 +81,7 @@ def serve_main() -> int:
     curve = CurveServer(cfg["public"].encode(), cfg["secret"].encode(), {cfg["client"].encode(): "a"})
     policy = RingPolicy(lambda loan, debtor: None if (loan, debtor) == (loan_id, "a") else "no such loan",
                         lambda debtor: True, lambda: True)             # no engine here: always idle
-    channel = ChannelServer("127.0.0.1", attention.serve, curve, policy)
+    channel = ChannelServer("127.0.0.1", attention.serve, curve, policy, attention.lane)
     print(json.dumps({"url": channel.url, "loan": loan_id}), flush=True)
     sys.stdin.read()
     channel.close()

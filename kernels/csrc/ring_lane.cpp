@@ -1,0 +1,154 @@
+// A creditor's answer to one decode step's RemoteAttend on a shared-memory ring, in one
+// call (kvd/node/ring_lane.py; the ring's layout: kvd/node/attention_ring.py).
+//
+// A debtor's messages for one remote part of one decode step differ only in their id and
+// layer (kvd/node/step_template.py). Once the creditor has decoded, checked and served
+// one of them in full, the rest of the step is this: check that the request slot holds a
+// message whose header is the served one's but for a plain id and a plain decimal layer,
+// with frames of the same sizes; write its one K/V row into the lent part's caches; run
+// the part's micro-attention (the paged attention kernel, through the pointer the caller
+// passes) over the request's query with the reply slot's frames as its output; write the
+// reply's header (what protocol.encode writes for an ok RemotePartials of that shape and
+// id) and the slot's head. Anything else is left to the caller (nothing written).
+//
+// Everything a message cannot change (the caches' and the rows' addresses, the kernel's
+// layout, the reply's shape) is fixed by the caller in a Lane, from the message it served
+// in full: no byte of a request picks an address but its layer, checked against the
+// layer count.
+
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr int64_t kAlign = 64;
+constexpr int kMaxFrames = 4;
+constexpr int kMaxId = 64;
+constexpr int kMaxLayerDigits = 6;
+
+// A slot's head (kvd/node/attention_ring.py's _SLOT: "<IIII4Q").
+struct SlotHead {
+    uint32_t seq, header_bytes, frames, zero;
+    uint64_t sizes[kMaxFrames];
+};
+static_assert(sizeof(SlotHead) == 48, "a slot's head is 48 bytes");
+
+using PartialsFn = int (*)(const float*, int64_t, const void*, const void*, int, int64_t, int, const int64_t*,
+                           const int64_t*, const int64_t*, const int64_t*, const int64_t*, const int64_t*, int,
+                           int64_t, int, int, int, int, float, int64_t, int64_t, float*, float*, float*, int);
+
+int64_t align_up(int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+
+bool id_char(uint8_t c) {
+    return (c >= '0' && c <= '9') || (c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') || c == '_' || c == '-';
+}
+
+}  // namespace
+
+extern "C" {
+
+// One step's lane (kvd/node/ring_lane.py mirrors it field for field, every field 8 bytes).
+struct KvdRingLane {
+    // the request: header = pre + ID + mid + LAYER + post, ID [0-9A-Za-z_-]{1,64}, LAYER 0|[1-9][0-9]{0,5}
+    const uint8_t* pre;
+    int64_t pre_len;
+    const uint8_t* mid;
+    int64_t mid_len;
+    const uint8_t* post;
+    int64_t post_len;
+    int64_t frames;                 // the request's frames: q, k, v
+    int64_t sizes[kMaxFrames];
+    // the reply: header = rpre + ID + rpost, then frames m, l, o of rsizes
+    const uint8_t* rpre;
+    int64_t rpre_len;
+    const uint8_t* rpost;
+    int64_t rpost_len;
+    int64_t rsizes[3];
+    // the K/V row (frames 1 and 2, row_bytes each) goes to k_dst[layer], v_dst[layer]
+    int64_t layers;
+    const int64_t* k_dst;
+    const int64_t* v_dst;
+    int64_t row_bytes;
+    // the kernel (kvd_paged_attention_partials) and its arguments; kc, vc, window per layer
+    void* partials;
+    const int64_t* kc;
+    const int64_t* vc;
+    const int64_t* window;
+    int64_t kv_half, num_blocks, sequences;
+    const int64_t* q_start;
+    const int64_t* q_len;
+    const int64_t* ctx_len;
+    const int64_t* chunk_lo;
+    const int64_t* chunk_hi;
+    const int64_t* tables;
+    int64_t max_blocks, rows, heads, kv_heads, head_dim, block_size;
+    double scale;
+    int64_t slots, threads;
+};
+
+// Answer request `seq` in `request` (its slot) into `reply` (its reply slot), both
+// `slot_bytes` long. Returns 0 (the reply slot holds the answer, head last: post its
+// doorbell), 1 (the request is not the lane's message: nothing written), or -1 (the
+// kernel refused the lane's layout: the K/V row written, nothing posted).
+int kvd_ring_lane_serve(const KvdRingLane* lane, const uint8_t* request, uint8_t* reply, uint32_t seq,
+                        int64_t slot_bytes) {
+    SlotHead head;
+    std::memcpy(&head, request, sizeof head);
+    if (head.seq != seq || head.frames != uint64_t(lane->frames)) return 1;
+    for (int64_t f = 0; f < lane->frames; f++)
+        if (head.sizes[f] != uint64_t(lane->sizes[f])) return 1;
+    const int64_t hlen = head.header_bytes;
+    int64_t use = kAlign + align_up(hlen);
+    for (int64_t f = 0; f < lane->frames; f++) use += align_up(lane->sizes[f]);
+    if (use > slot_bytes) return 1;
+    // the header: pre, an id, mid, a layer, post; and nothing else
+    const uint8_t* h = request + kAlign;
+    const int64_t fixed = lane->pre_len + lane->mid_len + lane->post_len;
+    if (hlen < fixed + 2 || std::memcmp(h, lane->pre, lane->pre_len) != 0) return 1;
+    int64_t at = lane->pre_len, id_len = 0;
+    while (id_len <= kMaxId && at + id_len < hlen && id_char(h[at + id_len])) id_len++;
+    if (id_len < 1 || id_len > kMaxId) return 1;
+    const uint8_t* id = h + at;
+    at += id_len;
+    if (at + lane->mid_len > hlen || std::memcmp(h + at, lane->mid, lane->mid_len) != 0) return 1;
+    at += lane->mid_len;
+    int64_t layer = 0, digits = 0;
+    while (digits <= kMaxLayerDigits && at + digits < hlen && h[at + digits] >= '0' && h[at + digits] <= '9')
+        layer = layer * 10 + (h[at + digits] - '0'), digits++;
+    if (digits < 1 || digits > kMaxLayerDigits || (digits > 1 && h[at] == '0')) return 1;
+    at += digits;
+    if (at + lane->post_len != hlen || std::memcmp(h + at, lane->post, lane->post_len) != 0) return 1;
+    if (layer >= lane->layers) return 1;
+    // the reply's place
+    const int64_t rlen = lane->rpre_len + id_len + lane->rpost_len;
+    if (kAlign + align_up(rlen) + align_up(lane->rsizes[0]) + align_up(lane->rsizes[1]) + align_up(lane->rsizes[2])
+        > slot_bytes)
+        return 1;
+    // the frames: q, then the K/V row
+    const uint8_t* frame = request + kAlign + align_up(hlen);
+    const float* q = reinterpret_cast<const float*>(frame);
+    const uint8_t* k = frame + align_up(lane->sizes[0]);
+    const uint8_t* v = k + align_up(lane->sizes[1]);
+    std::memcpy(reinterpret_cast<void*>(lane->k_dst[layer]), k, lane->row_bytes);
+    std::memcpy(reinterpret_cast<void*>(lane->v_dst[layer]), v, lane->row_bytes);
+    uint8_t* out = reply + kAlign;
+    float* m = reinterpret_cast<float*>(out + align_up(rlen));
+    float* l = reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(m) + align_up(lane->rsizes[0]));
+    float* o = reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(l) + align_up(lane->rsizes[1]));
+    const int rc = reinterpret_cast<PartialsFn>(lane->partials)(
+        q, lane->heads * lane->head_dim, reinterpret_cast<const void*>(lane->kc[layer]),
+        reinterpret_cast<const void*>(lane->vc[layer]), int(lane->kv_half), lane->num_blocks, int(lane->sequences),
+        lane->q_start, lane->q_len, lane->ctx_len, lane->chunk_lo, lane->chunk_hi, lane->tables,
+        int(lane->max_blocks), lane->rows, int(lane->heads), int(lane->kv_heads), int(lane->head_dim),
+        int(lane->block_size), float(lane->scale), lane->window[layer], lane->slots, m, l, o, int(lane->threads));
+    if (rc != 0) return -1;
+    std::memcpy(out, lane->rpre, lane->rpre_len);
+    std::memcpy(out + lane->rpre_len, id, id_len);
+    std::memcpy(out + lane->rpre_len + id_len, lane->rpost, lane->rpost_len);
+    SlotHead done{seq, uint32_t(rlen), 3, 0, {uint64_t(lane->rsizes[0]), uint64_t(lane->rsizes[1]),
+                                              uint64_t(lane->rsizes[2]), 0}};
+    std::memcpy(reply, &done, sizeof done);
+    return 0;
+}
+
+}  // extern "C"
