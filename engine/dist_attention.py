@@ -150,7 +150,7 @@ class DistStep:
         self._local_slots = slots[self._local_rows]
         # what every layer reads alike, worked out once a step
         self._local_seqs, self._local_tables = self.seqs[self._local], self.tables[self._local]
-        self._local_width = max(int(self._local_chunks[:, 1].max()), 1) if len(local) else 1
+        self._local_layout = None               # the local part's kernel layout over the whole gather
         self._zero = torch.zeros(len(self._seqs), dtype=torch.int64)
         self._remote = []                       # (seq, part, its query rows, its new K/V rows, their positions)
         for s in self._seqs:
@@ -182,14 +182,16 @@ class DistStep:
         if len(self._local_rows):
             k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, self._local_slots, k[self._local_rows])
             v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, self._local_slots, v[self._local_rows])
-        # one gather for every layer: each writes the same slots, the others stay empty
+        # one gather for every layer: the local kernel writes every slot of it (those of the
+        # local chunks, the rest emptied), then the remote parts fill theirs
         gather = self._gather = self._gather or Partials.empty(T, self.slots_total, H, hd)
         if len(self._local):
-            part = self.kernel.partials(q, k_cache, v_cache, self._local_seqs, self._local_tables,
-                                        self._local_chunks, scale, self._local_width, window=window)
-            if part is None:
+            if self._local_layout is None:
+                self._local_layout = self.kernel.part_layout(T, self._local_seqs, self._local_tables,
+                                                             self._local_chunks, self.slots_total)
+            if self.kernel.partials_in(self._local_layout, q, k_cache, v_cache, scale, window=window,
+                                       out=gather) is None:
                 raise ValueError("the paged attention kernel does not take this model's heads")
-            gather.place(part, slice(None), 0)
         # 3. the remote results, in place; then the scale-reduce in chunk order
         self.gather_remote(gather)
         return self.kernel.combine(gather, self.seqs, self._zero, window=window)
