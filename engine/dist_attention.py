@@ -56,7 +56,10 @@ class PartialsHandle(Protocol):
     def partials(self, timeout: float) -> Partials:
         """The micro-attention's results [rows, hi - lo, H(, hd)]; raises RemoteKVError
         (refused, or not done within ``timeout`` seconds). They may view the transport's
-        buffer (a shared-memory ring's slot): read them before the lender's next ``start``."""
+        buffer (a shared-memory ring's slot): read them before the lender's next ``start``.
+        A handle may also have ``partials_into(place, timeout)``: the same results written
+        into ``place(chunks)`` (a gather's slots for that many chunks) with no view between
+        (kvd/node/remote_attention.py's ``ChannelHandle``)."""
 
 
 class Lender(Protocol):
@@ -223,11 +226,15 @@ class DistStep:
             self._into = (gather, {})
         into = self._into[1]                    # (part's index, width) -> its slots of this gather
         for i, (s, part, handle) in enumerate(pending):
-            got = handle.partials(self.deadline_s)
-            width = got.m.shape[1]
-            if (dst := into.get((i, width))) is None:
-                dst = into[(i, width)] = gather.slots(slice(s.start, s.start + s.n), part.lo, width)
-            dst.copy_(got)
+            def place(width: int, i: int = i, s: _Seq = s, part: RemotePart = part) -> Partials:
+                if (dst := into.get((i, width))) is None:
+                    dst = into[(i, width)] = gather.slots(slice(s.start, s.start + s.n), part.lo, width)
+                return dst
+            if (partials_into := getattr(handle, "partials_into", None)) is not None:
+                partials_into(place, self.deadline_s)           # written there by the handle
+            else:
+                got = handle.partials(self.deadline_s)
+                place(got.m.shape[1]).copy_(got)
 
 
 @dataclass(frozen=True)

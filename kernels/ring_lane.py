@@ -1,7 +1,8 @@
-"""The native answer of a ring's decode step (csrc/ring_lane.cpp): its C struct and
-function, loaded with ctypes (the GIL released while it runs). What fills the struct and
-when it is used: kvd/node/ring_lane.py. Linux and x86 alike: the source uses only the C
-ABI; ``serve_function`` returns None where it does not build."""
+"""A ring's decode step in one native call per message at each end (csrc/ring_lane.cpp):
+the creditor's answer (its C struct and function; what fills the struct and when it is
+used: kvd/node/ring_lane.py) and the debtor's post of a request and take of a reply
+(kvd/node/attention_ring.py), loaded with ctypes (the GIL released while they run). The
+source uses only the C ABI; ``library`` returns None where it does not build."""
 
 from __future__ import annotations
 
@@ -33,18 +34,36 @@ class Lane(ctypes.Structure):
                 ("block_size", _i), ("scale", ctypes.c_double), ("slots", _i), ("threads", _i)]
 
 
+class RingLaneLib:
+    """One loaded build of csrc/ring_lane.cpp: ``serve``, ``post`` and ``take`` (its
+    comments give each one's contract)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        u32, f = ctypes.c_uint32, ctypes.POINTER(ctypes.c_float)
+        self.serve = lib.kvd_ring_lane_serve
+        self.serve.restype, self.serve.argtypes = ctypes.c_int, [ctypes.c_void_p, _p, _p, u32, _i]
+        self.post = lib.kvd_ring_lane_post
+        self.post.restype = ctypes.c_int
+        self.post.argtypes = [_p, _i, u32, _p, _i, _p, _i, _p, _i, _i, _p, _i, _i, _p, _p]
+        self.take = lib.kvd_ring_lane_take
+        self.take.restype = ctypes.c_int
+        self.take.argtypes = [_p, _i, u32, _p, _i, _p, _i, _p, _i, _i, _i, _i, _i, _p, _p, _p, _i, _i]
+
+
 @functools.cache
-def serve_function():
-    """``kvd_ring_lane_serve(lane*, request, reply, seq, slot_bytes) -> int`` of the build,
-    or None where it does not build (logged once)."""
+def library() -> RingLaneLib | None:
+    """The build, or None where it does not build (logged once)."""
     try:
-        lib = native.load(LIBRARY, ())
+        return RingLaneLib(native.load(LIBRARY, ()))
     except (native.BuildError, OSError) as exc:
-        log.warning("no native ring lane (%s): ring requests take the full path", exc)
+        log.warning("no native ring lane (%s): ring messages take the Python path", exc)
         return None
-    fn = lib.kvd_ring_lane_serve
-    fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_void_p, _p, _p, ctypes.c_uint32, _i]
-    return fn
+
+
+def serve_function():
+    """``kvd_ring_lane_serve`` of the build, or None."""
+    lib = library()
+    return lib.serve if lib is not None else None
 
 
 def address(b: bytes) -> int:

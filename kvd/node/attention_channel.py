@@ -49,7 +49,8 @@ from kernels.dist_attention import Partials
 from kernels.shm_wait import Doorbells
 from kvd import protocol
 from kvd.node import ring_lane
-from kvd.node.attention_ring import REPLIES, REQUESTS, RingClient, RingPolicy, RingServer, Segment, host_id
+from kvd.node.attention_ring import (REPLIES, REQUESTS, RingClient, RingPolicy, RingServer, Segment, StepRequest,
+                                    host_id)
 from kvd.node.ring_lane import RingLane
 from kvd.node.step_template import StepTemplate
 from kvd.trust import node_refusal
@@ -331,7 +332,8 @@ class ChannelClient:
         self.ring: RingClient | None = None             # the same-host fast path (open_ring)
         self._on_ring: set[str] = set()                 # ids sent on the ring, not yet answered
         self._ring_lost: set[str] = set()               # ids sent on a ring closed since: no answer will come
-        self.counts = {"ring": 0, "channel": 0}         # messages sent each way
+        # messages sent each way; of the ring's, those posted and replies copied natively
+        self.counts = {"ring": 0, "channel": 0, "ring_posted": 0, "ring_taken": 0}
 
     def open_ring(self, debtor: str, loan_id: str, timeout: float) -> bool:
         """Ask the creditor for a shared-memory ring (attention_ring.py) for ``debtor``, which
@@ -399,6 +401,18 @@ class ChannelClient:
         self._waiting.add(msg_id)
         self.counts["channel"] += 1
 
+    def send_step(self, msg_id: str, step: StepRequest, layer: int, timeout: float, reply_bytes: int) -> None:
+        """``send_encoded`` of ``step``'s request ``msg_id`` at ``layer``: on the ring by one
+        native call where it takes it (``RingClient.send_step``), else encoded as ``send``."""
+        ring = self.ring
+        if ring is not None and reply_bytes and ring.send_step(msg_id, step, layer, reply_bytes):
+            self._waiting.add(msg_id)
+            self._on_ring.add(msg_id)
+            self.counts["ring"] += 1
+            self.counts["ring_posted"] += 1
+            return
+        self.send_encoded(msg_id, step.header(msg_id, layer), step.frames, timeout, reply_bytes)
+
     def wait(self, msg_id: str, timeout: float) -> protocol.Message:
         """The reply to the message ``msg_id``, received within ``timeout`` seconds (replies
         to other messages sent meanwhile are kept for their own ``wait``); raises
@@ -438,6 +452,23 @@ class ChannelClient:
             self._waiting.discard(msg_id)
             self._on_ring.discard(msg_id)
         return got if isinstance(got, Partials) else _ring_reply(*got)          # else: decoded in full
+
+    def wait_into(self, msg_id: str, shape: tuple[int, int, int, int], dst: Partials,
+                  timeout: float) -> protocol.Message | None:
+        """``wait_as``, the expected partials copied into ``dst`` (``RingClient.next_reply_into``):
+        None once copied; else the reply decoded, as ``wait`` returns it (nothing copied)."""
+        ring = self.ring
+        if msg_id not in self._on_ring or ring is None or not ring.next_is(msg_id):
+            return self.wait(msg_id, timeout)
+        try:
+            got = ring.next_reply_into(shape, dst, time.monotonic() + timeout)
+        finally:
+            self._waiting.discard(msg_id)
+            self._on_ring.discard(msg_id)
+        if got is True:
+            self.counts["ring_taken"] += 1
+            return None
+        return _ring_reply(*got)
 
     def _wait_ring(self, msg_id: str, deadline: float) -> protocol.Message:
         """``wait`` for a message sent on the ring: its replies come in order, each answering

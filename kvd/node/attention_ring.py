@@ -87,6 +87,7 @@ import orjson
 import torch
 
 from engine.dist_attention import RemoteKVError
+from kernels import ring_lane
 from kernels.dist_attention import Partials
 from kernels.shm_wait import AdaptiveSpin, Doorbells
 from kvd import protocol
@@ -412,6 +413,33 @@ class Segment:
             pass
 
 
+@dataclass(frozen=True)
+class StepRequest:
+    """A decode step's request of one remote part, as its layers post it natively
+    (``RingClient.send_step``): the header is ``pre`` + id + ``mid`` + layer in decimal +
+    ``post`` (``protocol.encode``'s for the id and layer), the frames the bytes at the
+    addresses ``data`` of ``sizes`` (ctypes int64 arrays: tensors the caller keeps alive
+    and rewrites at every layer), ``frames`` views of the same bytes."""
+
+    pre: bytes
+    mid: bytes
+    post: bytes
+    frames: list
+    data: ctypes.Array
+    sizes: ctypes.Array
+
+    def header(self, msg_id: str, layer: int) -> bytes:
+        """The header of the request ``msg_id`` at ``layer``: what ``protocol.encode`` gives."""
+        return self.pre + msg_id.encode() + self.mid + b"%d" % layer + self.post
+
+
+@functools.lru_cache(maxsize=64)
+def _expected(shape: tuple[int, int, int, int]) -> tuple[bytes, bytes]:
+    """The header of an ok RemotePartials of ``shape`` around its id's characters."""
+    prefix, suffix = partials_header(shape)
+    return prefix + b'"', b'"' + suffix
+
+
 class RingClient:
     """The debtor's end: ``send`` posts a request, ``next_reply`` reads the replies in order
     (reply i answers request i, whatever id it claims). The engine thread's only (like the
@@ -442,6 +470,24 @@ class RingClient:
                 or slot_use(REPLY_HEADER_BYTES, [reply_bytes, 0, 0]) + 2 * ALIGN > self.seg.slot_bytes):
             return False
         if not self.seg.put(REQUESTS, self.sent, header, frames):
+            return False
+        self.sent += 1
+        self._ids.append(msg_id)
+        self.bells.post(self.seg.bell(_REQUEST_BELL), self.sent)
+        return True
+
+    def send_step(self, msg_id: str, step: StepRequest, layer: int, reply_bytes: int) -> bool:
+        """``send`` of ``step``'s request ``msg_id`` at ``layer``, written into its slot by one
+        native call (kernels/ring_lane.py); False (nothing sent) as ``send``'s, or where the
+        native post does not build."""
+        lib = ring_lane.library()
+        if (lib is None or self.closed or self.sent - self.read >= self.seg.slots
+                or slot_use(REPLY_HEADER_BYTES, [reply_bytes, 0, 0]) + 2 * ALIGN > self.seg.slot_bytes):
+            return False
+        ident = msg_id.encode()
+        if lib.post(self.seg.slot_address(REQUESTS, self.sent), self.seg.slot_bytes, self.sent & MASK, step.pre,
+                    len(step.pre), ident, len(ident), step.mid, len(step.mid), layer, step.post, len(step.post),
+                    len(step.sizes), step.data, step.sizes) != 0:
             return False
         self.sent += 1
         self._ids.append(msg_id)
@@ -480,6 +526,31 @@ class RingClient:
         self.read += 1
         self._ids.popleft()
         return got
+
+    def next_reply_into(self, shape: tuple[int, int, int, int], dst: Partials, deadline: float
+                        ) -> bool | tuple[str, bytes | None, list[bytes]]:
+        """``next_reply_as``, its partials copied into ``dst`` (fp32 m, l [rows, chunks, heads]
+        and o [..., head dim], each row's chunks contiguous: a gather's slots) by one native
+        call: True once copied. Any other reply: ``next_reply``'s tuple (nothing copied).
+        Raises ValueError for a ``dst`` of another shape or layout; waits and raises as
+        ``next_reply``."""
+        rows, chunks, heads, hd = shape
+        m, l, o = dst.m, dst.l, dst.o
+        if (m.shape != (rows, chunks, heads) or l.shape != m.shape or o.shape != (rows, chunks, heads, hd)
+                or m.stride()[1:] != (heads, 1) or l.stride() != m.stride() or o.stride()[1:] != (heads * hd, hd, 1)
+                or not m.dtype == l.dtype == o.dtype == torch.float32):
+            raise ValueError(f"partials of {shape} go into fp32 slots with each row's chunks contiguous")
+        self._await_reply(deadline)
+        lib = ring_lane.library()
+        rpre, rpost = _expected(shape)
+        ident = self._ids[0].encode()
+        if lib is None or lib.take(self.seg.slot_address(REPLIES, self.read), self.seg.slot_bytes, self.read & MASK,
+                                   rpre, len(rpre), ident, len(ident), rpost, len(rpost), rows, chunks, heads, hd,
+                                   m.data_ptr(), l.data_ptr(), o.data_ptr(), m.stride(0), o.stride(0)) != 0:
+            return self.next_reply(deadline)
+        self.read += 1
+        self._ids.popleft()
+        return True
 
     def _await_reply(self, deadline: float) -> None:
         """Wait until reply ``read`` is posted (``next_reply``'s waits and errors)."""

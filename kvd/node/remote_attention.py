@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import ctypes
 import itertools
 import secrets
 import threading
@@ -45,7 +46,7 @@ from kernels.dist_attention import Partials, chunks_of
 from kvd import protocol
 from kvd.node import ring_lane
 from kvd.node.attention_channel import ChannelClient
-from kvd.node.attention_ring import partials_header
+from kvd.node.attention_ring import StepRequest, partials_header
 from kvd.node.ring_lane import RingLane
 
 
@@ -142,6 +143,22 @@ class ChannelHandle:
         lane.shape = tuple(out.o.shape)
         return out
 
+    def partials_into(self, place: Callable[[int], Partials], timeout: float) -> None:
+        """``partials``, written into ``place(chunks)`` (the gather's slots for that many
+        chunks): the reply its lane expects is copied there from the ring by one native call
+        (``ChannelClient.wait_into``); any other is decoded, checked and copied."""
+        lane = self.lane
+        if lane is None or lane.shape is None:
+            got = self.partials(timeout)
+            place(got.m.shape[1]).copy_(got)
+            return
+        reply = self.client.wait_into(self.msg_id, lane.shape, place(lane.shape[1]), timeout)
+        if reply is None:
+            return
+        out = partials_of(reply, self.rows, self.lo, self.ctx, self.head_dim)
+        lane.shape = tuple(out.o.shape)
+        place(out.m.shape[1]).copy_(out)
+
 
 class StepLane:
     """One step's RemoteAttend of one remote part, encoded once: every layer's message
@@ -158,7 +175,6 @@ class StepLane:
         self.positions, self.ctx = positions, ctx
         self.lender = lender
         self.shape: tuple[int, int, int, int] | None = None   # the replies' partials (o's shape), once known
-        self.frames: list = []
         self.renew()
         self.reply_bytes = reply_bytes(q, ctx, lender.lo)
 
@@ -168,16 +184,18 @@ class StepLane:
         msg = attend_message(lender.debtor, lender.loan_id, lender.request_id, lender.lo, lender.timeout, 0, q,
                              self.ctx, self.positions, k, v)
         self.renew_at = msg.deadline - lender.timeout / 2
-        header, self.frames = protocol.encode(msg)
+        header, frames = protocol.encode(msg)
         head, found, rest = header.partition(b'"id":"' + msg.id.encode() + b'"')
         middle, found_layer, tail = rest.partition(b'"layer":0,')
         if not (found and found_layer) or b'"layer":0,' in tail:
             raise ValueError("a RemoteAttend header without its id and layer once each")
-        self._head, self._middle, self._tail = head + b'"id":"', b'"' + middle + b'"layer":', b"," + tail
+        self.request = StepRequest(head + b'"id":"', b'"' + middle + b'"layer":', b"," + tail, frames,
+                                   (ctypes.c_int64 * 3)(*(t.data_ptr() for t in self.tensors)),
+                                   (ctypes.c_int64 * 3)(*(t.numel() * t.element_size() for t in self.tensors)))
 
     def header(self, msg_id: str, layer: int) -> bytes:
         """Layer ``layer``'s message, its id ``msg_id`` (hex): what ``protocol.encode`` gives."""
-        return self._head + msg_id.encode() + self._middle + b"%d" % layer + self._tail
+        return self.request.header(msg_id, layer)
 
     def serves(self, q: torch.Tensor, ctx: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
         """Whether a layer's message is this lane's but for its layer: the same q, k, v and
@@ -228,7 +246,7 @@ class ChannelLender:
         if time.time() > lane.renew_at:
             lane.renew()
         msg_id = "%s%x" % (self._prefix, next(self._ids))
-        self.client.send_encoded(msg_id, lane.header(msg_id, layer), lane.frames, self.timeout, lane.reply_bytes)
+        self.client.send_step(msg_id, lane.request, layer, self.timeout, lane.reply_bytes)
         return ChannelHandle(self.client, msg_id, q.shape[0], self.lo, ctx, q.shape[-1], lane)
 
 

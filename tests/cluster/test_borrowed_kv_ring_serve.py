@@ -220,3 +220,41 @@ def test_a_steps_lane_sends_protocols_bytes_and_reads_the_same_bits_without_a_de
     # the creditor decoded each step's first message in full and took the others by its pattern
     assert server.counts["ring_templated"] == 12 * (LAYERS - 1) + 1
     assert server.counts["ring_native"] == (12 * (LAYERS - 1) if ring_lane.available() else 0)
+
+
+def test_a_steps_lane_posts_and_takes_natively_into_the_gather_with_the_lent_parts_bits(creditor):
+    """The engine's way (``DistStep.gather_remote``): each layer's request posted by one
+    native call, each reply the lane expects copied straight into the step's gather; a reply
+    it does not expect (a refusal, a shape grown by a chunk) decoded in full, its reason
+    raised, and the gather's other slots untouched."""
+    server, client, attention, loans, _ = creditor
+    loan = attention.rmanager.loans[loans["a"]]
+    own = KVCache(LAYERS, KVH, HD, block_size=BS, device_blocks=48, host_blocks=0)
+    mirror = LentKV(MemPool(48, 0, block_size=BS, storage=own), loan.region.block_ids, 1, attention.kernel,
+                    HD ** -0.5, [None] * LAYERS)
+    lender = ChannelLender(client, "a", loans["a"], "r", 1, 10.0)
+    g = torch.Generator().manual_seed(9)
+    native = ring_lane.available()
+    for first in range(250, 250 + 12):                             # ctx crosses a chunk at 256
+        q, k, v = torch.empty(1, H, HD), torch.empty(1, KVH, HD), torch.empty(1, KVH, HD)
+        positions = torch.tensor([first])
+        gather = Partials.empty(1, 4, H, HD)                       # slot 0: a local chunk, never written here
+        for layer in range(LAYERS):
+            for t in (q, k, v):
+                t.copy_(torch.randn(t.shape, generator=g))
+            handle = lender.start(layer, q, first + 1, positions, k, v)
+            handle.partials_into(lambda width: gather.slots(slice(0, 1), 1, width), 10.0)
+            want = mirror.step(layer, q.clone(), first + 1, positions, k.clone(), v.clone())
+            width = want.m.shape[1]
+            got = gather.slots(slice(0, 1), 1, width)
+            assert all(torch.equal(a, b) for a, b in zip((got.m, got.l, got.o), (want.m, want.l, want.o)))
+            assert torch.all(gather.m[:, 0] == -torch.inf) and not gather.o[:, 0].any()
+        if first == 255:
+            with pytest.raises(RemoteKVError, match="layer 9 out of range"):
+                lender.start(9, q, first + 1, positions, k, v).partials_into(
+                    lambda width: gather.slots(slice(0, 1), 1, width), 10.0)
+    # every request posted natively (the refusal's too); every reply taken natively but the first
+    # (no shape known yet) and the refusal (the step past the chunk boundary expects its chunk more)
+    assert client.counts["ring_posted"] == (12 * LAYERS + 1 if native else 0)
+    assert client.counts["ring_taken"] == (12 * LAYERS - 1 if native else 0)
+    assert server.counts["ring_native"] == (12 * (LAYERS - 1) if native else 0)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+import types
 
 import pytest
 import torch
@@ -17,11 +18,13 @@ from engine.dist_attention import LentKV
 from engine.memory.kv_cache import KVCache
 from engine.memory.mempool import MemPool
 from engine.memory.rmanager import RManager
+from kernels.dist_attention import Partials
 from kernels.paged_attention import PagedAttention
 from kvd import protocol
 from kvd.node import ring_lane
-from kvd.node.attention_ring import REPLIES, REQUESTS, Segment
-from kvd.node.remote_attention import AttentionServer, partials_of
+from kernels.shm_wait import Doorbells
+from kvd.node.attention_ring import _REPLY_BELL, REPLIES, REQUESTS, RingClient, Segment
+from kvd.node.remote_attention import AttentionServer, StepLane, partials_of
 from kvd.node.step_template import StepTemplate
 
 LAYERS, H, KVH, HD, BS, LO = 3, 9, 3, 64, 16, 1
@@ -226,3 +229,59 @@ def test_float16_caches_are_answered_natively_with_the_full_paths_bits():
         assert all(torch.equal(a, b) for a, b in zip((got.m, got.l, got.o), (want.m, want.l, want.o)))
     finally:
         c.close()
+
+
+# ---------------------------------------------------------------- the debtor's end
+
+def debtor_ring():
+    bells = Doorbells.create()
+    if bells is None:
+        pytest.skip("no doorbells on this host")
+    seg = Segment.create(slots=4, slot_bytes=64 << 10)
+    return seg, bells, RingClient(seg, bells)
+
+
+def test_a_posted_request_is_protocols_bytes_and_a_taken_reply_the_slots():
+    seg, bells, client = debtor_ring()
+    try:
+        q, k, v = torch.randn(1, H, HD), torch.randn(1, KVH, HD), torch.randn(1, KVH, HD)
+        lender = types.SimpleNamespace(debtor="a", loan_id="loan-a", request_id="r", lo=LO, timeout=5.0)
+        lane = StepLane(lender, q, FIRST + 1, torch.tensor([FIRST]), k, v)
+        for seq, (ident, layer) in enumerate([("ab12", 0), ("x" * 64, 29), ("c", 123456)]):
+            assert client.send_step(ident, lane.request, layer, 16 << 10)
+            header, frames = seg.take(REQUESTS, seq, copy=True)
+            want = protocol.RemoteAttend(id=ident, deadline=lane.renew_at + 2.5, debtor="a", loan_id="loan-a",
+                                         request_id="r", lo=LO, layer=layer, ctx=FIRST + 1, first=FIRST,
+                                         tensors=(q, k, v))
+            assert header == protocol.encode(want)[0]
+            assert [bytes(f) for f in frames] == [bytes(t.numpy().tobytes()) for t in (q, k, v)]
+        assert not client.send_step("y" * 65, lane.request, 1, 16 << 10)           # not an id the ring takes
+        # replies, in order: the one expected, copied; anything else left for a full decode
+        shape = (1, 3, H, HD)
+        want = [torch.randn(1, 3, H), torch.rand(1, 3, H), torch.randn(1, 3, H, HD)]
+        gather = lambda: Partials.empty(1, 5, H, HD)                             # noqa: E731
+        replies = [protocol.RemotePartials(id="ab12", ok=True, tensors=tuple(want)),
+                   protocol.RemotePartials(id="someone", ok=True, tensors=tuple(want)),      # another id
+                   protocol.RemotePartials(id="c", ok=True, tensors=(want[0][:, :2], want[1][:, :2],
+                                                                      want[2][:, :2]))]      # another shape
+        for seq, reply in enumerate(replies):
+            header, frames = protocol.encode(reply)
+            assert seg.put(REPLIES, seq, header, [memoryview(bytes(f)) for f in frames])
+        bells.post(seg.bell(_REPLY_BELL), 3)
+        first = gather()
+        assert client.next_reply_into(shape, first.slots(slice(0, 1), 1, 3), time.monotonic() + 5) is True
+        assert torch.equal(first.m[:, 1:4], want[0]) and torch.equal(first.o[:, 1:4], want[2])
+        assert torch.all(first.m[:, 0] == -torch.inf) and torch.all(first.m[:, 4] == -torch.inf)
+        for _ in range(2):
+            untouched = gather()
+            got = client.next_reply_into(shape, untouched.slots(slice(0, 1), 1, 3), time.monotonic() + 5)
+            assert isinstance(got, tuple) and got[1] is not None            # (id, header, frames): decoded
+            assert torch.all(untouched.m == -torch.inf) and not untouched.o.any()
+        with pytest.raises(ValueError, match="contiguous"):
+            client.sent += 1
+            client._ids.append("z")
+            client.next_reply_into(shape, Partials(*(t.transpose(1, 2) for t in (first.m, first.l)), first.o),
+                                   time.monotonic() + 5)
+    finally:
+        seg.unlink()
+        seg.close()
