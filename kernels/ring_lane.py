@@ -34,6 +34,20 @@ class Lane(ctypes.Structure):
                 ("block_size", _i), ("scale", ctypes.c_double), ("slots", _i), ("threads", _i)]
 
 
+class Post(ctypes.Structure):
+    """csrc/ring_lane.cpp's KvdRingPost: a step's request around its id and layer."""
+
+    _fields_ = [("pre", _p), ("pre_len", _i), ("mid", _p), ("mid_len", _i), ("post", _p), ("post_len", _i),
+                ("frames", _i), ("data", _i * 4), ("sizes", _i * 4)]
+
+
+class Take(ctypes.Structure):
+    """csrc/ring_lane.cpp's KvdRingTake: where a reply of one shape goes."""
+
+    _fields_ = [("rpre", _p), ("rpre_len", _i), ("rpost", _p), ("rpost_len", _i), ("rows", _i), ("chunks", _i),
+                ("heads", _i), ("head_dim", _i), ("m", _p), ("l", _p), ("o", _p), ("ld_ml", _i), ("ld_o", _i)]
+
+
 class RingLaneLib:
     """One loaded build of csrc/ring_lane.cpp: ``serve``, ``post`` and ``take`` (its
     comments give each one's contract)."""
@@ -43,11 +57,9 @@ class RingLaneLib:
         self.serve = lib.kvd_ring_lane_serve
         self.serve.restype, self.serve.argtypes = ctypes.c_int, [ctypes.c_void_p, _p, _p, u32, _i]
         self.post = lib.kvd_ring_lane_post
-        self.post.restype = ctypes.c_int
-        self.post.argtypes = [_p, _i, u32, _p, _i, _p, _i, _p, _i, _i, _p, _i, _i, _p, _p]
+        self.post.restype, self.post.argtypes = ctypes.c_int, [_p, _i, u32, _p, _p, _i, _i]
         self.take = lib.kvd_ring_lane_take
-        self.take.restype = ctypes.c_int
-        self.take.argtypes = [_p, _i, u32, _p, _i, _p, _i, _p, _i, _i, _i, _i, _i, _p, _p, _p, _i, _i]
+        self.take.restype, self.take.argtypes = ctypes.c_int, [_p, _i, u32, _p, _p, _i]
 
 
 @functools.cache

@@ -55,66 +55,90 @@ bool id_char(uint8_t c) {
 
 extern "C" {
 
+// A step's request of one remote part (kvd/node/attention_ring.py's StepRequest): its header
+// around the id and the layer, its frames' addresses and sizes.
+struct KvdRingPost {
+    const uint8_t* pre;
+    int64_t pre_len;
+    const uint8_t* mid;
+    int64_t mid_len;
+    const uint8_t* post;
+    int64_t post_len;
+    int64_t frames;
+    int64_t data[kMaxFrames];
+    int64_t sizes[kMaxFrames];
+};
+
 // Write request `seq` into `slot` (`slot_bytes` long): the header pre + id + mid + layer in
-// decimal + post, then `frames` frames of sizes[f] bytes from data[f], each 64-byte aligned,
-// then the slot's head. Returns 0, or 1 (nothing written) when it does not fit, the id is
-// longer than 64 bytes or the layer negative.
-int kvd_ring_lane_post(uint8_t* slot, int64_t slot_bytes, uint32_t seq, const uint8_t* pre, int64_t pre_len,
-                       const uint8_t* id, int64_t id_len, const uint8_t* mid, int64_t mid_len, int64_t layer,
-                       const uint8_t* post, int64_t post_len, int64_t frames, const int64_t* data,
-                       const int64_t* sizes) {
-    if (id_len < 1 || id_len > kMaxId || layer < 0 || frames < 0 || frames > kMaxFrames) return 1;
+// decimal + post, then the frames, each 64-byte aligned, then the slot's head. Returns 0, or
+// 1 (nothing written) when it does not fit, the id is not 1 to 64 bytes or the layer negative.
+int kvd_ring_lane_post(uint8_t* slot, int64_t slot_bytes, uint32_t seq, const KvdRingPost* p, const uint8_t* id,
+                       int64_t id_len, int64_t layer) {
+    if (id_len < 1 || id_len > kMaxId || layer < 0 || p->frames < 0 || p->frames > kMaxFrames) return 1;
     char digits[24];
     int n = 0;
     do digits[n++] = char('0' + layer % 10), layer /= 10; while (layer);
-    const int64_t hlen = pre_len + id_len + mid_len + n + post_len;
+    const int64_t hlen = p->pre_len + id_len + p->mid_len + n + p->post_len;
     int64_t use = kAlign + align_up(hlen);
-    for (int64_t f = 0; f < frames; f++) use += align_up(sizes[f]);
+    for (int64_t f = 0; f < p->frames; f++) use += align_up(p->sizes[f]);
     if (use > slot_bytes) return 1;
     uint8_t* h = slot + kAlign;
-    std::memcpy(h, pre, pre_len), h += pre_len;
+    std::memcpy(h, p->pre, p->pre_len), h += p->pre_len;
     std::memcpy(h, id, id_len), h += id_len;
-    std::memcpy(h, mid, mid_len), h += mid_len;
+    std::memcpy(h, p->mid, p->mid_len), h += p->mid_len;
     while (n) *h++ = uint8_t(digits[--n]);
-    std::memcpy(h, post, post_len);
+    std::memcpy(h, p->post, p->post_len);
     uint8_t* frame = slot + kAlign + align_up(hlen);
-    SlotHead head{seq, uint32_t(hlen), uint32_t(frames), 0, {0, 0, 0, 0}};
-    for (int64_t f = 0; f < frames; f++) {
-        std::memcpy(frame, reinterpret_cast<const void*>(data[f]), sizes[f]);
-        frame += align_up(sizes[f]);
-        head.sizes[f] = uint64_t(sizes[f]);
+    SlotHead head{seq, uint32_t(hlen), uint32_t(p->frames), 0, {0, 0, 0, 0}};
+    for (int64_t f = 0; f < p->frames; f++) {
+        std::memcpy(frame, reinterpret_cast<const void*>(p->data[f]), p->sizes[f]);
+        frame += align_up(p->sizes[f]);
+        head.sizes[f] = uint64_t(p->sizes[f]);
     }
     std::memcpy(slot, &head, sizeof head);
     return 0;
 }
 
-// Copy reply `seq` from `slot` (`slot_bytes` long) into m, l, o when it is exactly the ok
-// RemotePartials answering `id` of rows x chunks x heads (x head_dim for o): its header
-// rpre + id + rpost, three fp32 frames of those sizes. Row r of the reply goes to
-// m + r * ld_ml, l + r * ld_ml, o + r * ld_o (floats). Returns 0, or 1 (nothing copied).
-int kvd_ring_lane_take(const uint8_t* slot, int64_t slot_bytes, uint32_t seq, const uint8_t* rpre, int64_t rpre_len,
-                       const uint8_t* id, int64_t id_len, const uint8_t* rpost, int64_t rpost_len, int64_t rows,
-                       int64_t chunks, int64_t heads, int64_t head_dim, float* m, float* l, float* o, int64_t ld_ml,
-                       int64_t ld_o) {
+// Where a reply of one shape goes (kvd/node/attention_ring.py's RingClient.next_reply_into):
+// the ok RemotePartials' header around its id, its rows x chunks x heads (x head_dim), and
+// where its rows go: row r to m + r * ld_ml, l + r * ld_ml, o + r * ld_o (floats).
+struct KvdRingTake {
+    const uint8_t* rpre;
+    int64_t rpre_len;
+    const uint8_t* rpost;
+    int64_t rpost_len;
+    int64_t rows, chunks, heads, head_dim;
+    float* m;
+    float* l;
+    float* o;
+    int64_t ld_ml, ld_o;
+};
+
+// Copy reply `seq` from `slot` (`slot_bytes` long) into t's places when it is exactly the ok
+// RemotePartials answering `id` of t's shape: its header rpre + id + rpost, three fp32 frames
+// of those sizes. Returns 0, or 1 (nothing copied).
+int kvd_ring_lane_take(const uint8_t* slot, int64_t slot_bytes, uint32_t seq, const KvdRingTake* t,
+                       const uint8_t* id, int64_t id_len) {
     SlotHead head;
     std::memcpy(&head, slot, sizeof head);
-    const int64_t ml = rows * chunks * heads * 4, ob = ml * head_dim, hlen = rpre_len + id_len + rpost_len;
+    const int64_t ml = t->rows * t->chunks * t->heads * 4, ob = ml * t->head_dim;
+    const int64_t hlen = t->rpre_len + id_len + t->rpost_len;
     if (head.seq != seq || head.frames != 3 || int64_t(head.header_bytes) != hlen || head.sizes[0] != uint64_t(ml)
         || head.sizes[1] != uint64_t(ml) || head.sizes[2] != uint64_t(ob))
         return 1;
     if (kAlign + align_up(hlen) + 2 * align_up(ml) + align_up(ob) > slot_bytes) return 1;
     const uint8_t* h = slot + kAlign;
-    if (std::memcmp(h, rpre, rpre_len) != 0 || std::memcmp(h + rpre_len, id, id_len) != 0
-        || std::memcmp(h + rpre_len + id_len, rpost, rpost_len) != 0)
+    if (std::memcmp(h, t->rpre, t->rpre_len) != 0 || std::memcmp(h + t->rpre_len, id, id_len) != 0
+        || std::memcmp(h + t->rpre_len + id_len, t->rpost, t->rpost_len) != 0)
         return 1;
     const float* fm = reinterpret_cast<const float*>(slot + kAlign + align_up(hlen));
     const float* fl = reinterpret_cast<const float*>(reinterpret_cast<const uint8_t*>(fm) + align_up(ml));
     const float* fo = reinterpret_cast<const float*>(reinterpret_cast<const uint8_t*>(fl) + align_up(ml));
-    const int64_t row_ml = chunks * heads, row_o = row_ml * head_dim;
-    for (int64_t r = 0; r < rows; r++) {
-        std::memcpy(m + r * ld_ml, fm + r * row_ml, row_ml * 4);
-        std::memcpy(l + r * ld_ml, fl + r * row_ml, row_ml * 4);
-        std::memcpy(o + r * ld_o, fo + r * row_o, row_o * 4);
+    const int64_t row_ml = t->chunks * t->heads, row_o = row_ml * t->head_dim;
+    for (int64_t r = 0; r < t->rows; r++) {
+        std::memcpy(t->m + r * t->ld_ml, fm + r * row_ml, row_ml * 4);
+        std::memcpy(t->l + r * t->ld_ml, fl + r * row_ml, row_ml * 4);
+        std::memcpy(t->o + r * t->ld_o, fo + r * row_o, row_o * 4);
     }
     return 0;
 }

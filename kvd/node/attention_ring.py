@@ -118,6 +118,7 @@ ALIGN = 64
 REQUESTS, REPLIES = 0, 1
 MASK = 0xFFFFFFFF
 PLACES = 8 * SLOTS            # reply layouts a segment keeps (a slot's shape changes every 128 keys)
+TAKES = 16                    # native takes' arguments a debtor's ring keeps (a step's parts' slots)
 
 
 def _align(n: int) -> int:
@@ -413,20 +414,24 @@ class Segment:
             pass
 
 
-@dataclass(frozen=True)
 class StepRequest:
     """A decode step's request of one remote part, as its layers post it natively
     (``RingClient.send_step``): the header is ``pre`` + id + ``mid`` + layer in decimal +
-    ``post`` (``protocol.encode``'s for the id and layer), the frames the bytes at the
-    addresses ``data`` of ``sizes`` (ctypes int64 arrays: tensors the caller keeps alive
-    and rewrites at every layer), ``frames`` views of the same bytes."""
+    ``post`` (``protocol.encode``'s for the id and layer); the frames, the bytes of
+    ``tensors`` (contiguous: the caller keeps them and rewrites them at every layer),
+    ``frames`` views of them."""
 
-    pre: bytes
-    mid: bytes
-    post: bytes
-    frames: list
-    data: ctypes.Array
-    sizes: ctypes.Array
+    def __init__(self, pre: bytes, mid: bytes, post: bytes, frames: list, tensors: tuple[torch.Tensor, ...]) -> None:
+        if len(tensors) > MAX_FRAMES or not all(t.is_contiguous() for t in tensors):
+            raise ValueError(f"a step's request has at most {MAX_FRAMES} contiguous tensors")
+        self.pre, self.mid, self.post, self.frames, self.tensors = pre, mid, post, frames, tensors
+        n = len(tensors)
+        self.args = ring_lane.Post(ring_lane.address(pre), len(pre), ring_lane.address(mid), len(mid),
+                                   ring_lane.address(post), len(post), n,
+                                   (ctypes.c_int64 * 4)(*(t.data_ptr() for t in tensors), *[0] * (4 - n)),
+                                   (ctypes.c_int64 * 4)(*(t.numel() * t.element_size() for t in tensors),
+                                                        *[0] * (4 - n)))
+        self.ref = ctypes.byref(self.args)
 
     def header(self, msg_id: str, layer: int) -> bytes:
         """The header of the request ``msg_id`` at ``layer``: what ``protocol.encode`` gives."""
@@ -451,6 +456,10 @@ class RingClient:
         self.read = 0               # replies read
         self.spin = AdaptiveSpin(MAX_SPIN_S, SPIN_S)               # the reply's wait: the engine thread's only work
         self._ids: collections.deque[str] = collections.deque()     # the ids of requests not answered yet, in order
+        self._lib = ring_lane.library()                             # the native post and take (None: Python's)
+        self._takes: dict[tuple, tuple] = {}                        # (id(dst), shape) -> next_reply_into's arguments
+        # the most a reply's frames may take: its slot less its head, header room and alignment
+        self._reply_room = segment.slot_bytes - 3 * ALIGN - _align(REPLY_HEADER_BYTES)
 
     @classmethod
     def attach(cls, offer: protocol.RingOffer, bells: Doorbells) -> RingClient:
@@ -466,8 +475,7 @@ class RingClient:
         """Post the request ``msg_id`` whose reply's frames take at most ``reply_bytes`` (3 frames); False
         (nothing sent) when the ring is closed or full, or the request or its reply would
         not fit a slot."""
-        if (self.closed or self.sent - self.read >= self.seg.slots
-                or slot_use(REPLY_HEADER_BYTES, [reply_bytes, 0, 0]) + 2 * ALIGN > self.seg.slot_bytes):
+        if self.closed or self.sent - self.read >= self.seg.slots or reply_bytes > self._reply_room:
             return False
         if not self.seg.put(REQUESTS, self.sent, header, frames):
             return False
@@ -480,14 +488,12 @@ class RingClient:
         """``send`` of ``step``'s request ``msg_id`` at ``layer``, written into its slot by one
         native call (kernels/ring_lane.py); False (nothing sent) as ``send``'s, or where the
         native post does not build."""
-        lib = ring_lane.library()
-        if (lib is None or self.closed or self.sent - self.read >= self.seg.slots
-                or slot_use(REPLY_HEADER_BYTES, [reply_bytes, 0, 0]) + 2 * ALIGN > self.seg.slot_bytes):
+        lib = self._lib
+        if lib is None or self.closed or self.sent - self.read >= self.seg.slots or reply_bytes > self._reply_room:
             return False
         ident = msg_id.encode()
-        if lib.post(self.seg.slot_address(REQUESTS, self.sent), self.seg.slot_bytes, self.sent & MASK, step.pre,
-                    len(step.pre), ident, len(ident), step.mid, len(step.mid), layer, step.post, len(step.post),
-                    len(step.sizes), step.data, step.sizes) != 0:
+        if lib.post(self.seg.slot_address(REQUESTS, self.sent), self.seg.slot_bytes, self.sent & MASK, step.ref,
+                    ident, len(ident), layer) != 0:
             return False
         self.sent += 1
         self._ids.append(msg_id)
@@ -534,23 +540,33 @@ class RingClient:
         call: True once copied. Any other reply: ``next_reply``'s tuple (nothing copied).
         Raises ValueError for a ``dst`` of another shape or layout; waits and raises as
         ``next_reply``."""
+        take = self._takes.get((id(dst), shape))
+        if take is None or take[0] is not dst:
+            take = self._take_of(shape, dst)
+        self._await_reply(deadline)
+        ident = self._ids[0].encode()
+        if self._lib is None or self._lib.take(self.seg.slot_address(REPLIES, self.read), self.seg.slot_bytes,
+                                               self.read & MASK, take[1], ident, len(ident)) != 0:
+            return self.next_reply(deadline)
+        self.read += 1
+        self._ids.popleft()
+        return True
+
+    def _take_of(self, shape: tuple[int, int, int, int], dst: Partials) -> tuple:
+        """(dst, the native take's arguments for replies of ``shape`` into it), checked and kept."""
         rows, chunks, heads, hd = shape
         m, l, o = dst.m, dst.l, dst.o
         if (m.shape != (rows, chunks, heads) or l.shape != m.shape or o.shape != (rows, chunks, heads, hd)
                 or m.stride()[1:] != (heads, 1) or l.stride() != m.stride() or o.stride()[1:] != (heads * hd, hd, 1)
                 or not m.dtype == l.dtype == o.dtype == torch.float32):
             raise ValueError(f"partials of {shape} go into fp32 slots with each row's chunks contiguous")
-        self._await_reply(deadline)
-        lib = ring_lane.library()
         rpre, rpost = _expected(shape)
-        ident = self._ids[0].encode()
-        if lib is None or lib.take(self.seg.slot_address(REPLIES, self.read), self.seg.slot_bytes, self.read & MASK,
-                                   rpre, len(rpre), ident, len(ident), rpost, len(rpost), rows, chunks, heads, hd,
-                                   m.data_ptr(), l.data_ptr(), o.data_ptr(), m.stride(0), o.stride(0)) != 0:
-            return self.next_reply(deadline)
-        self.read += 1
-        self._ids.popleft()
-        return True
+        args = ring_lane.Take(ring_lane.address(rpre), len(rpre), ring_lane.address(rpost), len(rpost), rows, chunks,
+                              heads, hd, m.data_ptr(), l.data_ptr(), o.data_ptr(), m.stride(0), o.stride(0))
+        if len(self._takes) >= TAKES:
+            self._takes.clear()
+        take = self._takes[(id(dst), shape)] = (dst, ctypes.byref(args), args, rpre, rpost)
+        return take
 
     def _await_reply(self, deadline: float) -> None:
         """Wait until reply ``read`` is posted (``next_reply``'s waits and errors)."""

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import ctypes
 import itertools
 import secrets
 import threading
@@ -189,9 +188,7 @@ class StepLane:
         middle, found_layer, tail = rest.partition(b'"layer":0,')
         if not (found and found_layer) or b'"layer":0,' in tail:
             raise ValueError("a RemoteAttend header without its id and layer once each")
-        self.request = StepRequest(head + b'"id":"', b'"' + middle + b'"layer":', b"," + tail, frames,
-                                   (ctypes.c_int64 * 3)(*(t.data_ptr() for t in self.tensors)),
-                                   (ctypes.c_int64 * 3)(*(t.numel() * t.element_size() for t in self.tensors)))
+        self.request = StepRequest(head + b'"id":"', b'"' + middle + b'"layer":', b"," + tail, frames, self.tensors)
 
     def header(self, msg_id: str, layer: int) -> bytes:
         """Layer ``layer``'s message, its id ``msg_id`` (hex): what ``protocol.encode`` gives."""

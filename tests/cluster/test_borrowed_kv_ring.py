@@ -157,11 +157,11 @@ def test_round_trips_on_the_ring_and_what_does_not_fit_on_the_channel(channel):
     server, client = channel
     assert client.open_ring("a", "l", 10.0) and not segments()
     assert total(ask(client, attend())) == 8.0
-    assert client.counts == {"ring": 1, "channel": 1}            # the open went on the channel
+    assert client.counts == {"ring": 1, "channel": 1, "ring_posted": 0, "ring_taken": 0}   # the open on the channel
     assert ask(client, attend(), reply_bytes=1 << 20).ok         # a reply past a slot: the channel
     big = attend(rows=20_000)                                    # a request past a slot: the channel
     assert total(ask(client, big)) == 20_000 * 8
-    assert client.counts == {"ring": 1, "channel": 3}
+    assert client.counts == {"ring": 1, "channel": 3, "ring_posted": 0, "ring_taken": 0}
     # more in flight than slots: the rest on the channel; every reply to its own request
     sent = [attend(rows=i + 1) for i in range(attention_ring.SLOTS + 2)]
     for msg in sent:
@@ -169,7 +169,7 @@ def test_round_trips_on_the_ring_and_what_does_not_fit_on_the_channel(channel):
     for msg in reversed(sent):
         rows = msg.tensors[0].shape[0]
         assert total(client.wait(msg.id, 10.0)) == rows * 8
-    assert client.counts == {"ring": 1 + attention_ring.SLOTS, "channel": 5}
+    assert client.counts == {"ring": 1 + attention_ring.SLOTS, "channel": 5, "ring_posted": 0, "ring_taken": 0}
     assert server.counts["ring_served"] == 1 + attention_ring.SLOTS and server.counts["rings"] == 1
 
 

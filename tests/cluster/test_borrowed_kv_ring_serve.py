@@ -64,6 +64,13 @@ def creditor():
     assert not segments()
 
 
+def mirror_of(attention: AttentionServer, loan_id: str) -> LentKV:
+    """A LentKV over the loan's blocks in a pool of its own (empty, as the creditor's)."""
+    own = KVCache(LAYERS, KVH, HD, block_size=BS, device_blocks=48, host_blocks=0)
+    return LentKV(MemPool(48, 0, block_size=BS, storage=own), attention.rmanager.loans[loan_id].region.block_ids, 1,
+                  attention.kernel, HD ** -0.5, [None] * LAYERS)
+
+
 def attend(debtor: str, loan: str, layer: int, first: int, heads: int = H, seed: int = 0) -> protocol.RemoteAttend:
     g = torch.Generator().manual_seed(seed)
     return protocol.RemoteAttend(id=f"m{next(IDS)}", debtor=debtor, loan_id=loan, request_id="r", lo=1,
@@ -81,10 +88,7 @@ def test_ring_replies_are_the_lent_parts_bits(creditor):
     """A decode's positions through 3 blocks and both layers, on the ring: each reply is what a
     LentKV over the same blocks computes in this process."""
     server, client, attention, loans, idle_calls = creditor
-    loan = attention.rmanager.loans[loans["a"]]
-    own = KVCache(LAYERS, KVH, HD, block_size=BS, device_blocks=48, host_blocks=0)
-    mirror = LentKV(MemPool(48, 0, block_size=BS, storage=own), loan.region.block_ids, 1, attention.kernel,
-                    HD ** -0.5, [None] * LAYERS)
+    mirror = mirror_of(attention, loans["a"])
     for first in range(128, 128 + 40):
         for layer in range(LAYERS):
             msg = attend("a", loans["a"], layer, first, seed=first * 7 + layer)
@@ -102,10 +106,7 @@ def test_a_decode_row_whose_k_and_v_dtypes_differ_is_written_as_each_converts(cr
     """One K/V row of mixed dtypes (k fp32, v fp16: a well-formed message) goes into the lent
     blocks converted, as the general write does, never copied as raw bytes of the cache's dtype."""
     server, client, attention, loans, _ = creditor
-    loan = attention.rmanager.loans[loans["a"]]
-    own = KVCache(LAYERS, KVH, HD, block_size=BS, device_blocks=48, host_blocks=0)
-    mirror = LentKV(MemPool(48, 0, block_size=BS, storage=own), loan.region.block_ids, 1, attention.kernel,
-                    HD ** -0.5, [None] * LAYERS)
+    mirror = mirror_of(attention, loans["a"])
     for first in (300, 301):
         msg = attend("a", loans["a"], 0, first, seed=first)
         q, k, v = (t.to_torch() for t in msg.tensors)
@@ -186,10 +187,7 @@ def test_a_steps_lane_sends_protocols_bytes_and_reads_the_same_bits_without_a_de
     A refusal in the middle of a step (a layer the part does not serve) is decoded and
     raised with its reason, and the next layer is read fast again."""
     server, client, attention, loans, _ = creditor
-    loan = attention.rmanager.loans[loans["a"]]
-    own = KVCache(LAYERS, KVH, HD, block_size=BS, device_blocks=48, host_blocks=0)
-    mirror = LentKV(MemPool(48, 0, block_size=BS, storage=own), loan.region.block_ids, 1, attention.kernel,
-                    HD ** -0.5, [None] * LAYERS)
+    mirror = mirror_of(attention, loans["a"])
     lender = ChannelLender(client, "a", loans["a"], "r", 1, 10.0)
     fast = []
     wait_as = client.wait_as
@@ -228,10 +226,7 @@ def test_a_steps_lane_posts_and_takes_natively_into_the_gather_with_the_lent_par
     it does not expect (a refusal, a shape grown by a chunk) decoded in full, its reason
     raised, and the gather's other slots untouched."""
     server, client, attention, loans, _ = creditor
-    loan = attention.rmanager.loans[loans["a"]]
-    own = KVCache(LAYERS, KVH, HD, block_size=BS, device_blocks=48, host_blocks=0)
-    mirror = LentKV(MemPool(48, 0, block_size=BS, storage=own), loan.region.block_ids, 1, attention.kernel,
-                    HD ** -0.5, [None] * LAYERS)
+    mirror = mirror_of(attention, loans["a"])
     lender = ChannelLender(client, "a", loans["a"], "r", 1, 10.0)
     g = torch.Generator().manual_seed(9)
     native = ring_lane.available()
