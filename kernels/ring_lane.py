@@ -20,11 +20,17 @@ SERVED, NOT_MINE, REFUSED = 0, 1, -1            # kvd_ring_lane_serve's answers
 _p, _i = ctypes.c_void_p, ctypes.c_int64
 
 
+class RequestPattern(ctypes.Structure):
+    """csrc/ring_lane.cpp's KvdRequestPattern: a step's request around its id and layer."""
+
+    _fields_ = [("pre", _p), ("pre_len", _i), ("mid", _p), ("mid_len", _i), ("post", _p), ("post_len", _i),
+                ("frames", _i), ("sizes", _i * 4)]
+
+
 class Lane(ctypes.Structure):
     """csrc/ring_lane.cpp's KvdRingLane, field for field (its comments say what each is)."""
 
-    _fields_ = [("pre", _p), ("pre_len", _i), ("mid", _p), ("mid_len", _i), ("post", _p), ("post_len", _i),
-                ("frames", _i), ("sizes", _i * 4),
+    _fields_ = [("request", RequestPattern),
                 ("rpre", _p), ("rpre_len", _i), ("rpost", _p), ("rpost_len", _i), ("rsizes", _i * 3),
                 ("layers", _i), ("k_dst", _p), ("v_dst", _p), ("row_bytes", _i),
                 ("partials", _p), ("kc", _p), ("vc", _p), ("window", _p),
@@ -35,10 +41,9 @@ class Lane(ctypes.Structure):
 
 
 class Post(ctypes.Structure):
-    """csrc/ring_lane.cpp's KvdRingPost: a step's request around its id and layer."""
+    """csrc/ring_lane.cpp's KvdRingPost: the pattern and its frames' addresses."""
 
-    _fields_ = [("pre", _p), ("pre_len", _i), ("mid", _p), ("mid_len", _i), ("post", _p), ("post_len", _i),
-                ("frames", _i), ("data", _i * 4), ("sizes", _i * 4)]
+    _fields_ = [("pattern", RequestPattern), ("data", _i * 4)]
 
 
 class Take(ctypes.Structure):
@@ -76,6 +81,13 @@ def serve_function():
     """``kvd_ring_lane_serve`` of the build, or None."""
     lib = library()
     return lib.serve if lib is not None else None
+
+
+def pattern(pre: bytes, mid: bytes, post: bytes, sizes: list[int]) -> RequestPattern:
+    """The ``RequestPattern`` of a request: header ``pre`` + id + ``mid`` + layer + ``post``,
+    frames of ``sizes`` bytes (at most 4). It points at the bytes: the caller keeps them."""
+    return RequestPattern(address(pre), len(pre), address(mid), len(mid), address(post), len(post), len(sizes),
+                          (_i * 4)(*sizes, *[0] * (4 - len(sizes))))
 
 
 def address(b: bytes) -> int:

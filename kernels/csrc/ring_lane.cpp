@@ -55,9 +55,9 @@ bool id_char(uint8_t c) {
 
 extern "C" {
 
-// A step's request of one remote part (kvd/node/attention_ring.py's StepRequest): its header
-// around the id and the layer, its frames' addresses and sizes.
-struct KvdRingPost {
+// A step's request of one remote part: header = pre + ID + mid + LAYER + post (ID
+// [0-9A-Za-z_-]{1,64}, LAYER 0|[1-9][0-9]{0,5}), then `frames` frames of `sizes` bytes.
+struct KvdRequestPattern {
     const uint8_t* pre;
     int64_t pre_len;
     const uint8_t* mid;
@@ -65,8 +65,14 @@ struct KvdRingPost {
     const uint8_t* post;
     int64_t post_len;
     int64_t frames;
-    int64_t data[kMaxFrames];
     int64_t sizes[kMaxFrames];
+};
+
+// What the debtor posts (kvd/node/attention_ring.py's StepRequest): the pattern and its
+// frames' addresses.
+struct KvdRingPost {
+    KvdRequestPattern pattern;
+    int64_t data[kMaxFrames];
 };
 
 // Write request `seq` into `slot` (`slot_bytes` long): the header pre + id + mid + layer in
@@ -74,26 +80,27 @@ struct KvdRingPost {
 // 1 (nothing written) when it does not fit, the id is not 1 to 64 bytes or the layer negative.
 int kvd_ring_lane_post(uint8_t* slot, int64_t slot_bytes, uint32_t seq, const KvdRingPost* p, const uint8_t* id,
                        int64_t id_len, int64_t layer) {
-    if (id_len < 1 || id_len > kMaxId || layer < 0 || p->frames < 0 || p->frames > kMaxFrames) return 1;
+    const KvdRequestPattern& pt = p->pattern;
+    if (id_len < 1 || id_len > kMaxId || layer < 0 || pt.frames < 0 || pt.frames > kMaxFrames) return 1;
     char digits[24];
     int n = 0;
     do digits[n++] = char('0' + layer % 10), layer /= 10; while (layer);
-    const int64_t hlen = p->pre_len + id_len + p->mid_len + n + p->post_len;
+    const int64_t hlen = pt.pre_len + id_len + pt.mid_len + n + pt.post_len;
     int64_t use = kAlign + align_up(hlen);
-    for (int64_t f = 0; f < p->frames; f++) use += align_up(p->sizes[f]);
+    for (int64_t f = 0; f < pt.frames; f++) use += align_up(pt.sizes[f]);
     if (use > slot_bytes) return 1;
     uint8_t* h = slot + kAlign;
-    std::memcpy(h, p->pre, p->pre_len), h += p->pre_len;
+    std::memcpy(h, pt.pre, pt.pre_len), h += pt.pre_len;
     std::memcpy(h, id, id_len), h += id_len;
-    std::memcpy(h, p->mid, p->mid_len), h += p->mid_len;
+    std::memcpy(h, pt.mid, pt.mid_len), h += pt.mid_len;
     while (n) *h++ = uint8_t(digits[--n]);
-    std::memcpy(h, p->post, p->post_len);
+    std::memcpy(h, pt.post, pt.post_len);
     uint8_t* frame = slot + kAlign + align_up(hlen);
-    SlotHead head{seq, uint32_t(hlen), uint32_t(p->frames), 0, {0, 0, 0, 0}};
-    for (int64_t f = 0; f < p->frames; f++) {
-        std::memcpy(frame, reinterpret_cast<const void*>(p->data[f]), p->sizes[f]);
-        frame += align_up(p->sizes[f]);
-        head.sizes[f] = uint64_t(p->sizes[f]);
+    SlotHead head{seq, uint32_t(hlen), uint32_t(pt.frames), 0, {0, 0, 0, 0}};
+    for (int64_t f = 0; f < pt.frames; f++) {
+        std::memcpy(frame, reinterpret_cast<const void*>(p->data[f]), pt.sizes[f]);
+        frame += align_up(pt.sizes[f]);
+        head.sizes[f] = uint64_t(pt.sizes[f]);
     }
     std::memcpy(slot, &head, sizeof head);
     return 0;
@@ -145,15 +152,7 @@ int kvd_ring_lane_take(const uint8_t* slot, int64_t slot_bytes, uint32_t seq, co
 
 // One step's lane (kvd/node/ring_lane.py mirrors it field for field, every field 8 bytes).
 struct KvdRingLane {
-    // the request: header = pre + ID + mid + LAYER + post, ID [0-9A-Za-z_-]{1,64}, LAYER 0|[1-9][0-9]{0,5}
-    const uint8_t* pre;
-    int64_t pre_len;
-    const uint8_t* mid;
-    int64_t mid_len;
-    const uint8_t* post;
-    int64_t post_len;
-    int64_t frames;                 // the request's frames: q, k, v
-    int64_t sizes[kMaxFrames];
+    KvdRequestPattern request;      // the served request's, its frames q, k, v
     // the reply: header = rpre + ID + rpost, then frames m, l, o of rsizes
     const uint8_t* rpre;
     int64_t rpre_len;
@@ -188,32 +187,33 @@ struct KvdRingLane {
 // kernel refused the lane's layout: the K/V row written, nothing posted).
 int kvd_ring_lane_serve(const KvdRingLane* lane, const uint8_t* request, uint8_t* reply, uint32_t seq,
                         int64_t slot_bytes) {
+    const KvdRequestPattern& req = lane->request;
     SlotHead head;
     std::memcpy(&head, request, sizeof head);
-    if (head.seq != seq || head.frames != uint64_t(lane->frames)) return 1;
-    for (int64_t f = 0; f < lane->frames; f++)
-        if (head.sizes[f] != uint64_t(lane->sizes[f])) return 1;
+    if (head.seq != seq || head.frames != uint64_t(req.frames)) return 1;
+    for (int64_t f = 0; f < req.frames; f++)
+        if (head.sizes[f] != uint64_t(req.sizes[f])) return 1;
     const int64_t hlen = head.header_bytes;
     int64_t use = kAlign + align_up(hlen);
-    for (int64_t f = 0; f < lane->frames; f++) use += align_up(lane->sizes[f]);
+    for (int64_t f = 0; f < req.frames; f++) use += align_up(req.sizes[f]);
     if (use > slot_bytes) return 1;
     // the header: pre, an id, mid, a layer, post; and nothing else
     const uint8_t* h = request + kAlign;
-    const int64_t fixed = lane->pre_len + lane->mid_len + lane->post_len;
-    if (hlen < fixed + 2 || std::memcmp(h, lane->pre, lane->pre_len) != 0) return 1;
-    int64_t at = lane->pre_len, id_len = 0;
+    const int64_t fixed = req.pre_len + req.mid_len + req.post_len;
+    if (hlen < fixed + 2 || std::memcmp(h, req.pre, req.pre_len) != 0) return 1;
+    int64_t at = req.pre_len, id_len = 0;
     while (id_len <= kMaxId && at + id_len < hlen && id_char(h[at + id_len])) id_len++;
     if (id_len < 1 || id_len > kMaxId) return 1;
     const uint8_t* id = h + at;
     at += id_len;
-    if (at + lane->mid_len > hlen || std::memcmp(h + at, lane->mid, lane->mid_len) != 0) return 1;
-    at += lane->mid_len;
+    if (at + req.mid_len > hlen || std::memcmp(h + at, req.mid, req.mid_len) != 0) return 1;
+    at += req.mid_len;
     int64_t layer = 0, digits = 0;
     while (digits <= kMaxLayerDigits && at + digits < hlen && h[at + digits] >= '0' && h[at + digits] <= '9')
         layer = layer * 10 + (h[at + digits] - '0'), digits++;
     if (digits < 1 || digits > kMaxLayerDigits || (digits > 1 && h[at] == '0')) return 1;
     at += digits;
-    if (at + lane->post_len != hlen || std::memcmp(h + at, lane->post, lane->post_len) != 0) return 1;
+    if (at + req.post_len != hlen || std::memcmp(h + at, req.post, req.post_len) != 0) return 1;
     if (layer >= lane->layers) return 1;
     // the reply's place
     const int64_t rlen = lane->rpre_len + id_len + lane->rpost_len;
@@ -223,8 +223,8 @@ int kvd_ring_lane_serve(const KvdRingLane* lane, const uint8_t* request, uint8_t
     // the frames: q, then the K/V row
     const uint8_t* frame = request + kAlign + align_up(hlen);
     const float* q = reinterpret_cast<const float*>(frame);
-    const uint8_t* k = frame + align_up(lane->sizes[0]);
-    const uint8_t* v = k + align_up(lane->sizes[1]);
+    const uint8_t* k = frame + align_up(req.sizes[0]);
+    const uint8_t* v = k + align_up(req.sizes[1]);
     std::memcpy(reinterpret_cast<void*>(lane->k_dst[layer]), k, lane->row_bytes);
     std::memcpy(reinterpret_cast<void*>(lane->v_dst[layer]), v, lane->row_bytes);
     uint8_t* out = reply + kAlign;

@@ -426,11 +426,9 @@ class StepRequest:
             raise ValueError(f"a step's request has at most {MAX_FRAMES} contiguous tensors")
         self.pre, self.mid, self.post, self.frames, self.tensors = pre, mid, post, frames, tensors
         n = len(tensors)
-        self.args = ring_lane.Post(ring_lane.address(pre), len(pre), ring_lane.address(mid), len(mid),
-                                   ring_lane.address(post), len(post), n,
-                                   (ctypes.c_int64 * 4)(*(t.data_ptr() for t in tensors), *[0] * (4 - n)),
-                                   (ctypes.c_int64 * 4)(*(t.numel() * t.element_size() for t in tensors),
-                                                        *[0] * (4 - n)))
+        pattern = ring_lane.pattern(pre, mid, post, [t.numel() * t.element_size() for t in tensors])
+        self.args = ring_lane.Post(pattern, (ctypes.c_int64 * 4)(*(t.data_ptr() for t in tensors),
+                                                                 *[0] * (4 - n)))
         self.ref = ctypes.byref(self.args)
 
     def header(self, msg_id: str, layer: int) -> bytes:

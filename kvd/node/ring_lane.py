@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 from engine.dist_attention import DecodeCall
 from kernels.paged_attention import PagedAttention
-from kernels.ring_lane import NOT_MINE, REFUSED, SERVED, Lane, address, serve_function
+from kernels.ring_lane import NOT_MINE, REFUSED, SERVED, Lane, address, pattern, serve_function
 
 __all__ = ["NOT_MINE", "REFUSED", "SERVED", "RingLane", "available"]
 _i = ctypes.c_int64
@@ -65,8 +65,7 @@ class RingLane:
         lay = call.layout
         rsizes = (4 * rows * lay.slots * H, 4 * rows * lay.slots * H, 4 * rows * lay.slots * H * hd)
         self._lane = Lane(
-            address(pieces[0]), len(pieces[0]), address(pieces[1]), len(pieces[1]), address(pieces[2]), len(pieces[2]),
-            3, (_i * 4)(*sizes, 0), address(rpre), len(rpre), address(rpost), len(rpost), (_i * 3)(*rsizes),
+            pattern(*pieces, list(sizes)), address(rpre), len(rpre), address(rpost), len(rpost), (_i * 3)(*rsizes),
             layers, call.k_rows.data_ptr(), call.v_rows.data_ptr(), call.row_bytes,
             kernel.partials_address, call.k_caches.data_ptr(), call.v_caches.data_ptr(), call.windows.data_ptr(),
             int(call.kv_half), call.num_blocks, lay.sequences, lay.starts.data_ptr(), lay.lens.data_ptr(),
