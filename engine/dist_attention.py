@@ -285,7 +285,7 @@ class LentKV:
         self.block_list = list(block_ids)
         self._layout: tuple | None = None                   # (ctx, rows, PartLayout): a step's, every layer's
         self._caches: dict[int, tuple] = {}                 # layer -> its K, V caches and their rows' views
-        self._native: tuple | None = None                   # (dtype, shape, K and V caches' addresses per layer)
+        self._native: tuple | None = None                   # (dtype, shape, K and V caches' addresses, windows per layer)
 
     def step(self, layer: int, q: torch.Tensor, ctx: int, positions: torch.Tensor, k: torch.Tensor,
              v: torch.Tensor, into: Callable[[tuple[int, int, int, int]], Partials | None] | None = None
@@ -357,15 +357,15 @@ class LentKV:
                 return None
             self._native = (k0c.dtype, k0c.shape,
                             torch.tensor([k.data_ptr() for k, _ in caches], dtype=torch.int64),
-                            torch.tensor([v.data_ptr() for _, v in caches], dtype=torch.int64))
-        cache_dtype, shape, k_caches, v_caches = self._native
+                            torch.tensor([v.data_ptr() for _, v in caches], dtype=torch.int64),
+                            torch.tensor([w or 0 for w in self.windows], dtype=torch.int64))
+        cache_dtype, shape, k_caches, v_caches, windows = self._native
         if dtype != cache_dtype or cache_dtype not in (torch.float32, torch.float16):
             return None
         block, at = divmod(first - k0, bs)
         row_bytes = math.prod(shape[2:]) * cache_dtype.itemsize
         offset = (self.block_list[block] * bs + at) * row_bytes
-        return DecodeCall(k_caches + offset, v_caches + offset, row_bytes, k_caches, v_caches,
-                          torch.tensor([w or 0 for w in self.windows], dtype=torch.int64),
+        return DecodeCall(k_caches + offset, v_caches + offset, row_bytes, k_caches, v_caches, windows,
                           cache_dtype == torch.float16, shape[0], bs, self._layout[2], self.scale,
                           self.threads or torch.get_num_threads())
 

@@ -77,12 +77,6 @@ def library() -> RingLaneLib | None:
         return None
 
 
-def serve_function():
-    """``kvd_ring_lane_serve`` of the build, or None."""
-    lib = library()
-    return lib.serve if lib is not None else None
-
-
 def pattern(pre: bytes, mid: bytes, post: bytes, sizes: list[int]) -> RequestPattern:
     """The ``RequestPattern`` of a request: header ``pre`` + id + ``mid`` + layer + ``post``,
     frames of ``sizes`` bytes (at most 4). It points at the bytes: the caller keeps them."""

@@ -443,32 +443,30 @@ class ChannelClient:
         (``RingClient.next_reply_as``): on the ring, when it is the next reply there and is
         exactly that, its partials viewing the ring's slot (valid until the next message
         sent: read them first); else the reply decoded, as ``wait`` returns it."""
-        ring = self.ring
-        if msg_id not in self._on_ring or ring is None or not ring.next_is(msg_id):
-            return self.wait(msg_id, timeout)
-        try:
-            got = ring.next_reply_as(shape, time.monotonic() + timeout)
-        finally:
-            self._waiting.discard(msg_id)
-            self._on_ring.discard(msg_id)
-        return got if isinstance(got, Partials) else _ring_reply(*got)          # else: decoded in full
+        return self._wait_next(msg_id, timeout, lambda ring, deadline: ring.next_reply_as(shape, deadline))
 
     def wait_into(self, msg_id: str, shape: tuple[int, int, int, int], dst: Partials,
                   timeout: float) -> protocol.Message | None:
         """``wait_as``, the expected partials copied into ``dst`` (``RingClient.next_reply_into``):
         None once copied; else the reply decoded, as ``wait`` returns it (nothing copied)."""
+        got = self._wait_next(msg_id, timeout, lambda ring, deadline: ring.next_reply_into(shape, dst, deadline))
+        if got is True:
+            self.counts["ring_taken"] += 1
+            return None
+        return got
+
+    def _wait_next(self, msg_id: str, timeout: float, read: Callable) -> object:
+        """``read(ring, deadline)``'s fast answer when ``msg_id``'s reply is the ring's next
+        one; its fallback (a slot's tuple) decoded; ``wait``'s reply otherwise."""
         ring = self.ring
         if msg_id not in self._on_ring or ring is None or not ring.next_is(msg_id):
             return self.wait(msg_id, timeout)
         try:
-            got = ring.next_reply_into(shape, dst, time.monotonic() + timeout)
+            got = read(ring, time.monotonic() + timeout)
         finally:
             self._waiting.discard(msg_id)
             self._on_ring.discard(msg_id)
-        if got is True:
-            self.counts["ring_taken"] += 1
-            return None
-        return _ring_reply(*got)
+        return _ring_reply(*got) if isinstance(got, tuple) else got         # a tuple: decoded in full
 
     def _wait_ring(self, msg_id: str, deadline: float) -> protocol.Message:
         """``wait`` for a message sent on the ring: its replies come in order, each answering

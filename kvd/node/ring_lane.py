@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 from engine.dist_attention import DecodeCall
 from kernels.paged_attention import PagedAttention
-from kernels.ring_lane import NOT_MINE, REFUSED, SERVED, Lane, address, pattern, serve_function
+from kernels.ring_lane import NOT_MINE, REFUSED, SERVED, Lane, address, library, pattern
 
 __all__ = ["NOT_MINE", "REFUSED", "SERVED", "RingLane", "available"]
 _i = ctypes.c_int64
@@ -34,7 +34,7 @@ _i = ctypes.c_int64
 
 def available() -> bool:
     """Whether this host builds the native lane (else every ring request goes the full way)."""
-    return serve_function() is not None
+    return library() is not None
 
 
 class RingLane:
@@ -52,14 +52,14 @@ class RingLane:
                  reply: tuple[bytes, bytes, tuple[int, int, int, int]], call: DecodeCall, kernel: PagedAttention,
                  heads: tuple[int, int, int], layers: int, lock: threading.Lock, held: Callable[[], bool],
                  served: Callable[[], None] = lambda: None) -> None:
-        fn = serve_function()
-        if fn is None:
+        lib = library()
+        if lib is None:
             raise RuntimeError("no native ring lane on this host")
         rows, chunks, H, hd = reply[2]
         if len(sizes) != 3 or sizes[1] != call.row_bytes or sizes[2] != call.row_bytes or rows != call.layout.rows \
                 or chunks != call.layout.slots or (H, hd) != (heads[0], heads[2]) or sizes[0] != 4 * rows * H * hd:
             raise ValueError("the served message is not a one-row decode this lane answers")
-        self._fn, self.lock, self.held, self.served, self.call = fn, lock, held, served, call
+        self._fn, self.lock, self.held, self.served, self.call = lib.serve, lock, held, served, call
         rpre, rpost = reply[0] + b'"', b'"' + reply[1]          # the id's JSON: a plain id in quotes
         self._keep = (pieces, rpre, rpost)                       # the bytes the struct points at
         lay = call.layout

@@ -22,6 +22,8 @@ from kvd import protocol
 from kvd.wire import RawTensor
 
 ID = re.compile(r"[0-9A-Za-z_-]{1,64}")          # ids a pattern takes: JSON strings with no escapes
+ID_BYTES = re.compile(rb"[0-9A-Za-z_-]{1,64}")
+LAYER = re.compile(rb"0|[1-9][0-9]{0,5}")        # a layer as JSON writes it
 
 
 class StepTemplate:
@@ -29,11 +31,11 @@ class StepTemplate:
     ring thread's only."""
 
     def __init__(self) -> None:
-        self._pattern: re.Pattern[bytes] | None = None
         self._msg: protocol.RemoteAttend | None = None
         self._kinds: tuple[tuple[str, tuple[int, ...]], ...] = ()     # each frame's dtype and shape
         self._sizes: tuple[int, ...] = ()
-        self.pieces: tuple[bytes, bytes, bytes] | None = None   # the pattern's bytes around the id and the layer
+        # the pattern: the header's bytes before the id, between the id and the layer, after the layer
+        self.pieces: tuple[bytes, bytes, bytes] | None = None
         self.lane = None            # the step's native answer (kvd/node/ring_lane.py), set by the ring's server
         self.hits = 0
 
@@ -41,38 +43,38 @@ class StepTemplate:
         """``msg``, decoded from ``header`` and checked in full (the trust gate passed), is
         the pattern from now on (none where its id is not an ``ID`` or the header does not
         name its id and layer once each)."""
-        self._pattern = self._msg = self.pieces = self.lane = None
+        self._msg = self.pieces = self.lane = None
         ident, layer = b'"id":' + orjson.dumps(msg.id), b'"layer":%d,' % msg.layer
         if not ID.fullmatch(msg.id) or header.count(ident) != 1 or header.count(layer) != 1:
             return
         i, j = header.index(ident), header.index(layer)
         if j < i + len(ident):
             return
-        self._pattern = re.compile(re.escape(header[:i]) + rb'"id":"([0-9A-Za-z_-]{1,64})"'
-                                   + re.escape(header[i + len(ident):j]) + rb'"layer":(0|[1-9][0-9]{0,5}),'
-                                   + re.escape(header[j + len(layer):]), re.DOTALL)
-        self.pieces = (header[:i] + b'"id":"', b'"' + header[i + len(ident):j] + b'"layer":', b"," + header[j + len(layer):])
+        self.pieces = (header[:i] + b'"id":"', b'"' + header[i + len(ident):j] + b'"layer":',
+                       b"," + header[j + len(layer):])
         self._msg = copy.copy(msg)
         object.__setattr__(self._msg, "tensors", ())          # no view of the ring's slot kept
         self._kinds = tuple((t.dtype, t.shape) for t in msg.tensors)
         self._sizes = tuple(t.data.nbytes for t in msg.tensors)
 
-    @property
-    def sizes(self) -> tuple[int, ...]:
-        """The pattern's frames' sizes in bytes (none without a pattern)."""
-        return self._sizes if self._pattern is not None else ()
-
     def match(self, header: bytes, frames: list[memoryview]) -> protocol.RemoteAttend | None:
         """The message ``header`` and ``frames`` (1-D byte views) are, when they fit the
         pattern: the template with their id, layer and frames; else None."""
-        if self._pattern is None or len(frames) != len(self._sizes):
+        if self.pieces is None or len(frames) != len(self._sizes):
             return None
-        found = self._pattern.fullmatch(header)
-        if found is None or any(f.nbytes != n for f, n in zip(frames, self._sizes)):
+        pre, mid, post = self.pieces
+        if len(header) < len(pre) + len(mid) + len(post) + 2 or not header.startswith(pre) \
+                or not header.endswith(post):
+            return None
+        body = header[len(pre):len(header) - len(post)]     # id + mid + layer; an id holds no quote
+        ident, _, rest = body.partition(b'"')
+        layer = rest[len(mid) - 1:]
+        if (not ID_BYTES.fullmatch(ident) or not rest.startswith(mid[1:]) or not LAYER.fullmatch(layer)
+                or any(f.nbytes != n for f, n in zip(frames, self._sizes))):
             return None
         msg = copy.copy(self._msg)
-        object.__setattr__(msg, "id", found.group(1).decode())
-        object.__setattr__(msg, "layer", int(found.group(2)))
+        object.__setattr__(msg, "id", ident.decode())
+        object.__setattr__(msg, "layer", int(layer))
         object.__setattr__(msg, "tensors", tuple(RawTensor(dtype, shape, f)
                                                  for (dtype, shape), f in zip(self._kinds, frames)))
         self.hits += 1
