@@ -256,6 +256,10 @@ def test_a_posted_request_is_protocols_bytes_and_a_taken_reply_the_slots():
             assert header == protocol.encode(want)[0]
             assert [bytes(f) for f in frames] == [bytes(t.numpy().tobytes()) for t in (q, k, v)]
         assert not client.send_step("y" * 65, lane.request, 1, 16 << 10)           # not an id the ring takes
+        assert not client.send_step("r", lane.request, 1, 64 << 10)                 # its reply would not fit
+        assert client.send_step("d", lane.request, 3, 16 << 10)                     # the fourth slot
+        assert not client.send_step("e", lane.request, 4, 16 << 10)                 # the ring full: nothing sent
+        assert client.sent == 4 and list(client._ids) == ["ab12", "x" * 64, "c", "d"]
         # replies, in order: the one expected, copied; anything else left for a full decode
         shape = (1, 3, H, HD)
         want = [torch.randn(1, 3, H), torch.rand(1, 3, H), torch.randn(1, 3, H, HD)]
