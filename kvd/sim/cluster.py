@@ -106,7 +106,7 @@ class SimCluster:
             self.nodes[name] = SimNode(name, role, engine, profile.costs, events, self._on_token, self._on_events,
                                        kv_bytes_per_token=profile.kv_bytes_per_token,
                                        replicas=cluster.replicas, token_s=profile.serving_token_s,
-                                       cache=profile.cache, threads=profile.threads, keep_log=keep_log,
+                                       cache=profile.cache, wake=profile.wake, threads=profile.threads, keep_log=keep_log,
                                        kv_messages=profile.num_layers if cluster.kv_stream == "layers" else 1)
             self.infos[name] = NodeInfo(name=name, address=f"sim://{name}", incarnation="1",
                                         model_name=profile.model, max_model_len=1 << 20,

@@ -26,6 +26,8 @@ whose engine thread is busy. A step's duration::
       weights the last-level cache holds after this node's prefills, the
       steps of ``neighbours`` (the nodes that share its host) and the time
       its engine waited for work)
+    + on the first step after the engine waited for work, the wake cost of
+      that wait (kvd/sim/wake.py)
 
 On a shared ``host`` (kvd/sim/host.py) that is the step's work at full
 speed: the host's cores are shared with the other nodes' running steps.
@@ -45,6 +47,7 @@ from engine.scheduler import ScheduledBatch, Scheduler
 from kvd.sim.costs import StepCosts
 from kvd.sim.events import EventQueue
 from kvd.sim.host import SimHost
+from kvd.sim.wake import WakeCosts
 from kvd.sim.warmth import CacheCosts, Warmth
 
 # a prefill leg's kv_out (the engine's KVSink): the request hands off after its first token
@@ -76,7 +79,7 @@ class SimNode:
     def __init__(self, name: str, role: str, config: EngineConfig, costs: StepCosts, events: EventQueue,
                  on_token: Callable, on_events: Callable | None = None, *, kv_bytes_per_token: int = 0,
                  replicas: int = 0, token_s: float = 0.0, cache: CacheCosts | None = None,
-                 threads: int = 1, kv_messages: int = 1, keep_log: bool = False) -> None:
+                 wake: WakeCosts | None = None, threads: int = 1, kv_messages: int = 1, keep_log: bool = False) -> None:
         self.name, self.role, self.config, self.costs, self.events = name, role, config, costs, events
         self.pool = MemPool(device_blocks=config.kv_blocks, host_blocks=config.host_kv_blocks,
                             block_size=config.block_size)
@@ -87,6 +90,8 @@ class SimNode:
         self.kv_messages = kv_messages
         self.token_s = token_s
         self.warmth = Warmth(cache)
+        self.wake_costs = wake
+        self.waited = 0.0                      # seconds the engine waited before the step it starts
         self.neighbours: list[SimNode] = []    # the nodes on this node's host (their steps evict its weights)
         self.threads = threads
         self.host: SimHost | None = None       # the cores it shares (kvd/sim/host.py); None: its own
@@ -172,8 +177,10 @@ class SimNode:
                 self.idle_since = self.events.now
             self.busy = False
             return
+        self.waited = 0.0
         if self.idle_since is not None:
-            self.warmth.idle(self.events.now - self.idle_since)
+            self.waited = self.events.now - self.idle_since
+            self.warmth.idle(self.waited)
             self.idle_since = None
         self.busy = True
         seconds = self.step_seconds(batch)
@@ -215,6 +222,8 @@ class SimNode:
         t += self.received_s
         self.received_s = 0.0
         t += self.warmth.step_extra(bool(batch.prefill), bool(batch.decode))
+        if self.wake_costs is not None:
+            t += self.wake_costs.extra(self.waited)
         for n in self.neighbours:
             n.warmth.neighbour_step(bool(batch.prefill), bool(batch.decode))
         return t + self.token_s * len(batch.decode)

@@ -14,6 +14,7 @@
                  "token_s": 0.001,           # optional; absent: 0
                  "disagg_s": 0.01, ...},     # optional; absent: 0
      "cache": {CacheCosts fields},           # optional (kvd/sim/warmth.py); absent: always warm
+     "wake": [[gap_s, extra_s], ...],        # optional (kvd/sim/wake.py); absent: no wake cost
      "host_cpus": 2}                         # optional: the CPUs kvd profile could use; absent: 0
 
 A profile describes one model on one CPU: ``load_profile`` refuses one made
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvd.sim.costs import StepCosts
+from kvd.sim.wake import WakeCosts
 from kvd.sim.warmth import CacheCosts
 
 KIND = "kvd-profile"
@@ -55,6 +57,7 @@ class Profile:
     serving_disagg_s: float = 0.0              # a disaggregated request's time to its prefill leg that no hop models
     cache: CacheCosts | None = None            # the weights' last-level cache model; None: always warm
     host_cpus: int = 0                         # the CPUs the profiled process could use (0: not recorded)
+    wake: WakeCosts | None = None              # a step's cost after a wait for work; None: none
 
     def engine_costs(self) -> dict[str, float]:
         """The engine's caching cost coefficients (``[engine].cost_*_s``) this profile measured."""
@@ -98,13 +101,14 @@ def parse_profile(doc: object, where: str = "profile") -> Profile:
         raise ProfileError(f"{where}: \"host_cpus\" must be an integer in [0, 4096], got {host_cpus!r}")
     try:
         cache = CacheCosts.from_dict(doc["cache"]) if "cache" in doc else None
+        wake = WakeCosts.from_object(doc["wake"]) if "wake" in doc else None
     except ValueError as exc:
         raise ProfileError(f"{where}: {exc}") from None
     return Profile(model=doc["model"], cpu=doc["cpu"], threads=doc["threads"], fingerprint=doc["fingerprint"],
                    block_size=doc["block_size"], kv_bytes_per_token=doc["kv_bytes_per_token"],
                    num_layers=doc["num_layers"], costs=costs, doc=doc, serving_s=float(times[0]),
                    serving_token_s=float(times[1]), serving_disagg_s=float(times[2]), cache=cache,
-                   host_cpus=host_cpus)
+                   host_cpus=host_cpus, wake=wake)
 
 
 def load_profile(path: str | Path, *, model: str | None = None, check_cpu: bool = True) -> Profile:

@@ -17,7 +17,10 @@ config (its threads, dtype and kernels):
   cache, and how prefills and a second node on the host evict them
   (tools/sim/profile_cache.py, kvd/sim/warmth.py). It is measured first:
   the decode grid then drops each point's steps that the point's own
-  prefill left cold, so the decode fit is of warm steps.
+  prefill left cold, so the decode fit is of warm steps;
+- wake: what a step right after the engine waited for work costs beyond
+  one right after a step, per length of the wait (tools/sim/profile_wake.py,
+  kvd/sim/wake.py). The prefill grid's samples run back to back.
 
 Then (unless ``--serving-requests 0``) the serving overhead: a few requests
 through a real ``kvd serve`` of the same config, one at a time, against the
@@ -74,6 +77,7 @@ def profile_engine(config, *, quick: bool = False, progress: Progress | None = N
     import math
 
     from tools.sim.profile_cache import CACHE_ROUNDS, measure_cache
+    from tools.sim.profile_wake import WAKE_ROUNDS, measure_wake
     from engine.engine import LLMEngine
     from engine.request import SamplingParams
 
@@ -90,7 +94,7 @@ def profile_engine(config, *, quick: bool = False, progress: Progress | None = N
     if engine.max_model_len <= longest:
         raise ValueError(f"the model's context ({engine.max_model_len}) is too short to profile")
     total = len(ns) * len(cs) * reps + len(batches) * len(lens) * reps + len(swaps) * reps + len(sizes) * reps \
-        + (0 if quick else 2 * CACHE_ROUNDS)
+        + (0 if quick else 2 * CACHE_ROUNDS + WAKE_ROUNDS)
     progress = progress or Progress(total)
     rng = np.random.default_rng(0)
     vocab = engine.model.config.vocab_size
@@ -117,6 +121,7 @@ def profile_engine(config, *, quick: bool = False, progress: Progress | None = N
     engine.pool.flush()
     cache = None if quick else measure_cache(engine, lambda: LLMEngine.from_config(config), ids, progress=progress)
     engine.pool.flush()
+    wake = None if quick else measure_wake(engine, ids, progress=progress)
     cold_steps = min(3 * dsteps, math.ceil(cache.warm_steps * cache.prefill_cools)) if cache is not None else 0
     prefill = []
     for _ in range(reps):
@@ -183,6 +188,7 @@ def profile_engine(config, *, quick: bool = False, progress: Progress | None = N
         "costs": costs.as_dict(), "fit": fit,
         "samples": {"prefill": prefill, "decode": decode, "swap": swap, "transfer": transfer},
         **({"cache": cache.as_dict()} if cache is not None else {}),
+        **({"wake": wake.as_list()} if wake is not None else {}),
     }
 
 

@@ -48,6 +48,7 @@ from tools.bench.serving.bench_n_copies import serve as start_server  # noqa: E4
 CONFIGS = {"one": (0, 0, None), "mixed2": (2, 0, "least-load"), "1p1d": (2, 1, None),
            "tree3": (3, 0, "prompt-tree")}
 METRICS = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")
+PROBE_REQUESTS = 8                 # one-at-a-time requests of a server's probe (``probe``)
 
 
 def trace_flags(trace: str, args) -> list[str]:
@@ -74,6 +75,17 @@ def serve(model: str, nodes: int, prefill: int, cfg: Path, split_cpus: str) -> t
     with tempfile.TemporaryDirectory() as tmp:
         measured(url, overhead_flags(model, OVERHEAD_WARMUP * max(nodes, 1), "inf", seed=1), Path(tmp) / "warmup.json")
     return proc, url
+
+
+def probe(model: str, url: str) -> dict:
+    """This server's unloaded speed now: ``PROBE_REQUESTS`` requests one at a time
+    (``overhead_flags``, the profile's serving-overhead run), their median TTFT and
+    TPOT. Kept with each measured run, beside the same requests simulated on the
+    same shape, it tells the host's drift since the profile from the simulator's
+    error under load."""
+    with tempfile.TemporaryDirectory() as tmp:
+        real = measured(url, overhead_flags(model, PROBE_REQUESTS, seed=2), Path(tmp) / "probe.json")
+    return {k: real.get(k) for k in ("median_ttft_ms", "median_tpot_ms")}
 
 
 def flush_cache(sock: Path) -> None:
@@ -205,14 +217,15 @@ def main() -> None:
                     cfg, sock = setup(name)
                     proc, url = serve(model, nodes, prefill, cfg, args.split_cpus)
                     try:
+                        speed = probe(model, url)
                         for cell in (c for c in cells if c[0] == name):
                             flush_cache(sock)      # each run starts cold, as its simulation does
                             where = Path(args.keep) if args.keep else Path(tmp)
                             where.mkdir(parents=True, exist_ok=True)
                             real = measured(url, [*flags_of(*cell[1:]), *(["--save-detailed"] if args.keep else [])],
                                             where / f"{'-'.join(cell)}-{rep}.json")
-                            runs[cell].append({k: real.get(k) for k in (*METRICS, "slo_attainment",
-                                                                          "request_goodput")})
+                            runs[cell].append({**{k: real.get(k) for k in (*METRICS, "slo_attainment",
+                                                                             "request_goodput")}, "probe": speed})
                             print(json.dumps({"run": rep, "cell": cell, "measured": runs[cell][-1]}), flush=True)
                     finally:
                         stop_processes([proc])
