@@ -69,3 +69,24 @@ def test_a_measured_run_against_a_real_server_keeps_its_records(tmp_path, toy_pr
     (kept,) = keep.glob("one-random-8-0.json")
     records = json.loads(kept.read_text())["requests"]
     assert len(records) == 3 and all(r["success"] for r in records)
+
+
+def test_calibration_brings_the_profile_to_the_servers_probe(tmp_path, toy_profile):
+    from tools.bench.sim.validate import PROBE_REQUESTS, calibrated
+    from tools.sim.measure import overhead_flags, simulated
+
+    flags = overhead_flags("tiny", PROBE_REQUESTS, seed=2)
+    base = simulated(toy_profile, 0, 0, None, None, flags, colocated=True)
+    assert calibrated(str(toy_profile), [run()], 0, 0, None, None, "tiny", tmp_path) is None      # no probe
+    # a server twice as slow as the profile at decoding, and 30 ms slower to a first token than that
+    slow = {"median_tpot_ms": 2 * base["median_tpot_ms"], "median_ttft_ms": 0.0}
+    path, _ = calibrated(str(toy_profile), [{**run(), "probe": {**slow, "median_ttft_ms": 1.0}}], 0, 0, None, None,
+                         "tiny", tmp_path)
+    doubled = simulated(path, 0, 0, None, None, flags, colocated=True)
+    slow["median_ttft_ms"] = doubled["median_ttft_ms"] + 30.0
+    path, calib = calibrated(str(toy_profile), [{**run(), "probe": slow}], 0, 0, None, None, "tiny", tmp_path)
+    again = simulated(path, 0, 0, None, None, flags, colocated=True)
+    assert calib["speed"] == pytest.approx(2.0, abs=1e-4)
+    assert again["median_tpot_ms"] == pytest.approx(slow["median_tpot_ms"], rel=1e-6)
+    assert again["median_ttft_ms"] == pytest.approx(slow["median_ttft_ms"], abs=1e-3)
+    assert calib["first_token_s"] == pytest.approx(0.030, abs=1e-6)        # the toy profile has none of its own

@@ -21,6 +21,7 @@ Prints a table and writes JSON to results/.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import statistics
@@ -73,6 +74,17 @@ class Forcer:
                 self.refused += 1
 
 
+@contextlib.contextmanager
+def pair_cluster(args: argparse.Namespace, tmp: str, rng: random.Random):
+    """One pair, its scheduler off (only what the benchmark asks for moves), warmed
+    by one short stream; yields (base URL, admin socket)."""
+    config = os.path.join(tmp, "pairs.toml")
+    Path(config).write_text("[cluster]\npairs = true\npair_scheduler = false\n[nodes.n1]\n[nodes.n2]\n")
+    with cluster("pair", args, tmp, ["-c", config]) as (base, sock):
+        stream(base, [rng.randrange(1, 40000) for _ in range(32)], 4)
+        yield base, sock
+
+
 def one(base: str, sock: str, ids: list[int], args: argparse.Namespace, force: bool) -> dict:
     forcer = Forcer(sock, args.every) if force else None
     on_token = (lambda n: setattr(forcer, "read", n)) if forcer else None
@@ -103,10 +115,7 @@ def main() -> None:
     rng = random.Random(3)
     rows = []
     with tempfile.TemporaryDirectory(prefix="kvd-bench-") as tmp:
-        config = os.path.join(tmp, "pairs.toml")
-        Path(config).write_text("[cluster]\npairs = true\npair_scheduler = false\n[nodes.n1]\n[nodes.n2]\n")
-        with cluster("pair", args, tmp, ["-c", config]) as (base, sock):
-            stream(base, [rng.randrange(1, 40000) for _ in range(32)], 4)      # warm-up
+        with pair_cluster(args, tmp, rng) as (base, sock):
             for rnd in range(args.rounds):
                 ids = [rng.randrange(1, 40000) for _ in range(args.prompt_len)]
                 res = {}

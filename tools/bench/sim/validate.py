@@ -17,6 +17,7 @@ measured with the per-node thread count for them.
         [--node-profile P.json] [--configs one,mixed2,1p1d,tree3] [--rates 0.5,1] \\
         [--traces random,prefix] [--num-prompts 16] [--input-len 64] [--output-len 16] \\
         [--repeats 1] [--measured results/sim/validate.json ...]   # --measured: the simulated side only
+        [--calibrate]
 
 With ``--repeats R`` every configuration's server is started afresh R times,
 the configurations in turn (so a drift of the host's speed reaches them
@@ -25,6 +26,14 @@ metric on its own); ``--measured`` takes several validate JSONs and pools
 their runs the same way. A row keeps every run (``measured_runs``), and the
 summary says in how many cells the measured runs differ among themselves by
 more than the target (the host's noise floor).
+
+Each server is probed before its runs (``probe``: a few requests one at a
+time, its unloaded TTFT and TPOT of that moment), and every run keeps its
+server's probe. ``--calibrate`` simulates each cell on the profile brought
+to those probes (``calibrated``): what is left of an error is the
+simulator's model of load, not how far the host's speed drifted since the
+profile was taken. Both tables are worth reading: the plain one is what a
+planner meets, the calibrated one how far the model itself is off.
 
 Writes results/sim/validate.json and prints a markdown table.
 """
@@ -92,6 +101,49 @@ def flush_cache(sock: Path) -> None:
     """Drop every node's cached prefixes (``kvctl cache flush`` on the admin socket)."""
     subprocess.run([sys.executable, "-m", "kvd.ctl", "--socket", str(sock), "cache", "flush"], cwd=ROOT,
                    check=True, stdout=subprocess.DEVNULL, timeout=60)  # noqa: S603
+
+
+def calibrated(profile: str, runs: list[dict], nodes: int, prefill: int, routing: str | None, cfg: Path,
+               model: str, where: Path) -> tuple[str, dict] | None:
+    """``profile`` brought to the servers that measured ``runs`` (their ``probe``s,
+    pooled): every engine cost (steps, swaps, the cold cache, the wake) scaled by
+    the probe's median TPOT over the same requests' simulated one, then the
+    serving overhead before routing moved by what the probe's median TTFT still
+    differs. That is ``kvd profile``'s serving measurement taken again on each
+    server, with the engine's speed of that moment: what is left of an error is
+    the simulator's model of load, not the host's drift since the profile. The
+    path of the profile written in ``where`` and the factors; None without probes."""
+    import statistics
+
+    from kvd.sim.profile_file import load_profile, write_profile
+
+    probes = [r["probe"] for r in runs if r.get("probe")]
+    if not probes:
+        return None
+    real_ttft = statistics.median(p["median_ttft_ms"] for p in probes)
+    real_tpot = statistics.median(p["median_tpot_ms"] for p in probes)
+    flags = overhead_flags(model, PROBE_REQUESTS, seed=2)
+    base = simulated(profile, nodes, prefill, routing, cfg, flags, colocated=True)
+    speed = real_tpot / base["median_tpot_ms"]
+    doc = json.loads(json.dumps(load_profile(profile, check_cpu=False).doc))
+    c = doc["costs"]
+    for k in list(c):
+        c[k] = [[b, t * speed] for b, t in c[k]] if k == "decode_batch_s" else (
+            c[k] if k.startswith("transfer_") else c[k] * speed)
+    if "cache" in doc:
+        doc["cache"]["decode_cold_s"] *= speed
+    if "wake" in doc:
+        doc["wake"] = [[g, e * speed] for g, e in doc["wake"]]
+    serving = doc.setdefault("serving", {})
+    serving["token_s"] = serving.get("token_s", 0.0) * speed
+    path = where / f"calibrated-{len(list(where.glob('calibrated-*')))}.json"
+    write_profile(doc, path)
+    moved = simulated(str(path), nodes, prefill, routing, cfg, flags, colocated=True)
+    serving["first_token_s"] = max(0.0, serving.get("first_token_s", 0.0)
+                                   + (real_ttft - moved["median_ttft_ms"]) / 1e3)
+    write_profile(doc, path)
+    return str(path), {"speed": round(speed, 4), "first_token_s": round(serving["first_token_s"], 6),
+                       "probe_ttft_ms": round(real_ttft, 3), "probe_tpot_ms": round(real_tpot, 3)}
 
 
 def pooled(runs: list[dict]) -> dict:
@@ -177,6 +229,9 @@ def main() -> None:
                          "simulator's side again, e.g. after a change to its model or a new profile")
     ap.add_argument("--keep", default=None, metavar="DIR",
                     help="keep each measured run's kvd-loadgen result, with its per-request records, in DIR")
+    ap.add_argument("--calibrate", action="store_true",
+                    help="simulate each cell on the profile brought to its servers' probes (``calibrated``): "
+                         "the simulator's error under load without the host's drift since the profile")
     ap.add_argument("--out", default=str(ROOT / "results/sim/validate.json"))
     args = ap.parse_args()
     if args.repeats < 1:
@@ -242,15 +297,22 @@ def main() -> None:
             profile = args.node_profile if nodes and args.node_profile else args.profile
             cfg, _ = setup(name)
             real = pooled(runs[cell])
-            sim = simulated(profile, nodes, prefill, routing, cfg, flags_of(trace, rate), colocated=True)
+            calib = calibrated(profile, runs[cell], nodes, prefill, routing, cfg, model, Path(tmp)) \
+                if args.calibrate else None
+            if args.calibrate and calib is None:
+                raise SystemExit(f"validate: error: --calibrate: the runs of {' '.join(cell)} have no probe")
+            sim = simulated(calib[0] if calib else profile, nodes, prefill, routing, cfg, flags_of(trace, rate),
+                            colocated=True)
             rows.append({"config": name, "trace": trace, "rate": float(rate), "measured": real,
+                         **({"calibration": calib[1]} if calib else {}),
                          "measured_runs": runs[cell], "spread": spread(runs[cell]),
                          "simulated": {k: sim.get(k) for k in (*METRICS, "slo_attainment", "request_goodput")},
                          "errors": errors(real, sim)})
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     from tools.loadgen.report import machine_info
-    out.write_text(json.dumps({"machine": machine_info(), "profile": args.profile, "rows": rows}, indent=1))
+    out.write_text(json.dumps({"machine": machine_info(), "profile": args.profile, "calibrated": args.calibrate,
+                               "rows": rows}, indent=1))
     print(markdown(rows))
     print(summary(rows))
     print(f"wrote {out}")
