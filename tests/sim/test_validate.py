@@ -72,10 +72,10 @@ def test_a_measured_run_against_a_real_server_keeps_its_records(tmp_path, toy_pr
 
 
 def test_calibration_brings_the_profile_to_the_servers_probe(tmp_path, toy_profile):
-    from tools.bench.sim.validate import PROBE_REQUESTS, calibrated
-    from tools.sim.measure import overhead_flags, simulated
+    from tools.bench.sim.validate import calibrated, probe_flags
+    from tools.sim.measure import simulated
 
-    flags = overhead_flags("tiny", PROBE_REQUESTS, seed=2)
+    flags = probe_flags("tiny")
     base = simulated(toy_profile, 0, 0, None, None, flags, colocated=True)
     assert calibrated(str(toy_profile), [run()], 0, 0, None, None, "tiny", tmp_path) is None      # no probe
     # a server twice as slow as the profile at decoding, and 30 ms slower to a first token than that
@@ -90,3 +90,27 @@ def test_calibration_brings_the_profile_to_the_servers_probe(tmp_path, toy_profi
     assert again["median_tpot_ms"] == pytest.approx(slow["median_tpot_ms"], rel=1e-6)
     assert again["median_ttft_ms"] == pytest.approx(slow["median_ttft_ms"], abs=1e-3)
     assert calib["first_token_s"] == pytest.approx(0.030, abs=1e-6)        # the toy profile has none of its own
+
+
+def test_calibration_solves_the_serving_overhead_and_the_wake_from_both_probes(tmp_path, write_profile):
+    from tools.bench.sim.validate import calibrated, probe_flags
+    from tools.sim.measure import simulated
+
+    table = [[0.5, 0.002], [2.0, 0.004]]
+    # the servers: the profile's engine, 12 ms of serving overhead, three times its wake
+    truth = write_profile("truth.json", wake=[[g, 3 * e] for g, e in table], serving={"first_token_s": 0.012})
+    short = simulated(truth, 0, 0, None, None, probe_flags("tiny"), colocated=True)
+    waits = simulated(truth, 0, 0, None, None, probe_flags("tiny", after_waits=True), colocated=True)
+    assert waits["median_ttft_ms"] > short["median_ttft_ms"] + 5        # the waits cost
+    probe = {"median_ttft_ms": short["median_ttft_ms"], "median_tpot_ms": short["median_tpot_ms"],
+             "wait_ttft_ms": waits["median_ttft_ms"]}
+    path, calib = calibrated(str(write_profile("p.json", wake=table)), [{**run(), "probe": probe}], 0, 0, None,
+                             None, "tiny", tmp_path)
+    assert calib["speed"] == pytest.approx(1.0, abs=1e-4)
+    assert calib["wake_scale"] == pytest.approx(3.0, abs=1e-3)
+    assert calib["first_token_s"] == pytest.approx(0.012, abs=1e-6)
+    # a profile without a wake table gets a flat one that explains the waits
+    _, flat = calibrated(str(write_profile("n.json")), [{**run(), "probe": probe}], 0, 0, None, None, "tiny",
+                         tmp_path)
+    again = simulated(_, 0, 0, None, None, probe_flags("tiny", after_waits=True), colocated=True)
+    assert again["median_ttft_ms"] == pytest.approx(waits["median_ttft_ms"], abs=0.5)

@@ -58,6 +58,8 @@ CONFIGS = {"one": (0, 0, None), "mixed2": (2, 0, "least-load"), "1p1d": (2, 1, N
            "tree3": (3, 0, "prompt-tree")}
 METRICS = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")
 PROBE_REQUESTS = 8                 # one-at-a-time requests of a server's probe (``probe``)
+WAIT_PROBE_REQUESTS = 3            # its requests after a wait for work
+WAIT_PROBE_S = 4.0                 # about how long the engine waits before each
 
 
 def trace_flags(trace: str, args) -> list[str]:
@@ -86,15 +88,26 @@ def serve(model: str, nodes: int, prefill: int, cfg: Path, split_cpus: str) -> t
     return proc, url
 
 
+def probe_flags(model: str, after_waits: bool = False) -> list[str]:
+    """kvd-loadgen flags of a server's probe: ``PROBE_REQUESTS`` random prompts one at a
+    time at 2 req/s (``overhead_flags``: the profile's serving-overhead run), or
+    (``after_waits``) ``WAIT_PROBE_REQUESTS`` each after the engine waited about
+    ``WAIT_PROBE_S`` (a nearly even arrival process: gamma shape 100)."""
+    if not after_waits:
+        return overhead_flags(model, PROBE_REQUESTS, seed=2)
+    flags = overhead_flags(model, WAIT_PROBE_REQUESTS, 1 / WAIT_PROBE_S, seed=3)
+    return [*flags, "--burstiness", "100"]
+
+
 def probe(model: str, url: str) -> dict:
-    """This server's unloaded speed now: ``PROBE_REQUESTS`` requests one at a time
-    (``overhead_flags``, the profile's serving-overhead run), their median TTFT and
-    TPOT. Kept with each measured run, beside the same requests simulated on the
-    same shape, it tells the host's drift since the profile from the simulator's
-    error under load."""
+    """This server's unloaded speed now: the median TTFT and TPOT of ``probe_flags``'
+    requests, and the median TTFT of those that came after waits (``wait_ttft_ms``).
+    Kept with each measured run; ``calibrated`` brings a profile to them."""
     with tempfile.TemporaryDirectory() as tmp:
-        real = measured(url, overhead_flags(model, PROBE_REQUESTS, seed=2), Path(tmp) / "probe.json")
-    return {k: real.get(k) for k in ("median_ttft_ms", "median_tpot_ms")}
+        real = measured(url, probe_flags(model), Path(tmp) / "probe.json")
+        waits = measured(url, probe_flags(model, after_waits=True), Path(tmp) / "waits.json")
+    return {"median_ttft_ms": real.get("median_ttft_ms"), "median_tpot_ms": real.get("median_tpot_ms"),
+            "wait_ttft_ms": waits.get("median_ttft_ms")}
 
 
 def flush_cache(sock: Path) -> None:
@@ -106,13 +119,17 @@ def flush_cache(sock: Path) -> None:
 def calibrated(profile: str, runs: list[dict], nodes: int, prefill: int, routing: str | None, cfg: Path,
                model: str, where: Path) -> tuple[str, dict] | None:
     """``profile`` brought to the servers that measured ``runs`` (their ``probe``s,
-    pooled): every engine cost (steps, swaps, the cold cache, the wake) scaled by
-    the probe's median TPOT over the same requests' simulated one, then the
-    serving overhead before routing moved by what the probe's median TTFT still
-    differs. That is ``kvd profile``'s serving measurement taken again on each
-    server, with the engine's speed of that moment: what is left of an error is
-    the simulator's model of load, not the host's drift since the profile. The
-    path of the profile written in ``where`` and the factors; None without probes."""
+    pooled by median): ``kvd profile``'s host-dependent terms taken again on each
+    server. Every engine cost (steps, swaps, the cold cache) is scaled by the
+    probe's TPOT over the same requests' simulated TPOT (the engine's speed of
+    that moment); then the serving overhead before routing and the wake table's
+    scale are solved so that both probes' simulated median TTFTs are the measured
+    ones (the two are linear in them: the probe at 2 req/s waits a fraction of a
+    second before each request, the other seconds). A profile without a wake table
+    gets a flat one of the solved extra past ``WAIT_PROBE_S``. What is left of an
+    error is then the simulator's model of load, not how far the host moved since
+    the profile. The path of the profile written in ``where`` and the terms; None
+    without probes."""
     import statistics
 
     from kvd.sim.profile_file import load_profile, write_profile
@@ -120,30 +137,47 @@ def calibrated(profile: str, runs: list[dict], nodes: int, prefill: int, routing
     probes = [r["probe"] for r in runs if r.get("probe")]
     if not probes:
         return None
-    real_ttft = statistics.median(p["median_ttft_ms"] for p in probes)
-    real_tpot = statistics.median(p["median_tpot_ms"] for p in probes)
-    flags = overhead_flags(model, PROBE_REQUESTS, seed=2)
-    base = simulated(profile, nodes, prefill, routing, cfg, flags, colocated=True)
-    speed = real_tpot / base["median_tpot_ms"]
+    real = {k: statistics.median(p[k] for p in probes if p.get(k) is not None)
+            for k in ("median_ttft_ms", "median_tpot_ms", "wait_ttft_ms") if any(p.get(k) for p in probes)}
+    short, waits = probe_flags(model), probe_flags(model, after_waits=True)
     doc = json.loads(json.dumps(load_profile(profile, check_cpu=False).doc))
+    path = where / f"calibrated-{len(list(where.glob('calibrated-*')))}.json"
+
+    def sim(flags: list[str], first_token_s: float, wake_scale: float) -> dict:
+        d = json.loads(json.dumps(doc))
+        d.setdefault("serving", {})["first_token_s"] = first_token_s
+        if "wake" in d:
+            d["wake"] = [[g, e * wake_scale] for g, e in d["wake"]]
+        write_profile(d, path)
+        return simulated(str(path), nodes, prefill, routing, cfg, flags, colocated=True)
+
+    speed = real["median_tpot_ms"] / sim(short, 0.0, 1.0)["median_tpot_ms"]
     c = doc["costs"]
     for k in list(c):
         c[k] = [[b, t * speed] for b, t in c[k]] if k == "decode_batch_s" else (
             c[k] if k.startswith("transfer_") else c[k] * speed)
     if "cache" in doc:
         doc["cache"]["decode_cold_s"] *= speed
-    if "wake" in doc:
-        doc["wake"] = [[g, e * speed] for g, e in doc["wake"]]
     serving = doc.setdefault("serving", {})
     serving["token_s"] = serving.get("token_s", 0.0) * speed
-    path = where / f"calibrated-{len(list(where.glob('calibrated-*')))}.json"
+    if "wait_ttft_ms" in real and not any(e for _, e in doc.get("wake", [])):
+        doc["wake"] = [[WAIT_PROBE_S / 2, 1e-3]]           # a flat table, its scale solved below
+    scale, first = 1.0, 0.0
+    for _ in range(3):      # nearly linear (a longer wake shortens the next wait): Newton steps
+        a_s, a_w = sim(short, first, scale)["median_ttft_ms"], sim(waits, first, scale)["median_ttft_ms"]
+        w_s = sim(short, first, scale + 1)["median_ttft_ms"] - a_s
+        w_w = sim(waits, first, scale + 1)["median_ttft_ms"] - a_w
+        step = 0.0
+        if "wait_ttft_ms" in real and w_w - w_s > 1e-6:
+            step = max(-scale, ((real["wait_ttft_ms"] - a_w) - (real["median_ttft_ms"] - a_s)) / (w_w - w_s))
+        scale += step
+        first = max(0.0, first + (real["median_ttft_ms"] - a_s - step * w_s) / 1e3)
+    if "wake" in doc:
+        doc["wake"] = [[g, min(59.0, e * scale)] for g, e in doc["wake"]]
+    serving["first_token_s"] = first
     write_profile(doc, path)
-    moved = simulated(str(path), nodes, prefill, routing, cfg, flags, colocated=True)
-    serving["first_token_s"] = max(0.0, serving.get("first_token_s", 0.0)
-                                   + (real_ttft - moved["median_ttft_ms"]) / 1e3)
-    write_profile(doc, path)
-    return str(path), {"speed": round(speed, 4), "first_token_s": round(serving["first_token_s"], 6),
-                       "probe_ttft_ms": round(real_ttft, 3), "probe_tpot_ms": round(real_tpot, 3)}
+    return str(path), {"speed": round(speed, 4), "first_token_s": round(first, 6), "wake_scale": round(scale, 3),
+                       **{f"probe_{k}": round(v, 3) for k, v in real.items()}}
 
 
 def pooled(runs: list[dict]) -> dict:
