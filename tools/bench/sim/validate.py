@@ -17,7 +17,6 @@ measured with the per-node thread count for them.
         [--node-profile P.json] [--configs one,mixed2,1p1d,tree3] [--rates 0.5,1] \\
         [--traces random,prefix] [--num-prompts 16] [--input-len 64] [--output-len 16] \\
         [--repeats 1] [--measured results/sim/validate.json ...]   # --measured: the simulated side only
-        [--calibrate]
 
 With ``--repeats R`` every configuration's server is started afresh R times,
 the configurations in turn (so a drift of the host's speed reaches them
@@ -26,14 +25,6 @@ metric on its own); ``--measured`` takes several validate JSONs and pools
 their runs the same way. A row keeps every run (``measured_runs``), and the
 summary says in how many cells the measured runs differ among themselves by
 more than the target (the host's noise floor).
-
-Each server is probed before its runs (``probe``: a few requests one at a
-time, its unloaded TTFT and TPOT of that moment), and every run keeps its
-server's probe. ``--calibrate`` simulates each cell on the profile brought
-to those probes (``calibrated``): what is left of an error is the
-simulator's model of load, not how far the host's speed drifted since the
-profile was taken. Both tables are worth reading: the plain one is what a
-planner meets, the calibrated one how far the model itself is off.
 
 Writes results/sim/validate.json and prints a markdown table.
 """
@@ -57,9 +48,6 @@ from tools.bench.serving.bench_n_copies import serve as start_server  # noqa: E4
 CONFIGS = {"one": (0, 0, None), "mixed2": (2, 0, "least-load"), "1p1d": (2, 1, None),
            "tree3": (3, 0, "prompt-tree")}
 METRICS = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")
-PROBE_REQUESTS = 8                 # one-at-a-time requests of a server's probe (``probe``)
-WAIT_PROBE_REQUESTS = 3            # its requests after a wait for work
-WAIT_PROBE_S = 4.0                 # about how long the engine waits before each
 
 
 def trace_flags(trace: str, args) -> list[str]:
@@ -88,96 +76,10 @@ def serve(model: str, nodes: int, prefill: int, cfg: Path, split_cpus: str) -> t
     return proc, url
 
 
-def probe_flags(model: str, after_waits: bool = False) -> list[str]:
-    """kvd-loadgen flags of a server's probe: ``PROBE_REQUESTS`` random prompts one at a
-    time at 2 req/s (``overhead_flags``: the profile's serving-overhead run), or
-    (``after_waits``) ``WAIT_PROBE_REQUESTS`` each after the engine waited about
-    ``WAIT_PROBE_S`` (a nearly even arrival process: gamma shape 100)."""
-    if not after_waits:
-        return overhead_flags(model, PROBE_REQUESTS, seed=2)
-    flags = overhead_flags(model, WAIT_PROBE_REQUESTS, 1 / WAIT_PROBE_S, seed=3)
-    return [*flags, "--burstiness", "100"]
-
-
-def probe(model: str, url: str) -> dict:
-    """This server's unloaded speed now: the median TTFT and TPOT of ``probe_flags``'
-    requests, and the median TTFT of those that came after waits (``wait_ttft_ms``).
-    Kept with each measured run; ``calibrated`` brings a profile to them."""
-    with tempfile.TemporaryDirectory() as tmp:
-        real = measured(url, probe_flags(model), Path(tmp) / "probe.json")
-        waits = measured(url, probe_flags(model, after_waits=True), Path(tmp) / "waits.json")
-    return {"median_ttft_ms": real.get("median_ttft_ms"), "median_tpot_ms": real.get("median_tpot_ms"),
-            "wait_ttft_ms": waits.get("median_ttft_ms")}
-
-
 def flush_cache(sock: Path) -> None:
     """Drop every node's cached prefixes (``kvctl cache flush`` on the admin socket)."""
     subprocess.run([sys.executable, "-m", "kvd.ctl", "--socket", str(sock), "cache", "flush"], cwd=ROOT,
                    check=True, stdout=subprocess.DEVNULL, timeout=60)  # noqa: S603
-
-
-def calibrated(profile: str, runs: list[dict], nodes: int, prefill: int, routing: str | None, cfg: Path,
-               model: str, where: Path) -> tuple[str, dict] | None:
-    """``profile`` brought to the servers that measured ``runs`` (their ``probe``s,
-    pooled by median): ``kvd profile``'s host-dependent terms taken again on each
-    server. Every engine cost (steps, swaps, the cold cache) is scaled by the
-    probe's TPOT over the same requests' simulated TPOT (the engine's speed of
-    that moment); then the serving overhead before routing and the wake table's
-    scale are solved so that both probes' simulated median TTFTs are the measured
-    ones (the two are linear in them: the probe at 2 req/s waits a fraction of a
-    second before each request, the other seconds). A profile without a wake table
-    gets a flat one of the solved extra past ``WAIT_PROBE_S``. What is left of an
-    error is then the simulator's model of load, not how far the host moved since
-    the profile. The path of the profile written in ``where`` and the terms; None
-    without probes."""
-    import statistics
-
-    from kvd.sim.profile_file import load_profile, write_profile
-
-    probes = [r["probe"] for r in runs if r.get("probe")]
-    if not probes:
-        return None
-    real = {k: statistics.median(p[k] for p in probes if p.get(k) is not None)
-            for k in ("median_ttft_ms", "median_tpot_ms", "wait_ttft_ms") if any(p.get(k) for p in probes)}
-    short, waits = probe_flags(model), probe_flags(model, after_waits=True)
-    doc = json.loads(json.dumps(load_profile(profile, check_cpu=False).doc))
-    path = where / f"calibrated-{len(list(where.glob('calibrated-*')))}.json"
-
-    def sim(flags: list[str], first_token_s: float, wake_scale: float) -> dict:
-        d = json.loads(json.dumps(doc))
-        d.setdefault("serving", {})["first_token_s"] = first_token_s
-        if "wake" in d:
-            d["wake"] = [[g, e * wake_scale] for g, e in d["wake"]]
-        write_profile(d, path)
-        return simulated(str(path), nodes, prefill, routing, cfg, flags, colocated=True)
-
-    speed = real["median_tpot_ms"] / sim(short, 0.0, 1.0)["median_tpot_ms"]
-    c = doc["costs"]
-    for k in list(c):
-        c[k] = [[b, t * speed] for b, t in c[k]] if k == "decode_batch_s" else (
-            c[k] if k.startswith("transfer_") else c[k] * speed)
-    if "cache" in doc:
-        doc["cache"]["decode_cold_s"] *= speed
-    serving = doc.setdefault("serving", {})
-    serving["token_s"] = serving.get("token_s", 0.0) * speed
-    if "wait_ttft_ms" in real and not any(e for _, e in doc.get("wake", [])):
-        doc["wake"] = [[WAIT_PROBE_S / 2, 1e-3]]           # a flat table, its scale solved below
-    scale, first = 1.0, 0.0
-    for _ in range(3):      # nearly linear (a longer wake shortens the next wait): Newton steps
-        a_s, a_w = sim(short, first, scale)["median_ttft_ms"], sim(waits, first, scale)["median_ttft_ms"]
-        w_s = sim(short, first, scale + 1)["median_ttft_ms"] - a_s
-        w_w = sim(waits, first, scale + 1)["median_ttft_ms"] - a_w
-        step = 0.0
-        if "wait_ttft_ms" in real and w_w - w_s > 1e-6:
-            step = max(-scale, ((real["wait_ttft_ms"] - a_w) - (real["median_ttft_ms"] - a_s)) / (w_w - w_s))
-        scale += step
-        first = max(0.0, first + (real["median_ttft_ms"] - a_s - step * w_s) / 1e3)
-    if "wake" in doc:
-        doc["wake"] = [[g, min(59.0, e * scale)] for g, e in doc["wake"]]
-    serving["first_token_s"] = first
-    write_profile(doc, path)
-    return str(path), {"speed": round(speed, 4), "first_token_s": round(first, 6), "wake_scale": round(scale, 3),
-                       **{f"probe_{k}": round(v, 3) for k, v in real.items()}}
 
 
 def pooled(runs: list[dict]) -> dict:
@@ -263,9 +165,6 @@ def main() -> None:
                          "simulator's side again, e.g. after a change to its model or a new profile")
     ap.add_argument("--keep", default=None, metavar="DIR",
                     help="keep each measured run's kvd-loadgen result, with its per-request records, in DIR")
-    ap.add_argument("--calibrate", action="store_true",
-                    help="simulate each cell on the profile brought to its servers' probes (``calibrated``): "
-                         "the simulator's error under load without the host's drift since the profile")
     ap.add_argument("--out", default=str(ROOT / "results/sim/validate.json"))
     args = ap.parse_args()
     if args.repeats < 1:
@@ -306,15 +205,14 @@ def main() -> None:
                     cfg, sock = setup(name)
                     proc, url = serve(model, nodes, prefill, cfg, args.split_cpus)
                     try:
-                        speed = probe(model, url)
                         for cell in (c for c in cells if c[0] == name):
                             flush_cache(sock)      # each run starts cold, as its simulation does
                             where = Path(args.keep) if args.keep else Path(tmp)
                             where.mkdir(parents=True, exist_ok=True)
                             real = measured(url, [*flags_of(*cell[1:]), *(["--save-detailed"] if args.keep else [])],
                                             where / f"{'-'.join(cell)}-{rep}.json")
-                            runs[cell].append({**{k: real.get(k) for k in (*METRICS, "slo_attainment",
-                                                                             "request_goodput")}, "probe": speed})
+                            runs[cell].append({k: real.get(k) for k in (*METRICS, "slo_attainment",
+                                                                          "request_goodput")})
                             print(json.dumps({"run": rep, "cell": cell, "measured": runs[cell][-1]}), flush=True)
                     finally:
                         stop_processes([proc])
@@ -331,22 +229,15 @@ def main() -> None:
             profile = args.node_profile if nodes and args.node_profile else args.profile
             cfg, _ = setup(name)
             real = pooled(runs[cell])
-            calib = calibrated(profile, runs[cell], nodes, prefill, routing, cfg, model, Path(tmp)) \
-                if args.calibrate else None
-            if args.calibrate and calib is None:
-                raise SystemExit(f"validate: error: --calibrate: the runs of {' '.join(cell)} have no probe")
-            sim = simulated(calib[0] if calib else profile, nodes, prefill, routing, cfg, flags_of(trace, rate),
-                            colocated=True)
+            sim = simulated(profile, nodes, prefill, routing, cfg, flags_of(trace, rate), colocated=True)
             rows.append({"config": name, "trace": trace, "rate": float(rate), "measured": real,
-                         **({"calibration": calib[1]} if calib else {}),
                          "measured_runs": runs[cell], "spread": spread(runs[cell]),
                          "simulated": {k: sim.get(k) for k in (*METRICS, "slo_attainment", "request_goodput")},
                          "errors": errors(real, sim)})
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     from tools.loadgen.report import machine_info
-    out.write_text(json.dumps({"machine": machine_info(), "profile": args.profile, "calibrated": args.calibrate,
-                               "rows": rows}, indent=1))
+    out.write_text(json.dumps({"machine": machine_info(), "profile": args.profile, "rows": rows}, indent=1))
     print(markdown(rows))
     print(summary(rows))
     print(f"wrote {out}")
