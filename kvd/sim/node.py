@@ -91,7 +91,6 @@ class SimNode:
         self.token_s = token_s
         self.warmth = Warmth(cache)
         self.wake_costs = wake
-        self.waited = 0.0                      # seconds the engine waited before the step it starts
         self.neighbours: list[SimNode] = []    # the nodes on this node's host (their steps evict its weights)
         self.threads = threads
         self.host: SimHost | None = None       # the cores it shares (kvd/sim/host.py); None: its own
@@ -177,13 +176,13 @@ class SimNode:
                 self.idle_since = self.events.now
             self.busy = False
             return
-        self.waited = 0.0
+        waited = 0.0
         if self.idle_since is not None:
-            self.waited = self.events.now - self.idle_since
-            self.warmth.idle(self.waited)
+            waited = self.events.now - self.idle_since
+            self.warmth.idle(waited)
             self.idle_since = None
         self.busy = True
-        seconds = self.step_seconds(batch)
+        seconds = self.step_seconds(batch, waited)
         if self.log is not None:
             self.log.append(StepLog(self.events.now, seconds,
                                     [(r.request_id, n) for r, n in zip(batch.prefill, batch.prefill_lens)],
@@ -206,10 +205,10 @@ class SimNode:
         if self.work_left is None:                     # no next step: the others speed up
             self.host.reschedule()
 
-    def step_seconds(self, batch: ScheduledBatch) -> float:
-        """What ``batch`` takes on the profiled machine (see the module docstring).
-        Called once per step, at its start: it moves this node's warmth and its
-        neighbours'."""
+    def step_seconds(self, batch: ScheduledBatch, waited: float = 0.0) -> float:
+        """What ``batch`` takes on the profiled machine (see the module docstring), its
+        engine having ``waited`` seconds for work before it. Called once per step, at its
+        start: it moves this node's warmth and its neighbours'."""
         c = self.costs
         t = c.prefill_seconds((n, r.num_computed) for r, n in zip(batch.prefill, batch.prefill_lens)) \
             if batch.prefill else 0.0
@@ -223,7 +222,7 @@ class SimNode:
         self.received_s = 0.0
         t += self.warmth.step_extra(bool(batch.prefill), bool(batch.decode))
         if self.wake_costs is not None:
-            t += self.wake_costs.extra(self.waited)
+            t += self.wake_costs.extra(waited)
         for n in self.neighbours:
             n.warmth.neighbour_step(bool(batch.prefill), bool(batch.decode))
         return t + self.token_s * len(batch.decode)

@@ -48,7 +48,7 @@ class WakeCosts:
         """From a profile's ``wake`` value; raises ValueError saying what is wrong."""
         if not isinstance(d, (list, tuple)):
             raise ValueError(f"wake must be a list of [gap, extra] pairs, got {d!r}")
-        return cls(tuple(tuple(p) if isinstance(p, (list, tuple)) else p for p in d))
+        return cls(tuple(d))
 
     def as_list(self) -> list[list[float]]:
         return [[g, e] for g, e in self.table]
