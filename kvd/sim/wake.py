@@ -4,11 +4,9 @@ A CPU whose thread waited for work does not come back at full speed: its
 core halted (a virtual machine's vCPU is descheduled and its host runs other
 tenants meanwhile; a bare-metal core drops to a deep C-state and a lower
 clock), and the caches, the branch predictors and the clock come back over
-the first milliseconds of the next step. Measured on a 2-vCPU VM with
-SmolLM2: a 16-token prefill after a 3 s wait takes about 35 ms more than
-back to back, and a 128-token one about as much more. So it is a cost per
-wake, not per token, and it grows with the wait and levels off after a few
-seconds.
+the first milliseconds of the next step. It is a cost per wake, not per
+token; it grows with the wait and levels off after a few seconds, and its
+size follows the host's other work (docs/planning.md, "Waking up").
 
 ``WakeCosts`` is the profile's ``wake`` table: ``[[gap_s, extra_s], ...]``,
 gaps rising and > 0, extras >= 0; the extra of a gap is linear between the
