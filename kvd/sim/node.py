@@ -20,8 +20,11 @@ whose engine thread is busy. A step's duration::
       ``transfer_byte_s`` per byte and half the small-message round trip
       (``transfer_latency_s / 2``) per message, ``kv_messages`` a prompt
       (one per layer with ``kv_stream = "layers"``, else one)
-    + token_s per decoding request (the serving path's work per token, which
-      shares the node's CPUs: the profile's ``serving.token_s``)
+    + token_s per step with a decode part (the serving path's work after a
+      step: the outputs' hand-off to the event loop, whose wake-up and GIL
+      the next step waits on; the profile's ``serving.token_s``, measured on
+      one stream, where a step emits one token; a batched step's extra
+      streams add next to nothing on top)
     + the decode part's cold-cache cost (kvd/sim/warmth.py: how much of the
       weights the last-level cache holds after this node's prefills, the
       steps of ``neighbours`` (the nodes that share its host) and the time
@@ -220,12 +223,13 @@ class SimNode:
         t += sum(self._kv_cpu_seconds(n) for r, n in zip(batch.prefill, batch.prefill_lens) if r.kv_out is not None)
         t += self.received_s
         self.received_s = 0.0
-        t += self.warmth.step_extra(bool(batch.prefill), bool(batch.decode))
+        batched = c.decode_batch_seconds(len(batch.decode)) - c.decode_batch_seconds(1) if batch.decode else 0.0
+        t += self.warmth.step_extra(bool(batch.prefill), bool(batch.decode), max(0.0, batched))
         if self.wake_costs is not None:
             t += self.wake_costs.extra(waited)
         for n in self.neighbours:
             n.warmth.neighbour_step(bool(batch.prefill), bool(batch.decode))
-        return t + self.token_s * len(batch.decode)
+        return t + (self.token_s if batch.decode else 0.0)
 
     def _kv_cpu_seconds(self, tokens: int) -> float:
         """This node's CPU time to send or receive ``tokens`` tokens' KV of a prompt."""

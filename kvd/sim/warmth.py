@@ -18,9 +18,14 @@ takes ``decode_cold_s`` more (they come from memory). What evicts them:
 
 Warmth ``w`` is the cached share, in [0, 1]; each decode step on the node
 brings ``1 / warm_steps`` of the weights back (a cache's insertion policy does
-not keep all of one pass: it takes several). A decode step costs
-``decode_cold_s * (1 - w)`` on top of StepCosts.decode_seconds, ``w`` read
-after the step's own prefill part (the engine runs that part first).
+not keep all of one pass: it takes several). Reading the evicted weights from
+memory takes ``decode_cold_s * (1 - w)`` beyond a one-row step's warm time,
+``w`` read after the step's own prefill part (the engine runs that part
+first). A batched step whose warm time exceeds the one-row step's by
+``hidden`` seconds does that reading under its arithmetic, and pays only what
+is left: ``max(0, decode_cold_s * (1 - w) - hidden)`` on top of
+StepCosts.decode_seconds (a step takes the longer of its compute and its
+memory traffic).
 Nothing else changes ``w``. Pure Python; ``kvd profile`` measures the
 numbers (tools/sim/profile_cache.py); a profile without the two idle fields
 keeps an idle node's warmth.
@@ -79,9 +84,10 @@ class Warmth:
         self.costs = costs
         self.w = 1.0
 
-    def step_extra(self, prefill: bool, decode: bool) -> float:
+    def step_extra(self, prefill: bool, decode: bool, hidden: float = 0.0) -> float:
         """Apply one step (a prefill part, a decode part, or both) and return the
-        seconds its decode part spends beyond a warm one."""
+        seconds its decode part spends beyond a warm one, of which ``hidden``
+        seconds >= 0 overlap its compute (module docstring)."""
         c = self.costs
         if c is None:
             return 0.0
@@ -89,7 +95,7 @@ class Warmth:
             self.w *= 1.0 - c.prefill_cools
         if not decode:
             return 0.0
-        extra = c.decode_cold_s * (1.0 - self.w)
+        extra = max(0.0, c.decode_cold_s * (1.0 - self.w) - hidden)
         self.w = min(1.0, self.w + 1.0 / c.warm_steps)
         return extra
 

@@ -33,7 +33,15 @@ def test_the_simulator_adds_the_token_cost_to_each_decode_step(write_profile):
     assert slow["completed"] == plain["completed"] == 6
     assert slow["median_ttft_ms"] == pytest.approx(plain["median_ttft_ms"], abs=1e-6)
     assert slow["median_tpot_ms"] == pytest.approx(plain["median_tpot_ms"] + 50.0, abs=1e-6)
-    assert slow["p99_tpot_ms"] >= plain["p99_tpot_ms"] + 50.0 - 1e-6    # two in a step: each pays its own
+
+
+def test_the_token_cost_is_paid_once_per_step_whatever_its_batch(write_profile):
+    burst = ["--dataset-name", "random", "--random-input-len", "64", "--random-output-len", "6",
+             "--num-prompts", "3", "--request-rate", "inf", "--seed", "0"]    # one prefill, then batches of 3
+    plain = simulated(write_profile(), 0, 0, None, None, burst)
+    slow = simulated(write_profile("slow.json", serving={"token_s": 0.05}), 0, 0, None, None, burst)
+    assert slow["completed"] == plain["completed"] == 3
+    assert slow["median_tpot_ms"] == pytest.approx(plain["median_tpot_ms"] + 50.0, abs=1e-6)
 
 
 def test_the_simulator_delays_a_disaggregated_requests_prefill_leg_only(write_profile):

@@ -9,6 +9,7 @@ import pytest
 
 from kvd.sim.profile_file import ProfileError, load_profile
 from kvd.sim.warmth import CacheCosts, Warmth
+from tests.sim.conftest import TOY_COSTS
 from tools.sim.measure import simulated
 from tools.sim.profile_cache import (IDLE_GAPS, fit_cooling, fit_idle, fit_warm_steps, llc_bytes, measure_cache,
                                      neighbour_cooling)
@@ -26,6 +27,31 @@ def test_a_prefill_cools_and_decode_steps_warm_back_linearly():
     assert extras == pytest.approx([0.01, 0.0075, 0.005, 0.0025, 0.0, 0.0])
     # a step with both parts: the prefill part runs first and cools the decode part
     assert w.step_extra(prefill=True, decode=True) == pytest.approx(0.01)
+
+
+def test_a_batched_steps_compute_hides_the_cold_weights_read():
+    w = Warmth(CacheCosts(**COLD))
+    w.step_extra(prefill=True, decode=False)                          # w = 0: 10 ms to read from memory
+    assert w.step_extra(prefill=False, decode=True, hidden=0.004) == pytest.approx(0.006)
+    assert w.step_extra(prefill=False, decode=True, hidden=0.02) == 0.0   # 7.5 ms, all under the compute
+    assert w.w == pytest.approx(0.5)                                  # a hidden read still warms the cache
+
+
+def test_a_burst_decoding_as_a_batch_pays_no_cold_steps_when_its_compute_hides_them(write_profile):
+    burst = ["--dataset-name", "random", "--random-input-len", "64", "--random-output-len", "6",
+             "--num-prompts", "2", "--request-rate", "inf", "--seed", "0"]
+    table = {**TOY_COSTS,
+             "decode_batch_s": [[1, 0.003], [2, 0.02]]}             # batch 2: 17 ms past one row's step
+    plain = simulated(write_profile(costs=table), 0, 0, None, None, burst)
+    cold = simulated(write_profile("cold.json", costs=table, cache=COLD), 0, 0, None, None, burst)
+    assert cold["completed"] == plain["completed"] == 2
+    # the second prompt's prefill shares a step with the first's one-row decode, which pays
+    # its cold 10 ms (over 5 intervals; the median of two averages them); the batched steps
+    # after it (7.5, 5, 2.5 ms cold) are hidden under their 17 ms of extra compute
+    assert cold["median_tpot_ms"] == pytest.approx(plain["median_tpot_ms"] + 1.0, abs=1e-6)
+    alone = simulated(write_profile("a.json", costs=table, cache=COLD), 0, 0, None, None, SPARSE)
+    assert alone["median_tpot_ms"] > simulated(write_profile("p.json", costs=table), 0, 0, None, None,
+                                               SPARSE)["median_tpot_ms"] + 5.0   # one row: nothing hides it
 
 
 def test_a_neighbours_step_cools_by_its_share_and_no_cache_model_is_always_warm():
