@@ -53,7 +53,7 @@ class Profile:
     costs: StepCosts
     doc: dict                                  # the whole document, as read
     serving_s: float = 0.0                     # a request's time before routing that no step models
-    serving_token_s: float = 0.0               # the serving path's time per token a step emits (event loop, SSE)
+    serving_token_s: float = 0.0               # the serving path's time per step with a decode part (event loop, SSE)
     serving_disagg_s: float = 0.0              # a disaggregated request's time to its prefill leg that no hop models
     cache: CacheCosts | None = None            # the weights' last-level cache model; None: always warm
     host_cpus: int = 0                         # the CPUs the profiled process could use (0: not recorded)

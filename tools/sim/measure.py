@@ -10,9 +10,9 @@
   transport hops), and what each further token takes beyond the engine's
   step (the output's dispatch and SSE chunk, on the node's CPUs).
   ``kvd profile`` records both; the simulator adds the first to every
-  request before routing (kvd/sim/cluster.py) and the second to every
-  decoding request's step (kvd/sim/node.py), so an unloaded simulated TTFT
-  and TPOT are the measured ones.
+  request before routing (kvd/sim/cluster.py) and the second to every step
+  with a decode part (kvd/sim/node.py), so an unloaded simulated TTFT and
+  TPOT are the measured ones.
 - ``disagg_overhead``: the same through a real one-prefill-one-decode
   cluster on this host (a node per CPU where there are two), with prompts
   long enough to be disaggregated: what such a request's path (the
