@@ -66,6 +66,8 @@ class SimStream:
     leg: Request | None = None         # its prefill leg on the prefill node, until it hands off
     recoveries: int = 0
     failed: set[tuple[str, str]] = field(default_factory=set)   # (name, incarnation) that lost it
+    made_here: int = 0                 # tokens its node made (a pair: its copy is complete after one)
+    moving: bool = False               # a pair's handoff of it is under way
 
 
 class SimCluster:
@@ -123,6 +125,12 @@ class SimCluster:
                 node.host = host
             if host is not None:
                 host.nodes = list(self.nodes.values())
+        self.pairs = None
+        if cluster.pairs:
+            from kvd.sim.pairs import SimPairs
+
+            self.pairs = SimPairs(self)
+            self.failover.policy.pairs = self.pairs.book
 
     # ------------------------------------------------------------------ routing
     def submit(self, request_id: str, prompt_ids: list[int], max_tokens: int,
@@ -211,6 +219,7 @@ class SimCluster:
             return
         if new:
             stream.tokens += 1
+            stream.made_here += 1
             stream.arrivals.append(self.events.now + self.hop)      # reaches the client one hop later
         if handed:
             self.load.uncount(stream.request_id, node.name)
@@ -244,4 +253,5 @@ class SimCluster:
                 "route_us_per_decision": round(1e6 * self.route_seconds / max(1, self.routed), 2),
                 "prefill_queue_bypassed": self.legs.prefill_queue_bypassed,
                 "recovery": self.failover.describe(),
-                "cache_events_applied": self.cache_sync.applied_events}
+                "cache_events_applied": self.cache_sync.applied_events,
+                **({"pairs": self.pairs.describe()} if self.pairs is not None else {})}

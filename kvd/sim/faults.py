@@ -13,7 +13,8 @@ every ``heartbeat_interval``), then, as kvd/coordinator/failover.py does:
 - every request counted on it is moved by kvd's own ``RecoveryPolicy``
   (``recovery``, ``max_recoveries``, ``replicas``): ``target`` chooses the
   holder of its replica when ``recovery = "replica"`` and one is usable
-  (the dead node's ring peer, ``ring_peers``, as of the death: with
+  (the dead node's pair partner, which holds a copy of every token the
+  node computed; else its ring peer, ``ring_peers``, as of the death: with
   ``replicas = 1`` it holds every token the node decoded), else the router's
   pick among the live nodes; ``fail`` (or no node left, or
   ``max_recoveries`` spent) ends it with an error;
@@ -22,7 +23,8 @@ every ``heartbeat_interval``), then, as kvd/coordinator/failover.py does:
   over whatever that node caches. A replica's KV is committed into the
   holder's prefix cache first, in the host tier where replicas live, so the
   resume costs the profile's swap-in of those blocks and a prefill of the
-  tail; a re-prefill computes everything (the profile's prefill costs).
+  tail (a pair partner's copy: in its device tier, no swap-in); a
+  re-prefill computes everything (the profile's prefill costs).
 - a decode node whose prefill node died computes the prompt itself
   (``kv_load_failure = "recompute"``); the prefill leg of a request whose
   decode node died is aborted.
@@ -36,7 +38,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from engine.request import Request, SamplingParams
-from kvd.coordinator.recovery import RecoveryPolicy, ring_peers
+from kvd.coordinator.recovery import RecoveryPolicy
 from kvd.sim.node import token_of
 
 if TYPE_CHECKING:
@@ -76,7 +78,7 @@ class SimFailover:
             event["error"] = f"node {name} is dead already"
             return
         event["ok"], event["reply"] = True, {"ok": True}
-        holder = ring_peers(list(sim.infos.values())).get(name) if self.policy.replicas else None
+        holder = self.policy.peer_of(name, sim.infos.values())      # a pair partner, or the ring peer
         node.kill()
         interval, deadline = sim.cluster.heartbeat_interval, sim.cluster.heartbeat_deadline
         last_beat = sim.events.now - sim.events.now % interval
@@ -134,12 +136,14 @@ class SimFailover:
             self.moves.append((rid, dead, node.name, tokens))
             sim.load.count(rid, node)
             node.routed += 1
-            sim.events.after(sim.hop, self._resume, stream, node.name, tokens)
+            # a pair partner's copy sits in its device tier, a ring peer's replica in the host tier
+            tier = "device" if self.policy.pairs.announced.get(dead) == node.name else "host"
+            sim.events.after(sim.hop, self._resume, stream, node.name, tokens, tier)
             return
         self.policy.outcomes[(how if self.policy.policy != "fail" else "fail", "failed")] += 1
         sim.end(stream, f"node {dead} died; not recovered ({self.policy.policy})")
 
-    def _resume(self, stream: "SimStream", name: str, replicated: int) -> None:
+    def _resume(self, stream: "SimStream", name: str, replicated: int, tier: str = "host") -> None:
         """The ResumeRequest reaches ``name``: prompt and tokens so far."""
         sim, rid = self.sim, stream.request_id
         node = sim.nodes[name]
@@ -147,7 +151,7 @@ class SimFailover:
             return                                          # lost with it: recovered when it is declared dead
         outputs = [token_of(rid, i) for i in range(stream.tokens)]
         if replicated:
-            node.hold_replica(stream.prompt + outputs[:-1])
+            node.hold_replica(stream.prompt + outputs[:-1], tier)
         params = SamplingParams(max_tokens=stream.max_tokens, temperature=0.0, ignore_eos=True)
         req = Request(request_id=rid, prompt_ids=list(stream.prompt), params=params, arrival=sim.events.now)
         req.output_ids = outputs

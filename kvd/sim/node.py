@@ -20,6 +20,10 @@ whose engine thread is busy. A step's duration::
       ``transfer_byte_s`` per byte and half the small-message round trip
       (``transfer_latency_s / 2``) per message, ``kv_messages`` a prompt
       (one per layer with ``kv_stream = "layers"``, else one)
+    + a paired node's copies to its ``partner`` (kvd/sim/pairs.py): each
+      step's new tokens of KV, one message, and each prompt chunk's KV as
+      it is computed, the CPU time of KV messages as above on this node; the
+      partner's next step pays the same to receive them
     + token_s per step with a decode part (the serving path's work after a
       step: the outputs' hand-off to the event loop, whose wake-up and GIL
       the next step waits on; the profile's ``serving.token_s``, measured on
@@ -46,6 +50,7 @@ from engine.config import EngineConfig
 from engine.memory.mempool import MemPool
 from engine.memory.region import Purpose, Region
 from engine.request import Request, RequestStatus
+from engine.prefill_alone import PrefillAlone
 from engine.scheduler import ScheduledBatch, Scheduler
 from kvd.sim.costs import StepCosts
 from kvd.sim.events import EventQueue
@@ -107,6 +112,11 @@ class SimNode:
         self.received_s = 0.0                  # KV received since the last step's start: its CPU time
         self.steps = 0
         self.log: list[StepLog] | None = [] if keep_log else None
+        self.requests: dict[str, Request] = {}     # every unfinished request here, by id (as LLMEngine's)
+        self.pair_rule: PrefillAlone | None = None  # a paired node's (kvd/sim/pairs.py): no decode in a prompt's steps
+        self.partner: SimNode | None = None        # a paired node's partner: it receives the copies
+        self._batch: ScheduledBatch | None = None  # the running step's
+        self._leaving: dict[str, Callable[[Request], None]] = {}   # handed off at the running step's end
 
     # ------------------------------------------------------------------ intake
     def add(self, req: Request) -> None:
@@ -114,6 +124,7 @@ class SimNode:
         if self.dead:
             return
         self.scheduler.add(req)
+        self.requests[req.request_id] = req
         self.wake()
 
     def reserve_prompt(self, prompt: list[int], min_uncached: int) -> tuple[Region | None, str]:
@@ -139,7 +150,51 @@ class SimNode:
             self.on_token(self, req, True, False, False)
             return
         self.scheduler.add_prefilled(req)
+        self.requests[req.request_id] = req
         self.wake()
+
+    def take_over(self, req: Request) -> bool:
+        """Resume ``req`` (its prompt and tokens so far; a pair partner's
+        handoff) from this node's copy of its KV: every token but the last
+        is computed here already, so its next step decodes it. False (nothing
+        changes) when the copy's blocks do not fit in the device tier."""
+        if self.dead:
+            return False
+        tokens = req.prompt_ids + req.output_ids[:-1]
+        region = self.pool.reserve_region(tokens, purpose=Purpose.PROMPT)
+        if region is None:
+            return False
+        fresh = Request(request_id=req.request_id, prompt_ids=list(req.prompt_ids), params=req.params,
+                        arrival=self.events.now)
+        fresh.output_ids = list(req.output_ids)
+        fresh.prefix = region.commit()
+        fresh.block_ids = region.all_ids
+        fresh.num_computed = len(tokens)
+        self.scheduler.add_prefilled(fresh)
+        self.requests[fresh.request_id] = fresh
+        self.wake()
+        return True
+
+    def leave(self, request_id: str, then: Callable[[Request], None]) -> None:
+        """Hand ``request_id`` off from here (a pair's handoff): at once when
+        the running step does not decode it, else at that step's end, with
+        the token it makes; then its blocks are freed and ``then(req)`` is
+        called. Nothing happens to a request that finished or is not here."""
+        req = self.requests.get(request_id)
+        if req is None or self.dead:
+            return
+        if self._batch is not None and any(r is req for r in (*self._batch.decode, *self._batch.prefill)):
+            self._leaving[request_id] = then
+            return
+        self._hand_off(req, then)
+
+    def _hand_off(self, req: Request, then: Callable[[Request], None]) -> None:
+        self.scheduler.remove(req)
+        self.scheduler.release_memory(req)
+        req.status = RequestStatus.FINISHED
+        self.requests.pop(req.request_id, None)
+        then(req)
+        self.wake()                                      # what the step held for it may run now
 
     def kill(self) -> None:
         """The node dies: the step it runs is lost, and nothing more runs here."""
@@ -155,16 +210,19 @@ class SimNode:
         self.scheduler.remove(req)
         self.scheduler.release_memory(req)
         req.status = RequestStatus.FINISHED
+        self.requests.pop(req.request_id, None)
 
-    def hold_replica(self, tokens: list[int]) -> bool:
-        """Commit a replica's KV of ``tokens`` into the prefix cache, in the host
-        tier (where replicas are held): a resumed request's prefix hit then
-        swaps it in. False when the host tier has no room (it recomputes)."""
+    def hold_replica(self, tokens: list[int], tier: str = "host") -> bool:
+        """Commit a replica's KV of ``tokens`` into the prefix cache, in ``tier``
+        (the host tier, where a ring peer's replicas are held: a resumed
+        request's prefix hit then swaps it in; the device tier, where a pair
+        partner's copies are: a hit costs nothing). False when the tier has
+        no room (it recomputes)."""
         n = len(tokens) // self.config.block_size
-        ids = self.pool.alloc_mem(n, tier="host") if n else None
+        ids = self.pool.alloc_mem(n, tier=tier) if n else None
         if ids is None:
             return False
-        self.pool.insert(tokens[:n * self.config.block_size], ids, tier="host")
+        self.pool.insert(tokens[:n * self.config.block_size], ids, tier=tier)
         return True
 
     # -------------------------------------------------------------------- loop
@@ -173,6 +231,8 @@ class SimNode:
             self._start_step()
 
     def _start_step(self) -> None:
+        if self.pair_rule is not None:
+            self.pair_rule.before(self)
         batch = self.scheduler.schedule()
         if batch is None:
             if self.busy or self.idle_since is None:
@@ -185,6 +245,7 @@ class SimNode:
             self.warmth.idle(waited)
             self.idle_since = None
         self.busy = True
+        self._batch = batch
         seconds = self.step_seconds(batch, waited)
         if self.log is not None:
             self.log.append(StepLog(self.events.now, seconds,
@@ -220,6 +281,12 @@ class SimNode:
         t += c.swap_seconds(2 * swapped + batch.host_blocks_swapped_in)     # out now, back in later
         if self.replicas:
             t += c.transfer_byte_s * self.kv_bytes_per_token * len(batch.decode)
+        if self.partner is not None:
+            copied = c.transfer_byte_s * self.kv_bytes_per_token * len(batch.decode) \
+                + c.transfer_latency_s / 2 if batch.decode else 0.0          # one message a step
+            copied += sum(self._kv_cpu_seconds(n) for n in batch.prefill_lens)
+            t += copied
+            self.partner.received_s += copied
         t += sum(self._kv_cpu_seconds(n) for r, n in zip(batch.prefill, batch.prefill_lens) if r.kv_out is not None)
         t += self.received_s
         self.received_s = 0.0
@@ -239,8 +306,15 @@ class SimNode:
     def _finish_step(self, batch: ScheduledBatch) -> None:
         if self.dead:
             return                                         # the step died with the node
+        self._batch = None
         self._advance(batch.prefill, batch.prefill_lens)
         self._advance(batch.decode, None)
+        if self._leaving:
+            leaving, self._leaving = self._leaving, {}
+            for rid, then in leaving.items():
+                req = self.requests.get(rid)
+                if req is not None:
+                    self._hand_off(req, then)
         if self.on_events is not None:
             events = self.pool.take_events()
             if events:
@@ -271,3 +345,4 @@ class SimNode:
     def _retire(self, req: Request) -> None:
         self.scheduler.release_memory(req, cache=True)
         req.status = RequestStatus.FINISHED
+        self.requests.pop(req.request_id, None)

@@ -200,7 +200,7 @@ def search(own, args) -> Plan:
     percentiles = sorted({own.percentile, 50.0, 99.0})
     for k in tried:
         engine = replace(base.engine, prefill_chunk_tokens=k.chunk)
-        cluster = with_overrides(base.cluster, routing=k.routing)
+        cluster = with_overrides(base.cluster, routing=k.routing, pairs=False)     # no pair candidates
         if k.replicas is not None:
             cluster = with_overrides(cluster, replicas=k.replicas, recovery="replica")
         shape = Shape(engine, cluster, roles_for(k.nodes, k.prefill), base.profile, own.colocated,

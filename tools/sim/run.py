@@ -38,6 +38,8 @@ def own_parser(prog: str = PROG) -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=int, default=1, help="nodes in the cluster (default 1)")
     p.add_argument("--prefill", type=int, default=0, help="P of the nodes are prefill nodes, the rest decode")
     p.add_argument("--routing", default=None, help="routing policy (default: [cluster].routing)")
+    p.add_argument("--pairs", action="store_true", default=None,
+                   help="pair the nodes in order, n1-n2, n3-n4, ... ([cluster].pairs; --nodes 2N)")
     p.add_argument("--colocated", action="store_true",
                    help="every node on one host, sharing its last-level cache and cores (as kvd serve --nodes N "
                         "on one machine); default: a host per node")
@@ -78,7 +80,7 @@ def roles_for(nodes: int, prefill: int) -> tuple[str, ...]:
 
 
 def load_shape(config: str | None, profile_path: str, nodes: int, prefill: int, routing: str | None,
-               colocated: bool = False, host_cores: int | None = None) -> Shape:
+               colocated: bool = False, host_cores: int | None = None, pairs: bool | None = None) -> Shape:
     """The Shape of the flags; raises SimUsageError (one line) for anything bad."""
     from kvd.cluster_config import ConfigError as ClusterConfigError
     from kvd.cluster_config import ROUTING_POLICIES, load_cluster_config, with_overrides
@@ -95,8 +97,13 @@ def load_shape(config: str | None, profile_path: str, nodes: int, prefill: int, 
             if routing not in ROUTING_POLICIES:
                 raise SimUsageError(f"--routing must be one of {', '.join(ROUTING_POLICIES)}, got {routing!r}")
             cluster = with_overrides(cluster, routing=routing)
+        if pairs is not None:
+            cluster = with_overrides(cluster, pairs=pairs)
     except (ProfileError, ConfigError, ClusterConfigError) as exc:
         raise SimUsageError(str(exc)) from None
+    if cluster.pairs and (nodes < 2 or nodes % 2 or prefill):
+        raise SimUsageError("pairs need --nodes 2N (an even number, at least 2) and no --prefill "
+                            "(a paired node decodes)")
     engine = kvd_config.engine
     if config is not None and _names_model(config) and engine.model != profile.model:
         raise SimUsageError(f"the profile is of model {profile.model!r}, the config serves {engine.model!r}")
@@ -197,7 +204,7 @@ def main(argv: list[str]) -> int:
     try:
         own, args = parse(argv)
         shape = load_shape(own.config, own.profile, own.nodes, own.prefill, own.routing, own.colocated,
-                           own.host_cores)
+                           own.host_cores, own.pairs)
         conversations, opts, encode, spec = workload_of(args)
         wall = time.perf_counter()
         records, duration, cluster = simulate(shape, conversations, opts, encode, faults=own.faults)

@@ -2,7 +2,7 @@
 
 For each configuration (``one``: one node; ``mixed2``: two mixed nodes;
 ``1p1d``: ``--nodes 2 --prefill 1``; ``tree3``: three nodes, prompt-tree
-routing), trace (``random``; ``prefix``: prefix_repetition, where routing
+routing; ``pair2``, not run by default: two nodes paired, ``[cluster].pairs``), trace (``random``; ``prefix``: prefix_repetition, where routing
 and the prefix cache matter) and rate, it starts a real ``kvd serve`` on
 loopback, runs ``kvd-loadgen`` against it, then simulates the same flags on
 the profile (tools/sim/run.py) and reports, per run, the relative errors of
@@ -46,7 +46,8 @@ from tools._twoproc import stop_processes  # noqa: E402
 from tools.bench.serving.bench_n_copies import serve as start_server  # noqa: E402
 
 CONFIGS = {"one": (0, 0, None), "mixed2": (2, 0, "least-load"), "1p1d": (2, 1, None),
-           "tree3": (3, 0, "prompt-tree")}
+           "tree3": (3, 0, "prompt-tree"), "pair2": (2, 0, "least-load")}
+PAIRED = {"pair2"}             # configurations whose nodes are paired ([cluster].pairs = true)
 METRICS = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")
 
 
@@ -190,7 +191,7 @@ def main() -> None:
         def setup(name: str) -> tuple[Path, Path]:
             cfg, sock = Path(tmp) / f"{name}.toml", Path(tmp) / f"{name}.sock"
             cfg.write_text(f'{base}\n[cluster]\nrouting = "{CONFIGS[name][2] or "prompt-tree"}"\n'
-                           f'admin_socket = "{sock}"\n')
+                           f'admin_socket = "{sock}"\n' + ("pairs = true\n" if name in PAIRED else ""))
             return cfg, sock
 
         def flags_of(trace: str, rate: str) -> list[str]:
