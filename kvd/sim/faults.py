@@ -121,6 +121,7 @@ class SimFailover:
         if dead != stream.node:
             return
         stream.failed.add((dead, INCARNATION))
+        stream.moving = False                               # a pair's handoff to or from it ended with it
         how = "reprefill"
         while self.policy.policy != "fail" and stream.recoveries < self.policy.max_recoveries:
             stream.recoveries += 1

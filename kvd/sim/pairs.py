@@ -140,11 +140,14 @@ class SimPairs:
         if sim.streams.get(stream.request_id) is not stream:
             return                                           # ended meanwhile
         node: SimNode = sim.nodes[dst]
+        sim.load.uncount(stream.request_id, src)
+        stream.node, stream.made_here = dst, 0
+        if dst not in sim.infos:                             # declared dead meanwhile: recovered from there
+            sim.failover.recover(stream, dst)
+            return
+        sim.load.count(stream.request_id, sim.infos[dst])
         if node.dead:
             return                                           # lost with it: recovered when it is declared dead
-        sim.load.uncount(stream.request_id, src)
-        sim.load.count(stream.request_id, sim.infos[dst])
-        stream.node, stream.made_here = dst, 0
         self.book.handoffs[src] += 1
         if not node.take_over(req):                          # no room for the copy: recompute, as a resume
             fresh = Request(request_id=req.request_id, prompt_ids=list(req.prompt_ids), params=req.params,
