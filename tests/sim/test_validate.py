@@ -69,3 +69,14 @@ def test_a_measured_run_against_a_real_server_keeps_its_records(tmp_path, toy_pr
     (kept,) = keep.glob("one-random-8-0.json")
     records = json.loads(kept.read_text())["requests"]
     assert len(records) == 3 and all(r["success"] for r in records)
+
+
+def test_the_paired_configuration_is_measured_on_a_real_pair_and_simulated_as_one(tmp_path, toy_profile):
+    out = tmp_path / "v.json"
+    subprocess.run([sys.executable, "-m", "tools.bench.sim.validate", "--profile", str(toy_profile), "--configs",
+                    "pair2", "--traces", "random", "--rates", "8", "--num-prompts", "4", "--input-len", "16",
+                    "--output-len", "6", "--out", str(out)],
+                   cwd=ROOT, check=True, capture_output=True, timeout=300)
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["config"] == "pair2"
+    assert row["measured"]["median_ttft_ms"] > 0 and row["simulated"]["median_ttft_ms"] > 0
