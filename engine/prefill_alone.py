@@ -2,16 +2,21 @@
 (AcceLLM §4.2.1; docs/cluster.md, "Pairs and roles").
 
 ``PrefillAlone`` is an engine's ``pair_rule``: before each step's schedule
-(``before``), while a prompt waits or is being computed here, every
-decoding request whose copy at the partner is complete (``complete``, the
-node's answer: the same test a handoff passes) is held
-(``exact_copy.hold``, the hold a handoff uses), so the coordinator's
-handoff resumes it on the partner with no token computed twice or lost.
-A request whose copy is incomplete is never handed off and keeps decoding
-here, in the prompt's steps. The rule's holds have no deadline: once no
-prompt is left they are released, at the engine's own step boundary (no
-clock), except those a handoff took over (``taken``: the handoff's hold,
-with its deadline, replaced it).
+(``before``), while a prompt waits or is being computed here
+(``prompt_pending``), every decoding request the partner could take now
+(``takeable``, the node's answer: its copy at the partner complete, the
+same test a handoff passes, and the partner computing no prompt of its
+own) is held (``exact_copy.hold``, the hold a handoff uses), so the
+coordinator's handoff resumes it on the partner with no token computed
+twice or lost. A request whose copy is incomplete is never handed off and
+keeps decoding here, in the prompt's steps; so does one the partner cannot
+take because it computes a prompt too (the coordinator moves nothing while
+both nodes prefill): a hold of the rule whose request is no longer
+takeable is released at the next step boundary, so that decodes never
+wait for both nodes' prompts to drain. The rule's holds have no deadline
+and read no clock: once no prompt is left they are released, at the
+engine's own step boundary, except those a handoff took over (``taken``:
+the handoff's hold, with its deadline, replaced it).
 
 ``ran`` counts what each scheduled step ran: ``mixed_steps`` (prefill and
 decode together: the decodes of incomplete copies) and ``mixed_held``
@@ -31,11 +36,11 @@ from engine.request import Request
 
 
 class PrefillAlone:
-    """The pair rule (module docstring). ``complete(req)``: whether the
-    partner's copy of ``req`` is complete (read on the engine thread)."""
+    """The pair rule (module docstring). ``takeable(req)``: whether the
+    partner could take ``req`` now (read on the engine thread)."""
 
-    def __init__(self, complete: Callable[[Request], bool]) -> None:
-        self.complete = complete
+    def __init__(self, takeable: Callable[[Request], bool]) -> None:
+        self.takeable = takeable
         self.holding: set[str] = set()      # request ids this rule holds (not a handoff)
         self.counts = {"prompt_holds": 0, "prompt_releases": 0, "mixed_steps": 0, "mixed_held": 0}
 
@@ -43,10 +48,15 @@ class PrefillAlone:
         """Hold or release, between two steps (module docstring)."""
         sched = engine.scheduler
         self.holding &= engine.requests.keys()
-        if sched.waiting or any(r.prefilling for r in sched.running):
+        if prompt_pending(engine):
             for req in sched.running:
                 rid = req.request_id
-                if rid in self.holding or rid in sched.held or req.prefilling or not self.complete(req):
+                if rid in self.holding and not self.takeable(req):      # the partner took a prompt meanwhile
+                    sched.held.pop(rid, None)
+                    self.holding.discard(rid)
+                    self.counts["prompt_releases"] += 1
+                    continue
+                if rid in self.holding or rid in sched.held or req.prefilling or not self.takeable(req):
                     continue
                 if exact_copy.hold(engine, rid, math.inf) is not None:
                     self.holding.add(rid)
@@ -67,3 +77,10 @@ class PrefillAlone:
             self.counts["mixed_steps"] += 1
             held = self.holding | engine.scheduler.held.keys()
             self.counts["mixed_held"] += sum(1 for req in batch.decode if req.request_id in held)
+
+
+def prompt_pending(engine: Any) -> bool:
+    """Whether ``engine`` has a prompt waiting or being computed (a paired node
+    then runs no decode the partner could take). Read on the engine thread."""
+    sched = engine.scheduler
+    return bool(sched.waiting) or any(r.prefilling for r in sched.running)

@@ -622,11 +622,14 @@ class ReplicaData(Message):
 class ReplicaAck(Message):
     """Replica holder -> sender: the tokens it now holds of each request of
     the ReplicaData (a replica the sender must restart from there, e.g. 0
-    after the holder restarted), and the requests it refused (``refused``:
-    request id -> why, e.g. over ``replica_kv_blocks``)."""
+    after the holder restarted), the requests it refused (``refused``:
+    request id -> why, e.g. over ``replica_kv_blocks``), and whether its
+    engine has a prompt waiting or being computed (``prompting``: a pair
+    partner that takes no handoff now, engine/prefill_alone.py)."""
 
     held: dict[str, int] = field(default_factory=dict)
     refused: dict[str, str] = field(default_factory=dict)
+    prompting: bool = False
 
     def _check(self) -> None:
         _require(all(n >= 0 for n in self.held.values()), "held tokens must be >= 0")

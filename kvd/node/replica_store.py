@@ -49,7 +49,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from collections.abc import Callable
 from typing import Any
 
@@ -57,6 +57,7 @@ from engine.exact_copy import copyable
 from engine.memory.mempool import PrefixLock
 from engine.memory.region import Purpose, Region, RegionState
 from engine.memory.token_rows import write_rows
+from engine.prefill_alone import prompt_pending
 from engine.stream import STAGING
 from kvd import protocol, trust
 from kvd.node.engine_driver import EngineDriver
@@ -135,7 +136,9 @@ class ReplicaStore:
     async def on_data(self, msg: protocol.ReplicaData) -> protocol.ReplicaAck:
         """Apply one round from ``msg.source`` (already authenticated as it)."""
         try:
-            return await self.driver.call(lambda engine: self._apply(engine, msg), timeout=self.timeout)
+            return await self.driver.call(
+                lambda engine: replace(self._apply(engine, msg), prompting=prompt_pending(engine)),
+                timeout=self.timeout)
         finally:
             grew, self._grew = self._grew, asyncio.Event()
             grew.set()

@@ -105,6 +105,7 @@ class Replicator:
         self.peer: tuple[str, str] | None = None  # (name, address), from the coordinator
         self.tickets: dict[str, tuple[str, str, float]] = {}  # request id -> (holder, ticket, when given)
         self.partner = ""                         # paired: the peer whose copies are current to the token
+        self.partner_prompting = False            # the partner's last ack: it computes a prompt (takes no handoff)
         self.sent: dict[str, int] = {}            # request id -> tokens the peer holds
         self.retry_at: dict[str, float] = {}      # request id -> when to offer it again (refused)
         self.adopting: dict[str, tuple[str, str, float]] = {}  # request id -> (writer, holder, give up at)
@@ -171,7 +172,7 @@ class Replicator:
 
     async def run(self) -> None:
         if self.partner:                          # a paired node: no decode in a prompt's steps
-            self.driver.engine.pair_rule = self.rule = PrefillAlone(self._copy_complete)
+            self.driver.engine.pair_rule = self.rule = PrefillAlone(self._takeable)
         while True:
             # a pair's copy follows every step (a round's gather waits for a step boundary); a hold
             # asked for (``hold``) starts the next round at once
@@ -198,6 +199,12 @@ class Replicator:
         peer, bs = self.peer, self.driver.engine.config.block_size
         return peer is not None and peer[0] == self.partner and \
             self.sent.get(req.request_id, 0) >= len(req.prompt_ids) // bs * bs
+
+    def _takeable(self, req: Any) -> bool:
+        """Whether the partner could take ``req`` now (the pair rule's test): its
+        copy complete and, as of the partner's last ack, no prompt of its own
+        there. Read on the engine thread."""
+        return not self.partner_prompting and self._copy_complete(req)
 
     def _hold(self, engine: Any, request_id: str) -> int | None:
         """``exact_copy.hold`` for a handoff, on the engine thread: it
@@ -275,6 +282,8 @@ class Replicator:
         if not isinstance(ack, protocol.ReplicaAck):
             raise RuntimeError(f"peer {peer[0]} answered {_why(ack)}")
         self.counts["messages"] += 1
+        if peer[0] == self.partner:
+            self.partner_prompting = ack.prompting
         if msg.tensors:
             self.counts["rows" if msg.rows else "blocks"] += sum(msg.counts)
             self.counts["bytes"] += msg.tensors[0].nbytes
@@ -321,7 +330,8 @@ class Replicator:
 
     def stats(self) -> dict[str, Any]:
         return {"peer": self.peer[0] if self.peer else "", "requests": len(self.sent),
-                "lag_tokens": self.lag_tokens, **self.counts, **(self.rule.counts if self.rule else {})}
+                "lag_tokens": self.lag_tokens, **self.counts, **(self.rule.counts if self.rule else {}),
+                **({"partner_prompting": self.partner_prompting} if self.partner else {})}
 
 
 def first_blocks(kv: Any, k: int) -> Any:

@@ -13,9 +13,10 @@ The decisions are kvd's own objects:
   has a request in flight (a prompt's first token, a copy that became
   complete);
 - each node runs the engine's ``PrefillAlone`` rule: while a prompt waits
-  or is computed there, its decodes whose copy is complete are held (no
-  decode in a prompt's steps) until a handoff takes them or the prompt is
-  done.
+  or is computed there, its decodes the partner could take (copy complete,
+  the partner computing no prompt) are held (no decode in a prompt's
+  steps) until a handoff takes them, the partner takes a prompt too, or
+  the prompt is done.
 
 What the daemons do in between is modelled: a planned handoff reaches the
 source one hop later and takes the request at its step boundary (the token
@@ -37,7 +38,7 @@ from __future__ import annotations
 import collections
 from typing import TYPE_CHECKING
 
-from engine.prefill_alone import PrefillAlone
+from engine.prefill_alone import PrefillAlone, prompt_pending
 from engine.request import Request
 from kvd.coordinator.pairs import TICK_S, PairRouter, Running, plan_moves
 from kvd.coordinator.roles import PairBook
@@ -66,7 +67,7 @@ class SimPairs:
             self.book.announce(b, a)
             sim.nodes[a].partner, sim.nodes[b].partner = sim.nodes[b], sim.nodes[a]
         for node in sim.nodes.values():
-            node.pair_rule = PrefillAlone(lambda req: self.complete(req))
+            node.pair_rule = PrefillAlone(self.takeable)
         router = PairRouter(self.book, sim.router, clock=sim.events.clock,
                             queue_factor=sim.cluster.prefill_queue_factor)
         router.queued = self.queued
@@ -81,10 +82,16 @@ class SimPairs:
         """``info``'s prefill queue: prompt tokens in flight there without a first token."""
         return sum(s.prompt_len for s in self.sim.streams.values() if s.node == info.name and not s.tokens)
 
-    def complete(self, req: Request) -> bool:
-        """Whether the partner's copy of ``req`` is complete (module docstring)."""
+    def takeable(self, req: Request) -> bool:
+        """Whether the partner could take ``req`` now, the pair rule's test: its
+        copy complete (module docstring) and the partner computing no prompt
+        (read from the partner itself: a real node learns it from the
+        partner's last replica ack)."""
         stream = self.sim.streams.get(req.request_id)
-        return stream is not None and stream.made_here > 0 and not stream.moving
+        if stream is None or stream.made_here == 0:
+            return False
+        partner = self.sim.nodes[stream.node].partner
+        return partner is not None and not partner.dead and not prompt_pending(partner)
 
     def running(self, a: str, b: str) -> list[Running]:
         return [Running(rid, s.node, s.made_here > 0 and not s.moving, not s.tokens, max(0, s.max_tokens - s.tokens))

@@ -88,3 +88,31 @@ def test_the_pair_rule_runs_a_prompt_alone_and_releases_its_holds_after():
     eng.step()
     assert tokens(eng, "a") > made["a"] and tokens(eng, "b") == made["b"] and "b" in eng.scheduler.held
     assert rule.counts["prompt_releases"] == 1 and not rule.holding
+
+
+def test_the_pair_rule_gives_a_decode_back_when_the_partner_takes_a_prompt_too():
+    """A held decode the partner can no longer take (it computes a prompt of
+    its own: the coordinator moves nothing while both prefill) is released
+    at the next step boundary and decodes in the prompt's steps, instead of
+    waiting for both nodes' prompts to drain; it is not held again while
+    the partner prompts."""
+    eng = LLMEngine.from_config(EngineConfig(model="tiny", dtype="float32", block_size=16, kv_blocks=64,
+                                             host_kv_blocks=0, max_model_len=512, num_threads=1,
+                                             prefill_chunk_tokens=32))
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    eng.add_request("a", list(range(1, 21)), params)
+    while not eng.requests["a"].output_ids:
+        eng.step()
+    partner_prompting = False
+    eng.pair_rule = rule = PrefillAlone(lambda req: not partner_prompting)
+    eng.add_request("p", list(range(200, 328)), params)                           # four chunks
+    eng.step()
+    assert "a" in eng.scheduler.held and rule.holding == {"a"}
+    made = tokens(eng, "a")
+    eng.step()
+    assert tokens(eng, "a") == made                                               # held: the chunk ran alone
+    partner_prompting = True
+    while eng.requests["p"].prefilling:
+        eng.step()
+    assert tokens(eng, "a") >= made + 2 and "a" not in eng.scheduler.held and not rule.holding
+    assert rule.counts["prompt_holds"] == 1 and rule.counts["prompt_releases"] == 1 and rule.counts["mixed_held"] == 0

@@ -118,3 +118,17 @@ def test_kvd_simulate_pairs_cli(write_profile, capsys):
         main(["simulate", "--profile", profile, "--nodes", "3", "--pairs", *flags])
     assert exc.value.code == 2
     assert "pairs need --nodes 2N" in capsys.readouterr().err
+
+
+def test_when_both_members_prefill_their_decodes_run_in_the_prompts_steps(write_profile):
+    # a chat decoding on each node, then a long prompt to each: the coordinator moves nothing
+    # while both prefill, so each node's rule gives its decode back to the prompt's chunk steps
+    sim, events = cluster_of(write_profile(threads=1))
+    done = run(sim, events, [(0.0, "a", 32, 150), (0.02, "b", 32, 150), (0.15, "c", 1200, 4), (0.15, "d", 1200, 4)])
+    assert all(s.tokens == s.max_tokens and not s.error for s in done.values())
+    prompt_s = sim.profile.costs.prefill_seconds([(1200, 0)])
+    for rid in ("a", "b"):
+        gaps = [y - x for x, y in zip(done[rid].arrivals, done[rid].arrivals[1:])]
+        assert max(gaps) < prompt_s / 2, (rid, max(gaps), prompt_s)       # a token per chunk step, not one per prompt
+    mixed = [s for n in sim.nodes.values() for s in n.log if s.prefill and s.decode]
+    assert mixed and {d for s in mixed for d in s.decode} <= {"a", "b"}
