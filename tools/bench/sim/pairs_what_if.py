@@ -8,12 +8,13 @@ chunk prompts at 256 tokens; nodes of 2048 device and host blocks, one
 thread each, colocated on one host of two cores, as ``bench_recovery``
 pins them), fed the same trace (``bench_pairs.trace``, the same seeds per
 round and rate), and summarised by ``bench_pairs.summary``: mean JCT, p99
-TBT, p99 TTFT over every request of every round. Where the gaps of
-``AcceLLM``'s claim (mean JCT 1.3x below the better of the others) come
-from, on this machine and on one where batching costs nothing.
+TBT, p99 TTFT over every request of every round, and the pair's mean JCT
+against the better of the other two (AcceLLM's measure): on this machine's
+costs, and on a machine's where batching costs nothing.
 
     .venv/bin/python -m tools.bench.sim.pairs_what_if --profile results/sim/profile.json \\
-        [--high 0.7 1.0] [--rounds 1] [--duration 120] [--period 30] [--measured results/bench_pairs.json]
+        [--high 0.7 1.0] [--rounds 1] [--duration 120] [--period 30] [--long-share 0.5] \\
+        [--measured results/bench_pairs.json]
 
 Prints a table per rate and writes results/sim/pairs_what_if.json.
 """
