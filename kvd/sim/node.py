@@ -153,27 +153,28 @@ class SimNode:
         self.requests[req.request_id] = req
         self.wake()
 
-    def take_over(self, req: Request) -> bool:
+    def take_over(self, req: Request) -> None:
         """Resume ``req`` (its prompt and tokens so far; a pair partner's
         handoff) from this node's copy of its KV: every token but the last
-        is computed here already, so its next step decodes it. False (nothing
-        changes) when the copy's blocks do not fit in the device tier."""
+        is computed here already, so its next step decodes it. Without room
+        for the copy's blocks in the device tier it queues to be computed
+        again, as a resume (``add``: ValueError when it could never fit)."""
         if self.dead:
-            return False
-        tokens = req.prompt_ids + req.output_ids[:-1]
-        region = self.pool.reserve_region(tokens, purpose=Purpose.PROMPT)
-        if region is None:
-            return False
+            return
         fresh = Request(request_id=req.request_id, prompt_ids=list(req.prompt_ids), params=req.params,
                         arrival=self.events.now)
         fresh.output_ids = list(req.output_ids)
+        tokens = req.prompt_ids + req.output_ids[:-1]
+        region = self.pool.reserve_region(tokens, purpose=Purpose.PROMPT)
+        if region is None:
+            self.add(fresh)
+            return
         fresh.prefix = region.commit()
         fresh.block_ids = region.all_ids
         fresh.num_computed = len(tokens)
         self.scheduler.add_prefilled(fresh)
         self.requests[fresh.request_id] = fresh
         self.wake()
-        return True
 
     def leave(self, request_id: str, then: Callable[[Request], None]) -> None:
         """Hand ``request_id`` off from here (a pair's handoff): at once when

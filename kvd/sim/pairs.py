@@ -26,8 +26,9 @@ resume) from its copy: every token but the last computed, no prefill
 (``SimNode.take_over``; a partner without room in its device tier
 recomputes, as a resume does). A request's copy is complete once the node
 that runs it made a token (its prompt's KV streamed by layer during the
-prefill; after a move, the copy the source kept); an incomplete one is
-never moved (``refused``). The copies' CPU time on both nodes is charged
+prefill; after a move, the copy the source kept); until then, and while a
+move of it is under way, ``plan_moves`` sees it as not decoding and never
+moves it. The copies' CPU time on both nodes is charged
 to their steps (kvd/sim/node.py). Not modelled: the copies' blocks in the
 partner's memory (they are given up first under pressure), role switches,
 and ``[cluster].pair_scheduler = false``.
@@ -35,7 +36,6 @@ and ``[cluster].pair_scheduler = false``.
 
 from __future__ import annotations
 
-import collections
 from typing import TYPE_CHECKING
 
 from engine.prefill_alone import PrefillAlone, prompt_pending
@@ -73,7 +73,6 @@ class SimPairs:
         router.queued = self.queued
         router.on_pick = self.wake
         sim.router = router
-        self.refused: collections.Counter[str] = collections.Counter()
         self._ticking = False
         self._look_due = False
 
@@ -127,11 +126,7 @@ class SimPairs:
                 continue
             decodes = {n: sim.infos[n].role != "prefill" for n in (a, b)}
             for rid, src, dst in plan_moves(a, b, self.running(a, b), decodes):
-                stream = sim.streams.get(rid)
-                if stream is None or stream.moving or stream.made_here == 0:
-                    self.refused["incomplete"] += 1
-                    continue
-                self.move(stream, src, dst)
+                self.move(sim.streams[rid], src, dst)
 
     # --------------------------------------------------------------- handoffs
     def move(self, stream: "SimStream", src: str, dst: str) -> None:
@@ -156,12 +151,10 @@ class SimPairs:
         if node.dead:
             return                                           # lost with it: recovered when it is declared dead
         self.book.handoffs[src] += 1
-        if not node.take_over(req):                          # no room for the copy: recompute, as a resume
-            fresh = Request(request_id=req.request_id, prompt_ids=list(req.prompt_ids), params=req.params,
-                            arrival=sim.events.now)
-            fresh.output_ids = list(req.output_ids)
-            sim.add_to(node, fresh, stream)
+        try:
+            node.take_over(req)
+        except ValueError as exc:                            # could never fit there
+            sim.end(stream, f"refused by {dst}: {exc}")
 
     def describe(self) -> dict:
-        return {"pairs": ["+".join(p) for p in self.pairs], "handoffs": sum(self.book.handoffs.values()),
-                "handoffs_refused": sum(self.refused.values())}
+        return {"pairs": ["+".join(p) for p in self.pairs], "handoffs": sum(self.book.handoffs.values())}

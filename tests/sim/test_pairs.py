@@ -132,3 +132,23 @@ def test_when_both_members_prefill_their_decodes_run_in_the_prompts_steps(write_
         assert max(gaps) < prompt_s / 2, (rid, max(gaps), prompt_s)       # a token per chunk step, not one per prompt
     mixed = [s for n in sim.nodes.values() for s in n.log if s.prefill and s.decode]
     assert mixed and {d for s in mixed for d in s.decode} <= {"a", "b"}
+
+
+def test_a_partner_without_room_for_the_copy_computes_the_request_again(write_profile):
+    from engine.request import Request, RequestStatus, SamplingParams
+
+    sim, _ = cluster_of(write_profile(threads=1))
+    node = sim.nodes["n2"]
+    req = Request(request_id="r", prompt_ids=prompt(64, 1), params=SamplingParams(max_tokens=20, temperature=0.0,
+                                                                                    ignore_eos=True), arrival=0.0)
+    req.output_ids = [5, 6, 7]
+    free = node.pool.alloc_mem(node.pool.free_blocks("device"))      # the device tier full
+    assert free is not None
+    node.take_over(req)
+    resumed = node.requests["r"]
+    assert resumed.num_computed == 0 and resumed.status is RequestStatus.WAITING   # queued for a prefill
+    assert resumed.output_ids == [5, 6, 7] and resumed is not req
+    node.pool.free_mem(free)
+    roomy, _ = cluster_of(write_profile("r.json", threads=1))
+    roomy.nodes["n2"].take_over(req)
+    assert roomy.nodes["n2"].requests["r"].num_computed == 64 + 2                # the copy: all but the last token
