@@ -15,6 +15,8 @@
                  "disagg_s": 0.01, ...},     # optional; absent: 0
      "cache": {CacheCosts fields},           # optional (kvd/sim/warmth.py); absent: always warm
      "wake": [[gap_s, extra_s], ...],        # optional (kvd/sim/wake.py); absent: no wake cost
+     "reference": {"prefill_s": 0.16, "decode_s": 0.007,   # optional (tools/sim/speed_ref.py): the
+                   "readings": [[prefill_s, decode_s], ...]},  # host's speed when it was measured
      "host_cpus": 2}                         # optional: the CPUs kvd profile could use; absent: 0
 
 A profile describes one model on one CPU: ``load_profile`` refuses one made
@@ -99,6 +101,11 @@ def parse_profile(doc: object, where: str = "profile") -> Profile:
     host_cpus = doc.get("host_cpus", 0)
     if isinstance(host_cpus, bool) or not isinstance(host_cpus, int) or not 0 <= host_cpus <= 4096:
         raise ProfileError(f"{where}: \"host_cpus\" must be an integer in [0, 4096], got {host_cpus!r}")
+    ref = doc.get("reference", {"prefill_s": 1.0, "decode_s": 1.0})
+    if not isinstance(ref, dict) or any(isinstance(ref.get(k), bool) or not isinstance(ref.get(k), (int, float))
+                                        or not 0 < ref[k] < 3600 for k in ("prefill_s", "decode_s")):
+        raise ProfileError(f"{where}: \"reference\" must be an object whose \"prefill_s\" and \"decode_s\" are "
+                           f"seconds in (0, 3600), got {ref!r}")
     try:
         cache = CacheCosts.from_dict(doc["cache"]) if "cache" in doc else None
         wake = WakeCosts.from_object(doc["wake"]) if "wake" in doc else None
@@ -141,6 +148,40 @@ def write_profile(doc: dict, path: str | Path) -> Path:
         p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text(json.dumps(doc, indent=1) + "\n")
     return p
+
+
+PREFILL_COSTS = ("prefill_fixed_s", "prefill_token_s", "prefill_attention_s")
+DECODE_COSTS = ("decode_fixed_s", "decode_seq_s", "decode_context_s", "swap_block_s")
+
+
+def at_speed(doc: dict, prefill: float, decode: float) -> dict:
+    """A copy of the profile document ``doc`` on a host ``prefill`` and
+    ``decode`` times as slow as the one it was measured on (the ratios of
+    tools/sim/speed_ref.py's readings): prefill costs scale by ``prefill``;
+    decode steps, swaps, the cold weights' read and the wake's extra by
+    ``decode``; the serving path's overheads by their mean. Transfers and
+    times that are not costs (how long the cache takes to cool) stay."""
+    if not (0 < prefill < 100 and 0 < decode < 100):
+        raise ValueError(f"speed ratios must be in (0, 100), got {prefill!r}, {decode!r}")
+    out = json.loads(json.dumps(doc))
+    c = out["costs"]
+    for k in PREFILL_COSTS:
+        c[k] *= prefill
+    for k in DECODE_COSTS:
+        c[k] *= decode
+    c["decode_batch_s"] = [[b, t * decode] for b, t in c.get("decode_batch_s", [])]
+    if "cache" in out:
+        out["cache"]["decode_cold_s"] *= decode
+    if "wake" in out:
+        out["wake"] = [[g, e * decode] for g, e in out["wake"]]
+    serving = out.get("serving", {})
+    for k in ("first_token_s", "token_s", "disagg_s"):
+        if k in serving:
+            serving[k] *= (prefill + decode) / 2
+    if "reference" in out:
+        out["reference"] = {"prefill_s": out["reference"]["prefill_s"] * prefill,
+                            "decode_s": out["reference"]["decode_s"] * decode}
+    return out
 
 
 def _no_constant(name: str) -> float:

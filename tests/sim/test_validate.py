@@ -66,6 +66,7 @@ def test_a_measured_run_against_a_real_server_keeps_its_records(tmp_path, toy_pr
                    cwd=ROOT, check=True, capture_output=True, timeout=300)
     (row,) = json.loads(out.read_text())["rows"]
     assert len(row["measured_runs"]) == 1 and row["measured"]["median_ttft_ms"] > 0
+    assert row["measured_runs"][0]["reference"]["decode_s"] > 0         # the host's speed before the run
     (kept,) = keep.glob("one-random-8-0.json")
     records = json.loads(kept.read_text())["requests"]
     assert len(records) == 3 and all(r["success"] for r in records)

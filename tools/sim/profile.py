@@ -20,7 +20,10 @@ config (its threads, dtype and kernels):
   prefill left cold, so the decode fit is of warm steps;
 - wake: what a step right after the engine waited for work costs beyond
   one right after a step, per length of the wait (tools/sim/profile_wake.py,
-  kvd/sim/wake.py). The prefill grid's samples run back to back.
+  kvd/sim/wake.py). The prefill grid's samples run back to back;
+- reference: the host's speed, a short fixed reading taken five times over
+  the phases above (tools/sim/speed_ref.py), so that validation can bring
+  the profile to the host's speed of a later hour.
 
 Then (unless ``--serving-requests 0``) the serving overhead: a few requests
 through a real ``kvd serve`` of the same config, one at a time, against the
@@ -78,6 +81,7 @@ def profile_engine(config, *, quick: bool = False, progress: Progress | None = N
 
     from tools.sim.profile_cache import CACHE_ROUNDS, measure_cache
     from tools.sim.profile_wake import WAKE_ROUNDS, measure_wake
+    from tools.sim.speed_ref import PROFILE_READINGS, measure_reference, reference_of_readings
     from engine.engine import LLMEngine
     from engine.request import SamplingParams
 
@@ -94,7 +98,7 @@ def profile_engine(config, *, quick: bool = False, progress: Progress | None = N
     if engine.max_model_len <= longest:
         raise ValueError(f"the model's context ({engine.max_model_len}) is too short to profile")
     total = len(ns) * len(cs) * reps + len(batches) * len(lens) * reps + len(swaps) * reps + len(sizes) * reps \
-        + (0 if quick else 2 * CACHE_ROUNDS + WAKE_ROUNDS)
+        + (0 if quick else 2 * CACHE_ROUNDS + WAKE_ROUNDS + PROFILE_READINGS)
     progress = progress or Progress(total)
     rng = np.random.default_rng(0)
     vocab = engine.model.config.vocab_size
@@ -119,9 +123,18 @@ def profile_engine(config, *, quick: bool = False, progress: Progress | None = N
     for n in ns:                                                 # each prefill shape once, untimed
         run_alone(ids(n), greedy)
     engine.pool.flush()
+    readings = []
+
+    def reading() -> None:                                       # the host's speed now (tools/sim/speed_ref.py)
+        if not quick:
+            readings.append(measure_reference(engine, ids))
+            progress.tick("reference")
+    reading()
     cache = None if quick else measure_cache(engine, lambda: LLMEngine.from_config(config), ids, progress=progress)
     engine.pool.flush()
+    reading()
     wake = None if quick else measure_wake(engine, ids, progress=progress)
+    reading()
     cold_steps = min(3 * dsteps, math.ceil(cache.warm_steps * cache.prefill_cools)) if cache is not None else 0
     prefill = []
     for _ in range(reps):
@@ -138,6 +151,7 @@ def profile_engine(config, *, quick: bool = False, progress: Progress | None = N
                 prefill.append([c + n - cached, cached, dt])
                 engine.pool.flush()                              # the next sample starts cold
                 progress.tick("prefill")
+    reading()
     decode = []
     for _ in range(reps):
         for length in lens:
@@ -159,6 +173,7 @@ def profile_engine(config, *, quick: bool = False, progress: Progress | None = N
                         decode.append([batch, context, dt])
                 engine.pool.flush()
                 progress.tick("decode")
+    reading()
     swap = []
     for _ in range(reps):
         for k in swaps:
@@ -189,6 +204,7 @@ def profile_engine(config, *, quick: bool = False, progress: Progress | None = N
         "samples": {"prefill": prefill, "decode": decode, "swap": swap, "transfer": transfer},
         **({"cache": cache.as_dict()} if cache is not None else {}),
         **({"wake": wake.as_list()} if wake is not None else {}),
+        **({"reference": reference_of_readings(readings)} if readings else {}),
     }
 
 

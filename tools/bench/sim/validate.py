@@ -26,6 +26,17 @@ their runs the same way. A row keeps every run (``measured_runs``), and the
 summary says in how many cells the measured runs differ among themselves by
 more than the target (the host's noise floor).
 
+A profile describes the hour it was measured in: a shared host's speed
+drifts by 15-20% within the hour. So before each measured run validate
+takes a reading of the host's speed (tools/sim/speed_ref.py, on an engine
+of its own kept for the whole validation, idle during the runs), and each
+configuration is simulated on the profile brought to the median of its
+runs' readings against the profile's own (``kvd.sim.profile_file.at_speed``;
+the ratios are in each row's ``speed``). The table and the first summary
+are on that profile; a second summary gives the plain profile's errors
+(``errors_plain``). A profile without a reference, runs without readings,
+or ``--no-reference``: the plain profile only.
+
 Writes results/sim/validate.json and prints a markdown table.
 """
 
@@ -33,6 +44,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import selectors
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -41,6 +54,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
+from kvd.sim.profile_file import at_speed, write_profile  # noqa: E402
 from tools.sim.measure import OVERHEAD_WARMUP, measured, overhead_flags, simulated  # noqa: E402
 from tools._twoproc import stop_processes  # noqa: E402
 from tools.bench.serving.bench_n_copies import serve as start_server  # noqa: E402
@@ -83,10 +97,52 @@ def flush_cache(sock: Path) -> None:
                    check=True, stdout=subprocess.DEVNULL, timeout=60)  # noqa: S603
 
 
+class Readings:
+    """A ``tools.sim.speed_ref --repeat`` process, its engine built once (the
+    ``model`` of ``config``'s [engine] table): ``take()`` is one reading of
+    the host's speed now, or raises SystemExit after ``timeout`` seconds."""
+
+    def __init__(self, model: str, config: Path | None, timeout: float = 180.0) -> None:
+        self.timeout = timeout
+        self.proc = subprocess.Popen(  # noqa: S603
+            [sys.executable, "-m", "tools.sim.speed_ref", "--model", model, *(["-c", str(config)] if config else []),
+             "--repeat"], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.pending = True                   # the process's first reading, on its way
+
+    def take(self) -> dict:
+        if not self.pending:
+            self.proc.stdin.write("\n")
+            self.proc.stdin.flush()
+        self.pending = False
+        with selectors.DefaultSelector() as sel:
+            sel.register(self.proc.stdout, selectors.EVENT_READ)
+            line = self.proc.stdout.readline() if sel.select(self.timeout) else ""
+        if not line:
+            self.close()
+            raise SystemExit(f"validate: error: no reading of the host's speed within {self.timeout:.0f} s")
+        return json.loads(line)
+
+    def close(self) -> None:
+        stop_processes([self.proc])
+
+
+def speed_of(profile: str, readings: list[dict]) -> dict | None:
+    """The host's speed during ``readings`` against ``profile``'s reference
+    (``{"prefill": ratio, "decode": ratio, "readings": n}``, >1: slower than
+    when profiled); None when the profile has no reference, there are no
+    readings, or they were taken with another thread count."""
+    doc = json.loads(Path(profile).read_text())
+    ref = doc.get("reference")
+    readings = [r for r in readings if r.get("threads") == doc.get("threads")]
+    if not ref or not readings:
+        return None
+    return {"prefill": statistics.median(r["prefill_s"] for r in readings) / ref["prefill_s"],
+            "decode": statistics.median(r["decode_s"] for r in readings) / ref["decode_s"],
+            "readings": len(readings)}
+
+
 def pooled(runs: list[dict]) -> dict:
     """The median of ``runs`` (measured metrics), metric by metric."""
-    import statistics
-
     out = {}
     for k in (*METRICS, "slo_attainment", "request_goodput"):
         vs = [r[k] for r in runs if r.get(k) is not None]
@@ -117,8 +173,9 @@ TARGETS = {"median_ttft_ms": 0.10, "p99_ttft_ms": 0.20, "median_tpot_ms": 0.10, 
            "attainment_points": 3.0}
 
 
-def summary(rows: list[dict]) -> str:
-    """Per configuration, the runs within each target and the range of its errors (markdown)."""
+def summary(rows: list[dict], key: str = "errors") -> str:
+    """Per configuration, the runs within each target and the range of its errors
+    (markdown; ``key``: the rows' errors to count)."""
     lines = ["| config | " + " | ".join(TARGETS) + " |", "|---|" + "---|" * len(TARGETS)]
     by: dict[str, list[dict]] = {}
     for r in rows:
@@ -127,7 +184,7 @@ def summary(rows: list[dict]) -> str:
     for name, runs in by.items():
         cells = []
         for k, limit in TARGETS.items():
-            es = [r["errors"][k] for r in runs if r["errors"].get(k) is not None]
+            es = [r[key][k] for r in runs if r[key].get(k) is not None]
             ok = sum(abs(e) <= limit + 1e-9 for e in es)
             total += ok if k in latencies else 0
             scale, unit = (1, " pts") if k == "attainment_points" else (100, "%")
@@ -142,6 +199,37 @@ def summary(rows: list[dict]) -> str:
         lines.append(f"cells whose {runs} measured runs stray from their own median by more than the target: "
                      f"{noisy} of {len(latencies) * len(rows)}")
     return "\n".join(lines)
+
+
+def measure_runs(cells: list[tuple], args, model: str, setup, flags_of, tmp: Path) -> dict[tuple, list[dict]]:
+    """Each configuration's cells on a fresh ``kvd serve`` of it, the configurations
+    in turn, ``args.repeats`` times; a reading of the host's speed before each
+    run (its ``reference``) unless ``--no-reference``. Cell -> its runs' metrics."""
+    runs: dict[tuple, list[dict]] = {c: [] for c in cells}
+    readings = Readings(model, Path(args.config) if args.config else None) if args.reference else None
+    where = Path(args.keep) if args.keep else tmp
+    where.mkdir(parents=True, exist_ok=True)
+    try:
+        for rep in range(args.repeats):
+            for name in dict.fromkeys(c[0] for c in cells):
+                nodes, prefill, _ = CONFIGS[name]
+                cfg, sock = setup(name)
+                proc, url = serve(model, nodes, prefill, cfg, args.split_cpus)
+                try:
+                    for cell in (c for c in cells if c[0] == name):
+                        flush_cache(sock)      # each run starts cold, as its simulation does
+                        reading = readings.take() if readings else None
+                        real = measured(url, [*flags_of(*cell[1:]), *(["--save-detailed"] if args.keep else [])],
+                                        where / f"{'-'.join(cell)}-{rep}.json")
+                        runs[cell].append({**{k: real.get(k) for k in (*METRICS, "slo_attainment", "request_goodput")},
+                                           **({"reference": reading} if reading else {})})
+                        print(json.dumps({"run": rep, "cell": cell, "measured": runs[cell][-1]}), flush=True)
+                finally:
+                    stop_processes([proc])
+    finally:
+        if readings:
+            readings.close()
+    return runs
 
 
 def main() -> None:
@@ -166,6 +254,8 @@ def main() -> None:
                          "simulator's side again, e.g. after a change to its model or a new profile")
     ap.add_argument("--keep", default=None, metavar="DIR",
                     help="keep each measured run's kvd-loadgen result, with its per-request records, in DIR")
+    ap.add_argument("--no-reference", dest="reference", action="store_false",
+                    help="take no readings of the host's speed: simulate on the profile as measured")
     ap.add_argument("--out", default=str(ROOT / "results/sim/validate.json"))
     args = ap.parse_args()
     if args.repeats < 1:
@@ -200,47 +290,50 @@ def main() -> None:
                     *args.slo.split()]
 
         if reuse is None:
-            for rep in range(args.repeats):
-                for name in dict.fromkeys(c[0] for c in cells):
-                    nodes, prefill, _ = CONFIGS[name]
-                    cfg, sock = setup(name)
-                    proc, url = serve(model, nodes, prefill, cfg, args.split_cpus)
-                    try:
-                        for cell in (c for c in cells if c[0] == name):
-                            flush_cache(sock)      # each run starts cold, as its simulation does
-                            where = Path(args.keep) if args.keep else Path(tmp)
-                            where.mkdir(parents=True, exist_ok=True)
-                            real = measured(url, [*flags_of(*cell[1:]), *(["--save-detailed"] if args.keep else [])],
-                                            where / f"{'-'.join(cell)}-{rep}.json")
-                            runs[cell].append({k: real.get(k) for k in (*METRICS, "slo_attainment",
-                                                                          "request_goodput")})
-                            print(json.dumps({"run": rep, "cell": cell, "measured": runs[cell][-1]}), flush=True)
-                    finally:
-                        stop_processes([proc])
+            runs = measure_runs(cells, args, model, setup, flags_of, Path(tmp))
         else:
             for cell in cells:
                 key = (cell[0], cell[1], float(cell[2]))
                 if key not in reuse:
                     raise SystemExit(f"validate: error: the measured runs have no run of {' '.join(cell)}")
                 runs[cell] = reuse[key]
-        rows = []
+        rows, at = [], {}
         for cell in cells:
             name, trace, rate = cell
             nodes, prefill, routing = CONFIGS[name]
             profile = args.node_profile if nodes and args.node_profile else args.profile
             cfg, _ = setup(name)
+            if name not in at:                          # the configuration's profile at its runs' speed
+                speed = speed_of(profile, [r["reference"] for c in cells if c[0] == name for r in runs[c]
+                                           if r.get("reference")]) if args.reference else None
+                path = None
+                if speed:
+                    path = Path(tmp) / f"{name}-at-speed.json"
+                    write_profile(at_speed(json.loads(Path(profile).read_text()), speed["prefill"],
+                                           speed["decode"]), path)
+                at[name] = (speed, path)
+            speed, path = at[name]
             real = pooled(runs[cell])
-            sim = simulated(profile, nodes, prefill, routing, cfg, flags_of(trace, rate), colocated=True)
+            keys = (*METRICS, "slo_attainment", "request_goodput")
+            plain = simulated(profile, nodes, prefill, routing, cfg, flags_of(trace, rate), colocated=True)
+            sim = simulated(str(path), nodes, prefill, routing, cfg, flags_of(trace, rate), colocated=True) \
+                if path else plain
             rows.append({"config": name, "trace": trace, "rate": float(rate), "measured": real,
                          "measured_runs": runs[cell], "spread": spread(runs[cell]),
-                         "simulated": {k: sim.get(k) for k in (*METRICS, "slo_attainment", "request_goodput")},
-                         "errors": errors(real, sim)})
+                         "speed": speed and {k: round(v, 4) for k, v in speed.items()},
+                         "simulated": {k: sim.get(k) for k in keys}, "errors": errors(real, sim),
+                         "simulated_plain": {k: plain.get(k) for k in keys}, "errors_plain": errors(real, plain)})
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     from tools.loadgen.report import machine_info
     out.write_text(json.dumps({"machine": machine_info(), "profile": args.profile, "rows": rows}, indent=1))
     print(markdown(rows))
     print(summary(rows))
+    if any(r["speed"] for r in rows):
+        print("at the host's speed of each configuration's runs (above); on the profile as measured:")
+        print(summary(rows, "errors_plain"))
+        print("speed against the profile (prefill, decode): " + ", ".join(
+            f"{n} {s['prefill']:.3f}, {s['decode']:.3f}" for n, (s, _) in at.items() if s))
     print(f"wrote {out}")
 
 
