@@ -135,7 +135,9 @@ class CoordinatorAdmin:
         """Switch a node's role (``kvctl role NODE ROLE``; kvd/coordinator/roles.py):
         routing follows it from now on, the node records it, its cached blocks
         move to the role's prompt tree, and a paired node switched to prefill
-        hands its decodes to its partner (kvd/coordinator/handoff.py). A
+        hands its decodes to its partner (kvd/coordinator/handoff.py); the
+        node answers once its next step decodes none of those it can hand
+        off (``held``: how many it stopped), so the reply is the switch's effect. A
         refused switch (ValueError), or a node that cannot be told, changes
         nothing."""
         pairs = self.client.recovery.pairs
@@ -143,15 +145,17 @@ class CoordinatorAdmin:
         pairs.check_switch(self.membership.nodes, name, role)
         info = self.membership.nodes[name]
         old = info.role
+        held: dict = {}
         if role != old:
-            await self.forward(name, "set-role", {"role": role})
+            reply = await self.forward(name, "set-role", {"role": role})
+            held = reply.get("held") if isinstance(reply.get("held"), dict) else {}
             info.role = role
             self.cache_sync.registered(name, info.block_size, role)   # its next events resync the tree
             pairs.switches[name] += 1
             log.warning("node %s switched from %s to %s", name, old, role)
             if role == Role.PREFILL:
-                self.handoffs.evacuate(name)
-        return {"node": name, "role": role, "was": old}
+                self.handoffs.evacuate(name, held)
+        return {"node": name, "role": role, "was": old, "held": len(held)}
 
     async def cmd_handoff(self, args: dict) -> dict:
         """Move a running decode to its node's pair partner (``kvctl handoff``)."""

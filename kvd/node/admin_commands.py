@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvd.node")
 
 FAIL_MODES = ("exit", "stop", "resume", "drop-transfers", "engine")
+SWITCH_HOLD_S = 2.0        # a switch to prefill answers without its holds after this (the coordinator holds each)
 Handler = Callable[[dict], Awaitable[dict]]
 
 
@@ -130,15 +131,27 @@ class NodeAdmin:
 
     async def cmd_set_role(self, args: dict) -> dict:
         """Record the role the coordinator switched this node to (``kvctl role``):
-        what its status and its next registration announce. The coordinator
-        routes by it from the switch on; the engine needs no change."""
-        from kvd.cluster_config import ROLES
+        what its status and its next registration announce; the coordinator
+        routes by it from the switch on. A paired node switched to prefill
+        also stops decoding, at its next step boundary, every request whose
+        copy at its partner is complete (``Replicator.hold_all``: the
+        coordinator hands them off; ``held``, {request id: tokens made}), so
+        the switch takes effect at that step; the rest go on here until
+        their copy is complete and the coordinator moves them. Without a
+        step boundary within ``SWITCH_HOLD_S`` it answers with none held."""
+        from kvd.cluster_config import ROLES, Role
 
         role = args.get("role")
         if role not in ROLES or self.set_role is None:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
         self.set_role(role)
-        return {"role": role}
+        held: dict[str, int] = {}
+        if role == Role.PREFILL and self.replicator is not None:
+            try:
+                held = await asyncio.wait_for(self.replicator.hold_all(), SWITCH_HOLD_S)
+            except TimeoutError:
+                log.warning("switch to prefill: no step boundary within %.0f s to hold the decodes at", SWITCH_HOLD_S)
+        return {"role": role, "held": held}
 
     async def cmd_replica_held(self, args: dict) -> dict:
         """How many tokens of ``request``, run by ``source``, this node's copy

@@ -168,8 +168,17 @@ def test_role_switch_mid_stream_hands_decodes_over(pair, reference_engine):
     want = expected(reference_engine, prompts, samplings)
     made = sum(admin(pair.node_admin(n), "status")["generation_tokens"] for n in NODES)
     streams = [Stream(pair, p, s) for p, s in zip(prompts, samplings)]
-    until(lambda: {r["node"] for r in in_flight(pair).values() if r["tokens"] >= 2} == {"n1", "n2"})
-    assert admin(pair.admin_socket, "set-role", node="n1", role="prefill")["ok"]
+    until(lambda: len(fl := in_flight(pair)) == 4 and all(r["tokens"] >= 2 for r in fl.values())
+          and {r["node"] for r in fl.values()} == {"n1", "n2"})
+    on_n1 = [rid for rid, r in in_flight(pair).items() if r["node"] == "n1"]
+    full = len(prompts[0]) // 16 * 16
+    until(lambda: all(admin(pair.node_admin("n2"), "replica held", source="n1", request=rid)["tokens"] >= full
+                      for rid in on_n1))
+    reply = admin(pair.admin_socket, "set-role", node="n1", role="prefill")
+    # the switch took effect at n1's next step boundary: its reply came once n1 held every decode there, and
+    # their moves resume after the tokens n1 had made then (no hold of their own; the count of every token
+    # computed, below, shows that n1 decoded none of them after it)
+    assert reply["ok"] and reply["held"] == len(on_n1) >= 1, reply
     # n1's decodes move to n2 once their copies are complete; new requests go to n2 too
     until(lambda: all(r["node"] == "n2" for r in in_flight(pair).values()) or not any(s.is_alive() for s in streams))
     routed = nodes(pair)["n1"]["routed"]

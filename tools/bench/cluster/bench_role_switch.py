@@ -8,11 +8,15 @@ undisturbed, once with ``kvctl role n1 prefill`` (admin ``set-role``) sent
 when every stream has read ``--switch-after`` tokens, and ``n1`` switched
 back to ``mixed`` once the streams end. Measured per switch:
 
-- the reply: from sending ``set-role`` to its answer (routing follows the
-  new role from then on);
-- the effect: from sending it until no stream is on ``n1`` any more (the
-  coordinator's ``requests``, polled every 2 ms), over the median ITL of
-  the undisturbed streams (the target: within one step, 50 ms here);
+- the effect: from sending ``set-role`` to its answer. The node answers
+  once the step boundary it held its decodes at has passed (its next step
+  decodes none of those it can hand off: ``held``), so this is the switch
+  taking effect on the node; routing follows the new role from then on.
+  Against the target (within one step, 50 ms here) it is read over the
+  median ITL of the undisturbed streams;
+- the move: from sending it until no stream is on ``n1`` any more (the
+  coordinator's ``requests``, polled every 2 ms): every decode resumed on
+  the partner and the coordinator told;
 - each moved stream's gap: its longest inter-token gap among the
   ``--window`` tokens after the switch, over its median ITL;
 - nothing drained, failed or duplicated: every stream ends without an error
@@ -54,6 +58,7 @@ class Switcher:
         self.sock, self.after = sock, after
         self.read = [0] * streams
         self.on_n1 = 0                  # streams on n1 when the switch was sent
+        self.held = 0                   # of them, those n1 held at its switch
         self.sent = self.replied = self.moved = None    # perf_counter times
         self.error = ""
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -73,6 +78,7 @@ class Switcher:
         if not reply.get("ok"):
             self.error = f"set-role refused: {reply.get('error')}"
             return
+        self.held = reply.get("held", 0)
         while time.monotonic() < deadline:
             on = admin_request(self.sock, {"cmd": "requests"})["requests"].values()
             if not any(r["node"] == "n1" for r in on):
@@ -104,9 +110,9 @@ def run(base: str, sock: str, prompts: list[list[int]], args: argparse.Namespace
             if after and after[0] >= 1:
                 j = after[0] - 1                      # the gap that spans the switch, then the window
                 gaps.append(max(itl[j:j + args.window]) / statistics.median(itl))
-        out.update(on_n1=switcher.on_n1, error=switcher.error, gap_ratios=gaps,
-                   reply_s=(switcher.replied - switcher.sent) if switcher.replied else None,
-                   effect_s=(switcher.moved - switcher.sent) if switcher.moved else None)
+        out.update(on_n1=switcher.on_n1, held=switcher.held, error=switcher.error, gap_ratios=gaps,
+                   effect_s=(switcher.replied - switcher.sent) if switcher.replied else None,
+                   moved_s=(switcher.moved - switcher.sent) if switcher.moved else None)
     return out
 
 
@@ -133,33 +139,38 @@ def main() -> None:
                 for switch in ((True, False) if rnd % 2 == 0 else (False, True)):     # alternate the order
                     res[switch] = run(base, sock, prompts, args, switch)
                 on, off = res[True], res[False]
-                row = {"round": rnd, "on_n1": on["on_n1"], "error": on["error"],
+                row = {"round": rnd, "on_n1": on["on_n1"], "held": on["held"], "error": on["error"],
                        "failed": sum(e is not None for e in on["errors"] + off["errors"]),
-                       "exact": on["texts"] == off["texts"], "reply_s": on["reply_s"], "effect_s": on["effect_s"],
+                       "exact": on["texts"] == off["texts"], "effect_s": on["effect_s"], "moved_s": on["moved_s"],
                        "itl_median_s": off["itl_median_s"],
                        "effect_steps": on["effect_s"] / off["itl_median_s"] if on["effect_s"] else None,
                        "gap_ratios": on["gap_ratios"], "loadavg": os.getloadavg()[0]}
                 rows.append(row)
                 eff = f"{row['effect_s'] * 1e3:.1f} ms ({row['effect_steps']:.2f} steps)" if row["effect_s"] else "n/a"
-                print(f"round {rnd}: {row['on_n1']} of {args.streams} streams on n1, reply "
-                      f"{(row['reply_s'] or 0) * 1e3:.1f} ms, all moved after {eff}, ITL "
+                print(f"round {rnd}: {row['on_n1']} of {args.streams} streams on n1, {row['held']} held, in effect "
+                      f"after {eff}, all moved after {(row['moved_s'] or 0) * 1e3:.1f} ms, ITL "
                       f"{row['itl_median_s'] * 1e3:.1f} ms, gaps {[round(g, 2) for g in row['gap_ratios']]}, "
                       f"exact {row['exact']}, failed {row['failed']} {row['error']}", flush=True)
     effects = [r["effect_s"] for r in rows if r["effect_s"] is not None and r["on_n1"]]
     steps = [r["effect_steps"] for r in rows if r["effect_steps"] is not None and r["on_n1"]]
+    moves = [r["moved_s"] for r in rows if r["moved_s"] is not None and r["on_n1"]]
     gaps = [g for r in rows for g in r["gap_ratios"]]
     summary = {"summary": True, "rounds": len(rows), "switches_moving_streams": len(effects),
                "exact_rounds": sum(r["exact"] for r in rows), "failed": sum(r["failed"] for r in rows),
                "errors": [r["error"] for r in rows if r["error"]],
-               "reply_ms_median": 1e3 * statistics.median(r["reply_s"] for r in rows if r["reply_s"] is not None),
+               "held": sum(r["held"] for r in rows), "on_n1": sum(r["on_n1"] for r in rows),
                "effect_ms_median": 1e3 * statistics.median(effects) if effects else None,
                "effect_ms_max": 1e3 * max(effects) if effects else None,
                "effect_steps_median": statistics.median(steps) if steps else None,
+               "effect_steps_max": max(steps) if steps else None,
+               "moved_ms_median": 1e3 * statistics.median(moves) if moves else None,
                "gap_ratio_median": statistics.median(gaps) if gaps else None,
                "gap_ratio_max": max(gaps) if gaps else None}
-    print(f"\n{summary['switches_moving_streams']} switches moving streams: every stream off n1 after "
-          f"{summary['effect_ms_median']:.1f} ms median ({summary['effect_steps_median']:.2f} steps), "
-          f"{summary['effect_ms_max']:.1f} ms max; reply {summary['reply_ms_median']:.1f} ms; gap / median ITL "
+    print(f"\n{summary['switches_moving_streams']} switches moving streams ({summary['held']} of "
+          f"{summary['on_n1']} streams on n1 held at the switch): in effect after {summary['effect_ms_median']:.1f} "
+          f"ms median ({summary['effect_steps_median']:.2f} steps), {summary['effect_ms_max']:.1f} ms max "
+          f"({summary['effect_steps_max']:.2f} steps); every stream off n1 after {summary['moved_ms_median']:.1f} "
+          f"ms median; gap / median ITL "
           f"{summary['gap_ratio_median']:.2f}x median, {summary['gap_ratio_max']:.2f}x max; exact "
           f"{summary['exact_rounds']}/{len(rows)} rounds, {summary['failed']} streams failed")
     print(f"CPU: {machine_info().get('cpu_model', '?')}, model {args.model}, one core per node")
