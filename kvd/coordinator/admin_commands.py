@@ -145,17 +145,17 @@ class CoordinatorAdmin:
         pairs.check_switch(self.membership.nodes, name, role)
         info = self.membership.nodes[name]
         old = info.role
-        held: dict = {}
+        held = 0
         if role != old:
             reply = await self.forward(name, "set-role", {"role": role})
-            held = reply.get("held") if isinstance(reply.get("held"), dict) else {}
+            held = len(reply["held"]) if isinstance(reply.get("held"), dict) else 0
             info.role = role
             self.cache_sync.registered(name, info.block_size, role)   # its next events resync the tree
             pairs.switches[name] += 1
             log.warning("node %s switched from %s to %s", name, old, role)
             if role == Role.PREFILL:
-                self.handoffs.evacuate(name, held)
-        return {"node": name, "role": role, "was": old, "held": len(held)}
+                self.handoffs.evacuate(name)
+        return {"node": name, "role": role, "was": old, "held": held}
 
     async def cmd_handoff(self, args: dict) -> dict:
         """Move a running decode to its node's pair partner (``kvctl handoff``)."""

@@ -8,8 +8,9 @@ the client has, from the copy (recomputing what the copy lacks), and stops
 it on the source, at a step boundary of each. First the source holds it
 (admin ``hold``: no step decodes it there any more, and the same round
 brings the partner's copy up to every token it computed; a node switched
-to prefill has held every request it could at its switch, and their moves
-use that hold), and the move waits for the tokens it made: the partner resumes after the last of them,
+to prefill has already stopped decoding those it could at its switch, and
+this hold then only brings their copies up to date), and the move waits
+for the tokens it made: the partner resumes after the last of them,
 and no token is computed twice. Once the partner took it and
 before it stops there, the source keeps its own KV of the request as the
 partner's copy of it (admin ``replica keep``) and says how many tokens it
@@ -55,7 +56,6 @@ log = logging.getLogger("kvd.coordinator.handoff")
 EVACUATE_S = 30.0          # how long a node switched to prefill keeps handing its decodes off
 EVACUATE_POLL_S = 0.05     # between two sweeps of its decodes
 HOLD_WAIT_S = 0.25         # how long a move waits for the tokens its source made before it held the request
-HELD_FOR_S = 2.0           # a switch's holds count as a move's for this long (a node's hold lasts 5 s)
 
 Forward = Callable[[str, str, dict], Awaitable[dict]]
 
@@ -73,7 +73,6 @@ class Handoffs:
         self.moving: set[str] = set()   # request ids a hand_off call is moving now
         self.moved_at: dict[str, int] = {}   # request id -> tokens the client had at its last move
         self.kept: dict[str, tuple[str, int]] = {}   # request id -> (node, tokens) its last move's source kept
-        self.switch_held: dict[str, tuple[str, int, float]] = {}   # request id -> (node, made, until): held at a switch
 
     def _stream(self, request_id: str) -> Stream | None:
         return self.client.failover.streams.get(request_id)
@@ -178,14 +177,12 @@ class Handoffs:
         no token is computed twice. A hold that fails is logged: the move
         goes on as before, the source decoding until its Abort (what it
         makes past the resume point is dropped)."""
-        node, made, until = self.switch_held.pop(request_id, ("", None, 0.0))
-        if node != source or time.monotonic() > until:   # not held by its node's switch (or long ago): hold it now
-            try:
-                reply = await self.forward(source, "hold", {"request": request_id})
-            except (ValueError, TransportError, TimeoutError) as exc:
-                log.info("request %s: %s did not hold it for the move (%s)", request_id, source, exc)
-                return
-            made = reply.get("tokens")
+        try:
+            reply = await self.forward(source, "hold", {"request": request_id})
+        except (ValueError, TransportError, TimeoutError) as exc:
+            log.info("request %s: %s did not hold it for the move (%s)", request_id, source, exc)
+            return
+        made = reply.get("tokens")
         deadline = time.monotonic() + HOLD_WAIT_S
         while isinstance(made, int) and len(stream.tokens) < made and time.monotonic() < deadline:
             await asyncio.sleep(0.002)
@@ -213,16 +210,9 @@ class Handoffs:
         if isinstance(n := reply.get("tokens"), int) and n > 0 and request_id in streams:
             self.kept[request_id] = (source, n)
 
-    def evacuate(self, node: str, held: dict[str, int] | None = None) -> None:
+    def evacuate(self, node: str) -> None:
         """``node`` was switched to prefill: hand its decodes to its partner
-        (an owned task; module docstring). ``held``: {request id: tokens
-        made} of those the node stopped decoding at its switch (their moves
-        skip the ``hold``; one the node decodes again, ``HOLD_S`` later, is
-        held anew by a later sweep's move). Without a partner, nothing moves."""
-        until = time.monotonic() + HELD_FOR_S
-        for rid, made in (held or {}).items():
-            if isinstance(rid, str) and isinstance(made, int) and not isinstance(made, bool):
-                self.switch_held[rid] = (node, made, until)
+        (an owned task; module docstring). Without a partner, nothing moves."""
         if self.pairs.paired(node):
             self.client.node_links.spawn(self._evacuate(node, time.monotonic() + EVACUATE_S))
 
@@ -235,7 +225,6 @@ class Handoffs:
                 break
             moved += sum(await asyncio.gather(*(self.try_hand_off(rid) for rid in left)))   # concurrently
             await asyncio.sleep(EVACUATE_POLL_S)
-        self.switch_held = {rid: h for rid, h in self.switch_held.items() if h[0] != node}
         log.info("node %s: %d decode(s) handed to its partner after its switch to prefill", node, moved)
 
 

@@ -48,9 +48,10 @@ admin ``hold``): the next round, started at once, takes it out of this
 node's steps and sends the partner its last rows between the same two
 steps, so the partner resumes from a copy that holds every token computed
 here, and no token is computed on both nodes. A switch to prefill holds
-every request whose copy is complete in one such round (``hold_all``):
-the node's next step decodes none of them, before the coordinator has
-moved any.
+every request whose copy is complete at the next step boundary, without
+waiting for a round (``hold_all``): the node's next step decodes none of
+them, before the coordinator has moved any; each move's own ``hold`` then
+brings its copy up to date as above.
 
 Disaggregated requests: the prefill node sends the prompt's replica to the
 decode node's peer itself (``send_prompt_replica``, a ReplicaData with
@@ -122,7 +123,6 @@ class Replicator:
         self._epoch = 0                           # bumped on every peer change
         self._peer_changed = asyncio.Event()      # set by a peer change: the round in flight ends
         self._holds: dict[str, asyncio.Future] = {}   # request id -> its tokens made, once the next round held it
-        self._hold_all: asyncio.Future | None = None  # hold_all's: {request id: tokens made}, once a round held them
         self._wake = asyncio.Event()              # a hold waits: the next round now
         self.rule: PrefillAlone | None = None     # paired: the engine's pair rule (engine/prefill_alone.py)
 
@@ -236,17 +236,22 @@ class Replicator:
     async def hold_all(self) -> dict[str, int]:
         """Stop decoding here, at the next step boundary, every request whose
         partner copy is complete (a switch to prefill: the coordinator hands
-        them off, kvd/coordinator/handoff.py), as ``hold`` does each, all in
-        the next round, started at once. Returns {request id: tokens made}
-        of those held; {} when the peer is not the partner. Raises
+        them off, kvd/coordinator/handoff.py), as ``hold`` does each, in one
+        call on the engine thread that waits for no round; the next round,
+        started at once, sends their last rows. Returns {request id: tokens
+        made} of those held; {} when the peer is not the partner. Raises
         TimeoutError past the request timeout."""
         if self.peer is None or self.peer[0] != self.partner:
             return {}
-        if self._hold_all is None:
-            self._hold_all = asyncio.get_running_loop().create_future()
-        fut = self._hold_all
+
+        def hold_every(engine: Any) -> dict[str, int]:
+            ids = [r.request_id for r in list(engine.scheduler.running)
+                   if not r.prefilling and r.output_ids and self._copy_complete(r)]
+            made = {rid: self._hold(engine, rid) for rid in ids}
+            return {rid: n for rid, n in made.items() if n is not None}
+        held = await self.driver.call(hold_every, timeout=self.timeout)
         self._wake.set()
-        return await asyncio.wait_for(asyncio.shield(fut), self.timeout)
+        return held
 
     async def round(self) -> None:
         """One round: hold the requests ``hold`` asked for (between the same
@@ -272,25 +277,15 @@ class Replicator:
             self._filled_at, budget = now, int(self._allowance)
 
         holds = dict(self._holds) if exact else {}
-        every = self._hold_all if exact else None
 
         def hold_and_collect(engine: Any) -> tuple[tuple, dict[str, int | None]]:
-            ids = list(holds)
-            if every is not None:
-                ids += [r.request_id for r in list(engine.scheduler.running) if r.request_id not in holds
-                        and not r.prefilling and r.output_ids and self._copy_complete(r)]
-            made = {rid: self._hold(engine, rid) for rid in ids}
+            made = {rid: self._hold(engine, rid) for rid in holds}
             return collect(engine, sent, retry, adopt, tickets, exact, kept, budget), made
         (msg, buf, lag, spent), made = await self.driver.call(hold_and_collect, timeout=self.timeout)
-        loop = asyncio.get_running_loop()
         for rid, fut in holds.items():            # answered once the round is sent (below, at once)
             if self._holds.get(rid) is fut:
                 del self._holds[rid]
-            loop.call_soon(_settle, fut, made[rid])
-        if every is not None:
-            if self._hold_all is every:
-                self._hold_all = None
-            loop.call_soon(_settle, every, {rid: n for rid, n in made.items() if n is not None})
+            asyncio.get_running_loop().call_soon(_settle, fut, made[rid])
         self.lag_tokens = lag
         if budget is not None:
             self._allowance -= spent

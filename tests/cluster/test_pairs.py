@@ -175,9 +175,8 @@ def test_role_switch_mid_stream_hands_decodes_over(pair, reference_engine):
     until(lambda: all(admin(pair.node_admin("n2"), "replica held", source="n1", request=rid)["tokens"] >= full
                       for rid in on_n1))
     reply = admin(pair.admin_socket, "set-role", node="n1", role="prefill")
-    # the switch took effect at n1's next step boundary: its reply came once n1 held every decode there, and
-    # their moves resume after the tokens n1 had made then (no hold of their own; the count of every token
-    # computed, below, shows that n1 decoded none of them after it)
+    # the switch took effect at n1's next step boundary: its reply came once n1 held every decode there
+    # (tests/kvd/test_switch_hold.py: no step decodes them after it)
     assert reply["ok"] and reply["held"] == len(on_n1) >= 1, reply
     # n1's decodes move to n2 once their copies are complete; new requests go to n2 too
     until(lambda: all(r["node"] == "n2" for r in in_flight(pair).values()) or not any(s.is_alive() for s in streams))
