@@ -245,9 +245,8 @@ class Replicator:
             return {}
 
         def hold_every(engine: Any) -> dict[str, int]:
-            ids = [r.request_id for r in list(engine.scheduler.running)
-                   if not r.prefilling and r.output_ids and self._copy_complete(r)]
-            made = {rid: self._hold(engine, rid) for rid in ids}
+            made = {r.request_id: self._hold(engine, r.request_id) for r in list(engine.scheduler.running)
+                    if self._copy_complete(r)}
             return {rid: n for rid, n in made.items() if n is not None}
         held = await self.driver.call(hold_every, timeout=self.timeout)
         self._wake.set()

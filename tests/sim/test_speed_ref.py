@@ -54,13 +54,13 @@ def test_a_profile_with_a_malformed_reference_is_refused(write_profile, ref):
 
 
 def test_speed_is_the_readings_median_against_the_profile_reference(write_profile):
-    path = str(write_profile(reference={"prefill_s": 0.1, "decode_s": 0.01}))
+    doc = json.loads(write_profile(reference={"prefill_s": 0.1, "decode_s": 0.01}).read_text())
     readings = [{"prefill_s": p, "decode_s": d, "threads": 2} for p, d in ((0.11, 0.012), (0.12, 0.011),
                                                                            (0.5, 0.5))]
-    speed = speed_of(path, readings)
+    speed = speed_of(doc, readings)
     assert speed["prefill"] == pytest.approx(1.2) and speed["decode"] == pytest.approx(1.2)
-    assert speed_of(path, [dict(r, threads=1) for r in readings]) is None      # another thread count
-    assert speed_of(str(write_profile("plain.json")), readings) is None         # no reference
+    assert speed_of(doc, [dict(r, threads=1) for r in readings]) is None       # another thread count
+    assert speed_of(json.loads(write_profile("plain.json").read_text()), readings) is None     # no reference
 
 
 def test_validate_simulates_on_the_profile_at_its_runs_speed(tmp_path, write_profile):

@@ -1,6 +1,6 @@
 """The host's speed at one moment: a short fixed measurement that ``kvd profile``
 records in a profile (``reference``) and that tools/bench/sim/validate.py takes
-again before each server it measures.
+again before each run it measures.
 
 A shared host's speed drifts by 15-20% within the hour (a noisy neighbour,
 the VM's share of the socket), so a profile describes the hour it was taken
@@ -10,8 +10,8 @@ bandwidth-bound (a one-row decode step) apart; ``kvd.sim.profile_file.at_speed``
 brings a profile to it. A ratio rather than an absolute reading: on a host
 whose speed did not move the ratio is 1 and the profile is unchanged.
 
-What is timed, on a fresh engine with nothing cached, after the same
-warm-up in both places (a few prefills and batched steps, untimed):
+What is timed, on an engine with nothing running or cached, after the
+same warm-up in both places (a prefill and a batched decode, untimed):
 
 - ``prefill_s``: the median of ``PREFILL_ROUNDS`` one-step prefills of
   ``PREFILL_TOKENS`` fresh tokens, back to back;

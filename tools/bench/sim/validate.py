@@ -126,12 +126,11 @@ class Readings:
         stop_processes([self.proc])
 
 
-def speed_of(profile: str, readings: list[dict]) -> dict | None:
-    """The host's speed during ``readings`` against ``profile``'s reference
-    (``{"prefill": ratio, "decode": ratio, "readings": n}``, >1: slower than
-    when profiled); None when the profile has no reference, there are no
-    readings, or they were taken with another thread count."""
-    doc = json.loads(Path(profile).read_text())
+def speed_of(doc: dict, readings: list[dict]) -> dict | None:
+    """The host's speed during ``readings`` against the reference of the profile
+    document ``doc`` (``{"prefill": ratio, "decode": ratio, "readings": n}``,
+    >1: slower than when profiled); None when the profile has no reference,
+    there are no readings, or they were taken with another thread count."""
     ref = doc.get("reference")
     readings = [r for r in readings if r.get("threads") == doc.get("threads")]
     if not ref or not readings:
@@ -304,13 +303,13 @@ def main() -> None:
             profile = args.node_profile if nodes and args.node_profile else args.profile
             cfg, _ = setup(name)
             if name not in at:                          # the configuration's profile at its runs' speed
-                speed = speed_of(profile, [r["reference"] for c in cells if c[0] == name for r in runs[c]
-                                           if r.get("reference")]) if args.reference else None
+                doc = json.loads(Path(profile).read_text())
+                speed = speed_of(doc, [r["reference"] for c in cells if c[0] == name for r in runs[c]
+                                       if r.get("reference")]) if args.reference else None
                 path = None
                 if speed:
                     path = Path(tmp) / f"{name}-at-speed.json"
-                    write_profile(at_speed(json.loads(Path(profile).read_text()), speed["prefill"],
-                                           speed["decode"]), path)
+                    write_profile(at_speed(doc, speed["prefill"], speed["decode"]), path)
                 at[name] = (speed, path)
             speed, path = at[name]
             real = pooled(runs[cell])
